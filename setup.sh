@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One entry point for a fresh Debian 12 machine:
+#   ./setup.sh        install what is missing, build, and run the main job on the embedded default model
+#   ./setup.sh test   install what is missing, build, and run the whole test suite
+# Set SPARROW_BUILD_DIR to build elsewhere (default: build/).
+set -euo pipefail
+cd "$(dirname "$0")"
+BUILD=${SPARROW_BUILD_DIR:-build}
+
+# Debian packages the build and tests need (see docs/ARCHITECTURE.md, "Dependencies").
+PACKAGES=(cmake ninja-build g++ pkg-config libopenblas-dev nlohmann-json3-dev libcli11-dev libgtest-dev)
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The CUDA backend is compiled whenever the toolkit is present (no GPU is needed to build it).
+if [ -x /usr/local/cuda/bin/nvcc ]; then export PATH=/usr/local/cuda/bin:$PATH; fi
+
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release
+cmake --build "$BUILD" -j"$(nproc)"
+
+if [ "${1:-}" = test ]; then
+  ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
+else
+  # The main job: greedy continuation of two prompts by the default bundled model.
+  MODEL=${SPARROW_MODEL:-tests/fixtures/deepseek_v32}
+  "$BUILD"/sparrow generate --model "$MODEL" --prompt-ids "$MODEL/prompts.json" --max-tokens 20 --temperature 0
+fi

@@ -1,0 +1,23 @@
+// Subcommands of the `sparrow` binary. add_X registers X's flags and remembers what to run when X is
+// selected; run_selected() runs it after parsing.
+#pragma once
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace sparrow::cli {
+
+void add_score(CLI::App& app);
+void add_generate(CLI::App& app);
+
+// Registers the action of a subcommand (called from add_X).
+void on_selected(CLI::App* sub, std::function<void()> action);
+void run_selected();
+
+// {"prompts": [[id, ...], ...]} → the id lists; errors name the file and the problem.
+std::vector<std::vector<int32_t>> read_prompt_ids(const std::string& path);
+
+}  // namespace sparrow::cli

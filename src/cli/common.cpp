@@ -1,0 +1,45 @@
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "core/error.h"
+
+namespace sparrow::cli {
+namespace {
+std::vector<std::pair<CLI::App*, std::function<void()>>>& actions() {
+  static std::vector<std::pair<CLI::App*, std::function<void()>>> a;
+  return a;
+}
+}  // namespace
+
+void on_selected(CLI::App* sub, std::function<void()> action) { actions().push_back({sub, std::move(action)}); }
+
+void run_selected() {
+  for (auto& [sub, action] : actions())
+    if (sub->parsed()) action();
+}
+
+std::vector<std::vector<int32_t>> read_prompt_ids(const std::string& path) {
+  std::ifstream in(path);
+  SPARROW_CHECK(in, path, ": cannot open");
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  SPARROW_CHECK(!j.is_discarded(), path, ": not valid JSON");
+  SPARROW_CHECK(j.is_object() && j.contains("prompts") && j["prompts"].is_array(), path,
+                ": expected {\"prompts\": [[id, ...], ...]}");
+  std::vector<std::vector<int32_t>> prompts;
+  for (const auto& p : j["prompts"]) {
+    SPARROW_CHECK(p.is_array() && !p.empty(), path, ": prompt ", prompts.size(), " must be a non-empty list of ids");
+    std::vector<int32_t> ids;
+    for (const auto& v : p) {
+      SPARROW_CHECK(v.is_number_integer(), path, ": prompt ", prompts.size(), " holds a non-integer id");
+      int64_t id = v.get<int64_t>();
+      SPARROW_CHECK(id >= 0 && id <= INT32_MAX, path, ": prompt ", prompts.size(), " holds the invalid id ", id);
+      ids.push_back(int32_t(id));
+    }
+    prompts.push_back(std::move(ids));
+  }
+  return prompts;
+}
+
+}  // namespace sparrow::cli

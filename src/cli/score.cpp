@@ -1,0 +1,32 @@
+// sparrow score --model DIR --prompt-ids FILE.json --out FILE.safetensors
+// Writes the logits at every position of every prompt (`logits.<i>`, float32 [len, vocab]), as
+// transformers' model(input_ids).logits.
+#include "cli/commands.h"
+#include "core/error.h"
+#include "formats/safetensors.h"
+#include "model/model.h"
+
+namespace sparrow::cli {
+
+void add_score(CLI::App& app) {
+  auto* sub = app.add_subcommand("score", "Logits at every position of each prompt, to a safetensors file");
+  static std::string model_dir, prompts_path, out_path;
+  sub->add_option("--model", model_dir, "Hugging Face model folder")->required();
+  sub->add_option("--prompt-ids", prompts_path, "JSON file {\"prompts\": [[id, ...], ...]}")->required();
+  sub->add_option("--out", out_path, "output .safetensors")->required();
+  on_selected(sub, [] {
+    auto prompts = read_prompt_ids(prompts_path);
+    auto model = load_model(model_dir);
+    std::vector<std::pair<std::string, Tensor>> out;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      for (int32_t id : prompts[i])
+        SPARROW_CHECK(id < model->vocab_size(), prompts_path, ": prompt ", i, " holds id ", id,
+                      " outside the vocabulary (", model->vocab_size(), ")");
+      SequenceState state = model->new_sequence();
+      out.push_back({"logits." + std::to_string(i), model->forward(make_batch({{&state, prompts[i]}}))});
+    }
+    write_safetensors(out_path, out);
+  });
+}
+
+}  // namespace sparrow::cli

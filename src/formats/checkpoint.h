@@ -1,0 +1,63 @@
+// A Hugging Face model folder: config.json plus model.safetensors or a sharded
+// model.safetensors.index.json. Weights are handed to the model as fp32 tensors by name; the checkpoint
+// keeps track of which names were taken so that leftovers are reported as errors.
+//
+// FP8 E4M3 weights with DeepSeek's 128x128 block scales (`<name>_scale_inv`, one fp32 per block, as
+// DeepSeek-V3/V3.2 ship, quantization_config.weight_block_size) are dequantized on load:
+// w[i][j] = e4m3[i][j] * scale_inv[i / 128][j / 128].
+#pragma once
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "formats/config.h"
+#include "formats/safetensors.h"
+
+namespace sparrow {
+
+class Checkpoint {
+ public:
+  // Opens dir/config.json and the safetensors files; errors are one line naming the problem.
+  // The FP8 block size comes from config.json quantization_config.weight_block_size (default 128x128).
+  static std::unique_ptr<Checkpoint> open(const std::string& dir);
+
+  const std::string& dir() const { return dir_; }
+  const Config& config() const { return config_; }
+
+  bool has(const std::string& name) const;
+  // The tensor as fp32 with exactly the expected shape; "missing tensor 'x'" or
+  // "tensor 'x': expected shape [a, b], found [c, d]" otherwise. Marks the name (and its scale) used.
+  // F32 tensors are read-only views of the mapped file (clone() before writing in place).
+  Tensor take(const std::string& name, const Shape& expected);
+
+  // Expert weights in either layout transformers writes:
+  //   fused:      <prefix>.gate_up_proj [E, 2I, H] and <prefix>.down_proj [E, H, I]
+  //   per expert: <prefix>.<e>.gate_proj.weight [I, H], .up_proj.weight [I, H], .down_proj.weight [H, I]
+  struct Experts {
+    Tensor gate_up;  // [E, 2I, H]: rows [0, I) gate, [I, 2I) up
+    Tensor down;     // [E, H, I]
+  };
+  Experts take_experts(const std::string& prefix, int64_t num_experts, int64_t intermediate, int64_t hidden);
+
+  // Throws "unexpected tensor 'x' in <file>" for any tensor never taken (ignoring names matched by
+  // `ignore_prefixes`, e.g. MTP layers or a vision tower the text model does not use).
+  void finish(const std::vector<std::string>& ignore_prefixes = {});
+
+ private:
+  std::string dir_;
+  Config config_;
+  std::vector<std::shared_ptr<SafetensorsFile>> files_;
+  std::map<std::string, const TensorInfo*> index_;
+  std::map<std::string, std::shared_ptr<SafetensorsFile>> owner_;
+  std::set<std::string> taken_;
+  int64_t block_rows_ = 128;  // FP8 scale block: one scale per block_rows_ x block_cols_ weights
+  int64_t block_cols_ = 128;
+
+  void add_file(std::shared_ptr<SafetensorsFile> file);
+  Tensor dequantize_fp8(const TensorInfo& weight, const std::string& scale_name);
+};
+
+}  // namespace sparrow

@@ -1,0 +1,141 @@
+#include "kernels/cpu/ops.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+#include "core/error.h"
+#include "core/parallel.h"
+
+namespace sparrow::cpu {
+
+void gemm_nt(int64_t m, int64_t n, int64_t k, const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+             int64_t ldy, float beta) {
+  if (m == 0 || n == 0) return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x, ldx, w, ldw, beta, y, ldy);
+}
+
+void gemm_nn(int64_t m, int64_t n, int64_t k, const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+             int64_t ldy, float beta) {
+  if (m == 0 || n == 0) return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, x, ldx, w, ldw, beta, y, ldy);
+}
+
+void linear_into(const Tensor& x, const Tensor& w, Tensor& y) {
+  SPARROW_CHECK(w.ndim() == 2, "linear: weight must be 2-D, got ", shape_str(w.shape()));
+  int64_t in = w.dim(1), out = w.dim(0);
+  SPARROW_CHECK(x.numel() % in == 0, "linear: input ", shape_str(x.shape()), " does not match weight ",
+                shape_str(w.shape()));
+  int64_t m = x.numel() / in;
+  SPARROW_CHECK(y.numel() == m * out, "linear: output size mismatch");
+  gemm_nt(m, out, in, x.data(), in, w.data(), in, y.data(), out);
+}
+
+Tensor linear(const Tensor& x, const Tensor& w) {
+  int64_t in = w.dim(1);
+  Tensor y = Tensor::empty({x.numel() / in, w.dim(0)});
+  linear_into(x, w, y);
+  return y;
+}
+
+void rms_normalize(float* x, int64_t n, float eps) {
+  double ss = 0;  // accumulate in double: the reference sums n fp32 squares; this is at least as exact
+  for (int64_t i = 0; i < n; ++i) ss += double(x[i]) * x[i];
+  float inv = 1.0f / std::sqrt(float(ss / n) + eps);
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+void rms_norm_inplace(Tensor& x, const Tensor& w, float eps, bool unit_offset) {
+  int64_t d = w.numel();
+  SPARROW_CHECK(d > 0 && x.numel() % d == 0, "rms_norm: ", shape_str(x.shape()), " not divisible by ", d);
+  int64_t groups = x.numel() / d;
+  float* p = x.data();
+  const float* wp = w.data();
+  parallel_for(groups, [&](int64_t b, int64_t e) {
+    for (int64_t g = b; g < e; ++g) {
+      float* r = p + g * d;
+      rms_normalize(r, d, eps);
+      for (int64_t i = 0; i < d; ++i) r[i] *= unit_offset ? 1.0f + wp[i] : wp[i];
+    }
+  });
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& w, float eps, bool unit_offset) {
+  Tensor y = x.clone();
+  rms_norm_inplace(y, w, eps, unit_offset);
+  return y;
+}
+
+Tensor layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps) {
+  int64_t d = w.numel();
+  SPARROW_CHECK(d > 0 && x.numel() % d == 0, "layer_norm: size mismatch");
+  Tensor y = Tensor::empty(x.shape());
+  for (int64_t g = 0; g < x.numel() / d; ++g) {
+    const float* r = x.data() + g * d;
+    float* o = y.data() + g * d;
+    double mean = 0, var = 0;
+    for (int64_t i = 0; i < d; ++i) mean += r[i];
+    mean /= d;
+    for (int64_t i = 0; i < d; ++i) var += (r[i] - mean) * (r[i] - mean);
+    var /= d;
+    float inv = 1.0f / std::sqrt(float(var) + eps);
+    for (int64_t i = 0; i < d; ++i) o[i] = float(r[i] - mean) * inv * w.data()[i] + b.data()[i];
+  }
+  return y;
+}
+
+void softmax_inplace(float* x, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i]);
+  if (mx == -std::numeric_limits<float>::infinity()) {
+    std::fill(x, x + n, 0.0f);
+    return;
+  }
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - mx);
+    sum += x[i];
+  }
+  float inv = float(1.0 / sum);
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+std::vector<int32_t> top_k(const float* scores, int64_t n, int64_t k) {
+  k = std::min(k, n);
+  std::vector<int32_t> idx(n);
+  std::iota(idx.begin(), idx.end(), 0);
+  auto better = [scores](int32_t a, int32_t b) {
+    float sa = scores[a], sb = scores[b];
+    // NaN ranks last; ties go to the smaller index.
+    bool na = std::isnan(sa), nb = std::isnan(sb);
+    if (na != nb) return nb;
+    if (!na && sa != sb) return sa > sb;
+    return a < b;
+  };
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), better);
+  idx.resize(k);
+  return idx;
+}
+
+Tensor embedding(const Tensor& table, const std::vector<int32_t>& ids) {
+  int64_t vocab = table.dim(0), d = table.dim(1);
+  Tensor out = Tensor::empty({int64_t(ids.size()), d});
+  for (size_t i = 0; i < ids.size(); ++i) {
+    SPARROW_CHECK(ids[i] >= 0 && ids[i] < vocab, "token id ", ids[i], " out of range [0, ", vocab, ")");
+    std::memcpy(out.row(i), table.row(ids[i]), sizeof(float) * d);
+  }
+  return out;
+}
+
+void add_inplace(Tensor& y, const Tensor& x) {
+  SPARROW_CHECK(y.numel() == x.numel(), "add: size mismatch ", shape_str(y.shape()), " vs ", shape_str(x.shape()));
+  float* p = y.data();
+  const float* q = x.data();
+  for (int64_t i = 0; i < y.numel(); ++i) p[i] += q[i];
+}
+
+}  // namespace sparrow::cpu

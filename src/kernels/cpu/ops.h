@@ -1,0 +1,48 @@
+// CPU reference ops, fp32. These are the leaves the model is built from; each has a plain loop or a
+// BLAS call and no knowledge of models, caches or requests. The CUDA backend will provide the same
+// operations (src/kernels/cuda) and is tested against these.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace sparrow::cpu {
+
+// y[T, out] = x[T, in] · w[out, in]^T  (a torch Linear without bias), through OpenBLAS.
+Tensor linear(const Tensor& x, const Tensor& w);
+void linear_into(const Tensor& x, const Tensor& w, Tensor& y);
+// Same on raw row-major pointers: y[m, n] = x[m, k] · w[n, k]^T, with leading dimensions.
+void gemm_nt(int64_t m, int64_t n, int64_t k, const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+             int64_t ldy, float beta = 0.0f);
+// y[m, n] = x[m, k] · w[k, n]
+void gemm_nn(int64_t m, int64_t n, int64_t k, const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+             int64_t ldy, float beta = 0.0f);
+
+// RMSNorm over groups of w.numel() values (x may hold several heads per row):
+// y = x / sqrt(mean(x^2) + eps) * (unit_offset ? 1 + w : w). unit_offset is Gemma's convention.
+Tensor rms_norm(const Tensor& x, const Tensor& w, float eps, bool unit_offset = false);
+void rms_norm_inplace(Tensor& x, const Tensor& w, float eps, bool unit_offset = false);
+// RMSNorm without a weight (used by L2-style normalisations with a learned weight elsewhere).
+void rms_normalize(float* x, int64_t n, float eps);
+// LayerNorm over the last dim (size w.numel()), torch.nn.LayerNorm semantics (biased variance).
+Tensor layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps);
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+// Softmax in place over n values; entries equal to -inf get probability 0.
+void softmax_inplace(float* x, int64_t n);
+
+// Indices of the k largest scores, largest first, ties to the smaller index (a deterministic
+// stand-in for torch.topk, whose tie order is unspecified). k is clamped to n.
+std::vector<int32_t> top_k(const float* scores, int64_t n, int64_t k);
+
+// Embedding lookup: out[i] = table[ids[i]].
+Tensor embedding(const Tensor& table, const std::vector<int32_t>& ids);
+
+// y += x elementwise.
+void add_inplace(Tensor& y, const Tensor& x);
+
+}  // namespace sparrow::cpu

@@ -1,0 +1,58 @@
+// The decoder stack every family shares (transformers' *DecoderLayer / *Model / *ForCausalLM):
+//   x = embed(tokens)
+//   for each layer:  x = x + mixer(norm_in(x));  x = x + ffn(norm_post(x))
+//   logits = lm_head(norm_final(x))
+// A family differs only in which mixer (MLA, MLA+DSA, GQA+MSA, KDA) and which feed-forward (dense MLP,
+// MoE) each layer gets, and in its RMSNorm convention; it builds a DecoderModel and is a short file.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/model.h"
+
+namespace sparrow {
+
+// A token mixer: attention of some kind, or a linear-attention recurrence.
+class Mixer {
+ public:
+  virtual ~Mixer() = default;
+  // x: [batch.size(), hidden], already normalised. Returns [batch.size(), hidden]. Reads and appends
+  // state->layers[layer] of every sequence in the batch; positions come from batch.positions.
+  // Must not change state->length (the model advances it after the last layer).
+  virtual Tensor forward(const Tensor& x, const Batch& batch, int layer) = 0;
+};
+
+class FeedForward {
+ public:
+  virtual ~FeedForward() = default;
+  virtual Tensor forward(const Tensor& x) const = 0;  // [T, hidden] -> [T, hidden]
+};
+
+struct DecoderLayer {
+  Tensor input_norm;  // [hidden]
+  Tensor post_norm;   // [hidden]
+  std::unique_ptr<Mixer> mixer;
+  std::unique_ptr<FeedForward> ffn;
+};
+
+class DecoderModel : public Model {
+ public:
+  std::string type;
+  int64_t vocab = 0;
+  int64_t hidden = 0;
+  float norm_eps = 1e-6f;
+  bool norm_unit_offset = false;  // Gemma-style RMSNorm (x̂ * (1 + w)), as MiniMax-M3 uses
+  Tensor embed;                   // [vocab, hidden]
+  Tensor final_norm;              // [hidden]
+  Tensor lm_head;                 // [vocab, hidden] (may share storage with embed when tied)
+  std::vector<DecoderLayer> layers;
+
+  const std::string& model_type() const override { return type; }
+  int64_t vocab_size() const override { return vocab; }
+  int64_t num_layers() const override { return int64_t(layers.size()); }
+  Tensor forward(const Batch& batch) override;
+};
+
+}  // namespace sparrow

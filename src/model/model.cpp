@@ -1,0 +1,35 @@
+#include "model/model.h"
+
+#include "core/error.h"
+#include "formats/checkpoint.h"
+#include "model/families.h"
+
+namespace sparrow {
+
+Batch make_batch(const std::vector<std::pair<SequenceState*, std::vector<int32_t>>>& parts) {
+  Batch batch;
+  for (const auto& [state, tokens] : parts) {
+    SPARROW_CHECK(!tokens.empty(), "a sequence in the batch has no new tokens");
+    batch.seqs.push_back(SeqSlice{state, batch.size(), int64_t(tokens.size())});
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      batch.tokens.push_back(tokens[i]);
+      batch.positions.push_back(state->length + int64_t(i));
+    }
+  }
+  return batch;
+}
+
+std::unique_ptr<Model> load_model(const std::string& dir) {
+  std::unique_ptr<Checkpoint> ckpt = Checkpoint::open(dir);
+  const Config& config = ckpt->config();
+  const std::string type = config.get_string("model_type");
+  if (type == "deepseek_v32") return load_deepseek_v32(*ckpt);
+  if (type == "kimi_linear" || type == "kimi_k3") return load_kimi_linear(*ckpt);
+  // MiniMax-M3: the text-only causal LM, or the text half of a vision-language checkpoint.
+  if (type == "minimax_m3_vl_text" || type == "minimax_m3") return load_minimax_m3(*ckpt, config, "model.");
+  if (type == "minimax_m3_vl")
+    return load_minimax_m3(*ckpt, config.get_object("text_config"), "model.language_model.");
+  config.unsupported("model_type", type, "deepseek_v32, kimi_linear, kimi_k3, minimax_m3_vl_text, minimax_m3_vl");
+}
+
+}  // namespace sparrow

@@ -1,0 +1,131 @@
+#include "model/moe.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "core/error.h"
+#include "core/parallel.h"
+#include "kernels/cpu/ops.h"
+
+namespace sparrow {
+
+void Activation::apply(const float* gate, const float* up, float* out, int64_t n) const {
+  if (kind == SiluGlu) {
+    for (int64_t i = 0; i < n; ++i) out[i] = cpu::silu(gate[i]) * up[i];
+    return;
+  }
+  // MiniMaxM3VLExperts._apply_gate: the gate is clamped from above only, up on both sides.
+  for (int64_t i = 0; i < n; ++i) {
+    float g = std::min(gate[i], limit);
+    float u = std::clamp(up[i], -limit, limit);
+    out[i] = (u + 1.0f) * (g * cpu::sigmoid(g * alpha));
+  }
+}
+
+DenseMlp DenseMlp::load(Checkpoint& ckpt, const std::string& prefix, int64_t hidden, int64_t intermediate,
+                        Activation act) {
+  DenseMlp mlp;
+  mlp.act = act;
+  if (ckpt.has(prefix + "gate_up_proj.weight")) {
+    mlp.gate_up = ckpt.take(prefix + "gate_up_proj.weight", {2 * intermediate, hidden});
+  } else {
+    Tensor gate = ckpt.take(prefix + "gate_proj.weight", {intermediate, hidden});
+    Tensor up = ckpt.take(prefix + "up_proj.weight", {intermediate, hidden});
+    mlp.gate_up = Tensor::empty({2 * intermediate, hidden});
+    std::memcpy(mlp.gate_up.data(), gate.data(), sizeof(float) * gate.numel());
+    std::memcpy(mlp.gate_up.data() + gate.numel(), up.data(), sizeof(float) * up.numel());
+  }
+  mlp.down = ckpt.take(prefix + "down_proj.weight", {hidden, intermediate});
+  return mlp;
+}
+
+Tensor DenseMlp::forward(const Tensor& x) const {
+  const int64_t inter = down.dim(1);
+  Tensor gate_up_out = cpu::linear(x, gate_up);  // [T, 2I]
+  const int64_t t = gate_up_out.dim(0);
+  Tensor hidden = Tensor::empty({t, inter});
+  for (int64_t i = 0; i < t; ++i) act.apply(gate_up_out.row(i), gate_up_out.row(i) + inter, hidden.row(i), inter);
+  return cpu::linear(hidden, down);
+}
+
+Routing SigmoidRouter::route(const Tensor& x) const {
+  const int64_t t = x.dim(0), e = weight.dim(0);
+  SPARROW_CHECK(e % n_group == 0, "router: ", e, " experts do not split into ", n_group, " groups");
+  const int64_t per_group = e / n_group;
+  Tensor logits = cpu::linear(x, weight);  // [T, E], fp32 as transformers' router
+  Routing r;
+  r.top_k = top_k;
+  r.experts.resize(t * top_k);
+  r.weights.resize(t * top_k);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<float> scores(e), choice(e), group_scores(n_group);
+  for (int64_t i = 0; i < t; ++i) {
+    for (int64_t j = 0; j < e; ++j) {
+      scores[j] = cpu::sigmoid(logits.row(i)[j]);
+      choice[j] = scores[j] + bias.data()[j];
+    }
+    if (n_group > 1) {
+      // A group's score is the sum of its two best biased scores; keep the topk_group best groups.
+      for (int64_t g = 0; g < n_group; ++g) {
+        auto best = cpu::top_k(choice.data() + g * per_group, per_group, 2);
+        group_scores[g] = 0;
+        for (int32_t b : best) group_scores[g] += choice[g * per_group + b];
+      }
+      auto kept = cpu::top_k(group_scores.data(), n_group, topk_group);
+      std::vector<bool> keep(n_group, false);
+      for (int32_t g : kept) keep[g] = true;
+      for (int64_t j = 0; j < e; ++j)
+        if (!keep[j / per_group]) choice[j] = neg_inf;
+    }
+    auto chosen = cpu::top_k(choice.data(), e, top_k);
+    float sum = 0;
+    for (int64_t j = 0; j < top_k; ++j) sum += scores[chosen[j]];
+    for (int64_t j = 0; j < top_k; ++j) {
+      float w = scores[chosen[j]];
+      if (normalize) w /= sum + normalize_eps;
+      r.experts[i * top_k + j] = chosen[j];
+      r.weights[i * top_k + j] = w * routed_scaling_factor;
+    }
+  }
+  return r;
+}
+
+Tensor run_experts(const Tensor& x, const Routing& routing, const Checkpoint::Experts& experts,
+                   const Activation& act) {
+  const int64_t t = x.dim(0), hidden = x.dim(1);
+  const int64_t num_experts = experts.gate_up.dim(0), inter = experts.down.dim(2);
+  // Group the (token, slot) pairs by expert so each expert runs one matrix product over its tokens.
+  std::vector<std::vector<int64_t>> assigned(num_experts);
+  for (int64_t i = 0; i < t * routing.top_k; ++i) assigned[routing.experts[i]].push_back(i);
+  Tensor out = Tensor::zeros({t, hidden});
+  for (int64_t ex = 0; ex < num_experts; ++ex) {
+    const auto& slots = assigned[ex];
+    if (slots.empty()) continue;
+    const int64_t n = int64_t(slots.size());
+    Tensor in = Tensor::empty({n, hidden});
+    for (int64_t j = 0; j < n; ++j) std::memcpy(in.row(j), x.row(slots[j] / routing.top_k), sizeof(float) * hidden);
+    Tensor gate_up = Tensor::empty({n, 2 * inter});
+    cpu::gemm_nt(n, 2 * inter, hidden, in.data(), hidden, experts.gate_up.row(ex), hidden, gate_up.data(), 2 * inter);
+    Tensor act_out = Tensor::empty({n, inter});
+    for (int64_t j = 0; j < n; ++j) act.apply(gate_up.row(j), gate_up.row(j) + inter, act_out.row(j), inter);
+    Tensor y = Tensor::empty({n, hidden});
+    cpu::gemm_nt(n, hidden, inter, act_out.data(), inter, experts.down.row(ex), inter, y.data(), hidden);
+    for (int64_t j = 0; j < n; ++j) {
+      float w = routing.weights[slots[j]];
+      float* o = out.row(slots[j] / routing.top_k);
+      const float* yr = y.row(j);
+      for (int64_t d = 0; d < hidden; ++d) o[d] += w * yr[d];
+    }
+  }
+  return out;
+}
+
+Tensor MoeBlock::forward(const Tensor& x) const {
+  Routing routing = router.route(x);
+  Tensor out = run_experts(x, routing, experts, act);
+  for (const DenseMlp& s : shared) cpu::add_inplace(out, s.forward(x));
+  return out;
+}
+
+}  // namespace sparrow

@@ -1,0 +1,73 @@
+// Feed-forward blocks shared by the families: the gated MLP and the mixture of experts.
+//
+// Routers (transformers 5.17):
+//   DeepSeek-V3/V3.2 and Kimi (DeepseekV32TopkRouter, KimiLinearTopkRouter): sigmoid scores, plus
+//     e_score_correction_bias for choosing only; experts grouped into n_group groups, each group scored by
+//     the sum of its two best biased scores, the best topk_group groups kept; top_k experts among them;
+//     weights = unbiased scores, optionally normalised (sum + 1e-20), times routed_scaling_factor.
+//   MiniMax-M3 (MiniMaxM3VLTopKRouter): the same with one group, normalised without epsilon; the block
+//     multiplies the routed sum by routed_scaling_factor afterwards (equal up to rounding, done here
+//     on the weights).
+// Activations: SiLU-gated (silu(gate) * up), or MiniMax's clamped SwiGLU
+//   gate = min(gate, limit); up = clamp(up, -limit, limit); (up + 1) * gate * sigmoid(alpha * gate).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+#include "formats/checkpoint.h"
+#include "model/decoder.h"
+
+namespace sparrow {
+
+struct Activation {
+  enum Kind { SiluGlu, ClampedSwiglu } kind = SiluGlu;
+  float alpha = 1.0f;  // ClampedSwiglu only
+  float limit = 0.0f;  // ClampedSwiglu only
+  // out[i] = act(gate[i], up[i]) for i < n
+  void apply(const float* gate, const float* up, float* out, int64_t n) const;
+};
+
+// gate/up/down MLP. gate_up is [2I, H] (gate rows first), down is [H, I].
+struct DenseMlp : FeedForward {
+  Tensor gate_up;
+  Tensor down;
+  Activation act;
+
+  // Loads either <prefix>.gate_proj/.up_proj/.down_proj or a fused <prefix>.gate_up_proj.
+  static DenseMlp load(Checkpoint& ckpt, const std::string& prefix, int64_t hidden, int64_t intermediate,
+                       Activation act);
+  Tensor forward(const Tensor& x) const override;  // [T, H] -> [T, H]
+};
+
+struct Routing {
+  int64_t top_k = 0;
+  std::vector<int32_t> experts;  // [T, top_k]
+  std::vector<float> weights;    // [T, top_k], routed_scaling_factor included
+};
+
+struct SigmoidRouter {
+  Tensor weight;  // [E, H]
+  Tensor bias;    // [E] e_score_correction_bias (zeros if the checkpoint has none)
+  int64_t top_k = 1, n_group = 1, topk_group = 1;
+  bool normalize = true;
+  float normalize_eps = 1e-20f;  // DeepSeek adds 1e-20 to the denominator, MiniMax does not
+  float routed_scaling_factor = 1.0f;
+
+  Routing route(const Tensor& x) const;  // x [T, H]
+};
+
+struct MoeBlock : FeedForward {
+  SigmoidRouter router;
+  Checkpoint::Experts experts;    // gate_up [E, 2I, H], down [E, H, I]
+  std::vector<DenseMlp> shared;   // zero or one shared-expert MLP
+  Activation act;
+
+  Tensor forward(const Tensor& x) const override;  // routed experts (weighted) + shared experts
+};
+
+// Applies the routed experts: out[t] = sum_j weights[t, j] * expert_{experts[t, j]}(x[t]).
+Tensor run_experts(const Tensor& x, const Routing& routing, const Checkpoint::Experts& experts,
+                   const Activation& act);
+
+}  // namespace sparrow

@@ -1,0 +1,95 @@
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <vector>
+
+#include "core/error.h"
+#include "core/parallel.h"
+#include "core/tensor.h"
+#include "kernels/cpu/ops.h"
+
+using namespace sparrow;
+
+TEST(CoreTensor, RowsAndReshapeShareStorage) {
+  Tensor t = Tensor::zeros({4, 3});
+  Tensor r = t.rows(1, 3);
+  r.row(0)[2] = 5.0f;
+  EXPECT_EQ(t.row(1)[2], 5.0f);
+  EXPECT_EQ(r.dim(0), 2);
+  Tensor flat = t.reshape({12});
+  EXPECT_EQ(flat.data()[5], 5.0f);
+  EXPECT_THROW(t.reshape({5}), Error);
+  EXPECT_THROW(t.rows(3, 5), Error);
+}
+
+TEST(CoreParallel, CoversEveryIndexOnce) {
+  for (int64_t n : {1, 2, 7, 1000}) {
+    std::vector<std::atomic<int>> hits(n);
+    parallel_for(n, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) hits[i]++;
+    });
+    for (int64_t i = 0; i < n; ++i) EXPECT_EQ(hits[i].load(), 1) << "n=" << n << " i=" << i;
+  }
+}
+
+TEST(CoreParallel, NestedCallsRunSerially) {
+  std::atomic<int> total{0};
+  parallel_for(4, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) parallel_for(10, [&](int64_t b2, int64_t e2) { total += int(e2 - b2); });
+  });
+  EXPECT_EQ(total.load(), 40);
+}
+
+TEST(CpuOps, LinearMatchesLoop) {
+  Tensor x = Tensor::empty({3, 5}), w = Tensor::empty({4, 5});
+  for (int i = 0; i < 15; ++i) x.data()[i] = 0.1f * i - 0.7f;
+  for (int i = 0; i < 20; ++i) w.data()[i] = 0.05f * (i % 7) - 0.1f;
+  Tensor y = cpu::linear(x, w);
+  ASSERT_EQ(y.shape(), (Shape{3, 4}));
+  for (int t = 0; t < 3; ++t)
+    for (int o = 0; o < 4; ++o) {
+      double ref = 0;
+      for (int i = 0; i < 5; ++i) ref += double(x.row(t)[i]) * w.row(o)[i];
+      EXPECT_NEAR(y.row(t)[o], ref, 1e-6);
+    }
+}
+
+TEST(CpuOps, RmsNormPerHeadAndUnitOffset) {
+  Tensor x = Tensor::empty({1, 4});
+  float v[4] = {1, 2, 3, 4};
+  std::copy(v, v + 4, x.data());
+  Tensor w = Tensor::empty({2});
+  w.data()[0] = 2.0f;
+  w.data()[1] = 0.5f;
+  Tensor y = cpu::rms_norm(x, w, 0.0f);  // two groups of two
+  float r0 = 1.0f / std::sqrt((1 + 4) / 2.0f), r1 = 1.0f / std::sqrt((9 + 16) / 2.0f);
+  EXPECT_NEAR(y.data()[0], 1 * r0 * 2.0f, 1e-6);
+  EXPECT_NEAR(y.data()[1], 2 * r0 * 0.5f, 1e-6);
+  EXPECT_NEAR(y.data()[2], 3 * r1 * 2.0f, 1e-6);
+  Tensor g = cpu::rms_norm(x, w, 0.0f, /*unit_offset=*/true);
+  EXPECT_NEAR(g.data()[3], 4 * r1 * 1.5f, 1e-6);
+}
+
+TEST(CpuOps, SoftmaxHandlesMaskedEntries) {
+  float x[4] = {0.0f, -INFINITY, 0.0f, -INFINITY};
+  cpu::softmax_inplace(x, 4);
+  EXPECT_FLOAT_EQ(x[0], 0.5f);
+  EXPECT_FLOAT_EQ(x[1], 0.0f);
+  float all_masked[2] = {-INFINITY, -INFINITY};
+  cpu::softmax_inplace(all_masked, 2);
+  EXPECT_EQ(all_masked[0], 0.0f);
+}
+
+TEST(CpuOps, TopKBreaksTiesTowardSmallerIndex) {
+  float s[6] = {1, 3, 3, NAN, 2, 3};
+  auto idx = cpu::top_k(s, 6, 4);
+  EXPECT_EQ(idx, (std::vector<int32_t>{1, 2, 5, 4}));
+  EXPECT_EQ(cpu::top_k(s, 6, 10).size(), 6u);
+  EXPECT_EQ(cpu::top_k(s, 6, 10).back(), 3);  // NaN ranks last
+}
+
+TEST(CpuOps, EmbeddingRejectsOutOfRangeIds) {
+  Tensor table = Tensor::zeros({4, 2});
+  EXPECT_THROW(cpu::embedding(table, {0, 4}), Error);
+  EXPECT_THROW(cpu::embedding(table, {-1}), Error);
+}
