@@ -12,6 +12,7 @@ namespace sparrow::cli {
 
 void add_score(CLI::App& app);
 void add_generate(CLI::App& app);
+void add_bench(CLI::App& app);
 
 // Registers the action of a subcommand (called from add_X).
 void on_selected(CLI::App* sub, std::function<void()> action);

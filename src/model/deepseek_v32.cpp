@@ -1,0 +1,169 @@
+// DeepSeek-V3.2 (transformers 5.17 DeepseekV32ForCausalLM, model_type "deepseek_v32"): every layer is
+// MLA with a DSA indexer (src/model/mla.h, src/model/dsa_indexer.h); the feed-forward is a dense
+// SiLU MLP on the first layers and a grouped-sigmoid-routed MoE with shared experts on the rest.
+// Missing config fields take DeepseekV32Config's defaults, as transformers would.
+#include <algorithm>
+#include <string>
+
+#include "core/error.h"
+#include "model/dsa_indexer.h"
+#include "model/families.h"
+#include "model/mla.h"
+#include "model/moe.h"
+
+namespace sparrow {
+
+namespace {
+
+// rope_parameters, or the legacy rope_scaling + rope_theta pair that transformers folds into it.
+nlohmann::json rope_parameters(const Config& config) {
+  if (config.has("rope_parameters")) return config.json()["rope_parameters"];
+  nlohmann::json params = config.has("rope_scaling") ? config.json()["rope_scaling"] : nlohmann::json::object();
+  if (!params.contains("rope_type")) params["rope_type"] = params.value("type", std::string("default"));
+  params["rope_theta"] = config.get_float("rope_theta", 10000.0);
+  return params;
+}
+
+// Which feed-forward each layer gets: "dense" or "sparse" (MoE). mlp_layer_types when given, else
+// the first first_k_dense_replace layers are dense (DeepseekV32Config.__post_init__).
+std::vector<std::string> mlp_layer_types(const Config& config, int64_t num_layers) {
+  if (config.has("mlp_layer_types")) {
+    std::vector<std::string> types = config.get_string_list("mlp_layer_types");
+    config.require(int64_t(types.size()) == num_layers, "mlp_layer_types", "a list of num_hidden_layers entries");
+    for (const std::string& t : types)
+      if (t != "dense" && t != "sparse") config.unsupported("mlp_layer_types entry", t, "dense, sparse");
+    return types;
+  }
+  const int64_t dense = std::min(config.get_int("first_k_dense_replace", 3), num_layers);
+  std::vector<std::string> types(num_layers, "sparse");
+  for (int64_t i = 0; i < dense; ++i) types[i] = "dense";
+  return types;
+}
+
+}  // namespace
+
+std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt) {
+  const Config& config = ckpt.config();
+  const int64_t vocab = config.get_int("vocab_size", 129280);
+  const int64_t hidden = config.get_int("hidden_size", 7168);
+  const int64_t num_layers = config.get_int("num_hidden_layers", 61);
+  const int64_t heads = config.get_int("num_attention_heads", 128);
+  const int64_t qk_rope_head_dim = config.get_int("qk_rope_head_dim", 64);
+
+  const std::string act = config.get_string("hidden_act", "silu");
+  if (act != "silu") config.unsupported("hidden_act", act, "silu");
+  // DeepseekV32Attention.forward always goes through q_a_proj (its query latent feeds the indexer).
+  if (!config.has("q_lora_rank") && config.json().contains("q_lora_rank"))
+    config.unsupported("q_lora_rank", "null", "a positive integer");
+  // The expanded keys already have one head per query head; transformers cannot repeat them further.
+  const int64_t kv_heads = config.get_int("num_key_value_heads", heads);
+  if (kv_heads != heads)
+    config.unsupported("num_key_value_heads", std::to_string(kv_heads), cat("num_attention_heads = ", heads));
+  if (config.has("layer_types")) {
+    std::vector<std::string> types = config.get_string_list("layer_types");
+    config.require(int64_t(types.size()) == num_layers, "layer_types", "a list of num_hidden_layers entries");
+    for (const std::string& t : types)
+      if (t != "deepseek_sparse_attention") config.unsupported("layer_types entry", t, "deepseek_sparse_attention");
+  }
+
+  const nlohmann::json rope_params = rope_parameters(config);
+  const Rope rope =
+      Rope::from_config(rope_params, int(qk_rope_head_dim), config.get_int("max_position_embeddings", 163840));
+
+  MlaOptions mla;
+  mla.hidden = hidden;
+  mla.num_heads = heads;
+  mla.q_lora_rank = config.get_int("q_lora_rank", 1536);
+  mla.kv_lora_rank = config.get_int("kv_lora_rank", 512);
+  mla.qk_nope_head_dim = config.get_int("qk_nope_head_dim", 128);
+  mla.qk_rope_head_dim = qk_rope_head_dim;
+  mla.v_head_dim = config.get_int("v_head_dim", 128);
+  mla.softmax_scale = mla_softmax_scale(mla.qk_head_dim(), rope_params);
+  mla.rope = rope;
+  mla.attention_bias = config.get_bool("attention_bias", false);
+  config.require(mla.q_lora_rank > 0, "q_lora_rank", "a positive integer");
+
+  DsaIndexerOptions index;
+  index.hidden = hidden;
+  index.query_input = mla.q_lora_rank;
+  index.num_heads = config.get_int("index_n_heads", 64);
+  index.head_dim = config.get_int("index_head_dim", 128);
+  index.topk = config.get_int("index_topk", 2048);
+  index.rope = rope;
+  config.require(index.head_dim >= qk_rope_head_dim, "index_head_dim", "at least qk_rope_head_dim");
+  config.require(index.topk > 0, "index_topk", "a positive integer");
+
+  // MoE (DeepseekV32MoE, DeepseekV32TopkRouter); a legacy num_experts overrides n_routed_experts.
+  const int64_t num_experts = config.get_int("num_experts", config.get_int("n_routed_experts", 256));
+  const int64_t n_group = config.get_int("n_group", 8);
+  const int64_t topk_group = config.get_int("topk_group", 4);
+  const int64_t experts_per_token = config.get_int("num_experts_per_tok", 8);
+  const int64_t moe_intermediate = config.get_int("moe_intermediate_size", 2048);
+  const int64_t n_shared = config.get_int("n_shared_experts", 1);
+  const std::vector<std::string> mlp_types = mlp_layer_types(config, num_layers);
+  const bool any_moe = std::find(mlp_types.begin(), mlp_types.end(), "sparse") != mlp_types.end();
+  if (any_moe) {
+    config.require(n_group > 0 && num_experts % n_group == 0, "n_group", "a divisor of n_routed_experts");
+    // Each group is scored by its two best experts.
+    config.require(num_experts / n_group >= 2, "n_group", "at most n_routed_experts / 2");
+    config.require(topk_group > 0 && topk_group <= n_group, "topk_group", "between 1 and n_group");
+    config.require(experts_per_token > 0 && experts_per_token <= topk_group * (num_experts / n_group),
+                   "num_experts_per_tok", "at most the experts in topk_group groups");
+    config.require(n_shared >= 1, "n_shared_experts", "at least 1");
+  }
+
+  auto model = std::make_unique<DecoderModel>();
+  model->type = "deepseek_v32";
+  model->vocab = vocab;
+  model->hidden = hidden;
+  model->norm_eps = float(config.get_float("rms_norm_eps", 1e-6));
+  model->embed = ckpt.take("model.embed_tokens.weight", {vocab, hidden});
+  model->final_norm = ckpt.take("model.norm.weight", {hidden});
+  if (config.get_bool("tie_word_embeddings", false)) {
+    model->lm_head = model->embed;
+    // transformers ties lm_head to the embedding even when the file also holds one.
+    if (ckpt.has("lm_head.weight")) ckpt.take("lm_head.weight", {vocab, hidden});
+  } else {
+    model->lm_head = ckpt.take("lm_head.weight", {vocab, hidden});
+  }
+
+  const Activation silu_glu;
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const std::string prefix = "model.layers." + std::to_string(i) + ".";
+    DecoderLayer layer;
+    layer.input_norm = ckpt.take(prefix + "input_layernorm.weight", {hidden});
+    layer.post_norm = ckpt.take(prefix + "post_attention_layernorm.weight", {hidden});
+    layer.mixer = MlaMixer::load(ckpt, prefix + "self_attn.", mla,
+                                 DsaIndexer::load(ckpt, prefix + "self_attn.indexer.", index));
+    if (mlp_types[i] == "dense") {
+      auto mlp = std::make_unique<DenseMlp>(
+          DenseMlp::load(ckpt, prefix + "mlp.", hidden, config.get_int("intermediate_size", 18432), silu_glu));
+      layer.ffn = std::move(mlp);
+    } else {
+      auto moe = std::make_unique<MoeBlock>();
+      moe->act = silu_glu;
+      moe->router.weight = ckpt.take(prefix + "mlp.gate.weight", {num_experts, hidden});
+      const std::string bias = prefix + "mlp.gate.e_score_correction_bias";
+      moe->router.bias = ckpt.has(bias) ? ckpt.take(bias, {num_experts}) : Tensor::zeros({num_experts});
+      moe->router.top_k = experts_per_token;
+      moe->router.n_group = n_group;
+      moe->router.topk_group = topk_group;
+      moe->router.normalize = config.get_bool("norm_topk_prob", true);
+      moe->router.routed_scaling_factor = float(config.get_float("routed_scaling_factor", 2.5));
+      moe->experts = ckpt.take_experts(prefix + "mlp.experts", num_experts, moe_intermediate, hidden);
+      moe->shared.push_back(
+          DenseMlp::load(ckpt, prefix + "mlp.shared_experts.", hidden, moe_intermediate * n_shared, silu_glu));
+      layer.ffn = std::move(moe);
+    }
+    model->layers.push_back(std::move(layer));
+  }
+  // The multi-token-prediction layers after the last decoder layer are not part of the causal LM
+  // (transformers drops them on load).
+  std::vector<std::string> mtp_layers;
+  for (int64_t i = 0; i < config.get_int("num_nextn_predict_layers", 1); ++i)
+    mtp_layers.push_back("model.layers." + std::to_string(num_layers + i) + ".");
+  ckpt.finish(mtp_layers);
+  return model;
+}
+
+}  // namespace sparrow

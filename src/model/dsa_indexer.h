@@ -1,0 +1,71 @@
+// The DeepSeek Sparse Attention (DSA) "lightning indexer": for every query token it picks the cached
+// key positions the main attention will look at (transformers 5.17 DeepseekV32Indexer.forward).
+//
+// Per token, with x the layer's normalised input and q_resid the MLA's normalised query latent
+// (q_a_layernorm(q_a_proj(x))):
+//   q[h]    = wq_b(q_resid) split into heads of head_dim    (h < num_heads)
+//   k       = LayerNorm(wk(x))                              (weight + bias, eps 1e-6)
+//   NeoX RoPE on the FIRST rope.rot_dim() dims of every q[h] and of k (the rest passes through)
+//   w[h]    = weights_proj(x)[h] * num_heads^-0.5
+//   score(s) = sum_h w[h] * relu(q[h] · k_s * head_dim^-0.5)     for cached keys s <= t
+// and the query attends to the `topk` highest-scoring keys (all visible keys when there are no more
+// than topk of them: transformers takes the top-k over a causally masked score, so masked keys it
+// picks are removed again by the attention mask).
+//
+// Unlike DeepSeek's own inference code, transformers computes this in fp32 without the FP8
+// quantisation and Hadamard rotation; so do we.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "formats/checkpoint.h"
+#include "model/model.h"
+#include "model/rope.h"
+
+namespace sparrow {
+
+struct DsaIndexerOptions {
+  int64_t hidden = 0;       // input width of wk and weights_proj
+  int64_t query_input = 0;  // input width of wq_b: the MLA's q_lora_rank
+  int64_t num_heads = 0;    // index_n_heads
+  int64_t head_dim = 0;     // index_head_dim
+  int64_t topk = 0;         // index_topk
+  Rope rope;                // NeoX rotation of the first rope.rot_dim() dims (qk_rope_head_dim)
+  float k_norm_eps = 1e-6f; // nn.LayerNorm(head_dim, eps=1e-6) in transformers
+};
+
+// Which cached key positions each query token attends to. For query row r of the batch,
+// keys[r] lists positions in its sequence, ascending; an empty list means "every position
+// 0..pos" (the causal prefix, used while no more than topk keys are visible).
+struct KeySelection {
+  std::vector<std::vector<int32_t>> keys;
+  bool is_prefix(int64_t row) const { return keys[row].empty(); }
+};
+
+struct DsaIndexer {
+  DsaIndexerOptions options;
+  Tensor wq_b;          // [num_heads * head_dim, query_input]
+  Tensor wk;            // [head_dim, hidden]
+  Tensor k_norm_weight; // [head_dim]
+  Tensor k_norm_bias;   // [head_dim]
+  Tensor weights_proj;  // [num_heads, hidden]
+
+  // prefix: "model.layers.N.self_attn.indexer." (wq_b, wk, k_norm, weights_proj).
+  static std::unique_ptr<DsaIndexer> load(Checkpoint& ckpt, const std::string& prefix,
+                                          const DsaIndexerOptions& options);
+
+  // x: [T, hidden] (normalised layer input), q_resid: [T, query_input], T = batch.size().
+  // Appends each new token's index key to state->layers[layer].index_keys (row layout: [head_dim]
+  // floats per token, normalised and roped) and returns the selection for every batch row.
+  KeySelection select(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer) const;
+
+  // The index score of one query against n keys: scores[s] for s < n. `query` is one token's
+  // [num_heads * head_dim] roped index query, `head_weights` its [num_heads] weights (already
+  // scaled by num_heads^-0.5), `keys` [n, head_dim] row-major. Exposed for tests.
+  std::vector<float> scores(const float* query, const float* head_weights, const float* keys, int64_t n) const;
+};
+
+}  // namespace sparrow

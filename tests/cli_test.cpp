@@ -1,0 +1,141 @@
+// The `sparrow` binary as a user runs it: exact outputs for score / generate, and one-line errors with
+// exit status 1 (never a crash) for bad input.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "formats/safetensors.h"
+
+namespace fs = std::filesystem;
+using namespace sparrow;
+
+namespace {
+
+struct CommandResult {
+  int status = -1;  // exit status, or -1 when killed by a signal
+  std::string out, err;
+};
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+fs::path scratch_dir() {
+  fs::path dir = fs::temp_directory_path() / ("sparrow_cli_test_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  return dir;
+}
+
+CommandResult run(const std::string& args) {
+  fs::path dir = scratch_dir();
+  std::string cmd = std::string(SPARROW_BINARY) + " " + args + " >" + (dir / "out").string() + " 2>" +
+                    (dir / "err").string();
+  int rc = std::system(cmd.c_str());
+  CommandResult r;
+  r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  r.out = slurp(dir / "out");
+  r.err = slurp(dir / "err");
+  return r;
+}
+
+const fs::path kFixture = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/deepseek_v32";
+
+void expect_one_line_error(const CommandResult& r, const std::string& must_contain) {
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_EQ(r.err.rfind("error: ", 0), 0u) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_NE(r.err.find(must_contain), std::string::npos) << r.err;
+}
+
+}  // namespace
+
+TEST(Cli, ScoreWritesTheReferenceLogits) {
+  if (!fs::exists(kFixture / "reference.safetensors")) GTEST_SKIP() << "fixture missing";
+  fs::path out = scratch_dir() / "logits.safetensors";
+  CommandResult r = run("score --model " + kFixture.string() + " --prompt-ids " + (kFixture / "prompts.json").string() +
+              " --out " + out.string());
+  ASSERT_EQ(r.status, 0) << r.err;
+  auto ours = SafetensorsFile::open(out.string());
+  auto ref = SafetensorsFile::open((kFixture / "reference.safetensors").string());
+  ASSERT_EQ(ours->tensors().size(), ref->tensors().size());
+  for (const auto& [name, info] : ref->tensors()) {
+    ASSERT_TRUE(ours->tensors().count(name)) << name;
+    Tensor a = to_float32(ours->tensors().at(name), ours), b = to_float32(info, ref);
+    ASSERT_EQ(a.shape(), b.shape()) << name;
+    double diff = 0, norm = 0;
+    for (int64_t i = 0; i < a.numel(); ++i) {
+      diff += std::pow(double(a.data()[i]) - b.data()[i], 2);
+      norm += std::pow(double(b.data()[i]), 2);
+    }
+    EXPECT_LE(std::sqrt(diff / norm), 1e-4) << name;
+  }
+}
+
+TEST(Cli, GreedyGenerateMatchesTheReference) {
+  if (!fs::exists(kFixture / "greedy.json")) GTEST_SKIP() << "fixture missing";
+  CommandResult r = run("generate --model " + kFixture.string() + " --prompt-ids " + (kFixture / "prompts.json").string() +
+              " --max-tokens 40 --temperature 0 --ignore-eos");
+  ASSERT_EQ(r.status, 0) << r.err;
+  auto got = nlohmann::json::parse(r.out);
+  auto want = nlohmann::json::parse(slurp(kFixture / "greedy.json"));
+  EXPECT_EQ(got["completions"], want["completions"]);
+}
+
+TEST(Cli, SeededSamplingIsReproducible) {
+  if (!fs::exists(kFixture / "prompts.json")) GTEST_SKIP() << "fixture missing";
+  std::string args = "generate --model " + kFixture.string() + " --prompt-ids " +
+                     (kFixture / "prompts.json").string() + " --max-tokens 8 --temperature 0.8 --top-p 0.9 --seed 5";
+  CommandResult a = run(args), b = run(args);
+  ASSERT_EQ(a.status, 0) << a.err;
+  EXPECT_EQ(a.out, b.out);
+}
+
+TEST(Cli, BadInputGivesOneLineErrors) {
+  fs::path dir = scratch_dir();
+  expect_one_line_error(run("score --model /nonexistent/model --prompt-ids x.json --out y"), "");
+  {
+    std::ofstream(dir / "bad.json") << "{not json";
+    expect_one_line_error(run("generate --model " + kFixture.string() + " --prompt-ids " +
+                              (dir / "bad.json").string() + " --max-tokens 2"),
+                          "not valid JSON");
+  }
+  {
+    std::ofstream(dir / "empty.json") << R"({"prompts": [[]]})";
+    expect_one_line_error(run("generate --model " + kFixture.string() + " --prompt-ids " +
+                              (dir / "empty.json").string() + " --max-tokens 2"),
+                          "non-empty");
+  }
+  if (!fs::exists(kFixture / "config.json")) return;
+  {
+    std::ofstream(dir / "big.json") << R"({"prompts": [[1, 2, 99999999]]})";
+    expect_one_line_error(run("generate --model " + kFixture.string() + " --prompt-ids " +
+                              (dir / "big.json").string() + " --max-tokens 2"),
+                          "vocabulary");
+  }
+  {
+    // Same weights, unknown model_type.
+    fs::path model = dir / "unknown_type";
+    fs::create_directories(model);
+    for (const auto& f : fs::directory_iterator(kFixture))
+      if (f.path().extension() == ".safetensors" || f.path().extension() == ".json")
+        fs::copy_file(f.path(), model / f.path().filename(), fs::copy_options::overwrite_existing);
+    auto config = nlohmann::json::parse(slurp(kFixture / "config.json"));
+    config["model_type"] = "llama_turbo";
+    std::ofstream(model / "config.json") << config.dump();
+    expect_one_line_error(run("generate --model " + model.string() + " --prompt-ids " +
+                              (kFixture / "prompts.json").string() + " --max-tokens 2"),
+                          "model_type");
+  }
+  expect_one_line_error(run("generate --model " + kFixture.string() + " --prompt-ids " +
+                            (kFixture / "prompts.json").string() + " --max-tokens 2 --temperature -1"),
+                        "temperature");
+}
