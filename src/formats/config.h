@@ -1,6 +1,6 @@
 // Typed, checked access to a Hugging Face config.json. Every getter names the field in its error,
 // so a bad checkpoint gives one line such as:
-//   config.json: field 'hidden_size' must be a positive integer, found "abc"
+//   config.json: field 'hidden_size' must be an integer, found "abc"
 #pragma once
 #include <cstdint>
 #include <string>

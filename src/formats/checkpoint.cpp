@@ -1,0 +1,190 @@
+#include "formats/checkpoint.h"
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/parallel.h"
+
+namespace sparrow {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kScaleSuffix = "_scale_inv";  // DeepSeek-V3's name for FP8 block scales
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool starts_with_any(const std::string& name, const std::vector<std::string>& prefixes) {
+  for (const std::string& prefix : prefixes)
+    if (name.starts_with(prefix)) return true;
+  return false;
+}
+
+// model.safetensors.index.json: {"metadata": {...}, "weight_map": {tensor name: shard file name}}.
+std::map<std::string, std::string> read_weight_map(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  SPARROW_CHECK(in, path, ": cannot open");
+  std::stringstream text;
+  text << in.rdbuf();
+  nlohmann::json index = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  SPARROW_CHECK(!index.is_discarded(), path, ": not valid JSON");
+  SPARROW_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(), path,
+                ": missing object 'weight_map'");
+  std::map<std::string, std::string> weight_map;
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    SPARROW_CHECK(file.is_string(), path, ": weight_map entry '", name, "' must be a file name, found ", file.dump());
+    weight_map[name] = file.get<std::string>();
+  }
+  return weight_map;
+}
+
+}  // namespace
+
+std::unique_ptr<Checkpoint> Checkpoint::open(const std::string& dir) {
+  auto checkpoint = std::unique_ptr<Checkpoint>(new Checkpoint());
+  checkpoint->dir_ = dir;
+  const fs::path root(dir);
+  SPARROW_CHECK(fs::is_directory(root), dir, ": not a directory");
+  SPARROW_CHECK(fs::exists(root / "config.json"), dir, ": missing config.json");
+  checkpoint->config_ = Config::load((root / "config.json").string());
+
+  // DeepSeek-V3.2: "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}.
+  const Config& config = checkpoint->config_;
+  if (config.has("quantization_config")) {
+    Config quantization = config.get_object("quantization_config");
+    if (quantization.has("weight_block_size")) {
+      std::vector<int64_t> block = quantization.get_int_list("weight_block_size");
+      quantization.require(block.size() == 2 && block[0] > 0 && block[1] > 0, "weight_block_size",
+                           "two positive integers [rows, cols]");
+      checkpoint->block_rows_ = block[0];
+      checkpoint->block_cols_ = block[1];
+    }
+  }
+
+  const fs::path index_path = root / "model.safetensors.index.json";
+  const fs::path single_path = root / "model.safetensors";
+  if (fs::exists(index_path)) {
+    std::map<std::string, std::string> weight_map = read_weight_map(index_path.string());
+    std::map<std::string, std::shared_ptr<SafetensorsFile>> shards;
+    for (const auto& [name, shard] : weight_map) {
+      if (shards.count(shard)) continue;
+      const fs::path shard_path = root / shard;
+      SPARROW_CHECK(fs::exists(shard_path), index_path.string(), ": shard '", shard, "' (listed for tensor '", name,
+                    "') does not exist");
+      shards[shard] = SafetensorsFile::open(shard_path.string());
+      checkpoint->add_file(shards[shard]);
+    }
+    for (const auto& [name, shard] : weight_map) {
+      SPARROW_CHECK(shards[shard]->tensors().count(name), index_path.string(), ": tensor '", name,
+                    "' is listed in the index but missing from ", shard);
+    }
+  } else {
+    SPARROW_CHECK(fs::exists(single_path), dir, ": missing model.safetensors (or model.safetensors.index.json)");
+    checkpoint->add_file(SafetensorsFile::open(single_path.string()));
+  }
+  return checkpoint;
+}
+
+void Checkpoint::add_file(std::shared_ptr<SafetensorsFile> file) {
+  for (const auto& [name, info] : file->tensors()) {
+    auto existing = owner_.find(name);
+    SPARROW_CHECK(existing == owner_.end(), dir_, ": tensor '", name, "' appears in both ", existing->second->path(),
+                  " and ", file->path());
+    index_[name] = &info;
+    owner_[name] = file;
+  }
+  files_.push_back(std::move(file));
+}
+
+bool Checkpoint::has(const std::string& name) const { return index_.count(name) > 0; }
+
+Tensor Checkpoint::take(const std::string& name, const Shape& expected) {
+  auto it = index_.find(name);
+  SPARROW_CHECK(it != index_.end(), "missing tensor '", name, "' in ", dir_);
+  const TensorInfo& info = *it->second;
+  SPARROW_CHECK(info.shape == expected, "tensor '", name, "': expected shape ", shape_str(expected), ", found ",
+                shape_str(info.shape), " (in ", info.file, ")");
+  taken_.insert(name);
+  if (info.dtype == DType::F8_E4M3) {
+    const std::string scale_name = name + kScaleSuffix;
+    taken_.insert(scale_name);
+    return dequantize_fp8(info, scale_name);
+  }
+  return to_float32(info, owner_.at(name));
+}
+
+// w[..., i, j] = e4m3[..., i, j] * scale_inv[..., i / block_rows, j / block_cols], in fp32 as DeepSeek's
+// weight_dequant and transformers' Fp8Dequantize do. Edge blocks may be partial (rows or cols not a
+// multiple of the block size); leading dimensions (the experts of a fused tensor) have their own scales.
+Tensor Checkpoint::dequantize_fp8(const TensorInfo& weight, const std::string& scale_name) {
+  SPARROW_CHECK(weight.shape.size() >= 2, "tensor '", weight.name, "': FP8 weights need at least 2 dimensions, found ",
+                shape_str(weight.shape), " (in ", weight.file, ")");
+  SPARROW_CHECK(has(scale_name), "tensor '", weight.name, "' is F8_E4M3 but its block scales '", scale_name,
+                "' are missing (in ", weight.file, ")");
+  const int64_t rows = weight.shape[weight.shape.size() - 2];
+  const int64_t cols = weight.shape.back();
+  Shape scale_shape = weight.shape;
+  scale_shape[scale_shape.size() - 2] = ceil_div(rows, block_rows_);
+  scale_shape.back() = ceil_div(cols, block_cols_);
+  const Tensor scale = take(scale_name, scale_shape);
+
+  Tensor out = to_float32(weight, nullptr);  // a fresh buffer: E4M3 values, exact in fp32
+  const int64_t scale_rows = scale_shape[scale_shape.size() - 2];
+  const int64_t scale_cols = scale_shape.back();
+  const int64_t total_rows = (rows == 0 || cols == 0) ? 0 : out.numel() / cols;
+  parallel_for(total_rows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t matrix = r / rows, i = r % rows;
+      const float* scale_row = scale.data() + (matrix * scale_rows + i / block_rows_) * scale_cols;
+      float* row = out.data() + r * cols;
+      for (int64_t j = 0; j < cols; ++j) row[j] *= scale_row[j / block_cols_];
+    }
+  });
+  return out;
+}
+
+Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t num_experts, int64_t intermediate,
+                                             int64_t hidden) {
+  const int64_t E = num_experts, I = intermediate, H = hidden;
+  if (has(prefix + ".gate_up_proj")) {
+    // transformers' fused layout (e.g. DeepseekV32NaiveMoe.gate_up_proj): gate rows first, then up.
+    return {take(prefix + ".gate_up_proj", {E, 2 * I, H}), take(prefix + ".down_proj", {E, H, I})};
+  }
+  const std::string first = prefix + ".0.gate_proj.weight";
+  SPARROW_CHECK(has(first), "missing experts '", prefix, "': neither '", prefix, ".gate_up_proj' nor '", first, "' in ",
+                dir_);
+  Experts experts{Tensor::empty({E, 2 * I, H}), Tensor::empty({E, H, I})};
+  const size_t matrix_bytes = static_cast<size_t>(I * H) * sizeof(float);
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string expert = cat(prefix, ".", e, ".");
+    Tensor gate = take(expert + "gate_proj.weight", {I, H});
+    Tensor up = take(expert + "up_proj.weight", {I, H});
+    Tensor down = take(expert + "down_proj.weight", {H, I});
+    float* gate_up = experts.gate_up.row(e);
+    std::memcpy(gate_up, gate.data(), matrix_bytes);
+    std::memcpy(gate_up + I * H, up.data(), matrix_bytes);
+    std::memcpy(experts.down.row(e), down.data(), matrix_bytes);
+  }
+  return experts;
+}
+
+void Checkpoint::finish(const std::vector<std::string>& ignore_prefixes) {
+  std::vector<std::string> unexpected;
+  for (const auto& [name, info] : index_) {
+    if (taken_.count(name) || starts_with_any(name, ignore_prefixes)) continue;
+    // A weight's block scales belong to it even when the weight itself needed none.
+    if (name.ends_with(kScaleSuffix) && taken_.count(name.substr(0, name.size() - std::strlen(kScaleSuffix)))) continue;
+    unexpected.push_back(name);
+  }
+  if (unexpected.empty()) return;
+  const TensorInfo& first = *index_.at(unexpected[0]);
+  if (unexpected.size() == 1) fail("unexpected tensor '", first.name, "' in ", first.file);
+  fail("unexpected tensor '", first.name, "' in ", first.file, " (and ", unexpected.size() - 1, " more never taken)");
+}
+
+}  // namespace sparrow

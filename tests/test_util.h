@@ -1,0 +1,68 @@
+// Small helpers shared by tests: a temporary directory that cleans up after itself, and checks on
+// the one-line sparrow::Error messages that user mistakes must produce.
+#pragma once
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <initializer_list>
+#include <string>
+
+#include "core/error.h"
+
+namespace sparrow::testing {
+
+// A fresh directory under /tmp, removed with everything in it when the object goes away.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "sparrow_test_XXXXXX").string();
+    if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + pattern);
+    path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  const std::string& path() const { return path_; }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+  // Writes `bytes` to <dir>/<name> and returns the full path.
+  std::string write(const std::string& name, const std::string& bytes) const {
+    std::string full = file(name);
+    std::ofstream out(full, std::ios::binary | std::ios::trunc);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    return full;
+  }
+
+ private:
+  std::string path_;
+};
+
+// The message of the sparrow::Error that `f` throws, or "" when it throws none. Any other exception
+// escapes and fails the test: user mistakes must surface as sparrow::Error.
+template <typename F>
+std::string error_message(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Passes when `message` is one line containing every part.
+inline ::testing::AssertionResult mentions(const std::string& message, std::initializer_list<std::string> parts) {
+  if (message.empty()) return ::testing::AssertionFailure() << "no sparrow::Error was thrown";
+  if (message.find('\n') != std::string::npos) return ::testing::AssertionFailure() << "not one line: " << message;
+  for (const std::string& part : parts)
+    if (message.find(part) == std::string::npos)
+      return ::testing::AssertionFailure() << "'" << message << "' does not mention '" << part << "'";
+  return ::testing::AssertionSuccess();
+}
+
+}  // namespace sparrow::testing
