@@ -1,0 +1,107 @@
+#include "model/gqa_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "core/error.h"
+#include "core/parallel.h"
+#include "kernels/cpu/ops.h"
+
+namespace sparrow {
+
+namespace {
+// Queries per BLAS call: bounds the [tile, n_keys] score buffer on long prefills.
+constexpr int64_t kQueryTile = 256;
+
+void append(std::vector<float>& cache, const float* values, int64_t n) {
+  cache.insert(cache.end(), values, values + n);
+}
+}  // namespace
+
+void rotate_heads(Tensor& x, int64_t head_dim, const std::vector<int64_t>& positions, const Rope& rope) {
+  SPARROW_CHECK(int64_t(positions.size()) == x.dim(0), "rotate_heads: ", positions.size(), " positions for ",
+                x.dim(0), " rows");
+  const int rot = rope.rot_dim();
+  const int64_t heads_per_row = x.row_size() / head_dim;
+  parallel_for(x.dim(0), [&](int64_t begin, int64_t end) {
+    std::vector<float> cos(rot / 2), sin(rot / 2);
+    for (int64_t t = begin; t < end; ++t) {
+      rope.angles(positions[t], cos.data(), sin.data());
+      for (int64_t h = 0; h < heads_per_row; ++h) apply_rope_neox(x.row(t) + h * head_dim, cos.data(), sin.data(), rot);
+    }
+  });
+}
+
+Tensor GqaAttention::forward(const Tensor& x, const Batch& batch, int layer) {
+  Tensor q = cpu::linear(x, q_proj);  // [T, heads * head_dim]
+  Tensor k = cpu::linear(x, k_proj);  // [T, kv_heads * head_dim]
+  Tensor v = cpu::linear(x, v_proj);  // [T, kv_heads * head_dim]
+  cpu::rms_norm_inplace(q, q_norm, norm_eps, /*unit_offset=*/true);
+  cpu::rms_norm_inplace(k, k_norm, norm_eps, /*unit_offset=*/true);
+  rotate_heads(q, head_dim, batch.positions, rope);
+  rotate_heads(k, head_dim, batch.positions, rope);
+  Tensor index_q, index_k;
+  if (indexer) indexer->project(x, batch.positions, rope, index_q, index_k);
+
+  const int64_t kv_width = kv_heads * head_dim;
+  Tensor out = Tensor::zeros({x.dim(0), heads * head_dim});
+  for (const SeqSlice& seq : batch.seqs) {
+    LayerState& cache = seq.state->layers[layer];
+    SPARROW_CHECK(int64_t(cache.kv.size()) == seq.start() * 2 * kv_width, "attention layer ", layer,
+                  ": cache holds ", cache.kv.size() / (2 * kv_width), " tokens, sequence has ", seq.start());
+    // Interleave each new token's K and V into one cache row: [K heads | V heads].
+    for (int64_t i = 0; i < seq.count; ++i) {
+      append(cache.kv, k.row(seq.offset + i), kv_width);
+      append(cache.kv, v.row(seq.offset + i), kv_width);
+    }
+    std::optional<BlockSelection> selection;
+    if (indexer) {
+      SPARROW_CHECK(int64_t(cache.index_keys.size()) == seq.start() * indexer->head_dim, "attention layer ", layer,
+                    ": index cache does not match the sequence length ", seq.start());
+      append(cache.index_keys, index_k.row(seq.offset), seq.count * indexer->head_dim);
+      selection = indexer->select(index_q.row(seq.offset), index_q.row_size(), seq.count, seq.start(),
+                                  cache.index_keys.data(), seq.start() + seq.count);
+    }
+    attend(q, seq, cache, selection ? &*selection : nullptr, out);
+  }
+  return cpu::linear(out, o_proj);
+}
+
+void GqaAttention::attend(const Tensor& q, const SeqSlice& seq, const LayerState& cache,
+                          const BlockSelection* selection, Tensor& out) const {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const float scale = float(std::pow(double(head_dim), -0.5));  // MiniMaxM3VLAttention.scaling
+  const int64_t kv_row = 2 * kv_heads * head_dim;
+  const int64_t start = seq.start();
+  std::vector<float> probs;
+  for (int64_t h = 0; h < heads; ++h) {
+    const int64_t kv_head = h / (heads / kv_heads);
+    // build_block_mask repeats each index head's selection over heads / index_n_heads query heads.
+    const int64_t index_head = selection ? h / (heads / selection->heads) : 0;
+    const float* keys = cache.kv.data() + kv_head * head_dim;
+    const float* values = keys + kv_heads * head_dim;
+    for (int64_t i0 = 0; i0 < seq.count; i0 += kQueryTile) {
+      const int64_t i1 = std::min(seq.count, i0 + kQueryTile);
+      const int64_t seen = start + i1;  // keys visible to the tile's last query
+      probs.resize((i1 - i0) * seen);
+      cpu::gemm_nt(i1 - i0, seen, head_dim, q.row(seq.offset + i0) + h * head_dim, q.row_size(), keys, kv_row,
+                   probs.data(), seen);
+      parallel_for(i1 - i0, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) {
+          const int64_t i = i0 + r, position = start + i;
+          float* row = probs.data() + r * seen;
+          for (int64_t s = 0; s < seen; ++s) {
+            bool visible = s <= position && (!selection || selection->kept(index_head, i, s / indexer->block_size));
+            row[s] = visible ? row[s] * scale : neg_inf;
+          }
+          cpu::softmax_inplace(row, seen);
+        }
+      });
+      cpu::gemm_nn(i1 - i0, head_dim, seen, probs.data(), seen, values, kv_row,
+                   out.row(seq.offset + i0) + h * head_dim, out.row_size());
+    }
+  }
+}
+
+}  // namespace sparrow

@@ -1,0 +1,50 @@
+// MiniMax-M3's attention (transformers 5.17 MiniMaxM3VLAttention): grouped-query attention with
+//   q = rope(rmsnorm_h(Wq x)),  k = rope(rmsnorm_h(Wk x)),  v = Wv x
+// where rmsnorm_h is a Gemma-style RMSNorm (x̂ · (1 + w)) over head_dim applied to each head separately
+// (one weight vector shared by all heads), and rope is NeoX's rotate-half on the first rot_dim dims of
+// every head (rot_dim = head_dim · rope_parameters.partial_rotary_factor; the rest pass through).
+// Softmax scale head_dim^-0.5, causal, no sliding window. Query head h reads kv head h / (H / H_kv).
+// On MSA layers an MsaIndexer restricts each query to the key blocks it selects.
+//
+// Cache (LayerState of this layer, one row per token, in position order):
+//   kv:         [K of kv head 0 .. H_kv-1 | V of kv head 0 .. H_kv-1], 2 · H_kv · head_dim floats;
+//               K after the norm and the rotation, exactly what attention multiplies with.
+//   index_keys: MSA layers only, the token's index key after its norm and rotation, index_head_dim floats.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/decoder.h"
+#include "model/msa_indexer.h"
+#include "model/rope.h"
+
+namespace sparrow {
+
+// Rotates the first rope.rot_dim() dims of every head_dim-sized head of every row of x by NeoX's
+// rotate-half, row t at positions[t].
+void rotate_heads(Tensor& x, int64_t head_dim, const std::vector<int64_t>& positions, const Rope& rope);
+
+class GqaAttention : public Mixer {
+ public:
+  int64_t heads = 0, kv_heads = 0, head_dim = 0;
+  float norm_eps = 1e-6f;
+  Tensor q_proj;  // [heads * head_dim, hidden]
+  Tensor k_proj;  // [kv_heads * head_dim, hidden]
+  Tensor v_proj;  // [kv_heads * head_dim, hidden]
+  Tensor o_proj;  // [hidden, heads * head_dim]
+  Tensor q_norm;  // [head_dim]
+  Tensor k_norm;  // [head_dim]
+  Rope rope;
+  std::optional<MsaIndexer> indexer;  // set on MSA ("minimax_m3_sparse") layers
+
+  Tensor forward(const Tensor& x, const Batch& batch, int layer) override;
+
+ private:
+  // Attention of one sequence's new queries (rows of q) against its whole cache; writes rows of out.
+  void attend(const Tensor& q, const SeqSlice& seq, const LayerState& cache, const BlockSelection* selection,
+              Tensor& out) const;
+};
+
+}  // namespace sparrow

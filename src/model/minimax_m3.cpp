@@ -1,0 +1,305 @@
+// MiniMax-M3 text model (transformers 5.17 MiniMaxM3VLForCausalLM, model_type "minimax_m3_vl_text", and
+// the language model inside MiniMaxM3SparseForConditionalGeneration, model_type "minimax_m3_vl"):
+// every layer is GQA attention with per-head q/k norms and partial RoPE (src/model/gqa_attention.h), with
+// an MSA block selector on the "minimax_m3_sparse" layers (src/model/msa_indexer.h); the feed-forward is
+// a dense clamped-SwiGLU MLP or a sigmoid-routed MoE with one shared expert (src/model/moe.h), per
+// mlp_layer_types. All RMSNorms are Gemma-style (x̂ · (1 + w)).
+// Missing config fields take MiniMaxM3VLTextConfig's defaults, as transformers would, including its
+// legacy spellings (sparse_attention_config, moe_layer_freq, rope_theta, rope_scaling).
+//
+// Two weight layouts exist and both load:
+//   transformers' names, which MiniMaxM3VLForCausalLM.save_pretrained writes (decoder prefix "model."):
+//     <p>layers.N.self_attn.indexer.q_proj.weight, <p>layers.N.mlp.gate_up_proj.weight (dense),
+//     <p>layers.N.mlp.{gate.weight, gate.e_score_correction_bias, experts.gate_up_proj, experts.down_proj,
+//     shared_experts.gate_up_proj.weight}, lm_head.weight;
+//   MiniMax's release names, which MiniMaxM3SparseForConditionalGeneration.save_pretrained writes back
+//   through conversion_mapping.py's "minimax_m3_vl" entry (decoder prefix "language_model.model."):
+//     <p>layers.N.self_attn.index_q_proj.weight, <p>layers.N.block_sparse_moe.{gate_proj,up_proj,down_proj}
+//     (dense), <p>layers.N.block_sparse_moe.{gate.weight, e_score_correction_bias, experts.E.w1/w2/w3.weight,
+//     shared_experts.gate_proj.weight}, language_model.lm_head.weight.
+// The caller passes transformers' prefix ("model." or "model.language_model."); the release layout is
+// recognised by its embedding, language_model.model.embed_tokens.weight.
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "model/families.h"
+#include "model/gqa_attention.h"
+#include "model/moe.h"
+#include "model/msa_indexer.h"
+
+namespace sparrow {
+
+namespace {
+
+const char* const kFullAttention = "full_attention";
+const char* const kSparseAttention = "minimax_m3_sparse";
+
+// rope_parameters, or the legacy rope_scaling / rope_theta / partial_rotary_factor fields that
+// transformers folds into it (PreTrainedConfig.convert_rope_params_to_dict). The default theta is
+// MiniMaxM3VLTextConfig.default_theta.
+nlohmann::json rope_parameters(const Config& config) {
+  nlohmann::json params = config.has("rope_parameters") ? config.json()["rope_parameters"]
+                          : config.has("rope_scaling")  ? config.json()["rope_scaling"]
+                                                         : nlohmann::json::object();
+  config.require(params.is_object(), "rope_parameters", "an object");
+  if (!params.contains("rope_type")) params["rope_type"] = params.value("type", std::string("default"));
+  if (!params.contains("rope_theta")) params["rope_theta"] = config.get_float("rope_theta", 5000000.0);
+  if (!params.contains("partial_rotary_factor") && config.has("partial_rotary_factor"))
+    params["partial_rotary_factor"] = config.get_float("partial_rotary_factor");
+  if (params["rope_type"] == "yarn" && !params.contains("original_max_position_embeddings"))
+    params["original_max_position_embeddings"] =
+        config.get_int("original_max_position_embeddings", config.get_int("max_position_embeddings", 524288));
+  return params;
+}
+
+// A per-layer list of strings (layer_types, mlp_layer_types), checked against the allowed values.
+std::vector<std::string> layer_list(const Config& config, const std::string& key, int64_t num_layers,
+                                    const std::string& supported_a, const std::string& supported_b) {
+  std::vector<std::string> types = config.get_string_list(key);
+  config.require(int64_t(types.size()) == num_layers, key, "a list of num_hidden_layers entries");
+  for (const std::string& t : types)
+    if (t != supported_a && t != supported_b) config.unsupported(key + " entry", t, supported_a + ", " + supported_b);
+  return types;
+}
+
+// A legacy per-layer flag list (sparse_attention_freq, moe_layer_freq): 0/1 or false/true.
+std::vector<bool> flag_list(const Config& config, const std::string& key, int64_t num_layers) {
+  const nlohmann::json& value = config.json()[key];
+  bool ok = value.is_array() && int64_t(value.size()) == num_layers;
+  std::vector<bool> flags;
+  for (size_t i = 0; ok && i < value.size(); ++i) {
+    ok = value[i].is_boolean() || value[i].is_number_integer();
+    if (ok) flags.push_back(value[i].is_boolean() ? value[i].get<bool>() : value[i].get<int64_t>() != 0);
+  }
+  config.require(ok, key, "a list of num_hidden_layers flags");
+  return flags;
+}
+
+// Every field of MiniMaxM3VLTextConfig the model reads, after its __post_init__.
+struct TextConfig {
+  int64_t vocab, hidden, num_layers, heads, kv_heads, head_dim;
+  float norm_eps;
+  int64_t num_experts, top_k, intermediate, dense_intermediate, shared_intermediate;
+  float routed_scaling_factor, swiglu_alpha, swiglu_limit;
+  int64_t index_heads, index_head_dim, index_block_size, index_topk_blocks, index_local_blocks;
+  std::vector<std::string> layer_types;      // full_attention | minimax_m3_sparse
+  std::vector<std::string> mlp_layer_types;  // sparse | dense
+  Rope rope;
+  bool tie_word_embeddings;
+
+  explicit TextConfig(const Config& c) {
+    vocab = c.get_int("vocab_size", 200064);
+    hidden = c.get_int("hidden_size", 6144);
+    num_layers = c.get_int("num_hidden_layers", 60);
+    heads = c.get_int("num_attention_heads", 64);
+    kv_heads = c.get_int("num_key_value_heads", 4);
+    head_dim = c.get_int("head_dim", 128);
+    norm_eps = float(c.get_float("rms_norm_eps", 1e-6));
+    num_experts = c.get_int("num_local_experts", c.get_int("num_experts", 128));
+    top_k = c.get_int("num_experts_per_tok", 4);
+    intermediate = c.get_int("intermediate_size", 3072);
+    dense_intermediate = c.get_int("dense_intermediate_size", 12288);
+    shared_intermediate = c.get_int("shared_intermediate_size", 3072);
+    routed_scaling_factor = float(c.get_float("routed_scaling_factor", 2.0));
+    swiglu_alpha = float(c.get_float("swiglu_alpha", 1.702));
+    swiglu_limit = float(c.get_float("swiglu_limit", 7.0));
+    tie_word_embeddings = c.get_bool("tie_word_embeddings", false);
+    for (const char* key : {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                            "num_key_value_heads", "head_dim", "num_experts_per_tok"})
+      c.require(c.get_int(key, 1) > 0, key, "a positive integer");
+    c.require(heads % kv_heads == 0, "num_attention_heads", "a multiple of num_key_value_heads");
+    c.require(top_k <= num_experts, "num_experts_per_tok", "at most num_local_experts");
+    // hidden_act is ignored: transformers overwrites it with "silu" and computes the gate from swiglu_*.
+
+    // MiniMaxM3VLTextConfig.__post_init__: the legacy sparse_attention_config entries win over the
+    // flat index_* fields; layer_types / mlp_layer_types come from the legacy flag lists when absent.
+    index_heads = c.get_int("index_n_heads", 4);
+    index_head_dim = c.get_int("index_head_dim", 128);
+    index_block_size = c.get_int("index_block_size", 128);
+    index_topk_blocks = c.get_int("index_topk_blocks", 16);
+    index_local_blocks = c.get_int("index_local_blocks", 1);
+    std::optional<Config> sparse;
+    if (c.has("sparse_attention_config")) {
+      sparse = c.get_object("sparse_attention_config");
+      index_heads = sparse->get_int("sparse_num_index_heads", index_heads);
+      index_head_dim = sparse->get_int("sparse_index_dim", index_head_dim);
+      index_block_size = sparse->get_int("sparse_block_size", index_block_size);
+      index_topk_blocks = sparse->get_int("sparse_topk_blocks", index_topk_blocks);
+      index_local_blocks = sparse->get_int("sparse_local_block", index_local_blocks);
+    }
+    if (c.has("layer_types")) {
+      layer_types = layer_list(c, "layer_types", num_layers, kFullAttention, kSparseAttention);
+    } else if (sparse && sparse->has("sparse_attention_freq")) {
+      for (bool on : flag_list(*sparse, "sparse_attention_freq", num_layers))
+        layer_types.push_back(on ? kSparseAttention : kFullAttention);
+    } else {
+      layer_types.assign(num_layers, kFullAttention);
+    }
+    if (c.has("mlp_layer_types")) {
+      mlp_layer_types = layer_list(c, "mlp_layer_types", num_layers, "sparse", "dense");
+    } else if (c.has("moe_layer_freq")) {
+      for (bool on : flag_list(c, "moe_layer_freq", num_layers)) mlp_layer_types.push_back(on ? "sparse" : "dense");
+    } else {
+      mlp_layer_types.assign(num_layers, "sparse");
+    }
+
+    // MiniMaxM3VLRotaryEmbedding: rotary dims = int(head_dim * partial_rotary_factor). The config's
+    // rotary_dim field is not read by transformers, so it is not read here either.
+    const nlohmann::json params = rope_parameters(c);
+    const double partial = params.value("partial_rotary_factor", 1.0);
+    const int rot_dim = int(double(head_dim) * partial);
+    c.require(rot_dim > 0 && rot_dim <= head_dim && rot_dim % 2 == 0, "rope_parameters",
+              "a partial_rotary_factor giving an even number of rotary dims in (0, head_dim]");
+    rope = Rope::from_config(params, rot_dim, c.get_int("max_position_embeddings", 524288));
+
+    if (std::find(layer_types.begin(), layer_types.end(), kSparseAttention) != layer_types.end()) {
+      c.require(index_heads > 0 && heads % index_heads == 0, "index_n_heads", "a divisor of num_attention_heads");
+      // The indexer rotates its first rotary dims with the attention's cos/sin (cos[..., :index_head_dim]).
+      c.require(index_head_dim >= rot_dim, "index_head_dim", "at least the number of rotary dims");
+      c.require(index_block_size > 0, "index_block_size", "a positive integer");
+      c.require(index_topk_blocks > 0, "index_topk_blocks", "a positive integer");
+      c.require(index_local_blocks >= 0, "index_local_blocks", "a non-negative integer");
+    }
+  }
+};
+
+// The tensor names of one of the two layouts (see the top of the file).
+struct WeightNames {
+  std::string decoder;  // "model.", "model.language_model." or "language_model.model."
+  std::string lm_head;
+  bool release = false;  // MiniMax's release names
+
+  // transformers' names under `prefix`, unless the checkpoint holds the release layout instead.
+  static WeightNames find(const Checkpoint& ckpt, const std::string& prefix) {
+    const std::string release_prefix = "language_model.model.";
+    if (!ckpt.has(prefix + "embed_tokens.weight") && ckpt.has(release_prefix + "embed_tokens.weight"))
+      return {release_prefix, "language_model.lm_head.weight", true};
+    return {prefix, "lm_head.weight", false};
+  }
+  std::string layer(int64_t i) const { return cat(decoder, "layers.", i, "."); }
+  std::string indexer(int64_t i, const std::string& part) const {
+    return layer(i) + (release ? "self_attn.index_" + part : "self_attn.indexer." + part) + ".weight";
+  }
+  // The feed-forward's prefix: transformers loads release checkpoints by renaming ".block_sparse_moe."
+  // to ".mlp.", so either spelling may hold a layer's MLP.
+  std::string mlp(const Checkpoint& ckpt, int64_t i) const {
+    const std::string moe = layer(i) + "block_sparse_moe.";
+    return ckpt.has(moe + "gate.weight") || ckpt.has(moe + "down_proj.weight") ? moe : layer(i) + "mlp.";
+  }
+};
+
+// Release-layout experts: <prefix>E.w1.weight (gate) [I, H], w3 (up) [I, H], w2 (down) [H, I].
+Checkpoint::Experts take_release_experts(Checkpoint& ckpt, const std::string& prefix, int64_t num_experts,
+                                         int64_t intermediate, int64_t hidden) {
+  const int64_t I = intermediate, H = hidden;
+  Checkpoint::Experts experts{Tensor::empty({num_experts, 2 * I, H}), Tensor::empty({num_experts, H, I})};
+  const size_t matrix_bytes = size_t(I * H) * sizeof(float);
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const std::string expert = cat(prefix, e, ".");
+    std::memcpy(experts.gate_up.row(e), ckpt.take(expert + "w1.weight", {I, H}).data(), matrix_bytes);
+    std::memcpy(experts.gate_up.row(e) + I * H, ckpt.take(expert + "w3.weight", {I, H}).data(), matrix_bytes);
+    std::memcpy(experts.down.row(e), ckpt.take(expert + "w2.weight", {H, I}).data(), matrix_bytes);
+  }
+  return experts;
+}
+
+std::unique_ptr<Mixer> load_attention(Checkpoint& ckpt, const TextConfig& cfg, const WeightNames& names,
+                                      int64_t i) {
+  auto attn = std::make_unique<GqaAttention>();
+  const std::string p = names.layer(i) + "self_attn.";
+  attn->heads = cfg.heads;
+  attn->kv_heads = cfg.kv_heads;
+  attn->head_dim = cfg.head_dim;
+  attn->norm_eps = cfg.norm_eps;
+  attn->q_proj = ckpt.take(p + "q_proj.weight", {cfg.heads * cfg.head_dim, cfg.hidden});
+  attn->k_proj = ckpt.take(p + "k_proj.weight", {cfg.kv_heads * cfg.head_dim, cfg.hidden});
+  attn->v_proj = ckpt.take(p + "v_proj.weight", {cfg.kv_heads * cfg.head_dim, cfg.hidden});
+  attn->o_proj = ckpt.take(p + "o_proj.weight", {cfg.hidden, cfg.heads * cfg.head_dim});
+  attn->q_norm = ckpt.take(p + "q_norm.weight", {cfg.head_dim});
+  attn->k_norm = ckpt.take(p + "k_norm.weight", {cfg.head_dim});
+  attn->rope = cfg.rope;
+  if (cfg.layer_types[i] == kSparseAttention) {
+    MsaIndexer& idx = attn->indexer.emplace();
+    idx.heads = cfg.index_heads;
+    idx.head_dim = cfg.index_head_dim;
+    idx.block_size = cfg.index_block_size;
+    idx.topk_blocks = cfg.index_topk_blocks;
+    idx.local_blocks = cfg.index_local_blocks;
+    idx.norm_eps = cfg.norm_eps;
+    idx.q_proj = ckpt.take(names.indexer(i, "q_proj"), {cfg.index_heads * cfg.index_head_dim, cfg.hidden});
+    idx.k_proj = ckpt.take(names.indexer(i, "k_proj"), {cfg.index_head_dim, cfg.hidden});
+    idx.q_norm = ckpt.take(names.indexer(i, "q_norm"), {cfg.index_head_dim});
+    idx.k_norm = ckpt.take(names.indexer(i, "k_norm"), {cfg.index_head_dim});
+  }
+  return attn;
+}
+
+std::unique_ptr<FeedForward> load_feed_forward(Checkpoint& ckpt, const TextConfig& cfg, const WeightNames& names,
+                                               int64_t i) {
+  const Activation act{Activation::ClampedSwiglu, cfg.swiglu_alpha, cfg.swiglu_limit};
+  const std::string p = names.mlp(ckpt, i);
+  if (cfg.mlp_layer_types[i] == "dense")
+    return std::make_unique<DenseMlp>(DenseMlp::load(ckpt, p, cfg.hidden, cfg.dense_intermediate, act));
+
+  // MiniMaxM3VLSparseMoeBlock: sigmoid router with a choice-only bias, weights normalised without an
+  // epsilon, routed sum times routed_scaling_factor, plus the shared expert.
+  auto moe = std::make_unique<MoeBlock>();
+  moe->act = act;
+  SigmoidRouter& router = moe->router;
+  router.weight = ckpt.take(p + "gate.weight", {cfg.num_experts, cfg.hidden});
+  const std::string bias = p + (names.release ? "e_score_correction_bias" : "gate.e_score_correction_bias");
+  router.bias = ckpt.has(bias) ? ckpt.take(bias, {cfg.num_experts}) : Tensor::zeros({cfg.num_experts});
+  router.top_k = cfg.top_k;
+  router.n_group = router.topk_group = 1;
+  router.normalize = true;
+  router.normalize_eps = 0.0f;
+  router.routed_scaling_factor = cfg.routed_scaling_factor;
+  moe->experts = names.release
+                     ? take_release_experts(ckpt, p + "experts.", cfg.num_experts, cfg.intermediate, cfg.hidden)
+                     : ckpt.take_experts(p + "experts", cfg.num_experts, cfg.intermediate, cfg.hidden);
+  moe->shared.push_back(DenseMlp::load(ckpt, p + "shared_experts.", cfg.hidden, cfg.shared_intermediate, act));
+  return moe;
+}
+
+}  // namespace
+
+std::unique_ptr<DecoderModel> load_minimax_m3(Checkpoint& ckpt, const Config& text, const std::string& prefix) {
+  const TextConfig cfg(text);
+  const WeightNames names = WeightNames::find(ckpt, prefix);
+
+  auto model = std::make_unique<DecoderModel>();
+  model->type = ckpt.config().get_string("model_type");
+  model->vocab = cfg.vocab;
+  model->hidden = cfg.hidden;
+  model->norm_eps = cfg.norm_eps;
+  model->norm_unit_offset = true;  // MiniMaxM3VLRMSNorm
+  model->embed = ckpt.take(names.decoder + "embed_tokens.weight", {cfg.vocab, cfg.hidden});
+  model->final_norm = ckpt.take(names.decoder + "norm.weight", {cfg.hidden});
+  // MiniMaxM3VLConfig ties when either it or its text_config says so.
+  const bool tied = cfg.tie_word_embeddings || ckpt.config().get_bool("tie_word_embeddings", false);
+  model->lm_head = tied ? model->embed : ckpt.take(names.lm_head, {cfg.vocab, cfg.hidden});
+
+  for (int64_t i = 0; i < cfg.num_layers; ++i) {
+    DecoderLayer layer;
+    layer.input_norm = ckpt.take(names.layer(i) + "input_layernorm.weight", {cfg.hidden});
+    layer.post_norm = ckpt.take(names.layer(i) + "post_attention_layernorm.weight", {cfg.hidden});
+    layer.mixer = load_attention(ckpt, cfg, names, i);
+    layer.ffn = load_feed_forward(ckpt, cfg, names, i);
+    model->layers.push_back(std::move(layer));
+  }
+
+  // Not part of the text model: the vision tower and projector of a VL checkpoint, multi-token
+  // prediction layers (transformers ignores "mtp." on load), and a tied lm_head's own copy.
+  std::vector<std::string> ignored = {"vision_tower.",       "model.vision_tower.", "multi_modal_projector.",
+                                      "model.multi_modal_projector.", "patch_merge_mlp.", "mtp.",
+                                      "model.mtp.",          names.decoder + "mtp."};
+  if (tied) ignored.push_back(names.lm_head);
+  ckpt.finish(ignored);
+  return model;
+}
+
+}  // namespace sparrow

@@ -1,0 +1,79 @@
+#include "model/msa_indexer.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "core/error.h"
+#include "core/parallel.h"
+#include "kernels/cpu/ops.h"
+#include "model/gqa_attention.h"
+
+namespace sparrow {
+
+namespace {
+constexpr float kInf = std::numeric_limits<float>::infinity();
+// Queries scored per BLAS call: bounds the [tile, n_keys] score buffer on long prefills.
+constexpr int64_t kQueryTile = 256;
+}  // namespace
+
+std::vector<int32_t> select_blocks(std::vector<float> block_scores, int64_t position, int64_t block_size,
+                                   int64_t topk_blocks, int64_t local_blocks) {
+  const int64_t newest = position / block_size;
+  const int64_t visible = int64_t(block_scores.size());
+  SPARROW_CHECK(visible == newest + 1, "select_blocks: ", visible, " block scores for a query in block ", newest);
+  // MiniMaxM3VLIndexer.forward: the local blocks get +inf so top-k always takes them.
+  for (int64_t l = 0; l < local_blocks; ++l) block_scores[std::max<int64_t>(newest - l, 0)] = kInf;
+  std::vector<int32_t> chosen = cpu::top_k(block_scores.data(), visible, topk_blocks);
+  // A block whose score is -inf has no visible key (transformers marks such slots -1).
+  std::erase_if(chosen, [&](int32_t b) { return block_scores[b] == -kInf; });
+  return chosen;
+}
+
+void MsaIndexer::project(const Tensor& x, const std::vector<int64_t>& positions, const Rope& rope, Tensor& queries,
+                         Tensor& keys) const {
+  SPARROW_CHECK(rope.rot_dim() <= head_dim, "MSA indexer: index_head_dim ", head_dim,
+                " is smaller than the rotary dimension ", rope.rot_dim());
+  queries = cpu::linear(x, q_proj);  // [T, heads * head_dim]
+  keys = cpu::linear(x, k_proj);     // [T, head_dim]
+  cpu::rms_norm_inplace(queries, q_norm, norm_eps, /*unit_offset=*/true);
+  cpu::rms_norm_inplace(keys, k_norm, norm_eps, /*unit_offset=*/true);
+  rotate_heads(queries, head_dim, positions, rope);
+  rotate_heads(keys, head_dim, positions, rope);
+}
+
+BlockSelection MsaIndexer::select(const float* queries, int64_t ld_queries, int64_t count, int64_t start,
+                                  const float* keys, int64_t n_keys) const {
+  SPARROW_CHECK(n_keys >= start + count, "MSA indexer: ", n_keys, " index keys for queries up to position ",
+                start + count - 1);
+  BlockSelection sel;
+  sel.heads = heads;
+  sel.queries = count;
+  sel.blocks = (start + count + block_size - 1) / block_size;  // blocks holding a key some query sees
+  sel.keep.assign(heads * count * sel.blocks, 0);
+  std::vector<float> scores;
+  for (int64_t g = 0; g < heads; ++g) {
+    for (int64_t i0 = 0; i0 < count; i0 += kQueryTile) {
+      const int64_t i1 = std::min(count, i0 + kQueryTile);
+      const int64_t seen = start + i1;  // keys visible to the tile's last query
+      scores.resize((i1 - i0) * seen);
+      // scores[i][s] = q_g(i) · k(s), fp32 like transformers' matmul of float() copies.
+      cpu::gemm_nt(i1 - i0, seen, head_dim, queries + i0 * ld_queries + g * head_dim, ld_queries, keys, head_dim,
+                   scores.data(), seen);
+      parallel_for(i1 - i0, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) {
+          const int64_t i = i0 + r, position = start + i;
+          const float* row = scores.data() + r * seen;
+          // Max-pool each block over its keys at positions <= position (future keys are -inf there).
+          std::vector<float> block_scores(position / block_size + 1, -kInf);
+          for (int64_t s = 0; s <= position; ++s)
+            block_scores[s / block_size] = std::max(block_scores[s / block_size], row[s]);
+          for (int32_t blk : select_blocks(std::move(block_scores), position, block_size, topk_blocks, local_blocks))
+            sel.keep[(g * count + i) * sel.blocks + blk] = 1;
+        }
+      });
+    }
+  }
+  return sel;
+}
+
+}  // namespace sparrow
