@@ -155,16 +155,22 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
     // transformers' fused layout (e.g. DeepseekV32NaiveMoe.gate_up_proj): gate rows first, then up.
     return {take(prefix + ".gate_up_proj", {E, 2 * I, H}), take(prefix + ".down_proj", {E, H, I})};
   }
-  const std::string first = prefix + ".0.gate_proj.weight";
-  SPARROW_CHECK(has(first), "missing experts '", prefix, "': neither '", prefix, ".gate_up_proj' nor '", first, "' in ",
-                dir_);
+  // Per-expert tensors, under transformers' names (gate_proj / up_proj / down_proj) or the names
+  // DeepSeek / MiniMax releases use (w1 = gate, w3 = up, w2 = down).
+  struct Names {
+    const char *gate, *up, *down;
+  };
+  const Names hf{"gate_proj", "up_proj", "down_proj"}, release{"w1", "w3", "w2"};
+  const Names* names = has(prefix + ".0.gate_proj.weight") ? &hf : has(prefix + ".0.w1.weight") ? &release : nullptr;
+  SPARROW_CHECK(names, "missing experts '", prefix, "': neither '", prefix, ".gate_up_proj' nor '", prefix,
+                ".0.gate_proj.weight' (or '.0.w1.weight') in ", dir_);
   Experts experts{Tensor::empty({E, 2 * I, H}), Tensor::empty({E, H, I})};
   const size_t matrix_bytes = static_cast<size_t>(I * H) * sizeof(float);
   for (int64_t e = 0; e < E; ++e) {
     const std::string expert = cat(prefix, ".", e, ".");
-    Tensor gate = take(expert + "gate_proj.weight", {I, H});
-    Tensor up = take(expert + "up_proj.weight", {I, H});
-    Tensor down = take(expert + "down_proj.weight", {H, I});
+    Tensor gate = take(expert + names->gate + ".weight", {I, H});
+    Tensor up = take(expert + names->up + ".weight", {I, H});
+    Tensor down = take(expert + names->down + ".weight", {H, I});
     float* gate_up = experts.gate_up.row(e);
     std::memcpy(gate_up, gate.data(), matrix_bytes);
     std::memcpy(gate_up + I * H, up.data(), matrix_bytes);

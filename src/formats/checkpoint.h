@@ -36,6 +36,7 @@ class Checkpoint {
   // Expert weights in either layout transformers writes:
   //   fused:      <prefix>.gate_up_proj [E, 2I, H] and <prefix>.down_proj [E, H, I]
   //   per expert: <prefix>.<e>.gate_proj.weight [I, H], .up_proj.weight [I, H], .down_proj.weight [H, I]
+  //               (or the release names w1 = gate, w3 = up, w2 = down)
   struct Experts {
     Tensor gate_up;  // [E, 2I, H]: rows [0, I) gate, [I, 2I) up
     Tensor down;     // [E, H, I]

@@ -192,21 +192,6 @@ struct WeightNames {
   }
 };
 
-// Release-layout experts: <prefix>E.w1.weight (gate) [I, H], w3 (up) [I, H], w2 (down) [H, I].
-Checkpoint::Experts take_release_experts(Checkpoint& ckpt, const std::string& prefix, int64_t num_experts,
-                                         int64_t intermediate, int64_t hidden) {
-  const int64_t I = intermediate, H = hidden;
-  Checkpoint::Experts experts{Tensor::empty({num_experts, 2 * I, H}), Tensor::empty({num_experts, H, I})};
-  const size_t matrix_bytes = size_t(I * H) * sizeof(float);
-  for (int64_t e = 0; e < num_experts; ++e) {
-    const std::string expert = cat(prefix, e, ".");
-    std::memcpy(experts.gate_up.row(e), ckpt.take(expert + "w1.weight", {I, H}).data(), matrix_bytes);
-    std::memcpy(experts.gate_up.row(e) + I * H, ckpt.take(expert + "w3.weight", {I, H}).data(), matrix_bytes);
-    std::memcpy(experts.down.row(e), ckpt.take(expert + "w2.weight", {H, I}).data(), matrix_bytes);
-  }
-  return experts;
-}
-
 std::unique_ptr<Mixer> load_attention(Checkpoint& ckpt, const TextConfig& cfg, const WeightNames& names,
                                       int64_t i) {
   auto attn = std::make_unique<GqaAttention>();
@@ -258,9 +243,7 @@ std::unique_ptr<FeedForward> load_feed_forward(Checkpoint& ckpt, const TextConfi
   router.normalize = true;
   router.normalize_eps = 0.0f;
   router.routed_scaling_factor = cfg.routed_scaling_factor;
-  moe->experts = names.release
-                     ? take_release_experts(ckpt, p + "experts.", cfg.num_experts, cfg.intermediate, cfg.hidden)
-                     : ckpt.take_experts(p + "experts", cfg.num_experts, cfg.intermediate, cfg.hidden);
+  moe->experts = ckpt.take_experts(p + "experts", cfg.num_experts, cfg.intermediate, cfg.hidden);
   moe->shared.push_back(DenseMlp::load(ckpt, p + "shared_experts.", cfg.hidden, cfg.shared_intermediate, act));
   return moe;
 }
