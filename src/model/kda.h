@@ -1,0 +1,88 @@
+// Kimi Delta Attention (KDA), the linear-attention mixer of Kimi Linear and Kimi K3
+// (transformers 5.17 KimiLinearDeltaAttention, modeling_kimi_linear.py).
+//
+// Per token x (already RMS-normalised by the decoder layer), with P = heads * head_dim:
+//   q, k, v   = silu(causal depthwise conv_K([q_proj x, k_proj x, v_proj x]))     (no conv bias)
+//   g         = -exp(A_log[h]) * softplus(f_b_proj(f_a_proj x) + dt_bias)          per key channel, <= 0
+//   beta      = sigmoid(b_proj x)                                                  per head
+//   q, k      = l2norm(q), l2norm(k)  (x / sqrt(sum x^2 + 1e-6)), then q *= head_dim^-1/2
+//   S         = (I - beta k k^T) Diag(exp g) S + beta k v^T,   o = S^T q            per head
+//   out       = o_proj( RMSNorm_head(o) * o_norm * sigmoid(g_b_proj(g_a_proj x)) )
+//
+// Prefill (count > 1) runs the chunk-parallel form of the recurrence (transformers
+// chunk_kimi_delta_attention, chunk size 64); decode (count == 1) runs it token by token
+// (recurrent_kimi_delta_attention). Both start from the sequence's saved state, so a prefill may
+// continue an earlier one. They agree to fp32 rounding.
+//
+// State per sequence (LayerState of a KDA layer):
+//   conv:      [kernel - 1, 3P] the last kernel-1 pre-convolution inputs [q | k | v], oldest first
+//              (empty = all zeros, a fresh sequence).
+//   recurrent: [heads, head_dim (key), head_dim (value)], S[h][k][v] (key index first, as
+//              transformers' last_recurrent_state and fla's default layout; empty = zeros).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/tensor.h"
+#include "formats/checkpoint.h"
+#include "model/decoder.h"
+
+namespace sparrow {
+
+struct KdaConfig {
+  int64_t hidden = 0;
+  int64_t num_heads = 0;    // linear_num_heads
+  int64_t head_dim = 0;     // linear_head_dim (key and value head size)
+  int64_t conv_kernel = 4;  // linear_conv_kernel_dim
+  float norm_eps = 1e-5f;   // rms_norm_eps, used by the gated output norm
+  int64_t projection_dim() const { return num_heads * head_dim; }
+};
+
+struct KdaWeights {
+  Tensor qkv_proj;  // [3P, hidden]: q_proj rows, then k_proj, then v_proj
+  Tensor conv;      // [3P, kernel] depthwise taps; column kernel-1 multiplies the current token
+  Tensor f_a_proj;  // [head_dim, hidden]  forget gate, low rank
+  Tensor f_b_proj;  // [P, head_dim]
+  Tensor dt_bias;   // [P]
+  Tensor A_log;     // [heads]
+  Tensor b_proj;    // [heads, hidden]     beta
+  Tensor g_a_proj;  // [head_dim, hidden]  output gate, low rank
+  Tensor g_b_proj;  // [P, head_dim]
+  Tensor o_norm;    // [head_dim]          gated RMSNorm weight, shared by the heads
+  Tensor o_proj;    // [hidden, P]
+};
+
+// The delta-rule core for one sequence, all heads. q and k are L2-normalised, q also scaled.
+struct DeltaRuleInputs {
+  int64_t length = 0;      // tokens T
+  int64_t num_heads = 0;   // H
+  int64_t head_dim = 0;    // D (keys and values)
+  const float* q = nullptr;          // [T, H, D]
+  const float* k = nullptr;          // [T, H, D]
+  const float* v = nullptr;          // [T, H, D]
+  const float* log_decay = nullptr;  // [T, H, D] g, per key channel
+  const float* beta = nullptr;       // [T, H]
+};
+
+// Token by token: state [H, D, D] (S[h][k][v]) is read and updated, out is [T, H, D].
+void delta_rule_recurrent(const DeltaRuleInputs& in, float* state, float* out);
+// The same result through the chunk-parallel form (chunks of `chunk_size` tokens).
+void delta_rule_chunked(const DeltaRuleInputs& in, float* state, float* out, int64_t chunk_size = 64);
+
+class KdaMixer : public Mixer {
+ public:
+  KdaMixer(const KdaConfig& config, KdaWeights weights);
+  // Takes the weights under `prefix` ("model.layers.3.self_attn."), in the layout transformers saves
+  // (forget_gate.*, one fused conv1d) or the one Kimi's released checkpoints ship (f_a_proj, A_log,
+  // dt_bias directly under self_attn; separate q_conv1d / k_conv1d / v_conv1d).
+  static std::unique_ptr<KdaMixer> load(Checkpoint& ckpt, const std::string& prefix, const KdaConfig& config);
+
+  Tensor forward(const Tensor& x, const Batch& batch, int layer) override;
+
+ private:
+  KdaConfig config_;
+  KdaWeights w_;
+};
+
+}  // namespace sparrow
