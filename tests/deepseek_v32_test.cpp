@@ -94,8 +94,8 @@ TEST(DeepseekV32Indexer, SelectsTheTopKeysOnceMoreThanTopkAreVisible) {
   Tensor q_resid = Tensor::empty({5, 1});
   for (int64_t t = 0; t < 5; ++t) q_resid.row(t)[0] = 1;
 
-  SequenceState state;
-  state.layers.resize(1);
+  const std::vector<LayerCacheSpec> spec = {{{indexer.options.cache_page()}, {}}};
+  SequenceState state = standalone_sequence(spec);
   Batch batch = make_batch({{&state, {0, 0, 0, 0, 0}}});
   KeySelection sel = indexer.select(x, q_resid, batch, 0);
   // Tokens 0 and 1 see no more than topk keys: their whole prefix.
@@ -104,19 +104,21 @@ TEST(DeepseekV32Indexer, SelectsTheTopKeysOnceMoreThanTopkAreVisible) {
   EXPECT_EQ(sel.keys[2], (std::vector<int32_t>{1, 2}));  // B0 A1 C2      -> A1, C2
   EXPECT_EQ(sel.keys[3], (std::vector<int32_t>{1, 2}));  // B0 A1 C2 B3   -> A1, C2
   EXPECT_EQ(sel.keys[4], (std::vector<int32_t>{1, 4}));  // ... B3 A4     -> A1, A4
-  EXPECT_EQ(state.layers[0].index_keys.size(), 5u * 3u);
-  EXPECT_NEAR(state.layers[0].index_keys[3], std::sqrt(2.0f), 1e-4);  // token 1 is kind A
+  std::vector<float> keys(5 * 3);
+  state.cache->read(0, PageKind::DsaIndexKey, 0, 5, keys.data());
+  EXPECT_NEAR(keys[3], std::sqrt(2.0f), 1e-4);  // token 1 is kind A
 
   // The same tokens one step at a time select the same keys from the cache.
-  SequenceState stepwise;
-  stepwise.layers.resize(1);
+  SequenceState stepwise = standalone_sequence(spec);
   for (int64_t t = 0; t < 5; ++t) {
     Batch step = make_batch({{&stepwise, {0}}});
     KeySelection one = indexer.select(x.rows(t, t + 1), q_resid.rows(t, t + 1), step, 0);
     EXPECT_EQ(one.keys[0], sel.keys[t]) << "token " << t;
     stepwise.length += 1;
   }
-  EXPECT_EQ(stepwise.layers[0].index_keys, state.layers[0].index_keys);
+  std::vector<float> stepwise_keys(5 * 3);
+  stepwise.cache->read(0, PageKind::DsaIndexKey, 0, 5, stepwise_keys.data());
+  EXPECT_EQ(stepwise_keys, keys);
 }
 
 TEST(DeepseekV32Mla, SoftmaxScaleFollowsYarnApplyMscale) {

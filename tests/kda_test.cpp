@@ -178,14 +178,12 @@ TEST(KdaMixer, PrefillThenDecodeEqualsOneLongPrefill) {
   const Tensor x = random_tensor({T, config.hidden}, rng, 1.0f);
 
   // One prefill of all T tokens.
-  SequenceState whole;
-  whole.layers.resize(1);
+  SequenceState whole = standalone_sequence({mixer.cache_spec()});
   Batch all = make_batch({{&whole, std::vector<int32_t>(T, 0)}});
   const Tensor expected = mixer.forward(x, all, 0);
 
   // Prefill 2 tokens (shorter than the conv kernel), a chunked prefill of 67 more, then decode.
-  SequenceState steps;
-  steps.layers.resize(1);
+  SequenceState steps = standalone_sequence({mixer.cache_spec()});
   std::vector<float> got;
   int64_t done = 0;
   for (int64_t count : {int64_t(2), int64_t(67)}) {
@@ -200,8 +198,12 @@ TEST(KdaMixer, PrefillThenDecodeEqualsOneLongPrefill) {
     got.insert(got.end(), part.begin(), part.end());
   }
   EXPECT_LT(max_rel_diff(got, rows_of(expected)), 1e-5);
-  EXPECT_LT(max_rel_diff(steps.layers[0].recurrent, whole.layers[0].recurrent), 1e-5);
-  EXPECT_EQ(steps.layers[0].conv, whole.layers[0].conv);
+  auto state_of = [&](SequenceState& s, StateKind kind) {
+    const float* p = s.cache->state(0, kind);
+    return std::vector<float>(p, p + mixer.cache_spec().state(kind)->size);
+  };
+  EXPECT_LT(max_rel_diff(state_of(steps, StateKind::Recurrent), state_of(whole, StateKind::Recurrent)), 1e-5);
+  EXPECT_EQ(state_of(steps, StateKind::ConvTail), state_of(whole, StateKind::ConvTail));
 }
 
 TEST(KdaMixer, SequencesInOneBatchDoNotInteract) {
@@ -212,12 +214,10 @@ TEST(KdaMixer, SequencesInOneBatchDoNotInteract) {
   const Tensor xb = random_tensor({1, config.hidden}, rng, 1.0f);
 
   auto alone = [&](const Tensor& x) {
-    SequenceState s;
-    s.layers.resize(1);
+    SequenceState s = standalone_sequence({mixer.cache_spec()});
     return rows_of(mixer.forward(x, make_batch({{&s, std::vector<int32_t>(x.dim(0), 0)}}), 0));
   };
-  SequenceState a, b;
-  a.layers.resize(1), b.layers.resize(1);
+  SequenceState a = standalone_sequence({mixer.cache_spec()}), b = standalone_sequence({mixer.cache_spec()});
   Tensor x = Tensor::empty({71, config.hidden});
   std::copy(xa.data(), xa.data() + xa.numel(), x.data());
   std::copy(xb.data(), xb.data() + xb.numel(), x.row(70));

@@ -7,6 +7,12 @@
 
 namespace sparrow {
 
+std::vector<LayerCacheSpec> DecoderModel::cache_spec() const {
+  std::vector<LayerCacheSpec> spec;
+  for (const DecoderLayer& layer : layers) spec.push_back(layer.mixer->cache_spec());
+  return spec;
+}
+
 Tensor DecoderModel::forward(const Batch& batch) {
   SPARROW_CHECK(!batch.tokens.empty(), "empty batch");
   Tensor x = cpu::embedding(embed, batch.tokens);

@@ -18,10 +18,12 @@ namespace sparrow {
 class Mixer {
  public:
   virtual ~Mixer() = default;
-  // x: [batch.size(), hidden], already normalised. Returns [batch.size(), hidden]. Reads and appends
-  // state->layers[layer] of every sequence in the batch; positions come from batch.positions.
+  // x: [batch.size(), hidden], already normalised. Returns [batch.size(), hidden]. Reads and writes
+  // layer `layer` of every sequence's cache (seq.cache()); positions come from batch.positions.
   // Must not change state->length (the model advances it after the last layer).
   virtual Tensor forward(const Tensor& x, const Batch& batch, int layer) = 0;
+  // What forward() caches per token and per sequence.
+  virtual LayerCacheSpec cache_spec() const = 0;
 };
 
 class FeedForward {
@@ -52,6 +54,7 @@ class DecoderModel : public Model {
   const std::string& model_type() const override { return type; }
   int64_t vocab_size() const override { return vocab; }
   int64_t num_layers() const override { return int64_t(layers.size()); }
+  std::vector<LayerCacheSpec> cache_spec() const override;
   Tensor forward(const Batch& batch) override;
 };
 

@@ -40,18 +40,20 @@ std::vector<std::string> mlp_layer_types(const Config& config, int64_t num_layer
   return types;
 }
 
-}  // namespace
+// Every layer's attention: MLA with a DSA indexer, the same shape on every layer. Parsed and checked
+// once for the loader and for the cache spec.
+struct Attention {
+  int64_t num_layers = 0;
+  MlaOptions mla;
+  DsaIndexerOptions index;
+};
 
-std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt) {
-  const Config& config = ckpt.config();
-  const int64_t vocab = config.get_int("vocab_size", 129280);
+Attention attention_config(const Config& config) {
   const int64_t hidden = config.get_int("hidden_size", 7168);
   const int64_t num_layers = config.get_int("num_hidden_layers", 61);
   const int64_t heads = config.get_int("num_attention_heads", 128);
   const int64_t qk_rope_head_dim = config.get_int("qk_rope_head_dim", 64);
 
-  const std::string act = config.get_string("hidden_act", "silu");
-  if (act != "silu") config.unsupported("hidden_act", act, "silu");
   // DeepseekV32Attention.forward always goes through q_a_proj (its query latent feeds the indexer).
   if (!config.has("q_lora_rank") && config.json().contains("q_lora_rank"))
     config.unsupported("q_lora_rank", "null", "a positive integer");
@@ -70,7 +72,9 @@ std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt) {
   const Rope rope =
       Rope::from_config(rope_params, int(qk_rope_head_dim), config.get_int("max_position_embeddings", 163840));
 
-  MlaOptions mla;
+  Attention attention;
+  attention.num_layers = num_layers;
+  MlaOptions& mla = attention.mla;
   mla.hidden = hidden;
   mla.num_heads = heads;
   mla.q_lora_rank = config.get_int("q_lora_rank", 1536);
@@ -83,7 +87,7 @@ std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt) {
   mla.attention_bias = config.get_bool("attention_bias", false);
   config.require(mla.q_lora_rank > 0, "q_lora_rank", "a positive integer");
 
-  DsaIndexerOptions index;
+  DsaIndexerOptions& index = attention.index;
   index.hidden = hidden;
   index.query_input = mla.q_lora_rank;
   index.num_heads = config.get_int("index_n_heads", 64);
@@ -92,6 +96,26 @@ std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt) {
   index.rope = rope;
   config.require(index.head_dim >= qk_rope_head_dim, "index_head_dim", "at least qk_rope_head_dim");
   config.require(index.topk > 0, "index_topk", "a positive integer");
+  return attention;
+}
+
+}  // namespace
+
+std::vector<LayerCacheSpec> deepseek_v32_cache_spec(const Config& config) {
+  const Attention attention = attention_config(config);
+  return std::vector<LayerCacheSpec>(attention.num_layers, MlaMixer::cache_spec_for(attention.mla, &attention.index));
+}
+
+std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt) {
+  const Config& config = ckpt.config();
+  const std::string act = config.get_string("hidden_act", "silu");
+  if (act != "silu") config.unsupported("hidden_act", act, "silu");
+  const Attention attention = attention_config(config);
+  const MlaOptions& mla = attention.mla;
+  const DsaIndexerOptions& index = attention.index;
+  const int64_t vocab = config.get_int("vocab_size", 129280);
+  const int64_t hidden = mla.hidden;
+  const int64_t num_layers = attention.num_layers;
 
   // MoE (DeepseekV32MoE, DeepseekV32TopkRouter); a legacy num_experts overrides n_routed_experts.
   const int64_t num_experts = config.get_int("num_experts", config.get_int("n_routed_experts", 256));

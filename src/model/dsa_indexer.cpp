@@ -59,16 +59,18 @@ KeySelection DsaIndexer::select(const Tensor& x, const Tensor& q_resid, const Ba
 
   KeySelection selection;
   selection.keys.resize(tokens);
+  std::vector<float> cached;  // one sequence's index keys, [end, dim]
   for (const SeqSlice& seq : batch.seqs) {
-    std::vector<float>& cache = seq.state->layers[layer].index_keys;
-    SPARROW_CHECK(int64_t(cache.size()) == seq.start() * dim, "DSA indexer: layer ", layer, " holds ",
-                  cache.size() / dim, " index keys for a sequence at position ", seq.start());
-    cache.insert(cache.end(), keys.row(seq.offset), keys.row(seq.offset) + seq.count * dim);
+    const int64_t end = seq.start() + seq.count;
+    seq.cache().write(layer, PageKind::DsaIndexKey, seq.start(), seq.count, keys.row(seq.offset));
+    if (end <= options.topk) continue;  // every query sees at most topk keys: all causal prefixes
+    cached.resize(end * dim);
+    seq.cache().read(layer, PageKind::DsaIndexKey, 0, end, cached.data());
     for (int64_t i = 0; i < seq.count; ++i) {
       const int64_t row = seq.offset + i;
       const int64_t visible = seq.start() + i + 1;
       if (visible <= options.topk) continue;  // every visible key is selected: the causal prefix
-      std::vector<float> score = scores(queries.row(row), head_weights.row(row), cache.data(), visible);
+      std::vector<float> score = scores(queries.row(row), head_weights.row(row), cached.data(), visible);
       std::vector<int32_t> top = cpu::top_k(score.data(), visible, options.topk);
       std::sort(top.begin(), top.end());
       selection.keys[row] = std::move(top);

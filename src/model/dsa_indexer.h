@@ -35,6 +35,8 @@ struct DsaIndexerOptions {
   int64_t topk = 0;         // index_topk
   Rope rope;                // NeoX rotation of the first rope.rot_dim() dims (qk_rope_head_dim)
   float k_norm_eps = 1e-6f; // nn.LayerNorm(head_dim, eps=1e-6) in transformers
+  // The indexer's cache: one key per token, head_dim floats, normalised and roped.
+  PageSpec cache_page() const { return {PageKind::DsaIndexKey, head_dim}; }
 };
 
 // Which cached key positions each query token attends to. For query row r of the batch,
@@ -58,8 +60,8 @@ struct DsaIndexer {
                                           const DsaIndexerOptions& options);
 
   // x: [T, hidden] (normalised layer input), q_resid: [T, query_input], T = batch.size().
-  // Appends each new token's index key to state->layers[layer].index_keys (row layout: [head_dim]
-  // floats per token, normalised and roped) and returns the selection for every batch row.
+  // Writes each new token's index key to its sequence's cache (PageKind::DsaIndexKey of `layer`) and
+  // returns the selection for every batch row.
   KeySelection select(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer) const;
 
   // The index score of one query against n keys: scores[s] for s < n. `query` is one token's

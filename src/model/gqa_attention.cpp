@@ -13,10 +13,6 @@ namespace sparrow {
 namespace {
 // Queries per BLAS call: bounds the [tile, n_keys] score buffer on long prefills.
 constexpr int64_t kQueryTile = 256;
-
-void append(std::vector<float>& cache, const float* values, int64_t n) {
-  cache.insert(cache.end(), values, values + n);
-}
 }  // namespace
 
 void rotate_heads(Tensor& x, int64_t head_dim, const std::vector<int64_t>& positions, const Rope& rope) {
@@ -33,6 +29,17 @@ void rotate_heads(Tensor& x, int64_t head_dim, const std::vector<int64_t>& posit
   });
 }
 
+LayerCacheSpec GqaAttention::cache_spec_for(int64_t kv_heads, int64_t head_dim, int64_t index_head_dim) {
+  LayerCacheSpec spec;
+  spec.pages.push_back({PageKind::GqaKeyValue, 2 * kv_heads * head_dim});
+  if (index_head_dim > 0) spec.pages.push_back({PageKind::MsaIndexKey, index_head_dim});
+  return spec;
+}
+
+LayerCacheSpec GqaAttention::cache_spec() const {
+  return cache_spec_for(kv_heads, head_dim, indexer ? indexer->head_dim : 0);
+}
+
 Tensor GqaAttention::forward(const Tensor& x, const Batch& batch, int layer) {
   Tensor q = cpu::linear(x, q_proj);  // [T, heads * head_dim]
   Tensor k = cpu::linear(x, k_proj);  // [T, kv_heads * head_dim]
@@ -46,30 +53,33 @@ Tensor GqaAttention::forward(const Tensor& x, const Batch& batch, int layer) {
 
   const int64_t kv_width = kv_heads * head_dim;
   Tensor out = Tensor::zeros({x.dim(0), heads * head_dim});
+  std::vector<float> rows, cached_kv, cached_index_keys;
   for (const SeqSlice& seq : batch.seqs) {
-    LayerState& cache = seq.state->layers[layer];
-    SPARROW_CHECK(int64_t(cache.kv.size()) == seq.start() * 2 * kv_width, "attention layer ", layer,
-                  ": cache holds ", cache.kv.size() / (2 * kv_width), " tokens, sequence has ", seq.start());
+    const int64_t end = seq.start() + seq.count;
     // Interleave each new token's K and V into one cache row: [K heads | V heads].
+    rows.resize(seq.count * 2 * kv_width);
     for (int64_t i = 0; i < seq.count; ++i) {
-      append(cache.kv, k.row(seq.offset + i), kv_width);
-      append(cache.kv, v.row(seq.offset + i), kv_width);
+      std::copy(k.row(seq.offset + i), k.row(seq.offset + i) + kv_width, rows.begin() + i * 2 * kv_width);
+      std::copy(v.row(seq.offset + i), v.row(seq.offset + i) + kv_width, rows.begin() + (i * 2 + 1) * kv_width);
     }
+    seq.cache().write(layer, PageKind::GqaKeyValue, seq.start(), seq.count, rows.data());
+    cached_kv.resize(end * 2 * kv_width);
+    seq.cache().read(layer, PageKind::GqaKeyValue, 0, end, cached_kv.data());
     std::optional<BlockSelection> selection;
     if (indexer) {
-      SPARROW_CHECK(int64_t(cache.index_keys.size()) == seq.start() * indexer->head_dim, "attention layer ", layer,
-                    ": index cache does not match the sequence length ", seq.start());
-      append(cache.index_keys, index_k.row(seq.offset), seq.count * indexer->head_dim);
+      seq.cache().write(layer, PageKind::MsaIndexKey, seq.start(), seq.count, index_k.row(seq.offset));
+      cached_index_keys.resize(end * indexer->head_dim);
+      seq.cache().read(layer, PageKind::MsaIndexKey, 0, end, cached_index_keys.data());
       selection = indexer->select(index_q.row(seq.offset), index_q.row_size(), seq.count, seq.start(),
-                                  cache.index_keys.data(), seq.start() + seq.count);
+                                  cached_index_keys.data(), end);
     }
-    attend(q, seq, cache, selection ? &*selection : nullptr, out);
+    attend(q, seq, cached_kv.data(), selection ? &*selection : nullptr, out);
   }
   return cpu::linear(out, o_proj);
 }
 
-void GqaAttention::attend(const Tensor& q, const SeqSlice& seq, const LayerState& cache,
-                          const BlockSelection* selection, Tensor& out) const {
+void GqaAttention::attend(const Tensor& q, const SeqSlice& seq, const float* kv, const BlockSelection* selection,
+                          Tensor& out) const {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const float scale = float(std::pow(double(head_dim), -0.5));  // MiniMaxM3VLAttention.scaling
   const int64_t kv_row = 2 * kv_heads * head_dim;
@@ -79,7 +89,7 @@ void GqaAttention::attend(const Tensor& q, const SeqSlice& seq, const LayerState
     const int64_t kv_head = h / (heads / kv_heads);
     // build_block_mask repeats each index head's selection over heads / index_n_heads query heads.
     const int64_t index_head = selection ? h / (heads / selection->heads) : 0;
-    const float* keys = cache.kv.data() + kv_head * head_dim;
+    const float* keys = kv + kv_head * head_dim;
     const float* values = keys + kv_heads * head_dim;
     for (int64_t i0 = 0; i0 < seq.count; i0 += kQueryTile) {
       const int64_t i1 = std::min(seq.count, i0 + kQueryTile);

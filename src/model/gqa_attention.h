@@ -6,10 +6,10 @@
 // Softmax scale head_dim^-0.5, causal, no sliding window. Query head h reads kv head h / (H / H_kv).
 // On MSA layers an MsaIndexer restricts each query to the key blocks it selects.
 //
-// Cache (LayerState of this layer, one row per token, in position order):
-//   kv:         [K of kv head 0 .. H_kv-1 | V of kv head 0 .. H_kv-1], 2 · H_kv · head_dim floats;
-//               K after the norm and the rotation, exactly what attention multiplies with.
-//   index_keys: MSA layers only, the token's index key after its norm and rotation, index_head_dim floats.
+// Cache (pages of this layer in the sequence's SequenceCache, one row per token):
+//   GqaKeyValue: [K of kv head 0 .. H_kv-1 | V of kv head 0 .. H_kv-1], 2 · H_kv · head_dim floats;
+//                K after the norm and the rotation, exactly what attention multiplies with.
+//   MsaIndexKey: MSA layers only, the token's index key after its norm and rotation, index_head_dim floats.
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -40,10 +40,14 @@ class GqaAttention : public Mixer {
   std::optional<MsaIndexer> indexer;  // set on MSA ("minimax_m3_sparse") layers
 
   Tensor forward(const Tensor& x, const Batch& batch, int layer) override;
+  LayerCacheSpec cache_spec() const override;
+  // The cache of a layer with these dimensions; index_head_dim 0 = no MSA indexer.
+  static LayerCacheSpec cache_spec_for(int64_t kv_heads, int64_t head_dim, int64_t index_head_dim);
 
  private:
-  // Attention of one sequence's new queries (rows of q) against its whole cache; writes rows of out.
-  void attend(const Tensor& q, const SeqSlice& seq, const LayerState& cache, const BlockSelection* selection,
+  // Attention of one sequence's new queries (rows of q) against its cached rows [K | V] of positions
+  // 0 .. seq.start() + seq.count - 1 (kv); writes rows of out.
+  void attend(const Tensor& q, const SeqSlice& seq, const float* kv, const BlockSelection* selection,
               Tensor& out) const;
 };
 

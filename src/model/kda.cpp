@@ -223,6 +223,14 @@ std::unique_ptr<KdaMixer> KdaMixer::load(Checkpoint& ckpt, const std::string& pr
   return std::make_unique<KdaMixer>(config, std::move(w));
 }
 
+LayerCacheSpec KdaMixer::cache_spec_for(const KdaConfig& config) {
+  const int64_t P = config.projection_dim();
+  LayerCacheSpec spec;
+  spec.states.push_back({StateKind::ConvTail, (config.conv_kernel - 1) * 3 * P});
+  spec.states.push_back({StateKind::Recurrent, config.num_heads * config.head_dim * config.head_dim});
+  return spec;
+}
+
 Tensor KdaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
   const int64_t T = x.dim(0), H = config_.num_heads, D = config_.head_dim, P = config_.projection_dim();
   const int64_t kernel = config_.conv_kernel, tail = kernel - 1;
@@ -243,18 +251,16 @@ Tensor KdaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
   Tensor q = Tensor::empty({T, P}), k = Tensor::empty({T, P}), v = Tensor::empty({T, P});
   Tensor core = Tensor::empty({T, P});
   const float q_scale = float(1.0 / std::sqrt(double(D)));
+  const int64_t conv_size = tail * 3 * P, recurrent_size = H * D * D;
   for (const SeqSlice& seq : batch.seqs) {
-    LayerState& state = seq.state->layers[layer];
-    if (state.conv.empty()) state.conv.assign(tail * 3 * P, 0.0f);
-    if (state.recurrent.empty()) state.recurrent.assign(H * D * D, 0.0f);
-    SPARROW_CHECK(int64_t(state.conv.size()) == tail * 3 * P && int64_t(state.recurrent.size()) == H * D * D,
-                  "KDA layer ", layer, ": sequence state has the wrong size");
+    float* conv_state = seq.cache().state(layer, StateKind::ConvTail);
+    float* recurrent_state = seq.cache().state(layer, StateKind::Recurrent);
 
     // Causal depthwise conv + SiLU over [saved tail | new inputs] (transformers causal_conv1d_fn with
     // the cached left context; a fresh sequence's tail is zeros, like the conv's zero padding).
-    std::vector<float> history(tail * 3 * P + seq.count * 3 * P);
-    std::memcpy(history.data(), state.conv.data(), sizeof(float) * state.conv.size());
-    std::memcpy(history.data() + state.conv.size(), qkv.row(seq.offset), sizeof(float) * seq.count * 3 * P);
+    std::vector<float> history(conv_size + seq.count * 3 * P);
+    std::memcpy(history.data(), conv_state, sizeof(float) * conv_size);
+    std::memcpy(history.data() + conv_size, qkv.row(seq.offset), sizeof(float) * seq.count * 3 * P);
     parallel_for(seq.count, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t t = seq.offset + i;
@@ -271,22 +277,41 @@ Tensor KdaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
         }
       }
     });
-    std::memcpy(state.conv.data(), history.data() + seq.count * 3 * P, sizeof(float) * state.conv.size());
+    // The conv tail after the first n new tokens: the last `tail` inputs before them.
+    auto conv_tail_after = [&](int64_t n) { return history.data() + n * 3 * P; };
+    std::memcpy(conv_state, conv_tail_after(seq.count), sizeof(float) * conv_size);
 
-    DeltaRuleInputs in;
-    in.length = seq.count;
-    in.num_heads = H;
-    in.head_dim = D;
-    in.q = q.row(seq.offset);
-    in.k = k.row(seq.offset);
-    in.v = v.row(seq.offset);
-    in.log_decay = log_decay.row(seq.offset);
-    in.beta = beta.row(seq.offset);
-    // As transformers: the recurrent kernel for a single new token, the chunked one otherwise.
-    if (seq.count == 1)
-      delta_rule_recurrent(in, state.recurrent.data(), core.row(seq.offset));
-    else
-      delta_rule_chunked(in, state.recurrent.data(), core.row(seq.offset));
+    // The delta rule over new tokens [begin, end) of this sequence, continuing recurrent_state.
+    auto run_delta_rule = [&](int64_t begin, int64_t end) {
+      const int64_t t = seq.offset + begin;
+      DeltaRuleInputs in;
+      in.length = end - begin;
+      in.num_heads = H;
+      in.head_dim = D;
+      in.q = q.row(t);
+      in.k = k.row(t);
+      in.v = v.row(t);
+      in.log_decay = log_decay.row(t);
+      in.beta = beta.row(t);
+      // As transformers: the recurrent kernel for a single new token, the chunked one otherwise.
+      if (in.length == 1)
+        delta_rule_recurrent(in, recurrent_state, core.row(t));
+      else
+        delta_rule_chunked(in, recurrent_state, core.row(t));
+    };
+    const int64_t snapshot_at = seq.cache().snapshot_position(seq.start(), seq.start() + seq.count);
+    SPARROW_CHECK(snapshot_at <= seq.start() + seq.count, "KDA layer ", layer, ": snapshot position ", snapshot_at,
+                  " lies beyond this step's last token ", seq.start() + seq.count - 1);
+    if (snapshot_at > seq.start()) {
+      // Prefix caching wants the state after position snapshot_at - 1: stop there, copy, go on.
+      const int64_t split = snapshot_at - seq.start();
+      run_delta_rule(0, split);
+      std::memcpy(seq.cache().snapshot(layer, StateKind::ConvTail), conv_tail_after(split), sizeof(float) * conv_size);
+      std::memcpy(seq.cache().snapshot(layer, StateKind::Recurrent), recurrent_state, sizeof(float) * recurrent_size);
+      if (split < seq.count) run_delta_rule(split, seq.count);
+    } else {
+      run_delta_rule(0, seq.count);
+    }
   }
 
   // KimiLinearRMSNormGated: per-head RMSNorm, weight, then times sigmoid(gate).

@@ -14,11 +14,13 @@
 // (recurrent_kimi_delta_attention). Both start from the sequence's saved state, so a prefill may
 // continue an earlier one. They agree to fp32 rounding.
 //
-// State per sequence (LayerState of a KDA layer):
-//   conv:      [kernel - 1, 3P] the last kernel-1 pre-convolution inputs [q | k | v], oldest first
-//              (empty = all zeros, a fresh sequence).
-//   recurrent: [heads, head_dim (key), head_dim (value)], S[h][k][v] (key index first, as
-//              transformers' last_recurrent_state and fla's default layout; empty = zeros).
+// State per sequence (the states of this layer in the sequence's SequenceCache, fp32, zeros for a
+// fresh sequence):
+//   ConvTail:  [kernel - 1, 3P] the last kernel-1 pre-convolution inputs [q | k | v], oldest first.
+//   Recurrent: [heads, head_dim (key), head_dim (value)], S[h][k][v] (key index first, as
+//              transformers' last_recurrent_state and fla's default layout).
+// When the cache asks for a snapshot at position p (prefix caching), the pass stops at p, copies both
+// states as they stand there, and continues: the copy is exactly what a pass ending at p would leave.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -79,6 +81,8 @@ class KdaMixer : public Mixer {
   static std::unique_ptr<KdaMixer> load(Checkpoint& ckpt, const std::string& prefix, const KdaConfig& config);
 
   Tensor forward(const Tensor& x, const Batch& batch, int layer) override;
+  LayerCacheSpec cache_spec() const override { return cache_spec_for(config_); }
+  static LayerCacheSpec cache_spec_for(const KdaConfig& config);
 
  private:
   KdaConfig config_;

@@ -101,34 +101,31 @@ nlohmann::json indexer_rope_parameters(const Config& config) {
   return params;
 }
 
-}  // namespace
+// The token mixers: which layers are KDA and which MLA (with a DSA indexer on Kimi K3), and their
+// shapes. Parsed and checked once for the loader and for the cache spec.
+struct Attention {
+  std::vector<std::string> layer_types;  // linear_attention | full_attention, per layer
+  KdaConfig kda;
+  MlaOptions mla;
+  bool has_indexer = false;  // kimi_k3
+  DsaIndexerOptions index;
+};
 
-std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt) {
-  const Config& config = ckpt.config();
-  const std::string type = config.get_string("model_type");
-  const bool k3 = type == "kimi_k3";
-  const int64_t vocab = config.get_int("vocab_size", 163840);
+Attention attention_config(const Config& config) {
+  const bool k3 = config.get_string("model_type") == "kimi_k3";
   const int64_t hidden = config.get_int("hidden_size", 2304);
   const int64_t num_layers = config.get_int("num_hidden_layers", 27);
   const int64_t heads = config.get_int("num_attention_heads", 32);
-  const float rms_norm_eps = float(config.get_float("rms_norm_eps", 1e-5));
-  config.require(vocab > 0, "vocab_size", "a positive integer");
   config.require(hidden > 0, "hidden_size", "a positive integer");
   config.require(num_layers > 0, "num_hidden_layers", "a positive integer");
   config.require(heads > 0, "num_attention_heads", "a positive integer");
-
-  // Values transformers would silently compute differently from what the checkpoint means.
-  const std::string act = config.get_string("hidden_act", "silu");
-  if (act != "silu") config.unsupported("hidden_act", act, "silu");
-  const std::string router_act = config.get_string("moe_router_activation_func", "sigmoid");
-  if (router_act != "sigmoid") config.unsupported("moe_router_activation_func", router_act, "sigmoid");
   if (!config.get_bool("mla_use_nope", true)) config.unsupported("mla_use_nope", "false", "true");
-  const int64_t moe_layer_freq = config.get_int("moe_layer_freq", 1);
-  if (moe_layer_freq != 1) config.unsupported("moe_layer_freq", std::to_string(moe_layer_freq), "1");
   // MLA expands its keys to one head per query head; transformers cannot repeat them further.
   const int64_t kv_heads = config.get_int("num_key_value_heads", heads);
   if (kv_heads != heads) config.unsupported("num_key_value_heads", std::to_string(kv_heads), "num_attention_heads");
 
+  Attention attention;
+  attention.has_indexer = k3;
   // Kimi Delta Attention: linear_attn_config (as Kimi ships it) overrides the linear_* fields.
   const Config linear_attn =
       config.has("linear_attn_config") ? config.get_object("linear_attn_config") : Config(nlohmann::json::object(), config.where());
@@ -139,15 +136,16 @@ std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt) {
     from.require(value > 0, name, "a positive integer");
     return value;
   };
-  KdaConfig kda;
+  KdaConfig& kda = attention.kda;
   kda.hidden = hidden;
   kda.head_dim = linear_size("head_dim", "linear_head_dim", 128);
   kda.num_heads = linear_size("num_heads", "linear_num_heads", 32);
   kda.conv_kernel = linear_size("short_conv_kernel_size", "linear_conv_kernel_dim", 4);
-  kda.norm_eps = rms_norm_eps;
+  kda.norm_eps = float(config.get_float("rms_norm_eps", 1e-5));
+  attention.layer_types = attention_layer_types(config, linear_attn, num_layers);
 
   // MLA without RoPE (KimiLinearAttention); q_lora_rank null means a plain q_proj.
-  MlaOptions mla;
+  MlaOptions& mla = attention.mla;
   mla.hidden = hidden;
   mla.num_heads = heads;
   mla.q_lora_rank = config.get_int("q_lora_rank", 0);
@@ -161,8 +159,8 @@ std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt) {
   if (k3) config.require(mla.q_lora_rank > 0, "q_lora_rank", "a positive integer for kimi_k3 (the indexer reads the query latent)");
 
   // Kimi K3's DSA indexer (DeepseekV32Indexer; DeepseekV32Config's defaults for absent fields).
-  DsaIndexerOptions index;
   if (k3) {
+    DsaIndexerOptions& index = attention.index;
     const int64_t max_positions = config.get_int(field_key(config, "max_position_embeddings", "model_max_length"), 1048576);
     index.hidden = hidden;
     index.query_input = mla.q_lora_rank;
@@ -174,6 +172,38 @@ std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt) {
     config.require(index.head_dim >= mla.qk_rope_head_dim, "index_head_dim", "at least qk_rope_head_dim");
     config.require(index.topk > 0, "index_topk", "a positive integer");
   }
+  return attention;
+}
+
+}  // namespace
+
+std::vector<LayerCacheSpec> kimi_linear_cache_spec(const Config& config) {
+  const Attention attention = attention_config(config);
+  std::vector<LayerCacheSpec> spec;
+  for (const std::string& type : attention.layer_types)
+    spec.push_back(type == "linear_attention"
+                       ? KdaMixer::cache_spec_for(attention.kda)
+                       : MlaMixer::cache_spec_for(attention.mla, attention.has_indexer ? &attention.index : nullptr));
+  return spec;
+}
+
+std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt) {
+  const Config& config = ckpt.config();
+  const std::string type = config.get_string("model_type");
+  const int64_t vocab = config.get_int("vocab_size", 163840);
+  config.require(vocab > 0, "vocab_size", "a positive integer");
+  const Attention attention = attention_config(config);
+  const int64_t hidden = attention.mla.hidden;
+  const int64_t num_layers = int64_t(attention.layer_types.size());
+  const std::vector<std::string>& attn_types = attention.layer_types;
+
+  // Values transformers would silently compute differently from what the checkpoint means.
+  const std::string act = config.get_string("hidden_act", "silu");
+  if (act != "silu") config.unsupported("hidden_act", act, "silu");
+  const std::string router_act = config.get_string("moe_router_activation_func", "sigmoid");
+  if (router_act != "sigmoid") config.unsupported("moe_router_activation_func", router_act, "sigmoid");
+  const int64_t moe_layer_freq = config.get_int("moe_layer_freq", 1);
+  if (moe_layer_freq != 1) config.unsupported("moe_layer_freq", std::to_string(moe_layer_freq), "1");
 
   // MoE (KimiLinearMoE, KimiLinearTopkRouter).
   const std::string experts_key = field_key(config, "num_local_experts", "num_experts");
@@ -187,7 +217,6 @@ std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt) {
   const int64_t topk_group = config.get_int("topk_group", 1);
   const bool normalize = config.get_bool(field_key(config, "norm_topk_prob", "moe_renormalize"), true);
   const int64_t moe_intermediate = config.get_int("moe_intermediate_size", 1024);
-  const std::vector<std::string> attn_types = attention_layer_types(config, linear_attn, num_layers);
   const std::vector<std::string> mlp_types = mlp_layer_types(config, num_layers);
   if (std::find(mlp_types.begin(), mlp_types.end(), "sparse") != mlp_types.end()) {
     config.require(n_group > 0 && num_experts % n_group == 0, group_key, cat("a divisor of ", experts_key));
@@ -204,7 +233,7 @@ std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt) {
   model->type = type;
   model->vocab = vocab;
   model->hidden = hidden;
-  model->norm_eps = rms_norm_eps;
+  model->norm_eps = attention.kda.norm_eps;  // KDA's gated norm and the layer norms share rms_norm_eps
   model->embed = ckpt.take("model.embed_tokens.weight", {vocab, hidden});
   model->final_norm = ckpt.take("model.norm.weight", {hidden});
   if (config.get_bool("tie_word_embeddings", false)) {
@@ -221,10 +250,11 @@ std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt) {
     layer.input_norm = ckpt.take(prefix + "input_layernorm.weight", {hidden});
     layer.post_norm = ckpt.take(prefix + "post_attention_layernorm.weight", {hidden});
     if (attn_types[i] == "linear_attention") {
-      layer.mixer = KdaMixer::load(ckpt, prefix + "self_attn.", kda);
+      layer.mixer = KdaMixer::load(ckpt, prefix + "self_attn.", attention.kda);
     } else {
-      std::unique_ptr<DsaIndexer> indexer = k3 ? DsaIndexer::load(ckpt, prefix + "self_attn.indexer.", index) : nullptr;
-      layer.mixer = MlaMixer::load(ckpt, prefix + "self_attn.", mla, std::move(indexer));
+      std::unique_ptr<DsaIndexer> indexer =
+          attention.has_indexer ? DsaIndexer::load(ckpt, prefix + "self_attn.indexer.", attention.index) : nullptr;
+      layer.mixer = MlaMixer::load(ckpt, prefix + "self_attn.", attention.mla, std::move(indexer));
     }
     if (mlp_types[i] == "dense") {
       layer.ffn = std::make_unique<DenseMlp>(DenseMlp::load(ckpt, ffn_prefix(ckpt, prefix, "down_proj.weight"), hidden,

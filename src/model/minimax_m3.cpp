@@ -250,6 +250,15 @@ std::unique_ptr<FeedForward> load_feed_forward(Checkpoint& ckpt, const TextConfi
 
 }  // namespace
 
+std::vector<LayerCacheSpec> minimax_m3_cache_spec(const Config& text) {
+  const TextConfig cfg(text);
+  std::vector<LayerCacheSpec> spec;
+  for (const std::string& type : cfg.layer_types)
+    spec.push_back(GqaAttention::cache_spec_for(cfg.kv_heads, cfg.head_dim,
+                                                type == kSparseAttention ? cfg.index_head_dim : 0));
+  return spec;
+}
+
 std::unique_ptr<DecoderModel> load_minimax_m3(Checkpoint& ckpt, const Config& text, const std::string& prefix) {
   const TextConfig cfg(text);
   const WeightNames names = WeightNames::find(ckpt, prefix);

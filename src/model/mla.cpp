@@ -69,6 +69,17 @@ std::unique_ptr<MlaMixer> MlaMixer::load(Checkpoint& ckpt, const std::string& pr
   return mla;
 }
 
+LayerCacheSpec MlaMixer::cache_spec_for(const MlaOptions& options, const DsaIndexerOptions* index) {
+  LayerCacheSpec spec;
+  spec.pages.push_back(options.cache_page());
+  if (index) spec.pages.push_back(index->cache_page());
+  return spec;
+}
+
+LayerCacheSpec MlaMixer::cache_spec() const {
+  return cache_spec_for(options_, indexer_ ? &indexer_->options : nullptr);
+}
+
 Tensor MlaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
   const MlaOptions& o = options_;
   const int64_t tokens = batch.size(), heads = o.num_heads;
@@ -124,22 +135,23 @@ Tensor MlaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
   // Attention per query token, over its causal prefix or its selected keys, in latent space:
   // mixed[t, h] = sum_s softmax_s(q_abs[t, h] · row_s * scale) c_s.
   Tensor mixed = Tensor::empty({tokens, heads, latent});
-  std::vector<float> probs, gathered;
+  std::vector<float> probs, gathered, prefix;
   for (const SeqSlice& seq : batch.seqs) {
-    std::vector<float>& cache = seq.state->layers[layer].kv;
-    SPARROW_CHECK(int64_t(cache.size()) == seq.start() * row_width, "MLA: layer ", layer, " caches ",
-                  cache.size() / row_width, " tokens for a sequence at position ", seq.start());
-    cache.insert(cache.end(), new_rows.row(seq.offset), new_rows.row(seq.offset) + seq.count * row_width);
+    // Store this step's rows, then gather the whole causal prefix (this step's tokens included).
+    const int64_t end = seq.start() + seq.count;
+    seq.cache().write(layer, PageKind::MlaLatent, seq.start(), seq.count, new_rows.row(seq.offset));
+    prefix.resize(end * row_width);
+    seq.cache().read(layer, PageKind::MlaLatent, 0, end, prefix.data());
     for (int64_t i = 0; i < seq.count; ++i) {
       const int64_t row = seq.offset + i;
-      const float* keys = cache.data();
+      const float* keys = prefix.data();
       int64_t n = seq.start() + i + 1;
       if (indexer_ && !selection.is_prefix(row)) {
         const std::vector<int32_t>& chosen = selection.keys[row];
         n = int64_t(chosen.size());
         gathered.resize(n * row_width);
         for (int64_t j = 0; j < n; ++j)
-          std::memcpy(gathered.data() + j * row_width, cache.data() + chosen[j] * row_width,
+          std::memcpy(gathered.data() + j * row_width, prefix.data() + chosen[j] * row_width,
                       sizeof(float) * row_width);
         keys = gathered.data();
       }

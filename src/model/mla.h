@@ -13,8 +13,8 @@
 //   out[h]   = W_UV[h] · (sum_s p_s c_s)
 // so the cache holds one row per token, shared by all heads.
 //
-// Cache layout (LayerState::kv): per token kv_lora_rank + qk_rope_head_dim floats,
-//   [ c (kv_a_layernorm applied) | k_rot (roped) ].
+// Cache (PageKind::MlaLatent, through the sequence's SequenceCache): per token kv_lora_rank +
+// qk_rope_head_dim floats, [ c (kv_a_layernorm applied) | k_rot (roped) ].
 //
 // With a DSA indexer (DeepSeek-V3.2, Kimi K3) each query attends only to the keys the indexer
 // selects; without one, to its whole causal prefix.
@@ -54,6 +54,7 @@ struct MlaOptions {
 
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   int64_t cache_row() const { return kv_lora_rank + qk_rope_head_dim; }  // floats per cached token
+  PageSpec cache_page() const { return {PageKind::MlaLatent, cache_row(), qk_rope_head_dim}; }
 };
 
 // qk_head_dim^-0.5, times yarn_get_mscale(factor, mscale_all_dim)^2 when rope_parameters has a
@@ -69,6 +70,9 @@ class MlaMixer : public Mixer {
                                         std::unique_ptr<DsaIndexer> indexer);
 
   Tensor forward(const Tensor& x, const Batch& batch, int layer) override;
+  LayerCacheSpec cache_spec() const override;
+  // The cache of an MLA layer with these options, with a DSA indexer when `index` is not null.
+  static LayerCacheSpec cache_spec_for(const MlaOptions& options, const DsaIndexerOptions* index);
 
   const MlaOptions& options() const { return options_; }
 

@@ -2,10 +2,10 @@
 // tokens that continue its cached state. Prefill is a long run, decode a run of one; both go through
 // the same code, and a prefill followed by decodes must equal one long prefill.
 //
-// The per-sequence state (SequenceState) holds, for every layer, what that layer keeps between steps:
-// attention keys / latents, index keys, convolution tails, recurrent state. On this CPU reference path
-// each layer's cache is a growable fp32 buffer; the paged, packed cache of the serving engine replaces
-// it behind the same forward() without changing the model math.
+// A sequence's cache (what each layer keeps between steps: attention rows, index keys, convolution
+// tails, recurrent state) is reached through its SequenceCache (model/sequence_cache.h). Offline use
+// gets a private growable one from new_sequence(); the serving engine hands each running sequence a
+// view of its paged cache (cache/kv_cache.h). The model math does not change between the two.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -14,22 +14,18 @@
 
 #include "core/tensor.h"
 #include "formats/config.h"
+#include "model/sequence_cache.h"
 
 namespace sparrow {
 
-// What one layer keeps for one sequence. Blocks use the fields they need; layouts are documented
-// at each block.
-struct LayerState {
-  std::vector<float> kv;          // per-token attention rows (MLA latent + rope key, or GQA K and V)
-  std::vector<float> index_keys;  // per-token index keys (DSA indexer, MSA indexer)
-  std::vector<float> conv;        // short-convolution tail (KDA): the last kernel-1 inputs
-  std::vector<float> recurrent;   // recurrent state (KDA): [heads, head_k_dim, head_v_dim]
+struct SequenceState {
+  int64_t length = 0;              // tokens already processed (the position of the next token)
+  SequenceCache* cache = nullptr;  // where the layers keep this sequence's rows and state
+  std::unique_ptr<SequenceCache> owned_cache;  // set when the sequence owns its cache (standalone_sequence)
 };
 
-struct SequenceState {
-  int64_t length = 0;  // tokens already processed (the position of the next token)
-  std::vector<LayerState> layers;
-};
+// A sequence with its own growable fp32 cache (a DenseSequenceCache) for layers cached as `spec` says.
+SequenceState standalone_sequence(std::vector<LayerCacheSpec> spec);
 
 // One sequence's share of a batch: rows [offset, offset + count) of the batch, at positions
 // state->length ... state->length + count - 1.
@@ -38,6 +34,7 @@ struct SeqSlice {
   int64_t offset;
   int64_t count;
   int64_t start() const { return state->length; }
+  SequenceCache& cache() const { return *state->cache; }
 };
 
 struct Batch {
@@ -60,12 +57,11 @@ class Model {
   virtual int64_t vocab_size() const = 0;
   virtual int64_t num_layers() const = 0;
 
-  // A fresh state for a new sequence.
-  SequenceState new_sequence() const {
-    SequenceState s;
-    s.layers.resize(num_layers());
-    return s;
-  }
+  // What each layer caches per token and per sequence (the paged cache's planner reads it).
+  virtual std::vector<LayerCacheSpec> cache_spec() const = 0;
+
+  // A fresh sequence with its own growable cache (offline use).
+  SequenceState new_sequence() const { return standalone_sequence(cache_spec()); }
 
   // Runs the batch and advances each state's length. Returns fp32 logits: [batch.size(), vocab] when
   // batch.all_logits, else [batch.seqs.size(), vocab] for each sequence's last token.
@@ -75,5 +71,9 @@ class Model {
 // Loads a Hugging Face model folder; dispatches on config.json's model_type. One-line errors for
 // anything wrong with the folder.
 std::unique_ptr<Model> load_model(const std::string& dir);
+
+// The cache spec load_model(dir)->cache_spec() would give, from config.json alone (no weights): lets the
+// cache planner size real models from their config (bench/shapes/*.json).
+std::vector<LayerCacheSpec> cache_spec_from_config(const Config& config);
 
 }  // namespace sparrow

@@ -1,0 +1,356 @@
+#include "cache/kv_cache.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "cache/prefix_hash.h"
+#include "core/error.h"
+
+namespace sparrow {
+
+namespace {
+
+constexpr size_t kAlignment = 64;
+
+// Uninitialised, 64-byte aligned memory: the operating system commits its pages on first touch, so a
+// large budget costs nothing until blocks are used.
+std::byte* allocate_bytes(int64_t bytes) {
+  if (bytes <= 0) return nullptr;
+  const size_t size = (size_t(bytes) + kAlignment - 1) / kAlignment * kAlignment;
+  void* p = std::aligned_alloc(kAlignment, size);
+  SPARROW_CHECK(p != nullptr, "kv cache: cannot allocate ", bytes, " bytes");
+  return static_cast<std::byte*>(p);
+}
+
+}  // namespace
+
+void KvCache::FreeBytes::operator()(std::byte* p) const { std::free(p); }
+
+// ---------------------------------------------------------------------------------------------
+// The model's view of one sequence: rows through the block table, state in the sequence's slot.
+class KvCache::View : public SequenceCache {
+ public:
+  View(KvCache& cache, Sequence& seq) : cache_(cache), seq_(seq) {}
+
+  void write(int layer, PageKind kind, int64_t pos, int64_t count, const float* rows) override {
+    const PagePlacement& page = placement(layer, kind);
+    check_range(layer, kind, pos, pos + count);
+    const int64_t block_size = cache_.plan_.block_size;
+    for (int64_t done = 0; done < count;) {
+      const int64_t at = pos + done, i = at % block_size, n = std::min(count - done, block_size - i);
+      const int32_t block = seq_.blocks[at / block_size];
+      SPARROW_CHECK(!cache_.blocks_[block].cached && cache_.blocks_[block].refs == 1, "kv cache: layer ", layer,
+                    " writes position ", at, " into shared block ", block);
+      page.codec->encode(page.spec, block_size, rows + done * page.spec.width, i, n, cache_.page_address(block, page));
+      done += n;
+    }
+  }
+
+  void read(int layer, PageKind kind, int64_t begin, int64_t end, float* rows) const override {
+    const PagePlacement& page = placement(layer, kind);
+    check_range(layer, kind, begin, end);
+    const int64_t block_size = cache_.plan_.block_size;
+    for (int64_t at = begin; at < end;) {
+      const int64_t i = at % block_size, n = std::min(end - at, block_size - i);
+      page.codec->decode(page.spec, block_size, cache_.page_address(seq_.blocks[at / block_size], page), i, n,
+                         rows + (at - begin) * page.spec.width);
+      at += n;
+    }
+  }
+
+  float* state(int layer, StateKind kind) override {
+    return cache_.state_address(cache_.state_slots_.get(), seq_.state_slot, state_placement(layer, kind));
+  }
+
+  // The last block boundary this step reaches, if a snapshot slot can be had for it.
+  int64_t snapshot_position(int64_t begin, int64_t end) override {
+    if (!cache_.config_.enable_prefix_caching || !cache_.has_recurrent_state()) return -1;
+    const int64_t position = end / cache_.plan_.block_size * cache_.plan_.block_size;
+    if (position <= begin) return -1;
+    if (seq_.snapshot_position != position) {  // the first layer of this step to ask
+      cache_.drop_pending_snapshot(seq_);
+      seq_.snapshot_position = position;
+      seq_.snapshot_slot = cache_.take_snapshot_slot();
+    }
+    return seq_.snapshot_slot >= 0 ? position : -1;
+  }
+
+  float* snapshot(int layer, StateKind kind) override {
+    SPARROW_CHECK(seq_.snapshot_slot >= 0, "kv cache: layer ", layer, " writes a snapshot nobody asked for");
+    return cache_.state_address(cache_.snapshot_slots_.get(), seq_.snapshot_slot, state_placement(layer, kind));
+  }
+
+ private:
+  const PagePlacement& placement(int layer, PageKind kind) const {
+    const PagePlacement* page = cache_.plan_.page(layer, kind);
+    SPARROW_CHECK(page != nullptr, "kv cache: layer ", layer, " has no ", page_kind_name(kind), " page");
+    return *page;
+  }
+  const StatePlacement& state_placement(int layer, StateKind kind) const {
+    const StatePlacement* state = cache_.plan_.state(layer, kind);
+    SPARROW_CHECK(state != nullptr, "kv cache: layer ", layer, " has no ", state_kind_name(kind), " state");
+    return *state;
+  }
+  void check_range(int layer, PageKind kind, int64_t begin, int64_t end) const {
+    const int64_t held = int64_t(seq_.blocks.size()) * cache_.plan_.block_size;
+    SPARROW_CHECK(0 <= begin && begin <= end && end <= held, "kv cache: layer ", layer, " accesses ",
+                  page_kind_name(kind), " positions ", begin, "..", end, " of a sequence with room for ", held);
+  }
+
+  KvCache& cache_;
+  Sequence& seq_;
+};
+
+// ---------------------------------------------------------------------------------------------
+KvCache::KvCache(std::vector<LayerCacheSpec> spec, CacheConfig config)
+    : config_(std::move(config)), plan_(plan_cache(spec, config_)) {
+  rows_.reset(allocate_bytes(plan_.num_blocks * plan_.row_bytes));
+  state_slots_.reset(allocate_bytes(plan_.num_state_slots * plan_.state_slot_bytes));
+  snapshot_slots_.reset(allocate_bytes(plan_.num_snapshot_slots * plan_.state_slot_bytes));
+  blocks_.resize(plan_.num_blocks);
+  // Stacks popped from the back: block 0 and slot 0 are handed out first.
+  for (int64_t b = plan_.num_blocks - 1; b >= 0; --b) free_blocks_.push_back(int32_t(b));
+  for (int64_t s = plan_.num_state_slots - 1; s >= 0; --s) free_state_slots_.push_back(int32_t(s));
+  snapshots_.resize(plan_.num_snapshot_slots);
+  for (int64_t s = plan_.num_snapshot_slots - 1; s >= 0; --s) free_snapshots_.push_back(int32_t(s));
+}
+
+KvCache::~KvCache() = default;
+
+int64_t KvCache::num_free_blocks() const { return int64_t(free_blocks_.size() + evictable_.size()); }
+
+double KvCache::usage() const {
+  return double(plan_.num_blocks - num_free_blocks()) / double(plan_.num_blocks);
+}
+
+int64_t KvCache::num_free_state_slots() const {
+  return has_recurrent_state() ? int64_t(free_state_slots_.size()) : int64_t(INT32_MAX);
+}
+
+int64_t KvCache::num_cached_blocks() const { return int64_t(prefix_index_.size()); }
+
+KvCache::Sequence& KvCache::sequence(SeqId seq) {
+  auto it = sequences_.find(seq);
+  SPARROW_CHECK(it != sequences_.end(), "kv cache: no sequence ", seq);
+  return it->second;
+}
+
+const KvCache::Sequence& KvCache::sequence(SeqId seq) const {
+  auto it = sequences_.find(seq);
+  SPARROW_CHECK(it != sequences_.end(), "kv cache: no sequence ", seq);
+  return it->second;
+}
+
+std::byte* KvCache::page_address(int32_t block, const PagePlacement& page) const {
+  return rows_.get() + int64_t(block) * plan_.row_bytes + page.offset;
+}
+
+float* KvCache::state_address(std::byte* slots, int32_t slot, const StatePlacement& state) const {
+  SPARROW_CHECK(slot >= 0, "kv cache: the sequence has no state slot");
+  return reinterpret_cast<float*>(slots + int64_t(slot) * plan_.state_slot_bytes + state.offset);
+}
+
+SeqId KvCache::create_sequence() {
+  SPARROW_CHECK(!has_recurrent_state() || !free_state_slots_.empty(), "kv cache: all ", plan_.num_state_slots,
+                " state slots are taken (at most max_num_seqs sequences run at once)");
+  const SeqId id = next_id_++;
+  Sequence& s = sequences_[id];
+  if (has_recurrent_state()) {
+    s.state_slot = free_state_slots_.back();
+    free_state_slots_.pop_back();
+    std::memset(state_slots_.get() + int64_t(s.state_slot) * plan_.state_slot_bytes, 0, plan_.state_slot_bytes);
+  }
+  s.view = std::make_unique<View>(*this, s);
+  return id;
+}
+
+SequenceCache* KvCache::view(SeqId seq) { return sequence(seq).view.get(); }
+
+// ---------------------------------------------------------------------------------------------
+// Blocks.
+
+int32_t KvCache::take_block() {
+  int32_t block;
+  if (!free_blocks_.empty()) {
+    block = free_blocks_.back();
+    free_blocks_.pop_back();
+  } else {
+    block = evictable_.front();
+    evictable_.pop_front();
+    uncache(block);
+  }
+  blocks_[block].refs = 1;
+  return block;
+}
+
+void KvCache::add_ref(int32_t block) {
+  Block& b = blocks_[block];
+  if (b.refs++ == 0 && b.cached) evictable_.erase(b.evictable_at);
+}
+
+void KvCache::release_ref(int32_t block) {
+  Block& b = blocks_[block];
+  if (--b.refs > 0) return;
+  if (b.cached) {
+    b.evictable_at = evictable_.insert(evictable_.end(), block);
+  } else {
+    free_blocks_.push_back(block);
+  }
+}
+
+void KvCache::uncache(int32_t block) {
+  Block& b = blocks_[block];
+  prefix_index_.erase(b.hash);
+  b.cached = false;
+  if (b.snapshot >= 0) {
+    snapshot_lru_.erase(snapshots_[b.snapshot].lru_at);
+    free_snapshot_slot(b.snapshot);
+    b.snapshot = -1;
+  }
+}
+
+bool KvCache::allocate(SeqId seq, int64_t total_tokens) {
+  Sequence& s = sequence(seq);
+  const int64_t needed = (total_tokens + plan_.block_size - 1) / plan_.block_size - int64_t(s.blocks.size());
+  if (needed <= 0) return true;
+  if (needed > num_free_blocks()) return false;
+  for (int64_t i = 0; i < needed; ++i) s.blocks.push_back(take_block());
+  return true;
+}
+
+void KvCache::free_sequence(SeqId seq) {
+  Sequence& s = sequence(seq);
+  // Tail first, so that a sequence's last blocks are the first evicted.
+  for (auto it = s.blocks.rbegin(); it != s.blocks.rend(); ++it) release_ref(*it);
+  if (s.state_slot >= 0) free_state_slots_.push_back(s.state_slot);
+  drop_pending_snapshot(s);
+  sequences_.erase(seq);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefix caching.
+
+int64_t KvCache::match_prefix(SeqId seq, const std::vector<int32_t>& prompt) {
+  Sequence& s = sequence(seq);
+  SPARROW_CHECK(s.blocks.empty() && s.committed == 0, "kv cache: match_prefix on sequence ", seq,
+                ", which already holds tokens");
+  if (!config_.enable_prefix_caching || prompt.empty()) return 0;
+  prefix_queries_ += int64_t(prompt.size());
+
+  // The longest run of cached blocks, never including the prompt's last token.
+  const int64_t block_size = plan_.block_size;
+  const int64_t max_blocks = (int64_t(prompt.size()) - 1) / block_size;
+  std::vector<int32_t> matched;
+  std::vector<uint64_t> keys;
+  for (int64_t i = 0; i < max_blocks; ++i) {
+    const uint64_t key = block_hash(keys.empty() ? kRootBlockHash : keys.back(), prompt.data() + i * block_size,
+                                    block_size);
+    auto it = prefix_index_.find(key);
+    if (it == prefix_index_.end()) break;
+    matched.push_back(it->second);
+    keys.push_back(key);
+  }
+  // Recurrent layers resume only where their state was saved.
+  if (has_recurrent_state()) {
+    while (!matched.empty() && blocks_[matched.back()].snapshot < 0) {
+      matched.pop_back();
+      keys.pop_back();
+    }
+  }
+  if (matched.empty()) return 0;
+
+  for (int32_t block : matched) add_ref(block);
+  s.blocks = matched;
+  s.hashes = keys;
+  s.committed = int64_t(matched.size()) * block_size;
+  if (has_recurrent_state()) {
+    const int32_t slot = blocks_[matched.back()].snapshot;
+    std::memcpy(state_slots_.get() + int64_t(s.state_slot) * plan_.state_slot_bytes,
+                snapshot_slots_.get() + int64_t(slot) * plan_.state_slot_bytes, plan_.state_slot_bytes);
+    snapshot_lru_.splice(snapshot_lru_.end(), snapshot_lru_, snapshots_[slot].lru_at);  // most recently used
+  }
+  prefix_hits_ += s.committed;
+  return s.committed;
+}
+
+void KvCache::commit_tokens(SeqId seq, const std::vector<int32_t>& tokens, int64_t cached_length) {
+  Sequence& s = sequence(seq);
+  const int64_t block_size = plan_.block_size;
+  SPARROW_CHECK(cached_length >= s.committed && cached_length <= int64_t(tokens.size()) &&
+                    cached_length <= int64_t(s.blocks.size()) * block_size,
+                "kv cache: sequence ", seq, " commits ", cached_length, " tokens (", tokens.size(),
+                " given, ", s.committed, " committed, room for ", s.blocks.size() * block_size, ")");
+  s.committed = cached_length;
+  if (!config_.enable_prefix_caching) return;
+
+  // Register the newly full blocks, unless an equal block already is.
+  for (int64_t i = int64_t(s.hashes.size()); i < cached_length / block_size; ++i) {
+    const uint64_t key =
+        block_hash(i == 0 ? kRootBlockHash : s.hashes.back(), tokens.data() + i * block_size, block_size);
+    s.hashes.push_back(key);
+    if (prefix_index_.count(key)) continue;
+    Block& b = blocks_[s.blocks[i]];
+    b.cached = true;
+    b.hash = key;
+    prefix_index_[key] = s.blocks[i];
+  }
+  if (s.snapshot_slot >= 0 && s.snapshot_position <= cached_length) attach_snapshot(s);
+}
+
+int32_t KvCache::take_snapshot_slot() {
+  if (!free_snapshots_.empty()) {
+    const int32_t slot = free_snapshots_.back();
+    free_snapshots_.pop_back();
+    return slot;
+  }
+  if (snapshot_lru_.empty()) return -1;
+  const int32_t slot = snapshot_lru_.front();  // evict the least recently used snapshot
+  snapshot_lru_.pop_front();
+  blocks_[snapshots_[slot].block].snapshot = -1;
+  snapshots_[slot].block = -1;
+  return slot;
+}
+
+void KvCache::free_snapshot_slot(int32_t slot) {
+  snapshots_[slot].block = -1;
+  free_snapshots_.push_back(slot);
+}
+
+// The pending snapshot belongs to the block ending at its position, or to the block registered under
+// that block's key; dropped when that block already has one.
+void KvCache::attach_snapshot(Sequence& s) {
+  const uint64_t key = s.hashes[s.snapshot_position / plan_.block_size - 1];
+  auto it = prefix_index_.find(key);
+  if (it != prefix_index_.end() && blocks_[it->second].snapshot < 0) {
+    Block& b = blocks_[it->second];
+    b.snapshot = s.snapshot_slot;
+    snapshots_[s.snapshot_slot].block = it->second;
+    snapshots_[s.snapshot_slot].lru_at = snapshot_lru_.insert(snapshot_lru_.end(), s.snapshot_slot);
+  } else {
+    free_snapshot_slot(s.snapshot_slot);
+  }
+  s.snapshot_slot = -1;
+  s.snapshot_position = -1;
+}
+
+void KvCache::drop_pending_snapshot(Sequence& s) {
+  if (s.snapshot_slot >= 0) free_snapshot_slot(s.snapshot_slot);
+  s.snapshot_slot = -1;
+  s.snapshot_position = -1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Page addresses.
+
+const std::vector<int32_t>& KvCache::block_table(SeqId seq) const { return sequence(seq).blocks; }
+
+std::vector<int64_t> KvCache::page_offsets(SeqId seq, int layer, PageKind kind) const {
+  const PagePlacement* page = plan_.page(layer, kind);
+  SPARROW_CHECK(page != nullptr, "kv cache: layer ", layer, " has no ", page_kind_name(kind), " page");
+  std::vector<int64_t> offsets;
+  for (int32_t block : sequence(seq).blocks) offsets.push_back(int64_t(block) * plan_.row_bytes + page->offset);
+  return offsets;
+}
+
+}  // namespace sparrow

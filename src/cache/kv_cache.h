@@ -1,0 +1,149 @@
+// The serving engine's KV cache: a pool of block rows (cache/planner.h) shared by all running
+// sequences, with prefix caching, and per-sequence state slots for recurrent layers.
+//
+// Sequences. Each running sequence owns a block table (the blocks holding its tokens 0..n-1, block i
+// holding tokens i*block_size .. (i+1)*block_size - 1) and, when the model has recurrent layers, a state
+// slot. The model reaches them through view(seq), a SequenceCache (model/sequence_cache.h): rows go
+// through the page-address translation below, state straight to the slot.
+//
+// A step of the engine, for each sequence it runs:
+//   allocate(seq, tokens after the step)      room for the new tokens (false: out of blocks, preempt)
+//   model.forward(...)                        writes and reads through view(seq)
+//   commit_tokens(seq, tokens, cached_length) the step's tokens are now cached; full blocks enter the
+//                                             prefix cache
+// and for a new request: create_sequence(), match_prefix(seq, prompt) (the tokens it may skip), then
+// the steps above from that length on. free_sequence() returns everything (finish, abort, preemption).
+//
+// Prefix caching. A full block's key chains its tokens to its parent's key (cache/prefix_hash.h). When
+// a committed block fills up it is registered under its key (unless another block already is); a new
+// request takes the longest run of registered blocks matching its prompt (never its last token: that
+// one must be computed to give logits), sharing them by reference count. Cached blocks are never
+// written again. A block nobody references stays cached and is reused as a free block only when no
+// never-cached block is left, least recently released first (LRU; a sequence's tail blocks go first).
+//
+// Recurrent layers (KDA) cannot restart from rows: a hit must also restore their state as it stood at
+// the end of the last reused block. During each step the cache asks the model (through
+// SequenceCache::snapshot_position) for a copy of the state at the last block boundary the step
+// reaches; commit_tokens attaches it to the block ending there. Hits on such models stop at the
+// longest matched block that has a snapshot. Snapshots live in their own slots (as many as state slots)
+// and are evicted least recently used first, or with their block.
+//
+// Not thread-safe: the engine loop owns it.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "cache/planner.h"
+#include "model/sequence_cache.h"
+
+namespace sparrow {
+
+using SeqId = int64_t;
+
+class KvCache {
+ public:
+  KvCache(std::vector<LayerCacheSpec> spec, CacheConfig config);
+  ~KvCache();
+  KvCache(const KvCache&) = delete;
+  KvCache& operator=(const KvCache&) = delete;
+
+  const CachePlan& plan() const { return plan_; }
+  int64_t num_free_blocks() const;       // free + evictable (cached, unreferenced)
+  double usage() const;                  // fraction of blocks referenced by sequences (for /metrics)
+  int64_t num_free_state_slots() const;  // for models with recurrent layers: sequences that can still start
+  int64_t num_cached_blocks() const;     // blocks registered in the prefix cache
+
+  // A new, empty sequence. Throws when the model has recurrent layers and all max_num_seqs state
+  // slots are taken (check num_free_state_slots first).
+  SeqId create_sequence();
+  // Reuses the longest cached prefix of `prompt` for a sequence that holds nothing yet: returns the
+  // tokens reused (a multiple of block_size, less than prompt.size(); 0 without prefix caching). The
+  // sequence then holds them, as if computed and committed.
+  int64_t match_prefix(SeqId seq, const std::vector<int32_t>& prompt);
+  // Makes room for the sequence to hold `total_tokens` tokens; false (nothing changed) when there are
+  // not enough free blocks.
+  bool allocate(SeqId seq, int64_t total_tokens);
+  // After a step: the sequence's tokens 0 .. cached_length-1 are computed and cached (`tokens` holds at
+  // least those: prompt and generated tokens so far).
+  void commit_tokens(SeqId seq, const std::vector<int32_t>& tokens, int64_t cached_length);
+  // Returns the sequence's blocks and slots. Its view is invalid afterwards.
+  void free_sequence(SeqId seq);
+  // What the model reads and writes through; stays valid until free_sequence(seq).
+  SequenceCache* view(SeqId seq);
+
+  // Prefix-cache statistics: prompt tokens looked up, and tokens reused.
+  int64_t prefix_queries() const { return prefix_queries_; }
+  int64_t prefix_hits() const { return prefix_hits_; }
+
+  // The page-address translation (docs/cache.md): `layer`'s page of `kind` for the sequence's block i
+  // starts at byte page_offsets(...)[i] of the pool, i.e. block_table[i] * row_bytes + the page's offset
+  // in the row; token j of that block is the page codec's token j. Kernels get these addresses.
+  const std::vector<int32_t>& block_table(SeqId seq) const;
+  std::vector<int64_t> page_offsets(SeqId seq, int layer, PageKind kind) const;
+  const std::byte* pool() const { return rows_.get(); }
+
+ private:
+  class View;
+  struct FreeBytes {
+    void operator()(std::byte* p) const;
+  };
+  using Bytes = std::unique_ptr<std::byte[], FreeBytes>;
+
+  struct Block {
+    int32_t refs = 0;
+    bool cached = false;   // registered in prefix_index_ under `hash`; then never written again
+    uint64_t hash = 0;
+    int32_t snapshot = -1; // the snapshot slot holding the recurrent state at this block's end
+    std::list<int32_t>::iterator evictable_at;  // valid while cached and unreferenced
+  };
+  struct Snapshot {
+    int32_t block = -1;  // the block it belongs to; -1 while free or pending
+    std::list<int32_t>::iterator lru_at;
+  };
+  struct Sequence {
+    std::vector<int32_t> blocks;  // the block table
+    std::vector<uint64_t> hashes; // keys of its committed full blocks
+    int64_t committed = 0;
+    int32_t state_slot = -1;
+    int64_t snapshot_position = -1;  // this step's pending snapshot: position and slot (-1: none)
+    int32_t snapshot_slot = -1;
+    std::unique_ptr<View> view;
+  };
+
+  Sequence& sequence(SeqId seq);
+  const Sequence& sequence(SeqId seq) const;
+  bool has_recurrent_state() const { return plan_.state_slot_bytes > 0; }
+  std::byte* page_address(int32_t block, const PagePlacement& page) const;
+  float* state_address(std::byte* slots, int32_t slot, const StatePlacement& state) const;
+  int32_t take_block();
+  void add_ref(int32_t block);
+  void release_ref(int32_t block);
+  void uncache(int32_t block);
+  int32_t take_snapshot_slot();
+  void free_snapshot_slot(int32_t slot);
+  void attach_snapshot(Sequence& s);
+  void drop_pending_snapshot(Sequence& s);
+
+  CacheConfig config_;
+  CachePlan plan_;
+  Bytes rows_;            // num_blocks block rows
+  Bytes state_slots_;     // num_state_slots slots
+  Bytes snapshot_slots_;  // num_snapshot_slots slots
+  std::vector<Block> blocks_;
+  std::vector<int32_t> free_blocks_;  // never cached (or evicted), unreferenced
+  std::list<int32_t> evictable_;      // cached and unreferenced, least recently released first
+  std::unordered_map<uint64_t, int32_t> prefix_index_;  // key -> block
+  std::vector<int32_t> free_state_slots_;
+  std::vector<Snapshot> snapshots_;
+  std::vector<int32_t> free_snapshots_;
+  std::list<int32_t> snapshot_lru_;   // attached snapshots, least recently used first
+  std::unordered_map<SeqId, Sequence> sequences_;
+  SeqId next_id_ = 0;
+  int64_t prefix_queries_ = 0, prefix_hits_ = 0;
+};
+
+}  // namespace sparrow

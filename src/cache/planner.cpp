@@ -1,0 +1,179 @@
+#include "cache/planner.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace sparrow {
+
+namespace {
+
+constexpr int64_t kAlignment = 64;  // bytes: every page and state starts on a cache line
+
+int64_t align_up(int64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+
+bool is_power_of_two(int64_t n) { return n > 0 && (n & (n - 1)) == 0; }
+
+// Adds `bytes` to the entry `name` of a by-component list, creating it in first-seen order.
+void add_to(std::vector<std::pair<std::string, int64_t>>& list, const std::string& name, int64_t bytes) {
+  for (auto& [key, value] : list)
+    if (key == name) {
+      value += bytes;
+      return;
+    }
+  list.emplace_back(name, bytes);
+}
+
+void append_total(std::vector<std::pair<std::string, int64_t>>& list) {
+  int64_t total = 0;
+  for (const auto& entry : list) total += entry.second;
+  list.emplace_back("total", total);
+}
+
+// 1234567 -> "1,234,567".
+std::string grouped(int64_t n) {
+  std::string digits = std::to_string(n < 0 ? -n : n), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return n < 0 ? "-" + out : out;
+}
+
+std::string gib(int64_t bytes) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, "%.2f GiB", double(bytes) / double(int64_t(1) << 30));
+  return buffer;
+}
+
+// "a 1 + b 2" for the components of a by-component list (its "total" left out).
+std::string components(const std::vector<std::pair<std::string, int64_t>>& list) {
+  std::string out;
+  for (const auto& [name, bytes] : list) {
+    if (name == "total") continue;
+    out += (out.empty() ? "" : " + ") + name + " " + grouped(bytes);
+  }
+  return out;
+}
+
+int64_t total_of(const std::vector<std::pair<std::string, int64_t>>& list) {
+  return list.empty() ? 0 : list.back().second;
+}
+
+}  // namespace
+
+int64_t cache_memory_budget(const CacheConfig& config) {
+  if (config.memory_bytes > 0) return config.memory_bytes;
+  SPARROW_CHECK(config.memory_fraction > 0 && config.memory_fraction <= 1,
+                "kv cache memory fraction must be in (0, 1], got ", config.memory_fraction);
+  const double ram = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+  return int64_t(ram * config.memory_fraction);
+}
+
+CachePlan plan_cache(const std::vector<LayerCacheSpec>& spec, const CacheConfig& config) {
+  SPARROW_CHECK(is_power_of_two(config.block_size), "kv cache block size must be a power of two, got ",
+                config.block_size);
+  SPARROW_CHECK(config.max_num_seqs > 0, "max_num_seqs must be positive, got ", config.max_num_seqs);
+  CachePlan plan;
+  plan.dtype = parse_cache_dtype(config.kv_cache_dtype);
+  plan.block_size = config.block_size;
+  plan.page_lookup_.assign(spec.size() * kNumPageKinds, -1);
+  plan.state_lookup_.assign(spec.size() * kNumStateKinds, -1);
+
+  // The block row: every layer's pages in order, each on a 64-byte boundary.
+  int64_t row = 0;
+  for (size_t layer = 0; layer < spec.size(); ++layer) {
+    for (const PageSpec& page : spec[layer].pages) {
+      SPARROW_CHECK(page.width > 0, "layer ", layer, ": ", page_kind_name(page.kind), " page has no width");
+      int& slot = plan.page_lookup_[layer * kNumPageKinds + int(page.kind)];
+      SPARROW_CHECK(slot < 0, "layer ", layer, " has two ", page_kind_name(page.kind), " pages");
+      PagePlacement p;
+      p.layer = int(layer);
+      p.spec = page;
+      p.codec = &page_codec(plan.dtype, page.kind);
+      p.page_bytes = p.codec->page_bytes(page, plan.block_size);
+      p.token_bytes = p.page_bytes / plan.block_size;
+      p.offset = align_up(row);
+      row = p.offset + p.page_bytes;
+      slot = int(plan.pages.size());
+      plan.pages.push_back(p);
+      add_to(plan.bytes_per_token, page_kind_name(page.kind), p.token_bytes);
+    }
+  }
+  plan.row_bytes = align_up(row);
+  append_total(plan.bytes_per_token);
+  SPARROW_CHECK(plan.row_bytes > 0, "the model caches nothing per token: there is no kv cache to plan");
+
+  // The state slot: every recurrent layer's states in order, fp32, each on a 64-byte boundary.
+  int64_t slot_bytes = 0;
+  for (size_t layer = 0; layer < spec.size(); ++layer) {
+    for (const StateSpec& state : spec[layer].states) {
+      SPARROW_CHECK(state.size > 0, "layer ", layer, ": ", state_kind_name(state.kind), " state has no size");
+      int& slot = plan.state_lookup_[layer * kNumStateKinds + int(state.kind)];
+      SPARROW_CHECK(slot < 0, "layer ", layer, " has two ", state_kind_name(state.kind), " states");
+      StatePlacement s;
+      s.layer = int(layer);
+      s.spec = state;
+      s.offset = align_up(slot_bytes);
+      slot_bytes = s.offset + state.size * int64_t(sizeof(float));
+      slot = int(plan.states.size());
+      plan.states.push_back(s);
+      add_to(plan.state_bytes_per_sequence, state_kind_name(state.kind), state.size * int64_t(sizeof(float)));
+    }
+  }
+  plan.state_slot_bytes = align_up(slot_bytes);
+  if (!plan.state_bytes_per_sequence.empty()) append_total(plan.state_bytes_per_sequence);
+  if (plan.state_slot_bytes > 0) {
+    plan.num_state_slots = config.max_num_seqs;
+    plan.num_snapshot_slots = config.enable_prefix_caching ? config.max_num_seqs : 0;
+  }
+
+  // What is left of the budget after the state slots becomes block rows.
+  plan.memory_bytes = cache_memory_budget(config);
+  const int64_t state_bytes = (plan.num_state_slots + plan.num_snapshot_slots) * plan.state_slot_bytes;
+  plan.num_blocks = (plan.memory_bytes - state_bytes) / plan.row_bytes;
+  SPARROW_CHECK(plan.num_blocks >= 1, "kv cache memory ", grouped(plan.memory_bytes), " bytes is too small: ",
+                state_bytes > 0 ? cat(grouped(state_bytes), " bytes of recurrent state slots and ") : std::string(),
+                "at least one block row of ", grouped(plan.row_bytes), " bytes are needed");
+  return plan;
+}
+
+const PagePlacement* CachePlan::page(int layer, PageKind kind) const {
+  if (layer < 0 || size_t(layer) * kNumPageKinds >= page_lookup_.size()) return nullptr;
+  const int index = page_lookup_[layer * kNumPageKinds + int(kind)];
+  return index < 0 ? nullptr : &pages[index];
+}
+
+const StatePlacement* CachePlan::state(int layer, StateKind kind) const {
+  if (layer < 0 || size_t(layer) * kNumStateKinds >= state_lookup_.size()) return nullptr;
+  const int index = state_lookup_[layer * kNumStateKinds + int(kind)];
+  return index < 0 ? nullptr : &states[index];
+}
+
+int64_t CachePlan::full_contexts(int64_t max_model_len) const {
+  const int64_t blocks_per_context = (max_model_len + block_size - 1) / block_size;
+  int64_t contexts = blocks_per_context > 0 ? num_blocks / blocks_per_context : 0;
+  if (state_slot_bytes > 0) contexts = std::min(contexts, num_state_slots);
+  return contexts;
+}
+
+std::string CachePlan::summary(int64_t max_model_len) const {
+  std::ostringstream out;
+  out << "kv cache: " << cache_dtype_name(dtype) << ", " << block_size << "-token blocks, "
+      << grouped(total_of(bytes_per_token)) << " bytes per token (" << components(bytes_per_token) << ")\n";
+  if (state_slot_bytes > 0) {
+    out << "kv cache: recurrent state " << grouped(total_of(state_bytes_per_sequence)) << " bytes per sequence ("
+        << components(state_bytes_per_sequence) << "), " << num_state_slots << " running + " << num_snapshot_slots
+        << " prefix snapshots\n";
+  }
+  out << "kv cache: " << gib(memory_bytes) << " holds " << grouped(num_blocks) << " block rows of "
+      << grouped(row_bytes) << " bytes = " << grouped(max_tokens()) << " tokens = "
+      << grouped(full_contexts(max_model_len)) << " full contexts of " << grouped(max_model_len) << " tokens";
+  return out.str();
+}
+
+}  // namespace sparrow

@@ -1,0 +1,84 @@
+// What a layer keeps between steps, and the one door through which it reads and writes it.
+//
+// Layers never own their cache. Each sequence comes with a SequenceCache; a layer writes the rows of
+// its new tokens, gathers the rows a step needs into a contiguous fp32 buffer, and reaches its
+// recurrent state through it. Two implementations exist:
+//   - DenseSequenceCache (model/dense_sequence_cache.h): growable fp32 buffers owned by the sequence,
+//     for offline use (Model::new_sequence: tests, `sparrow score`, `sparrow generate`);
+//   - the serving engine's paged cache (cache/kv_cache.h): rows packed into block rows of a shared
+//     pool in the cache dtype, state in per-request slots.
+// The model math is the same on both: only where the rows live differs.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace sparrow {
+
+// Per-token rows, one row per token and layer. The row layout of each kind is documented at the block
+// that writes it (mla.h, dsa_indexer.h, gqa_attention.h).
+enum class PageKind {
+  MlaLatent,    // MLA: [kv_a_layernorm(c) | roped k_rot], kv_lora_rank + qk_rope_head_dim floats
+  DsaIndexKey,  // DSA indexer key, index_head_dim floats
+  GqaKeyValue,  // GQA: [K of every kv head | V of every kv head]
+  MsaIndexKey,  // MSA indexer key, index_head_dim floats
+};
+inline constexpr int kNumPageKinds = 4;
+
+// Per-sequence state of a recurrent layer (kda.h), fp32 whatever the cache dtype.
+enum class StateKind {
+  ConvTail,   // the last kernel-1 inputs of the short convolution
+  Recurrent,  // the delta-rule state
+};
+inline constexpr int kNumStateKinds = 2;
+
+// Short names for printouts and metrics: "mla_latent", "dsa_index_key", "gqa_kv", "msa_index_key";
+// "conv_tail", "recurrent".
+const char* page_kind_name(PageKind kind);
+const char* state_kind_name(StateKind kind);
+
+struct PageSpec {
+  PageKind kind{};
+  int64_t width = 0;       // floats per token
+  int64_t rope_width = 0;  // MLA: how many of them (at the end) are the rotary key; codecs may keep those wider
+  bool operator==(const PageSpec&) const = default;
+};
+
+struct StateSpec {
+  StateKind kind{};
+  int64_t size = 0;  // floats per sequence
+  bool operator==(const StateSpec&) const = default;
+};
+
+// Everything one layer caches: at most one page of each kind and one state of each kind.
+struct LayerCacheSpec {
+  std::vector<PageSpec> pages;
+  std::vector<StateSpec> states;
+  const PageSpec* page(PageKind kind) const;     // null when the layer has no such page
+  const StateSpec* state(StateKind kind) const;  // null when the layer has no such state
+  bool operator==(const LayerCacheSpec&) const = default;
+};
+
+// One sequence's cache, as the model sees it. Positions are absolute token positions of the sequence.
+class SequenceCache {
+ public:
+  virtual ~SequenceCache() = default;
+
+  // Stores the rows (count x width floats, row-major) of tokens pos .. pos+count-1 in `layer`'s page.
+  virtual void write(int layer, PageKind page, int64_t pos, int64_t count, const float* rows) = 0;
+  // Gathers the rows of tokens begin .. end-1 into `rows` ((end-begin) x width floats), as fp32.
+  virtual void read(int layer, PageKind page, int64_t begin, int64_t end, float* rows) const = 0;
+  // The layer's state of `kind` (size floats from the spec; zeros for a fresh sequence), read and
+  // updated in place.
+  virtual float* state(int layer, StateKind kind) = 0;
+
+  // Recurrent layers and prefix caching. A prefix-cache hit can only resume a recurrent layer where
+  // its state was saved, so while the model runs positions [begin, end) the cache may ask for a copy
+  // of every recurrent state as it stands after position p-1, for one p in (begin, end]:
+  // snapshot_position returns that p, or -1 (the default: no snapshot). It answers the same for every
+  // layer of a step. A recurrent layer then runs up to p, copies its state into snapshot(layer, kind),
+  // and continues.
+  virtual int64_t snapshot_position(int64_t begin, int64_t end) { return -1; }
+  virtual float* snapshot(int layer, StateKind kind);
+};
+
+}  // namespace sparrow
