@@ -13,6 +13,8 @@ namespace sparrow::cli {
 void add_score(CLI::App& app);
 void add_generate(CLI::App& app);
 void add_bench(CLI::App& app);
+void add_tokenize(CLI::App& app);
+void add_detokenize(CLI::App& app);
 
 // Registers the action of a subcommand (called from add_X).
 void on_selected(CLI::App* sub, std::function<void()> action);

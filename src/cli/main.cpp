@@ -14,6 +14,8 @@ int main(int argc, char** argv) {
   sparrow::cli::add_score(app);
   sparrow::cli::add_generate(app);
   sparrow::cli::add_bench(app);
+  sparrow::cli::add_tokenize(app);
+  sparrow::cli::add_detokenize(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

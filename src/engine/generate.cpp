@@ -1,47 +1,53 @@
 #include "engine/generate.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
 
+#include "cache/planner.h"
 #include "core/error.h"
+#include "engine/engine_core.h"
 
 namespace sparrow {
 
 std::vector<std::vector<int32_t>> generate(Model& model, const std::vector<std::vector<int32_t>>& prompts,
                                            const GenerateOptions& options) {
   SPARROW_CHECK(options.max_tokens >= 0, "max_tokens must be >= 0, got ", options.max_tokens);
-  validate(options.sampling);
   const size_t n = prompts.size();
   std::vector<std::vector<int32_t>> out(n);
   if (options.max_tokens == 0 || n == 0) return out;
-  std::vector<SequenceState> states;
-  std::vector<Sampler> samplers;
-  for (size_t i = 0; i < n; ++i) {
-    SPARROW_CHECK(!prompts[i].empty(), "prompt ", i, " is empty");
-    states.push_back(model.new_sequence());
-    // Each sequence draws from its own generator; with a seed, prompt i uses seed + i.
-    SamplingParams p = options.sampling;
-    if (p.seed) *p.seed += i;
-    samplers.emplace_back(p);
+
+  // The serving engine's loop, sized so that every prompt is prefilled in the first step and all
+  // decode together after it, with a cache just big enough for every sequence at its full length.
+  EngineConfig config;
+  config.max_num_seqs = int64_t(n);
+  config.max_num_batched_tokens = 0;
+  config.cache.enable_prefix_caching = false;
+  config.cache.max_num_seqs = config.max_num_seqs;
+  config.cache.memory_bytes = int64_t(1) << 50;  // only to learn the row and slot sizes
+  const CachePlan plan = plan_cache(model.cache_spec(), config.cache);
+  int64_t blocks = 0;
+  for (const auto& prompt : prompts) {
+    const int64_t length = int64_t(prompt.size()) + options.max_tokens;
+    config.max_num_batched_tokens += int64_t(prompt.size());
+    config.max_model_len = std::max(config.max_model_len, length);
+    blocks += (length + plan.block_size - 1) / plan.block_size;
   }
-  std::vector<bool> done(n, false);
-  std::vector<std::pair<SequenceState*, std::vector<int32_t>>> step;
-  for (size_t i = 0; i < n; ++i) step.push_back({&states[i], prompts[i]});
-  while (!step.empty()) {
-    Batch batch = make_batch(step);
-    batch.all_logits = false;
-    Tensor logits = model.forward(batch);
-    std::vector<std::pair<SequenceState*, std::vector<int32_t>>> next;
-    for (size_t j = 0; j < step.size(); ++j) {
-      size_t i = size_t(step[j].first - states.data());
-      int32_t token = samplers[i].sample(logits.row(int64_t(j)), logits.dim(1));
-      out[i].push_back(token);
-      if (int64_t(out[i].size()) >= options.max_tokens || options.stop_token_ids.count(token)) continue;
-      next.push_back({&states[i], {token}});
-    }
-    step = std::move(next);
+  config.cache.memory_bytes = blocks * plan.row_bytes + plan.num_state_slots * plan.state_slot_bytes;
+  config.max_num_batched_tokens = std::max<int64_t>(config.max_num_batched_tokens, 1);
+  config.eos_token_ids.assign(options.stop_token_ids.begin(), options.stop_token_ids.end());
+  EngineCore engine(model, /*tokenizer=*/nullptr, config);
+  for (size_t i = 0; i < n; ++i) {
+    Request request{std::to_string(i), prompts[i], options.sampling};
+    request.params.max_tokens = options.max_tokens;
+    if (request.params.seed) *request.params.seed += i;  // prompt i draws with seed + i
+    engine.add(std::move(request), [&out, i](const RequestOutput& event) {
+      out[i].insert(out[i].end(), event.new_tokens.begin(), event.new_tokens.end());
+    });
+  }
+  while (engine.step()) {
   }
   return out;
 }

@@ -1,34 +1,72 @@
-// Turning logits into the next token. Temperature 0 is greedy (argmax, ties to the smaller id);
-// otherwise the logits are divided by the temperature, cut to the top_k largest and to the smallest
-// set whose probability reaches top_p (vLLM's order: top-k, then top-p), and one token is drawn with
-// the sequence's own random generator, so the same seed gives the same tokens alone or in a batch.
+// Turning a sequence's logits into its next token, in vLLM's order (vllm/v1/sample/sampler.py):
+//   1. the ids that end generation are masked until min_tokens tokens exist;
+//   2. penalties: repetition (over prompt + output), frequency and presence (over output only);
+//   3. temperature 0 (below 1e-5): greedy, argmax with ties to the smaller id; otherwise
+//   4. divide by the temperature, drop tokens below min_p times the top probability, keep the top_k
+//      largest, keep the smallest set whose probability reaches top_p, and draw one token with the
+//      sequence's own generator (seeded: the same seed gives the same tokens alone or in a batch).
+// Logprobs are not computed here: vLLM returns those of the raw model logits (logprobs.h).
 #pragma once
 #include <cstdint>
 #include <optional>
 #include <random>
+#include <span>
+#include <string>
+#include <vector>
 
 namespace sparrow {
 
 struct SamplingParams {
   float temperature = 1.0f;
   float top_p = 1.0f;  // (0, 1]
+  float min_p = 0.0f;  // [0, 1]
   int64_t top_k = 0;   // 0 or -1: disabled
+  float repetition_penalty = 1.0f;  // > 0; 1 = off
+  float presence_penalty = 0.0f;    // [-2, 2]
+  float frequency_penalty = 0.0f;   // [-2, 2]
   std::optional<uint64_t> seed;
+  int64_t max_tokens = 16;  // >= 1
+  int64_t min_tokens = 0;   // end tokens are masked (and stop strings ignored) until this many exist
+  bool ignore_eos = false;
+  std::vector<std::string> stop;  // stop strings (need a tokenizer)
+  std::vector<int32_t> stop_token_ids;
+  bool include_stop_str_in_output = false;
+  int64_t logprobs = -1;         // -1: none; k >= 0: the sampled token's logprob and the top k
+  int64_t prompt_logprobs = -1;  // -1: none; k >= 0: each prompt token's logprob and the top k
+  int64_t n = 1;                 // independent choices
+  bool skip_special_tokens = true;
 };
 
-// Checks ranges; throws sparrow::Error naming the bad parameter.
+// vLLM's default --max-logprobs: the largest logprobs / prompt_logprobs accepted.
+inline constexpr int64_t kMaxLogprobs = 20;
+
+// Checks every range; throws sparrow::Error naming the bad parameter.
 void validate(const SamplingParams& params);
+
+// Step 2 on a row of logits, in place (vLLM apply_all_penalties): a token seen in the prompt or the
+// output has its logit divided by repetition_penalty when positive, multiplied when not; then
+// logit -= frequency_penalty * (times in output) + presence_penalty * (in output at all).
+void apply_penalties(std::span<float> logits, const SamplingParams& params, std::span<const int32_t> prompt,
+                     std::span<const int32_t> output);
 
 class Sampler {
  public:
-  explicit Sampler(const SamplingParams& params);
-  int32_t sample(const float* logits, int64_t vocab);
+  // `end_tokens`: the ids that end generation (eos unless ignore_eos, and stop_token_ids); they are
+  // masked until min_tokens tokens were generated. Without a seed the generator starts at random.
+  explicit Sampler(const SamplingParams& params, std::vector<int32_t> end_tokens = {});
+
+  // The next token of a sequence whose tokens so far are prompt + output.
+  int32_t sample(std::span<const float> logits, std::span<const int32_t> prompt = {},
+                 std::span<const int32_t> output = {});
 
  private:
+  int32_t draw(std::span<const float> logits);
+
   SamplingParams params_;
+  std::vector<int32_t> end_tokens_;
   std::mt19937_64 rng_;
 };
 
-int32_t argmax(const float* logits, int64_t n);
+int32_t argmax(std::span<const float> logits);
 
 }  // namespace sparrow

@@ -1,0 +1,238 @@
+#include "engine/engine_core.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "core/error.h"
+
+namespace sparrow {
+
+namespace {
+
+CacheConfig with_max_num_seqs(CacheConfig cache, int64_t max_num_seqs) {
+  cache.max_num_seqs = max_num_seqs;  // one state slot per running sequence
+  return cache;
+}
+
+bool contains(const std::vector<int32_t>& ids, int32_t id) { return std::find(ids.begin(), ids.end(), id) != ids.end(); }
+
+}  // namespace
+
+EngineCore::EngineCore(Model& model, const Tokenizer* tokenizer, EngineConfig config)
+    : model_(model),
+      tokenizer_(tokenizer),
+      config_(std::move(config)),
+      cache_(model.cache_spec(), with_max_num_seqs(config_.cache, config_.max_num_seqs)),
+      scheduler_(cache_, SchedulerConfig{config_.max_num_seqs, config_.max_num_batched_tokens}) {
+  SPARROW_CHECK(config_.max_model_len > 0, "max_model_len must be set, got ", config_.max_model_len);
+  SPARROW_CHECK(config_.max_model_len <= cache_.plan().max_tokens(), "the KV cache holds ",
+                cache_.plan().max_tokens(), " tokens, fewer than max_model_len (", config_.max_model_len,
+                "): give it more memory or lower max_model_len");
+  end_of_sequence_ = config_.eos_token_ids;
+  if (end_of_sequence_.empty() && tokenizer_ && tokenizer_->eos_id()) end_of_sequence_.push_back(*tokenizer_->eos_id());
+}
+
+void EngineCore::validate(const Request& request) const {
+  const SamplingParams& p = request.params;
+  SPARROW_CHECK(!request.id.empty(), "the request has no id");
+  SPARROW_CHECK(!request.prompt.empty(), "the prompt is empty");
+  for (int32_t id : request.prompt)
+    SPARROW_CHECK(id >= 0 && id < model_.vocab_size(), "prompt token id ", id, " is outside the vocabulary [0, ",
+                  model_.vocab_size(), ")");
+  sparrow::validate(p);
+  const int64_t prompt = int64_t(request.prompt.size());
+  SPARROW_CHECK(prompt + p.max_tokens <= config_.max_model_len, "this model's maximum context length is ",
+                config_.max_model_len, " tokens, but ", prompt + p.max_tokens, " were requested (", prompt,
+                " in the prompt, ", p.max_tokens, " in the completion)");
+  SPARROW_CHECK(p.stop.empty() || tokenizer_ != nullptr, "stop strings need a tokenizer");
+}
+
+void EngineCore::add(Request request, OutputCallback on_output) {
+  validate(request);
+  SPARROW_CHECK(!requests_.count(request.id), "request id '", request.id, "' is already in use");
+  auto active = std::make_unique<ActiveRequest>();
+  active->request = std::move(request);
+  active->on_output = std::move(on_output);
+  const SamplingParams& p = active->request.params;
+  std::vector<int32_t> end_tokens = p.stop_token_ids;
+  if (!p.ignore_eos) end_tokens.insert(end_tokens.end(), end_of_sequence_.begin(), end_of_sequence_.end());
+  for (int64_t i = 0; i < p.n; ++i) {
+    active->choices.push_back(std::make_unique<Sequence>(active->request, i, end_tokens, tokenizer_));
+    scheduler_.add(active->choices.back().get());
+  }
+  active->unfinished = p.n;
+  const std::string id = active->request.id;
+  requests_[id] = std::move(active);
+}
+
+void EngineCore::abort(const std::string& request_id) {
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) return;
+  // Copied out first: the last finish() erases the request.
+  std::vector<Sequence*> unfinished;
+  for (auto& seq : it->second->choices)
+    if (seq->status != SequenceStatus::Finished) unfinished.push_back(seq.get());
+  for (Sequence* seq : unfinished) {
+    RequestOutput event = new_event(*seq);
+    event.finish_reason = "abort";
+    finish(*seq, event);
+  }
+}
+
+void EngineCore::abort_all() {
+  std::vector<std::string> ids;
+  for (const auto& [id, active] : requests_) ids.push_back(id);
+  for (const std::string& id : ids) abort(id);
+}
+
+EngineStats EngineCore::stats() const {
+  EngineStats s;
+  s.running = scheduler_.num_running();
+  s.waiting = scheduler_.num_waiting();
+  s.kv_blocks_total = cache_.plan().num_blocks;
+  s.kv_blocks_used = s.kv_blocks_total - cache_.num_free_blocks();
+  s.prefix_queries = cache_.prefix_queries();
+  s.prefix_hits = cache_.prefix_hits();
+  s.preemptions = scheduler_.num_preemptions();
+  s.prompt_tokens_total = prompt_tokens_total_;
+  s.generation_tokens_total = generation_tokens_total_;
+  return s;
+}
+
+bool EngineCore::step() {
+  const std::vector<ScheduledChunk> chunks = scheduler_.schedule();
+  if (chunks.empty()) return false;
+
+  std::vector<std::pair<SequenceState*, std::vector<int32_t>>> parts;
+  bool all_logits = false;
+  for (const ScheduledChunk& chunk : chunks) {
+    Sequence& seq = *chunk.seq;
+    auto first = seq.tokens.begin() + seq.num_computed();
+    parts.push_back({&seq.state, std::vector<int32_t>(first, first + chunk.num_tokens)});
+    // A row at position p predicts prompt token p + 1.
+    all_logits |= seq.wants_prompt_logprobs && seq.num_computed() < seq.prompt_length - 1;
+  }
+  Batch batch = make_batch(parts);
+  batch.all_logits = all_logits;
+  Tensor logits;
+  try {
+    logits = model_.forward(batch);
+  } catch (const std::exception& e) {
+    // Nothing the user sends can cause this (requests are validated): end the step's choices with
+    // "error" rather than take the engine down.
+    std::fprintf(stderr, "sparrow: engine step failed: %s\n", e.what());
+    for (const ScheduledChunk& chunk : chunks) {
+      if (chunk.seq->status == SequenceStatus::Finished) continue;
+      RequestOutput event = new_event(*chunk.seq);
+      event.finish_reason = "error";
+      finish(*chunk.seq, event);
+    }
+    return true;
+  }
+
+  const size_t vocab = size_t(logits.dim(1));
+  for (size_t j = 0; j < chunks.size(); ++j) {
+    Sequence& seq = *chunks[j].seq;
+    const SeqSlice& slice = batch.seqs[j];
+    cache_.commit_tokens(seq.cache_id, seq.tokens, seq.num_computed());
+    if (all_logits && seq.wants_prompt_logprobs) record_prompt_logprobs(seq, logits, slice);
+    if (seq.num_pending() > 0) continue;  // a prefill chunk that does not reach the end yet
+    const int64_t row = all_logits ? slice.offset + slice.count - 1 : int64_t(j);
+    sample_and_emit(seq, {logits.row(row), vocab});
+  }
+  return true;
+}
+
+void EngineCore::record_prompt_logprobs(Sequence& seq, const Tensor& logits, const SeqSlice& slice) {
+  const int64_t start = seq.num_computed() - slice.count;  // the model has advanced the length
+  for (int64_t i = 0; i < slice.count && start + i + 1 < seq.prompt_length; ++i) {
+    const int64_t next = start + i + 1;
+    seq.prompt_logprobs[next] = token_logprob({logits.row(slice.offset + i), size_t(logits.dim(1))},
+                                              seq.tokens[next], seq.params().prompt_logprobs);
+  }
+}
+
+RequestOutput EngineCore::new_event(const Sequence& seq) const {
+  RequestOutput event;
+  event.request_id = seq.request.id;
+  event.index = seq.index;
+  event.prompt_tokens = seq.prompt_length;
+  event.completion_tokens = seq.num_output();
+  event.cached_tokens = seq.cached_tokens;
+  return event;
+}
+
+void EngineCore::sample_and_emit(Sequence& seq, std::span<const float> logits) {
+  const SamplingParams& p = seq.params();
+  const int32_t token = seq.sampler.sample(logits, seq.prompt(), seq.output());
+  if (seq.num_output() == 0) prompt_tokens_total_ += seq.prompt_length;
+  ++generation_tokens_total_;
+  seq.tokens.push_back(token);
+
+  RequestOutput event = new_event(seq);
+  event.new_tokens = {token};
+  if (p.logprobs >= 0) event.logprobs.push_back(token_logprob(logits, token, p.logprobs));
+  if (seq.wants_prompt_logprobs) {
+    event.prompt_logprobs = std::move(seq.prompt_logprobs);
+    seq.wants_prompt_logprobs = false;
+  }
+  // Why it ends, in vLLM's order (check_stop, then the detokenizer's stop strings): an end token once
+  // min_tokens exist, a stop string, the length limit.
+  const bool stop_token = check_stop_token(seq, token, event);
+  if (seq.detokenizer) add_text(seq, token, stop_token, event);
+  if (event.finish_reason.empty() &&
+      (seq.num_output() >= p.max_tokens || int64_t(seq.tokens.size()) >= config_.max_model_len))
+    event.finish_reason = "length";
+
+  if (event.finish_reason.empty()) {
+    active_request(seq).on_output(event);
+    return;
+  }
+  // Text held back as a possible stop string start, or bytes of an unfinished character, come out now.
+  if (seq.detokenizer && !seq.detokenizer->stopped()) event.new_text += seq.detokenizer->finish().text;
+  finish(seq, event);
+}
+
+bool EngineCore::check_stop_token(const Sequence& seq, int32_t token, RequestOutput& event) const {
+  const SamplingParams& p = seq.params();
+  if (seq.num_output() < p.min_tokens) return false;
+  if (!p.ignore_eos && contains(end_of_sequence_, token)) {
+    event.finish_reason = "stop";
+    return true;
+  }
+  if (contains(p.stop_token_ids, token)) {
+    event.finish_reason = "stop";
+    event.stop_reason = token;
+    return true;
+  }
+  return false;
+}
+
+void EngineCore::add_text(Sequence& seq, int32_t token, bool stop_token, RequestOutput& event) const {
+  const SamplingParams& p = seq.params();
+  // The end token's own text is not shown (vLLM), nor special tokens when skipped.
+  if ((stop_token && !p.include_stop_str_in_output) || (p.skip_special_tokens && tokenizer_->is_special(token)))
+    return;
+  IncrementalDetokenizer::Delta delta = seq.detokenizer->push(token);
+  event.new_text = std::move(delta.text);
+  if (delta.stopped && !stop_token) {
+    event.finish_reason = "stop";
+    event.stop_reason = p.stop[delta.stop_index];
+    if (p.include_stop_str_in_output) event.new_text += p.stop[delta.stop_index];
+  }
+}
+
+EngineCore::ActiveRequest& EngineCore::active_request(const Sequence& seq) { return *requests_.at(seq.request.id); }
+
+void EngineCore::finish(Sequence& seq, RequestOutput& event) {
+  ActiveRequest& active = active_request(seq);
+  scheduler_.remove(&seq);
+  event.finished = true;
+  active.on_output(event);
+  if (--active.unfinished == 0) {
+    const std::string id = active.request.id;  // a copy: erasing destroys the request
+    requests_.erase(id);
+  }
+}
+
+}  // namespace sparrow

@@ -1,0 +1,102 @@
+// The engine's step loop without threads: requests in, one scheduled step of the model at a time,
+// events out through each request's callback. Engine (engine.h) runs it on its own thread for the
+// server; `sparrow generate` and tests drive it directly.
+//
+// One step:
+//   1. the scheduler picks the sequences and how many tokens of each (scheduler.h);
+//   2. their tokens form one Batch, run by model.forward against the paged KV cache; logits come back
+//      for each sequence's last token, or for every token when a prefill needs prompt logprobs;
+//   3. the computed tokens are committed to the cache (full blocks enter the prefix cache);
+//   4. each sequence whose tokens are now all computed samples its next token, which is detokenized,
+//      checked against the stop conditions and sent as a RequestOutput event.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "cache/kv_cache.h"
+#include "engine/request.h"
+#include "engine/scheduler.h"
+#include "engine/sequence.h"
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
+
+namespace sparrow {
+
+struct EngineConfig {
+  CacheConfig cache;  // its max_num_seqs is set from max_num_seqs below
+  int64_t max_num_seqs = 64;
+  int64_t max_num_batched_tokens = 2048;
+  int64_t max_model_len = 0;  // prompt + generated tokens of one sequence; must be set (> 0)
+  // End-of-sequence ids (generation_config.json's, see eos_token_ids in generate.h); when empty, the
+  // tokenizer's eos token.
+  std::vector<int32_t> eos_token_ids;
+};
+
+struct EngineStats {
+  int64_t running = 0, waiting = 0;  // sequences (a request with n choices counts n)
+  int64_t kv_blocks_used = 0, kv_blocks_total = 0;
+  int64_t prefix_queries = 0, prefix_hits = 0;  // prompt tokens looked up / reused
+  int64_t preemptions = 0;
+  int64_t prompt_tokens_total = 0, generation_tokens_total = 0;
+};
+
+class EngineCore {
+ public:
+  using OutputCallback = std::function<void(const RequestOutput&)>;
+
+  // `model` and `tokenizer` (may be null: no text, no stop strings) must outlive the core.
+  EngineCore(Model& model, const Tokenizer* tokenizer, EngineConfig config);
+
+  // Throws sparrow::Error naming what is wrong: empty prompt, ids outside the vocabulary, prompt +
+  // max_tokens beyond max_model_len, bad sampling parameters, stop strings without a tokenizer.
+  void validate(const Request& request) const;
+  // Validates and queues. `on_output` gets every event of the request, last the one with finished set
+  // for each choice; it must not call back into the core.
+  void add(Request request, OutputCallback on_output);
+  // Ends the request's unfinished choices with finish_reason "abort" and frees everything they hold.
+  // Unknown (or finished) ids are ignored.
+  void abort(const std::string& request_id);
+  void abort_all();
+
+  // Runs one step; false when there was nothing to run.
+  bool step();
+  bool has_work() const { return scheduler_.has_work(); }
+
+  EngineStats stats() const;
+  const KvCache& cache() const { return cache_; }
+  int64_t max_model_len() const { return config_.max_model_len; }
+
+ private:
+  struct ActiveRequest {
+    Request request;
+    OutputCallback on_output;
+    std::vector<std::unique_ptr<Sequence>> choices;
+    int64_t unfinished = 0;
+  };
+
+  void record_prompt_logprobs(Sequence& seq, const Tensor& logits, const SeqSlice& slice);
+  void sample_and_emit(Sequence& seq, std::span<const float> logits);
+  // Sets the event's finish reason when `token` ends the sequence (end of sequence, stop token id).
+  bool check_stop_token(const Sequence& seq, int32_t token, RequestOutput& event) const;
+  // The token's text; a stop string it completes ends the sequence.
+  void add_text(Sequence& seq, int32_t token, bool stop_token, RequestOutput& event) const;
+  RequestOutput new_event(const Sequence& seq) const;
+  ActiveRequest& active_request(const Sequence& seq);
+  // Sends the choice's last event (`event` has finished set) and lets go of the choice.
+  void finish(Sequence& seq, RequestOutput& event);
+
+  Model& model_;
+  const Tokenizer* tokenizer_;
+  EngineConfig config_;
+  std::vector<int32_t> end_of_sequence_;
+  KvCache cache_;
+  Scheduler scheduler_;
+  std::unordered_map<std::string, std::unique_ptr<ActiveRequest>> requests_;
+  int64_t prompt_tokens_total_ = 0, generation_tokens_total_ = 0;
+};
+
+}  // namespace sparrow
