@@ -27,6 +27,10 @@ cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$BUILD" -j"$(nproc)"
 
 if [ "${1:-}" = test ]; then
+  # Python references the tests compare against live (tokenizers, tiktoken, jinja2) and the official
+  # OpenAI client that drives the server tests. Pinned to the versions the committed expectations came from.
+  python3 -m pip install -q --disable-pip-version-check tokenizers==0.23.3 tiktoken==0.14.0 jinja2==3.1.6 \
+      openai pytest httpx
   ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
 else
   # The main job: greedy continuation of two prompts by the default bundled model.
