@@ -1,0 +1,268 @@
+// sparrow serve [MODEL_DIR] [flags]: the OpenAI-compatible HTTP server (src/server/server.h) over the
+// serving engine. Flags take vLLM's names where vLLM has the same setting (`vllm serve --help`), so a
+// vLLM command line mostly works unchanged. With no MODEL_DIR it serves the bundled default model.
+//
+// SIGTERM / SIGINT drain: new requests get 503, running ones may finish within --shutdown-timeout, the
+// rest are aborted, then the process exits.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "engine/engine.h"
+#include "engine/generate.h"
+#include "server/parsers/parser.h"
+#include "server/server.h"
+#include "tokenizer/tokenizer.h"
+
+namespace sparrow::cli {
+namespace fs = std::filesystem;
+
+namespace {
+
+// "4GiB", "512MiB", "1.5GB", "100000": K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti powers of 1024; a
+// trailing "B" is optional.
+int64_t parse_byte_size(const std::string& text) {
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    fail("--kv-cache-memory: '", text, "' is not a size (e.g. 4GiB, 512MiB, 2000000000)");
+  }
+  std::string unit = text.substr(used);
+  if (!unit.empty() && (unit.back() == 'B' || unit.back() == 'b')) unit.pop_back();
+  const std::string prefixes = "KMGT";
+  double scale = 1;
+  if (!unit.empty()) {
+    size_t power = prefixes.find(char(std::toupper(unit[0])));
+    bool binary = unit.size() == 2 && (unit[1] == 'i' || unit[1] == 'I');
+    SPARROW_CHECK(power != std::string::npos && (unit.size() == 1 || binary), "--kv-cache-memory: unknown unit in '",
+                  text, "' (use K, M, G, T, Ki, Mi, Gi or Ti, with or without B)");
+    scale = std::pow(binary ? 1024.0 : 1000.0, double(power + 1));
+  }
+  SPARROW_CHECK(value > 0, "--kv-cache-memory must be positive");
+  return int64_t(value * scale);
+}
+
+nlohmann::json read_json_if_present(const fs::path& path) {
+  if (!fs::exists(path)) return nlohmann::json::object();
+  std::ifstream in(path);
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  SPARROW_CHECK(!j.is_discarded() && j.is_object(), path.string(), ": not a JSON object");
+  return j;
+}
+
+// --generation-config auto: the model's generation_config.json supplies the default temperature,
+// top_p, top_k, min_p and repetition_penalty of requests that do not set them, and max_new_tokens caps
+// an unset max_tokens (vLLM's default behaviour); "vllm" ignores the file; a folder reads its file.
+void apply_generation_config(const std::string& mode, const std::string& model_dir, server::ServingOptions& options) {
+  if (mode == "vllm") return;
+  nlohmann::json config = read_json_if_present(fs::path(mode == "auto" ? model_dir : mode) / "generation_config.json");
+  SamplingParams& s = options.default_sampling;
+  auto number = [&](const char* key, auto& field) {
+    if (config.contains(key) && config[key].is_number()) field = config[key].get<std::decay_t<decltype(field)>>();
+  };
+  number("temperature", s.temperature);
+  number("top_p", s.top_p);
+  number("top_k", s.top_k);
+  number("min_p", s.min_p);
+  number("repetition_penalty", s.repetition_penalty);
+  if (config.contains("max_new_tokens") && config["max_new_tokens"].is_number_integer())
+    options.default_max_tokens = config["max_new_tokens"].get<int64_t>();
+}
+
+// The model's context length as vLLM derives max_model_len: the smallest of the length keys
+// config.json has (in text_config for vision-language configs).
+int64_t model_context_length(const std::string& model_dir) {
+  nlohmann::json config = read_json_if_present(fs::path(model_dir) / "config.json");
+  const nlohmann::json& text = config.contains("text_config") ? config["text_config"] : config;
+  int64_t length = 0;
+  for (const char* key : {"max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                          "max_sequence_length", "max_seq_length", "seq_len"})
+    if (text.contains(key) && text[key].is_number_integer() && (length == 0 || text[key].get<int64_t>() < length))
+      length = text[key].get<int64_t>();
+  SPARROW_CHECK(length > 0, model_dir,
+                "/config.json: no context length (max_position_embeddings, ...); pass --max-model-len");
+  return length;
+}
+
+struct ServeFlags {
+  std::string model, host = "127.0.0.1", api_key, tool_call_parser, reasoning_parser, chat_template;
+  std::vector<std::string> served_model_names;
+  int port = 8000;
+  int64_t max_model_len = 0, block_size = 64, max_num_seqs = 64, max_num_batched_tokens = 2048;
+  int64_t max_logprobs = kMaxLogprobs, max_concurrent_requests = 256;
+  std::string kv_cache_dtype = "auto", kv_cache_memory, generation_config = "auto";
+  double gpu_memory_utilization = 0;
+  bool enable_auto_tool_choice = false, prefix_caching = true;
+  bool disable_log_requests = false, enable_prompt_tokens_details = false;
+  int64_t seed = -1;
+  double shutdown_timeout = 30;
+};
+
+// SIGTERM / SIGINT: the handler only writes the signal number to a pipe (all it may safely do, and it
+// works whichever thread the signal lands on, OpenBLAS's included); a thread reads it and drains.
+int stop_pipe[2] = {-1, -1};
+extern "C" void on_stop_signal(int signal) {
+  char byte = char(signal);
+  [[maybe_unused]] ssize_t written = write(stop_pipe[1], &byte, 1);
+}
+
+void serve(const ServeFlags& flags) {
+  std::string model_dir = flags.model.empty() ? default_model_dir() : flags.model;
+  SPARROW_CHECK(flags.block_size == 64 || flags.block_size == 128 || flags.block_size == 256,
+                "--block-size must be 64, 128 or 256");
+  SPARROW_CHECK(flags.gpu_memory_utilization >= 0 && flags.gpu_memory_utilization <= 1,
+                "--gpu-memory-utilization must be in (0, 1]");
+
+  EngineConfig config;
+  config.cache.block_size = flags.block_size;
+  config.cache.kv_cache_dtype = flags.kv_cache_dtype;
+  config.cache.max_num_seqs = flags.max_num_seqs;
+  config.cache.enable_prefix_caching = flags.prefix_caching;
+  if (!flags.kv_cache_memory.empty()) config.cache.memory_bytes = parse_byte_size(flags.kv_cache_memory);
+  if (flags.gpu_memory_utilization > 0) config.cache.memory_fraction = flags.gpu_memory_utilization;
+  config.max_num_seqs = flags.max_num_seqs;
+  config.max_num_batched_tokens = flags.max_num_batched_tokens;
+  config.max_model_len = flags.max_model_len > 0 ? flags.max_model_len : model_context_length(model_dir);
+  for (int32_t id : eos_token_ids(model_dir)) config.eos_token_ids.push_back(id);
+
+  std::shared_ptr<const Tokenizer> tokenizer;
+  try {
+    tokenizer = load_tokenizer(model_dir);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "sparrow serve: no tokenizer (%s): only token-id prompts will be served\n", e.what());
+  }
+  std::shared_ptr<const ChatTemplate> chat_template;
+  // TODO(lead): --chat-template needs ChatTemplate::load(model_dir, template_file) from src/template
+  // (the model's special tokens with another template); until then the flag is refused.
+  SPARROW_CHECK(flags.chat_template.empty(), "--chat-template is not supported yet");
+  if (tokenizer) {
+    try {
+      chat_template = std::make_shared<ChatTemplate>(ChatTemplate::load(model_dir));
+    } catch (const Error& e) {
+      std::fprintf(stderr, "sparrow serve: no chat template (%s): /v1/chat/completions is off\n", e.what());
+    }
+  }
+
+  server::ServingOptions options;
+  options.served_model_names =
+      flags.served_model_names.empty() ? std::vector<std::string>{model_dir} : flags.served_model_names;
+  options.model_path = model_dir;
+  options.max_logprobs = flags.max_logprobs;
+  options.tool_call_parser = flags.tool_call_parser;
+  options.reasoning_parser = flags.reasoning_parser;
+  options.enable_auto_tool_choice = flags.enable_auto_tool_choice;
+  options.enable_prompt_tokens_details = flags.enable_prompt_tokens_details;
+  // transformers adds BOS to text it encodes with add_special_tokens when the tokenizer says so.
+  options.prepend_bos =
+      read_json_if_present(fs::path(model_dir) / "tokenizer_config.json").value("add_bos_token", false);
+  apply_generation_config(flags.generation_config, model_dir, options);
+  // Unknown parser names are refused at start, not at the first request.
+  if (!options.tool_call_parser.empty()) parsers::make_tool_parser(options.tool_call_parser, nullptr);
+  if (!options.reasoning_parser.empty()) parsers::make_reasoning_parser(options.reasoning_parser);
+  SPARROW_CHECK(!flags.enable_auto_tool_choice || !flags.tool_call_parser.empty(),
+                "--enable-auto-tool-choice needs --tool-call-parser");
+
+  Engine engine(load_model(model_dir), tokenizer, config);
+  std::string summary = engine.cache_plan().summary(engine.max_model_len());
+  std::printf("%s%s", summary.c_str(), summary.empty() || summary.back() != '\n' ? "\n" : "");
+
+  std::optional<uint64_t> seed;
+  if (flags.seed >= 0) seed = uint64_t(flags.seed);
+  server::ServingContext context(engine, tokenizer, chat_template, options, seed);
+  server::ServerConfig server_config;
+  server_config.host = flags.host;
+  server_config.port = flags.port;
+  if (!flags.api_key.empty())
+    server_config.api_key = flags.api_key;
+  else if (const char* key = std::getenv("SPARROW_API_KEY"); key && *key)
+    server_config.api_key = key;
+  server_config.max_concurrent_requests = flags.max_concurrent_requests;
+  server_config.log_requests = !flags.disable_log_requests;
+  server::Server server(context, server_config);
+  int port = server.bind();
+  std::printf("sparrow serve: %s as '%s' on http://%s:%d (max_model_len %lld)\n", model_dir.c_str(),
+              context.model_name().c_str(), flags.host.c_str(), port, (long long)engine.max_model_len());
+  std::fflush(stdout);
+
+  SPARROW_CHECK(pipe(stop_pipe) == 0, "cannot create a pipe");
+  struct sigaction action = {};
+  action.sa_handler = on_stop_signal;
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGINT, &action, nullptr);
+  std::thread signal_waiter([&] {
+    char signal = 0;
+    if (read(stop_pipe[0], &signal, 1) != 1 || signal == 0) return;  // 0: the server stopped by itself
+    std::fprintf(stderr, "sparrow serve: %s: draining (up to %.0f s)\n", strsignal(signal), flags.shutdown_timeout);
+    server.drain(std::chrono::milliseconds(int64_t(flags.shutdown_timeout * 1000)));
+  });
+  server.listen();
+  on_stop_signal(0);  // wakes the waiter if no signal came
+  signal_waiter.join();
+  std::fprintf(stderr, "sparrow serve: stopped\n");
+}
+
+}  // namespace
+
+void add_serve(CLI::App& app) {
+  auto* sub = app.add_subcommand("serve", "Serve a model over an OpenAI-compatible HTTP API");
+  static ServeFlags f;
+  sub->add_option("model", f.model, "Hugging Face model folder (default: the bundled model)");
+  sub->add_option("--model", f.model, "the model folder, as a flag");
+  sub->add_option("--host", f.host, "address to listen on")->capture_default_str();
+  sub->add_option("--port", f.port, "port to listen on (0: any free port)")->capture_default_str();
+  sub->add_option("--api-key", f.api_key,
+                  "require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
+                  "(default: $SPARROW_API_KEY)");
+  sub->add_option("--served-model-name", f.served_model_names,
+                  "model name(s) the API accepts; the first is reported (default: the model folder)");
+  sub->add_option("--max-model-len", f.max_model_len, "context length: prompt + output (default: the model's)");
+  sub->add_option("--tool-call-parser", f.tool_call_parser,
+                  "tool-call format: kimi_k3, kimi_k2, minimax_m3, minimax_m2, deepseek_v32");
+  sub->add_option("--reasoning-parser", f.reasoning_parser,
+                  "reasoning format: kimi_k3, kimi_k2, minimax_m3, minimax_m2, deepseek_v32");
+  sub->add_flag("--enable-auto-tool-choice", f.enable_auto_tool_choice,
+                "let the model decide when to call tools (tool_choice \"auto\"); needs --tool-call-parser");
+  sub->add_option("--chat-template", f.chat_template, "Jinja chat template file to use instead of the model's");
+  sub->add_option("--block-size", f.block_size, "KV-cache block size in tokens: 64, 128 or 256")->capture_default_str();
+  sub->add_option("--kv-cache-dtype", f.kv_cache_dtype, "KV-cache storage: auto (float32 on CPU), float32, bfloat16")
+      ->capture_default_str();
+  sub->add_option("--kv-cache-memory", f.kv_cache_memory,
+                  "KV-cache budget in bytes, e.g. 4GiB or 512MiB (default: --gpu-memory-utilization)");
+  sub->add_option("--gpu-memory-utilization", f.gpu_memory_utilization,
+                  "fraction of memory for the KV cache when --kv-cache-memory is not given; on the CPU backend, a "
+                  "fraction of the machine's RAM (default 0.25)");
+  sub->add_option("--max-num-seqs", f.max_num_seqs, "most requests running at once")->capture_default_str();
+  sub->add_option("--max-num-batched-tokens", f.max_num_batched_tokens,
+                  "tokens per engine step (chunked prefill budget)")
+      ->capture_default_str();
+  sub->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", f.prefix_caching,
+                "reuse the KV cache of shared prompt prefixes (default: on)");
+  sub->add_option("--generation-config", f.generation_config,
+                  "request defaults: auto (the model's generation_config.json), vllm (none), or a folder")
+      ->capture_default_str();
+  sub->add_option("--seed", f.seed, "seed the random draws of requests that give no seed of their own");
+  sub->add_option("--max-logprobs", f.max_logprobs, "largest logprobs / top_logprobs accepted")->capture_default_str();
+  sub->add_option("--max-concurrent-requests", f.max_concurrent_requests,
+                  "completions in flight before the server answers 503 (sparrow's own flag)")
+      ->capture_default_str();
+  sub->add_flag("--enable-prompt-tokens-details", f.enable_prompt_tokens_details,
+                "report usage.prompt_tokens_details.cached_tokens");
+  sub->add_flag("--disable-log-requests", f.disable_log_requests, "do not log each request on stderr");
+  sub->add_option("--shutdown-timeout", f.shutdown_timeout,
+                  "seconds running requests may take to finish after SIGTERM before they are aborted")
+      ->capture_default_str();
+  on_selected(sub, [] { serve(f); });
+}
+
+}  // namespace sparrow::cli

@@ -1,0 +1,274 @@
+#include "server/openai_requests.h"
+
+#include <cmath>
+#include <limits>
+
+#include "server/api_error.h"
+
+namespace sparrow::server {
+namespace {
+
+constexpr int64_t kMaxChoices = 128;  // OpenAI's limit on n
+
+float float_field(const Fields& f, const std::string& name, float def, double lo, double hi, const char* range) {
+  auto v = f.number(name);
+  if (!v) return def;
+  if (!std::isfinite(*v) || *v < lo || *v > hi) f.invalid(name, std::string("must be ") + range);
+  return float(*v);
+}
+
+// The fields both endpoints share, in vLLM's ranges (vllm SamplingParams._verify_args).
+void parse_generation_fields(const Fields& f, GenerationFields& out, const SamplingParams& defaults,
+                             int64_t max_logprobs) {
+  out.model = f.string("model").value_or("");
+  SamplingParams& s = out.sampling;
+  s = defaults;
+  s.temperature = float_field(f, "temperature", s.temperature, 0, std::numeric_limits<double>::max(), ">= 0");
+  s.top_p = float_field(f, "top_p", s.top_p, 0, 1, "in (0, 1]");
+  if (f.has("top_p") && s.top_p <= 0) f.invalid("top_p", "must be in (0, 1]");
+  s.min_p = float_field(f, "min_p", s.min_p, 0, 1, "in [0, 1]");
+  s.presence_penalty = float_field(f, "presence_penalty", s.presence_penalty, -2, 2, "in [-2, 2]");
+  s.frequency_penalty = float_field(f, "frequency_penalty", s.frequency_penalty, -2, 2, "in [-2, 2]");
+  s.repetition_penalty =
+      float_field(f, "repetition_penalty", s.repetition_penalty, 0, std::numeric_limits<double>::max(), "> 0");
+  if (f.has("repetition_penalty") && s.repetition_penalty <= 0) f.invalid("repetition_penalty", "must be > 0");
+  if (auto k = f.integer("top_k")) {
+    if (*k < -1) f.invalid("top_k", "must be -1 (disabled), 0 (disabled) or positive");
+    s.top_k = *k;
+  }
+  if (auto seed = f.integer("seed")) s.seed = uint64_t(*seed);  // any int64, as OpenAI's
+  if (auto n = f.integer("n")) {
+    if (*n < 1 || *n > kMaxChoices) f.invalid("n", "must be in [1, " + std::to_string(kMaxChoices) + "]");
+    s.n = *n;
+  }
+  if (auto best_of = f.integer("best_of"); best_of && *best_of != s.n)
+    f.invalid("best_of", "is not supported (only best_of == n)");
+
+  // max_completion_tokens replaces the deprecated max_tokens; when both are given it wins.
+  for (const char* name : {"max_tokens", "max_completion_tokens"})
+    if (auto m = f.integer(name)) {
+      if (*m < 1) f.invalid(name, "must be at least 1, got " + std::to_string(*m));
+      out.max_tokens = *m;
+    }
+  if (auto m = f.integer("min_tokens")) {
+    if (*m < 0) f.invalid("min_tokens", "must be >= 0");
+    if (out.max_tokens && *m > *out.max_tokens) f.invalid("min_tokens", "must be <= max_tokens");
+    s.min_tokens = *m;
+  }
+
+  if (auto stop = f.strings("stop")) {
+    for (const auto& str : *stop)
+      if (str.empty()) f.invalid("stop", "may not contain an empty string");
+    s.stop = *stop;
+  }
+  if (auto ids = f.integers("stop_token_ids")) {
+    for (int64_t id : *ids)
+      if (id < 0 || id > std::numeric_limits<int32_t>::max()) f.invalid("stop_token_ids", "must be token ids");
+    s.stop_token_ids.assign(ids->begin(), ids->end());
+  }
+  s.include_stop_str_in_output = f.boolean("include_stop_str_in_output").value_or(false);
+  s.ignore_eos = f.boolean("ignore_eos").value_or(false);
+  s.skip_special_tokens = f.boolean("skip_special_tokens").value_or(true);
+  f.boolean("spaces_between_special_tokens");  // accepted; our detokenizer never inserts spaces
+
+  if (auto k = f.integer("prompt_logprobs")) {
+    if (*k < 0 || *k > max_logprobs)
+      f.invalid("prompt_logprobs", "must be in [0, " + std::to_string(max_logprobs) + "]");
+    s.prompt_logprobs = *k;
+  }
+
+  out.stream = f.boolean("stream").value_or(false);
+  if (const Json* options = f.object("stream_options")) {
+    if (!out.stream) bad_request("Stream options can only be defined when `stream=True`.", "stream_options");
+    Fields o(*options, "stream_options");
+    out.stream_options.include_usage = o.boolean("include_usage").value_or(false);
+    out.stream_options.continuous_usage_stats = o.boolean("continuous_usage_stats").value_or(false);
+  }
+  if (out.stream && s.prompt_logprobs >= 0)
+    bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs");
+
+  if (auto k = f.integer("truncate_prompt_tokens")) {
+    if (*k < 1) f.invalid("truncate_prompt_tokens", "must be >= 1");
+    out.truncate_prompt_tokens = *k;
+  }
+  out.return_token_ids = f.boolean("return_token_ids").value_or(false);
+  out.request_id = f.string("request_id").value_or("");
+  f.string("user");  // accepted and ignored, as vLLM does
+
+  // What we cannot honour is refused rather than silently ignored.
+  if (const Json* bias = f.get("logit_bias"); bias && !(bias->is_object() && bias->empty()))
+    f.invalid("logit_bias", "is not supported");
+  for (const char* name : {"allowed_token_ids", "bad_words", "structured_outputs", "guided_json", "guided_regex",
+                           "guided_choice", "guided_grammar"})
+    if (const Json* v = f.get(name); v && !(v->is_array() && v->empty()))
+      f.invalid(name, "is not supported (sparrow has no constrained decoding)");
+  if (const Json* format = f.object("response_format")) {
+    auto type = Fields(*format, "response_format").string("type");
+    if (type != "text")
+      bad_request("response_format of type '" + type.value_or("") +
+                      "' is not supported (sparrow has no constrained decoding); use 'text'",
+                  "response_format");
+  }
+}
+
+ToolChoice parse_tool_choice(const Json* value) {
+  ToolChoice choice;
+  if (!value) return choice;
+  if (value->is_string()) {
+    std::string mode = value->get<std::string>();
+    if (mode == "none")
+      choice.mode = ToolChoice::Mode::None;
+    else if (mode == "auto")
+      choice.mode = ToolChoice::Mode::Auto;
+    else if (mode == "required")
+      choice.mode = ToolChoice::Mode::Required;
+    else
+      bad_request("Invalid value for `tool_choice`: " + mode + " (expected none, auto, required or a function)",
+                  "tool_choice");
+    return choice;
+  }
+  Fields f(*value, "tool_choice");
+  if (f.string("type") != "function") f.invalid("type", "must be \"function\"");
+  const Json* function = f.object("function");
+  if (!function) f.invalid("function", "is required for a named tool choice");
+  auto name = Fields(*function, "tool_choice.function").string("name");
+  if (!name) bad_request("`tool_choice.function.name` is required", "tool_choice.function.name");
+  choice.mode = ToolChoice::Mode::Named;
+  choice.function_name = *name;
+  return choice;
+}
+
+void check_tools(const Json& tools) {
+  if (!tools.is_array()) bad_request("`tools` must be a list", "tools");
+  if (tools.empty()) bad_request("`tools` must not be an empty array", "tools");
+  for (size_t i = 0; i < tools.size(); ++i) {
+    std::string path = "tools[" + std::to_string(i) + "]";
+    Fields tool(tools[i], path);
+    if (tool.string("type").value_or("function") != "function") tool.invalid("type", "must be \"function\"");
+    const Json* function = tool.object("function");
+    if (!function) tool.invalid("function", "is required");
+    Fields fn(*function, path + ".function");
+    if (!fn.string("name")) fn.invalid("name", "is required");
+    fn.string("description");
+    fn.object("parameters");
+  }
+}
+
+bool tool_named(const Json& tools, const std::string& name) {
+  for (const Json& tool : tools)
+    if (tool["function"]["name"] == name) return true;
+  return false;
+}
+
+}  // namespace
+
+ChatRequest parse_chat_request(const Json& body, const SamplingParams& defaults, int64_t max_logprobs) {
+  Fields f(body);
+  ChatRequest out;
+  parse_generation_fields(f, out, defaults, max_logprobs);
+
+  const Json* messages = f.get("messages");
+  if (!messages) bad_request("`messages` is required", "messages");
+  if (!messages->is_array() || messages->empty()) f.invalid("messages", "must be a non-empty list of messages");
+  for (size_t i = 0; i < messages->size(); ++i) {
+    Fields message((*messages)[i], "messages[" + std::to_string(i) + "]");
+    if (!message.string("role")) message.invalid("role", "is required and must be a string");
+  }
+
+  out.logprobs = f.boolean("logprobs").value_or(false);
+  if (auto k = f.integer("top_logprobs")) {
+    if (*k < 0 || *k > max_logprobs) f.invalid("top_logprobs", "must be in [0, " + std::to_string(max_logprobs) + "]");
+    if (*k > 0 && !out.logprobs)
+      bad_request("when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs");
+    out.top_logprobs = *k;
+  }
+  if (out.logprobs) out.sampling.logprobs = out.top_logprobs;
+
+  // Tools: the default tool_choice is "auto" with tools and "none" without (vLLM check_tool_usage).
+  if (const Json* tools = f.get("tools")) {
+    check_tools(*tools);
+    out.tools = *tools;
+  }
+  out.tool_choice = parse_tool_choice(f.get("tool_choice"));
+  if (!f.has("tool_choice") && !out.tools.is_null()) out.tool_choice.mode = ToolChoice::Mode::Auto;
+  if (out.tool_choice.mode != ToolChoice::Mode::None && out.tools.is_null())
+    bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice");
+  if (out.tool_choice.mode == ToolChoice::Mode::Named && !tool_named(out.tools, out.tool_choice.function_name))
+    bad_request("The tool specified in `tool_choice` (" + out.tool_choice.function_name +
+                    ") does not match any of the specified `tools`",
+                "tool_choice.function.name");
+  out.parallel_tool_calls = f.boolean("parallel_tool_calls").value_or(true);
+  out.include_reasoning = f.boolean("include_reasoning").value_or(true);
+
+  // What the chat template sees (template/chat_template.h reads these keys).
+  bool add_generation_prompt = f.boolean("add_generation_prompt").value_or(true);
+  bool continue_final_message = f.boolean("continue_final_message").value_or(false);
+  if (add_generation_prompt && continue_final_message)
+    bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.");
+  Json kwargs = Json::object();
+  if (const Json* k = f.object("chat_template_kwargs")) kwargs = *k;
+  // vLLM hands reasoning_effort to the template as a keyword argument.
+  if (auto effort = f.string("reasoning_effort"); effort && !kwargs.contains("reasoning_effort"))
+    kwargs["reasoning_effort"] = *effort;
+  out.template_input = {{"messages", *messages},
+                        {"add_generation_prompt", add_generation_prompt},
+                        {"continue_final_message", continue_final_message},
+                        {"chat_template_kwargs", kwargs}};
+  if (!out.tools.is_null()) out.template_input["tools"] = out.tools;
+  if (const Json* documents = f.get("documents")) out.template_input["documents"] = *documents;
+  return out;
+}
+
+CompletionRequest parse_completion_request(const Json& body, const SamplingParams& defaults, int64_t max_logprobs,
+                                           int64_t max_prompts) {
+  Fields f(body);
+  CompletionRequest out;
+  parse_generation_fields(f, out, defaults, max_logprobs);
+
+  // prompt: a string, a list of strings, a list of token ids, or a list of token-id lists.
+  const Json* prompt = f.get("prompt");
+  if (!prompt) bad_request("`prompt` is required", "prompt");
+  auto token_ids = [&](const Json& list) {
+    std::vector<int32_t> ids;
+    for (const Json& id : list) {
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > std::numeric_limits<int32_t>::max())
+        f.invalid("prompt", "must be a string, a list of strings, a list of token ids or a list of such lists");
+      ids.push_back(id.get<int32_t>());
+    }
+    return ids;
+  };
+  if (prompt->is_string()) {
+    out.prompts.push_back(prompt->get<std::string>());
+  } else if (prompt->is_array() && !prompt->empty() && (*prompt)[0].is_number()) {
+    out.prompts.push_back(token_ids(*prompt));
+  } else if (prompt->is_array()) {
+    for (const Json& p : *prompt) {
+      if (p.is_string())
+        out.prompts.push_back(p.get<std::string>());
+      else if (p.is_array())
+        out.prompts.push_back(token_ids(p));
+      else
+        f.invalid("prompt", "must be a string, a list of strings, a list of token ids or a list of such lists");
+    }
+  } else {
+    f.invalid("prompt", "must be a string, a list of strings, a list of token ids or a list of such lists");
+  }
+  if (out.prompts.empty()) bad_request("`prompt` must not be empty", "prompt");
+  for (const Prompt& p : out.prompts)
+    if (std::visit([](const auto& v) { return v.empty(); }, p)) bad_request("`prompt` must not be empty", "prompt");
+  if (int64_t(out.prompts.size()) > max_prompts)
+    bad_request("at most " + std::to_string(max_prompts) + " prompts per request", "prompt");
+
+  if (!out.max_tokens) out.max_tokens = 16;  // the OpenAI default for completions; null counts as not given
+  if (auto k = f.integer("logprobs")) {
+    if (*k < 0 || *k > max_logprobs) f.invalid("logprobs", "must be in [0, " + std::to_string(max_logprobs) + "]");
+    out.logprobs = *k;
+    out.sampling.logprobs = *k;
+  }
+  out.echo = f.boolean("echo").value_or(false);
+  out.add_special_tokens = f.boolean("add_special_tokens").value_or(true);
+  if (auto suffix = f.string("suffix"); suffix && !suffix->empty()) f.invalid("suffix", "is not supported");
+  return out;
+}
+
+}  // namespace sparrow::server

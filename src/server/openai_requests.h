@@ -1,0 +1,68 @@
+// The request bodies of the OpenAI-compatible endpoints, parsed and validated the way vLLM does it
+// (vllm/frontend/entrypoints/openai/{chat_completion,completion}/protocol.py): fields of the wrong
+// type, out of range or contradicting each other are 400 ApiErrors naming the field. What needs the
+// tokenizer or the model (prompt length, max_tokens against the context) is checked later, by the
+// handlers.
+#pragma once
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "engine/sampler.h"
+#include "server/json_fields.h"
+
+namespace sparrow::server {
+
+struct StreamOptions {
+  bool include_usage = false;           // one last chunk with "choices": [] and the usage
+  bool continuous_usage_stats = false;  // cumulative usage on every chunk
+};
+
+// tool_choice: "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}.
+struct ToolChoice {
+  enum class Mode { None, Auto, Required, Named } mode = Mode::None;
+  std::string function_name;  // Named only
+};
+
+// Fields both endpoints share.
+struct GenerationFields {
+  std::string model;  // empty: the served model
+  SamplingParams sampling;
+  std::optional<int64_t> max_tokens;  // not given: up to the end of the context (chat) / 16 (completions)
+  bool stream = false;
+  StreamOptions stream_options;
+  std::optional<int64_t> truncate_prompt_tokens;  // keep only the last k prompt tokens
+  bool return_token_ids = false;                  // vLLM extra: prompt and output token ids in the response
+  std::string request_id;                         // vLLM extra: the client's own id, else generated
+};
+
+struct ChatRequest : GenerationFields {
+  Json template_input;  // messages, tools, chat_template_kwargs, ...: what the chat template renders
+  Json tools;           // the list of tools; null when none
+  ToolChoice tool_choice;
+  bool logprobs = false;
+  int64_t top_logprobs = 0;
+  bool parallel_tool_calls = true;  // false: only the first tool call is returned
+  bool include_reasoning = true;    // false: the reasoning is parsed out and dropped
+};
+
+// One prompt: text, or token ids.
+using Prompt = std::variant<std::string, std::vector<int32_t>>;
+
+struct CompletionRequest : GenerationFields {
+  std::vector<Prompt> prompts;
+  std::optional<int64_t> logprobs;  // the int form: top-k alternatives per token
+  bool echo = false;                // the prompt is prepended to each choice's text
+  bool add_special_tokens = true;   // a text prompt gets the tokenizer's BOS
+};
+
+// `defaults` holds the sampling defaults of the served model (generation_config.json), which the
+// request's fields override.
+ChatRequest parse_chat_request(const Json& body, const SamplingParams& defaults, int64_t max_logprobs);
+CompletionRequest parse_completion_request(const Json& body, const SamplingParams& defaults, int64_t max_logprobs,
+                                           int64_t max_prompts);
+
+}  // namespace sparrow::server

@@ -1,0 +1,61 @@
+#include "server/serving.h"
+
+#include "server/api_error.h"
+
+namespace sparrow::server {
+
+ServingContext::ServingContext(Engine& engine, std::shared_ptr<const Tokenizer> tokenizer,
+                               std::shared_ptr<const ChatTemplate> chat_template, ServingOptions options,
+                               std::optional<uint64_t> seed)
+    : engine(engine),
+      tokenizer(std::move(tokenizer)),
+      chat_template(std::move(chat_template)),
+      options(std::move(options)),
+      metrics(this->options.served_model_names.front(), engine.max_model_len()) {
+  if (seed) seeds_.emplace(*seed);
+}
+
+void ServingContext::check_model(const std::string& name) const {
+  if (name.empty()) return;
+  for (const std::string& served : options.served_model_names)
+    if (served == name) return;
+  throw ApiError(404, "The model `" + name + "` does not exist.", "model");
+}
+
+const Tokenizer& ServingContext::require_tokenizer() const {
+  if (!tokenizer) bad_request("the served model has no tokenizer: only token-id prompts are accepted", "prompt");
+  return *tokenizer;
+}
+
+void ServingContext::assign_seed(SamplingParams& params) {
+  if (params.seed || !seeds_) return;
+  std::lock_guard<std::mutex> lock(seeds_mutex_);
+  params.seed = (*seeds_)();
+}
+
+void fit_to_context(int64_t prompt_tokens, std::optional<int64_t> requested_max_tokens, const char* prompt_param,
+                    const ServingContext& context, SamplingParams& params) {
+  const int64_t max_model_len = context.engine.max_model_len();
+  if (prompt_tokens >= max_model_len)
+    bad_request("This model's maximum context length is " + std::to_string(max_model_len) +
+                    " tokens. However, your request has " + std::to_string(prompt_tokens) +
+                    " input tokens. Please reduce the length of the input.",
+                prompt_param);
+  const int64_t room = max_model_len - prompt_tokens;
+  if (requested_max_tokens) {
+    if (*requested_max_tokens > room)
+      bad_request("'max_tokens' or 'max_completion_tokens' is too large: " + std::to_string(*requested_max_tokens) +
+                      ". This model's maximum context length is " + std::to_string(max_model_len) +
+                      " tokens and your request has " + std::to_string(prompt_tokens) + " input tokens (" +
+                      std::to_string(*requested_max_tokens) + " > " + std::to_string(max_model_len) + " - " +
+                      std::to_string(prompt_tokens) + ").",
+                  "max_tokens");
+    params.max_tokens = *requested_max_tokens;
+  } else {
+    // Unset: up to the end of the context, capped by the model's own max_new_tokens (vLLM get_max_tokens).
+    params.max_tokens = std::min(room, context.options.default_max_tokens.value_or(room));
+  }
+  if (params.min_tokens > params.max_tokens) bad_request("`min_tokens` must be <= max_tokens", "min_tokens");
+}
+
+}  // namespace sparrow::server

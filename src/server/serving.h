@@ -1,0 +1,90 @@
+// What the endpoint handlers share: the engine, the tokenizer, the chat template, the metrics and the
+// serving options; and the shape of a completion in progress (CompletionJob), which the HTTP layer
+// drives (server.cpp) without knowing which endpoint made it.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "server/generation.h"
+#include "server/json_fields.h"
+#include "server/metrics.h"
+#include "template/chat_template.h"
+#include "tokenizer/tokenizer.h"
+
+namespace sparrow::server {
+
+struct ServingOptions {
+  std::vector<std::string> served_model_names;     // requests may name any; responses carry the first
+  std::string model_path;                          // /v1/models "root"
+  int64_t max_logprobs = kMaxLogprobs;             // --max-logprobs
+  int64_t max_prompts_per_request = 1024;          // list prompts of /v1/completions
+  std::string tool_call_parser, reasoning_parser;  // empty: none
+  bool enable_auto_tool_choice = false;
+  bool enable_prompt_tokens_details = false;  // usage.prompt_tokens_details.cached_tokens
+  SamplingParams default_sampling;            // request defaults (generation_config.json with --generation-config auto)
+  std::optional<int64_t> default_max_tokens;  // generation_config.json's max_new_tokens: caps an unset max_tokens
+  bool prepend_bos = false;                   // /v1/completions text prompts get the BOS token (add_special_tokens)
+};
+
+class ServingContext {
+ public:
+  ServingContext(Engine& engine, std::shared_ptr<const Tokenizer> tokenizer,
+                 std::shared_ptr<const ChatTemplate> chat_template, ServingOptions options,
+                 std::optional<uint64_t> seed);
+
+  Engine& engine;
+  const std::shared_ptr<const Tokenizer> tokenizer;         // null: token ids only
+  const std::shared_ptr<const ChatTemplate> chat_template;  // null: no chat endpoint
+  const ServingOptions options;
+  ServerMetrics metrics;
+
+  const std::string& model_name() const { return options.served_model_names.front(); }
+  // 404 unless `name` is empty or one of the served names.
+  void check_model(const std::string& name) const;
+  // The tokenizer, or a 400 saying the model has none.
+  const Tokenizer& require_tokenizer() const;
+  // --seed: a request without a seed gets the next one of a sequence started from the server's seed, so
+  // a server started with the same seed answers the same requests in the same order the same way.
+  void assign_seed(SamplingParams& params);
+
+ private:
+  std::optional<std::mt19937_64> seeds_;
+  std::mutex seeds_mutex_;
+};
+
+// A completion in progress. The HTTP layer pulls the engine's events from generation() and writes what
+// the job makes of them: stream chunks, or one body at the end.
+class CompletionJob {
+ public:
+  virtual ~CompletionJob() = default;
+  virtual Generation& generation() = 0;
+  virtual bool streaming() const = 0;
+  // Streaming: what goes out before any output (chat: each choice's role chunk).
+  virtual std::string stream_start() = 0;
+  // Streaming: the chunks for one event; empty when nothing can be said yet. Non-streaming: only
+  // accumulates, returns "".
+  virtual std::string on_event(const Generation::Event& event) = 0;
+  // Streaming, once every choice has finished: the usage chunk if asked for, then [DONE].
+  virtual std::string stream_end() = 0;
+  // Non-streaming, once every choice has finished: the response body.
+  virtual Json response() = 0;
+};
+
+// Parse, validate, render / tokenize, check lengths and submit; 4xx problems are ApiErrors.
+std::unique_ptr<CompletionJob> start_chat_completion(const Json& body, ServingContext& context,
+                                                     Clock::time_point arrival);
+std::unique_ptr<CompletionJob> start_text_completion(const Json& body, ServingContext& context,
+                                                     Clock::time_point arrival);
+
+// Prompt length against the context (vLLM's messages): 400 when the prompt leaves no room, or when
+// max_tokens does not fit; fills in max_tokens when the request left it unset.
+void fit_to_context(int64_t prompt_tokens, std::optional<int64_t> requested_max_tokens, const char* prompt_param,
+                    const ServingContext& context, SamplingParams& params);
+
+}  // namespace sparrow::server

@@ -1,0 +1,288 @@
+// The server's engine-independent layers: request validation (openai_requests.h), error bodies,
+// the chat output rules on top of the parsers (chat_output.h), response pieces, metrics and the
+// engine-to-handler event queue.
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "server/api_error.h"
+#include "server/chat_output.h"
+#include "server/event_queue.h"
+#include "server/metrics.h"
+#include "server/openai_requests.h"
+#include "server/openai_responses.h"
+
+namespace sparrow::server {
+namespace {
+
+Json parse(const std::string& text) { return Json::parse(text); }
+
+// The status and `param` of the ApiError `fn` throws.
+template <typename Fn>
+std::pair<int, std::string> rejection(Fn fn) {
+  try {
+    fn();
+  } catch (const ApiError& e) {
+    return {e.status(), e.param()};
+  }
+  return {0, "(accepted)"};
+}
+
+ChatRequest chat(const std::string& text) { return parse_chat_request(parse(text), SamplingParams{}, kMaxLogprobs); }
+CompletionRequest completion(const std::string& text) {
+  return parse_completion_request(parse(text), SamplingParams{}, kMaxLogprobs, 4);
+}
+
+const char* kTools = R"([{"type": "function", "function": {"name": "get_weather",
+                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])";
+
+TEST(ServerRequests, ChatDefaultsAndFields) {
+  ChatRequest r = chat(R"({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 5, "max_completion_tokens": 7, "temperature": 0, "n": 2,
+                           "stop": "x", "seed": 3, "logprobs": true, "top_logprobs": 2})");
+  EXPECT_EQ(r.model, "m");
+  EXPECT_EQ(r.max_tokens, 7);  // max_completion_tokens wins
+  EXPECT_EQ(r.sampling.temperature, 0.0f);
+  EXPECT_EQ(r.sampling.n, 2);
+  EXPECT_EQ(r.sampling.stop, std::vector<std::string>{"x"});
+  EXPECT_EQ(r.sampling.seed, 3u);
+  EXPECT_EQ(r.sampling.logprobs, 2);
+  EXPECT_EQ(r.tool_choice.mode, ToolChoice::Mode::None);
+  EXPECT_TRUE(r.template_input["add_generation_prompt"].get<bool>());
+
+  ChatRequest with_tools =
+      chat(std::string(R"({"messages": [{"role": "user", "content": "hi"}], "tools": )") + kTools + "}");
+  EXPECT_EQ(with_tools.tool_choice.mode, ToolChoice::Mode::Auto);  // the default with tools
+  // The tool schema reaches the template in the client's key order.
+  EXPECT_EQ(with_tools.template_input["tools"][0]["function"].begin().key(), "name");
+}
+
+TEST(ServerRequests, ChatValidationErrors) {
+  const std::string messages = R"("messages": [{"role": "user", "content": "hi"}])";
+  auto status_param = [&](const std::string& rest) {
+    return rejection([&] { chat("{" + messages + ", " + rest + "}"); });
+  };
+  EXPECT_EQ(status_param(R"("tools": [])"), std::make_pair(400, std::string("tools")));
+  EXPECT_EQ(status_param(R"("tool_choice": "auto")"), std::make_pair(400, std::string("tool_choice")));
+  EXPECT_EQ(status_param(R"("tool_choice": "sometimes", "tools": )" + std::string(kTools)),
+            std::make_pair(400, std::string("tool_choice")));
+  EXPECT_EQ(status_param(R"("tool_choice": {"type": "function", "function": {"name": "other"}}, "tools": )" +
+                         std::string(kTools)),
+            std::make_pair(400, std::string("tool_choice.function.name")));
+  EXPECT_EQ(status_param(R"("stream_options": {"include_usage": true})"),
+            std::make_pair(400, std::string("stream_options")));
+  EXPECT_EQ(status_param(R"("top_logprobs": 3)"), std::make_pair(400, std::string("top_logprobs")));
+  EXPECT_EQ(status_param(R"("max_tokens": -1)"), std::make_pair(400, std::string("max_tokens")));
+  EXPECT_EQ(status_param(R"("max_tokens": "ten")"), std::make_pair(400, std::string("max_tokens")));
+  EXPECT_EQ(status_param(R"("temperature": "hot")"), std::make_pair(400, std::string("temperature")));
+  EXPECT_EQ(status_param(R"("top_p": 0)"), std::make_pair(400, std::string("top_p")));
+  EXPECT_EQ(status_param(R"("n": 0)"), std::make_pair(400, std::string("n")));
+  EXPECT_EQ(status_param(R"("stop": [1])"), std::make_pair(400, std::string("stop")));
+  EXPECT_EQ(status_param(R"("response_format": {"type": "json_object"})"),
+            std::make_pair(400, std::string("response_format")));
+  EXPECT_EQ(status_param(R"("logit_bias": {"1": 5})"), std::make_pair(400, std::string("logit_bias")));
+  EXPECT_EQ(status_param(R"("stream": true, "prompt_logprobs": 1)"),
+            std::make_pair(400, std::string("prompt_logprobs")));
+  EXPECT_EQ(rejection([&] { chat(R"({"messages": []})"); }), std::make_pair(400, std::string("messages")));
+  EXPECT_EQ(rejection([&] { chat(R"({"messages": [{"content": "no role"}]})"); }),
+            std::make_pair(400, std::string("messages[0].role")));
+  EXPECT_EQ(rejection([&] { chat(R"({"model": "m"})"); }), std::make_pair(400, std::string("messages")));
+  EXPECT_EQ(rejection([&] { parse_json_object("{not json"); }).first, 400);
+  EXPECT_EQ(rejection([&] { parse_json_object("[1]"); }).first, 400);
+}
+
+TEST(ServerRequests, CompletionPrompts) {
+  EXPECT_EQ(completion(R"({"prompt": "abc"})").prompts, std::vector<Prompt>{std::string("abc")});
+  std::vector<Prompt> ids = {std::vector<int32_t>{1, 2}};
+  EXPECT_EQ(completion(R"({"prompt": [1, 2]})").prompts, ids);
+  CompletionRequest many = completion(R"({"prompt": [[1], [2, 3]], "logprobs": 2, "echo": true})");
+  EXPECT_EQ(many.prompts.size(), 2u);
+  EXPECT_EQ(many.logprobs, 2);
+  EXPECT_TRUE(many.echo);
+  EXPECT_EQ(completion(R"({"prompt": "a"})").max_tokens, 16);  // OpenAI's completions default
+  EXPECT_EQ(completion(R"({"prompt": "a", "max_tokens": null})").max_tokens, 16);
+
+  EXPECT_EQ(rejection([] { completion(R"({"prompt": ""})"); }), std::make_pair(400, std::string("prompt")));
+  EXPECT_EQ(rejection([] { completion(R"({"prompt": []})"); }), std::make_pair(400, std::string("prompt")));
+  EXPECT_EQ(rejection([] { completion(R"({"prompt": [-1]})"); }), std::make_pair(400, std::string("prompt")));
+  EXPECT_EQ(rejection([] { completion(R"({"prompt": [1.5]})"); }), std::make_pair(400, std::string("prompt")));
+  EXPECT_EQ(rejection([] { completion(R"({"prompt": ["a","b","c","d","e"]})"); }).first, 400);  // > 4 prompts
+  EXPECT_EQ(rejection([] { completion(R"({"prompt": "a", "logprobs": 21})"); }),
+            std::make_pair(400, std::string("logprobs")));
+  EXPECT_EQ(rejection([] { completion(R"({})"); }), std::make_pair(400, std::string("prompt")));
+}
+
+TEST(ServerRequests, ModelDefaultsApplyUnlessGiven) {
+  SamplingParams defaults;
+  defaults.temperature = 0.6f;
+  defaults.top_k = 40;
+  ChatRequest r =
+      parse_chat_request(parse(R"({"messages": [{"role": "user", "content": "x"}], "top_k": 5})"), defaults, 20);
+  EXPECT_EQ(r.sampling.temperature, 0.6f);
+  EXPECT_EQ(r.sampling.top_k, 5);
+}
+
+TEST(ServerErrors, OpenAiErrorObject) {
+  Json body = error_body(400, "bad", "tools");
+  EXPECT_EQ(body, parse(R"({"error": {"message": "bad", "type": "BadRequestError", "param": "tools", "code": 400}})"));
+  EXPECT_TRUE(error_body(404, "x")["error"]["param"].is_null());
+  EXPECT_EQ(error_type(401), "AuthenticationError");
+  EXPECT_EQ(error_type(413), "RequestTooLargeError");
+  EXPECT_EQ(error_type(503), "ServiceUnavailableError");
+}
+
+// Kimi K2 markup (server/parsers/markers.h), fed in small pieces as the engine would.
+const std::string kKimiOutput =
+    "Let me check. <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+    "<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|>"
+    "<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{\"zone\": \"CET\"}<|tool_call_end|>"
+    "<|tool_calls_section_end|>";
+
+struct Streamed {
+  std::vector<Json> deltas;
+  ChatChoiceOutput output;
+};
+
+Streamed stream_kimi(ChatOutputRules rules, size_t piece = 5) {
+  Streamed s{{},
+             ChatChoiceOutput(std::make_unique<parsers::OutputParser>(
+                                  nullptr, parsers::make_tool_parser("kimi_k2", nlohmann::json(nullptr))),
+                              rules)};
+  for (size_t at = 0; at < kKimiOutput.size(); at += piece) {
+    bool last = at + piece >= kKimiOutput.size();
+    parsers::OutputDelta d = s.output.feed(kKimiOutput.substr(at, piece), 1, last);
+    if (!d.empty()) s.deltas.push_back(delta_json(d));
+  }
+  return s;
+}
+
+TEST(ServerChatOutput, StreamedToolCallsJoinToTheMessage) {
+  Streamed s = stream_kimi({});
+  std::string content;
+  std::map<int, std::string> arguments;
+  std::map<int, int> headers;  // pieces carrying id/type/name per index
+  for (const Json& d : s.deltas) {
+    if (d.contains("content")) content += d["content"].get<std::string>();
+    for (const Json& call : d.value("tool_calls", Json::array())) {
+      int index = call["index"];
+      if (call.contains("id")) {
+        ++headers[index];
+        EXPECT_EQ(call["type"], "function");
+        EXPECT_TRUE(call["function"].contains("name"));
+      }
+      arguments[index] += call["function"]["arguments"].get<std::string>();
+    }
+  }
+  EXPECT_EQ(content, "Let me check. ");  // no markup leaks into content
+  EXPECT_EQ(headers, (std::map<int, int>{{0, 1}, {1, 1}}));
+  Json message = message_json(s.output.joined(), false);
+  ASSERT_EQ(message["tool_calls"].size(), 2u);
+  EXPECT_EQ(message["content"], "Let me check. ");
+  EXPECT_EQ(message["tool_calls"][0]["id"], "functions.get_weather:0");
+  EXPECT_EQ(message["tool_calls"][0]["function"]["name"], "get_weather");
+  EXPECT_EQ(Json::parse(arguments[0]),
+            Json::parse(message["tool_calls"][0]["function"]["arguments"].get<std::string>()));
+  EXPECT_EQ(Json::parse(arguments[1]), parse(R"({"zone": "CET"})"));
+  EXPECT_EQ(s.output.finish_reason("stop"), "tool_calls");
+}
+
+TEST(ServerChatOutput, NamedChoiceAndNoParallelCalls) {
+  ChatOutputRules named;
+  named.only_function = "get_time";
+  named.tool_calls_finish = false;  // a named tool_choice finishes with "stop", as vLLM
+  Streamed s = stream_kimi(named, 3);
+  Json message = message_json(s.output.joined(), false);
+  ASSERT_EQ(message["tool_calls"].size(), 1u);
+  EXPECT_EQ(message["tool_calls"][0]["function"]["name"], "get_time");
+  for (const Json& d : s.deltas)
+    for (const Json& call : d.value("tool_calls", Json::array())) EXPECT_EQ(call["index"], 0);  // renumbered
+  EXPECT_EQ(s.output.finish_reason("stop"), "stop");
+
+  ChatOutputRules single;
+  single.parallel_tool_calls = false;
+  Streamed first_only = stream_kimi(single, 7);
+  ASSERT_EQ(first_only.output.joined().tool_calls.size(), 1u);
+  EXPECT_EQ(first_only.output.joined().tool_calls[0].name, "get_weather");
+}
+
+TEST(ServerChatOutput, ReasoningCanBeDropped) {
+  auto run = [](bool include) {
+    ChatOutputRules rules;
+    rules.include_reasoning = include;
+    ChatChoiceOutput out(std::make_unique<parsers::OutputParser>(parsers::make_reasoning_parser("kimi_k2"), nullptr),
+                         rules);
+    out.feed("<think>plan", 2, false);
+    out.feed("</think>Hello", 2, true);
+    return out;
+  };
+  ChatChoiceOutput with = run(true);
+  EXPECT_EQ(with.joined().reasoning, "plan");
+  EXPECT_EQ(with.joined().content, "Hello");
+  EXPECT_EQ(message_json(with.joined(), true)["reasoning"], "plan");
+  EXPECT_GE(with.reasoning_tokens(), 2);
+  ChatChoiceOutput without = run(false);
+  EXPECT_EQ(without.joined().reasoning, "");
+  EXPECT_EQ(without.joined().content, "Hello");
+}
+
+TEST(ServerResponses, UsageAndIds) {
+  Usage u(10, 5);
+  EXPECT_EQ(usage_json(u), parse(R"({"prompt_tokens": 10, "total_tokens": 15, "completion_tokens": 5})"));
+  u.cached_tokens = 4;
+  EXPECT_EQ(usage_json(u)["prompt_tokens_details"]["cached_tokens"], 4);
+  std::string id = random_id("chatcmpl-");
+  EXPECT_EQ(id.size(), 9u + 32u);
+  EXPECT_NE(id, random_id("chatcmpl-"));
+  EXPECT_EQ(sse_event(parse(R"({"a": 1})")), "data: {\"a\":1}\n\n");
+  // Invalid UTF-8 never makes serialisation throw.
+  EXPECT_NO_THROW(to_text(Json(std::string("\xff"))));
+}
+
+TEST(ServerMetrics, PrometheusText) {
+  Histogram h({0.1, 1.0});
+  h.observe(0.05);
+  h.observe(0.5);
+  h.observe(5);
+  std::string out;
+  h.render(out, "x", "model_name=\"m\"");
+  EXPECT_NE(out.find("x_bucket{model_name=\"m\",le=\"0.1\"} 1\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("x_bucket{model_name=\"m\",le=\"1\"} 2\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("x_bucket{model_name=\"m\",le=\"+Inf\"} 3\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("x_count{model_name=\"m\"} 3\n"), std::string::npos) << out;
+
+  ServerMetrics metrics("my \"model\"", 100);
+  metrics.observe_time_to_first_token(0.2);
+  metrics.observe_finished(1.0, 0.2, 7, 5, "length");
+  EngineGauges gauges;
+  gauges.running = 2;
+  gauges.kv_blocks_used = 3;
+  gauges.kv_blocks_total = 12;
+  gauges.prefix_hits = 64;
+  std::string text = metrics.render(gauges);
+  const std::string labels = "{model_name=\"my \\\"model\\\"\"}";
+  for (const std::string& line : std::vector<std::string>{
+           "vllm:num_requests_running" + labels + " 2", "vllm:kv_cache_usage_perc" + labels + " 0.25",
+           "vllm:prefix_cache_hits_total" + labels + " 64", "# TYPE vllm:prefix_cache_hits counter",
+           "# TYPE vllm:time_to_first_token_seconds histogram",
+           "vllm:time_to_first_token_seconds_count" + labels + " 1",
+           "vllm:request_success_total{model_name=\"my \\\"model\\\"\",finished_reason=\"length\"} 1",
+           "vllm:request_time_per_output_token_seconds_sum" + labels + " 0.2"})
+    EXPECT_NE(text.find(line + "\n"), std::string::npos) << line << "\n" << text;
+}
+
+TEST(ServerEventQueue, CrossesThreadsAndTimesOut) {
+  EventQueue<int> queue;
+  EXPECT_FALSE(queue.pop(std::chrono::milliseconds(1)));
+  std::thread producer([&] {
+    for (int i = 0; i < 100; ++i) queue.push(i);
+  });
+  for (int i = 0; i < 100; ++i) {
+    auto v = queue.pop(std::chrono::seconds(5));
+    ASSERT_TRUE(v);
+    EXPECT_EQ(*v, i);
+  }
+  producer.join();
+}
+
+}  // namespace
+}  // namespace sparrow::server
