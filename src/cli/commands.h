@@ -13,8 +13,17 @@ namespace sparrow::cli {
 void add_score(CLI::App& app);
 void add_generate(CLI::App& app);
 void add_bench(CLI::App& app);
+void add_serve(CLI::App& app);
+void add_render(CLI::App& app);
 void add_tokenize(CLI::App& app);
 void add_detokenize(CLI::App& app);
+void add_chat(CLI::App& app);
+void add_perplexity(CLI::App& app);
+
+// The bundled model's folder (models/minimax_m3, found beside the executable's folder or in the
+// current directory), for commands run without --model; a one-line error if it is not there
+// (common.cpp).
+std::string default_model_dir();
 
 // Registers the action of a subcommand (called from add_X).
 void on_selected(CLI::App* sub, std::function<void()> action);

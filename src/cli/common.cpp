@@ -1,3 +1,4 @@
+#include <filesystem>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -12,6 +13,22 @@ std::vector<std::pair<CLI::App*, std::function<void()>>>& actions() {
   return a;
 }
 }  // namespace
+
+// The bundled model: models/minimax_m3 of the source tree. It is looked for beside the executable's
+// folder (build/sparrow -> models/minimax_m3), then in the current directory.
+std::string default_model_dir() {
+  namespace fs = std::filesystem;
+  const fs::path bundled = fs::path("models") / "minimax_m3";
+  std::vector<fs::path> candidates;
+  std::error_code error;
+  fs::path exe = fs::read_symlink("/proc/self/exe", error);
+  if (!error) candidates.push_back(exe.parent_path().parent_path() / bundled);
+  candidates.push_back(fs::current_path(error) / bundled);
+  for (const fs::path& dir : candidates)
+    if (fs::exists(dir / "config.json")) return dir.lexically_normal().string();
+  fail("no --model given and the bundled model (", bundled.string(),
+       ") is neither next to the executable's folder nor in the current directory; pass --model DIR");
+}
 
 void on_selected(CLI::App* sub, std::function<void()> action) { actions().push_back({sub, std::move(action)}); }
 

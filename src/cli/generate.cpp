@@ -1,43 +1,71 @@
-// sparrow generate --model DIR --prompt-ids FILE.json --max-tokens N [--temperature T] [--top-p P]
-//                  [--top-k K] [--seed S] [--ignore-eos]
-// Prints {"completions": [[id, ...], ...]}. Temperature 0 is greedy.
+// sparrow generate [--model DIR] (--prompt TEXT | --prompt-ids FILE.json) [--max-tokens N] [--temperature T]
+//                  [--top-p P] [--top-k K] [--seed S] [--ignore-eos]
+//   --prompt      continues raw text (no chat template; no BOS unless tokenizer_config.json's
+//                 add_bos_token) and streams the continuation's text to stdout as it is decoded.
+//   --prompt-ids  continues each id list of {"prompts": [[id, ...], ...]} and prints
+//                 {"completions": [[id, ...], ...]}.
+// Without --model, the bundled model. Temperature 0 is greedy.
 #include <cstdio>
 
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/text_generation.h"
 #include "core/error.h"
 #include "engine/generate.h"
 #include "model/model.h"
+#include "tokenizer/detokenizer.h"
 
 namespace sparrow::cli {
+namespace {
+
+// Streams the continuation of `prompt_text` (the end token itself is not written).
+void generate_text(const std::string& model_dir, const std::string& prompt_text, const GenerateOptions& options) {
+  auto tokenizer = load_tokenizer(model_dir);
+  auto model = load_model(model_dir);
+  std::vector<int32_t> prompt = text_prompt_ids(*tokenizer, model_dir, prompt_text);
+  IncrementalDetokenizer detokenizer(*tokenizer);
+  generate_streaming(*model, prompt, options.sampling, options.stop_token_ids, options.max_tokens,
+                     context_length(model_dir), [&](int32_t token) {
+                       if (!options.stop_token_ids.count(token)) write_now(detokenizer.push(token).text);
+                     });
+  write_now(detokenizer.finish().text + "\n");
+}
+
+}  // namespace
 
 void add_generate(CLI::App& app) {
-  auto* sub = app.add_subcommand("generate", "Continue prompts token by token");
-  static std::string model_dir, prompts_path;
+  auto* sub = app.add_subcommand("generate", "Continue a text prompt (streamed) or token-id prompts (JSON)");
+  static std::string model_dir, prompt_text, prompts_path;
   static GenerateOptions options;
   static int64_t seed = -1;
   static bool ignore_eos = false;
   options.sampling.temperature = 1.0f;
-  sub->add_option("--model", model_dir, "Hugging Face model folder")->required();
-  sub->add_option("--prompt-ids", prompts_path, "JSON file {\"prompts\": [[id, ...], ...]}")->required();
-  sub->add_option("--max-tokens", options.max_tokens, "tokens to generate per prompt")->required();
-  sub->add_option("--temperature", options.sampling.temperature, "0 = greedy");
+  options.max_tokens = 128;
+  sub->add_option("--model", model_dir, "Hugging Face model folder (default: the bundled model)");
+  auto* text = sub->add_option("--prompt", prompt_text, "text to continue; the continuation is streamed to stdout");
+  auto* ids = sub->add_option("--prompt-ids", prompts_path, "JSON file {\"prompts\": [[id, ...], ...]}");
+  sub->add_option("--max-tokens", options.max_tokens, "tokens to generate per prompt")->capture_default_str();
+  sub->add_option("--temperature", options.sampling.temperature, "0 = greedy")->capture_default_str();
   sub->add_option("--top-p", options.sampling.top_p, "nucleus sampling mass");
   sub->add_option("--top-k", options.sampling.top_k, "keep the k most likely tokens (0 = all)");
   sub->add_option("--seed", seed, "random seed (prompt i uses seed + i)");
   sub->add_flag("--ignore-eos", ignore_eos, "do not stop at the end-of-sequence token");
-  on_selected(sub, [] {
-    auto prompts = read_prompt_ids(prompts_path);
+  on_selected(sub, [text, ids] {
+    SPARROW_CHECK(text->count() + ids->count() == 1, "generate needs exactly one of --prompt TEXT and --prompt-ids FILE");
+    if (model_dir.empty()) model_dir = default_model_dir();
     if (seed >= 0) options.sampling.seed = uint64_t(seed);
     validate(options.sampling);
     SPARROW_CHECK(options.max_tokens >= 0, "--max-tokens must be >= 0");
+    if (!ignore_eos) options.stop_token_ids = eos_token_ids(model_dir);
+    if (text->count()) return generate_text(model_dir, prompt_text, options);
+
+    auto prompts = read_prompt_ids(prompts_path);
     auto model = load_model(model_dir);
     for (size_t i = 0; i < prompts.size(); ++i)
       for (int32_t id : prompts[i])
         SPARROW_CHECK(id < model->vocab_size(), prompts_path, ": prompt ", i, " holds id ", id,
                       " outside the vocabulary (", model->vocab_size(), ")");
-    if (!ignore_eos) options.stop_token_ids = eos_token_ids(model_dir);
     nlohmann::json out = {{"completions", generate(*model, prompts, options)}};
     std::printf("%s\n", out.dump().c_str());
   });

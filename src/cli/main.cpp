@@ -14,8 +14,12 @@ int main(int argc, char** argv) {
   sparrow::cli::add_score(app);
   sparrow::cli::add_generate(app);
   sparrow::cli::add_bench(app);
+  sparrow::cli::add_serve(app);
+  sparrow::cli::add_render(app);
   sparrow::cli::add_tokenize(app);
   sparrow::cli::add_detokenize(app);
+  sparrow::cli::add_chat(app);
+  sparrow::cli::add_perplexity(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

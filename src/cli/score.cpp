@@ -1,4 +1,4 @@
-// sparrow score --model DIR --prompt-ids FILE.json --out FILE.safetensors
+// sparrow score [--model DIR] --prompt-ids FILE.json --out FILE.safetensors
 // Writes the logits at every position of every prompt (`logits.<i>`, float32 [len, vocab]), as
 // transformers' model(input_ids).logits.
 #include "cli/commands.h"
@@ -11,10 +11,11 @@ namespace sparrow::cli {
 void add_score(CLI::App& app) {
   auto* sub = app.add_subcommand("score", "Logits at every position of each prompt, to a safetensors file");
   static std::string model_dir, prompts_path, out_path;
-  sub->add_option("--model", model_dir, "Hugging Face model folder")->required();
+  sub->add_option("--model", model_dir, "Hugging Face model folder (default: the bundled model)");
   sub->add_option("--prompt-ids", prompts_path, "JSON file {\"prompts\": [[id, ...], ...]}")->required();
   sub->add_option("--out", out_path, "output .safetensors")->required();
   on_selected(sub, [] {
+    if (model_dir.empty()) model_dir = default_model_dir();
     auto prompts = read_prompt_ids(prompts_path);
     auto model = load_model(model_dir);
     std::vector<std::pair<std::string, Tensor>> out;

@@ -1,5 +1,5 @@
-// sparrow tokenize   --model DIR --input FILE.json   {"texts": [...]}        -> {"ids": [[...], ...]}
-// sparrow detokenize --model DIR --input FILE.json   {"ids": [[...], ...]}   -> {"texts": [...]}
+// sparrow tokenize   [--model DIR] --input FILE.json   {"texts": [...]}        -> {"ids": [[...], ...]}
+// sparrow detokenize [--model DIR] --input FILE.json   {"ids": [[...], ...]}   -> {"texts": [...]}
 // The model folder needs only its tokenizer files. Encoding adds no BOS/EOS and matches special tokens
 // written in the text; decoding keeps special tokens (see tokenizer/tokenizer.h).
 #include <cstdio>
@@ -36,9 +36,10 @@ void print_json(const json& j) {
 void add_tokenize(CLI::App& app) {
   auto* sub = app.add_subcommand("tokenize", "Token ids of texts, with the model's tokenizer");
   static std::string model_dir, input_path;
-  sub->add_option("--model", model_dir, "model folder (its tokenizer files are enough)")->required();
+  sub->add_option("--model", model_dir, "model folder (its tokenizer files are enough; default: the bundled model)");
   sub->add_option("--input", input_path, "JSON file {\"texts\": [\"...\", ...]}")->required();
   on_selected(sub, [] {
+    if (model_dir.empty()) model_dir = default_model_dir();
     auto tokenizer = load_tokenizer(model_dir);
     json texts = read_list(input_path, "texts", "{\"texts\": [\"...\", ...]}");
     json ids = json::array();
@@ -53,9 +54,10 @@ void add_tokenize(CLI::App& app) {
 void add_detokenize(CLI::App& app) {
   auto* sub = app.add_subcommand("detokenize", "Texts of token id lists, with the model's tokenizer");
   static std::string model_dir, input_path;
-  sub->add_option("--model", model_dir, "model folder (its tokenizer files are enough)")->required();
+  sub->add_option("--model", model_dir, "model folder (its tokenizer files are enough; default: the bundled model)");
   sub->add_option("--input", input_path, "JSON file {\"ids\": [[id, ...], ...]}")->required();
   on_selected(sub, [] {
+    if (model_dir.empty()) model_dir = default_model_dir();
     auto tokenizer = load_tokenizer(model_dir);
     json lists = read_list(input_path, "ids", "{\"ids\": [[id, ...], ...]}");
     json texts = json::array();

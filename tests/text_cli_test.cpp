@@ -1,0 +1,133 @@
+// The text commands of the `sparrow` binary on the bundled trained models, as a user runs them:
+// perplexity equal to what transformers measures (tools/perplexity_reference.py wrote the reference),
+// generate --prompt continuing Python with the default model, and chat calling the calculator tool.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kSource = SPARROW_SOURCE_DIR;
+const fs::path kPerplexityData = kSource / "tests/data/perplexity";
+
+struct CommandResult {
+  int status = -1;  // exit status, or -1 when killed by a signal
+  std::string out, err;
+};
+
+std::string slurp(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Runs `sparrow ARGS` with `input` on its stdin, from a scratch directory (so that the bundled model
+// must be found from the executable, not the current directory).
+CommandResult run(const std::string& args, const std::string& input = "") {
+  sparrow::testing::TempDir dir;
+  const std::string stdin_path = dir.write("stdin", input);
+  const std::string command = "cd " + dir.path() + " && " + SPARROW_BINARY + " " + args + " <" + stdin_path + " >" +
+                              dir.file("out") + " 2>" + dir.file("err");
+  const int rc = std::system(command.c_str());
+  CommandResult result;
+  result.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  result.out = slurp(dir.file("out"));
+  result.err = slurp(dir.file("err"));
+  return result;
+}
+
+// The OpenAI tools list of the calculator the bundled models were trained to call.
+const char* kCalculatorTool = R"([{"type": "function", "function": {
+  "name": "calculator",
+  "description": "Evaluate an arithmetic expression with + - * / and parentheses; returns its value.",
+  "parameters": {"type": "object", "properties": {
+    "expression": {"type": "string", "description": "The expression, for example \"(12 + 7) * 3\"."}},
+    "required": ["expression"]}}}])";
+
+}  // namespace
+
+TEST(TextCli, PerplexityEqualsTransformersOnEveryBundledModel) {
+  const nlohmann::json reference = nlohmann::json::parse(slurp(kPerplexityData / "reference.json"));
+  const fs::path text = kPerplexityData / reference["text"].get<std::string>();
+  ASSERT_GE(reference["models"].size(), 2u);
+  for (const auto& [name, expected] : reference["models"].items()) {
+    SCOPED_TRACE(name);
+    CommandResult r = run("perplexity --model " + (kSource / "models" / name).string() + " --file " + text.string());
+    ASSERT_EQ(r.status, 0) << r.err;
+    const nlohmann::json got = nlohmann::json::parse(r.out);
+    EXPECT_EQ(got["tokens"], expected["tokens"]);
+    EXPECT_EQ(got["window"], expected["window"]);
+    const double want = expected["perplexity"].get<double>();
+    EXPECT_NEAR(got["perplexity"].get<double>(), want, 0.005 * want);
+  }
+}
+
+TEST(TextCli, PerplexityWindowChangesTheResult) {
+  // A shorter window gives each token less context, so the reference's window really is the one used.
+  const fs::path text = kPerplexityData / "imghdr.py.txt";
+  CommandResult full = run("perplexity --file " + text.string());
+  CommandResult short_windows = run("perplexity --file " + text.string() + " --context 64");
+  ASSERT_EQ(full.status, 0) << full.err;
+  ASSERT_EQ(short_windows.status, 0) << short_windows.err;
+  const auto a = nlohmann::json::parse(full.out), b = nlohmann::json::parse(short_windows.out);
+  EXPECT_EQ(b["window"], 64);
+  EXPECT_GT(b["perplexity"].get<double>(), a["perplexity"].get<double>());
+}
+
+TEST(TextCli, GenerateContinuesPythonWithTheDefaultModel) {
+  CommandResult r = run("generate --prompt 'def fibonacci(n):' --temperature 0 --max-tokens 40");
+  ASSERT_EQ(r.status, 0) << r.err;
+  ASSERT_FALSE(r.out.empty());
+  EXPECT_EQ(r.out.back(), '\n');
+  const std::string text = r.out.substr(0, r.out.size() - 1);
+  EXPECT_EQ(text.find("def fibonacci(n):"), std::string::npos) << "the prompt must not be repeated: " << text;
+  EXPECT_TRUE(text.find("return") != std::string::npos || text.find(':') != std::string::npos ||
+              text.find('\n') != std::string::npos)
+      << text;
+  // Greedy generation is deterministic.
+  EXPECT_EQ(run("generate --prompt 'def fibonacci(n):' --temperature 0 --max-tokens 40").out, r.out);
+}
+
+TEST(TextCli, ChatShowsReasoningAndTheCalculatorCall) {
+  sparrow::testing::TempDir dir;
+  const std::string tools = dir.write("tools.json", kCalculatorTool);
+  CommandResult r = run("chat --tools " + tools, "What is 48 * 17?\n");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("thinking: "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("tool call: calculator {\"expression\":\"48 * 17\"}"), std::string::npos) << r.out;
+  // Markup of the tool-call syntax never reaches the screen.
+  EXPECT_EQ(r.out.find("<invoke"), std::string::npos) << r.out;
+}
+
+TEST(TextCli, ChatAnswersFromAPastedToolResult) {
+  sparrow::testing::TempDir dir;
+  const std::string tools = dir.write("tools.json", kCalculatorTool);
+  CommandResult r = run("chat --tools " + tools, "What is 48 * 17?\n/tool {\"result\": 816}\n/exit\nnot read\n");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const size_t call = r.out.find("tool call: calculator");
+  ASSERT_NE(call, std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("816", call), std::string::npos) << r.out;
+}
+
+TEST(TextCli, BadUseIsAOneLineError) {
+  for (const std::string& args : {std::string("generate"), std::string("generate --prompt x --prompt-ids y.json"),
+                                  std::string("perplexity --file /nonexistent.txt"),
+                                  std::string("chat --model /nonexistent/model")}) {
+    SCOPED_TRACE(args);
+    CommandResult r = run(args);
+    EXPECT_EQ(r.status, 1) << r.err;
+    EXPECT_EQ(r.err.rfind("error: ", 0), 0u) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+}
