@@ -8,7 +8,7 @@ cd "$(dirname "$0")"
 BUILD=${SPARROW_BUILD_DIR:-build}
 
 # Debian packages the build and tests need (see docs/ARCHITECTURE.md, "Dependencies").
-PACKAGES=(cmake ninja-build g++ pkg-config libopenblas-dev nlohmann-json3-dev libcli11-dev libgtest-dev libpcre2-dev libxxhash-dev libcpp-httplib-dev)
+PACKAGES=(cmake ninja-build g++ pkg-config libopenblas-dev nlohmann-json3-dev libcli11-dev libgtest-dev libpcre2-dev libxxhash-dev libcpp-httplib-dev curl)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -33,7 +33,16 @@ if [ "${1:-}" = test ]; then
       openai pytest httpx
   ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
 else
-  # The main job: greedy continuation of two prompts by the default bundled model.
-  MODEL=${SPARROW_MODEL:-tests/fixtures/deepseek_v32}
-  "$BUILD"/sparrow generate --model "$MODEL" --prompt-ids "$MODEL/prompts.json" --max-tokens 20 --temperature 0
+  # The main job, on the bundled default model (models/minimax_m3, trained by tools/train_small_models.py):
+  # a raw-text continuation, then the OpenAI-compatible server answering a chat that calls a tool.
+  "$BUILD"/sparrow generate --prompt "def fibonacci(n):" --max-tokens 64 --temperature 0.7 --seed 3
+  echo
+  PORT=${SPARROW_PORT:-8765}
+  "$BUILD"/sparrow serve --port "$PORT" --tool-call-parser minimax_m3 --reasoning-parser minimax_m3 \
+      --enable-auto-tool-choice &
+  server=$!
+  trap 'kill $server 2>/dev/null' EXIT
+  for _ in $(seq 100); do curl -sf "localhost:$PORT/health" >/dev/null && break; sleep 0.2; done
+  curl -s "localhost:$PORT/v1/chat/completions" -H 'Content-Type: application/json' \
+      -d @docs/examples/chat_with_tools.json | python3 -m json.tool
 fi
