@@ -34,7 +34,8 @@ if [ "${1:-}" = test ]; then
   ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
 else
   # The main job, on the bundled default model (models/minimax_m3, trained by tools/train_small_models.py):
-  # a raw-text continuation, then the OpenAI-compatible server answering a chat that calls a tool.
+  # a raw-text continuation, then the OpenAI-compatible server: a chat that calls a tool, and the answer
+  # once the tool's result is in the conversation.
   "$BUILD"/sparrow generate --prompt "def fibonacci(n):" --max-tokens 64 --temperature 0.7 --seed 3
   echo
   PORT=${SPARROW_PORT:-8765}
@@ -43,6 +44,10 @@ else
   server=$!
   trap 'kill $server 2>/dev/null' EXIT
   for _ in $(seq 100); do curl -sf "localhost:$PORT/health" >/dev/null && break; sleep 0.2; done
+  echo "== a chat with tools: the model reasons and calls the calculator"
   curl -s "localhost:$PORT/v1/chat/completions" -H 'Content-Type: application/json' \
       -d @docs/examples/chat_with_tools.json | python3 -m json.tool
+  echo "== the same chat with the tool's result: the model answers from it"
+  curl -s "localhost:$PORT/v1/chat/completions" -H 'Content-Type: application/json' \
+      -d @docs/examples/chat_with_tool_result.json | python3 -m json.tool
 fi
