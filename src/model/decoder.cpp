@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "formats/checkpoint.h"
 #include "kernels/cpu/ops.h"
 
 namespace sparrow {
@@ -11,6 +12,18 @@ std::vector<LayerCacheSpec> DecoderModel::cache_spec() const {
   std::vector<LayerCacheSpec> spec;
   for (const DecoderLayer& layer : layers) spec.push_back(layer.mixer->cache_spec());
   return spec;
+}
+
+void DecoderModel::take_embeddings(Checkpoint& ckpt, const std::string& decoder_prefix, const std::string& head_name,
+                                   bool tied) {
+  embed = ckpt.take(decoder_prefix + "embed_tokens.weight", {vocab, hidden});
+  final_norm = ckpt.take(decoder_prefix + "norm.weight", {hidden});
+  if (!tied) {
+    lm_head = ckpt.take(head_name, {vocab, hidden});
+    return;
+  }
+  lm_head = embed;
+  if (ckpt.has(head_name)) ckpt.take(head_name, {vocab, hidden});
 }
 
 Tensor DecoderModel::forward(const Batch& batch) {

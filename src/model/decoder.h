@@ -14,6 +14,8 @@
 
 namespace sparrow {
 
+class Checkpoint;
+
 // A token mixer: attention of some kind, or a linear-attention recurrence.
 class Mixer {
  public:
@@ -50,6 +52,11 @@ class DecoderModel : public Model {
   Tensor final_norm;              // [hidden]
   Tensor lm_head;                 // [vocab, hidden] (may share storage with embed when tied)
   std::vector<DecoderLayer> layers;
+
+  // Takes embed_tokens and norm under `decoder_prefix` (e.g. "model.") and the output head `head_name`.
+  // With tied embeddings the head is the embedding; transformers ties it even when the file also holds
+  // a head, which is then taken and dropped.
+  void take_embeddings(Checkpoint& ckpt, const std::string& decoder_prefix, const std::string& head_name, bool tied);
 
   const std::string& model_type() const override { return type; }
   int64_t vocab_size() const override { return vocab; }

@@ -141,15 +141,7 @@ std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt) {
   model->vocab = vocab;
   model->hidden = hidden;
   model->norm_eps = float(config.get_float("rms_norm_eps", 1e-6));
-  model->embed = ckpt.take("model.embed_tokens.weight", {vocab, hidden});
-  model->final_norm = ckpt.take("model.norm.weight", {hidden});
-  if (config.get_bool("tie_word_embeddings", false)) {
-    model->lm_head = model->embed;
-    // transformers ties lm_head to the embedding even when the file also holds one.
-    if (ckpt.has("lm_head.weight")) ckpt.take("lm_head.weight", {vocab, hidden});
-  } else {
-    model->lm_head = ckpt.take("lm_head.weight", {vocab, hidden});
-  }
+  model->take_embeddings(ckpt, "model.", "lm_head.weight", config.get_bool("tie_word_embeddings", false));
 
   const Activation silu_glu;
   for (int64_t i = 0; i < num_layers; ++i) {

@@ -234,14 +234,7 @@ std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt) {
   model->vocab = vocab;
   model->hidden = hidden;
   model->norm_eps = attention.kda.norm_eps;  // KDA's gated norm and the layer norms share rms_norm_eps
-  model->embed = ckpt.take("model.embed_tokens.weight", {vocab, hidden});
-  model->final_norm = ckpt.take("model.norm.weight", {hidden});
-  if (config.get_bool("tie_word_embeddings", false)) {
-    model->lm_head = model->embed;
-    if (ckpt.has("lm_head.weight")) ckpt.take("lm_head.weight", {vocab, hidden});
-  } else {
-    model->lm_head = ckpt.take("lm_head.weight", {vocab, hidden});
-  }
+  model->take_embeddings(ckpt, "model.", "lm_head.weight", config.get_bool("tie_word_embeddings", false));
 
   const Activation silu_glu;
   for (int64_t i = 0; i < num_layers; ++i) {

@@ -269,11 +269,9 @@ std::unique_ptr<DecoderModel> load_minimax_m3(Checkpoint& ckpt, const Config& te
   model->hidden = cfg.hidden;
   model->norm_eps = cfg.norm_eps;
   model->norm_unit_offset = true;  // MiniMaxM3VLRMSNorm
-  model->embed = ckpt.take(names.decoder + "embed_tokens.weight", {cfg.vocab, cfg.hidden});
-  model->final_norm = ckpt.take(names.decoder + "norm.weight", {cfg.hidden});
   // MiniMaxM3VLConfig ties when either it or its text_config says so.
   const bool tied = cfg.tie_word_embeddings || ckpt.config().get_bool("tie_word_embeddings", false);
-  model->lm_head = tied ? model->embed : ckpt.take(names.lm_head, {cfg.vocab, cfg.hidden});
+  model->take_embeddings(ckpt, names.decoder, names.lm_head, tied);
 
   for (int64_t i = 0; i < cfg.num_layers; ++i) {
     DecoderLayer layer;
