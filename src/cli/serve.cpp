@@ -143,10 +143,10 @@ void serve(const ServeFlags& flags) {
     std::fprintf(stderr, "sparrow serve: no tokenizer (%s): only token-id prompts will be served\n", e.what());
   }
   std::shared_ptr<const ChatTemplate> chat_template;
-  // TODO(lead): --chat-template needs ChatTemplate::load(model_dir, template_file) from src/template
-  // (the model's special tokens with another template); until then the flag is refused.
-  SPARROW_CHECK(flags.chat_template.empty(), "--chat-template is not supported yet");
-  if (tokenizer) {
+  // An explicit --chat-template must load (a typo is an error, not a silent fallback).
+  if (tokenizer && !flags.chat_template.empty())
+    chat_template = std::make_shared<ChatTemplate>(ChatTemplate::load(model_dir, flags.chat_template));
+  if (tokenizer && !chat_template) {
     try {
       chat_template = std::make_shared<ChatTemplate>(ChatTemplate::load(model_dir));
     } catch (const Error& e) {

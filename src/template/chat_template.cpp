@@ -140,7 +140,7 @@ Value to_jinja_value(const json& j) {
   }
 }
 
-ChatTemplate ChatTemplate::load(const std::string& model_dir) {
+ChatTemplate ChatTemplate::load(const std::string& model_dir, const std::string& template_file) {
   fs::path dir(model_dir);
   fs::path config_path = dir / "tokenizer_config.json";
   json config = json::object();
@@ -150,9 +150,13 @@ ChatTemplate ChatTemplate::load(const std::string& model_dir) {
   }
 
   std::vector<Named> templates;
+  if (!template_file.empty()) {
+    SPARROW_CHECK(fs::is_regular_file(template_file), template_file, ": chat template file not found");
+    templates.push_back({"default", read_file(template_file)});
+  }
   // Separate template files win over tokenizer_config.json (transformers' from_pretrained).
-  if (fs::exists(dir / "chat_template.jinja")) templates.push_back({"default", read_file(dir / "chat_template.jinja")});
-  if (fs::is_directory(dir / "additional_chat_templates")) {
+  if (templates.empty() && fs::exists(dir / "chat_template.jinja")) templates.push_back({"default", read_file(dir / "chat_template.jinja")});
+  if (template_file.empty() && fs::is_directory(dir / "additional_chat_templates")) {
     std::vector<fs::path> extra;
     for (const auto& entry : fs::directory_iterator(dir / "additional_chat_templates"))
       if (entry.path().extension() == ".jinja") extra.push_back(entry.path());

@@ -31,7 +31,9 @@ class ChatTemplate {
   // chat_template.jinja (plus additional_chat_templates/<name>.jinja) if present, else
   // tokenizer_config.json's "chat_template" (a string, or a list of {"name", "template"}).
   // Special tokens are tokenizer_config.json's *_token entries (strings or {"content": ...}).
-  static ChatTemplate load(const std::string& model_dir);
+  // With `template_file` (vLLM's --chat-template), that file is the only template; the special tokens
+  // still come from the model folder.
+  static ChatTemplate load(const std::string& model_dir, const std::string& template_file = "");
 
   ChatTemplate(std::vector<Named> templates, jinja::Dict special_tokens);
 
