@@ -156,20 +156,10 @@ std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt) {
           DenseMlp::load(ckpt, prefix + "mlp.", hidden, config.get_int("intermediate_size", 18432), silu_glu));
       layer.ffn = std::move(mlp);
     } else {
-      auto moe = std::make_unique<MoeBlock>();
-      moe->act = silu_glu;
-      moe->router.weight = ckpt.take(prefix + "mlp.gate.weight", {num_experts, hidden});
-      const std::string bias = prefix + "mlp.gate.e_score_correction_bias";
-      moe->router.bias = ckpt.has(bias) ? ckpt.take(bias, {num_experts}) : Tensor::zeros({num_experts});
-      moe->router.top_k = experts_per_token;
-      moe->router.n_group = n_group;
-      moe->router.topk_group = topk_group;
-      moe->router.normalize = config.get_bool("norm_topk_prob", true);
-      moe->router.routed_scaling_factor = float(config.get_float("routed_scaling_factor", 2.5));
-      moe->experts = ckpt.take_experts(prefix + "mlp.experts", num_experts, moe_intermediate, hidden);
-      moe->shared.push_back(
-          DenseMlp::load(ckpt, prefix + "mlp.shared_experts.", hidden, moe_intermediate * n_shared, silu_glu));
-      layer.ffn = std::move(moe);
+      layer.ffn = MoeBlock::load_grouped(
+          ckpt, prefix + "mlp.",
+          {hidden, num_experts, moe_intermediate, experts_per_token, n_group, topk_group, n_shared,
+           config.get_bool("norm_topk_prob", true), float(config.get_float("routed_scaling_factor", 2.5))});
     }
     model->layers.push_back(std::move(layer));
   }

@@ -253,21 +253,10 @@ std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt) {
       layer.ffn = std::make_unique<DenseMlp>(DenseMlp::load(ckpt, ffn_prefix(ckpt, prefix, "down_proj.weight"), hidden,
                                                            config.get_int("intermediate_size", 9216), silu_glu));
     } else {
-      const std::string moe_prefix = ffn_prefix(ckpt, prefix, "gate.weight");
-      auto moe = std::make_unique<MoeBlock>();
-      moe->act = silu_glu;
-      moe->router.weight = ckpt.take(moe_prefix + "gate.weight", {num_experts, hidden});
-      const std::string bias = moe_prefix + "gate.e_score_correction_bias";
-      moe->router.bias = ckpt.has(bias) ? ckpt.take(bias, {num_experts}) : Tensor::zeros({num_experts});
-      moe->router.top_k = experts_per_token;
-      moe->router.n_group = n_group;
-      moe->router.topk_group = topk_group;
-      moe->router.normalize = normalize;
-      moe->router.routed_scaling_factor = float(config.get_float("routed_scaling_factor", 2.446));
-      moe->experts = ckpt.take_experts(moe_prefix + "experts", num_experts, moe_intermediate, hidden);
-      moe->shared.push_back(
-          DenseMlp::load(ckpt, moe_prefix + "shared_experts.", hidden, moe_intermediate * n_shared, silu_glu));
-      layer.ffn = std::move(moe);
+      layer.ffn = MoeBlock::load_grouped(
+          ckpt, ffn_prefix(ckpt, prefix, "gate.weight"),
+          {hidden, num_experts, moe_intermediate, experts_per_token, n_group, topk_group, n_shared, normalize,
+           float(config.get_float("routed_scaling_factor", 2.446))});
     }
     model->layers.push_back(std::move(layer));
   }

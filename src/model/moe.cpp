@@ -121,6 +121,23 @@ Tensor run_experts(const Tensor& x, const Routing& routing, const Checkpoint::Ex
   return out;
 }
 
+std::unique_ptr<MoeBlock> MoeBlock::load_grouped(Checkpoint& ckpt, const std::string& prefix,
+                                                 const GroupedMoeShape& shape) {
+  auto moe = std::make_unique<MoeBlock>();
+  moe->router.weight = ckpt.take(prefix + "gate.weight", {shape.num_experts, shape.hidden});
+  const std::string bias = prefix + "gate.e_score_correction_bias";
+  moe->router.bias = ckpt.has(bias) ? ckpt.take(bias, {shape.num_experts}) : Tensor::zeros({shape.num_experts});
+  moe->router.top_k = shape.top_k;
+  moe->router.n_group = shape.n_group;
+  moe->router.topk_group = shape.topk_group;
+  moe->router.normalize = shape.normalize;
+  moe->router.routed_scaling_factor = shape.routed_scaling_factor;
+  moe->experts = ckpt.take_experts(prefix + "experts", shape.num_experts, shape.intermediate, shape.hidden);
+  moe->shared.push_back(DenseMlp::load(ckpt, prefix + "shared_experts.", shape.hidden,
+                                       shape.intermediate * shape.n_shared, moe->act));
+  return moe;
+}
+
 Tensor MoeBlock::forward(const Tensor& x) const {
   Routing routing = router.route(x);
   Tensor out = run_experts(x, routing, experts, act);

@@ -12,6 +12,8 @@
 //   gate = min(gate, limit); up = clamp(up, -limit, limit); (up + 1) * gate * sigmoid(alpha * gate).
 #pragma once
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "core/tensor.h"
@@ -57,7 +59,20 @@ struct SigmoidRouter {
   Routing route(const Tensor& x) const;  // x [T, H]
 };
 
+// The shape of a DeepSeek-V3-style MoE layer (DeepSeek-V3.2, Kimi): grouped sigmoid routing, SiLU-gated
+// experts and n_shared shared experts of the same width.
+struct GroupedMoeShape {
+  int64_t hidden = 0, num_experts = 0, intermediate = 0, top_k = 0, n_group = 1, topk_group = 1, n_shared = 1;
+  bool normalize = true;
+  float routed_scaling_factor = 1.0f;
+};
+
 struct MoeBlock : FeedForward {
+  // Loads a DeepSeek-V3-style MoE under `prefix` (e.g. "model.layers.3.mlp."): gate.weight,
+  // gate.e_score_correction_bias (zeros when absent), experts (either layout), shared_experts.
+  static std::unique_ptr<MoeBlock> load_grouped(Checkpoint& ckpt, const std::string& prefix,
+                                                const GroupedMoeShape& shape);
+
   SigmoidRouter router;
   Checkpoint::Experts experts;    // gate_up [E, 2I, H], down [E, H, I]
   std::vector<DenseMlp> shared;   // zero or one shared-expert MLP
