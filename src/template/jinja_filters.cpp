@@ -345,7 +345,8 @@ Value do_title(const Value& input, const Args& args) {
   bool word_start = true;
   for (char32_t c : text) {
     bool separator = is_space(c) || c == '-' || c == '(' || c == '{' || c == '[' || c == '<';
-    utf8::append(out, separator ? c : word_start ? to_upper(c) : to_lower(c));
+    std::string one = utf8_encode(std::u32string(1, c));
+    out += separator ? one : word_start ? upper(one) : lower(one);  // Python's item[0].upper() + item[1:].lower()
     word_start = separator;
   }
   return out;

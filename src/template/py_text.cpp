@@ -267,11 +267,22 @@ int64_t count(std::string_view s, std::string_view sub) {
   return n;
 }
 
+namespace {
+
+// Python's title case of one character (what str.title and str.capitalize put first).
+void append_title_case(std::string& out, char32_t c) {
+  if (c == 0xDF) out += "Ss";  // 'ß'.title() == 'Ss'
+  else utf8::append(out, to_upper(c));
+}
+
+}  // namespace
+
 std::string title(std::string_view s) {
   std::string out;
   bool previous_cased = false;
   for (char32_t c : utf8_decode(s)) {
-    utf8::append(out, previous_cased ? to_lower(c) : to_upper(c));
+    if (previous_cased) utf8::append(out, to_lower(c));
+    else append_title_case(out, c);
     previous_cased = is_cased(c);
   }
   return out;
@@ -280,7 +291,8 @@ std::string title(std::string_view s) {
 std::string capitalize(std::string_view s) {
   std::u32string text = utf8_decode(s);
   if (text.empty()) return "";
-  std::string out = upper(utf8_encode(text.substr(0, 1)));
+  std::string out;
+  append_title_case(out, text[0]);
   out += lower(utf8_encode(text.substr(1)));
   return out;
 }
