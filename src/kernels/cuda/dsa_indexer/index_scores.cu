@@ -1,0 +1,371 @@
+// DSA lightning indexer kernels (see index_scores.h for the math and the cache layout).
+//
+// Scoring is a GEMM with M = query rows x heads, N = keys, K = 128, followed by relu, a weighted sum
+// over heads and the key's scale. It runs on mma.sync m16n8k32 e4m3 (PTX ISA, "Matrix fragments for
+// mma.m16n8k32" with 8-bit types): one warp owns 64 M-rows (one query row of 64 heads, or two rows of
+// 32 heads) held in registers as A fragments for the whole launch, and streams keys 8 at a time as B
+// fragments loaded straight from the page (each key's 128 bytes are contiguous, so a warp's 8 keys are
+// 1 KB of consecutive memory when the page holds them in order).
+//
+// The dot product over K is invariant under any permutation of K applied to both operands, so instead
+// of the fragment's k order (thread t holds k = 4t..4t+3 and 16+4t..16+4t+3 of each 32-wide step) lane
+// t loads 32 contiguous bytes of its row (dims 32t .. 32t+31) with two 16-byte loads and feeds step s
+// with dims 32t+8s .. 32t+8s+7: A and B use the same mapping, so every product pairs equal dims.
+#include "kernels/cuda/dsa_indexer/index_scores.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "kernels/cuda/runtime/cuda_check.h"
+
+namespace sparrow::cuda {
+namespace {
+
+constexpr int kDim = kDsaIndexDim;
+
+__device__ __forceinline__ float load_elem(const void* p, DsaDType type, int64_t i) {
+  return type == DsaDType::F32 ? static_cast<const float*>(p)[i]
+                               : __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+}
+
+// One warp quantises one 128-vector: lane i holds dims 4i..4i+3. Returns the scale (amax / 448) and
+// the four codes packed little-endian (dim 4i in the low byte).
+__device__ __forceinline__ uint32_t quantize_row(const void* src, DsaDType type, int64_t base, int lane,
+                                                 float& scale) {
+  float v[4];
+  if (type == DsaDType::F32) {
+    float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(src) + base + lane * 4);
+    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = load_elem(src, type, base + lane * 4 + i);
+  }
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  scale = amax / 448.0f;
+  uint32_t packed = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // x / scale (IEEE division) so a CPU reference reproduces the codes exactly; zero rows stay zero.
+    float x = scale > 0.0f ? __fdiv_rn(v[i], scale) : 0.0f;
+    packed |= uint32_t(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)) << (8 * i);
+  }
+  return packed;
+}
+
+__global__ void write_keys_kernel(const void* keys, DsaDType type, int64_t count, const int32_t* token_seq,
+                                  const int32_t* token_pos, const int64_t* page_table, int64_t stride,
+                                  int block_size, uint8_t* pool) {
+  const int64_t token = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (token >= count) return;
+  float scale;
+  uint32_t packed = quantize_row(keys, type, token * kDim, lane, scale);
+  const int64_t pos = token_pos[token];
+  const int64_t page = page_table[int64_t(token_seq[token]) * stride + pos / block_size];
+  const int64_t slot = pos % block_size;
+  uint8_t* base = pool + page;
+  reinterpret_cast<uint32_t*>(base + slot * kDim)[lane] = packed;
+  if (lane == 0) reinterpret_cast<float*>(base + int64_t(block_size) * kDim)[slot] = scale;
+}
+
+__global__ void quantize_queries_kernel(const void* q, DsaDType type, const float* weights, int64_t vectors,
+                                        uint8_t* q_fp8, float* w_folded) {
+  const int64_t v = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (v >= vectors) return;
+  float scale;
+  uint32_t packed = quantize_row(q, type, v * kDim, lane, scale);
+  reinterpret_cast<uint32_t*>(q_fp8 + v * kDim)[lane] = packed;
+  if (lane == 0) w_folded[v] = weights[v] * scale;
+}
+
+__global__ void encode_kernel(const float* x, int64_t n, uint8_t* out) {
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = __nv_cvt_float_to_fp8(x[i], __NV_SATFINITE, __NV_E4M3);
+}
+
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+struct ScoreParams {
+  const uint8_t* q;
+  const float* w;
+  int64_t rows;
+  const int32_t* row_seq;
+  const int32_t* row_visible;
+  const uint8_t* pool;
+  const int64_t* page_table;
+  int64_t stride;
+  int block_size;
+  float* scores;
+  int64_t ld;
+  int64_t max_visible;
+  int64_t groups;        // ceil(rows / rows_per_group)
+  int groups_per_cta;    // warps of a CTA on different groups (same keys)
+  int64_t keys_per_cta;  // multiple of 32 * (warps / groups_per_cta)
+};
+
+constexpr int kWarps = 4;
+constexpr int kNT = 2;                 // n-tiles of 8 keys per warp iteration
+constexpr int kTileKeys = 8 * kNT;
+
+// HEADS = 64: a warp's 64 M-rows are one query row; HEADS = 32: two consecutive rows.
+template <int HEADS>
+__global__ void __launch_bounds__(kWarps * 32, 3) index_scores_kernel(ScoreParams p) {
+  constexpr int R = 64 / HEADS;    // query rows per warp group
+  constexpr int TPR = HEADS / 16;  // m-tiles per query row
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int gpc = p.groups_per_cta, kpc = kWarps / gpc;
+  const int64_t group = int64_t(blockIdx.y) * gpc + warp % gpc;
+  const int kslice = warp / gpc;
+  if (group >= p.groups) return;
+  const int64_t r0 = group * R;
+
+  bool valid[R];
+  int seq[R];
+  int64_t vis[R];
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    valid[j] = r0 + j < p.rows;
+    seq[j] = valid[j] ? p.row_seq[r0 + j] : 0;
+    vis[j] = valid[j] ? p.row_visible[r0 + j] : 0;
+  }
+
+  // A fragments: a[mt][half][word], half 0 = M-row mt*16+g, half 1 = M-row mt*16+g+8; word w holds
+  // dims 32t+4w .. 32t+4w+3. Weights of the same two M-rows.
+  uint32_t a[4][2][8];
+  float wt[4][2];
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = mt * 16 + g + h * 8;
+      const bool ok = valid[mt / TPR];
+      if (ok) {
+        const uint4* src = reinterpret_cast<const uint4*>(p.q + (r0 * HEADS + m) * kDim + t * 32);
+        uint4 x0 = src[0], x1 = src[1];
+        a[mt][h][0] = x0.x, a[mt][h][1] = x0.y, a[mt][h][2] = x0.z, a[mt][h][3] = x0.w;
+        a[mt][h][4] = x1.x, a[mt][h][5] = x1.y, a[mt][h][6] = x1.z, a[mt][h][7] = x1.w;
+        wt[mt][h] = p.w[r0 * HEADS + m];
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a[mt][h][i] = 0;
+        wt[mt][h] = 0.0f;
+      }
+    }
+  }
+
+  const int64_t k_begin = int64_t(blockIdx.x) * p.keys_per_cta;
+  const int64_t k_end = min(k_begin + p.keys_per_cta, p.max_visible);
+
+  // Two rows of one warp group that belong to different sequences read different keys: run them one
+  // after the other (only possible with HEADS = 32, e.g. decode with one query token per sequence).
+  int npass = 1;
+  unsigned pass_mask[2] = {0u, 0u};
+  if (R == 1 || !valid[R - 1] || seq[0] == seq[R - 1]) {
+    pass_mask[0] = R == 1 ? 1u : (valid[R - 1] ? 3u : 1u);
+  } else {
+    npass = 2;
+    pass_mask[0] = 1u;
+    pass_mask[1] = 2u;
+  }
+
+#pragma unroll 1
+  for (int pass = 0; pass < npass; ++pass) {
+    const unsigned mask = pass_mask[pass];
+    const int first = (mask & 1u) ? 0 : 1;
+    const int64_t* ptab = p.page_table + int64_t(seq[first]) * p.stride;
+    int64_t vmax = 0;
+#pragma unroll
+    for (int j = 0; j < R; ++j)
+      if (mask & (1u << j)) vmax = max(vmax, vis[j]);
+    float wp[4][2];
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) wp[mt][h] = (mask & (1u << (mt / TPR))) ? wt[mt][h] : 0.0f;
+
+#pragma unroll 1
+    for (int64_t kb = k_begin + int64_t(kslice) * kTileKeys; kb < k_end; kb += int64_t(kpc) * kTileKeys) {
+      float res[kNT][R][2];
+      if (kb < vmax) {
+        // Load kNT n-tiles of keys: lane (g, t) loads key kb + nt*8 + g, dims 32t .. 32t+31, and that
+        // key's scale.
+        uint4 b[kNT][2];
+        float ksc[kNT];
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          const int64_t key = kb + nt * 8 + g;
+          if (key < vmax) {
+            const int64_t page = key / p.block_size;
+            const int64_t slot = key - page * p.block_size;
+            const uint8_t* base = p.pool + ptab[page];
+            const uint4* src = reinterpret_cast<const uint4*>(base + slot * kDim + t * 32);
+            b[nt][0] = src[0];
+            b[nt][1] = src[1];
+            ksc[nt] = reinterpret_cast<const float*>(base + int64_t(p.block_size) * kDim)[slot];
+          } else {
+            b[nt][0] = make_uint4(0, 0, 0, 0);
+            b[nt][1] = make_uint4(0, 0, 0, 0);
+            ksc[nt] = 0.0f;
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          const uint32_t bw[8] = {b[nt][0].x, b[nt][0].y, b[nt][0].z, b[nt][0].w,
+                                  b[nt][1].x, b[nt][1].y, b[nt][1].z, b[nt][1].w};
+          float acc[4][4];
+#pragma unroll
+          for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][i] = 0.0f;
+#pragma unroll
+          for (int s = 0; s < 4; ++s)
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt)
+              mma_e4m3(acc[mt], a[mt][0][2 * s], a[mt][1][2 * s], a[mt][0][2 * s + 1], a[mt][1][2 * s + 1],
+                       bw[2 * s], bw[2 * s + 1]);
+          // C fragment: acc[mt][0..1] = M-row mt*16+g, keys 2t, 2t+1; acc[mt][2..3] = M-row +8.
+          float part[R][2];
+#pragma unroll
+          for (int j = 0; j < R; ++j) part[j][0] = part[j][1] = 0.0f;
+#pragma unroll
+          for (int mt = 0; mt < 4; ++mt) {
+            const int j = mt / TPR;
+            part[j][0] += wp[mt][0] * fmaxf(acc[mt][0], 0.0f) + wp[mt][1] * fmaxf(acc[mt][2], 0.0f);
+            part[j][1] += wp[mt][0] * fmaxf(acc[mt][1], 0.0f) + wp[mt][1] * fmaxf(acc[mt][3], 0.0f);
+          }
+          // Sum over the 8 lanes that share t (the M-rows g = 0..7).
+#pragma unroll
+          for (int j = 0; j < R; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+#pragma unroll
+              for (int o = 4; o < 32; o <<= 1) part[j][e] += __shfl_xor_sync(0xffffffffu, part[j][e], o);
+          const float s0 = __shfl_sync(0xffffffffu, ksc[nt], (2 * t) * 4);
+          const float s1 = __shfl_sync(0xffffffffu, ksc[nt], (2 * t + 1) * 4);
+#pragma unroll
+          for (int j = 0; j < R; ++j) {
+            res[nt][j][0] = part[j][0] * s0;
+            res[nt][j][1] = part[j][1] * s1;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int j = 0; j < R; ++j) res[nt][j][0] = res[nt][j][1] = 0.0f;
+      }
+      // Lanes with g = nt store n-tile nt: 4 * kNT lanes write 8 * kNT consecutive scores per row.
+      if (g < kNT) {
+#pragma unroll
+        for (int j = 0; j < R; ++j) {
+          if (!(mask & (1u << j))) continue;
+          float v0 = res[0][j][0], v1 = res[0][j][1];
+#pragma unroll
+          for (int nt = 1; nt < kNT; ++nt)
+            if (g == nt) v0 = res[nt][j][0], v1 = res[nt][j][1];
+          const int64_t col = kb + g * 8 + 2 * t;
+          const float ninf = -INFINITY;
+          if (col >= vis[j]) v0 = ninf;
+          if (col + 1 >= vis[j]) v1 = ninf;
+          float* dst = p.scores + (r0 + j) * p.ld + col;
+          if (col + 1 < k_end) {
+            *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+          } else if (col < k_end) {
+            dst[0] = v0;
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void dsa_write_keys(const void* keys, DsaDType type, int64_t count, const int32_t* token_seq,
+                    const int32_t* token_pos, const int64_t* page_table, int64_t page_table_stride,
+                    int block_size, uint8_t* pool, cudaStream_t stream) {
+  SPARROW_CHECK(count >= 0 && block_size > 0, "dsa_write_keys: bad count ", count, " or block_size ", block_size);
+  if (count == 0) return;
+  constexpr int kPerBlock = 8;
+  write_keys_kernel<<<unsigned((count + kPerBlock - 1) / kPerBlock), kPerBlock * 32, 0, stream>>>(
+      keys, type, count, token_seq, token_pos, page_table, page_table_stride, block_size, pool);
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
+void dsa_quantize_queries(const void* q, DsaDType type, const float* weights, int64_t rows, int heads,
+                          uint8_t* q_fp8, float* w_folded, cudaStream_t stream) {
+  SPARROW_CHECK(rows >= 0 && heads > 0, "dsa_quantize_queries: bad rows ", rows, " or heads ", heads);
+  const int64_t vectors = rows * heads;
+  if (vectors == 0) return;
+  constexpr int kPerBlock = 8;
+  quantize_queries_kernel<<<unsigned((vectors + kPerBlock - 1) / kPerBlock), kPerBlock * 32, 0, stream>>>(
+      q, type, weights, vectors, q_fp8, w_folded);
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
+void dsa_index_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows, int heads,
+                      const int32_t* row_seq, const int32_t* row_visible, const uint8_t* pool,
+                      const int64_t* page_table, int64_t page_table_stride, int block_size, float* scores,
+                      int64_t ld, int64_t max_visible, cudaStream_t stream) {
+  SPARROW_CHECK(heads == 32 || heads == 64, "dsa_index_scores: heads must be 32 or 64, got ", heads);
+  SPARROW_CHECK(block_size > 0, "dsa_index_scores: bad block_size ", block_size);
+  SPARROW_CHECK(ld >= max_visible && ld % 2 == 0, "dsa_index_scores: ld ", ld, " must be even and >= max_visible ",
+                max_visible);
+  if (rows <= 0 || max_visible <= 0) return;
+  static int sms = 0;
+  if (sms == 0) {
+    int dev = 0;
+    SPARROW_CUDA_CHECK(cudaGetDevice(&dev));
+    SPARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  }
+  ScoreParams p{q_fp8, w_folded, rows, row_seq, row_visible, pool, page_table, page_table_stride, block_size,
+                scores, ld, max_visible, 0, 1, 0};
+  const int rows_per_group = 64 / heads;
+  p.groups = (rows + rows_per_group - 1) / rows_per_group;
+  // Many groups (prefill, large decode batches): 4 groups per CTA share each key tile through L1.
+  // Few groups (small decode batches): the CTA's 4 warps split its keys.
+  p.groups_per_cta = p.groups >= 64 ? kWarps : 1;
+  const int kpc = kWarps / p.groups_per_cta;
+  const int64_t group_blocks = (p.groups + p.groups_per_cta - 1) / p.groups_per_cta;
+  // Enough CTAs to fill the chip several times over, each warp walking >= 64 keys (its A fragments,
+  // 8 KB per group, are loaded once per CTA).
+  const int64_t target_ctas = int64_t(sms) * 16;
+  const int64_t splits_wanted = std::max<int64_t>(1, target_ctas / std::max<int64_t>(group_blocks, 1));
+  const int64_t unit = int64_t(kTileKeys) * kpc;
+  int64_t per = (max_visible + splits_wanted - 1) / splits_wanted;
+  per = std::max<int64_t>(per, 64 * kpc);
+  per = (per + unit - 1) / unit * unit;
+  p.keys_per_cta = per;
+  const int64_t splits = (max_visible + per - 1) / per;
+  SPARROW_CHECK(group_blocks < 65536, "dsa_index_scores: too many rows (", rows, ")");
+  const dim3 grid{unsigned(splits), unsigned(group_blocks), 1u};
+  if (heads == 64) {
+    index_scores_kernel<64><<<grid, kWarps * 32, 0, stream>>>(p);
+  } else {
+    index_scores_kernel<32><<<grid, kWarps * 32, 0, stream>>>(p);
+  }
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_e4m3_encode(const float* x, int64_t n, uint8_t* out, cudaStream_t stream) {
+  if (n <= 0) return;
+  encode_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(x, n, out);
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace sparrow::cuda

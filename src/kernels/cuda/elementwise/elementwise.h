@@ -1,0 +1,56 @@
+// The small per-token kernels the decoder is built from, each the GPU twin of a CPU op in
+// src/kernels/cpu/ops.h and tested against it. Activations are bf16 or fp32 (ElemType); internal math
+// is fp32. All pointers are device pointers; rows are contiguous with the given row stride (elements).
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/gemm/gemm.h"  // ElemType
+
+namespace sparrow::cuda {
+
+// Converts n elements between types (same type: a copy).
+void convert(const void* x, ElemType xt, void* y, ElemType yt, int64_t n, cudaStream_t stream);
+
+// out[i, :] = table[ids[i], :] (table bf16 or fp32 [vocab, width]; ids device int32 [count]).
+void embedding(const void* table, ElemType table_type, const int32_t* ids, int64_t count, int64_t width, void* out,
+               ElemType out_type, cudaStream_t stream);
+
+// In place over `rows` rows of stride `row_stride`: for g in [0, groups), the `width` values starting at
+// column first_col + g * width are RMS-normalised and scaled by w (fp32 [width]; 1 + w when
+// unit_offset). w may be null (no weight).
+void rms_norm(void* x, ElemType type, int64_t rows, int64_t row_stride, int64_t first_col, int64_t groups,
+              int64_t width, const float* w, float eps, bool unit_offset, cudaStream_t stream);
+// Out of place, whole rows: y[r, :] = rmsnorm(x[r, :]) (x and y may differ in type).
+void rms_norm_rows(const void* x, ElemType xt, void* y, ElemType yt, int64_t rows, int64_t width, const float* w,
+                   float eps, bool unit_offset, cudaStream_t stream);
+// torch LayerNorm over rows of `width` (biased variance), in place.
+void layer_norm(void* x, ElemType type, int64_t rows, int64_t width, const float* w, const float* b, float eps,
+                cudaStream_t stream);
+
+// Rotary embedding in place: for each row r (token at positions[r]) and head h < heads, the `rot` values
+// at column first_col + h * head_stride are rotated by angles positions[r] * inv_freq[i] (fp32, rot/2
+// frequencies), cos/sin multiplied by attention_scaling. Pairing as src/model/rope.h: neox pairs
+// (i, i + rot/2); interleaved pairs (2i, 2i+1) and writes [evens..., odds...] back.
+void rope(void* x, ElemType type, int64_t rows, int64_t row_stride, int64_t first_col, int64_t heads,
+          int64_t head_stride, int64_t rot, const int64_t* positions, const float* inv_freq, float attention_scaling,
+          bool interleaved, cudaStream_t stream);
+
+// y = x + y elementwise (n values); y += bias per row (bias fp32 [width]); x *= s.
+void add(const void* x, ElemType xt, void* y, ElemType yt, int64_t n, cudaStream_t stream);
+void add_bias(void* y, ElemType type, int64_t rows, int64_t width, const float* bias, cudaStream_t stream);
+void scale(void* x, ElemType type, int64_t n, float s, cudaStream_t stream);
+
+// Gated activations over rows of [gate (inter) | up (inter)]: out[r, :inter] = act(gate, up).
+//   SiLU-GLU: silu(gate) * up.  Clamped SwiGLU (MiniMax): g = min(gate, limit), u = clamp(up, ±limit),
+//   (u + 1) * g * sigmoid(alpha * g).
+enum class GluKind { SiluGlu, ClampedSwiglu };
+void glu(const void* gate_up, ElemType in_type, void* out, ElemType out_type, int64_t rows, int64_t inter,
+         GluKind kind, float alpha, float limit, cudaStream_t stream);
+
+// Copies rows: out[i, :] = x[index[i], :] (width values; index device int32 [count]).
+void gather_rows(const void* x, ElemType type, const int32_t* index, int64_t count, int64_t width, void* out,
+                 cudaStream_t stream);
+
+}  // namespace sparrow::cuda

@@ -1,0 +1,443 @@
+// Mixture of experts on the GPU.
+//
+// route_grouped_sigmoid: one warp per token, the exact steps of SigmoidRouter::route (src/model/moe.cpp)
+// with cpu::top_k's order (larger first, NaN last, ties to the smaller index). exp is taken in double and
+// rounded so the scores match glibc's expf; sums and quotients round like the CPU's (no FMA).
+//
+// moe_experts, all on the device and without a host round trip (so it can be captured in a graph):
+//   1. counting sort of the tokens·top_k (token, slot) pairs by expert: per-expert counts (atomics),
+//      offsets and a tile schedule (one block), then each pair takes a slot in its expert's segment
+//      (atomics). The order of pairs inside a segment varies from run to run, but no result depends
+//      on it: every output row of the products below is computed alone, in a fixed order over k, and
+//      the final combine sums each token's slots in slot order.
+//   2. one grouped product over all experts for gate_up with the activation fused into its epilogue:
+//      h[pair] = act(x[token] · gate[e]ᵀ, x[token] · up[e]ᵀ) in bf16 (the rows of x are gathered by the
+//      tile loader, no copy of x is made);
+//   3. one grouped product for down: y[pair] = bf16(weight[pair] · (h[pair] · down[e]ᵀ));
+//   4. out[t] = bf16(Σ_j y[pair(t, j)]) in fp32, slots in order.
+// The grouped products run over a device-built list of 64-row tiles (expert, first row, end row); the
+// grid is sized by a host-side bound (pairs/64 + experts, at most pairs) and surplus blocks exit. Tiles
+// use bf16 tensor cores through WMMA (fp32 accumulation), 64x64x32 blocks, a 3-stage cp.async pipeline.
+// This is the correct-first version: a wgmma (sm_90a) kernel is the known next step for large batches.
+#include "kernels/cuda/moe/moe.h"
+
+#include <cuda_bf16.h>
+#include <mma.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/cuda/runtime/cuda_check.h"
+
+namespace sparrow::cuda {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+// ------------------------------------------------------------------------------------------------
+// Routing
+// ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ bool better(float va, int32_t ia, float vb, int32_t ib) {
+  const bool na = isnan(va), nb = isnan(vb);
+  if (na != nb) return nb;
+  if (!na && va != vb) return va > vb;
+  return ia < ib;
+}
+
+// The best entry of vals[0, n) not yet taken (warp-wide; every lane gets the answer), then marks it.
+__device__ int warp_take_best(const float* vals, uint8_t* taken, int n) {
+  const int lane = threadIdx.x;
+  float best = __int_as_float(0x7fc00000);
+  int32_t best_i = 0x7fffffff;
+  for (int i = lane; i < n; i += 32)
+    if (!taken[i] && better(vals[i], i, best, best_i)) {
+      best = vals[i];
+      best_i = i;
+    }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+    const int32_t oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+    if (better(ov, oi, best, best_i)) {
+      best = ov;
+      best_i = oi;
+    }
+  }
+  __syncwarp();
+  if (lane == 0) taken[best_i] = 1;
+  __syncwarp();
+  return best_i;
+}
+
+__global__ void route_kernel(const float* logits, const float* bias, int num_experts, int n_group, int topk_group,
+                             int top_k, bool normalize, float normalize_eps, float scaling, int32_t* experts,
+                             float* weights) {
+  extern __shared__ float smem[];
+  float* scores = smem;                       // [E]
+  float* choice = scores + num_experts;       // [E]
+  float* group_scores = choice + num_experts; // [n_group]
+  int32_t* chosen = reinterpret_cast<int32_t*>(group_scores + n_group);  // [top_k]
+  uint8_t* taken = reinterpret_cast<uint8_t*>(chosen + top_k);           // [E]
+  uint8_t* group_taken = taken + num_experts;                            // [n_group]
+  const int lane = threadIdx.x;
+  const int64_t t = blockIdx.x;
+  const float* lr = logits + t * num_experts;
+  for (int j = lane; j < num_experts; j += 32) {
+    const float e = float(exp(-double(lr[j])));  // correctly rounded expf
+    const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, e));
+    scores[j] = s;
+    choice[j] = __fadd_rn(s, bias != nullptr ? bias[j] : 0.0f);
+    taken[j] = 0;
+  }
+  for (int g = lane; g < n_group; g += 32) group_taken[g] = 0;
+  __syncwarp();
+  if (n_group > 1) {
+    // A group's score: the sum of its two best biased scores (cpu::top_k(group, 2), summed in rank order).
+    const int per_group = num_experts / n_group;
+    for (int g = lane; g < n_group; g += 32) {
+      const float* c = choice + g * per_group;
+      float v1 = __int_as_float(0x7fc00000), v2 = v1;
+      int32_t i1 = 0x7fffffff, i2 = 0x7fffffff;
+      for (int j = 0; j < per_group; ++j) {
+        if (better(c[j], j, v1, i1)) {
+          v2 = v1, i2 = i1, v1 = c[j], i1 = j;
+        } else if (better(c[j], j, v2, i2)) {
+          v2 = c[j], i2 = j;
+        }
+      }
+      float sum = __fadd_rn(0.0f, v1);
+      if (per_group > 1) sum = __fadd_rn(sum, v2);
+      group_scores[g] = sum;
+    }
+    __syncwarp();
+    for (int k = 0; k < topk_group; ++k) warp_take_best(group_scores, group_taken, n_group);
+    for (int j = lane; j < num_experts; j += 32)
+      if (!group_taken[j / per_group]) choice[j] = -INFINITY;
+    __syncwarp();
+  }
+  for (int k = 0; k < top_k; ++k) {
+    const int best = warp_take_best(choice, taken, num_experts);
+    if (lane == 0) chosen[k] = best;
+  }
+  __syncwarp();
+  if (lane == 0) {
+    float sum = 0.0f;
+    for (int k = 0; k < top_k; ++k) sum = __fadd_rn(sum, scores[chosen[k]]);
+    for (int k = 0; k < top_k; ++k) {
+      float w = scores[chosen[k]];
+      if (normalize) w = __fdiv_rn(w, __fadd_rn(sum, normalize_eps));
+      experts[t * top_k + k] = chosen[k];
+      weights[t * top_k + k] = __fmul_rn(w, scaling);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Experts: sort, grouped products, combine
+// ------------------------------------------------------------------------------------------------
+
+constexpr int BM = 64, BN = 64, BK = 32, STAGES = 3, THREADS = 128;
+constexpr int LDS = BK + 8;   // smem row pitch (bf16) of the A/B tiles: 80 B, breaks bank conflicts
+constexpr int LDC = BN + 4;   // fp32 epilogue pitch
+
+struct Tile {
+  int32_t expert, begin, end;
+};
+
+__global__ void count_kernel(const int32_t* experts, int64_t pairs, int num_experts, int32_t* counts) {
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < pairs; p += int64_t(gridDim.x) * blockDim.x) {
+    const int e = experts[p];
+    if (e >= 0 && e < num_experts) atomicAdd(&counts[e], 1);
+  }
+}
+
+// One block: offsets, cursors and the tile list.
+__global__ void schedule_kernel(const int32_t* counts, int num_experts, int32_t* cursor, Tile* tiles,
+                                int32_t* num_tiles, int32_t* tile_start) {
+  if (threadIdx.x == 0) {
+    int32_t off = 0, nt = 0;
+    for (int e = 0; e < num_experts; ++e) {
+      cursor[e] = off;
+      tile_start[e] = nt;
+      off += counts[e];
+      nt += (counts[e] + BM - 1) / BM;
+    }
+    *num_tiles = nt;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    const int32_t begin = cursor[e], end = begin + counts[e];
+    int32_t t = tile_start[e];
+    for (int32_t r = begin; r < end; r += BM) tiles[t++] = Tile{e, r, min(r + BM, end)};
+  }
+}
+
+__global__ void place_kernel(const int32_t* experts, int64_t pairs, int num_experts, int32_t* cursor,
+                             int32_t* sorted_pair, int32_t* pos_of_pair) {
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < pairs; p += int64_t(gridDim.x) * blockDim.x) {
+    const int e = experts[p];
+    int32_t pos = -1;
+    if (e >= 0 && e < num_experts) {
+      pos = atomicAdd(&cursor[e], 1);
+      sorted_pair[pos] = int32_t(p);
+    }
+    pos_of_pair[p] = pos;
+  }
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int size = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(size));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ float activation(float g, float u, GluKind kind, float alpha, float limit) {
+  // Activation::apply (src/model/moe.cpp).
+  if (kind == GluKind::SiluGlu) return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+  const float gc = fminf(g, limit), uc = fminf(fmaxf(u, -limit), limit);
+  const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-__fmul_rn(gc, alpha))));
+  return __fmul_rn(__fadd_rn(uc, 1.0f), __fmul_rn(gc, sig));
+}
+
+// A tile's product over K with NB weight operands (2 for gate/up, 1 for down). A rows come from
+// a_rows[] (per-thread row pointers, null = zero row); weight rows are w[b] + n * K.
+template <int NB>
+struct SmemTiles {
+  bf16 a[STAGES][BM][LDS];
+  bf16 b[STAGES][NB][BN][LDS];
+};
+template <int NB>
+union GemmSmem {
+  SmemTiles<NB> tiles;
+  float c[NB][BM][LDC];
+};
+
+// IS_GATE_UP: h = act(A·gateᵀ, A·upᵀ) (A = gathered x, K = hidden, N = inter);
+// else:        y = weight · (A·downᵀ) (A = h, K = inter, N = hidden).
+template <bool IS_GATE_UP>
+__global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
+    const Tile* tiles, const int32_t* num_tiles, const int32_t* sorted_pair, int top_k, const bf16* a_base,
+    const bf16* w_base, const float* pair_weight, int64_t K, int64_t N, bf16* out, GluKind kind, float alpha,
+    float limit) {
+  constexpr int NB = IS_GATE_UP ? 2 : 1;
+  using namespace nvcuda;
+  __shared__ __align__(128) GemmSmem<NB> sm;
+  if (int(blockIdx.x) >= *num_tiles) return;
+  const Tile tile = tiles[blockIdx.x];
+  const int64_t n0 = int64_t(blockIdx.y) * BN;
+  const int tid = threadIdx.x;
+
+  // Each thread copies 2 A chunks and 2 chunks per weight operand per stage: rows tid/4 and tid/4 + 32,
+  // 8 bf16 at column (tid % 4) * 8.
+  const int lrow = tid / 4, lcol = (tid % 4) * 8;
+  const bf16* a_row[2];
+  const bf16* w_row[NB][2];
+  for (int i = 0; i < 2; ++i) {
+    const int r = tile.begin + lrow + 32 * i;
+    a_row[i] = nullptr;
+    if (r < tile.end) {
+      if constexpr (IS_GATE_UP) a_row[i] = a_base + int64_t(sorted_pair[r] / top_k) * K;
+      else a_row[i] = a_base + int64_t(r) * K;
+    }
+    const int64_t n = n0 + lrow + 32 * i;
+    const bf16* we = w_base + int64_t(tile.expert) * (NB * N) * K;  // this expert's [NB*N, K] weight
+    for (int b = 0; b < NB; ++b) w_row[b][i] = n < N ? we + (b * N + n) * K : nullptr;
+  }
+  auto load_stage = [&](int stage, int64_t k0) {
+    const int64_t k = k0 + lcol;
+    const bool kv = k < K;  // K % 8 == 0: a chunk is all in or all out
+    for (int i = 0; i < 2; ++i) {
+      cp_async16(&sm.tiles.a[stage][lrow + 32 * i][lcol], kv && a_row[i] ? a_row[i] + k : a_base,
+                 kv && a_row[i] != nullptr);
+      for (int b = 0; b < NB; ++b)
+        cp_async16(&sm.tiles.b[stage][b][lrow + 32 * i][lcol], kv && w_row[b][i] ? w_row[b][i] + k : w_base,
+                   kv && w_row[b][i] != nullptr);
+    }
+  };
+
+  const int warp = tid / 32, wm = (warp / 2) * 32, wn = (warp % 2) * 32;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[NB][2][2];
+  for (int b = 0; b < NB; ++b)
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[b][i][j], 0.0f);
+
+  const int64_t ktiles = (K + BK - 1) / BK;
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ktiles) load_stage(s, s * BK);
+    cp_async_commit();
+  }
+  for (int64_t kt = 0; kt < ktiles; ++kt) {
+    const int64_t next = kt + STAGES - 1;
+    if (next < ktiles) load_stage(int(next % STAGES), next * BK);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    __syncthreads();
+    const int st = int(kt % STAGES);
+    for (int kk = 0; kk < BK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa[2];
+      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], &sm.tiles.a[st][wm + 16 * i][kk], LDS);
+      for (int b = 0; b < NB; ++b)
+        for (int j = 0; j < 2; ++j) {
+          // The weight tile is stored [n][k], i.e. B = Wᵀ [k][n] in column-major order.
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb;
+          wmma::load_matrix_sync(fb, &sm.tiles.b[st][b][wn + 16 * j][kk], LDS);
+          for (int i = 0; i < 2; ++i) wmma::mma_sync(acc[b][i][j], fa[i], fb, acc[b][i][j]);
+        }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the epilogue reuses the tile buffers
+  for (int b = 0; b < NB; ++b)
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 2; ++j)
+        wmma::store_matrix_sync(&sm.c[b][wm + 16 * i][wn + 16 * j], acc[b][i][j], LDC, wmma::mem_row_major);
+  __syncthreads();
+  for (int idx = tid; idx < BM * BN; idx += THREADS) {
+    const int r = idx / BN, c = idx % BN;
+    const int row = tile.begin + r;
+    const int64_t col = n0 + c;
+    if (row >= tile.end || col >= N) continue;
+    float v;
+    if constexpr (IS_GATE_UP) {
+      v = activation(sm.c[0][r][c], sm.c[1][r][c], kind, alpha, limit);
+    } else {
+      v = __fmul_rn(pair_weight[sorted_pair[row]], sm.c[0][r][c]);
+    }
+    out[int64_t(row) * N + col] = __float2bfloat16_rn(v);
+  }
+}
+
+__global__ void combine_kernel(const bf16* y, const int32_t* pos_of_pair, int top_k, int64_t hidden, bf16* out) {
+  const int64_t t = blockIdx.x;
+  for (int64_t d = threadIdx.x; d < hidden; d += blockDim.x) {
+    float sum = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+      const int32_t pos = pos_of_pair[t * top_k + j];
+      if (pos >= 0) sum = __fadd_rn(sum, __bfloat162float(y[int64_t(pos) * hidden + d]));
+    }
+    out[t * hidden + d] = __float2bfloat16_rn(sum);
+  }
+}
+
+// Workspace layout, each part 256-byte aligned.
+struct Layout {
+  size_t counts, cursor, tile_start, num_tiles, tiles, sorted_pair, pos_of_pair, h, y, total;
+  int64_t max_tiles;
+};
+
+size_t align256(size_t v) { return (v + 255) / 256 * 256; }
+
+Layout layout(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden, int64_t inter) {
+  const int64_t pairs = tokens * top_k;
+  Layout l{};
+  l.max_tiles = std::min<int64_t>(pairs, (pairs + BM - 1) / BM + num_experts);
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    size_t at = off;
+    off += align256(bytes);
+    return at;
+  };
+  l.counts = take(sizeof(int32_t) * num_experts);
+  l.cursor = take(sizeof(int32_t) * num_experts);
+  l.tile_start = take(sizeof(int32_t) * num_experts);
+  l.num_tiles = take(sizeof(int32_t));
+  l.tiles = take(sizeof(Tile) * std::max<int64_t>(l.max_tiles, 1));
+  l.sorted_pair = take(sizeof(int32_t) * pairs);
+  l.pos_of_pair = take(sizeof(int32_t) * pairs);
+  l.h = take(sizeof(bf16) * pairs * inter);
+  l.y = take(sizeof(bf16) * pairs * hidden);
+  l.total = off;
+  return l;
+}
+
+}  // namespace
+
+void route_grouped_sigmoid(const float* logits, const float* bias, int64_t tokens, int64_t num_experts,
+                           int64_t n_group, int64_t topk_group, int64_t top_k, bool normalize, float normalize_eps,
+                           float scaling, int32_t* experts, float* weights, cudaStream_t stream) {
+  SPARROW_CHECK(num_experts > 0 && num_experts <= 65536, "route_grouped_sigmoid: bad expert count ", num_experts);
+  SPARROW_CHECK(n_group >= 1 && num_experts % n_group == 0, "route_grouped_sigmoid: ", num_experts,
+                " experts do not split into ", n_group, " groups");
+  SPARROW_CHECK(topk_group >= 1 && topk_group <= n_group, "route_grouped_sigmoid: topk_group ", topk_group,
+                " not in [1, ", n_group, "]");
+  SPARROW_CHECK(top_k >= 1 && top_k <= num_experts, "route_grouped_sigmoid: top_k ", top_k, " not in [1, ",
+                num_experts, "]");
+  SPARROW_CHECK(tokens >= 0 && tokens <= 0x7fffffff, "route_grouped_sigmoid: bad token count ", tokens);
+  if (tokens == 0) return;
+  const size_t smem = sizeof(float) * (2 * num_experts + n_group) + sizeof(int32_t) * top_k + num_experts + n_group;
+  SPARROW_CHECK(smem <= 48 * 1024, "route_grouped_sigmoid: too many experts (", num_experts, ")");
+  route_kernel<<<unsigned(tokens), 32, smem, stream>>>(logits, bias, int(num_experts), int(n_group),
+                                                       int(topk_group), int(top_k), normalize, normalize_eps,
+                                                       scaling, experts, weights);
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
+void route_grouped_sigmoid(const float* logits, const float* bias, int64_t tokens, int64_t num_experts,
+                           int64_t n_group, int64_t topk_group, int64_t top_k, bool normalize, float scaling,
+                           int32_t* experts, float* weights, cudaStream_t stream) {
+  route_grouped_sigmoid(logits, bias, tokens, num_experts, n_group, topk_group, top_k, normalize, 1e-20f, scaling,
+                        experts, weights, stream);
+}
+
+size_t moe_workspace_bytes(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden, int64_t inter) {
+  return layout(tokens, top_k, num_experts, hidden, inter).total;
+}
+
+void moe_experts(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
+                 int64_t top_k, const void* gate_up, const void* down, int64_t num_experts, int64_t inter,
+                 GluKind glu_kind, float alpha, float limit, void* out, void* workspace, cudaStream_t stream) {
+  SPARROW_CHECK(tokens >= 0 && top_k >= 1 && num_experts >= 1 && hidden > 0 && inter > 0,
+                "moe_experts: bad sizes tokens=", tokens, " top_k=", top_k, " experts=", num_experts);
+  SPARROW_CHECK(hidden % 8 == 0 && inter % 8 == 0, "moe_experts: hidden (", hidden, ") and intermediate (", inter,
+                ") must be multiples of 8");
+  SPARROW_CHECK(tokens * top_k <= 0x7fffffff, "moe_experts: too many (token, expert) pairs");
+  const void* operands[] = {x, gate_up, down, out, workspace};
+  for (const void* p : operands)
+    SPARROW_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "moe_experts: operands must be 16-byte aligned");
+  if (tokens == 0) return;
+  const int64_t pairs = tokens * top_k;
+  const Layout l = layout(tokens, top_k, num_experts, hidden, inter);
+  char* ws = static_cast<char*>(workspace);
+  auto* counts = reinterpret_cast<int32_t*>(ws + l.counts);
+  auto* cursor = reinterpret_cast<int32_t*>(ws + l.cursor);
+  auto* tile_start = reinterpret_cast<int32_t*>(ws + l.tile_start);
+  auto* num_tiles = reinterpret_cast<int32_t*>(ws + l.num_tiles);
+  auto* tiles = reinterpret_cast<Tile*>(ws + l.tiles);
+  auto* sorted_pair = reinterpret_cast<int32_t*>(ws + l.sorted_pair);
+  auto* pos_of_pair = reinterpret_cast<int32_t*>(ws + l.pos_of_pair);
+  auto* h = reinterpret_cast<bf16*>(ws + l.h);
+  auto* y = reinterpret_cast<bf16*>(ws + l.y);
+
+  SPARROW_CUDA_CHECK(cudaMemsetAsync(counts, 0, sizeof(int32_t) * num_experts, stream));
+  const int pair_blocks = int(std::min<int64_t>((pairs + 255) / 256, 4096));
+  count_kernel<<<pair_blocks, 256, 0, stream>>>(experts, pairs, int(num_experts), counts);
+  SPARROW_CUDA_CHECK_LAUNCH();
+  schedule_kernel<<<1, 256, 0, stream>>>(counts, int(num_experts), cursor, tiles, num_tiles, tile_start);
+  SPARROW_CUDA_CHECK_LAUNCH();
+  place_kernel<<<pair_blocks, 256, 0, stream>>>(experts, pairs, int(num_experts), cursor, sorted_pair, pos_of_pair);
+  SPARROW_CUDA_CHECK_LAUNCH();
+
+  const dim3 grid1(unsigned(l.max_tiles), unsigned((inter + BN - 1) / BN));
+  SPARROW_CHECK(grid1.y <= 65535, "moe_experts: intermediate size too large");
+  grouped_gemm_kernel<true><<<grid1, THREADS, 0, stream>>>(
+      tiles, num_tiles, sorted_pair, int(top_k), static_cast<const bf16*>(x), static_cast<const bf16*>(gate_up),
+      nullptr, hidden, inter, h, glu_kind, alpha, limit);
+  SPARROW_CUDA_CHECK_LAUNCH();
+  const dim3 grid2(unsigned(l.max_tiles), unsigned((hidden + BN - 1) / BN));
+  SPARROW_CHECK(grid2.y <= 65535, "moe_experts: hidden size too large");
+  grouped_gemm_kernel<false><<<grid2, THREADS, 0, stream>>>(tiles, num_tiles, sorted_pair, int(top_k), h,
+                                                            static_cast<const bf16*>(down), weights, inter, hidden,
+                                                            y, glu_kind, alpha, limit);
+  SPARROW_CUDA_CHECK_LAUNCH();
+  combine_kernel<<<unsigned(tokens), 256, 0, stream>>>(y, pos_of_pair, int(top_k), hidden, static_cast<bf16*>(out));
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace sparrow::cuda

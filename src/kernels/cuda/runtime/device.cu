@@ -1,0 +1,171 @@
+// The GPU runtime: device probe, the engine's stream, a caching pool over cudaMalloc, checked copies.
+//
+// Pool design (why it looks like this):
+//   * Sizes are rounded up to a size class: multiples of 256 B up to 64 KiB, then four classes per power
+//     of two (2^k, 1.25·2^k, 1.5·2^k, 1.75·2^k), so a reused block wastes at most 25% and a decode step
+//     that asks for the same sizes every step finds them all in the free lists (no cudaMalloc once warm,
+//     which also keeps addresses stable for CUDA graph replay).
+//   * Freed blocks are handed out again at once. That is safe because all engine work is ordered on the
+//     one stream(): a block freed by the host after enqueuing its last use is only reused by work enqueued
+//     later on the same stream. Work on other streams must not free into the pool while still running.
+//   * On out-of-memory the pool returns its cached blocks to the driver and retries once.
+#include "kernels/cuda/runtime/device.h"
+
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "kernels/cuda/runtime/cuda_check.h"
+
+namespace sparrow::cuda {
+
+namespace {
+
+struct Pool {
+  std::mutex mu;
+  std::map<size_t, std::vector<void*>> free_blocks;  // size class -> blocks
+  std::unordered_map<void*, size_t> live;            // handed out: pointer -> size class
+  size_t in_use = 0;                                 // bytes of live blocks (by class)
+  size_t cached = 0;                                 // bytes held in free lists
+};
+
+Pool& pool() {
+  static Pool* p = new Pool;  // never destroyed: tensors freed during static destruction still find it
+  return *p;
+}
+
+size_t size_class(size_t bytes) {
+  if (bytes == 0) bytes = 1;
+  constexpr size_t kSmall = size_t(64) << 10;
+  if (bytes <= kSmall) return (bytes + 255) / 256 * 256;
+  size_t pow2 = size_t(1) << (63 - __builtin_clzll(bytes));  // largest power of two <= bytes
+  size_t step = pow2 / 4;
+  return (bytes + step - 1) / step * step;
+}
+
+void release_locked(Pool& p) {
+  for (auto& [cls, blocks] : p.free_blocks)
+    for (void* b : blocks) cudaFree(b);  // errors ignored: the memory is gone either way
+  p.free_blocks.clear();
+  p.cached = 0;
+}
+
+}  // namespace
+
+bool device_available() {
+  // Probed once. cudaGetDeviceCount reports a missing driver or device as an error code, never by
+  // throwing; the sticky-free error it leaves is cleared so later checks do not see it.
+  static const bool available = [] {
+    int count = 0;
+    cudaError_t status = cudaGetDeviceCount(&count);
+    if (status != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return count > 0;
+  }();
+  return available;
+}
+
+void require_device() {
+  if (device_available()) return;
+  int count = 0;
+  cudaError_t status = cudaGetDeviceCount(&count);
+  cudaGetLastError();
+  if (status != cudaSuccess)
+    fail("no usable CUDA device: ", cudaGetErrorString(status), " (use --device cpu)");
+  fail("no CUDA device found (use --device cpu)");
+}
+
+cudaStream_t stream() {
+  static cudaStream_t s = [] {
+    require_device();
+    cudaStream_t created = nullptr;
+    SPARROW_CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
+    return created;
+  }();
+  return s;
+}
+
+void* device_alloc(size_t bytes) {
+  const size_t cls = size_class(bytes);
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  auto it = p.free_blocks.find(cls);
+  void* ptr = nullptr;
+  if (it != p.free_blocks.end() && !it->second.empty()) {
+    ptr = it->second.back();
+    it->second.pop_back();
+    p.cached -= cls;
+  } else {
+    require_device();
+    cudaError_t status = cudaMalloc(&ptr, cls);
+    if (status == cudaErrorMemoryAllocation) {
+      cudaGetLastError();  // clear, then retry with the cache handed back to the driver
+      release_locked(p);
+      status = cudaMalloc(&ptr, cls);
+    }
+    if (status != cudaSuccess) {
+      cudaGetLastError();
+      size_t free_b = 0, total_b = 0;
+      cudaMemGetInfo(&free_b, &total_b);
+      cudaGetLastError();
+      fail("CUDA out of memory: could not allocate ", cls, " bytes (", p.in_use, " bytes in use by sparrow, ",
+           free_b, " of ", total_b, " bytes free on the device): ", cudaGetErrorString(status));
+    }
+  }
+  p.live.emplace(ptr, cls);
+  p.in_use += cls;
+  return ptr;  // cudaMalloc returns 256-byte aligned memory
+}
+
+void device_free(void* ptr) {
+  if (ptr == nullptr) return;
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  auto it = p.live.find(ptr);
+  SPARROW_CHECK(it != p.live.end(), "device_free: pointer was not allocated by the pool");
+  const size_t cls = it->second;
+  p.live.erase(it);
+  p.in_use -= cls;
+  p.free_blocks[cls].push_back(ptr);
+  p.cached += cls;
+}
+
+size_t device_bytes_in_use() {
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  return p.in_use;
+}
+
+void release_cached_memory() {
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  if (p.cached == 0) return;
+  // Blocks in the free lists may still be read by enqueued work that freed them; wait for it first.
+  SPARROW_CUDA_CHECK(cudaDeviceSynchronize());
+  release_locked(p);
+}
+
+void copy_to_device(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  // From pageable host memory the driver stages the bytes before returning, so `src` may be reused;
+  // from pinned memory it must stay alive until the stream reaches the copy.
+  SPARROW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream()));
+}
+
+void copy_to_host_sync(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  SPARROW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream()));
+  SPARROW_CUDA_CHECK(cudaStreamSynchronize(stream()));
+}
+
+void copy_device(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  SPARROW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream()));
+}
+
+void synchronize() { SPARROW_CUDA_CHECK(cudaStreamSynchronize(stream())); }
+
+}  // namespace sparrow::cuda

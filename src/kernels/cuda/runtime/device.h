@@ -1,0 +1,29 @@
+// The GPU runtime: one device, one stream, and a caching memory pool over plain cudaMalloc (never
+// managed memory). Every call is checked (runtime/cuda_check.h).
+//
+// The pool keeps freed blocks by size class and hands them out again, so a decode step allocates no
+// memory from the driver once warm (and a CUDA graph replays over the same addresses).
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace sparrow::cuda {
+
+bool device_available();            // a CUDA device exists and can be used
+void require_device();              // throws sparrow::Error with a clear message when none does
+cudaStream_t stream();              // the engine's stream (created on first use, non-blocking)
+
+void* device_alloc(size_t bytes);   // from the pool; 256-byte aligned; throws on out-of-memory
+void device_free(void* p);          // back to the pool (nullptr is ignored)
+size_t device_bytes_in_use();       // for tests and the memory planner
+void release_cached_memory();       // return pooled blocks to the driver
+
+// Copies on stream(); the _sync forms wait for completion.
+void copy_to_device(void* dst, const void* src, size_t bytes);
+void copy_to_host_sync(void* dst, const void* src, size_t bytes);
+void copy_device(void* dst, const void* src, size_t bytes);
+void synchronize();
+
+}  // namespace sparrow::cuda

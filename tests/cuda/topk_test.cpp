@@ -1,0 +1,103 @@
+// Radix top-k (kernels/cuda/topk) against cpu::top_k: identical index sets, ascending, -1 padding, on
+// random rows, rows full of ties, NaN / -inf / signed zeros, rows shorter than k, and rows long enough
+// to be split over many CTAs.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cuda/topk/topk.h"
+
+namespace {
+
+using namespace sparrow;
+
+enum class Fill { Normal, FewValues, AllEqual, Specials, Sorted };
+
+void run_case(int64_t rows, int64_t max_len, int k, Fill fill, bool vary_len, std::mt19937& rng, unsigned seed) {
+  const int64_t ld = max_len + (rng() % 2 ? 0 : 3);
+  std::vector<float> s(rows * ld);
+  std::vector<int32_t> len(rows);
+  std::normal_distribution<float> nd;
+  std::uniform_int_distribution<int> few(0, 4);
+  for (int64_t r = 0; r < rows; ++r) {
+    len[r] = int32_t(vary_len ? int64_t(rng() % (max_len + 1)) : max_len);
+    if (vary_len && r == 0) len[r] = int32_t(max_len);
+    for (int64_t i = 0; i < ld; ++i) {
+      float v;
+      switch (fill) {
+        case Fill::Normal: v = nd(rng); break;
+        case Fill::FewValues: v = float(few(rng)) * 0.5f; break;
+        case Fill::AllEqual: v = 1.25f; break;
+        case Fill::Sorted: v = float(i % 1000); break;
+        default: {
+          int t = int(rng() % 10);
+          v = t == 0 ? NAN : t == 1 ? -INFINITY : t == 2 ? -0.0f : t == 3 ? 0.0f : t == 4 ? INFINITY : nd(rng);
+        }
+      }
+      s[r * ld + i] = v;
+    }
+  }
+  float* ds;
+  int32_t *dl, *dout;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&ds), s.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&dl), rows * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&dout), rows * k * 4), cudaSuccess);
+  const size_t wsb = cuda::topk_workspace_bytes(rows, max_len, k);
+  void* ws = nullptr;
+  if (wsb) ASSERT_EQ(cudaMalloc(&ws, wsb), cudaSuccess);
+  if (ws) cudaMemset(ws, 0x5A, wsb);  // the launch must not rely on a clean workspace
+  cudaMemcpy(ds, s.data(), s.size() * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(dl, len.data(), rows * 4, cudaMemcpyHostToDevice);
+  std::vector<int32_t> got(rows * k);
+  for (int rep = 0; rep < 2; ++rep) {  // twice: determinism and workspace reuse
+    cudaMemset(dout, 0x7B, rows * k * 4);
+    cuda::topk_rows(ds, ld, dl, rows, max_len, k, dout, ws, wsb, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<int32_t> again(rows * k);
+    cudaMemcpy(again.data(), dout, rows * k * 4, cudaMemcpyDeviceToHost);
+    if (rep == 1) ASSERT_EQ(again, got) << "not deterministic, seed " << seed;
+    got = again;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<int32_t> ref = cpu::top_k(&s[r * ld], len[r], k);
+    std::sort(ref.begin(), ref.end());
+    ref.resize(k, -1);
+    std::vector<int32_t> g(got.begin() + r * k, got.begin() + (r + 1) * k);
+    ASSERT_EQ(g, ref) << "row " << r << " len " << len[r] << " k " << k << " max_len " << max_len << " fill "
+                      << int(fill) << " seed " << seed;
+  }
+  cudaFree(ds);
+  cudaFree(dl);
+  cudaFree(dout);
+  cudaFree(ws);
+}
+
+TEST(CudaTopk, MatchesCpuTopK) {
+  SPARROW_REQUIRE_GPU();
+  const unsigned seed = std::random_device{}();
+  std::mt19937 rng(seed);
+  run_case(3, 100, 2048, Fill::Normal, true, rng, seed);  // all shorter than k
+  run_case(4, 2048, 2048, Fill::Normal, false, rng, seed);
+  run_case(4, 2049, 2048, Fill::Normal, false, rng, seed);
+  run_case(16, 8192, 2048, Fill::Normal, true, rng, seed);
+  run_case(5, 20000, 2048, Fill::FewValues, true, rng, seed);
+  run_case(2, 50000, 2048, Fill::AllEqual, false, rng, seed);
+  run_case(3, 40000, 2048, Fill::Specials, true, rng, seed);
+  run_case(2, 30000, 100, Fill::Sorted, false, rng, seed);
+  run_case(1, 131072, 2048, Fill::Normal, false, rng, seed);
+  run_case(1, 131072, 2048, Fill::FewValues, false, rng, seed);
+  run_case(8, 131072, 2048, Fill::Normal, true, rng, seed);
+  run_case(64, 32768, 2048, Fill::Normal, true, rng, seed);
+  run_case(2, 1 << 20, 2048, Fill::Normal, false, rng, seed);
+  run_case(1, 300000, 2048, Fill::FewValues, false, rng, seed);
+  run_case(3, 5000, 1, Fill::Normal, false, rng, seed);
+  run_case(3, 70000, 777, Fill::Specials, false, rng, seed);
+}
+
+}  // namespace
