@@ -124,7 +124,7 @@ TEST(CachePlanner, PagesFollowLayerOrderOnSixtyFourByteBoundaries) {
 
 TEST(CachePlanner, RejectsWhatItCannotPlan) {
   EXPECT_THROW(plan_cache(attention_spec(4), make_config(48, "float32", kGiB)), Error);   // not a power of two
-  EXPECT_THROW(plan_cache(attention_spec(4), make_config(64, "fp8", kGiB)), Error);      // not a CPU dtype yet
+  EXPECT_THROW(plan_cache(attention_spec(4), make_config(64, "fp8", kGiB)), Error);      // 4 is no multiple of 128
   EXPECT_THROW(plan_cache(attention_spec(4), make_config(64, "float32", 1000)), Error);  // no room for a row
   EXPECT_THROW(plan_cache(hybrid_spec(), make_config(4, "float32", 4 * 64 + 100)), Error);  // the slots fill it
   EXPECT_EQ(parse_cache_dtype("auto"), CacheDtype::Float32);
@@ -661,3 +661,82 @@ TEST_P(CacheExactness, BfloatSixteenCacheStaysCloseToFloat32) {
 
 INSTANTIATE_TEST_SUITE_P(Cache, CacheExactness, ::testing::ValuesIn(fixture_names()),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+// ---- FP8 pages (DeepSeek-V3.2's formats): FlashMLA's 656-byte latent and the 132-byte index key ----
+
+namespace {
+
+std::vector<float> random_rows(int64_t count, int64_t width, uint32_t seed) {
+  std::vector<float> rows(count * width);
+  uint32_t state = seed;
+  for (float& x : rows) {
+    state = state * 1664525u + 1013904223u;
+    x = (float(state >> 8) / float(1 << 24) - 0.5f) * 6.0f;
+  }
+  return rows;
+}
+
+}  // namespace
+
+TEST(PageCodec, Fp8LatentIsFlashMlasLayout) {
+  const PageSpec spec{PageKind::MlaLatent, 576, 64};
+  const PageCodec& codec = page_codec(CacheDtype::Fp8, PageKind::MlaLatent);
+  EXPECT_EQ(codec.format(), PageFormat::Fp8Latent);
+  EXPECT_EQ(codec.page_bytes(spec, 64), 64 * 656);  // 512 e4m3 + 4 fp32 scales + 64 bf16
+  std::vector<std::byte> page(codec.page_bytes(spec, 64));
+  std::vector<float> rows = random_rows(5, 576, 7);
+  std::fill(rows.begin() + 576, rows.begin() + 576 + 128, 0.0f);  // a group of zeros: scale 0, codes 0
+  codec.encode(spec, 64, rows.data(), 3, 5, page.data());
+  std::vector<float> back(5 * 576);
+  codec.decode(spec, 64, page.data(), 3, 5, back.data());
+  for (int64_t t = 0; t < 5; ++t) {
+    const std::byte* token = page.data() + (3 + t) * 656;
+    for (int g = 0; g < 4; ++g) {
+      float scale;
+      std::memcpy(&scale, token + 512 + 4 * g, 4);
+      float amax = 0;
+      for (int i = 0; i < 128; ++i) amax = std::max(amax, std::fabs(rows[t * 576 + g * 128 + i]));
+      EXPECT_EQ(scale, amax / 448.0f);
+      for (int i = 0; i < 128; ++i) {  // e4m3 keeps 3 mantissa bits: half an ulp is 1/16 relative
+        const float x = rows[t * 576 + g * 128 + i], y = back[t * 576 + g * 128 + i];
+        EXPECT_LE(std::fabs(y - x), std::max(std::fabs(x) / 16.0f, scale * 0.002f)) << t << " " << g << " " << i;
+        if (x == 0.0f) EXPECT_EQ(y, 0.0f);
+      }
+    }
+    for (int i = 512; i < 576; ++i) EXPECT_EQ(back[t * 576 + i], bf16_to_float(float_to_bf16(rows[t * 576 + i])));
+  }
+  EXPECT_THROW(codec.page_bytes({PageKind::MlaLatent, 72, 8}, 64), Error);  // 64 is no multiple of 128
+}
+
+TEST(PageCodec, Fp8IndexKeysAreValuesThenScales) {
+  const PageSpec spec{PageKind::DsaIndexKey, 128, 0};
+  const PageCodec& codec = page_codec(CacheDtype::Fp8, PageKind::DsaIndexKey);
+  EXPECT_EQ(codec.format(), PageFormat::Fp8IndexKey);
+  EXPECT_EQ(codec.page_bytes(spec, 64), 64 * 132);
+  std::vector<std::byte> page(codec.page_bytes(spec, 64));
+  const std::vector<float> rows = random_rows(2, 128, 11);
+  codec.encode(spec, 64, rows.data(), 62, 2, page.data());
+  std::vector<float> back(2 * 128);
+  codec.decode(spec, 64, page.data(), 62, 2, back.data());
+  for (int t = 0; t < 2; ++t) {
+    float scale;
+    std::memcpy(&scale, page.data() + 64 * 128 + (62 + t) * 4, 4);  // the scales follow all values
+    EXPECT_GT(scale, 0.0f);
+    for (int i = 0; i < 128; ++i)
+      EXPECT_LE(std::fabs(back[t * 128 + i] - rows[t * 128 + i]), std::fabs(rows[t * 128 + i]) / 16.0f + 1e-6f);
+  }
+  EXPECT_THROW(page_codec(CacheDtype::Fp8, PageKind::GqaKeyValue), Error);  // no FP8 GQA layout yet
+}
+
+TEST(CachePlanner, DeepSeekV32InFp8Is656Plus132BytesPerLayer) {
+  const Config config = Config::load((std::filesystem::path(SPARROW_SOURCE_DIR) / "bench/shapes/deepseek_v3.2.json").string());
+  const std::vector<LayerCacheSpec> spec = cache_spec_from_config(config);
+  const CachePlan plan = plan_cache(spec, make_config(64, "fp8", int64_t(8) << 30));
+  const int64_t layers = int64_t(spec.size());
+  for (const auto& [component, bytes] : plan.bytes_per_token) {
+    if (component == "mla_latent") EXPECT_EQ(bytes, 656 * layers);
+    if (component == "dsa_index_key") EXPECT_EQ(bytes, 132 * layers);
+  }
+  EXPECT_EQ(parse_cache_dtype("fp8_e4m3"), CacheDtype::Fp8);
+  EXPECT_EQ(parse_cache_dtype("auto", Device::Cuda), CacheDtype::BFloat16);
+}

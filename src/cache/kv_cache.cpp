@@ -7,9 +7,27 @@
 #include "cache/prefix_hash.h"
 #include "core/error.h"
 
+#if SPARROW_HAVE_CUDA
+#include "kernels/cuda/runtime/device.h"
+#endif
+
 namespace sparrow {
 
 namespace {
+
+// Copies a page between host and GPU memory (synchronously).
+void copy_page(void* dst, const void* src, int64_t bytes, bool to_host) {
+#if SPARROW_HAVE_CUDA
+  if (to_host)
+    cuda::copy_to_host_sync(dst, src, size_t(bytes));
+  else {
+    cuda::copy_to_device(dst, src, size_t(bytes));
+    cuda::synchronize();
+  }
+#else
+  fail("kv cache on a GPU in a build without the CUDA backend");
+#endif
+}
 
 constexpr size_t kAlignment = 64;
 
@@ -31,7 +49,14 @@ void KvCache::FreeBytes::operator()(std::byte* p) const { std::free(p); }
 // The model's view of one sequence: rows through the block table, state in the sequence's slot.
 class KvCache::View : public SequenceCache {
  public:
-  View(KvCache& cache, Sequence& seq) : cache_(cache), seq_(seq) {}
+  View(KvCache& cache, Sequence& seq, SeqId id) : cache_(cache), seq_(seq), id_(id) {}
+
+  const PagedStorage* paged() const override { return &cache_; }
+  const std::vector<int32_t>& block_table() const override { return seq_.blocks; }
+  void reserve(int64_t tokens) override {
+    SPARROW_CHECK(cache_.allocate(id_, tokens), "kv cache: no room for ", tokens, " tokens (",
+                  cache_.num_free_blocks(), " free blocks of ", cache_.plan_.block_size, " tokens)");
+  }
 
   void write(int layer, PageKind kind, int64_t pos, int64_t count, const float* rows) override {
     const PagePlacement& page = placement(layer, kind);
@@ -42,7 +67,9 @@ class KvCache::View : public SequenceCache {
       const int32_t block = seq_.blocks[at / block_size];
       SPARROW_CHECK(!cache_.blocks_[block].cached && cache_.blocks_[block].refs == 1, "kv cache: layer ", layer,
                     " writes position ", at, " into shared block ", block);
-      page.codec->encode(page.spec, block_size, rows + done * page.spec.width, i, n, cache_.page_address(block, page));
+      with_host_page(block, page, /*write_back=*/true, [&](std::byte* bytes) {
+        page.codec->encode(page.spec, block_size, rows + done * page.spec.width, i, n, bytes);
+      });
       done += n;
     }
   }
@@ -53,8 +80,9 @@ class KvCache::View : public SequenceCache {
     const int64_t block_size = cache_.plan_.block_size;
     for (int64_t at = begin; at < end;) {
       const int64_t i = at % block_size, n = std::min(end - at, block_size - i);
-      page.codec->decode(page.spec, block_size, cache_.page_address(seq_.blocks[at / block_size], page), i, n,
-                         rows + (at - begin) * page.spec.width);
+      with_host_page(seq_.blocks[at / block_size], page, /*write_back=*/false, [&](std::byte* bytes) {
+        page.codec->decode(page.spec, block_size, bytes, i, n, rows + (at - begin) * page.spec.width);
+      });
       at += n;
     }
   }
@@ -82,6 +110,18 @@ class KvCache::View : public SequenceCache {
   }
 
  private:
+  // Host pools are coded in place; a GPU pool's page goes through a host copy (tests and tools only:
+  // the GPU path writes and reads pages with its own kernels).
+  template <typename Code>
+  void with_host_page(int32_t block, const PagePlacement& page, bool write_back, Code code) const {
+    std::byte* address = cache_.page_address(block, page);
+    if (cache_.device() == Device::Cpu) return code(address);
+    Tensor staged = Tensor::empty({page.page_bytes}, ScalarType::U8);
+    copy_page(staged.raw(), address, page.page_bytes, /*to_host=*/true);
+    code(static_cast<std::byte*>(staged.raw()));
+    if (write_back) copy_page(address, staged.raw(), page.page_bytes, /*to_host=*/false);
+  }
+
   const PagePlacement& placement(int layer, PageKind kind) const {
     const PagePlacement* page = cache_.plan_.page(layer, kind);
     SPARROW_CHECK(page != nullptr, "kv cache: layer ", layer, " has no ", page_kind_name(kind), " page");
@@ -100,12 +140,17 @@ class KvCache::View : public SequenceCache {
 
   KvCache& cache_;
   Sequence& seq_;
+  SeqId id_;
 };
 
 // ---------------------------------------------------------------------------------------------
 KvCache::KvCache(std::vector<LayerCacheSpec> spec, CacheConfig config)
     : config_(std::move(config)), plan_(plan_cache(spec, config_)) {
-  rows_.reset(allocate_bytes(plan_.num_blocks * plan_.row_bytes));
+  SPARROW_CHECK(plan_.device == Device::Cpu || plan_.state_slot_bytes == 0,
+                "kv cache: recurrent layers keep their state on the host for now; the GPU path runs MLA/DSA models");
+  // Host rows are left uninitialised (the OS commits pages on first touch, so a large budget costs
+  // nothing until used); GPU rows come from the device pool.
+  rows_ = Tensor::empty({plan_.num_blocks * plan_.row_bytes}, ScalarType::U8, plan_.device);
   state_slots_.reset(allocate_bytes(plan_.num_state_slots * plan_.state_slot_bytes));
   snapshot_slots_.reset(allocate_bytes(plan_.num_snapshot_slots * plan_.state_slot_bytes));
   blocks_.resize(plan_.num_blocks);
@@ -143,7 +188,13 @@ const KvCache::Sequence& KvCache::sequence(SeqId seq) const {
 }
 
 std::byte* KvCache::page_address(int32_t block, const PagePlacement& page) const {
-  return rows_.get() + int64_t(block) * plan_.row_bytes + page.offset;
+  return pool() + int64_t(block) * plan_.row_bytes + page.offset;
+}
+
+PagedStorage::Page KvCache::page(int layer, PageKind kind) const {
+  const PagePlacement* p = plan_.page(layer, kind);
+  SPARROW_CHECK(p != nullptr, "kv cache: layer ", layer, " has no ", page_kind_name(kind), " page");
+  return {p->offset, p->codec->format()};
 }
 
 float* KvCache::state_address(std::byte* slots, int32_t slot, const StatePlacement& state) const {
@@ -161,7 +212,7 @@ SeqId KvCache::create_sequence() {
     free_state_slots_.pop_back();
     std::memset(state_slots_.get() + int64_t(s.state_slot) * plan_.state_slot_bytes, 0, plan_.state_slot_bytes);
   }
-  s.view = std::make_unique<View>(*this, s);
+  s.view = std::make_unique<View>(*this, s, id);
   return id;
 }
 

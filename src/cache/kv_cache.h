@@ -38,13 +38,17 @@
 #include <vector>
 
 #include "cache/planner.h"
+#include "core/tensor.h"
 #include "model/sequence_cache.h"
 
 namespace sparrow {
 
 using SeqId = int64_t;
 
-class KvCache {
+// Block rows live on config.device: host memory, or GPU memory that the GPU kernels address directly
+// (PagedStorage, model/sequence_cache.h); view(seq)->write/read still work there, through a copy, for
+// tests and tools.
+class KvCache final : public PagedStorage {
  public:
   KvCache(std::vector<LayerCacheSpec> spec, CacheConfig config);
   ~KvCache();
@@ -84,7 +88,13 @@ class KvCache {
   // in the row; token j of that block is the page codec's token j. Kernels get these addresses.
   const std::vector<int32_t>& block_table(SeqId seq) const;
   std::vector<int64_t> page_offsets(SeqId seq, int layer, PageKind kind) const;
-  const std::byte* pool() const { return rows_.get(); }
+
+  // PagedStorage
+  Device device() const override { return plan_.device; }
+  std::byte* pool() const override { return static_cast<std::byte*>(const_cast<void*>(rows_.raw())); }
+  int64_t row_bytes() const override { return plan_.row_bytes; }
+  int64_t block_size() const override { return plan_.block_size; }
+  Page page(int layer, PageKind kind) const override;
 
  private:
   class View;
@@ -130,7 +140,7 @@ class KvCache {
 
   CacheConfig config_;
   CachePlan plan_;
-  Bytes rows_;            // num_blocks block rows
+  Tensor rows_;           // num_blocks block rows (bytes, on config.device)
   Bytes state_slots_;     // num_state_slots slots
   Bytes snapshot_slots_;  // num_snapshot_slots slots
   std::vector<Block> blocks_;

@@ -10,15 +10,18 @@
 #include <cstdint>
 #include <string>
 
+#include "core/bfloat16.h"
 #include "model/sequence_cache.h"
 
 namespace sparrow {
 
-enum class CacheDtype { Float32, BFloat16 };
+enum class CacheDtype { Float32, BFloat16, Fp8 };
 
-// --kv-cache-dtype: "auto" (the backend's default: float32 on the CPU), "float32", "bfloat16".
-CacheDtype parse_cache_dtype(const std::string& name);
-const char* cache_dtype_name(CacheDtype dtype);  // "float32", "bfloat16"
+// --kv-cache-dtype: "auto" (the backend's default: float32 on the CPU, bfloat16 on a GPU), "float32",
+// "bfloat16", "fp8" (= "fp8_e4m3"). FP8 exists for the MLA latent (FlashMLA's 656-byte layout) and
+// the DSA index key (132 bytes); other page kinds reject it until their quantized formats land.
+CacheDtype parse_cache_dtype(const std::string& name, Device device = Device::Cpu);
+const char* cache_dtype_name(CacheDtype dtype);  // "float32", "bfloat16", "fp8"
 
 class PageCodec {
  public:
@@ -31,12 +34,12 @@ class PageCodec {
   // The inverse: tokens first .. first+count-1 of the page, as fp32 rows.
   virtual void decode(const PageSpec& spec, int64_t tokens, const std::byte* page, int64_t first, int64_t count,
                       float* rows) const = 0;
+  // The layout's name for kernels that read pages in place.
+  virtual PageFormat format() const = 0;
 };
 
+// The codec of a page kind in a cache dtype; a one-line error for combinations that do not exist.
 const PageCodec& page_codec(CacheDtype dtype, PageKind kind);
 
-// bfloat16 <-> float32: round to nearest even (NaN stays NaN), and the exact widening.
-uint16_t float_to_bf16(float value);
-float bf16_to_float(uint16_t bits);
 
 }  // namespace sparrow

@@ -1,5 +1,9 @@
 #include "cache/planner.h"
 
+#if SPARROW_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -70,6 +74,15 @@ int64_t cache_memory_budget(const CacheConfig& config) {
   if (config.memory_bytes > 0) return config.memory_bytes;
   SPARROW_CHECK(config.memory_fraction > 0 && config.memory_fraction <= 1,
                 "kv cache memory fraction must be in (0, 1], got ", config.memory_fraction);
+  if (config.device == Device::Cuda) {
+#if SPARROW_HAVE_CUDA
+    size_t free_bytes = 0, total_bytes = 0;
+    SPARROW_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess, "kv cache: cannot read GPU memory");
+    return int64_t(double(free_bytes) * config.memory_fraction);
+#else
+    fail("kv cache on a GPU in a build without the CUDA backend");
+#endif
+  }
   const double ram = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
   return int64_t(ram * config.memory_fraction);
 }
@@ -79,7 +92,11 @@ CachePlan plan_cache(const std::vector<LayerCacheSpec>& spec, const CacheConfig&
                 config.block_size);
   SPARROW_CHECK(config.max_num_seqs > 0, "max_num_seqs must be positive, got ", config.max_num_seqs);
   CachePlan plan;
-  plan.dtype = parse_cache_dtype(config.kv_cache_dtype);
+  plan.dtype = parse_cache_dtype(config.kv_cache_dtype, config.device);
+  plan.index_dtype = config.indexer_kv_dtype == "auto"
+                         ? (config.device == Device::Cpu ? plan.dtype : CacheDtype::Fp8)
+                         : parse_cache_dtype(config.indexer_kv_dtype, config.device);
+  plan.device = config.device;
   plan.block_size = config.block_size;
   plan.page_lookup_.assign(spec.size() * kNumPageKinds, -1);
   plan.state_lookup_.assign(spec.size() * kNumStateKinds, -1);
@@ -94,7 +111,8 @@ CachePlan plan_cache(const std::vector<LayerCacheSpec>& spec, const CacheConfig&
       PagePlacement p;
       p.layer = int(layer);
       p.spec = page;
-      p.codec = &page_codec(plan.dtype, page.kind);
+      const bool index_key = page.kind == PageKind::DsaIndexKey || page.kind == PageKind::MsaIndexKey;
+      p.codec = &page_codec(index_key ? plan.index_dtype : plan.dtype, page.kind);
       p.page_bytes = p.codec->page_bytes(page, plan.block_size);
       p.token_bytes = p.page_bytes / plan.block_size;
       p.offset = align_up(row);
@@ -163,7 +181,9 @@ int64_t CachePlan::full_contexts(int64_t max_model_len) const {
 
 std::string CachePlan::summary(int64_t max_model_len) const {
   std::ostringstream out;
-  out << "kv cache: " << cache_dtype_name(dtype) << ", " << block_size << "-token blocks, "
+  out << "kv cache: " << cache_dtype_name(dtype);
+  if (index_dtype != dtype) out << " (index keys " << cache_dtype_name(index_dtype) << ")";
+  out << " on " << device_name(device) << ", " << block_size << "-token blocks, "
       << grouped(total_of(bytes_per_token)) << " bytes per token (" << components(bytes_per_token) << ")\n";
   if (state_slot_bytes > 0) {
     out << "kv cache: recurrent state " << grouped(total_of(state_bytes_per_sequence)) << " bytes per sequence ("

@@ -28,9 +28,13 @@ namespace sparrow {
 
 struct CacheConfig {
   int64_t block_size = 64;              // tokens per block: a power of two (the server offers 64, 128, 256)
-  std::string kv_cache_dtype = "auto";  // auto (= float32 on the CPU backend) | float32 | bfloat16
+  std::string kv_cache_dtype = "auto";  // auto (float32 on the CPU, bfloat16 on a GPU) | float32 | bfloat16 | fp8
+  // The indexers' key pages (vLLM's --attention-config indexer_kv_dtype): auto = fp8 on a GPU (its
+  // scoring kernel reads FP8 keys), else kv_cache_dtype.
+  std::string indexer_kv_dtype = "auto";
+  Device device = Device::Cpu;          // where the pool lives
   int64_t memory_bytes = 0;             // budget for block rows + state slots (--kv-cache-memory)
-  double memory_fraction = 0.25;        // when memory_bytes is 0: this fraction of the machine's RAM
+  double memory_fraction = 0.25;        // when memory_bytes is 0: this fraction of the RAM (of the free GPU memory)
   int64_t max_num_seqs = 64;            // state slots for running sequences (models with recurrent layers)
   bool enable_prefix_caching = true;
 };
@@ -54,7 +58,9 @@ struct StatePlacement {
 
 class CachePlan {
  public:
-  CacheDtype dtype = CacheDtype::Float32;
+  CacheDtype dtype = CacheDtype::Float32;        // every page kind but the indexers'
+  CacheDtype index_dtype = CacheDtype::Float32;  // DSA / MSA index keys
+  Device device = Device::Cpu;
   int64_t block_size = 0;
   int64_t row_bytes = 0;           // one block row
   int64_t num_blocks = 0;          // rows in the pool

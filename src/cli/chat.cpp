@@ -28,7 +28,7 @@ namespace {
 using nlohmann::ordered_json;
 
 struct ChatFlags {
-  std::string model_dir, system, tools_path, reasoning_parser, tool_call_parser;
+  std::string model_dir, system, tools_path, reasoning_parser, tool_call_parser, device = "cpu";
   int64_t max_tokens = 512;
   int64_t seed = -1;
   SamplingParams sampling;
@@ -109,7 +109,7 @@ void run_chat(ChatFlags& flags) {
   const ordered_json tools = flags.tools_path.empty() ? ordered_json() : read_tools(flags.tools_path);
 
   auto tokenizer = load_tokenizer(flags.model_dir);
-  auto model = load_model(flags.model_dir);
+  auto model = load_model(flags.model_dir, parse_device(flags.device));
   const ChatTemplate chat_template = ChatTemplate::load(flags.model_dir);
   const std::string default_parser = parser_for(model->model_type());
   if (flags.reasoning_parser.empty()) flags.reasoning_parser = default_parser;
@@ -192,6 +192,7 @@ void add_chat(CLI::App& app) {
   static ChatFlags flags;
   flags.sampling.temperature = 0.0f;  // greedy by default: small models answer most reliably so
   sub->add_option("--model", flags.model_dir, "Hugging Face model folder (default: the bundled model)");
+  add_device_option(sub, flags.device);
   sub->add_option("--system", flags.system, "system message that opens the conversation");
   sub->add_option("--tools", flags.tools_path, "JSON file with an OpenAI tools list the model may call");
   sub->add_option("--reasoning-parser", flags.reasoning_parser, "default: from the model type");

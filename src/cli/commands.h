@@ -25,6 +25,9 @@ void add_perplexity(CLI::App& app);
 // (common.cpp).
 std::string default_model_dir();
 
+// --device cpu|cuda (vLLM's flag): where the model runs. parse with parse_device (core/tensor.h).
+void add_device_option(CLI::App* sub, std::string& device);
+
 // Registers the action of a subcommand (called from add_X).
 void on_selected(CLI::App* sub, std::function<void()> action);
 void run_selected();

@@ -14,6 +14,11 @@ std::vector<std::pair<CLI::App*, std::function<void()>>>& actions() {
 }
 }  // namespace
 
+void add_device_option(CLI::App* sub, std::string& device) {
+  sub->add_option("--device", device, "where the model runs: cpu or cuda (an NVIDIA Hopper GPU)")
+      ->capture_default_str();
+}
+
 // The bundled model: models/minimax_m3 of the source tree. It is looked for beside the executable's
 // folder (build/sparrow -> models/minimax_m3), then in the current directory.
 std::string default_model_dir() {

@@ -20,9 +20,10 @@ namespace sparrow::cli {
 namespace {
 
 // Streams the continuation of `prompt_text` (the end token itself is not written).
-void generate_text(const std::string& model_dir, const std::string& prompt_text, const GenerateOptions& options) {
+void generate_text(const std::string& model_dir, Device device, const std::string& prompt_text,
+                   const GenerateOptions& options) {
   auto tokenizer = load_tokenizer(model_dir);
-  auto model = load_model(model_dir);
+  auto model = load_model(model_dir, device);
   std::vector<int32_t> prompt = text_prompt_ids(*tokenizer, model_dir, prompt_text);
   IncrementalDetokenizer detokenizer(*tokenizer);
   generate_streaming(*model, prompt, options.sampling, options.stop_token_ids, options.max_tokens,
@@ -36,7 +37,7 @@ void generate_text(const std::string& model_dir, const std::string& prompt_text,
 
 void add_generate(CLI::App& app) {
   auto* sub = app.add_subcommand("generate", "Continue a text prompt (streamed) or token-id prompts (JSON)");
-  static std::string model_dir, prompt_text, prompts_path;
+  static std::string model_dir, prompt_text, prompts_path, device = "cpu";
   static GenerateOptions options;
   static int64_t seed = -1;
   static bool ignore_eos = false;
@@ -51,6 +52,7 @@ void add_generate(CLI::App& app) {
   sub->add_option("--top-k", options.sampling.top_k, "keep the k most likely tokens (0 = all)");
   sub->add_option("--seed", seed, "random seed (prompt i uses seed + i)");
   sub->add_flag("--ignore-eos", ignore_eos, "do not stop at the end-of-sequence token");
+  add_device_option(sub, device);
   on_selected(sub, [text, ids] {
     SPARROW_CHECK(text->count() + ids->count() == 1, "generate needs exactly one of --prompt TEXT and --prompt-ids FILE");
     if (model_dir.empty()) model_dir = default_model_dir();
@@ -58,10 +60,10 @@ void add_generate(CLI::App& app) {
     validate(options.sampling);
     SPARROW_CHECK(options.max_tokens >= 0, "--max-tokens must be >= 0");
     if (!ignore_eos) options.stop_token_ids = eos_token_ids(model_dir);
-    if (text->count()) return generate_text(model_dir, prompt_text, options);
+    if (text->count()) return generate_text(model_dir, parse_device(device), prompt_text, options);
 
     auto prompts = read_prompt_ids(prompts_path);
-    auto model = load_model(model_dir);
+    auto model = load_model(model_dir, parse_device(device));
     for (size_t i = 0; i < prompts.size(); ++i)
       for (int32_t id : prompts[i])
         SPARROW_CHECK(id < model->vocab_size(), prompts_path, ": prompt ", i, " holds id ", id,

@@ -22,9 +22,10 @@ namespace sparrow::cli {
 
 void add_perplexity(CLI::App& app) {
   auto* sub = app.add_subcommand("perplexity", "Perplexity of the model on a text file (JSON on stdout)");
-  static std::string model_dir, text_path;
+  static std::string model_dir, text_path, device = "cpu";
   static int64_t window = 0;
   sub->add_option("--model", model_dir, "Hugging Face model folder (default: the bundled model)");
+  add_device_option(sub, device);
   sub->add_option("--file", text_path, "UTF-8 text file to score")->required();
   sub->add_option("--context", window, "tokens per window (default: min(the model's context, 1024))");
   on_selected(sub, [] {
@@ -39,7 +40,7 @@ void add_perplexity(CLI::App& app) {
     text << in.rdbuf();
 
     auto tokenizer = load_tokenizer(model_dir);
-    auto model = load_model(model_dir);
+    auto model = load_model(model_dir, parse_device(device));
     const std::vector<int32_t> ids = text_prompt_ids(*tokenizer, model_dir, text.str());
     double total_nll = 0;
     int64_t scored = 0;

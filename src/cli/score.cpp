@@ -10,14 +10,15 @@ namespace sparrow::cli {
 
 void add_score(CLI::App& app) {
   auto* sub = app.add_subcommand("score", "Logits at every position of each prompt, to a safetensors file");
-  static std::string model_dir, prompts_path, out_path;
+  static std::string model_dir, prompts_path, out_path, device = "cpu";
   sub->add_option("--model", model_dir, "Hugging Face model folder (default: the bundled model)");
   sub->add_option("--prompt-ids", prompts_path, "JSON file {\"prompts\": [[id, ...], ...]}")->required();
   sub->add_option("--out", out_path, "output .safetensors")->required();
+  add_device_option(sub, device);
   on_selected(sub, [] {
     if (model_dir.empty()) model_dir = default_model_dir();
     auto prompts = read_prompt_ids(prompts_path);
-    auto model = load_model(model_dir);
+    auto model = load_model(model_dir, parse_device(device));
     std::vector<std::pair<std::string, Tensor>> out;
     for (size_t i = 0; i < prompts.size(); ++i) {
       for (int32_t id : prompts[i])

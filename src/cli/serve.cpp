@@ -101,7 +101,7 @@ struct ServeFlags {
   int port = 8000;
   int64_t max_model_len = 0, block_size = 64, max_num_seqs = 64, max_num_batched_tokens = 2048;
   int64_t max_logprobs = kMaxLogprobs, max_concurrent_requests = 256;
-  std::string kv_cache_dtype = "auto", kv_cache_memory, generation_config = "auto";
+  std::string kv_cache_dtype = "auto", kv_cache_memory, generation_config = "auto", device = "cpu";
   double gpu_memory_utilization = 0;
   bool enable_auto_tool_choice = false, prefix_caching = true;
   bool disable_log_requests = false, enable_prompt_tokens_details = false;
@@ -173,7 +173,7 @@ void serve(const ServeFlags& flags) {
   SPARROW_CHECK(!flags.enable_auto_tool_choice || !flags.tool_call_parser.empty(),
                 "--enable-auto-tool-choice needs --tool-call-parser");
 
-  Engine engine(load_model(model_dir), tokenizer, config);
+  Engine engine(load_model(model_dir, parse_device(flags.device)), tokenizer, config);
   std::string summary = engine.cache_plan().summary(engine.max_model_len());
   std::printf("%s%s", summary.c_str(), summary.empty() || summary.back() != '\n' ? "\n" : "");
 
@@ -219,6 +219,7 @@ void add_serve(CLI::App& app) {
   static ServeFlags f;
   sub->add_option("model", f.model, "Hugging Face model folder (default: the bundled model)");
   sub->add_option("--model", f.model, "the model folder, as a flag");
+  add_device_option(sub, f.device);
   sub->add_option("--host", f.host, "address to listen on")->capture_default_str();
   sub->add_option("--port", f.port, "port to listen on (0: any free port)")->capture_default_str();
   sub->add_option("--api-key", f.api_key,

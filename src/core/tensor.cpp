@@ -2,7 +2,13 @@
 
 #include <cstring>
 
+#include "core/bfloat16.h"
 #include "core/error.h"
+
+#if SPARROW_HAVE_CUDA
+#include "kernels/cuda/elementwise/elementwise.h"
+#include "kernels/cuda/runtime/device.h"
+#endif
 
 namespace sparrow {
 
@@ -18,20 +24,76 @@ int64_t shape_numel(const Shape& shape) {
   return n;
 }
 
-Tensor Tensor::empty(Shape shape) {
+const char* device_name(Device device) { return device == Device::Cpu ? "cpu" : "cuda"; }
+
+Device parse_device(const std::string& name) {
+  if (name == "cpu") return Device::Cpu;
+  if (name == "cuda") {
+#if SPARROW_HAVE_CUDA
+    cuda::require_device();
+    return Device::Cuda;
+#else
+    fail("--device cuda: this build of sparrow has no CUDA backend (nvcc was not found when it was built)");
+#endif
+  }
+  fail("unknown device '", name, "' (expected cpu or cuda)");
+}
+
+int64_t scalar_size(ScalarType type) {
+  switch (type) {
+    case ScalarType::F32: return 4;
+    case ScalarType::BF16: return 2;
+    case ScalarType::I32: return 4;
+    case ScalarType::I64: return 8;
+    case ScalarType::U8: return 1;
+  }
+  return 0;
+}
+
+const char* scalar_name(ScalarType type) {
+  switch (type) {
+    case ScalarType::F32: return "float32";
+    case ScalarType::BF16: return "bfloat16";
+    case ScalarType::I32: return "int32";
+    case ScalarType::I64: return "int64";
+    case ScalarType::U8: return "uint8";
+  }
+  return "?";
+}
+
+Tensor Tensor::empty(Shape shape, ScalarType type, Device device) {
   Tensor t;
-  int64_t n = shape_numel(shape);
+  const int64_t n = shape_numel(shape);
   SPARROW_CHECK(n >= 0, "tensor with negative size ", shape_str(shape));
-  auto storage = std::shared_ptr<float[]>(new float[n > 0 ? n : 1]);
-  t.data_ = storage.get();
-  t.storage_ = std::shared_ptr<void>(storage, storage.get());
+  const size_t bytes = size_t(n > 0 ? n : 1) * size_t(scalar_size(type));
+  if (device == Device::Cpu) {
+    // 64-byte aligned host memory (AVX loads, and bytes the GPU copies from).
+    void* p = ::operator new[](bytes, std::align_val_t(64));
+    t.storage_ = std::shared_ptr<void>(p, [](void* q) { ::operator delete[](q, std::align_val_t(64)); });
+  } else {
+#if SPARROW_HAVE_CUDA
+    void* p = cuda::device_alloc(bytes);
+    t.storage_ = std::shared_ptr<void>(p, [](void* q) { cuda::device_free(q); });
+#else
+    fail("a CUDA tensor in a build without the CUDA backend");
+#endif
+  }
+  t.data_ = t.storage_.get();
   t.shape_ = std::move(shape);
+  t.type_ = type;
+  t.device_ = device;
   return t;
 }
 
-Tensor Tensor::zeros(Shape shape) {
-  Tensor t = empty(std::move(shape));
-  std::memset(t.data_, 0, sizeof(float) * t.numel());
+Tensor Tensor::zeros(Shape shape, ScalarType type, Device device) {
+  Tensor t = empty(std::move(shape), type, device);
+  if (device == Device::Cpu) {
+    std::memset(t.data_, 0, t.nbytes());
+  } else {
+#if SPARROW_HAVE_CUDA
+    SPARROW_CHECK(cudaMemsetAsync(t.data_, 0, t.nbytes(), cuda::stream()) == cudaSuccess, "cudaMemsetAsync failed");
+#endif
+  }
   return t;
 }
 
@@ -54,15 +116,70 @@ Tensor Tensor::rows(int64_t begin, int64_t end) const {
   SPARROW_CHECK(!shape_.empty() && begin >= 0 && begin <= end && end <= shape_[0], "rows [", begin, ", ", end,
                 ") out of range for ", shape_str(shape_));
   Tensor t = *this;
-  t.data_ = data_ + begin * row_size();
+  t.data_ = static_cast<char*>(data_) + begin * row_size() * scalar_size(type_);
   t.shape_[0] = end - begin;
   return t;
 }
 
 Tensor Tensor::clone() const {
-  Tensor t = empty(shape_);
-  if (numel() > 0) std::memcpy(t.data_, data_, sizeof(float) * numel());
+  Tensor t = empty(shape_, type_, device_);
+  if (numel() == 0) return t;
+  if (device_ == Device::Cpu) {
+    std::memcpy(t.data_, data_, nbytes());
+  } else {
+#if SPARROW_HAVE_CUDA
+    cuda::copy_device(t.data_, data_, nbytes());
+#endif
+  }
   return t;
+}
+
+namespace {
+
+// Host-side type conversion between float32 and bfloat16 (other types only copy).
+Tensor convert_on_host(const Tensor& x, ScalarType type) {
+  Tensor out = Tensor::empty(x.shape(), type);
+  const int64_t n = x.numel();
+  if (x.type() == ScalarType::F32 && type == ScalarType::BF16) {
+    for (int64_t i = 0; i < n; ++i) out.as<uint16_t>()[i] = float_to_bf16(x.as<float>()[i]);
+  } else if (x.type() == ScalarType::BF16 && type == ScalarType::F32) {
+    for (int64_t i = 0; i < n; ++i) out.as<float>()[i] = bf16_to_float(x.as<uint16_t>()[i]);
+  } else {
+    fail("cannot convert ", scalar_name(x.type()), " to ", scalar_name(type));
+  }
+  return out;
+}
+
+}  // namespace
+
+Tensor Tensor::to(Device device, ScalarType type) const {
+  if (device == device_ && type == type_) return *this;
+  if (device_ == Device::Cpu && device == Device::Cpu) return convert_on_host(*this, type);
+#if SPARROW_HAVE_CUDA
+  if (device_ == Device::Cpu) {  // host -> device: convert on the host (halves the bytes sent for bf16)
+    Tensor host = type == type_ ? *this : convert_on_host(*this, type);
+    Tensor out = empty(shape_, type, Device::Cuda);
+    cuda::copy_to_device(out.data_, host.data_, out.nbytes());
+    cuda::synchronize();  // `host` may be freed on return
+    return out;
+  }
+  if (device == Device::Cpu) {  // device -> host
+    Tensor staged = type == type_ ? *this : to(Device::Cuda, type);
+    Tensor out = empty(shape_, type, Device::Cpu);
+    cuda::copy_to_host_sync(out.data_, staged.data_, out.nbytes());
+    return out;
+  }
+  // device -> device conversion
+  auto elem = [](ScalarType t) {
+    SPARROW_CHECK(t == ScalarType::F32 || t == ScalarType::BF16, "no GPU conversion for ", scalar_name(t));
+    return t == ScalarType::F32 ? cuda::ElemType::F32 : cuda::ElemType::BF16;
+  };
+  Tensor out = empty(shape_, type, Device::Cuda);
+  cuda::convert(data_, elem(type_), out.data_, elem(type), numel(), cuda::stream());
+  return out;
+#else
+  fail("a CUDA tensor in a build without the CUDA backend");
+#endif
 }
 
 }  // namespace sparrow

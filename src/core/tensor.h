@@ -1,7 +1,12 @@
-// A dense, row-major float32 tensor on the host: the CPU reference path computes everything in fp32.
+// A dense, row-major tensor. On the CPU the reference path computes everything in float32; on a CUDA
+// device a tensor may also hold bfloat16 (weights, activations) or int32 (token ids, selections).
 // A Tensor either owns its storage or views storage kept alive by someone else (a memory-mapped
 // checkpoint, a larger tensor); copying a Tensor copies the handle, not the data.
+//
+// data() and row() give float pointers for host float32 tensors (what CPU code reads and writes);
+// raw() gives the address of any tensor, for kernels.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -14,36 +19,62 @@ using Shape = std::vector<int64_t>;
 std::string shape_str(const Shape& shape);  // "[4, 128]"
 int64_t shape_numel(const Shape& shape);
 
+enum class Device { Cpu, Cuda };
+enum class ScalarType { F32, BF16, I32, I64, U8 };  // U8: raw bytes (workspaces, cache pools)
+
+const char* device_name(Device device);    // "cpu", "cuda"
+Device parse_device(const std::string& name);  // "cpu" | "cuda"; anything else is an error
+int64_t scalar_size(ScalarType type);
+const char* scalar_name(ScalarType type);  // "float32", "bfloat16", "int32", "int64", "uint8"
+
 class Tensor {
  public:
   Tensor() = default;
 
-  static Tensor empty(Shape shape);
-  static Tensor zeros(Shape shape);
-  // A view of memory owned elsewhere; `keep_alive` (may be null) holds that memory.
+  static Tensor empty(Shape shape, ScalarType type = ScalarType::F32, Device device = Device::Cpu);
+  static Tensor zeros(Shape shape, ScalarType type = ScalarType::F32, Device device = Device::Cpu);
+  // A host float32 view of memory owned elsewhere; `keep_alive` (may be null) holds that memory.
   static Tensor view(float* data, Shape shape, std::shared_ptr<void> keep_alive = nullptr);
 
-  float* data() { return data_; }
-  const float* data() const { return data_; }
+  float* data() { return static_cast<float*>(data_); }
+  const float* data() const { return static_cast<const float*>(data_); }
+  void* raw() { return data_; }
+  const void* raw() const { return data_; }
+  template <typename T>
+  T* as() { return static_cast<T*>(data_); }
+  template <typename T>
+  const T* as() const { return static_cast<const T*>(data_); }
+
   const Shape& shape() const { return shape_; }
+  ScalarType type() const { return type_; }
+  Device device() const { return device_; }
+  bool on_cpu() const { return device_ == Device::Cpu; }
   int ndim() const { return static_cast<int>(shape_.size()); }
   int64_t dim(int i) const { return shape_.at(i < 0 ? shape_.size() + i : i); }
   int64_t numel() const { return shape_numel(shape_); }
+  int64_t nbytes() const { return numel() * scalar_size(type_); }
   bool defined() const { return data_ != nullptr || numel() == 0; }
 
   // Same storage, new shape (element counts must match).
   Tensor reshape(Shape shape) const;
   // Rows [begin, end) along the first dimension, sharing storage.
   Tensor rows(int64_t begin, int64_t end) const;
-  // Pointer to row i along the first dimension.
-  float* row(int64_t i) { return data_ + i * row_size(); }
-  const float* row(int64_t i) const { return data_ + i * row_size(); }
+  // Pointer to row i along the first dimension (host float32).
+  float* row(int64_t i) { return data() + i * row_size(); }
+  const float* row(int64_t i) const { return data() + i * row_size(); }
   int64_t row_size() const { return shape_.empty() ? 1 : numel() / shape_[0]; }
   Tensor clone() const;
 
+  // A copy on `device` in `type` (float32 <-> bfloat16 conversions round to nearest even). Returns
+  // *this when nothing changes.
+  Tensor to(Device device, ScalarType type) const;
+  Tensor to(Device device) const { return to(device, type_); }
+
  private:
-  float* data_ = nullptr;
+  void* data_ = nullptr;
   Shape shape_;
+  ScalarType type_ = ScalarType::F32;
+  Device device_ = Device::Cpu;
   std::shared_ptr<void> storage_;
 };
 

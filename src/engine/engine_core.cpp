@@ -9,8 +9,10 @@ namespace sparrow {
 
 namespace {
 
-CacheConfig with_max_num_seqs(CacheConfig cache, int64_t max_num_seqs) {
-  cache.max_num_seqs = max_num_seqs;  // one state slot per running sequence
+// The cache the engine runs on: one state slot per running sequence, on the model's device.
+CacheConfig engine_cache_config(CacheConfig cache, int64_t max_num_seqs, Device device) {
+  cache.max_num_seqs = max_num_seqs;
+  cache.device = device;
   return cache;
 }
 
@@ -22,7 +24,7 @@ EngineCore::EngineCore(Model& model, const Tokenizer* tokenizer, EngineConfig co
     : model_(model),
       tokenizer_(tokenizer),
       config_(std::move(config)),
-      cache_(model.cache_spec(), with_max_num_seqs(config_.cache, config_.max_num_seqs)),
+      cache_(model.cache_spec(), engine_cache_config(config_.cache, config_.max_num_seqs, model.device())),
       scheduler_(cache_, SchedulerConfig{config_.max_num_seqs, config_.max_num_batched_tokens}) {
   SPARROW_CHECK(config_.max_model_len > 0, "max_model_len must be set, got ", config_.max_model_len);
   SPARROW_CHECK(config_.max_model_len <= cache_.plan().max_tokens(), "the KV cache holds ",

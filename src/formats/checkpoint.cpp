@@ -103,7 +103,14 @@ void Checkpoint::add_file(std::shared_ptr<SafetensorsFile> file) {
 
 bool Checkpoint::has(const std::string& name) const { return index_.count(name) > 0; }
 
-Tensor Checkpoint::take(const std::string& name, const Shape& expected) {
+Tensor Checkpoint::take(const std::string& name, const Shape& expected) { return place(take_host(name, expected)); }
+
+Tensor Checkpoint::place(const Tensor& t) const {
+  if (device_ == Device::Cpu) return t;
+  return t.to(device_, t.ndim() >= 2 ? ScalarType::BF16 : ScalarType::F32);
+}
+
+Tensor Checkpoint::take_host(const std::string& name, const Shape& expected) {
   auto it = index_.find(name);
   SPARROW_CHECK(it != index_.end(), "missing tensor '", name, "' in ", dir_);
   const TensorInfo& info = *it->second;
@@ -131,7 +138,7 @@ Tensor Checkpoint::dequantize_fp8(const TensorInfo& weight, const std::string& s
   Shape scale_shape = weight.shape;
   scale_shape[scale_shape.size() - 2] = ceil_div(rows, block_rows_);
   scale_shape.back() = ceil_div(cols, block_cols_);
-  const Tensor scale = take(scale_name, scale_shape);
+  const Tensor scale = take_host(scale_name, scale_shape);
 
   Tensor out = to_float32(weight, nullptr);  // a fresh buffer: E4M3 values, exact in fp32
   const int64_t scale_rows = scale_shape[scale_shape.size() - 2];
@@ -168,15 +175,15 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
   const size_t matrix_bytes = static_cast<size_t>(I * H) * sizeof(float);
   for (int64_t e = 0; e < E; ++e) {
     const std::string expert = cat(prefix, ".", e, ".");
-    Tensor gate = take(expert + names->gate + ".weight", {I, H});
-    Tensor up = take(expert + names->up + ".weight", {I, H});
-    Tensor down = take(expert + names->down + ".weight", {H, I});
+    Tensor gate = take_host(expert + names->gate + ".weight", {I, H});
+    Tensor up = take_host(expert + names->up + ".weight", {I, H});
+    Tensor down = take_host(expert + names->down + ".weight", {H, I});
     float* gate_up = experts.gate_up.row(e);
     std::memcpy(gate_up, gate.data(), matrix_bytes);
     std::memcpy(gate_up + I * H, up.data(), matrix_bytes);
     std::memcpy(experts.down.row(e), down.data(), matrix_bytes);
   }
-  return experts;
+  return {place(experts.gate_up), place(experts.down)};
 }
 
 void Checkpoint::finish(const std::vector<std::string>& ignore_prefixes) {

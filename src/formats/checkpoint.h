@@ -27,8 +27,13 @@ class Checkpoint {
   const std::string& dir() const { return dir_; }
   const Config& config() const { return config_; }
 
+  // Where take() and take_experts() put tensors: the host (float32, the default) or a GPU, where
+  // matrices (2 or more dimensions) become bfloat16 and vectors (norm weights, biases) stay float32.
+  void place_on(Device device) { device_ = device; }
+  Device device() const { return device_; }
+
   bool has(const std::string& name) const;
-  // The tensor as fp32 with exactly the expected shape; "missing tensor 'x'" or
+  // The tensor (fp32 on the host; see place_on) with exactly the expected shape; "missing tensor 'x'" or
   // "tensor 'x': expected shape [a, b], found [c, d]" otherwise. Marks the name (and its scale) used.
   // F32 tensors are read-only views of the mapped file (clone() before writing in place).
   Tensor take(const std::string& name, const Shape& expected);
@@ -57,7 +62,11 @@ class Checkpoint {
   int64_t block_rows_ = 128;  // FP8 scale block: one scale per block_rows_ x block_cols_ weights
   int64_t block_cols_ = 128;
 
+  Device device_ = Device::Cpu;
+
   void add_file(std::shared_ptr<SafetensorsFile> file);
+  Tensor take_host(const std::string& name, const Shape& expected);  // take() before placement
+  Tensor place(const Tensor& t) const;
   Tensor dequantize_fp8(const TensorInfo& weight, const std::string& scale_name);
 };
 

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "core/bfloat16.h"
 #include "core/error.h"
 #include "core/parallel.h"
 
@@ -68,8 +69,7 @@ bool to_size(const nlohmann::json& value, int64_t* out) {
 
 float bits_to_float(uint32_t bits) { return std::bit_cast<float>(bits); }
 
-// bf16 is the top half of an fp32: widening is a shift (subnormals, inf and NaN included).
-float bf16_to_float(uint16_t bits) { return bits_to_float(static_cast<uint32_t>(bits) << 16); }
+// bf16 widening (core/bfloat16.h) is a shift: subnormals, inf and NaN included.
 
 // IEEE half: 1 sign, 5 exponent (bias 15), 10 mantissa bits.
 float f16_to_float(uint16_t bits) {

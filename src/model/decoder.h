@@ -44,6 +44,7 @@ struct DecoderLayer {
 class DecoderModel : public Model {
  public:
   std::string type;
+  Device placed_on = Device::Cpu;  // where the weights are (Checkpoint::place_on)
   int64_t vocab = 0;
   int64_t hidden = 0;
   float norm_eps = 1e-6f;
@@ -59,6 +60,7 @@ class DecoderModel : public Model {
   void take_embeddings(Checkpoint& ckpt, const std::string& decoder_prefix, const std::string& head_name, bool tied);
 
   const std::string& model_type() const override { return type; }
+  Device device() const override { return placed_on; }
   int64_t vocab_size() const override { return vocab; }
   int64_t num_layers() const override { return int64_t(layers.size()); }
   std::vector<LayerCacheSpec> cache_spec() const override;

@@ -4,9 +4,31 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "kernels/cpu/fp8.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/ops.h"
+#include "model/device_step.h"
+
+#if SPARROW_HAVE_CUDA
+#include "kernels/cuda/dsa_indexer/index_scores.h"
+#include "kernels/cuda/runtime/device.h"
+#include "kernels/cuda/topk/topk.h"
+#endif
 
 namespace sparrow {
+
+namespace {
+
+// x -> e4m3(x / s) * s with s = amax / 448: one FP8 vector with its scale, as the GPU quantises each
+// (token, head) index query (kernels/cuda/dsa_indexer).
+void round_like_fp8(float* x, int64_t n) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax / cpu::kE4m3Max;
+  for (int64_t i = 0; i < n; ++i) x[i] = scale > 0.0f ? cpu::e4m3_to_float(cpu::float_to_e4m3(x[i] / scale)) * scale : 0.0f;
+}
+
+}  // namespace
 
 std::unique_ptr<DsaIndexer> DsaIndexer::load(Checkpoint& ckpt, const std::string& prefix,
                                              const DsaIndexerOptions& options) {
@@ -60,23 +82,79 @@ KeySelection DsaIndexer::select(const Tensor& x, const Tensor& q_resid, const Ba
   KeySelection selection;
   selection.keys.resize(tokens);
   std::vector<float> cached;  // one sequence's index keys, [end, dim]
+  std::vector<float> query(heads * dim);
   for (const SeqSlice& seq : batch.seqs) {
     const int64_t end = seq.start() + seq.count;
     seq.cache().write(layer, PageKind::DsaIndexKey, seq.start(), seq.count, keys.row(seq.offset));
     if (end <= options.topk) continue;  // every query sees at most topk keys: all causal prefixes
     cached.resize(end * dim);
+    // Keys come back as the cache stores them: exact in fp32, rounded in an FP8 cache. With FP8 keys
+    // the queries are rounded as the GPU's scoring kernel rounds them, so both select alike.
     seq.cache().read(layer, PageKind::DsaIndexKey, 0, end, cached.data());
+    const PagedStorage* paged = seq.cache().paged();
+    const bool fp8 = paged && paged->page(layer, PageKind::DsaIndexKey).format == PageFormat::Fp8IndexKey;
     for (int64_t i = 0; i < seq.count; ++i) {
       const int64_t row = seq.offset + i;
       const int64_t visible = seq.start() + i + 1;
       if (visible <= options.topk) continue;  // every visible key is selected: the causal prefix
-      std::vector<float> score = scores(queries.row(row), head_weights.row(row), cached.data(), visible);
+      std::copy(queries.row(row), queries.row(row) + heads * dim, query.begin());
+      if (fp8)
+        for (int64_t h = 0; h < heads; ++h) round_like_fp8(query.data() + h * dim, dim);
+      std::vector<float> score = scores(query.data(), head_weights.row(row), cached.data(), visible);
       std::vector<int32_t> top = cpu::top_k(score.data(), visible, options.topk);
       std::sort(top.begin(), top.end());
       selection.keys[row] = std::move(top);
     }
   }
   return selection;
+}
+
+Tensor DsaIndexer::select_gpu(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer) const {
+#if SPARROW_HAVE_CUDA
+  const int64_t heads = options.num_heads, dim = options.head_dim, rows = batch.size();
+  SPARROW_CHECK(dim == cuda::kDsaIndexDim && (heads == 32 || heads == 64), "the GPU indexer takes index_head_dim ",
+                cuda::kDsaIndexDim, " with 32 or 64 heads (DeepSeek-V3.2, Kimi K3); this model has ", heads, " x ",
+                dim);
+  const DeviceStep& step = device_step(batch, x.device());
+  SPARROW_CHECK(step.format(layer, PageKind::DsaIndexKey) == PageFormat::Fp8IndexKey,
+                "the GPU indexer reads FP8 index keys (indexer_kv_dtype fp8)");
+  cudaStream_t stream = cuda::stream();
+
+  // The same projections, norm and rotation as select(), in bf16.
+  Tensor queries = ops::linear(q_resid, wq_b);                                                         // [T, H * dim]
+  Tensor keys = ops::layer_norm(ops::linear(x, wk), k_norm_weight, k_norm_bias, options.k_norm_eps);  // [T, dim]
+  Tensor head_weights = ops::linear(x, weights_proj, ScalarType::F32);                                 // [T, H]
+  // Both constants of the score, folded into the head weights: relu(a * s) = a * relu(s) for a > 0.
+  ops::scale_(head_weights, 1.0f / std::sqrt(float(heads)) / std::sqrt(float(dim)));
+  const Tensor& positions = batch.positions_on(x.device());
+  const Tensor& inv_freq = options.rope.inv_freq_on(x.device());
+  ops::rope_(queries, positions, inv_freq, options.rope.attention_scaling, 0, heads, dim, /*interleaved=*/false);
+  ops::rope_(keys, positions, inv_freq, options.rope.attention_scaling, 0, 1, dim, false);
+
+  // Store this step's keys (quantised to FP8 in the page), quantise the queries, score every visible
+  // key of every row, and keep the top-k of each row (its causal prefix when it sees no more than k).
+  uint8_t* pool = step.page_base(layer, PageKind::DsaIndexKey);
+  cuda::dsa_write_keys(keys.raw(), cuda::DsaDType::BF16, rows, step.row_seq.as<int32_t>(), step.row_pos.as<int32_t>(),
+                       step.page_table.as<int64_t>(), step.table_stride, step.block_size(), pool, stream);
+  Tensor q_fp8 = Tensor::empty({rows, heads, dim}, ScalarType::U8, x.device());
+  Tensor w_folded = Tensor::empty({rows, heads}, ScalarType::F32, x.device());
+  cuda::dsa_quantize_queries(queries.raw(), cuda::DsaDType::BF16, head_weights.as<float>(), rows, int(heads),
+                             q_fp8.as<uint8_t>(), w_folded.as<float>(), stream);
+  const int64_t ld = (step.max_visible + 1) / 2 * 2;
+  Tensor score_rows = Tensor::empty({rows, ld}, ScalarType::F32, x.device());
+  cuda::dsa_index_scores(q_fp8.as<uint8_t>(), w_folded.as<float>(), rows, int(heads), step.row_seq.as<int32_t>(),
+                         step.row_visible.as<int32_t>(), pool, step.page_table.as<int64_t>(), step.table_stride,
+                         step.block_size(), score_rows.as<float>(), ld, step.max_visible, stream);
+  const int k = int(options.topk);
+  Tensor selected = Tensor::empty({rows, options.topk}, ScalarType::I32, x.device());
+  const size_t workspace_bytes = cuda::topk_workspace_bytes(rows, step.max_visible, k);
+  Tensor workspace = Tensor::empty({int64_t(std::max<size_t>(workspace_bytes, 1))}, ScalarType::U8, x.device());
+  cuda::topk_rows(score_rows.as<float>(), ld, step.row_visible.as<int32_t>(), rows, step.max_visible, k,
+                  selected.as<int32_t>(), workspace.raw(), workspace_bytes, stream);
+  return selected;
+#else
+  fail("the DSA indexer on a GPU in a build without the CUDA backend");
+#endif
 }
 
 }  // namespace sparrow

@@ -13,7 +13,8 @@
 // picks are removed again by the attention mask).
 //
 // Unlike DeepSeek's own inference code, transformers computes this in fp32 without the FP8
-// quantisation and Hadamard rotation; so do we.
+// quantisation and Hadamard rotation; so does the CPU path. The GPU path keeps keys in FP8 as
+// DeepSeek's inference code does (without the Hadamard rotation, which transformers does not have).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -63,6 +64,11 @@ struct DsaIndexer {
   // Writes each new token's index key to its sequence's cache (PageKind::DsaIndexKey of `layer`) and
   // returns the selection for every batch row.
   KeySelection select(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer) const;
+  // The GPU's selection (kernels/cuda/dsa_indexer, kernels/cuda/topk): int32 [T, topk], each row's key
+  // positions ascending and -1 after them; a row that sees no more than topk keys lists its causal
+  // prefix. Keys are stored and scored in FP8 (DeepSeek-V3.2's own index cache), queries quantised per
+  // (token, head), so the selection can differ from select()'s fp32 one where scores nearly tie.
+  Tensor select_gpu(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer) const;
 
   // The index score of one query against n keys: scores[s] for s < n. `query` is one token's
   // [num_heads * head_dim] roped index query, `head_weights` its [num_heads] weights (already

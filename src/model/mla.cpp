@@ -1,10 +1,18 @@
 #include "model/mla.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/ops.h"
+#include "model/device_step.h"
+
+#if SPARROW_HAVE_CUDA
+#include "kernels/cuda/mla/mla_attention.h"
+#include "kernels/cuda/runtime/device.h"
+#endif
 
 namespace sparrow {
 
@@ -23,15 +31,6 @@ float mla_softmax_scale(int64_t qk_head_dim, const nlohmann::json& rope_paramete
     scale *= mscale * mscale;
   }
   return float(scale);
-}
-
-// y[t] += bias for every row t (a torch Linear's bias).
-static void add_bias(Tensor& y, const Tensor& bias) {
-  const int64_t n = bias.numel();
-  for (int64_t t = 0; t < y.numel() / n; ++t) {
-    float* row = y.data() + t * n;
-    for (int64_t i = 0; i < n; ++i) row[i] += bias.data()[i];
-  }
 }
 
 std::unique_ptr<MlaMixer> MlaMixer::load(Checkpoint& ckpt, const std::string& prefix, const MlaOptions& options,
@@ -90,51 +89,61 @@ Tensor MlaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
   // Queries [T, heads * qk], each head [q_nope | q_rot]; q_resid also feeds the indexer.
   Tensor q_resid, q;
   if (o.q_lora_rank > 0) {
-    q_resid = cpu::linear(x, q_a_proj);
-    if (o.attention_bias) add_bias(q_resid, q_a_bias);
-    cpu::rms_norm_inplace(q_resid, q_a_norm, o.q_norm_eps);
-    q = cpu::linear(q_resid, q_b_proj);
+    q_resid = ops::linear(x, q_a_proj);
+    if (o.attention_bias) ops::add_bias_(q_resid, q_a_bias);
+    ops::rms_norm_(q_resid, q_a_norm, o.q_norm_eps);
+    q = ops::linear(q_resid, q_b_proj);
   } else {
-    q = cpu::linear(x, q_proj);
+    q = ops::linear(x, q_proj);
   }
 
   // This step's cache rows [T, latent + rot]: [kv_a_layernorm(c) | k_rot], the norm on c only.
-  Tensor new_rows = cpu::linear(x, kv_a_proj);
-  if (o.attention_bias) add_bias(new_rows, kv_a_bias);
-  for (int64_t t = 0; t < tokens; ++t) {
-    float* c = new_rows.row(t);
-    cpu::rms_normalize(c, latent, o.kv_norm_eps);
-    for (int64_t i = 0; i < latent; ++i) c[i] *= kv_a_norm.data()[i];
-  }
+  Tensor new_rows = ops::linear(x, kv_a_proj);
+  if (o.attention_bias) ops::add_bias_(new_rows, kv_a_bias);
+  ops::rms_norm_(new_rows, kv_a_norm, o.kv_norm_eps, false, /*first_col=*/0, /*groups=*/1);
 
   if (o.rope) {
-    std::vector<float> cos(rot / 2), sin(rot / 2);
-    for (int64_t t = 0; t < tokens; ++t) {
-      o.rope->angles(batch.positions[t], cos.data(), sin.data());
-      for (int64_t h = 0; h < heads; ++h)
-        apply_rope_interleaved(q.row(t) + h * qk + nope, cos.data(), sin.data(), int(rot));
-      apply_rope_interleaved(new_rows.row(t) + latent, cos.data(), sin.data(), int(rot));
-    }
+    const Tensor& positions = batch.positions_on(x.device());
+    const Tensor& inv_freq = o.rope->inv_freq_on(x.device());
+    ops::rope_(q, positions, inv_freq, o.rope->attention_scaling, nope, heads, qk, /*interleaved=*/true);
+    ops::rope_(new_rows, positions, inv_freq, o.rope->attention_scaling, latent, 1, row_width, true);
   }
 
   // Absorbed queries [T, heads, latent + rot]: q_nope[h] · W_UK[h] next to q_rot[h], so that one dot
   // product with a cache row gives the expanded form's q[h] · k[h].
-  Tensor q_abs = Tensor::empty({tokens, heads, row_width});
-  for (int64_t h = 0; h < heads; ++h) {
-    const float* w_uk = kv_b_proj.row(h * kv_b_rows_per_head);  // [nope, latent]
-    cpu::gemm_nn(tokens, latent, nope, q.data() + h * qk, heads * qk, w_uk, latent, q_abs.data() + h * row_width,
-                 heads * row_width);
-    for (int64_t t = 0; t < tokens; ++t)
-      std::memcpy(q_abs.row(t) + h * row_width + latent, q.row(t) + h * qk + nope, sizeof(float) * rot);
-  }
+  Tensor q_abs = Tensor::empty({tokens, heads, row_width}, q.type(), q.device());
+  ops::batched_matmul_nn(heads, tokens, latent, nope, {&q, 0, heads * qk, qk},
+                         {&kv_b_proj, 0, latent, kv_b_rows_per_head * latent}, q_abs, 0, heads * row_width, row_width);
+  // q_rot of every (token, head) is one line of `rot` values, qk apart in q and row_width apart in q_abs.
+  ops::copy_lines(q_abs, latent, row_width, q, nope, qk, rot, tokens * heads);
+
+  // mixed[t, h] = sum_s softmax_s(q_abs[t, h] · row_s * scale) c_s, over the query's causal prefix or
+  // the keys its indexer selects.
+  Tensor mixed = x.on_cpu() ? attend_cpu(x, q_resid, q_abs, new_rows, batch, layer)
+                            : attend_gpu(x, q_resid, q_abs, new_rows, batch, layer);
+
+  // Back from latent space per head: out[t, h] = W_UV[h] · mixed[t, h], then o_proj.
+  Tensor attended = Tensor::empty({tokens, heads * o.v_head_dim}, mixed.type(), mixed.device());
+  ops::batched_matmul_nt(heads, tokens, o.v_head_dim, latent, {&mixed, 0, heads * latent, latent},
+                         {&kv_b_proj, nope * latent, latent, kv_b_rows_per_head * latent}, attended, 0,
+                         heads * o.v_head_dim, o.v_head_dim);
+  Tensor out = ops::linear(attended, o_proj);
+  if (o.attention_bias) ops::add_bias_(out, o_bias);
+  return out;
+}
+
+// The reference attention: rows go through the sequence's cache as fp32 (any SequenceCache), one
+// query token at a time.
+Tensor MlaMixer::attend_cpu(const Tensor& x, const Tensor& q_resid, const Tensor& q_abs, const Tensor& new_rows,
+                            const Batch& batch, int layer) {
+  const MlaOptions& o = options_;
+  const int64_t heads = o.num_heads, latent = o.kv_lora_rank, row_width = o.cache_row();
 
   // The indexer reads its own cache, which must see this step's tokens, like ours below.
   KeySelection selection;
   if (indexer_) selection = indexer_->select(x, q_resid, batch, layer);
 
-  // Attention per query token, over its causal prefix or its selected keys, in latent space:
-  // mixed[t, h] = sum_s softmax_s(q_abs[t, h] · row_s * scale) c_s.
-  Tensor mixed = Tensor::empty({tokens, heads, latent});
+  Tensor mixed = Tensor::empty({batch.size(), heads, latent});
   std::vector<float> probs, gathered, prefix;
   for (const SeqSlice& seq : batch.seqs) {
     // Store this step's rows, then gather the whole causal prefix (this step's tokens included).
@@ -165,17 +174,52 @@ Tensor MlaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
       cpu::gemm_nn(heads, latent, n, probs.data(), n, keys, row_width, mixed.row(row), latent);
     }
   }
+  return mixed;
+}
 
-  // Back from latent space per head: out[t, h] = W_UV[h] · mixed[t, h], then o_proj.
-  Tensor attended = Tensor::empty({tokens, heads * o.v_head_dim});
-  for (int64_t h = 0; h < heads; ++h) {
-    const float* w_uv = kv_b_proj.row(h * kv_b_rows_per_head + nope);  // [v_head_dim, latent]
-    cpu::gemm_nt(tokens, o.v_head_dim, latent, mixed.data() + h * latent, heads * latent, w_uv, latent,
-                 attended.data() + h * o.v_head_dim, heads * o.v_head_dim);
+// The GPU attention: this step's rows are written into the paged cache (quantised there when the
+// cache is FP8), the indexer's top-k (or the causal prefix) gives every row its key list, and one
+// kernel attends over the listed rows in place (kernels/cuda/mla).
+Tensor MlaMixer::attend_gpu(const Tensor& x, const Tensor& q_resid, const Tensor& q_abs, const Tensor& new_rows,
+                            const Batch& batch, int layer) {
+#if SPARROW_HAVE_CUDA
+  const MlaOptions& o = options_;
+  SPARROW_CHECK(o.kv_lora_rank == cuda::kMlaLatent && o.qk_rope_head_dim == cuda::kMlaRope,
+                "the GPU MLA kernels take kv_lora_rank ", cuda::kMlaLatent, " and qk_rope_head_dim ", cuda::kMlaRope,
+                " (DeepSeek-V3.2, Kimi); this model has ", o.kv_lora_rank, " and ", o.qk_rope_head_dim);
+  const DeviceStep& step = device_step(batch, x.device());
+  const PageFormat format = step.format(layer, PageKind::MlaLatent);
+  SPARROW_CHECK(format == PageFormat::Fp8Latent || format == PageFormat::BFloat16,
+                "the GPU MLA kernels read bfloat16 or fp8 latents (--kv-cache-dtype bfloat16 | fp8)");
+  cuda::MlaPagedCache cache{step.page_base(layer, PageKind::MlaLatent), step.page_table.as<int64_t>(),
+                            step.table_stride, step.block_size(),
+                            format == PageFormat::Fp8Latent ? cuda::MlaCacheFormat::kFp8 : cuda::MlaCacheFormat::kBf16};
+  cudaStream_t stream = cuda::stream();
+  const int64_t rows = batch.size();
+  cuda::mla_cache_write(cache, new_rows.raw(), cuda::MlaSourceType::kBf16, rows, step.row_seq.as<int32_t>(),
+                        step.row_pos.as<int32_t>(), 0, 0, stream);
+
+  const int heads = int(o.num_heads);
+  Tensor mixed = Tensor::empty({rows, o.num_heads, o.kv_lora_rank}, ScalarType::BF16, x.device());
+  if (indexer_) {
+    const Tensor keys = indexer_->select_gpu(x, q_resid, batch, layer);  // int32 [T, topk]
+    const int topk = int(keys.dim(1));
+    const size_t workspace_bytes = cuda::mla_attention_workspace_bytes(rows, heads, topk);
+    Tensor workspace = Tensor::empty({int64_t(std::max<size_t>(workspace_bytes, 1))}, ScalarType::U8, x.device());
+    cuda::mla_sparse_attention(cache, q_abs.as<uint16_t>(), step.row_seq.as<int32_t>(), keys.as<int32_t>(), rows,
+                               heads, topk, o.softmax_scale, mixed.as<uint16_t>(), nullptr, workspace.raw(),
+                               workspace_bytes, stream);
+  } else {
+    const size_t workspace_bytes = cuda::mla_attention_workspace_bytes(rows, heads, step.max_visible);
+    Tensor workspace = Tensor::empty({int64_t(std::max<size_t>(workspace_bytes, 1))}, ScalarType::U8, x.device());
+    cuda::mla_dense_attention(cache, q_abs.as<uint16_t>(), step.row_seq.as<int32_t>(), step.row_visible.as<int32_t>(),
+                              rows, heads, step.max_visible, o.softmax_scale, mixed.as<uint16_t>(), nullptr,
+                              workspace.raw(), workspace_bytes, stream);
   }
-  Tensor out = cpu::linear(attended, o_proj);
-  if (o.attention_bias) add_bias(out, o_bias);
-  return out;
+  return mixed;
+#else
+  fail("MLA on a GPU in a build without the CUDA backend");
+#endif
 }
 
 }  // namespace sparrow

@@ -77,6 +77,12 @@ class MlaMixer : public Mixer {
   const MlaOptions& options() const { return options_; }
 
  private:
+  // The attention itself, by device: returns mixed [T, heads, kv_lora_rank].
+  Tensor attend_cpu(const Tensor& x, const Tensor& q_resid, const Tensor& q_abs, const Tensor& new_rows,
+                    const Batch& batch, int layer);
+  Tensor attend_gpu(const Tensor& x, const Tensor& q_resid, const Tensor& q_abs, const Tensor& new_rows,
+                    const Batch& batch, int layer);
+
   MlaOptions options_;
   Tensor q_proj;          // [H * qk_head_dim, hidden]        (q_lora_rank = 0)
   Tensor q_a_proj;        // [q_lora_rank, hidden]            (q_lora_rank > 0)

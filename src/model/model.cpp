@@ -1,5 +1,6 @@
 #include "model/model.h"
 
+#include "cache/kv_cache.h"
 #include "core/error.h"
 #include "formats/checkpoint.h"
 #include "model/dense_sequence_cache.h"
@@ -10,6 +11,51 @@ namespace sparrow {
 SequenceState standalone_sequence(std::vector<LayerCacheSpec> spec) {
   SequenceState s;
   s.owned_cache = std::make_unique<DenseSequenceCache>(std::move(spec));
+  s.cache = s.owned_cache.get();
+  return s;
+}
+
+namespace {
+
+// A standalone sequence in the model's offline device cache: its cache is the KvCache view, and the
+// sequence returns its blocks when dropped.
+class OfflineSequence final : public SequenceCache {
+ public:
+  OfflineSequence(std::shared_ptr<KvCache> cache, SeqId id) : cache_(std::move(cache)), id_(id), view_(cache_->view(id)) {}
+  ~OfflineSequence() override { cache_->free_sequence(id_); }
+
+  void write(int layer, PageKind kind, int64_t pos, int64_t count, const float* rows) override {
+    view_->write(layer, kind, pos, count, rows);
+  }
+  void read(int layer, PageKind kind, int64_t begin, int64_t end, float* rows) const override {
+    view_->read(layer, kind, begin, end, rows);
+  }
+  float* state(int layer, StateKind kind) override { return view_->state(layer, kind); }
+  const PagedStorage* paged() const override { return view_->paged(); }
+  const std::vector<int32_t>& block_table() const override { return view_->block_table(); }
+  void reserve(int64_t tokens) override { view_->reserve(tokens); }
+
+ private:
+  std::shared_ptr<KvCache> cache_;
+  SeqId id_;
+  SequenceCache* view_;
+};
+
+}  // namespace
+
+Model::~Model() = default;
+
+SequenceState Model::new_sequence() const {
+  if (device() == Device::Cpu) return standalone_sequence(cache_spec());
+  if (!offline_cache_) {
+    CacheConfig config;
+    config.device = device();
+    config.enable_prefix_caching = false;
+    config.memory_fraction = 0.3;  // of the free GPU memory, once the weights are in
+    offline_cache_ = std::make_shared<KvCache>(cache_spec(), config);
+  }
+  SequenceState s;
+  s.owned_cache = std::make_unique<OfflineSequence>(offline_cache_, offline_cache_->create_sequence());
   s.cache = s.owned_cache.get();
   return s;
 }
@@ -28,10 +74,25 @@ Batch make_batch(const std::vector<std::pair<SequenceState*, std::vector<int32_t
   return batch;
 }
 
-std::unique_ptr<Model> load_model(const std::string& dir) {
+const Tensor& Batch::positions_on(Device device) const {
+  if (!positions_tensor.defined() || positions_tensor.device() != device || positions_tensor.numel() != size()) {
+    Tensor host = Tensor::empty({size()}, ScalarType::I64);
+    std::copy(positions.begin(), positions.end(), host.as<int64_t>());
+    positions_tensor = host.to(device);
+  }
+  return positions_tensor;
+}
+
+std::unique_ptr<Model> load_model(const std::string& dir, Device device) {
   std::unique_ptr<Checkpoint> ckpt = Checkpoint::open(dir);
   const Config& config = ckpt->config();
   const std::string type = config.get_string("model_type");
+  if (device != Device::Cpu) {
+    // The GPU path covers MLA + DSA (deepseek_v32) so far; the others need KDA / GQA / MSA kernels.
+    SPARROW_CHECK(type == "deepseek_v32", "model_type ", type, " does not run on ", device_name(device),
+                  " yet (the GPU path runs deepseek_v32; use --device cpu)");
+    ckpt->place_on(device);
+  }
   if (type == "deepseek_v32") return load_deepseek_v32(*ckpt);
   if (type == "kimi_linear" || type == "kimi_k3") return load_kimi_linear(*ckpt);
   // MiniMax-M3: the text-only causal LM, or the text half of a vision-language checkpoint.

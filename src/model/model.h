@@ -37,6 +37,8 @@ struct SeqSlice {
   SequenceCache& cache() const { return *state->cache; }
 };
 
+struct DeviceStep;
+
 struct Batch {
   std::vector<int32_t> tokens;     // all new tokens, sequence after sequence
   std::vector<int64_t> positions;  // their absolute positions
@@ -44,14 +46,21 @@ struct Batch {
   // true: logits for every token; false: only for each sequence's last token (decode, sampling).
   bool all_logits = true;
   int64_t size() const { return int64_t(tokens.size()); }
+
+  // The positions as an int64 tensor on `device`, made on first use and shared by every layer.
+  const Tensor& positions_on(Device device) const;
+  mutable Tensor positions_tensor;
+  mutable std::shared_ptr<const DeviceStep> device_step;  // model/device_step.h
 };
 
 // Builds a batch from (state, new tokens) pairs.
 Batch make_batch(const std::vector<std::pair<SequenceState*, std::vector<int32_t>>>& parts);
 
+class KvCache;
+
 class Model {
  public:
-  virtual ~Model() = default;
+  virtual ~Model();
 
   virtual const std::string& model_type() const = 0;
   virtual int64_t vocab_size() const = 0;
@@ -60,17 +69,24 @@ class Model {
   // What each layer caches per token and per sequence (the paged cache's planner reads it).
   virtual std::vector<LayerCacheSpec> cache_spec() const = 0;
 
-  // A fresh sequence with its own growable cache (offline use).
-  SequenceState new_sequence() const { return standalone_sequence(cache_spec()); }
+  // Where the weights live and the forward pass runs.
+  virtual Device device() const { return Device::Cpu; }
+
+  // A fresh sequence for offline use (tests, score, generate): on the CPU with its own growable cache,
+  // on a GPU in a paged cache on the device that the model keeps for such sequences.
+  SequenceState new_sequence() const;
 
   // Runs the batch and advances each state's length. Returns fp32 logits: [batch.size(), vocab] when
   // batch.all_logits, else [batch.seqs.size(), vocab] for each sequence's last token.
   virtual Tensor forward(const Batch& batch) = 0;
+
+ private:
+  mutable std::shared_ptr<KvCache> offline_cache_;  // GPU models: the pages of new_sequence()'s sequences
 };
 
-// Loads a Hugging Face model folder; dispatches on config.json's model_type. One-line errors for
-// anything wrong with the folder.
-std::unique_ptr<Model> load_model(const std::string& dir);
+// Loads a Hugging Face model folder onto `device`; dispatches on config.json's model_type. One-line
+// errors for anything wrong with the folder, or for a family the device cannot run yet.
+std::unique_ptr<Model> load_model(const std::string& dir, Device device = Device::Cpu);
 
 // The cache spec load_model(dir)->cache_spec() would give, from config.json alone (no weights): lets the
 // cache planner size real models from their config (bench/shapes/*.json).

@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/ops.h"
 
 namespace sparrow {
 
@@ -32,21 +33,17 @@ DenseMlp DenseMlp::load(Checkpoint& ckpt, const std::string& prefix, int64_t hid
   } else {
     Tensor gate = ckpt.take(prefix + "gate_proj.weight", {intermediate, hidden});
     Tensor up = ckpt.take(prefix + "up_proj.weight", {intermediate, hidden});
-    mlp.gate_up = Tensor::empty({2 * intermediate, hidden});
-    std::memcpy(mlp.gate_up.data(), gate.data(), sizeof(float) * gate.numel());
-    std::memcpy(mlp.gate_up.data() + gate.numel(), up.data(), sizeof(float) * up.numel());
+    mlp.gate_up = ops::concat_rows(gate, up);
   }
   mlp.down = ckpt.take(prefix + "down_proj.weight", {hidden, intermediate});
   return mlp;
 }
 
+ops::Glu Activation::glu_kind() const { return kind == SiluGlu ? ops::Glu::SiluGlu : ops::Glu::ClampedSwiglu; }
+
 Tensor DenseMlp::forward(const Tensor& x) const {
-  const int64_t inter = down.dim(1);
-  Tensor gate_up_out = cpu::linear(x, gate_up);  // [T, 2I]
-  const int64_t t = gate_up_out.dim(0);
-  Tensor hidden = Tensor::empty({t, inter});
-  for (int64_t i = 0; i < t; ++i) act.apply(gate_up_out.row(i), gate_up_out.row(i) + inter, hidden.row(i), inter);
-  return cpu::linear(hidden, down);
+  Tensor gate_up_out = ops::linear(x, gate_up);  // [T, 2I]
+  return ops::linear(ops::glu(gate_up_out, act.glu_kind(), act.alpha, act.limit), down);
 }
 
 Routing SigmoidRouter::route(const Tensor& x) const {
@@ -126,7 +123,8 @@ std::unique_ptr<MoeBlock> MoeBlock::load_grouped(Checkpoint& ckpt, const std::st
   auto moe = std::make_unique<MoeBlock>();
   moe->router.weight = ckpt.take(prefix + "gate.weight", {shape.num_experts, shape.hidden});
   const std::string bias = prefix + "gate.e_score_correction_bias";
-  moe->router.bias = ckpt.has(bias) ? ckpt.take(bias, {shape.num_experts}) : Tensor::zeros({shape.num_experts});
+  moe->router.bias = ckpt.has(bias) ? ckpt.take(bias, {shape.num_experts})
+                                    : Tensor::zeros({shape.num_experts}, ScalarType::F32, ckpt.device());
   moe->router.top_k = shape.top_k;
   moe->router.n_group = shape.n_group;
   moe->router.topk_group = shape.topk_group;
@@ -139,9 +137,19 @@ std::unique_ptr<MoeBlock> MoeBlock::load_grouped(Checkpoint& ckpt, const std::st
 }
 
 Tensor MoeBlock::forward(const Tensor& x) const {
-  Routing routing = router.route(x);
-  Tensor out = run_experts(x, routing, experts, act);
-  for (const DenseMlp& s : shared) cpu::add_inplace(out, s.forward(x));
+  Tensor out;
+  if (x.on_cpu()) {
+    out = run_experts(x, router.route(x), experts, act);
+  } else {
+    // The same routing and experts as route() / run_experts() above, as two device kernels over the
+    // whole step (no host round trip between them).
+    const SigmoidRouter& r = router;
+    const ops::DeviceRouting routing =
+        ops::route_grouped_sigmoid(ops::linear(x, r.weight, ScalarType::F32), r.bias, r.n_group, r.topk_group,
+                                   r.top_k, r.normalize, r.normalize_eps, r.routed_scaling_factor);
+    out = ops::moe_experts(x, routing, experts.gate_up, experts.down, act.glu_kind(), act.alpha, act.limit);
+  }
+  for (const DenseMlp& s : shared) ops::add_(out, s.forward(x));
   return out;
 }
 

@@ -18,6 +18,7 @@
 
 #include "core/tensor.h"
 #include "formats/checkpoint.h"
+#include "kernels/ops.h"
 #include "model/decoder.h"
 
 namespace sparrow {
@@ -28,6 +29,7 @@ struct Activation {
   float limit = 0.0f;  // ClampedSwiglu only
   // out[i] = act(gate[i], up[i]) for i < n
   void apply(const float* gate, const float* up, float* out, int64_t n) const;
+  ops::Glu glu_kind() const;
 };
 
 // gate/up/down MLP. gate_up is [2I, H] (gate rows first), down is [H, I].

@@ -77,33 +77,22 @@ Rope Rope::from_config(const nlohmann::json& params, int rot_dim, int64_t max_po
   return rope;
 }
 
+const Tensor& Rope::inv_freq_on(Device device) const {
+  Tensor& cached = device == Device::Cpu ? inv_freq_cpu : inv_freq_cuda;
+  if (!cached.defined() || cached.numel() != int64_t(inv_freq.size())) {
+    Tensor host = Tensor::empty({int64_t(inv_freq.size())});
+    std::copy(inv_freq.begin(), inv_freq.end(), host.data());
+    cached = host.to(device);
+  }
+  return cached;
+}
+
 void Rope::angles(int64_t pos, float* cos, float* sin) const {
   for (size_t i = 0; i < inv_freq.size(); ++i) {
     float a = inv_freq[i] * float(pos);
     cos[i] = std::cos(a) * attention_scaling;
     sin[i] = std::sin(a) * attention_scaling;
   }
-}
-
-void apply_rope_neox(float* x, const float* cos, const float* sin, int rot_dim) {
-  int half = rot_dim / 2;
-  for (int i = 0; i < half; ++i) {
-    float a = x[i], b = x[i + half];
-    x[i] = a * cos[i] - b * sin[i];
-    x[i + half] = b * cos[i] + a * sin[i];
-  }
-}
-
-void apply_rope_interleaved(float* x, const float* cos, const float* sin, int rot_dim) {
-  int half = rot_dim / 2;
-  float tmp[1024];
-  SPARROW_CHECK(rot_dim <= 1024, "rotary dimension ", rot_dim, " too large");
-  for (int i = 0; i < half; ++i) {
-    float a = x[2 * i], b = x[2 * i + 1];
-    tmp[i] = a * cos[i] - b * sin[i];
-    tmp[i + half] = b * cos[i] + a * sin[i];
-  }
-  for (int i = 0; i < rot_dim; ++i) x[i] = tmp[i];
 }
 
 }  // namespace sparrow

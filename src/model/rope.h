@@ -11,23 +11,30 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/tensor.h"
+#include "kernels/cpu/ops.h"
+
 namespace sparrow {
 
 struct Rope {
   std::vector<float> inv_freq;  // rot_dim / 2 frequencies
   float attention_scaling = 1.0f;
+  mutable Tensor inv_freq_cpu, inv_freq_cuda;  // caches of inv_freq_on
 
   int rot_dim() const { return int(inv_freq.size() * 2); }
   // cos[i], sin[i] for i < rot_dim/2 at position pos (already multiplied by attention_scaling).
   void angles(int64_t pos, float* cos, float* sin) const;
+  // inv_freq as an fp32 tensor on `device` (for ops::rope_; made once per device).
+  const Tensor& inv_freq_on(Device device) const;
 
   // `rope_parameters` as in config.json (rope_type default|yarn, rope_theta, factor, ...).
   // rot_dim is the number of rotated dims; max_position_embeddings is used by YaRN when factor is absent.
   static Rope from_config(const nlohmann::json& rope_parameters, int rot_dim, int64_t max_position_embeddings);
 };
 
-void apply_rope_neox(float* x, const float* cos, const float* sin, int rot_dim);
-void apply_rope_interleaved(float* x, const float* cos, const float* sin, int rot_dim);
+// The pairings themselves are CPU ops (kernels/cpu/ops.h); the GPU has the same in kernels/cuda.
+using cpu::apply_rope_interleaved;
+using cpu::apply_rope_neox;
 
 // YaRN's softmax-scale correction (DeepSeek's yarn_get_mscale): 0.1 * mscale * ln(scale) + 1 for scale > 1.
 double yarn_get_mscale(double scale, double mscale);

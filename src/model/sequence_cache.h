@@ -9,8 +9,11 @@
 //     pool in the cache dtype, state in per-request slots.
 // The model math is the same on both: only where the rows live differs.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <vector>
+
+#include "core/tensor.h"
 
 namespace sparrow {
 
@@ -58,6 +61,32 @@ struct LayerCacheSpec {
   bool operator==(const LayerCacheSpec&) const = default;
 };
 
+// The byte layout of a page, as kernels that read pages in place must know it (cache/page_codec.h
+// owns the layouts and docs/cache.md draws them).
+enum class PageFormat {
+  Float32,      // rows of width floats
+  BFloat16,     // rows of width bf16
+  Fp8Latent,    // MLA latent, FlashMLA's layout: per token [NoPE e4m3 | fp32 scale per 128 | rope bf16]
+  Fp8IndexKey,  // DSA index key: [block_size x width e4m3][block_size x fp32 scale] ("values then scales")
+};
+
+// A paged cache's storage as kernels see it. Token j of a sequence's page of (layer, kind) is slot
+// j % block_size of the page starting at pool() + page(layer, kind).offset + block_table[j / block_size]
+// * row_bytes(): one block table serves every layer and kind.
+class PagedStorage {
+ public:
+  struct Page {
+    int64_t offset = 0;  // bytes from the start of a block row
+    PageFormat format{};
+  };
+  virtual ~PagedStorage() = default;
+  virtual Device device() const = 0;
+  virtual std::byte* pool() const = 0;
+  virtual int64_t row_bytes() const = 0;
+  virtual int64_t block_size() const = 0;
+  virtual Page page(int layer, PageKind kind) const = 0;
+};
+
 // One sequence's cache, as the model sees it. Positions are absolute token positions of the sequence.
 class SequenceCache {
  public:
@@ -79,6 +108,14 @@ class SequenceCache {
   // and continues.
   virtual int64_t snapshot_position(int64_t begin, int64_t end) { return -1; }
   virtual float* snapshot(int layer, StateKind kind);
+
+  // Paged caches: the storage and this sequence's block table, for kernels that address pages
+  // directly (the GPU path); null / empty for caches without pages (DenseSequenceCache).
+  virtual const PagedStorage* paged() const { return nullptr; }
+  virtual const std::vector<int32_t>& block_table() const;
+  // Makes room for tokens 0 .. tokens-1 where the cache allocates on demand (standalone sequences
+  // of a paged cache); the serving engine allocates ahead of each step and this is then a check.
+  virtual void reserve(int64_t tokens) {}
 };
 
 }  // namespace sparrow

@@ -138,4 +138,25 @@ void add_inplace(Tensor& y, const Tensor& x) {
   for (int64_t i = 0; i < y.numel(); ++i) p[i] += q[i];
 }
 
+void apply_rope_neox(float* x, const float* cos, const float* sin, int rot_dim) {
+  int half = rot_dim / 2;
+  for (int i = 0; i < half; ++i) {
+    float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i] + a * sin[i];
+  }
+}
+
+void apply_rope_interleaved(float* x, const float* cos, const float* sin, int rot_dim) {
+  int half = rot_dim / 2;
+  float tmp[1024];
+  SPARROW_CHECK(rot_dim <= 1024, "rotary dimension ", rot_dim, " too large");
+  for (int i = 0; i < half; ++i) {
+    float a = x[2 * i], b = x[2 * i + 1];
+    tmp[i] = a * cos[i] - b * sin[i];
+    tmp[i + half] = b * cos[i] + a * sin[i];
+  }
+  for (int i = 0; i < rot_dim; ++i) x[i] = tmp[i];
+}
+
 }  // namespace sparrow::cpu

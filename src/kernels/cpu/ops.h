@@ -42,6 +42,12 @@ std::vector<int32_t> top_k(const float* scores, int64_t n, int64_t k);
 // Embedding lookup: out[i] = table[ids[i]].
 Tensor embedding(const Tensor& table, const std::vector<int32_t>& ids);
 
+// Rotary embedding of one head's leading rot_dim values with precomputed cos/sin (rot_dim/2 each).
+// neox pairs (x[i], x[i + d/2]); interleaved pairs (x[2i], x[2i+1]) and writes back
+// [rotated evens..., rotated odds...] as transformers' apply_rotary_pos_emb_interleave (model/rope.h).
+void apply_rope_neox(float* x, const float* cos, const float* sin, int rot_dim);
+void apply_rope_interleaved(float* x, const float* cos, const float* sin, int rot_dim);
+
 // y += x elementwise.
 void add_inplace(Tensor& y, const Tensor& x);
 

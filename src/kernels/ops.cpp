@@ -1,0 +1,390 @@
+#include "kernels/ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+#include "kernels/cpu/ops.h"
+
+#if SPARROW_HAVE_CUDA
+#include "kernels/cuda/elementwise/elementwise.h"
+#include "kernels/cuda/gemm/gemm.h"
+#include "kernels/cuda/moe/moe.h"
+#include "kernels/cuda/runtime/device.h"
+#endif
+
+namespace sparrow::ops {
+
+namespace {
+
+[[noreturn, maybe_unused]] void no_cuda() { fail("a CUDA tensor reached an op in a build without the CUDA backend"); }
+
+void same_device(const Tensor& a, const Tensor& b, const char* op) {
+  SPARROW_CHECK(a.device() == b.device(), op, ": operands on different devices (", device_name(a.device()), ", ",
+                device_name(b.device()), ")");
+}
+
+void require_f32(const Tensor& x, const char* op) {
+  SPARROW_CHECK(x.type() == ScalarType::F32, op, ": the CPU path computes in float32, got ", scalar_name(x.type()));
+}
+
+#if SPARROW_HAVE_CUDA
+cuda::ElemType elem(const Tensor& x) {
+  SPARROW_CHECK(x.type() == ScalarType::F32 || x.type() == ScalarType::BF16, "GPU op on a ", scalar_name(x.type()),
+                " tensor");
+  return x.type() == ScalarType::F32 ? cuda::ElemType::F32 : cuda::ElemType::BF16;
+}
+#endif
+
+}  // namespace
+
+ScalarType act_type(Device device) { return device == Device::Cpu ? ScalarType::F32 : ScalarType::BF16; }
+
+Tensor linear(const Tensor& x, const Tensor& w) { return linear(x, w, x.type()); }
+
+Tensor linear(const Tensor& x, const Tensor& w, ScalarType out_type) {
+  same_device(x, w, "linear");
+  const int64_t in = w.dim(1), out = w.dim(0);
+  SPARROW_CHECK(x.numel() % in == 0, "linear: input ", shape_str(x.shape()), " does not match weight ",
+                shape_str(w.shape()));
+  if (x.on_cpu()) {
+    require_f32(x, "linear");
+    return cpu::linear(x, w);
+  }
+#if SPARROW_HAVE_CUDA
+  const int64_t rows = x.numel() / in;
+  Tensor y = Tensor::empty({rows, out}, out_type, x.device());
+  if (rows == 0) return y;
+  cuda::gemm_nt(rows, out, in, {x.raw(), elem(x), in, 0}, {w.raw(), elem(w), in, 0}, {y.raw(), elem(y), out, 0},
+                1.0f, 0.0f, 1, cuda::stream());
+  return y;
+#else
+  no_cuda();
+#endif
+}
+
+void add_bias_(Tensor& y, const Tensor& bias) {
+  same_device(y, bias, "add_bias");
+  const int64_t n = bias.numel();
+  SPARROW_CHECK(n > 0 && y.numel() % n == 0, "add_bias: ", shape_str(y.shape()), " vs bias ", shape_str(bias.shape()));
+  if (y.on_cpu()) {
+    for (int64_t t = 0; t < y.numel() / n; ++t) {
+      float* row = y.data() + t * n;
+      for (int64_t i = 0; i < n; ++i) row[i] += bias.data()[i];
+    }
+    return;
+  }
+#if SPARROW_HAVE_CUDA
+  cuda::add_bias(y.raw(), elem(y), y.numel() / n, n, bias.as<float>(), cuda::stream());
+#else
+  no_cuda();
+#endif
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& w, float eps, bool unit_offset) {
+  if (x.on_cpu()) return cpu::rms_norm(x, w, eps, unit_offset);
+  Tensor y = x.clone();
+  rms_norm_(y, w, eps, unit_offset);
+  return y;
+}
+
+void rms_norm_(Tensor& x, const Tensor& w, float eps, bool unit_offset, int64_t first_col, int64_t groups) {
+  same_device(x, w, "rms_norm");
+  const int64_t width = w.numel(), row = x.dim(-1), rows = x.numel() / row;
+  if (groups < 0) groups = (row - first_col) / width;
+  SPARROW_CHECK(width > 0 && first_col >= 0 && first_col + groups * width <= row, "rms_norm: ", groups, " groups of ",
+                width, " from column ", first_col, " do not fit rows of ", row);
+  if (x.on_cpu()) {
+    require_f32(x, "rms_norm");
+    if (first_col == 0 && groups * width == row) return cpu::rms_norm_inplace(x, w, eps, unit_offset);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        float* p = x.data() + r * row + first_col + g * width;
+        cpu::rms_normalize(p, width, eps);
+        for (int64_t i = 0; i < width; ++i) p[i] *= unit_offset ? 1.0f + w.data()[i] : w.data()[i];
+      }
+    return;
+  }
+#if SPARROW_HAVE_CUDA
+  cuda::rms_norm(x.raw(), elem(x), rows, row, first_col, groups, width, w.as<float>(), eps, unit_offset,
+                 cuda::stream());
+#else
+  no_cuda();
+#endif
+}
+
+Tensor layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps) {
+  same_device(x, w, "layer_norm");
+  if (x.on_cpu()) return cpu::layer_norm(x, w, b, eps);
+#if SPARROW_HAVE_CUDA
+  Tensor y = x.clone();
+  cuda::layer_norm(y.raw(), elem(y), y.numel() / w.numel(), w.numel(), w.as<float>(), b.as<float>(), eps,
+                   cuda::stream());
+  return y;
+#else
+  no_cuda();
+#endif
+}
+
+void add_(Tensor& y, const Tensor& x) {
+  same_device(y, x, "add");
+  SPARROW_CHECK(y.numel() == x.numel(), "add: size mismatch ", shape_str(y.shape()), " vs ", shape_str(x.shape()));
+  if (y.on_cpu()) return cpu::add_inplace(y, x);
+#if SPARROW_HAVE_CUDA
+  cuda::add(x.raw(), elem(x), y.raw(), elem(y), y.numel(), cuda::stream());
+#else
+  no_cuda();
+#endif
+}
+
+void scale_(Tensor& x, float s) {
+  if (x.on_cpu()) {
+    for (int64_t i = 0; i < x.numel(); ++i) x.data()[i] *= s;
+    return;
+  }
+#if SPARROW_HAVE_CUDA
+  cuda::scale(x.raw(), elem(x), x.numel(), s, cuda::stream());
+#else
+  no_cuda();
+#endif
+}
+
+Tensor embedding(const Tensor& table, const std::vector<int32_t>& ids) {
+  const int64_t vocab = table.dim(0), width = table.dim(1);
+  for (int32_t id : ids)
+    SPARROW_CHECK(id >= 0 && id < vocab, "token id ", id, " out of range [0, ", vocab, ")");
+  if (table.on_cpu()) return cpu::embedding(table, ids);
+#if SPARROW_HAVE_CUDA
+  Tensor dev_ids = Tensor::empty({int64_t(ids.size())}, ScalarType::I32, table.device());
+  cuda::copy_to_device(dev_ids.raw(), ids.data(), ids.size() * sizeof(int32_t));
+  Tensor out = Tensor::empty({int64_t(ids.size()), width}, act_type(table.device()), table.device());
+  cuda::embedding(table.raw(), elem(table), dev_ids.as<int32_t>(), int64_t(ids.size()), width, out.raw(), elem(out),
+                  cuda::stream());
+  cuda::synchronize();  // `ids` is host memory owned by the caller
+  return out;
+#else
+  no_cuda();
+#endif
+}
+
+Tensor select_rows(const Tensor& x, const std::vector<int64_t>& rows) {
+  const int64_t width = x.row_size();
+  Tensor out = Tensor::empty({int64_t(rows.size()), width}, x.type(), x.device());
+  const int64_t row_bytes = width * scalar_size(x.type());
+  for (int64_t r : rows) SPARROW_CHECK(r >= 0 && r < x.dim(0), "select_rows: row ", r, " out of range");
+  if (x.on_cpu()) {
+    for (size_t i = 0; i < rows.size(); ++i)
+      std::memcpy(out.as<char>() + i * row_bytes, x.as<char>() + rows[i] * row_bytes, row_bytes);
+    return out;
+  }
+#if SPARROW_HAVE_CUDA
+  std::vector<int32_t> index(rows.begin(), rows.end());
+  Tensor dev_index = Tensor::empty({int64_t(index.size())}, ScalarType::I32, x.device());
+  cuda::copy_to_device(dev_index.raw(), index.data(), index.size() * sizeof(int32_t));
+  cuda::gather_rows(x.raw(), elem(x), dev_index.as<int32_t>(), int64_t(index.size()), width, out.raw(),
+                    cuda::stream());
+  cuda::synchronize();
+  return out;
+#else
+  no_cuda();
+#endif
+}
+
+Tensor concat_rows(const Tensor& a, const Tensor& b) {
+  same_device(a, b, "concat_rows");
+  SPARROW_CHECK(a.type() == b.type() && a.row_size() == b.row_size(), "concat_rows: ", shape_str(a.shape()), " and ",
+                shape_str(b.shape()), " differ in row width or type");
+  Shape shape = a.shape();
+  shape[0] += b.dim(0);
+  Tensor out = Tensor::empty(shape, a.type(), a.device());
+  if (a.on_cpu()) {
+    std::memcpy(out.raw(), a.raw(), a.nbytes());
+    std::memcpy(out.as<char>() + a.nbytes(), b.raw(), b.nbytes());
+    return out;
+  }
+#if SPARROW_HAVE_CUDA
+  cuda::copy_device(out.raw(), a.raw(), a.nbytes());
+  cuda::copy_device(out.as<char>() + a.nbytes(), b.raw(), b.nbytes());
+  return out;
+#else
+  no_cuda();
+#endif
+}
+
+void rope_(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float attention_scaling, int64_t first_col,
+           int64_t heads, int64_t head_stride, bool interleaved) {
+  same_device(x, positions, "rope");
+  const int64_t rot = 2 * inv_freq.numel(), row = x.dim(-1), rows = x.numel() / row;
+  if (rot == 0 || rows == 0) return;
+  SPARROW_CHECK(positions.numel() == rows && positions.type() == ScalarType::I64, "rope: ", positions.numel(),
+                " positions for ", rows, " rows");
+  SPARROW_CHECK(first_col + (heads - 1) * head_stride + rot <= row, "rope: heads do not fit the row");
+  if (x.on_cpu()) {
+    require_f32(x, "rope");
+    std::vector<float> cos(rot / 2), sin(rot / 2);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float pos = float(positions.as<int64_t>()[r]);
+      for (int64_t i = 0; i < rot / 2; ++i) {
+        const float angle = inv_freq.data()[i] * pos;
+        cos[i] = std::cos(angle) * attention_scaling;
+        sin[i] = std::sin(angle) * attention_scaling;
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        float* p = x.row(r) + first_col + h * head_stride;
+        if (interleaved)
+          cpu::apply_rope_interleaved(p, cos.data(), sin.data(), int(rot));
+        else
+          cpu::apply_rope_neox(p, cos.data(), sin.data(), int(rot));
+      }
+    }
+    return;
+  }
+#if SPARROW_HAVE_CUDA
+  cuda::rope(x.raw(), elem(x), rows, row, first_col, heads, head_stride, rot, positions.as<int64_t>(),
+             inv_freq.as<float>(), attention_scaling, interleaved, cuda::stream());
+#else
+  no_cuda();
+#endif
+}
+
+Tensor glu(const Tensor& gate_up, Glu kind, float alpha, float limit) {
+  const int64_t inter = gate_up.dim(-1) / 2, rows = gate_up.numel() / (2 * inter);
+  Tensor out = Tensor::empty({rows, inter}, gate_up.type(), gate_up.device());
+  if (gate_up.on_cpu()) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* gate = gate_up.row(r);
+      const float* up = gate + inter;
+      float* o = out.row(r);
+      if (kind == Glu::SiluGlu) {
+        for (int64_t i = 0; i < inter; ++i) o[i] = cpu::silu(gate[i]) * up[i];
+      } else {
+        // MiniMaxM3VLExperts._apply_gate: the gate is clamped from above only, up on both sides.
+        for (int64_t i = 0; i < inter; ++i) {
+          const float g = std::min(gate[i], limit), u = std::clamp(up[i], -limit, limit);
+          o[i] = (u + 1.0f) * (g * cpu::sigmoid(g * alpha));
+        }
+      }
+    }
+    return out;
+  }
+#if SPARROW_HAVE_CUDA
+  cuda::glu(gate_up.raw(), elem(gate_up), out.raw(), elem(out), rows, inter,
+            kind == Glu::SiluGlu ? cuda::GluKind::SiluGlu : cuda::GluKind::ClampedSwiglu, alpha, limit,
+            cuda::stream());
+  return out;
+#else
+  no_cuda();
+#endif
+}
+
+void copy_lines(Tensor& dst, int64_t dst_offset, int64_t dst_pitch, const Tensor& src, int64_t src_offset,
+                int64_t src_pitch, int64_t width, int64_t lines) {
+  same_device(dst, src, "copy_lines");
+  SPARROW_CHECK(dst.type() == src.type(), "copy_lines: ", scalar_name(src.type()), " into ", scalar_name(dst.type()));
+  if (lines == 0 || width == 0) return;
+  SPARROW_CHECK(dst_offset + (lines - 1) * dst_pitch + width <= dst.numel() &&
+                    src_offset + (lines - 1) * src_pitch + width <= src.numel(),
+                "copy_lines: out of range");
+  const int64_t e = scalar_size(dst.type());
+  char* d = static_cast<char*>(dst.raw()) + dst_offset * e;
+  const char* s = static_cast<const char*>(src.raw()) + src_offset * e;
+  if (dst.on_cpu()) {
+    for (int64_t i = 0; i < lines; ++i) std::memcpy(d + i * dst_pitch * e, s + i * src_pitch * e, width * e);
+    return;
+  }
+#if SPARROW_HAVE_CUDA
+  SPARROW_CHECK(cudaMemcpy2DAsync(d, dst_pitch * e, s, src_pitch * e, width * e, lines, cudaMemcpyDeviceToDevice,
+                                  cuda::stream()) == cudaSuccess,
+                "copy_lines: cudaMemcpy2DAsync failed");
+#else
+  no_cuda();
+#endif
+}
+
+namespace {
+
+void batched_matmul(bool transpose_b, int64_t batch, int64_t m, int64_t n, int64_t k, MatView a, MatView b,
+                    const Tensor& c, int64_t c_offset, int64_t ldc, int64_t c_batch_stride) {
+  same_device(*a.tensor, c, "batched_matmul");
+  same_device(*b.tensor, c, "batched_matmul");
+  if (c.on_cpu()) {
+    float* cp = const_cast<float*>(c.data());
+    for (int64_t i = 0; i < batch; ++i) {
+      const float* ap = a.tensor->data() + a.offset + i * a.batch_stride;
+      const float* bp = b.tensor->data() + b.offset + i * b.batch_stride;
+      float* out = cp + c_offset + i * c_batch_stride;
+      if (transpose_b)
+        cpu::gemm_nt(m, n, k, ap, a.ld, bp, b.ld, out, ldc);
+      else
+        cpu::gemm_nn(m, n, k, ap, a.ld, bp, b.ld, out, ldc);
+    }
+    return;
+  }
+#if SPARROW_HAVE_CUDA
+  auto operand = [](const MatView& v) {
+    const int64_t bytes = scalar_size(v.tensor->type());
+    return cuda::GemmOperand{static_cast<const char*>(v.tensor->raw()) + v.offset * bytes, elem(*v.tensor), v.ld,
+                             v.batch_stride};
+  };
+  const cuda::GemmOutput out{const_cast<char*>(static_cast<const char*>(c.raw())) + c_offset * scalar_size(c.type()),
+                             elem(c), ldc, c_batch_stride};
+  if (transpose_b)
+    cuda::gemm_nt(m, n, k, operand(a), operand(b), out, 1.0f, 0.0f, batch, cuda::stream());
+  else
+    cuda::gemm_nn(m, n, k, operand(a), operand(b), out, 1.0f, 0.0f, batch, cuda::stream());
+#else
+  no_cuda();
+#endif
+}
+
+}  // namespace
+
+void batched_matmul_nn(int64_t batch, int64_t m, int64_t n, int64_t k, MatView a, MatView b, const Tensor& c,
+                       int64_t c_offset, int64_t ldc, int64_t c_batch_stride) {
+  batched_matmul(false, batch, m, n, k, a, b, c, c_offset, ldc, c_batch_stride);
+}
+
+void batched_matmul_nt(int64_t batch, int64_t m, int64_t n, int64_t k, MatView a, MatView b, const Tensor& c,
+                       int64_t c_offset, int64_t ldc, int64_t c_batch_stride) {
+  batched_matmul(true, batch, m, n, k, a, b, c, c_offset, ldc, c_batch_stride);
+}
+
+DeviceRouting route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, int64_t n_group, int64_t topk_group,
+                                    int64_t top_k, bool normalize, float normalize_eps, float scaling) {
+  SPARROW_CHECK(!logits.on_cpu(), "route_grouped_sigmoid is the GPU routing (the CPU's is SigmoidRouter::route)");
+  SPARROW_CHECK(logits.type() == ScalarType::F32, "router logits must be float32");
+  SPARROW_CHECK(!normalize || normalize_eps == 1e-20f, "GPU routing normalises with DeepSeek's 1e-20");
+#if SPARROW_HAVE_CUDA
+  const int64_t tokens = logits.dim(0), experts = logits.dim(1);
+  DeviceRouting r{Tensor::empty({tokens, top_k}, ScalarType::I32, logits.device()),
+                  Tensor::empty({tokens, top_k}, ScalarType::F32, logits.device())};
+  cuda::route_grouped_sigmoid(logits.as<float>(), bias.as<float>(), tokens, experts, n_group, topk_group, top_k,
+                              normalize, scaling, r.experts.as<int32_t>(), r.weights.as<float>(), cuda::stream());
+  return r;
+#else
+  no_cuda();
+#endif
+}
+
+Tensor moe_experts(const Tensor& x, const DeviceRouting& routing, const Tensor& gate_up, const Tensor& down, Glu kind,
+                   float alpha, float limit) {
+  SPARROW_CHECK(!x.on_cpu(), "moe_experts is the GPU path (the CPU's is run_experts)");
+#if SPARROW_HAVE_CUDA
+  SPARROW_CHECK(x.type() == ScalarType::BF16 && gate_up.type() == ScalarType::BF16, "GPU experts run in bfloat16");
+  const int64_t tokens = x.dim(0), hidden = x.dim(1), top_k = routing.experts.dim(1);
+  const int64_t num_experts = gate_up.dim(0), inter = down.dim(2);
+  Tensor out = Tensor::empty({tokens, hidden}, ScalarType::BF16, x.device());
+  Tensor workspace = Tensor::empty(
+      {int64_t(cuda::moe_workspace_bytes(tokens, top_k, num_experts, hidden, inter))}, ScalarType::U8, x.device());
+  cuda::moe_experts(x.raw(), tokens, hidden, routing.experts.as<int32_t>(), routing.weights.as<float>(), top_k,
+                    gate_up.raw(), down.raw(), num_experts, inter,
+                    kind == Glu::SiluGlu ? cuda::GluKind::SiluGlu : cuda::GluKind::ClampedSwiglu, alpha, limit,
+                    out.raw(), workspace.raw(), cuda::stream());
+  return out;
+#else
+  no_cuda();
+#endif
+}
+
+}  // namespace sparrow::ops

@@ -1,0 +1,84 @@
+// The operations model code is written in, on any device. Each takes and returns Tensors and runs
+// where its inputs live: host float32 tensors go to the CPU reference ops (kernels/cpu/ops.h), CUDA
+// tensors to the GPU launchers (kernels/cuda/*). Model files call these and nothing device-specific,
+// which is what "one model code over both backends" means here.
+//
+// On the GPU, activations are bfloat16 (as transformers runs these models in bf16) with fp32 math
+// inside each kernel; weights are bfloat16, norm weights and biases fp32. `act_type(device)` is the
+// activation type a device uses.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace sparrow::ops {
+
+ScalarType act_type(Device device);  // F32 on the CPU, BF16 on CUDA
+
+// y[T, out] = x[T, in] · w[out, in]ᵀ; `out_type` F32 forces fp32 output (router logits, lm_head).
+Tensor linear(const Tensor& x, const Tensor& w);
+Tensor linear(const Tensor& x, const Tensor& w, ScalarType out_type);
+void add_bias_(Tensor& y, const Tensor& bias);  // y[t] += bias
+
+// RMSNorm of whole rows (width = w.numel() = row width).
+Tensor rms_norm(const Tensor& x, const Tensor& w, float eps, bool unit_offset = false);
+// In place over `groups` groups of w.numel() values per row starting at column first_col
+// (groups = -1: as many as fill the rest of the row). Heads share one weight.
+void rms_norm_(Tensor& x, const Tensor& w, float eps, bool unit_offset = false, int64_t first_col = 0,
+               int64_t groups = -1);
+Tensor layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps);
+
+void add_(Tensor& y, const Tensor& x);  // y += x
+void scale_(Tensor& x, float s);        // x *= s
+
+// Rows of `table` for the ids (ids on the host; the result lives with the table, in act_type).
+Tensor embedding(const Tensor& table, const std::vector<int32_t>& ids);
+// The given rows of x, in order (a new tensor).
+Tensor select_rows(const Tensor& x, const std::vector<int64_t>& rows);
+// [a; b] along the first dimension (load time).
+Tensor concat_rows(const Tensor& a, const Tensor& b);
+
+// Rotary embedding in place: per row r and head h < heads, the `rot` values at column
+// first_col + h * head_stride, at position positions[r] (int64 tensor on x's device); inv_freq is fp32
+// on x's device; cos/sin scaled by attention_scaling. Pairings as model/rope.h.
+void rope_(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float attention_scaling, int64_t first_col,
+           int64_t heads, int64_t head_stride, bool interleaved);
+
+// Gated activation of rows [gate | up] (2 * inter wide) -> [T, inter].
+enum class Glu { SiluGlu, ClampedSwiglu };
+Tensor glu(const Tensor& gate_up, Glu kind, float alpha = 1.0f, float limit = 0.0f);
+
+// Copies `lines` runs of `width` elements: run i from src at src_offset + i * src_pitch to dst at
+// dst_offset + i * dst_pitch (e.g. every head's rotary part of a [T, heads, dim] tensor).
+void copy_lines(Tensor& dst, int64_t dst_offset, int64_t dst_pitch, const Tensor& src, int64_t src_offset,
+                int64_t src_pitch, int64_t width, int64_t lines);
+
+// Batched products over sub-matrices of tensors (MLA's per-head absorbed weights):
+//   for b < batch: C_b[m, n] = A_b[m, k] · (B_b[k, n] | B_b[n, k]ᵀ)
+// where X_b starts at element offset + b * batch_stride of its tensor, rows `ld` elements apart.
+struct MatView {
+  const Tensor* tensor = nullptr;
+  int64_t offset = 0;
+  int64_t ld = 0;
+  int64_t batch_stride = 0;
+};
+void batched_matmul_nn(int64_t batch, int64_t m, int64_t n, int64_t k, MatView a, MatView b, const Tensor& c,
+                       int64_t c_offset, int64_t ldc, int64_t c_batch_stride);
+void batched_matmul_nt(int64_t batch, int64_t m, int64_t n, int64_t k, MatView a, MatView b, const Tensor& c,
+                       int64_t c_offset, int64_t ldc, int64_t c_batch_stride);
+
+// Mixture of experts on a device (the CPU path is model/moe.cpp's route() and run_experts(), which
+// these mirror; tests compare them):
+// DeepSeek-V3's grouped sigmoid routing of fp32 router logits [T, E] with the correction bias.
+struct DeviceRouting {
+  Tensor experts;  // int32 [T, top_k]
+  Tensor weights;  // fp32 [T, top_k], scaling included
+};
+DeviceRouting route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, int64_t n_group, int64_t topk_group,
+                                    int64_t top_k, bool normalize, float normalize_eps, float scaling);
+// sum_j weights[t, j] * down[e] · glu(gate_up[e] · x[t]) over the routed experts e = experts[t, j].
+Tensor moe_experts(const Tensor& x, const DeviceRouting& routing, const Tensor& gate_up, const Tensor& down, Glu kind,
+                   float alpha, float limit);
+
+}  // namespace sparrow::ops
