@@ -1,6 +1,10 @@
 // The `sparrow` binary as a user runs it: exact outputs for score / generate, and one-line errors with
 // exit status 1 (never a crash) for bad input.
 #include <gtest/gtest.h>
+
+#if SPARROW_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 #include <sys/wait.h>
 
 #include <cmath>
@@ -99,6 +103,17 @@ TEST(Cli, SeededSamplingIsReproducible) {
   EXPECT_EQ(a.out, b.out);
 }
 
+// Without a usable GPU (CI), --device cuda is one clear line, whatever the build.
+TEST(Cli, DeviceCudaWithoutAGpuIsOneLine) {
+#if SPARROW_HAVE_CUDA
+  int count = 0;
+  if (cudaGetDeviceCount(&count) == cudaSuccess && count > 0) GTEST_SKIP() << "a GPU is present";
+#endif
+  expect_one_line_error(run("score --device cuda --model " + kFixture.string() + " --prompt-ids " +
+                            (kFixture / "prompts.json").string() + " --out /tmp/unused.safetensors"),
+                        "--device");
+}
+
 TEST(Cli, BadInputGivesOneLineErrors) {
   fs::path dir = scratch_dir();
   expect_one_line_error(run("score --model /nonexistent/model --prompt-ids x.json --out y"), "");
@@ -138,4 +153,7 @@ TEST(Cli, BadInputGivesOneLineErrors) {
   expect_one_line_error(run("generate --model " + kFixture.string() + " --prompt-ids " +
                             (kFixture / "prompts.json").string() + " --max-tokens 2 --temperature -1"),
                         "temperature");
+  expect_one_line_error(run("score --device tpu --model " + kFixture.string() + " --prompt-ids " +
+                            (kFixture / "prompts.json").string() + " --out " + (dir / "x.safetensors").string()),
+                        "unknown device 'tpu'");
 }

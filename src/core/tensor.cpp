@@ -159,8 +159,9 @@ Tensor Tensor::to(Device device, ScalarType type) const {
   if (device_ == Device::Cpu) {  // host -> device: convert on the host (halves the bytes sent for bf16)
     Tensor host = type == type_ ? *this : convert_on_host(*this, type);
     Tensor out = empty(shape_, type, Device::Cuda);
+    // From pageable memory the copy returns once the bytes are staged, so `host` may be freed at once
+    // (CUDA runtime API, "API synchronization behavior"): no wait for the device.
     cuda::copy_to_device(out.data_, host.data_, out.nbytes());
-    cuda::synchronize();  // `host` may be freed on return
     return out;
   }
   if (device == Device::Cpu) {  // device -> host

@@ -156,12 +156,12 @@ Tensor embedding(const Tensor& table, const std::vector<int32_t>& ids) {
     SPARROW_CHECK(id >= 0 && id < vocab, "token id ", id, " out of range [0, ", vocab, ")");
   if (table.on_cpu()) return cpu::embedding(table, ids);
 #if SPARROW_HAVE_CUDA
+  // (A copy from pageable memory returns once staged: `ids` need not outlive it.)
   Tensor dev_ids = Tensor::empty({int64_t(ids.size())}, ScalarType::I32, table.device());
   cuda::copy_to_device(dev_ids.raw(), ids.data(), ids.size() * sizeof(int32_t));
   Tensor out = Tensor::empty({int64_t(ids.size()), width}, act_type(table.device()), table.device());
   cuda::embedding(table.raw(), elem(table), dev_ids.as<int32_t>(), int64_t(ids.size()), width, out.raw(), elem(out),
                   cuda::stream());
-  cuda::synchronize();  // `ids` is host memory owned by the caller
   return out;
 #else
   no_cuda();
@@ -184,7 +184,6 @@ Tensor select_rows(const Tensor& x, const std::vector<int64_t>& rows) {
   cuda::copy_to_device(dev_index.raw(), index.data(), index.size() * sizeof(int32_t));
   cuda::gather_rows(x.raw(), elem(x), dev_index.as<int32_t>(), int64_t(index.size()), width, out.raw(),
                     cuda::stream());
-  cuda::synchronize();
   return out;
 #else
   no_cuda();
