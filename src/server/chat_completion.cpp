@@ -124,13 +124,7 @@ class ChatCompletion : public CompletionJob {
   }
 
   std::string stream_end() override {
-    std::string out;
-    if (request_.stream_options.include_usage) {
-      Json chunk = chunk_json(nullptr);
-      chunk["usage"] = usage_json(usage());
-      out += sse_event(chunk);
-    }
-    return out + kStreamEnd;
+    return stream_tail(request_.stream_options.include_usage, chunk_json(nullptr), usage_json(usage()));
   }
 
   Json response() override {

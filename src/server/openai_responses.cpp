@@ -118,4 +118,10 @@ std::string to_text(const Json& body) { return body.dump(-1, ' ', false, Json::e
 
 std::string sse_event(const Json& data) { return "data: " + to_text(data) + "\n\n"; }
 
+std::string stream_tail(bool include_usage, Json chunk, const Json& usage) {
+  if (!include_usage) return kStreamEnd;
+  chunk["usage"] = usage;
+  return sse_event(chunk) + kStreamEnd;
+}
+
 }  // namespace sparrow::server

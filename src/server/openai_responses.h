@@ -58,5 +58,8 @@ std::string to_text(const Json& body);
 // One server-sent event: "data: <json>\n\n"; the stream ends with kStreamEnd.
 std::string sse_event(const Json& data);
 inline constexpr const char* kStreamEnd = "data: [DONE]\n\n";
+// The end of a stream: when the request set stream_options.include_usage, `chunk` (a chunk with no
+// choices) carrying `usage`; then [DONE].
+std::string stream_tail(bool include_usage, Json chunk, const Json& usage);
 
 }  // namespace sparrow::server
