@@ -10,20 +10,12 @@
 #include <vector>
 
 #include "kernels/cuda/dsa_indexer/index_scores.h"
+#include "kernels/cuda/bench_random.cuh"
 #include "kernels/cuda/kernel_bench.h"
 #include "kernels/cuda/runtime/cuda_check.h"
 
 namespace sparrow::cuda {
 namespace {
-
-__device__ __forceinline__ uint32_t hash32(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return uint32_t(x);
-}
 
 // Pages of 64 tokens: 2048 words of codes (bytes below 0x40: finite, modest values), then 64 scales.
 __global__ void fill_pool(uint32_t* words, int64_t n, int page_words, int value_words) {

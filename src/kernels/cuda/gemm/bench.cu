@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/bench_random.cuh"
 #include "kernels/cuda/gemm/gemm.h"
 #include "kernels/cuda/kernel_bench.h"
 #include "kernels/cuda/runtime/cuda_check.h"
@@ -15,12 +16,8 @@ namespace sparrow::cuda {
 namespace {
 
 __global__ void fill_bf16(__nv_bfloat16* p, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    p[i] = __float2bfloat16(float(h >> 8) / float(1 << 24) - 0.5f);
-  }
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = __float2bfloat16(0.5f * hash_unit(uint64_t(seed) << 40 ^ uint64_t(i)));
 }
 
 }  // namespace

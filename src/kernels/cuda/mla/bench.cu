@@ -13,22 +13,13 @@
 #include <unordered_set>
 #include <vector>
 
+#include "kernels/cuda/bench_random.cuh"
 #include "kernels/cuda/kernel_bench.h"
 #include "kernels/cuda/mla/mla_attention.h"
 #include "kernels/cuda/runtime/cuda_check.h"
 
 namespace sparrow::cuda {
 namespace {
-
-__device__ __forceinline__ uint32_t hash32(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return uint32_t(x);
-}
-__device__ __forceinline__ float hash_unit(uint64_t x) { return (hash32(x) >> 8) * (2.0f / 16777216.0f) - 1.0f; }
 
 // Fills `rows` cache rows with valid random content (no NaN codes; scales around 1/448 of O(1) data).
 __global__ void fill_rows_kernel(uint8_t* pool, int64_t rows, bool fp8, uint64_t seed) {
