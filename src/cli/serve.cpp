@@ -236,7 +236,7 @@ void add_serve(CLI::App& app) {
                 "let the model decide when to call tools (tool_choice \"auto\"); needs --tool-call-parser");
   sub->add_option("--chat-template", f.chat_template, "Jinja chat template file to use instead of the model's");
   sub->add_option("--block-size", f.block_size, "KV-cache block size in tokens: 64, 128 or 256")->capture_default_str();
-  sub->add_option("--kv-cache-dtype", f.kv_cache_dtype, "KV-cache storage: auto (float32 on CPU), float32, bfloat16")
+  sub->add_option("--kv-cache-dtype", f.kv_cache_dtype, "KV-cache storage: auto (float32 on the CPU, bfloat16 on a GPU), float32, bfloat16, fp8 (MLA latents and DSA index keys)")
       ->capture_default_str();
   sub->add_option("--kv-cache-memory", f.kv_cache_memory,
                   "KV-cache budget in bytes, e.g. 4GiB or 512MiB (default: --gpu-memory-utilization)");
