@@ -17,10 +17,10 @@ namespace {
 
 using namespace sparrow;
 
-enum class Fill { Normal, FewValues, AllEqual, Specials, Sorted };
+enum class Fill { Normal, FewValues, AllEqual, Specials, Sorted, Narrow, Ascending, Descending, KthTies };
 
 void run_case(int64_t rows, int64_t max_len, int k, Fill fill, bool vary_len, std::mt19937& rng, unsigned seed) {
-  const int64_t ld = max_len + (rng() % 2 ? 0 : 3);
+  const int64_t ld = max_len + int64_t(rng() % 4);  // rows start at every alignment mod 16 B
   std::vector<float> s(rows * ld);
   std::vector<int32_t> len(rows);
   std::normal_distribution<float> nd;
@@ -35,6 +35,13 @@ void run_case(int64_t rows, int64_t max_len, int k, Fill fill, bool vary_len, st
         case Fill::FewValues: v = float(few(rng)) * 0.5f; break;
         case Fill::AllEqual: v = 1.25f; break;
         case Fill::Sorted: v = float(i % 1000); break;
+        // The indexer's scores: a narrow positive range, so most share their top key bits.
+        case Fill::Narrow: v = 3.0f + 0.001f * float(rng() % 4096) / 4096.0f; break;
+        // Every step raises the running threshold (worst case for the streaming filter) or never does.
+        case Fill::Ascending: v = float(i) * 0.25f; break;
+        case Fill::Descending: v = -float(i) * 0.25f; break;
+        // A few large values, then a huge tie that holds the k-th element.
+        case Fill::KthTies: v = rng() % 997 == 0 ? 2.0f + float(rng() % 8) : (rng() % 3 ? 1.0f : -1.0f); break;
         default: {
           int t = int(rng() % 10);
           v = t == 0 ? NAN : t == 1 ? -INFINITY : t == 2 ? -0.0f : t == 3 ? 0.0f : t == 4 ? INFINITY : nd(rng);
@@ -48,34 +55,39 @@ void run_case(int64_t rows, int64_t max_len, int k, Fill fill, bool vary_len, st
   ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&ds), s.size() * 4), cudaSuccess);
   ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&dl), rows * 4), cudaSuccess);
   ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&dout), rows * k * 4), cudaSuccess);
-  const size_t wsb = cuda::topk_workspace_bytes(rows, max_len, k);
-  void* ws = nullptr;
-  if (wsb) ASSERT_EQ(cudaMalloc(&ws, wsb), cudaSuccess);
-  if (ws) cudaMemset(ws, 0x5A, wsb);  // the launch must not rely on a clean workspace
   cudaMemcpy(ds, s.data(), s.size() * 4, cudaMemcpyHostToDevice);
   cudaMemcpy(dl, len.data(), rows * 4, cudaMemcpyHostToDevice);
-  std::vector<int32_t> got(rows * k);
-  for (int rep = 0; rep < 2; ++rep) {  // twice: determinism and workspace reuse
-    cudaMemset(dout, 0x7B, rows * k * 4);
-    cuda::topk_rows(ds, ld, dl, rows, max_len, k, dout, ws, wsb, nullptr);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    std::vector<int32_t> again(rows * k);
-    cudaMemcpy(again.data(), dout, rows * k * 4, cudaMemcpyDeviceToHost);
-    if (rep == 1) ASSERT_EQ(again, got) << "not deterministic, seed " << seed;
-    got = again;
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    std::vector<int32_t> ref = cpu::top_k(&s[r * ld], len[r], k);
-    std::sort(ref.begin(), ref.end());
-    ref.resize(k, -1);
-    std::vector<int32_t> g(got.begin() + r * k, got.begin() + (r + 1) * k);
-    ASSERT_EQ(g, ref) << "row " << r << " len " << len[r] << " k " << k << " max_len " << max_len << " fill "
-                      << int(fill) << " seed " << seed;
+  // Both implementations on every case (Auto picks one of them by size).
+  for (cuda::TopkMethod method : {cuda::TopkMethod::RadixPasses, cuda::TopkMethod::StreamingFilter}) {
+    if (method == cuda::TopkMethod::StreamingFilter && k > cuda::kTopkStreamingMaxK) continue;
+    const char* name = method == cuda::TopkMethod::RadixPasses ? "radix passes" : "streaming filter";
+    const size_t wsb = cuda::topk_workspace_bytes(rows, max_len, k, method);
+    void* ws = nullptr;
+    if (wsb) ASSERT_EQ(cudaMalloc(&ws, wsb), cudaSuccess);
+    if (ws) cudaMemset(ws, 0x5A, wsb);  // the launch must not rely on a clean workspace
+    std::vector<int32_t> got(rows * k);
+    for (int rep = 0; rep < 2; ++rep) {  // twice: determinism and workspace reuse
+      cudaMemset(dout, 0x7B, rows * k * 4);
+      cuda::topk_rows(ds, ld, dl, rows, max_len, k, dout, ws, wsb, nullptr, method);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<int32_t> again(rows * k);
+      cudaMemcpy(again.data(), dout, rows * k * 4, cudaMemcpyDeviceToHost);
+      if (rep == 1) ASSERT_EQ(again, got) << name << " not deterministic, seed " << seed;
+      got = again;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      std::vector<int32_t> ref = cpu::top_k(&s[r * ld], len[r], k);
+      std::sort(ref.begin(), ref.end());
+      ref.resize(k, -1);
+      std::vector<int32_t> g(got.begin() + r * k, got.begin() + (r + 1) * k);
+      ASSERT_EQ(g, ref) << name << ": row " << r << " len " << len[r] << " k " << k << " max_len " << max_len
+                        << " fill " << int(fill) << " seed " << seed;
+    }
+    cudaFree(ws);
   }
   cudaFree(ds);
   cudaFree(dl);
   cudaFree(dout);
-  cudaFree(ws);
 }
 
 TEST(CudaTopk, MatchesCpuTopK) {
@@ -98,6 +110,34 @@ TEST(CudaTopk, MatchesCpuTopK) {
   run_case(1, 300000, 2048, Fill::FewValues, false, rng, seed);
   run_case(3, 5000, 1, Fill::Normal, false, rng, seed);
   run_case(3, 70000, 777, Fill::Specials, false, rng, seed);
+}
+
+// Shapes aimed at the streaming filter: buffer cuts, parts and merges, ties at the k-th key, odd
+// lengths and alignments, many rows of different lengths in one launch, and the legacy path (k > 4096).
+TEST(CudaTopk, StreamingFilterEdges) {
+  SPARROW_REQUIRE_GPU();
+  const unsigned seed = std::random_device{}();
+  std::mt19937 rng(seed);
+  for (int64_t len : {1, 2047, 2048, 2049, 2051, 16383, 16385, 20483}) run_case(3, len, 2048, Fill::Normal, false, rng, seed);
+  run_case(5, 1, 1, Fill::Normal, false, rng, seed);
+  run_case(4, 2, 1, Fill::AllEqual, false, rng, seed);
+  run_case(6, 65537, 2048, Fill::KthTies, true, rng, seed);
+  run_case(2, 200003, 2048, Fill::KthTies, false, rng, seed);
+  run_case(3, 100001, 2048, Fill::AllEqual, false, rng, seed);
+  run_case(2, 300001, 4096, Fill::AllEqual, false, rng, seed);
+  run_case(4, 131071, 2048, Fill::Narrow, true, rng, seed);
+  run_case(2, 131072, 2048, Fill::Ascending, false, rng, seed);
+  run_case(2, 131073, 2048, Fill::Descending, false, rng, seed);
+  run_case(1, 1 << 20, 2048, Fill::Ascending, false, rng, seed);
+  run_case(1, (1 << 20) - 3, 2048, Fill::Narrow, false, rng, seed);
+  run_case(3, 1 << 20, 2048, Fill::KthTies, true, rng, seed);
+  run_case(40, 50000, 2048, Fill::Specials, true, rng, seed);  // several parts per row
+  run_case(150, 9000, 2048, Fill::Normal, true, rng, seed);    // one part per row
+  run_case(150, 40001, 3000, Fill::FewValues, true, rng, seed);
+  run_case(7, 90000, 4096, Fill::Normal, true, rng, seed);     // the largest k of the streaming path
+  run_case(3, 60000, 4097, Fill::Normal, true, rng, seed);     // legacy path
+  run_case(2, 100000, 5000, Fill::KthTies, false, rng, seed);  // legacy path, ties
+  run_case(3, 3000, 4097, Fill::Normal, true, rng, seed);      // legacy path, shorter rows
 }
 
 }  // namespace

@@ -59,7 +59,7 @@ void bench_topk(const KernelBenchOptions& options, std::vector<KernelBenchRow>& 
       row.impl = "sparrow";
       row.median_us = median_launch_us(launch, stream, options.iterations);
       row.bytes = double(b) * len * 4 + double(b) * k * 4;
-      row.note = "exact radix select, ties to the smaller index, indices ascending";
+      row.note = "exact streaming filter + radix select, ties to the smaller index, indices ascending";
       rows.push_back(row);
       if (ws) SPARROW_CUDA_CHECK(cudaFree(ws));
     }

@@ -1,23 +1,50 @@
-// Exact top-k by radix select (topk.h). Scores map to 32-bit keys whose unsigned order is the float
-// order (flip all bits of negatives, set the sign bit of positives; -0 counts as +0, NaN becomes 0 and
-// ranks last). Three histogram passes over 11, 11 and 10 bits find the key T of the k-th largest
-// element and how many elements equal to T are taken (`need`); a last in-order pass writes every index
-// with key > T and the first `need` with key == T, already ascending (ties to the smaller index), so
-// nothing is sorted.
+// Exact top-k (topk.h). Scores map to 32-bit keys whose unsigned order is the float order (flip all
+// bits of negatives, set the sign bit of positives; -0 counts as +0, NaN becomes 0 and ranks last).
 //
-// Each CTA keeps a slice of at most 16K keys of one row in shared memory, read from HBM once. A long
-// row is split over G CTAs that add their histograms into a per-row global histogram and meet at a
-// per-row barrier (an atomic counter) after each pass; the launch is cooperative so that all CTAs of a
-// row are resident together (the grid is a multiple of G and CTAs take rows in waves).
+// Main path ("streaming filter", k <= kMaxK): a CTA reads its slice of a row once, 16K scores per step
+// (float4 loads, the next step prefetched into L2), and appends, in index order, every element whose
+// key is >= a running lower bound `lo` to a buffer in shared memory. When the buffer would overflow it
+// is cut to its exact top-k (radix select + in-order compaction) and `lo` becomes T+1, T being the k-th
+// key: the buffer then holds k elements with key >= T and smaller indices than anything still to come,
+// so a later element needs key > T to enter the top-k (ties go to the smaller index). Only candidates
+// are ever re-read (from shared memory), so HBM sees the scores once. The end of the stream selects the
+// exact top-k of the buffer and writes the indices in buffer order, which is index order: no sort.
+// Rows needing more than one CTA (few rows) are split into parts; each part writes its own exact top-k
+// (key, index) in index order to the workspace and a second kernel streams the parts' lists, in part
+// order, through the same filter. No cooperative launch, no memset, no inter-CTA waiting.
+//
+// The radix select over the buffer works on key - min (min/max found first), 11 bits at a time from
+// the highest set bit of max - min, so a narrow score distribution (the indexer's) spreads over the
+// 2048 bins of the first pass instead of piling onto a few, which serialises shared-memory atomics.
+//
+// Per-row radix passes (`legacy::topk_legacy_kernel`, the first implementation): three histogram passes
+// over slices kept in shared memory, long rows split over CTAs meeting at per-row barriers under a
+// cooperative launch. It runs below 8M scores per launch (faster there: few rows, short rows) and for
+// k > kMaxK, where the buffer cannot hold k plus one step; use_streaming_filter() chooses.
 #include "kernels/cuda/topk/topk.h"
 
 #include <algorithm>
+#include <climits>
 
 #include "core/error.h"
 #include "kernels/cuda/runtime/cuda_check.h"
 
 namespace sparrow::cuda {
 namespace {
+
+int sm_count() {
+  static int sms = 0;
+  if (sms == 0) {
+    int dev = 0;
+    SPARROW_CUDA_CHECK(cudaGetDevice(&dev));
+    SPARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  }
+  return sms;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// legacy: the first radix-select implementation (TopkMethod::RadixPasses).
+namespace legacy {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
@@ -89,7 +116,7 @@ __device__ __forceinline__ void row_barrier(int* counter, int target) {
   __syncthreads();
 }
 
-__global__ void __launch_bounds__(kThreads) topk_kernel(TopkParams p) {
+__global__ void __launch_bounds__(kThreads) topk_legacy_kernel(TopkParams p) {
   extern __shared__ uint32_t keys[];
   __shared__ int hist[kBins];
   __shared__ int scratch[32];
@@ -257,16 +284,6 @@ struct Plan {
   int64_t ws_stride = 0;
 };
 
-int sm_count() {
-  static int sms = 0;
-  if (sms == 0) {
-    int dev = 0;
-    SPARROW_CUDA_CHECK(cudaGetDevice(&dev));
-    SPARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  }
-  return sms;
-}
-
 // Slices sized so that all rows together give about three resident CTAs per SM.
 Plan make_plan(int64_t rows, int64_t max_len) {
   Plan plan;
@@ -283,19 +300,14 @@ Plan make_plan(int64_t rows, int64_t max_len) {
   return plan;
 }
 
-}  // namespace
-
-size_t topk_workspace_bytes(int64_t rows, int64_t max_len, int k) {
+size_t workspace_bytes(int64_t rows, int64_t max_len, int k) {
   if (rows <= 0 || max_len <= k) return 0;
   const Plan plan = make_plan(rows, max_len);
   return size_t(rows) * size_t(plan.ws_stride) * sizeof(int);
 }
 
-void topk_rows(const float* scores, int64_t ld, const int32_t* lengths, int64_t rows, int64_t max_len, int k,
-               int32_t* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  SPARROW_CHECK(k > 0 && rows >= 0 && max_len >= 0 && ld >= max_len, "topk_rows: bad arguments (k ", k, ", rows ",
-                rows, ", max_len ", max_len, ", ld ", ld, ")");
-  if (rows == 0) return;
+void launch(const float* scores, int64_t ld, const int32_t* lengths, int64_t rows, int64_t max_len, int k,
+            int32_t* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   // Rows no longer than k need no selection: slice one CTA per row and skip the workspace.
   const Plan plan = max_len <= k ? Plan{} : make_plan(rows, max_len);
   const size_t need = size_t(rows) * size_t(plan.ws_stride) * sizeof(int);
@@ -306,25 +318,508 @@ void topk_rows(const float* scores, int64_t ld, const int32_t* lengths, int64_t 
   const size_t smem = size_t(plan.slice) * sizeof(uint32_t);
   static bool attr_set = false;
   if (!attr_set) {
-    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(topk_legacy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             kMaxSlice * int(sizeof(uint32_t))));
     attr_set = true;
   }
   if (plan.parts == 1) {
     const int64_t grid = std::min<int64_t>(rows, int64_t(1) << 30);
-    topk_kernel<<<unsigned(grid), kThreads, smem, stream>>>(p);
+    topk_legacy_kernel<<<unsigned(grid), kThreads, smem, stream>>>(p);
     SPARROW_CUDA_CHECK_LAUNCH();
     return;
   }
   SPARROW_CUDA_CHECK(cudaMemsetAsync(workspace, 0, need, stream));
   int per_sm = 0;
-  SPARROW_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, topk_kernel, kThreads, smem));
+  SPARROW_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, topk_legacy_kernel, kThreads, smem));
   const int64_t resident = int64_t(per_sm) * sm_count();
   SPARROW_CHECK(resident >= plan.parts, "topk_rows: ", plan.parts, " CTAs per row cannot be resident together");
   const int64_t grid = std::min<int64_t>(p.items, resident / plan.parts * plan.parts);
   void* args[] = {&p};
-  SPARROW_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(topk_kernel), dim3(unsigned(grid)),
+  SPARROW_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(topk_legacy_kernel), dim3(unsigned(grid)),
                                                  dim3(kThreads), args, smem, stream));
+}
+
+}  // namespace legacy
+
+// ---------------------------------------------------------------------------------------------------
+// stream_topk: the streaming filter (header comment).
+namespace stream_topk {
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr int kVec = 4;                       // float4 groups per thread per step
+constexpr int kStep = kThreads * 4 * kVec;    // 16384 scores per step
+constexpr int kGroup = kThreads * 4;          // scores of one float4 group across the CTA
+constexpr int kBuf = 20480;                   // candidate buffer (keys + indices: 160 KiB)
+constexpr int kMaxK = kBuf - kStep;           // after a cut to k, one whole step must still fit
+constexpr int kBins = 2048;
+constexpr int kMinSlice = kStep;              // parts shorter than a step are not worth a CTA
+constexpr int kMaxParts = 32;                 // keeps the merge (parts x k candidates) short
+
+struct Smem {
+  uint32_t keys[kBuf];
+  int32_t idx[kBuf];
+  int hist[kBins];
+  unsigned long long scan[kWarps];
+  uint32_t wmin[kWarps], wmax[kWarps];
+  int counts[kMaxParts];
+  int sel_bin, sel_rest;
+};
+
+struct Params {
+  const float* scores;
+  int64_t ld;
+  const int32_t* lengths;
+  int64_t max_len;
+  int k;
+  int parts;
+  int64_t slice;
+  int32_t* out;
+  uint32_t* cand_keys;  // [rows * parts * k] (parts > 1)
+  int32_t* cand_idx;    // [rows * parts * k]
+  int* cand_count;      // [rows * parts]
+};
+
+// Exclusive prefix sum over the CTA in thread order of 64-bit values (used with packed 16- or 32-bit
+// fields that cannot carry into each other); `total` gets the sum over the CTA.
+__device__ __forceinline__ unsigned long long block_scan(unsigned long long v, unsigned long long* sc,
+                                                         unsigned long long& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  unsigned long long x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned long long y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) sc[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    unsigned long long y = lane < kWarps ? sc[lane] : 0ull;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned long long z = __shfl_up_sync(0xffffffffu, y, o);
+      if (lane >= o) y += z;
+    }
+    if (lane < kWarps) sc[lane] = y;
+  }
+  __syncthreads();
+  const unsigned long long r = x - v + (warp > 0 ? sc[warp - 1] : 0ull);
+  total = sc[kWarps - 1];
+  __syncthreads();
+  return r;
+}
+
+// The key T of the kk-th largest of keys[0, n) and how many keys equal to T belong to the top kk
+// (`need`). Requires n > kk >= 1. Radix select on d = key - min, 11 bits per pass from the top set bit
+// of max - min. Every thread returns the same values.
+__device__ void find_threshold(Smem& S, int n, int kk, uint32_t& T, int& need) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  uint32_t lmin = 0xffffffffu, lmax = 0u;
+  for (int i = tid; i < n; i += kThreads) {
+    const uint32_t key = S.keys[i];
+    lmin = min(lmin, key);
+    lmax = max(lmax, key);
+  }
+  lmin = __reduce_min_sync(0xffffffffu, lmin);
+  lmax = __reduce_max_sync(0xffffffffu, lmax);
+  if (lane == 0) S.wmin[warp] = lmin, S.wmax[warp] = lmax;
+  __syncthreads();
+  uint32_t mn = 0xffffffffu, mx = 0u;
+#pragma unroll 8
+  for (int w = 0; w < kWarps; ++w) mn = min(mn, S.wmin[w]), mx = max(mx, S.wmax[w]);
+  const uint32_t range = mx - mn;
+  if (range == 0) {  // all keys equal: the first kk in order
+    T = mn;
+    need = kk;
+    __syncthreads();  // wmin/wmax are reused by the next call
+    return;
+  }
+  int rem = 32 - __clz(range);  // d < 2^rem
+  uint32_t prefix = 0;          // the bits of d above `rem` chosen so far
+  int kr = kk;                  // how many still to take among the keys matching `prefix`
+#pragma unroll 1
+  while (rem > 0) {
+    const int width = min(11, rem), shift = rem - width, nb = 1 << width;
+    const uint32_t pmask = rem >= 32 ? 0u : (0xffffffffu << rem);
+    for (int b = tid; b < nb; b += kThreads) S.hist[b] = 0;
+    __syncthreads();
+    for (int base = warp * 32; base < n; base += kThreads) {  // warp-uniform trip count
+      const int i = base + lane;
+      const uint32_t d = i < n ? S.keys[i] - mn : 0u;
+      const bool m = i < n && (d & pmask) == prefix;
+      const uint32_t dig = (d >> shift) & uint32_t(nb - 1);
+      const uint32_t d0 = __shfl_sync(0xffffffffu, dig, 0);
+      // A warp of equal digits (ties, a narrow bin) would serialise 32 atomics on one word: add once.
+      if (__all_sync(0xffffffffu, m && dig == d0)) {
+        if (lane == 0) atomicAdd(&S.hist[d0], 32);
+      } else if (m) {
+        atomicAdd(&S.hist[dig], 1);
+      }
+    }
+    __syncthreads();
+    // Thread `own` sums bins [own*per, own*per + per) counted from the top; the scan in thread order
+    // gives how many keys lie above its range; the one whose range holds the kr-th finds the bin.
+    const int per = nb > kThreads ? nb / kThreads : 1;
+    const int own = kThreads - 1 - tid;
+    int v = 0;
+    for (int b = 0; b < per; ++b) {
+      const int bin = own * per + b;
+      if (bin < nb) v += S.hist[bin];
+    }
+    unsigned long long tot;
+    int above = int(block_scan((unsigned long long)v, S.scan, tot));
+    if (above < kr && above + v >= kr) {
+      for (int bin = min(own * per + per, nb) - 1; bin >= own * per; --bin) {
+        if (above + S.hist[bin] >= kr) {
+          S.sel_bin = bin;
+          S.sel_rest = kr - above;
+          break;
+        }
+        above += S.hist[bin];
+      }
+    }
+    __syncthreads();
+    prefix |= uint32_t(S.sel_bin) << shift;
+    kr = S.sel_rest;
+    rem = shift;
+    __syncthreads();  // sel_bin / hist are rewritten by the next pass
+  }
+  T = mn + prefix;
+  need = kr;
+}
+
+// Walks keys[0, n) in order and hands every selected element (key > T, or key == T among the first
+// `need` such) to emit(pos_out, key, idx), pos_out counting the selected ones in order. Returns how
+// many were selected. Safe for in-place compaction into keys/idx: a tile is read whole before its
+// scan's barriers and each element moves to a position no greater than its own.
+template <class Emit>
+__device__ int compact(Smem& S, int n, uint32_t T, int need, Emit emit) {
+  const int tid = threadIdx.x;
+  int gbase = 0, ebase = 0;
+  for (int t0 = 0; t0 < n; t0 += 4 * kThreads) {
+    const int p0 = t0 + 4 * tid;
+    uint32_t kx[4];
+    int32_t ix[4];
+    if (p0 + 4 <= n) {
+      const uint4 a = *reinterpret_cast<const uint4*>(&S.keys[p0]);
+      const int4 b = *reinterpret_cast<const int4*>(&S.idx[p0]);
+      kx[0] = a.x, kx[1] = a.y, kx[2] = a.z, kx[3] = a.w;
+      ix[0] = b.x, ix[1] = b.y, ix[2] = b.z, ix[3] = b.w;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        kx[e] = p0 + e < n ? S.keys[p0 + e] : 0u;
+        ix[e] = p0 + e < n ? S.idx[p0 + e] : -1;
+      }
+    }
+    int gt = 0, eq = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool valid = p0 + e < n;
+      gt += valid && kx[e] > T;
+      eq += valid && kx[e] == T;
+    }
+    unsigned long long tot;
+    const unsigned long long ex = block_scan((unsigned long long)gt << 32 | unsigned(eq), S.scan, tot);
+    int gb = gbase + int(ex >> 32), eb = ebase + int(ex & 0xffffffffu);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (p0 + e >= n) continue;
+      if (kx[e] > T) {
+        emit(gb + min(eb, need), kx[e], ix[e]);
+        ++gb;
+      } else if (kx[e] == T) {
+        if (eb < need) emit(gb + eb, kx[e], ix[e]);
+        ++eb;
+      }
+    }
+    gbase += int(tot >> 32);
+    ebase += int(tot & 0xffffffffu);
+  }
+  __syncthreads();  // the emitted elements are visible to the whole CTA
+  return gbase + min(ebase, need);
+}
+
+// Cuts the buffer to its exact top-k (count > k) and returns the new lower bound for later elements.
+__device__ uint32_t cut_buffer(Smem& S, int& count, int k) {
+  uint32_t T;
+  int need;
+  find_threshold(S, count, k, T, need);
+  count = compact(S, count, T, need, [&](int o, uint32_t key, int32_t id) {
+    S.keys[o] = key;
+    S.idx[o] = id;
+  });
+  return T + 1;  // T <= 0xff800000 (+inf), no overflow
+}
+
+// Appends one step (kVec groups of 4 consecutive elements per thread; element (u, e) of thread t is the
+// step's element u*kGroup + 4t + e, so the step's order is index order) to the buffer: those valid with
+// key >= lo, cutting the buffer first when they would not fit. idx_of(u, e) gives an element's index.
+template <class IdxOf>
+__device__ __forceinline__ void append_step(Smem& S, const uint32_t (&key)[kVec][4], uint32_t vmask, int& count,
+                                            uint32_t& lo, int k, IdxOf idx_of) {
+  unsigned long long ex, tot;
+  int total;
+  for (;;) {
+    unsigned long long packed = 0;
+#pragma unroll
+    for (int u = 0; u < kVec; ++u) {
+      int c = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c += ((vmask >> (4 * u + e)) & 1u) && key[u][e] >= lo;
+      packed |= (unsigned long long)c << (16 * u);  // a group sums to at most kGroup = 4096 < 2^16
+    }
+    ex = block_scan(packed, S.scan, tot);
+    total = 0;
+#pragma unroll
+    for (int u = 0; u < kVec; ++u) total += int((tot >> (16 * u)) & 0xffffu);
+    if (count + total <= kBuf) break;
+    lo = cut_buffer(S, count, k);  // count > kBuf - kStep >= k here; afterwards count == k
+  }
+  int group_base = count;
+#pragma unroll
+  for (int u = 0; u < kVec; ++u) {
+    int o = group_base + int((ex >> (16 * u)) & 0xffffu);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (((vmask >> (4 * u + e)) & 1u) && key[u][e] >= lo) {
+        S.keys[o] = key[u][e];
+        S.idx[o] = idx_of(u, e);
+        ++o;
+      }
+    }
+    group_base += int((tot >> (16 * u)) & 0xffffu);
+  }
+  count += total;
+  // The next step's scan barriers order these writes before any read of the buffer.
+}
+
+__device__ __forceinline__ int row_len(const Params& p, int64_t row) {
+  const int64_t len = p.lengths[row];
+  const int64_t m = len < p.max_len ? len : p.max_len;
+  return int(m > 0 ? m : 0);
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
+}
+
+// One CTA per (row, part): streams the part's scores through the filter; a whole row (parts == 1)
+// writes its k indices, a part writes its exact top-min(k, slice) (key, index) in index order.
+__global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Smem& S = *reinterpret_cast<Smem*>(smem_raw);
+  const int tid = threadIdx.x;
+  const int64_t item = blockIdx.x;
+  const int64_t row = item / p.parts;
+  const int part = int(item % p.parts);
+  const int k = p.k;
+  const int n = row_len(p, row);
+  int32_t* out = p.out + row * k;
+  if (n <= k) {  // every index is selected (the merge kernel skips such rows)
+    if (part == 0)
+      for (int i = tid; i < k; i += kThreads) out[i] = i < n ? i : -1;
+    return;
+  }
+  const int64_t lo_pos = int64_t(part) * p.slice;
+  const int64_t rest = int64_t(n) - lo_pos;
+  const int cnt = int(rest <= 0 ? 0 : (rest < p.slice ? rest : p.slice));
+  const float* src = p.scores + row * p.ld + lo_pos;
+  // Read from the 16-byte aligned address at or below src: virtual position v holds element v - mis.
+  // Only groups lying wholly inside [mis, vlen) are read as float4, so nothing outside the row is read.
+  const int mis = int((reinterpret_cast<uintptr_t>(src) >> 2) & 3u);
+  const float* a = src - mis;
+  const int vlen = cnt + mis;
+  const int32_t idx0 = int32_t(lo_pos) - mis;  // element index of virtual position 0
+
+  int count = 0;
+  uint32_t lo = 0;  // every key is >= 0: NaNs enter until the buffer is first cut
+#pragma unroll 1
+  for (int c0 = 0; c0 < vlen; c0 += kStep) {
+    if (c0 + kStep < vlen) {
+#pragma unroll
+      for (int u = 0; u < kVec; ++u) {
+        const int v = c0 + kStep + u * kGroup + 4 * tid;
+        if (v < vlen) prefetch_l2(a + v);
+      }
+    }
+    float f[kVec][4];
+#pragma unroll
+    for (int u = 0; u < kVec; ++u) {
+      const int v0 = c0 + u * kGroup + 4 * tid;
+      if (v0 >= mis && v0 + 4 <= vlen) {
+        const float4 x = __ldcs(reinterpret_cast<const float4*>(a + v0));
+        f[u][0] = x.x, f[u][1] = x.y, f[u][2] = x.z, f[u][3] = x.w;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f[u][e] = (v0 + e >= mis && v0 + e < vlen) ? a[v0 + e] : 0.0f;
+      }
+    }
+    uint32_t key[kVec][4];
+    uint32_t vmask = 0;
+#pragma unroll
+    for (int u = 0; u < kVec; ++u)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int v = c0 + u * kGroup + 4 * tid + e;
+        key[u][e] = legacy::order_key(f[u][e]);
+        vmask |= uint32_t(v >= mis && v < vlen) << (4 * u + e);
+      }
+    append_step(S, key, vmask, count, lo, k,
+                [&](int u, int e) { return idx0 + c0 + u * kGroup + 4 * tid + e; });
+  }
+  __syncthreads();
+  uint32_t T = 0;
+  int need = INT_MAX;  // count <= k: everything (all keys >= 0 = T)
+  if (count > k) find_threshold(S, count, k, T, need);
+  if (p.parts == 1) {
+    const int sel = compact(S, count, T, need, [&](int o, uint32_t, int32_t id) { out[o] = id; });
+    for (int i = sel + tid; i < k; i += kThreads) out[i] = -1;  // not reached: count >= k when n > k
+  } else {
+    const int64_t slot = row * p.parts + part;
+    uint32_t* ck = p.cand_keys + slot * k;
+    int32_t* ci = p.cand_idx + slot * k;
+    const int sel = compact(S, count, T, need, [&](int o, uint32_t key, int32_t id) {
+      ck[o] = key;
+      ci[o] = id;
+    });
+    if (tid == 0) p.cand_count[slot] = sel;
+  }
+}
+
+// One CTA per row split into parts: streams the parts' candidate lists, in part order (index order),
+// through the same filter and writes the row's k indices.
+__global__ void __launch_bounds__(kThreads, 1) topk_merge_kernel(Params p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Smem& S = *reinterpret_cast<Smem*>(smem_raw);
+  const int tid = threadIdx.x;
+  const int64_t row = blockIdx.x;
+  const int k = p.k, G = p.parts;
+  if (row_len(p, row) <= k) return;  // written by topk_stream_kernel
+  if (tid < G) S.counts[tid] = __ldcg(p.cand_count + row * G + tid);
+  __syncthreads();
+  const uint32_t* ck = p.cand_keys + row * G * int64_t(k);
+  const int32_t* ci = p.cand_idx + row * G * int64_t(k);
+  const int vlen = G * k;  // virtual position v: part v / k, its candidate v % k
+  int count = 0;
+  uint32_t lo = 0;
+#pragma unroll 1
+  for (int c0 = 0; c0 < vlen; c0 += kStep) {
+    uint32_t key[kVec][4];
+    int32_t id[kVec][4];
+    uint32_t vmask = 0;
+#pragma unroll
+    for (int u = 0; u < kVec; ++u)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int v = c0 + u * kGroup + 4 * tid + e;
+        const int part = v / k;
+        const bool valid = v < vlen && v - part * k < S.counts[part < G ? part : 0];
+        key[u][e] = valid ? __ldcg(ck + v) : 0u;
+        id[u][e] = valid ? __ldcg(ci + v) : -1;
+        vmask |= uint32_t(valid) << (4 * u + e);
+      }
+    append_step(S, key, vmask, count, lo, k, [&](int u, int e) { return id[u][e]; });
+  }
+  __syncthreads();
+  uint32_t T = 0;
+  int need = INT_MAX;
+  if (count > k) find_threshold(S, count, k, T, need);
+  int32_t* out = p.out + row * k;
+  const int sel = compact(S, count, T, need, [&](int o, uint32_t, int32_t id) { out[o] = id; });
+  for (int i = sel + tid; i < k; i += kThreads) out[i] = -1;  // not reached: the parts hold >= k
+}
+
+struct Plan {
+  int parts = 1;
+  int64_t slice = 0;
+};
+
+// One part per row when the rows alone fill the GPU; otherwise split rows so that rows x parts is
+// about one CTA per SM (1 CTA fits an SM), parts at least one step long.
+Plan make_plan(int64_t rows, int64_t max_len) {
+  Plan plan;
+  const int64_t sms = sm_count();
+  int64_t parts = std::min<int64_t>(sms / std::max<int64_t>(rows, 1), (max_len + kMinSlice - 1) / kMinSlice);
+  parts = std::clamp<int64_t>(parts, 1, kMaxParts);
+  plan.slice = (max_len + parts - 1) / parts;
+  plan.slice = std::max<int64_t>(4, (plan.slice + 3) / 4 * 4);
+  plan.parts = int((max_len + plan.slice - 1) / plan.slice);
+  if (plan.parts < 1) plan.parts = 1;
+  return plan;
+}
+
+size_t workspace_bytes(int64_t rows, int64_t max_len, int k) {
+  if (rows <= 0 || max_len <= k) return 0;
+  const Plan plan = make_plan(rows, max_len);
+  if (plan.parts == 1) return 0;
+  const size_t slots = size_t(rows) * size_t(plan.parts);
+  return slots * size_t(k) * 2 * sizeof(uint32_t) + slots * sizeof(int);
+}
+
+void launch(const float* scores, int64_t ld, const int32_t* lengths, int64_t rows, int64_t max_len, int k,
+            int32_t* out, void* workspace, size_t ws_bytes, cudaStream_t stream) {
+  const Plan plan = max_len <= k ? Plan{1, std::max<int64_t>(max_len, 1)} : make_plan(rows, max_len);
+  const size_t need = max_len <= k ? 0 : workspace_bytes(rows, max_len, k);
+  SPARROW_CHECK(ws_bytes >= need, "topk_rows: workspace of ", ws_bytes, " bytes, need ", need);
+  SPARROW_CHECK(rows * plan.parts < (int64_t(1) << 31), "topk_rows: too many rows (", rows, ")");
+  SPARROW_CHECK(max_len < (int64_t(1) << 31) - kStep, "topk_rows: rows too long (", max_len, ")");
+  Params p{scores, ld, lengths, max_len, k, plan.parts, plan.slice, out, nullptr, nullptr, nullptr};
+  if (plan.parts > 1) {
+    const size_t slots = size_t(rows) * size_t(plan.parts);
+    p.cand_keys = static_cast<uint32_t*>(workspace);
+    p.cand_idx = reinterpret_cast<int32_t*>(p.cand_keys + slots * size_t(k));
+    p.cand_count = reinterpret_cast<int*>(p.cand_idx + slots * size_t(k));
+  }
+  const int smem = int(sizeof(Smem));
+  static bool attr_set = false;
+  if (!attr_set) {
+    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(topk_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(topk_merge_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    attr_set = true;
+  }
+  topk_stream_kernel<<<unsigned(rows * plan.parts), kThreads, smem, stream>>>(p);
+  SPARROW_CUDA_CHECK_LAUNCH();
+  if (plan.parts > 1) {
+    topk_merge_kernel<<<unsigned(rows), kThreads, smem, stream>>>(p);
+    SPARROW_CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace stream_topk
+
+}  // namespace
+
+namespace {
+
+// Which of the two exact implementations runs. Measured on the H200 (bench/results/kernels.md, k = 2048):
+// the streaming filter wins once there are >= 8M scores to read (64 x 128K: 67 vs 91 µs; 128 x 1M: 299 vs
+// 918), the per-row radix passes below that (1 x 128K: 20 vs 51 µs; 1 x 1M: 28 vs 101), where the filter's
+// split-and-merge of a few long rows costs more than it saves.
+bool use_streaming_filter(int64_t rows, int64_t max_len, int k, TopkMethod method) {
+  static_assert(stream_topk::kMaxK == kTopkStreamingMaxK);
+  SPARROW_CHECK(method != TopkMethod::StreamingFilter || k <= stream_topk::kMaxK, "topk: the streaming filter takes k <= ",
+                stream_topk::kMaxK, ", got ", k);
+  if (method != TopkMethod::Auto) return method == TopkMethod::StreamingFilter;
+  return k <= stream_topk::kMaxK && rows * max_len >= (int64_t(8) << 20);
+}
+
+}  // namespace
+
+size_t topk_workspace_bytes(int64_t rows, int64_t max_len, int k, TopkMethod method) {
+  return use_streaming_filter(rows, max_len, k, method) ? stream_topk::workspace_bytes(rows, max_len, k)
+                                                : legacy::workspace_bytes(rows, max_len, k);
+}
+
+void topk_rows(const float* scores, int64_t ld, const int32_t* lengths, int64_t rows, int64_t max_len, int k,
+               int32_t* out, void* workspace, size_t workspace_bytes, cudaStream_t stream, TopkMethod method) {
+  SPARROW_CHECK(k > 0 && rows >= 0 && max_len >= 0 && ld >= max_len, "topk_rows: bad arguments (k ", k, ", rows ",
+                rows, ", max_len ", max_len, ", ld ", ld, ")");
+  if (rows == 0) return;
+  if (use_streaming_filter(rows, max_len, k, method))
+    stream_topk::launch(scores, ld, lengths, rows, max_len, k, out, workspace, workspace_bytes, stream);
+  else
+    legacy::launch(scores, ld, lengths, rows, max_len, k, out, workspace, workspace_bytes, stream);
 }
 
 }  // namespace sparrow::cuda

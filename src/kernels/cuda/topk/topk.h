@@ -10,13 +10,19 @@
 
 namespace sparrow::cuda {
 
+// Two exact implementations (topk.cu says how each works); Auto picks the faster for the size, and
+// tests run both on every case.
+enum class TopkMethod { Auto, RadixPasses, StreamingFilter };
+inline constexpr int kTopkStreamingMaxK = 4096;  // StreamingFilter takes k up to this
+
 // Device scratch the launch needs for rows x max_len (0 when every row fits one CTA).
-size_t topk_workspace_bytes(int64_t rows, int64_t max_len, int k);
+size_t topk_workspace_bytes(int64_t rows, int64_t max_len, int k, TopkMethod method = TopkMethod::Auto);
 
 // scores: [rows, ld] fp32; lengths: [rows] int32 (device), each <= max_len (host bound, <= ld);
-// out: [rows, k] int32. workspace: at least topk_workspace_bytes(rows, max_len, k) bytes of device
-// memory (any contents; the launch clears what it uses).
+// out: [rows, k] int32. workspace: at least topk_workspace_bytes(rows, max_len, k, method) bytes of
+// device memory (any contents; the launch clears what it uses).
 void topk_rows(const float* scores, int64_t ld, const int32_t* lengths, int64_t rows, int64_t max_len, int k,
-               int32_t* out, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+               int32_t* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+               TopkMethod method = TopkMethod::Auto);
 
 }  // namespace sparrow::cuda
