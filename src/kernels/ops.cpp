@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/parallel.h"
 #include "kernels/cpu/ops.h"
 
 #if SPARROW_HAVE_CUDA
@@ -221,22 +222,25 @@ void rope_(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float att
   SPARROW_CHECK(first_col + (heads - 1) * head_stride + rot <= row, "rope: heads do not fit the row");
   if (x.on_cpu()) {
     require_f32(x, "rope");
-    std::vector<float> cos(rot / 2), sin(rot / 2);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float pos = float(positions.as<int64_t>()[r]);
-      for (int64_t i = 0; i < rot / 2; ++i) {
-        const float angle = inv_freq.data()[i] * pos;
-        cos[i] = std::cos(angle) * attention_scaling;
-        sin[i] = std::sin(angle) * attention_scaling;
+    parallel_for(rows, [&](int64_t begin, int64_t end) {
+      std::vector<float> cos(rot / 2), sin(rot / 2);
+      for (int64_t r = begin; r < end; ++r) {
+        // Rope::angles' arithmetic: angle = inv_freq * pos in fp32, cos/sin scaled afterwards.
+        const float pos = float(positions.as<int64_t>()[r]);
+        for (int64_t i = 0; i < rot / 2; ++i) {
+          const float angle = inv_freq.data()[i] * pos;
+          cos[i] = std::cos(angle) * attention_scaling;
+          sin[i] = std::sin(angle) * attention_scaling;
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+          float* p = x.row(r) + first_col + h * head_stride;
+          if (interleaved)
+            cpu::apply_rope_interleaved(p, cos.data(), sin.data(), int(rot));
+          else
+            cpu::apply_rope_neox(p, cos.data(), sin.data(), int(rot));
+        }
       }
-      for (int64_t h = 0; h < heads; ++h) {
-        float* p = x.row(r) + first_col + h * head_stride;
-        if (interleaved)
-          cpu::apply_rope_interleaved(p, cos.data(), sin.data(), int(rot));
-        else
-          cpu::apply_rope_neox(p, cos.data(), sin.data(), int(rot));
-      }
-    }
+    });
     return;
   }
 #if SPARROW_HAVE_CUDA

@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/ops.h"
 
 namespace sparrow {
 
@@ -15,18 +16,9 @@ namespace {
 constexpr int64_t kQueryTile = 256;
 }  // namespace
 
-void rotate_heads(Tensor& x, int64_t head_dim, const std::vector<int64_t>& positions, const Rope& rope) {
-  SPARROW_CHECK(int64_t(positions.size()) == x.dim(0), "rotate_heads: ", positions.size(), " positions for ",
-                x.dim(0), " rows");
-  const int rot = rope.rot_dim();
-  const int64_t heads_per_row = x.row_size() / head_dim;
-  parallel_for(x.dim(0), [&](int64_t begin, int64_t end) {
-    std::vector<float> cos(rot / 2), sin(rot / 2);
-    for (int64_t t = begin; t < end; ++t) {
-      rope.angles(positions[t], cos.data(), sin.data());
-      for (int64_t h = 0; h < heads_per_row; ++h) apply_rope_neox(x.row(t) + h * head_dim, cos.data(), sin.data(), rot);
-    }
-  });
+void rotate_heads(Tensor& x, int64_t head_dim, const Tensor& positions, const Rope& rope) {
+  ops::rope_(x, positions, rope.inv_freq_on(x.device()), rope.attention_scaling, 0, x.row_size() / head_dim, head_dim,
+             /*interleaved=*/false);
 }
 
 LayerCacheSpec GqaAttention::cache_spec_for(int64_t kv_heads, int64_t head_dim, int64_t index_head_dim) {
@@ -41,15 +33,16 @@ LayerCacheSpec GqaAttention::cache_spec() const {
 }
 
 Tensor GqaAttention::forward(const Tensor& x, const Batch& batch, int layer) {
-  Tensor q = cpu::linear(x, q_proj);  // [T, heads * head_dim]
-  Tensor k = cpu::linear(x, k_proj);  // [T, kv_heads * head_dim]
-  Tensor v = cpu::linear(x, v_proj);  // [T, kv_heads * head_dim]
-  cpu::rms_norm_inplace(q, q_norm, norm_eps, /*unit_offset=*/true);
-  cpu::rms_norm_inplace(k, k_norm, norm_eps, /*unit_offset=*/true);
-  rotate_heads(q, head_dim, batch.positions, rope);
-  rotate_heads(k, head_dim, batch.positions, rope);
+  Tensor q = ops::linear(x, q_proj);  // [T, heads * head_dim]
+  Tensor k = ops::linear(x, k_proj);  // [T, kv_heads * head_dim]
+  Tensor v = ops::linear(x, v_proj);  // [T, kv_heads * head_dim]
+  ops::rms_norm_(q, q_norm, norm_eps, /*unit_offset=*/true);
+  ops::rms_norm_(k, k_norm, norm_eps, /*unit_offset=*/true);
+  const Tensor& positions = batch.positions_on(x.device());
+  rotate_heads(q, head_dim, positions, rope);
+  rotate_heads(k, head_dim, positions, rope);
   Tensor index_q, index_k;
-  if (indexer) indexer->project(x, batch.positions, rope, index_q, index_k);
+  if (indexer) indexer->project(x, positions, rope, index_q, index_k);
 
   const int64_t kv_width = kv_heads * head_dim;
   Tensor out = Tensor::zeros({x.dim(0), heads * head_dim});
@@ -75,7 +68,7 @@ Tensor GqaAttention::forward(const Tensor& x, const Batch& batch, int layer) {
     }
     attend(q, seq, cached_kv.data(), selection ? &*selection : nullptr, out);
   }
-  return cpu::linear(out, o_proj);
+  return ops::linear(out, o_proj);
 }
 
 void GqaAttention::attend(const Tensor& q, const SeqSlice& seq, const float* kv, const BlockSelection* selection,

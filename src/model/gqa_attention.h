@@ -24,7 +24,7 @@ namespace sparrow {
 
 // Rotates the first rope.rot_dim() dims of every head_dim-sized head of every row of x by NeoX's
 // rotate-half, row t at positions[t].
-void rotate_heads(Tensor& x, int64_t head_dim, const std::vector<int64_t>& positions, const Rope& rope);
+void rotate_heads(Tensor& x, int64_t head_dim, const Tensor& positions, const Rope& rope);
 
 class GqaAttention : public Mixer {
  public:

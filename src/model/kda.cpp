@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/ops.h"
 
 namespace sparrow {
 
@@ -236,10 +237,10 @@ Tensor KdaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
   const int64_t kernel = config_.conv_kernel, tail = kernel - 1;
 
   // Everything that only depends on the token itself, for the whole batch at once.
-  const Tensor qkv = cpu::linear(x, w_.qkv_proj);                          // [T, 3P] before the conv
-  Tensor log_decay = cpu::linear(cpu::linear(x, w_.f_a_proj), w_.f_b_proj);  // [T, P]
-  Tensor beta = cpu::linear(x, w_.b_proj);                                 // [T, H]
-  const Tensor out_gate = cpu::linear(cpu::linear(x, w_.g_a_proj), w_.g_b_proj);  // [T, P]
+  const Tensor qkv = ops::linear(x, w_.qkv_proj);                          // [T, 3P] before the conv
+  Tensor log_decay = ops::linear(ops::linear(x, w_.f_a_proj), w_.f_b_proj);  // [T, P]
+  Tensor beta = ops::linear(x, w_.b_proj);                                 // [T, H]
+  const Tensor out_gate = ops::linear(ops::linear(x, w_.g_a_proj), w_.g_b_proj);  // [T, P]
   parallel_for(T, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* g = log_decay.row(t);
@@ -315,12 +316,12 @@ Tensor KdaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
   }
 
   // KimiLinearRMSNormGated: per-head RMSNorm, weight, then times sigmoid(gate).
-  cpu::rms_norm_inplace(core, w_.o_norm, config_.norm_eps);
+  ops::rms_norm_(core, w_.o_norm, config_.norm_eps);
   parallel_for(T, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t c = 0; c < P; ++c) core.row(t)[c] *= cpu::sigmoid(out_gate.row(t)[c]);
   });
-  return cpu::linear(core, w_.o_proj);
+  return ops::linear(core, w_.o_proj);
 }
 
 }  // namespace sparrow

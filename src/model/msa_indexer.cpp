@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/ops.h"
 #include "model/gqa_attention.h"
 
 namespace sparrow {
@@ -29,14 +30,14 @@ std::vector<int32_t> select_blocks(std::vector<float> block_scores, int64_t posi
   return chosen;
 }
 
-void MsaIndexer::project(const Tensor& x, const std::vector<int64_t>& positions, const Rope& rope, Tensor& queries,
+void MsaIndexer::project(const Tensor& x, const Tensor& positions, const Rope& rope, Tensor& queries,
                          Tensor& keys) const {
   SPARROW_CHECK(rope.rot_dim() <= head_dim, "MSA indexer: index_head_dim ", head_dim,
                 " is smaller than the rotary dimension ", rope.rot_dim());
-  queries = cpu::linear(x, q_proj);  // [T, heads * head_dim]
-  keys = cpu::linear(x, k_proj);     // [T, head_dim]
-  cpu::rms_norm_inplace(queries, q_norm, norm_eps, /*unit_offset=*/true);
-  cpu::rms_norm_inplace(keys, k_norm, norm_eps, /*unit_offset=*/true);
+  queries = ops::linear(x, q_proj);  // [T, heads * head_dim]
+  keys = ops::linear(x, k_proj);     // [T, head_dim]
+  ops::rms_norm_(queries, q_norm, norm_eps, /*unit_offset=*/true);
+  ops::rms_norm_(keys, k_norm, norm_eps, /*unit_offset=*/true);
   rotate_heads(queries, head_dim, positions, rope);
   rotate_heads(keys, head_dim, positions, rope);
 }

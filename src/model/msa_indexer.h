@@ -58,7 +58,7 @@ struct MsaIndexer {
 
   // Index queries [T, heads * head_dim] and keys [T, head_dim] for the batch rows x [T, hidden] at
   // `positions`: projected, normalised and rotated by the first rope.rot_dim() dims.
-  void project(const Tensor& x, const std::vector<int64_t>& positions, const Rope& rope, Tensor& queries,
+  void project(const Tensor& x, const Tensor& positions, const Rope& rope, Tensor& queries,
                Tensor& keys) const;
 
   // The blocks kept by `count` consecutive queries of one sequence at positions start .. start+count-1,
