@@ -259,15 +259,10 @@ Tensor glu(const Tensor& gate_up, Glu kind, float alpha, float limit) {
       const float* gate = gate_up.row(r);
       const float* up = gate + inter;
       float* o = out.row(r);
-      if (kind == Glu::SiluGlu) {
-        for (int64_t i = 0; i < inter; ++i) o[i] = cpu::silu(gate[i]) * up[i];
-      } else {
-        // MiniMaxM3VLExperts._apply_gate: the gate is clamped from above only, up on both sides.
-        for (int64_t i = 0; i < inter; ++i) {
-          const float g = std::min(gate[i], limit), u = std::clamp(up[i], -limit, limit);
-          o[i] = (u + 1.0f) * (g * cpu::sigmoid(g * alpha));
-        }
-      }
+      if (kind == Glu::SiluGlu)
+        cpu::silu_glu(gate, up, o, inter);
+      else
+        cpu::clamped_swiglu(gate, up, o, inter, alpha, limit);
     }
     return out;
   }

@@ -12,16 +12,10 @@
 namespace sparrow {
 
 void Activation::apply(const float* gate, const float* up, float* out, int64_t n) const {
-  if (kind == SiluGlu) {
-    for (int64_t i = 0; i < n; ++i) out[i] = cpu::silu(gate[i]) * up[i];
-    return;
-  }
-  // MiniMaxM3VLExperts._apply_gate: the gate is clamped from above only, up on both sides.
-  for (int64_t i = 0; i < n; ++i) {
-    float g = std::min(gate[i], limit);
-    float u = std::clamp(up[i], -limit, limit);
-    out[i] = (u + 1.0f) * (g * cpu::sigmoid(g * alpha));
-  }
+  if (kind == SiluGlu)
+    cpu::silu_glu(gate, up, out, n);
+  else
+    cpu::clamped_swiglu(gate, up, out, n, alpha, limit);
 }
 
 DenseMlp DenseMlp::load(Checkpoint& ckpt, const std::string& prefix, int64_t hidden, int64_t intermediate,

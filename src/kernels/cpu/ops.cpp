@@ -88,6 +88,17 @@ Tensor layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps) 
   return y;
 }
 
+void silu_glu(const float* gate, const float* up, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = silu(gate[i]) * up[i];
+}
+
+void clamped_swiglu(const float* gate, const float* up, float* out, int64_t n, float alpha, float limit) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = std::min(gate[i], limit), u = std::clamp(up[i], -limit, limit);
+    out[i] = (u + 1.0f) * (g * sigmoid(g * alpha));
+  }
+}
+
 void softmax_inplace(float* x, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i]);

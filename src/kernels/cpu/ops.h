@@ -32,6 +32,12 @@ Tensor layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps);
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
+// Gated activations of one row: out[i] = silu(gate[i]) * up[i], or MiniMax's clamped SwiGLU
+// (MiniMaxM3VLExperts._apply_gate: the gate clamped from above only, up on both sides):
+// g = min(gate, limit), u = clamp(up, -limit, limit), out = (u + 1) * g * sigmoid(alpha * g).
+void silu_glu(const float* gate, const float* up, float* out, int64_t n);
+void clamped_swiglu(const float* gate, const float* up, float* out, int64_t n, float alpha, float limit);
+
 // Softmax in place over n values; entries equal to -inf get probability 0.
 void softmax_inplace(float* x, int64_t n);
 
