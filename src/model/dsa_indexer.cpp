@@ -60,24 +60,27 @@ std::vector<float> DsaIndexer::scores(const float* query, const float* head_weig
   return total;
 }
 
+DsaIndexer::Projection DsaIndexer::project(const Tensor& x, const Tensor& q_resid, const Batch& batch) const {
+  const int64_t heads = options.num_heads, dim = options.head_dim;
+  Projection p;
+  p.queries = ops::linear(q_resid, wq_b);                                                          // [T, H * dim]
+  p.keys = ops::layer_norm(ops::linear(x, wk), k_norm_weight, k_norm_bias, options.k_norm_eps);  // [T, dim]
+  p.head_weights = ops::linear(x, weights_proj, ScalarType::F32);                                 // [T, H]
+  ops::scale_(p.head_weights, 1.0f / std::sqrt(float(heads)));
+  // NeoX (half-split) RoPE on the leading rot dims of every query head and of the key; the main MLA
+  // attention uses the interleaved pairing instead.
+  const Tensor& positions = batch.positions_on(x.device());
+  const Tensor& inv_freq = options.rope.inv_freq_on(x.device());
+  ops::rope_(p.queries, positions, inv_freq, options.rope.attention_scaling, 0, heads, dim, /*interleaved=*/false);
+  ops::rope_(p.keys, positions, inv_freq, options.rope.attention_scaling, 0, 1, dim, false);
+  return p;
+}
+
 KeySelection DsaIndexer::select(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer) const {
-  const int64_t heads = options.num_heads, dim = options.head_dim, rot = options.rope.rot_dim();
+  const int64_t heads = options.num_heads, dim = options.head_dim;
   const int64_t tokens = batch.size();
-
-  Tensor queries = cpu::linear(q_resid, wq_b);  // [T, heads * dim]
-  Tensor keys = cpu::layer_norm(cpu::linear(x, wk), k_norm_weight, k_norm_bias, options.k_norm_eps);  // [T, dim]
-  Tensor head_weights = cpu::linear(x, weights_proj);  // [T, heads]
-  const float weight_scale = 1.0f / std::sqrt(float(heads));
-  for (int64_t i = 0; i < head_weights.numel(); ++i) head_weights.data()[i] *= weight_scale;
-
-  // NeoX (half-split) RoPE on the leading `rot` dims of every query head and of the key; the main
-  // MLA attention uses the interleaved pairing instead.
-  std::vector<float> cos(rot / 2), sin(rot / 2);
-  for (int64_t t = 0; t < tokens; ++t) {
-    options.rope.angles(batch.positions[t], cos.data(), sin.data());
-    for (int64_t h = 0; h < heads; ++h) apply_rope_neox(queries.row(t) + h * dim, cos.data(), sin.data(), int(rot));
-    apply_rope_neox(keys.row(t), cos.data(), sin.data(), int(rot));
-  }
+  const Projection p = project(x, q_resid, batch);
+  const Tensor &queries = p.queries, &keys = p.keys, &head_weights = p.head_weights;
 
   KeySelection selection;
   selection.keys.resize(tokens);
@@ -120,16 +123,12 @@ Tensor DsaIndexer::select_gpu(const Tensor& x, const Tensor& q_resid, const Batc
                 "the GPU indexer reads FP8 index keys (indexer_kv_dtype fp8)");
   cudaStream_t stream = cuda::stream();
 
-  // The same projections, norm and rotation as select(), in bf16.
-  Tensor queries = ops::linear(q_resid, wq_b);                                                         // [T, H * dim]
-  Tensor keys = ops::layer_norm(ops::linear(x, wk), k_norm_weight, k_norm_bias, options.k_norm_eps);  // [T, dim]
-  Tensor head_weights = ops::linear(x, weights_proj, ScalarType::F32);                                 // [T, H]
-  // Both constants of the score, folded into the head weights: relu(a * s) = a * relu(s) for a > 0.
-  ops::scale_(head_weights, 1.0f / std::sqrt(float(heads)) / std::sqrt(float(dim)));
-  const Tensor& positions = batch.positions_on(x.device());
-  const Tensor& inv_freq = options.rope.inv_freq_on(x.device());
-  ops::rope_(queries, positions, inv_freq, options.rope.attention_scaling, 0, heads, dim, /*interleaved=*/false);
-  ops::rope_(keys, positions, inv_freq, options.rope.attention_scaling, 0, 1, dim, false);
+  // The same projections, norm and rotation as select(), in bf16; head_dim^-0.5 joins num_heads^-0.5 in
+  // the head weights (relu(a * s) = a * relu(s) for a > 0).
+  Projection p = project(x, q_resid, batch);
+  const Tensor &queries = p.queries, &keys = p.keys;
+  Tensor& head_weights = p.head_weights;
+  ops::scale_(head_weights, 1.0f / std::sqrt(float(dim)));
 
   // Store this step's keys (quantised to FP8 in the page), quantise the queries, score every visible
   // key of every row, and keep the top-k of each row (its causal prefix when it sees no more than k).

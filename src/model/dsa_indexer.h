@@ -74,6 +74,14 @@ struct DsaIndexer {
   // [num_heads * head_dim] roped index query, `head_weights` its [num_heads] weights (already
   // scaled by num_heads^-0.5), `keys` [n, head_dim] row-major. Exposed for tests.
   std::vector<float> scores(const float* query, const float* head_weights, const float* keys, int64_t n) const;
+
+ private:
+  // What both selections start from, on x's device: roped queries [T, heads * head_dim], normalised and
+  // roped keys [T, head_dim], head weights [T, heads] (fp32) scaled by num_heads^-0.5.
+  struct Projection {
+    Tensor queries, keys, head_weights;
+  };
+  Projection project(const Tensor& x, const Tensor& q_resid, const Batch& batch) const;
 };
 
 }  // namespace sparrow
