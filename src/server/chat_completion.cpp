@@ -23,7 +23,6 @@
 namespace sparrow::server {
 namespace {
 
-constexpr const char* kEngineFailed = "the engine failed while generating this request";
 
 struct ChatChoice {
   explicit ChatChoice(ChatChoiceOutput output) : output(std::move(output)) {}
@@ -74,7 +73,7 @@ class ChatCompletion : public CompletionJob {
     if (parse_tools_ || parse_reasoning_) params.skip_special_tokens = false;
 
     for (int64_t i = 0; i < params.n; ++i) choices_.push_back(make_choice(prompt_text));
-    generation_.emplace(context.engine, context.metrics, engine_request_id(), std::vector<std::vector<int32_t>>{prompt},
+    generation_.emplace(context.engine, context.metrics, engine_request_id(request_.request_id, id_), std::vector<std::vector<int32_t>>{prompt},
                         params, arrival);
   }
 
@@ -224,14 +223,9 @@ class ChatCompletion : public CompletionJob {
     return chunk;
   }
 
-  // The engine's id for the request: the response id, unless the client chose that one (clients may
-  // reuse their ids; the engine's must be unique).
-  std::string engine_request_id() const { return request_.request_id.empty() ? id_ : random_id(id_ + "-"); }
-
-  // The engine failed on this request ("error" finish): vLLM answers 500, or an error event mid-stream.
   std::string engine_failed() {
     failed_ = true;
-    return request_.stream ? sse_event(error_body(500, kEngineFailed)) : "";
+    return engine_failure_event(request_.stream);
   }
 
   ServingContext& context_;

@@ -1,6 +1,7 @@
 #include "server/serving.h"
 
 #include "server/api_error.h"
+#include "server/openai_responses.h"
 
 namespace sparrow::server {
 
@@ -57,5 +58,11 @@ void fit_to_context(int64_t prompt_tokens, std::optional<int64_t> requested_max_
   }
   if (params.min_tokens > params.max_tokens) bad_request("`min_tokens` must be <= max_tokens", "min_tokens");
 }
+
+std::string engine_request_id(const std::string& client_request_id, const std::string& response_id) {
+  return client_request_id.empty() ? response_id : random_id(response_id + "-");
+}
+
+std::string engine_failure_event(bool stream) { return stream ? sse_event(error_body(500, kEngineFailed)) : ""; }
 
 }  // namespace sparrow::server

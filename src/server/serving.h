@@ -76,6 +76,16 @@ class CompletionJob {
   virtual Json response() = 0;
 };
 
+// The body's message when the engine fails on a request.
+inline constexpr const char* kEngineFailed = "the engine failed while generating this request";
+
+// The engine's id for a request: the response id, unless the client chose the request id (clients may
+// reuse their ids; the engine's must be unique).
+std::string engine_request_id(const std::string& client_request_id, const std::string& response_id);
+// The engine failed on a request ("error" finish): vLLM answers 500, or an error event mid-stream (the
+// event to send; "" when not streaming, the caller answering 500 with the body).
+std::string engine_failure_event(bool stream);
+
 // Parse, validate, render / tokenize, check lengths and submit; 4xx problems are ApiErrors.
 std::unique_ptr<CompletionJob> start_chat_completion(const Json& body, ServingContext& context,
                                                      Clock::time_point arrival);

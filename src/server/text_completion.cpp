@@ -12,7 +12,6 @@
 namespace sparrow::server {
 namespace {
 
-constexpr const char* kEngineFailed = "the engine failed while generating this request";
 
 struct TextChoice {
   std::string text;  // with the echoed prompt in front when echo is set
@@ -69,7 +68,7 @@ class TextCompletion : public CompletionJob {
       prompts_.push_back(std::move(ids));
     }
     context.assign_seed(params);
-    generation_.emplace(context.engine, context.metrics, engine_request_id(), prompts_, params, arrival);
+    generation_.emplace(context.engine, context.metrics, engine_request_id(request_.request_id, id_), prompts_, params, arrival);
   }
 
   Generation& generation() override { return *generation_; }
@@ -167,14 +166,9 @@ class TextCompletion : public CompletionJob {
     return u;
   }
 
-  // The engine's id for the request: the response id, unless the client chose that one (clients may
-  // reuse their ids; the engine's must be unique).
-  std::string engine_request_id() const { return request_.request_id.empty() ? id_ : random_id(id_ + "-"); }
-
-  // The engine failed on this request ("error" finish): vLLM answers 500, or an error event mid-stream.
   std::string engine_failed() {
     failed_ = true;
-    return request_.stream ? sse_event(error_body(500, kEngineFailed)) : "";
+    return engine_failure_event(request_.stream);
   }
 
   ServingContext& context_;
