@@ -7,14 +7,16 @@ Each input line is a JSON object with kernel, shape, impl, median_us and optiona
 (`sparrow bench kernels --json`, bench/peers/*.py). Lines that are not JSON objects (comments, logs) are skipped.
 One table row per (kernel, shape):
 
-  kernel | shape | sparrow µs | TB/s | TFLOP/s | % of limit | torch µs | flashmla µs | speedup vs best peer
+  kernel | shape | sparrow µs | TB/s | TFLOP/s | % of limit | torch µs | flashmla µs | speedup vs best peer | other sparrow kernels
 
 TB/s, TFLOP/s and % of limit come from sparrow's row (its hand-counted minimum bytes and FLOPs):
 % of limit = max(bytes / 4.3e12 B/s, flops / peak) / time, the fraction of the H200's roofline bound reached.
 The peak is the dense bf16 rate, 790 TFLOP/s, also for kernels whose operands are stored in FP8, unless the
 row's note says the matrix products themselves run in FP8 ("fp8 mma", "fp8 matmul", "fp8 gemm", "fp8 flops" or
 "fp8 tensor"), then 1580 TFLOP/s. "torch µs" is the fastest impl whose name starts with "torch"; other peers
-count toward the best peer and are listed under the table. Speedup = best peer µs / sparrow µs (> 1: sparrow
+count toward the best peer and are listed under the table. Impls named "sparrow-<variant>" are sparrow's own
+other kernels for the operation (e.g. the one it used before); they are shown in the last column as
+"variant µs", never as peers. Speedup = best peer µs / sparrow µs (> 1: sparrow
 is faster). Shapes are matched on their name, key=value fields and dtype words in any order; a "topk=" field
 present on one side only is ignored (dense kernels have none).
 """
@@ -146,8 +148,9 @@ def build_table(rows):
 
     other_peers = set()
     lines = [
-        "| kernel | shape | sparrow µs | TB/s | TFLOP/s | % of limit | torch µs | flashmla µs | speedup vs best peer |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| kernel | shape | sparrow µs | TB/s | TFLOP/s | % of limit | torch µs | flashmla µs | speedup vs best peer "
+        "| other sparrow kernels |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for key in order:
         g = groups[key]
@@ -170,10 +173,13 @@ def build_table(rows):
         torch_best = min((t for t in torch_us if t), default=None)
         fm = impls.get("flashmla")
         fm_us = as_time(fm.get("median_us")) if fm else None
-        peers = [as_time(r.get("median_us")) for i, r in impls.items() if i != "sparrow"]
+        own = lambda i: i == "sparrow" or i.startswith("sparrow-")
+        peers = [as_time(r.get("median_us")) for i, r in impls.items() if not own(i)]
         for i in impls:
-            if i != "sparrow" and not i.startswith("torch") and i != "flashmla":
+            if not own(i) and not i.startswith("torch") and i != "flashmla":
                 other_peers.add(i)
+        variants = ", ".join(f"{i[len('sparrow-'):]} {fmt(as_time(r.get('median_us')))}"
+                             for i, r in sorted(impls.items()) if i.startswith("sparrow-") and as_time(r.get("median_us")))
         best_peer = min((t for t in peers if t), default=None)
         speedup = f"{best_peer / sp_us:.2f}x" if (best_peer and sp_us) else ""
 
@@ -184,7 +190,7 @@ def build_table(rows):
         torch_cell = fmt(torch_best) if torch_best else ("fail" if any(i.startswith("torch") for i in impls) else "")
         lines.append(
             f"| {g['kernel']} | {g['shape']} | {cell(sp, sp_us)} | {fmt(tbs, 2)} | {fmt(tfs)} | "
-            f"{fmt(pct) + '%' if pct is not None else ''} | {torch_cell} | {cell(fm, fm_us)} | {speedup} |")
+            f"{fmt(pct) + '%' if pct is not None else ''} | {torch_cell} | {cell(fm, fm_us)} | {speedup} | {variants} |")
     notes = []
     if other_peers:
         notes.append("Other peers counted in the best peer: " + ", ".join(sorted(other_peers)) + ".")

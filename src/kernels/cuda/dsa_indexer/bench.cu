@@ -97,21 +97,26 @@ void bench_dsa_indexer(const KernelBenchOptions& options, std::vector<KernelBenc
             for (int j = 0; j < q; ++j) hs[b * q + j] = b, hv[b * q + j] = int32_t(ctx - q + 1 + j);
           SPARROW_CUDA_CHECK(cudaMemcpy(row_seq, hs.data(), nrows * 4, cudaMemcpyHostToDevice));
           SPARROW_CUDA_CHECK(cudaMemcpy(row_vis, hv.data(), nrows * 4, cudaMemcpyHostToDevice));
-          auto launch = [&](cudaStream_t s) {
-            dsa_index_scores(q8, wf, nrows, m.heads, row_seq, row_vis, pool, table, pages_per_seq, kBlock, scores, ctx,
-                             ctx, s);
-          };
-          KernelBenchRow row;
-          row.kernel = "dsa_index_scores";
-          row.shape = std::string(m.name) + " heads=" + std::to_string(m.heads) + " ctx=" + std::to_string(ctx) +
-                      " batch=" + std::to_string(batch) + " q=" + std::to_string(q);
-          row.impl = "sparrow";
-          row.median_us = median_launch_us(launch, stream, options.iterations);
-          row.bytes = double(batch) * ctx * kDsaKeyPageBytes + double(nrows) * m.heads * (128 + 4) +
-                      double(nrows) * ctx * 4;
-          row.flops = 2.0 * m.heads * 128 * double(nrows) * ctx;
-          row.note = "fp8 e4m3 keys (paged, bs 64) and queries, fp32 scores; mma.sync e4m3";
-          rows.push_back(row);
+          // The kernel Auto picks for decode (wgmma), and the tiled mma.sync kernel beside it.
+          for (const DsaScoreKernel kernel : {DsaScoreKernel::Wgmma, DsaScoreKernel::Tiles}) {
+            auto launch = [&](cudaStream_t s) {
+              dsa_index_scores(q8, wf, nrows, m.heads, row_seq, row_vis, pool, table, pages_per_seq, kBlock, scores,
+                               ctx, ctx, s, kernel);
+            };
+            KernelBenchRow row;
+            row.kernel = "dsa_index_scores";
+            row.shape = std::string(m.name) + " heads=" + std::to_string(m.heads) + " ctx=" + std::to_string(ctx) +
+                        " batch=" + std::to_string(batch) + " q=" + std::to_string(q);
+            const bool wgmma = kernel == DsaScoreKernel::Wgmma;
+            row.impl = wgmma ? "sparrow" : "sparrow-tiles";
+            row.median_us = median_launch_us(launch, stream, options.iterations);
+            row.bytes = double(batch) * ctx * kDsaKeyPageBytes + double(nrows) * m.heads * (128 + 4) +
+                        double(nrows) * ctx * 4;
+            row.flops = 2.0 * m.heads * 128 * double(nrows) * ctx;
+            row.note = wgmma ? "fp8 e4m3 keys (paged, bs 64) and queries, fp32 scores; fp8 tensor cores (wgmma e4m3), cp.async pipeline"
+                             : "the same with the tiled kernel (emulated e4m3 mma.sync; prefill's kernel)";
+            rows.push_back(row);
+          }
         }
   }
   SPARROW_CUDA_CHECK(cudaFree(scores));

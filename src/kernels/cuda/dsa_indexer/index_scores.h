@@ -38,12 +38,19 @@ void dsa_quantize_queries(const void* q, DsaDType type, const float* weights, in
 // Index scores. Query row r belongs to sequence row_seq[r] and sees its keys 0 .. row_visible[r]-1
 // (the causal bound). Writes scores[r * ld + s] for s < max_visible: the score where s < row_visible[r],
 // -inf after it. max_visible (host) must be >= every row_visible[r]; ld >= max_visible, ld even.
-// heads: 32 or 64. Decode (few rows per sequence) splits each sequence's keys over many CTAs; prefill
-// (many consecutive rows of one sequence) lets the rows of a CTA share each key tile through L1.
+// heads: 32 or 64. Two kernels, chosen by `kernel` (Auto: Wgmma up to kDsaWgmmaMaxRows rows, else Tiles):
+//   Wgmma (decode_scores.cu): one query row per CTA over a range of its keys, on the FP8 wgmma tensor
+//     cores, keys streamed through a cp.async pipeline: for decode batches (a row per sequence, or two
+//     with speculative verification);
+//   Tiles (this file): rows of a CTA share each key tile through L1, e4m3 mma.sync: for prefill (many
+//     consecutive rows of one sequence).
+enum class DsaScoreKernel { Auto, Tiles, Wgmma };
+inline constexpr int64_t kDsaWgmmaMaxRows = 256;
 void dsa_index_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows, int heads,
                       const int32_t* row_seq, const int32_t* row_visible, const uint8_t* pool,
                       const int64_t* page_table, int64_t page_table_stride, int block_size, float* scores,
-                      int64_t ld, int64_t max_visible, cudaStream_t stream);
+                      int64_t ld, int64_t max_visible, cudaStream_t stream,
+                      DsaScoreKernel kernel = DsaScoreKernel::Auto);
 
 // x -> e4m3 with __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3), n values (for tests of the CPU
 // codec in kernels/cpu/fp8.h).

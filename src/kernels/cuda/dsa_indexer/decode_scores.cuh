@@ -1,0 +1,19 @@
+// The wgmma index-score kernel for decode-sized batches (decode_scores.cu); index_scores.cu's
+// dsa_index_scores chooses it. Same arguments and contract as dsa_index_scores (index_scores.h).
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/dsa_indexer/index_scores.h"
+
+namespace sparrow::cuda {
+
+bool dsa_decode_scores_supported(int heads);
+
+void dsa_decode_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows, int heads, const int32_t* row_seq,
+                       const int32_t* row_visible, const uint8_t* pool, const int64_t* page_table,
+                       int64_t page_table_stride, int block_size, float* scores, int64_t ld, int64_t max_visible,
+                       int sms, cudaStream_t stream);
+
+}  // namespace sparrow::cuda
