@@ -1,5 +1,7 @@
 // cuBLASLt bf16 products at the real models' projection shapes: the ceiling every linear layer of the
 // GPU path runs at (compute-bound for prefill-sized m, memory-bound on the weights for decode-sized m).
+// gemm_fp8: the FP8 block-scaled product (gemm_fp8.h, activation quantisation included) at
+// DeepSeek-V3.2's projection shapes, each beside the bf16 product of the same shape in the same run.
 #include <cuda_bf16.h>
 
 #include <string>
@@ -7,6 +9,7 @@
 
 #include "kernels/cuda/bench_random.cuh"
 #include "kernels/cuda/gemm/gemm.h"
+#include "kernels/cuda/gemm/gemm_fp8.h"
 #include "kernels/cuda/kernel_bench.h"
 #include "kernels/cuda/runtime/cuda_check.h"
 #include "kernels/cuda/runtime/device.h"
@@ -20,10 +23,104 @@ __global__ void fill_bf16(__nv_bfloat16* p, int64_t n, uint32_t seed) {
     p[i] = __float2bfloat16(0.5f * hash_unit(uint64_t(seed) << 40 ^ uint64_t(i)));
 }
 
+// Random finite e4m3 codes (the two NaN codes 0x7F / 0xFF become 0x7E / 0xFE).
+__global__ void fill_e4m3(uint8_t* p, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint8_t c = uint8_t(hash32(uint64_t(seed) << 40 ^ uint64_t(i)));
+    p[i] = (c & 0x7F) == 0x7F ? uint8_t(c ^ 1) : c;
+  }
+}
+
+// Positive block scales around 1e-3 (a checkpoint's weight_scale_inv is of that order).
+__global__ void fill_scales(float* p, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = 1e-3f * (1.5f + hash_unit(uint64_t(seed) << 40 ^ uint64_t(i)));
+}
+
+bool wanted(const KernelBenchOptions& options, const char* kernel) {
+  return options.filter.empty() || std::string(kernel).find(options.filter) != std::string::npos;
+}
+
+// One bf16 gemm_nt row: y[m, n] = x[m, k] · w[n, k]ᵀ, all bf16.
+KernelBenchRow bf16_row(const std::string& shape, int64_t m, int64_t n, int64_t k, int iterations) {
+  void *x = device_alloc(m * k * 2), *w = device_alloc(n * k * 2), *y = device_alloc(m * n * 2);
+  fill_bf16<<<1024, 256, 0, stream()>>>(static_cast<__nv_bfloat16*>(x), m * k, 1);
+  fill_bf16<<<1024, 256, 0, stream()>>>(static_cast<__nv_bfloat16*>(w), n * k, 2);
+  SPARROW_CUDA_CHECK_LAUNCH();
+  const GemmOperand gx{x, ElemType::BF16, k, 0}, gw{w, ElemType::BF16, k, 0};
+  const GemmOutput gy{y, ElemType::BF16, n, 0};
+  KernelBenchRow row;
+  row.kernel = "gemm_bf16";
+  row.shape = shape + " m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k);
+  row.median_us = median_launch_us([&](cudaStream_t st) { gemm_nt(m, n, k, gx, gw, gy, 1.0f, 0.0f, 1, st); },
+                                   stream(), iterations);
+  row.bytes = 2.0 * (m * k + n * k + m * n);
+  row.flops = 2.0 * m * n * k;
+  row.note = "cuBLASLt, bf16 in and out, fp32 accumulation";
+  device_free(x);
+  device_free(w);
+  device_free(y);
+  return row;
+}
+
+// One FP8 row at the same shape: e4m3 weights with 128x128 fp32 block scales, bf16 x quantised per
+// (row, 128 columns) inside the timed call, bf16 y.
+KernelBenchRow fp8_row(const std::string& shape, int64_t m, int64_t n, int64_t k, int iterations) {
+  const int64_t scale_count = ((n + 127) / 128) * ((k + 127) / 128);
+  void* x = device_alloc(m * k * 2);
+  auto* w = static_cast<uint8_t*>(device_alloc(n * k));
+  auto* s = static_cast<float*>(device_alloc(scale_count * 4));
+  void* y = device_alloc(m * n * 2);
+  fill_bf16<<<1024, 256, 0, stream()>>>(static_cast<__nv_bfloat16*>(x), m * k, 1);
+  fill_e4m3<<<1024, 256, 0, stream()>>>(w, n * k, 2);
+  fill_scales<<<64, 256, 0, stream()>>>(s, scale_count, 3);
+  SPARROW_CUDA_CHECK_LAUNCH();
+  KernelBenchRow row;
+  row.kernel = "gemm_fp8";
+  row.shape = shape + " m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k);
+  row.median_us = median_launch_us(
+      [&](cudaStream_t st) { gemm_fp8_block_scaled(m, n, k, x, k, w, s, y, ElemType::BF16, n, st); }, stream(),
+      iterations);
+  // Minimum traffic: the e4m3 weights and their scales, x (bf16) in, y (bf16) out. The quantised copy of x
+  // (m*k bytes written and read again) is overhead this implementation adds, so it is not counted.
+  row.bytes = double(n * k) + 4.0 * scale_count + 2.0 * m * k + 2.0 * m * n;
+  row.flops = 2.0 * m * n * k;
+  row.note = "cuBLASLt fp8 gemm, e4m3 x e4m3, 128x128 weight / 1x128 activation fp32 block scales, bf16 x quantised "
+             "in the call, bf16 out";
+  device_free(x);
+  device_free(w);
+  device_free(s);
+  device_free(y);
+  return row;
+}
+
 }  // namespace
 
 void bench_gemm(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows) {
-  if (!options.filter.empty() && std::string("gemm_bf16").find(options.filter) == std::string::npos) return;
+  if (wanted(options, "gemm_fp8")) {
+    struct Proj {
+      const char* name;
+      int64_t n, k;
+    };
+    // DeepSeek-V3.2 (hidden 7168, q_lora 1536, kv_lora 512 + rope 64, 128 heads x 128 v_head_dim, shared
+    // expert intermediate 2048): weight shapes [out, in] as stored in the FP8 checkpoint.
+    std::vector<Proj> projs = {{"deepseek_v3.2 q_b_proj", 24576, 1536},
+                               {"deepseek_v3.2 kv_a_proj_with_mqa", 576, 7168},
+                               {"deepseek_v3.2 o_proj", 7168, 16384},
+                               {"deepseek_v3.2 shared expert gate_up", 4096, 7168},
+                               {"deepseek_v3.2 shared expert down", 7168, 2048}};
+    std::vector<int64_t> ms = {1, 64, 4096};
+    if (options.quick) {
+      projs.resize(1);
+      ms = {1, 4096};
+    }
+    for (const Proj& p : projs)
+      for (int64_t m : ms) {
+        rows.push_back(fp8_row(p.name, m, p.n, p.k, options.iterations));
+        rows.push_back(bf16_row(p.name, m, p.n, p.k, options.iterations));
+      }
+  }
+  if (!wanted(options, "gemm_bf16")) return;
   struct Shape {
     const char* name;
     int64_t m, n, k;
@@ -33,26 +130,7 @@ void bench_gemm(const KernelBenchOptions& options, std::vector<KernelBenchRow>& 
                                {"deepseek_v3.2 expert down", 4096, 7168, 2048}, {"square", 8192, 8192, 8192},
                                {"deepseek_v3.2 expert gate_up decode", 128, 4096, 7168}};
   if (options.quick) shapes.resize(2);
-  for (const Shape& s : shapes) {
-    void *x = device_alloc(s.m * s.k * 2), *w = device_alloc(s.n * s.k * 2), *y = device_alloc(s.m * s.n * 2);
-    fill_bf16<<<1024, 256, 0, stream()>>>(static_cast<__nv_bfloat16*>(x), s.m * s.k, 1);
-    fill_bf16<<<1024, 256, 0, stream()>>>(static_cast<__nv_bfloat16*>(w), s.n * s.k, 2);
-    SPARROW_CUDA_CHECK_LAUNCH();
-    const GemmOperand gx{x, ElemType::BF16, s.k, 0}, gw{w, ElemType::BF16, s.k, 0};
-    const GemmOutput gy{y, ElemType::BF16, s.n, 0};
-    KernelBenchRow row;
-    row.kernel = "gemm_bf16";
-    row.shape = std::string(s.name) + " m=" + std::to_string(s.m) + " n=" + std::to_string(s.n) + " k=" + std::to_string(s.k);
-    row.median_us = median_launch_us([&](cudaStream_t st) { gemm_nt(s.m, s.n, s.k, gx, gw, gy, 1.0f, 0.0f, 1, st); },
-                                     stream(), options.iterations);
-    row.bytes = 2.0 * (s.m * s.k + s.n * s.k + s.m * s.n);
-    row.flops = 2.0 * s.m * s.n * s.k;
-    row.note = "cuBLASLt, bf16 in and out, fp32 accumulation";
-    rows.push_back(row);
-    device_free(x);
-    device_free(w);
-    device_free(y);
-  }
+  for (const Shape& s : shapes) rows.push_back(bf16_row(s.name, s.m, s.n, s.k, options.iterations));
 }
 
 }  // namespace sparrow::cuda
