@@ -44,5 +44,6 @@ void bench_dsa_indexer(const KernelBenchOptions& options, std::vector<KernelBenc
 void bench_topk(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows);
 void bench_mla_decode(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows);
 void bench_gemm(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows);
+void bench_sampling(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows);
 
 }  // namespace sparrow::cuda
