@@ -7,6 +7,7 @@
 #include "core/parallel.h"
 #include "core/tensor.h"
 #include "kernels/cpu/ops.h"
+#include "model/decode_graphs.h"
 
 using namespace sparrow;
 
@@ -20,6 +21,35 @@ TEST(CoreTensor, RowsAndReshapeShareStorage) {
   EXPECT_EQ(flat.data()[5], 5.0f);
   EXPECT_THROW(t.reshape({5}), Error);
   EXPECT_THROW(t.rows(3, 5), Error);
+}
+
+TEST(CoreTensor, ByteViewsAndCopies) {
+  Tensor buffer = Tensor::zeros({64}, ScalarType::U8);
+  Tensor ints = buffer.view_bytes(16, {4}, ScalarType::I32);
+  Tensor values = Tensor::empty({4}, ScalarType::I32);
+  for (int i = 0; i < 4; ++i) values.as<int32_t>()[i] = 10 * i + 1;
+  ints.copy_from(values);
+  EXPECT_EQ(buffer.as<int32_t>()[4 + 2], 21);  // byte 16 is int 4
+  EXPECT_EQ(buffer.as<uint8_t>()[0], 0);
+  EXPECT_THROW(buffer.view_bytes(60, {2}, ScalarType::I32), Error);
+  EXPECT_THROW(ints.copy_from(Tensor::empty({5}, ScalarType::I32)), Error);
+  EXPECT_THROW(ints.copy_from(Tensor::empty({4})), Error);  // float32 into int32
+}
+
+// A CUDA graph's launch shape: never below what the batch needs, at most 1/8 beyond it past 1024 keys,
+// and the page table long enough for the padded bound.
+TEST(DecodeGraphs, PaddedShapesBoundTheWaste) {
+  for (int64_t visible : {1, 127, 128, 129, 1000, 1025, 4097, 100000, 131072, 1000001}) {
+    const StepShape least{(visible + 63) / 64, visible};
+    const StepShape padded = DecodeGraphs::padded(least, 64);
+    EXPECT_GE(padded.max_visible, visible);
+    EXPECT_GE(padded.table_stride * 64, padded.max_visible);
+    EXPECT_GE(padded.table_stride, least.table_stride);
+    if (visible > 1024) EXPECT_LE(padded.max_visible, visible + visible / 8 + 1) << visible;
+    EXPECT_EQ(DecodeGraphs::padded(least, 64).max_visible, padded.max_visible);  // a function of the shape
+  }
+  EXPECT_EQ(DecodeGraphs::padded({2, 100}, 64).max_visible, DecodeGraphs::padded({2, 120}, 64).max_visible)
+      << "nearby lengths share a graph";
 }
 
 TEST(CoreParallel, CoversEveryIndexOnce) {

@@ -7,6 +7,8 @@
 #include "core/error.h"
 #include "engine/logprobs.h"
 #include "engine/sampler.h"
+#include "kernels/cpu/sampling.h"
+#include "kernels/ops.h"
 #include "test_util.h"
 
 using namespace sparrow;
@@ -177,4 +179,48 @@ TEST(SamplerLogprobs, AreTheLogSoftmaxOfTheRawLogits) {
   EXPECT_NEAR(lp.top[0].second, 3.0 - normaliser, 1e-6);
   EXPECT_TRUE(token_logprob(logits, 0, 0).top.empty());
   EXPECT_EQ(token_logprob(logits, 0, 10).top.size(), 4u);
+}
+
+// The draw is a function of (logits, parameters, key): the same key gives the same token in any batch,
+// different keys spread over the distribution, and adjustments apply per row.
+TEST(SamplerOps, SameKeySameTokenAloneOrInABatch) {
+  const int64_t vocab = 50;
+  Tensor logits = Tensor::empty({3, vocab});
+  for (int64_t i = 0; i < logits.numel(); ++i) logits.data()[i] = float((i * 37) % 11) * 0.3f;
+  std::vector<TokenDraw> draws(3);
+  for (int r = 0; r < 3; ++r) draws[r] = TokenDraw{1.0f, 0.9f, 0.0f, 20, 1234567u + uint64_t(r)};
+  const std::vector<LogitAdjustment> adjustments = {{1, 5, 1.0f, 0.0f, 1}};
+  const std::vector<int32_t> batch = ops::sample_tokens(logits, draws, adjustments);
+  for (int r = 0; r < 3; ++r) {
+    Tensor row = logits.rows(r, r + 1).clone();
+    std::vector<LogitAdjustment> own;
+    for (LogitAdjustment a : adjustments)
+      if (a.row == r) own.push_back({0, a.token, a.divide_positive, a.subtract, a.mask});
+    EXPECT_EQ(ops::sample_tokens(row, {&draws[r], 1}, own)[0], batch[r]) << "row " << r;
+  }
+  EXPECT_THROW(ops::sample_tokens(logits, {draws.data(), 2}, {}), Error);
+  EXPECT_THROW(ops::sample_tokens(logits, draws, std::vector<LogitAdjustment>{{7, 0, 1.0f, 0.0f, 1}}), Error);
+}
+
+TEST(SamplerOps, MaskedAndNanTokensAreNeverDrawn) {
+  std::vector<float> logits = {5.0f, NAN, 4.9f, 1.0f};
+  std::vector<LogitAdjustment> mask = {{0, 0, 1.0f, 0.0f, 1}};
+  cpu::adjust_logits(logits.data(), 4, 0, mask);
+  for (uint64_t key = 0; key < 300; ++key) {
+    const int32_t t = cpu::draw_token(logits.data(), 4, TokenDraw{1.0f, 1.0f, 0.0f, 0, key});
+    EXPECT_TRUE(t == 2 || t == 3) << t;
+  }
+}
+
+TEST(SamplerOps, UniformIsInTheOpenClosedUnitInterval) {
+  double lo = 1, hi = 0;
+  for (int64_t i = 0; i < 100000; ++i) {
+    const double u = uniform_at(99, i);
+    lo = std::min(lo, u);
+    hi = std::max(hi, u);
+  }
+  EXPECT_GT(lo, 0.0);
+  EXPECT_LE(hi, 1.0);
+  EXPECT_LT(lo, 1e-4);
+  EXPECT_GT(hi, 1 - 1e-4);
 }

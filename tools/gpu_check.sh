@@ -33,8 +33,12 @@ curl -sf localhost:18431/metrics | grep -E "^vllm:(num_requests|prompt_tokens|ge
 kill $server; wait $server 2>/dev/null
 head -5 /tmp/serve.log
 
-echo "== forward throughput (tiny model: launch-bound, for orientation only)"
-for device in cpu cuda; do
-  "$BIN/sparrow" bench forward --device $device --model "$FIXTURE" --prompt-tokens 256 --decode-tokens 32 --batch 8 || status=1
+echo "== forward throughput (tiny model: launch-bound, for orientation only), CUDA graphs on and off"
+"$BIN/sparrow" bench forward --device cpu --model "$FIXTURE" --prompt-tokens 256 --decode-tokens 32 --batch 8 || status=1
+for batch in 1 8 64; do
+  for eager in "" --enforce-eager; do
+    "$BIN/sparrow" bench forward --device cuda $eager --model "$FIXTURE" --prompt-tokens 256 --decode-tokens 64 \
+      --batch $batch || status=1
+  done
 done
 exit $status

@@ -109,7 +109,7 @@ void run_chat(ChatFlags& flags) {
   const ordered_json tools = flags.tools_path.empty() ? ordered_json() : read_tools(flags.tools_path);
 
   auto tokenizer = load_tokenizer(flags.model_dir);
-  auto model = load_model(flags.model_dir, parse_device(flags.device));
+  auto model = load_cli_model(flags.model_dir, flags.device);
   const ChatTemplate chat_template = ChatTemplate::load(flags.model_dir);
   const std::string default_parser = parser_for(model->model_type());
   if (flags.reasoning_parser.empty()) flags.reasoning_parser = default_parser;

@@ -5,8 +5,11 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "model/model.h"
 
 namespace sparrow::cli {
 
@@ -25,8 +28,10 @@ void add_perplexity(CLI::App& app);
 // (common.cpp).
 std::string default_model_dir();
 
-// --device cpu|cuda (vLLM's flag): where the model runs. parse with parse_device (core/tensor.h).
+// --device cpu|cuda (vLLM's flag): where the model runs; and vLLM's --enforce-eager (no CUDA graphs).
 void add_device_option(CLI::App* sub, std::string& device);
+// load_model on `device` ("cpu" | "cuda") with the --enforce-eager choice applied.
+std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device);
 
 // Registers the action of a subcommand (called from add_X).
 void on_selected(CLI::App* sub, std::function<void()> action);

@@ -14,9 +14,20 @@ std::vector<std::pair<CLI::App*, std::function<void()>>>& actions() {
 }
 }  // namespace
 
+namespace {
+bool enforce_eager = false;  // one command runs per process
+}  // namespace
+
 void add_device_option(CLI::App* sub, std::string& device) {
   sub->add_option("--device", device, "where the model runs: cpu or cuda (an NVIDIA Hopper GPU)")
       ->capture_default_str();
+  sub->add_flag("--enforce-eager", enforce_eager, "launch every kernel of a decode step directly (no CUDA graphs)");
+}
+
+std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device) {
+  std::unique_ptr<Model> model = load_model(dir, parse_device(device));
+  model->enforce_eager = enforce_eager;
+  return model;
 }
 
 // The bundled model: models/minimax_m3 of the source tree. It is looked for beside the executable's

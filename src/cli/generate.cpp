@@ -20,10 +20,10 @@ namespace sparrow::cli {
 namespace {
 
 // Streams the continuation of `prompt_text` (the end token itself is not written).
-void generate_text(const std::string& model_dir, Device device, const std::string& prompt_text,
+void generate_text(const std::string& model_dir, const std::string& device, const std::string& prompt_text,
                    const GenerateOptions& options) {
   auto tokenizer = load_tokenizer(model_dir);
-  auto model = load_model(model_dir, device);
+  auto model = load_cli_model(model_dir, device);
   std::vector<int32_t> prompt = text_prompt_ids(*tokenizer, model_dir, prompt_text);
   IncrementalDetokenizer detokenizer(*tokenizer);
   generate_streaming(*model, prompt, options.sampling, options.stop_token_ids, options.max_tokens,
@@ -60,10 +60,10 @@ void add_generate(CLI::App& app) {
     validate(options.sampling);
     SPARROW_CHECK(options.max_tokens >= 0, "--max-tokens must be >= 0");
     if (!ignore_eos) options.stop_token_ids = eos_token_ids(model_dir);
-    if (text->count()) return generate_text(model_dir, parse_device(device), prompt_text, options);
+    if (text->count()) return generate_text(model_dir, device, prompt_text, options);
 
     auto prompts = read_prompt_ids(prompts_path);
-    auto model = load_model(model_dir, parse_device(device));
+    auto model = load_cli_model(model_dir, device);
     for (size_t i = 0; i < prompts.size(); ++i)
       for (int32_t id : prompts[i])
         SPARROW_CHECK(id < model->vocab_size(), prompts_path, ": prompt ", i, " holds id ", id,

@@ -40,7 +40,7 @@ void add_perplexity(CLI::App& app) {
     text << in.rdbuf();
 
     auto tokenizer = load_tokenizer(model_dir);
-    auto model = load_model(model_dir, parse_device(device));
+    auto model = load_cli_model(model_dir, device);
     const std::vector<int32_t> ids = text_prompt_ids(*tokenizer, model_dir, text.str());
     double total_nll = 0;
     int64_t scored = 0;
@@ -48,7 +48,7 @@ void add_perplexity(CLI::App& app) {
       std::vector<int32_t> chunk(ids.begin() + start, ids.begin() + std::min(ids.size(), start + size_t(window)));
       if (chunk.size() < 2) continue;  // a lone token predicts nothing
       SequenceState state = model->new_sequence();
-      Tensor logits = model->forward(make_batch({{&state, chunk}}));
+      Tensor logits = model->forward(make_batch({{&state, chunk}})).to(Device::Cpu);
       for (size_t i = 0; i + 1 < chunk.size(); ++i)
         total_nll -= token_logprob({logits.row(int64_t(i)), size_t(logits.row_size())}, chunk[i + 1], 0).logprob;
       scored += int64_t(chunk.size()) - 1;

@@ -18,14 +18,14 @@ void add_score(CLI::App& app) {
   on_selected(sub, [] {
     if (model_dir.empty()) model_dir = default_model_dir();
     auto prompts = read_prompt_ids(prompts_path);
-    auto model = load_model(model_dir, parse_device(device));
+    auto model = load_cli_model(model_dir, device);
     std::vector<std::pair<std::string, Tensor>> out;
     for (size_t i = 0; i < prompts.size(); ++i) {
       for (int32_t id : prompts[i])
         SPARROW_CHECK(id < model->vocab_size(), prompts_path, ": prompt ", i, " holds id ", id,
                       " outside the vocabulary (", model->vocab_size(), ")");
       SequenceState state = model->new_sequence();
-      out.push_back({"logits." + std::to_string(i), model->forward(make_batch({{&state, prompts[i]}}))});
+      out.push_back({"logits." + std::to_string(i), model->forward(make_batch({{&state, prompts[i]}})).to(Device::Cpu)});
     }
     write_safetensors(out_path, out);
   });

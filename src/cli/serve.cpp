@@ -173,7 +173,7 @@ void serve(const ServeFlags& flags) {
   SPARROW_CHECK(!flags.enable_auto_tool_choice || !flags.tool_call_parser.empty(),
                 "--enable-auto-tool-choice needs --tool-call-parser");
 
-  Engine engine(load_model(model_dir, parse_device(flags.device)), tokenizer, config);
+  Engine engine(load_cli_model(model_dir, flags.device), tokenizer, config);
   std::string summary = engine.cache_plan().summary(engine.max_model_len());
   std::printf("%s%s", summary.c_str(), summary.empty() || summary.back() != '\n' ? "\n" : "");
 

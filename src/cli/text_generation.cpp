@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "kernels/ops.h"
 
 namespace sparrow::cli {
 namespace {
@@ -58,8 +59,11 @@ std::vector<int32_t> generate_streaming(Model& model, const std::vector<int32_t>
   while (int64_t(output.size()) < room) {
     Batch batch = make_batch({{&state, next_input}});
     batch.all_logits = false;  // only the last position's logits are sampled
-    Tensor logits = model.forward(batch);
-    int32_t token = sampler.sample({logits.row(0), size_t(logits.row_size())}, prompt, output);
+    Tensor logits = model.forward(batch);  // [1, vocab] where the model runs
+    std::vector<TokenDraw> draws;
+    std::vector<LogitAdjustment> adjustments;
+    sampler.prepare(0, prompt, output, draws, adjustments);
+    const int32_t token = ops::sample_tokens(logits, draws, adjustments)[0];
     output.push_back(token);
     on_token(token);
     if (end_tokens.count(token)) break;

@@ -46,6 +46,7 @@ int64_t scalar_size(ScalarType type) {
     case ScalarType::I32: return 4;
     case ScalarType::I64: return 8;
     case ScalarType::U8: return 1;
+    case ScalarType::F8E4M3: return 1;
   }
   return 0;
 }
@@ -57,6 +58,7 @@ const char* scalar_name(ScalarType type) {
     case ScalarType::I32: return "int32";
     case ScalarType::I64: return "int64";
     case ScalarType::U8: return "uint8";
+    case ScalarType::F8E4M3: return "float8_e4m3fn";
   }
   return "?";
 }
@@ -108,7 +110,20 @@ Tensor Tensor::view(float* data, Shape shape, std::shared_ptr<void> keep_alive) 
 Tensor Tensor::reshape(Shape shape) const {
   SPARROW_CHECK(shape_numel(shape) == numel(), "cannot reshape ", shape_str(shape_), " to ", shape_str(shape));
   Tensor t = *this;
+  t.block_scales_.reset();  // a part or reshape of an FP8 matrix no longer matches its block scales
   t.shape_ = std::move(shape);
+  return t;
+}
+
+Tensor Tensor::view_bytes(int64_t byte_offset, Shape shape, ScalarType type) const {
+  const int64_t bytes = shape_numel(shape) * scalar_size(type);
+  SPARROW_CHECK(byte_offset >= 0 && byte_offset + bytes <= nbytes(), "view_bytes: ", bytes, " bytes at ", byte_offset,
+                " exceed the tensor's ", nbytes());
+  Tensor t = *this;
+  t.block_scales_.reset();  // a part or reshape of an FP8 matrix no longer matches its block scales
+  t.data_ = static_cast<char*>(data_) + byte_offset;
+  t.shape_ = std::move(shape);
+  t.type_ = type;
   return t;
 }
 
@@ -116,6 +131,7 @@ Tensor Tensor::rows(int64_t begin, int64_t end) const {
   SPARROW_CHECK(!shape_.empty() && begin >= 0 && begin <= end && end <= shape_[0], "rows [", begin, ", ", end,
                 ") out of range for ", shape_str(shape_));
   Tensor t = *this;
+  t.block_scales_.reset();  // a part or reshape of an FP8 matrix no longer matches its block scales
   t.data_ = static_cast<char*>(data_) + begin * row_size() * scalar_size(type_);
   t.shape_[0] = end - begin;
   return t;
@@ -132,6 +148,23 @@ Tensor Tensor::clone() const {
 #endif
   }
   return t;
+}
+
+void Tensor::copy_from(const Tensor& src) {
+  SPARROW_CHECK(src.type_ == type_ && src.numel() == numel(), "copy_from: ", scalar_name(src.type_), " ",
+                shape_str(src.shape_), " into ", scalar_name(type_), " ", shape_str(shape_));
+  if (numel() == 0) return;
+  if (device_ == Device::Cpu && src.device_ == Device::Cpu) {
+    std::memcpy(data_, src.data_, nbytes());
+    return;
+  }
+#if SPARROW_HAVE_CUDA
+  if (src.device_ == Device::Cpu) cuda::copy_to_device(data_, src.data_, nbytes());
+  else if (device_ == Device::Cpu) cuda::copy_to_host_sync(data_, src.data_, nbytes());
+  else cuda::copy_device(data_, src.data_, nbytes());
+#else
+  fail("a CUDA tensor in a build without the CUDA backend");
+#endif
 }
 
 namespace {
@@ -152,8 +185,31 @@ Tensor convert_on_host(const Tensor& x, ScalarType type) {
 
 }  // namespace
 
+const Tensor& Tensor::block_scales() const {
+  static const Tensor none;
+  return block_scales_ ? *block_scales_ : none;
+}
+
+Tensor Tensor::with_block_scales(Tensor scales) const {
+  SPARROW_CHECK(type_ == ScalarType::F8E4M3 && ndim() == 2 && scales.type() == ScalarType::F32 && scales.ndim() == 2 &&
+                    scales.dim(0) == (dim(0) + 127) / 128 && scales.dim(1) == (dim(1) + 127) / 128,
+                "with_block_scales: an FP8 matrix ", shape_str(shape_), " takes fp32 scales [", (dim(0) + 127) / 128,
+                ", ", (dim(1) + 127) / 128, "], got ", scalar_name(scales.type()), " ", shape_str(scales.shape()));
+  Tensor t = *this;
+  t.block_scales_ = std::make_shared<const Tensor>(std::move(scales));
+  return t;
+}
+
 Tensor Tensor::to(Device device, ScalarType type) const {
   if (device == device_ && type == type_) return *this;
+  if (type_ == ScalarType::F8E4M3 || type == ScalarType::F8E4M3) {
+    // FP8 weights move between devices as they are, scales along; nothing converts to or from FP8 here.
+    SPARROW_CHECK(type == type_, "cannot convert ", scalar_name(type_), " to ", scalar_name(type));
+    Tensor out = empty(shape_, type, device);
+    out.copy_from(*this);
+    if (block_scales_) out.block_scales_ = std::make_shared<const Tensor>(block_scales_->to(device, ScalarType::F32));
+    return out;
+  }
   if (device_ == Device::Cpu && device == Device::Cpu) return convert_on_host(*this, type);
 #if SPARROW_HAVE_CUDA
   if (device_ == Device::Cpu) {  // host -> device: convert on the host (halves the bytes sent for bf16)

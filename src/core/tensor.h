@@ -20,12 +20,14 @@ std::string shape_str(const Shape& shape);  // "[4, 128]"
 int64_t shape_numel(const Shape& shape);
 
 enum class Device { Cpu, Cuda };
-enum class ScalarType { F32, BF16, I32, I64, U8 };  // U8: raw bytes (workspaces, cache pools)
+// U8: raw bytes (workspaces, cache pools). F8E4M3: FP8 weights (OCP E4M3 "fn"), which carry their
+// block scales (block_scales(): fp32, one per 128x128 block, DeepSeek's weight_scale_inv).
+enum class ScalarType { F32, BF16, I32, I64, U8, F8E4M3 };
 
 const char* device_name(Device device);    // "cpu", "cuda"
 Device parse_device(const std::string& name);  // "cpu" | "cuda"; anything else is an error
 int64_t scalar_size(ScalarType type);
-const char* scalar_name(ScalarType type);  // "float32", "bfloat16", "int32", "int64", "uint8"
+const char* scalar_name(ScalarType type);  // "float32", "bfloat16", "int32", "int64", "uint8", "float8_e4m3fn"
 
 class Tensor {
  public:
@@ -57,6 +59,9 @@ class Tensor {
 
   // Same storage, new shape (element counts must match).
   Tensor reshape(Shape shape) const;
+  // A view of `shape` x `type` starting `byte_offset` bytes into this tensor's storage (one buffer
+  // holding several arrays, e.g. a step's inputs uploaded with one copy).
+  Tensor view_bytes(int64_t byte_offset, Shape shape, ScalarType type) const;
   // Rows [begin, end) along the first dimension, sharing storage.
   Tensor rows(int64_t begin, int64_t end) const;
   // Pointer to row i along the first dimension (host float32).
@@ -64,11 +69,19 @@ class Tensor {
   const float* row(int64_t i) const { return data() + i * row_size(); }
   int64_t row_size() const { return shape_.empty() ? 1 : numel() / shape_[0]; }
   Tensor clone() const;
+  // Copies `src` (same type and element count, any device) into this tensor's storage.
+  void copy_from(const Tensor& src);
 
   // A copy on `device` in `type` (float32 <-> bfloat16 conversions round to nearest even). Returns
   // *this when nothing changes.
   Tensor to(Device device, ScalarType type) const;
   Tensor to(Device device) const { return to(device, type_); }
+
+  // FP8 weights: the fp32 block scales, row-major [ceil(rows / 128), ceil(cols / 128)] (an undefined
+  // tensor otherwise). with_block_scales returns the same handle with them attached; to() moves them
+  // along.
+  const Tensor& block_scales() const;
+  Tensor with_block_scales(Tensor scales) const;
 
  private:
   void* data_ = nullptr;
@@ -76,6 +89,7 @@ class Tensor {
   ScalarType type_ = ScalarType::F32;
   Device device_ = Device::Cpu;
   std::shared_ptr<void> storage_;
+  std::shared_ptr<const Tensor> block_scales_;
 };
 
 }  // namespace sparrow

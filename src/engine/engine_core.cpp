@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "core/error.h"
+#include "kernels/ops.h"
 
 namespace sparrow {
 
@@ -132,15 +133,40 @@ bool EngineCore::step() {
     return true;
   }
 
-  const size_t vocab = size_t(logits.dim(1));
+  // Commit every chunk; the sequences whose tokens are now all computed draw their next token. The
+  // draws of the whole step run at once where the logits are (ops::sample_tokens); the logits come to
+  // the host only when someone asks for log-probabilities.
+  std::vector<Sequence*> sampled;
+  std::vector<int64_t> sampled_rows;
+  bool wants_logprobs = false;
   for (size_t j = 0; j < chunks.size(); ++j) {
     Sequence& seq = *chunks[j].seq;
     const SeqSlice& slice = batch.seqs[j];
     cache_.commit_tokens(seq.cache_id, seq.tokens, seq.num_computed());
-    if (all_logits && seq.wants_prompt_logprobs) record_prompt_logprobs(seq, logits, slice);
+    wants_logprobs |= all_logits && seq.wants_prompt_logprobs;
     if (seq.num_pending() > 0) continue;  // a prefill chunk that does not reach the end yet
-    const int64_t row = all_logits ? slice.offset + slice.count - 1 : int64_t(j);
-    sample_and_emit(seq, {logits.row(row), vocab});
+    sampled.push_back(&seq);
+    sampled_rows.push_back(all_logits ? slice.offset + slice.count - 1 : int64_t(j));
+    wants_logprobs |= seq.params().logprobs >= 0;
+  }
+  const Tensor host_logits = wants_logprobs ? logits.to(Device::Cpu) : Tensor();
+  if (all_logits)
+    for (size_t j = 0; j < chunks.size(); ++j)
+      if (chunks[j].seq->wants_prompt_logprobs) record_prompt_logprobs(*chunks[j].seq, host_logits, batch.seqs[j]);
+  if (sampled.empty()) return true;
+
+  std::vector<TokenDraw> draws;
+  std::vector<LogitAdjustment> adjustments;
+  for (size_t i = 0; i < sampled.size(); ++i)
+    sampled[i]->sampler.prepare(int32_t(i), sampled[i]->prompt(), sampled[i]->output(), draws, adjustments);
+  const bool every_row = int64_t(sampled.size()) == logits.dim(0);  // decode: the rows are the sequences
+  std::vector<int32_t> tokens =
+      ops::sample_tokens(every_row ? logits : ops::select_rows(logits, sampled_rows), draws, adjustments);
+  const size_t vocab = size_t(logits.dim(1));
+  for (size_t i = 0; i < sampled.size(); ++i) {
+    std::span<const float> raw;
+    if (host_logits.defined() && host_logits.numel() > 0) raw = {host_logits.row(sampled_rows[i]), vocab};
+    emit(*sampled[i], tokens[i], raw);
   }
   return true;
 }
@@ -164,9 +190,8 @@ RequestOutput EngineCore::new_event(const Sequence& seq) const {
   return event;
 }
 
-void EngineCore::sample_and_emit(Sequence& seq, std::span<const float> logits) {
+void EngineCore::emit(Sequence& seq, int32_t token, std::span<const float> logits) {
   const SamplingParams& p = seq.params();
-  const int32_t token = seq.sampler.sample(logits, seq.prompt(), seq.output());
   if (seq.num_output() == 0) prompt_tokens_total_ += seq.prompt_length;
   ++generation_tokens_total_;
   seq.tokens.push_back(token);

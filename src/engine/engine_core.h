@@ -7,8 +7,9 @@
 //   2. their tokens form one Batch, run by model.forward against the paged KV cache; logits come back
 //      for each sequence's last token, or for every token when a prefill needs prompt logprobs;
 //   3. the computed tokens are committed to the cache (full blocks enter the prefix cache);
-//   4. each sequence whose tokens are now all computed samples its next token, which is detokenized,
-//      checked against the stop conditions and sent as a RequestOutput event.
+//   4. each sequence whose tokens are now all computed draws its next token (all of them at once, where
+//      the logits are: on a GPU only the ids cross), which is detokenized, checked against the stop
+//      conditions and sent as a RequestOutput event.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -79,7 +80,9 @@ class EngineCore {
   };
 
   void record_prompt_logprobs(Sequence& seq, const Tensor& logits, const SeqSlice& slice);
-  void sample_and_emit(Sequence& seq, std::span<const float> logits);
+  // Appends the sequence's next token and sends its event; `logits` (its raw row on the host) is only
+  // read for log-probabilities and may be empty when none were asked.
+  void emit(Sequence& seq, int32_t token, std::span<const float> logits);
   // Sets the event's finish reason when `token` ends the sequence (end of sequence, stop token id).
   bool check_stop_token(const Sequence& seq, int32_t token, RequestOutput& event) const;
   // The token's text; a stop string it completes ends the sequence.

@@ -3,19 +3,16 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/sampling.h"
 
 namespace sparrow {
-
-namespace {
-// vLLM's _SAMPLING_EPS: a temperature below it means greedy.
-constexpr float kGreedyTemperature = 1e-5f;
-}  // namespace
 
 void validate(const SamplingParams& p) {
   SPARROW_CHECK(std::isfinite(p.temperature) && p.temperature >= 0, "temperature must be >= 0, got ", p.temperature);
@@ -40,21 +37,34 @@ void validate(const SamplingParams& p) {
   for (int32_t id : p.stop_token_ids) SPARROW_CHECK(id >= 0, "stop_token_ids must be >= 0, got ", id);
 }
 
-void apply_penalties(std::span<float> logits, const SamplingParams& p, std::span<const int32_t> prompt,
-                     std::span<const int32_t> output) {
+void penalty_adjustments(int32_t row, const SamplingParams& p, std::span<const int32_t> prompt,
+                         std::span<const int32_t> output, std::span<const int32_t> masked,
+                         std::vector<LogitAdjustment>& adjustments) {
+  std::map<int32_t, LogitAdjustment> by_token;  // ordered: the same adjustments in the same order each time
+  auto at = [&](int32_t id) -> LogitAdjustment& {
+    LogitAdjustment& a = by_token[id];
+    a.row = row;
+    a.token = id;
+    return a;
+  };
   if (p.repetition_penalty != 1) {
-    std::unordered_set<int32_t> seen(prompt.begin(), prompt.end());
-    seen.insert(output.begin(), output.end());
-    for (int32_t id : seen) {
-      float& x = logits[id];
-      x = x > 0 ? x / p.repetition_penalty : x * p.repetition_penalty;
-    }
+    for (int32_t id : prompt) at(id).divide_positive = p.repetition_penalty;
+    for (int32_t id : output) at(id).divide_positive = p.repetition_penalty;
   }
   if (p.frequency_penalty != 0 || p.presence_penalty != 0) {
     std::unordered_map<int32_t, int64_t> counts;
     for (int32_t id : output) ++counts[id];
-    for (auto [id, count] : counts) logits[id] -= p.frequency_penalty * float(count) + p.presence_penalty;
+    for (auto [id, count] : counts) at(id).subtract = p.frequency_penalty * float(count) + p.presence_penalty;
   }
+  for (int32_t id : masked) at(id).mask = 1;
+  for (const auto& [id, a] : by_token) adjustments.push_back(a);
+}
+
+void apply_penalties(std::span<float> logits, const SamplingParams& p, std::span<const int32_t> prompt,
+                     std::span<const int32_t> output) {
+  std::vector<LogitAdjustment> adjustments;
+  penalty_adjustments(0, p, prompt, output, {}, adjustments);
+  cpu::adjust_logits(logits.data(), int64_t(logits.size()), 0, adjustments);
 }
 
 int32_t argmax(std::span<const float> logits) {
@@ -66,62 +76,33 @@ Sampler::Sampler(const SamplingParams& params, std::vector<int32_t> end_tokens)
   validate(params);
 }
 
-int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> prompt,
-                        std::span<const int32_t> output) {
+void Sampler::prepare(int32_t row, std::span<const int32_t> prompt, std::span<const int32_t> output,
+                      std::vector<TokenDraw>& draws, std::vector<LogitAdjustment>& adjustments) {
+  TokenDraw draw;
+  draw.temperature = params_.temperature;
+  draw.top_p = params_.top_p;
+  draw.min_p = params_.min_p;
+  draw.top_k = int32_t(std::min<int64_t>(params_.top_k, INT32_MAX));
+  draw.key = rng_();  // one key per step, also when greedy: a sequence's keys do not depend on its params
+  draws.push_back(draw);
   const bool penalised = params_.repetition_penalty != 1 || params_.frequency_penalty != 0 ||
                          params_.presence_penalty != 0;
   const bool masked = int64_t(output.size()) < params_.min_tokens && !end_tokens_.empty();
-  if (!penalised && !masked) return draw(logits);
-  std::vector<float> processed(logits.begin(), logits.end());
-  if (masked)
-    for (int32_t id : end_tokens_)
-      if (id < int64_t(processed.size())) processed[id] = -std::numeric_limits<float>::infinity();
-  apply_penalties(processed, params_, prompt, output);
-  return draw(processed);
+  if (penalised || masked)
+    penalty_adjustments(row, params_, penalised ? prompt : std::span<const int32_t>{},
+                        penalised ? output : std::span<const int32_t>{},
+                        masked ? std::span<const int32_t>(end_tokens_) : std::span<const int32_t>{}, adjustments);
 }
 
-int32_t Sampler::draw(std::span<const float> logits) {
-  if (params_.temperature < kGreedyTemperature) return argmax(logits);
-  const int64_t vocab = int64_t(logits.size());
-  // Candidates from the most likely down (ties to the smaller id, so a seeded draw is reproducible);
-  // min_p, top_k and top_p each keep a prefix of this order. Without a cut, sorting is not needed.
-  const bool cut = params_.top_k > 0 || params_.top_p < 1 || params_.min_p > 0;
-  const int64_t keep = params_.top_k > 0 ? std::min(params_.top_k, vocab) : vocab;
-  std::vector<int32_t> order;
-  if (cut) {
-    order = cpu::top_k(logits.data(), vocab, keep);
-  } else {
-    order.resize(vocab);
-    std::iota(order.begin(), order.end(), 0);
-  }
-  const double inv_temperature = 1.0 / params_.temperature;
-  const double top = double(logits[argmax(logits)]) * inv_temperature;
-  std::vector<double> weights(order.size());  // exp((logit - top) / temperature), unnormalised
-  for (size_t i = 0; i < order.size(); ++i) weights[i] = std::exp(double(logits[order[i]]) * inv_temperature - top);
-  // min_p (vllm/v1/sample/ops min_p): probability >= min_p * top probability, i.e. weight >= min_p.
-  size_t n = order.size();
-  if (params_.min_p > 0)
-    while (n > 1 && weights[n - 1] < params_.min_p) --n;
-  double total = 0;
-  for (size_t i = 0; i < n; ++i) total += weights[i];
-  // top_p over what is left: the first token at which the cumulative mass reaches top_p is the last kept.
-  if (params_.top_p < 1) {
-    double cumulative = 0;
-    for (size_t i = 0; i < n; ++i) {
-      cumulative += weights[i];
-      if (cumulative >= params_.top_p * total) {
-        n = i + 1;
-        total = cumulative;
-        break;
-      }
-    }
-  }
-  double r = std::uniform_real_distribution<double>(0.0, total)(rng_);
-  for (size_t i = 0; i < n; ++i) {
-    r -= weights[i];
-    if (r < 0) return order[i];
-  }
-  return order[n - 1];
+int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> prompt,
+                        std::span<const int32_t> output) {
+  std::vector<TokenDraw> draws;
+  std::vector<LogitAdjustment> adjustments;
+  prepare(0, prompt, output, draws, adjustments);
+  if (adjustments.empty()) return cpu::draw_token(logits.data(), int64_t(logits.size()), draws[0]);
+  std::vector<float> adjusted(logits.begin(), logits.end());
+  cpu::adjust_logits(adjusted.data(), int64_t(adjusted.size()), 0, adjustments);
+  return cpu::draw_token(adjusted.data(), int64_t(adjusted.size()), draws[0]);
 }
 
 }  // namespace sparrow

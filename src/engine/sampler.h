@@ -2,9 +2,12 @@
 //   1. the ids that end generation are masked until min_tokens tokens exist;
 //   2. penalties: repetition (over prompt + output), frequency and presence (over output only);
 //   3. temperature 0 (below 1e-5): greedy, argmax with ties to the smaller id; otherwise
-//   4. divide by the temperature, drop tokens below min_p times the top probability, keep the top_k
-//      largest, keep the smallest set whose probability reaches top_p, and draw one token with the
-//      sequence's own generator (seeded: the same seed gives the same tokens alone or in a batch).
+//   4. divide by the temperature, keep the top_k largest, drop tokens below min_p times the top
+//      probability, keep the smallest set whose probability reaches top_p, and draw one token with a
+//      key from the sequence's own generator (seeded: the same seed gives the same tokens alone or in a
+//      batch).
+// Steps 1-2 become LogitAdjustments and 3-4 a TokenDraw (kernels/sampling.h, which defines them
+// exactly); ops::sample_tokens carries them out for a whole batch on the CPU or the GPU.
 // Logprobs are not computed here: vLLM returns those of the raw model logits (logprobs.h).
 #pragma once
 #include <cstdint>
@@ -13,6 +16,8 @@
 #include <span>
 #include <string>
 #include <vector>
+
+#include "kernels/sampling.h"
 
 namespace sparrow {
 
@@ -43,9 +48,14 @@ inline constexpr int64_t kMaxLogprobs = 20;
 // Checks every range; throws sparrow::Error naming the bad parameter.
 void validate(const SamplingParams& params);
 
-// Step 2 on a row of logits, in place (vLLM apply_all_penalties): a token seen in the prompt or the
-// output has its logit divided by repetition_penalty when positive, multiplied when not; then
+// Step 2 for row `row` (vLLM apply_all_penalties): a token seen in the prompt or the output has its
+// logit divided by repetition_penalty when positive, multiplied when not; then
 // logit -= frequency_penalty * (times in output) + presence_penalty * (in output at all).
+// With `masked` ids (step 1), those become -inf. One adjustment per token.
+void penalty_adjustments(int32_t row, const SamplingParams& params, std::span<const int32_t> prompt,
+                         std::span<const int32_t> output, std::span<const int32_t> masked,
+                         std::vector<LogitAdjustment>& adjustments);
+// The same applied to a row of host logits in place.
 void apply_penalties(std::span<float> logits, const SamplingParams& params, std::span<const int32_t> prompt,
                      std::span<const int32_t> output);
 
@@ -55,12 +65,16 @@ class Sampler {
   // masked until min_tokens tokens were generated. Without a seed the generator starts at random.
   explicit Sampler(const SamplingParams& params, std::vector<int32_t> end_tokens = {});
 
-  // The next token of a sequence whose tokens so far are prompt + output.
+  // This step's sampling of a sequence whose tokens so far are prompt + output, as row `row` of a batch:
+  // appends its draw (with the next key of the generator) and its adjustments.
+  void prepare(int32_t row, std::span<const int32_t> prompt, std::span<const int32_t> output,
+               std::vector<TokenDraw>& draws, std::vector<LogitAdjustment>& adjustments);
+
+  // The next token from one row of host logits (prepare + the CPU reference).
   int32_t sample(std::span<const float> logits, std::span<const int32_t> prompt = {},
                  std::span<const int32_t> output = {});
 
  private:
-  int32_t draw(std::span<const float> logits);
 
   SamplingParams params_;
   std::vector<int32_t> end_tokens_;

@@ -105,6 +105,20 @@ bool Checkpoint::has(const std::string& name) const { return index_.count(name) 
 
 Tensor Checkpoint::take(const std::string& name, const Shape& expected) { return place(take_host(name, expected)); }
 
+Tensor Checkpoint::take_linear(const std::string& name, const Shape& expected) {
+  auto it = index_.find(name);
+  const bool fp8 = device_ != Device::Cpu && it != index_.end() && it->second->dtype == DType::F8_E4M3 &&
+                   expected.size() == 2 && it->second->shape == expected && block_rows_ == 128 && block_cols_ == 128;
+  const std::string scale_name = name + kScaleSuffix;
+  if (!fp8 || expected[1] % 16 != 0 || expected[0] % 8 != 0 || !has(scale_name)) return take(name, expected);
+  const TensorInfo& info = *it->second;
+  taken_.insert(name);
+  Tensor scales = take_host(scale_name, {ceil_div(expected[0], 128), ceil_div(expected[1], 128)});
+  Tensor codes = Tensor::empty(expected, ScalarType::F8E4M3);
+  std::memcpy(codes.raw(), info.data, info.nbytes);
+  return codes.with_block_scales(scales.clone()).to(device_);
+}
+
 Tensor Checkpoint::place(const Tensor& t) const {
   if (device_ == Device::Cpu) return t;
   return t.to(device_, t.ndim() >= 2 ? ScalarType::BF16 : ScalarType::F32);

@@ -37,6 +37,11 @@ class Checkpoint {
   // "tensor 'x': expected shape [a, b], found [c, d]" otherwise. Marks the name (and its scale) used.
   // F32 tensors are read-only views of the mapped file (clone() before writing in place).
   Tensor take(const std::string& name, const Shape& expected);
+  // A weight matrix only `ops::linear` reads ([out, in]). On a GPU, an FP8 tensor with 128x128 block
+  // scales stays FP8 (its scales attached, Tensor::block_scales) and the product runs on the FP8 tensor
+  // cores (kernels/cuda/gemm/gemm_fp8.h), when its shape suits that product: in % 16 == 0 and
+  // out % 8 == 0. Anything else is take().
+  Tensor take_linear(const std::string& name, const Shape& expected);
 
   // Expert weights in either layout transformers writes:
   //   fused:      <prefix>.gate_up_proj [E, 2I, H] and <prefix>.down_proj [E, H, I]

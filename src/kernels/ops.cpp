@@ -7,12 +7,15 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/sampling.h"
 
 #if SPARROW_HAVE_CUDA
 #include "kernels/cuda/elementwise/elementwise.h"
 #include "kernels/cuda/gemm/gemm.h"
+#include "kernels/cuda/gemm/gemm_fp8.h"
 #include "kernels/cuda/moe/moe.h"
 #include "kernels/cuda/runtime/device.h"
+#include "kernels/cuda/sampling/sampling.h"
 #endif
 
 namespace sparrow::ops {
@@ -46,7 +49,8 @@ Tensor linear(const Tensor& x, const Tensor& w) { return linear(x, w, x.type());
 
 Tensor linear(const Tensor& x, const Tensor& w, ScalarType out_type) {
   same_device(x, w, "linear");
-  const int64_t in = w.dim(1), out = w.dim(0);
+  const int64_t in = w.dim(1);
+  [[maybe_unused]] const int64_t out = w.dim(0);
   SPARROW_CHECK(x.numel() % in == 0, "linear: input ", shape_str(x.shape()), " does not match weight ",
                 shape_str(w.shape()));
   if (x.on_cpu()) {
@@ -57,6 +61,15 @@ Tensor linear(const Tensor& x, const Tensor& w, ScalarType out_type) {
   const int64_t rows = x.numel() / in;
   Tensor y = Tensor::empty({rows, out}, out_type, x.device());
   if (rows == 0) return y;
+  if (w.type() == ScalarType::F8E4M3) {
+    // An FP8 checkpoint's weight (Checkpoint::take_linear): the activations are quantised per 128
+    // columns and the product runs on the FP8 tensor cores with both block scales.
+    SPARROW_CHECK(x.type() == ScalarType::BF16 && w.block_scales().defined(),
+                  "linear: an FP8 weight needs bf16 activations and its block scales");
+    cuda::gemm_fp8_block_scaled(rows, out, in, x.raw(), in, w.as<uint8_t>(), w.block_scales().as<float>(), y.raw(),
+                                elem(y), out, cuda::stream());
+    return y;
+  }
   cuda::gemm_nt(rows, out, in, {x.raw(), elem(x), in, 0}, {w.raw(), elem(w), in, 0}, {y.raw(), elem(y), out, 0},
                 1.0f, 0.0f, 1, cuda::stream());
   return y;
@@ -152,7 +165,8 @@ void scale_(Tensor& x, float s) {
 }
 
 Tensor embedding(const Tensor& table, const std::vector<int32_t>& ids) {
-  const int64_t vocab = table.dim(0), width = table.dim(1);
+  const int64_t vocab = table.dim(0);
+  [[maybe_unused]] const int64_t width = table.dim(1);
   for (int32_t id : ids)
     SPARROW_CHECK(id >= 0 && id < vocab, "token id ", id, " out of range [0, ", vocab, ")");
   if (table.on_cpu()) return cpu::embedding(table, ids);
@@ -191,12 +205,47 @@ Tensor select_rows(const Tensor& x, const std::vector<int64_t>& rows) {
 #endif
 }
 
+Tensor embedding(const Tensor& table, const Tensor& ids) {
+  SPARROW_CHECK(ids.type() == ScalarType::I32 && ids.ndim() == 1, "embedding: ids must be a vector of int32");
+  if (ids.on_cpu()) return embedding(table, std::vector<int32_t>(ids.as<int32_t>(), ids.as<int32_t>() + ids.numel()));
+  same_device(table, ids, "embedding");
+#if SPARROW_HAVE_CUDA
+  Tensor out = Tensor::empty({ids.numel(), table.dim(1)}, act_type(table.device()), table.device());
+  cuda::embedding(table.raw(), elem(table), ids.as<int32_t>(), ids.numel(), table.dim(1), out.raw(), elem(out),
+                  cuda::stream());
+  return out;
+#else
+  no_cuda();
+#endif
+}
+
+Tensor select_rows(const Tensor& x, const Tensor& rows) {
+  SPARROW_CHECK(rows.type() == ScalarType::I32 && rows.ndim() == 1, "select_rows: rows must be a vector of int32");
+  if (rows.on_cpu()) return select_rows(x, std::vector<int64_t>(rows.as<int32_t>(), rows.as<int32_t>() + rows.numel()));
+  same_device(x, rows, "select_rows");
+#if SPARROW_HAVE_CUDA
+  Tensor out = Tensor::empty({rows.numel(), x.row_size()}, x.type(), x.device());
+  cuda::gather_rows(x.raw(), elem(x), rows.as<int32_t>(), rows.numel(), x.row_size(), out.raw(), cuda::stream());
+  return out;
+#else
+  no_cuda();
+#endif
+}
+
 Tensor concat_rows(const Tensor& a, const Tensor& b) {
   same_device(a, b, "concat_rows");
   SPARROW_CHECK(a.type() == b.type() && a.row_size() == b.row_size(), "concat_rows: ", shape_str(a.shape()), " and ",
                 shape_str(b.shape()), " differ in row width or type");
   Shape shape = a.shape();
   shape[0] += b.dim(0);
+  if (a.type() == ScalarType::F8E4M3) {
+    // FP8 weights: the block scales stack too, which needs a's rows to end on a scale block.
+    SPARROW_CHECK(a.dim(0) % 128 == 0 && a.block_scales().defined() && b.block_scales().defined(),
+                  "concat_rows: FP8 matrices stack when the first has a multiple of 128 rows and both carry scales");
+    Tensor scales = concat_rows(a.block_scales(), b.block_scales());
+    Tensor codes = concat_rows(a.view_bytes(0, a.shape(), ScalarType::U8), b.view_bytes(0, b.shape(), ScalarType::U8));
+    return codes.view_bytes(0, shape, ScalarType::F8E4M3).with_block_scales(scales);
+  }
   Tensor out = Tensor::empty(shape, a.type(), a.device());
   if (a.on_cpu()) {
     std::memcpy(out.raw(), a.raw(), a.nbytes());
@@ -380,6 +429,54 @@ Tensor moe_experts(const Tensor& x, const DeviceRouting& routing, const Tensor& 
                     kind == Glu::SiluGlu ? cuda::GluKind::SiluGlu : cuda::GluKind::ClampedSwiglu, alpha, limit,
                     out.raw(), workspace.raw(), cuda::stream());
   return out;
+#else
+  no_cuda();
+#endif
+}
+
+std::vector<int32_t> sample_tokens(const Tensor& logits, std::span<const TokenDraw> draws,
+                                   std::span<const LogitAdjustment> adjustments) {
+  SPARROW_CHECK(logits.ndim() == 2 && logits.type() == ScalarType::F32, "sample_tokens: logits must be fp32 [rows, vocab]");
+  const int64_t rows = logits.dim(0), vocab = logits.dim(1);
+  SPARROW_CHECK(int64_t(draws.size()) == rows, "sample_tokens: ", draws.size(), " draws for ", rows, " rows");
+  for (const LogitAdjustment& a : adjustments)
+    SPARROW_CHECK(a.row >= 0 && a.row < rows, "sample_tokens: adjustment for row ", a.row, " of ", rows);
+  std::vector<int32_t> tokens(rows);
+  if (rows == 0) return tokens;
+  if (logits.on_cpu()) {
+    std::vector<float> adjusted;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = logits.row(r);
+      bool touched = false;
+      for (const LogitAdjustment& a : adjustments) touched |= a.row == r;
+      if (touched) {
+        adjusted.assign(row, row + vocab);
+        cpu::adjust_logits(adjusted.data(), vocab, int32_t(r), adjustments);
+        row = adjusted.data();
+      }
+      tokens[r] = cpu::draw_token(row, vocab, draws[r]);
+    }
+    return tokens;
+  }
+#if SPARROW_HAVE_CUDA
+  auto upload = [&](const void* data, size_t bytes) {
+    Tensor host = Tensor::empty({int64_t(std::max<size_t>(bytes, 1))}, ScalarType::U8);
+    std::memcpy(host.raw(), data, bytes);
+    return host.to(logits.device());
+  };
+  Tensor source = logits;
+  if (!adjustments.empty()) {
+    source = logits.clone();
+    Tensor dev_adjustments = upload(adjustments.data(), adjustments.size_bytes());
+    cuda::adjust_logits(source.as<float>(), vocab, dev_adjustments.as<LogitAdjustment>(), int64_t(adjustments.size()),
+                        vocab, cuda::stream());
+  }
+  Tensor dev_draws = upload(draws.data(), draws.size_bytes());
+  Tensor dev_tokens = Tensor::empty({rows}, ScalarType::I32, logits.device());
+  cuda::draw_tokens(source.as<float>(), rows, vocab, vocab, dev_draws.as<TokenDraw>(), dev_tokens.as<int32_t>(),
+                    cuda::stream());
+  cuda::copy_to_host_sync(tokens.data(), dev_tokens.raw(), rows * sizeof(int32_t));
+  return tokens;
 #else
   no_cuda();
 #endif

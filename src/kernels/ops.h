@@ -8,9 +8,11 @@
 // activation type a device uses.
 #pragma once
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "core/tensor.h"
+#include "kernels/sampling.h"
 
 namespace sparrow::ops {
 
@@ -36,6 +38,11 @@ void scale_(Tensor& x, float s);        // x *= s
 Tensor embedding(const Tensor& table, const std::vector<int32_t>& ids);
 // The given rows of x, in order (a new tensor).
 Tensor select_rows(const Tensor& x, const std::vector<int64_t>& rows);
+// The same with the ids / row indices already on the device (int32; a step's inputs, model/device_step.h):
+// nothing crosses from the host, so a CUDA graph can capture them. The ids are not range-checked here
+// (the engine validates prompts; sampled ids are in range).
+Tensor embedding(const Tensor& table, const Tensor& ids);
+Tensor select_rows(const Tensor& x, const Tensor& rows);
 // [a; b] along the first dimension (load time).
 Tensor concat_rows(const Tensor& a, const Tensor& b);
 
@@ -80,5 +87,11 @@ DeviceRouting route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, in
 // sum_j weights[t, j] * down[e] · glu(gate_up[e] · x[t]) over the routed experts e = experts[t, j].
 Tensor moe_experts(const Tensor& x, const DeviceRouting& routing, const Tensor& gate_up, const Tensor& down, Glu kind,
                    float alpha, float limit);
+
+// Sampling (kernels/sampling.h): applies `adjustments` to a copy of `logits` (fp32 [rows, vocab], left
+// as it is: log-probabilities read the raw logits), then draws one token per row with draws[row].
+// Returns the tokens on the host; from a GPU only the ids cross.
+std::vector<int32_t> sample_tokens(const Tensor& logits, std::span<const TokenDraw> draws,
+                                   std::span<const LogitAdjustment> adjustments);
 
 }  // namespace sparrow::ops

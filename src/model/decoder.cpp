@@ -5,6 +5,7 @@
 #include "core/error.h"
 #include "formats/checkpoint.h"
 #include "kernels/ops.h"
+#include "model/device_step.h"
 
 namespace sparrow {
 
@@ -29,24 +30,42 @@ void DecoderModel::take_embeddings(Checkpoint& ckpt, const std::string& decoder_
 
 Tensor DecoderModel::forward(const Batch& batch) {
   SPARROW_CHECK(!batch.tokens.empty(), "empty batch");
+  for (int32_t id : batch.tokens)  // checked here for both devices: the GPU embedding reads ids unchecked
+    SPARROW_CHECK(id >= 0 && id < vocab, "token id ", id, " out of range [0, ", vocab, ")");
   for (const SeqSlice& s : batch.seqs) s.cache().reserve(s.start() + s.count);
-  Tensor x = ops::embedding(embed, batch.tokens);
+  Tensor logits;
+  if (placed_on == Device::Cpu) {
+    logits = compute_logits(batch);
+  } else if (!enforce_eager && DecodeGraphs::eligible(batch)) {
+    logits = graphs_.run(batch, placed_on, [&] { return compute_logits(batch); });
+  } else {
+    device_step(batch, placed_on);  // the step's inputs, uploaded once for every layer
+    logits = compute_logits(batch);
+  }
+  for (const SeqSlice& s : batch.seqs) s.state->length += s.count;
+  return logits;
+}
+
+Tensor DecoderModel::compute_logits(const Batch& batch) {
+  const bool on_gpu = placed_on != Device::Cpu;
+  Tensor x = on_gpu ? ops::embedding(embed, batch.device_step->token_ids) : ops::embedding(embed, batch.tokens);
   for (size_t i = 0; i < layers.size(); ++i) {
     DecoderLayer& layer = layers[i];
     ops::add_(x, layer.mixer->forward(ops::rms_norm(x, layer.input_norm, norm_eps, norm_unit_offset), batch, int(i)));
     ops::add_(x, layer.ffn->forward(ops::rms_norm(x, layer.post_norm, norm_eps, norm_unit_offset)));
   }
-  for (const SeqSlice& s : batch.seqs) s.state->length += s.count;
-
   if (!batch.all_logits) {
-    std::vector<int64_t> last;
-    for (const SeqSlice& s : batch.seqs) last.push_back(s.offset + s.count - 1);
-    x = ops::select_rows(x, last);
+    if (on_gpu) {
+      x = ops::select_rows(x, batch.device_step->last_rows);
+    } else {
+      std::vector<int64_t> last;
+      for (const SeqSlice& s : batch.seqs) last.push_back(s.offset + s.count - 1);
+      x = ops::select_rows(x, last);
+    }
   }
   ops::rms_norm_(x, final_norm, norm_eps, norm_unit_offset);
-  // Logits in fp32 on the host, whatever the device: the sampler and log-probabilities read them there.
-  // (Sampling on the GPU, so that only token ids cross, is the next step for large batches.)
-  return ops::linear(x, lm_head, ScalarType::F32).to(Device::Cpu);
+  // fp32 logits where the model runs: on a GPU the sampler draws there and only token ids cross.
+  return ops::linear(x, lm_head, ScalarType::F32);
 }
 
 }  // namespace sparrow

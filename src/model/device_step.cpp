@@ -1,48 +1,117 @@
 #include "model/device_step.h"
 
 #include <algorithm>
+#include <cstring>
+#include <vector>
 
 #include "core/error.h"
 
 namespace sparrow {
 
-const DeviceStep& device_step(const Batch& batch, Device device) {
-  if (batch.device_step) return *batch.device_step;
-  auto step = std::make_shared<DeviceStep>();
-  const int64_t num_seqs = int64_t(batch.seqs.size()), rows = batch.size();
-  for (const SeqSlice& seq : batch.seqs) {
-    const PagedStorage* storage = seq.cache().paged();
-    SPARROW_CHECK(storage != nullptr && storage->device() == device, "a sequence's cache is not a paged cache on ",
-                  device_name(device), " (make sequences with the model's new_sequence() or the engine)");
-    SPARROW_CHECK(step->storage == nullptr || step->storage == storage,
-                  "the sequences of one batch must share one paged cache");
-    step->storage = storage;
-    step->table_stride = std::max<int64_t>(step->table_stride, int64_t(seq.cache().block_table().size()));
-  }
-  step->table_stride = std::max<int64_t>(step->table_stride, 1);
+namespace {
 
-  Tensor table = Tensor::zeros({num_seqs, step->table_stride}, ScalarType::I64);
-  Tensor row_seq = Tensor::empty({rows}, ScalarType::I32), row_pos = Tensor::empty({rows}, ScalarType::I32);
-  Tensor row_visible = Tensor::empty({rows}, ScalarType::I32);
-  for (int64_t s = 0; s < num_seqs; ++s) {
+// The buffer's arrays in order, each 256-byte aligned (the kernels' vector loads need 16).
+struct StepLayout {
+  int64_t token_ids, positions, last_rows, page_table, row_seq, row_pos, row_visible, bytes;
+  StepLayout(int64_t rows, int64_t seqs, const StepShape& shape) {
+    int64_t at = 0;
+    auto take = [&](int64_t n) {
+      const int64_t offset = at;
+      at += (std::max<int64_t>(n, 1) + 255) / 256 * 256;
+      return offset;
+    };
+    token_ids = take(rows * 4);
+    positions = take(rows * 8);
+    last_rows = take(seqs * 4);
+    page_table = take(seqs * shape.table_stride * 8);
+    row_seq = take(rows * 4);
+    row_pos = take(rows * 4);
+    row_visible = take(rows * 4);
+    bytes = at;
+  }
+};
+
+}  // namespace
+
+StepShape step_shape(const Batch& batch, Device device) {
+  StepShape shape;
+  const PagedStorage* storage = nullptr;
+  for (const SeqSlice& seq : batch.seqs) {
+    const PagedStorage* paged = seq.cache().paged();
+    SPARROW_CHECK(paged != nullptr && paged->device() == device, "a sequence's cache is not a paged cache on ",
+                  device_name(device), " (make sequences with the model's new_sequence() or the engine)");
+    SPARROW_CHECK(storage == nullptr || storage == paged, "the sequences of one batch must share one paged cache");
+    storage = paged;
+    shape.table_stride = std::max<int64_t>(shape.table_stride, int64_t(seq.cache().block_table().size()));
+    shape.max_visible = std::max(shape.max_visible, seq.start() + seq.count);
+  }
+  shape.table_stride = std::max<int64_t>(shape.table_stride, 1);
+  return shape;
+}
+
+int64_t step_buffer_bytes(int64_t rows, int64_t seqs, const StepShape& shape) {
+  return StepLayout(rows, seqs, shape).bytes;
+}
+
+std::shared_ptr<const DeviceStep> upload_device_step(const Batch& batch, const StepShape& shape,
+                                                     const Tensor& buffer) {
+  const int64_t rows = batch.size(), seqs = int64_t(batch.seqs.size());
+  const StepShape least = step_shape(batch, buffer.device());
+  SPARROW_CHECK(shape.table_stride >= least.table_stride && shape.max_visible >= least.max_visible,
+                "upload_device_step: the shape is smaller than the batch needs");
+  const StepLayout layout(rows, seqs, shape);
+  SPARROW_CHECK(buffer.nbytes() >= layout.bytes, "upload_device_step: the buffer holds ", buffer.nbytes(),
+                " bytes, the step needs ", layout.bytes);
+
+  Tensor host = Tensor::zeros({layout.bytes}, ScalarType::U8);
+  auto at = [&](int64_t offset) { return host.as<uint8_t>() + offset; };
+  auto* ids = reinterpret_cast<int32_t*>(at(layout.token_ids));
+  auto* positions = reinterpret_cast<int64_t*>(at(layout.positions));
+  auto* last = reinterpret_cast<int32_t*>(at(layout.last_rows));
+  auto* table = reinterpret_cast<int64_t*>(at(layout.page_table));
+  auto* row_seq = reinterpret_cast<int32_t*>(at(layout.row_seq));
+  auto* row_pos = reinterpret_cast<int32_t*>(at(layout.row_pos));
+  auto* row_visible = reinterpret_cast<int32_t*>(at(layout.row_visible));
+  const PagedStorage* storage = seqs ? batch.seqs[0].cache().paged() : nullptr;
+  std::memcpy(ids, batch.tokens.data(), rows * sizeof(int32_t));
+  std::copy(batch.positions.begin(), batch.positions.end(), positions);
+  for (int64_t s = 0; s < seqs; ++s) {
     const SeqSlice& seq = batch.seqs[s];
+    last[s] = int32_t(seq.offset + seq.count - 1);
     const std::vector<int32_t>& blocks = seq.cache().block_table();
     for (size_t i = 0; i < blocks.size(); ++i)
-      table.as<int64_t>()[s * step->table_stride + int64_t(i)] = int64_t(blocks[i]) * step->storage->row_bytes();
+      table[s * shape.table_stride + int64_t(i)] = int64_t(blocks[i]) * storage->row_bytes();
     for (int64_t i = 0; i < seq.count; ++i) {
       const int64_t row = seq.offset + i, pos = seq.start() + i;
-      row_seq.as<int32_t>()[row] = int32_t(s);
-      row_pos.as<int32_t>()[row] = int32_t(pos);
-      row_visible.as<int32_t>()[row] = int32_t(pos + 1);
-      step->max_visible = std::max(step->max_visible, pos + 1);
+      row_seq[row] = int32_t(s);
+      row_pos[row] = int32_t(pos);
+      row_visible[row] = int32_t(pos + 1);
     }
   }
-  step->page_table = table.to(device);
-  step->row_seq = row_seq.to(device);
-  step->row_pos = row_pos.to(device);
-  step->row_visible = row_visible.to(device);
+  // One copy; from pageable memory it returns once the bytes are staged, so `host` may go.
+  buffer.view_bytes(0, {layout.bytes}, ScalarType::U8).copy_from(host);
+
+  auto step = std::make_shared<DeviceStep>();
+  step->storage = storage;
+  step->table_stride = shape.table_stride;
+  step->max_visible = shape.max_visible;
+  step->token_ids = buffer.view_bytes(layout.token_ids, {rows}, ScalarType::I32);
+  step->positions = buffer.view_bytes(layout.positions, {rows}, ScalarType::I64);
+  step->last_rows = buffer.view_bytes(layout.last_rows, {seqs}, ScalarType::I32);
+  step->page_table = buffer.view_bytes(layout.page_table, {seqs, shape.table_stride}, ScalarType::I64);
+  step->row_seq = buffer.view_bytes(layout.row_seq, {rows}, ScalarType::I32);
+  step->row_pos = buffer.view_bytes(layout.row_pos, {rows}, ScalarType::I32);
+  step->row_visible = buffer.view_bytes(layout.row_visible, {rows}, ScalarType::I32);
   batch.device_step = step;
-  return *step;
+  return step;
+}
+
+const DeviceStep& device_step(const Batch& batch, Device device) {
+  if (batch.device_step) return *batch.device_step;
+  const StepShape shape = step_shape(batch, device);
+  const int64_t bytes = step_buffer_bytes(batch.size(), int64_t(batch.seqs.size()), shape);
+  upload_device_step(batch, shape, Tensor::empty({bytes}, ScalarType::U8, device));
+  return *batch.device_step;
 }
 
 }  // namespace sparrow

@@ -1,12 +1,18 @@
 // What the GPU kernels need to know about a batch, built once per forward pass and shared by every
-// layer: the paged cache's addresses (one page table for all layers and page kinds, docs/cache.md)
-// and, per batch row, its sequence and position.
+// layer: the tokens and positions, each row's sequence and causal bound, the rows whose logits are
+// returned, and the paged cache's addresses (one page table for all layers and page kinds,
+// docs/cache.md). All of it is laid out in one host buffer and uploaded with one copy.
 //
 // A token's page of (layer, kind) starts at storage->pool() + storage->page(layer, kind).offset +
 // page_table[seq, token / block_size], so a layer passes `page_base(layer, kind)` as the kernels' pool
 // and the same page_table.
+//
+// The launch shape (table_stride, max_visible) may be padded beyond what the batch needs: the kernels
+// bound each row by row_visible, so a larger shape gives the same result. CUDA graphs rely on that to
+// replay one capture for a range of context lengths (model/decode_graphs.h).
 #pragma once
 #include <cstdint>
+#include <memory>
 
 #include "core/tensor.h"
 #include "model/model.h"
@@ -15,12 +21,15 @@ namespace sparrow {
 
 struct DeviceStep {
   const PagedStorage* storage = nullptr;  // every sequence of the batch lives in this paged cache
-  Tensor page_table;        // int64 [num_seqs, table_stride]: block_table[i] * row_bytes
-  int64_t table_stride = 0;
+  Tensor token_ids;         // int32 [T]
+  Tensor positions;         // int64 [T]
+  Tensor last_rows;         // int32 [S]: each sequence's last row
+  Tensor page_table;        // int64 [num_seqs, table_stride]: block_table[i] * row_bytes, 0 beyond
   Tensor row_seq;           // int32 [T]: the row's sequence (index into batch.seqs)
   Tensor row_pos;           // int32 [T]: its position
   Tensor row_visible;       // int32 [T]: position + 1 (the causal bound)
-  int64_t max_visible = 0;  // the largest row_visible
+  int64_t table_stride = 0;
+  int64_t max_visible = 0;  // at least the largest row_visible
 
   uint8_t* page_base(int layer, PageKind kind) const {
     return reinterpret_cast<uint8_t*>(storage->pool() + storage->page(layer, kind).offset);
@@ -29,8 +38,22 @@ struct DeviceStep {
   int block_size() const { return int(storage->block_size()); }
 };
 
-// The batch's DeviceStep (made on first use and kept with the batch). Every sequence must have a
-// paged cache on `device` (Model::new_sequence on a GPU model, or the engine's KvCache).
+// The least launch shape of a batch: table_stride = the longest block table, max_visible = the
+// largest causal bound. Every sequence must have a paged cache on `device`, all the same one.
+struct StepShape {
+  int64_t table_stride = 0;
+  int64_t max_visible = 0;
+};
+StepShape step_shape(const Batch& batch, Device device);
+
+// Bytes of the device buffer that holds a step of `rows` rows and `seqs` sequences with `shape`.
+int64_t step_buffer_bytes(int64_t rows, int64_t seqs, const StepShape& shape);
+
+// Fills `buffer` (uint8 on the device, at least step_buffer_bytes) with the batch's step in `shape`
+// (at least step_shape(batch)) and returns views of it; attaches it to the batch (batch.device_step).
+std::shared_ptr<const DeviceStep> upload_device_step(const Batch& batch, const StepShape& shape, const Tensor& buffer);
+
+// The batch's DeviceStep: the attached one, or a fresh one in its least shape.
 const DeviceStep& device_step(const Batch& batch, Device device);
 
 }  // namespace sparrow

@@ -38,11 +38,11 @@ std::unique_ptr<DsaIndexer> DsaIndexer::load(Checkpoint& ckpt, const std::string
   auto indexer = std::make_unique<DsaIndexer>();
   indexer->options = options;
   const int64_t heads = options.num_heads, dim = options.head_dim;
-  indexer->wq_b = ckpt.take(prefix + "wq_b.weight", {heads * dim, options.query_input});
-  indexer->wk = ckpt.take(prefix + "wk.weight", {dim, options.hidden});
+  indexer->wq_b = ckpt.take_linear(prefix + "wq_b.weight", {heads * dim, options.query_input});
+  indexer->wk = ckpt.take_linear(prefix + "wk.weight", {dim, options.hidden});
   indexer->k_norm_weight = ckpt.take(prefix + "k_norm.weight", {dim});
   indexer->k_norm_bias = ckpt.take(prefix + "k_norm.bias", {dim});
-  indexer->weights_proj = ckpt.take(prefix + "weights_proj.weight", {heads, options.hidden});
+  indexer->weights_proj = ckpt.take_linear(prefix + "weights_proj.weight", {heads, options.hidden});
   return indexer;
 }
 

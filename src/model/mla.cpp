@@ -50,19 +50,19 @@ std::unique_ptr<MlaMixer> MlaMixer::load(Checkpoint& ckpt, const std::string& pr
   mla->options_ = options;
   const int64_t heads = o.num_heads;
   if (o.q_lora_rank > 0) {
-    mla->q_a_proj = ckpt.take(prefix + "q_a_proj.weight", {o.q_lora_rank, o.hidden});
+    mla->q_a_proj = ckpt.take_linear(prefix + "q_a_proj.weight", {o.q_lora_rank, o.hidden});
     if (o.attention_bias) mla->q_a_bias = ckpt.take(prefix + "q_a_proj.bias", {o.q_lora_rank});
     mla->q_a_norm = ckpt.take(prefix + "q_a_layernorm.weight", {o.q_lora_rank});
-    mla->q_b_proj = ckpt.take(prefix + "q_b_proj.weight", {heads * o.qk_head_dim(), o.q_lora_rank});
+    mla->q_b_proj = ckpt.take_linear(prefix + "q_b_proj.weight", {heads * o.qk_head_dim(), o.q_lora_rank});
   } else {
-    mla->q_proj = ckpt.take(prefix + "q_proj.weight", {heads * o.qk_head_dim(), o.hidden});
+    mla->q_proj = ckpt.take_linear(prefix + "q_proj.weight", {heads * o.qk_head_dim(), o.hidden});
   }
-  mla->kv_a_proj = ckpt.take(prefix + "kv_a_proj_with_mqa.weight", {o.cache_row(), o.hidden});
+  mla->kv_a_proj = ckpt.take_linear(prefix + "kv_a_proj_with_mqa.weight", {o.cache_row(), o.hidden});
   if (o.attention_bias) mla->kv_a_bias = ckpt.take(prefix + "kv_a_proj_with_mqa.bias", {o.cache_row()});
   mla->kv_a_norm = ckpt.take(prefix + "kv_a_layernorm.weight", {o.kv_lora_rank});
   mla->kv_b_proj =
       ckpt.take(prefix + "kv_b_proj.weight", {heads * (o.qk_nope_head_dim + o.v_head_dim), o.kv_lora_rank});
-  mla->o_proj = ckpt.take(prefix + "o_proj.weight", {o.hidden, heads * o.v_head_dim});
+  mla->o_proj = ckpt.take_linear(prefix + "o_proj.weight", {o.hidden, heads * o.v_head_dim});
   if (o.attention_bias) mla->o_bias = ckpt.take(prefix + "o_proj.bias", {o.hidden});
   mla->indexer_ = std::move(indexer);
   return mla;

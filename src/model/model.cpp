@@ -1,5 +1,7 @@
 #include "model/model.h"
 
+#include "model/device_step.h"
+
 #include "cache/kv_cache.h"
 #include "core/error.h"
 #include "formats/checkpoint.h"
@@ -75,6 +77,7 @@ Batch make_batch(const std::vector<std::pair<SequenceState*, std::vector<int32_t
 }
 
 const Tensor& Batch::positions_on(Device device) const {
+  if (device != Device::Cpu && device_step) return device_step->positions;  // uploaded with the step's inputs
   if (!positions_tensor.defined() || positions_tensor.device() != device || positions_tensor.numel() != size()) {
     Tensor host = Tensor::empty({size()}, ScalarType::I64);
     std::copy(positions.begin(), positions.end(), host.as<int64_t>());

@@ -76,9 +76,15 @@ class Model {
   // on a GPU in a paged cache on the device that the model keeps for such sequences.
   SequenceState new_sequence() const;
 
-  // Runs the batch and advances each state's length. Returns fp32 logits: [batch.size(), vocab] when
-  // batch.all_logits, else [batch.seqs.size(), vocab] for each sequence's last token.
+  // Runs the batch and advances each state's length. Returns fp32 logits on the model's device:
+  // [batch.size(), vocab] when batch.all_logits, else [batch.seqs.size(), vocab] for each sequence's
+  // last token.
   virtual Tensor forward(const Batch& batch) = 0;
+
+  // vLLM's --enforce-eager: no CUDA graphs (decode steps launch their kernels one by one).
+  bool enforce_eager = false;
+  // Decode steps run by replaying a CUDA graph so far (model/decode_graphs.h).
+  virtual int64_t graph_replays() const { return 0; }
 
  private:
   mutable std::shared_ptr<KvCache> offline_cache_;  // GPU models: the pages of new_sequence()'s sequences

@@ -23,13 +23,15 @@ DenseMlp DenseMlp::load(Checkpoint& ckpt, const std::string& prefix, int64_t hid
   DenseMlp mlp;
   mlp.act = act;
   if (ckpt.has(prefix + "gate_up_proj.weight")) {
-    mlp.gate_up = ckpt.take(prefix + "gate_up_proj.weight", {2 * intermediate, hidden});
+    mlp.gate_up = ckpt.take_linear(prefix + "gate_up_proj.weight", {2 * intermediate, hidden});
   } else {
-    Tensor gate = ckpt.take(prefix + "gate_proj.weight", {intermediate, hidden});
-    Tensor up = ckpt.take(prefix + "up_proj.weight", {intermediate, hidden});
-    mlp.gate_up = ops::concat_rows(gate, up);
+    // FP8 gate and up stack with their scales only when the gate ends on a 128-row scale block.
+    auto take = [&](const std::string& name) {
+      return intermediate % 128 == 0 ? ckpt.take_linear(name, {intermediate, hidden}) : ckpt.take(name, {intermediate, hidden});
+    };
+    mlp.gate_up = ops::concat_rows(take(prefix + "gate_proj.weight"), take(prefix + "up_proj.weight"));
   }
-  mlp.down = ckpt.take(prefix + "down_proj.weight", {hidden, intermediate});
+  mlp.down = ckpt.take_linear(prefix + "down_proj.weight", {hidden, intermediate});
   return mlp;
 }
 

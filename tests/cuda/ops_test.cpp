@@ -147,6 +147,31 @@ TEST(CudaOps, ElementwiseAndProductsMatchTheCpu) {
   }
 }
 
+// ops::sample_tokens on the GPU draws the CPU's tokens from the same logits, keys and adjustments
+// (the kernels' own test, sampling_test, covers the cases one by one; this is the dispatch).
+TEST(CudaOps, SampleTokensMatchesTheCpu) {
+  SPARROW_REQUIRE_GPU();
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const int64_t rows = 6, vocab = 5000;
+  const Tensor logits = random_tensor({rows, vocab}, rng, 3.0f);
+  std::vector<TokenDraw> draws(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    draws[r].temperature = r == 0 ? 0.0f : 0.4f + 0.3f * float(r);
+    draws[r].top_k = r == 2 ? 40 : 0;
+    draws[r].top_p = r == 3 ? 0.8f : 1.0f;
+    draws[r].min_p = r == 4 ? 0.1f : 0.0f;
+    draws[r].key = (uint64_t(rng()) << 32) | rng();
+  }
+  std::vector<LogitAdjustment> adjustments;
+  for (int32_t token : {3, 17, 999}) adjustments.push_back({1, token, 1.3f, 0.5f, 0});
+  adjustments.push_back({5, 42, 1.0f, 0.0f, 1});
+  const Tensor on_gpu = logits.to(Device::Cuda);
+  EXPECT_EQ(ops::sample_tokens(on_gpu, draws, adjustments), ops::sample_tokens(logits, draws, adjustments));
+  EXPECT_EQ(host(on_gpu).data()[17 + vocab], logits.data()[17 + vocab]) << "the caller's logits must stay raw";
+}
+
 // Each block of the GPU fixture on both devices, on the same random normalised input.
 TEST(CudaOps, DeepseekBlocksMatchTheCpu) {
   SPARROW_REQUIRE_GPU();
@@ -255,7 +280,7 @@ TEST_P(CudaOpsStack, DeepseekStackMatchesTheCpuStageByStage) {
   // The model's own forward() on the GPU gives the same logits as the stages above.
   SequenceState fs = dev.new_sequence();
   Batch fb = make_batch({{&fs, ids}});
-  EXPECT_LE(relative_l2(dev.forward(fb), lg), 1e-6) << "forward() differs from its stages";
+  EXPECT_LE(relative_l2(host(dev.forward(fb)), lg), 1e-6) << "forward() differs from its stages";
 }
 
 INSTANTIATE_TEST_SUITE_P(CudaOps, CudaOpsStack,

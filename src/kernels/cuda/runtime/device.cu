@@ -9,6 +9,10 @@
 //     one stream(): a block freed by the host after enqueuing its last use is only reused by work enqueued
 //     later on the same stream. Work on other streams must not free into the pool while still running.
 //   * On out-of-memory the pool returns its cached blocks to the driver and retries once.
+//   * CUDA graphs get a pool of their own (begin_graph_pool / end_graph_pool, around a capture): a
+//     captured graph bakes in the addresses of its scratch, so those blocks must never be handed to
+//     anyone else. They are shared by all graphs (vLLM shares one graph pool the same way): graphs run
+//     one at a time on the one stream, and none keeps data in its scratch from one replay to the next.
 #include "kernels/cuda/runtime/device.h"
 
 #include <map>
@@ -22,10 +26,17 @@ namespace sparrow::cuda {
 
 namespace {
 
+struct Block {
+  size_t size_class;
+  bool graph;  // from the graph pool
+};
+
 struct Pool {
   std::mutex mu;
-  std::map<size_t, std::vector<void*>> free_blocks;  // size class -> blocks
-  std::unordered_map<void*, size_t> live;            // handed out: pointer -> size class
+  std::map<size_t, std::vector<void*>> free_blocks;        // size class -> blocks
+  std::map<size_t, std::vector<void*>> free_graph_blocks;  // the same for the graph pool
+  std::unordered_map<void*, Block> live;                   // handed out
+  bool capturing = false;                                  // between begin_graph_pool and end_graph_pool
   size_t in_use = 0;                                 // bytes of live blocks (by class)
   size_t cached = 0;                                 // bytes held in free lists
 };
@@ -92,12 +103,13 @@ void* device_alloc(size_t bytes) {
   const size_t cls = size_class(bytes);
   Pool& p = pool();
   std::lock_guard<std::mutex> lock(p.mu);
-  auto it = p.free_blocks.find(cls);
+  auto& free_lists = p.capturing ? p.free_graph_blocks : p.free_blocks;
+  auto it = free_lists.find(cls);
   void* ptr = nullptr;
-  if (it != p.free_blocks.end() && !it->second.empty()) {
+  if (it != free_lists.end() && !it->second.empty()) {
     ptr = it->second.back();
     it->second.pop_back();
-    p.cached -= cls;
+    if (!p.capturing) p.cached -= cls;
   } else {
     require_device();
     cudaError_t status = cudaMalloc(&ptr, cls);
@@ -115,7 +127,7 @@ void* device_alloc(size_t bytes) {
            free_b, " of ", total_b, " bytes free on the device): ", cudaGetErrorString(status));
     }
   }
-  p.live.emplace(ptr, cls);
+  p.live.emplace(ptr, Block{cls, p.capturing});
   p.in_use += cls;
   return ptr;  // cudaMalloc returns 256-byte aligned memory
 }
@@ -126,11 +138,28 @@ void device_free(void* ptr) {
   std::lock_guard<std::mutex> lock(p.mu);
   auto it = p.live.find(ptr);
   SPARROW_CHECK(it != p.live.end(), "device_free: pointer was not allocated by the pool");
-  const size_t cls = it->second;
+  const Block block = it->second;
   p.live.erase(it);
-  p.in_use -= cls;
-  p.free_blocks[cls].push_back(ptr);
-  p.cached += cls;
+  p.in_use -= block.size_class;
+  if (block.graph) {
+    p.free_graph_blocks[block.size_class].push_back(ptr);  // kept for graphs, whoever frees it
+    return;
+  }
+  p.free_blocks[block.size_class].push_back(ptr);
+  p.cached += block.size_class;
+}
+
+void begin_graph_pool() {
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  SPARROW_CHECK(!p.capturing, "begin_graph_pool: a capture is already under way");
+  p.capturing = true;
+}
+
+void end_graph_pool() {
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  p.capturing = false;
 }
 
 size_t device_bytes_in_use() {

@@ -18,7 +18,12 @@ cudaStream_t stream();              // the engine's stream (created on first use
 void* device_alloc(size_t bytes);   // from the pool; 256-byte aligned; throws on out-of-memory
 void device_free(void* p);          // back to the pool (nullptr is ignored)
 size_t device_bytes_in_use();       // for tests and the memory planner
-void release_cached_memory();       // return pooled blocks to the driver
+void release_cached_memory();       // return pooled blocks to the driver (the graph pool's stay)
+
+// Between these, device_alloc serves from the CUDA graphs' own pool (device.cu says why); its blocks
+// go back to that pool when freed, at any time.
+void begin_graph_pool();
+void end_graph_pool();
 
 // Copies on stream(); the _sync forms wait for completion.
 void copy_to_device(void* dst, const void* src, size_t bytes);

@@ -1,0 +1,104 @@
+#include "model/decode_graphs.h"
+
+#include <cstdio>
+
+#include "core/error.h"
+
+#if SPARROW_HAVE_CUDA
+#include "kernels/cuda/runtime/device.h"
+#include "kernels/cuda/runtime/graph.h"
+#endif
+
+namespace sparrow {
+
+namespace {
+
+// n rounded up so that a bucket spans at most 1/8 of its size: multiples of 128 up to 1024, then
+// eight buckets per power of two.
+int64_t bucket(int64_t n) {
+  if (n <= 1024) return std::max<int64_t>((n + 127) / 128 * 128, 128);
+  const int64_t step = (int64_t(1) << (63 - __builtin_clzll(uint64_t(n)))) / 8;
+  return (n + step - 1) / step * step;
+}
+
+}  // namespace
+
+#if SPARROW_HAVE_CUDA
+struct DecodeGraphs::Graph {
+  Tensor inputs;  // the step's inputs (device_step.h), refilled before each replay
+  Tensor logits;  // written by each replay (graph pool)
+  cuda::CudaGraph graph;
+  int64_t last_used = 0;
+};
+#else
+struct DecodeGraphs::Graph {};
+#endif
+
+DecodeGraphs::DecodeGraphs(int64_t max_graphs) : max_graphs_(max_graphs) {}
+DecodeGraphs::~DecodeGraphs() = default;
+
+bool DecodeGraphs::eligible(const Batch& batch) {
+  if (batch.all_logits || batch.seqs.empty() || batch.size() > kMaxRows) return false;
+  for (const SeqSlice& s : batch.seqs)
+    if (s.count != 1) return false;
+  return true;
+}
+
+StepShape DecodeGraphs::padded(const StepShape& least, int64_t block_size) {
+  StepShape shape;
+  shape.max_visible = bucket(least.max_visible);
+  shape.table_stride = bucket(std::max(least.table_stride, (shape.max_visible + block_size - 1) / block_size));
+  return shape;
+}
+
+Tensor DecodeGraphs::run(const Batch& batch, Device device, const std::function<Tensor()>& compute) {
+#if SPARROW_HAVE_CUDA
+  SPARROW_CHECK(eligible(batch), "DecodeGraphs::run: not a decode step");
+  const StepShape least = step_shape(batch, device);
+  const StepShape shape = padded(least, batch.seqs[0].cache().paged()->block_size());
+  const Key key{batch.size(), shape.table_stride, shape.max_visible};
+  const int64_t bytes = step_buffer_bytes(batch.size(), int64_t(batch.seqs.size()), shape);
+
+  auto it = graphs_.find(key);
+  if (it == graphs_.end() && (uncapturable_.count(key) || seen_once_.insert(key).second)) {
+    // First sight (or never capturable): run directly, in the padded shape like the graph would.
+    upload_device_step(batch, shape, Tensor::empty({bytes}, ScalarType::U8, device));
+    return compute();
+  }
+  if (it == graphs_.end()) {
+    if (int64_t(graphs_.size()) >= max_graphs_) {
+      auto oldest = graphs_.begin();
+      for (auto g = graphs_.begin(); g != graphs_.end(); ++g)
+        if (g->second->last_used < oldest->second->last_used) oldest = g;
+      cuda::synchronize();  // its last replay may still run
+      graphs_.erase(oldest);
+    }
+    auto graph = std::make_unique<Graph>();
+    graph->inputs = Tensor::empty({bytes}, ScalarType::U8, device);
+    upload_device_step(batch, shape, graph->inputs);
+    try {
+      graph->graph.capture([&] { graph->logits = compute(); });
+    } catch (const Error& e) {
+      std::fprintf(stderr, "sparrow: decode step of %lld rows runs without a CUDA graph: %s\n",
+                   static_cast<long long>(batch.size()), e.what());
+      uncapturable_.insert(key);
+      return compute();  // the inputs are uploaded already
+    }
+    it = graphs_.emplace(key, std::move(graph)).first;
+  } else {
+    upload_device_step(batch, shape, it->second->inputs);
+  }
+  Graph& g = *it->second;
+  g.last_used = ++clock_;
+  g.graph.replay();
+  ++replays_;
+  return g.logits.clone();  // the next replay overwrites g.logits
+#else
+  (void)batch;
+  (void)device;
+  (void)compute;
+  fail("CUDA graphs in a build without the CUDA backend");
+#endif
+}
+
+}  // namespace sparrow
