@@ -223,10 +223,20 @@ void dsa_decode_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows
   SPARROW_CHECK(dsa_decode_scores_supported(heads), "dsa_decode_scores: heads must be 32 or 64, got ", heads);
   SPARROW_CHECK(rows < 65536, "dsa_decode_scores: too many rows (", rows, ")");
   if (rows <= 0 || max_visible <= 0) return;
-  // Enough CTAs for several waves at 4-5 CTAs per SM, each reading at least 8 tiles (64 KB of keys) so
-  // that its query load and pipeline fill are amortised.
-  const int64_t target_ctas = int64_t(sms) * 8;
-  const int64_t splits_wanted = std::max<int64_t>(1, target_ctas / rows);
+  // One wave: as many CTAs as fit on the chip at once (a second, partly filled wave would leave SMs
+  // idle at the end: 2 waves of 1024 CTAs over 660 slots run at ~78%), the keys of each row split
+  // evenly over its CTAs, each reading at least 8 tiles (64 KB of keys) so that its query load and
+  // pipeline fill are amortised.
+  auto kernel = heads == 64 ? decode_scores_kernel<64> : decode_scores_kernel<32>;
+  static int resident[2] = {0, 0};  // CTAs per SM, per instantiation
+  int& per_sm = resident[heads == 64 ? 1 : 0];
+  if (per_sm == 0) {
+    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    SPARROW_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kSmemBytes));
+    per_sm = std::max(per_sm, 1);
+  }
+  const int64_t slots = int64_t(sms) * per_sm;
+  const int64_t splits_wanted = std::max<int64_t>(1, slots / rows);
   int64_t per = (max_visible + splits_wanted - 1) / splits_wanted;
   per = std::max<int64_t>(per, 8 * kTileKeys);
   per = (per + kTileKeys - 1) / kTileKeys * kTileKeys;
@@ -234,23 +244,7 @@ void dsa_decode_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows
   DecodeParams params{q_fp8, w_folded, row_seq, row_visible, pool, page_table, page_table_stride, block_size,
                       scores, ld, max_visible, per};
   const dim3 grid{unsigned(splits), unsigned(rows), 1u};
-  if (heads == 64) {
-    static bool configured = [] {
-      SPARROW_CUDA_CHECK(cudaFuncSetAttribute(decode_scores_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              kSmemBytes));
-      return true;
-    }();
-    (void)configured;
-    decode_scores_kernel<64><<<grid, kThreads, kSmemBytes, stream>>>(params);
-  } else {
-    static bool configured = [] {
-      SPARROW_CUDA_CHECK(cudaFuncSetAttribute(decode_scores_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              kSmemBytes));
-      return true;
-    }();
-    (void)configured;
-    decode_scores_kernel<32><<<grid, kThreads, kSmemBytes, stream>>>(params);
-  }
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
