@@ -191,8 +191,11 @@ const Tensor& Tensor::block_scales() const {
 }
 
 Tensor Tensor::with_block_scales(Tensor scales) const {
-  SPARROW_CHECK(type_ == ScalarType::F8E4M3 && ndim() == 2 && scales.type() == ScalarType::F32 && scales.ndim() == 2 &&
-                    scales.dim(0) == (dim(0) + 127) / 128 && scales.dim(1) == (dim(1) + 127) / 128,
+  // A matrix's scales are [ceil(rows/128), ceil(cols/128)]; stacked experts document their own layout
+  // (kernels/cuda/moe/moe.h).
+  const bool matrix_ok = ndim() != 2 || (scales.ndim() == 2 && scales.dim(0) == (dim(0) + 127) / 128 &&
+                                         scales.dim(1) == (dim(1) + 127) / 128);
+  SPARROW_CHECK(type_ == ScalarType::F8E4M3 && ndim() >= 2 && scales.type() == ScalarType::F32 && matrix_ok,
                 "with_block_scales: an FP8 matrix ", shape_str(shape_), " takes fp32 scales [", (dim(0) + 127) / 128,
                 ", ", (dim(1) + 127) / 128, "], got ", scalar_name(scales.type()), " ", shape_str(scales.shape()));
   Tensor t = *this;

@@ -77,8 +77,8 @@ class Tensor {
   Tensor to(Device device, ScalarType type) const;
   Tensor to(Device device) const { return to(device, type_); }
 
-  // FP8 weights: the fp32 block scales, row-major [ceil(rows / 128), ceil(cols / 128)] (an undefined
-  // tensor otherwise). with_block_scales returns the same handle with them attached; to() moves them
+  // FP8 weights: the fp32 block scales, row-major [ceil(rows / 128), ceil(cols / 128)] for a matrix
+  // (stacked experts: Checkpoint::take_experts), an undefined tensor otherwise. with_block_scales returns the same handle with them attached; to() moves them
   // along.
   const Tensor& block_scales() const;
   Tensor with_block_scales(Tensor scales) const;

@@ -111,12 +111,23 @@ Tensor Checkpoint::take_linear(const std::string& name, const Shape& expected) {
                    expected.size() == 2 && it->second->shape == expected && block_rows_ == 128 && block_cols_ == 128;
   const std::string scale_name = name + kScaleSuffix;
   if (!fp8 || expected[1] % 16 != 0 || expected[0] % 8 != 0 || !has(scale_name)) return take(name, expected);
+  Tensor scales;
+  Tensor codes = take_fp8_codes(name, expected, scales);
+  return codes.with_block_scales(scales.clone()).to(device_);
+}
+
+Tensor Checkpoint::take_fp8_codes(const std::string& name, const Shape& expected, Tensor& scales) {
+  auto it = index_.find(name);
+  SPARROW_CHECK(it != index_.end(), "missing tensor '", name, "' in ", dir_);
   const TensorInfo& info = *it->second;
+  SPARROW_CHECK(info.dtype == DType::F8_E4M3 && info.shape == expected, "tensor '", name, "': expected F8_E4M3 ",
+                shape_str(expected), ", found ", dtype_name(info.dtype), " ", shape_str(info.shape));
+  const int64_t rows = expected[expected.size() - 2], cols = expected.back();
   taken_.insert(name);
-  Tensor scales = take_host(scale_name, {ceil_div(expected[0], 128), ceil_div(expected[1], 128)});
+  scales = take_host(name + kScaleSuffix, {ceil_div(rows, block_rows_), ceil_div(cols, block_cols_)});
   Tensor codes = Tensor::empty(expected, ScalarType::F8E4M3);
   std::memcpy(codes.raw(), info.data, info.nbytes);
-  return codes.with_block_scales(scales.clone()).to(device_);
+  return codes;
 }
 
 Tensor Checkpoint::place(const Tensor& t) const {
@@ -185,6 +196,11 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
   const Names* names = has(prefix + ".0.gate_proj.weight") ? &hf : has(prefix + ".0.w1.weight") ? &release : nullptr;
   SPARROW_CHECK(names, "missing experts '", prefix, "': neither '", prefix, ".gate_up_proj' nor '", prefix,
                 ".0.gate_proj.weight' (or '.0.w1.weight') in ", dir_);
+  const std::string first = cat(prefix, ".0.", names->gate, ".weight");
+  // (The FP8 expert kernel reads rows in 16-byte pieces: I and H multiples of 16.)
+  if (device_ != Device::Cpu && index_.at(first)->dtype == DType::F8_E4M3 && block_rows_ == 128 &&
+      block_cols_ == 128 && has(first + kScaleSuffix) && I % 16 == 0 && H % 16 == 0)
+    return take_fp8_experts(prefix, E, I, H, names->gate, names->up, names->down);
   Experts experts{Tensor::empty({E, 2 * I, H}), Tensor::empty({E, H, I})};
   const size_t matrix_bytes = static_cast<size_t>(I * H) * sizeof(float);
   for (int64_t e = 0; e < E; ++e) {
@@ -198,6 +214,31 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
     std::memcpy(experts.down.row(e), down.data(), matrix_bytes);
   }
   return {place(experts.gate_up), place(experts.down)};
+}
+
+// On a GPU, FP8 experts stay FP8 (kernels/cuda/moe/moe.h moe_experts_fp8): codes stacked as
+// gate_up [E, 2I, H] and down [E, H, I]; the gate's and the up's block scales kept apart as
+// [E, 2, ceil(I/128), ceil(H/128)] (their 128-row blocks need not line up once stacked), down's as
+// [E, ceil(H/128), ceil(I/128)].
+Checkpoint::Experts Checkpoint::take_fp8_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H,
+                                                 const char* gate_name, const char* up_name, const char* down_name) {
+  const int64_t ib = ceil_div(I, 128), hb = ceil_div(H, 128);
+  Tensor gate_up = Tensor::empty({E, 2 * I, H}, ScalarType::F8E4M3), down = Tensor::empty({E, H, I}, ScalarType::F8E4M3);
+  Tensor gate_up_scales = Tensor::empty({E, 2, ib, hb}), down_scales = Tensor::empty({E, hb, ib});
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string expert = cat(prefix, ".", e, ".");
+    Tensor scales;
+    Tensor codes = take_fp8_codes(expert + gate_name + ".weight", {I, H}, scales);
+    std::memcpy(gate_up.as<uint8_t>() + e * 2 * I * H, codes.raw(), size_t(I * H));
+    std::memcpy(gate_up_scales.data() + (e * 2 + 0) * ib * hb, scales.data(), size_t(ib * hb) * sizeof(float));
+    codes = take_fp8_codes(expert + up_name + ".weight", {I, H}, scales);
+    std::memcpy(gate_up.as<uint8_t>() + e * 2 * I * H + I * H, codes.raw(), size_t(I * H));
+    std::memcpy(gate_up_scales.data() + (e * 2 + 1) * ib * hb, scales.data(), size_t(ib * hb) * sizeof(float));
+    codes = take_fp8_codes(expert + down_name + ".weight", {H, I}, scales);
+    std::memcpy(down.as<uint8_t>() + e * H * I, codes.raw(), size_t(H * I));
+    std::memcpy(down_scales.data() + e * hb * ib, scales.data(), size_t(hb * ib) * sizeof(float));
+  }
+  return {gate_up.with_block_scales(gate_up_scales).to(device_), down.with_block_scales(down_scales).to(device_)};
 }
 
 void Checkpoint::finish(const std::vector<std::string>& ignore_prefixes) {

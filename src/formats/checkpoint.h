@@ -51,6 +51,7 @@ class Checkpoint {
     Tensor gate_up;  // [E, 2I, H]: rows [0, I) gate, [I, 2I) up
     Tensor down;     // [E, H, I]
   };
+  // On a GPU, FP8 experts (per-expert tensors with 128x128 scales) stay FP8 with their scales attached.
   Experts take_experts(const std::string& prefix, int64_t num_experts, int64_t intermediate, int64_t hidden);
 
   // Throws "unexpected tensor 'x' in <file>" for any tensor never taken (ignoring names matched by
@@ -73,6 +74,10 @@ class Checkpoint {
   Tensor take_host(const std::string& name, const Shape& expected);  // take() before placement
   Tensor place(const Tensor& t) const;
   Tensor dequantize_fp8(const TensorInfo& weight, const std::string& scale_name);
+  // An F8_E4M3 tensor's codes as they are (host) and its block scales; marks both taken.
+  Tensor take_fp8_codes(const std::string& name, const Shape& expected, Tensor& scales);
+  Experts take_fp8_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H, const char* gate_name,
+                           const char* up_name, const char* down_name);
 };
 
 }  // namespace sparrow

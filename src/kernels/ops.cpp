@@ -401,13 +401,13 @@ DeviceRouting route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, in
                                     int64_t top_k, bool normalize, float normalize_eps, float scaling) {
   SPARROW_CHECK(!logits.on_cpu(), "route_grouped_sigmoid is the GPU routing (the CPU's is SigmoidRouter::route)");
   SPARROW_CHECK(logits.type() == ScalarType::F32, "router logits must be float32");
-  SPARROW_CHECK(!normalize || normalize_eps == 1e-20f, "GPU routing normalises with DeepSeek's 1e-20");
 #if SPARROW_HAVE_CUDA
   const int64_t tokens = logits.dim(0), experts = logits.dim(1);
   DeviceRouting r{Tensor::empty({tokens, top_k}, ScalarType::I32, logits.device()),
                   Tensor::empty({tokens, top_k}, ScalarType::F32, logits.device())};
   cuda::route_grouped_sigmoid(logits.as<float>(), bias.as<float>(), tokens, experts, n_group, topk_group, top_k,
-                              normalize, scaling, r.experts.as<int32_t>(), r.weights.as<float>(), cuda::stream());
+                              normalize, normalize_eps, scaling, r.experts.as<int32_t>(), r.weights.as<float>(),
+                              cuda::stream());
   return r;
 #else
   no_cuda();
@@ -418,16 +418,27 @@ Tensor moe_experts(const Tensor& x, const DeviceRouting& routing, const Tensor& 
                    float alpha, float limit) {
   SPARROW_CHECK(!x.on_cpu(), "moe_experts is the GPU path (the CPU's is run_experts)");
 #if SPARROW_HAVE_CUDA
-  SPARROW_CHECK(x.type() == ScalarType::BF16 && gate_up.type() == ScalarType::BF16, "GPU experts run in bfloat16");
+  const bool fp8 = gate_up.type() == ScalarType::F8E4M3;
+  SPARROW_CHECK(x.type() == ScalarType::BF16 && (fp8 ? down.type() == ScalarType::F8E4M3 && gate_up.block_scales().defined() &&
+                                                           down.block_scales().defined()
+                                                     : gate_up.type() == ScalarType::BF16 && down.type() == ScalarType::BF16),
+                "GPU experts take bf16 activations and bf16 weights, or FP8 weights with their block scales");
   const int64_t tokens = x.dim(0), hidden = x.dim(1), top_k = routing.experts.dim(1);
   const int64_t num_experts = gate_up.dim(0), inter = down.dim(2);
   Tensor out = Tensor::empty({tokens, hidden}, ScalarType::BF16, x.device());
   Tensor workspace = Tensor::empty(
       {int64_t(cuda::moe_workspace_bytes(tokens, top_k, num_experts, hidden, inter))}, ScalarType::U8, x.device());
-  cuda::moe_experts(x.raw(), tokens, hidden, routing.experts.as<int32_t>(), routing.weights.as<float>(), top_k,
-                    gate_up.raw(), down.raw(), num_experts, inter,
-                    kind == Glu::SiluGlu ? cuda::GluKind::SiluGlu : cuda::GluKind::ClampedSwiglu, alpha, limit,
-                    out.raw(), workspace.raw(), cuda::stream());
+  const cuda::GluKind glu = kind == Glu::SiluGlu ? cuda::GluKind::SiluGlu : cuda::GluKind::ClampedSwiglu;
+  if (fp8) {
+    cuda::moe_experts_fp8(x.raw(), tokens, hidden, routing.experts.as<int32_t>(), routing.weights.as<float>(), top_k,
+                          gate_up.as<uint8_t>(), gate_up.block_scales().as<float>(), down.as<uint8_t>(),
+                          down.block_scales().as<float>(), num_experts, inter, glu, alpha, limit, out.raw(),
+                          workspace.raw(), cuda::stream());
+  } else {
+    cuda::moe_experts(x.raw(), tokens, hidden, routing.experts.as<int32_t>(), routing.weights.as<float>(), top_k,
+                      gate_up.raw(), down.raw(), num_experts, inter, glu, alpha, limit, out.raw(), workspace.raw(),
+                      cuda::stream());
+  }
   return out;
 #else
   no_cuda();

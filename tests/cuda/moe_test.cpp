@@ -1,11 +1,15 @@
 // The GPU mixture of experts against the CPU model code: route_grouped_sigmoid against
 // SigmoidRouter::route (the router's weight set to the identity so the logits pass through unchanged),
-// moe_experts against run_experts on bf16-representable weights.
+// moe_experts against run_experts on bf16-representable weights; moe_experts_fp8 (e4m3 weights, 128x128
+// block scales) against moe_experts on the same weights dequantised on the host, and against a double
+// reference.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 
+#include "core/error.h"
 #include "core/tensor.h"
+#include "kernels/cpu/fp8.h"
 #include "kernels/cuda/moe/moe.h"
 #include "kernels/cuda/runtime/device.h"
 #include "model/moe.h"
@@ -150,6 +154,206 @@ TEST(CudaMoe, ExpertsMatchRunExperts) {
                         cuda::stream());
       EXPECT_EQ(test::from_bf16(out.download<uint16_t>(c.tokens * c.hidden)), got);
     }
+}
+
+// Random FP8 experts: codes uniform over the finite e4m3 codes (0x7F / 0xFF are NaN), block scales
+// random and positive around 1 / (100 sqrt(K)) (uniform codes have an RMS near 100), so the products
+// are O(1). gate_up's scales follow moe.h: [E, 2, ceil(inter/128), ceil(hidden/128)].
+struct Fp8Experts {
+  std::vector<uint8_t> gate_up, down;
+  std::vector<float> gate_up_scales, down_scales;
+};
+
+Fp8Experts random_fp8_experts(std::mt19937_64& rng, int64_t experts, int64_t hidden, int64_t inter) {
+  auto codes = [&](int64_t n) {
+    std::uniform_int_distribution<int> d(0, 253);  // 254 finite codes: skip 0x7F and 0xFF
+    std::vector<uint8_t> v(n);
+    for (uint8_t& c : v) {
+      const int r = d(rng);
+      c = uint8_t(r < 0x7F ? r : r + 1);  // 0..0x7E, 0x80..0xFE
+    }
+    return v;
+  };
+  auto scales = [&](int64_t n, int64_t k) {
+    const float base = 1.0f / (100.0f * std::sqrt(float(k)));
+    std::uniform_real_distribution<float> d(0.25f, 4.0f);
+    std::vector<float> v(n);
+    for (float& s : v) s = base * d(rng);
+    return v;
+  };
+  const int64_t ib = (inter + 127) / 128, hb = (hidden + 127) / 128;
+  Fp8Experts f;
+  f.gate_up = codes(experts * 2 * inter * hidden);
+  f.down = codes(experts * hidden * inter);
+  f.gate_up_scales = scales(experts * 2 * ib * hb, hidden);
+  f.down_scales = scales(experts * hb * ib, inter);
+  return f;
+}
+
+// Dequantised weights, [E, 2*inter, hidden] and [E, hidden, inter]: the fp32 product e4m3 * scale, and
+// (bf16 = true) that rounded to bf16 as the kernel does.
+void dequantise(const Fp8Experts& f, int64_t experts, int64_t hidden, int64_t inter, bool bf16,
+                std::vector<float>& gate_up, std::vector<float>& down) {
+  const int64_t ib = (inter + 127) / 128, hb = (hidden + 127) / 128;
+  gate_up.resize(f.gate_up.size());
+  down.resize(f.down.size());
+  auto value = [&](uint8_t code, float scale) {
+    const float v = cpu::e4m3_to_float(code) * scale;
+    return bf16 ? test::round_bf16(v) : v;
+  };
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t i = 0; i < 2 * inter; ++i) {
+      const int64_t half = i / inter, r = i % inter;
+      const float* s = &f.gate_up_scales[((e * 2 + half) * ib + r / 128) * hb];
+      const int64_t row = (e * 2 * inter + i) * hidden;
+      for (int64_t j = 0; j < hidden; ++j) gate_up[row + j] = value(f.gate_up[row + j], s[j / 128]);
+    }
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t i = 0; i < hidden; ++i) {
+      const float* s = &f.down_scales[(e * hb + i / 128) * ib];
+      const int64_t row = (e * hidden + i) * inter;
+      for (int64_t j = 0; j < inter; ++j) down[row + j] = value(f.down[row + j], s[j / 128]);
+    }
+}
+
+// out[t] = Σ_j w[t,j] · down[e] · act(gate_up[e] · x[t]) in double.
+std::vector<float> experts_reference(const std::vector<float>& x, const Routing& routing,
+                                     const std::vector<float>& gate_up, const std::vector<float>& down, int64_t tokens,
+                                     int64_t hidden, int64_t inter, cuda::GluKind kind, double alpha, double limit) {
+  std::vector<float> out(tokens * hidden);
+  std::vector<double> h(inter), acc(hidden);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0);
+    const float* xr = &x[t * hidden];
+    for (int64_t j = 0; j < routing.top_k; ++j) {
+      const int64_t e = routing.experts[t * routing.top_k + j];
+      for (int64_t i = 0; i < inter; ++i) {
+        const float* g = &gate_up[(e * 2 * inter + i) * hidden];
+        const float* u = g + inter * hidden;
+        double gs = 0, us = 0;
+        for (int64_t k = 0; k < hidden; ++k) {
+          gs += double(g[k]) * xr[k];
+          us += double(u[k]) * xr[k];
+        }
+        if (kind == cuda::GluKind::SiluGlu) {
+          h[i] = gs / (1.0 + std::exp(-gs)) * us;
+        } else {
+          const double gc = std::min(gs, limit), uc = std::clamp(us, -limit, limit);
+          h[i] = (uc + 1.0) * gc / (1.0 + std::exp(-alpha * gc));
+        }
+      }
+      const double w = routing.weights[t * routing.top_k + j];
+      for (int64_t d = 0; d < hidden; ++d) {
+        const float* dr = &down[(e * hidden + d) * inter];
+        double s = 0;
+        for (int64_t i = 0; i < inter; ++i) s += double(dr[i]) * h[i];
+        acc[d] += w * s;
+      }
+    }
+    for (int64_t d = 0; d < hidden; ++d) out[t * hidden + d] = float(acc[d]);
+  }
+  return out;
+}
+
+TEST(CudaMoe, Fp8ExpertsMatchDequantisedBf16) {
+  SPARROW_REQUIRE_GPU();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  struct Shape {
+    int64_t hidden, inter, experts, top_k;
+    bool both_kinds;
+  };
+  const Shape shapes[] = {
+      {256, 16, 8, 2, true},     // inter 16: one partial 128-row scale block per half, mostly empty N tiles
+      {512, 192, 16, 4, true},   // inter % 128 = 64: the up rows' blocks start mid-block of the stacked rows
+      {208, 80, 4, 2, true},     // hidden, inter not multiples of 64 or 128: partial N tiles, K and scale blocks
+      {1024, 256, 32, 8, false}, // DeepSeek-V3 (hidden 7168, inter 2048, top-8) scaled down
+  };
+  const float alpha = 1.702f, limit = 7.0f;
+  for (const Shape& c : shapes)
+    for (int64_t tokens : {1, 7, 300})  // 300: more than 64 rows for some experts
+      for (auto kind : {cuda::GluKind::SiluGlu, cuda::GluKind::ClampedSwiglu}) {
+        if (!c.both_kinds && kind != cuda::GluKind::SiluGlu) continue;
+        SCOPED_TRACE(testing::Message() << "tokens=" << tokens << " hidden=" << c.hidden << " inter=" << c.inter
+                                        << " experts=" << c.experts << " top_k=" << c.top_k << " kind=" << int(kind));
+        std::vector<float> x = test::random_vector(rng, tokens * c.hidden, -1.0f, 1.0f);
+        for (float& v : x) v = test::round_bf16(v);
+        const Fp8Experts f = random_fp8_experts(rng, c.experts, c.hidden, c.inter);
+        Routing routing;
+        routing.top_k = c.top_k;
+        std::vector<int32_t> perm(c.experts);
+        std::iota(perm.begin(), perm.end(), 0);
+        for (int64_t t = 0; t < tokens; ++t) {
+          std::shuffle(perm.begin(), perm.end(), rng);  // distinct experts per token, as a router gives
+          for (int64_t j = 0; j < c.top_k; ++j) {
+            routing.experts.push_back(perm[j]);
+            routing.weights.push_back(std::uniform_real_distribution<float>(0.1f, 1.0f)(rng));
+          }
+        }
+        std::vector<float> gu_bf16, down_bf16, gu_exact, down_exact;
+        dequantise(f, c.experts, c.hidden, c.inter, true, gu_bf16, down_bf16);
+        dequantise(f, c.experts, c.hidden, c.inter, false, gu_exact, down_exact);
+
+        const size_t ws_bytes = cuda::moe_workspace_bytes(tokens, c.top_k, c.experts, c.hidden, c.inter);
+        DeviceBuffer dx(test::to_bf16(x)), de(routing.experts), dw(routing.weights), dgu8(f.gate_up),
+            dgus(f.gate_up_scales), dd8(f.down), dds(f.down_scales), dgu16(test::to_bf16(gu_bf16)),
+            dd16(test::to_bf16(down_bf16)), out8(tokens * c.hidden * 2), out16(tokens * c.hidden * 2),
+            ws(ws_bytes);
+        out8.poison();
+        ws.poison();
+        cuda::moe_experts_fp8(dx.get(), tokens, c.hidden, de.get<int32_t>(), dw.get<float>(), c.top_k,
+                              dgu8.get<uint8_t>(), dgus.get<float>(), dd8.get<uint8_t>(), dds.get<float>(),
+                              c.experts, c.inter, kind, alpha, limit, out8.get(), ws.get(), cuda::stream());
+        const std::vector<uint16_t> got8 = out8.download<uint16_t>(tokens * c.hidden);
+        out16.poison();
+        ws.poison();
+        cuda::moe_experts(dx.get(), tokens, c.hidden, de.get<int32_t>(), dw.get<float>(), c.top_k, dgu16.get(),
+                          dd16.get(), c.experts, c.inter, kind, alpha, limit, out16.get(), ws.get(), cuda::stream());
+        const std::vector<uint16_t> got16 = out16.download<uint16_t>(tokens * c.hidden);
+
+        // The FP8 kernel dequantises each weight to bf16(e4m3 * scale) and then runs the bf16 kernel's
+        // products in the same order: the same bits as the bf16 kernel on the host-dequantised weights.
+        size_t differ = 0, first = 0;
+        for (size_t i = got8.size(); i-- > 0;)
+          if (got8[i] != got16[i]) ++differ, first = i;
+        EXPECT_EQ(differ, 0u) << "first at " << first << ": fp8 " << test::bf2f(got8[first]) << ", bf16 "
+                              << test::bf2f(got16[first]);
+
+        // Against the double reference on the exact (fp32, unrounded) dequantised weights: bf16 weights,
+        // intermediate h and per-slot outputs, one final bf16 rounding; tolerances as for moe_experts.
+        const std::vector<float> got = test::from_bf16(got8);
+        const std::vector<float> ref = experts_reference(x, routing, gu_exact, down_exact, tokens, c.hidden, c.inter,
+                                                         kind, alpha, limit);
+        EXPECT_LT(test::rel_error(got, ref), 1e-2);
+        double max_ref = 0;
+        for (float v : ref) max_ref = std::max(max_ref, double(std::fabs(v)));
+        EXPECT_GT(max_ref, 0.0);
+        EXPECT_TRUE(test::all_close(got, ref, 2e-2, 2e-2 * max_ref));
+
+        // Deterministic: a second run gives the same bits.
+        out8.poison();
+        cuda::moe_experts_fp8(dx.get(), tokens, c.hidden, de.get<int32_t>(), dw.get<float>(), c.top_k,
+                              dgu8.get<uint8_t>(), dgus.get<float>(), dd8.get<uint8_t>(), dds.get<float>(),
+                              c.experts, c.inter, kind, alpha, limit, out8.get(), ws.get(), cuda::stream());
+        EXPECT_EQ(out8.download<uint16_t>(tokens * c.hidden), got8);
+      }
+}
+
+// The FP8 form reads e4m3 rows in 16-byte pieces: sizes that are not multiples of 16, and missing scales,
+// are refused before anything is launched.
+TEST(CudaMoe, Fp8ExpertsRejectBadArguments) {
+  SPARROW_REQUIRE_GPU();
+  const int64_t tokens = 2, experts = 4, top_k = 2;
+  DeviceBuffer buf(1 << 20), scales(4096), out(1 << 16), ws(1 << 20);
+  auto call = [&](int64_t hidden, int64_t inter, const float* s) {
+    cuda::moe_experts_fp8(buf.get(), tokens, hidden, buf.get<int32_t>(), buf.get<float>(), top_k, buf.get<uint8_t>(),
+                          s, buf.get<uint8_t>(), s, experts, inter, cuda::GluKind::SiluGlu, 1.0f, 0.0f, out.get(),
+                          ws.get(), cuda::stream());
+  };
+  EXPECT_THROW(call(200, 64, scales.get<float>()), Error);  // hidden % 16 == 8
+  EXPECT_THROW(call(256, 72, scales.get<float>()), Error);  // inter % 16 == 8
+  EXPECT_THROW(call(256, 64, nullptr), Error);
 }
 
 }  // namespace

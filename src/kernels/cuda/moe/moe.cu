@@ -19,13 +19,22 @@
 // grid is sized by a host-side bound (pairs/64 + experts, at most pairs) and surplus blocks exit. Tiles
 // use bf16 tensor cores through WMMA (fp32 accumulation), 64x64x32 blocks, a 3-stage cp.async pipeline.
 // This is the correct-first version: a wgmma (sm_90a) kernel is the known next step for large batches.
+//
+// moe_experts_fp8 is the same pipeline with e4m3 weights and 128x128 block scales (moe.h): the e4m3 tiles
+// and their scale are copied raw (half the bytes), and each k step dequantises its stage into a bf16 tile,
+// bf16(e4m3 * scale), before the unchanged WMMA step. Every product therefore sees exactly the operands
+// moe_experts would see on weights dequantised by dequantize_fp8_blocks, in the same order: bit-identical
+// results, half the weight traffic (decode is bound by reading expert weights).
 #include "kernels/cuda/moe/moe.h"
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <mma.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "kernels/cuda/runtime/cuda_check.h"
 
@@ -138,6 +147,7 @@ __global__ void route_kernel(const float* logits, const float* bias, int num_exp
 // ------------------------------------------------------------------------------------------------
 
 constexpr int BM = 64, BN = 64, BK = 32, STAGES = 3, THREADS = 128;
+constexpr int STAGES_FP8 = 4;  // pipeline depth with e4m3 weights (see SmemTiles<NB, true>)
 constexpr int LDS = BK + 8;   // smem row pitch (bf16) of the A/B tiles: 80 B, breaks bank conflicts
 constexpr int LDC = BN + 4;   // fp32 epilogue pitch
 
@@ -191,6 +201,11 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
   const int size = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(size));
 }
+// 4 bytes (a block scale); .ca: .cg takes only 16-byte copies.
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -205,39 +220,65 @@ __device__ __forceinline__ float activation(float g, float u, GluKind kind, floa
   return __fmul_rn(__fadd_rn(uc, 1.0f), __fmul_rn(gc, sig));
 }
 
+// bf16(e4m3 * scale) for the two codes of `two` (low byte first): e4m3 -> fp16 is exact (cvt.rn.f16x2.e4m3x2),
+// fp16 -> fp32 exact, one fp32 product, then nearest-even to bf16 -- the values dequantize_fp8_blocks gives.
+__device__ __forceinline__ uint32_t dequant2(uint32_t two, float sc) {
+  const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xffffu), __NV_E4M3);
+  const float2 f = __half22float2(__half2(hr));
+  const __nv_bfloat162 b = __floats2bfloat162_rn(__fmul_rn(f.x, sc), __fmul_rn(f.y, sc));
+  uint32_t bits;
+  memcpy(&bits, &b, sizeof(bits));
+  return bits;
+}
+// Eight codes (w0 then w1, lowest byte first) -> eight bf16 (lowest address first).
+__device__ __forceinline__ uint4 dequant8(uint32_t w0, uint32_t w1, float sc) {
+  return make_uint4(dequant2(w0, sc), dequant2(w0 >> 16, sc), dequant2(w1, sc), dequant2(w1 >> 16, sc));
+}
+
 // A tile's product over K with NB weight operands (2 for gate/up, 1 for down). A rows come from
 // a_rows[] (per-thread row pointers, null = zero row); weight rows are w[b] + n * K.
-template <int NB>
+template <int NB, bool FP8>
 struct SmemTiles {
   bf16 a[STAGES][BM][LDS];
   bf16 b[STAGES][NB][BN][LDS];
 };
+// FP8 weights: the raw e4m3 tiles and their block scale land by cp.async in STAGES_FP8 stages (half the
+// bytes of a bf16 stage, so one stage more fits the 48 KB of static shared memory: 46 KB for gate/up);
+// each k step converts its stage into the one bf16 tile b, which the WMMA code then reads as in the bf16
+// kernel. b and a first: WMMA loads need 32-byte aligned tile addresses.
 template <int NB>
+struct SmemTiles<NB, true> {
+  bf16 a[STAGES_FP8][BM][LDS];
+  bf16 b[NB][BN][LDS];
+  uint8_t q[STAGES_FP8][NB][BN][BK];
+  float scale[STAGES_FP8][NB];
+};
+template <int NB, bool FP8>
 union GemmSmem {
-  SmemTiles<NB> tiles;
+  SmemTiles<NB, FP8> tiles;
   float c[NB][BM][LDC];
 };
 
 // IS_GATE_UP: h = act(A·gateᵀ, A·upᵀ) (A = gathered x, K = hidden, N = inter);
 // else:        y = weight · (A·downᵀ) (A = h, K = inter, N = hidden).
-template <bool IS_GATE_UP>
+// FP8: w_base is e4m3 [E, NB*N, K] with fp32 scales w_scales [E, NB, ceil(N/128), ceil(K/128)] (moe.h);
+// else w_base is bf16 [E, NB*N, K] and w_scales unused.
+template <bool IS_GATE_UP, bool FP8>
 __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
     const Tile* tiles, const int32_t* num_tiles, const int32_t* sorted_pair, int top_k, const bf16* a_base,
-    const bf16* w_base, const float* pair_weight, int64_t K, int64_t N, bf16* out, GluKind kind, float alpha,
-    float limit) {
+    const void* w_base, const float* w_scales, const float* pair_weight, int64_t K, int64_t N, bf16* out,
+    GluKind kind, float alpha, float limit) {
   constexpr int NB = IS_GATE_UP ? 2 : 1;
   using namespace nvcuda;
-  __shared__ __align__(128) GemmSmem<NB> sm;
+  __shared__ __align__(128) GemmSmem<NB, FP8> sm;
   if (int(blockIdx.x) >= *num_tiles) return;
   const Tile tile = tiles[blockIdx.x];
   const int64_t n0 = int64_t(blockIdx.y) * BN;
   const int tid = threadIdx.x;
 
-  // Each thread copies 2 A chunks and 2 chunks per weight operand per stage: rows tid/4 and tid/4 + 32,
-  // 8 bf16 at column (tid % 4) * 8.
+  // Each thread copies 2 A chunks per stage: rows tid/4 and tid/4 + 32, 8 bf16 at column (tid % 4) * 8.
   const int lrow = tid / 4, lcol = (tid % 4) * 8;
   const bf16* a_row[2];
-  const bf16* w_row[NB][2];
   for (int i = 0; i < 2; ++i) {
     const int r = tile.begin + lrow + 32 * i;
     a_row[i] = nullptr;
@@ -245,20 +286,12 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
       if constexpr (IS_GATE_UP) a_row[i] = a_base + int64_t(sorted_pair[r] / top_k) * K;
       else a_row[i] = a_base + int64_t(r) * K;
     }
-    const int64_t n = n0 + lrow + 32 * i;
-    const bf16* we = w_base + int64_t(tile.expert) * (NB * N) * K;  // this expert's [NB*N, K] weight
-    for (int b = 0; b < NB; ++b) w_row[b][i] = n < N ? we + (b * N + n) * K : nullptr;
   }
-  auto load_stage = [&](int stage, int64_t k0) {
+  auto load_a = [&](bf16 (*a)[LDS], int64_t k0) {
     const int64_t k = k0 + lcol;
     const bool kv = k < K;  // K % 8 == 0: a chunk is all in or all out
-    for (int i = 0; i < 2; ++i) {
-      cp_async16(&sm.tiles.a[stage][lrow + 32 * i][lcol], kv && a_row[i] ? a_row[i] + k : a_base,
-                 kv && a_row[i] != nullptr);
-      for (int b = 0; b < NB; ++b)
-        cp_async16(&sm.tiles.b[stage][b][lrow + 32 * i][lcol], kv && w_row[b][i] ? w_row[b][i] + k : w_base,
-                   kv && w_row[b][i] != nullptr);
-    }
+    for (int i = 0; i < 2; ++i)
+      cp_async16(&a[lrow + 32 * i][lcol], kv && a_row[i] ? a_row[i] + k : a_base, kv && a_row[i] != nullptr);
   };
 
   const int warp = tid / 32, wm = (warp / 2) * 32, wn = (warp % 2) * 32;
@@ -266,31 +299,101 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
   for (int b = 0; b < NB; ++b)
     for (int i = 0; i < 2; ++i)
       for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[b][i][j], 0.0f);
-
-  const int64_t ktiles = (K + BK - 1) / BK;
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ktiles) load_stage(s, s * BK);
-    cp_async_commit();
-  }
-  for (int64_t kt = 0; kt < ktiles; ++kt) {
-    const int64_t next = kt + STAGES - 1;
-    if (next < ktiles) load_stage(int(next % STAGES), next * BK);
-    cp_async_commit();
-    cp_async_wait<STAGES - 1>();
-    __syncthreads();
-    const int st = int(kt % STAGES);
+  // One BK step: a is the [BM][LDS] A tile, w the NB consecutive [BN][LDS] weight tiles.
+  auto mma_step = [&](const bf16* a, const bf16* w) {
     for (int kk = 0; kk < BK; kk += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa[2];
-      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], &sm.tiles.a[st][wm + 16 * i][kk], LDS);
+      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], a + (wm + 16 * i) * LDS + kk, LDS);
       for (int b = 0; b < NB; ++b)
         for (int j = 0; j < 2; ++j) {
           // The weight tile is stored [n][k], i.e. B = Wᵀ [k][n] in column-major order.
           wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb;
-          wmma::load_matrix_sync(fb, &sm.tiles.b[st][b][wn + 16 * j][kk], LDS);
+          wmma::load_matrix_sync(fb, w + (b * BN + wn + 16 * j) * LDS + kk, LDS);
           for (int i = 0; i < 2; ++i) wmma::mma_sync(acc[b][i][j], fa[i], fb, acc[b][i][j]);
         }
     }
-    __syncthreads();
+  };
+
+  const int64_t ktiles = (K + BK - 1) / BK;
+  if constexpr (!FP8) {
+    // Each thread copies 2 chunks per weight operand per stage, at the A chunks' rows and column.
+    const bf16* wb = static_cast<const bf16*>(w_base);
+    const bf16* w_row[NB][2];
+    for (int i = 0; i < 2; ++i) {
+      const int64_t n = n0 + lrow + 32 * i;
+      const bf16* we = wb + int64_t(tile.expert) * (NB * N) * K;  // this expert's [NB*N, K] weight
+      for (int b = 0; b < NB; ++b) w_row[b][i] = n < N ? we + (b * N + n) * K : nullptr;
+    }
+    auto load_stage = [&](int stage, int64_t k0) {
+      load_a(sm.tiles.a[stage], k0);
+      const int64_t k = k0 + lcol;
+      const bool kv = k < K;
+      for (int i = 0; i < 2; ++i)
+        for (int b = 0; b < NB; ++b)
+          cp_async16(&sm.tiles.b[stage][b][lrow + 32 * i][lcol], kv && w_row[b][i] ? w_row[b][i] + k : wb,
+                     kv && w_row[b][i] != nullptr);
+    };
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < ktiles) load_stage(s, s * BK);
+      cp_async_commit();
+    }
+    for (int64_t kt = 0; kt < ktiles; ++kt) {
+      const int64_t next = kt + STAGES - 1;
+      if (next < ktiles) load_stage(int(next % STAGES), next * BK);
+      cp_async_commit();
+      cp_async_wait<STAGES - 1>();
+      __syncthreads();
+      const int st = int(kt % STAGES);
+      mma_step(&sm.tiles.a[st][0][0], &sm.tiles.b[st][0][0][0]);
+      __syncthreads();
+    }
+  } else {
+    // Each thread copies one 16-byte chunk (16 codes) per weight operand per stage: row tid/2, column
+    // (tid % 2) * 16 of the 64 x 32 tile; K % 16 == 0, so a chunk is all in or all out. Thread b < NB also
+    // copies operand b's block scale for the stage: BK divides 128 and a 64-row tile (n0 % 64 == 0) lies
+    // inside one 128-row block, so one scale covers an operand's whole stage.
+    const uint8_t* wq = static_cast<const uint8_t*>(w_base);
+    const int qrow = tid / 2, qcol = (tid % 2) * 16;
+    const uint8_t* w_row[NB];
+    for (int b = 0; b < NB; ++b) {
+      const int64_t n = n0 + qrow;
+      const uint8_t* we = wq + int64_t(tile.expert) * (NB * N) * K;
+      w_row[b] = n < N ? we + (b * N + n) * K : nullptr;
+    }
+    const int64_t kblocks = (K + 127) / 128, nblocks = (N + 127) / 128;
+    const float* s_row =
+        w_scales + ((int64_t(tile.expert) * NB + min(tid, NB - 1)) * nblocks + n0 / 128) * kblocks;
+    auto load_stage = [&](int stage, int64_t k0) {
+      load_a(sm.tiles.a[stage], k0);
+      const int64_t k = k0 + qcol;
+      const bool kv = k < K;
+      for (int b = 0; b < NB; ++b)
+        cp_async16(&sm.tiles.q[stage][b][qrow][qcol], kv && w_row[b] ? w_row[b] + k : wq,
+                   kv && w_row[b] != nullptr);
+      if (tid < NB) cp_async4(&sm.tiles.scale[stage][tid], s_row + k0 / 128);
+    };
+    for (int s = 0; s < STAGES_FP8 - 1; ++s) {
+      if (s < ktiles) load_stage(s, s * BK);
+      cp_async_commit();
+    }
+    for (int64_t kt = 0; kt < ktiles; ++kt) {
+      // Stage kt is in for every thread, and every warp is done with step kt - 1 (its A stage, which the
+      // load below refills, and the bf16 tile b, which the conversion below rewrites).
+      cp_async_wait<STAGES_FP8 - 2>();
+      __syncthreads();
+      const int64_t next = kt + STAGES_FP8 - 1;
+      if (next < ktiles) load_stage(int(next % STAGES_FP8), next * BK);
+      cp_async_commit();
+      const int st = int(kt % STAGES_FP8);
+      for (int b = 0; b < NB; ++b) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(&sm.tiles.q[st][b][qrow][qcol]);
+        const float sc = sm.tiles.scale[st][b];
+        *reinterpret_cast<uint4*>(&sm.tiles.b[b][qrow][qcol]) = dequant8(raw.x, raw.y, sc);
+        *reinterpret_cast<uint4*>(&sm.tiles.b[b][qrow][qcol + 8]) = dequant8(raw.z, raw.w, sc);
+      }
+      __syncthreads();
+      mma_step(&sm.tiles.a[st][0][0], &sm.tiles.b[0][0][0]);
+    }
   }
   cp_async_wait<0>();
   __syncthreads();  // the epilogue reuses the tile buffers
@@ -390,17 +493,29 @@ size_t moe_workspace_bytes(int64_t tokens, int64_t top_k, int64_t num_experts, i
   return layout(tokens, top_k, num_experts, hidden, inter).total;
 }
 
-void moe_experts(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
-                 int64_t top_k, const void* gate_up, const void* down, int64_t num_experts, int64_t inter,
-                 GluKind glu_kind, float alpha, float limit, void* out, void* workspace, cudaStream_t stream) {
-  SPARROW_CHECK(tokens >= 0 && top_k >= 1 && num_experts >= 1 && hidden > 0 && inter > 0,
-                "moe_experts: bad sizes tokens=", tokens, " top_k=", top_k, " experts=", num_experts);
-  SPARROW_CHECK(hidden % 8 == 0 && inter % 8 == 0, "moe_experts: hidden (", hidden, ") and intermediate (", inter,
-                ") must be multiples of 8");
-  SPARROW_CHECK(tokens * top_k <= 0x7fffffff, "moe_experts: too many (token, expert) pairs");
+namespace {
+
+// moe_experts and moe_experts_fp8; scales are null for bf16 weights.
+template <bool FP8>
+void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hidden, const int32_t* experts,
+                     const float* weights, int64_t top_k, const void* gate_up, const float* gate_up_scales,
+                     const void* down, const float* down_scales, int64_t num_experts, int64_t inter,
+                     GluKind glu_kind, float alpha, float limit, void* out, void* workspace, cudaStream_t stream) {
+  SPARROW_CHECK(tokens >= 0 && top_k >= 1 && num_experts >= 1 && hidden > 0 && inter > 0, what,
+                ": bad sizes tokens=", tokens, " top_k=", top_k, " experts=", num_experts);
+  const int64_t mult = FP8 ? 16 : 8;  // 16-byte chunks: 8 bf16, or 16 e4m3 codes
+  SPARROW_CHECK(hidden % mult == 0 && inter % mult == 0, what, ": hidden (", hidden, ") and intermediate (", inter,
+                ") must be multiples of ", mult);
+  SPARROW_CHECK(tokens * top_k <= 0x7fffffff, what, ": too many (token, expert) pairs");
   const void* operands[] = {x, gate_up, down, out, workspace};
   for (const void* p : operands)
-    SPARROW_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "moe_experts: operands must be 16-byte aligned");
+    SPARROW_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, what, ": operands must be 16-byte aligned");
+  if constexpr (FP8) {
+    SPARROW_CHECK(gate_up_scales != nullptr && down_scales != nullptr, what, ": null weight scales");
+    SPARROW_CHECK(reinterpret_cast<uintptr_t>(gate_up_scales) % 4 == 0 &&
+                      reinterpret_cast<uintptr_t>(down_scales) % 4 == 0,
+                  what, ": weight scales must be 4-byte aligned");
+  }
   if (tokens == 0) return;
   const int64_t pairs = tokens * top_k;
   const Layout l = layout(tokens, top_k, num_experts, hidden, inter);
@@ -425,19 +540,36 @@ void moe_experts(const void* x, int64_t tokens, int64_t hidden, const int32_t* e
   SPARROW_CUDA_CHECK_LAUNCH();
 
   const dim3 grid1(unsigned(l.max_tiles), unsigned((inter + BN - 1) / BN));
-  SPARROW_CHECK(grid1.y <= 65535, "moe_experts: intermediate size too large");
-  grouped_gemm_kernel<true><<<grid1, THREADS, 0, stream>>>(
-      tiles, num_tiles, sorted_pair, int(top_k), static_cast<const bf16*>(x), static_cast<const bf16*>(gate_up),
-      nullptr, hidden, inter, h, glu_kind, alpha, limit);
+  SPARROW_CHECK(grid1.y <= 65535, what, ": intermediate size too large");
+  grouped_gemm_kernel<true, FP8><<<grid1, THREADS, 0, stream>>>(tiles, num_tiles, sorted_pair, int(top_k),
+                                                                static_cast<const bf16*>(x), gate_up, gate_up_scales,
+                                                                nullptr, hidden, inter, h, glu_kind, alpha, limit);
   SPARROW_CUDA_CHECK_LAUNCH();
   const dim3 grid2(unsigned(l.max_tiles), unsigned((hidden + BN - 1) / BN));
-  SPARROW_CHECK(grid2.y <= 65535, "moe_experts: hidden size too large");
-  grouped_gemm_kernel<false><<<grid2, THREADS, 0, stream>>>(tiles, num_tiles, sorted_pair, int(top_k), h,
-                                                            static_cast<const bf16*>(down), weights, inter, hidden,
-                                                            y, glu_kind, alpha, limit);
+  SPARROW_CHECK(grid2.y <= 65535, what, ": hidden size too large");
+  grouped_gemm_kernel<false, FP8><<<grid2, THREADS, 0, stream>>>(tiles, num_tiles, sorted_pair, int(top_k), h, down,
+                                                                 down_scales, weights, inter, hidden, y, glu_kind,
+                                                                 alpha, limit);
   SPARROW_CUDA_CHECK_LAUNCH();
   combine_kernel<<<unsigned(tokens), 256, 0, stream>>>(y, pos_of_pair, int(top_k), hidden, static_cast<bf16*>(out));
   SPARROW_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void moe_experts(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
+                 int64_t top_k, const void* gate_up, const void* down, int64_t num_experts, int64_t inter,
+                 GluKind glu_kind, float alpha, float limit, void* out, void* workspace, cudaStream_t stream) {
+  run_moe_experts<false>("moe_experts", x, tokens, hidden, experts, weights, top_k, gate_up, nullptr, down, nullptr,
+                         num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
+}
+
+void moe_experts_fp8(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
+                     int64_t top_k, const uint8_t* gate_up, const float* gate_up_scales, const uint8_t* down,
+                     const float* down_scales, int64_t num_experts, int64_t inter, GluKind glu_kind, float alpha,
+                     float limit, void* out, void* workspace, cudaStream_t stream) {
+  run_moe_experts<true>("moe_experts_fp8", x, tokens, hidden, experts, weights, top_k, gate_up, gate_up_scales, down,
+                        down_scales, num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
 }
 
 }  // namespace sparrow::cuda

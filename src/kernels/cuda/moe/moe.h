@@ -32,4 +32,26 @@ void moe_experts(const void* x, int64_t tokens, int64_t hidden, const int32_t* e
                  int64_t top_k, const void* gate_up, const void* down, int64_t num_experts, int64_t inter,
                  GluKind glu_kind, float alpha, float limit, void* out, void* workspace, cudaStream_t stream);
 
+// The same with FP8 E4M3 expert weights and DeepSeek's 128x128 block scales (fp32, a checkpoint's
+// weight_scale_inv), so FP8 checkpoints' experts stay FP8 on the GPU (half the bytes the decode reads).
+//   gate_up: e4m3 [E, 2*inter, hidden], rows [0, inter) the gate, rows [inter, 2*inter) the up projection;
+//   gate_up_scales: fp32 [E, 2, ceil(inter/128), ceil(hidden/128)], the gate's blocks then the up's:
+//     W[e][i][j] = e4m3(gate_up[e][i][j]) * gate_up_scales[e][i / inter][(i % inter) / 128][j / 128],
+//     i.e. each half keeps its own checkpoint tensor's [ceil(inter/128), ceil(hidden/128)] scales, exact
+//     even when inter % 128 != 0 (the up rows' blocks then do not line up with 128-row blocks of the
+//     stacked matrix). When inter % 128 == 0 this is the same array as [E, 2*inter/128, ceil(hidden/128)].
+//   down: e4m3 [E, hidden, inter]; down_scales: fp32 [E, ceil(hidden/128), ceil(inter/128)]:
+//     W[e][i][j] = e4m3(down[e][i][j]) * down_scales[e][i / 128][j / 128].
+// Rounding: weight tiles are dequantised as they are staged into shared memory, bf16(e4m3 * scale) (the
+// exact e4m3 value times the fp32 scale, one fp32 rounding, then round to nearest even to bf16; the same
+// values as dequantize_fp8_blocks in kernels/cuda/gemm/gemm_fp8.h), and the products then run exactly as
+// in moe_experts (bf16 tensor cores, fp32 accumulation, the same order). So the result is bit-identical to
+// moe_experts on the weights dequantised that way. Activations stay bf16 (no activation quantisation).
+// hidden and inter must be multiples of 16 (the e4m3 rows are read in 16-byte pieces); the workspace is
+// moe_workspace_bytes's; operands 16-byte aligned, scales 4-byte aligned.
+void moe_experts_fp8(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
+                     int64_t top_k, const uint8_t* gate_up, const float* gate_up_scales, const uint8_t* down,
+                     const float* down_scales, int64_t num_experts, int64_t inter, GluKind glu_kind, float alpha,
+                     float limit, void* out, void* workspace, cudaStream_t stream);
+
 }  // namespace sparrow::cuda
