@@ -111,7 +111,11 @@ CachePlan plan_cache(const std::vector<LayerCacheSpec>& spec, const CacheConfig&
       PagePlacement p;
       p.layer = int(layer);
       p.spec = page;
-      const bool index_key = page.kind == PageKind::DsaIndexKey || page.kind == PageKind::MsaIndexKey;
+      // Index keys take the indexer's dtype; "auto" means FP8 for DSA keys on a GPU (the indexer kernels read
+      // them) and the cache's own dtype for MSA keys (the GPU MSA selector reads bf16; FP8 MSA keys are
+      // issue 7's).
+      const bool explicit_index = config.indexer_kv_dtype != "auto";
+      const bool index_key = page.kind == PageKind::DsaIndexKey || (page.kind == PageKind::MsaIndexKey && explicit_index);
       p.codec = &page_codec(index_key ? plan.index_dtype : plan.dtype, page.kind);
       p.page_bytes = p.codec->page_bytes(page, plan.block_size);
       p.token_bytes = p.page_bytes / plan.block_size;

@@ -8,6 +8,13 @@
 #include "core/parallel.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/ops.h"
+#include "model/device_step.h"
+
+#if SPARROW_HAVE_CUDA
+#include "kernels/cuda/gqa/gqa_attention.h"
+#include "kernels/cuda/msa/msa.h"
+#include "kernels/cuda/runtime/device.h"
+#endif
 
 namespace sparrow {
 
@@ -43,6 +50,7 @@ Tensor GqaAttention::forward(const Tensor& x, const Batch& batch, int layer) {
   rotate_heads(k, head_dim, positions, rope);
   Tensor index_q, index_k;
   if (indexer) indexer->project(x, positions, rope, index_q, index_k);
+  if (!x.on_cpu()) return ops::linear(attend_gpu(q, k, v, index_q, index_k, batch, layer), o_proj);
 
   const int64_t kv_width = kv_heads * head_dim;
   Tensor out = Tensor::zeros({x.dim(0), heads * head_dim});
@@ -69,6 +77,59 @@ Tensor GqaAttention::forward(const Tensor& x, const Batch& batch, int layer) {
     attend(q, seq, cached_kv.data(), selection ? &*selection : nullptr, out);
   }
   return ops::linear(out, o_proj);
+}
+
+// The GPU attention: this step's K/V rows (and MSA index keys) are written into the paged cache, the MSA
+// selector (kernels/cuda/msa) picks each row's blocks per index head, and one kernel (kernels/cuda/gqa)
+// attends over the causal prefix or the kept blocks in place.
+Tensor GqaAttention::attend_gpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& index_q,
+                                const Tensor& index_k, const Batch& batch, int layer) const {
+#if SPARROW_HAVE_CUDA
+  const DeviceStep& step = device_step(batch, q.device());
+  SPARROW_CHECK(step.format(layer, PageKind::GqaKeyValue) == PageFormat::BFloat16,
+                "the GPU GQA kernels read bfloat16 K/V pages (--kv-cache-dtype bfloat16 or auto)");
+  cudaStream_t stream = cuda::stream();
+  const int64_t rows = batch.size();
+  const int32_t* row_seq = step.row_seq.as<int32_t>();
+  const int32_t* row_pos = step.row_pos.as<int32_t>();
+  const int64_t* table = step.page_table.as<int64_t>();
+  uint8_t* kv_pool = step.page_base(layer, PageKind::GqaKeyValue);
+  cuda::gqa_write_kv(k.raw(), v.raw(), rows, int(kv_heads), int(head_dim), row_seq, row_pos, table, step.table_stride,
+                     step.block_size(), kv_pool, stream);
+
+  Tensor blocks;
+  int index_heads = 0, max_blocks = 0, index_block_size = 0;
+  if (indexer) {
+    SPARROW_CHECK(step.format(layer, PageKind::MsaIndexKey) == PageFormat::BFloat16,
+                  "the GPU MSA selector reads bfloat16 index keys (indexer_kv_dtype auto or bfloat16)");
+    uint8_t* key_pool = step.page_base(layer, PageKind::MsaIndexKey);
+    cuda::msa_write_keys(index_k.raw(), rows, int(indexer->head_dim), row_seq, row_pos, table, step.table_stride,
+                         step.block_size(), key_pool, stream);
+    index_heads = int(indexer->heads);
+    max_blocks = int(indexer->topk_blocks);
+    index_block_size = int(indexer->block_size);
+    blocks = Tensor::empty({rows, indexer->heads, indexer->topk_blocks}, ScalarType::I32, q.device());
+    const size_t bytes = cuda::msa_select_workspace_bytes(rows, index_heads, step.max_visible, index_block_size);
+    Tensor workspace = Tensor::empty({int64_t(std::max<size_t>(bytes, 1))}, ScalarType::U8, q.device());
+    cuda::msa_select_blocks(index_q.raw(), rows, index_heads, int(indexer->head_dim), row_seq, row_pos,
+                            step.max_visible, key_pool, table, step.table_stride, step.block_size(), index_block_size,
+                            max_blocks, int(indexer->local_blocks), blocks.as<int32_t>(), nullptr, workspace.raw(),
+                            bytes, stream);
+  }
+  Tensor out = Tensor::empty({rows, heads * head_dim}, ScalarType::BF16, q.device());
+  const size_t bytes = cuda::gqa_attention_workspace_bytes(rows, int(heads), int(kv_heads), int(head_dim),
+                                                           step.max_visible, index_heads, max_blocks, index_block_size);
+  Tensor workspace = Tensor::empty({int64_t(std::max<size_t>(bytes, 1))}, ScalarType::U8, q.device());
+  const float scale = float(std::pow(double(head_dim), -0.5));  // MiniMaxM3VLAttention.scaling
+  cuda::gqa_attention(q.raw(), out.raw(), rows, int(heads), int(kv_heads), int(head_dim), scale, row_seq, row_pos,
+                      step.max_visible, indexer ? blocks.as<int32_t>() : nullptr, index_heads, max_blocks,
+                      index_block_size, table, step.table_stride, step.block_size(), kv_pool, workspace.raw(), bytes,
+                      stream);
+  return out;
+#else
+  (void)k, (void)v, (void)index_q, (void)index_k, (void)batch, (void)layer;
+  fail("GQA on a GPU in a build without the CUDA backend");
+#endif
 }
 
 void GqaAttention::attend(const Tensor& q, const SeqSlice& seq, const float* kv, const BlockSelection* selection,

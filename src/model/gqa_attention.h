@@ -49,6 +49,9 @@ class GqaAttention : public Mixer {
   // 0 .. seq.start() + seq.count - 1 (kv); writes rows of out.
   void attend(const Tensor& q, const SeqSlice& seq, const float* kv, const BlockSelection* selection,
               Tensor& out) const;
+  // The GPU path of the whole batch (paged cache in place); returns [T, heads * head_dim] bf16.
+  Tensor attend_gpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& index_q, const Tensor& index_k,
+                    const Batch& batch, int layer) const;
 };
 
 }  // namespace sparrow

@@ -91,9 +91,12 @@ std::unique_ptr<Model> load_model(const std::string& dir, Device device) {
   const Config& config = ckpt->config();
   const std::string type = config.get_string("model_type");
   if (device != Device::Cpu) {
-    // The GPU path covers MLA + DSA (deepseek_v32) so far; the others need KDA / GQA / MSA kernels.
-    SPARROW_CHECK(type == "deepseek_v32", "model_type ", type, " does not run on ", device_name(device),
-                  " yet (the GPU path runs deepseek_v32; use --device cpu)");
+    // The GPU path covers MLA + DSA (deepseek_v32) and GQA + MSA (MiniMax-M3) so far; kimi_linear and
+    // kimi_k3 need the KDA kernels and recurrent state on the device.
+    const bool on_gpu = type == "deepseek_v32" || type == "minimax_m3_vl_text" || type == "minimax_m3" ||
+                        type == "minimax_m3_vl";
+    SPARROW_CHECK(on_gpu, "model_type ", type, " does not run on ", device_name(device),
+                  " yet (the GPU path runs deepseek_v32 and minimax_m3; use --device cpu)");
     ckpt->place_on(device);
   }
   if (type == "deepseek_v32") return load_deepseek_v32(*ckpt);

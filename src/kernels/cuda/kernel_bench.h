@@ -45,5 +45,7 @@ void bench_topk(const KernelBenchOptions& options, std::vector<KernelBenchRow>& 
 void bench_mla_decode(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows);
 void bench_gemm(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows);
 void bench_sampling(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows);
+void bench_gqa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows);
+void bench_msa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows);
 
 }  // namespace sparrow::cuda

@@ -1,0 +1,76 @@
+// MiniMax-M3's MSA block selector on Hopper (the GPU form of select_blocks / MsaIndexer::select in
+// src/model/msa_indexer.{h,cpp}): bf16 index keys in the paged cache, bf16 index queries, block scores
+// on the bf16 tensor cores, the selection per (query row, index head) on the device.
+//
+//   block score  B_g[b] = max over keys s of block b with s <= pos of  q_g · k_s     (raw dot, no scale)
+//   blocks b = 0 .. pos / ib of a query at position pos; the forced newest blocks newest - l
+//   (l < local_blocks, clamped at 0) count as +inf; the kept blocks are the top_k of these scores
+//   (all of them when the query sees <= topk_blocks blocks), ties to the smaller block id, NaN last,
+//   minus blocks whose score is -inf: exactly cpu::top_k as select_blocks calls it.
+//
+// Precision: products of bf16 values are exact in fp32 and summed in fp32 on the tensor cores
+// (mma.sync m16n8k16, fp32 accumulators), in the tensor core's order, so a score may differ from the
+// CPU's fp32 BLAS dot in the last bits and a near-tie may then go the other way; equal inputs give
+// equal scores (same order every time: the selection is deterministic). A NaN product is ignored by the
+// max-pool (fmaxf, like std::max(acc, NaN) on the CPU), so a block score is never NaN; a block none of
+// whose visible products is a number scores -inf and is dropped unless forced.
+//
+// Paged cache (docs/cache.md, notes/helper_context.md): sequence `seq`'s token j lives in the page at
+// byte offset page_table[seq * page_table_stride + j / block_size] of `pool`, slot j % block_size; a
+// page of B tokens holds B rows of `dim` bf16 values (dim * 2 bytes each), consecutive. Page offsets
+// must be multiples of 16 bytes. The cache's block_size (tokens per page) is unrelated to the MSA index
+// block size `ib` (index_block_size: 128 in MiniMax-M3.1).
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace sparrow::cuda {
+
+inline constexpr int kMsaMaxDim = 256;         // index_head_dim (multiple of 8): 128 in MiniMax-M3.1
+inline constexpr int kMsaMaxHeads = 64;        // index heads per launch (MiniMax-M3.1: 4 per GPU under TP4)
+inline constexpr int kMsaMaxTopkBlocks = 64;   // index_topk_blocks (MiniMax-M3.1: 16)
+
+// Copies `count` index keys (keys_bf16: [count, dim] bf16, row-major, 16-byte aligned; dim a multiple
+// of 8) into their page slots: row i is token token_pos[i] of sequence token_seq[i] (device arrays).
+// Rows with token_pos[i] < 0 are skipped (padding).
+void msa_write_keys(const void* keys_bf16, int64_t count, int dim, const int32_t* token_seq,
+                    const int32_t* token_pos, const int64_t* page_table, int64_t page_table_stride,
+                    int block_size, uint8_t* pool, cudaStream_t stream);
+
+// How the block-score kernel tiles the (row, head) query vectors over warps (msa.cu says how each
+// works). Both are exact; tests run both on every case.
+//   Decode:  8 vectors per warp, the 4 warps of a CTA walk different key ranges: few rows, typically
+//            one per sequence (a warp whose rows belong to different sequences walks each in turn).
+//   Prefill: 32 vectors per warp (16 when dim > 128), the 4 warps of a CTA walk the same keys, which
+//            they share through L1: many consecutive rows of one sequence.
+//   Auto:    Decode up to kMsaDecodeMaxRows rows, else Prefill.
+enum class MsaScoreKernel { Auto, Decode, Prefill };
+inline constexpr int64_t kMsaDecodeMaxRows = 256;
+
+// Device scratch msa_select_blocks needs (block scores of up to a bounded number of rows at a time:
+// larger launches are processed in row chunks, so this stays below ~64 MiB plus one row's worth).
+size_t msa_select_workspace_bytes(int64_t rows, int index_heads, int64_t max_position, int ib);
+
+// The kept blocks of every (query row, index head).
+//   q_bf16:     [rows, index_heads, dim] bf16 index queries (normed and rotated by the caller), 16-byte
+//               aligned.
+//   row_seq, row_pos (device, [rows]): query row r belongs to sequence row_seq[r] at position
+//               row_pos[r] and sees that sequence's keys 0 .. row_pos[r] (already written to the cache).
+//               A row with row_pos < 0 keeps nothing (padding rows).
+//   max_position (host): >= every row_pos (it sizes the grid and the workspace; may be padded larger).
+//   ib: index_block_size (keys per index block, >= 1); topk_blocks: 1 .. kMsaMaxTopkBlocks;
+//   local_blocks >= 0; dim: multiple of 8, <= kMsaMaxDim; index_heads: 1 .. kMsaMaxHeads.
+//   blocks (out, [rows, index_heads, topk_blocks] int32): the kept block ids in ASCENDING order (so the
+//               attention kernel walks keys monotonically), then -1 up to topk_blocks.
+//   counts (out, optional, [rows, index_heads] int32): how many ids each entry of `blocks` holds.
+//   workspace: >= msa_select_workspace_bytes(rows, index_heads, max_position, ib) bytes of device memory
+//               (any contents).
+void msa_select_blocks(const void* q_bf16, int64_t rows, int index_heads, int dim, const int32_t* row_seq,
+                       const int32_t* row_pos, int64_t max_position, const uint8_t* pool,
+                       const int64_t* page_table, int64_t page_table_stride, int block_size, int ib,
+                       int topk_blocks, int local_blocks, int32_t* blocks, int32_t* counts, void* workspace,
+                       size_t workspace_bytes, cudaStream_t stream, MsaScoreKernel kernel = MsaScoreKernel::Auto);
+
+}  // namespace sparrow::cuda

@@ -1,0 +1,263 @@
+// minimax_m3 end to end on the GPU against transformers (tests/fixtures/minimax_m3: a tiny transformers 5.17
+// checkpoint with GQA, an MSA selector on two of its three layers (8-key blocks, top-3, one local block) and
+// a sigmoid-routed MoE with MiniMax's clamped SwiGLU; prompts of 12, 39 and 90 tokens, so the two longer
+// ones select blocks).
+//
+// This random checkpoint's discrete choices are close calls: its router picks 2 of 8 experts and its MSA
+// selector 3 blocks from scores that sit near each other, and bf16 rounding flips a few of them (position 8
+// of the 39-token prompt changes experts; later positions also change blocks), which moves those rows'
+// logits by O(1). So:
+//   - against transformers, within the budget (positions < 3 blocks x 8 keys, where every visible block is
+//     kept) at least 90% of the rows and the greedy tokens must match within bf16 accuracy; the rest is
+//     printed;
+//   - every row must match the CPU path once the choices are made exact on both devices: all 8 experts
+//     routed and zero index queries (every block score ties; both keep the smallest blocks), which runs the
+//     selection path beyond the budget; the kernels themselves are checked case by case in msa_test,
+//     gqa_attention_test and moe_test.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+
+#include <nlohmann/json.hpp>
+
+#include "cache/kv_cache.h"
+#include "formats/safetensors.h"
+#include "gpu_test_util.h"
+#include "model/model.h"
+
+using namespace sparrow;
+namespace fs = std::filesystem;
+
+namespace {
+
+using Tokens = std::vector<int32_t>;
+
+const fs::path kFixture = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/minimax_m3";
+// Relative L2 per row against fp32 transformers: bf16 weights and activations through three layers.
+constexpr double kBf16Tolerance = 4e-2;
+// Between two GPU paths over the same kernels (chunking, batching, graphs): accumulation order only.
+constexpr double kGpuConsistency = 2e-2;
+constexpr float kMarginNeeded = 0.1f;
+constexpr int64_t kBudget = 3 * 8;  // index_topk_blocks x index_block_size: positions below see every block
+
+std::vector<Tokens> token_lists(const fs::path& path, const char* key) {
+  std::ifstream in(path);
+  const nlohmann::json json = nlohmann::json::parse(in);
+  std::vector<Tokens> lists;
+  for (const auto& l : json.at(key)) lists.push_back(l.get<Tokens>());
+  return lists;
+}
+
+double relative_l2(const float* a, const float* ref, int64_t n) {
+  double diff = 0, norm = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    diff += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
+    norm += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-300));
+}
+
+double worst_row_error(const Tensor& ours, const Tensor& ref) {
+  EXPECT_EQ(ours.shape(), ref.shape());
+  double worst = 0;
+  for (int64_t t = 0; t < ref.dim(0); ++t) {
+    const double e = relative_l2(ours.row(t), ref.row(t), ref.dim(1));
+    worst = std::isnan(e) ? INFINITY : std::max(worst, e);
+  }
+  return worst;
+}
+
+int32_t argmax(const float* row, int64_t n) { return int32_t(std::max_element(row, row + n) - row); }
+
+float top2_margin(const float* row, int64_t n) {
+  std::vector<float> v(row, row + n);
+  std::partial_sort(v.begin(), v.begin() + 2, v.end(), std::greater<float>());
+  return v[0] - v[1];
+}
+
+class CudaMiniMaxM3 : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SPARROW_REQUIRE_GPU();
+    prompts_ = token_lists(kFixture / "prompts.json", "prompts");
+    completions_ = token_lists(kFixture / "greedy.json", "completions");
+    auto file = SafetensorsFile::open((kFixture / "reference.safetensors").string());
+    for (size_t i = 0; i < prompts_.size(); ++i)
+      reference_.push_back(to_float32(file->tensors().at("logits." + std::to_string(i)), file));
+    gpu_ = load_model(kFixture.string(), Device::Cuda);
+    CacheConfig config;
+    config.device = Device::Cuda;
+    config.memory_bytes = int64_t(128) << 20;
+    config.enable_prefix_caching = false;
+    cache_ = std::make_unique<KvCache>(gpu_->cache_spec(), config);
+  }
+  SequenceState sequence() {
+    SequenceState s;
+    s.cache = cache_->view(cache_->create_sequence());
+    return s;
+  }
+  Tensor run(const std::vector<std::pair<SequenceState*, Tokens>>& parts, bool all_logits = true) {
+    Batch batch = make_batch(parts);
+    batch.all_logits = all_logits;
+    return gpu_->forward(batch).to(Device::Cpu);
+  }
+
+  std::vector<Tokens> prompts_, completions_;
+  std::vector<Tensor> reference_;
+  std::unique_ptr<Model> gpu_;
+  std::unique_ptr<KvCache> cache_;
+};
+
+TEST_F(CudaMiniMaxM3, LogitsMatchTransformersWithinTheBudget) {
+  for (size_t i = 0; i < prompts_.size(); ++i) {
+    SequenceState s = sequence();
+    const Tensor logits = run({{&s, prompts_[i]}});
+    int64_t rows_within = 0, good_within = 0, rows_beyond = 0, good_beyond = 0;
+    for (int64_t t = 0; t < logits.dim(0); ++t) {
+      const bool good = relative_l2(logits.row(t), reference_[i].row(t), logits.dim(1)) <= kBf16Tolerance;
+      if (t < kBudget) ++rows_within, good_within += good;
+      else ++rows_beyond, good_beyond += good;
+    }
+    std::printf("prompt %zu (%zu tokens): rows within bf16 accuracy of transformers: %lld of %lld within the budget, "
+                "%lld of %lld beyond\n", i, prompts_[i].size(), (long long)good_within, (long long)rows_within,
+                (long long)good_beyond, (long long)rows_beyond);
+    EXPECT_GE(good_within * 10, rows_within * 9) << "prompt " << i;
+  }
+}
+
+// With every expert routed and zero index queries (every block score 0: each row keeps its local block
+// and the smallest others, ties to the smaller block) nothing is a close call: the GPU's routing, experts,
+// selection, paged reads of the kept blocks and block-sparse attention must give the CPU's logits within
+// bf16 accuracy on every row, beyond the budget included.
+TEST_F(CudaMiniMaxM3, EveryRowMatchesTheCpuWhenTheChoicesAreDetermined) {
+  const fs::path dir = fs::temp_directory_path() / "sparrow_minimax_m3_gpu_determined";
+  fs::create_directories(dir);
+  fs::copy_file(kFixture / "generation_config.json", dir / "generation_config.json",
+                fs::copy_options::overwrite_existing);
+  nlohmann::json config = nlohmann::json::parse(std::ifstream(kFixture / "config.json"));
+  config["num_experts_per_tok"] = config["num_local_experts"];
+  std::ofstream(dir / "config.json") << config.dump();
+  auto file = SafetensorsFile::open((kFixture / "model.safetensors").string());
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  int silenced = 0;
+  for (const auto& [name, info] : file->tensors()) {
+    Tensor t = to_float32(info, file).clone();
+    if (name.find("indexer.q_proj") != std::string::npos || name.find("index_q_proj") != std::string::npos) {
+      std::fill(t.data(), t.data() + t.numel(), 0.0f);
+      ++silenced;
+    }
+    tensors.push_back({name, t});
+  }
+  ASSERT_EQ(silenced, 2) << "the fixture has two MSA layers";
+  write_safetensors((dir / "model.safetensors").string(), tensors);
+  auto gpu = load_model(dir.string(), Device::Cuda);
+  auto cpu = load_model(dir.string());
+  CacheConfig cache_config;
+  cache_config.device = Device::Cuda;
+  cache_config.memory_bytes = int64_t(128) << 20;
+  cache_config.enable_prefix_caching = false;
+  KvCache cache(gpu->cache_spec(), cache_config);
+  for (size_t i = 0; i < prompts_.size(); ++i) {
+    SequenceState g;
+    g.cache = cache.view(cache.create_sequence());
+    SequenceState c = cpu->new_sequence();
+    Batch bg = make_batch({{&g, prompts_[i]}}), bc = make_batch({{&c, prompts_[i]}});
+    const Tensor ours = gpu->forward(bg).to(Device::Cpu), theirs = cpu->forward(bc);
+    const double error = worst_row_error(ours, theirs);
+    std::printf("determined choices, prompt %zu (%zu tokens): worst relative L2 vs the CPU %.3g\n", i,
+                prompts_[i].size(), error);
+    EXPECT_LE(error, kBf16Tolerance) << "prompt " << i;
+  }
+}
+
+// Greedy decoding of the short prompt, one token at a time against the paged cache (decode steps replay
+// CUDA graphs), while every block is still kept: transformers' tokens wherever its top-2 margin exceeds
+// bf16 noise. Beyond the budget the agreement is printed.
+TEST_F(CudaMiniMaxM3, GreedyTokensMatchTransformersWithinTheBudget) {
+  size_t checked = 0, steps = 0, beyond = 0, beyond_equal = 0;
+  for (size_t i = 0; i < prompts_.size(); ++i) {
+    SequenceState s = sequence();
+    Tensor logits = run({{&s, prompts_[i]}}, false);
+    for (size_t step = 0; step < 20; ++step) {
+      const int32_t expected = completions_[i][step];
+      const bool within = int64_t(prompts_[i].size() + step) < kBudget;
+      if (!within) {
+        ++beyond;
+        beyond_equal += argmax(logits.data(), logits.dim(1)) == expected;
+      } else {
+        ++steps;
+        if (top2_margin(logits.data(), logits.dim(1)) >= kMarginNeeded) {
+          EXPECT_EQ(argmax(logits.data(), logits.dim(1)), expected) << "prompt " << i << " step " << step;
+          ++checked;
+        }
+      }
+      logits = run({{&s, {expected}}}, false);
+    }
+  }
+  std::printf("beyond the budget: %zu of %zu greedy tokens equal transformers'\n", beyond_equal, beyond);
+  std::printf("%zu of %zu greedy steps had a margin >= %.2f and were checked\n", checked, steps, kMarginNeeded);
+  EXPECT_GE(checked, steps / 2);
+}
+
+// Chunked prefill (later chunks attend to what earlier ones cached, selection included) and a batch of all
+// prompts equal each prompt in one piece.
+TEST_F(CudaMiniMaxM3, ChunkedAndBatchedEqualOnePrefill) {
+  const Tokens& prompt = prompts_[2];
+  SequenceState whole = sequence(), chunked = sequence();
+  const Tensor one = run({{&whole, prompt}});
+  int64_t row = 0;
+  double worst = 0;
+  for (size_t at = 0; at < prompt.size(); at += 17) {
+    const Tensor piece = run({{&chunked, Tokens(prompt.begin() + at, prompt.begin() + std::min(prompt.size(), at + 17))}});
+    for (int64_t t = 0; t < piece.dim(0); ++t, ++row)
+      worst = std::max(worst, relative_l2(piece.row(t), one.row(row), one.dim(1)));
+  }
+  EXPECT_LE(worst, kGpuConsistency) << "chunked prefill";
+  std::vector<SequenceState> states(prompts_.size());
+  std::vector<std::pair<SequenceState*, Tokens>> parts;
+  for (size_t i = 0; i < prompts_.size(); ++i) {
+    states[i] = sequence();
+    parts.push_back({&states[i], prompts_[i]});
+  }
+  const Tensor batched = run(parts);
+  row = 0;
+  for (size_t i = 0; i < prompts_.size(); ++i) {
+    SequenceState alone = sequence();
+    const Tensor single = run({{&alone, prompts_[i]}});
+    for (int64_t t = 0; t < single.dim(0); ++t, ++row)
+      EXPECT_LE(relative_l2(batched.row(row), single.row(t), single.dim(1)), kGpuConsistency)
+          << "prompt " << i << " position " << t;
+  }
+}
+
+// Decode steps replayed from CUDA graphs equal the same steps launched directly.
+TEST_F(CudaMiniMaxM3, GraphReplayEqualsEagerDecoding) {
+  auto decode = [&](bool eager, std::vector<Tensor>& per_step) {
+    gpu_->enforce_eager = eager;
+    std::vector<SequenceState> states(2);
+    for (SequenceState& s : states) s = sequence();
+    std::vector<std::pair<SequenceState*, Tokens>> parts = {{&states[0], prompts_[1]}, {&states[1], prompts_[2]}};
+    for (int step = 0; step < 16; ++step) {
+      const Tensor logits = run(parts, false);
+      per_step.push_back(logits);
+      for (size_t s = 0; s < parts.size(); ++s) parts[s].second = {argmax(logits.row(int64_t(s)), logits.dim(1))};
+    }
+  };
+  std::vector<Tensor> eager, graphed;
+  decode(true, eager);
+  const int64_t before = gpu_->graph_replays();
+  decode(false, graphed);
+  gpu_->enforce_eager = false;
+  EXPECT_GE(gpu_->graph_replays() - before, 12);
+  for (size_t step = 0; step < eager.size(); ++step)
+    for (int64_t s = 0; s < 2; ++s)
+      EXPECT_LE(relative_l2(graphed[step].row(s), eager[step].row(s), eager[step].dim(1)), 1e-5)
+          << "step " << step << " sequence " << s;
+}
+
+}  // namespace
+
