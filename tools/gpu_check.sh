@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: the GPU tests, then sparrow serving the GPU fixture on the device (OpenAI completion
-# with token-id prompts, streaming, /metrics), then forward throughput on both devices.
+# with token-id prompts, streaming, /metrics), then forward throughput on both devices (deepseek_v32's GPU
+# fixture and minimax_m3's, CUDA graphs on and off).
 #   tools/gpu_check.sh [BIN_DIR]     (BIN_DIR holds sparrow and sparrow_tests; default build)
 # The binaries are built on the project machine (sm_90a); .devlibs/ carries the shared libraries the GPU
 # machine lacks (docs/gpu.md). Tests find the repo through the path compiled into them, so the repo is
@@ -35,10 +36,12 @@ head -5 /tmp/serve.log
 
 echo "== forward throughput (tiny model: launch-bound, for orientation only), CUDA graphs on and off"
 "$BIN/sparrow" bench forward --device cpu --model "$FIXTURE" --prompt-tokens 256 --decode-tokens 32 --batch 8 || status=1
-for batch in 1 8 64; do
-  for eager in "" --enforce-eager; do
-    "$BIN/sparrow" bench forward --device cuda $eager --model "$FIXTURE" --prompt-tokens 256 --decode-tokens 64 \
-      --batch $batch || status=1
+for model in "$FIXTURE" tests/fixtures/minimax_m3; do
+  for batch in 1 8 64; do
+    for eager in "" --enforce-eager; do
+      "$BIN/sparrow" bench forward --device cuda $eager --model "$model" --prompt-tokens 256 --decode-tokens 64 \
+        --batch $batch || status=1
+    done
   done
 done
 exit $status
