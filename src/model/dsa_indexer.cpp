@@ -141,9 +141,12 @@ Tensor DsaIndexer::select_gpu(const Tensor& x, const Tensor& q_resid, const Batc
                              q_fp8.as<uint8_t>(), w_folded.as<float>(), stream);
   const int64_t ld = (step.max_visible + 1) / 2 * 2;
   Tensor score_rows = Tensor::empty({rows, ld}, ScalarType::F32, x.device());
+  // Requests of two tokens each (speculative verification) let the kernel score both against one key read.
+  const bool pairs = std::all_of(batch.seqs.begin(), batch.seqs.end(), [](const SeqSlice& s) { return s.count == 2; });
   cuda::dsa_index_scores(q_fp8.as<uint8_t>(), w_folded.as<float>(), rows, int(heads), step.row_seq.as<int32_t>(),
                          step.row_visible.as<int32_t>(), pool, step.page_table.as<int64_t>(), step.table_stride,
-                         step.block_size(), score_rows.as<float>(), ld, step.max_visible, stream);
+                         step.block_size(), score_rows.as<float>(), ld, step.max_visible, stream,
+                         cuda::DsaScoreKernel::Auto, pairs ? 2 : 1);
   const int k = int(options.topk);
   Tensor selected = Tensor::empty({rows, options.topk}, ScalarType::I32, x.device());
   const size_t workspace_bytes = cuda::topk_workspace_bytes(rows, step.max_visible, k);

@@ -257,12 +257,15 @@ void run_score_case(const ScoreCase& c, std::mt19937& rng, unsigned seed) {
   // Both kernels on every case (Auto picks one by row count). Hopper's FP8 wgmma accumulates with about
   // 14 mantissa bits (DeepSeek-V3 technical report, 3.3.2), hence its looser bound relative to the sum
   // of |products| (a wrong key, head or scale is off by O(1) of it).
-  for (const auto kernel : {cuda::DsaScoreKernel::Tiles, cuda::DsaScoreKernel::Wgmma}) {
+  // The wgmma kernel also with pairs of rows per CTA (rows_per_sequence 2), whatever the cases' real
+  // pairing: pairs that straddle two sequences must still score each against its own keys.
+  for (const int variant : {0, 1, 2}) {
+    const auto kernel = variant == 0 ? cuda::DsaScoreKernel::Tiles : cuda::DsaScoreKernel::Wgmma;
     const double tolerance = kernel == cuda::DsaScoreKernel::Wgmma ? 3e-4 : 2e-5;
-    const char* name = kernel == cuda::DsaScoreKernel::Wgmma ? "wgmma" : "tiles";
+    const char* name = variant == 0 ? "tiles" : variant == 1 ? "wgmma" : "wgmma, rows in pairs";
     CK(cudaMemset(dsc.p, 0xFF, rows * ld * 4));
     cuda::dsa_index_scores(dq8.p, dwf.p, rows, heads, drs.p, drv.p, dpool.p, dt.p, pool.stride, c.block_size, dsc.p,
-                           ld, max_vis, nullptr, kernel);
+                           ld, max_vis, nullptr, kernel, variant == 2 ? 2 : 1);
     CK(cudaDeviceSynchronize());
     auto got = dsc.get();
     for (int64_t r = 0; r < rows; ++r) {

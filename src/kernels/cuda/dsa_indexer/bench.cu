@@ -101,7 +101,7 @@ void bench_dsa_indexer(const KernelBenchOptions& options, std::vector<KernelBenc
           for (const DsaScoreKernel kernel : {DsaScoreKernel::Wgmma, DsaScoreKernel::Tiles}) {
             auto launch = [&](cudaStream_t s) {
               dsa_index_scores(q8, wf, nrows, m.heads, row_seq, row_vis, pool, table, pages_per_seq, kBlock, scores,
-                               ctx, ctx, s, kernel);
+                               ctx, ctx, s, kernel, q);
             };
             KernelBenchRow row;
             row.kernel = "dsa_index_scores";

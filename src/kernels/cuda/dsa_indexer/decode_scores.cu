@@ -26,10 +26,10 @@ constexpr int kTileKeys = 64;          // wgmma M
 constexpr int kThreads = 128;          // one warpgroup
 constexpr int kStages = 4;
 constexpr int kTileBytes = kTileKeys * kDim;  // 8 KB
-constexpr int kQueryBytes = 64 * kDim;        // room for 64 heads
 
-// Shared memory: [query 8 KB][STAGES x key tile 8 KB][STAGES x 64 key scales], plus 1 KB to align.
-constexpr int kSmemBytes = kQueryBytes + kStages * kTileBytes + kStages * kTileKeys * 4 + 1024;
+// Shared memory: [N query vectors of 128 B][STAGES x key tile 8 KB][STAGES x 64 key scales], plus 1 KB
+// to align.
+constexpr int smem_bytes(int n) { return n * kDim + kStages * kTileBytes + kStages * kTileKeys * 4 + 1024; }
 
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -77,6 +77,24 @@ __device__ __forceinline__ void wgmma_k32(Accumulator<64>& acc, uint64_t a, uint
         "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(a), "l"(b), "r"(accumulate));
 }
+__device__ __forceinline__ void wgmma_k32(Accumulator<128>& acc, uint64_t a, uint64_t b, int accumulate) {
+  float* d = acc.d;
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,"
+      "%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,"
+      "%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
 __device__ __forceinline__ void wgmma_k32(Accumulator<32>& acc, uint64_t a, uint64_t b, int accumulate) {
   float* d = acc.d;
   asm volatile(
@@ -91,6 +109,7 @@ __device__ __forceinline__ void wgmma_k32(Accumulator<32>& acc, uint64_t a, uint
 struct DecodeParams {
   const uint8_t* q;  // [rows, heads, 128] e4m3
   const float* w;    // [rows, heads]
+  int64_t rows;
   const int32_t* row_seq;
   const int32_t* row_visible;
   const uint8_t* pool;
@@ -103,111 +122,167 @@ struct DecodeParams {
   int64_t keys_per_cta;  // a multiple of kTileKeys
 };
 
-template <int HEADS>
+// ROWS consecutive query rows share a CTA when they are one request's tokens (speculative verification
+// scores 2): B then holds ROWS x HEADS query vectors and each key tile is read once for all of them. Rows
+// of different sequences in one CTA are scored one sequence after the other (a pass per sequence).
+template <int HEADS, int ROWS>
 __global__ void __launch_bounds__(kThreads) decode_scores_kernel(DecodeParams p) {
+  constexpr int N = HEADS * ROWS;  // wgmma N: every head of every row
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* query = smem;
-  uint8_t* tiles = smem + kQueryBytes;
+  uint8_t* tiles = smem + N * kDim;
   float* scales = reinterpret_cast<float*>(tiles + kStages * kTileBytes);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int64_t row = blockIdx.y;
-  const int seq = p.row_seq[row];
-  const int64_t visible = p.row_visible[row];
+  const int64_t row0 = int64_t(blockIdx.y) * ROWS;
   const int64_t k_begin = int64_t(blockIdx.x) * p.keys_per_cta;
   const int64_t k_end = min(k_begin + p.keys_per_cta, p.max_visible);
-  const int64_t k_scored = min(k_end, visible);  // keys at or past `visible` are -inf without reading them
-  float* out = p.scores + row * p.ld;
+  bool valid[ROWS];
+  int seq[ROWS];
+  int64_t visible[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    valid[r] = row0 + r < p.rows;
+    seq[r] = valid[r] ? p.row_seq[row0 + r] : -1;
+    visible[r] = valid[r] ? p.row_visible[row0 + r] : 0;
+  }
 
-  // Past the causal bound: -inf, nothing to read.
-  for (int64_t s = max(k_begin, k_scored) + tid; s < k_end; s += kThreads) out[s] = -INFINITY;
-  if (k_scored <= k_begin) return;
-  const int tiles_total = int((k_scored - k_begin + kTileKeys - 1) / kTileKeys);
-  const int64_t* pages = p.page_table + int64_t(seq) * p.stride;
+  // The queries of every valid row, swizzled: N rows of 8 chunks (an invalid row's are zero).
+  for (int c = tid; c < N * 8; c += kThreads) {
+    const int n = c / 8, chunk = c % 8, r = n / HEADS;
+    const uint8_t* src = p.q + ((row0 + r) * HEADS + n % HEADS) * kDim + chunk * 16;
+    copy16(query + n * kDim + ((chunk ^ (n % 8)) * 16), valid[r] ? src : p.q, valid[r]);
+  }
+  commit();
 
-  // This thread's head weights: D's columns 8j + 2(lane % 4) + {0, 1}.
-  constexpr int J = HEADS / 8;
+  // This thread's head weights: D's columns 8j + 2(lane % 4) + {0, 1}; column n is head n % HEADS of
+  // row n / HEADS.
+  constexpr int J = N / 8;
   float w0[J], w1[J];
 #pragma unroll
   for (int j = 0; j < J; ++j) {
-    w0[j] = p.w[row * HEADS + 8 * j + 2 * (lane % 4)];
-    w1[j] = p.w[row * HEADS + 8 * j + 2 * (lane % 4) + 1];
+    const int n = 8 * j + 2 * (lane % 4), r = n / HEADS;
+    w0[j] = valid[r] ? p.w[(row0 + r) * HEADS + n % HEADS] : 0.0f;
+    w1[j] = valid[r] ? p.w[(row0 + r) * HEADS + n % HEADS + 1] : 0.0f;
   }
-
-  // The query, swizzled: HEADS rows x 8 chunks.
-  const uint8_t* q = p.q + row * HEADS * kDim;
-  for (int c = tid; c < HEADS * 8; c += kThreads) {
-    const int h = c / 8, chunk = c % 8;
-    copy16(query + h * kDim + ((chunk ^ (h % 8)) * 16), q + h * kDim + chunk * 16, true);
-  }
-
-  // Tile `t` into stage t % kStages: chunk i of the 512 (key i / 8, 16-byte chunk i % 8), and the scales.
-  auto load_tile = [&](int t) {
-    if (t < tiles_total) {
-      uint8_t* dst = tiles + (t % kStages) * kTileBytes;
-      const int64_t first = k_begin + int64_t(t) * kTileKeys;
-#pragma unroll
-      for (int i = 0; i < kTileKeys * 8 / kThreads; ++i) {
-        const int c = tid + i * kThreads, r = c / 8, chunk = c % 8;
-        const int64_t key = first + r;
-        const bool valid = key < k_scored;
-        const int64_t k = valid ? key : 0;
-        const int64_t page = k / p.block_size, slot = k - page * p.block_size;
-        const uint8_t* src = p.pool + pages[page] + slot * kDim + chunk * 16;
-        copy16(dst + r * kDim + ((chunk ^ (r % 8)) * 16), src, valid);
-      }
-      if (tid < kTileKeys) {
-        const int64_t key = first + tid;
-        const bool valid = key < k_scored;
-        const int64_t k = valid ? key : 0;
-        const int64_t page = k / p.block_size, slot = k - page * p.block_size;
-        copy4(scales + (t % kStages) * kTileKeys + tid,
-              p.pool + pages[page] + int64_t(p.block_size) * kDim + slot * 4, valid);
-      }
-    }
-    commit();  // an empty group past the end keeps the group count uniform
-  };
-
-#pragma unroll
-  for (int t = 0; t < kStages - 1; ++t) load_tile(t);
 
   const int g = lane / 4;
 #pragma unroll 1
-  for (int t = 0; t < tiles_total; ++t) {
-    load_tile(t + kStages - 1);
-    wait_pending<kStages - 1>();  // tile t (and the query) have landed for this thread's copies
-    // cp.async writes are generic-proxy writes; wgmma reads through the async proxy.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-
-    const uint8_t* keys = tiles + (t % kStages) * kTileBytes;
-    Accumulator<HEADS> acc;
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  for (int pass = 0; pass < ROWS; ++pass) {
+    // This pass scores the rows of one sequence: the first valid row not scored by an earlier pass.
+    bool first_of_seq = valid[pass];
 #pragma unroll
-    for (int kk = 0; kk < kDim / 32; ++kk)
-      wgmma_k32(acc, descriptor(keys + kk * 32), descriptor(query + kk * 32), kk > 0);
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    for (int r = 0; r < ROWS; ++r)
+      if (r < pass && seq[r] == seq[pass]) first_of_seq = false;
+    if (!first_of_seq) continue;
+    const int pass_seq = seq[pass];
+    bool active[ROWS];
+    int64_t k_scored = k_begin;  // keys at or past every active row's bound are -inf without reading them
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      active[r] = valid[r] && seq[r] == pass_seq;
+      if (active[r]) k_scored = max(k_scored, min(k_end, visible[r]));
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      if (!active[r]) continue;
+      float* out = p.scores + (row0 + r) * p.ld;
+      for (int64_t s = max(k_begin, min(k_end, visible[r])) + tid; s < k_end; s += kThreads) out[s] = -INFINITY;
+    }
+    if (k_scored <= k_begin) continue;
+    const int tiles_total = int((k_scored - k_begin + kTileKeys - 1) / kTileKeys);
+    const int64_t* pages = p.page_table + int64_t(pass_seq) * p.stride;
 
-    // D layout (m64nNk32, fp32): acc.d[4j + 0/1] = key 16 * warp + g, heads 8j + 2(lane % 4) + 0/1;
-    // acc.d[4j + 2/3] = key 16 * warp + g + 8, the same heads.
-    float s0 = 0.0f, s1 = 0.0f;
+    // Tile `t` into stage t % kStages: chunk i of the 512 (key i / 8, 16-byte chunk i % 8), and the scales.
+    auto load_tile = [&](int t) {
+      if (t < tiles_total) {
+        uint8_t* dst = tiles + (t % kStages) * kTileBytes;
+        const int64_t first = k_begin + int64_t(t) * kTileKeys;
+#pragma unroll
+        for (int i = 0; i < kTileKeys * 8 / kThreads; ++i) {
+          const int c = tid + i * kThreads, r = c / 8, chunk = c % 8;
+          const int64_t key = first + r;
+          const bool ok = key < k_scored;
+          const int64_t k = ok ? key : 0;
+          const int64_t page = k / p.block_size, slot = k - page * p.block_size;
+          const uint8_t* src = p.pool + pages[page] + slot * kDim + chunk * 16;
+          copy16(dst + r * kDim + ((chunk ^ (r % 8)) * 16), src, ok);
+        }
+        if (tid < kTileKeys) {
+          const int64_t key = first + tid;
+          const bool ok = key < k_scored;
+          const int64_t k = ok ? key : 0;
+          const int64_t page = k / p.block_size, slot = k - page * p.block_size;
+          copy4(scales + (t % kStages) * kTileKeys + tid,
+                p.pool + pages[page] + int64_t(p.block_size) * kDim + slot * 4, ok);
+        }
+      }
+      commit();  // an empty group past the end keeps the group count uniform
+    };
+
+#pragma unroll
+    for (int t = 0; t < kStages - 1; ++t) load_tile(t);
+
+    // The pass's weights: an inactive row's columns count for nothing.
+    float pw0[J], pw1[J];
 #pragma unroll
     for (int j = 0; j < J; ++j) {
-      s0 += w0[j] * fmaxf(acc.d[4 * j], 0.0f) + w1[j] * fmaxf(acc.d[4 * j + 1], 0.0f);
-      s1 += w0[j] * fmaxf(acc.d[4 * j + 2], 0.0f) + w1[j] * fmaxf(acc.d[4 * j + 3], 0.0f);
+      const bool on = active[(8 * j) / HEADS];
+      pw0[j] = on ? w0[j] : 0.0f;
+      pw1[j] = on ? w1[j] : 0.0f;
     }
-    s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
-    s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-    s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-    s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-    if (lane % 4 < 2) {
-      const int local = 16 * warp + g + 8 * (lane % 4);
-      const int64_t key = k_begin + int64_t(t) * kTileKeys + local;
-      if (key < k_scored) out[key] = (lane % 4 == 0 ? s0 : s1) * scales[(t % kStages) * kTileKeys + local];
+
+#pragma unroll 1
+    for (int t = 0; t < tiles_total; ++t) {
+      load_tile(t + kStages - 1);
+      wait_pending<kStages - 1>();  // tile t (and the queries) have landed for this thread's copies
+      // cp.async writes are generic-proxy writes; wgmma reads through the async proxy.
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      __syncthreads();
+
+      const uint8_t* keys = tiles + (t % kStages) * kTileBytes;
+      Accumulator<N> acc;
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int kk = 0; kk < kDim / 32; ++kk)
+        wgmma_k32(acc, descriptor(keys + kk * 32), descriptor(query + kk * 32), kk > 0);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+
+      // D layout (m64nNk32, fp32): acc.d[4j + 0/1] = key 16 * warp + g, columns 8j + 2(lane % 4) + 0/1;
+      // acc.d[4j + 2/3] = key 16 * warp + g + 8, the same columns. Columns of row r are j in
+      // [r * HEADS / 8, (r + 1) * HEADS / 8).
+      float s0[ROWS], s1[ROWS];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) s0[r] = s1[r] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const int r = (8 * j) / HEADS;
+        s0[r] += pw0[j] * fmaxf(acc.d[4 * j], 0.0f) + pw1[j] * fmaxf(acc.d[4 * j + 1], 0.0f);
+        s1[r] += pw0[j] * fmaxf(acc.d[4 * j + 2], 0.0f) + pw1[j] * fmaxf(acc.d[4 * j + 3], 0.0f);
+      }
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        s0[r] += __shfl_xor_sync(0xffffffffu, s0[r], 1);
+        s0[r] += __shfl_xor_sync(0xffffffffu, s0[r], 2);
+        s1[r] += __shfl_xor_sync(0xffffffffu, s1[r], 1);
+        s1[r] += __shfl_xor_sync(0xffffffffu, s1[r], 2);
+      }
+      if (lane % 4 < 2) {
+        const int local = 16 * warp + g + 8 * (lane % 4);
+        const int64_t key = k_begin + int64_t(t) * kTileKeys + local;
+        const float scale = scales[(t % kStages) * kTileKeys + local];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          if (!active[r] || key >= min(k_end, visible[r])) continue;
+          p.scores[(row0 + r) * p.ld + key] = (lane % 4 == 0 ? s0[r] : s1[r]) * scale;
+        }
+      }
+      __syncthreads();  // the stage is refilled by the next iteration's load
     }
-    __syncthreads();  // the stage is refilled by the next iteration's load
+    wait_pending<0>();
+    __syncthreads();  // the next pass refills every stage
   }
   wait_pending<0>();
 }
@@ -219,32 +294,42 @@ bool dsa_decode_scores_supported(int heads) { return heads == 32 || heads == 64;
 void dsa_decode_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows, int heads, const int32_t* row_seq,
                        const int32_t* row_visible, const uint8_t* pool, const int64_t* page_table,
                        int64_t page_table_stride, int block_size, float* scores, int64_t ld, int64_t max_visible,
-                       int sms, cudaStream_t stream) {
+                       int rows_per_sequence, int sms, cudaStream_t stream) {
   SPARROW_CHECK(dsa_decode_scores_supported(heads), "dsa_decode_scores: heads must be 32 or 64, got ", heads);
-  SPARROW_CHECK(rows < 65536, "dsa_decode_scores: too many rows (", rows, ")");
+  SPARROW_CHECK(rows_per_sequence >= 1, "dsa_decode_scores: rows_per_sequence must be >= 1");
   if (rows <= 0 || max_visible <= 0) return;
+  // Two rows per CTA when requests bring two tokens each (speculative verification): they share every
+  // key tile. The kernel checks the pairing itself (a pair of two sequences runs as two passes).
+  const int group = rows_per_sequence == 2 ? 2 : 1;
+  const int64_t ctas_y = (rows + group - 1) / group;
+  SPARROW_CHECK(ctas_y < 65536, "dsa_decode_scores: too many rows (", rows, ")");
   // One wave: as many CTAs as fit on the chip at once (a second, partly filled wave would leave SMs
   // idle at the end: 2 waves of 1024 CTAs over 660 slots run at ~78%), the keys of each row split
   // evenly over its CTAs, each reading at least 8 tiles (64 KB of keys) so that its query load and
   // pipeline fill are amortised.
-  auto kernel = heads == 64 ? decode_scores_kernel<64> : decode_scores_kernel<32>;
-  static int resident[2] = {0, 0};  // CTAs per SM, per instantiation
-  int& per_sm = resident[heads == 64 ? 1 : 0];
+  const int variant = (heads == 64 ? 1 : 0) + 2 * (group - 1);
+  using Kernel = void (*)(DecodeParams);
+  static const Kernel kernels[4] = {decode_scores_kernel<32, 1>, decode_scores_kernel<64, 1>,
+                                    decode_scores_kernel<32, 2>, decode_scores_kernel<64, 2>};
+  const Kernel kernel = kernels[variant];
+  const int smem = smem_bytes(heads * group);
+  static int resident[4] = {0, 0, 0, 0};  // CTAs per SM, per instantiation
+  int& per_sm = resident[variant];
   if (per_sm == 0) {
-    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    SPARROW_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kSmemBytes));
+    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    SPARROW_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
     per_sm = std::max(per_sm, 1);
   }
   const int64_t slots = int64_t(sms) * per_sm;
-  const int64_t splits_wanted = std::max<int64_t>(1, slots / rows);
+  const int64_t splits_wanted = std::max<int64_t>(1, slots / ctas_y);
   int64_t per = (max_visible + splits_wanted - 1) / splits_wanted;
   per = std::max<int64_t>(per, 8 * kTileKeys);
   per = (per + kTileKeys - 1) / kTileKeys * kTileKeys;
   const int64_t splits = (max_visible + per - 1) / per;
-  DecodeParams params{q_fp8, w_folded, row_seq, row_visible, pool, page_table, page_table_stride, block_size,
+  DecodeParams params{q_fp8, w_folded, rows, row_seq, row_visible, pool, page_table, page_table_stride, block_size,
                       scores, ld, max_visible, per};
-  const dim3 grid{unsigned(splits), unsigned(rows), 1u};
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
+  const dim3 grid{unsigned(splits), unsigned(ctas_y), 1u};
+  kernel<<<grid, kThreads, smem, stream>>>(params);
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 

@@ -323,7 +323,8 @@ void dsa_quantize_queries(const void* q, DsaDType type, const float* weights, in
 void dsa_index_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows, int heads,
                       const int32_t* row_seq, const int32_t* row_visible, const uint8_t* pool,
                       const int64_t* page_table, int64_t page_table_stride, int block_size, float* scores,
-                      int64_t ld, int64_t max_visible, cudaStream_t stream, DsaScoreKernel kernel) {
+                      int64_t ld, int64_t max_visible, cudaStream_t stream, DsaScoreKernel kernel,
+                      int rows_per_sequence) {
   SPARROW_CHECK(heads == 32 || heads == 64, "dsa_index_scores: heads must be 32 or 64, got ", heads);
   SPARROW_CHECK(block_size > 0, "dsa_index_scores: bad block_size ", block_size);
   SPARROW_CHECK(ld >= max_visible && ld % 2 == 0, "dsa_index_scores: ld ", ld, " must be even and >= max_visible ",
@@ -337,7 +338,7 @@ void dsa_index_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows,
   }
   if (kernel == DsaScoreKernel::Wgmma || (kernel == DsaScoreKernel::Auto && rows <= kDsaWgmmaMaxRows)) {
     dsa_decode_scores(q_fp8, w_folded, rows, heads, row_seq, row_visible, pool, page_table, page_table_stride,
-                      block_size, scores, ld, max_visible, sms, stream);
+                      block_size, scores, ld, max_visible, rows_per_sequence, sms, stream);
     return;
   }
   ScoreParams p{q_fp8, w_folded, rows, row_seq, row_visible, pool, page_table, page_table_stride, block_size,

@@ -44,13 +44,15 @@ void dsa_quantize_queries(const void* q, DsaDType type, const float* weights, in
 //     with speculative verification);
 //   Tiles (this file): rows of a CTA share each key tile through L1, e4m3 mma.sync: for prefill (many
 //     consecutive rows of one sequence).
+// rows_per_sequence: a hint for the wgmma kernel that requests bring that many consecutive rows each (2:
+// speculative verification), so that pairs of rows share their key reads; any value gives the same scores.
 enum class DsaScoreKernel { Auto, Tiles, Wgmma };
 inline constexpr int64_t kDsaWgmmaMaxRows = 256;
 void dsa_index_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows, int heads,
                       const int32_t* row_seq, const int32_t* row_visible, const uint8_t* pool,
                       const int64_t* page_table, int64_t page_table_stride, int block_size, float* scores,
                       int64_t ld, int64_t max_visible, cudaStream_t stream,
-                      DsaScoreKernel kernel = DsaScoreKernel::Auto);
+                      DsaScoreKernel kernel = DsaScoreKernel::Auto, int rows_per_sequence = 1);
 
 // x -> e4m3 with __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3), n values (for tests of the CPU
 // codec in kernels/cpu/fp8.h).
