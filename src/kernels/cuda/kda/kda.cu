@@ -1,0 +1,330 @@
+// Kimi Delta Attention kernels (kda.h). Each follows src/model/kda.cpp operation by operation:
+//   * the conv and the gated norm round the CPU's separate products and sums the same way
+//     (__fmul_rn / __fadd_rn, never contracted into an FMA; the norm's sum of squares in double);
+//   * the delta rule keeps the recurrence's order of operations per token but sums its dot products in
+//     a different order (and with FMAs), so it agrees with the CPU to fp32 rounding, not bit for bit.
+#include <cuda_bf16.h>
+
+#include "core/error.h"
+#include "kernels/cuda/kda/kda.h"
+#include "kernels/cuda/runtime/cuda_check.h"
+
+namespace sparrow::cuda {
+
+namespace {
+
+// ---- short causal conv ---------------------------------------------------------------------------
+// One thread per (channel, chunk of kConvChunk rows, sequence). The thread keeps the last K-1 inputs of
+// its channel in registers; a chunk after the first reads its left context from x itself, so only the
+// first chunk reads the saved tail, and that same thread writes the new tail afterwards: no other thread
+// touches the channel's tail, so reading the old and writing the new needs no ordering across blocks.
+constexpr int kConvChunk = 64;
+constexpr int kConvThreads = 128;
+
+template <int K>
+__global__ void __launch_bounds__(kConvThreads)
+    short_conv_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t C, const float* __restrict__ weight,
+                      const int32_t* __restrict__ seq_offset, float* const* __restrict__ tails) {
+  const int64_t c = int64_t(blockIdx.x) * kConvThreads + threadIdx.x;
+  if (c >= C) return;
+  const int seq = blockIdx.z;
+  const int64_t begin = seq_offset[seq], n = int64_t(seq_offset[seq + 1]) - begin;
+  const int64_t t0 = int64_t(blockIdx.y) * kConvChunk;
+  if (t0 >= n) return;
+  float* tail = tails[seq];
+
+  float w[K];
+#pragma unroll
+  for (int j = 0; j < K; ++j) w[j] = weight[c * K + j];
+  // h[p] for p = t0 - (K-1) .. t0 - 1; p < 0 is tail row K-1+p.
+  float win[K - 1];
+#pragma unroll
+  for (int m = 0; m < K - 1; ++m) {
+    const int64_t p = t0 - (K - 1) + m;
+    win[m] = p >= 0 ? x[(begin + p) * C + c] : tail[(K - 1 + p) * C + c];
+  }
+  if (blockIdx.y == 0) {
+    // New tail: rows n .. n+K-2 of h = [old tail | x]; all read before any is written.
+    float next[K - 1];
+#pragma unroll
+    for (int m = 0; m < K - 1; ++m) {
+      const int64_t p = n + m;  // index into h
+      next[m] = p < K - 1 ? tail[p * C + c] : x[(begin + p - (K - 1)) * C + c];
+    }
+#pragma unroll
+    for (int m = 0; m < K - 1; ++m) tail[m * C + c] = next[m];
+  }
+
+  const int64_t t1 = t0 + kConvChunk < n ? t0 + kConvChunk : n;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float xt = x[(begin + t) * C + c];
+    // The CPU's order: sum = 0, then += taps[j] * h[t + j] for j ascending, each rounded.
+    float sum = 0.0f;
+#pragma unroll
+    for (int m = 0; m < K - 1; ++m) sum = __fadd_rn(sum, __fmul_rn(w[m], win[m]));
+    sum = __fadd_rn(sum, __fmul_rn(w[K - 1], xt));
+    y[(begin + t) * C + c] = sum / (1.0f + expf(-sum));  // cpu::silu
+#pragma unroll
+    for (int m = 0; m + 1 < K - 1; ++m) win[m] = win[m + 1];
+    win[K - 2] = xt;
+  }
+}
+
+// ---- gates ---------------------------------------------------------------------------------------
+__global__ void gates_kernel(const float* f, const float* __restrict__ dt_bias, const float* __restrict__ A_log,
+                             const float* b, float* g, float* beta, int64_t rows, int heads, int head_dim) {
+  const int64_t P = int64_t(heads) * head_dim, n = rows * P, nb = rows * heads;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
+    const int64_t c = e % P;
+    const float xv = __fadd_rn(f[e], dt_bias[c]);
+    const float sp = xv > 20.0f ? xv : logf(1.0f + expf(xv));
+    g[e] = __fmul_rn(-expf(A_log[c / head_dim]), sp);
+  }
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < nb; e += stride)
+    beta[e] = 1.0f / (1.0f + expf(-b[e]));
+}
+
+// ---- delta rule ----------------------------------------------------------------------------------
+// Block = (value slice of VS columns, head, sequence), W warps. The state slice S[:, j0 .. j0+VS) lives in
+// registers: lane l holds column j = l % VS, and the D key rows are dealt out over the RSUB = 32/VS lane
+// groups and the W warps, R = D / (W * RSUB) rows per thread (row i = row0 + r * RSTEP).
+// Tokens are staged TT at a time in shared memory (q, k, exp g of the whole head, v of the slice, beta,
+// and q.k). Per token, one block-wide reduction gives both S_d^T k and S_d^T q (S_d = decayed state):
+//   u = beta (v - S_d^T k),   S = S_d + k u^T,   o = S^T q = S_d^T q + (q.k) u,
+// so a token costs one barrier; the reduction scratch alternates between two buffers so that the next
+// token's writes cannot race this token's reads. Launch bounds ask for 24 resident warps per SM (80
+// registers, no spills at D = 128): decode of a large batch streams the states and wants blocks in flight.
+template <int D, int VS, int W, int TT>
+__global__ void __launch_bounds__(32 * W, 24 / W)
+    delta_rule_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                      int64_t qkv_stride, const float* __restrict__ log_decay, const float* __restrict__ beta,
+                      float* __restrict__ out, int heads, bool normalize_qk, const int32_t* __restrict__ seq_offset,
+                      float* const* __restrict__ states) {
+  constexpr int NT = 32 * W, RSUB = 32 / VS, RSTEP = W * RSUB, R = D / RSTEP;
+  static_assert(VS <= 32 && 32 % VS == 0 && D % VS == 0 && D % RSTEP == 0 && R >= 1, "delta rule tiling");
+  __shared__ float sq[TT][D], sk[TT][D], seg[TT][D], sv[TT][VS], sb[TT], sqk[TT];
+  __shared__ float red[2][2][W][VS];
+
+  const int seq = blockIdx.z, h = blockIdx.y, j0 = blockIdx.x * VS;
+  const int64_t begin = seq_offset[seq], end = seq_offset[seq + 1];
+  if (end <= begin) return;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, j = lane % VS, rsub = lane / VS;
+  const int row0 = warp * RSUB + rsub;
+  const int64_t P = int64_t(heads) * D;
+
+  float* S = states[seq] + int64_t(h) * D * D + j0 + j;
+  float s[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) s[r] = S[int64_t(row0 + r * RSTEP) * D];
+
+  int par = 0;
+  for (int64_t t0 = begin; t0 < end; t0 += TT) {
+    const int n = end - t0 < TT ? int(end - t0) : TT;
+    __syncthreads();  // the previous tile is no longer read
+    for (int e = tid; e < n * D; e += NT) {
+      const int tt = e / D, d = e % D;
+      const int64_t row = t0 + tt;
+      sq[tt][d] = q[row * qkv_stride + h * D + d];
+      sk[tt][d] = k[row * qkv_stride + h * D + d];
+      seg[tt][d] = expf(log_decay[row * P + h * D + d]);
+    }
+    for (int e = tid; e < n * VS; e += NT) {
+      const int tt = e / VS, jj = e % VS;
+      sv[tt][jj] = v[(t0 + tt) * qkv_stride + h * D + j0 + jj];
+    }
+    for (int e = tid; e < n; e += NT) sb[e] = beta[(t0 + e) * heads + h];
+    __syncthreads();
+    // One warp per staged token: the optional L2 norms (kda.cpp l2_normalize: x / sqrt(sum x^2 + 1e-6),
+    // q also times D^-1/2), then q.k. Each lane reads back only the elements it wrote itself.
+    for (int tt = warp; tt < n; tt += W) {
+      if (normalize_qk) {
+        float qq = 0.0f, kk = 0.0f;
+        for (int d = lane; d < D; d += 32) {
+          qq = fmaf(sq[tt][d], sq[tt][d], qq);
+          kk = fmaf(sk[tt][d], sk[tt][d], kk);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          qq += __shfl_xor_sync(0xffffffffu, qq, o);
+          kk += __shfl_xor_sync(0xffffffffu, kk, o);
+        }
+        const float q_inv = 1.0f / sqrtf(qq + 1e-6f), k_inv = 1.0f / sqrtf(kk + 1e-6f);
+        const float q_scale = float(1.0 / sqrt(double(D)));  // as KdaMixer's q_scale, rounded once
+        for (int d = lane; d < D; d += 32) {
+          sq[tt][d] = sq[tt][d] * q_inv * q_scale;
+          sk[tt][d] = sk[tt][d] * k_inv;
+        }
+      }
+      float acc = 0.0f;
+      for (int d = lane; d < D; d += 32) acc = fmaf(sq[tt][d], sk[tt][d], acc);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      if (lane == 0) sqk[tt] = acc;
+    }
+    __syncthreads();
+
+    for (int tt = 0; tt < n; ++tt) {
+      float ks = 0.0f, qs = 0.0f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int i = row0 + r * RSTEP;
+        s[r] *= seg[tt][i];
+        ks = fmaf(sk[tt][i], s[r], ks);
+        qs = fmaf(sq[tt][i], s[r], qs);
+      }
+#pragma unroll
+      for (int o = VS; o < 32; o <<= 1) {
+        ks += __shfl_xor_sync(0xffffffffu, ks, o);
+        qs += __shfl_xor_sync(0xffffffffu, qs, o);
+      }
+      if (rsub == 0) {
+        red[par][0][warp][j] = ks;
+        red[par][1][warp][j] = qs;
+      }
+      __syncthreads();
+      float KS = 0.0f, QS = 0.0f;
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        KS += red[par][0][w][j];
+        QS += red[par][1][w][j];
+      }
+      const float u = sb[tt] * (sv[tt][j] - KS);
+#pragma unroll
+      for (int r = 0; r < R; ++r) s[r] = fmaf(sk[tt][row0 + r * RSTEP], u, s[r]);
+      if (warp == 0 && rsub == 0) out[(t0 + tt) * P + h * D + j0 + j] = fmaf(sqk[tt], u, QS);
+      par ^= 1;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) S[int64_t(row0 + r * RSTEP) * D] = s[r];
+}
+
+template <int D, int VS, int W, int TT>
+void launch_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* log_decay,
+                       const float* beta, float* out, int heads, bool normalize_qk, const int32_t* seq_offset,
+                       int num_seqs, float* const* states, cudaStream_t stream) {
+  const dim3 grid(D / VS, heads, num_seqs);
+  delta_rule_kernel<D, VS, W, TT>
+      <<<grid, 32 * W, 0, stream>>>(q, k, v, qkv_stride, log_decay, beta, out, heads, normalize_qk, seq_offset, states);
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
+// ---- gated output norm ---------------------------------------------------------------------------
+// One warp per (row, head); the sum of squares in double as cpu::rms_normalize, then x * inv * w * gate,
+// each product rounded as the CPU rounds it.
+__device__ __forceinline__ void store_out(float* p, int64_t i, float x) { p[i] = x; }
+__device__ __forceinline__ void store_out(__nv_bfloat16* p, int64_t i, float x) { p[i] = __float2bfloat16_rn(x); }
+
+template <typename Out>
+__global__ void gated_rms_norm_kernel(const float* o, const float* __restrict__ gate, const float* __restrict__ weight,
+                                      Out* out, int64_t groups, int head_dim, float eps) {
+  const int64_t gi = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (gi >= groups) return;
+  const float* x = o + gi * head_dim;
+  double ss = 0;
+  for (int d = lane; d < head_dim; d += 32) ss += double(x[d]) * x[d];
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+  const float inv = 1.0f / sqrtf(float(ss / head_dim) + eps);
+  for (int d = lane; d < head_dim; d += 32) {
+    const float sig = 1.0f / (1.0f + expf(-gate[gi * head_dim + d]));
+    store_out(out, gi * head_dim + d, __fmul_rn(__fmul_rn(__fmul_rn(x[d], inv), weight[d]), sig));
+  }
+}
+
+}  // namespace
+
+void kda_short_conv(const float* x, float* y, int64_t channels, const float* weight, int kernel,
+                    const int32_t* seq_offset, int num_seqs, int64_t max_count, float* const* tails,
+                    cudaStream_t stream) {
+  SPARROW_CHECK(channels > 0 && num_seqs >= 0 && max_count >= 0, "kda_short_conv: bad sizes");
+  SPARROW_CHECK(kernel >= 2 && kernel <= 8, "kda_short_conv: kernel ", kernel, " outside 2..8");
+  SPARROW_CHECK(num_seqs <= 65535, "kda_short_conv: ", num_seqs, " sequences (at most 65535)");
+  if (num_seqs == 0 || max_count == 0) return;
+  const int64_t chunks = (max_count + kConvChunk - 1) / kConvChunk;
+  SPARROW_CHECK(chunks <= 65535, "kda_short_conv: max_count ", max_count, " too large");
+  const dim3 grid(unsigned((channels + kConvThreads - 1) / kConvThreads), unsigned(chunks), unsigned(num_seqs));
+  switch (kernel) {
+#define SPARROW_KDA_CONV(K)                                                                             \
+  case K:                                                                                               \
+    short_conv_kernel<K><<<grid, kConvThreads, 0, stream>>>(x, y, channels, weight, seq_offset, tails); \
+    break;
+    SPARROW_KDA_CONV(2)
+    SPARROW_KDA_CONV(3)
+    SPARROW_KDA_CONV(4)
+    SPARROW_KDA_CONV(5)
+    SPARROW_KDA_CONV(6)
+    SPARROW_KDA_CONV(7)
+    SPARROW_KDA_CONV(8)
+#undef SPARROW_KDA_CONV
+  }
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
+void kda_gates(const float* f, const float* dt_bias, const float* A_log, const float* b, float* g, float* beta,
+               int64_t rows, int heads, int head_dim, cudaStream_t stream) {
+  SPARROW_CHECK(rows >= 0 && heads > 0 && head_dim > 0, "kda_gates: bad sizes");
+  if (rows == 0) return;
+  const int64_t n = rows * heads * head_dim;
+  int64_t blocks = (n + 255) / 256;
+  if (blocks > 4096) blocks = 4096;  // grid-stride loops cover the rest
+  gates_kernel<<<unsigned(blocks), 256, 0, stream>>>(f, dt_bias, A_log, b, g, beta, rows, heads, head_dim);
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
+void kda_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* log_decay,
+                    const float* beta, float* out, int heads, int head_dim, bool normalize_qk,
+                    const int32_t* seq_offset, int num_seqs, float* const* states, cudaStream_t stream) {
+  SPARROW_CHECK(heads > 0 && heads <= 65535 && num_seqs >= 0 && num_seqs <= 65535, "kda_delta_rule: ", heads,
+                " heads, ", num_seqs, " sequences");
+  SPARROW_CHECK(qkv_stride >= int64_t(heads) * head_dim, "kda_delta_rule: row stride ", qkv_stride,
+                " below heads * head_dim");
+  if (num_seqs == 0) return;
+  // Value slices of 32 columns; when the (sequence, head) pairs alone leave most of the 132 SMs idle,
+  // slices of 16 (twice the blocks, half the state per thread: a shorter per-token chain).
+  int device = 0, sms = 132;
+  SPARROW_CUDA_CHECK(cudaGetDevice(&device));
+  SPARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const bool narrow = int64_t(num_seqs) * heads * (head_dim / 32) < 2 * sms;
+#define SPARROW_KDA_DELTA(D, VS, W, TT)                                                                       \
+  launch_delta_rule<D, VS, W, TT>(q, k, v, qkv_stride, log_decay, beta, out, heads, normalize_qk, seq_offset, \
+                                  num_seqs, states, stream)
+  switch (head_dim) {
+    case 16:
+      SPARROW_KDA_DELTA(16, 16, 2, 32);
+      break;
+    case 32:
+      narrow ? SPARROW_KDA_DELTA(32, 16, 4, 32) : SPARROW_KDA_DELTA(32, 32, 4, 32);
+      break;
+    case 64:
+      narrow ? SPARROW_KDA_DELTA(64, 16, 4, 32) : SPARROW_KDA_DELTA(64, 32, 4, 32);
+      break;
+    case 128:
+      narrow ? SPARROW_KDA_DELTA(128, 16, 8, 16) : SPARROW_KDA_DELTA(128, 32, 8, 16);
+      break;
+    default:
+      fail("kda_delta_rule: head_dim ", head_dim, " not one of 16, 32, 64, 128");
+  }
+#undef SPARROW_KDA_DELTA
+}
+
+void kda_gated_rms_norm(const float* o, const float* gate, const float* weight, void* out, bool out_bf16, int64_t rows,
+                        int heads, int head_dim, float eps, cudaStream_t stream) {
+  SPARROW_CHECK(rows >= 0 && heads > 0 && head_dim > 0, "kda_gated_rms_norm: bad sizes");
+  const int64_t groups = rows * heads;
+  if (groups == 0) return;
+  const int threads = 256;
+  const int64_t blocks = (groups * 32 + threads - 1) / threads;
+  SPARROW_CHECK(blocks <= 0x7fffffff, "kda_gated_rms_norm: too many rows");
+  if (out_bf16)
+    gated_rms_norm_kernel<<<unsigned(blocks), threads, 0, stream>>>(o, gate, weight, static_cast<__nv_bfloat16*>(out),
+                                                                    groups, head_dim, eps);
+  else
+    gated_rms_norm_kernel<<<unsigned(blocks), threads, 0, stream>>>(o, gate, weight, static_cast<float*>(out), groups,
+                                                                    head_dim, eps);
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace sparrow::cuda
