@@ -433,8 +433,10 @@ TEST(CudaMlaAttention, CacheWriteIsBitExact) {
       EXPECT_EQ(mismatches, 0) << "format " << int(format) << " src " << int(src_type) << ": first differing byte "
                                << first << " got " << (first >= 0 ? int(got[first]) : 0) << " want "
                                << (first >= 0 ? int(expected[first]) : 0);
-      // Contiguous form: rows start_pos .. start_pos+n-1 of sequence lens.size()-1.
-      const int seq = int(lens.size()) - 1, n = std::min(lens[seq], 70), start = lens[seq] - n;
+      // Contiguous form: rows start_pos .. start_pos+n-1 of sequence lens.size()-1, from the first n source
+      // rows (at most `count` of them exist: short random sequences may give fewer than 70).
+      const int seq = int(lens.size()) - 1, n = int(std::min<int64_t>({lens[seq], 70, count})),
+                start = lens[seq] - n;
       std::vector<uint8_t> expected2 = got;
       for (int i = 0; i < n; ++i) {
         const int pos = start + i;
