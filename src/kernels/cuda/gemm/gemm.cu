@@ -13,29 +13,17 @@
 // (shape, strides, types, pointer alignment) so steady-state calls do no heuristic search.
 #include "kernels/cuda/gemm/gemm.h"
 
-#include <cublasLt.h>
-
 #include <map>
 #include <mutex>
 #include <tuple>
 
+#include "kernels/cuda/gemm/cublaslt.cuh"
 #include "kernels/cuda/runtime/cuda_check.h"
 #include "kernels/cuda/runtime/device.h"
-
-#define SPARROW_CUBLAS_CHECK(call)                                                                   \
-  do {                                                                                               \
-    const cublasStatus_t sparrow_cublas_status_ = (call);                                            \
-    if (sparrow_cublas_status_ != CUBLAS_STATUS_SUCCESS)                                             \
-      ::sparrow::fail("cuBLASLt error at ", __FILE__, ":", __LINE__, ": ", #call, ": ",              \
-                      cublasLtGetStatusName(sparrow_cublas_status_), " (",                           \
-                      cublasLtGetStatusString(sparrow_cublas_status_), ")");                        \
-  } while (0)
 
 namespace sparrow::cuda {
 
 namespace {
-
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 
 // Everything that changes the plan. Pointer alignment is part of it: the heuristic is told the
 // alignment of each operand, and an algorithm chosen for 16-byte alignment may refuse a 2-byte one.
@@ -60,25 +48,12 @@ struct Plan {
 
 struct Context {
   std::mutex mu;
-  cublasLtHandle_t handle = nullptr;
-  std::map<cudaStream_t, void*> workspaces;  // one per stream: products on two streams may overlap
   std::map<PlanKey, Plan> plans;
 };
 
 Context& context() {
-  static Context* ctx = [] {
-    auto* c = new Context;  // never destroyed (plans outlive static destruction of callers)
-    SPARROW_CUBLAS_CHECK(cublasLtCreate(&c->handle));
-    return c;
-  }();
+  static Context* ctx = new Context;  // never destroyed (plans outlive static destruction of callers)
   return *ctx;
-}
-
-uint32_t alignment(const void* p) {
-  uintptr_t v = reinterpret_cast<uintptr_t>(p);
-  uint32_t a = 256;
-  while (a > 1 && (v % a) != 0) a /= 2;
-  return a;
 }
 
 cudaDataType_t cuda_type(ElemType t) { return t == ElemType::F32 ? CUDA_R_32F : CUDA_R_16BF; }
@@ -98,7 +73,7 @@ cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int64_t rows, int64_t co
   return layout;
 }
 
-Plan make_plan(Context& ctx, const PlanKey& key, ElemType out_type) {
+Plan make_plan(const PlanKey& key, ElemType out_type) {
   Plan plan;
   SPARROW_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t ta = key.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = CUBLAS_OP_N;
@@ -113,7 +88,7 @@ Plan make_plan(Context& ctx, const PlanKey& key, ElemType out_type) {
 
   cublasLtMatmulPreference_t pref = nullptr;
   SPARROW_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  size_t ws = kWorkspaceBytes;
+  size_t ws = kCublasWorkspaceBytes;
   SPARROW_CUBLAS_CHECK(
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
   SPARROW_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
@@ -127,7 +102,7 @@ Plan make_plan(Context& ctx, const PlanKey& key, ElemType out_type) {
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   cublasStatus_t status =
-      cublasLtMatmulAlgoGetHeuristic(ctx.handle, plan.op, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
+      cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), plan.op, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (status != CUBLAS_STATUS_SUCCESS || found == 0) {
     cublasLtMatrixLayoutDestroy(plan.a);
@@ -185,17 +160,16 @@ void gemm(bool trans_w, int64_t m, int64_t n, int64_t k, const GemmOperand& x, c
               batch > 1 ? y.batch_stride : 0,
               int(y.type),
               beta == 0.0f,
-              alignment(w.data),
-              alignment(x.data),
-              alignment(y.data)};
+              pointer_alignment(w.data),
+              pointer_alignment(x.data),
+              pointer_alignment(y.data)};
   std::lock_guard<std::mutex> lock(ctx.mu);
   auto it = ctx.plans.find(key);
-  if (it == ctx.plans.end()) it = ctx.plans.emplace(key, make_plan(ctx, key, y.type)).first;
+  if (it == ctx.plans.end()) it = ctx.plans.emplace(key, make_plan(key, y.type)).first;
   const Plan& plan = it->second;
-  void*& workspace = ctx.workspaces[stream];
-  if (workspace == nullptr) workspace = device_alloc(kWorkspaceBytes);
-  SPARROW_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan.op, &alpha, w.data, plan.a, x.data, plan.b, &beta, y.data,
-                                      plan.c, y.data, plan.c, &plan.algo, workspace, kWorkspaceBytes, stream));
+  SPARROW_CUBLAS_CHECK(cublasLtMatmul(cublaslt_handle(), plan.op, &alpha, w.data, plan.a, x.data, plan.b, &beta,
+                                      y.data, plan.c, y.data, plan.c, &plan.algo, cublaslt_workspace(stream),
+                                      kCublasWorkspaceBytes, stream));
 }
 
 }  // namespace

@@ -10,7 +10,6 @@
 // cuBLAS lists (VEC128, BLK128x128), (BLK128x128, VEC128) and (VEC128, VEC128) as the supported pairs.
 #include "kernels/cuda/gemm/gemm_fp8.h"
 
-#include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -20,17 +19,9 @@
 #include <mutex>
 #include <tuple>
 
+#include "kernels/cuda/gemm/cublaslt.cuh"
 #include "kernels/cuda/runtime/cuda_check.h"
 #include "kernels/cuda/runtime/device.h"
-
-#define SPARROW_CUBLAS_CHECK(call)                                                                   \
-  do {                                                                                               \
-    const cublasStatus_t sparrow_cublas_status_ = (call);                                            \
-    if (sparrow_cublas_status_ != CUBLAS_STATUS_SUCCESS)                                             \
-      ::sparrow::fail("cuBLASLt error at ", __FILE__, ":", __LINE__, ": ", #call, ": ",              \
-                      cublasLtGetStatusName(sparrow_cublas_status_), " (",                           \
-                      cublasLtGetStatusString(sparrow_cublas_status_), ")");                        \
-  } while (0)
 
 namespace sparrow::cuda {
 
@@ -38,7 +29,6 @@ namespace {
 
 constexpr int64_t kBlock = 128;       // DeepSeek's block: 128 channels (activations), 128x128 (weights)
 constexpr float kE4m3Max = 448.0f;    // largest finite E4M3 value
-constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;  // as gemm.cu: cuBLAS's advice for Hopper
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
@@ -158,8 +148,6 @@ struct Plan {
 
 struct Context {
   std::mutex mu;
-  cublasLtHandle_t handle = nullptr;
-  std::map<cudaStream_t, void*> workspaces;  // cuBLASLt's own workspace, one per stream (as gemm.cu)
   std::map<PlanKey, Plan> plans;
   cudaEvent_t done = nullptr;                // orders the engine stream after work on other streams
 };
@@ -172,18 +160,10 @@ Context& context() {
     const size_t version = cublasLtGetVersion();
     SPARROW_CHECK(version >= 120900, "gemm_fp8_block_scaled: cuBLASLt ", version,
                   " lacks the FP8 block-scale modes (VEC128_32F / BLK128x128_32F need cuBLAS 12.9 or newer)");
-    SPARROW_CUBLAS_CHECK(cublasLtCreate(&c->handle));
     SPARROW_CUDA_CHECK(cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming));
     return c;
   }();
   return *ctx;
-}
-
-uint32_t alignment(const void* p) {
-  uintptr_t v = reinterpret_cast<uintptr_t>(p);
-  uint32_t a = 256;
-  while (a > 1 && (v % a) != 0) a /= 2;
-  return a;
 }
 
 cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld) {
@@ -201,7 +181,7 @@ void set_scale_pointers(const Plan& plan, const float* a_scales, const float* b_
 
 // The heuristic wants the scale pointers set (a block scale mode without its pointer is refused), so
 // the first call's pointers go in; every call sets its own before the matmul.
-Plan make_plan(Context& ctx, const PlanKey& key, const float* a_scales, const float* b_scales) {
+Plan make_plan(const PlanKey& key, const float* a_scales, const float* b_scales) {
   Plan plan;
   SPARROW_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -235,7 +215,7 @@ Plan make_plan(Context& ctx, const PlanKey& key, const float* a_scales, const fl
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const cublasStatus_t status =
-      cublasLtMatmulAlgoGetHeuristic(ctx.handle, plan.op, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
+      cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), plan.op, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (status != CUBLAS_STATUS_SUCCESS || found == 0) {
     cublasLtMatrixLayoutDestroy(plan.a);
@@ -364,17 +344,15 @@ void gemm_fp8_block_scaled(int64_t m, int64_t n, int64_t k, const void* x_bf16, 
   void* out = direct_out ? y : work.at(off_tmp);
   const int64_t ldc = direct_out ? ldy : n;
   {
-    const PlanKey key{n, m_pad, k, ldc, int(y_type), alignment(w), alignment(out)};
+    const PlanKey key{n, m_pad, k, ldc, int(y_type), pointer_alignment(w), pointer_alignment(out)};
     std::lock_guard<std::mutex> lock(ctx.mu);
     auto it = ctx.plans.find(key);
-    if (it == ctx.plans.end()) it = ctx.plans.emplace(key, make_plan(ctx, key, a_scales, xs)).first;
+    if (it == ctx.plans.end()) it = ctx.plans.emplace(key, make_plan(key, a_scales, xs)).first;
     const Plan& plan = it->second;
     set_scale_pointers(plan, a_scales, xs);
-    void*& cublas_ws = ctx.workspaces[stream];
-    if (cublas_ws == nullptr) cublas_ws = device_alloc(kCublasWorkspaceBytes);
     const float alpha = 1.0f, beta = 0.0f;
-    SPARROW_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan.op, &alpha, w, plan.a, q, plan.b, &beta, out, plan.c, out,
-                                        plan.c, &plan.algo, cublas_ws, kCublasWorkspaceBytes, stream));
+    SPARROW_CUBLAS_CHECK(cublasLtMatmul(cublaslt_handle(), plan.op, &alpha, w, plan.a, q, plan.b, &beta, out, plan.c, out,
+                                        plan.c, &plan.algo, cublaslt_workspace(stream), kCublasWorkspaceBytes, stream));
   }
   if (!direct_out)
     SPARROW_CUDA_CHECK(cudaMemcpy2DAsync(y, size_t(ldy * es), out, size_t(n * es), size_t(n * es), size_t(m),
