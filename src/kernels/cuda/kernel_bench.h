@@ -47,5 +47,6 @@ void bench_gemm(const KernelBenchOptions& options, std::vector<KernelBenchRow>& 
 void bench_sampling(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows);
 void bench_gqa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows);
 void bench_msa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows);
+void bench_kda(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows);
 
 }  // namespace sparrow::cuda
