@@ -29,6 +29,7 @@
 #include "kernels/cpu/fp8.h"
 #include "kernels/cuda/runtime/device.h"
 #include "gpu_test_util.h"
+#include "model_test_util.h"
 #include "model/model.h"
 
 using namespace sparrow;
@@ -36,7 +37,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-using Tokens = std::vector<int32_t>;
+using namespace sparrow::model_test;
 
 const fs::path kFixture = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/deepseek_v32_gpu";
 
@@ -50,48 +51,6 @@ constexpr int64_t kTopk = 64;  // the fixture's index_topk
 constexpr double kGpuConsistency = 2e-2;
 // Greedy steps whose reference top-2 margin is below this (in logits) may flip under bf16 rounding.
 constexpr float kMarginNeeded = 0.1f;
-
-std::vector<Tokens> token_lists(const fs::path& path, const char* key) {
-  std::ifstream in(path);
-  const nlohmann::json json = nlohmann::json::parse(in);
-  std::vector<Tokens> lists;
-  for (const auto& l : json.at(key)) lists.push_back(l.get<Tokens>());
-  return lists;
-}
-
-double relative_l2(const float* a, const float* ref, int64_t n) {
-  double diff = 0, norm = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    diff += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
-    norm += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(diff / std::max(norm, 1e-300));
-}
-
-double worst_row_error(const Tensor& ours, const Tensor& ref) {
-  EXPECT_EQ(ours.shape(), ref.shape());
-  double worst = 0;
-  for (int64_t t = 0; t < ref.dim(0); ++t) {
-    const double e = relative_l2(ours.row(t), ref.row(t), ref.dim(1));
-    worst = std::isnan(e) ? INFINITY : std::max(worst, e);
-  }
-  return worst;
-}
-
-int32_t argmax(const float* row, int64_t n) { return int32_t(std::max_element(row, row + n) - row); }
-
-float top2_margin(const float* row, int64_t n) {
-  float first = -INFINITY, second = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) {
-    if (row[i] > first) {
-      second = first;
-      first = row[i];
-    } else if (row[i] > second) {
-      second = row[i];
-    }
-  }
-  return first - second;
-}
 
 // Sequences in a paged cache: on the GPU with the given latent format (index keys are FP8 there), or
 // on the CPU with fp32 rows and FP8 index keys.

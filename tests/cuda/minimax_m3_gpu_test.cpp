@@ -27,6 +27,7 @@
 #include "cache/kv_cache.h"
 #include "formats/safetensors.h"
 #include "gpu_test_util.h"
+#include "model_test_util.h"
 #include "model/model.h"
 
 using namespace sparrow;
@@ -34,7 +35,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-using Tokens = std::vector<int32_t>;
+using namespace sparrow::model_test;
 
 const fs::path kFixture = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/minimax_m3";
 // Relative L2 per row against fp32 transformers: bf16 weights and activations through three layers.
@@ -43,41 +44,6 @@ constexpr double kBf16Tolerance = 4e-2;
 constexpr double kGpuConsistency = 2e-2;
 constexpr float kMarginNeeded = 0.1f;
 constexpr int64_t kBudget = 3 * 8;  // index_topk_blocks x index_block_size: positions below see every block
-
-std::vector<Tokens> token_lists(const fs::path& path, const char* key) {
-  std::ifstream in(path);
-  const nlohmann::json json = nlohmann::json::parse(in);
-  std::vector<Tokens> lists;
-  for (const auto& l : json.at(key)) lists.push_back(l.get<Tokens>());
-  return lists;
-}
-
-double relative_l2(const float* a, const float* ref, int64_t n) {
-  double diff = 0, norm = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    diff += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
-    norm += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(diff / std::max(norm, 1e-300));
-}
-
-double worst_row_error(const Tensor& ours, const Tensor& ref) {
-  EXPECT_EQ(ours.shape(), ref.shape());
-  double worst = 0;
-  for (int64_t t = 0; t < ref.dim(0); ++t) {
-    const double e = relative_l2(ours.row(t), ref.row(t), ref.dim(1));
-    worst = std::isnan(e) ? INFINITY : std::max(worst, e);
-  }
-  return worst;
-}
-
-int32_t argmax(const float* row, int64_t n) { return int32_t(std::max_element(row, row + n) - row); }
-
-float top2_margin(const float* row, int64_t n) {
-  std::vector<float> v(row, row + n);
-  std::partial_sort(v.begin(), v.begin() + 2, v.end(), std::greater<float>());
-  return v[0] - v[1];
-}
 
 class CudaMiniMaxM3 : public ::testing::Test {
  protected:
