@@ -15,6 +15,7 @@
 
 #include <algorithm>
 
+#include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/runtime/cuda_check.h"
 
 namespace sparrow::cuda {
@@ -31,30 +32,13 @@ constexpr int kTileBytes = kTileKeys * kDim;  // 8 KB
 // to align.
 constexpr int smem_bytes(int n) { return n * kDim + kStages * kTileBytes + kStages * kTileKeys * 4 + 1024; }
 
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, zero-filled when !valid (src-size 0 reads nothing).
-__device__ __forceinline__ void copy16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void copy4(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_address(dst)), "l"(src),
-               "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N>
-__device__ __forceinline__ void wait_pending() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
+using namespace ptx;  // smem_u32, cp_async16 / cp_async4 (zero-filled when !valid), commit, wait
 
 // Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format" for wgmma): K-major rows of 128
 // bytes with the 128-byte swizzle; 8-row core groups 1024 bytes apart (stride byte offset); the leading
 // byte offset is unused when a row is one swizzle atom wide.
 __device__ __forceinline__ uint64_t descriptor(const void* p) {
-  const uint32_t addr = smem_address(p);
+  const uint32_t addr = smem_u32(p);
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
@@ -152,9 +136,9 @@ __global__ void __launch_bounds__(kThreads) decode_scores_kernel(DecodeParams p)
   for (int c = tid; c < N * 8; c += kThreads) {
     const int n = c / 8, chunk = c % 8, r = n / HEADS;
     const uint8_t* src = p.q + ((row0 + r) * HEADS + n % HEADS) * kDim + chunk * 16;
-    copy16(query + n * kDim + ((chunk ^ (n % 8)) * 16), valid[r] ? src : p.q, valid[r]);
+    cp_async16(query + n * kDim + ((chunk ^ (n % 8)) * 16), valid[r] ? src : p.q, valid[r]);
   }
-  commit();
+  cp_async_commit();
 
   // This thread's head weights: D's columns 8j + 2(lane % 4) + {0, 1}; column n is head n % HEADS of
   // row n / HEADS.
@@ -207,18 +191,18 @@ __global__ void __launch_bounds__(kThreads) decode_scores_kernel(DecodeParams p)
           const int64_t k = ok ? key : 0;
           const int64_t page = k / p.block_size, slot = k - page * p.block_size;
           const uint8_t* src = p.pool + pages[page] + slot * kDim + chunk * 16;
-          copy16(dst + r * kDim + ((chunk ^ (r % 8)) * 16), src, ok);
+          cp_async16(dst + r * kDim + ((chunk ^ (r % 8)) * 16), src, ok);
         }
         if (tid < kTileKeys) {
           const int64_t key = first + tid;
           const bool ok = key < k_scored;
           const int64_t k = ok ? key : 0;
           const int64_t page = k / p.block_size, slot = k - page * p.block_size;
-          copy4(scales + (t % kStages) * kTileKeys + tid,
+          cp_async4(scales + (t % kStages) * kTileKeys + tid,
                 p.pool + pages[page] + int64_t(p.block_size) * kDim + slot * 4, ok);
         }
       }
-      commit();  // an empty group past the end keeps the group count uniform
+      cp_async_commit();  // an empty group past the end keeps the group count uniform
     };
 
 #pragma unroll
@@ -236,7 +220,7 @@ __global__ void __launch_bounds__(kThreads) decode_scores_kernel(DecodeParams p)
 #pragma unroll 1
     for (int t = 0; t < tiles_total; ++t) {
       load_tile(t + kStages - 1);
-      wait_pending<kStages - 1>();  // tile t (and the queries) have landed for this thread's copies
+      cp_async_wait<kStages - 1>();  // tile t (and the queries) have landed for this thread's copies
       // cp.async writes are generic-proxy writes; wgmma reads through the async proxy.
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       __syncthreads();
@@ -281,10 +265,10 @@ __global__ void __launch_bounds__(kThreads) decode_scores_kernel(DecodeParams p)
       }
       __syncthreads();  // the stage is refilled by the next iteration's load
     }
-    wait_pending<0>();
+    cp_async_wait<0>();
     __syncthreads();  // the next pass refills every stage
   }
-  wait_pending<0>();
+  cp_async_wait<0>();
 }
 
 }  // namespace
