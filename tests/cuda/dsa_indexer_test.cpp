@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "core/bfloat16.h"
 #include "gpu_test_util.h"
 #include "kernels/cpu/fp8.h"
 #include "kernels/cuda/dsa_indexer/index_scores.h"
@@ -21,34 +22,6 @@ using namespace sparrow;
 
 #define CK(x) ASSERT_EQ((x), cudaSuccess) << #x
 
-template <typename T>
-struct Dev {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit Dev(size_t count) : n(count) {
-    if (cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) p = nullptr;
-  }
-  Dev(const std::vector<T>& h) : Dev(h.size()) { cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice); }
-  ~Dev() { cudaFree(p); }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-};
-
-uint16_t to_bf16(float x) {  // round to nearest even (finite inputs)
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  b += 0x7fff + ((b >> 16) & 1);
-  return uint16_t(b >> 16);
-}
-float from_bf16(uint16_t h) {
-  uint32_t b = uint32_t(h) << 16;
-  float x;
-  std::memcpy(&x, &b, 4);
-  return x;
-}
 
 // CPU model of the quantiser: scale = amax / 448, code = e4m3(x / scale).
 void quantize_ref(const float* x, uint8_t* codes, float& scale) {
@@ -86,12 +59,12 @@ TEST(CudaDsaIndexer, Fp8EncodeMatchesCpuCodec) {
       x.push_back(std::exp2(lm(rng)) * (rng() & 1 ? 1.f : -1.f));
     }
   }
-  Dev<float> dx(x);
-  Dev<uint8_t> dout(x.size());
-  CK(cudaMemset(dout.p, 0xAA, x.size()));
-  cuda::fp8_e4m3_encode(dx.p, int64_t(x.size()), dout.p, nullptr);
+  test::DeviceArray<float> dx(x);
+  test::DeviceArray<uint8_t> dout(x.size());
+  CK(cudaMemset(dout.ptr, 0xAA, x.size()));
+  cuda::fp8_e4m3_encode(dx.ptr, int64_t(x.size()), dout.ptr, nullptr);
   CK(cudaDeviceSynchronize());
-  auto got = dout.get();
+  auto got = dout.download();
   for (size_t i = 0; i < x.size(); ++i)
     ASSERT_EQ(int(got[i]), int(cpu::float_to_e4m3(x[i]))) << "x=" << x[i] << " seed " << seed;
 }
@@ -152,18 +125,18 @@ TEST(CudaDsaIndexer, WriteKeysAndQuantizeQueriesMatchCpu) {
     for (int i = 0; i < 128; ++i) keys[5 * 128 + i] = 0.0f;  // an all-zero key
     std::vector<uint16_t> kb(keys.size());
     if (bf16) {
-      for (size_t i = 0; i < keys.size(); ++i) kb[i] = to_bf16(keys[i]), keys[i] = from_bf16(kb[i]);
+      for (size_t i = 0; i < keys.size(); ++i) kb[i] = float_to_bf16(keys[i]), keys[i] = bf16_to_float(kb[i]);
     }
-    Dev<float> dk(keys);
-    Dev<uint16_t> dkb(kb);
-    Dev<int32_t> ds(s2), dp(p2);
-    Dev<int64_t> dt(pool.table);
-    Dev<uint8_t> dpool(pool.bytes.size());
-    CK(cudaMemset(dpool.p, 0xFF, pool.bytes.size()));
-    cuda::dsa_write_keys(bf16 ? static_cast<const void*>(dkb.p) : dk.p, bf16 ? cuda::DsaDType::BF16 : cuda::DsaDType::F32,
-                         count, ds.p, dp.p, dt.p, pool.stride, pool.block_size, dpool.p, nullptr);
+    test::DeviceArray<float> dk(keys);
+    test::DeviceArray<uint16_t> dkb(kb);
+    test::DeviceArray<int32_t> ds(s2), dp(p2);
+    test::DeviceArray<int64_t> dt(pool.table);
+    test::DeviceArray<uint8_t> dpool(pool.bytes.size());
+    CK(cudaMemset(dpool.ptr, 0xFF, pool.bytes.size()));
+    cuda::dsa_write_keys(bf16 ? static_cast<const void*>(dkb.ptr) : dk.ptr, bf16 ? cuda::DsaDType::BF16 : cuda::DsaDType::F32,
+                         count, ds.ptr, dp.ptr, dt.ptr, pool.stride, pool.block_size, dpool.ptr, nullptr);
     CK(cudaDeviceSynchronize());
-    pool.bytes = dpool.get();
+    pool.bytes = dpool.download();
     for (int64_t i = 0; i < count; ++i) {
       uint8_t codes[128];
       float sc;
@@ -179,19 +152,19 @@ TEST(CudaDsaIndexer, WriteKeysAndQuantizeQueriesMatchCpu) {
       for (auto& v : w) v = nd(rng);
       std::vector<uint16_t> qb(q.size());
       if (bf16)
-        for (size_t i = 0; i < q.size(); ++i) qb[i] = to_bf16(q[i]), q[i] = from_bf16(qb[i]);
-      Dev<float> dq(q), dw(w);
-      Dev<uint16_t> dqb(qb);
-      Dev<uint8_t> dq8(q.size());
-      Dev<float> dwf(w.size());
-      CK(cudaMemset(dq8.p, 0xFF, q.size()));
-      CK(cudaMemset(dwf.p, 0xFF, w.size() * 4));
-      cuda::dsa_quantize_queries(bf16 ? static_cast<const void*>(dqb.p) : dq.p,
-                                 bf16 ? cuda::DsaDType::BF16 : cuda::DsaDType::F32, dw.p, rows, heads, dq8.p, dwf.p,
+        for (size_t i = 0; i < q.size(); ++i) qb[i] = float_to_bf16(q[i]), q[i] = bf16_to_float(qb[i]);
+      test::DeviceArray<float> dq(q), dw(w);
+      test::DeviceArray<uint16_t> dqb(qb);
+      test::DeviceArray<uint8_t> dq8(q.size());
+      test::DeviceArray<float> dwf(w.size());
+      CK(cudaMemset(dq8.ptr, 0xFF, q.size()));
+      CK(cudaMemset(dwf.ptr, 0xFF, w.size() * 4));
+      cuda::dsa_quantize_queries(bf16 ? static_cast<const void*>(dqb.ptr) : dq.ptr,
+                                 bf16 ? cuda::DsaDType::BF16 : cuda::DsaDType::F32, dw.ptr, rows, heads, dq8.ptr, dwf.ptr,
                                  nullptr);
       CK(cudaDeviceSynchronize());
-      auto q8 = dq8.get();
-      auto wf = dwf.get();
+      auto q8 = dq8.download();
+      auto wf = dwf.download();
       for (int64_t v = 0; v < rows * heads; ++v) {
         uint8_t codes[128];
         float sc;
@@ -240,16 +213,16 @@ void run_score_case(const ScoreCase& c, std::mt19937& rng, unsigned seed) {
   for (auto& v : q) v = nd(rng);
   for (auto& v : w) v = nd(rng) * 0.1f;
   const int64_t ld = max_vis + (max_vis % 2) + 6;
-  Dev<float> dq(q), dw(w);
-  Dev<uint8_t> dq8(q.size());
-  Dev<float> dwf(w.size());
-  Dev<int32_t> drs(row_seq), drv(row_vis);
-  Dev<int64_t> dt(pool.table);
-  Dev<uint8_t> dpool(pool.bytes);
-  Dev<float> dsc(size_t(rows * ld));
-  cuda::dsa_quantize_queries(dq.p, cuda::DsaDType::F32, dw.p, rows, heads, dq8.p, dwf.p, nullptr);
-  auto q8 = dq8.get();
-  auto wf = dwf.get();
+  test::DeviceArray<float> dq(q), dw(w);
+  test::DeviceArray<uint8_t> dq8(q.size());
+  test::DeviceArray<float> dwf(w.size());
+  test::DeviceArray<int32_t> drs(row_seq), drv(row_vis);
+  test::DeviceArray<int64_t> dt(pool.table);
+  test::DeviceArray<uint8_t> dpool(pool.bytes);
+  test::DeviceArray<float> dsc(size_t(rows * ld));
+  cuda::dsa_quantize_queries(dq.ptr, cuda::DsaDType::F32, dw.ptr, rows, heads, dq8.ptr, dwf.ptr, nullptr);
+  auto q8 = dq8.download();
+  auto wf = dwf.download();
   std::vector<float> qf(q8.size());
   for (size_t i = 0; i < q8.size(); ++i) qf[i] = cpu::e4m3_to_float(q8[i]);
   std::vector<float> kf(128);
@@ -263,11 +236,11 @@ void run_score_case(const ScoreCase& c, std::mt19937& rng, unsigned seed) {
     const auto kernel = variant == 0 ? cuda::DsaScoreKernel::Tiles : cuda::DsaScoreKernel::Wgmma;
     const double tolerance = kernel == cuda::DsaScoreKernel::Wgmma ? 3e-4 : 2e-5;
     const char* name = variant == 0 ? "tiles" : variant == 1 ? "wgmma" : "wgmma, rows in pairs";
-    CK(cudaMemset(dsc.p, 0xFF, rows * ld * 4));
-    cuda::dsa_index_scores(dq8.p, dwf.p, rows, heads, drs.p, drv.p, dpool.p, dt.p, pool.stride, c.block_size, dsc.p,
+    CK(cudaMemset(dsc.ptr, 0xFF, rows * ld * 4));
+    cuda::dsa_index_scores(dq8.ptr, dwf.ptr, rows, heads, drs.ptr, drv.ptr, dpool.ptr, dt.ptr, pool.stride, c.block_size, dsc.ptr,
                            ld, max_vis, nullptr, kernel, variant == 2 ? 2 : 1);
     CK(cudaDeviceSynchronize());
-    auto got = dsc.get();
+    auto got = dsc.download();
     for (int64_t r = 0; r < rows; ++r) {
       const int s = row_seq[r];
       const int64_t vis = row_vis[r];

@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/bfloat16.h"
 #include "gpu_test_util.h"
 #include "kernels/cuda/gqa/gqa_attention.h"
 #include "kernels/cuda/runtime/cuda_check.h"
@@ -19,44 +20,11 @@
 namespace sparrow::cuda {
 namespace {
 
-uint16_t bf16_bits(float x) {  // round to nearest even (inputs here are finite)
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u += 0x7fff + ((u >> 16) & 1);
-  return uint16_t(u >> 16);
-}
-float bf16_value(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 float bf16_at(const uint8_t* p) {
   uint16_t b;
   std::memcpy(&b, p, 2);
-  return bf16_value(b);
+  return bf16_to_float(b);
 }
-
-template <typename T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t n = 0;
-  explicit DeviceBuffer(size_t count) : n(count) {
-    SPARROW_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(1, n) * sizeof(T)));
-  }
-  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void upload(const std::vector<T>& host) {
-    SPARROW_CUDA_CHECK(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download() const {
-    std::vector<T> host(n);
-    SPARROW_CUDA_CHECK(cudaMemcpy(host.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-};
 
 uint64_t fresh_seed() { return std::random_device{}() ^ (uint64_t(std::random_device{}()) << 32); }
 
@@ -119,7 +87,7 @@ struct PagedKv {
       for (int j = 0; j < lens[s]; ++j) {
         uint8_t* dst = row(int(s), j);
         for (int64_t i = 0; i < row_bytes / 2; ++i) {
-          const uint16_t b = bf16_bits(fr.uniform(1.0f));
+          const uint16_t b = float_to_bf16(fr.uniform(1.0f));
           std::memcpy(dst + 2 * i, &b, 2);
         }
       }
@@ -238,21 +206,21 @@ void run_case(const Shape& sh, bool sparse, const std::vector<int>& lens, int ro
   std::vector<uint16_t> q_bits(size_t(rows * sh.heads * D));
   std::vector<float> q(q_bits.size());
   for (size_t i = 0; i < q.size(); ++i) {
-    q_bits[i] = bf16_bits(fr.uniform(6.0f));
-    q[i] = bf16_value(q_bits[i]);
+    q_bits[i] = float_to_bf16(fr.uniform(6.0f));
+    q[i] = bf16_to_float(q_bits[i]);
   }
   const std::vector<int32_t> blocks = sparse ? make_blocks(sh, row_pos, rng) : std::vector<int32_t>{-1};
   const float scale = float(1.0 / std::sqrt(double(D)));
   const int64_t max_visible = max_pos + 1 + visible_pad;
   const int ih = sparse ? sh.index_heads : 0, mb = sparse ? sh.max_blocks : 0;
 
-  DeviceBuffer<uint8_t> d_pool(kv.pool);
-  DeviceBuffer<int64_t> d_pages(kv.page_table);
-  DeviceBuffer<uint16_t> d_q(q_bits);
-  DeviceBuffer<int32_t> d_seq(row_seq), d_pos(row_pos), d_blocks(blocks);
-  DeviceBuffer<uint16_t> d_out(q_bits.size());
+  test::DeviceArray<uint8_t> d_pool(kv.pool);
+  test::DeviceArray<int64_t> d_pages(kv.page_table);
+  test::DeviceArray<uint16_t> d_q(q_bits);
+  test::DeviceArray<int32_t> d_seq(row_seq), d_pos(row_pos), d_blocks(blocks);
+  test::DeviceArray<uint16_t> d_out(q_bits.size());
   const size_t ws = gqa_attention_workspace_bytes(rows, sh.heads, sh.kv_heads, D, max_visible, ih, mb, sh.index_block);
-  DeviceBuffer<uint8_t> d_ws(ws);
+  test::DeviceArray<uint8_t> d_ws(ws);
   SPARROW_CUDA_CHECK(cudaMemset(d_out.ptr, 0xff, d_out.n * 2));
   SPARROW_CUDA_CHECK(cudaMemset(d_ws.ptr, 0xff, std::max<size_t>(ws, 1)));
   gqa_attention(d_q.ptr, d_out.ptr, rows, sh.heads, sh.kv_heads, D, scale, d_seq.ptr, d_pos.ptr, max_visible,
@@ -268,7 +236,7 @@ void run_case(const Shape& sh, bool sparse, const std::vector<int>& lens, int ro
     double err = 0, norm = 0;
     bool finite = true;
     for (int c = 0; c < D; ++c) {
-      const float g = bf16_value(got[rh * D + c]), r = ref[rh * D + c];
+      const float g = bf16_to_float(got[rh * D + c]), r = ref[rh * D + c];
       finite = finite && std::isfinite(g);
       err += double(g - r) * (g - r);
       norm += double(r) * r;
@@ -358,10 +326,10 @@ TEST(CudaGqaAttention, WriteKvIsByteExact) {
         std::memcpy(expected.data() + off, k.data() + i * width, size_t(width) * 2);
         std::memcpy(expected.data() + off + int64_t(width) * 2, v.data() + i * width, size_t(width) * 2);
       }
-      DeviceBuffer<uint8_t> d_pool(kv.pool);
-      DeviceBuffer<int64_t> d_pages(kv.page_table);
-      DeviceBuffer<uint16_t> d_k(k), d_v(v);
-      DeviceBuffer<int32_t> d_seq(row_seq), d_pos(row_pos);
+      test::DeviceArray<uint8_t> d_pool(kv.pool);
+      test::DeviceArray<int64_t> d_pages(kv.page_table);
+      test::DeviceArray<uint16_t> d_k(k), d_v(v);
+      test::DeviceArray<int32_t> d_seq(row_seq), d_pos(row_pos);
       gqa_write_kv(d_k.ptr, d_v.ptr, rows, sh->kv_heads, sh->head_dim, d_seq.ptr, d_pos.ptr, d_pages.ptr, kv.stride,
                    block_size, d_pool.ptr, nullptr);
       SPARROW_CUDA_CHECK(cudaDeviceSynchronize());

@@ -21,28 +21,6 @@
 namespace sparrow::cuda {
 namespace {
 
-template <typename T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t n = 0;
-  explicit DeviceBuffer(size_t count) : n(count) {
-    SPARROW_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(1, n) * sizeof(T)));
-  }
-  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void upload(const std::vector<T>& host) {
-    SPARROW_CUDA_CHECK(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download() const {
-    std::vector<T> host(n);
-    SPARROW_CUDA_CHECK(cudaMemcpy(host.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-  void poison() { SPARROW_CUDA_CHECK(cudaMemset(ptr, 0xff, std::max<size_t>(1, n) * sizeof(T))); }
-};
-
 uint64_t fresh_seed() { return std::random_device{}() ^ (uint64_t(std::random_device{}()) << 32); }
 
 std::string counts_str(const std::vector<int>& counts) {
@@ -63,8 +41,8 @@ std::vector<int32_t> offsets_of(const std::vector<int>& counts) {
 struct DeviceStates {
   int64_t size;
   std::vector<int64_t> at;  // float offset of sequence s's state
-  DeviceBuffer<float> pool;
-  DeviceBuffer<float*> pointers;
+  test::DeviceArray<float> pool;
+  test::DeviceArray<float*> pointers;
   DeviceStates(int num_seqs, int64_t state_size, std::mt19937_64& rng)
       : size(state_size), at(num_seqs), pool(size_t((num_seqs + 2) * (state_size + 7))), pointers(size_t(num_seqs)) {
     std::vector<int64_t> slots(num_seqs + 2);
@@ -229,8 +207,8 @@ void run_delta_case(const DeltaProblem& p, const std::vector<std::vector<int>>& 
         std::memcpy(&beta[dst * H], &p.beta[src * H], sizeof(float) * H);
       }
     }
-    DeviceBuffer<float> d_qkv(qkv), d_g(g), d_beta(beta), d_out(size_t(rows * P));
-    DeviceBuffer<int32_t> d_off(off);
+    test::DeviceArray<float> d_qkv(qkv), d_g(g), d_beta(beta), d_out(size_t(rows * P));
+    test::DeviceArray<int32_t> d_off(off);
     d_out.poison();
     const int64_t kofs = fused_qkv ? P : rows * P;
     kda_delta_rule(d_qkv.ptr, d_qkv.ptr + kofs, d_qkv.ptr + 2 * kofs, stride, d_g.ptr, d_beta.ptr, d_out.ptr, H, D,
@@ -380,7 +358,7 @@ TEST(CudaKda, ShortConvMatchesCpuLoop) {
     std::vector<int> done(S, 0);
     DeviceStates tails(S, (K - 1) * C, rng);
     for (int s = 0; s < S; ++s) tails.upload(s, tails0.data() + size_t(s) * (K - 1) * C);
-    DeviceBuffer<float> d_w(w);
+    test::DeviceArray<float> d_w(w);
     std::vector<float> got_y(x.size(), NAN);
     for (const std::vector<int>& step : steps) {
       const std::vector<int32_t> off = offsets_of(step);
@@ -392,8 +370,8 @@ TEST(CudaKda, ShortConvMatchesCpuLoop) {
         // The reference, launch by launch as the engine would call it (KdaMixer keeps the tail between steps).
         cpu_conv(&x[src * C], &ref_y[src * C], step[s], C, w, K, ref_tails.data() + size_t(s) * (K - 1) * C);
       }
-      DeviceBuffer<float> d_x(xs), d_y(xs.size());
-      DeviceBuffer<int32_t> d_off(off);
+      test::DeviceArray<float> d_x(xs), d_y(xs.size());
+      test::DeviceArray<int32_t> d_off(off);
       d_y.poison();
       int max_count = 0;
       for (int c : step) max_count = std::max(max_count, c);
@@ -442,7 +420,7 @@ TEST(CudaKda, GatesMatchCpuFormula) {
       for (auto& x : b) x = 3.0f * normal(rng);
       for (auto& x : dt) x = normal(rng);
       for (auto& x : A) x = normal(rng);
-      DeviceBuffer<float> d_f(f), d_b(b), d_dt(dt), d_A(A), d_g(f.size()), d_beta(b.size());
+      test::DeviceArray<float> d_f(f), d_b(b), d_dt(dt), d_A(A), d_g(f.size()), d_beta(b.size());
       d_g.poison();
       d_beta.poison();
       kda_gates(d_f.ptr, d_dt.ptr, d_A.ptr, d_b.ptr, d_g.ptr, d_beta.ptr, rows, H, D, nullptr);
@@ -511,7 +489,7 @@ TEST(CudaKda, GatedRmsNormMatchesCpu) {
           for (int i = 0; i < D; ++i) r[i] *= w[i];
           for (int i = 0; i < D; ++i) r[i] *= 1.0f / (1.0f + std::exp(-gate[grp * D + i]));
         }
-        DeviceBuffer<float> d_o(o), d_gate(gate), d_w(w), d_out(o.size());
+        test::DeviceArray<float> d_o(o), d_gate(gate), d_w(w), d_out(o.size());
         d_out.poison();
         kda_gated_rms_norm(d_o.ptr, d_gate.ptr, d_w.ptr, d_out.ptr, bf16, rows, H, D, eps, nullptr);
         SPARROW_CUDA_CHECK(cudaDeviceSynchronize());

@@ -14,6 +14,7 @@
 
 #include "kernels/cuda/mla/mla_attention.h"
 #include "kernels/cuda/runtime/cuda_check.h"
+#include "core/bfloat16.h"
 #include "gpu_test_util.h"
 
 namespace sparrow::cuda {
@@ -52,18 +53,6 @@ uint8_t e4m3_encode(float x) {
   }
   return uint8_t(sign | code);
 }
-uint16_t bf16_bits(float x) {  // round to nearest even (inputs here are finite)
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u += 0x7fff + ((u >> 16) & 1);
-  return uint16_t(u >> 16);
-}
-float bf16_value(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // Encodes one [512 | 64] row in `format`; `deq` receives the exact values a reader must see.
 void encode_row(MlaCacheFormat format, const float* x, uint8_t* dst, float* deq) {
@@ -80,36 +69,18 @@ void encode_row(MlaCacheFormat format, const float* x, uint8_t* dst, float* deq)
       }
     }
     for (int i = 0; i < 64; ++i) {
-      const uint16_t b = bf16_bits(x[512 + i]);
+      const uint16_t b = float_to_bf16(x[512 + i]);
       std::memcpy(dst + 528 + 2 * i, &b, 2);
-      if (deq) deq[512 + i] = bf16_value(b);
+      if (deq) deq[512 + i] = bf16_to_float(b);
     }
   } else {
     for (int i = 0; i < kMlaRow; ++i) {
-      const uint16_t b = bf16_bits(x[i]);
+      const uint16_t b = float_to_bf16(x[i]);
       std::memcpy(dst + 2 * i, &b, 2);
-      if (deq) deq[i] = bf16_value(b);
+      if (deq) deq[i] = bf16_to_float(b);
     }
   }
 }
-
-template <typename T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t n = 0;
-  explicit DeviceBuffer(size_t count) : n(count) { SPARROW_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(1, n) * sizeof(T))); }
-  DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  void upload(const std::vector<T>& host) {
-    SPARROW_CUDA_CHECK(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download() const {
-    std::vector<T> host(n);
-    SPARROW_CUDA_CHECK(cudaMemcpy(host.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-};
 
 // A paged pool holding `lens[s]` tokens per sequence in pages scattered at random, with garbage (NaN
 // bit patterns) everywhere no token lives, and the exact values each token must read as.
@@ -218,7 +189,7 @@ void expect_close(const Reference& ref, const std::vector<uint16_t>& out, const 
     double err = 0, norm = 0;
     bool finite = true;
     for (int k = 0; k < kMlaLatent; ++k) {
-      const float g = bf16_value(out[rh * kMlaLatent + k]);
+      const float g = bf16_to_float(out[rh * kMlaLatent + k]);
       const float r = ref.out[rh * kMlaLatent + k];
       finite = finite && std::isfinite(g);
       err += double(g - r) * (g - r);
@@ -286,24 +257,24 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   std::vector<uint16_t> q_bits(size_t(rows * c.heads * kMlaRow));
   std::vector<float> q(q_bits.size());
   for (size_t i = 0; i < q.size(); ++i) {
-    q_bits[i] = bf16_bits(normal(rng));
-    q[i] = bf16_value(q_bits[i]);
+    q_bits[i] = float_to_bf16(normal(rng));
+    q[i] = bf16_to_float(q_bits[i]);
   }
   const float scale = 1.0f / std::sqrt(192.0f);
 
-  DeviceBuffer<uint8_t> d_pool(cache.pool);
-  DeviceBuffer<int64_t> d_pages(cache.page_offsets);
-  DeviceBuffer<uint16_t> d_q(q_bits);
-  DeviceBuffer<int32_t> d_seq(row_seq), d_len(row_len);
-  DeviceBuffer<int32_t> d_idx(c.sparse ? indices : std::vector<int32_t>{0});
-  DeviceBuffer<uint16_t> d_out(size_t(rows * c.heads * kMlaLatent));
-  DeviceBuffer<float> d_lse(size_t(rows * c.heads));
+  test::DeviceArray<uint8_t> d_pool(cache.pool);
+  test::DeviceArray<int64_t> d_pages(cache.page_offsets);
+  test::DeviceArray<uint16_t> d_q(q_bits);
+  test::DeviceArray<int32_t> d_seq(row_seq), d_len(row_len);
+  test::DeviceArray<int32_t> d_idx(c.sparse ? indices : std::vector<int32_t>{0});
+  test::DeviceArray<uint16_t> d_out(size_t(rows * c.heads * kMlaLatent));
+  test::DeviceArray<float> d_lse(size_t(rows * c.heads));
   SPARROW_CUDA_CHECK(cudaMemset(d_out.ptr, 0xff, d_out.n * 2));
   SPARROW_CUDA_CHECK(cudaMemset(d_lse.ptr, 0xff, d_lse.n * 4));
   MlaPagedCache pc{d_pool.ptr, d_pages.ptr, cache.pages_stride, cache.block_size, c.format};
   const int max_len = *std::max_element(c.lens.begin(), c.lens.end());
   const size_t ws = mla_attention_workspace_bytes(rows, c.heads, c.sparse ? c.topk : max_len);
-  DeviceBuffer<uint8_t> d_ws(ws);
+  test::DeviceArray<uint8_t> d_ws(ws);
   SPARROW_CUDA_CHECK(cudaMemset(d_ws.ptr, 0xff, std::max<size_t>(ws, 1)));
   if (c.sparse)
     mla_sparse_attention(pc, d_q.ptr, d_seq.ptr, d_idx.ptr, rows, c.heads, c.topk, scale, d_out.ptr, d_lse.ptr, d_ws.ptr,
@@ -404,8 +375,8 @@ TEST(CudaMlaAttention, CacheWriteIsBitExact) {
       }
       if (src_type == MlaSourceType::kBf16)
         for (size_t i = 0; i < src.size(); ++i) {
-          src_bf16[i] = bf16_bits(src[i]);
-          src[i] = bf16_value(src_bf16[i]);
+          src_bf16[i] = float_to_bf16(src[i]);
+          src[i] = bf16_to_float(src_bf16[i]);
         }
       std::vector<int32_t> row_seq(count), row_pos(count);
       std::vector<uint8_t> expected = cache.pool;
@@ -416,11 +387,11 @@ TEST(CudaMlaAttention, CacheWriteIsBitExact) {
                             (targets[i].second % cache.block_size) * row_bytes;
         encode_row(format, src.data() + i * kMlaRow, expected.data() + off, nullptr);
       }
-      DeviceBuffer<uint8_t> d_pool(cache.pool);
-      DeviceBuffer<int64_t> d_pages(cache.page_offsets);
-      DeviceBuffer<int32_t> d_seq(row_seq), d_pos(row_pos);
-      DeviceBuffer<float> d_src(src);
-      DeviceBuffer<uint16_t> d_src16(src_bf16);
+      test::DeviceArray<uint8_t> d_pool(cache.pool);
+      test::DeviceArray<int64_t> d_pages(cache.page_offsets);
+      test::DeviceArray<int32_t> d_seq(row_seq), d_pos(row_pos);
+      test::DeviceArray<float> d_src(src);
+      test::DeviceArray<uint16_t> d_src16(src_bf16);
       MlaPagedCache pc{d_pool.ptr, d_pages.ptr, cache.pages_stride, cache.block_size, format};
       const void* s = src_type == MlaSourceType::kFloat32 ? static_cast<const void*>(d_src.ptr) : d_src16.ptr;
       mla_cache_write(pc, s, src_type, count, d_seq.ptr, d_pos.ptr, 0, 0, nullptr);

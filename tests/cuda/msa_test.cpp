@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "core/bfloat16.h"
 #include "gpu_test_util.h"
 #include "kernels/cuda/msa/msa.h"
 #include "model/msa_indexer.h"
@@ -29,38 +30,6 @@ using namespace sparrow;
 
 #define CK(x) ASSERT_EQ((x), cudaSuccess) << #x
 
-template <typename T>
-struct Dev {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit Dev(size_t count) : n(count) {
-    if (cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) p = nullptr;
-  }
-  Dev(const std::vector<T>& h) : Dev(h.size()) {
-    cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  ~Dev() { cudaFree(p); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-};
-
-uint16_t to_bf16(float x) {  // round to nearest even (finite inputs)
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  b += 0x7fff + ((b >> 16) & 1);
-  return uint16_t(b >> 16);
-}
-float from_bf16(uint16_t h) {
-  uint32_t b = uint32_t(h) << 16;
-  float x;
-  std::memcpy(&x, &b, 4);
-  return x;
-}
 
 // A paged pool of dim-wide bf16 rows holding ctx[s] tokens for each sequence, pages in random order.
 struct Pool {
@@ -115,15 +84,15 @@ TEST(CudaMsa, WriteKeysFillTheirPageSlots) {
       for (size_t i = 0; i < order.size(); ++i) s2[i] = tseq[order[i]], p2[i] = tpos[order[i]];
       const int64_t count = int64_t(s2.size());
       std::vector<uint16_t> keys(count * dim);
-      for (auto& v : keys) v = to_bf16(nd(rng));
-      Dev<uint16_t> dk(keys);
-      Dev<int32_t> ds(s2), dp(p2);
-      Dev<int64_t> dt(pool.table);
-      Dev<uint8_t> dpool(pool.bytes.size());
-      CK(cudaMemset(dpool.p, 0xA5, pool.bytes.size()));
-      cuda::msa_write_keys(dk.p, count, dim, ds.p, dp.p, dt.p, pool.stride, bs, dpool.p, nullptr);
+      for (auto& v : keys) v = float_to_bf16(nd(rng));
+      test::DeviceArray<uint16_t> dk(keys);
+      test::DeviceArray<int32_t> ds(s2), dp(p2);
+      test::DeviceArray<int64_t> dt(pool.table);
+      test::DeviceArray<uint8_t> dpool(pool.bytes.size());
+      CK(cudaMemset(dpool.ptr, 0xA5, pool.bytes.size()));
+      cuda::msa_write_keys(dk.ptr, count, dim, ds.ptr, dp.ptr, dt.ptr, pool.stride, bs, dpool.ptr, nullptr);
       CK(cudaDeviceSynchronize());
-      const std::vector<uint8_t> got = dpool.get();
+      const std::vector<uint8_t> got = dpool.download();
       // Every owned slot holds its row; everything else (pages nobody owns, slots past a sequence's end)
       // is untouched.
       std::vector<uint8_t> want(pool.bytes.size(), 0xA5);
@@ -182,10 +151,10 @@ void run_case(const Case& c, std::mt19937& rng, unsigned seed) {
           case Values::SmallInts: v = float(small(rng)); break;
           case Values::Periodic: v = j < c.ib ? float(small(rng)) : keys[s][(j % c.ib) * dim + i]; break;
           case Values::DeadBlocks: v = dead_block[j / c.ib] ? -0x1p126f : float(small(rng)); break;
-          case Values::Normal: v = from_bf16(to_bf16(nd(rng))); break;
+          case Values::Normal: v = bf16_to_float(float_to_bf16(nd(rng))); break;
         }
         keys[s][j * dim + i] = v;
-        pool.row(s, j)[i] = to_bf16(v);
+        pool.row(s, j)[i] = float_to_bf16(v);
       }
   }
   const int64_t rows = int64_t(c.row_seq.size());
@@ -196,9 +165,9 @@ void run_case(const Case& c, std::mt19937& rng, unsigned seed) {
       case Values::SmallInts:
       case Values::Periodic: q[i] = float(small(rng)); break;
       case Values::DeadBlocks: q[i] = float(positive(rng)); break;
-      case Values::Normal: q[i] = from_bf16(to_bf16(nd(rng))); break;
+      case Values::Normal: q[i] = bf16_to_float(float_to_bf16(nd(rng))); break;
     }
-    qb[i] = to_bf16(q[i]);
+    qb[i] = float_to_bf16(q[i]);
   }
   int64_t max_position = 0;
   for (int32_t p : c.row_pos) max_position = std::max<int64_t>(max_position, p);
@@ -229,25 +198,25 @@ void run_case(const Case& c, std::mt19937& rng, unsigned seed) {
     }
   }
 
-  Dev<uint16_t> dq(qb);
-  Dev<int32_t> drs(c.row_seq), drp(c.row_pos);
-  Dev<int64_t> dt(pool.table);
-  Dev<uint8_t> dpool(pool.bytes);
-  Dev<int32_t> dblocks(rows * H * c.topk), dcounts(rows * H);
+  test::DeviceArray<uint16_t> dq(qb);
+  test::DeviceArray<int32_t> drs(c.row_seq), drp(c.row_pos);
+  test::DeviceArray<int64_t> dt(pool.table);
+  test::DeviceArray<uint8_t> dpool(pool.bytes);
+  test::DeviceArray<int32_t> dblocks(rows * H * c.topk), dcounts(rows * H);
   const size_t wsb = cuda::msa_select_workspace_bytes(rows, H, max_position, c.ib);
-  Dev<uint8_t> dws(wsb);
-  ASSERT_NE(dws.p, nullptr);
+  test::DeviceArray<uint8_t> dws(wsb);
+  ASSERT_NE(dws.ptr, nullptr);
   for (const auto kernel : {cuda::MsaScoreKernel::Decode, cuda::MsaScoreKernel::Prefill}) {
     const char* kname = kernel == cuda::MsaScoreKernel::Decode ? "decode tiling" : "prefill tiling";
     SCOPED_TRACE(kname);
     // Poison: outputs 0x7F7F7F7F; workspace 3.4e38 (an unwritten block score would win the top-k).
-    CK(cudaMemset(dblocks.p, 0x7F, rows * H * c.topk * 4));
-    CK(cudaMemset(dcounts.p, 0x7F, rows * H * 4));
-    CK(cudaMemset(dws.p, 0x7F, std::max<size_t>(wsb, 1)));
-    cuda::msa_select_blocks(dq.p, rows, H, dim, drs.p, drp.p, max_position, dpool.p, dt.p, pool.stride,
-                            c.block_size, c.ib, c.topk, c.local, dblocks.p, dcounts.p, dws.p, wsb, nullptr, kernel);
+    CK(cudaMemset(dblocks.ptr, 0x7F, rows * H * c.topk * 4));
+    CK(cudaMemset(dcounts.ptr, 0x7F, rows * H * 4));
+    CK(cudaMemset(dws.ptr, 0x7F, std::max<size_t>(wsb, 1)));
+    cuda::msa_select_blocks(dq.ptr, rows, H, dim, drs.ptr, drp.ptr, max_position, dpool.ptr, dt.ptr, pool.stride,
+                            c.block_size, c.ib, c.topk, c.local, dblocks.ptr, dcounts.ptr, dws.ptr, wsb, nullptr, kernel);
     CK(cudaDeviceSynchronize());
-    const std::vector<int32_t> got = dblocks.get(), counts = dcounts.get();
+    const std::vector<int32_t> got = dblocks.download(), counts = dcounts.download();
     for (int64_t r = 0; r < rows; ++r)
       for (int h = 0; h < H; ++h) {
         const int64_t v = r * H + h;
