@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import linecache
 import math
@@ -717,6 +718,9 @@ def main():
     parser.add_argument("--max-tries", type=int, default=DEFAULT_SEED_TRIES, help="seeds tried before giving up")
     parser.add_argument("--weight-gain", type=float, default=1.5, help="std of weights times sqrt(fan_in)")
     parser.add_argument("--head-gain", type=float, default=4.0, help="the same for lm_head (peaked logits)")
+    parser.add_argument("--storage", choices=["float32", "bfloat16", "float16", "fp8"],
+                        help="store the weights in this dtype instead of the family's (e.g. bfloat16 for GPU "
+                             "fixtures: the reference then runs on exactly the weights the GPU holds)")
     args = parser.parse_args()
     if args.name and not args.family:
         parser.error("--name needs --family")
@@ -726,6 +730,10 @@ def main():
     torch.set_num_threads(1)  # reproducible reductions
     command = " ".join(["python3", "tools/make_fixtures.py"] + sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.storage and not args.family:
+        parser.error("--storage needs --family")
+    if args.storage:
+        FAMILIES[args.family] = dataclasses.replace(FAMILIES[args.family], storage=args.storage)
     for family_name in [args.family] if args.family else FAMILIES:
         build_fixture(family_name, args.out, args.name or family_name, args.seed, args.override,
                       args.prompt_lengths, args.min_gap, args.max_tries, args.weight_gain, args.head_gain, command)

@@ -29,21 +29,22 @@ void copy_page(void* dst, const void* src, int64_t bytes, bool to_host) {
 #endif
 }
 
-constexpr size_t kAlignment = 64;
+// Slot bytes where the cache lives: host memory, or the GPU (in stream order with the kernels).
+void zero_bytes(Device device, std::byte* dst, int64_t bytes) {
+  if (device == Device::Cpu) return void(std::memset(dst, 0, size_t(bytes)));
+#if SPARROW_HAVE_CUDA
+  cuda::zero_device(dst, size_t(bytes));
+#endif
+}
 
-// Uninitialised, 64-byte aligned memory: the operating system commits its pages on first touch, so a
-// large budget costs nothing until blocks are used.
-std::byte* allocate_bytes(int64_t bytes) {
-  if (bytes <= 0) return nullptr;
-  const size_t size = (size_t(bytes) + kAlignment - 1) / kAlignment * kAlignment;
-  void* p = std::aligned_alloc(kAlignment, size);
-  SPARROW_CHECK(p != nullptr, "kv cache: cannot allocate ", bytes, " bytes");
-  return static_cast<std::byte*>(p);
+void copy_bytes(Device device, std::byte* dst, const std::byte* src, int64_t bytes) {
+  if (device == Device::Cpu) return void(std::memcpy(dst, src, size_t(bytes)));
+#if SPARROW_HAVE_CUDA
+  cuda::copy_device(dst, src, size_t(bytes));
+#endif
 }
 
 }  // namespace
-
-void KvCache::FreeBytes::operator()(std::byte* p) const { std::free(p); }
 
 // ---------------------------------------------------------------------------------------------
 // The model's view of one sequence: rows through the block table, state in the sequence's slot.
@@ -88,8 +89,9 @@ class KvCache::View : public SequenceCache {
   }
 
   float* state(int layer, StateKind kind) override {
-    return cache_.state_address(cache_.state_slots_.get(), seq_.state_slot, state_placement(layer, kind));
+    return cache_.state_address(cache_.state_slot(seq_.state_slot), state_placement(layer, kind));
   }
+  std::byte* state_slot() override { return seq_.state_slot >= 0 ? cache_.state_slot(seq_.state_slot) : nullptr; }
 
   // The last block boundary this step reaches, if a snapshot slot can be had for it.
   int64_t snapshot_position(int64_t begin, int64_t end) override {
@@ -106,7 +108,10 @@ class KvCache::View : public SequenceCache {
 
   float* snapshot(int layer, StateKind kind) override {
     SPARROW_CHECK(seq_.snapshot_slot >= 0, "kv cache: layer ", layer, " writes a snapshot nobody asked for");
-    return cache_.state_address(cache_.snapshot_slots_.get(), seq_.snapshot_slot, state_placement(layer, kind));
+    return cache_.state_address(cache_.snapshot_slot(seq_.snapshot_slot), state_placement(layer, kind));
+  }
+  std::byte* snapshot_slot() override {
+    return seq_.snapshot_slot >= 0 ? cache_.snapshot_slot(seq_.snapshot_slot) : nullptr;
   }
 
  private:
@@ -146,13 +151,12 @@ class KvCache::View : public SequenceCache {
 // ---------------------------------------------------------------------------------------------
 KvCache::KvCache(std::vector<LayerCacheSpec> spec, CacheConfig config)
     : config_(std::move(config)), plan_(plan_cache(spec, config_)) {
-  SPARROW_CHECK(plan_.device == Device::Cpu || plan_.state_slot_bytes == 0,
-                "kv cache: recurrent layers keep their state on the host for now; the GPU path runs MLA/DSA models");
   // Host rows are left uninitialised (the OS commits pages on first touch, so a large budget costs
   // nothing until used); GPU rows come from the device pool.
   rows_ = Tensor::empty({plan_.num_blocks * plan_.row_bytes}, ScalarType::U8, plan_.device);
-  state_slots_.reset(allocate_bytes(plan_.num_state_slots * plan_.state_slot_bytes));
-  snapshot_slots_.reset(allocate_bytes(plan_.num_snapshot_slots * plan_.state_slot_bytes));
+  // State slots live with the rows, so the GPU kernels update them in place.
+  state_slots_ = Tensor::empty({plan_.num_state_slots * plan_.state_slot_bytes}, ScalarType::U8, plan_.device);
+  snapshot_slots_ = Tensor::empty({plan_.num_snapshot_slots * plan_.state_slot_bytes}, ScalarType::U8, plan_.device);
   blocks_.resize(plan_.num_blocks);
   // Stacks popped from the back: block 0 and slot 0 are handed out first.
   for (int64_t b = plan_.num_blocks - 1; b >= 0; --b) free_blocks_.push_back(int32_t(b));
@@ -197,9 +201,23 @@ PagedStorage::Page KvCache::page(int layer, PageKind kind) const {
   return {p->offset, p->codec->format()};
 }
 
-float* KvCache::state_address(std::byte* slots, int32_t slot, const StatePlacement& state) const {
+std::byte* KvCache::state_slot(int32_t slot) const {
   SPARROW_CHECK(slot >= 0, "kv cache: the sequence has no state slot");
-  return reinterpret_cast<float*>(slots + int64_t(slot) * plan_.state_slot_bytes + state.offset);
+  return static_cast<std::byte*>(const_cast<void*>(state_slots_.raw())) + int64_t(slot) * plan_.state_slot_bytes;
+}
+
+std::byte* KvCache::snapshot_slot(int32_t slot) const {
+  return static_cast<std::byte*>(const_cast<void*>(snapshot_slots_.raw())) + int64_t(slot) * plan_.state_slot_bytes;
+}
+
+int64_t KvCache::state_offset(int layer, StateKind kind) const {
+  const StatePlacement* state = plan_.state(layer, kind);
+  SPARROW_CHECK(state != nullptr, "kv cache: layer ", layer, " has no ", state_kind_name(kind), " state");
+  return state->offset;
+}
+
+float* KvCache::state_address(std::byte* slot, const StatePlacement& state) const {
+  return reinterpret_cast<float*>(slot + state.offset);
 }
 
 SeqId KvCache::create_sequence() {
@@ -210,7 +228,7 @@ SeqId KvCache::create_sequence() {
   if (has_recurrent_state()) {
     s.state_slot = free_state_slots_.back();
     free_state_slots_.pop_back();
-    std::memset(state_slots_.get() + int64_t(s.state_slot) * plan_.state_slot_bytes, 0, plan_.state_slot_bytes);
+    zero_bytes(plan_.device, state_slot(s.state_slot), plan_.state_slot_bytes);
   }
   s.view = std::make_unique<View>(*this, s, id);
   return id;
@@ -317,8 +335,7 @@ int64_t KvCache::match_prefix(SeqId seq, const std::vector<int32_t>& prompt) {
   s.committed = int64_t(matched.size()) * block_size;
   if (has_recurrent_state()) {
     const int32_t slot = blocks_[matched.back()].snapshot;
-    std::memcpy(state_slots_.get() + int64_t(s.state_slot) * plan_.state_slot_bytes,
-                snapshot_slots_.get() + int64_t(slot) * plan_.state_slot_bytes, plan_.state_slot_bytes);
+    copy_bytes(plan_.device, state_slot(s.state_slot), snapshot_slot(slot), plan_.state_slot_bytes);
     snapshot_lru_.splice(snapshot_lru_.end(), snapshot_lru_, snapshots_[slot].lru_at);  // most recently used
   }
   prefix_hits_ += s.committed;

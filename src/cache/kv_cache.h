@@ -95,13 +95,10 @@ class KvCache final : public PagedStorage {
   int64_t row_bytes() const override { return plan_.row_bytes; }
   int64_t block_size() const override { return plan_.block_size; }
   Page page(int layer, PageKind kind) const override;
+  int64_t state_offset(int layer, StateKind kind) const override;
 
  private:
   class View;
-  struct FreeBytes {
-    void operator()(std::byte* p) const;
-  };
-  using Bytes = std::unique_ptr<std::byte[], FreeBytes>;
 
   struct Block {
     int32_t refs = 0;
@@ -128,7 +125,9 @@ class KvCache final : public PagedStorage {
   const Sequence& sequence(SeqId seq) const;
   bool has_recurrent_state() const { return plan_.state_slot_bytes > 0; }
   std::byte* page_address(int32_t block, const PagePlacement& page) const;
-  float* state_address(std::byte* slots, int32_t slot, const StatePlacement& state) const;
+  std::byte* state_slot(int32_t slot) const;     // the start of a state slot
+  std::byte* snapshot_slot(int32_t slot) const;  // the start of a snapshot slot
+  float* state_address(std::byte* slot, const StatePlacement& state) const;
   int32_t take_block();
   void add_ref(int32_t block);
   void release_ref(int32_t block);
@@ -141,8 +140,8 @@ class KvCache final : public PagedStorage {
   CacheConfig config_;
   CachePlan plan_;
   Tensor rows_;           // num_blocks block rows (bytes, on config.device)
-  Bytes state_slots_;     // num_state_slots slots
-  Bytes snapshot_slots_;  // num_snapshot_slots slots
+  Tensor state_slots_;     // num_state_slots slots (bytes, on config.device)
+  Tensor snapshot_slots_;  // num_snapshot_slots slots
   std::vector<Block> blocks_;
   std::vector<int32_t> free_blocks_;  // never cached (or evicted), unreferenced
   std::list<int32_t> evictable_;      // cached and unreferenced, least recently released first

@@ -93,7 +93,7 @@ Tensor Tensor::zeros(Shape shape, ScalarType type, Device device) {
     std::memset(t.data_, 0, t.nbytes());
   } else {
 #if SPARROW_HAVE_CUDA
-    SPARROW_CHECK(cudaMemsetAsync(t.data_, 0, t.nbytes(), cuda::stream()) == cudaSuccess, "cudaMemsetAsync failed");
+    cuda::zero_device(t.data_, size_t(t.nbytes()));
 #endif
   }
   return t;

@@ -105,6 +105,11 @@ bool Checkpoint::has(const std::string& name) const { return index_.count(name) 
 
 Tensor Checkpoint::take(const std::string& name, const Shape& expected) { return place(take_host(name, expected)); }
 
+Tensor Checkpoint::take_fp32(const std::string& name, const Shape& expected) {
+  Tensor t = take_host(name, expected);
+  return device_ == Device::Cpu ? t : t.to(device_, ScalarType::F32);
+}
+
 Tensor Checkpoint::take_linear(const std::string& name, const Shape& expected) {
   auto it = index_.find(name);
   const bool fp8 = device_ != Device::Cpu && it != index_.end() && it->second->dtype == DType::F8_E4M3 &&

@@ -42,6 +42,9 @@ class Checkpoint {
   // cores (kernels/cuda/gemm/gemm_fp8.h), when its shape suits that product: in % 16 == 0 and
   // out % 8 == 0. Anything else is take().
   Tensor take_linear(const std::string& name, const Shape& expected);
+  // A tensor that stays float32 wherever it is placed (weights a kernel reads in fp32 whatever their
+  // rank, e.g. KDA's convolution taps and decay rates).
+  Tensor take_fp32(const std::string& name, const Shape& expected);
 
   // Expert weights in either layout transformers writes:
   //   fused:      <prefix>.gate_up_proj [E, 2I, H] and <prefix>.down_proj [E, H, I]

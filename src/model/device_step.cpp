@@ -12,7 +12,8 @@ namespace {
 
 // The buffer's arrays in order, each 256-byte aligned (the kernels' vector loads need 16).
 struct StepLayout {
-  int64_t token_ids, positions, last_rows, page_table, row_seq, row_pos, row_visible, bytes;
+  int64_t token_ids, positions, last_rows, page_table, row_seq, row_pos, row_visible, seq_rows, seq_split,
+      state_slots, snapshot_slots, bytes;
   StepLayout(int64_t rows, int64_t seqs, const StepShape& shape) {
     int64_t at = 0;
     auto take = [&](int64_t n) {
@@ -27,6 +28,10 @@ struct StepLayout {
     row_seq = take(rows * 4);
     row_pos = take(rows * 4);
     row_visible = take(rows * 4);
+    seq_rows = take((seqs + 1) * 4);
+    seq_split = take(seqs * 4);
+    state_slots = take(seqs * 8);
+    snapshot_slots = take(seqs * 8);
     bytes = at;
   }
 };
@@ -72,6 +77,12 @@ std::shared_ptr<const DeviceStep> upload_device_step(const Batch& batch, const S
   auto* row_seq = reinterpret_cast<int32_t*>(at(layout.row_seq));
   auto* row_pos = reinterpret_cast<int32_t*>(at(layout.row_pos));
   auto* row_visible = reinterpret_cast<int32_t*>(at(layout.row_visible));
+  auto* seq_rows = reinterpret_cast<int32_t*>(at(layout.seq_rows));
+  auto* seq_split = reinterpret_cast<int32_t*>(at(layout.seq_split));
+  auto* state_slots = reinterpret_cast<int64_t*>(at(layout.state_slots));
+  auto* snapshot_slots = reinterpret_cast<int64_t*>(at(layout.snapshot_slots));
+  int64_t max_seq_rows = 0;
+  bool rows_after_snapshot = false;
   const PagedStorage* storage = seqs ? batch.seqs[0].cache().paged() : nullptr;
   std::memcpy(ids, batch.tokens.data(), rows * sizeof(int32_t));
   std::copy(batch.positions.begin(), batch.positions.end(), positions);
@@ -87,6 +98,23 @@ std::shared_ptr<const DeviceStep> upload_device_step(const Batch& batch, const S
       row_pos[row] = int32_t(pos);
       row_visible[row] = int32_t(pos + 1);
     }
+    // Recurrent state: where it lives, and where this step's snapshot (if any) splits the rows.
+    seq_rows[s] = int32_t(seq.offset);
+    seq_rows[s + 1] = int32_t(seq.offset + seq.count);
+    max_seq_rows = std::max(max_seq_rows, seq.count);
+    int64_t split = seq.count;
+    if (std::byte* slot = seq.cache().state_slot()) {
+      state_slots[s] = int64_t(reinterpret_cast<uintptr_t>(slot));
+      const int64_t snapshot_at = seq.cache().snapshot_position(seq.start(), seq.start() + seq.count);
+      if (snapshot_at > seq.start()) {
+        SPARROW_CHECK(snapshot_at <= seq.start() + seq.count, "snapshot position ", snapshot_at,
+                      " lies beyond the step's last token ", seq.start() + seq.count - 1);
+        split = snapshot_at - seq.start();
+        snapshot_slots[s] = int64_t(reinterpret_cast<uintptr_t>(seq.cache().snapshot_slot()));
+      }
+    }
+    seq_split[s] = int32_t(seq.offset + split);
+    rows_after_snapshot = rows_after_snapshot || split < seq.count;
   }
   // One copy; from pageable memory it returns once the bytes are staged, so `host` may go.
   buffer.view_bytes(0, {layout.bytes}, ScalarType::U8).copy_from(host);
@@ -102,6 +130,12 @@ std::shared_ptr<const DeviceStep> upload_device_step(const Batch& batch, const S
   step->row_seq = buffer.view_bytes(layout.row_seq, {rows}, ScalarType::I32);
   step->row_pos = buffer.view_bytes(layout.row_pos, {rows}, ScalarType::I32);
   step->row_visible = buffer.view_bytes(layout.row_visible, {rows}, ScalarType::I32);
+  step->seq_rows = buffer.view_bytes(layout.seq_rows, {seqs + 1}, ScalarType::I32);
+  step->seq_split = buffer.view_bytes(layout.seq_split, {seqs}, ScalarType::I32);
+  step->state_slots = buffer.view_bytes(layout.state_slots, {seqs}, ScalarType::I64);
+  step->snapshot_slots = buffer.view_bytes(layout.snapshot_slots, {seqs}, ScalarType::I64);
+  step->max_seq_rows = max_seq_rows;
+  step->rows_after_snapshot = rows_after_snapshot;
   batch.device_step = step;
   return step;
 }

@@ -31,6 +31,18 @@ struct DeviceStep {
   int64_t table_stride = 0;
   int64_t max_visible = 0;  // at least the largest row_visible
 
+  // Recurrent layers (model/kda.h). Sequence s owns rows seq_rows[s] .. seq_rows[s+1]-1; when the
+  // cache wants a prefix-cache snapshot inside the step (SequenceCache::snapshot_position), the rows
+  // before seq_split[s] run first, the states are copied to snapshot_slots[s], then the rest runs;
+  // otherwise seq_split[s] = seq_rows[s+1] and snapshot_slots[s] is 0 (a snapshot at the step's end
+  // needs no second part: decode steps never have one).
+  Tensor seq_rows;          // int32 [S + 1]
+  Tensor seq_split;         // int32 [S]
+  Tensor state_slots;       // int64 [S]: device address of the sequence's state slot (0: none)
+  Tensor snapshot_slots;    // int64 [S]: device address of its pending snapshot slot (0: none)
+  int64_t max_seq_rows = 0;        // the largest row count of a sequence
+  bool rows_after_snapshot = false;  // some sequence has rows after its split
+
   uint8_t* page_base(int layer, PageKind kind) const {
     return reinterpret_cast<uint8_t*>(storage->pool() + storage->page(layer, kind).offset);
   }

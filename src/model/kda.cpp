@@ -9,6 +9,12 @@
 #include "core/parallel.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/ops.h"
+#include "model/device_step.h"
+
+#if SPARROW_HAVE_CUDA
+#include "kernels/cuda/kda/kda.h"
+#include "kernels/cuda/runtime/device.h"
+#endif
 
 namespace sparrow {
 
@@ -178,18 +184,8 @@ void l2_normalize(float* x, int64_t n, float scale) {
 // softplus as KimiLinearForgetGate writes it: x above 20, else log(1 + exp(x)).
 float softplus(float x) { return x > 20.0f ? x : std::log(1.0f + std::exp(x)); }
 
-// Rows of several [n_i, cols] tensors stacked into one [sum n_i, cols].
-Tensor stack_rows(const std::vector<Tensor>& parts, int64_t cols) {
-  int64_t rows = 0;
-  for (const Tensor& p : parts) rows += p.numel() / cols;
-  Tensor out = Tensor::empty({rows, cols});
-  float* dst = out.data();
-  for (const Tensor& p : parts) {
-    std::memcpy(dst, p.data(), sizeof(float) * p.numel());
-    dst += p.numel();
-  }
-  return out;
-}
+// [a; b; c] along the first dimension.
+Tensor stack_rows(const Tensor& a, const Tensor& b, const Tensor& c) { return ops::concat_rows(ops::concat_rows(a, b), c); }
 
 }  // namespace
 
@@ -198,29 +194,34 @@ KdaMixer::KdaMixer(const KdaConfig& config, KdaWeights weights) : config_(config
 std::unique_ptr<KdaMixer> KdaMixer::load(Checkpoint& ckpt, const std::string& prefix, const KdaConfig& config) {
   const int64_t hidden = config.hidden, H = config.num_heads, D = config.head_dim, P = config.projection_dim();
   const int64_t kernel = config.conv_kernel;
+  SPARROW_CHECK(ckpt.device() == Device::Cpu || D == 16 || D == 32 || D == 64 || D == 128,
+                "the GPU KDA kernels take linear_head_dim 16, 32, 64 or 128; this model has ", D, " (use --device cpu)");
+  SPARROW_CHECK(ckpt.device() == Device::Cpu || (kernel >= 2 && kernel <= 8), "the GPU KDA kernels take "
+                "linear_conv_kernel_dim 2 to 8; this model has ", kernel, " (use --device cpu)");
   KdaWeights w;
-  w.qkv_proj = stack_rows({ckpt.take(prefix + "q_proj.weight", {P, hidden}), ckpt.take(prefix + "k_proj.weight", {P, hidden}),
-                           ckpt.take(prefix + "v_proj.weight", {P, hidden})},
-                          hidden);
+  // One statement per tensor: errors then name the first one wrong (argument order is unspecified).
+  const Tensor q_proj = ckpt.take_linear(prefix + "q_proj.weight", {P, hidden});
+  const Tensor k_proj = ckpt.take_linear(prefix + "k_proj.weight", {P, hidden});
+  w.qkv_proj = stack_rows(q_proj, k_proj, ckpt.take_linear(prefix + "v_proj.weight", {P, hidden}));
+  // The conv taps and decay rates stay fp32 on every device: the GPU kernels read them so.
   if (ckpt.has(prefix + "conv1d.weight")) {
-    w.conv = ckpt.take(prefix + "conv1d.weight", {3 * P, 1, kernel}).reshape({3 * P, kernel});
+    w.conv = ckpt.take_fp32(prefix + "conv1d.weight", {3 * P, 1, kernel}).reshape({3 * P, kernel});
   } else {  // Kimi's original checkpoint: one convolution per projection (transformers concatenates them)
-    w.conv = stack_rows({ckpt.take(prefix + "q_conv1d.weight", {P, 1, kernel}),
-                         ckpt.take(prefix + "k_conv1d.weight", {P, 1, kernel}),
-                         ckpt.take(prefix + "v_conv1d.weight", {P, 1, kernel})},
-                        kernel);
+    const Tensor q_conv = ckpt.take_fp32(prefix + "q_conv1d.weight", {P, 1, kernel}).reshape({P, kernel});
+    const Tensor k_conv = ckpt.take_fp32(prefix + "k_conv1d.weight", {P, 1, kernel}).reshape({P, kernel});
+    w.conv = stack_rows(q_conv, k_conv, ckpt.take_fp32(prefix + "v_conv1d.weight", {P, 1, kernel}).reshape({P, kernel}));
   }
   // transformers moves these under forget_gate.; the original checkpoint keeps them on self_attn.
   const std::string gate = ckpt.has(prefix + "forget_gate.A_log") ? prefix + "forget_gate." : prefix;
-  w.f_a_proj = ckpt.take(gate + "f_a_proj.weight", {D, hidden});
-  w.f_b_proj = ckpt.take(gate + "f_b_proj.weight", {P, D});
-  w.dt_bias = ckpt.take(gate + "dt_bias", {P});
-  w.A_log = ckpt.take(gate + "A_log", {1, 1, H, 1}).reshape({H});
-  w.b_proj = ckpt.take(prefix + "b_proj.weight", {H, hidden});
-  w.g_a_proj = ckpt.take(prefix + "g_a_proj.weight", {D, hidden});
-  w.g_b_proj = ckpt.take(prefix + "g_b_proj.weight", {P, D});
-  w.o_norm = ckpt.take(prefix + "o_norm.weight", {D});
-  w.o_proj = ckpt.take(prefix + "o_proj.weight", {hidden, P});
+  w.f_a_proj = ckpt.take_linear(gate + "f_a_proj.weight", {D, hidden});
+  w.f_b_proj = ckpt.take_linear(gate + "f_b_proj.weight", {P, D});
+  w.dt_bias = ckpt.take_fp32(gate + "dt_bias", {P});
+  w.A_log = ckpt.take_fp32(gate + "A_log", {1, 1, H, 1}).reshape({H});
+  w.b_proj = ckpt.take_linear(prefix + "b_proj.weight", {H, hidden});
+  w.g_a_proj = ckpt.take_linear(prefix + "g_a_proj.weight", {D, hidden});
+  w.g_b_proj = ckpt.take_linear(prefix + "g_b_proj.weight", {P, D});
+  w.o_norm = ckpt.take_fp32(prefix + "o_norm.weight", {D});
+  w.o_proj = ckpt.take_linear(prefix + "o_proj.weight", {hidden, P});
   return std::make_unique<KdaMixer>(config, std::move(w));
 }
 
@@ -233,6 +234,7 @@ LayerCacheSpec KdaMixer::cache_spec_for(const KdaConfig& config) {
 }
 
 Tensor KdaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
+  if (!x.on_cpu()) return forward_gpu(x, batch, layer);
   const int64_t T = x.dim(0), H = config_.num_heads, D = config_.head_dim, P = config_.projection_dim();
   const int64_t kernel = config_.conv_kernel, tail = kernel - 1;
 
@@ -322,6 +324,60 @@ Tensor KdaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
       for (int64_t c = 0; c < P; ++c) core.row(t)[c] *= cpu::sigmoid(out_gate.row(t)[c]);
   });
   return ops::linear(core, w_.o_proj);
+}
+
+// The same layer on the GPU (kernels/cuda/kda): the projections as bf16 products with fp32 outputs, then
+// the gates, the conv and the delta rule in fp32 over each sequence's state slot, the gated norm into
+// bf16 for o_proj. A step's snapshot (DeviceStep::seq_split) splits it into two launches of the conv and
+// the delta rule with the state copies between them; decode steps (one row per sequence) always issue
+// the same launches, so a CUDA graph replays them whatever the snapshots.
+Tensor KdaMixer::forward_gpu(const Tensor& x, const Batch& batch, int layer) {
+#if SPARROW_HAVE_CUDA
+  const int64_t T = x.dim(0), H = config_.num_heads, D = config_.head_dim, P = config_.projection_dim();
+  const DeviceStep& step = device_step(batch, x.device());
+  const PagedStorage& storage = *step.storage;
+  cudaStream_t stream = cuda::stream();
+
+  const Tensor qkv = ops::linear(x, w_.qkv_proj, ScalarType::F32);  // [T, 3P] before the conv
+  Tensor log_decay = ops::linear(ops::linear(x, w_.f_a_proj), w_.f_b_proj, ScalarType::F32);  // [T, P]
+  Tensor beta = ops::linear(x, w_.b_proj, ScalarType::F32);                                   // [T, H]
+  const Tensor out_gate = ops::linear(ops::linear(x, w_.g_a_proj), w_.g_b_proj, ScalarType::F32);  // [T, P]
+  cuda::kda_gates(log_decay.data(), w_.dt_bias.data(), w_.A_log.data(), beta.data(), log_decay.data(), beta.data(), T,
+                  int(H), int(D), stream);
+
+  auto* slots = reinterpret_cast<uint8_t* const*>(step.state_slots.as<int64_t>());
+  const int num_seqs = int(batch.seqs.size());
+  const int32_t* seq_rows = step.seq_rows.as<int32_t>();
+  const int32_t* split = step.seq_split.as<int32_t>();
+  const cuda::KdaSequences before{seq_rows, split, slots, num_seqs, step.max_seq_rows};
+  const cuda::KdaSequences after{split, seq_rows + 1, slots, num_seqs, step.max_seq_rows};
+  const int64_t tail_offset = storage.state_offset(layer, StateKind::ConvTail);
+  const int64_t state_offset = storage.state_offset(layer, StateKind::Recurrent);
+
+  Tensor conv = Tensor::empty({T, 3 * P}, ScalarType::F32, x.device());  // [q | k | v] after conv + SiLU
+  Tensor core = Tensor::empty({T, P}, ScalarType::F32, x.device());
+  auto run = [&](const cuda::KdaSequences& seqs) {
+    cuda::kda_short_conv(qkv.data(), conv.data(), 3 * P, w_.conv.data(), int(config_.conv_kernel), seqs, tail_offset,
+                         stream);
+    // l2norm and the q scale happen inside (normalize_qk), as KdaMixer::forward applies them after the conv.
+    cuda::kda_delta_rule(conv.data(), conv.data() + P, conv.data() + 2 * P, 3 * P, log_decay.data(), beta.data(),
+                         core.data(), int(H), int(D), /*normalize_qk=*/true, seqs, state_offset, stream);
+  };
+  run(before);
+  auto* snapshots = reinterpret_cast<uint8_t* const*>(step.snapshot_slots.as<int64_t>());
+  cuda::kda_copy_states(before, snapshots, tail_offset, (config_.conv_kernel - 1) * 3 * P * int64_t(sizeof(float)),
+                        stream);
+  cuda::kda_copy_states(before, snapshots, state_offset, H * D * D * int64_t(sizeof(float)), stream);
+  if (step.rows_after_snapshot) run(after);
+
+  Tensor normed = Tensor::empty({T, P}, ScalarType::BF16, x.device());
+  cuda::kda_gated_rms_norm(core.data(), out_gate.data(), w_.o_norm.data(), normed.raw(), /*out_bf16=*/true, T, int(H),
+                           int(D), config_.norm_eps, stream);
+  return ops::linear(normed, w_.o_proj);
+#else
+  (void)x, (void)batch, (void)layer;
+  fail("KDA on a GPU in a build without the CUDA backend");
+#endif
 }
 
 }  // namespace sparrow

@@ -85,6 +85,8 @@ class KdaMixer : public Mixer {
   static LayerCacheSpec cache_spec_for(const KdaConfig& config);
 
  private:
+  Tensor forward_gpu(const Tensor& x, const Batch& batch, int layer);
+
   KdaConfig config_;
   KdaWeights w_;
 };

@@ -41,6 +41,12 @@ std::unique_ptr<MlaMixer> MlaMixer::load(Checkpoint& ckpt, const std::string& pr
                 "MLA: attention dimensions must be positive");
   SPARROW_CHECK(!o.rope || o.rope->rot_dim() == o.qk_rope_head_dim, "MLA: rotary dimension ",
                 o.rope ? o.rope->rot_dim() : 0, " differs from qk_rope_head_dim ", o.qk_rope_head_dim);
+#if SPARROW_HAVE_CUDA
+  SPARROW_CHECK(ckpt.device() == Device::Cpu || (o.kv_lora_rank == cuda::kMlaLatent && o.qk_rope_head_dim == cuda::kMlaRope),
+                "the GPU MLA kernels take kv_lora_rank ", cuda::kMlaLatent, " and qk_rope_head_dim ", cuda::kMlaRope,
+                " (DeepSeek-V3.2, Kimi); this model has ", o.kv_lora_rank, " and ", o.qk_rope_head_dim,
+                " (use --device cpu)");
+#endif
   if (indexer) {
     SPARROW_CHECK(o.q_lora_rank > 0, "MLA: a DSA indexer needs q_lora_rank (it reads the query latent)");
     SPARROW_CHECK(indexer->options.query_input == o.q_lora_rank, "MLA: indexer query width ",
@@ -184,9 +190,6 @@ Tensor MlaMixer::attend_gpu(const Tensor& x, const Tensor& q_resid, const Tensor
                             const Batch& batch, int layer) {
 #if SPARROW_HAVE_CUDA
   const MlaOptions& o = options_;
-  SPARROW_CHECK(o.kv_lora_rank == cuda::kMlaLatent && o.qk_rope_head_dim == cuda::kMlaRope,
-                "the GPU MLA kernels take kv_lora_rank ", cuda::kMlaLatent, " and qk_rope_head_dim ", cuda::kMlaRope,
-                " (DeepSeek-V3.2, Kimi); this model has ", o.kv_lora_rank, " and ", o.qk_rope_head_dim);
   const DeviceStep& step = device_step(batch, x.device());
   const PageFormat format = step.format(layer, PageKind::MlaLatent);
   SPARROW_CHECK(format == PageFormat::Fp8Latent || format == PageFormat::BFloat16,

@@ -33,6 +33,10 @@ class OfflineSequence final : public SequenceCache {
     view_->read(layer, kind, begin, end, rows);
   }
   float* state(int layer, StateKind kind) override { return view_->state(layer, kind); }
+  int64_t snapshot_position(int64_t begin, int64_t end) override { return view_->snapshot_position(begin, end); }
+  float* snapshot(int layer, StateKind kind) override { return view_->snapshot(layer, kind); }
+  std::byte* state_slot() override { return view_->state_slot(); }
+  std::byte* snapshot_slot() override { return view_->snapshot_slot(); }
   const PagedStorage* paged() const override { return view_->paged(); }
   const std::vector<int32_t>& block_table() const override { return view_->block_table(); }
   void reserve(int64_t tokens) override { view_->reserve(tokens); }
@@ -90,15 +94,7 @@ std::unique_ptr<Model> load_model(const std::string& dir, Device device) {
   std::unique_ptr<Checkpoint> ckpt = Checkpoint::open(dir);
   const Config& config = ckpt->config();
   const std::string type = config.get_string("model_type");
-  if (device != Device::Cpu) {
-    // The GPU path covers MLA + DSA (deepseek_v32) and GQA + MSA (MiniMax-M3) so far; kimi_linear and
-    // kimi_k3 need the KDA kernels and recurrent state on the device.
-    const bool on_gpu = type == "deepseek_v32" || type == "minimax_m3_vl_text" || type == "minimax_m3" ||
-                        type == "minimax_m3_vl";
-    SPARROW_CHECK(on_gpu, "model_type ", type, " does not run on ", device_name(device),
-                  " yet (the GPU path runs deepseek_v32 and minimax_m3; use --device cpu)");
-    ckpt->place_on(device);
-  }
+  if (device != Device::Cpu) ckpt->place_on(device);
   if (type == "deepseek_v32") return load_deepseek_v32(*ckpt);
   if (type == "kimi_linear" || type == "kimi_k3") return load_kimi_linear(*ckpt);
   // MiniMax-M3: the text-only causal LM, or the text half of a vision-language checkpoint.

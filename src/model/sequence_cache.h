@@ -85,6 +85,9 @@ class PagedStorage {
   virtual int64_t row_bytes() const = 0;
   virtual int64_t block_size() const = 0;
   virtual Page page(int layer, PageKind kind) const = 0;
+  // Where (layer, kind)'s recurrent state lies in a sequence's state slot (SequenceCache::state_slot),
+  // in bytes; snapshot slots have the same layout.
+  virtual int64_t state_offset(int layer, StateKind kind) const = 0;
 };
 
 // One sequence's cache, as the model sees it. Positions are absolute token positions of the sequence.
@@ -113,6 +116,11 @@ class SequenceCache {
   // directly (the GPU path); null / empty for caches without pages (DenseSequenceCache).
   virtual const PagedStorage* paged() const { return nullptr; }
   virtual const std::vector<int32_t>& block_table() const;
+  // Paged caches with recurrent layers: the start of this sequence's state slot, and of the snapshot
+  // slot this step's snapshot_position reserved (null when there is none), on the storage's device; a
+  // layer's state lies paged()->state_offset(layer, kind) bytes in. Kernels update states through them.
+  virtual std::byte* state_slot() { return nullptr; }
+  virtual std::byte* snapshot_slot() { return nullptr; }
   // Makes room for tokens 0 .. tokens-1 where the cache allocates on demand (standalone sequences
   // of a paged cache); the serving engine allocates ahead of each step and this is then a check.
   virtual void reserve(int64_t tokens) {}

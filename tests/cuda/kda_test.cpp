@@ -36,25 +36,32 @@ std::vector<int32_t> offsets_of(const std::vector<int>& counts) {
   return off;
 }
 
-// Per-sequence state blocks of `size` floats placed in one device allocation in a shuffled order with gaps
-// (as a cache's slots would be), reached through a device array of base pointers.
+// Per-sequence state slots of `size` floats (plus gaps) placed in one device allocation in a shuffled
+// order, the state `offset` bytes into its slot (as a cache's slots would be), reached through a device
+// array of slot pointers.
 struct DeviceStates {
+  static constexpr int64_t kOffsetFloats = 3;
+  static constexpr int64_t offset = kOffsetFloats * sizeof(float);
   int64_t size;
   std::vector<int64_t> at;  // float offset of sequence s's state
   test::DeviceArray<float> pool;
-  test::DeviceArray<float*> pointers;
+  test::DeviceArray<uint8_t*> pointers;
   DeviceStates(int num_seqs, int64_t state_size, std::mt19937_64& rng)
       : size(state_size), at(num_seqs), pool(size_t((num_seqs + 2) * (state_size + 7))), pointers(size_t(num_seqs)) {
     std::vector<int64_t> slots(num_seqs + 2);
     for (size_t i = 0; i < slots.size(); ++i) slots[i] = int64_t(i);
     std::shuffle(slots.begin(), slots.end(), rng);
-    std::vector<float*> ptrs(num_seqs);
+    std::vector<uint8_t*> ptrs(num_seqs);
     for (int s = 0; s < num_seqs; ++s) {
-      at[s] = slots[s] * (state_size + 7) + 3;
-      ptrs[s] = pool.ptr + at[s];
+      at[s] = slots[s] * (state_size + 7) + kOffsetFloats;
+      ptrs[s] = reinterpret_cast<uint8_t*>(pool.ptr + slots[s] * (state_size + 7));
     }
     pool.poison();
     pointers.upload(ptrs);
+  }
+  // The launch's sequences: the rows of `offsets` ([S + 1], consecutive ranges).
+  KdaSequences seqs(const test::DeviceArray<int32_t>& offsets, int64_t max_count) const {
+    return KdaSequences{offsets.ptr, offsets.ptr + 1, pointers.ptr, int(at.size()), max_count};
   }
   void upload(int s, const float* src) {
     SPARROW_CUDA_CHECK(cudaMemcpy(pool.ptr + at[s], src, sizeof(float) * size, cudaMemcpyHostToDevice));
@@ -212,7 +219,8 @@ void run_delta_case(const DeltaProblem& p, const std::vector<std::vector<int>>& 
     d_out.poison();
     const int64_t kofs = fused_qkv ? P : rows * P;
     kda_delta_rule(d_qkv.ptr, d_qkv.ptr + kofs, d_qkv.ptr + 2 * kofs, stride, d_g.ptr, d_beta.ptr, d_out.ptr, H, D,
-                   normalize, d_off.ptr, S, states.pointers.ptr, nullptr);
+                   normalize, states.seqs(d_off, *std::max_element(step.begin(), step.end())), states.offset,
+                   nullptr);
     SPARROW_CUDA_CHECK(cudaDeviceSynchronize());
     const std::vector<float> out = d_out.download();
     for (int s = 0; s < S; ++s) {
@@ -375,7 +383,7 @@ TEST(CudaKda, ShortConvMatchesCpuLoop) {
       d_y.poison();
       int max_count = 0;
       for (int c : step) max_count = std::max(max_count, c);
-      kda_short_conv(d_x.ptr, d_y.ptr, C, d_w.ptr, K, d_off.ptr, S, max_count, tails.pointers.ptr, nullptr);
+      kda_short_conv(d_x.ptr, d_y.ptr, C, d_w.ptr, K, tails.seqs(d_off, max_count), tails.offset, nullptr);
       SPARROW_CUDA_CHECK(cudaDeviceSynchronize());
       const std::vector<float> ys = d_y.download();
       for (int s = 0; s < S; ++s) {
@@ -401,6 +409,43 @@ TEST(CudaKda, ShortConvMatchesCpuLoop) {
     }
     std::printf("  %s: worst rel err %.2e\n", what.c_str(), worst);
   }
+}
+
+// ---- prefix-cache snapshots ---------------------------------------------------------------------------
+// kda_copy_states copies exactly the asked bytes of the sequences that have a snapshot slot and touches
+// nothing else (the other slots, the bytes around the copied range).
+TEST(CudaKda, CopyStatesCopiesOnlyRequestedSlots) {
+  SPARROW_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (int trial = 0; trial < 5; ++trial) {
+    const int S = 1 + int(rng() % 40);
+    const int64_t slot_bytes = 64 * (1 + int64_t(rng() % 64)), offset = 16 * int64_t(rng() % (slot_bytes / 16));
+    const int64_t bytes = 16 * int64_t(rng() % ((slot_bytes - offset) / 16 + 1));
+    std::vector<uint8_t> states(size_t(S * slot_bytes)), snaps(size_t(S * slot_bytes));
+    for (auto& b : states) b = uint8_t(rng());
+    for (auto& b : snaps) b = uint8_t(rng());
+    test::DeviceArray<uint8_t> d_states(states), d_snaps(snaps);
+    std::vector<uint8_t*> slot_ptrs(S), snap_ptrs(S);
+    std::vector<uint8_t> want = snaps;
+    for (int s = 0; s < S; ++s) {
+      slot_ptrs[s] = d_states.ptr + s * slot_bytes;
+      const bool take = rng() % 2;
+      snap_ptrs[s] = take ? d_snaps.ptr + ((s * 7) % S) * slot_bytes : nullptr;
+      if (take) std::memcpy(&want[((s * 7) % S) * slot_bytes + offset], &states[s * slot_bytes + offset], size_t(bytes));
+    }
+    test::DeviceArray<uint8_t*> d_slot_ptrs(slot_ptrs), d_snap_ptrs(snap_ptrs);
+    const std::vector<int32_t> rows(size_t(S + 1), 0);
+    test::DeviceArray<int32_t> d_rows(rows);
+    kda_copy_states(KdaSequences{d_rows.ptr, d_rows.ptr + 1, d_slot_ptrs.ptr, S, 0}, d_snap_ptrs.ptr, offset, bytes,
+                    nullptr);
+    SPARROW_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_EQ(want, d_snaps.download()) << "S=" << S << " slot " << slot_bytes << " offset " << offset << " bytes "
+                                        << bytes;
+    EXPECT_EQ(states, d_states.download());
+  }
+  EXPECT_THROW(kda_copy_states(KdaSequences{}, nullptr, 8, 16, nullptr), Error);
 }
 
 // ---- gates and gated norm -----------------------------------------------------------------------------

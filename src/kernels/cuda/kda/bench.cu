@@ -69,8 +69,8 @@ void bench_kda(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
       SPARROW_CUDA_CHECK(cudaMemcpy(d_ptrs, state_ptrs.data(), batch * sizeof(float*), cudaMemcpyHostToDevice));
       SPARROW_CUDA_CHECK(cudaMemcpy(d_offsets, offsets.data(), (batch + 1) * sizeof(int32_t), cudaMemcpyHostToDevice));
       auto launch = [&](cudaStream_t s) {
-        kda_delta_rule(qkv, qkv + width, qkv + 2 * width, 3 * width, g, beta, out, heads, kHeadDim, true, d_offsets,
-                       batch, d_ptrs, s);
+        const KdaSequences seqs{d_offsets, d_offsets + 1, reinterpret_cast<uint8_t* const*>(d_ptrs), batch, 1};
+        kda_delta_rule(qkv, qkv + width, qkv + 2 * width, 3 * width, g, beta, out, heads, kHeadDim, true, seqs, 0, s);
       };
       KernelBenchRow row;
       row.kernel = "kda_delta_rule";
@@ -103,8 +103,8 @@ void bench_kda(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
       SPARROW_CUDA_CHECK(cudaMemcpy(d_ptrs, &state, sizeof(float*), cudaMemcpyHostToDevice));
       SPARROW_CUDA_CHECK(cudaMemcpy(d_offsets, offsets, 2 * sizeof(int32_t), cudaMemcpyHostToDevice));
       auto launch = [&](cudaStream_t s) {
-        kda_delta_rule(qkv, qkv + width, qkv + 2 * width, 3 * width, g, beta, out, heads, kHeadDim, true, d_offsets, 1,
-                       d_ptrs, s);
+        const KdaSequences seqs{d_offsets, d_offsets + 1, reinterpret_cast<uint8_t* const*>(d_ptrs), 1, count};
+        kda_delta_rule(qkv, qkv + width, qkv + 2 * width, 3 * width, g, beta, out, heads, kHeadDim, true, seqs, 0, s);
       };
       KernelBenchRow row;
       row.kernel = "kda_delta_rule";

@@ -24,14 +24,14 @@ constexpr int kConvThreads = 128;
 template <int K>
 __global__ void __launch_bounds__(kConvThreads)
     short_conv_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t C, const float* __restrict__ weight,
-                      const int32_t* __restrict__ seq_offset, float* const* __restrict__ tails) {
+                      KdaSequences seqs, int64_t tail_offset) {
   const int64_t c = int64_t(blockIdx.x) * kConvThreads + threadIdx.x;
   if (c >= C) return;
   const int seq = blockIdx.z;
-  const int64_t begin = seq_offset[seq], n = int64_t(seq_offset[seq + 1]) - begin;
+  const int64_t begin = seqs.begin[seq], n = int64_t(seqs.end[seq]) - begin;
   const int64_t t0 = int64_t(blockIdx.y) * kConvChunk;
   if (t0 >= n) return;
-  float* tail = tails[seq];
+  float* tail = reinterpret_cast<float*>(seqs.slots[seq] + tail_offset);
 
   float w[K];
 #pragma unroll
@@ -99,21 +99,21 @@ template <int D, int VS, int W, int TT>
 __global__ void __launch_bounds__(32 * W, 24 / W)
     delta_rule_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                       int64_t qkv_stride, const float* __restrict__ log_decay, const float* __restrict__ beta,
-                      float* __restrict__ out, int heads, bool normalize_qk, const int32_t* __restrict__ seq_offset,
-                      float* const* __restrict__ states) {
+                      float* __restrict__ out, int heads, bool normalize_qk, KdaSequences seqs,
+                      int64_t state_offset) {
   constexpr int NT = 32 * W, RSUB = 32 / VS, RSTEP = W * RSUB, R = D / RSTEP;
   static_assert(VS <= 32 && 32 % VS == 0 && D % VS == 0 && D % RSTEP == 0 && R >= 1, "delta rule tiling");
   __shared__ float sq[TT][D], sk[TT][D], seg[TT][D], sv[TT][VS], sb[TT], sqk[TT];
   __shared__ float red[2][2][W][VS];
 
   const int seq = blockIdx.z, h = blockIdx.y, j0 = blockIdx.x * VS;
-  const int64_t begin = seq_offset[seq], end = seq_offset[seq + 1];
+  const int64_t begin = seqs.begin[seq], end = seqs.end[seq];
   if (end <= begin) return;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, j = lane % VS, rsub = lane / VS;
   const int row0 = warp * RSUB + rsub;
   const int64_t P = int64_t(heads) * D;
 
-  float* S = states[seq] + int64_t(h) * D * D + j0 + j;
+  float* S = reinterpret_cast<float*>(seqs.slots[seq] + state_offset) + int64_t(h) * D * D + j0 + j;
   float s[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) s[r] = S[int64_t(row0 + r * RSTEP) * D];
@@ -202,11 +202,11 @@ __global__ void __launch_bounds__(32 * W, 24 / W)
 
 template <int D, int VS, int W, int TT>
 void launch_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* log_decay,
-                       const float* beta, float* out, int heads, bool normalize_qk, const int32_t* seq_offset,
-                       int num_seqs, float* const* states, cudaStream_t stream) {
-  const dim3 grid(D / VS, heads, num_seqs);
-  delta_rule_kernel<D, VS, W, TT>
-      <<<grid, 32 * W, 0, stream>>>(q, k, v, qkv_stride, log_decay, beta, out, heads, normalize_qk, seq_offset, states);
+                       const float* beta, float* out, int heads, bool normalize_qk, const KdaSequences& seqs,
+                       int64_t state_offset, cudaStream_t stream) {
+  const dim3 grid(D / VS, heads, seqs.num_seqs);
+  delta_rule_kernel<D, VS, W, TT><<<grid, 32 * W, 0, stream>>>(q, k, v, qkv_stride, log_decay, beta, out, heads,
+                                                               normalize_qk, seqs, state_offset);
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -234,22 +234,41 @@ __global__ void gated_rms_norm_kernel(const float* o, const float* __restrict__ 
   }
 }
 
+// ---- snapshot copies ------------------------------------------------------------------------------
+// One block per sequence, 16-byte words (slots and state offsets are 16-byte aligned: planner.h).
+__global__ void copy_states_kernel(KdaSequences seqs, uint8_t* const* __restrict__ snapshots, int64_t offset,
+                                   int64_t words) {
+  uint8_t* dst = snapshots[blockIdx.x];
+  if (dst == nullptr) return;
+  const int4* from = reinterpret_cast<const int4*>(seqs.slots[blockIdx.x] + offset);
+  int4* to = reinterpret_cast<int4*>(dst + offset);
+  for (int64_t i = threadIdx.x; i < words; i += blockDim.x) to[i] = from[i];
+}
+
 }  // namespace
 
+void kda_copy_states(const KdaSequences& seqs, uint8_t* const* snapshots, int64_t offset, int64_t bytes,
+                     cudaStream_t stream) {
+  SPARROW_CHECK(offset % 16 == 0 && bytes % 16 == 0 && bytes >= 0, "kda_copy_states: offset ", offset, " and size ",
+                bytes, " must be multiples of 16 bytes");
+  if (seqs.num_seqs == 0 || bytes == 0) return;
+  copy_states_kernel<<<unsigned(seqs.num_seqs), 256, 0, stream>>>(seqs, snapshots, offset, bytes / 16);
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
 void kda_short_conv(const float* x, float* y, int64_t channels, const float* weight, int kernel,
-                    const int32_t* seq_offset, int num_seqs, int64_t max_count, float* const* tails,
-                    cudaStream_t stream) {
-  SPARROW_CHECK(channels > 0 && num_seqs >= 0 && max_count >= 0, "kda_short_conv: bad sizes");
+                    const KdaSequences& seqs, int64_t tail_offset, cudaStream_t stream) {
+  SPARROW_CHECK(channels > 0 && seqs.num_seqs >= 0 && seqs.max_count >= 0, "kda_short_conv: bad sizes");
   SPARROW_CHECK(kernel >= 2 && kernel <= 8, "kda_short_conv: kernel ", kernel, " outside 2..8");
-  SPARROW_CHECK(num_seqs <= 65535, "kda_short_conv: ", num_seqs, " sequences (at most 65535)");
-  if (num_seqs == 0 || max_count == 0) return;
-  const int64_t chunks = (max_count + kConvChunk - 1) / kConvChunk;
-  SPARROW_CHECK(chunks <= 65535, "kda_short_conv: max_count ", max_count, " too large");
-  const dim3 grid(unsigned((channels + kConvThreads - 1) / kConvThreads), unsigned(chunks), unsigned(num_seqs));
+  SPARROW_CHECK(seqs.num_seqs <= 65535, "kda_short_conv: ", seqs.num_seqs, " sequences (at most 65535)");
+  if (seqs.num_seqs == 0 || seqs.max_count == 0) return;
+  const int64_t chunks = (seqs.max_count + kConvChunk - 1) / kConvChunk;
+  SPARROW_CHECK(chunks <= 65535, "kda_short_conv: max_count ", seqs.max_count, " too large");
+  const dim3 grid(unsigned((channels + kConvThreads - 1) / kConvThreads), unsigned(chunks), unsigned(seqs.num_seqs));
   switch (kernel) {
 #define SPARROW_KDA_CONV(K)                                                                             \
   case K:                                                                                               \
-    short_conv_kernel<K><<<grid, kConvThreads, 0, stream>>>(x, y, channels, weight, seq_offset, tails); \
+    short_conv_kernel<K><<<grid, kConvThreads, 0, stream>>>(x, y, channels, weight, seqs, tail_offset); \
     break;
     SPARROW_KDA_CONV(2)
     SPARROW_KDA_CONV(3)
@@ -276,7 +295,8 @@ void kda_gates(const float* f, const float* dt_bias, const float* A_log, const f
 
 void kda_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* log_decay,
                     const float* beta, float* out, int heads, int head_dim, bool normalize_qk,
-                    const int32_t* seq_offset, int num_seqs, float* const* states, cudaStream_t stream) {
+                    const KdaSequences& seqs, int64_t state_offset, cudaStream_t stream) {
+  const int num_seqs = seqs.num_seqs;
   SPARROW_CHECK(heads > 0 && heads <= 65535 && num_seqs >= 0 && num_seqs <= 65535, "kda_delta_rule: ", heads,
                 " heads, ", num_seqs, " sequences");
   SPARROW_CHECK(qkv_stride >= int64_t(heads) * head_dim, "kda_delta_rule: row stride ", qkv_stride,
@@ -289,8 +309,8 @@ void kda_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_
   SPARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const bool narrow = int64_t(num_seqs) * heads * (head_dim / 32) < 2 * sms;
 #define SPARROW_KDA_DELTA(D, VS, W, TT)                                                                       \
-  launch_delta_rule<D, VS, W, TT>(q, k, v, qkv_stride, log_decay, beta, out, heads, normalize_qk, seq_offset, \
-                                  num_seqs, states, stream)
+  launch_delta_rule<D, VS, W, TT>(q, k, v, qkv_stride, log_decay, beta, out, heads, normalize_qk, seqs, \
+                                  state_offset, stream)
   switch (head_dim) {
     case 16:
       SPARROW_KDA_DELTA(16, 16, 2, 32);

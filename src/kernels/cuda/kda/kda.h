@@ -3,13 +3,14 @@
 // output norm. Each kernel is the twin of the CPU code in src/model/kda.cpp and is tested against it
 // (tests/cuda/kda_test.cpp).
 //
-// Batches: the rows [T, ...] of all sequences are stacked; sequence s owns rows
-// seq_offset[s] .. seq_offset[s + 1] - 1 (seq_offset: device int32 [num_seqs + 1], non-decreasing; a
-// sequence may have no rows, and then its states are left as they are).
-// Per-sequence states are reached through device arrays of base pointers, one per sequence, so they can
-// live anywhere in device memory (a SequenceCache's slots):
-//   conv tail   tails[s]   fp32 [kernel - 1, channels]: the last kernel-1 inputs, oldest first
-//   recurrent   states[s]  fp32 [heads, D, D]: S[h][k][v], key index first (as kda.h)
+// Batches: the rows [T, ...] of all sequences are stacked; sequence s owns rows begin[s] .. end[s] - 1
+// (KdaSequences below; a sequence may have no rows this launch, and then its states are left as they
+// are). A step may run a sequence's rows in two launches (up to a prefix-cache snapshot, then the rest:
+// model/kda.h), so the ranges need not tile the rows.
+// Per-sequence states live in the sequence's state slot (a paged cache's per-sequence slot,
+// cache/kv_cache.h): the state of one layer and kind sits `offset` bytes into slots[s]:
+//   conv tail   fp32 [kernel - 1, channels]: the last kernel-1 inputs, oldest first
+//   recurrent   fp32 [heads, D, D]: S[h][k][v], key index first (as kda.h)
 // All math is fp32; every tensor here is fp32 unless said otherwise. All pointers are device pointers.
 #pragma once
 #include <cuda_runtime_api.h>
@@ -18,6 +19,15 @@
 
 namespace sparrow::cuda {
 
+// The sequences of a launch. Device arrays except num_seqs and max_count.
+struct KdaSequences {
+  const int32_t* begin = nullptr;  // [num_seqs] first row of sequence s
+  const int32_t* end = nullptr;    // [num_seqs] one past its last row
+  uint8_t* const* slots = nullptr; // [num_seqs] its state slot
+  int num_seqs = 0;
+  int64_t max_count = 0;           // host: >= every end[s] - begin[s] (sizes grids)
+};
+
 // Causal depthwise convolution + SiLU (KdaMixer's conv over [q | k | v] before the projections' split):
 //   y[t, c] = silu( sum_{j<K} weight[c, j] * h[t + j, c] ),  h = [tails[s] (K-1 rows) | x rows of s]
 // so column K-1 of weight multiplies the current token and the tail stands for the K-1 tokens before
@@ -25,10 +35,9 @@ namespace sparrow::cuda {
 // tail shifted up by the count, then the new rows).
 //   x, y     [T, channels], row stride `channels`; y must not overlap x
 //   weight   [channels, kernel], 2 <= kernel <= 8
-//   max_count (host) >= every sequence's row count (the total T will do): sizes the grid
+//   tail_offset  bytes from a slot's start to the layer's conv tail
 void kda_short_conv(const float* x, float* y, int64_t channels, const float* weight, int kernel,
-                    const int32_t* seq_offset, int num_seqs, int64_t max_count, float* const* tails,
-                    cudaStream_t stream);
+                    const KdaSequences& seqs, int64_t tail_offset, cudaStream_t stream);
 
 // The gates, as KdaMixer::forward computes them, in place allowed (g may be f, beta may be b):
 //   g[t, c]    = -exp(A_log[c / head_dim]) * softplus(f[t, c] + dt_bias[c])     (c < heads * head_dim)
@@ -40,7 +49,8 @@ void kda_gates(const float* f, const float* dt_bias, const float* A_log, const f
 
 // The delta rule, token by token in each sequence's order (delta_rule_recurrent): per head h and token t,
 //   S = Diag(exp g_t) S;  u = beta_t (v_t - S^T k_t);  S += k_t u^T;  out_t = S^T q_t
-// continuing each sequence's state states[s] and leaving the state after its last row there.
+// continuing each sequence's state (state_offset bytes into its slot) and leaving the state after its
+// last row there.
 //   q, k, v   rows of stride qkv_stride (elements), head h at columns h*D .. h*D+D-1 of each (so the
 //             three may be column ranges of one [T, 3P] buffer, kda_short_conv's output)
 //   normalize_qk  false: q, k are already L2-normalised and q scaled by D^-1/2 (as DeltaRuleInputs);
@@ -52,7 +62,31 @@ void kda_gates(const float* f, const float* dt_bias, const float* A_log, const f
 // slice of 32 value columns) walks the sequence's rows, the state slice held in registers.
 void kda_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* log_decay,
                     const float* beta, float* out, int heads, int head_dim, bool normalize_qk,
-                    const int32_t* seq_offset, int num_seqs, float* const* states, cudaStream_t stream);
+                    const KdaSequences& seqs, int64_t state_offset, cudaStream_t stream);
+
+// The same recurrence in the chunk-parallel form (delta_rule_chunked in src/model/kda.cpp; the fla
+// library's chunk_kda): for prefill, where a sequence has many rows. Same arguments and result as
+// kda_delta_rule, to the rounding of its tensor-core products (tf32 and bf16 operands, fp32 sums and state:
+// about 1e-3 relative; kernels/cuda/kda/chunk.cu says how much), plus a device workspace of at least
+// kda_delta_rule_chunked_workspace_bytes(total_rows, seqs.num_seqs, heads, head_dim) bytes, 16-byte
+// aligned, where total_rows >= the sum of the sequences' row counts (e.g. the rows of q); nothing in it
+// needs clearing, and it is free again once the launch's work on `stream` is done.
+//   head_dim  D in {64, 128} (others: sparrow::Error; kda_delta_rule takes them)
+// Three kernels: a one-block prefix sum (each sequence's first workspace record), the per-chunk
+// preparation (all chunks of all sequences and heads at once), and the walk over each sequence's chunks.
+void kda_delta_rule_chunked(const float* q, const float* k, const float* v, int64_t qkv_stride,
+                            const float* log_decay, const float* beta, float* out, int heads, int head_dim,
+                            bool normalize_qk, const KdaSequences& seqs, int64_t state_offset, void* workspace,
+                            cudaStream_t stream);
+// About 1.3 KB per row and head (644 * head_dim bytes per chunk of 64 rows and head), plus one chunk per
+// sequence for its ragged last chunk.
+size_t kda_delta_rule_chunked_workspace_bytes(int64_t total_rows, int num_seqs, int heads, int head_dim);
+
+// Prefix-cache snapshots (model/kda.h): for every sequence s with snapshots[s] not null, copies `bytes`
+// bytes at `offset` of its state slot to the same place in snapshots[s] (a slot of the same layout).
+// Sequences with a null entry are skipped, so a CUDA graph can capture the copy once for every step.
+void kda_copy_states(const KdaSequences& seqs, uint8_t* const* snapshots, int64_t offset, int64_t bytes,
+                     cudaStream_t stream);
 
 // KimiLinearRMSNormGated: per row t and head h, over the head's D values,
 //   out[t, h, :] = o[t, h, :] / sqrt(mean(o[t, h, :]^2) + eps) * weight * sigmoid(gate[t, h, :])

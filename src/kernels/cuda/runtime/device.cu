@@ -195,6 +195,11 @@ void copy_device(void* dst, const void* src, size_t bytes) {
   SPARROW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream()));
 }
 
+void zero_device(void* dst, size_t bytes) {
+  if (bytes == 0) return;
+  SPARROW_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream()));
+}
+
 void synchronize() { SPARROW_CUDA_CHECK(cudaStreamSynchronize(stream())); }
 
 }  // namespace sparrow::cuda

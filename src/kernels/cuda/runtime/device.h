@@ -29,6 +29,7 @@ void end_graph_pool();
 void copy_to_device(void* dst, const void* src, size_t bytes);
 void copy_to_host_sync(void* dst, const void* src, size_t bytes);
 void copy_device(void* dst, const void* src, size_t bytes);
+void zero_device(void* dst, size_t bytes);
 void synchronize();
 
 }  // namespace sparrow::cuda
