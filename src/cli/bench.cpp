@@ -52,6 +52,7 @@ void add_bench_kernels(CLI::App* bench) {
     if (wanted("gqa")) cuda::bench_gqa(options, rows);
     if (wanted("msa")) cuda::bench_msa(options, rows);
     if (wanted("kda")) cuda::bench_kda(options, rows);
+    if (wanted("moe")) cuda::bench_moe(options, rows);
     std::FILE* json = json_path.empty() ? nullptr : std::fopen(json_path.c_str(), "w");
     SPARROW_CHECK(json_path.empty() || json, "cannot write ", json_path);
     std::printf("%-22s %-62s %10s %8s %9s %7s\n", "kernel", "shape", "us", "TB/s", "TFLOP/s", "limit");

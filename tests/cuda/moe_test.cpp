@@ -96,10 +96,17 @@ TEST(CudaMoe, ExpertsMatchRunExperts) {
   struct Case {
     int64_t tokens, hidden, inter, experts, top_k;
   };
+  // moe.cu takes its wgmma path when hidden % 256 == 0, inter % 128 == 0 and tokens * top_k >= 32 * experts
+  // (use_wgmma), its WMMA kernel otherwise; both are covered, each with more than one row tile per expert.
   const Case cases[] = {
-      {1, 256, 128, 8, 2},    {5, 128, 64, 16, 4},   {200, 256, 128, 4, 2},  // > 64 rows per expert
+      {1, 256, 128, 8, 2},    {5, 128, 64, 16, 4},
+      {200, 192, 96, 4, 2},   // WMMA: > 64 rows per expert (hidden not a multiple of 256)
       {64, 200, 72, 8, 3},    // hidden and intermediate not multiples of the 64-wide tiles
-      {300, 512, 256, 32, 8}, {3, 64, 64, 64, 8},    // most experts unused
+      {3, 64, 64, 64, 8},     // most experts unused
+      {200, 256, 128, 4, 2},  // wgmma: ~100 rows per expert, tiles of 65..128 rows and of <= 64
+      {300, 512, 256, 32, 8}, // wgmma: ~75 rows per expert, 2 weight tiles in each product
+      {2048, 512, 256, 16, 4},  // wgmma at a prefill size: ~512 rows per expert, several 128-row tiles
+      {256, 256, 128, 64, 8},   // wgmma at 32 rows per expert: tiles of <= 64 rows only
   };
   for (const Case& c : cases)
     for (auto kind : {cuda::GluKind::SiluGlu, cuda::GluKind::ClampedSwiglu}) {
@@ -268,7 +275,11 @@ TEST(CudaMoe, Fp8ExpertsMatchDequantisedBf16) {
       {256, 16, 8, 2, true},     // inter 16: one partial 128-row scale block per half, mostly empty N tiles
       {512, 192, 16, 4, true},   // inter % 128 = 64: the up rows' blocks start mid-block of the stacked rows
       {208, 80, 4, 2, true},     // hidden, inter not multiples of 64 or 128: partial N tiles, K and scale blocks
+      // At 300 tokens this shape and the next two take moe.cu's wgmma path (use_wgmma: hidden % 256 == 0,
+      // inter % 128 == 0, >= 32 rows per expert); 1 and 7 tokens stay on the WMMA kernel.
       {1024, 256, 32, 8, false}, // DeepSeek-V3 (hidden 7168, inter 2048, top-8) scaled down
+      {512, 256, 8, 2, true},    // ~75 rows per expert, 2 weight tiles and 2 scale blocks per tile row
+      {256, 128, 2, 2, false},   // ~300 rows per expert: 128-row tiles and a remainder
   };
   const float alpha = 1.702f, limit = 7.0f;
   for (const Shape& c : shapes)

@@ -48,5 +48,6 @@ void bench_sampling(const KernelBenchOptions& options, std::vector<KernelBenchRo
 void bench_gqa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows);
 void bench_msa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows);
 void bench_kda(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows);
+void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows);
 
 }  // namespace sparrow::cuda

@@ -18,13 +18,17 @@
 // The grouped products run over a device-built list of 64-row tiles (expert, first row, end row); the
 // grid is sized by a host-side bound (pairs/64 + experts, at most pairs) and surplus blocks exit. Tiles
 // use bf16 tensor cores through WMMA (fp32 accumulation), 64x64x32 blocks, a 3-stage cp.async pipeline.
-// This is the correct-first version: a wgmma (sm_90a) kernel is the known next step for large batches.
+// Prefill-sized steps (on average 32 or more rows per expert, hidden % 256 == 0, inter % 128 == 0) run
+// the products on wgmma instead, over 128-row tiles (wg:: below, use_wgmma); the sort and the combine are
+// shared. The two paths round alike (bf16 operands and intermediates, fp32 accumulation) but may differ
+// in the last bit, as any two summation orders do.
 //
 // moe_experts_fp8 is the same pipeline with e4m3 weights and 128x128 block scales (moe.h): the e4m3 tiles
 // and their scale are copied raw (half the bytes), and each k step dequantises its stage into a bf16 tile,
 // bf16(e4m3 * scale), before the unchanged WMMA step. Every product therefore sees exactly the operands
 // moe_experts would see on weights dequantised by dequantize_fp8_blocks, in the same order: bit-identical
-// results, half the weight traffic (decode is bound by reading expert weights).
+// results, half the weight traffic (decode is bound by reading expert weights). The wgmma path converts
+// the same way, so the two functions stay bit-identical there too (both take the same path for a shape).
 #include "kernels/cuda/moe/moe.h"
 
 #include <cuda_bf16.h>
@@ -162,8 +166,9 @@ __global__ void count_kernel(const int32_t* experts, int64_t pairs, int num_expe
   }
 }
 
-// One block: offsets, cursors and the tile list.
-__global__ void schedule_kernel(const int32_t* counts, int num_experts, int32_t* cursor, Tile* tiles,
+// One block: offsets, cursors and the tile list, tiles of `bm` rows (BM for the WMMA products, wg::BM
+// for the wgmma ones).
+__global__ void schedule_kernel(const int32_t* counts, int num_experts, int bm, int32_t* cursor, Tile* tiles,
                                 int32_t* num_tiles, int32_t* tile_start) {
   if (threadIdx.x == 0) {
     int32_t off = 0, nt = 0;
@@ -171,7 +176,7 @@ __global__ void schedule_kernel(const int32_t* counts, int num_experts, int32_t*
       cursor[e] = off;
       tile_start[e] = nt;
       off += counts[e];
-      nt += (counts[e] + BM - 1) / BM;
+      nt += (counts[e] + bm - 1) / bm;
     }
     *num_tiles = nt;
   }
@@ -179,7 +184,7 @@ __global__ void schedule_kernel(const int32_t* counts, int num_experts, int32_t*
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
     const int32_t begin = cursor[e], end = begin + counts[e];
     int32_t t = tile_start[e];
-    for (int32_t r = begin; r < end; r += BM) tiles[t++] = Tile{e, r, min(r + BM, end)};
+    for (int32_t r = begin; r < end; r += bm) tiles[t++] = Tile{e, r, min(r + bm, end)};
   }
 }
 
@@ -429,6 +434,368 @@ __global__ void combine_kernel(const bf16* y, const int32_t* pos_of_pair, int to
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// Prefill: the grouped products on Hopper's warpgroup tensor cores (wgmma)
+// ------------------------------------------------------------------------------------------------
+//
+// The WMMA kernel above issues mma.sync through 64x64 tiles and tops out well under the bf16 peak; with
+// many rows per expert (prefill) the products are compute-bound (DeepSeek-V3.2 at 16K tokens: 512 rows per
+// expert, ~2.8x more FLOPs than the expert weights' bytes allow at the ridge point), so they run here on
+// wgmma (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"):
+//   - a CTA is two warpgroups (256 threads) and owns one tile of up to 128 rows of one expert (wg::BM) by
+//     256 weight rows (wg::BN): down: 256 output columns; gate/up: 128 output columns, whose gate and up
+//     rows are interleaved in 64-row blocks [gate 64 | up 64 | gate 64 | up 64] so that every thread holds
+//     the gate and the up accumulator of the same output element (the activation is fused as before);
+//   - a tile of more than 64 rows: warpgroup w computes rows [64w, 64w + 64) x all 256 weight rows
+//     (m64n256k16); a tile of at most 64 rows (the remainder of an expert, or an expert with few tokens, as
+//     Kimi's 896 experts have at 4K tokens): both warpgroups share rows [0, 64) and warpgroup w computes the
+//     weight rows [128w, 128w + 128) (m64n128k16), so neither warpgroup idles;
+//   - operands go to shared memory by cp.async in the 128-byte swizzled K-major layout wgmma reads (16-byte
+//     chunk c of row r at r * 128 + ((c ^ (r % 8)) * 16), 1024-byte aligned tiles; as in
+//     dsa_indexer/decode_scores.cu), 64 columns (one swizzle row) per stage, wg::STAGES stages: the copies
+//     of stage kt + 2 are in flight while the products of kt - 1 and kt run;
+//   - FP8 weights: the raw e4m3 stage and its two block scales land by cp.async, and each step converts the
+//     stage into a bf16 tile (double-buffered) with the same bf16(e4m3 * scale) as the WMMA path, so
+//     moe_experts_fp8 stays bit-identical to moe_experts on the dequantised weights on this path too;
+//   - CTAs are numbered expert by expert, and inside an expert weight tile by weight tile with the expert's
+//     row tiles innermost: the row tiles reading one weight tile run side by side (the weights come from
+//     HBM about once: at 4K tokens DeepSeek's experts are 22.5 GB, more time than their FLOPs), and an
+//     expert's gathered rows are re-read from L2 by its next weight tiles;
+//   - the epilogue stages the bf16 results through shared memory and writes 16-byte rows.
+// Every output element is still computed alone over k in a fixed order (fp32 accumulation, 16 columns
+// per wgmma step), so results do not depend on the order of the rows inside an expert's segment.
+// Shapes: hidden % 256 == 0 and inter % 128 == 0 (every tile full in N and K); see use_wgmma.
+namespace wg {
+
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4, THREADS = 256;
+constexpr int A_BYTES = BM * BK * 2;  // 16 KB: 128 rows of one 128-byte swizzle row
+constexpr int B_BYTES = BN * BK * 2;  // 32 KB
+constexpr int Q_BYTES = BN * BK;      // 16 KB of e4m3 codes, plain [BN][BK]
+// Shared memory, from a 1024-byte aligned base:
+//   bf16 weights: [STAGES x A][STAGES x B]
+//   FP8 weights:  [STAGES x A][2 x B (converted)][STAGES x Q][STAGES x 2 scales]
+// The epilogue reuses the start as a bf16 [BM][OUT_COLS + 8] tile.
+constexpr int smem_bytes(bool fp8) {
+  return 1024 + STAGES * A_BYTES + (fp8 ? 2 * B_BYTES + STAGES * Q_BYTES + STAGES * 2 * 4 : STAGES * B_BYTES);
+}
+static_assert(smem_bytes(false) <= 227 * 1024 && smem_bytes(true) <= 227 * 1024, "shared memory per block");
+static_assert(BM * (BN + 8) * 2 <= STAGES * A_BYTES + 2 * B_BYTES, "epilogue tile fits in the pipeline's space");
+
+struct Args {
+  const Tile* tiles;           // wg::BM-row tiles, by expert
+  const int32_t* num_tiles;
+  const int32_t* tile_start;   // first tile of each expert
+  const int32_t* counts;       // rows of each expert
+  const int32_t* sorted_pair;  // pair of each sorted row
+  int top_k;
+  const bf16* a;               // gate/up: x [tokens, K] (rows gathered); down: h [pairs, K] (sorted rows)
+  int64_t K;
+  const void* w;               // [E, (gate/up ? 2 : 1) * N, K], bf16 or e4m3
+  const float* w_scales;       // FP8: moe.h's block scales
+  int64_t N;                   // output columns: gate/up: inter; down: hidden
+  int n_tiles;                 // N / 128 (gate/up) or N / 256 (down)
+  const float* pair_weight;
+  bf16* out;                   // h or y, [pairs, N] in sorted order
+  GluKind kind;
+  float alpha, limit;
+};
+
+__device__ __forceinline__ uint64_t descriptor(const void* p) {
+  // Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address >> 4, leading
+  // byte offset 1 (unused: a k16 step of bf16, 32 bytes, lies inside one 128-byte swizzle row), stride
+  // byte offset 1024 (8-row core groups), 128-byte swizzle (mode 1 in bits 62-63). Advancing the start
+  // address by 32 bytes selects the next 16 columns, as for decode_scores.cu's 32 e4m3 columns.
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// Keeps the compiler from moving accumulator accesses across the asynchronous wgmma instructions.
+template <int N>
+__device__ __forceinline__ void fence_acc(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// cp.async (generic proxy) and st.shared writes become visible to wgmma (async proxy) reads.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// D += A · Bᵀ, m64n256k16, bf16 operands from shared memory (K-major), fp32 accumulators d[0, 128).
+__device__ __forceinline__ void wgmma_m64n256k16(float* d, uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,"
+      "%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,"
+      "%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,"
+      "%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,"
+      "%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,"
+      "%123,%124,%125,%126,%127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]),
+        "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]),
+        "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]),
+        "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(a), "l"(b), "r"(1));
+}
+// D += A · Bᵀ, m64n128k16, bf16 operands from shared memory (K-major), fp32 accumulators d[0, 64).
+__device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,"
+      "%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,"
+      "%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(1));
+}
+
+template <bool GATE_UP, bool FP8>
+__global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* a_smem = smem;                          // STAGES x A_BYTES
+  uint8_t* b_smem = smem + STAGES * A_BYTES;       // bf16: STAGES x B_BYTES; FP8: 2 converted tiles
+  uint8_t* q_smem = b_smem + 2 * B_BYTES;          // FP8 only: STAGES x Q_BYTES
+  float* s_smem = reinterpret_cast<float*>(q_smem + STAGES * Q_BYTES);  // FP8 only: STAGES x 2
+
+  // CTA -> (expert, weight tile, row tile): the expert's CTAs are [first * n_tiles, (first + count) *
+  // n_tiles), weight tile outer, row tile inner. CTAs past the last tile (the grid is a host-side bound)
+  // exit.
+  const int64_t cta = blockIdx.x;
+  const int64_t t0 = cta / p.n_tiles;
+  if (t0 >= *p.num_tiles) return;
+  const int expert = p.tiles[t0].expert;
+  const int64_t first = p.tile_start[expert];
+  const int64_t count = (p.counts[expert] + BM - 1) / BM;
+  const int64_t local = cta - first * p.n_tiles;
+  const int64_t n_tile = local / count;
+  const Tile tile = p.tiles[first + local % count];
+  const int rows = tile.end - tile.begin;
+  const bool half = rows <= 64;
+
+  const int tid = threadIdx.x;
+  const int64_t K = p.K, N = p.N;
+  const int ktiles = int(K / BK);
+
+  // Copy assignments. bf16 A and B: 16-byte chunk `chunk` of rows row0 + 32 i (8 threads per 128-byte
+  // row). e4m3 B: chunk `qchunk` (16 codes) of rows qrow0 + 64 i (4 threads per 64-byte row).
+  const int chunk = tid % 8, row0 = tid / 8;
+  const int swz = (chunk ^ (row0 % 8)) * 16;  // (row0 + 32 i) % 8 == row0 % 8
+  const bf16* a_src[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = row0 + 32 * i;
+    a_src[i] = nullptr;
+    if (r < rows) {
+      const int64_t src_row = GATE_UP ? int64_t(p.sorted_pair[tile.begin + r] / p.top_k) : int64_t(tile.begin + r);
+      a_src[i] = p.a + src_row * K + chunk * 8;
+    }
+  }
+  // Weight row of tile row r: gate/up interleaves 64-row blocks of gate and up rows (see above).
+  auto weight_row = [&](int r) -> int64_t {
+    if constexpr (GATE_UP) {
+      const int blk = r / 64;
+      return (blk % 2) * N + n_tile * 128 + (blk / 2) * 64 + r % 64;
+    } else {
+      return n_tile * BN + r;
+    }
+  };
+  const int64_t expert_rows = (GATE_UP ? 2 : 1) * N;
+  constexpr int B_PER_THREAD = FP8 ? 4 : 8;
+  const int qchunk = tid % 4, qrow0 = tid / 4;
+  const void* b_src[B_PER_THREAD];
+#pragma unroll
+  for (int i = 0; i < B_PER_THREAD; ++i) {
+    if constexpr (FP8) {
+      const int r = qrow0 + 64 * i;
+      b_src[i] = static_cast<const uint8_t*>(p.w) + (int64_t(expert) * expert_rows + weight_row(r)) * K + qchunk * 16;
+    } else {
+      const int r = row0 + 32 * i;
+      b_src[i] = static_cast<const bf16*>(p.w) + (int64_t(expert) * expert_rows + weight_row(r)) * K + chunk * 8;
+    }
+  }
+  // FP8: thread s < 2 copies the block scale of the tile's weight rows with scale slot s (gate/up: slot =
+  // (r / 64) % 2, the gate or the up half, both inside the 128-row block n_tile; down: slot = r / 128, the
+  // 128-row blocks 2 n_tile and 2 n_tile + 1); one scale per 64-column stage (BK divides 128).
+  const float* s_src = nullptr;
+  if constexpr (FP8) {
+    const int64_t kb = K / 128;
+    const int slot = min(tid, 1);
+    s_src = GATE_UP ? p.w_scales + ((int64_t(expert) * 2 + slot) * (N / 128) + n_tile) * kb
+                    : p.w_scales + (int64_t(expert) * (N / 128) + 2 * n_tile + slot) * kb;
+  }
+
+  auto load_stage = [&](int slot, int64_t k0) {
+    uint8_t* a_dst = a_smem + slot * A_BYTES;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (half && i >= 2) break;  // a tile of <= 64 rows uses rows [0, 64) only
+      const int r = row0 + 32 * i;
+      cp_async16(a_dst + r * 128 + swz, a_src[i] != nullptr ? a_src[i] + k0 : p.a, a_src[i] != nullptr);
+    }
+    if constexpr (FP8) {
+      uint8_t* q_dst = q_smem + slot * Q_BYTES;
+#pragma unroll
+      for (int i = 0; i < B_PER_THREAD; ++i)
+        cp_async16(q_dst + (qrow0 + 64 * i) * BK + qchunk * 16, static_cast<const uint8_t*>(b_src[i]) + k0, true);
+      if (tid < 2) cp_async4(s_smem + slot * 2 + tid, s_src + k0 / 128);
+    } else {
+      uint8_t* b_dst = b_smem + slot * B_BYTES;
+#pragma unroll
+      for (int i = 0; i < B_PER_THREAD; ++i)
+        cp_async16(b_dst + (row0 + 32 * i) * 128 + swz, static_cast<const bf16*>(b_src[i]) + k0, true);
+    }
+  };
+
+  float acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+  const int wgi = tid / 128;  // this thread's warpgroup
+
+  // Pipeline: stage kt lives in slot kt % STAGES; iteration kt refills the slot of kt - 2, whose products
+  // every warpgroup has waited for (wgmma_wait<1> in iteration kt - 1, before this iteration's barrier).
+#pragma unroll
+  for (int s = 0; s < STAGES - 2; ++s) {
+    if (s < ktiles) load_stage(s, int64_t(s) * BK);
+    cp_async_commit();
+  }
+#pragma unroll 1
+  for (int kt = 0; kt < ktiles; ++kt) {
+    cp_async_wait<STAGES - 3>();  // this thread's copies of stage kt have landed
+    fence_proxy_async();
+    __syncthreads();              // everyone's have; every warpgroup is done with the products of kt - 2
+    const int next = kt + STAGES - 2;
+    if (next < ktiles) load_stage(next % STAGES, int64_t(next) * BK);
+    cp_async_commit();  // an empty group past the end keeps the group count uniform
+    const int slot = kt % STAGES;
+    const uint8_t* b_tile;
+    if constexpr (FP8) {
+      // Convert the stage's e4m3 codes into the bf16 tile of parity kt (its last reader, the products
+      // of kt - 2, is done): each thread its own 4 chunks of 16 codes -> 2 swizzled 16-byte bf16 chunks.
+      uint8_t* bc = b_smem + (kt & 1) * B_BYTES;
+      const uint8_t* q = q_smem + slot * Q_BYTES;
+#pragma unroll
+      for (int i = 0; i < B_PER_THREAD; ++i) {
+        const int r = qrow0 + 64 * i;
+        const float sc = s_smem[slot * 2 + (GATE_UP ? i % 2 : i / 2)];  // scale slot of row r (see s_src)
+        const uint4 raw = *reinterpret_cast<const uint4*>(q + r * BK + qchunk * 16);
+        *reinterpret_cast<uint4*>(bc + r * 128 + (((2 * qchunk) ^ (r % 8)) * 16)) = dequant8(raw.x, raw.y, sc);
+        *reinterpret_cast<uint4*>(bc + r * 128 + (((2 * qchunk + 1) ^ (r % 8)) * 16)) = dequant8(raw.z, raw.w, sc);
+      }
+      fence_proxy_async();
+      __syncthreads();
+      b_tile = bc;
+    } else {
+      b_tile = b_smem + slot * B_BYTES;
+    }
+    const uint8_t* a_tile = a_smem + slot * A_BYTES;
+    wgmma_fence();
+    fence_acc(acc);
+    if (!half) {
+      const uint8_t* a_wg = a_tile + wgi * (64 * 128);
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk)
+        wgmma_m64n256k16(acc, descriptor(a_wg + kk * 32), descriptor(b_tile + kk * 32));
+    } else {
+      const uint8_t* b_wg = b_tile + wgi * (128 * 128);
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk)
+        wgmma_m64n128k16(acc, descriptor(a_tile + kk * 32), descriptor(b_wg + kk * 32));
+    }
+    wgmma_commit();
+    fence_acc(acc);
+    wgmma_wait<1>();  // the products of kt - 1 are done (kt's may still run)
+    fence_acc(acc);
+  }
+  wgmma_wait<0>();
+  fence_acc(acc);
+  cp_async_wait<0>();
+  __syncthreads();  // the epilogue tile overwrites the pipeline's shared memory
+
+  // Accumulator layout (PTX ISA, wgmma D fragment for .f32): in warpgroup-local terms, warp v = (tid / 32) % 4,
+  // lane l: acc[4j + q] is row 16v + l/4 + 8(q/2), column 8j + 2(l%4) + q%2 of the instruction's 64 x N.
+  constexpr int OUT_COLS = GATE_UP ? 128 : 256;
+  constexpr int PITCH = OUT_COLS + 8;  // bf16; 16 bytes of padding: the fragment stores hit 32 banks
+  bf16* c_tile = reinterpret_cast<bf16*>(smem);
+  const int lane = tid % 32, v = (tid / 32) % 4;
+  const int frag_row = (half ? 0 : 64 * wgi) + 16 * v + lane / 4;
+  const int frag_col = 2 * (lane % 4);
+  if constexpr (GATE_UP) {
+    // Full tile: column groups jj = 0..15 (8 output columns each): the gate at j = 16 (jj / 8) + jj % 8,
+    // the up 8 groups later. Half tile: the warpgroup's 128 weight rows are [gate 64 | up 64] of output
+    // columns [64 wgi, 64 wgi + 64): gate j = jj, up j = jj + 8, jj = 0..7.
+    auto put = [&](int jg, int ju, int col) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float v0 = activation(acc[4 * jg + 2 * h], acc[4 * ju + 2 * h], p.kind, p.alpha, p.limit);
+        const float v1 = activation(acc[4 * jg + 2 * h + 1], acc[4 * ju + 2 * h + 1], p.kind, p.alpha, p.limit);
+        *reinterpret_cast<__nv_bfloat162*>(&c_tile[(frag_row + 8 * h) * PITCH + col]) = __floats2bfloat162_rn(v0, v1);
+      }
+    };
+    if (!half) {
+#pragma unroll
+      for (int jj = 0; jj < 16; ++jj) put(16 * (jj / 8) + jj % 8, 16 * (jj / 8) + jj % 8 + 8, 8 * jj + frag_col);
+    } else {
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) put(jj, jj + 8, 64 * wgi + 8 * jj + frag_col);
+    }
+  } else {
+    float wr[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = frag_row + 8 * h;
+      wr[h] = r < rows ? p.pair_weight[p.sorted_pair[tile.begin + r]] : 0.0f;
+    }
+    auto put = [&](int j, int col) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<__nv_bfloat162*>(&c_tile[(frag_row + 8 * h) * PITCH + col]) =
+            __floats2bfloat162_rn(__fmul_rn(wr[h], acc[4 * j + 2 * h]), __fmul_rn(wr[h], acc[4 * j + 2 * h + 1]));
+    };
+    if (!half) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) put(j, 8 * j + frag_col);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) put(j, 128 * wgi + 8 * j + frag_col);
+    }
+  }
+  __syncthreads();
+  constexpr int CHUNKS = OUT_COLS / 8;  // 16-byte pieces per row
+  bf16* out = p.out + int64_t(tile.begin) * N + n_tile * OUT_COLS;
+  for (int idx = tid; idx < rows * CHUNKS; idx += THREADS) {
+    const int r = idx / CHUNKS, c = idx % CHUNKS;
+    *reinterpret_cast<uint4*>(out + int64_t(r) * N + c * 8) =
+        *reinterpret_cast<const uint4*>(&c_tile[r * PITCH + c * 8]);
+  }
+}
+
+}  // namespace wg
+
 // Workspace layout, each part 256-byte aligned.
 struct Layout {
   size_t counts, cursor, tile_start, num_tiles, tiles, sorted_pair, pos_of_pair, h, y, total;
@@ -495,6 +862,28 @@ size_t moe_workspace_bytes(int64_t tokens, int64_t top_k, int64_t num_experts, i
 
 namespace {
 
+// The wgmma products (wg:: above) where every tile is full in N and K and the experts have, on average,
+// at least 32 rows each (prefill-sized steps: DeepSeek-V3.2 from 1024 tokens); decode-sized steps stay on
+// the WMMA kernel, bound by reading the experts' weights either way.
+bool use_wgmma(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden, int64_t inter) {
+  return hidden % wg::BN == 0 && inter % 128 == 0 && tokens * top_k >= 32 * num_experts;
+}
+
+template <bool GATE_UP, bool FP8>
+void launch_wgmma(const char* what, const wg::Args& args, int64_t max_tiles, cudaStream_t stream) {
+  constexpr int smem = wg::smem_bytes(FP8);
+  static const bool configured = [] {
+    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(wg::grouped_kernel<GATE_UP, FP8>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    return true;
+  }();
+  (void)configured;
+  const int64_t ctas = max_tiles * args.n_tiles;
+  SPARROW_CHECK(ctas <= 0x7fffffff, what, ": too many tiles (", ctas, ")");
+  wg::grouped_kernel<GATE_UP, FP8><<<unsigned(ctas), wg::THREADS, smem, stream>>>(args);
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
 // moe_experts and moe_experts_fp8; scales are null for bf16 weights.
 template <bool FP8>
 void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hidden, const int32_t* experts,
@@ -534,10 +923,26 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
   const int pair_blocks = int(std::min<int64_t>((pairs + 255) / 256, 4096));
   count_kernel<<<pair_blocks, 256, 0, stream>>>(experts, pairs, int(num_experts), counts);
   SPARROW_CUDA_CHECK_LAUNCH();
-  schedule_kernel<<<1, 256, 0, stream>>>(counts, int(num_experts), cursor, tiles, num_tiles, tile_start);
+  const bool wide = use_wgmma(tokens, top_k, num_experts, hidden, inter);
+  schedule_kernel<<<1, 256, 0, stream>>>(counts, int(num_experts), wide ? wg::BM : BM, cursor, tiles, num_tiles,
+                                         tile_start);
   SPARROW_CUDA_CHECK_LAUNCH();
   place_kernel<<<pair_blocks, 256, 0, stream>>>(experts, pairs, int(num_experts), cursor, sorted_pair, pos_of_pair);
   SPARROW_CUDA_CHECK_LAUNCH();
+
+  if (wide) {
+    // At most pairs / wg::BM full tiles plus one partial tile per expert, and never more tiles than rows.
+    const int64_t max_tiles = std::min<int64_t>(pairs, (pairs + wg::BM - 1) / wg::BM + num_experts);
+    wg::Args up{tiles, num_tiles, tile_start, counts, sorted_pair, int(top_k), static_cast<const bf16*>(x), hidden,
+                gate_up, gate_up_scales, inter, int(inter / 128), nullptr, h, glu_kind, alpha, limit};
+    launch_wgmma<true, FP8>(what, up, max_tiles, stream);
+    wg::Args dn{tiles, num_tiles, tile_start, counts, sorted_pair, int(top_k), h, inter,
+                down, down_scales, hidden, int(hidden / wg::BN), weights, y, glu_kind, alpha, limit};
+    launch_wgmma<false, FP8>(what, dn, max_tiles, stream);
+    combine_kernel<<<unsigned(tokens), 256, 0, stream>>>(y, pos_of_pair, int(top_k), hidden, static_cast<bf16*>(out));
+    SPARROW_CUDA_CHECK_LAUNCH();
+    return;
+  }
 
   const dim3 grid1(unsigned(l.max_tiles), unsigned((inter + BN - 1) / BN));
   SPARROW_CHECK(grid1.y <= 65535, what, ": intermediate size too large");

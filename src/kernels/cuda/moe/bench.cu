@@ -1,0 +1,222 @@
+// bench_moe: the routed experts of one MoE layer (moe.h: moe_experts with bf16 weights, moe_experts_fp8 with
+// e4m3 weights and 128x128 block scales) at the real models' shapes, the whole call timed (sort by expert,
+// the two grouped products, the combine):
+//   deepseek_v3.2  hidden 7168, moe_intermediate 2048, 256 experts, top-8, SiLU GLU
+//   kimi_k3.1_pro  hidden 7168, moe_intermediate 2048, 896 experts, top-8, SiLU GLU (bench/shapes/kimi_k3.1_pro.json)
+//   minimax_m3.1   hidden 6144, intermediate 3072, 128 experts, top-4, clamped SwiGLU (bench/shapes/minimax_m3.1.json)
+// Every expert of the layer is in memory (Kimi's bf16 experts are 79 GB: the model is skipped with a message
+// when the device has not that much free), so the experts a step touches and the rows each gets are those of
+// the real layer.
+//
+// Tokens: decode batches 1, 8, 64, 128, 256 (one token per sequence) and prefill chunks 4096 and 16384. The
+// routing is fixed per token count (a host generator with a fixed seed): top_k distinct experts per token,
+// uniform at random, weights uniform in [0.1, 1).
+//
+// Bytes (minimum HBM traffic): the weights of the distinct experts the routing touches (counted exactly from
+// the routing; FP8: the codes plus their fp32 block scales), x read and out written (bf16), the routing read
+// (int32 id + fp32 weight per pair). The intermediates (h, the per-pair outputs) are this implementation's
+// overhead and not counted. FLOPs: 2 * pairs * 3 * hidden * inter (gate, up and down products), plus 4 per
+// GLU element (pairs * inter) and 2 per output element per pair (the weighted sum).
+// Decode is bound by the experts' bytes; prefill by FLOPs where the rows per expert exceed the ridge point
+// (790e12 / 4.3e12 = 184 FLOP/B, i.e. ~184 rows per expert in bf16): DeepSeek at 16K tokens (512 rows per
+// expert) is compute-bound, at 4K (128) still memory-bound. The note gives both fractions.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/bench_random.cuh"
+#include "kernels/cuda/kernel_bench.h"
+#include "kernels/cuda/moe/moe.h"
+#include "kernels/cuda/runtime/cuda_check.h"
+#include "kernels/cuda/runtime/device.h"
+
+namespace sparrow::cuda {
+
+namespace {
+
+struct Model {
+  const char* name;
+  int64_t hidden, inter, experts, top_k;
+  GluKind glu;
+};
+
+const Model kModels[] = {
+    {"deepseek_v3.2", 7168, 2048, 256, 8, GluKind::SiluGlu},
+    {"kimi_k3.1_pro", 7168, 2048, 896, 8, GluKind::SiluGlu},
+    {"minimax_m3.1", 6144, 3072, 128, 4, GluKind::ClampedSwiglu},
+};
+constexpr float kAlpha = 1.702f, kLimit = 7.0f;  // MiniMax's swiglu_alpha / swiglu_limit defaults
+
+// Uniform in [-scale, scale).
+__global__ void fill_bf16(__nv_bfloat16* p, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = __float2bfloat16(scale * hash_unit(seed << 40 ^ uint64_t(i)));
+}
+
+// Random finite e4m3 codes (the NaN codes 0x7F / 0xFF become 0x7E / 0xFE).
+__global__ void fill_e4m3(uint8_t* p, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint8_t c = uint8_t(hash32(seed << 40 ^ uint64_t(i)));
+    p[i] = (c & 0x7F) == 0x7F ? uint8_t(c ^ 1) : c;
+  }
+}
+
+// Positive block scales in [0.5, 2.5) * base.
+__global__ void fill_scales(float* p, int64_t n, uint64_t seed, float base) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = base * (1.5f + hash_unit(seed << 40 ^ uint64_t(i)));
+}
+
+struct HostRouting {
+  std::vector<int32_t> experts;
+  std::vector<float> weights;
+  int64_t distinct = 0;  // experts used by at least one token
+};
+
+HostRouting make_routing(int64_t tokens, int64_t num_experts, int64_t top_k, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> pick(0, int32_t(num_experts - 1));
+  std::uniform_real_distribution<float> weight(0.1f, 1.0f);
+  HostRouting r;
+  std::vector<char> used(num_experts, 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const size_t first = r.experts.size();
+    while (int64_t(r.experts.size() - first) < top_k) {
+      const int32_t e = pick(rng);
+      if (std::find(r.experts.begin() + first, r.experts.end(), e) == r.experts.end()) r.experts.push_back(e);
+    }
+    for (int64_t j = 0; j < top_k; ++j) r.weights.push_back(weight(rng));
+  }
+  for (int32_t e : r.experts) used[e] = 1;
+  r.distinct = std::count(used.begin(), used.end(), char(1));
+  return r;
+}
+
+// cudaMalloc that reports failure instead of throwing (a model that does not fit is skipped).
+void* try_alloc(size_t bytes) {
+  void* p = nullptr;
+  if (cudaMalloc(&p, std::max<size_t>(bytes, 1)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return p;
+}
+
+std::string fmt_pct(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.0f%%", 100.0 * v);
+  return buf;
+}
+
+}  // namespace
+
+void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows) {
+  auto wanted = [&](const char* kernel) {
+    return options.filter.empty() || std::string(kernel).find(options.filter) != std::string::npos;
+  };
+  const bool want_bf16 = wanted("moe_experts"), want_fp8 = wanted("moe_experts_fp8");
+  if (!want_bf16 && !want_fp8) return;
+  std::vector<Model> models(std::begin(kModels), std::end(kModels));
+  std::vector<int64_t> token_counts = {1, 8, 64, 128, 256, 4096, 16384};
+  if (options.quick) {
+    models.resize(1);
+    token_counts = {8, 4096};
+  }
+  const int64_t max_tokens = *std::max_element(token_counts.begin(), token_counts.end());
+  // Other families' pooled blocks go back to the driver: the experts need most of the device.
+  release_cached_memory();
+  cudaStream_t st = stream();
+
+  for (const Model& m : models)
+    for (const bool fp8 : {false, true}) {
+      if (fp8 ? !want_fp8 : !want_bf16) continue;
+      const char* kernel = fp8 ? "moe_experts_fp8" : "moe_experts";
+      const int64_t H = m.hidden, I = m.inter, E = m.experts, k = m.top_k;
+      const int64_t per_expert = 3 * H * I;  // gate, up and down weights
+      const int64_t gu_scales = E * 2 * (I / 128) * (H / 128), dn_scales = E * (H / 128) * (I / 128);
+      const size_t weight_bytes = size_t(E * per_expert) * (fp8 ? 1 : 2);
+      const size_t scale_bytes = fp8 ? size_t(gu_scales + dn_scales) * 4 : 0;
+      const size_t ws_bytes = moe_workspace_bytes(max_tokens, k, E, H, I);
+      const size_t io_bytes = size_t(max_tokens) * H * 2 * 2 + size_t(max_tokens) * k * 8;
+      const size_t need = weight_bytes + scale_bytes + ws_bytes + io_bytes + (size_t(512) << 20);  // + L2 flush, slack
+      size_t free_bytes = 0, total_bytes = 0;
+      SPARROW_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+      if (need > free_bytes) {
+        std::fprintf(stderr, "# bench_moe: %s %s skipped: needs %.1f GB, %.1f GB free\n", m.name, kernel, need / 1e9,
+                     free_bytes / 1e9);
+        continue;
+      }
+      void* gate_up = try_alloc(size_t(E * 2 * I * H) * (fp8 ? 1 : 2));
+      void* down = try_alloc(size_t(E * H * I) * (fp8 ? 1 : 2));
+      float* gu_s = fp8 ? static_cast<float*>(try_alloc(size_t(gu_scales) * 4)) : nullptr;
+      float* dn_s = fp8 ? static_cast<float*>(try_alloc(size_t(dn_scales) * 4)) : nullptr;
+      void* x = try_alloc(size_t(max_tokens) * H * 2);
+      void* out = try_alloc(size_t(max_tokens) * H * 2);
+      void* ws = try_alloc(ws_bytes);
+      auto* d_experts = static_cast<int32_t*>(try_alloc(size_t(max_tokens) * k * 4));
+      auto* d_weights = static_cast<float*>(try_alloc(size_t(max_tokens) * k * 4));
+      auto release = [&] {
+        for (void* p : {gate_up, down, static_cast<void*>(gu_s), static_cast<void*>(dn_s), x, out, ws,
+                        static_cast<void*>(d_experts), static_cast<void*>(d_weights)})
+          if (p) cudaFree(p);
+      };
+      if (!gate_up || !down || (fp8 && (!gu_s || !dn_s)) || !x || !out || !ws || !d_experts || !d_weights) {
+        std::fprintf(stderr, "# bench_moe: %s %s skipped: out of device memory\n", m.name, kernel);
+        release();
+        continue;
+      }
+      if (fp8) {
+        fill_e4m3<<<4096, 256, 0, st>>>(static_cast<uint8_t*>(gate_up), E * 2 * I * H, 1);
+        fill_e4m3<<<4096, 256, 0, st>>>(static_cast<uint8_t*>(down), E * H * I, 2);
+        // Uniform e4m3 codes have an RMS near 100: these scales keep the products O(1).
+        fill_scales<<<256, 256, 0, st>>>(gu_s, gu_scales, 3, 1.0f / (100.0f * std::sqrt(float(H))));
+        fill_scales<<<256, 256, 0, st>>>(dn_s, dn_scales, 4, 1.0f / (100.0f * std::sqrt(float(I))));
+      } else {
+        fill_bf16<<<4096, 256, 0, st>>>(static_cast<__nv_bfloat16*>(gate_up), E * 2 * I * H, 1,
+                                        1.0f / std::sqrt(float(H)));
+        fill_bf16<<<4096, 256, 0, st>>>(static_cast<__nv_bfloat16*>(down), E * H * I, 2, 1.0f / std::sqrt(float(I)));
+      }
+      fill_bf16<<<4096, 256, 0, st>>>(static_cast<__nv_bfloat16*>(x), max_tokens * H, 5, 1.0f);
+      SPARROW_CUDA_CHECK_LAUNCH();
+      SPARROW_CUDA_CHECK(cudaStreamSynchronize(st));
+
+      for (const int64_t tokens : token_counts) {
+        const HostRouting r = make_routing(tokens, E, k, 0x6d6f65ull * 1000003ull + uint64_t(tokens));
+        SPARROW_CUDA_CHECK(cudaMemcpy(d_experts, r.experts.data(), r.experts.size() * 4, cudaMemcpyHostToDevice));
+        SPARROW_CUDA_CHECK(cudaMemcpy(d_weights, r.weights.data(), r.weights.size() * 4, cudaMemcpyHostToDevice));
+        auto launch = [&](cudaStream_t s) {
+          if (fp8)
+            moe_experts_fp8(x, tokens, H, d_experts, d_weights, k, static_cast<const uint8_t*>(gate_up), gu_s,
+                            static_cast<const uint8_t*>(down), dn_s, E, I, m.glu, kAlpha, kLimit, out, ws, s);
+          else
+            moe_experts(x, tokens, H, d_experts, d_weights, k, gate_up, down, E, I, m.glu, kAlpha, kLimit, out, ws, s);
+        };
+        KernelBenchRow row;
+        row.kernel = kernel;
+        row.shape = std::string(m.name) + " experts=" + std::to_string(E) + " top_k=" + std::to_string(k) +
+                    " hidden=" + std::to_string(H) + " inter=" + std::to_string(I) +
+                    " tokens=" + std::to_string(tokens);
+        row.median_us = median_launch_us(launch, st, options.iterations);
+        const double pairs = double(tokens) * k;
+        const double touched_scales = fp8 ? double(r.distinct) * double(gu_scales + dn_scales) / double(E) * 4 : 0.0;
+        row.bytes = double(r.distinct) * double(per_expert) * (fp8 ? 1 : 2) + touched_scales + 2.0 * tokens * H * 2 +
+                    pairs * 8;
+        row.flops = 2.0 * pairs * 3 * double(H) * double(I) + 4.0 * pairs * double(I) + 2.0 * pairs * double(H);
+        const double seconds = row.median_us * 1e-6;
+        row.note = std::string(fp8 ? "e4m3 experts, 128x128 fp32 block scales, dequantised to bf16 in shared memory; "
+                                   : "bf16 experts; ") +
+                   "bf16 tensor cores, fp32 accumulation; " + std::to_string(r.distinct) + " of " +
+                   std::to_string(E) + " experts touched; " + fmt_pct(row.bytes / kHbmBytesPerSecond / seconds) +
+                   " of 4.3 TB/s, " + fmt_pct(row.flops / kBf16FlopsPerSecond / seconds) + " of 790 TFLOP/s";
+        rows.push_back(row);
+      }
+      release();
+    }
+}
+
+}  // namespace sparrow::cuda
