@@ -5,13 +5,18 @@
 //   Times each GPU kernel at the real models' shapes (kernels/cuda/kernel_bench.h) and prints time,
 //   bytes and FLOPs counted by hand, TB/s, TFLOP/s and the fraction of the H200's limit; bench/kernels.sh
 //   adds the peers (PyTorch, FlashMLA) measured in the same run.
+// sparrow bench serve [--base-url URL] [--dataset-name random|agentic] [--num-prompts N] ...
+//   Load on any OpenAI-compatible server with vLLM's `vllm bench serve` flags and metrics
+//   (src/bench/serve_bench.h, docs/bench.md).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 
 #include <nlohmann/json.hpp>
 
+#include "bench/serve_bench.h"
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/parallel.h"
@@ -73,6 +78,83 @@ void add_bench_kernels(CLI::App* bench) {
 #else
     fail("bench kernels: this build of sparrow has no CUDA backend (nvcc was not found when it was built)");
 #endif
+  });
+}
+
+// Flag names and defaults are vLLM's where vLLM has the setting (vllm/benchmarks/serve.py, datasets.py).
+void add_bench_serve(CLI::App* parent) {
+  auto* sub = parent->add_subcommand("serve", "Load an OpenAI-compatible server (vllm bench serve's flags and metrics)");
+  static bench::ServeBenchOptions o;
+  static std::string base_url, host = "127.0.0.1", request_rate = "inf";
+  static int port = 8000;
+  static bool disable_tqdm = false;
+  sub->add_option("--base-url", base_url, "server URL (default: http://HOST:PORT)");
+  sub->add_option("--host", host, "server host, when --base-url is not given")->capture_default_str();
+  sub->add_option("--port", port, "server port, when --base-url is not given")->capture_default_str();
+  sub->add_option("--endpoint", o.endpoint, "API path (default: /v1/completions, /v1/chat/completions for openai-chat)");
+  sub->add_option("--backend", o.backend, "openai (completions) or openai-chat (default: openai; openai-chat for agentic)");
+  sub->add_option("--model", o.model, "model name sent in requests (default: the first of GET /v1/models)");
+  sub->add_option("--tokenizer", o.tokenizer,
+                  "model folder whose tokenizer makes exact-length prompts and counts tokens locally "
+                  "(default: none; the server's usage counts are used)");
+  sub->add_option("--dataset-name", o.dataset_name, "random or agentic")->capture_default_str();
+  sub->add_option("--num-prompts", o.random.num_prompts, "requests of the random workload")->capture_default_str();
+  sub->add_option("--random-input-len", o.random.input_len, "input tokens per request, after the prefix")
+      ->capture_default_str();
+  sub->add_option("--random-output-len", o.random.output_len, "output tokens per request (max_tokens)")
+      ->capture_default_str();
+  sub->add_option("--random-range-ratio", o.random.range_ratio,
+                  "lengths uniform in [len * (1 - r), len * (1 + r)], r in [0, 1)")
+      ->capture_default_str();
+  sub->add_option("--random-prefix-len", o.random.prefix_len, "tokens of a prefix shared by every prompt")
+      ->capture_default_str();
+  sub->add_option("--request-rate", request_rate,
+                  "requests (agentic: sessions) per second: inf sends all at once, else Poisson arrivals")
+      ->capture_default_str();
+  sub->add_option("--burstiness", o.burstiness,
+                  "gamma shape of the arrival gaps: 1 Poisson, < 1 burstier, > 1 more even")
+      ->capture_default_str();
+  sub->add_option("--max-concurrency", o.max_concurrency, "most requests (agentic: sessions) in flight");
+  sub->add_option("--seed", o.seed, "seed of the workload and the arrivals")->capture_default_str();
+  sub->add_flag("--ignore-eos", o.ignore_eos, "generate exactly the output length (ignore_eos and min_tokens)");
+  sub->add_option("--temperature", o.temperature, "sampling temperature (default 0: greedy)");
+  sub->add_option("--goodput", o.goodput, "SLOs for goodput, in ms: ttft:MS tpot:MS e2el:MS")->expected(1, -1);
+  sub->add_option("--percentile-metrics", o.percentile_metrics, "metrics the summary prints: ttft,tpot,itl,e2el")
+      ->capture_default_str();
+  sub->add_option("--metric-percentiles", o.metric_percentiles,
+                  "percentiles to report besides p90 and p99, e.g. 50,95,99.9")
+      ->capture_default_str();
+  sub->add_flag("--save-result", o.save_result, "write the result JSON");
+  sub->add_option("--result-dir", o.result_dir, "folder of the result file");
+  sub->add_option("--result-filename", o.result_filename,
+                  "result file name (default: <label>-<rate>qps[-concurrency<N>]-<model>-<date>.json)");
+  sub->add_option("--label", o.label, "prefix of the default result file name (default: the backend)");
+  sub->add_flag("--disable-tqdm", disable_tqdm, "no progress line");
+  sub->add_option("--metrics-url", o.metrics_url,
+                  "Prometheus page with the prefix-cache counters (default: <base-url>/metrics)");
+  sub->add_option("--agentic-sessions", o.agentic.sessions, "sessions of the agentic workload")->capture_default_str();
+  sub->add_option("--agentic-turns", o.agentic.max_turns, "requests per session at most")->capture_default_str();
+  sub->add_option("--agentic-max-context", o.agentic.max_context,
+                  "a session ends before a turn whose prompt + output would pass this many tokens")
+      ->capture_default_str();
+  sub->add_option("--agentic-system-len", o.agentic.system_len, "tokens of system prompt and tool schemas")
+      ->capture_default_str();
+  sub->add_option("--agentic-append-len", o.agentic.append_len,
+                  "median tokens of a tool result (user messages: a third); lognormal, heavy-tailed")
+      ->capture_default_str();
+  sub->add_option("--agentic-output-len", o.agentic.output_len, "median output tokens per turn")
+      ->capture_default_str();
+  sub->add_option("--agentic-think-time-ms", o.agentic.think_time_ms, "median pause between a session's turns")
+      ->capture_default_str();
+  on_selected(sub, [] {
+    o.base_url = base_url.empty() ? "http://" + host + ":" + std::to_string(port) : base_url;
+    char* end = nullptr;
+    o.request_rate = std::strtod(request_rate.c_str(), &end);  // accepts "inf"
+    SPARROW_CHECK(!request_rate.empty() && *end == '\0' && o.request_rate > 0,
+                  "--request-rate must be a positive number or inf, not '", request_rate, "'");
+    o.progress = !disable_tqdm;
+    if (const char* key = std::getenv("OPENAI_API_KEY"); key && *key) o.api_key = key;  // as vLLM's client
+    bench::run_serve_benchmark(o);
   });
 }
 
@@ -141,6 +223,7 @@ void add_bench(CLI::App& app) {
     std::printf("%s\n", out.dump().c_str());
   });
   add_bench_kernels(bench);
+  add_bench_serve(bench);
 }
 
 }  // namespace sparrow::cli

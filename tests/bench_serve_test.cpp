@@ -1,0 +1,564 @@
+// `sparrow bench serve` (src/bench): the statistics against hand-computed values, the SSE and chunk
+// parsing, the workloads' determinism and length distributions, and end to end against a real
+// `sparrow serve` of the bundled model on a free port.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <sstream>
+#include <thread>
+
+#include "bench/serve_bench.h"
+#include "bench/serve_client.h"
+#include "bench/serve_metrics.h"
+#include "bench/workloads.h"
+#include "test_util.h"
+
+namespace sparrow::bench {
+namespace {
+
+namespace fs = std::filesystem;
+using sparrow::testing::error_message;
+using sparrow::testing::mentions;
+
+const fs::path kModel = fs::path(SPARROW_SOURCE_DIR) / "models" / "minimax_m3";
+
+RequestResult finished(double start, double ttft, std::vector<double> itl, int64_t prompt, int64_t output) {
+  RequestResult r;
+  r.success = true;
+  r.start_time = start;
+  r.ttft = ttft;
+  r.latency = ttft;
+  for (double gap : itl) r.latency += gap;
+  r.itl = std::move(itl);
+  r.prompt_len = prompt;
+  r.output_len = output;
+  return r;
+}
+
+TEST(BenchServeStats, PercentilesInterpolateLikeNumpy) {
+  EXPECT_EQ(percentile({}, 50), 0.0);
+  EXPECT_DOUBLE_EQ(percentile({1, 2, 3, 4}, 50), 2.5);
+  EXPECT_DOUBLE_EQ(percentile({1, 2, 3, 4}, 0), 1.0);
+  EXPECT_DOUBLE_EQ(percentile({1, 2, 3, 4}, 100), 4.0);
+  std::vector<double> hundred;
+  for (int i = 1; i <= 100; ++i) hundred.push_back(i);
+  EXPECT_NEAR(percentile(hundred, 99), 99.01, 1e-12);  // numpy.percentile(range(1, 101), 99)
+  EXPECT_NEAR(percentile(hundred, 90), 90.1, 1e-12);
+
+  Summary s = summarize({4, 1, 3, 2}, {90, 99});
+  EXPECT_DOUBLE_EQ(s.mean, 2.5);
+  EXPECT_DOUBLE_EQ(s.median, 2.5);
+  EXPECT_DOUBLE_EQ(s.std, std::sqrt(1.25));  // population std, as numpy.std
+  ASSERT_EQ(s.percentiles.size(), 2u);
+  EXPECT_NEAR(s.percentiles[0].second, 3.7, 1e-12);
+  EXPECT_NEAR(s.percentiles[1].second, 3.97, 1e-12);
+}
+
+TEST(BenchServeStats, TpotItlGoodputFromTimestamps) {
+  // Request a: TTFT 100 ms, then gaps 20, 30, 50 ms: 4 tokens, E2EL 200 ms, TPOT 100 / 3 ms.
+  // Request b: TTFT 300 ms, one gap of 10 ms, 2 tokens: TPOT 10 ms. Request c: one token (TPOT 0,
+  // excluded from the TPOT statistics). Request d failed.
+  std::vector<RequestResult> results = {finished(0.0, 0.1, {0.02, 0.03, 0.05}, 10, 4),
+                                        finished(0.05, 0.3, {0.01}, 20, 2), finished(1.5, 0.05, {}, 5, 1)};
+  RequestResult failed;
+  failed.error = "HTTP 400: too long";
+  failed.prompt_len = 7;
+  results.push_back(failed);
+  EXPECT_NEAR(tpot_seconds(results[0]), 0.1 / 3, 1e-12);
+  EXPECT_EQ(tpot_seconds(results[2]), 0.0);
+
+  RunInfo info;
+  info.duration = 2.0;
+  info.request_rate = std::numeric_limits<double>::infinity();
+  info.slos = parse_slos({"ttft:150", "tpot:40"});  // a and c meet both; b misses TTFT
+  info.metric_percentiles = {50};
+  info.percentile_metrics = {"ttft", "itl"};
+  Json j = result_json(info, results);
+  EXPECT_EQ(j["completed"], 3);
+  EXPECT_EQ(j["failed"], 1);
+  EXPECT_EQ(j["num_prompts"], 4);
+  EXPECT_EQ(j["total_input_tokens"], 35);  // failed requests count nothing
+  EXPECT_EQ(j["total_output_tokens"], 7);
+  EXPECT_DOUBLE_EQ(j["request_throughput"].get<double>(), 1.5);
+  EXPECT_DOUBLE_EQ(j["request_goodput"].get<double>(), 1.0);
+  EXPECT_DOUBLE_EQ(j["output_throughput"].get<double>(), 3.5);
+  EXPECT_DOUBLE_EQ(j["total_token_throughput"].get<double>(), 21.0);
+  EXPECT_NEAR(j["mean_ttft_ms"].get<double>(), 150.0, 1e-9);
+  EXPECT_NEAR(j["median_ttft_ms"].get<double>(), 100.0, 1e-9);
+  EXPECT_NEAR(j["mean_tpot_ms"].get<double>(), (100.0 / 3 + 10) / 2, 1e-9);
+  EXPECT_NEAR(j["mean_itl_ms"].get<double>(), (20 + 30 + 50 + 10) / 4.0, 1e-9);  // gaps pooled
+  EXPECT_NEAR(j["p50_itl_ms"].get<double>(), 25.0, 1e-9);
+  EXPECT_NEAR(j["p90_itl_ms"].get<double>(), 44.0, 1e-9);
+  EXPECT_NEAR(j["p99_e2el_ms"].get<double>(), 307.8, 1e-9);  // E2ELs 50, 200, 310
+  EXPECT_EQ(j["max_concurrent_requests"], 2);  // a and b overlap; c starts after both ended
+  EXPECT_EQ(j["max_output_tokens_per_s"].get<double>(), 6.0);  // a's 4 and b's 2 chunks in second 0
+  EXPECT_EQ(j["output_lens"], Json::array({4, 2, 1, 0}));
+  EXPECT_EQ(j["errors"][3], "HTTP 400: too long");
+  EXPECT_TRUE(j["prefix_cache_hit_rate"].is_null());
+  EXPECT_FALSE(j.contains("session_ids"));
+
+  // Without SLOs there is no goodput, as vLLM writes it.
+  info.slos = {};
+  EXPECT_TRUE(result_json(info, results)["request_goodput"].is_null());
+  std::string summary = summary_text(info, j);
+  EXPECT_NE(summary.find("Successful requests:                     3"), std::string::npos) << summary;
+  EXPECT_NE(summary.find("P99 TTFT (ms):"), std::string::npos) << summary;
+}
+
+TEST(BenchServeStats, GoodputSloParsing) {
+  Slos slos = parse_slos({"ttft:500", "e2el:2000.5"});
+  EXPECT_EQ(slos.ttft_ms, 500.0);
+  EXPECT_EQ(slos.e2el_ms, 2000.5);
+  EXPECT_FALSE(slos.tpot_ms);
+  EXPECT_TRUE(mentions(error_message([] { parse_slos({"ttft=5"}); }), {"--goodput", "ttft=5"}));
+  EXPECT_TRUE(mentions(error_message([] { parse_slos({"speed:5"}); }), {"--goodput", "speed"}));
+  EXPECT_TRUE(mentions(error_message([] { parse_slos({"tpot:-1"}); }), {"--goodput", "tpot"}));
+  EXPECT_TRUE(mentions(error_message([] { parse_slos({"tpot:"}); }), {"--goodput"}));
+}
+
+TEST(BenchServeStats, PrefixCacheCountersFromPrometheus) {
+  const std::string sparrow_page =
+      "# HELP vllm:prefix_cache_queries Prompt tokens looked up in the prefix cache.\n"
+      "# TYPE vllm:prefix_cache_queries counter\n"
+      "vllm:prefix_cache_queries_total{model_name=\"a}b\"} 4129\n"
+      "vllm:prefix_cache_hits_total{model_name=\"a}b\"} 1792\n"
+      "vllm:prefix_cache_hits_total{model_name=\"other\"} 8\n"
+      "vllm:prompt_tokens_total{model_name=\"a}b\"} 99\n";
+  auto c = parse_prefix_cache_counters(sparrow_page);
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->queries, 4129);
+  EXPECT_EQ(c->hits, 1800);
+  auto legacy = parse_prefix_cache_counters("vllm:gpu_prefix_cache_queries_total 10\nvllm:gpu_prefix_cache_hits_total 5\n");
+  ASSERT_TRUE(legacy);
+  EXPECT_EQ(legacy->hits, 5);
+  EXPECT_FALSE(parse_prefix_cache_counters("# nothing\nsglang:cache_hit_rate 0.5\n"));
+}
+
+TEST(BenchServeSse, EventsAcrossArbitraryReads) {
+  const std::string stream =
+      ": keep-alive comment\r\n"
+      "data: {\"a\": 1}\r\n\r\n"
+      "event: message\ndata: {\"b\":\ndata: 2}\n\n"
+      "data: [DONE]\n\n";
+  const std::vector<std::string> expected = {"{\"a\": 1}", "{\"b\":\n2}", "[DONE]"};
+  SseParser whole;
+  EXPECT_EQ(whole.feed(stream), expected);
+  for (size_t piece : {1, 2, 3, 7}) {
+    SseParser parser;
+    std::vector<std::string> events;
+    for (size_t i = 0; i < stream.size(); i += piece)
+      for (std::string& e : parser.feed(std::string_view(stream).substr(i, piece))) events.push_back(e);
+    EXPECT_EQ(events, expected) << "pieces of " << piece;
+  }
+  SseParser partial;
+  EXPECT_TRUE(partial.feed("data: {\"unfinished\"").empty());
+}
+
+TEST(BenchServeSse, WhatChunksSay) {
+  ChunkInfo role = read_chunk(R"({"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]})", true);
+  EXPECT_FALSE(role.output);  // sparrow's and vLLM's first chat chunk is not a token
+  ChunkInfo content = read_chunk(R"({"choices":[{"delta":{"content":"Hi"}}]})", true);
+  EXPECT_TRUE(content.output);
+  EXPECT_EQ(content.text, "Hi");
+  EXPECT_TRUE(read_chunk(R"({"choices":[{"delta":{"reasoning_content":"hm"}}]})", true).output);
+  EXPECT_TRUE(read_chunk(R"({"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}}]})", true)
+                  .output);
+  EXPECT_TRUE(read_chunk(R"({"choices":[{"text":" world","index":0}]})", false).output);
+  EXPECT_FALSE(read_chunk(R"({"choices":[{"text":"","finish_reason":"length"}]})", false).output);
+  ChunkInfo usage = read_chunk(R"({"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":5}})", false);
+  EXPECT_FALSE(usage.output);
+  EXPECT_EQ(usage.prompt_tokens, 12);
+  EXPECT_EQ(usage.completion_tokens, 5);
+  EXPECT_TRUE(read_chunk("[DONE]", false).done);
+  EXPECT_EQ(read_chunk(R"({"error":{"message":"engine failed","code":500}})", false).error, "engine failed");
+  EXPECT_FALSE(read_chunk("{not json", false).error.empty());
+}
+
+TEST(BenchServeSse, BaseUrls) {
+  BaseUrl u = parse_base_url("http://127.0.0.1:8000");
+  EXPECT_EQ(u.origin, "http://127.0.0.1:8000");
+  EXPECT_EQ(u.prefix, "");
+  u = parse_base_url("https://host/openai/");
+  EXPECT_EQ(u.origin, "https://host");
+  EXPECT_EQ(u.prefix, "/openai");
+  EXPECT_TRUE(mentions(error_message([] { parse_base_url("127.0.0.1:8000"); }), {"--base-url", "http://"}));
+}
+
+TEST(BenchServeWorkload, RngDistributions) {
+  Rng a(7), b(7), c(8);
+  for (int i = 0; i < 10; ++i) {
+    const double x = a.uniform();
+    EXPECT_EQ(x, b.uniform());
+    EXPECT_NE(x, c.uniform());
+  }
+  Rng rng(1);
+  const int n = 200000;
+  double sum = 0, squares = 0;
+  std::vector<double> lognormals;
+  for (int i = 0; i < n; ++i) {
+    const double g = rng.gamma(2.0, 3.0);  // mean 6, variance 18
+    sum += g;
+    squares += g * g;
+    lognormals.push_back(double(rng.lognormal(600, 1.4, 0, 1 << 30)));
+  }
+  EXPECT_NEAR(sum / n, 6.0, 0.05);
+  EXPECT_NEAR(squares / n - (sum / n) * (sum / n), 18.0, 0.4);
+  std::sort(lognormals.begin(), lognormals.end());
+  EXPECT_NEAR(percentile(lognormals, 50), 600, 10);
+  EXPECT_NEAR(percentile(lognormals, 99) / percentile(lognormals, 50), std::exp(1.4 * 2.3263), 1.0);
+  for (int i = 0; i < 1000; ++i) {
+    const int64_t k = rng.integer(3, 5);
+    EXPECT_TRUE(k >= 3 && k <= 5);
+  }
+}
+
+TEST(BenchServeWorkload, RandomIsDeterministicWithRangedLengths) {
+  TextMaker words(nullptr);
+  RandomOptions o;
+  o.num_prompts = 400;
+  o.input_len = 100;
+  o.output_len = 20;
+  o.range_ratio = 0.5;
+  o.prefix_len = 10;
+  o.seed = 3;
+  std::vector<Job> a = random_workload(o, words), b = random_workload(o, words);
+  o.seed = 4;
+  std::vector<Job> c = random_workload(o, words);
+  ASSERT_EQ(a.size(), 400u);
+  int64_t in_min = 1 << 30, in_max = 0, out_min = 1 << 30, out_max = 0;
+  std::string prefix;
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].requests.size(), 1u);
+    const WorkItem &x = a[i].requests[0], &y = b[i].requests[0];
+    EXPECT_EQ(x.prompt, y.prompt);
+    EXPECT_EQ(x.output_len, y.output_len);
+    // Words mode: one word per token, each with its leading space.
+    EXPECT_EQ(int64_t(std::count(x.prompt.begin(), x.prompt.end(), ' ')), x.prompt_len);
+    const int64_t input = x.prompt_len - o.prefix_len;
+    in_min = std::min(in_min, input);
+    in_max = std::max(in_max, input);
+    out_min = std::min(out_min, x.output_len);
+    out_max = std::max(out_max, x.output_len);
+    // The shared prefix is the same text in every prompt.
+    size_t cut = 0;
+    for (int w = 0; w < o.prefix_len; ++w) cut = x.prompt.find(' ', cut + 1);
+    if (i == 0) prefix = x.prompt.substr(0, cut);
+    EXPECT_EQ(x.prompt.substr(0, cut), prefix);
+  }
+  EXPECT_EQ(in_min, 50);  // uniform over [50, 150] and [10, 30]: 400 draws reach both ends
+  EXPECT_EQ(in_max, 150);
+  EXPECT_EQ(out_min, 10);
+  EXPECT_EQ(out_max, 30);
+  EXPECT_NE(a[0].requests[0].prompt, c[0].requests[0].prompt);
+
+  o.range_ratio = 1.0;
+  EXPECT_TRUE(mentions(error_message([&] { random_workload(o, words); }), {"--random-range-ratio"}));
+}
+
+TEST(BenchServeWorkload, TokenizerPromptsHaveExactLengths) {
+  if (!fs::exists(kModel / "tokenizer.json")) GTEST_SKIP() << "no bundled model";
+  std::shared_ptr<const Tokenizer> tokenizer = load_tokenizer(kModel.string());
+  TextMaker text(tokenizer);
+  Rng rng(11);
+  for (int64_t n : {1, 2, 7, 64, 300, 1000}) {
+    std::string t = text.make(rng, n);
+    EXPECT_EQ(int64_t(tokenizer->encode(t).size()), n) << t;
+  }
+  RandomOptions o;
+  o.num_prompts = 20;
+  o.input_len = 50;
+  o.prefix_len = 30;
+  for (const Job& job : random_workload(o, text)) EXPECT_EQ(job.requests[0].prompt_len, 80);
+}
+
+TEST(BenchServeWorkload, AgenticSessionsGrowAndAreDeterministic) {
+  TextMaker words(nullptr);
+  AgenticOptions o;
+  o.sessions = 40;
+  o.max_turns = 30;
+  o.max_context = 60000;
+  o.seed = 5;
+  std::vector<Job> a = agentic_workload(o, words), b = agentic_workload(o, words);
+  ASSERT_EQ(a.size(), 40u);
+  AgenticOptions one = o;
+  one.sessions = 1;
+  EXPECT_EQ(agentic_workload(one, words)[0].messages, a[0].messages);  // sessions do not depend on each other
+
+  std::vector<double> tool_lengths;
+  int64_t turns = 0, tool_results = 0, longest = 0;
+  for (size_t s = 0; s < a.size(); ++s) {
+    const Job& job = a[s];
+    EXPECT_EQ(job.messages, b[s].messages);
+    EXPECT_EQ(job.messages[0], a[0].messages[0]);  // one system prompt for all sessions
+    EXPECT_EQ(job.tools, a[0].tools);
+    EXPECT_EQ(job.tools.size(), 8u);
+    EXPECT_EQ(job.requests[0].think_time_s, 0.0);
+    for (size_t k = 0; k < job.requests.size(); ++k) {
+      const WorkItem& item = job.requests[k];
+      EXPECT_GE(item.output_len, 50);
+      EXPECT_LE(item.output_len, 500);
+      EXPECT_LE(item.prompt_len + item.output_len, o.max_context);
+      EXPECT_NE(job.messages[item.messages - 1]["role"], "assistant");  // each turn ends with new input
+      if (k > 0) {
+        EXPECT_GT(item.messages, job.requests[k - 1].messages);
+        EXPECT_GT(item.prompt_len, job.requests[k - 1].prompt_len);
+        EXPECT_GT(item.think_time_s, 0.0);
+        EXPECT_LE(item.think_time_s, 300.0);
+      }
+      longest = std::max(longest, item.prompt_len);
+      ++turns;
+    }
+    // Every tool message answers the call of the assistant message before it.
+    for (size_t m = 1; m < job.messages.size(); ++m)
+      if (job.messages[m]["role"] == "tool") {
+        const Json& call = job.messages[m - 1];
+        ASSERT_EQ(call["role"], "assistant");
+        EXPECT_EQ(call["tool_calls"][0]["id"], job.messages[m]["tool_call_id"]);
+        const std::string content = job.messages[m]["content"];
+        tool_lengths.push_back(double(std::count(content.begin(), content.end(), ' ')));
+        ++tool_results;
+      }
+  }
+  EXPECT_GT(longest, 30000);  // contexts grow far: 30 turns of about 1.6K tokens each
+  const double tool_share = double(tool_results) / double(turns);
+  EXPECT_NEAR(tool_share, 0.85, 0.06);
+  std::sort(tool_lengths.begin(), tool_lengths.end());
+  EXPECT_NEAR(percentile(tool_lengths, 50), 600, 90);  // heavy tail: p99 far above the median
+  EXPECT_GT(percentile(tool_lengths, 99), 6 * percentile(tool_lengths, 50));
+  EXPECT_GE(tool_lengths.front(), 60);
+  EXPECT_LE(tool_lengths.back(), 30000);
+
+  // A cap the first turn cannot fit under is an error, not an empty run.
+  o.max_context = 100;
+  EXPECT_TRUE(mentions(error_message([&] { agentic_workload(o, words); }), {"--agentic-max-context"}));
+}
+
+TEST(BenchServeWorkload, ArrivalsPoissonAndGamma) {
+  for (double t : arrival_times(5, std::numeric_limits<double>::infinity(), 1, 0)) EXPECT_EQ(t, 0.0);
+  auto variation = [](const std::vector<double>& at) {
+    std::vector<double> gaps = {at[0]};
+    for (size_t i = 1; i < at.size(); ++i) gaps.push_back(at[i] - at[i - 1]);
+    Summary s = summarize(gaps, {});
+    return s.std / s.mean;
+  };
+  std::vector<double> poisson = arrival_times(20000, 10, 1, 1);
+  EXPECT_NEAR(poisson.back(), 2000.0, 1e-9);  // scaled so the offered load is exactly the rate
+  EXPECT_TRUE(std::is_sorted(poisson.begin(), poisson.end()));
+  EXPECT_NEAR(variation(poisson), 1.0, 0.05);  // exponential gaps
+  EXPECT_NEAR(variation(arrival_times(20000, 10, 4, 1)), 0.5, 0.05);  // gamma: 1 / sqrt(shape)
+  EXPECT_EQ(arrival_times(50, 3, 1, 9), arrival_times(50, 3, 1, 9));
+  EXPECT_TRUE(mentions(error_message([] { arrival_times(5, 1, 0, 0); }), {"--burstiness"}));
+}
+
+TEST(BenchServeWorkload, RequestBodies) {
+  ServeBenchOptions o;
+  o.ignore_eos = true;
+  Job random;
+  random.requests.push_back({"hello there", 0, 2, 16, 0});
+  nlohmann::json completion = nlohmann::json::parse(request_body(random, random.requests[0], false, "m", o));
+  EXPECT_EQ(completion["prompt"], "hello there");
+  EXPECT_EQ(completion["max_tokens"], 16);
+  EXPECT_EQ(completion["stream"], true);
+  EXPECT_EQ(completion["stream_options"]["include_usage"], true);
+  EXPECT_EQ(completion["ignore_eos"], true);
+  EXPECT_EQ(completion["min_tokens"], 16);
+  nlohmann::json chat = nlohmann::json::parse(request_body(random, random.requests[0], true, "m", o));
+  EXPECT_EQ(chat["messages"], nlohmann::json::parse(R"([{"role": "user", "content": "hello there"}])"));
+  EXPECT_EQ(chat["max_completion_tokens"], 16);
+
+  AgenticOptions a;
+  a.sessions = 1;
+  Job session = agentic_workload(a, TextMaker(nullptr))[0];
+  ASSERT_GE(session.requests.size(), 2u);
+  nlohmann::json turn = nlohmann::json::parse(request_body(session, session.requests[1], true, "m", o));
+  EXPECT_EQ(turn["messages"].size(), session.requests[1].messages);
+  EXPECT_EQ(turn["tool_choice"], "none");
+  EXPECT_EQ(turn["tools"].size(), 8u);
+}
+
+// ---- end to end: `sparrow bench serve` against `sparrow serve` of the bundled model ----
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// `sparrow serve` as a child process on a free port (--port 0; the port is read from its start-up line).
+class ServerProcess {
+ public:
+  explicit ServerProcess(const fs::path& log) {
+    pid_ = fork();
+    if (pid_ == 0) {
+      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, STDOUT_FILENO);
+      dup2(fd, STDERR_FILENO);
+      execl(SPARROW_BINARY, SPARROW_BINARY, "serve", kModel.c_str(), "--port", "0", "--disable-log-requests",
+            "--kv-cache-memory", "64MiB", "--shutdown-timeout", "5", (char*)nullptr);
+      _exit(127);
+    }
+    const std::regex started(R"(on http://127\.0\.0\.1:(\d+))");
+    for (int tries = 0; tries < 1200 && port_ == 0; ++tries) {  // up to 2 minutes
+      std::smatch m;
+      const std::string text = slurp(log);
+      if (std::regex_search(text, m, started)) port_ = std::stoi(m[1]);
+      int status = 0;
+      if (port_ == 0 && waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  ~ServerProcess() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGTERM);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+  }
+  int port() const { return port_; }
+
+ private:
+  pid_t pid_ = -1;
+  int port_ = 0;
+};
+
+class BenchServeEndToEnd : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!fs::exists(kModel / "config.json")) return;
+    dir_ = new testing::TempDir();
+    server_ = new ServerProcess(dir_->file("server.log"));
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    delete dir_;
+    server_ = nullptr;
+    dir_ = nullptr;
+  }
+  void SetUp() override {
+    if (!server_) GTEST_SKIP() << "no bundled model at " << kModel;
+    ASSERT_NE(server_->port(), 0) << "sparrow serve did not start:\n" << slurp(dir_->file("server.log"));
+  }
+
+  // Runs `sparrow bench serve` with `args`; its exit status, and stdout + stderr in `output`.
+  int bench(const std::string& args, std::string& output) {
+    const std::string log = dir_->file("bench.log");
+    const std::string cmd = std::string(SPARROW_BINARY) + " bench serve --base-url http://127.0.0.1:" +
+                            std::to_string(server_->port()) + " " + args + " >" + log + " 2>&1";
+    const int rc = std::system(cmd.c_str());
+    output = slurp(log);
+    return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  }
+  nlohmann::json result(const std::string& name) { return nlohmann::json::parse(slurp(dir_->file(name))); }
+
+  static testing::TempDir* dir_;
+  static ServerProcess* server_;
+};
+testing::TempDir* BenchServeEndToEnd::dir_ = nullptr;
+ServerProcess* BenchServeEndToEnd::server_ = nullptr;
+
+TEST_F(BenchServeEndToEnd, RandomCompletions) {
+  std::string out;
+  ASSERT_EQ(bench("--num-prompts 6 --random-input-len 32 --random-output-len 8 --ignore-eos --max-concurrency 3 "
+                  "--goodput e2el:60000 --save-result --result-dir " + dir_->path() + " --result-filename random.json",
+                  out),
+            0)
+      << out;
+  EXPECT_NE(out.find("Serving Benchmark Result"), std::string::npos) << out;
+  nlohmann::json j = result("random.json");
+  for (const char* key : {"completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+                          "request_goodput", "output_throughput", "total_token_throughput", "mean_ttft_ms",
+                          "median_ttft_ms", "p99_ttft_ms", "p90_ttft_ms", "std_ttft_ms", "mean_tpot_ms", "p99_itl_ms",
+                          "p90_e2el_ms", "prefix_cache_hit_rate", "input_lens", "output_lens", "ttfts", "itls",
+                          "errors"})
+    EXPECT_TRUE(j.contains(key)) << key;
+  EXPECT_EQ(j["completed"], 6) << j["errors"];
+  EXPECT_EQ(j["failed"], 0);
+  EXPECT_EQ(j["output_lens"], nlohmann::json::array({8, 8, 8, 8, 8, 8}));  // --ignore-eos: fixed lengths
+  EXPECT_EQ(j["total_output_tokens"], 48);
+  int64_t inputs = 0;
+  for (const auto& n : j["input_lens"]) {
+    EXPECT_GE(n.get<int64_t>(), 32);  // the server's count of 32 words
+    inputs += n.get<int64_t>();
+  }
+  EXPECT_EQ(j["total_input_tokens"], inputs);
+  for (const auto& t : j["ttfts"]) EXPECT_GT(t.get<double>(), 0);
+  for (const auto& gaps : j["itls"]) {
+    EXPECT_GE(gaps.size(), 1u);
+    EXPECT_LE(gaps.size(), 7u);  // 8 tokens: at most 7 gaps between chunks
+  }
+  EXPECT_LE(j["max_concurrent_requests"].get<int>(), 3);
+  EXPECT_EQ(j["request_goodput"].get<double>(), j["request_throughput"].get<double>());
+  EXPECT_TRUE(j["prefix_cache_hit_rate"].is_number());  // sparrow's /metrics has the counters
+}
+
+TEST_F(BenchServeEndToEnd, AgenticChatSessions) {
+  std::string out;
+  ASSERT_EQ(bench("--dataset-name agentic --tokenizer " + kModel.string() +
+                      " --agentic-sessions 2 --agentic-turns 4 --agentic-max-context 450 --agentic-system-len 100 "
+                      "--agentic-append-len 30 --agentic-output-len 8 --agentic-think-time-ms 5 --ignore-eos "
+                      "--max-concurrency 2 --request-rate 50 --save-result --result-dir " + dir_->path() +
+                      " --result-filename agentic.json",
+                  out),
+            0)
+      << out;
+  nlohmann::json j = result("agentic.json");
+  EXPECT_EQ(j["backend"], "openai-chat");
+  EXPECT_EQ(j["endpoint"], "/v1/chat/completions");
+  EXPECT_GE(j["num_prompts"].get<int>(), 3);
+  EXPECT_EQ(j["completed"], j["num_prompts"]) << j["errors"];
+  EXPECT_EQ(j["failed"], 0);
+  // Turns of one session in order, each sending more than the last.
+  std::map<int64_t, std::pair<int64_t, int64_t>> last;  // session -> (turn, input length)
+  for (size_t i = 0; i < j["session_ids"].size(); ++i) {
+    const int64_t s = j["session_ids"][i], t = j["turn_ids"][i], len = j["input_lens"][i];
+    if (last.count(s)) {
+      EXPECT_EQ(t, last[s].first + 1);
+      EXPECT_GT(len, last[s].second);
+    } else {
+      EXPECT_EQ(t, 0);
+    }
+    last[s] = {t, len};
+  }
+  EXPECT_EQ(last.size(), 2u);
+  // Each turn resends the conversation, so the server's prefix cache must serve much of it.
+  EXPECT_GT(j["prefix_cache_hit_rate"].get<double>(), 0.3);
+}
+
+TEST_F(BenchServeEndToEnd, FailuresAreCountedNotFatal) {
+  std::string out;
+  // Prompts longer than the model's 1024-token context: every request is refused with HTTP 400.
+  ASSERT_EQ(bench("--num-prompts 3 --random-input-len 1500 --random-output-len 4 --save-result --result-dir " +
+                      dir_->path() + " --result-filename failed.json",
+                  out),
+            0)
+      << out;
+  nlohmann::json j = result("failed.json");
+  EXPECT_EQ(j["completed"], 0);
+  EXPECT_EQ(j["failed"], 3);
+  for (const auto& e : j["errors"]) EXPECT_NE(e.get<std::string>().find("HTTP 400"), std::string::npos) << e;
+  EXPECT_NE(out.find("Error 0: HTTP 400"), std::string::npos) << out;
+
+  // No server at all: one line, exit status 1.
+  const std::string cmd = std::string(SPARROW_BINARY) + " bench serve --port 1 >/dev/null 2>" + dir_->file("err");
+  const int rc = std::system(cmd.c_str());
+  EXPECT_EQ(WEXITSTATUS(rc), 1);
+  std::string err = slurp(dir_->file("err"));
+  if (!err.empty() && err.back() == '\n') err.pop_back();
+  EXPECT_TRUE(mentions(err, {"error: ", "/v1/models"}));
+}
+
+}  // namespace
+}  // namespace sparrow::bench
