@@ -8,6 +8,8 @@
 #   sparrow.jsonl     build/sparrow bench kernels --json      (fields kernel, shape, impl, median_us, bytes, flops, note)
 #   torch_dsa.jsonl   bench/peers/torch_dsa.py                (same JSON lines, impl "torch...")
 #   torch_mla.jsonl   bench/peers/torch_mla.py
+#   torch_moe.jsonl   bench/peers/torch_moe.py               (torch loop and grouped_mm)
+#   kda_peers.jsonl   bench/peers/kda_peers.py               (fla chunk_kda when installed, transformers torch reference)
 #   flashmla.jsonl    bench/peers/flashmla_peer.py            (if FlashMLA built; impl "flashmla")
 #   kernels.md        tools/kernel_table.py over all of the above
 #   kernels.log       every step's stderr (one file: the device tool returns at most 8 files)
@@ -46,7 +48,7 @@ else
   echo "no $SPARROW (build the sparrow target and carry it)" >&2; status=1
 fi
 
-for peer in torch_dsa torch_mla; do
+for peer in torch_dsa torch_mla torch_moe kda_peers; do
   echo "== $peer" >&2
   if [[ -f "bench/peers/$peer.py" ]]; then
     python3 "bench/peers/$peer.py" "${QUICK[@]}" > "$OUT/$peer.jsonl" 2>> "$LOG" || { echo "$peer failed (see kernels.log)" >&2; status=1; }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# On the GPU machine: the GPU tests, then sparrow serving the GPU fixture on the device (OpenAI completion
-# with token-id prompts, streaming, /metrics), then forward throughput on both devices (deepseek_v32's GPU
-# fixture and minimax_m3's, CUDA graphs on and off).
+# On the GPU machine: the GPU tests, then sparrow serving the GPU fixtures of deepseek_v32 and kimi_k3 on the
+# device (OpenAI completions with token-id prompts, a prefix-cache hit, streaming, /metrics), then forward
+# throughput (deepseek_v32's, minimax_m3's and kimi_k3's GPU fixtures, CUDA graphs on and off).
 #   tools/gpu_check.sh [BIN_DIR]     (BIN_DIR holds sparrow and sparrow_tests; default build)
 # The binaries are built on the project machine (sm_90a); .devlibs/ carries the shared libraries the GPU
 # machine lacks (docs/gpu.md). Tests find the repo through the path compiled into them, so the repo is
@@ -18,25 +18,35 @@ compiled_root=$(strings "$BIN/sparrow_tests" | grep -m1 -o '^/.*/tests/cache_tes
 echo "== GPU tests"
 "$BIN/sparrow_tests" --gtest_filter='Cuda*' --gtest_brief=1 || status=1
 
-echo "== sparrow serve --device cuda"
+# Serving on the device: a completion, a streamed sampled one, and the same prompt again (a prefix-cache
+# hit: for kimi_k3 the KDA state comes back from a snapshot) with /metrics after.
+serve_check() {
+  local fixture=$1 port=$2
+  echo "== sparrow serve --device cuda --model $fixture"
+  "$BIN/sparrow" serve --device cuda --model "$fixture" --port $port --max-model-len 512 > /tmp/serve.log 2>&1 &
+  local server=$!
+  for _ in $(seq 60); do curl -sf localhost:$port/health > /dev/null && break; sleep 0.5; done
+  local prompt
+  prompt=$(python3 -c "import json; print(json.load(open('$fixture/prompts.json'))['prompts'][2])")
+  for _ in 1 2; do
+    curl -sf localhost:$port/v1/completions -H 'Content-Type: application/json' \
+      -d "{\"model\": \"$fixture\", \"prompt\": $prompt, \"max_tokens\": 12, \"temperature\": 0}" || status=1
+    echo
+  done
+  curl -sfN localhost:$port/v1/completions -H 'Content-Type: application/json' \
+    -d "{\"model\": \"$fixture\", \"prompt\": $prompt, \"max_tokens\": 4, \"temperature\": 0.8, \"seed\": 1, \"stream\": true}" | head -c 600 || status=1
+  echo
+  curl -sf localhost:$port/metrics | grep -E "^vllm:(num_requests|prompt_tokens|generation_tokens|prefix_cache)" | head -8
+  kill $server; wait $server 2>/dev/null
+  head -5 /tmp/serve.log
+}
 FIXTURE=tests/fixtures/deepseek_v32_gpu
-"$BIN/sparrow" serve --device cuda --model "$FIXTURE" --port 18431 --max-model-len 512 > /tmp/serve.log 2>&1 &
-server=$!
-for _ in $(seq 60); do curl -sf localhost:18431/health > /dev/null && break; sleep 0.5; done
-prompt=$(python3 -c "import json; print(json.load(open('$FIXTURE/prompts.json'))['prompts'][1])")
-curl -sf localhost:18431/v1/completions -H 'Content-Type: application/json' \
-  -d "{\"model\": \"$FIXTURE\", \"prompt\": $prompt, \"max_tokens\": 12, \"temperature\": 0}" || status=1
-echo
-curl -sfN localhost:18431/v1/completions -H 'Content-Type: application/json' \
-  -d "{\"model\": \"$FIXTURE\", \"prompt\": $prompt, \"max_tokens\": 4, \"temperature\": 0.8, \"seed\": 1, \"stream\": true}" | head -c 600 || status=1
-echo
-curl -sf localhost:18431/metrics | grep -E "^vllm:(num_requests|prompt_tokens|generation_tokens)" | head -5
-kill $server; wait $server 2>/dev/null
-head -5 /tmp/serve.log
+serve_check $FIXTURE 18431
+serve_check tests/fixtures/kimi_k3_gpu 18432
 
 echo "== forward throughput (tiny model: launch-bound, for orientation only), CUDA graphs on and off"
 "$BIN/sparrow" bench forward --device cpu --model "$FIXTURE" --prompt-tokens 256 --decode-tokens 32 --batch 8 || status=1
-for model in "$FIXTURE" tests/fixtures/minimax_m3; do
+for model in "$FIXTURE" tests/fixtures/minimax_m3 tests/fixtures/kimi_k3_gpu; do
   for batch in 1 8 64; do
     for eager in "" --enforce-eager; do
       "$BIN/sparrow" bench forward --device cuda $eager --model "$model" --prompt-tokens 256 --decode-tokens 64 \

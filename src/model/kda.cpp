@@ -333,6 +333,7 @@ Tensor KdaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
 // the same launches, so a CUDA graph replays them whatever the snapshots.
 Tensor KdaMixer::forward_gpu(const Tensor& x, const Batch& batch, int layer) {
 #if SPARROW_HAVE_CUDA
+  constexpr int64_t kChunkedFrom = 64;  // rows of the longest sequence: one whole chunk
   const int64_t T = x.dim(0), H = config_.num_heads, D = config_.head_dim, P = config_.projection_dim();
   const DeviceStep& step = device_step(batch, x.device());
   const PagedStorage& storage = *step.storage;
@@ -356,12 +357,25 @@ Tensor KdaMixer::forward_gpu(const Tensor& x, const Batch& batch, int layer) {
 
   Tensor conv = Tensor::empty({T, 3 * P}, ScalarType::F32, x.device());  // [q | k | v] after conv + SiLU
   Tensor core = Tensor::empty({T, P}, ScalarType::F32, x.device());
+  // A sequence with a whole chunk of rows runs the chunk-parallel form on the tensor cores (as transformers
+  // runs chunk_kimi_delta_attention for prefill); shorter ones, decode included, the exact token-serial
+  // recurrence.
+  const bool chunked = step.max_seq_rows >= kChunkedFrom && (D == 64 || D == 128);
+  Tensor workspace;
+  if (chunked)
+    workspace = Tensor::empty({int64_t(cuda::kda_delta_rule_chunked_workspace_bytes(T, num_seqs, int(H), int(D)))},
+                              ScalarType::U8, x.device());
   auto run = [&](const cuda::KdaSequences& seqs) {
     cuda::kda_short_conv(qkv.data(), conv.data(), 3 * P, w_.conv.data(), int(config_.conv_kernel), seqs, tail_offset,
                          stream);
     // l2norm and the q scale happen inside (normalize_qk), as KdaMixer::forward applies them after the conv.
-    cuda::kda_delta_rule(conv.data(), conv.data() + P, conv.data() + 2 * P, 3 * P, log_decay.data(), beta.data(),
-                         core.data(), int(H), int(D), /*normalize_qk=*/true, seqs, state_offset, stream);
+    const float *q = conv.data(), *k = conv.data() + P, *v = conv.data() + 2 * P;
+    if (chunked)
+      cuda::kda_delta_rule_chunked(q, k, v, 3 * P, log_decay.data(), beta.data(), core.data(), int(H), int(D),
+                                   /*normalize_qk=*/true, seqs, state_offset, workspace.raw(), stream);
+    else
+      cuda::kda_delta_rule(q, k, v, 3 * P, log_decay.data(), beta.data(), core.data(), int(H), int(D),
+                           /*normalize_qk=*/true, seqs, state_offset, stream);
   };
   run(before);
   auto* snapshots = reinterpret_cast<uint8_t* const*>(step.snapshot_slots.as<int64_t>());

@@ -12,7 +12,9 @@
 // Prefill (count > 1) runs the chunk-parallel form of the recurrence (transformers
 // chunk_kimi_delta_attention, chunk size 64); decode (count == 1) runs it token by token
 // (recurrent_kimi_delta_attention). Both start from the sequence's saved state, so a prefill may
-// continue an earlier one. They agree to fp32 rounding.
+// continue an earlier one. They agree to fp32 rounding. On the GPU a step whose longest sequence has
+// 64 rows or more runs the chunk-parallel kernel (bf16/tf32 tensor-core operands, ~5e-3 relative), any
+// other step the exact token-serial one.
 //
 // State per sequence (the states of this layer in the sequence's SequenceCache, fp32, zeros for a
 // fresh sequence):

@@ -429,11 +429,14 @@ TEST(CudaKda, CopyStatesCopiesOnlyRequestedSlots) {
     test::DeviceArray<uint8_t> d_states(states), d_snaps(snaps);
     std::vector<uint8_t*> slot_ptrs(S), snap_ptrs(S);
     std::vector<uint8_t> want = snaps;
+    std::vector<int> target(S);  // a shuffled slot per sequence: distinct, like a cache's snapshot slots
+    for (int s = 0; s < S; ++s) target[s] = s;
+    std::shuffle(target.begin(), target.end(), rng);
     for (int s = 0; s < S; ++s) {
       slot_ptrs[s] = d_states.ptr + s * slot_bytes;
       const bool take = rng() % 2;
-      snap_ptrs[s] = take ? d_snaps.ptr + ((s * 7) % S) * slot_bytes : nullptr;
-      if (take) std::memcpy(&want[((s * 7) % S) * slot_bytes + offset], &states[s * slot_bytes + offset], size_t(bytes));
+      snap_ptrs[s] = take ? d_snaps.ptr + target[s] * slot_bytes : nullptr;
+      if (take) std::memcpy(&want[target[s] * slot_bytes + offset], &states[s * slot_bytes + offset], size_t(bytes));
     }
     test::DeviceArray<uint8_t*> d_slot_ptrs(slot_ptrs), d_snap_ptrs(snap_ptrs);
     const std::vector<int32_t> rows(size_t(S + 1), 0);

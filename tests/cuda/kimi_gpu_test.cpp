@@ -31,9 +31,12 @@ using namespace sparrow::model_test;
 // Relative L2 per row against fp32 transformers on the same bf16 weights: bf16 activations through four
 // layers, two of them recurrent, give ~1e-2; a wrong state slot, conv tail or cache row gives O(1).
 constexpr double kBf16Tolerance = 4e-2;
-// Between two GPU paths over the same kernels (chunking, batching, prefix hits): accumulation order and
-// the bf16 rounding of different batch shapes only.
+// Between two GPU runs of the same steps (a prefix hit against the same schedule without it): the bf16
+// rounding of different batch shapes only.
 constexpr double kGpuConsistency = 2e-2;
+// Between schedules that take different KDA kernels (a step with 64 rows or more of one sequence runs the
+// chunk-parallel form with bf16 operands, shorter ones the exact recurrence): bf16 accuracy.
+constexpr double kKernelChoiceTolerance = kBf16Tolerance;
 constexpr float kMarginNeeded = 0.1f;
 constexpr int64_t kIndexTopk = 64;  // kimi_k3_gpu's index_topk: positions below it see every key
 
@@ -133,20 +136,26 @@ TEST_P(CudaKimi, GreedyTokensMatchTransformers) {
 }
 
 // Chunked prefill (each chunk continues the conv tails and delta-rule states the previous one left) and
-// a batch of all prompts equal each prompt in one piece.
+// a batch of all prompts equal each prompt in one piece. The schedules take different KDA kernels, and
+// beyond kimi_k3's budget that difference may flip a close selection, so rows there are printed only.
 TEST_P(CudaKimi, ChunkedAndBatchedEqualOnePrefill) {
+  double worst_beyond = 0;
+  auto compare = [&](const float* ours, const float* ref, int64_t position, int64_t width, const std::string& what) {
+    const double e = relative_l2(ours, ref, width);
+    if (position < budget())
+      EXPECT_LE(e, kKernelChoiceTolerance) << what << " position " << position;
+    else
+      worst_beyond = std::max(worst_beyond, e);
+  };
   const Tokens& prompt = prompts_[2];
   SequenceState whole = sequence(), chunked = sequence();
   const Tensor one = run({{&whole, prompt}});
   int64_t row = 0;
-  double worst = 0;
   for (size_t at = 0; at < prompt.size(); at += 17) {
     const Tensor piece =
         run({{&chunked, Tokens(prompt.begin() + at, prompt.begin() + std::min(prompt.size(), at + 17))}});
-    for (int64_t t = 0; t < piece.dim(0); ++t, ++row)
-      worst = std::max(worst, relative_l2(piece.row(t), one.row(row), one.dim(1)));
+    for (int64_t t = 0; t < piece.dim(0); ++t, ++row) compare(piece.row(t), one.row(row), row, one.dim(1), "chunked");
   }
-  EXPECT_LE(worst, kGpuConsistency) << "chunked prefill";
   std::vector<SequenceState> states(prompts_.size());
   std::vector<std::pair<SequenceState*, Tokens>> parts;
   for (size_t i = 0; i < prompts_.size(); ++i) {
@@ -159,9 +168,9 @@ TEST_P(CudaKimi, ChunkedAndBatchedEqualOnePrefill) {
     SequenceState alone = sequence();
     const Tensor single = run({{&alone, prompts_[i]}});
     for (int64_t t = 0; t < single.dim(0); ++t, ++row)
-      EXPECT_LE(relative_l2(batched.row(row), single.row(t), single.dim(1)), kGpuConsistency)
-          << "prompt " << i << " position " << t;
+      compare(batched.row(row), single.row(t), t, single.dim(1), "batched, prompt " + std::to_string(i));
   }
+  if (sparse()) std::printf("[ %s ] beyond the budget: worst relative L2 %.3g\n", GetParam().c_str(), worst_beyond);
 }
 
 // Decode steps replayed from CUDA graphs equal the same steps launched directly (the graphs read each
@@ -190,19 +199,21 @@ TEST_P(CudaKimi, GraphReplayEqualsEagerDecoding) {
           << "step " << step << " sequence " << s;
 }
 
-// Prefix caching with recurrent state on the GPU: a 140-token prompt prefilled in chunks of 100 and 40
-// leaves snapshots at tokens 64 and 128 (each taken inside a chunk: the rows before the block boundary
-// run, the states are copied, the rest runs). A second request with the same prompt resumes at 128 from
-// the snapshot; one that diverges after token 100 resumes at 64. Both must give the logits of a fresh
-// prefill of their prompt.
+// Prefix caching with recurrent state on the GPU: a 140-token prompt prefilled in steps of 100 and 40
+// tokens leaves snapshots at tokens 64 and 128 (each taken inside a step: the rows before the block
+// boundary run, the states are copied, the rest runs). A second request with the same prompt resumes at
+// 128 from the snapshot; one that diverges after token 100 resumes at 64. Each must give what the same
+// steps give on an empty cache (the first request's steps cut at the hit, then the rest), and, without an
+// indexer to flip, a fresh prefill's logits within bf16 accuracy.
 TEST_P(CudaKimi, PrefixHitsResumeTheRecurrentStateFromSnapshots) {
   std::unique_ptr<KvCache> cache = make_cache(true);
   ASSERT_EQ(cache->plan().block_size, 64);
   const Tokens& prompt = prompts_[2];
   ASSERT_EQ(prompt.size(), 140u);
+  const std::vector<std::pair<size_t, size_t>> first_steps = {{0, 100}, {100, 140}};
   SeqId first_id = -1;
   SequenceState first = sequence(*cache, &first_id);
-  for (auto [begin, end] : {std::pair<size_t, size_t>{0, 100}, {100, 140}}) {
+  for (auto [begin, end] : first_steps) {
     run({{&first, Tokens(prompt.begin() + begin, prompt.begin() + end)}});
     cache->commit_tokens(first_id, prompt, int64_t(end));
   }
@@ -218,14 +229,22 @@ TEST_P(CudaKimi, PrefixHitsResumeTheRecurrentStateFromSnapshots) {
     ASSERT_EQ(hit, expected_hit);
     resumed.length = hit;
     const Tensor rest = run({{&resumed, Tokens(tokens.begin() + hit, tokens.end())}});
+
+    SequenceState twin = sequence();
+    for (auto [begin, end] : first_steps)
+      if (int64_t(begin) < hit) run({{&twin, Tokens(tokens.begin() + begin, tokens.begin() + std::min<int64_t>(end, hit))}});
+    const Tensor same_steps = run({{&twin, Tokens(tokens.begin() + hit, tokens.end())}});
     SequenceState fresh = sequence();
     const Tensor whole = run({{&fresh, tokens}});
-    double worst = 0;
-    for (int64_t t = 0; t < rest.dim(0); ++t)
-      worst = std::max(worst, relative_l2(rest.row(t), whole.row(hit + t), whole.dim(1)));
-    std::printf("[ %s ] %s: resumed at %lld, worst relative L2 vs a fresh prefill %.3g\n", GetParam().c_str(), name,
-                (long long)hit, worst);
-    EXPECT_LE(worst, kGpuConsistency);
+    double vs_steps = 0, vs_fresh = 0;
+    for (int64_t t = 0; t < rest.dim(0); ++t) {
+      vs_steps = std::max(vs_steps, relative_l2(rest.row(t), same_steps.row(t), rest.dim(1)));
+      vs_fresh = std::max(vs_fresh, relative_l2(rest.row(t), whole.row(hit + t), whole.dim(1)));
+    }
+    std::printf("[ %s ] %s: resumed at %lld, worst relative L2 vs the same steps without the hit %.3g, vs a fresh "
+                "prefill %.3g\n", GetParam().c_str(), name, (long long)hit, vs_steps, vs_fresh);
+    EXPECT_LE(vs_steps, kGpuConsistency);
+    if (!sparse()) EXPECT_LE(vs_fresh, kKernelChoiceTolerance);
     cache->free_sequence(id);
   }
 }
