@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
 
 namespace sparrow {
@@ -38,16 +40,6 @@ void append_total(std::vector<std::pair<std::string, int64_t>>& list) {
   list.emplace_back("total", total);
 }
 
-// 1234567 -> "1,234,567".
-std::string grouped(int64_t n) {
-  std::string digits = std::to_string(n < 0 ? -n : n), out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return n < 0 ? "-" + out : out;
-}
-
 std::string gib(int64_t bytes) {
   char buffer[32];
   std::snprintf(buffer, sizeof buffer, "%.2f GiB", double(bytes) / double(int64_t(1) << 30));
@@ -59,7 +51,7 @@ std::string components(const std::vector<std::pair<std::string, int64_t>>& list)
   std::string out;
   for (const auto& [name, bytes] : list) {
     if (name == "total") continue;
-    out += (out.empty() ? "" : " + ") + name + " " + grouped(bytes);
+    out += (out.empty() ? "" : " + ") + name + " " + grouped_digits(bytes);
   }
   return out;
 }
@@ -69,6 +61,15 @@ int64_t total_of(const std::vector<std::pair<std::string, int64_t>>& list) {
 }
 
 }  // namespace
+
+std::string grouped_digits(int64_t n) {
+  std::string digits = std::to_string(n < 0 ? -n : n), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return n < 0 ? "-" + out : out;
+}
 
 int64_t cache_memory_budget(const CacheConfig& config) {
   if (config.memory_bytes > 0) return config.memory_bytes;
@@ -87,15 +88,31 @@ int64_t cache_memory_budget(const CacheConfig& config) {
   return int64_t(ram * config.memory_fraction);
 }
 
+void apply_attention_config(const std::string& json, CacheConfig& config) {
+  const nlohmann::json j = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
+  SPARROW_CHECK(!j.is_discarded() && j.is_object(), "--attention-config must be a JSON object, e.g. "
+                "'{\"indexer_kv_dtype\": \"fp8\"}', got: ", json);
+  for (const auto& [key, value] : j.items()) {
+    SPARROW_CHECK(key == "indexer_kv_dtype", "--attention-config: unsupported key '", key,
+                  "' (supported: indexer_kv_dtype)");
+    SPARROW_CHECK(value.is_string(), "--attention-config: indexer_kv_dtype must be a string, got ", value.dump());
+    const std::string name = value.get<std::string>();
+    if (name != "auto") parse_indexer_kv_dtype(name);  // a one-line error naming the accepted values
+    config.indexer_kv_dtype = name;
+  }
+}
+
 CachePlan plan_cache(const std::vector<LayerCacheSpec>& spec, const CacheConfig& config) {
   SPARROW_CHECK(is_power_of_two(config.block_size), "kv cache block size must be a power of two, got ",
                 config.block_size);
   SPARROW_CHECK(config.max_num_seqs > 0, "max_num_seqs must be positive, got ", config.max_num_seqs);
   CachePlan plan;
   plan.dtype = parse_cache_dtype(config.kv_cache_dtype, config.device);
-  plan.index_dtype = config.indexer_kv_dtype == "auto"
-                         ? (config.device == Device::Cpu ? plan.dtype : CacheDtype::Fp8)
-                         : parse_cache_dtype(config.indexer_kv_dtype, config.device);
+  // The index keys' dtype when "auto": on a GPU, FP8 (the DSA scoring kernel reads FP8 keys); on the CPU
+  // the kv dtype, whose index-key form of fp8_per_tensor is plain fp8.
+  if (config.indexer_kv_dtype != "auto") plan.index_dtype = parse_indexer_kv_dtype(config.indexer_kv_dtype);
+  else if (config.device != Device::Cpu) plan.index_dtype = CacheDtype::Fp8;
+  else plan.index_dtype = plan.dtype == CacheDtype::Fp8PerTensor ? CacheDtype::Fp8 : plan.dtype;
   plan.device = config.device;
   plan.block_size = config.block_size;
   plan.page_lookup_.assign(spec.size() * kNumPageKinds, -1);
@@ -112,8 +129,7 @@ CachePlan plan_cache(const std::vector<LayerCacheSpec>& spec, const CacheConfig&
       p.layer = int(layer);
       p.spec = page;
       // Index keys take the indexer's dtype; "auto" means FP8 for DSA keys on a GPU (the indexer kernels read
-      // them) and the cache's own dtype for MSA keys (the GPU MSA selector reads bf16; FP8 MSA keys are
-      // issue 7's).
+      // them) and the cache's own dtype for MSA keys (the GPU MSA selector reads bf16).
       const bool explicit_index = config.indexer_kv_dtype != "auto";
       const bool index_key = page.kind == PageKind::DsaIndexKey || (page.kind == PageKind::MsaIndexKey && explicit_index);
       p.codec = &page_codec(index_key ? plan.index_dtype : plan.dtype, page.kind);
@@ -158,9 +174,9 @@ CachePlan plan_cache(const std::vector<LayerCacheSpec>& spec, const CacheConfig&
   plan.memory_bytes = cache_memory_budget(config);
   const int64_t state_bytes = (plan.num_state_slots + plan.num_snapshot_slots) * plan.state_slot_bytes;
   plan.num_blocks = (plan.memory_bytes - state_bytes) / plan.row_bytes;
-  SPARROW_CHECK(plan.num_blocks >= 1, "kv cache memory ", grouped(plan.memory_bytes), " bytes is too small: ",
-                state_bytes > 0 ? cat(grouped(state_bytes), " bytes of recurrent state slots and ") : std::string(),
-                "at least one block row of ", grouped(plan.row_bytes), " bytes are needed");
+  SPARROW_CHECK(plan.num_blocks >= 1, "kv cache memory ", grouped_digits(plan.memory_bytes), " bytes is too small: ",
+                state_bytes > 0 ? cat(grouped_digits(state_bytes), " bytes of recurrent state slots and ") : std::string(),
+                "at least one block row of ", grouped_digits(plan.row_bytes), " bytes are needed");
   return plan;
 }
 
@@ -188,15 +204,15 @@ std::string CachePlan::summary(int64_t max_model_len) const {
   out << "kv cache: " << cache_dtype_name(dtype);
   if (index_dtype != dtype) out << " (index keys " << cache_dtype_name(index_dtype) << ")";
   out << " on " << device_name(device) << ", " << block_size << "-token blocks, "
-      << grouped(total_of(bytes_per_token)) << " bytes per token (" << components(bytes_per_token) << ")\n";
+      << grouped_digits(total_of(bytes_per_token)) << " bytes per token (" << components(bytes_per_token) << ")\n";
   if (state_slot_bytes > 0) {
-    out << "kv cache: recurrent state " << grouped(total_of(state_bytes_per_sequence)) << " bytes per sequence ("
+    out << "kv cache: recurrent state " << grouped_digits(total_of(state_bytes_per_sequence)) << " bytes per sequence ("
         << components(state_bytes_per_sequence) << "), " << num_state_slots << " running + " << num_snapshot_slots
         << " prefix snapshots\n";
   }
-  out << "kv cache: " << gib(memory_bytes) << " holds " << grouped(num_blocks) << " block rows of "
-      << grouped(row_bytes) << " bytes = " << grouped(max_tokens()) << " tokens = "
-      << grouped(full_contexts(max_model_len)) << " full contexts of " << grouped(max_model_len) << " tokens";
+  out << "kv cache: " << gib(memory_bytes) << " holds " << grouped_digits(num_blocks) << " block rows of "
+      << grouped_digits(row_bytes) << " bytes = " << grouped_digits(max_tokens()) << " tokens = "
+      << grouped_digits(full_contexts(max_model_len)) << " full contexts of " << grouped_digits(max_model_len) << " tokens";
   return out.str();
 }
 

@@ -28,9 +28,12 @@ namespace sparrow {
 
 struct CacheConfig {
   int64_t block_size = 64;              // tokens per block: a power of two (the server offers 64, 128, 256)
-  std::string kv_cache_dtype = "auto";  // auto (float32 on the CPU, bfloat16 on a GPU) | float32 | bfloat16 | fp8
-  // The indexers' key pages (vLLM's --attention-config indexer_kv_dtype): auto = fp8 on a GPU (its
-  // scoring kernel reads FP8 keys), else kv_cache_dtype.
+  // --kv-cache-dtype: auto (float32 on the CPU, bfloat16 on a GPU) | float32 | bfloat16 | fp8 (= fp8_e4m3,
+  // fp8_ds_mla) | fp8_per_tensor | nvfp4 (cache/page_codec.h: what each means for each page kind).
+  std::string kv_cache_dtype = "auto";
+  // The indexers' key pages (vLLM's --attention-config indexer_kv_dtype): float32 | bfloat16 (bf16) | fp8 |
+  // mxfp4 | nvfp4, or auto: DSA keys in fp8 on a GPU (its scoring kernel reads FP8 keys), MSA keys in
+  // the kv dtype on a GPU, and on the CPU both in the kv dtype's counterpart (fp8_per_tensor -> fp8).
   std::string indexer_kv_dtype = "auto";
   Device device = Device::Cpu;          // where the pool lives
   int64_t memory_bytes = 0;             // budget for block rows + state slots (--kv-cache-memory)
@@ -92,9 +95,17 @@ class CachePlan {
   std::vector<int> state_lookup_;  // [layer * kNumStateKinds + kind] -> index into states, -1 = none
 };
 
+// Applies vLLM's --attention-config JSON (an object) to `config`: "indexer_kv_dtype" is the one key
+// sparrow takes (its value checked at once); anything else, or malformed JSON, is a one-line error naming
+// what is accepted.
+void apply_attention_config(const std::string& json, CacheConfig& config);
+
 // Throws a one-line sparrow::Error for settings it cannot plan (block size not a power of two,
 // unknown dtype, a budget too small for one block and the state slots).
 CachePlan plan_cache(const std::vector<LayerCacheSpec>& spec, const CacheConfig& config);
+
+// 1234567 -> "1,234,567" (the printouts' numbers).
+std::string grouped_digits(int64_t n);
 
 // The budget when CacheConfig::memory_bytes is 0: memory_fraction of the machine's physical RAM.
 int64_t cache_memory_budget(const CacheConfig& config);

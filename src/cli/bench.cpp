@@ -8,6 +8,9 @@
 // sparrow bench serve [--base-url URL] [--dataset-name random|agentic] [--num-prompts N] ...
 //   Load on any OpenAI-compatible server with vLLM's `vllm bench serve` flags and metrics
 //   (src/bench/serve_bench.h, docs/bench.md).
+// sparrow bench sweep [bench serve's flags] [--concurrencies 1,2,...,256] [--launch 'SERVE ARGS'] ...
+//   bench serve at each concurrency, one sweep JSON with the decode roofline beside every point
+//   (src/bench/sweep.h; tools/plot_sweep.py draws it).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -17,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/serve_bench.h"
+#include "bench/sweep.h"
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/parallel.h"
@@ -81,16 +85,33 @@ void add_bench_kernels(CLI::App* bench) {
   });
 }
 
+// The flags `bench serve` and `bench sweep` share, and what they end up as.
+struct ServeFlags {
+  bench::ServeBenchOptions o;
+  std::string base_url, host = "127.0.0.1", request_rate = "inf";
+  int port = 8000;
+  bool disable_tqdm = false;
+
+  // The options, once parsed.
+  bench::ServeBenchOptions options() {
+    o.base_url = base_url.empty() ? "http://" + host + ":" + std::to_string(port) : base_url;
+    char* end = nullptr;
+    o.request_rate = std::strtod(request_rate.c_str(), &end);  // accepts "inf"
+    SPARROW_CHECK(!request_rate.empty() && *end == '\0' && o.request_rate > 0,
+                  "--request-rate must be a positive number or inf, not '", request_rate, "'");
+    o.progress = !disable_tqdm;
+    if (const char* key = std::getenv("OPENAI_API_KEY"); key && *key) o.api_key = key;  // as vLLM's client
+    return o;
+  }
+};
+
 // Flag names and defaults are vLLM's where vLLM has the setting (vllm/benchmarks/serve.py, datasets.py).
-void add_bench_serve(CLI::App* parent) {
-  auto* sub = parent->add_subcommand("serve", "Load an OpenAI-compatible server (vllm bench serve's flags and metrics)");
-  static bench::ServeBenchOptions o;
-  static std::string base_url, host = "127.0.0.1", request_rate = "inf";
-  static int port = 8000;
-  static bool disable_tqdm = false;
-  sub->add_option("--base-url", base_url, "server URL (default: http://HOST:PORT)");
-  sub->add_option("--host", host, "server host, when --base-url is not given")->capture_default_str();
-  sub->add_option("--port", port, "server port, when --base-url is not given")->capture_default_str();
+// `sweep`: the sweep sets --max-concurrency per point, and --num-prompts / --agentic-sessions only when given.
+void add_serve_flags(CLI::App* sub, ServeFlags& f, bool sweep) {
+  bench::ServeBenchOptions& o = f.o;
+  sub->add_option("--base-url", f.base_url, "server URL (default: http://HOST:PORT)");
+  sub->add_option("--host", f.host, "server host, when --base-url is not given")->capture_default_str();
+  sub->add_option("--port", f.port, "server port, when --base-url is not given")->capture_default_str();
   sub->add_option("--endpoint", o.endpoint, "API path (default: /v1/completions, /v1/chat/completions for openai-chat)");
   sub->add_option("--backend", o.backend, "openai (completions) or openai-chat (default: openai; openai-chat for agentic)");
   sub->add_option("--model", o.model, "model name sent in requests (default: the first of GET /v1/models)");
@@ -98,7 +119,11 @@ void add_bench_serve(CLI::App* parent) {
                   "model folder whose tokenizer makes exact-length prompts and counts tokens locally "
                   "(default: none; the server's usage counts are used)");
   sub->add_option("--dataset-name", o.dataset_name, "random or agentic")->capture_default_str();
-  sub->add_option("--num-prompts", o.random.num_prompts, "requests of the random workload")->capture_default_str();
+  auto* num_prompts = sub->add_option("--num-prompts", o.random.num_prompts,
+                                      sweep ? "requests of the random workload at every point (default: "
+                                              "concurrency x --prompts-per-concurrency)"
+                                            : "requests of the random workload");
+  if (!sweep) num_prompts->capture_default_str();
   sub->add_option("--random-input-len", o.random.input_len, "input tokens per request, after the prefix")
       ->capture_default_str();
   sub->add_option("--random-output-len", o.random.output_len, "output tokens per request (max_tokens)")
@@ -108,13 +133,13 @@ void add_bench_serve(CLI::App* parent) {
       ->capture_default_str();
   sub->add_option("--random-prefix-len", o.random.prefix_len, "tokens of a prefix shared by every prompt")
       ->capture_default_str();
-  sub->add_option("--request-rate", request_rate,
+  sub->add_option("--request-rate", f.request_rate,
                   "requests (agentic: sessions) per second: inf sends all at once, else Poisson arrivals")
       ->capture_default_str();
   sub->add_option("--burstiness", o.burstiness,
                   "gamma shape of the arrival gaps: 1 Poisson, < 1 burstier, > 1 more even")
       ->capture_default_str();
-  sub->add_option("--max-concurrency", o.max_concurrency, "most requests (agentic: sessions) in flight");
+  if (!sweep) sub->add_option("--max-concurrency", o.max_concurrency, "most requests (agentic: sessions) in flight");
   sub->add_option("--seed", o.seed, "seed of the workload and the arrivals")->capture_default_str();
   sub->add_flag("--ignore-eos", o.ignore_eos, "generate exactly the output length (ignore_eos and min_tokens)");
   sub->add_option("--temperature", o.temperature, "sampling temperature (default 0: greedy)");
@@ -124,15 +149,21 @@ void add_bench_serve(CLI::App* parent) {
   sub->add_option("--metric-percentiles", o.metric_percentiles,
                   "percentiles to report besides p90 and p99, e.g. 50,95,99.9")
       ->capture_default_str();
-  sub->add_flag("--save-result", o.save_result, "write the result JSON");
+  sub->add_flag("--save-result", o.save_result,
+                sweep ? "also write each point's result JSON (<label>-concurrency<N>.json)" : "write the result JSON");
   sub->add_option("--result-dir", o.result_dir, "folder of the result file");
-  sub->add_option("--result-filename", o.result_filename,
-                  "result file name (default: <label>-<rate>qps[-concurrency<N>]-<model>-<date>.json)");
-  sub->add_option("--label", o.label, "prefix of the default result file name (default: the backend)");
-  sub->add_flag("--disable-tqdm", disable_tqdm, "no progress line");
+  if (!sweep)
+    sub->add_option("--result-filename", o.result_filename,
+                    "result file name (default: <label>-<rate>qps[-concurrency<N>]-<model>-<date>.json)");
+  if (!sweep) sub->add_option("--label", o.label, "prefix of the default result file name (default: the backend)");
+  sub->add_flag("--disable-tqdm", f.disable_tqdm, "no progress line");
   sub->add_option("--metrics-url", o.metrics_url,
                   "Prometheus page with the prefix-cache counters (default: <base-url>/metrics)");
-  sub->add_option("--agentic-sessions", o.agentic.sessions, "sessions of the agentic workload")->capture_default_str();
+  auto* sessions = sub->add_option("--agentic-sessions", o.agentic.sessions,
+                                   sweep ? "sessions of the agentic workload at every point (default: concurrency x "
+                                           "--sessions-per-concurrency)"
+                                         : "sessions of the agentic workload");
+  if (!sweep) sessions->capture_default_str();
   sub->add_option("--agentic-turns", o.agentic.max_turns, "requests per session at most")->capture_default_str();
   sub->add_option("--agentic-max-context", o.agentic.max_context,
                   "a session ends before a turn whose prompt + output would pass this many tokens")
@@ -146,15 +177,61 @@ void add_bench_serve(CLI::App* parent) {
       ->capture_default_str();
   sub->add_option("--agentic-think-time-ms", o.agentic.think_time_ms, "median pause between a session's turns")
       ->capture_default_str();
-  on_selected(sub, [] {
-    o.base_url = base_url.empty() ? "http://" + host + ":" + std::to_string(port) : base_url;
-    char* end = nullptr;
-    o.request_rate = std::strtod(request_rate.c_str(), &end);  // accepts "inf"
-    SPARROW_CHECK(!request_rate.empty() && *end == '\0' && o.request_rate > 0,
-                  "--request-rate must be a positive number or inf, not '", request_rate, "'");
-    o.progress = !disable_tqdm;
-    if (const char* key = std::getenv("OPENAI_API_KEY"); key && *key) o.api_key = key;  // as vLLM's client
-    bench::run_serve_benchmark(o);
+}
+
+void add_bench_serve(CLI::App* parent) {
+  auto* sub = parent->add_subcommand("serve", "Load an OpenAI-compatible server (vllm bench serve's flags and metrics)");
+  static ServeFlags f;
+  add_serve_flags(sub, f, /*sweep=*/false);
+  on_selected(sub, [] { bench::run_serve_benchmark(f.options()); });
+}
+
+// sparrow bench sweep: bench serve's workload over a list of concurrencies, with the decode roofline
+// (src/bench/sweep.h, src/bench/roofline.h, docs/bench.md).
+void add_bench_sweep(CLI::App* parent) {
+  auto* sub = parent->add_subcommand(
+      "sweep", "bench serve over concurrencies 1..256 with the decode roofline: the Pareto front's points (sweep JSON)");
+  static ServeFlags f;
+  static bench::SweepOptions s;
+  static std::string concurrencies = "1,2,4,8,16,32,64,128,256";
+  static double hbm_tbps = 4.3, peak_tflops = 790;
+  add_serve_flags(sub, f, /*sweep=*/true);
+  sub->add_option("--concurrencies", concurrencies, "the points: --max-concurrency of each run")->capture_default_str();
+  sub->add_option("--prompts-per-concurrency", s.prompts_per_concurrency,
+                  "random: each point sends concurrency x this many prompts")
+      ->capture_default_str();
+  sub->add_option("--sessions-per-concurrency", s.sessions_per_concurrency,
+                  "agentic: each point runs concurrency x this many sessions")
+      ->capture_default_str();
+  sub->add_option("--launch", s.launch,
+                  "start `sparrow serve ARGS` (model folder and serve flags, one quoted string) on a free port for the "
+                  "sweep and stop it after; e.g. --launch 'DIR --load-format dummy --device cuda'");
+  sub->add_option("--launch-timeout", s.launch_timeout_s, "seconds the launched server may take to listen")
+      ->capture_default_str();
+  sub->add_option("--server-log", s.server_log, "the launched server's output (default: <sweep file>.server.log)");
+  sub->add_option("--model-config", s.model_config,
+                  "the served model's folder or config.json, for the roofline (default: --launch's model folder)");
+  sub->add_option("--kv-cache-dtype", s.kv_cache_dtype,
+                  "the server's KV-cache dtype, for the roofline's bytes: auto (bfloat16, DSA keys fp8), bfloat16, fp8")
+      ->capture_default_str();
+  sub->add_option("--hbm-bandwidth", hbm_tbps, "the roofline's HBM bandwidth per GPU, TB/s (H200 measured)")
+      ->capture_default_str();
+  sub->add_option("--peak-tflops", peak_tflops, "the roofline's dense bf16 peak per GPU, TFLOP/s (H200 cuBLASLt)")
+      ->capture_default_str();
+  sub->add_option("--num-gpus", s.num_gpus, "GPUs the server uses (throughput per GPU divides by it)")
+      ->capture_default_str();
+  sub->add_option("--label", s.label, "the curve's name in the sweep JSON and plots")->capture_default_str();
+  sub->add_option("--output", s.output, "the sweep JSON (default: <result-dir>/sweep-<label>-<date>.json)");
+  on_selected(sub, [sub] {
+    s.serve = f.options();
+    s.serve.label = s.label;
+    s.concurrencies = bench::parse_concurrencies(concurrencies);
+    s.fixed_num_prompts = sub->get_option("--num-prompts")->count() > 0;
+    s.fixed_sessions = sub->get_option("--agentic-sessions")->count() > 0;
+    SPARROW_CHECK(hbm_tbps > 0 && peak_tflops > 0, "--hbm-bandwidth and --peak-tflops must be positive");
+    s.hardware.hbm_bytes_per_s = hbm_tbps * 1e12;
+    s.hardware.flops_per_s = peak_tflops * 1e12;
+    bench::run_sweep(s);
   });
 }
 
@@ -224,6 +301,7 @@ void add_bench(CLI::App& app) {
   });
   add_bench_kernels(bench);
   add_bench_serve(bench);
+  add_bench_sweep(bench);
 }
 
 }  // namespace sparrow::cli

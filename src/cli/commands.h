@@ -22,15 +22,23 @@ void add_tokenize(CLI::App& app);
 void add_detokenize(CLI::App& app);
 void add_chat(CLI::App& app);
 void add_perplexity(CLI::App& app);
+void add_kv_plan(CLI::App& app);
 
 // The bundled model's folder (models/minimax_m3, found beside the executable's folder or in the
 // current directory), for commands run without --model; a one-line error if it is not there
 // (common.cpp).
 std::string default_model_dir();
 
-// --device cpu|cuda (vLLM's flag): where the model runs; and vLLM's --enforce-eager (no CUDA graphs).
+// A --model argument's config.json: MODEL/config.json, or MODEL itself when it is a file (a shape config
+// such as bench/shapes/*.json).
+std::string model_config_path(const std::string& model);
+// The model's context length as vLLM derives max_model_len; a one-line error when config.json has none.
+int64_t model_context_length(const std::string& model);
+
+// --device cpu|cuda (vLLM's flag): where the model runs; vLLM's --enforce-eager (no CUDA graphs) and
+// --load-format auto|safetensors|dummy (dummy: random weights from config.json alone).
 void add_device_option(CLI::App* sub, std::string& device);
-// load_model on `device` ("cpu" | "cuda") with the --enforce-eager choice applied.
+// load_model on `device` ("cpu" | "cuda") with the --enforce-eager and --load-format choices applied.
 std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device);
 
 // Registers the action of a subcommand (called from add_X).

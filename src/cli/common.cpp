@@ -16,16 +16,23 @@ std::vector<std::pair<CLI::App*, std::function<void()>>>& actions() {
 
 namespace {
 bool enforce_eager = false;  // one command runs per process
+std::string load_format = "auto";
 }  // namespace
 
 void add_device_option(CLI::App* sub, std::string& device) {
   sub->add_option("--device", device, "where the model runs: cpu or cuda (an NVIDIA Hopper GPU)")
       ->capture_default_str();
   sub->add_flag("--enforce-eager", enforce_eager, "launch every kernel of a decode step directly (no CUDA graphs)");
+  sub->add_option("--load-format", load_format,
+                  "auto or safetensors: the folder's weights; dummy: random weights from config.json alone "
+                  "(benchmarks at real dimensions, docs/bench.md)")
+      ->capture_default_str();
 }
 
 std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device) {
-  std::unique_ptr<Model> model = load_model(dir, parse_device(device));
+  LoadOptions options;
+  options.load_format = load_format;
+  std::unique_ptr<Model> model = load_model(dir, parse_device(device), options);
   model->enforce_eager = enforce_eager;
   return model;
 }
@@ -44,6 +51,31 @@ std::string default_model_dir() {
     if (fs::exists(dir / "config.json")) return dir.lexically_normal().string();
   fail("no --model given and the bundled model (", bundled.string(),
        ") is neither next to the executable's folder nor in the current directory; pass --model DIR");
+}
+
+std::string model_config_path(const std::string& model) {
+  namespace fs = std::filesystem;
+  return fs::is_regular_file(model) ? model : (fs::path(model) / "config.json").string();
+}
+
+// The smallest of the length keys config.json has (in text_config for vision-language configs), as vLLM
+// derives max_model_len.
+int64_t model_context_length(const std::string& model) {
+  const std::string path = model_config_path(model);
+  nlohmann::json config = nlohmann::json::object();
+  if (std::filesystem::exists(path)) {
+    std::ifstream in(path);
+    config = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    SPARROW_CHECK(!config.is_discarded() && config.is_object(), path, ": not a JSON object");
+  }
+  const nlohmann::json& text = config.contains("text_config") ? config["text_config"] : config;
+  int64_t length = 0;
+  for (const char* key : {"max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                          "max_sequence_length", "max_seq_length", "seq_len"})
+    if (text.contains(key) && text[key].is_number_integer() && (length == 0 || text[key].get<int64_t>() < length))
+      length = text[key].get<int64_t>();
+  SPARROW_CHECK(length > 0, path, ": no context length (max_position_embeddings, ...); pass --max-model-len");
+  return length;
 }
 
 void on_selected(CLI::App* sub, std::function<void()> action) { actions().push_back({sub, std::move(action)}); }

@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   sparrow::cli::add_detokenize(app);
   sparrow::cli::add_chat(app);
   sparrow::cli::add_perplexity(app);
+  sparrow::cli::add_kv_plan(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

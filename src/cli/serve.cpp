@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "cache/planner.h"
 #include "cli/commands.h"
 #include "core/error.h"
 #include "engine/engine.h"
@@ -80,28 +81,13 @@ void apply_generation_config(const std::string& mode, const std::string& model_d
     options.default_max_tokens = config["max_new_tokens"].get<int64_t>();
 }
 
-// The model's context length as vLLM derives max_model_len: the smallest of the length keys
-// config.json has (in text_config for vision-language configs).
-int64_t model_context_length(const std::string& model_dir) {
-  nlohmann::json config = read_json_if_present(fs::path(model_dir) / "config.json");
-  const nlohmann::json& text = config.contains("text_config") ? config["text_config"] : config;
-  int64_t length = 0;
-  for (const char* key : {"max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
-                          "max_sequence_length", "max_seq_length", "seq_len"})
-    if (text.contains(key) && text[key].is_number_integer() && (length == 0 || text[key].get<int64_t>() < length))
-      length = text[key].get<int64_t>();
-  SPARROW_CHECK(length > 0, model_dir,
-                "/config.json: no context length (max_position_embeddings, ...); pass --max-model-len");
-  return length;
-}
-
 struct ServeFlags {
   std::string model, host = "127.0.0.1", api_key, tool_call_parser, reasoning_parser, chat_template;
   std::vector<std::string> served_model_names;
   int port = 8000;
   int64_t max_model_len = 0, block_size = 64, max_num_seqs = 64, max_num_batched_tokens = 2048;
   int64_t max_logprobs = kMaxLogprobs, max_concurrent_requests = 256;
-  std::string kv_cache_dtype = "auto", kv_cache_memory, generation_config = "auto", device = "cpu";
+  std::string kv_cache_dtype = "auto", attention_config, kv_cache_memory, generation_config = "auto", device = "cpu";
   double gpu_memory_utilization = 0;
   bool enable_auto_tool_choice = false, prefix_caching = true;
   bool disable_log_requests = false, enable_prompt_tokens_details = false;
@@ -127,6 +113,8 @@ void serve(const ServeFlags& flags) {
   EngineConfig config;
   config.cache.block_size = flags.block_size;
   config.cache.kv_cache_dtype = flags.kv_cache_dtype;
+  parse_cache_dtype(flags.kv_cache_dtype);  // a typo is a one-line error before anything loads
+  if (!flags.attention_config.empty()) apply_attention_config(flags.attention_config, config.cache);
   config.cache.max_num_seqs = flags.max_num_seqs;
   config.cache.enable_prefix_caching = flags.prefix_caching;
   if (!flags.kv_cache_memory.empty()) config.cache.memory_bytes = parse_byte_size(flags.kv_cache_memory);
@@ -236,8 +224,14 @@ void add_serve(CLI::App& app) {
                 "let the model decide when to call tools (tool_choice \"auto\"); needs --tool-call-parser");
   sub->add_option("--chat-template", f.chat_template, "Jinja chat template file to use instead of the model's");
   sub->add_option("--block-size", f.block_size, "KV-cache block size in tokens: 64, 128 or 256")->capture_default_str();
-  sub->add_option("--kv-cache-dtype", f.kv_cache_dtype, "KV-cache storage: auto (float32 on the CPU, bfloat16 on a GPU), float32, bfloat16, fp8 (MLA latents and DSA index keys)")
+  sub->add_option("--kv-cache-dtype", f.kv_cache_dtype,
+                  "KV-cache storage: auto (float32 on the CPU, bfloat16 on a GPU), float32, bfloat16, fp8 (= fp8_e4m3, "
+                  "fp8_ds_mla: MLA latents in FlashMLA's 656-byte layout), fp8_per_tensor (MLA latents as 576 e4m3), "
+                  "nvfp4 (docs/cache.md; the GPU kernels read bfloat16, and fp8 MLA latents)")
       ->capture_default_str();
+  sub->add_option("--attention-config", f.attention_config,
+                  "vLLM's attention settings as JSON: {\"indexer_kv_dtype\": auto|float32|bfloat16|fp8|mxfp4|nvfp4}, "
+                  "the index keys' format (auto: fp8 DSA keys on a GPU, else the kv dtype)");
   sub->add_option("--kv-cache-memory", f.kv_cache_memory,
                   "KV-cache budget in bytes, e.g. 4GiB or 512MiB (default: --gpu-memory-utilization)");
   sub->add_option("--gpu-memory-utilization", f.gpu_memory_utilization,

@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "core/parallel.h"
+#include "formats/dummy_weights.h"
 
 namespace sparrow {
 
@@ -90,6 +91,46 @@ std::unique_ptr<Checkpoint> Checkpoint::open(const std::string& dir) {
   return checkpoint;
 }
 
+std::unique_ptr<Checkpoint> Checkpoint::open_dummy(const std::string& dir, uint64_t seed) {
+  auto checkpoint = std::unique_ptr<Checkpoint>(new Checkpoint());
+  checkpoint->dir_ = dir;
+  const fs::path root(dir);
+  SPARROW_CHECK(fs::is_directory(root), dir, ": not a directory");
+  SPARROW_CHECK(fs::exists(root / "config.json"), dir, ": missing config.json");
+  checkpoint->config_ = Config::load((root / "config.json").string());
+  checkpoint->dummy_ = true;
+  checkpoint->dummy_seed_ = seed;
+  const Config& config = checkpoint->config_;
+  // MiniMax-M3's RMSNorms are Gemma-style (model/minimax_m3.cpp): their identity weight is 0.
+  checkpoint->dummy_unit_norms_ = config.get_string("model_type", "").starts_with("minimax_m3");
+  if (config.has("quantization_config")) {
+    const Config quantization = config.get_object("quantization_config");
+    std::vector<int64_t> block = {128, 128};
+    if (quantization.has("weight_block_size")) block = quantization.get_int_list("weight_block_size");
+    // The FP8 kernels take DeepSeek's 128x128 blocks only; other quantizations load as bf16 dummies.
+    checkpoint->dummy_fp8_ = quantization.get_string("quant_method", "") == "fp8" && block.size() == 2 &&
+                             block[0] == 128 && block[1] == 128;
+  }
+  return checkpoint;
+}
+
+Tensor Checkpoint::dummy_take(const std::string& name, const Shape& shape, bool fp32_everywhere) {
+  const ScalarType type =
+      device_ == Device::Cpu || fp32_everywhere || shape.size() < 2 ? ScalarType::F32 : ScalarType::BF16;
+  dummy_params_ += shape_numel(shape);
+  return dummy_tensor(dummy_init(name, shape, dummy_unit_norms_), dummy_key(dummy_seed_, name), shape, type, device_);
+}
+
+Tensor Checkpoint::dummy_fp8(const std::string& name, const Shape& shape, const Shape& scale_shape) {
+  const DummyInit init = dummy_init(name, shape, dummy_unit_norms_);
+  dummy_params_ += shape_numel(shape);
+  Tensor codes = dummy_tensor(init, dummy_key(dummy_seed_, name), shape, ScalarType::F8E4M3, device_);
+  // Codes are e4m3(448 u): one scale, a / 448, turns them back into u * a in every block.
+  Tensor scales = Tensor::empty(scale_shape);
+  std::fill(scales.data(), scales.data() + scales.numel(), init.scale / 448.0f);
+  return codes.with_block_scales(scales.to(device_));
+}
+
 void Checkpoint::add_file(std::shared_ptr<SafetensorsFile> file) {
   for (const auto& [name, info] : file->tensors()) {
     auto existing = owner_.find(name);
@@ -101,16 +142,25 @@ void Checkpoint::add_file(std::shared_ptr<SafetensorsFile> file) {
   files_.push_back(std::move(file));
 }
 
-bool Checkpoint::has(const std::string& name) const { return index_.count(name) > 0; }
+bool Checkpoint::has(const std::string& name) const { return !dummy_ && index_.count(name) > 0; }
 
-Tensor Checkpoint::take(const std::string& name, const Shape& expected) { return place(take_host(name, expected)); }
+Tensor Checkpoint::take(const std::string& name, const Shape& expected) {
+  if (dummy_) return dummy_take(name, expected, /*fp32_everywhere=*/false);
+  return place(take_host(name, expected));
+}
 
 Tensor Checkpoint::take_fp32(const std::string& name, const Shape& expected) {
+  if (dummy_) return dummy_take(name, expected, /*fp32_everywhere=*/true);
   Tensor t = take_host(name, expected);
   return device_ == Device::Cpu ? t : t.to(device_, ScalarType::F32);
 }
 
 Tensor Checkpoint::take_linear(const std::string& name, const Shape& expected) {
+  if (dummy_) {
+    if (device_ != Device::Cpu && dummy_fp8_ && expected.size() == 2 && expected[1] % 16 == 0 && expected[0] % 8 == 0)
+      return dummy_fp8(name, expected, {ceil_div(expected[0], 128), ceil_div(expected[1], 128)});
+    return take(name, expected);
+  }
   auto it = index_.find(name);
   const bool fp8 = device_ != Device::Cpu && it != index_.end() && it->second->dtype == DType::F8_E4M3 &&
                    expected.size() == 2 && it->second->shape == expected && block_rows_ == 128 && block_cols_ == 128;
@@ -188,6 +238,14 @@ Tensor Checkpoint::dequantize_fp8(const TensorInfo& weight, const std::string& s
 Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t num_experts, int64_t intermediate,
                                              int64_t hidden) {
   const int64_t E = num_experts, I = intermediate, H = hidden;
+  if (dummy_) {  // transformers' fused layout, FP8 as take_fp8_experts lays it out when the config asks
+    if (device_ != Device::Cpu && dummy_fp8_ && I % 16 == 0 && H % 16 == 0) {
+      const int64_t ib = ceil_div(I, 128), hb = ceil_div(H, 128);
+      return {dummy_fp8(prefix + ".gate_up_proj", {E, 2 * I, H}, {E, 2, ib, hb}),
+              dummy_fp8(prefix + ".down_proj", {E, H, I}, {E, hb, ib})};
+    }
+    return {take(prefix + ".gate_up_proj", {E, 2 * I, H}), take(prefix + ".down_proj", {E, H, I})};
+  }
   if (has(prefix + ".gate_up_proj")) {
     // transformers' fused layout (e.g. DeepseekV32NaiveMoe.gate_up_proj): gate rows first, then up.
     return {take(prefix + ".gate_up_proj", {E, 2 * I, H}), take(prefix + ".down_proj", {E, H, I})};
@@ -247,6 +305,7 @@ Checkpoint::Experts Checkpoint::take_fp8_experts(const std::string& prefix, int6
 }
 
 void Checkpoint::finish(const std::vector<std::string>& ignore_prefixes) {
+  if (dummy_) return;  // it held exactly what was taken
   std::vector<std::string> unexpected;
   for (const auto& [name, info] : index_) {
     if (taken_.count(name) || starts_with_any(name, ignore_prefixes)) continue;

@@ -23,9 +23,22 @@ class Checkpoint {
   // Opens dir/config.json and the safetensors files; errors are one line naming the problem.
   // The FP8 block size comes from config.json quantization_config.weight_block_size (default 128x128).
   static std::unique_ptr<Checkpoint> open(const std::string& dir);
+  // --load-format dummy (vLLM's): dir/config.json alone; no weight file is opened or read. Every take*()
+  // synthesises the tensor asked for, in the shape asked for, deterministic from `seed` and the name
+  // (formats/dummy_weights.h: real-init scales). has() answers false, so each family picks its default
+  // layout (transformers' names, separate projections) and leaves out optional tensors (router
+  // correction biases, a tied head's copy); finish() finds nothing left over. On a GPU each tensor is
+  // generated in host chunks and uploaded, matrices in bfloat16, vectors in float32; with an FP8
+  // quantization_config (quant_method "fp8", 128x128 blocks) the weights a real checkpoint would keep in
+  // FP8 there (take_linear's projections, routed experts) are FP8 codes with block scales.
+  static std::unique_ptr<Checkpoint> open_dummy(const std::string& dir, uint64_t seed = 0);
 
   const std::string& dir() const { return dir_; }
   const Config& config() const { return config_; }
+  bool dummy() const { return dummy_; }
+  // A dummy checkpoint: the elements of every tensor handed out so far (the model's parameter count once
+  // it is loaded).
+  int64_t dummy_params() const { return dummy_params_; }
 
   // Where take() and take_experts() put tensors: the host (float32, the default) or a GPU, where
   // matrices (2 or more dimensions) become bfloat16 and vectors (norm weights, biases) stay float32.
@@ -72,6 +85,18 @@ class Checkpoint {
   int64_t block_cols_ = 128;
 
   Device device_ = Device::Cpu;
+
+  // --load-format dummy (open_dummy)
+  bool dummy_ = false;
+  bool dummy_fp8_ = false;          // quantization_config asks for FP8 block-scaled weights
+  bool dummy_unit_norms_ = false;   // Gemma-style norms (x̂ · (1 + w)): identity weight 0
+  uint64_t dummy_seed_ = 0;
+  int64_t dummy_params_ = 0;
+  // The tensor `name` of `shape`, placed as take() (or, fp32_everywhere, take_fp32) places it.
+  Tensor dummy_take(const std::string& name, const Shape& shape, bool fp32_everywhere);
+  // FP8 codes of `shape` ([..., rows, cols]) with one scale per 128x128 block, on the device; `scales`
+  // is the shape of the block-scale tensor the kernels expect.
+  Tensor dummy_fp8(const std::string& name, const Shape& shape, const Shape& scales);
 
   void add_file(std::shared_ptr<SafetensorsFile> file);
   Tensor take_host(const std::string& name, const Shape& expected);  // take() before placement

@@ -30,7 +30,7 @@ void rotate_heads(Tensor& x, int64_t head_dim, const Tensor& positions, const Ro
 
 LayerCacheSpec GqaAttention::cache_spec_for(int64_t kv_heads, int64_t head_dim, int64_t index_head_dim) {
   LayerCacheSpec spec;
-  spec.pages.push_back({PageKind::GqaKeyValue, 2 * kv_heads * head_dim});
+  spec.pages.push_back({PageKind::GqaKeyValue, 2 * kv_heads * head_dim, 0, kv_heads});
   if (index_head_dim > 0) spec.pages.push_back({PageKind::MsaIndexKey, index_head_dim});
   return spec;
 }

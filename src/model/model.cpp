@@ -90,8 +90,17 @@ const Tensor& Batch::positions_on(Device device) const {
   return positions_tensor;
 }
 
-std::unique_ptr<Model> load_model(const std::string& dir, Device device) {
-  std::unique_ptr<Checkpoint> ckpt = Checkpoint::open(dir);
+std::unique_ptr<Model> load_model(const std::string& dir, Device device) { return load_model(dir, device, LoadOptions{}); }
+
+void check_load_format(const std::string& load_format) {
+  SPARROW_CHECK(load_format == "auto" || load_format == "safetensors" || load_format == "dummy",
+                "--load-format must be auto, safetensors or dummy, not '", load_format, "'");
+}
+
+std::unique_ptr<Model> load_model(const std::string& dir, Device device, const LoadOptions& options) {
+  check_load_format(options.load_format);
+  std::unique_ptr<Checkpoint> ckpt =
+      options.load_format == "dummy" ? Checkpoint::open_dummy(dir, options.dummy_seed) : Checkpoint::open(dir);
   const Config& config = ckpt->config();
   const std::string type = config.get_string("model_type");
   if (device != Device::Cpu) ckpt->place_on(device);

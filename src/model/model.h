@@ -94,6 +94,17 @@ class Model {
 // errors for anything wrong with the folder, or for a family the device cannot run yet.
 std::unique_ptr<Model> load_model(const std::string& dir, Device device = Device::Cpu);
 
+// vLLM's --load-format: "auto" and "safetensors" read the folder's safetensors; "dummy" builds the model
+// from config.json alone with random weights at its real dimensions (Checkpoint::open_dummy,
+// formats/dummy_weights.h), for benchmarks of shapes whose weights are not here.
+struct LoadOptions {
+  std::string load_format = "auto";
+  uint64_t dummy_seed = 0;  // the dummy weights' seed
+};
+// Throws a one-line error for an unknown load format.
+void check_load_format(const std::string& load_format);
+std::unique_ptr<Model> load_model(const std::string& dir, Device device, const LoadOptions& options);
+
 // The cache spec load_model(dir)->cache_spec() would give, from config.json alone (no weights): lets the
 // cache planner size real models from their config (bench/shapes/*.json).
 std::vector<LayerCacheSpec> cache_spec_from_config(const Config& config);

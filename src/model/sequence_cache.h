@@ -43,6 +43,9 @@ struct PageSpec {
   PageKind kind{};
   int64_t width = 0;       // floats per token
   int64_t rope_width = 0;  // MLA: how many of them (at the end) are the rotary key; codecs may keep those wider
+  // GQA K/V: the KV heads the width holds (K and V of each), which tensor parallelism divides among GPUs
+  // (cache/kv_plan.h); 1 for pages every GPU keeps whole (MLA latents, index keys).
+  int64_t heads = 1;
   bool operator==(const PageSpec&) const = default;
 };
 
@@ -68,6 +71,10 @@ enum class PageFormat {
   BFloat16,     // rows of width bf16
   Fp8Latent,    // MLA latent, FlashMLA's layout: per token [NoPE e4m3 | fp32 scale per 128 | rope bf16]
   Fp8IndexKey,  // DSA index key: [block_size x width e4m3][block_size x fp32 scale] ("values then scales")
+  Fp8Rows,      // rows of width e4m3, the layer's fp32 scale outside the page (1.0): MLA 576, GQA K/V, MSA key
+  Nvfp4Latent,  // MLA latent: per token [NoPE e2m1 packed | rope e4m3 | NoPE e4m3 scale per 16] (352 B)
+  Nvfp4Rows,    // [block_size x width/2 e2m1 packed][block_size x width/16 e4m3 scales]: GQA K/V, index keys
+  Mxfp4Rows,    // [block_size x width/2 e2m1 packed][block_size x width/32 e8m0 scales]: index keys
 };
 
 // A paged cache's storage as kernels see it. Token j of a sequence's page of (layer, kind) is slot

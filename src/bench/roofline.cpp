@@ -1,0 +1,413 @@
+#include "bench/roofline.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+
+#include "cache/planner.h"
+#include "core/error.h"
+#include "model/model.h"
+
+namespace sparrow::bench {
+
+namespace {
+
+// How a weight is stored on the GPU (formats/checkpoint.h): matrices bfloat16; vectors float32; with an
+// FP8 config, the projections read through take_linear (and the routed experts) as E4M3 codes with one
+// fp32 scale per 128x128 block, when the FP8 product takes their shape (in % 16, out % 8).
+enum class Store { Matrix, Vector, Linear };
+
+struct Counter {
+  bool fp8 = false;
+  double params = 0, bytes = 0;
+
+  double bytes_of(Store store, double n, int64_t out, int64_t in) const {
+    if (store == Store::Vector) return 4 * n;
+    if (store == Store::Linear && fp8 && in % 16 == 0 && out % 8 == 0) return n * (1.0 + 4.0 / (128.0 * 128.0));
+    return 2 * n;
+  }
+  void add(Store store, int64_t out, int64_t in = 1) {
+    const double n = double(out) * double(in);
+    params += n;
+    bytes += bytes_of(store, n, out, in);
+  }
+  void vector(int64_t n) { add(Store::Vector, n); }
+};
+
+// The fields the families read, with their defaults (model/deepseek_v32.cpp, kimi_linear.cpp,
+// minimax_m3.cpp): kept in step by tests/bench_sweep_test.cpp, which loads every fixture with dummy weights
+// and compares the parameter count.
+struct Mla {
+  int64_t hidden, heads, q_lora, kv_lora, nope, rope, v;
+  bool bias;
+  void count(Counter& c) const {
+    if (q_lora > 0) {
+      c.add(Store::Linear, q_lora, hidden);
+      if (bias) c.vector(q_lora);
+      c.vector(q_lora);  // q_a_layernorm
+      c.add(Store::Linear, heads * (nope + rope), q_lora);
+    } else {
+      c.add(Store::Linear, heads * (nope + rope), hidden);
+    }
+    c.add(Store::Linear, kv_lora + rope, hidden);
+    if (bias) c.vector(kv_lora + rope);
+    c.vector(kv_lora);                                     // kv_a_layernorm
+    c.add(Store::Matrix, heads * (nope + v), kv_lora);     // kv_b_proj (take: bf16 even when FP8)
+    c.add(Store::Linear, hidden, heads * v);
+    if (bias) c.vector(hidden);
+  }
+  // Absorbed form: each query head scores the cached latent + rope key and sums the latent.
+  double flops_per_key() const { return 2.0 * double(heads) * double(kv_lora + rope + kv_lora); }
+};
+
+struct Dsa {
+  int64_t hidden, query_input, heads, dim, topk;
+  void count(Counter& c) const {
+    c.add(Store::Linear, heads * dim, query_input);
+    c.add(Store::Linear, dim, hidden);
+    c.vector(2 * dim);  // k_norm weight and bias
+    c.add(Store::Linear, heads, hidden);
+  }
+};
+
+// DenseMlp::load: gate and up through take_linear when intermediate % 128 == 0, else take.
+void count_mlp(Counter& c, int64_t hidden, int64_t intermediate) {
+  const Store gate_up = intermediate % 128 == 0 ? Store::Linear : Store::Matrix;
+  c.add(gate_up, intermediate, hidden);
+  c.add(gate_up, intermediate, hidden);
+  c.add(Store::Linear, hidden, intermediate);
+}
+
+struct Families {
+  Counter dense, embedding;
+  double tied_params = 0, tied_bytes = 0;  // a tied head: in `dense` (read every step) and stored once
+  ModelCost cost;
+};
+
+void add_moe_layer(Families& f, int64_t hidden, int64_t experts, int64_t top_k, int64_t intermediate,
+                   int64_t shared_intermediate) {
+  f.dense.add(Store::Matrix, experts, hidden);  // router
+  count_mlp(f.dense, hidden, shared_intermediate);
+  if (f.cost.moe_layers == 0) {
+    Counter one;
+    one.fp8 = f.dense.fp8;
+    // Routed experts follow take_experts' FP8 rule (I and H multiples of 16), which the product rule
+    // above also gives for a [2I, H] and an [H, I] matrix with these sizes.
+    one.add(Store::Linear, 2 * intermediate, hidden);
+    one.add(Store::Linear, hidden, intermediate);
+    f.cost.expert_params = one.params;
+    f.cost.expert_bytes = one.bytes;
+    f.cost.num_experts = experts;
+    f.cost.experts_per_token = top_k;
+  }
+  f.cost.moe_layers += 1;
+}
+
+std::string key_or_alias(const Config& c, const std::string& name, const std::string& alias) {
+  return c.has(alias) ? alias : name;
+}
+
+std::vector<std::string> dense_first(const Config& c, int64_t layers, int64_t default_dense) {
+  if (c.has("mlp_layer_types")) return c.get_string_list("mlp_layer_types");
+  const int64_t dense = c.get_int("first_k_dense_replace", default_dense);
+  std::vector<std::string> types(size_t(layers), "sparse");
+  for (int64_t i = 0; i < std::min(dense, layers); ++i) types[size_t(i)] = "dense";
+  return types;
+}
+
+// The embedding table (a step gathers B rows of it), the final norm, and the head, which every step's
+// logits read whole (when tied, the head is the embedding table: read every step, stored once).
+void embeddings(Families& f, int64_t vocab, int64_t hidden, bool tied) {
+  f.embedding.add(Store::Matrix, vocab, hidden);
+  f.dense.vector(hidden);
+  f.dense.add(Store::Matrix, vocab, hidden);
+  if (tied) f.tied_params = f.embedding.params, f.tied_bytes = f.embedding.bytes;
+}
+
+void deepseek_v32(Families& f, const Config& c) {
+  const int64_t hidden = c.get_int("hidden_size", 7168), layers = c.get_int("num_hidden_layers", 61);
+  const Mla mla{hidden,
+                c.get_int("num_attention_heads", 128),
+                c.get_int("q_lora_rank", 1536),
+                c.get_int("kv_lora_rank", 512),
+                c.get_int("qk_nope_head_dim", 128),
+                c.get_int("qk_rope_head_dim", 64),
+                c.get_int("v_head_dim", 128),
+                c.get_bool("attention_bias", false)};
+  const Dsa dsa{hidden, mla.q_lora, c.get_int("index_n_heads", 64), c.get_int("index_head_dim", 128),
+                c.get_int("index_topk", 2048)};
+  const int64_t experts = c.get_int("num_experts", c.get_int("n_routed_experts", 256));
+  const std::vector<std::string> mlp = dense_first(c, layers, 3);
+  embeddings(f, c.get_int("vocab_size", 129280), hidden, c.get_bool("tie_word_embeddings", false));
+  for (int64_t i = 0; i < layers; ++i) {
+    f.dense.vector(2 * hidden);
+    mla.count(f.dense);
+    dsa.count(f.dense);
+    MixerCost m;
+    m.kind = "mla_dsa";
+    m.attended_limit = dsa.topk;
+    m.flops_per_key = mla.flops_per_key();
+    m.index_flops_per_key = 2.0 * double(dsa.heads * dsa.dim);
+    f.cost.mixers.push_back(m);
+    const int64_t moe_intermediate = c.get_int("moe_intermediate_size", 2048);
+    if (mlp.at(size_t(i)) == "dense")
+      count_mlp(f.dense, hidden, c.get_int("intermediate_size", 18432));
+    else
+      add_moe_layer(f, hidden, experts, c.get_int("num_experts_per_tok", 8), moe_intermediate,
+                    moe_intermediate * c.get_int("n_shared_experts", 1));
+  }
+}
+
+std::vector<std::string> kimi_layer_types(const Config& c, const Config& linear, int64_t layers) {
+  if (c.has("layer_types")) return c.get_string_list("layer_types");
+  std::vector<std::string> types(static_cast<size_t>(layers), std::string());
+  if (linear.has("full_attn_layers") && linear.has("kda_layers")) {
+    for (int64_t l : linear.get_int_list("full_attn_layers")) types.at(size_t(l - 1)) = "full_attention";
+    for (int64_t l : linear.get_int_list("kda_layers")) types.at(size_t(l - 1)) = "linear_attention";
+    return types;
+  }
+  for (int64_t i = 0; i < layers; ++i) types[size_t(i)] = i > 0 && i % 4 == 0 ? "full_attention" : "linear_attention";
+  return types;
+}
+
+void kimi_linear(Families& f, const Config& c) {
+  const bool k3 = c.get_string("model_type") == "kimi_k3";
+  const int64_t hidden = c.get_int("hidden_size", 2304), layers = c.get_int("num_hidden_layers", 27);
+  const Config linear =
+      c.has("linear_attn_config") ? c.get_object("linear_attn_config") : Config(nlohmann::json::object(), c.where());
+  auto linear_size = [&](const std::string& sub, const std::string& key, int64_t def) {
+    return linear.has(sub) ? linear.get_int(sub) : c.get_int(key, def);
+  };
+  const int64_t D = linear_size("head_dim", "linear_head_dim", 128), H = linear_size("num_heads", "linear_num_heads", 32);
+  const int64_t kernel = linear_size("short_conv_kernel_size", "linear_conv_kernel_dim", 4), P = H * D;
+  const Mla mla{hidden,
+                c.get_int("num_attention_heads", 32),
+                c.get_int("q_lora_rank", 0),
+                c.get_int("kv_lora_rank", 512),
+                c.get_int("qk_nope_head_dim", 128),
+                c.get_int("qk_rope_head_dim", 64),
+                c.get_int("v_head_dim", 128),
+                c.get_bool("attention_bias", false)};
+  const Dsa dsa{hidden, mla.q_lora, c.get_int("index_n_heads", 64), c.get_int("index_head_dim", 128),
+                c.get_int("index_topk", 2048)};
+  const int64_t experts = c.get_int(key_or_alias(c, "num_local_experts", "num_experts"), 256);
+  const int64_t top_k = c.get_int(key_or_alias(c, "num_experts_per_tok", "num_experts_per_token"), 8);
+  const int64_t shared = c.get_int(key_or_alias(c, "n_shared_experts", "num_shared_experts"), 1);
+  const int64_t moe_intermediate = c.get_int("moe_intermediate_size", 1024);
+  const std::vector<std::string> types = kimi_layer_types(c, linear, layers);
+  const std::vector<std::string> mlp = dense_first(c, layers, 1);
+  embeddings(f, c.get_int("vocab_size", 163840), hidden, c.get_bool("tie_word_embeddings", false));
+  for (int64_t i = 0; i < layers; ++i) {
+    f.dense.vector(2 * hidden);
+    MixerCost m;
+    if (types.at(size_t(i)) == "linear_attention") {
+      Counter& d = f.dense;
+      d.add(Store::Linear, P, hidden), d.add(Store::Linear, P, hidden), d.add(Store::Linear, P, hidden);
+      d.vector(3 * P * kernel);  // q/k/v short convolutions, fp32
+      d.add(Store::Linear, D, hidden), d.add(Store::Linear, P, D);  // forget gate f_a, f_b
+      d.vector(P + H);                                              // dt_bias, A_log
+      d.add(Store::Linear, H, hidden);                              // b_proj
+      d.add(Store::Linear, D, hidden), d.add(Store::Linear, P, D);  // output gate g_a, g_b
+      d.vector(D);                                                  // o_norm
+      d.add(Store::Linear, hidden, P);
+      m.kind = "kda";
+      // Decay, k^T S, the rank-one update and S^T q: four D x D passes per head, 2 FLOPs each.
+      m.state_flops = 8.0 * double(H) * double(D) * double(D);
+    } else {
+      mla.count(f.dense);
+      m.kind = "mla";
+      m.flops_per_key = mla.flops_per_key();
+      if (k3) {
+        dsa.count(f.dense);
+        m.kind = "mla_dsa";
+        m.attended_limit = dsa.topk;
+        m.index_flops_per_key = 2.0 * double(dsa.heads * dsa.dim);
+      }
+    }
+    f.cost.mixers.push_back(m);
+    if (mlp.at(size_t(i)) == "dense")
+      count_mlp(f.dense, hidden, c.get_int("intermediate_size", 9216));
+    else
+      add_moe_layer(f, hidden, experts, top_k, moe_intermediate, moe_intermediate * shared);
+  }
+}
+
+void minimax_m3(Families& f, const Config& c, bool tied_outside) {
+  const int64_t hidden = c.get_int("hidden_size", 6144), layers = c.get_int("num_hidden_layers", 60);
+  const int64_t heads = c.get_int("num_attention_heads", 64), kv_heads = c.get_int("num_key_value_heads", 4);
+  const int64_t head_dim = c.get_int("head_dim", 128);
+  int64_t index_heads = c.get_int("index_n_heads", 4), index_dim = c.get_int("index_head_dim", 128);
+  int64_t block = c.get_int("index_block_size", 128), topk_blocks = c.get_int("index_topk_blocks", 16);
+  std::vector<std::string> types(size_t(layers), "full_attention");
+  if (c.has("sparse_attention_config")) {
+    const Config s = c.get_object("sparse_attention_config");
+    index_heads = s.get_int("sparse_num_index_heads", index_heads);
+    index_dim = s.get_int("sparse_index_dim", index_dim);
+    block = s.get_int("sparse_block_size", block);
+    topk_blocks = s.get_int("sparse_topk_blocks", topk_blocks);
+    if (!c.has("layer_types") && s.has("sparse_attention_freq")) {
+      const nlohmann::json& flags = s.json()["sparse_attention_freq"];
+      for (size_t i = 0; i < flags.size() && i < types.size(); ++i)
+        if (flags[i].is_boolean() ? flags[i].get<bool>() : flags[i].get<int64_t>() != 0) types[i] = "minimax_m3_sparse";
+    }
+  }
+  if (c.has("layer_types")) types = c.get_string_list("layer_types");
+  std::vector<std::string> mlp(size_t(layers), "sparse");
+  if (c.has("mlp_layer_types")) {
+    mlp = c.get_string_list("mlp_layer_types");
+  } else if (c.has("moe_layer_freq")) {
+    const nlohmann::json& flags = c.json()["moe_layer_freq"];
+    for (size_t i = 0; i < flags.size() && i < mlp.size(); ++i)
+      mlp[i] = (flags[i].is_boolean() ? flags[i].get<bool>() : flags[i].get<int64_t>() != 0) ? "sparse" : "dense";
+  }
+  const int64_t experts = c.get_int("num_local_experts", c.get_int("num_experts", 128));
+  embeddings(f, c.get_int("vocab_size", 200064), hidden, c.get_bool("tie_word_embeddings", false) || tied_outside);
+  for (int64_t i = 0; i < layers; ++i) {
+    Counter& d = f.dense;
+    d.vector(2 * hidden);
+    // GqaAttention's projections go through take(): bf16 whatever the config's quantization.
+    d.add(Store::Matrix, heads * head_dim, hidden);
+    d.add(Store::Matrix, kv_heads * head_dim, hidden);
+    d.add(Store::Matrix, kv_heads * head_dim, hidden);
+    d.add(Store::Matrix, hidden, heads * head_dim);
+    d.vector(2 * head_dim);
+    MixerCost m;
+    m.kind = "gqa";
+    m.flops_per_key = 2.0 * double(heads) * double(head_dim) * 2.0;
+    if (types.at(size_t(i)) == "minimax_m3_sparse") {
+      d.add(Store::Matrix, index_heads * index_dim, hidden);
+      d.add(Store::Matrix, index_dim, hidden);
+      d.vector(2 * index_dim);
+      m.kind = "gqa_msa";
+      m.attended_limit = topk_blocks * block;
+      m.index_flops_per_key = 2.0 * double(index_heads * index_dim);
+    }
+    f.cost.mixers.push_back(m);
+    if (mlp.at(size_t(i)) == "dense")
+      count_mlp(d, hidden, c.get_int("dense_intermediate_size", 12288));
+    else
+      add_moe_layer(f, hidden, experts, c.get_int("num_experts_per_tok", 4), c.get_int("intermediate_size", 3072),
+                    c.get_int("shared_intermediate_size", 3072));
+  }
+}
+
+}  // namespace
+
+double expected_distinct_experts(int64_t num_experts, int64_t per_token, double tokens) {
+  if (num_experts <= 0 || per_token <= 0 || tokens <= 0) return 0;
+  const double miss = 1.0 - double(std::min(per_token, num_experts)) / double(num_experts);
+  return double(num_experts) * (1.0 - std::pow(miss, tokens));
+}
+
+ModelCost model_cost(const Config& config, const std::string& kv_cache_dtype) {
+  Families f;
+  const std::string type = config.get_string("model_type");
+  if (config.has("quantization_config")) {
+    const Config q = config.get_object("quantization_config");
+    std::vector<int64_t> block = {128, 128};
+    if (q.has("weight_block_size")) block = q.get_int_list("weight_block_size");
+    f.dense.fp8 = q.get_string("quant_method", "") == "fp8" && block == std::vector<int64_t>{128, 128};
+  }
+  if (type == "deepseek_v32") deepseek_v32(f, config);
+  else if (type == "kimi_linear" || type == "kimi_k3") kimi_linear(f, config);
+  else if (type == "minimax_m3" || type == "minimax_m3_vl_text") minimax_m3(f, config, false);
+  else if (type == "minimax_m3_vl") minimax_m3(f, config.get_object("text_config"), config.get_bool("tie_word_embeddings", false));
+  else config.unsupported("model_type", type, "deepseek_v32, kimi_linear, kimi_k3, minimax_m3_vl_text, minimax_m3_vl");
+
+  ModelCost& cost = f.cost;
+  cost.model_type = type;
+  cost.embedding_params = f.embedding.params;
+  cost.dense_params = f.dense.params;
+  cost.dense_bytes = f.dense.bytes;
+  const double experts = double(cost.moe_layers * cost.num_experts);
+  cost.total_params = f.dense.params + f.embedding.params - f.tied_params + experts * cost.expert_params;
+  cost.weight_bytes = f.dense.bytes + f.embedding.bytes - f.tied_bytes + experts * cost.expert_bytes;
+
+  // The cache rows per token and the recurrent state per sequence, as the paged cache on a GPU lays them out.
+  CacheConfig cache;
+  cache.device = Device::Cuda;
+  cache.kv_cache_dtype = kv_cache_dtype;
+  cache.memory_bytes = int64_t(1) << 50;  // a plan only: nothing is allocated
+  const CachePlan plan = plan_cache(cache_spec_from_config(config), cache);
+  for (size_t l = 0; l < cost.mixers.size(); ++l) {
+    MixerCost& m = cost.mixers[l];
+    for (PageKind kind : {PageKind::MlaLatent, PageKind::GqaKeyValue})
+      if (const PagePlacement* p = plan.page(int(l), kind)) m.kv_bytes_per_token += double(p->token_bytes);
+    for (PageKind kind : {PageKind::DsaIndexKey, PageKind::MsaIndexKey})
+      if (const PagePlacement* p = plan.page(int(l), kind)) m.index_bytes_per_token += double(p->token_bytes);
+    // A step reads and writes every recurrent state of the layer (fp32).
+    for (StateKind kind : {StateKind::ConvTail, StateKind::Recurrent})
+      if (const StatePlacement* s = plan.state(int(l), kind)) m.state_bytes += 2.0 * 4.0 * double(s->spec.size);
+  }
+  return cost;
+}
+
+ModelCost model_cost_from_path(const std::string& path, const std::string& kv_cache_dtype) {
+  namespace fs = std::filesystem;
+  const fs::path file = fs::is_directory(path) ? fs::path(path) / "config.json" : fs::path(path);
+  return model_cost(Config::load(file.string()), kv_cache_dtype);
+}
+
+DecodeStep decode_roofline(const ModelCost& model, int64_t batch, double context, const HardwareLimits& hw) {
+  SPARROW_CHECK(batch > 0 && context >= 0, "roofline: batch must be positive and context non-negative");
+  SPARROW_CHECK(hw.hbm_bytes_per_s > 0 && hw.flops_per_s > 0, "roofline: bandwidth and FLOP/s must be positive");
+  DecodeStep s;
+  s.batch = batch;
+  s.context = context;
+  const double B = double(batch);
+  s.distinct_experts = expected_distinct_experts(model.num_experts, model.experts_per_token, B);
+  s.weight_bytes = model.dense_bytes + double(model.moe_layers) * s.distinct_experts * model.expert_bytes;
+  double per_token_flops = 2.0 * (model.dense_params + double(model.moe_layers * model.experts_per_token) * model.expert_params);
+  double per_sequence_bytes = 0;
+  for (const MixerCost& m : model.mixers) {
+    const double attended = m.attended_limit > 0 ? std::min(context, double(m.attended_limit)) : context;
+    per_sequence_bytes += attended * m.kv_bytes_per_token + context * m.index_bytes_per_token + m.state_bytes;
+    per_token_flops += attended * m.flops_per_key + context * m.index_flops_per_key + m.state_flops;
+  }
+  s.kv_bytes = B * per_sequence_bytes;
+  s.bytes = s.weight_bytes + s.kv_bytes;
+  s.flops = B * per_token_flops;
+  s.memory_seconds = s.bytes / hw.hbm_bytes_per_s;
+  s.compute_seconds = s.flops / hw.flops_per_s;
+  s.compute_bound = s.compute_seconds > s.memory_seconds;
+  s.seconds = std::max(s.memory_seconds, s.compute_seconds);
+  s.tokens_per_s_per_user = 1.0 / s.seconds;
+  s.tokens_per_s_per_gpu = B / s.seconds;
+  return s;
+}
+
+Json to_json(const DecodeStep& s) {
+  return Json{{"batch", s.batch},
+              {"context", s.context},
+              {"weight_bytes", s.weight_bytes},
+              {"kv_bytes", s.kv_bytes},
+              {"bytes", s.bytes},
+              {"flops", s.flops},
+              {"distinct_experts", s.distinct_experts},
+              {"memory_seconds", s.memory_seconds},
+              {"compute_seconds", s.compute_seconds},
+              {"seconds", s.seconds},
+              {"bound", s.compute_bound ? "compute" : "memory"},
+              {"tokens_per_s_per_user", s.tokens_per_s_per_user},
+              {"tokens_per_s_per_gpu", s.tokens_per_s_per_gpu}};
+}
+
+Json to_json(const ModelCost& m) {
+  Json kinds = Json::object();
+  for (const MixerCost& mixer : m.mixers) kinds[mixer.kind] = kinds.value(mixer.kind, 0) + 1;
+  return Json{{"model_type", m.model_type},
+              {"layers", m.mixers.size()},
+              {"mixers", kinds},
+              {"total_params", m.total_params},
+              {"embedding_params", m.embedding_params},
+              {"dense_params", m.dense_params},
+              {"dense_bytes", m.dense_bytes},
+              {"moe_layers", m.moe_layers},
+              {"num_experts", m.num_experts},
+              {"experts_per_token", m.experts_per_token},
+              {"expert_params", m.expert_params},
+              {"expert_bytes", m.expert_bytes},
+              {"weight_bytes", m.weight_bytes}};
+}
+
+}  // namespace sparrow::bench

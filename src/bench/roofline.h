@@ -1,0 +1,95 @@
+// The decode roofline of `sparrow bench sweep`: the fastest a decode step of a model could possibly run on
+// one GPU, from config.json alone, so each measured point of the Pareto sweep has its physical limit
+// beside it (docs/bench.md, "Sweep and roofline").
+//
+// One decode step of B sequences whose mean context is C tokens must at least
+//   read    bytes(B, C) = W_dense + n_moe · D(B) · W_expert + B · Σ_layers [ min(C, A_l) · kv_l + C · ix_l + s_l ]
+//   compute flops(B, C) = B · ( 2 · (P_dense + n_moe · k · P_expert) + Σ_layers [ min(C, A_l) · f_l + C · g_l + h_l ] )
+// and takes time(B, C) = max(bytes / HBM bandwidth, flops / peak FLOP/s), whichever binds; every sequence
+// gets one token per step, so tokens/s/user = 1 / time and tokens/s/GPU = B / time. Here
+//   W_dense, P_dense   bytes / elements of the weights every step reads whatever the batch: attention, KDA
+//                      and indexer projections, dense MLPs, shared experts, routers, norms, lm_head (the
+//                      embedding table is not: a step gathers B of its rows)
+//   W_expert, P_expert one routed expert of one MoE layer (gate, up, down); n_moe MoE layers
+//   D(B) = E · (1 − (1 − k/E)^B)  the expected number of distinct experts B tokens touch when each picks
+//                      k of E uniformly at random (a random router's routing; a trained router's load
+//                      balance loss aims at the same spread)
+//   kv_l, ix_l         bytes of one cached token's attention row (MLA latent, GQA K/V) and index key
+//                      (DSA, MSA) in layer l, as the paged cache stores them on a GPU (cache/planner.h)
+//   A_l                keys attention reads per query: DSA's index_topk, MSA's top blocks × block size,
+//                      all C for dense attention (so sparse layers read only the selected tokens, and
+//                      every index key)
+//   s_l, h_l           KDA: the recurrent state read and written, and its update FLOPs, per sequence
+//   f_l, g_l           attention FLOPs per attended key (QK and PV: MLA absorbed 2·heads·(576 + 512),
+//                      GQA 2·heads·head_dim·2) and indexer FLOPs per scored key (2·index_heads·index_dim)
+// Weights are counted as sparrow stores them on a GPU: matrices bfloat16, vectors float32, and with an FP8
+// quantization_config the projections take_linear reads and the routed experts in FP8 (1 byte plus one
+// fp32 scale per 128x128 block). It is a decode-only bound: prefill is counted free, so it also bounds
+// total (input + output) tokens/s by B / time · (input + output) / output.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "bench/workloads.h"
+#include "formats/config.h"
+
+namespace sparrow::bench {
+
+// One H200 (docs/gpu.md): HBM bandwidth as measured (spec 4.8 TB/s), dense bf16 tensor-core FLOP/s as
+// cuBLASLt reaches them (spec ~989 TFLOP/s).
+struct HardwareLimits {
+  double hbm_bytes_per_s = 4.3e12;
+  double flops_per_s = 790e12;
+};
+
+// One layer's token mixer in cost terms (the symbols of the formula above).
+struct MixerCost {
+  std::string kind;                  // mla, mla_dsa, gqa, gqa_msa, kda
+  double kv_bytes_per_token = 0;     // kv_l
+  double index_bytes_per_token = 0;  // ix_l
+  int64_t attended_limit = 0;        // A_l; 0: every cached key
+  double flops_per_key = 0;          // f_l
+  double index_flops_per_key = 0;    // g_l
+  double state_bytes = 0;            // s_l
+  double state_flops = 0;            // h_l
+};
+
+struct ModelCost {
+  std::string model_type;
+  double total_params = 0;      // every tensor the model loads (routers' correction biases aside)
+  double embedding_params = 0;  // the input embedding table (also the head when tied)
+  double dense_params = 0;      // P_dense
+  double dense_bytes = 0;       // W_dense
+  int64_t moe_layers = 0, num_experts = 0, experts_per_token = 0;
+  double expert_params = 0;     // P_expert
+  double expert_bytes = 0;      // W_expert
+  double weight_bytes = 0;      // all weights as stored on the GPU (what must fit in its memory)
+  std::vector<MixerCost> mixers;  // one per layer
+};
+
+// The cost of a model from its config.json (every family load_model takes). `kv_cache_dtype` is
+// serve's --kv-cache-dtype on a GPU ("auto": bfloat16, DSA index keys FP8).
+ModelCost model_cost(const Config& config, const std::string& kv_cache_dtype = "auto");
+// `path`: a model folder or its config.json.
+ModelCost model_cost_from_path(const std::string& path, const std::string& kv_cache_dtype = "auto");
+
+// D(B): expected distinct experts when `tokens` tokens each pick `per_token` of `num_experts`.
+double expected_distinct_experts(int64_t num_experts, int64_t per_token, double tokens);
+
+// One decode step at batch B and mean context C.
+struct DecodeStep {
+  int64_t batch = 0;
+  double context = 0;
+  double weight_bytes = 0, kv_bytes = 0, bytes = 0, flops = 0;
+  double distinct_experts = 0;  // per MoE layer
+  double memory_seconds = 0, compute_seconds = 0, seconds = 0;
+  bool compute_bound = false;
+  double tokens_per_s_per_user = 0, tokens_per_s_per_gpu = 0;
+};
+DecodeStep decode_roofline(const ModelCost& model, int64_t batch, double context, const HardwareLimits& hw);
+
+Json to_json(const DecodeStep& step);
+Json to_json(const ModelCost& model);  // the totals, not the per-layer list
+
+}  // namespace sparrow::bench
