@@ -100,11 +100,15 @@ Tensor GqaAttention::attend_gpu(const Tensor& q, const Tensor& k, const Tensor& 
   Tensor blocks;
   int index_heads = 0, max_blocks = 0, index_block_size = 0;
   if (indexer) {
-    SPARROW_CHECK(step.format(layer, PageKind::MsaIndexKey) == PageFormat::BFloat16,
-                  "the GPU MSA selector reads bfloat16 index keys (indexer_kv_dtype auto or bfloat16)");
+    // FP8 keys (indexer_kv_dtype auto or fp8: scale-free e4m3 rows, 128 B a token) or bf16 keys.
+    const PageFormat key_page = step.format(layer, PageKind::MsaIndexKey);
+    SPARROW_CHECK(key_page == PageFormat::Fp8Rows || key_page == PageFormat::BFloat16,
+                  "the GPU MSA selector reads bfloat16 or fp8 index keys (indexer_kv_dtype auto, fp8 or bfloat16)");
+    const cuda::MsaKeyFormat key_format =
+        key_page == PageFormat::Fp8Rows ? cuda::MsaKeyFormat::Fp8 : cuda::MsaKeyFormat::BFloat16;
     uint8_t* key_pool = step.page_base(layer, PageKind::MsaIndexKey);
     cuda::msa_write_keys(index_k.raw(), rows, int(indexer->head_dim), row_seq, row_pos, table, step.table_stride,
-                         step.block_size(), key_pool, stream);
+                         step.block_size(), key_pool, key_format, stream);
     index_heads = int(indexer->heads);
     max_blocks = int(indexer->topk_blocks);
     index_block_size = int(indexer->block_size);
@@ -112,9 +116,9 @@ Tensor GqaAttention::attend_gpu(const Tensor& q, const Tensor& k, const Tensor& 
     const size_t bytes = cuda::msa_select_workspace_bytes(rows, index_heads, step.max_visible, index_block_size);
     Tensor workspace = Tensor::empty({int64_t(std::max<size_t>(bytes, 1))}, ScalarType::U8, q.device());
     cuda::msa_select_blocks(index_q.raw(), rows, index_heads, int(indexer->head_dim), row_seq, row_pos,
-                            step.max_visible, key_pool, table, step.table_stride, step.block_size(), index_block_size,
-                            max_blocks, int(indexer->local_blocks), blocks.as<int32_t>(), nullptr, workspace.raw(),
-                            bytes, stream);
+                            step.max_visible, key_pool, key_format, table, step.table_stride, step.block_size(),
+                            index_block_size, max_blocks, int(indexer->local_blocks), blocks.as<int32_t>(), nullptr,
+                            workspace.raw(), bytes, stream);
   }
   Tensor out = Tensor::empty({rows, heads * head_dim}, ScalarType::BF16, q.device());
   const size_t bytes = cuda::gqa_attention_workspace_bytes(rows, int(heads), int(kv_heads), int(head_dim),

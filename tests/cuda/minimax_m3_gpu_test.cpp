@@ -13,7 +13,8 @@
 //   - every row must match the CPU path once the choices are made exact on both devices: all 8 experts
 //     routed and zero index queries (every block score ties; both keep the smallest blocks), which runs the
 //     selection path beyond the budget; the kernels themselves are checked case by case in msa_test,
-//     gqa_attention_test and moe_test.
+//     gqa_attention_test and moe_test. Both sides keep their MSA index keys in the same format: bfloat16
+//     (the GPU's default) and FP8 (indexer_kv_dtype fp8).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -122,21 +123,37 @@ TEST_F(CudaMiniMaxM3, EveryRowMatchesTheCpuWhenTheChoicesAreDetermined) {
   write_safetensors((dir / "model.safetensors").string(), tensors);
   auto gpu = load_model(dir.string(), Device::Cuda);
   auto cpu = load_model(dir.string());
-  CacheConfig cache_config;
-  cache_config.device = Device::Cuda;
-  cache_config.memory_bytes = int64_t(128) << 20;
-  cache_config.enable_prefix_caching = false;
-  KvCache cache(gpu->cache_spec(), cache_config);
-  for (size_t i = 0; i < prompts_.size(); ++i) {
-    SequenceState g;
-    g.cache = cache.view(cache.create_sequence());
-    SequenceState c = cpu->new_sequence();
-    Batch bg = make_batch({{&g, prompts_[i]}}), bc = make_batch({{&c, prompts_[i]}});
-    const Tensor ours = gpu->forward(bg).to(Device::Cpu), theirs = cpu->forward(bc);
-    const double error = worst_row_error(ours, theirs);
-    std::printf("determined choices, prompt %zu (%zu tokens): worst relative L2 vs the CPU %.3g\n", i,
-                prompts_[i].size(), error);
-    EXPECT_LE(error, kBf16Tolerance) << "prompt " << i;
+  // The GPU's default MSA keys ("auto": bfloat16, the kv dtype) and FP8 ones; the CPU caches its keys in
+  // the same format (its K/V stay float32).
+  for (const char* keys : {"auto", "fp8"}) {
+    SCOPED_TRACE(std::string("indexer_kv_dtype ") + keys);
+    CacheConfig cache_config;
+    cache_config.device = Device::Cuda;
+    cache_config.indexer_kv_dtype = keys;
+    cache_config.memory_bytes = int64_t(128) << 20;
+    cache_config.enable_prefix_caching = false;
+    KvCache cache(gpu->cache_spec(), cache_config);
+    const PagePlacement* key_page = cache.plan().page(1, PageKind::MsaIndexKey);
+    ASSERT_NE(key_page, nullptr) << "layer 1 has an MSA selector";
+    const PageFormat format = key_page->codec->format();
+    EXPECT_EQ(format, std::string(keys) == "fp8" ? PageFormat::Fp8Rows : PageFormat::BFloat16);
+    CacheConfig cpu_config;
+    cpu_config.kv_cache_dtype = "float32";
+    cpu_config.indexer_kv_dtype = format == PageFormat::Fp8Rows ? "fp8" : "bfloat16";
+    cpu_config.memory_bytes = int64_t(64) << 20;
+    cpu_config.enable_prefix_caching = false;
+    KvCache cpu_cache(cpu->cache_spec(), cpu_config);
+    for (size_t i = 0; i < prompts_.size(); ++i) {
+      SequenceState g, c;
+      g.cache = cache.view(cache.create_sequence());
+      c.cache = cpu_cache.view(cpu_cache.create_sequence());
+      Batch bg = make_batch({{&g, prompts_[i]}}), bc = make_batch({{&c, prompts_[i]}});
+      const Tensor ours = gpu->forward(bg).to(Device::Cpu), theirs = cpu->forward(bc);
+      const double error = worst_row_error(ours, theirs);
+      std::printf("determined choices, %s MSA keys, prompt %zu (%zu tokens): worst relative L2 vs the CPU %.3g\n",
+                  cache_dtype_name(cache.plan().index_dtype), i, prompts_[i].size(), error);
+      EXPECT_LE(error, kBf16Tolerance) << "prompt " << i;
+    }
   }
 }
 

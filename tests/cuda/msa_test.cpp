@@ -8,19 +8,26 @@
 // 2^24, hence exact in fp32 whatever the summation order: the GPU's scores then equal the CPU's bit for
 // bit and any tie is a true tie, resolved by the same rule (smaller block id). Random real values are
 // checked for near-optimality instead (ties and near-ties may legitimately go either way there).
+//
+// FP8 keys: the write is byte for byte the CPU page codec's (page_codec(fp8, MsaIndexKey)), and every
+// selection case runs again on FP8 pages of the same keys, whose kept blocks must equal exactly those of
+// the bf16 kernel on the dequantised keys (and the CPU rule's, for the exact value kinds).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "cache/page_codec.h"
 #include "core/bfloat16.h"
 #include "gpu_test_util.h"
+#include "kernels/cpu/fp8.h"
 #include "kernels/cuda/msa/msa.h"
 #include "model/msa_indexer.h"
 
@@ -31,15 +38,19 @@ using namespace sparrow;
 #define CK(x) ASSERT_EQ((x), cudaSuccess) << #x
 
 
-// A paged pool of dim-wide bf16 rows holding ctx[s] tokens for each sequence, pages in random order.
+// A paged pool of dim-wide rows (bf16, or E4M3 when value_bytes is 1) holding ctx[s] tokens for each
+// sequence, pages in random order.
 struct Pool {
   int block_size = 64;
   int dim = 0;
+  int value_bytes = 2;
   int64_t stride = 0;  // pages per sequence in the table
   std::vector<int64_t> table;
   std::vector<uint8_t> bytes;
-  int64_t page_bytes() const { return int64_t(block_size) * dim * 2; }
-  Pool(const std::vector<int64_t>& ctx, int bs, int d, std::mt19937& rng) : block_size(bs), dim(d) {
+  int64_t row_bytes() const { return int64_t(dim) * value_bytes; }
+  int64_t page_bytes() const { return int64_t(block_size) * row_bytes(); }
+  Pool(const std::vector<int64_t>& ctx, int bs, int d, std::mt19937& rng, int vb = 2)
+      : block_size(bs), dim(d), value_bytes(vb) {
     int64_t total = 0;
     for (int64_t c : ctx) {
       stride = std::max(stride, (c + bs - 1) / bs);
@@ -56,10 +67,10 @@ struct Pool {
       for (int64_t pg = 0; pg < (ctx[s] + bs - 1) / bs; ++pg) table[s * stride + pg] = ids[next++] * page_bytes();
     bytes.assign(total * page_bytes(), 0);
   }
-  uint16_t* row(size_t seq, int64_t pos) {
-    return reinterpret_cast<uint16_t*>(bytes.data() + table[seq * stride + pos / block_size] +
-                                       (pos % block_size) * dim * 2);
+  uint8_t* row_at(size_t seq, int64_t pos) {
+    return bytes.data() + table[seq * stride + pos / block_size] + (pos % block_size) * row_bytes();
   }
+  uint16_t* row(size_t seq, int64_t pos) { return reinterpret_cast<uint16_t*>(row_at(seq, pos)); }
 };
 
 TEST(CudaMsa, WriteKeysFillTheirPageSlots) {
@@ -90,7 +101,8 @@ TEST(CudaMsa, WriteKeysFillTheirPageSlots) {
       test::DeviceArray<int64_t> dt(pool.table);
       test::DeviceArray<uint8_t> dpool(pool.bytes.size());
       CK(cudaMemset(dpool.ptr, 0xA5, pool.bytes.size()));
-      cuda::msa_write_keys(dk.ptr, count, dim, ds.ptr, dp.ptr, dt.ptr, pool.stride, bs, dpool.ptr, nullptr);
+      cuda::msa_write_keys(dk.ptr, count, dim, ds.ptr, dp.ptr, dt.ptr, pool.stride, bs, dpool.ptr,
+                           cuda::MsaKeyFormat::BFloat16, nullptr);
       CK(cudaDeviceSynchronize());
       const std::vector<uint8_t> got = dpool.download();
       // Every owned slot holds its row; everything else (pages nobody owns, slots past a sequence's end)
@@ -101,6 +113,72 @@ TEST(CudaMsa, WriteKeysFillTheirPageSlots) {
         if (p2[i] >= 0) std::memcpy(pool.row(s2[i], p2[i]), &keys[i * dim], dim * 2);
       ASSERT_EQ(0, std::memcmp(pool.bytes.data(), got.data(), got.size()))
           << "dim " << dim << " block_size " << bs << " seed " << seed;
+    }
+  }
+}
+
+// FP8 pages are what the CPU page codec stores for the same bf16 rows, byte for byte: rounding to
+// nearest even (bf16 has the bits for every E4M3 midpoint, so ties occur), saturation at ±448,
+// infinities, NaN, subnormals and values that round to zero, from random bit patterns and N(0, 2).
+TEST(CudaMsa, WriteFp8KeysMatchTheCpuPageCodec) {
+  SPARROW_REQUIRE_GPU();
+  const unsigned seed = std::random_device{}();
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  std::uniform_int_distribution<int> bits(0, 0xFFFF), pick(0, 3);
+  // Midpoints between neighbouring E4M3 values, and the edges: 448 (largest), 464 (its midpoint to the
+  // next power of two), 2^-9 (smallest subnormal), 2^-10 (its midpoint to zero, even: 0), 3 * 2^-10.
+  const float special[] = {0.0f,          -0.0f,         448.0f,   464.0f,  480.0f, 1e30f,          INFINITY,
+                           -INFINITY,     NAN,           0x1p-9f,  0x1p-10f, 3 * 0x1p-10f, 1.0625f, 1.1875f,
+                           -2.375f,       0x1p-6f * 1.0625f, 240.0f, 248.0f};
+  const PageCodec& codec = page_codec(CacheDtype::Fp8, PageKind::MsaIndexKey);
+  ASSERT_EQ(codec.format(), PageFormat::Fp8Rows);
+  for (int dim : {128, 16, 24}) {
+    for (int bs : {16, 64}) {
+      const PageSpec spec{PageKind::MsaIndexKey, dim};
+      ASSERT_EQ(codec.page_bytes(spec, bs), int64_t(bs) * dim);
+      const std::vector<int64_t> ctx = {1, 77, 64, 300, 1000};
+      Pool pool(ctx, bs, dim, rng, /*value_bytes=*/1);
+      std::vector<int32_t> tseq, tpos;
+      for (size_t s = 0; s < ctx.size(); ++s)
+        for (int64_t j = 0; j < ctx[s]; ++j) tseq.push_back(int32_t(s)), tpos.push_back(int32_t(j));
+      tseq.push_back(2), tpos.push_back(-1);
+      std::vector<size_t> order(tseq.size());
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng);
+      std::vector<int32_t> s2(tseq.size()), p2(tseq.size());
+      for (size_t i = 0; i < order.size(); ++i) s2[i] = tseq[order[i]], p2[i] = tpos[order[i]];
+      const int64_t count = int64_t(s2.size());
+      std::vector<uint16_t> keys(count * dim);
+      for (auto& v : keys) {
+        switch (pick(rng)) {
+          case 0: v = uint16_t(bits(rng)); break;  // any bf16, NaNs and infinities included
+          case 1: v = float_to_bf16(special[std::uniform_int_distribution<size_t>(0, std::size(special) - 1)(rng)]);
+                  break;
+          default: v = float_to_bf16(nd(rng)); break;
+        }
+      }
+      test::DeviceArray<uint16_t> dk(keys);
+      test::DeviceArray<int32_t> ds(s2), dp(p2);
+      test::DeviceArray<int64_t> dt(pool.table);
+      test::DeviceArray<uint8_t> dpool(pool.bytes.size());
+      CK(cudaMemset(dpool.ptr, 0xA5, pool.bytes.size()));
+      cuda::msa_write_keys(dk.ptr, count, dim, ds.ptr, dp.ptr, dt.ptr, pool.stride, bs, dpool.ptr,
+                           cuda::MsaKeyFormat::Fp8, nullptr);
+      CK(cudaDeviceSynchronize());
+      const std::vector<uint8_t> got = dpool.download();
+      // The CPU codec encodes each row (as floats: exactly the bf16 values) into its page slot.
+      pool.bytes.assign(pool.bytes.size(), 0xA5);
+      std::vector<float> row(dim);
+      for (int64_t i = 0; i < count; ++i) {
+        if (p2[i] < 0) continue;
+        for (int d = 0; d < dim; ++d) row[d] = bf16_to_float(keys[i * dim + d]);
+        uint8_t* page = pool.bytes.data() + pool.table[s2[i] * pool.stride + p2[i] / bs];
+        codec.encode(spec, bs, row.data(), p2[i] % bs, 1, reinterpret_cast<std::byte*>(page));
+      }
+      for (size_t b = 0; b < got.size(); ++b)
+        ASSERT_EQ(int(got[b]), int(pool.bytes[b])) << "byte " << b << " dim " << dim << " block_size " << bs
+                                                   << " seed " << seed;
     }
   }
 }
@@ -131,10 +209,15 @@ void add_prefill(Case& c, int s, int64_t first) {
   for (int64_t p = first; p < c.ctx[s]; ++p) c.row_seq.push_back(s), c.row_pos.push_back(int32_t(p));
 }
 
-void run_case(const Case& c, std::mt19937& rng, unsigned seed) {
-  SCOPED_TRACE(c.name + " seed " + std::to_string(seed));
+// One case in one key format. Fp8: the keys are first rounded to E4M3 (the CPU codec's rule), the CPU
+// reference and a bf16 pool use the dequantised values, and the FP8 pool holds the codes; the FP8 kernel's
+// kept blocks must equal the bf16 kernel's on the dequantised pool exactly (and the CPU rule's, as bf16's).
+void run_case_in(const Case& c, std::mt19937& rng, unsigned seed, cuda::MsaKeyFormat format) {
+  const bool fp8 = format == cuda::MsaKeyFormat::Fp8;
+  SCOPED_TRACE(c.name + (fp8 ? " fp8 keys" : " bf16 keys") + " seed " + std::to_string(seed));
   const int dim = c.dim, H = c.heads;
   Pool pool(c.ctx, c.block_size, dim, rng);
+  Pool pool8(c.ctx, c.block_size, dim, rng, /*value_bytes=*/1);
   std::uniform_int_distribution<int> small(-3, 3), positive(1, 3);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::bernoulli_distribution dead(0.3);
@@ -152,6 +235,11 @@ void run_case(const Case& c, std::mt19937& rng, unsigned seed) {
           case Values::Periodic: v = j < c.ib ? float(small(rng)) : keys[s][(j % c.ib) * dim + i]; break;
           case Values::DeadBlocks: v = dead_block[j / c.ib] ? -0x1p126f : float(small(rng)); break;
           case Values::Normal: v = bf16_to_float(float_to_bf16(nd(rng))); break;
+        }
+        if (fp8) {
+          const uint8_t code = cpu::float_to_e4m3(v);
+          pool8.row_at(s, j)[i] = code;
+          v = cpu::e4m3_to_float(code);  // exactly a bf16 value
         }
         keys[s][j * dim + i] = v;
         pool.row(s, j)[i] = float_to_bf16(v);
@@ -201,7 +289,8 @@ void run_case(const Case& c, std::mt19937& rng, unsigned seed) {
   test::DeviceArray<uint16_t> dq(qb);
   test::DeviceArray<int32_t> drs(c.row_seq), drp(c.row_pos);
   test::DeviceArray<int64_t> dt(pool.table);
-  test::DeviceArray<uint8_t> dpool(pool.bytes);
+  test::DeviceArray<uint8_t> dpool(pool.bytes), dpool8(fp8 ? pool8.bytes : std::vector<uint8_t>(1));
+  test::DeviceArray<int64_t> dt8(pool8.table);
   test::DeviceArray<int32_t> dblocks(rows * H * c.topk), dcounts(rows * H);
   const size_t wsb = cuda::msa_select_workspace_bytes(rows, H, max_position, c.ib);
   test::DeviceArray<uint8_t> dws(wsb);
@@ -213,10 +302,26 @@ void run_case(const Case& c, std::mt19937& rng, unsigned seed) {
     CK(cudaMemset(dblocks.ptr, 0x7F, rows * H * c.topk * 4));
     CK(cudaMemset(dcounts.ptr, 0x7F, rows * H * 4));
     CK(cudaMemset(dws.ptr, 0x7F, std::max<size_t>(wsb, 1)));
-    cuda::msa_select_blocks(dq.ptr, rows, H, dim, drs.ptr, drp.ptr, max_position, dpool.ptr, dt.ptr, pool.stride,
-                            c.block_size, c.ib, c.topk, c.local, dblocks.ptr, dcounts.ptr, dws.ptr, wsb, nullptr, kernel);
+    cuda::msa_select_blocks(dq.ptr, rows, H, dim, drs.ptr, drp.ptr, max_position, dpool.ptr,
+                            cuda::MsaKeyFormat::BFloat16, dt.ptr, pool.stride, c.block_size, c.ib, c.topk, c.local,
+                            dblocks.ptr, dcounts.ptr, dws.ptr, wsb, nullptr, kernel);
     CK(cudaDeviceSynchronize());
     const std::vector<int32_t> got = dblocks.download(), counts = dcounts.download();
+    if (fp8) {
+      // The FP8 pages of the same keys: exactly the bf16 kernel's output on the dequantised keys.
+      CK(cudaMemset(dblocks.ptr, 0x7F, rows * H * c.topk * 4));
+      CK(cudaMemset(dcounts.ptr, 0x7F, rows * H * 4));
+      CK(cudaMemset(dws.ptr, 0x7F, std::max<size_t>(wsb, 1)));
+      cuda::msa_select_blocks(dq.ptr, rows, H, dim, drs.ptr, drp.ptr, max_position, dpool8.ptr,
+                              cuda::MsaKeyFormat::Fp8, dt8.ptr, pool8.stride, c.block_size, c.ib, c.topk, c.local,
+                              dblocks.ptr, dcounts.ptr, dws.ptr, wsb, nullptr, kernel);
+      CK(cudaDeviceSynchronize());
+      const std::vector<int32_t> got8 = dblocks.download(), counts8 = dcounts.download();
+      ASSERT_EQ(counts8, counts) << "fp8 keys: counts differ from the bf16 kernel's on the dequantised keys";
+      for (size_t i = 0; i < got.size(); ++i)
+        ASSERT_EQ(got8[i], got[i]) << "fp8 keys: entry " << i << " (vector " << i / c.topk
+                                   << ") differs from the bf16 kernel's on the dequantised keys";
+    }
     for (int64_t r = 0; r < rows; ++r)
       for (int h = 0; h < H; ++h) {
         const int64_t v = r * H + h;
@@ -263,6 +368,11 @@ void run_case(const Case& c, std::mt19937& rng, unsigned seed) {
         }
       }
   }
+}
+
+void run_case(const Case& c, std::mt19937& rng, unsigned seed) {
+  run_case_in(c, rng, seed, cuda::MsaKeyFormat::BFloat16);
+  run_case_in(c, rng, seed, cuda::MsaKeyFormat::Fp8);
 }
 
 Case fixture_case(std::string name, std::vector<int64_t> ctx, int local, int block_size) {

@@ -1,8 +1,9 @@
 // bench_msa (kernel_bench.h): MiniMax-M3.1's MSA block selection (4 index heads per GPU under TP4, dim
 // 128, index blocks of 128 keys, top-16, 1 forced local block): decode (one query token per sequence,
 // batch 1..128, contexts 8K..512K) and prefill of a 4K / 8K chunk against its causal prefix. Keys sit in
-// a paged bf16 pool (64-token pages in random order). Bytes: keys 2 * 128 B per (sequence, visible key)
-// + queries (bf16) + the kept ids and counts written; the block scores' round trip through the
+// a paged pool (64-token pages in random order) in each key format: FP8 E4M3 (the GPU's default, 128 B a
+// token; shape tag keys=fp8) and bf16 (256 B; keys=bf16). Bytes: the keys' bytes per (sequence, visible
+// key) + queries (bf16) + the kept ids and counts written; the block scores' round trip through the
 // workspace (L2-sized for decode) is not counted. FLOPs: 2 * heads * 128 per (query row, visible key).
 #include <algorithm>
 #include <numeric>
@@ -13,6 +14,7 @@
 #include "kernels/cuda/bench_random.cuh"
 #include "kernels/cuda/kernel_bench.h"
 #include "kernels/cuda/msa/msa.h"
+#include "kernels/cuda/quant/fp4.cuh"
 #include "kernels/cuda/runtime/cuda_check.h"
 
 namespace sparrow::cuda {
@@ -26,6 +28,12 @@ __global__ void fill_bf16(uint16_t* p, int64_t n, uint64_t salt) {
     p[i] = uint16_t(__float_as_uint(hash_unit(uint64_t(i) * 0x9E3779B97F4A7C15ull + salt)) >> 16);
 }
 
+// E4M3 codes of values uniform in [-1, 1) (no NaN codes, as written keys have none).
+__global__ void fill_e4m3(uint8_t* p, int64_t n, uint64_t salt) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = quant::e4m3_encode(hash_unit(uint64_t(i) * 0x9E3779B97F4A7C15ull + salt));
+}
+
 }  // namespace
 
 void bench_msa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows) {
@@ -33,7 +41,7 @@ void bench_msa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
   cudaStream_t stream;
   SPARROW_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   constexpr int kBlock = 64;
-  const int64_t page_bytes = int64_t(kBlock) * kDim * 2;
+  const int64_t page_bytes = int64_t(kBlock) * kDim * 2;  // bf16 pages (FP8 pages are half as large)
   const std::vector<int64_t> ctxs =
       options.quick ? std::vector<int64_t>{131072} : std::vector<int64_t>{8192, 32768, 131072, 524288};
   const std::vector<int> batches = options.quick ? std::vector<int>{8} : std::vector<int>{1, 8, 64, 128};
@@ -41,18 +49,15 @@ void bench_msa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
   const int max_batch = *std::max_element(batches.begin(), batches.end());
   const int64_t pages_per_seq = max_ctx / kBlock;
   const int64_t total_pages = pages_per_seq * max_batch;  // 16 GiB at 512K x 128
+  // One pool, refilled per key format; a page table per format (page ids in the same random order).
   uint8_t* pool = nullptr;
   SPARROW_CUDA_CHECK(cudaMalloc(&pool, total_pages * page_bytes));
-  fill_bf16<<<4096, 256, 0, stream>>>(reinterpret_cast<uint16_t*>(pool), total_pages * page_bytes / 2, 1);
-  SPARROW_CUDA_CHECK_LAUNCH();
   std::vector<int64_t> ids(total_pages);
   std::iota(ids.begin(), ids.end(), 0);
   std::mt19937_64 rng(1234);
   std::shuffle(ids.begin(), ids.end(), rng);
-  for (auto& id : ids) id *= page_bytes;
   int64_t* table = nullptr;
   SPARROW_CUDA_CHECK(cudaMalloc(&table, total_pages * sizeof(int64_t)));
-  SPARROW_CUDA_CHECK(cudaMemcpy(table, ids.data(), total_pages * sizeof(int64_t), cudaMemcpyHostToDevice));
 
   const std::vector<int64_t> chunks = options.quick ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 8192};
   const int64_t max_rows = std::max<int64_t>(max_batch, *std::max_element(chunks.begin(), chunks.end()));
@@ -73,45 +78,61 @@ void bench_msa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
   const std::string model = "minimax_m3.1 index_heads=4 (TP4) dim=128 ib=128 top16";
   const double out_bytes_per_row = double(kHeads) * (kTopk + 1) * 4 + double(kHeads) * kDim * 2;
 
-  for (int64_t ctx : ctxs)
-    for (int batch : batches) {
-      std::vector<int32_t> hs(batch), hp(batch, int32_t(ctx - 1));
-      std::iota(hs.begin(), hs.end(), 0);
-      SPARROW_CUDA_CHECK(cudaMemcpy(row_seq, hs.data(), batch * 4, cudaMemcpyHostToDevice));
-      SPARROW_CUDA_CHECK(cudaMemcpy(row_pos, hp.data(), batch * 4, cudaMemcpyHostToDevice));
+  for (const MsaKeyFormat format : {MsaKeyFormat::Fp8, MsaKeyFormat::BFloat16}) {
+    const bool fp8 = format == MsaKeyFormat::Fp8;
+    const int64_t key_bytes = fp8 ? kDim : kDim * 2;  // per token
+    const std::string tag = fp8 ? " keys=fp8" : " keys=bf16";
+    if (fp8)
+      fill_e4m3<<<4096, 256, 0, stream>>>(pool, total_pages * kBlock * kDim, 1);
+    else
+      fill_bf16<<<4096, 256, 0, stream>>>(reinterpret_cast<uint16_t*>(pool), total_pages * kBlock * kDim, 1);
+    SPARROW_CUDA_CHECK_LAUNCH();
+    std::vector<int64_t> offsets(ids);
+    for (auto& o : offsets) o *= kBlock * key_bytes;
+    SPARROW_CUDA_CHECK(cudaMemcpy(table, offsets.data(), total_pages * sizeof(int64_t), cudaMemcpyHostToDevice));
+
+    for (int64_t ctx : ctxs)
+      for (int batch : batches) {
+        std::vector<int32_t> hs(batch), hp(batch, int32_t(ctx - 1));
+        std::iota(hs.begin(), hs.end(), 0);
+        SPARROW_CUDA_CHECK(cudaMemcpy(row_seq, hs.data(), batch * 4, cudaMemcpyHostToDevice));
+        SPARROW_CUDA_CHECK(cudaMemcpy(row_pos, hp.data(), batch * 4, cudaMemcpyHostToDevice));
+        auto launch = [&](cudaStream_t s) {
+          msa_select_blocks(q, batch, kHeads, kDim, row_seq, row_pos, ctx - 1, pool, format, table, pages_per_seq,
+                            kBlock, kIndexBlock, kTopk, kLocal, blocks, counts, ws, ws_bytes, s);
+        };
+        KernelBenchRow row;
+        row.kernel = "msa_select_blocks";
+        row.shape = model + " ctx=" + std::to_string(ctx) + " batch=" + std::to_string(batch) + tag;
+        row.impl = "sparrow";
+        row.median_us = median_launch_us(launch, stream, options.iterations);
+        row.bytes = double(batch) * ctx * key_bytes + double(batch) * out_bytes_per_row;
+        row.flops = 2.0 * kHeads * kDim * double(batch) * ctx;
+        row.note = std::string(fp8 ? "FP8 E4M3 keys widened to bf16 in registers" : "bf16 keys") +
+                   " (paged, bs 64), bf16 mma.sync block scores + top-16 selection; decode tiling";
+        rows.push_back(row);
+      }
+
+    for (int64_t chunk : chunks) {
+      std::vector<int32_t> hs(chunk, 0), hp(chunk);
+      std::iota(hp.begin(), hp.end(), 0);
+      SPARROW_CUDA_CHECK(cudaMemcpy(row_seq, hs.data(), chunk * 4, cudaMemcpyHostToDevice));
+      SPARROW_CUDA_CHECK(cudaMemcpy(row_pos, hp.data(), chunk * 4, cudaMemcpyHostToDevice));
       auto launch = [&](cudaStream_t s) {
-        msa_select_blocks(q, batch, kHeads, kDim, row_seq, row_pos, ctx - 1, pool, table, pages_per_seq, kBlock,
-                          kIndexBlock, kTopk, kLocal, blocks, counts, ws, ws_bytes, s);
+        msa_select_blocks(q, chunk, kHeads, kDim, row_seq, row_pos, chunk - 1, pool, format, table, pages_per_seq,
+                          kBlock, kIndexBlock, kTopk, kLocal, blocks, counts, ws, ws_bytes, s);
       };
       KernelBenchRow row;
       row.kernel = "msa_select_blocks";
-      row.shape = model + " ctx=" + std::to_string(ctx) + " batch=" + std::to_string(batch);
+      row.shape = model + " prefill chunk=" + std::to_string(chunk) + tag;
       row.impl = "sparrow";
-      row.median_us = median_launch_us(launch, stream, options.iterations);
-      row.bytes = double(batch) * ctx * kDim * 2 + double(batch) * out_bytes_per_row;
-      row.flops = 2.0 * kHeads * kDim * double(batch) * ctx;
-      row.note = "bf16 keys (paged, bs 64), bf16 mma.sync block scores + top-16 selection; decode tiling";
+      row.median_us = median_launch_us(launch, stream, std::max(3, options.iterations / 4));
+      row.bytes = double(chunk) * key_bytes + double(chunk) * out_bytes_per_row;
+      row.flops = 2.0 * kHeads * kDim * (double(chunk) * (chunk + 1) / 2);
+      row.note = std::string(fp8 ? "FP8 keys; " : "bf16 keys; ") +
+                 "causal; prefill tiling (32 vectors per warp, keys shared through L1)";
       rows.push_back(row);
     }
-
-  for (int64_t chunk : chunks) {
-    std::vector<int32_t> hs(chunk, 0), hp(chunk);
-    std::iota(hp.begin(), hp.end(), 0);
-    SPARROW_CUDA_CHECK(cudaMemcpy(row_seq, hs.data(), chunk * 4, cudaMemcpyHostToDevice));
-    SPARROW_CUDA_CHECK(cudaMemcpy(row_pos, hp.data(), chunk * 4, cudaMemcpyHostToDevice));
-    auto launch = [&](cudaStream_t s) {
-      msa_select_blocks(q, chunk, kHeads, kDim, row_seq, row_pos, chunk - 1, pool, table, pages_per_seq, kBlock,
-                        kIndexBlock, kTopk, kLocal, blocks, counts, ws, ws_bytes, s);
-    };
-    KernelBenchRow row;
-    row.kernel = "msa_select_blocks";
-    row.shape = model + " prefill chunk=" + std::to_string(chunk);
-    row.impl = "sparrow";
-    row.median_us = median_launch_us(launch, stream, std::max(3, options.iterations / 4));
-    row.bytes = double(chunk) * kDim * 2 + double(chunk) * out_bytes_per_row;
-    row.flops = 2.0 * kHeads * kDim * (double(chunk) * (chunk + 1) / 2);
-    row.note = "causal; prefill tiling (32 vectors per warp, keys shared through L1)";
-    rows.push_back(row);
   }
 
   SPARROW_CUDA_CHECK(cudaFree(ws));

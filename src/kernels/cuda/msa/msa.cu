@@ -25,6 +25,12 @@
 //    (j / VEC) * 4 VEC + t * VEC + j % VEC of the row. A and B use the same mapping, so every product
 //    pairs equal dims; words past dim/2 are zero (dims that are not a multiple of 16).
 //
+//    FP8 keys (E4M3 rows of dim bytes) are read with the same mapping at half the width: a bf16 word j
+//    covers dims 2j and 2j+1, which are bytes 2j and 2j+1 of an FP8 row, so a lane loads 2 VEC bytes
+//    where the bf16 path loads 4 VEC and widens each byte pair to the bf16 pair (exact: every E4M3 value
+//    is a bf16 value) before the mma: the A fragments, hence the scores, are the bf16 path's on the
+//    dequantised keys, bit for bit.
+//
 // 2. Selection, one CTA per vector: the vector's block scores go to shared memory as 32-bit keys whose
 //    unsigned order is the float order (NaN lowest, -0 = +0, as topk.cu), the forced blocks become +inf,
 //    the k-th largest key T is found bit by bit (the largest T with count(key >= T) >= k), and the kept
@@ -37,6 +43,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "kernels/cuda/quant/fp4.cuh"
 #include "kernels/cuda/runtime/cuda_check.h"
 
 namespace sparrow::cuda {
@@ -80,6 +87,32 @@ __global__ void write_keys_kernel(const uint4* keys, int64_t count, int pieces, 
   const int64_t page = page_table[int64_t(token_seq[row]) * stride + pos / block_size];
   uint4* dst = reinterpret_cast<uint4*>(pool + page + int64_t(pos % block_size) * pieces * 16);
   dst[piece] = keys[i];
+}
+
+// FP8 key writes: one thread per 8 values (16 bytes of bf16 in, 8 bytes of E4M3 out), encoded by the CPU
+// page codec's rule (quant::e4m3_encode is kernels/cpu/fp8.h's twin; the codec divides by the per-layer
+// scale kKvTensorScale = 1.0 first, which changes nothing).
+__global__ void write_keys_fp8_kernel(const uint4* keys, int64_t count, int pieces, const int32_t* token_seq,
+                                      const int32_t* token_pos, const int64_t* page_table, int64_t stride,
+                                      int block_size, uint8_t* pool) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= count * pieces) return;
+  const int64_t row = i / pieces;
+  const int piece = int(i - row * pieces);
+  const int pos = token_pos[row];
+  if (pos < 0) return;
+  const int64_t page = page_table[int64_t(token_seq[row]) * stride + pos / block_size];
+  const uint4 x = keys[i];
+  const uint32_t in[4] = {x.x, x.y, x.z, x.w};
+  uint32_t out[2] = {0u, 0u};
+#pragma unroll
+  for (int v = 0; v < 8; ++v) {
+    const uint32_t bits = (in[v / 2] >> (16 * (v % 2))) & 0xFFFFu;  // value v: low half first
+    const uint32_t code = quant::e4m3_encode(__uint_as_float(bits << 16));
+    out[v / 4] |= code << (8 * (v % 4));
+  }
+  uint2* dst = reinterpret_cast<uint2*>(pool + page + int64_t(pos % block_size) * pieces * 8);
+  dst[piece] = make_uint2(out[0], out[1]);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -128,6 +161,44 @@ __device__ __forceinline__ void load_row(uint32_t (&w)[2 * KS], const uint8_t* r
   }
 }
 
+// Two E4M3 values (x's low byte first) as a bf16 pair (the low half first), exactly: E4M3 -> f16 on the
+// hardware (cvt.rn.f16x2.e4m3x2, sm_89+; every E4M3 value, subnormals included, is a normal f16), f16 ->
+// fp32 -> bf16 (exact: 3 mantissa bits); NaN stays NaN.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t x) {
+  uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(uint16_t(x)));
+  float lo, hi;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(uint16_t(h)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(uint16_t(h >> 16)));
+  uint32_t b;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(hi), "f"(lo));  // the first source is the upper half
+  return b;
+}
+
+// load_row for an FP8 row: the same words, each from two bytes (see the top of the file).
+template <int KS, int VEC>
+__device__ __forceinline__ void load_row_fp8(uint32_t (&w)[2 * KS], const uint8_t* row, int t, int pieces) {
+#pragma unroll
+  for (int c = 0; c < 2 * KS / VEC; ++c) {
+    if (c < pieces) {
+      const uint8_t* src = row + (c * 4 * VEC + t * VEC) * 2;
+      if constexpr (VEC == 4) {
+        const uint2 x = *reinterpret_cast<const uint2*>(src);
+        w[c * 4 + 0] = e4m3x2_to_bf16x2(x.x), w[c * 4 + 1] = e4m3x2_to_bf16x2(x.x >> 16);
+        w[c * 4 + 2] = e4m3x2_to_bf16x2(x.y), w[c * 4 + 3] = e4m3x2_to_bf16x2(x.y >> 16);
+      } else if constexpr (VEC == 2) {
+        const uint32_t x = *reinterpret_cast<const uint32_t*>(src);
+        w[c * 2 + 0] = e4m3x2_to_bf16x2(x), w[c * 2 + 1] = e4m3x2_to_bf16x2(x >> 16);
+      } else {
+        w[c] = e4m3x2_to_bf16x2(*reinterpret_cast<const uint16_t*>(src));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) w[c * VEC + i] = 0u;
+    }
+  }
+}
+
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -138,8 +209,8 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 }
 
 // KS k-steps of 16 dims (dim <= 16 KS), VEC words per load, NT n-tiles (8 NT vectors per warp), MTI
-// m-tiles of 16 keys per step.
-template <int KS, int VEC, int NT, int MTI>
+// m-tiles of 16 keys per step; FP8: E4M3 key rows (else bf16).
+template <int KS, int VEC, int NT, int MTI, bool FP8>
 __global__ void __launch_bounds__(kThreads) block_scores_kernel(const ScoreParams p) {
   constexpr int kVecs = NT * 8;
   static_assert(kVecs <= 32, "a warp's rows are held one per lane");
@@ -153,7 +224,8 @@ __global__ void __launch_bounds__(kThreads) block_scores_kernel(const ScoreParam
   const int64_t v0 = chunk * kVecs;
   const int64_t v1 = min(v0 + kVecs, p.vectors);
   const int pieces = p.dim / (8 * VEC);
-  const int64_t row_bytes = int64_t(p.dim) * 2;
+  const int64_t row_bytes = int64_t(p.dim) * 2;  // a query vector (bf16)
+  const int key_bytes = FP8 ? p.dim : p.dim * 2;  // a key row
   const int bb = int(split) * p.blocks_per_split;
   const int be = min(bb + p.blocks_per_split, p.nblocks);
   const int ib = p.ib;
@@ -239,7 +311,11 @@ __global__ void __launch_bounds__(kThreads) block_scores_kernel(const ScoreParam
           if (key < key_end) {
             const int page = key / p.block_size;
             const int slot = key - page * p.block_size;
-            load_row<KS, VEC>(a[mi][h], p.pool + ptab[page] + slot * row_bytes, t, pieces);
+            const uint8_t* row = p.pool + ptab[page] + int64_t(slot) * key_bytes;
+            if constexpr (FP8)
+              load_row_fp8<KS, VEC>(a[mi][h], row, t, pieces);
+            else
+              load_row<KS, VEC>(a[mi][h], row, t, pieces);
           } else {
 #pragma unroll
             for (int i = 0; i < 2 * KS; ++i) a[mi][h][i] = 0u;
@@ -442,15 +518,15 @@ Variant variant_for(int dim) {
   return {16, 1};
 }
 
-template <int KS, int VEC, int NT, int MTI>
+template <int KS, int VEC, int NT, int MTI, bool FP8>
 void launch_scores(const ScoreParams& p, cudaStream_t stream) {
   const int per_cta = kWarps / p.chunks_per_cta;
   const dim3 grid{unsigned((p.splits + per_cta - 1) / per_cta),
                   unsigned((p.chunks + p.chunks_per_cta - 1) / p.chunks_per_cta), 1u};
-  block_scores_kernel<KS, VEC, NT, MTI><<<grid, kThreads, 0, stream>>>(p);
+  block_scores_kernel<KS, VEC, NT, MTI, FP8><<<grid, kThreads, 0, stream>>>(p);
 }
 
-template <int KS, int VEC>
+template <int KS, int VEC, bool FP8>
 void launch_scores_tiled(ScoreParams p, bool prefill, cudaStream_t stream) {
   // Prefill: 32 vectors per warp (16 at KS = 16, whose fragments are twice as large); Decode: 8.
   constexpr int kWideNT = KS >= 16 ? 2 : 4;
@@ -466,25 +542,44 @@ void launch_scores_tiled(ScoreParams p, bool prefill, cudaStream_t stream) {
   p.blocks_per_split = int(per);
   p.splits = int((p.nblocks + per - 1) / per);
   if (prefill)
-    launch_scores<KS, VEC, kWideNT, kMTI>(p, stream);
+    launch_scores<KS, VEC, kWideNT, kMTI, FP8>(p, stream);
   else
-    launch_scores<KS, VEC, 1, kMTI>(p, stream);
+    launch_scores<KS, VEC, 1, kMTI, FP8>(p, stream);
+}
+
+template <bool FP8>
+void launch_scores_for(const Variant& var, const ScoreParams& p, bool prefill, cudaStream_t stream) {
+  if (var.ks == 1)
+    launch_scores_tiled<1, 2, FP8>(p, prefill, stream);
+  else if (var.ks == 8)
+    launch_scores_tiled<8, 4, FP8>(p, prefill, stream);
+  else if (var.vec == 4)
+    launch_scores_tiled<16, 4, FP8>(p, prefill, stream);
+  else
+    launch_scores_tiled<16, 1, FP8>(p, prefill, stream);
 }
 
 }  // namespace
 
 void msa_write_keys(const void* keys_bf16, int64_t count, int dim, const int32_t* token_seq,
                     const int32_t* token_pos, const int64_t* page_table, int64_t page_table_stride,
-                    int block_size, uint8_t* pool, cudaStream_t stream) {
+                    int block_size, uint8_t* pool, MsaKeyFormat format, cudaStream_t stream) {
   SPARROW_CHECK(count >= 0 && block_size > 0, "msa_write_keys: bad count ", count, " or block_size ", block_size);
   SPARROW_CHECK(dim > 0 && dim % 8 == 0, "msa_write_keys: dim ", dim, " must be a positive multiple of 8");
   SPARROW_CHECK(reinterpret_cast<uintptr_t>(keys_bf16) % 16 == 0, "msa_write_keys: keys must be 16-byte aligned");
+  SPARROW_CHECK(format == MsaKeyFormat::BFloat16 || format == MsaKeyFormat::Fp8, "msa_write_keys: unknown key format ",
+                int(format));
   if (count == 0) return;
   const int pieces = dim / 8;
   const int64_t threads = count * pieces;
-  write_keys_kernel<<<unsigned((threads + 255) / 256), 256, 0, stream>>>(
-      static_cast<const uint4*>(keys_bf16), count, pieces, token_seq, token_pos, page_table, page_table_stride,
-      block_size, pool);
+  if (format == MsaKeyFormat::Fp8)
+    write_keys_fp8_kernel<<<unsigned((threads + 255) / 256), 256, 0, stream>>>(
+        static_cast<const uint4*>(keys_bf16), count, pieces, token_seq, token_pos, page_table, page_table_stride,
+        block_size, pool);
+  else
+    write_keys_kernel<<<unsigned((threads + 255) / 256), 256, 0, stream>>>(
+        static_cast<const uint4*>(keys_bf16), count, pieces, token_seq, token_pos, page_table, page_table_stride,
+        block_size, pool);
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -495,7 +590,7 @@ size_t msa_select_workspace_bytes(int64_t rows, int index_heads, int64_t max_pos
 }
 
 void msa_select_blocks(const void* q_bf16, int64_t rows, int index_heads, int dim, const int32_t* row_seq,
-                       const int32_t* row_pos, int64_t max_position, const uint8_t* pool,
+                       const int32_t* row_pos, int64_t max_position, const uint8_t* pool, MsaKeyFormat key_format,
                        const int64_t* page_table, int64_t page_table_stride, int block_size, int ib,
                        int topk_blocks, int local_blocks, int32_t* blocks, int32_t* counts, void* workspace,
                        size_t workspace_bytes, cudaStream_t stream, MsaScoreKernel kernel) {
@@ -510,6 +605,8 @@ void msa_select_blocks(const void* q_bf16, int64_t rows, int index_heads, int di
   SPARROW_CHECK(max_position + ib + 64 < int64_t(INT_MAX), "msa_select_blocks: max_position ", max_position,
                 " too large");
   SPARROW_CHECK(reinterpret_cast<uintptr_t>(q_bf16) % 16 == 0, "msa_select_blocks: queries must be 16-byte aligned");
+  SPARROW_CHECK(key_format == MsaKeyFormat::BFloat16 || key_format == MsaKeyFormat::Fp8,
+                "msa_select_blocks: unknown key format ", int(key_format));
   if (rows <= 0) return;
   SPARROW_CHECK(workspace_bytes >= msa_select_workspace_bytes(rows, index_heads, max_position, ib),
                 "msa_select_blocks: workspace of ", workspace_bytes, " bytes, ",
@@ -540,14 +637,10 @@ void msa_select_blocks(const void* q_bf16, int64_t rows, int index_heads, int di
     sp.ib = ib;
     sp.nblocks = nb;
     sp.ws = ws;
-    if (var.ks == 1)
-      launch_scores_tiled<1, 2>(sp, prefill, stream);
-    else if (var.ks == 8)
-      launch_scores_tiled<8, 4>(sp, prefill, stream);
-    else if (var.vec == 4)
-      launch_scores_tiled<16, 4>(sp, prefill, stream);
+    if (key_format == MsaKeyFormat::Fp8)
+      launch_scores_for<true>(var, sp, prefill, stream);
     else
-      launch_scores_tiled<16, 1>(sp, prefill, stream);
+      launch_scores_for<false>(var, sp, prefill, stream);
     SPARROW_CUDA_CHECK_LAUNCH();
 
     const SelectParams sel{ws,          nb,         in_smem,   index_heads,

@@ -1,6 +1,6 @@
 // MiniMax-M3's MSA block selector on Hopper (the GPU form of select_blocks / MsaIndexer::select in
-// src/model/msa_indexer.{h,cpp}): bf16 index keys in the paged cache, bf16 index queries, block scores
-// on the bf16 tensor cores, the selection per (query row, index head) on the device.
+// src/model/msa_indexer.{h,cpp}): bf16 or FP8 (E4M3) index keys in the paged cache, bf16 index queries,
+// block scores on the bf16 tensor cores, the selection per (query row, index head) on the device.
 //
 //   block score  B_g[b] = max over keys s of block b with s <= pos of  q_g · k_s     (raw dot, no scale)
 //   blocks b = 0 .. pos / ib of a query at position pos; the forced newest blocks newest - l
@@ -15,10 +15,17 @@
 // max-pool (fmaxf, like std::max(acc, NaN) on the CPU), so a block score is never NaN; a block none of
 // whose visible products is a number scores -inf and is dropped unless forced.
 //
+// FP8 keys: every E4M3 value is a bf16 value (3 mantissa bits, exponents 2^-9 .. 2^8), so the selector
+// widens them exactly to bf16 as it loads them and runs the bf16 path unchanged: its scores and kept
+// blocks are bit for bit those of the bf16 kernel on the dequantised keys.
+//
 // Paged cache (docs/cache.md, notes/helper_context.md): sequence `seq`'s token j lives in the page at
 // byte offset page_table[seq * page_table_stride + j / block_size] of `pool`, slot j % block_size; a
-// page of B tokens holds B rows of `dim` bf16 values (dim * 2 bytes each), consecutive. Page offsets
-// must be multiples of 16 bytes. The cache's block_size (tokens per page) is unrelated to the MSA index
+// page of B tokens holds B rows of `dim` values, consecutive: dim * 2 bytes of bf16 each
+// (PageFormat::BFloat16), or dim bytes of E4M3 each with no scale (PageFormat::Fp8Rows, the CPU page
+// codec's MSA index key: e4m3(x / kKvTensorScale) with that per-layer scale fixed at 1.0; MiniMax's own
+// MSA kernels keep their index keys as scale-free FP8 E4M3 too: 128 bytes a token). Page offsets must
+// be multiples of 16 bytes. The cache's block_size (tokens per page) is unrelated to the MSA index
 // block size `ib` (index_block_size: 128 in MiniMax-M3.1).
 #pragma once
 #include <cuda_runtime_api.h>
@@ -32,12 +39,19 @@ inline constexpr int kMsaMaxDim = 256;         // index_head_dim (multiple of 8)
 inline constexpr int kMsaMaxHeads = 64;        // index heads per launch (MiniMax-M3.1: 4 per GPU under TP4)
 inline constexpr int kMsaMaxTopkBlocks = 64;   // index_topk_blocks (MiniMax-M3.1: 16)
 
-// Copies `count` index keys (keys_bf16: [count, dim] bf16, row-major, 16-byte aligned; dim a multiple
-// of 8) into their page slots: row i is token token_pos[i] of sequence token_seq[i] (device arrays).
-// Rows with token_pos[i] < 0 are skipped (padding).
+// How the index keys are stored in their pages (see the top of the file).
+enum class MsaKeyFormat {
+  BFloat16,  // dim bf16 values a token (PageFormat::BFloat16)
+  Fp8,       // dim E4M3 values a token, no scale (PageFormat::Fp8Rows): 128 bytes at MiniMax-M3.1's dim
+};
+
+// Stores `count` index keys (keys_bf16: [count, dim] bf16, row-major, 16-byte aligned; dim a multiple
+// of 8) in their page slots: row i is token token_pos[i] of sequence token_seq[i] (device arrays).
+// Rows with token_pos[i] < 0 are skipped (padding). Fp8 encodes each value as the CPU page codec does
+// (kernels/cpu/fp8.h: round to nearest even, saturating at ±448, NaN -> 0x7F), bit for bit.
 void msa_write_keys(const void* keys_bf16, int64_t count, int dim, const int32_t* token_seq,
                     const int32_t* token_pos, const int64_t* page_table, int64_t page_table_stride,
-                    int block_size, uint8_t* pool, cudaStream_t stream);
+                    int block_size, uint8_t* pool, MsaKeyFormat format, cudaStream_t stream);
 
 // How the block-score kernel tiles the (row, head) query vectors over warps (msa.cu says how each
 // works). Both are exact; tests run both on every case.
@@ -67,8 +81,9 @@ size_t msa_select_workspace_bytes(int64_t rows, int index_heads, int64_t max_pos
 //   counts (out, optional, [rows, index_heads] int32): how many ids each entry of `blocks` holds.
 //   workspace: >= msa_select_workspace_bytes(rows, index_heads, max_position, ib) bytes of device memory
 //               (any contents).
+//   key_format: how `pool`'s key pages are stored (what msa_write_keys wrote).
 void msa_select_blocks(const void* q_bf16, int64_t rows, int index_heads, int dim, const int32_t* row_seq,
-                       const int32_t* row_pos, int64_t max_position, const uint8_t* pool,
+                       const int32_t* row_pos, int64_t max_position, const uint8_t* pool, MsaKeyFormat key_format,
                        const int64_t* page_table, int64_t page_table_stride, int block_size, int ib,
                        int topk_blocks, int local_blocks, int32_t* blocks, int32_t* counts, void* workspace,
                        size_t workspace_bytes, cudaStream_t stream, MsaScoreKernel kernel = MsaScoreKernel::Auto);
