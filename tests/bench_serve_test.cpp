@@ -21,6 +21,7 @@
 #include "bench/serve_client.h"
 #include "bench/serve_metrics.h"
 #include "bench/workloads.h"
+#include "serve_process.h"
 #include "test_util.h"
 
 namespace sparrow::bench {
@@ -388,50 +389,15 @@ TEST(BenchServeWorkload, RequestBodies) {
 
 // ---- end to end: `sparrow bench serve` against `sparrow serve` of the bundled model ----
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+std::string slurp(const fs::path& p) { return test::read_text_file(p.string()); }
 
-// `sparrow serve` as a child process on a free port (--port 0; the port is read from its start-up line).
-class ServerProcess {
+// `sparrow serve` of the bundled model as a child process on a free port, for the end-to-end tests.
+class ServerProcess : public test::ServeProcess {
  public:
-  explicit ServerProcess(const fs::path& log) {
-    pid_ = fork();
-    if (pid_ == 0) {
-      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      dup2(fd, STDOUT_FILENO);
-      dup2(fd, STDERR_FILENO);
-      execl(SPARROW_BINARY, SPARROW_BINARY, "serve", kModel.c_str(), "--port", "0", "--disable-log-requests",
-            "--kv-cache-memory", "64MiB", "--shutdown-timeout", "5", (char*)nullptr);
-      _exit(127);
-    }
-    const std::regex started(R"(on http://127\.0\.0\.1:(\d+))");
-    for (int tries = 0; tries < 1200 && port_ == 0; ++tries) {  // up to 2 minutes
-      std::smatch m;
-      const std::string text = slurp(log);
-      if (std::regex_search(text, m, started)) port_ = std::stoi(m[1]);
-      int status = 0;
-      if (port_ == 0 && waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  }
-  ~ServerProcess() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGTERM);
-    int status = 0;
-    waitpid(pid_, &status, 0);
-  }
-  int port() const { return port_; }
-
- private:
-  pid_t pid_ = -1;
-  int port_ = 0;
+  explicit ServerProcess(const fs::path& log)
+      : ServeProcess({kModel, "--port", "0", "--disable-log-requests", "--kv-cache-memory", "64MiB",
+                      "--shutdown-timeout", "5"},
+                     log.string()) {}
 };
 
 class BenchServeEndToEnd : public ::testing::Test {

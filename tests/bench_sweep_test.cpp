@@ -23,6 +23,7 @@
 #include "kernels/cpu/fp8.h"
 #include "model/families.h"
 #include "model/model.h"
+#include "serve_process.h"
 #include "test_util.h"
 
 namespace sparrow {
@@ -35,12 +36,7 @@ using testing::TempDir;
 
 const fs::path kSource = fs::path(SPARROW_SOURCE_DIR);
 
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+std::string slurp(const std::string& path) { return test::read_text_file(path); }
 
 // A folder holding only `fixture`'s config.json: nothing else to read.
 std::string config_only(const TempDir& dir, const std::string& fixture) {
@@ -305,45 +301,7 @@ TEST(BenchSweep, ArgumentsAndPoints) {
 }
 
 // `sparrow serve` as a child process; its port read from the start-up line.
-class Server {
- public:
-  Server(const std::vector<std::string>& args, const std::string& log) {
-    pid_ = fork();
-    if (pid_ == 0) {
-      std::vector<std::string> all = {SPARROW_BINARY, "serve"};
-      all.insert(all.end(), args.begin(), args.end());
-      std::vector<char*> argv;
-      for (std::string& s : all) argv.push_back(s.data());
-      argv.push_back(nullptr);
-      if (!freopen(log.c_str(), "w", stdout) || !freopen(log.c_str(), "a", stderr)) _exit(126);
-      execv(SPARROW_BINARY, argv.data());
-      _exit(127);
-    }
-    const std::regex started(R"(on http://127\.0\.0\.1:(\d+))");
-    for (int i = 0; i < 1200 && port_ == 0; ++i) {
-      std::smatch m;
-      const std::string text = slurp(log);
-      if (std::regex_search(text, m, started)) port_ = std::stoi(m[1]);
-      int status = 0;
-      if (port_ == 0 && waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  }
-  ~Server() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGTERM);
-    int status = 0;
-    waitpid(pid_, &status, 0);
-  }
-  int port() const { return port_; }
-
- private:
-  pid_t pid_ = -1;
-  int port_ = 0;
-};
+using Server = test::ServeProcess;
 
 // A dummy model folder without a tokenizer: completions take token-id prompts (text ones are refused
 // with a clear 400), outputs come back as token ids.

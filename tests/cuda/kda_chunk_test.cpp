@@ -26,6 +26,7 @@
 
 #include "core/error.h"
 #include "gpu_test_util.h"
+#include "kda_test_util.h"
 #include "kernels/cuda/kda/kda.h"
 #include "kernels/cuda/runtime/cuda_check.h"
 #include "model/kda.h"
@@ -35,55 +36,11 @@ namespace {
 
 constexpr double kTolerance = 2e-2;
 
+using test::counts_str;
+using test::offsets_of;
+using States = test::KdaSlotStates;
+
 uint64_t fresh_seed() { return std::random_device{}() ^ (uint64_t(std::random_device{}()) << 32); }
-
-std::string counts_str(const std::vector<int>& counts) {
-  std::string s;
-  for (size_t i = 0; i < counts.size() && i < 12; ++i) s += (i ? "," : "") + std::to_string(counts[i]);
-  if (counts.size() > 12) s += ",... (" + std::to_string(counts.size()) + " seqs)";
-  return s;
-}
-
-std::vector<int32_t> offsets_of(const std::vector<int>& counts) {
-  std::vector<int32_t> off(counts.size() + 1, 0);
-  for (size_t s = 0; s < counts.size(); ++s) off[s + 1] = off[s] + counts[s];
-  return off;
-}
-
-// Per-sequence state slots in one device allocation, shuffled, each state kOffsetFloats floats into its
-// slot (not 8-byte aligned), reached through a device array of slot pointers (as a cache's slots).
-struct SlotStates {
-  static constexpr int64_t kOffsetFloats = 3;
-  static constexpr int64_t offset = kOffsetFloats * sizeof(float);
-  int64_t size;
-  std::vector<int64_t> at;  // float offset of sequence s's state
-  test::DeviceArray<float> pool;
-  test::DeviceArray<uint8_t*> pointers;
-  SlotStates(int num_seqs, int64_t state_size, std::mt19937_64& rng)
-      : size(state_size), at(num_seqs), pool(size_t((num_seqs + 2) * (state_size + 7))), pointers(size_t(num_seqs)) {
-    std::vector<int64_t> slots(num_seqs + 2);
-    for (size_t i = 0; i < slots.size(); ++i) slots[i] = int64_t(i);
-    std::shuffle(slots.begin(), slots.end(), rng);
-    std::vector<uint8_t*> ptrs(num_seqs);
-    for (int s = 0; s < num_seqs; ++s) {
-      at[s] = slots[s] * (state_size + 7) + kOffsetFloats;
-      ptrs[s] = reinterpret_cast<uint8_t*>(pool.ptr + slots[s] * (state_size + 7));
-    }
-    pool.poison();
-    pointers.upload(ptrs);
-  }
-  KdaSequences seqs(const test::DeviceArray<int32_t>& offsets, int64_t max_count) const {
-    return KdaSequences{offsets.ptr, offsets.ptr + 1, pointers.ptr, int(at.size()), max_count};
-  }
-  void upload(int s, const float* src) {
-    SPARROW_CUDA_CHECK(cudaMemcpy(pool.ptr + at[s], src, sizeof(float) * size, cudaMemcpyHostToDevice));
-  }
-  std::vector<float> download(int s) const {
-    std::vector<float> host(static_cast<size_t>(size));
-    SPARROW_CUDA_CHECK(cudaMemcpy(host.data(), pool.ptr + at[s], sizeof(float) * size, cudaMemcpyDeviceToHost));
-    return host;
-  }
-};
 
 struct Problem {
   int H, D;
@@ -206,7 +163,7 @@ void run_case(const Problem& p, const std::vector<std::vector<int>>& steps, cons
       delta_rule_recurrent(inputs_at(full_off[s], p.counts[s]), ref_state.data() + size_t(s) * H * D * D,
                            ref_out.data() + full_off[s] * P);
 
-  SlotStates states(S, P * D, rng);
+  States states(S, P * D, rng);
   for (int s = 0; s < S; ++s) states.upload(s, p.state0.data() + size_t(s) * H * D * D);
   if (o.vt) setenv("SPARROW_KDA_CHUNK_VT", o.vt, 1);
 
@@ -395,7 +352,7 @@ TEST(CudaKdaChunk, RejectsUnsupportedHeadDimAndLeavesEmptyLaunches) {
                Error);
   // No rows at all: nothing runs, the workspace may be null, states stay.
   std::mt19937_64 rng(fresh_seed());
-  SlotStates states(2, 2 * 64 * 64, rng);
+  States states(2, 2 * 64 * 64, rng);
   std::vector<float> st(size_t(2 * 64 * 64), 0.25f);
   states.upload(0, st.data());
   const std::vector<int32_t> zeros = {5, 5, 5};

@@ -15,63 +15,18 @@
 #include <vector>
 
 #include "gpu_test_util.h"
+#include "kda_test_util.h"
 #include "kernels/cuda/runtime/cuda_check.h"
 #include "model/kda.h"
 
 namespace sparrow::cuda {
 namespace {
 
+using test::counts_str;
+using test::offsets_of;
+using States = test::KdaSlotStates;
+
 uint64_t fresh_seed() { return std::random_device{}() ^ (uint64_t(std::random_device{}()) << 32); }
-
-std::string counts_str(const std::vector<int>& counts) {
-  std::string s;
-  for (size_t i = 0; i < counts.size() && i < 12; ++i) s += (i ? "," : "") + std::to_string(counts[i]);
-  if (counts.size() > 12) s += ",... (" + std::to_string(counts.size()) + " seqs)";
-  return s;
-}
-
-std::vector<int32_t> offsets_of(const std::vector<int>& counts) {
-  std::vector<int32_t> off(counts.size() + 1, 0);
-  for (size_t s = 0; s < counts.size(); ++s) off[s + 1] = off[s] + counts[s];
-  return off;
-}
-
-// Per-sequence state slots of `size` floats (plus gaps) placed in one device allocation in a shuffled
-// order, the state `offset` bytes into its slot (as a cache's slots would be), reached through a device
-// array of slot pointers.
-struct DeviceStates {
-  static constexpr int64_t kOffsetFloats = 3;
-  static constexpr int64_t offset = kOffsetFloats * sizeof(float);
-  int64_t size;
-  std::vector<int64_t> at;  // float offset of sequence s's state
-  test::DeviceArray<float> pool;
-  test::DeviceArray<uint8_t*> pointers;
-  DeviceStates(int num_seqs, int64_t state_size, std::mt19937_64& rng)
-      : size(state_size), at(num_seqs), pool(size_t((num_seqs + 2) * (state_size + 7))), pointers(size_t(num_seqs)) {
-    std::vector<int64_t> slots(num_seqs + 2);
-    for (size_t i = 0; i < slots.size(); ++i) slots[i] = int64_t(i);
-    std::shuffle(slots.begin(), slots.end(), rng);
-    std::vector<uint8_t*> ptrs(num_seqs);
-    for (int s = 0; s < num_seqs; ++s) {
-      at[s] = slots[s] * (state_size + 7) + kOffsetFloats;
-      ptrs[s] = reinterpret_cast<uint8_t*>(pool.ptr + slots[s] * (state_size + 7));
-    }
-    pool.poison();
-    pointers.upload(ptrs);
-  }
-  // The launch's sequences: the rows of `offsets` ([S + 1], consecutive ranges).
-  KdaSequences seqs(const test::DeviceArray<int32_t>& offsets, int64_t max_count) const {
-    return KdaSequences{offsets.ptr, offsets.ptr + 1, pointers.ptr, int(at.size()), max_count};
-  }
-  void upload(int s, const float* src) {
-    SPARROW_CUDA_CHECK(cudaMemcpy(pool.ptr + at[s], src, sizeof(float) * size, cudaMemcpyHostToDevice));
-  }
-  std::vector<float> download(int s) const {
-    std::vector<float> host(static_cast<size_t>(size));
-    SPARROW_CUDA_CHECK(cudaMemcpy(host.data(), pool.ptr + at[s], sizeof(float) * size, cudaMemcpyDeviceToHost));
-    return host;
-  }
-};
 
 // ---- delta rule ---------------------------------------------------------------------------------------
 struct DeltaProblem {
@@ -189,7 +144,7 @@ void run_delta_case(const DeltaProblem& p, const std::vector<std::vector<int>>& 
     if (p.counts[s] > 0)
       cpu_delta(p, full_off[s], p.counts[s], ref_state.data() + size_t(s) * H * D * D, ref_out.data());
 
-  DeviceStates states(S, P * D, rng);
+  States states(S, P * D, rng);
   for (int s = 0; s < S; ++s) states.upload(s, p.state0.data() + size_t(s) * H * D * D);
 
   std::vector<float> got_out(p.q.size(), NAN);
@@ -364,7 +319,7 @@ TEST(CudaKda, ShortConvMatchesCpuLoop) {
 
     std::vector<float> ref_y(x.size(), 0.0f), ref_tails = tails0;
     std::vector<int> done(S, 0);
-    DeviceStates tails(S, (K - 1) * C, rng);
+    States tails(S, (K - 1) * C, rng);
     for (int s = 0; s < S; ++s) tails.upload(s, tails0.data() + size_t(s) * (K - 1) * C);
     test::DeviceArray<float> d_w(w);
     std::vector<float> got_y(x.size(), NAN);

@@ -1,0 +1,68 @@
+// What the KDA kernel tests share (kda_test.cpp, kda_chunk_test.cpp): batches described by per-sequence
+// row counts, and state slots laid out as a cache's would be.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "kernels/cuda/kda/kda.h"
+#include "kernels/cuda/runtime/cuda_check.h"
+
+namespace sparrow::test {
+
+// "1,5,64,..." (the first 12 counts) for failure messages.
+inline std::string counts_str(const std::vector<int>& counts) {
+  std::string s;
+  for (size_t i = 0; i < counts.size() && i < 12; ++i) s += (i ? "," : "") + std::to_string(counts[i]);
+  if (counts.size() > 12) s += ",... (" + std::to_string(counts.size()) + " seqs)";
+  return s;
+}
+
+// Row offsets [S + 1] of sequences with these row counts, stacked.
+inline std::vector<int32_t> offsets_of(const std::vector<int>& counts) {
+  std::vector<int32_t> off(counts.size() + 1, 0);
+  for (size_t s = 0; s < counts.size(); ++s) off[s + 1] = off[s] + counts[s];
+  return off;
+}
+
+// Per-sequence state slots of `size` floats (plus gaps) in one device allocation in a shuffled order, the
+// state `offset` bytes into its slot (not 8-byte aligned), reached through a device array of slot
+// pointers: what a cache's slots look like to the kernels.
+struct KdaSlotStates {
+  static constexpr int64_t kOffsetFloats = 3;
+  static constexpr int64_t offset = kOffsetFloats * sizeof(float);
+  int64_t size;
+  std::vector<int64_t> at;  // float offset of sequence s's state
+  DeviceArray<float> pool;
+  DeviceArray<uint8_t*> pointers;
+  KdaSlotStates(int num_seqs, int64_t state_size, std::mt19937_64& rng)
+      : size(state_size), at(num_seqs), pool(size_t((num_seqs + 2) * (state_size + 7))), pointers(size_t(num_seqs)) {
+    std::vector<int64_t> slots(num_seqs + 2);
+    for (size_t i = 0; i < slots.size(); ++i) slots[i] = int64_t(i);
+    std::shuffle(slots.begin(), slots.end(), rng);
+    std::vector<uint8_t*> ptrs(num_seqs);
+    for (int s = 0; s < num_seqs; ++s) {
+      at[s] = slots[s] * (state_size + 7) + kOffsetFloats;
+      ptrs[s] = reinterpret_cast<uint8_t*>(pool.ptr + slots[s] * (state_size + 7));
+    }
+    pool.poison();
+    pointers.upload(ptrs);
+  }
+  // The launch's sequences: the rows of `offsets` ([S + 1], consecutive ranges).
+  cuda::KdaSequences seqs(const DeviceArray<int32_t>& offsets, int64_t max_count) const {
+    return cuda::KdaSequences{offsets.ptr, offsets.ptr + 1, pointers.ptr, int(at.size()), max_count};
+  }
+  void upload(int s, const float* src) {
+    SPARROW_CUDA_CHECK(cudaMemcpy(pool.ptr + at[s], src, sizeof(float) * size, cudaMemcpyHostToDevice));
+  }
+  std::vector<float> download(int s) const {
+    std::vector<float> host(static_cast<size_t>(size));
+    SPARROW_CUDA_CHECK(cudaMemcpy(host.data(), pool.ptr + at[s], sizeof(float) * size, cudaMemcpyDeviceToHost));
+    return host;
+  }
+};
+
+}  // namespace sparrow::test
