@@ -24,32 +24,14 @@ import sys
 
 import torch
 
-FLUSH = None
+from timing import median_us  # bench/peers/timing.py: the same timing as sparrow's
+
 HEAD_DIM = 128
 CHUNK = 64
 # Multiply-adds of the chunk form per token and head (bench.cu): 2.5 C D + 3 D^2 + C^2 / 6.
 CHUNK_MACS_PER_TOKEN = 2.5 * CHUNK * HEAD_DIM + 3.0 * HEAD_DIM * HEAD_DIM + CHUNK * CHUNK / 6.0
 
 
-def median_us(fn, iters):
-    global FLUSH
-    if FLUSH is None:
-        FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for i in range(iters):
-        FLUSH.fill_(i & 0xFF)
-        s = torch.cuda.Event(enable_timing=True)
-        e = torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1000.0)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def shape_of(heads, batch, count):

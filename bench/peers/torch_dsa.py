@@ -14,28 +14,10 @@ import sys
 
 import torch
 
-FLUSH = None
+from timing import median_us  # bench/peers/timing.py: the same timing as sparrow's
 
 
-def median_us(fn, iters):
-    global FLUSH
-    if FLUSH is None:
-        FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for i in range(iters):
-        FLUSH.fill_(i & 0xFF)
-        s = torch.cuda.Event(enable_timing=True)
-        e = torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1000.0)
-    times.sort()
-    return times[len(times) // 2]
+
 
 
 def emit(kernel, shape, impl, us, note=""):

@@ -12,25 +12,12 @@ import sys
 
 import torch
 
+from timing import median_us  # bench/peers/timing.py: the same timing as sparrow's
+
 MODELS = [("deepseek_v3.2", 128), ("kimi_k3.1_pro", 96), ("kimi_k3.1_pro", 12)]
 TOPK, BLOCK = 2048, 64
 
 
-def median_us(fn, iters):
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(3):
-        fn()
-    times = []
-    for i in range(iters):
-        flush.fill_(i & 0xFF)  # the L2 holds nothing of the previous launch, as in median_launch_us
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1000.0)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def make_cache(fp8, rows):

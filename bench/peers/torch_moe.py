@@ -26,6 +26,8 @@ except Exception as ex:  # noqa: BLE001 - report and exit cleanly
     print(f"# torch_moe: torch unavailable ({ex})", file=sys.stderr)
     sys.exit(0)
 
+from timing import median_us  # bench/peers/timing.py: the same timing as sparrow's
+
 # name, hidden, moe_intermediate, experts, top_k, glu (bench.cu's kModels)
 MODELS = [
     ("deepseek_v3.2", 7168, 2048, 256, 8, "silu"),
@@ -35,28 +37,8 @@ MODELS = [
 TOKENS = [1, 8, 64, 128, 256, 4096, 16384]
 ALPHA, LIMIT = 1.702, 7.0  # MiniMax's swiglu_alpha / swiglu_limit defaults
 HBM, PEAK = 4.3e12, 790e12
-FLUSH = None
 
 
-def median_us(fn, iters):
-    global FLUSH
-    if FLUSH is None:
-        FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for i in range(iters):
-        FLUSH.fill_(i & 0xFF)  # the L2 holds nothing of the previous launch, as in median_launch_us
-        s = torch.cuda.Event(enable_timing=True)
-        e = torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1000.0)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def glu(gu, inter, kind):
