@@ -19,7 +19,10 @@
 # lengths, default 8192 / 1024: InferenceX's 8K/1K), CONCURRENCIES (default 1,2,4,8,16,32,64,128,256),
 # PROMPTS_PER_CONCURRENCY (default 4), KV_MEMORY (sparrow's --kv-cache-memory, default 40GiB),
 # MAX_MODEL_LEN (default 16384; agentic: 131072), SERVE_ARGS (more sparrow serve flags), PEERS (vllm: also
-# sweep `vllm serve <shape folder> --load-format dummy`), VLLM_ARGS (more vllm serve flags),
+# sweep `vllm serve <shape folder> --load-format dummy`; hf: run the same requests through transformers'
+# model.generate, bench/peers/hf_serve_peer.py; both: PEERS=vllm,hf), VLLM_ARGS (more vllm serve flags),
+# HF_CONCURRENCIES (default 1,2,4,8,16: static batches of a 60 GB bf16 model soon run out of memory and time),
+# HF_PROMPTS_PER_CONCURRENCY (default 1: one batch per point), HF_ARGS (more hf_serve_peer.py run flags),
 # LAUNCH_TIMEOUT (s, default 1800).
 set -uo pipefail
 
@@ -93,6 +96,33 @@ for shape in "${SHAPES[@]}"; do
       kill "$vllm_pid" 2>/dev/null; wait "$vllm_pid" 2>/dev/null
     else
       echo "PEERS=vllm but no vllm command here: skipped" | tee -a "$LOG" >&2
+    fi
+  fi
+
+  if [[ ",$PEERS," == *",hf,"* ]]; then
+    echo "== hf: $shape" | tee -a "$LOG" >&2
+    if [[ "$DATASET" != "random" ]]; then
+      echo "PEERS=hf: only the random workload (static batches have no sessions or think times): skipped" | tee -a "$LOG" >&2
+    elif ! python3 -c 'import torch, transformers' 2>/dev/null; then
+      echo "PEERS=hf but torch / transformers do not import here: skipped" | tee -a "$LOG" >&2
+    else
+      # sparrow's client sends its workload to a stand-in server that records it (--max-concurrency 1 keeps
+      # the order); the first c x K requests are what sparrow bench sweep sends at point c.
+      hf_c="${HF_CONCURRENCIES:-1,2,4,8,16}"
+      hf_k="${HF_PROMPTS_PER_CONCURRENCY:-1}"
+      hf_n=$(( $(tr ',' '\n' <<< "$hf_c" | sort -n | tail -1) * hf_k ))
+      python3 bench/peers/hf_serve_peer.py capture --port 8200 --count "$hf_n" --output "$OUT/$shape/hf-requests.jsonl" >> "$LOG" 2>&1 &
+      cap_pid=$!
+      sleep 2
+      "$SPARROW" bench serve --base-url http://127.0.0.1:8200 --tokenizer "$model" --dataset-name random \
+          --random-input-len "$ISL" --random-output-len "$OSL" --ignore-eos --num-prompts "$hf_n" --max-concurrency 1 \
+          --disable-tqdm >> "$LOG" 2>&1
+      kill "$cap_pid" 2>/dev/null; wait "$cap_pid" 2>/dev/null
+      python3 bench/peers/hf_serve_peer.py run "$model" --dummy --device "$DEVICE" --requests "$OUT/$shape/hf-requests.jsonl" \
+          --concurrencies "$hf_c" --prompts-per-concurrency "$hf_k" --ignore-eos --label hf --result-dir "$OUT/$shape/hf" \
+          ${HF_ARGS:-} >> "$LOG" 2>&1 \
+        || { echo "hf peer of $shape failed (see sweep.log)" | tee -a "$LOG" >&2; status=1; }
+      ls "$OUT/$shape/hf/"hf-concurrency*.json >/dev/null 2>&1 && peers+=(--peer "hf=$OUT/$shape/hf")
     fi
   fi
 
