@@ -8,6 +8,9 @@
 // sparrow bench serve [--base-url URL] [--dataset-name random|agentic] [--num-prompts N] ...
 //   Load on any OpenAI-compatible server with vLLM's `vllm bench serve` flags and metrics
 //   (src/bench/serve_bench.h, docs/bench.md).
+// sparrow bench kv-quality --model DIR --file TEXT [--kv-cache-dtype D,...] [--indexer-kv-dtype D,...]
+//   Perplexity, logit error against the float32 cache and indexer top-k recall per cache format
+//   (kv_quality.cpp).
 // sparrow bench sweep [bench serve's flags] [--concurrencies 1,2,...,256] [--launch 'SERVE ARGS'] ...
 //   bench serve at each concurrency, one sweep JSON with the decode roofline beside every point
 //   (src/bench/sweep.h; tools/plot_sweep.py draws it).
@@ -302,6 +305,7 @@ void add_bench(CLI::App& app) {
   add_bench_kernels(bench);
   add_bench_serve(bench);
   add_bench_sweep(bench);
+  add_bench_kv_quality(bench);
 }
 
 }  // namespace sparrow::cli

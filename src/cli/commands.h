@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cache/planner.h"
 #include "model/model.h"
 
 namespace sparrow::cli {
@@ -23,6 +24,8 @@ void add_detokenize(CLI::App& app);
 void add_chat(CLI::App& app);
 void add_perplexity(CLI::App& app);
 void add_kv_plan(CLI::App& app);
+// sparrow bench kv-quality (kv_quality.cpp), registered under `bench`.
+void add_bench_kv_quality(CLI::App* bench);
 
 // The bundled model's folder (models/minimax_m3, found beside the executable's folder or in the
 // current directory), for commands run without --model; a one-line error if it is not there
@@ -40,6 +43,22 @@ int64_t model_context_length(const std::string& model);
 void add_device_option(CLI::App* sub, std::string& device);
 // load_model on `device` ("cpu" | "cuda") with the --enforce-eager and --load-format choices applied.
 std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device);
+
+// vLLM's --kv-cache-dtype and --attention-config (JSON; sparrow takes "indexer_kv_dtype"): the cache
+// formats of docs/cache.md. serve, perplexity and bench kv-quality share them.
+void add_cache_format_options(CLI::App* sub, std::string& kv_cache_dtype, std::string& attention_config);
+// Those flags applied to `config`, each checked at once (a typo is a one-line error before anything loads).
+void apply_cache_format_flags(const std::string& kv_cache_dtype, const std::string& attention_config,
+                              CacheConfig& config);
+// One prefill of `ids` as a fresh sequence in a paged KvCache of `config`'s formats (block_size 64, no
+// prefix caching, a budget of just the rows it needs): the logits [ids.size(), vocab] on the CPU.
+Tensor forward_in_kv_cache(Model& model, const std::vector<int32_t>& ids, CacheConfig config);
+
+// perplexity's recipe (perplexity.cpp): the ids cut into consecutive windows of `window` tokens (a last
+// window of one token dropped), and the summed negative log-likelihood of a window's tokens after its
+// first given its logits.
+std::vector<std::vector<int32_t>> perplexity_windows(const std::vector<int32_t>& ids, int64_t window);
+double window_nll(const Tensor& logits, const std::vector<int32_t>& chunk);
 
 // Registers the action of a subcommand (called from add_X).
 void on_selected(CLI::App* sub, std::function<void()> action);

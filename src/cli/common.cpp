@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cache/kv_cache.h"
 #include "cli/commands.h"
 #include "core/error.h"
 
@@ -35,6 +36,43 @@ std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string&
   std::unique_ptr<Model> model = load_model(dir, parse_device(device), options);
   model->enforce_eager = enforce_eager;
   return model;
+}
+
+void add_cache_format_options(CLI::App* sub, std::string& kv_cache_dtype, std::string& attention_config) {
+  sub->add_option("--kv-cache-dtype", kv_cache_dtype,
+                  "KV-cache storage: auto (float32 on the CPU, bfloat16 on a GPU), float32, bfloat16, fp8 (= fp8_e4m3, "
+                  "fp8_ds_mla: MLA latents in FlashMLA's 656-byte layout), fp8_per_tensor (MLA latents as 576 e4m3), "
+                  "nvfp4 (docs/cache.md; the GPU kernels read bfloat16, and fp8 MLA latents)")
+      ->capture_default_str();
+  sub->add_option("--attention-config", attention_config,
+                  "vLLM's attention settings as JSON: {\"indexer_kv_dtype\": auto|float32|bfloat16|fp8|mxfp4|nvfp4}, "
+                  "the index keys' format (auto: fp8 DSA keys on a GPU, else the kv dtype)");
+}
+
+void apply_cache_format_flags(const std::string& kv_cache_dtype, const std::string& attention_config,
+                              CacheConfig& config) {
+  config.kv_cache_dtype = kv_cache_dtype;
+  parse_cache_dtype(kv_cache_dtype);
+  if (!attention_config.empty()) apply_attention_config(attention_config, config);
+}
+
+Tensor forward_in_kv_cache(Model& model, const std::vector<int32_t>& ids, CacheConfig config) {
+  config.block_size = 64;
+  config.max_num_seqs = 1;
+  config.enable_prefix_caching = false;
+  // Size the budget from the plan's row and slot sizes: what this one sequence needs, plus a row spare.
+  config.memory_bytes = int64_t(1) << 40;  // large enough to plan; nothing is allocated by planning
+  const CachePlan probe = plan_cache(model.cache_spec(), config);
+  const int64_t blocks = (int64_t(ids.size()) + config.block_size - 1) / config.block_size + 1;
+  config.memory_bytes = blocks * probe.row_bytes + 2 * probe.state_slot_bytes;
+  KvCache cache(model.cache_spec(), config);
+  const SeqId id = cache.create_sequence();
+  SequenceState state = model.new_sequence();
+  state.cache = cache.view(id);
+  SPARROW_CHECK(cache.allocate(id, int64_t(ids.size())), "kv cache: no room for ", ids.size(), " tokens");
+  Tensor logits = model.forward(make_batch({{&state, ids}})).to(Device::Cpu);
+  cache.free_sequence(id);
+  return logits;
 }
 
 // The bundled model: models/minimax_m3 of the source tree. It is looked for beside the executable's

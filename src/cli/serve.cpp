@@ -112,9 +112,7 @@ void serve(const ServeFlags& flags) {
 
   EngineConfig config;
   config.cache.block_size = flags.block_size;
-  config.cache.kv_cache_dtype = flags.kv_cache_dtype;
-  parse_cache_dtype(flags.kv_cache_dtype);  // a typo is a one-line error before anything loads
-  if (!flags.attention_config.empty()) apply_attention_config(flags.attention_config, config.cache);
+  apply_cache_format_flags(flags.kv_cache_dtype, flags.attention_config, config.cache);
   config.cache.max_num_seqs = flags.max_num_seqs;
   config.cache.enable_prefix_caching = flags.prefix_caching;
   if (!flags.kv_cache_memory.empty()) config.cache.memory_bytes = parse_byte_size(flags.kv_cache_memory);
@@ -224,14 +222,7 @@ void add_serve(CLI::App& app) {
                 "let the model decide when to call tools (tool_choice \"auto\"); needs --tool-call-parser");
   sub->add_option("--chat-template", f.chat_template, "Jinja chat template file to use instead of the model's");
   sub->add_option("--block-size", f.block_size, "KV-cache block size in tokens: 64, 128 or 256")->capture_default_str();
-  sub->add_option("--kv-cache-dtype", f.kv_cache_dtype,
-                  "KV-cache storage: auto (float32 on the CPU, bfloat16 on a GPU), float32, bfloat16, fp8 (= fp8_e4m3, "
-                  "fp8_ds_mla: MLA latents in FlashMLA's 656-byte layout), fp8_per_tensor (MLA latents as 576 e4m3), "
-                  "nvfp4 (docs/cache.md; the GPU kernels read bfloat16, and fp8 MLA latents)")
-      ->capture_default_str();
-  sub->add_option("--attention-config", f.attention_config,
-                  "vLLM's attention settings as JSON: {\"indexer_kv_dtype\": auto|float32|bfloat16|fp8|mxfp4|nvfp4}, "
-                  "the index keys' format (auto: fp8 DSA keys on a GPU, else the kv dtype)");
+  add_cache_format_options(sub, f.kv_cache_dtype, f.attention_config);
   sub->add_option("--kv-cache-memory", f.kv_cache_memory,
                   "KV-cache budget in bytes, e.g. 4GiB or 512MiB (default: --gpu-memory-utilization)");
   sub->add_option("--gpu-memory-utilization", f.gpu_memory_utilization,

@@ -8,6 +8,7 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/ops.h"
 #include "model/device_step.h"
+#include "model/selection_probe.h"
 
 #if SPARROW_HAVE_CUDA
 #include "kernels/cuda/dsa_indexer/index_scores.h"
@@ -106,6 +107,14 @@ KeySelection DsaIndexer::select(const Tensor& x, const Tensor& q_resid, const Ba
       std::vector<float> score = scores(query.data(), head_weights.row(row), cached.data(), visible);
       std::vector<int32_t> top = cpu::top_k(score.data(), visible, options.topk);
       std::sort(top.begin(), top.end());
+      if (SelectionProbe* probe = selection_probe(); probe && seq.start() == 0) {
+        // The same query, unrounded, against this prefill's exact fp32 keys (kv-quality's recall).
+        std::vector<float> exact_score =
+            scores(queries.row(row), head_weights.row(row), keys.row(seq.offset), visible);
+        std::vector<int32_t> exact = cpu::top_k(exact_score.data(), visible, options.topk);
+        std::sort(exact.begin(), exact.end());
+        probe->add(top, exact);
+      }
       selection.keys[row] = std::move(top);
     }
   }

@@ -9,6 +9,7 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/ops.h"
 #include "model/device_step.h"
+#include "model/selection_probe.h"
 
 #if SPARROW_HAVE_CUDA
 #include "kernels/cuda/gqa/gqa_attention.h"
@@ -73,6 +74,24 @@ Tensor GqaAttention::forward(const Tensor& x, const Batch& batch, int layer) {
       seq.cache().read(layer, PageKind::MsaIndexKey, 0, end, cached_index_keys.data());
       selection = indexer->select(index_q.row(seq.offset), index_q.row_size(), seq.count, seq.start(),
                                   cached_index_keys.data(), end);
+      if (SelectionProbe* probe = selection_probe(); probe && seq.start() == 0) {
+        // The blocks the exact fp32 keys of this prefill keep, per index head and query that has more
+        // blocks to choose from than it keeps (kv-quality's recall).
+        const BlockSelection exact = indexer->select(index_q.row(seq.offset), index_q.row_size(), seq.count, 0,
+                                                     index_k.row(seq.offset), end);
+        std::vector<int32_t> kept, exact_kept;
+        for (int64_t g = 0; g < exact.heads; ++g)
+          for (int64_t i = 0; i < exact.queries; ++i) {
+            if (i / indexer->block_size + 1 <= indexer->topk_blocks) continue;
+            kept.clear();
+            exact_kept.clear();
+            for (int64_t b = 0; b < exact.blocks; ++b) {
+              if (selection->kept(g, i, b)) kept.push_back(int32_t(b));
+              if (exact.kept(g, i, b)) exact_kept.push_back(int32_t(b));
+            }
+            probe->add(kept, exact_kept);
+          }
+      }
     }
     attend(q, seq, cached_kv.data(), selection ? &*selection : nullptr, out);
   }
