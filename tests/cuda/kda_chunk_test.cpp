@@ -38,6 +38,8 @@ constexpr double kTolerance = 2e-2;
 
 using test::counts_str;
 using test::offsets_of;
+using test::compare_vectors;
+using test::l2_normalize;
 using States = test::KdaSlotStates;
 
 uint64_t fresh_seed() { return std::random_device{}() ^ (uint64_t(std::random_device{}()) << 32); }
@@ -50,13 +52,6 @@ struct Problem {
   std::vector<float> q_raw, k_raw;      // the same before the normalisation (the conv's outputs)
   std::vector<float> state0;            // [seqs, H, D, D]
 };
-
-void l2_normalize(float* x, int n, float scale) {  // as kda.cpp
-  float sum = 0.0f;
-  for (int i = 0; i < n; ++i) sum += x[i] * x[i];
-  const float inv = 1.0f / std::sqrt(sum + 1e-6f);
-  for (int i = 0; i < n; ++i) x[i] = x[i] * inv * scale;
-}
 
 // `decay` scales exp(A_log): 1 gives KdaMixer-like gates (mostly mild, some near 0, a few strong); 40 makes
 // channels fall by more than e^-66 within 16 rows (the kernel's exact path); 0.01 keeps states for thousands
@@ -93,34 +88,6 @@ Problem make_problem(int H, int D, const std::vector<int>& counts, float decay, 
   p.state0.resize(counts.size() * size_t(H) * D * D);
   for (auto& x : p.state0) x = 0.5f * normal(rng);
   return p;
-}
-
-// Relative L2 error of each D-vector against the reference, with a floor of 1e-2 times the reference's RMS
-// vector norm (a vector can be small by cancellation while its rounding follows the state's size).
-int compare_vectors(const std::vector<float>& got, const std::vector<float>& ref, int D, const std::string& what,
-                    double* worst_out) {
-  const size_t vectors = ref.size() / D;
-  double total = 0;
-  for (float r : ref) total += double(r) * r;
-  const double floor = 1e-2 * std::sqrt(total / std::max<size_t>(1, vectors));
-  int bad = 0;
-  double worst = 0;
-  for (size_t i = 0; i < vectors; ++i) {
-    double err = 0, norm = 0;
-    bool finite = true;
-    for (int d = 0; d < D; ++d) {
-      const double gv = got[i * D + d], rv = ref[i * D + d];
-      finite = finite && std::isfinite(gv);
-      err += (gv - rv) * (gv - rv);
-      norm += rv * rv;
-    }
-    const double rel = std::sqrt(err) / (std::sqrt(norm) + floor + 1e-30);
-    if (finite) worst = std::max(worst, rel);
-    if ((!finite || !(rel <= kTolerance)) && bad++ < 5)
-      ADD_FAILURE() << what << ": vector " << i << " rel L2 err " << rel << (finite ? "" : " (non-finite / unwritten)");
-  }
-  if (worst_out) *worst_out = std::max(*worst_out, worst);
-  return bad;
 }
 
 struct CaseOptions {
@@ -209,14 +176,14 @@ void run_case(const Problem& p, const std::vector<std::vector<int>>& steps, cons
   if (o.vt) unsetenv("SPARROW_KDA_CHUNK_VT");
 
   double worst_out = 0, worst_state = 0;
-  const int bad_out = compare_vectors(got_out, ref_out, D, what + " out", &worst_out);
+  const int bad_out = compare_vectors(got_out, ref_out, D, kTolerance, what + " out", &worst_out);
   std::vector<float> got_state(ref_state.size());
   for (int s = 0; s < S; ++s) {
     const std::vector<float> st = states.download(s);
     std::copy(st.begin(), st.end(), got_state.begin() + size_t(s) * H * D * D);
   }
   // Row by row (the D values of one key index); a sequence with no rows must keep its state as it was.
-  const int bad_state = compare_vectors(got_state, ref_state, D, what + " state", &worst_state);
+  const int bad_state = compare_vectors(got_state, ref_state, D, kTolerance, what + " state", &worst_state);
   EXPECT_EQ(bad_out, 0) << what << ": " << bad_out << " bad output vectors";
   EXPECT_EQ(bad_state, 0) << what << ": " << bad_state << " bad state rows";
   if (o.also_chunked) {
@@ -226,8 +193,8 @@ void run_case(const Problem& p, const std::vector<std::vector<int>>& steps, cons
         delta_rule_chunked(inputs_at(full_off[s], p.counts[s]), chunk_state.data() + size_t(s) * H * D * D,
                            chunk_out.data() + full_off[s] * P);
     double w = 0;
-    EXPECT_EQ(compare_vectors(got_out, chunk_out, D, what + " out vs CPU chunked", &w), 0);
-    EXPECT_EQ(compare_vectors(got_state, chunk_state, D, what + " state vs CPU chunked", &w), 0);
+    EXPECT_EQ(compare_vectors(got_out, chunk_out, D, kTolerance, what + " out vs CPU chunked", &w), 0);
+    EXPECT_EQ(compare_vectors(got_state, chunk_state, D, kTolerance, what + " state vs CPU chunked", &w), 0);
   }
   std::printf("  %s: worst rel err out %.2e state %.2e\n", what.c_str(), worst_out, worst_state);
 }

@@ -24,6 +24,8 @@ namespace {
 
 using test::counts_str;
 using test::offsets_of;
+using test::compare_vectors;
+using test::l2_normalize;
 using States = test::KdaSlotStates;
 
 uint64_t fresh_seed() { return std::random_device{}() ^ (uint64_t(std::random_device{}()) << 32); }
@@ -37,13 +39,6 @@ struct DeltaProblem {
   std::vector<float> q_raw, k_raw;      // the same before the normalisation (the conv's outputs)
   std::vector<float> state0;            // [seqs, H, D, D]
 };
-
-void l2_normalize(float* x, int n, float scale) {  // as kda.cpp
-  float sum = 0.0f;
-  for (int i = 0; i < n; ++i) sum += x[i] * x[i];
-  const float inv = 1.0f / std::sqrt(sum + 1e-6f);
-  for (int i = 0; i < n; ++i) x[i] = x[i] * inv * scale;
-}
 
 DeltaProblem make_delta_problem(int H, int D, const std::vector<int>& counts, std::mt19937_64& rng) {
   DeltaProblem p{H, D, counts};
@@ -95,34 +90,6 @@ void cpu_delta(const DeltaProblem& p, int64_t row, int count, float* state, floa
   in.log_decay = p.g.data() + at;
   in.beta = p.beta.data() + row * p.H;
   delta_rule_recurrent(in, state, out + at);
-}
-
-// Relative L2 error of each D-vector against the reference, with a floor of 1e-2 times the reference's RMS
-// vector norm (an output vector can be small by cancellation while its rounding follows the state's size).
-int compare_vectors(const std::vector<float>& got, const std::vector<float>& ref, int D, double tol,
-                    const std::string& what, double* worst_out) {
-  const size_t vectors = ref.size() / D;
-  double total = 0;
-  for (float r : ref) total += double(r) * r;
-  const double floor = 1e-2 * std::sqrt(total / std::max<size_t>(1, vectors));
-  int bad = 0;
-  double worst = 0;
-  for (size_t i = 0; i < vectors; ++i) {
-    double err = 0, norm = 0;
-    bool finite = true;
-    for (int d = 0; d < D; ++d) {
-      const double gv = got[i * D + d], rv = ref[i * D + d];
-      finite = finite && std::isfinite(gv);
-      err += (gv - rv) * (gv - rv);
-      norm += rv * rv;
-    }
-    const double rel = std::sqrt(err) / (std::sqrt(norm) + floor + 1e-30);
-    if (finite) worst = std::max(worst, rel);
-    if ((!finite || !(rel <= tol)) && bad++ < 5)
-      ADD_FAILURE() << what << ": vector " << i << " rel L2 err " << rel << (finite ? "" : " (non-finite / unwritten)");
-  }
-  if (worst_out) *worst_out = std::max(*worst_out, worst);
-  return bad;
 }
 
 // Runs the problem on the GPU in `steps` launches: launch i advances sequence s by steps[i][s] rows (their sum

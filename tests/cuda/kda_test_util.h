@@ -1,7 +1,10 @@
 // What the KDA kernel tests share (kda_test.cpp, kda_chunk_test.cpp): batches described by per-sequence
 // row counts, and state slots laid out as a cache's would be.
 #pragma once
+#include <gtest/gtest.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -64,5 +67,41 @@ struct KdaSlotStates {
     return host;
   }
 };
+
+// KdaMixer's l2norm (src/model/kda.cpp): x / sqrt(sum x^2 + 1e-6), times scale.
+inline void l2_normalize(float* x, int n, float scale) {
+  float sum = 0.0f;
+  for (int i = 0; i < n; ++i) sum += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(sum + 1e-6f);
+  for (int i = 0; i < n; ++i) x[i] = x[i] * inv * scale;
+}
+
+// Relative L2 error of each D-vector against the reference, with a floor of 1e-2 times the reference's RMS
+// vector norm (a vector can be small by cancellation while its rounding follows the state's size).
+inline int compare_vectors(const std::vector<float>& got, const std::vector<float>& ref, int D, double tol,
+                           const std::string& what, double* worst_out) {
+  const size_t vectors = ref.size() / D;
+  double total = 0;
+  for (float r : ref) total += double(r) * r;
+  const double floor = 1e-2 * std::sqrt(total / std::max<size_t>(1, vectors));
+  int bad = 0;
+  double worst = 0;
+  for (size_t i = 0; i < vectors; ++i) {
+    double err = 0, norm = 0;
+    bool finite = true;
+    for (int d = 0; d < D; ++d) {
+      const double gv = got[i * D + d], rv = ref[i * D + d];
+      finite = finite && std::isfinite(gv);
+      err += (gv - rv) * (gv - rv);
+      norm += rv * rv;
+    }
+    const double rel = std::sqrt(err) / (std::sqrt(norm) + floor + 1e-30);
+    if (finite) worst = std::max(worst, rel);
+    if ((!finite || !(rel <= tol)) && bad++ < 5)
+      ADD_FAILURE() << what << ": vector " << i << " rel L2 err " << rel << (finite ? "" : " (non-finite / unwritten)");
+  }
+  if (worst_out) *worst_out = std::max(*worst_out, worst);
+  return bad;
+}
 
 }  // namespace sparrow::test
