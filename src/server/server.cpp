@@ -1,6 +1,7 @@
 #include "server/server.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include <cstdio>
 
@@ -73,6 +74,14 @@ Server::Server(ServingContext& context, ServerConfig config)
   http_->new_task_queue = [workers] { return new httplib::ThreadPool(workers); };
   http_->set_payload_max_length(config_.max_body_bytes);
   http_->set_keep_alive_timeout(5);
+  // Debian's cpp-httplib is built with a listen backlog of 5 (CPPHTTPLIB_LISTEN_BACKLOG): a burst of
+  // more new connections than that (a benchmark opening 64 or 256 streams at once) overflows the accept
+  // queue, and some of those clients see their connection reset. The listening socket is kept here
+  // so bind() can raise its backlog to the system's limit.
+  http_->set_socket_options([this](socket_t sock) {
+    httplib::default_socket_options(sock);
+    listen_socket_ = sock;
+  });
   add_routes();
 }
 
@@ -86,6 +95,7 @@ int Server::bind() {
     port = -1;
   SPARROW_CHECK(port > 0, "cannot listen on ", config_.host, ":", config_.port,
                 " (address in use, or not an address of this machine)");
+  if (listen_socket_ >= 0) ::listen(listen_socket_, SOMAXCONN);  // listen() again only resizes the queue
   return port;
 }
 

@@ -74,6 +74,7 @@ class Server {
   ServingContext& context_;
   ServerConfig config_;
   std::unique_ptr<httplib::Server> http_;
+  int listen_socket_ = -1;  // the bound socket (a POSIX descriptor), whose accept queue bind() enlarges
 
   // Completions in flight, for the 503 limit and for drain().
   std::mutex active_mutex_;
