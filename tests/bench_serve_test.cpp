@@ -175,7 +175,12 @@ TEST(BenchServeSse, WhatChunksSay) {
   EXPECT_TRUE(read_chunk(R"({"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}}]})", true)
                   .output);
   EXPECT_TRUE(read_chunk(R"({"choices":[{"text":" world","index":0}]})", false).output);
-  EXPECT_FALSE(read_chunk(R"({"choices":[{"text":"","finish_reason":"length"}]})", false).output);
+  // A step whose token has no text yet is still a token (vLLM's client times it too) ...
+  EXPECT_TRUE(read_chunk(R"({"choices":[{"text":"","index":0}]})", false).output);
+  EXPECT_TRUE(read_chunk(R"({"choices":[{"delta":{"content":""}}]})", true).output);
+  // ... but not a chat finish chunk without a delta, nor a usage chunk without choices.
+  EXPECT_FALSE(read_chunk(R"({"choices":[{"delta":{},"finish_reason":"stop"}]})", true).output);
+  EXPECT_FALSE(read_chunk(R"({"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}})", false).output);
   ChunkInfo usage = read_chunk(R"({"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":5}})", false);
   EXPECT_FALSE(usage.output);
   EXPECT_EQ(usage.prompt_tokens, 12);

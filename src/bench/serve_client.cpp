@@ -76,8 +76,12 @@ ChunkInfo read_chunk(const std::string& data, bool chat) {
     info.error = error_message(data);
     return info;
   }
+  // A chunk is one step's tokens even when their text is empty (held back by the detokenizer, or ids a
+  // dummy model's tokenizer has no text for): servers stream a chunk per step that made tokens, and
+  // vLLM's bench client times every chunk with a choice. Only a chat stream's opening role chunk is
+  // not a token: sparrow sends it before the first token.
   auto add_text = [&](const nlohmann::json& v) {
-    if (v.is_string() && !v.get_ref<const std::string&>().empty()) {
+    if (v.is_string()) {
       info.text += v.get_ref<const std::string&>();
       info.output = true;
     }
@@ -86,7 +90,7 @@ ChunkInfo read_chunk(const std::string& data, bool chat) {
     const nlohmann::json& choice = j["choices"][0];
     if (!chat) {
       if (choice.contains("text")) add_text(choice["text"]);
-    } else if (choice.contains("delta") && choice["delta"].is_object()) {
+    } else if (choice.contains("delta") && choice["delta"].is_object() && !choice["delta"].contains("role")) {
       const nlohmann::json& delta = choice["delta"];
       for (const char* key : {"content", "reasoning_content", "reasoning"})
         if (delta.contains(key)) add_text(delta[key]);

@@ -102,9 +102,15 @@ class ChatCompletion : public CompletionJob {
     record(choice, out);
     if (out.finish_reason == "error") return engine_failed();
     if (!request_.stream) return "";
-    if (delta.empty() && !out.finished) return "";  // a parser holds the text back: nothing to say yet
+    // A step's tokens get a chunk even when their text is empty (an incomplete UTF-8 sequence held back),
+    // as vLLM streams them, so clients can time every token; a tool or reasoning parser holding text
+    // back has nothing to say yet.
+    const bool held_by_parser = parse_tools_ || parse_reasoning_;
+    if (delta.empty() && !out.finished && (held_by_parser || out.new_tokens.empty())) return "";
 
-    Json choice_json = {{"index", event.choice}, {"delta", delta_json(delta)}};
+    Json delta_body = delta_json(delta);
+    if (delta_body.empty() && !out.finished) delta_body["content"] = "";
+    Json choice_json = {{"index", event.choice}, {"delta", std::move(delta_body)}};
     choice_json["logprobs"] = nullptr;
     if (request_.logprobs) {
       choice_json["logprobs"] = {{"content", chat_logprob_entries(*context_.tokenizer, choice.unsent_logprobs)}};
