@@ -8,16 +8,17 @@
 #   bench/sweep.sh [SHAPE ...]        SHAPE: deepseek_v3.2, kimi_k3.1_pro, minimax_m3.1_flash (default: all),
 #                                     or the path of any config.json-like file
 #
-# A shape's model folder is made under $OUT/models/<shape>: the shape's config.json plus the bundled
+# A shape's model folder is made under $MODELS/<shape>: the shape's config.json plus the bundled
 # model's tokenizer (models/minimax_m3: ids below 4096, valid in every shape's vocabulary), so both engines
 # can take text prompts and `--tokenizer` makes them exactly ISL tokens long.
 # Writes into $OUT (the device tool's result folder; else out/serve/), per shape:
 #   <shape>/sweep-sparrow.json   the sweep (points + roofline); <shape>/sweep-vllm.json with PEERS=vllm
 #   <shape>/front.png, .svg      the plot (if matplotlib imports)
-#   sweep.log                    every step's output
+#   <shape>/sweep.log            every step's output for that shape
 # Env: SPARROW (binary, default build/sparrow), DEVICE (default cuda), DATASET (random | agentic, default random), ISL / OSL (random
 # lengths, default 8192 / 1024: InferenceX's 8K/1K), CONCURRENCIES (default 1,2,4,8,16,32,64,128,256),
-# PROMPTS_PER_CONCURRENCY (default 4), KV_MEMORY (sparrow's --kv-cache-memory, default 40GiB),
+# PROMPTS_PER_CONCURRENCY (default 4), NUM_WARMUPS (untimed requests before each point, at least one wave
+# at its concurrency, default 1; 0: none), MODELS (where the model folders go, default $OUT/models), KV_MEMORY (sparrow's --kv-cache-memory, default 40GiB),
 # MAX_MODEL_LEN (default 16384; agentic: 131072), SERVE_ARGS (more sparrow serve flags), PEERS (vllm: also
 # sweep `vllm serve <shape folder> --load-format dummy`; hf: run the same requests through transformers'
 # model.generate, bench/peers/hf_serve_peer.py; both: PEERS=vllm,hf), VLLM_ARGS (more vllm serve flags),
@@ -30,8 +31,6 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 OUT="${OUT:-$ROOT/out/serve}"
 mkdir -p "$OUT"
-LOG="$OUT/sweep.log"
-: > "$LOG"
 export LD_LIBRARY_PATH="$ROOT/.devlibs:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 SPARROW="${SPARROW:-$ROOT/build/sparrow}"
 DEVICE="${DEVICE:-cuda}"
@@ -40,6 +39,8 @@ ISL="${ISL:-8192}"
 OSL="${OSL:-1024}"
 CONCURRENCIES="${CONCURRENCIES:-1,2,4,8,16,32,64,128,256}"
 PROMPTS_PER_CONCURRENCY="${PROMPTS_PER_CONCURRENCY:-4}"
+NUM_WARMUPS="${NUM_WARMUPS:-1}"
+MODELS="${MODELS:-$OUT/models}"
 KV_MEMORY="${KV_MEMORY:-40GiB}"
 if [[ "$DATASET" == "agentic" ]]; then MAX_MODEL_LEN="${MAX_MODEL_LEN:-131072}"; else MAX_MODEL_LEN="${MAX_MODEL_LEN:-16384}"; fi
 LAUNCH_TIMEOUT="${LAUNCH_TIMEOUT:-1800}"
@@ -50,7 +51,7 @@ SHAPES=("$@")
 status=0
 
 # The workload flags, the same for every engine.
-WORKLOAD=(--dataset-name "$DATASET" --concurrencies "$CONCURRENCIES" --ignore-eos --disable-tqdm)
+WORKLOAD=(--dataset-name "$DATASET" --concurrencies "$CONCURRENCIES" --num-warmups "$NUM_WARMUPS" --ignore-eos --disable-tqdm)
 if [[ "$DATASET" == "random" ]]; then
   WORKLOAD+=(--random-input-len "$ISL" --random-output-len "$OSL" --prompts-per-concurrency "$PROMPTS_PER_CONCURRENCY")
 fi
@@ -59,8 +60,10 @@ for shape in "${SHAPES[@]}"; do
   config="bench/shapes/serve/$shape.json"
   if [[ -f "$shape" ]]; then config="$shape"; shape=$(basename "$(dirname "$shape")")-$(basename "$shape" .json); fi
   [[ -f "$config" ]] || { echo "no $config" >&2; status=1; continue; }
-  model="$OUT/models/$shape"
+  model="$MODELS/$shape"
   mkdir -p "$model" "$OUT/$shape"
+  LOG="$OUT/$shape/sweep.log"
+  : > "$LOG"
   cp "$config" "$model/config.json"
   cp models/minimax_m3/tokenizer.json models/minimax_m3/tokenizer_config.json "$model/"
 
@@ -68,7 +71,7 @@ for shape in "${SHAPES[@]}"; do
   "$SPARROW" bench sweep "${WORKLOAD[@]}" --tokenizer "$model" --label sparrow \
       --launch "$model --load-format dummy --device $DEVICE --max-model-len $MAX_MODEL_LEN --max-num-seqs 256 --kv-cache-memory $KV_MEMORY ${SERVE_ARGS:-}" \
       --launch-timeout "$LAUNCH_TIMEOUT" --output "$OUT/$shape/sweep-sparrow.json" >> "$LOG" 2>&1 \
-    || { echo "sparrow sweep of $shape failed (see sweep.log)" >&2; status=1; }
+    || { echo "sparrow sweep of $shape failed (see $shape/sweep.log)" >&2; status=1; }
   peers=()
 
   if [[ ",$PEERS," == *",vllm,"* ]]; then
@@ -87,7 +90,7 @@ for shape in "${SHAPES[@]}"; do
         "$SPARROW" bench sweep "${WORKLOAD[@]}" --tokenizer "$model" --label vllm --base-url http://127.0.0.1:8100 \
             --model-config "$model" --output "$OUT/$shape/sweep-vllm.json" >> "$LOG" 2>&1 \
           && peers+=(--peer "vllm=$OUT/$shape/sweep-vllm.json") \
-          || { echo "vllm sweep of $shape failed (see sweep.log)" >&2; status=1; }
+          || { echo "vllm sweep of $shape failed (see $shape/sweep.log)" >&2; status=1; }
       else
         echo "vllm serve $shape did not come up: the end of its log:" | tee -a "$LOG" >&2
         tail -n 20 "$OUT/$shape/vllm-server.log" | tee -a "$LOG" >&2
@@ -121,14 +124,14 @@ for shape in "${SHAPES[@]}"; do
       python3 bench/peers/hf_serve_peer.py run "$model" --dummy --device "$DEVICE" --requests "$OUT/$shape/hf-requests.jsonl" \
           --concurrencies "$hf_c" --prompts-per-concurrency "$hf_k" --ignore-eos --label hf --result-dir "$OUT/$shape/hf" \
           ${HF_ARGS:-} >> "$LOG" 2>&1 \
-        || { echo "hf peer of $shape failed (see sweep.log)" | tee -a "$LOG" >&2; status=1; }
+        || { echo "hf peer of $shape failed (see $shape/sweep.log)" | tee -a "$LOG" >&2; status=1; }
       ls "$OUT/$shape/hf/"hf-concurrency*.json >/dev/null 2>&1 && peers+=(--peer "hf=$OUT/$shape/hf")
     fi
   fi
 
   if [[ -f "$OUT/$shape/sweep-sparrow.json" ]] && python3 -c 'import matplotlib' 2>/dev/null; then
     python3 tools/plot_sweep.py "$OUT/$shape/sweep-sparrow.json" "${peers[@]}" --output "$OUT/$shape/front" >> "$LOG" 2>&1 \
-      || { echo "plot of $shape failed (see sweep.log)" >&2; status=1; }
+      || { echo "plot of $shape failed (see $shape/sweep.log)" >&2; status=1; }
   fi
 done
 exit $status

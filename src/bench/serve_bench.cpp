@@ -20,6 +20,7 @@ namespace {
 // Without --max-concurrency every request may be in flight at once; each takes a thread, so this caps
 // the threads (and the concurrency) of an unbounded run.
 constexpr int64_t kMaxWorkers = 1024;
+constexpr int64_t kWarmupOutputTokens = 16;  // output tokens of a warm-up request at most
 
 std::vector<std::string> split(const std::string& text, char separator) {
   std::vector<std::string> parts;
@@ -168,6 +169,49 @@ Json run_serve_benchmark(const ServeBenchOptions& o) {
     RandomOptions r = o.random;
     r.seed = o.seed;
     jobs = random_workload(r, text);
+  }
+  SPARROW_CHECK(o.num_warmups >= 0, "--num-warmups must not be negative");
+  if (o.num_warmups > 0) {
+    // Warm-up requests (vLLM's --num-warmups), left out of every figure: the server's first steps at a
+    // new batch size (CUDA graph capture, allocations, GEMM heuristics) are not the workload's. They are
+    // the first requests of the same workload drawn with another seed, so that the measured prompts find
+    // none of their prefixes cached by the warm-up, sent as many at once as the run will send, each
+    // with a short output (kWarmupOutputTokens: a few decode steps at the batch size, not a whole run).
+    std::vector<Job> warm;
+    const uint64_t warm_seed = o.seed ^ 0x9e3779b97f4a7c15ull;
+    if (agentic) {
+      AgenticOptions a = o.agentic;
+      a.seed = warm_seed;
+      a.sessions = o.num_warmups;
+      a.output_len = std::min<int64_t>(a.output_len, kWarmupOutputTokens);
+      if (max_model_len > 0) a.max_context = std::min(a.max_context, max_model_len);
+      warm = agentic_workload(a, text);
+    } else {
+      RandomOptions r = o.random;
+      r.seed = warm_seed;
+      r.num_prompts = o.num_warmups;
+      r.output_len = std::min<int64_t>(r.output_len, kWarmupOutputTokens);
+      warm = random_workload(r, text);
+    }
+    std::atomic<size_t> next{0}, failed{0};
+    auto send = [&] {
+      ServeConnection connection(url, o.api_key);
+      for (size_t j; (j = next++) < warm.size();) {
+        RequestResult r;
+        try {
+          r = connection.stream(endpoint, request_body(warm[j], warm[j].requests[0], chat, model, o), chat,
+                                Clock::now(), tokenizer.get());
+        } catch (const std::exception& e) {
+          r.error = e.what();
+        }
+        if (!r.success) ++failed;
+      }
+    };
+    std::vector<std::thread> senders;
+    const int64_t width = std::min<int64_t>(o.num_warmups, o.max_concurrency > 0 ? o.max_concurrency : kMaxWorkers);
+    for (int64_t w = 0; w < width; ++w) senders.emplace_back(send);
+    for (std::thread& t : senders) t.join();
+    std::printf("Warm-up: %zu requests (%zu failed)\n", warm.size(), failed.load());
   }
   std::vector<size_t> first_result(jobs.size() + 1, 0);
   for (size_t j = 0; j < jobs.size(); ++j) first_result[j + 1] = first_result[j] + jobs[j].requests.size();

@@ -27,6 +27,7 @@ struct ServeBenchOptions {
   double request_rate = std::numeric_limits<double>::infinity();
   double burstiness = 1.0;
   int64_t max_concurrency = 0;    // 0: no limit
+  int64_t num_warmups = 0;        // untimed requests first (vLLM's --num-warmups)
   uint64_t seed = 0;
   bool ignore_eos = false;
   double temperature = 0;

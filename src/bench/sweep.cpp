@@ -270,6 +270,8 @@ Json run_sweep(const SweepOptions& o) {
     s.max_concurrency = c;
     if (!o.fixed_num_prompts) s.random.num_prompts = c * o.prompts_per_concurrency;
     if (!o.fixed_sessions) s.agentic.sessions = c * o.sessions_per_concurrency;
+    // Warm-up at a point is at least one full wave at its concurrency: the batch size is what is new.
+    if (s.num_warmups > 0) s.num_warmups = std::max(s.num_warmups, c);
     if (s.save_result) s.result_filename = o.label + "-concurrency" + std::to_string(c) + ".json";
     std::printf("\n=== sweep: concurrency %lld ===\n", (long long)c);
     std::fflush(stdout);

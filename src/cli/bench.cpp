@@ -143,6 +143,10 @@ void add_serve_flags(CLI::App* sub, ServeFlags& f, bool sweep) {
                   "gamma shape of the arrival gaps: 1 Poisson, < 1 burstier, > 1 more even")
       ->capture_default_str();
   if (!sweep) sub->add_option("--max-concurrency", o.max_concurrency, "most requests (agentic: sessions) in flight");
+  sub->add_option("--num-warmups", o.num_warmups,
+                  sweep ? "untimed requests before each point (another seed's prompts, sent at the point's concurrency)"
+                        : "untimed requests before the run (another seed's prompts, sent at --max-concurrency)")
+      ->capture_default_str();
   sub->add_option("--seed", o.seed, "seed of the workload and the arrivals")->capture_default_str();
   sub->add_flag("--ignore-eos", o.ignore_eos, "generate exactly the output length (ignore_eos and min_tokens)");
   sub->add_option("--temperature", o.temperature, "sampling temperature (default 0: greedy)");
