@@ -466,13 +466,24 @@ TEST_F(BenchServeEndToEnd, RandomCompletions) {
   }
   EXPECT_EQ(j["total_input_tokens"], inputs);
   for (const auto& t : j["ttfts"]) EXPECT_GT(t.get<double>(), 0);
-  for (const auto& gaps : j["itls"]) {
-    EXPECT_GE(gaps.size(), 1u);
-    EXPECT_LE(gaps.size(), 7u);  // 8 tokens: at most 7 gaps between chunks
-  }
+  for (const auto& gaps : j["itls"]) EXPECT_EQ(gaps.size(), 7u);  // a chunk per token: 8 tokens, 7 gaps
   EXPECT_LE(j["max_concurrent_requests"].get<int>(), 3);
   EXPECT_EQ(j["request_goodput"].get<double>(), j["request_throughput"].get<double>());
   EXPECT_TRUE(j["prefix_cache_hit_rate"].is_number());  // sparrow's /metrics has the counters
+}
+
+TEST_F(BenchServeEndToEnd, WarmupsAreSentButNotCounted) {
+  std::string out;
+  ASSERT_EQ(bench("--num-prompts 2 --random-input-len 16 --random-output-len 4 --ignore-eos --num-warmups 3 "
+                  "--save-result --result-dir " + dir_->path() + " --result-filename warm.json",
+                  out),
+            0)
+      << out;
+  EXPECT_NE(out.find("Warm-up: 3 requests (0 failed)"), std::string::npos) << out;
+  nlohmann::json j = result("warm.json");
+  EXPECT_EQ(j["completed"], 2);
+  EXPECT_EQ(j["total_output_tokens"], 8);  // the warm-ups' tokens are in no figure
+  EXPECT_EQ(j["output_lens"].size(), 2u);
 }
 
 TEST_F(BenchServeEndToEnd, AgenticChatSessions) {
