@@ -145,6 +145,27 @@ TEST(BenchServeStats, PrefixCacheCountersFromPrometheus) {
   EXPECT_FALSE(parse_prefix_cache_counters("# nothing\nsglang:cache_hit_rate 0.5\n"));
 }
 
+TEST(BenchServeStats, EngineStepCountersFromPrometheus) {
+  const std::string page =
+      "sparrow:decode_steps_total{model_name=\"m\"} 100\n"
+      "sparrow:decode_step_seconds_total{model_name=\"m\"} 2.5\n"
+      "sparrow:decode_forward_seconds_total{model_name=\"m\"} 2\n"
+      "sparrow:prefill_steps_total{model_name=\"m\"} 4\n"
+      "sparrow:prefill_step_seconds_total{model_name=\"m\"} 1\n"
+      "sparrow:prefill_forward_seconds_total{model_name=\"m\"} 0.9\n";
+  auto after = parse_engine_step_counters(page);
+  ASSERT_TRUE(after);
+  EXPECT_EQ(after->decode_steps, 100);
+  EXPECT_EQ(after->prefill_forward_seconds, 0.9);
+  EngineStepCounters before;
+  before.decode_steps = 60, before.decode_seconds = 1.5, before.decode_forward_seconds = 1.25;
+  const EngineStepCounters run = *after - before;
+  EXPECT_EQ(run.decode_steps, 40);
+  EXPECT_EQ(run.decode_seconds, 1.0);
+  EXPECT_EQ(run.decode_forward_seconds, 0.75);
+  EXPECT_FALSE(parse_engine_step_counters("vllm:prefix_cache_hits_total 3\n"));  // not a sparrow server
+}
+
 TEST(BenchServeSse, EventsAcrossArbitraryReads) {
   const std::string stream =
       ": keep-alive comment\r\n"
@@ -470,6 +491,12 @@ TEST_F(BenchServeEndToEnd, RandomCompletions) {
   EXPECT_LE(j["max_concurrent_requests"].get<int>(), 3);
   EXPECT_EQ(j["request_goodput"].get<double>(), j["request_throughput"].get<double>());
   EXPECT_TRUE(j["prefix_cache_hit_rate"].is_number());  // sparrow's /metrics has the counters
+  // ... and the engine loop's: 6 requests of 8 tokens need decode steps; a step's forward part is in it.
+  const nlohmann::json& decode = j["engine_steps"]["decode"];
+  EXPECT_GE(decode["steps"].get<double>(), 7);
+  EXPECT_GT(decode["mean_step_ms"].get<double>(), 0);
+  EXPECT_LE(decode["mean_forward_ms"].get<double>(), decode["mean_step_ms"].get<double>());
+  EXPECT_GE(decode["host_fraction"].get<double>(), 0);
 }
 
 TEST_F(BenchServeEndToEnd, WarmupsAreSentButNotCounted) {

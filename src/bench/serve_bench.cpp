@@ -60,9 +60,15 @@ std::string now_stamp() {
   return buf;
 }
 
-std::optional<PrefixCacheCounters> scrape_prefix_cache(ServeConnection& metrics, const std::string& path) {
+struct ServerCounters {
+  std::optional<PrefixCacheCounters> prefix_cache;
+  std::optional<EngineStepCounters> engine_steps;
+};
+
+ServerCounters scrape_counters(ServeConnection& metrics, const std::string& path) {
   std::optional<std::string> page = metrics.get(path);
-  return page ? parse_prefix_cache_counters(*page) : std::nullopt;
+  if (!page) return {};
+  return {parse_prefix_cache_counters(*page), parse_engine_step_counters(*page)};
 }
 
 // vLLM's default result name: <label>-<rate>qps[-concurrency<N>]-<model>-<date>.json.
@@ -229,7 +235,7 @@ Json run_serve_benchmark(const ServeBenchOptions& o) {
 
   ServeConnection metrics(o.metrics_url.empty() ? url : parse_base_url(o.metrics_url), o.api_key);
   const std::string metrics_path = o.metrics_url.empty() ? "/metrics" : "";
-  const std::optional<PrefixCacheCounters> before = scrape_prefix_cache(metrics, metrics_path);
+  const ServerCounters before = scrape_counters(metrics, metrics_path);
 
   // Jobs start at their arrival times, each on the next free worker: with every worker busy a job waits,
   // as it waits for vLLM's concurrency semaphore.
@@ -279,8 +285,11 @@ Json run_serve_benchmark(const ServeBenchOptions& o) {
   all_done = true;
   progress.join();
 
-  const std::optional<PrefixCacheCounters> after = scrape_prefix_cache(metrics, metrics_path);
-  if (before && after) info.prefix_cache = PrefixCacheCounters{after->queries - before->queries, after->hits - before->hits};
+  const ServerCounters after = scrape_counters(metrics, metrics_path);
+  if (before.prefix_cache && after.prefix_cache)
+    info.prefix_cache = PrefixCacheCounters{after.prefix_cache->queries - before.prefix_cache->queries,
+                                            after.prefix_cache->hits - before.prefix_cache->hits};
+  if (before.engine_steps && after.engine_steps) info.engine_steps = *after.engine_steps - *before.engine_steps;
   info.backend = backend;
   info.base_url = o.base_url;
   info.endpoint = endpoint;

@@ -185,6 +185,49 @@ std::optional<PrefixCacheCounters> parse_prefix_cache_counters(const std::string
   return std::nullopt;
 }
 
+EngineStepCounters EngineStepCounters::operator-(const EngineStepCounters& o) const {
+  return {decode_steps - o.decode_steps,   decode_seconds - o.decode_seconds,   decode_forward_seconds - o.decode_forward_seconds,
+          prefill_steps - o.prefill_steps, prefill_seconds - o.prefill_seconds, prefill_forward_seconds - o.prefill_forward_seconds};
+}
+
+std::optional<EngineStepCounters> parse_engine_step_counters(const std::string& text) {
+  EngineStepCounters c;
+  const std::pair<const char*, double*> series[] = {
+      {"sparrow:decode_steps_total", &c.decode_steps},
+      {"sparrow:decode_step_seconds_total", &c.decode_seconds},
+      {"sparrow:decode_forward_seconds_total", &c.decode_forward_seconds},
+      {"sparrow:prefill_steps_total", &c.prefill_steps},
+      {"sparrow:prefill_step_seconds_total", &c.prefill_seconds},
+      {"sparrow:prefill_forward_seconds_total", &c.prefill_forward_seconds}};
+  bool found = false;
+  size_t begin = 0;
+  while (begin < text.size()) {
+    size_t end = text.find('\n', begin);
+    if (end == std::string::npos) end = text.size();
+    std::string name;
+    double value = 0;
+    if (parse_sample(text.substr(begin, end - begin), name, value))
+      for (const auto& [series_name, field] : series)
+        if (name == series_name) *field += value, found = true;
+    begin = end + 1;
+  }
+  return found ? std::optional(c) : std::nullopt;
+}
+
+// Per kind: steps, mean step and forward time in ms, and the host's share of the loop's time.
+Json engine_steps_json(const EngineStepCounters& c) {
+  auto kind = [](double steps, double seconds, double forward) {
+    Json k = {{"steps", steps}};
+    k["mean_step_ms"] = steps > 0 ? Json(1e3 * seconds / steps) : Json(nullptr);
+    k["mean_forward_ms"] = steps > 0 ? Json(1e3 * forward / steps) : Json(nullptr);
+    k["host_fraction"] = seconds > 0 ? Json(std::max(0.0, 1.0 - forward / seconds)) : Json(nullptr);
+    k["seconds"] = seconds;
+    return k;
+  };
+  return {{"decode", kind(c.decode_steps, c.decode_seconds, c.decode_forward_seconds)},
+          {"prefill", kind(c.prefill_steps, c.prefill_seconds, c.prefill_forward_seconds)}};
+}
+
 Json result_json(const RunInfo& info, const std::vector<RequestResult>& results) {
   std::vector<RequestResult> done;
   for (const RequestResult& r : results)
@@ -231,6 +274,7 @@ Json result_json(const RunInfo& info, const std::vector<RequestResult>& results)
   j["prefix_cache_queries"] = prefix ? Json(prefix->queries) : Json(nullptr);
   j["prefix_cache_hits"] = prefix ? Json(prefix->hits) : Json(nullptr);
   j["prefix_cache_hit_rate"] = prefix && prefix->queries > 0 ? Json(prefix->hits / prefix->queries) : Json(nullptr);
+  j["engine_steps"] = info.engine_steps ? engine_steps_json(*info.engine_steps) : Json(nullptr);
   if (info.slos.any()) {
     Json slos = Json::object();
     if (info.slos.ttft_ms) slos["ttft"] = *info.slos.ttft_ms;

@@ -60,6 +60,15 @@ struct PrefixCacheCounters {
 };
 std::optional<PrefixCacheCounters> parse_prefix_cache_counters(const std::string& prometheus_text);
 
+// sparrow's engine-loop counters (server/metrics.h): steps of each kind, their time, and the part of it
+// from the batch being ready to the sampled tokens (the rest is host work). Empty for other servers.
+struct EngineStepCounters {
+  double decode_steps = 0, decode_seconds = 0, decode_forward_seconds = 0;
+  double prefill_steps = 0, prefill_seconds = 0, prefill_forward_seconds = 0;
+  EngineStepCounters operator-(const EngineStepCounters& o) const;
+};
+std::optional<EngineStepCounters> parse_engine_step_counters(const std::string& prometheus_text);
+
 // What the run was, for the result file and the summary.
 struct RunInfo {
   std::string backend, base_url, endpoint, model_id, tokenizer_id, dataset_name, date;
@@ -68,6 +77,7 @@ struct RunInfo {
   uint64_t seed = 0;
   double duration = 0;          // seconds
   std::optional<PrefixCacheCounters> prefix_cache;  // the change over the run
+  std::optional<EngineStepCounters> engine_steps;   // the change over the run (sparrow servers)
   std::vector<std::string> percentile_metrics;      // printed in the summary
   std::vector<double> metric_percentiles;           // besides p90 and p99, which are always reported
   Slos slos;

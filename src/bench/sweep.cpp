@@ -226,6 +226,7 @@ Json sweep_point(const Json& result, int64_t concurrency, int64_t num_gpus) {
   p["mean_tokens_per_s_per_user"] = mean_tpot > 0 ? Json(1000.0 / mean_tpot) : Json(nullptr);
   p["tokens_per_s_per_gpu"] = number(result, "total_token_throughput") / double(num_gpus);
   p["output_tokens_per_s_per_gpu"] = number(result, "output_throughput") / double(num_gpus);
+  if (result.contains("engine_steps")) p["engine_steps"] = result["engine_steps"];  // where the time went
   return p;
 }
 
@@ -333,15 +334,21 @@ Json run_sweep(const SweepOptions& o) {
   sweep["points"] = points;
   sweep["roofline"] = roofline;
 
-  std::printf("\n%-11s %9s %14s %14s %14s %14s %14s %8s\n", "concurrency", "completed", "tok/s/user", "tok/s/GPU",
-              "out tok/s/GPU", "roof tok/s/usr", "roof out/GPU", "of roof");
+  // The last two columns (sparrow servers): the mean decode step of the engine loop, and the share of it
+  // spent on the host (scheduling, bookkeeping, detokenizing) rather than in the forward pass.
+  std::printf("\n%-11s %9s %14s %14s %14s %14s %14s %8s %9s %7s\n", "concurrency", "completed", "tok/s/user",
+              "tok/s/GPU", "out tok/s/GPU", "roof tok/s/usr", "roof out/GPU", "of roof", "step ms", "host");
   for (const Json& p : points) {
     const Json* r = p.contains("roofline") ? &p["roofline"] : nullptr;
     const double user = p.value("tokens_per_s_per_user", Json(nullptr)).is_number() ? p["tokens_per_s_per_user"].get<double>() : 0;
-    std::printf("%-11lld %9.0f %14.1f %14.1f %14.1f %14.1f %14.1f %7.1f%%\n", (long long)p["concurrency"].get<int64_t>(),
-                number(p, "completed"), user, number(p, "tokens_per_s_per_gpu"), number(p, "output_tokens_per_s_per_gpu"),
+    const Json* decode =
+        p.contains("engine_steps") && p["engine_steps"].is_object() ? &p["engine_steps"]["decode"] : nullptr;
+    std::printf("%-11lld %9.0f %14.1f %14.1f %14.1f %14.1f %14.1f %7.1f%% %9.2f %6.0f%%\n",
+                (long long)p["concurrency"].get<int64_t>(), number(p, "completed"), user,
+                number(p, "tokens_per_s_per_gpu"), number(p, "output_tokens_per_s_per_gpu"),
                 r ? number(*r, "tokens_per_s_per_user") : 0.0, r ? number(*r, "tokens_per_s_per_gpu") : 0.0,
-                r && number(*r, "tokens_per_s_per_user") > 0 ? 100 * user / number(*r, "tokens_per_s_per_user") : 0.0);
+                r && number(*r, "tokens_per_s_per_user") > 0 ? 100 * user / number(*r, "tokens_per_s_per_user") : 0.0,
+                decode ? number(*decode, "mean_step_ms") : 0.0, decode ? 100 * number(*decode, "host_fraction") : 0.0);
   }
   std::ofstream out(output);
   SPARROW_CHECK(out, "cannot write the sweep file ", output);

@@ -1,6 +1,7 @@
 #include "engine/engine_core.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 
 #include "core/error.h"
@@ -99,10 +100,41 @@ EngineStats EngineCore::stats() const {
   s.preemptions = scheduler_.num_preemptions();
   s.prompt_tokens_total = prompt_tokens_total_;
   s.generation_tokens_total = generation_tokens_total_;
+  s.decode_steps = decode_steps_;
+  s.prefill_steps = prefill_steps_;
   return s;
 }
 
+namespace {
+
+// Adds one step's times to its counters when the step ends, whichever return it takes.
+class StepTimer {
+ public:
+  using Clock = std::chrono::steady_clock;
+  StepTimer() : start_(Clock::now()) {}
+  ~StepTimer() {
+    if (!counters_) return;
+    const Clock::time_point end = Clock::now();
+    ++counters_->steps;
+    counters_->seconds += std::chrono::duration<double>(end - start_).count();
+    counters_->forward_seconds +=
+        std::chrono::duration<double>((sampled_ != Clock::time_point{} ? sampled_ : end) - batch_ready_).count();
+  }
+  void batch_ready(StepCounters& counters) {
+    counters_ = &counters;
+    batch_ready_ = Clock::now();
+  }
+  void tokens_sampled() { sampled_ = Clock::now(); }
+
+ private:
+  StepCounters* counters_ = nullptr;
+  Clock::time_point start_, batch_ready_, sampled_;
+};
+
+}  // namespace
+
 bool EngineCore::step() {
+  StepTimer timer;
   const std::vector<ScheduledChunk> chunks = scheduler_.schedule();
   if (chunks.empty()) return false;
 
@@ -117,6 +149,10 @@ bool EngineCore::step() {
   }
   Batch batch = make_batch(parts);
   batch.all_logits = all_logits;
+  const bool decode = std::all_of(chunks.begin(), chunks.end(), [](const ScheduledChunk& c) {
+    return c.num_tokens == 1 && c.seq->num_computed() >= c.seq->prompt_length;
+  });
+  timer.batch_ready(decode ? decode_steps_ : prefill_steps_);
   Tensor logits;
   try {
     logits = model_.forward(batch);
@@ -162,6 +198,7 @@ bool EngineCore::step() {
   const bool every_row = int64_t(sampled.size()) == logits.dim(0);  // decode: the rows are the sequences
   std::vector<int32_t> tokens =
       ops::sample_tokens(every_row ? logits : ops::select_rows(logits, sampled_rows), draws, adjustments);
+  timer.tokens_sampled();
   const size_t vocab = size_t(logits.dim(1));
   for (size_t i = 0; i < sampled.size(); ++i) {
     std::span<const float> raw;

@@ -37,12 +37,24 @@ struct EngineConfig {
   std::vector<int32_t> eos_token_ids;
 };
 
+// Where the engine loop's time goes, summed over steps of one kind: `seconds` from scheduling to the last
+// emitted token, `forward_seconds` the part from the batch being ready to the sampled tokens being on
+// the host (the forward pass's launches and kernels, and sampling). The rest is host work: scheduling,
+// the cache's bookkeeping, detokenizing and handing events to the server. A serving benchmark reads
+// these to say why a point sits below the roofline.
+struct StepCounters {
+  int64_t steps = 0;
+  double seconds = 0, forward_seconds = 0;
+};
+
 struct EngineStats {
   int64_t running = 0, waiting = 0;  // sequences (a request with n choices counts n)
   int64_t kv_blocks_used = 0, kv_blocks_total = 0;
   int64_t prefix_queries = 0, prefix_hits = 0;  // prompt tokens looked up / reused
   int64_t preemptions = 0;
   int64_t prompt_tokens_total = 0, generation_tokens_total = 0;
+  StepCounters decode_steps;   // steps in which every sequence brings one token
+  StepCounters prefill_steps;  // steps with prompt chunks (mixed with decode tokens or not)
 };
 
 class EngineCore {
@@ -100,6 +112,7 @@ class EngineCore {
   Scheduler scheduler_;
   std::unordered_map<std::string, std::unique_ptr<ActiveRequest>> requests_;
   int64_t prompt_tokens_total_ = 0, generation_tokens_total_ = 0;
+  StepCounters decode_steps_, prefill_steps_;
 };
 
 }  // namespace sparrow

@@ -127,6 +127,13 @@ std::string ServerMetrics::render(const EngineGauges& engine) const {
           double(engine.preemptions));
   counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", double(engine.prefix_queries));
   counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", double(engine.prefix_hits));
+  for (const auto& [kind, steps] : {std::pair{"decode", engine.decode}, std::pair{"prefill", engine.prefill}}) {
+    const std::string base = std::string("sparrow:") + kind;
+    counter(base + "_steps", "Engine steps of this kind.", double(steps.steps));
+    counter(base + "_step_seconds", "Engine-loop time of these steps, scheduling to the last event.", steps.seconds);
+    counter(base + "_forward_seconds", "Time of these steps from the batch being ready to the tokens being sampled.",
+            steps.forward_seconds);
+  }
 
   header(out, "vllm:request_success", "counter", "Finished requests (choices) by finish reason.");
   {

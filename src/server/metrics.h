@@ -11,6 +11,9 @@
 //   vllm:inter_token_latency_seconds (between tokens of one request), vllm:e2e_request_latency_seconds,
 //   vllm:request_time_per_output_token_seconds (per request: decode time / (tokens - 1)),
 //   vllm:request_prompt_tokens, vllm:request_generation_tokens.
+// sparrow's engine-loop counters (EngineStats' StepCounters), for the serving benchmark's account of where
+//   time goes: sparrow:{decode,prefill}_steps_total, sparrow:{decode,prefill}_step_seconds_total (whole
+//   steps) and sparrow:{decode,prefill}_forward_seconds_total (batch ready to tokens sampled).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -39,10 +42,15 @@ class Histogram {
 // What the engine reports at scrape time (a copy of Engine::Stats, so this file does not need the
 // engine).
 struct EngineGauges {
+  struct Steps {
+    int64_t steps = 0;
+    double seconds = 0, forward_seconds = 0;
+  };
   int64_t running = 0, waiting = 0;
   int64_t kv_blocks_used = 0, kv_blocks_total = 0;
   int64_t prefix_queries = 0, prefix_hits = 0, preemptions = 0;
   int64_t prompt_tokens_total = 0, generation_tokens_total = 0;
+  Steps decode, prefill;  // EngineStats' step counters
 };
 
 class ServerMetrics {

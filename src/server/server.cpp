@@ -151,8 +151,17 @@ void Server::add_routes() {
   });
   http_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     Engine::Stats s = context_.engine.stats();
-    EngineGauges gauges{s.running,     s.waiting,     s.kv_blocks_used,      s.kv_blocks_total,        s.prefix_queries,
-                        s.prefix_hits, s.preemptions, s.prompt_tokens_total, s.generation_tokens_total};
+    EngineGauges gauges{s.running,
+                        s.waiting,
+                        s.kv_blocks_used,
+                        s.kv_blocks_total,
+                        s.prefix_queries,
+                        s.prefix_hits,
+                        s.preemptions,
+                        s.prompt_tokens_total,
+                        s.generation_tokens_total,
+                        {s.decode_steps.steps, s.decode_steps.seconds, s.decode_steps.forward_seconds},
+                        {s.prefill_steps.steps, s.prefill_steps.seconds, s.prefill_steps.forward_seconds}};
     res.set_content(context_.metrics.render(gauges), "text/plain; version=0.0.4; charset=utf-8");
   });
 

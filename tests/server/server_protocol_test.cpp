@@ -258,6 +258,7 @@ TEST(ServerMetrics, PrometheusText) {
   gauges.kv_blocks_used = 3;
   gauges.kv_blocks_total = 12;
   gauges.prefix_hits = 64;
+  gauges.decode = {12, 0.5, 0.25};
   std::string text = metrics.render(gauges);
   const std::string labels = "{model_name=\"my \\\"model\\\"\"}";
   for (const std::string& line : std::vector<std::string>{
@@ -266,7 +267,9 @@ TEST(ServerMetrics, PrometheusText) {
            "# TYPE vllm:time_to_first_token_seconds histogram",
            "vllm:time_to_first_token_seconds_count" + labels + " 1",
            "vllm:request_success_total{model_name=\"my \\\"model\\\"\",finished_reason=\"length\"} 1",
-           "vllm:request_time_per_output_token_seconds_sum" + labels + " 0.2"})
+           "vllm:request_time_per_output_token_seconds_sum" + labels + " 0.2",
+           "sparrow:decode_steps_total" + labels + " 12", "sparrow:decode_step_seconds_total" + labels + " 0.5",
+           "sparrow:decode_forward_seconds_total" + labels + " 0.25", "sparrow:prefill_steps_total" + labels + " 0"})
     EXPECT_NE(text.find(line + "\n"), std::string::npos) << line << "\n" << text;
 }
 

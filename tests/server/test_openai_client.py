@@ -260,9 +260,14 @@ def test_metrics(server):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total", "vllm:time_to_first_token_seconds_count",
-                 "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"):
+                 "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "sparrow:decode_steps_total", "sparrow:prefill_step_seconds_total"):
         assert name in metrics, name
     assert metrics["vllm:generation_tokens_total"] >= 4
+    # The engine loop's account: 4 tokens need one prefill step and 3 decode steps (the first token
+    # comes from the prefill), and a step's forward part is part of the step.
+    assert metrics["sparrow:prefill_steps_total"] >= 1 and metrics["sparrow:decode_steps_total"] >= 3
+    assert 0 < metrics["sparrow:decode_forward_seconds_total"] <= metrics["sparrow:decode_step_seconds_total"]
     assert metrics["vllm:e2e_request_latency_seconds_count"] >= 1
     assert metrics['vllm:e2e_request_latency_seconds_bucket{le="+Inf"}'] == metrics["vllm:e2e_request_latency_seconds_count"]
     assert metrics['vllm:request_success_total{finished_reason="length"}'] >= 1
