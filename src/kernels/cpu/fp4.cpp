@@ -58,7 +58,11 @@ void nvfp4_quantize(const float* x, int64_t n, float global, uint8_t* packed, ui
   for (int64_t b = 0; b * kNvfp4Block < n; ++b) {
     const int64_t begin = b * kNvfp4Block, end = std::min<int64_t>(n, begin + kNvfp4Block);
     float amax = 0.0f;
-    for (int64_t i = begin; i < end; ++i) amax = std::fmax(amax, std::fabs(x[i]));  // fmax: NaNs ignored
+    // NaNs ignored, as fmaxf on the GPU (max.f32). Not std::fmax: glibc's follows IEEE 754-2008 maxNum,
+    // which returns NaN when either input is a *signaling* NaN (bf16 bit patterns 0x7F81..0x7FBF and their
+    // negatives widen to fp32 sNaNs), so the scale became 0x7F there and the GPU codes differed.
+    for (int64_t i = begin; i < end; ++i)
+      if (!std::isnan(x[i])) amax = std::max(amax, std::fabs(x[i]));
     scales[b] = nvfp4_block_scale(amax, global);
     const float d = e4m3_to_float(scales[b]) * global;
     for (int64_t i = begin; i < end; ++i) {
