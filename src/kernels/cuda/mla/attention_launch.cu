@@ -103,9 +103,8 @@ void launch_mla_attention(const MlaPagedCache& cache, const uint16_t* q, const i
     p.ws_o = static_cast<float*>(workspace);
     p.ws_lse = p.ws_o + size_t(plan.splits) * size_t(rows) * size_t(heads) * kMlaLatent;
   }
-  const bool fp8 = cache.format == MlaCacheFormat::kFp8;
-  if (indices) dispatch_sparse(plan, fp8, p, stream);
-  else dispatch_dense(plan, fp8, p, stream);
+  if (indices) dispatch_sparse(plan, cache.format, p, stream);
+  else dispatch_dense(plan, cache.format, p, stream);
   if (plan.splits > 1) {
     mla_combine_kernel<<<unsigned(rows * heads), 128, 0, stream>>>(p.ws_o, p.ws_lse, plan.splits, rows * heads,
                                                                    p.out, lse);

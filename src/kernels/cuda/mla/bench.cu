@@ -1,13 +1,19 @@
 // bench_mla_decode: sparse (DSA top-2048) and dense MLA decode on the real models' shapes, reading a
-// paged cache filled with random valid rows (pages scattered over the pool).
+// paged cache (pages scattered over the pool) in each latent format the kernels read: bf16 (1152 B a
+// token), fp8 (FlashMLA's 656 B), fp8_per_tensor (576 B e4m3) and nvfp4 (352 B). The cache is filled by
+// mla_cache_write from random bf16 rows, so every row holds what the engine would store.
 //
-// Bytes (minimum HBM traffic): every distinct cached row the step reads (a sequence's q=2 rows share
-// the rows they both select, counted once), the queries, the outputs (bf16) and lse, and the indices.
-// FLOPs: 2 * heads * rows * keys * (576 + 512) (the q·k products over 576 values, p·c over 512).
+// Bytes (minimum HBM traffic): every distinct cached row the step reads at its format's size (a
+// sequence's q=2 rows share the rows they both select, counted once), the queries, the outputs (bf16)
+// and lse, and the indices. FLOPs: 2 * heads * rows * keys * (576 + 512) (the q·k products over 576
+// values, p·c over 512), the same for every format: the quantised ones are dequantised to bf16 in shared
+// memory first. The fp8_per_tensor and nvfp4 rows also give their time relative to fp8 (656 B) on the
+// same shape: issue 7 asks that NVFP4 latents not make decode slower than FP8 at long context.
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <random>
 #include <string>
 #include <unordered_set>
@@ -21,27 +27,6 @@
 namespace sparrow::cuda {
 namespace {
 
-// Fills `rows` cache rows with valid random content (no NaN codes; scales around 1/448 of O(1) data).
-__global__ void fill_rows_kernel(uint8_t* pool, int64_t rows, bool fp8, uint64_t seed) {
-  const int64_t row_bytes = fp8 ? 656 : 1152;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    uint8_t* row = pool + r * row_bytes;
-    if (fp8) {
-      for (int i = threadIdx.x; i < 512; i += blockDim.x) {
-        uint8_t b = uint8_t(hash32(seed ^ (r * 1024 + i)));
-        if ((b & 0x7f) == 0x7f) b &= 0xfe;  // 0x7f / 0xff are NaN
-        row[i] = b;
-      }
-      if (threadIdx.x < 4) reinterpret_cast<float*>(row + 512)[threadIdx.x] = (1.5f + hash_unit(seed + r * 4 + threadIdx.x)) / 448.f;
-      for (int i = threadIdx.x; i < 64; i += blockDim.x)
-        reinterpret_cast<__nv_bfloat16*>(row + 528)[i] = __float2bfloat16(hash_unit(seed ^ (r * 77 + i + 9999)));
-    } else {
-      for (int i = threadIdx.x; i < 576; i += blockDim.x)
-        reinterpret_cast<__nv_bfloat16*>(row)[i] = __float2bfloat16(hash_unit(seed ^ (r * 1024 + i)));
-    }
-  }
-}
-
 __global__ void fill_bf16_kernel(__nv_bfloat16* p, int64_t n, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     p[i] = __float2bfloat16(hash_unit(seed ^ i));
@@ -50,6 +35,19 @@ __global__ void fill_bf16_kernel(__nv_bfloat16* p, int64_t n, uint64_t seed) {
 struct Model {
   const char* name;
   int heads;
+};
+
+struct Format {
+  MlaCacheFormat format;
+  const char* label;  // in the shape string (bf16 and fp8 as before, so earlier results stay comparable)
+  const char* note;
+};
+
+const Format kFormats[] = {
+    {MlaCacheFormat::kBf16, "bf16", "bf16 cache"},
+    {MlaCacheFormat::kFp8, "fp8", "FP8 FlashMLA layout (656 B)"},
+    {MlaCacheFormat::kFp8Rows, "fp8_per_tensor", "FP8 rows, per-layer scale (576 B)"},
+    {MlaCacheFormat::kNvfp4, "nvfp4", "NVFP4 latent + FP8 rope (352 B)"},
 };
 
 struct DeviceMem {
@@ -88,13 +86,32 @@ void bench_mla_decode(const KernelBenchOptions& options, std::vector<KernelBench
   lse.ensure(size_t(max_batch) * 2 * 128 * 4);
   fill_bf16_kernel<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(q.p), int64_t(q.bytes / 2), 7);
   SPARROW_CUDA_CHECK_LAUNCH();
-  std::mt19937_64 rng(1234);
 
-  for (const MlaCacheFormat format : {MlaCacheFormat::kFp8, MlaCacheFormat::kBf16}) {
-    const bool fp8 = format == MlaCacheFormat::kFp8;
+  // The fill: one "sequence" whose pages are the whole pool in order, written by the engine's write
+  // kernel in chunks of kFillRows tokens from one random bf16 source.
+  constexpr int64_t kFillRows = 65536;
+  DeviceMem fill_src, fill_pages;
+  fill_src.ensure(size_t(kFillRows) * kMlaRow * 2);
+  fill_bf16_kernel<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(fill_src.p), kFillRows * kMlaRow, 11);
+  SPARROW_CUDA_CHECK_LAUNCH();
+  std::map<std::string, double> fp8_us;  // kernel + shape without the format -> fp8 (656 B) time
+
+  for (const Format& f : kFormats) {
+    const MlaCacheFormat format = f.format;
     const int64_t row_bytes = mla_row_bytes(format);
-    fill_rows_kernel<<<4096, 128, 0, stream>>>(static_cast<uint8_t*>(pool.p), max_rows_pool, fp8, fp8 ? 11 : 13);
-    SPARROW_CUDA_CHECK_LAUNCH();
+    {
+      const int64_t total_pages = max_rows_pool / block;
+      std::vector<int64_t> all(static_cast<size_t>(total_pages));
+      for (int64_t i = 0; i < total_pages; ++i) all[i] = i * block * row_bytes;
+      fill_pages.ensure(all.size() * 8);
+      SPARROW_CUDA_CHECK(cudaMemcpyAsync(fill_pages.p, all.data(), all.size() * 8, cudaMemcpyHostToDevice, stream));
+      const MlaPagedCache whole{static_cast<uint8_t*>(pool.p), static_cast<const int64_t*>(fill_pages.p), total_pages,
+                                block, format};
+      for (int64_t start = 0; start < max_rows_pool; start += kFillRows)
+        mla_cache_write(whole, fill_src.p, MlaSourceType::kBf16, std::min(kFillRows, max_rows_pool - start), nullptr,
+                        nullptr, 0, start, stream);
+      SPARROW_CUDA_CHECK(cudaStreamSynchronize(stream));  // `all` leaves scope
+    }
     for (const int ctx : contexts) {
       for (const int batch : batches) {
         // Pages of all sequences scattered over the pool: page i of sequence s at slot (s*P+i)*7919 mod total.
@@ -107,6 +124,7 @@ void bench_mla_decode(const KernelBenchOptions& options, std::vector<KernelBench
         const MlaPagedCache cache{static_cast<uint8_t*>(pool.p), static_cast<const int64_t*>(pages.p), pages_per_seq,
                                   block, format};
         for (const int qn : {1, 2}) {
+          std::mt19937_64 rng(1234 + 7 * ctx + 131 * batch + qn);  // every format reads the same keys
           const int64_t nrows = int64_t(batch) * qn;
           std::vector<int32_t> row_seq(nrows), row_len(nrows), indices(size_t(nrows) * topk);
           int64_t distinct = 0;
@@ -139,7 +157,17 @@ void bench_mla_decode(const KernelBenchOptions& options, std::vector<KernelBench
             const double io = double(nrows) * m.heads * (kMlaRow * 2 + kMlaLatent * 2 + 4);
             const std::string tail = " ctx=" + std::to_string(ctx) + " batch=" + std::to_string(batch) +
                                      " q=" + std::to_string(qn);
-            const std::string fmt = fp8 ? " fp8" : " bf16";
+            const std::string fmt = std::string(" ") + f.label;
+            // fp8_per_tensor / nvfp4 against fp8 (656 B) on the same kernel and shape.
+            auto versus_fp8 = [&](const std::string& key, double us) {
+              if (format == MlaCacheFormat::kFp8) fp8_us[key] = us;
+              const auto it = fp8_us.find(key);
+              if (format == MlaCacheFormat::kBf16 || format == MlaCacheFormat::kFp8 || it == fp8_us.end())
+                return std::string();
+              char buf[96];
+              std::snprintf(buf, sizeof buf, "; %.2fx the time of fp8 (656 B)", us / it->second);
+              return std::string(buf);
+            };
             double dense_us = 0, dense_bytes = 0;
             if (want_dense && batch <= 64) {
               const size_t need = mla_attention_workspace_bytes(nrows, m.heads, ctx);
@@ -157,7 +185,8 @@ void bench_mla_decode(const KernelBenchOptions& options, std::vector<KernelBench
               row.bytes = dense_bytes = double(batch) * ctx * row_bytes + io;
               row.flops = 0;
               for (int64_t r = 0; r < nrows; ++r) row.flops += 2.0 * m.heads * row_len[r] * (kMlaRow + kMlaLatent);
-              row.note = std::string(fp8 ? "FP8 FlashMLA layout" : "bf16 cache") + ", split-KV + combine";
+              row.note = std::string(f.note) + ", split-KV + combine" +
+                         versus_fp8("dense " + std::string(m.name) + " heads=" + std::to_string(m.heads) + tail, dense_us);
               rows.push_back(row);
             }
             if (want_sparse) {
@@ -176,8 +205,9 @@ void bench_mla_decode(const KernelBenchOptions& options, std::vector<KernelBench
               row.median_us = median_launch_us(launch, stream, options.iterations);
               row.bytes = double(distinct) * row_bytes + io + double(nrows) * topk * 4;
               row.flops = 2.0 * m.heads * double(nrows) * topk * (kMlaRow + kMlaLatent);
-              row.note = std::string(fp8 ? "FP8 FlashMLA layout" : "bf16 cache") + ", " + std::to_string(distinct) +
-                         " distinct rows";
+              row.note = std::string(f.note) + ", " + std::to_string(distinct) + " distinct rows" +
+                         versus_fp8("sparse " + std::string(m.name) + " heads=" + std::to_string(m.heads) + tail,
+                                    row.median_us);
               if (dense_us > 0) {
                 char buf[160];
                 std::snprintf(buf, sizeof buf, "; dense MLA on this cache: %.1f us, %.1fx the time, %.1fx the bytes",

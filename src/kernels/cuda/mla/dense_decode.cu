@@ -6,8 +6,8 @@
 namespace sparrow::cuda {
 
 namespace mla_detail {
-void dispatch_dense(const AttnPlan& plan, bool fp8, const AttnParams& p, cudaStream_t stream) {
-  dispatch_mla_attention<false>(plan, fp8, p, stream);
+void dispatch_dense(const AttnPlan& plan, MlaCacheFormat format, const AttnParams& p, cudaStream_t stream) {
+  dispatch_mla_attention<false>(plan, format, p, stream);
 }
 }  // namespace mla_detail
 

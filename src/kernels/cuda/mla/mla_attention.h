@@ -7,11 +7,21 @@
 //
 // The cache is the paged pool of docs/cache.md: token j of sequence s lives at
 //   pool + page_offsets[s * pages_stride + j / block_size] + (j % block_size) * row_bytes
-// with one of two row formats:
-//   kFp8   (656 B, the FlashMLA layout): [512 e4m3 latent][4 fp32 scales, one per 128 values][64 bf16 rope]
-//          latent value = e4m3 * scale, scale = amax/448 of its 128 values (written by mla_cache_write).
-//   kBf16  (1152 B): [512 bf16 latent | 64 bf16 rope].
-// Page offsets must be multiples of 16 bytes (rows are copied with 16-byte asynchronous copies).
+// with one of four row formats (the CPU page codecs of cache/page_codec.cpp define every byte; the
+// write kernel reproduces them bit for bit, the attention kernel reads them in place):
+//   kFp8     (656 B, --kv-cache-dtype fp8; FlashMLA README, "FP8 KV cache"): [512 e4m3 latent][4 fp32
+//            scales, one per 128 values][64 bf16 rope]; latent value = e4m3 * scale, scale = amax/448.
+//   kBf16    (1152 B): [512 bf16 latent | 64 bf16 rope].
+//   kFp8Rows (576 B, fp8_per_tensor, PageFormat::Fp8Rows): 576 e4m3 values [512 latent | 64 rope], each
+//            e4m3(x / kMlaTensorScale): FlashInfer's MLA layout (vLLM's "fp8" on Blackwell), the seed's
+//            576-byte FP8 latent; the layer's scale stays outside the page.
+//   kNvfp4   (352 B, nvfp4, PageFormat::Nvfp4Latent): [256 B: 512 e2m1 latent codes, two a byte, element
+//            2i in the low nibble | 64 B: rope as e4m3(x / kMlaTensorScale) | 32 B: one e4m3 block scale
+//            per 16 latent values]; latent value = e2m1 * scale * kMlaTensorScale (NVFP4). The seed's
+//            352 bytes in the order of vLLM's nvfp4_ds_mla layout (latent, rope, scales); vLLM's Blackwell
+//            kernels permute the 32 scales, ours stay in order (these kernels dequantise in registers).
+// Page offsets must be multiples of 16 bytes (rows are copied with 16-byte asynchronous copies; every
+// row size above is a multiple of 16).
 //
 // bf16 tensors are passed as uint16_t bit patterns (this header is included from plain C++).
 #pragma once
@@ -26,11 +36,27 @@ inline constexpr int kMlaLatent = 512;
 inline constexpr int kMlaRope = 64;
 inline constexpr int kMlaRow = kMlaLatent + kMlaRope;  // 576 values per query head / cached token
 
-enum class MlaCacheFormat { kFp8, kBf16 };
+enum class MlaCacheFormat { kFp8, kBf16, kFp8Rows, kNvfp4 };
+
+// The per-layer scale of the kFp8Rows values and the NVFP4 second-level scale: a fixed 1.0, the same
+// constant as sparrow::kKvTensorScale in cache/page_codec.h (which says why it is fixed); repeated here
+// because this library includes nothing above src/core. tests/cuda/mla_attention_test.cpp checks they agree.
+inline constexpr float kMlaTensorScale = 1.0f;
 
 inline constexpr int64_t mla_row_bytes(MlaCacheFormat format) {
-  return format == MlaCacheFormat::kFp8 ? 512 + 16 + 128 : 2 * kMlaRow;
+  switch (format) {
+    case MlaCacheFormat::kFp8: return 512 + 16 + 128;       // e4m3 latent, fp32 scales, bf16 rope
+    case MlaCacheFormat::kBf16: return 2 * kMlaRow;         // 1152
+    case MlaCacheFormat::kFp8Rows: return kMlaRow;          // 576 e4m3
+    case MlaCacheFormat::kNvfp4: return 256 + 64 + 32;      // e2m1 latent, e4m3 rope, e4m3 block scales
+  }
+  return 0;
 }
+// The same as a constant device code may read (a host constexpr function cannot be called there).
+template <MlaCacheFormat F>
+struct MlaRowBytes {
+  static constexpr int64_t value = mla_row_bytes(F);
+};
 
 // One layer's MLA latent pages.
 struct MlaPagedCache {
@@ -45,8 +71,11 @@ enum class MlaSourceType { kFloat32, kBf16 };
 
 // Writes `count` latent rows (src: [count, 576] fp32 or bf16, [c | k_rot]) into the cache: row i goes to
 // sequence row_seq[i] (or seq0 when row_seq is null) at position row_pos[i] (or start_pos + i when
-// row_pos is null). FP8: per 128 latent values scale = amax/448 and e4m3 = round-to-nearest-even of
-// value/scale (saturating), fused in the write; the rope part is stored as bf16 in both formats.
+// row_pos is null), encoded in the cache's format in the same kernel (one launch, one 128-thread block a
+// row): kFp8 per 128 latent values scale = amax/448 and e4m3 = RNE(value/scale), saturating, rope bf16;
+// kFp8Rows e4m3(value / kMlaTensorScale) for all 576; kNvfp4 the NVFP4 rule of kernels/cpu/fp4.h per 16
+// latent values (block scale e4m3((amax/6)/kMlaTensorScale)) and the rope as kFp8Rows. The bytes equal
+// the CPU page codec's encode of the same fp32 values (bf16 sources widened exactly).
 void mla_cache_write(const MlaPagedCache& cache, const void* src, MlaSourceType src_type, int64_t count,
                      const int32_t* row_seq, const int32_t* row_pos, int32_t seq0, int64_t start_pos,
                      cudaStream_t stream);

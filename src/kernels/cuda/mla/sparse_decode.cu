@@ -5,8 +5,8 @@
 namespace sparrow::cuda {
 
 namespace mla_detail {
-void dispatch_sparse(const AttnPlan& plan, bool fp8, const AttnParams& p, cudaStream_t stream) {
-  dispatch_mla_attention<true>(plan, fp8, p, stream);
+void dispatch_sparse(const AttnPlan& plan, MlaCacheFormat format, const AttnParams& p, cudaStream_t stream) {
+  dispatch_mla_attention<true>(plan, format, p, stream);
 }
 }  // namespace mla_detail
 
