@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "kernels/cpu/fp4.h"
 #include "kernels/cpu/fp8.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/ops.h"
@@ -27,6 +28,38 @@ void round_like_fp8(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float scale = amax / cpu::kE4m3Max;
   for (int64_t i = 0; i < n; ++i) x[i] = scale > 0.0f ? cpu::e4m3_to_float(cpu::float_to_e4m3(x[i] / scale)) * scale : 0.0f;
+}
+
+// The GPU scores MXFP4 keys on the FP8 tensor cores (kernels/cuda/dsa_indexer/fp4_keys.cuh): a key's values
+// are stored as e4m3(v / 2^(eref - 127)), eref = max(emax, 7) - 6 with emax the largest of its E8M0 block
+// exponents, and 2^(eref - 127) multiplies the key's score. That is exact for every block within 14
+// binades of the key's largest (all keys the codec writes from LayerNorm'd rows); a block further below
+// rounds to nearest even in e4m3, and this does the same to one decoded key of n values.
+// emax comes from the decoded values: the encoder's block exponent is floor(log2(amax)) - 2 (OCP MX v1.0
+// section 6.3), whose largest code is then 4 or 6, so the decoded block amax has the exponent e_b - 127 + 2;
+// all-zero and clamped blocks (amax < 2^-125) have e_b = 0, below every other, and a key whose largest
+// block is one of them gets eref = 1 either way.
+void round_mxfp4_key_like_gpu(float* key, int64_t n) {
+  constexpr int kMaxBlocks = 64;
+  const int64_t blocks = cpu::fp4_num_blocks(n, cpu::kMxfp4Block);
+  if (blocks > kMaxBlocks) return;  // wider than any model's index key
+  int exponent[kMaxBlocks];  // E8M0 code of each block, -1 for an all-zero one
+  int emax = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    float amax = 0.0f;
+    for (int64_t i = b * cpu::kMxfp4Block; i < std::min<int64_t>(n, (b + 1) * cpu::kMxfp4Block); ++i) {
+      if (std::isnan(key[i])) return;  // a NaN block: the key (and its score) is NaN on both devices
+      amax = std::max(amax, std::fabs(key[i]));
+    }
+    exponent[b] = amax > 0.0f ? std::clamp(std::ilogb(amax) - 2 + 127, 0, 254) : -1;
+    emax = std::max(emax, exponent[b]);
+  }
+  const int eref = std::max(emax, 7) - 6;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (exponent[b] < 0 || exponent[b] - eref >= -8) continue;  // zeros, or exact in e4m3: unchanged
+    for (int64_t i = b * cpu::kMxfp4Block; i < std::min<int64_t>(n, (b + 1) * cpu::kMxfp4Block); ++i)
+      key[i] = std::ldexp(cpu::e4m3_to_float(cpu::float_to_e4m3(std::ldexp(key[i], 127 - eref))), eref - 127);
+  }
 }
 
 }  // namespace
@@ -92,11 +125,18 @@ KeySelection DsaIndexer::select(const Tensor& x, const Tensor& q_resid, const Ba
     seq.cache().write(layer, PageKind::DsaIndexKey, seq.start(), seq.count, keys.row(seq.offset));
     if (end <= options.topk) continue;  // every query sees at most topk keys: all causal prefixes
     cached.resize(end * dim);
-    // Keys come back as the cache stores them: exact in fp32, rounded in an FP8 cache. With FP8 keys
-    // the queries are rounded as the GPU's scoring kernel rounds them, so both select alike.
+    // Keys come back as the cache stores them: exact in fp32, rounded in an FP8, MXFP4 or NVFP4 cache. With
+    // those keys the GPU's scoring kernels quantise the queries to FP8 (e4m3 and a scale per (token, head),
+    // for every key format: kernels/cuda/dsa_indexer/fp4_keys.cuh says why), and widen the keys exactly,
+    // except MXFP4 blocks far below their key's largest; the queries (and such keys) are rounded here the
+    // same way, so both devices select alike, up to ties and the order of the sums.
     seq.cache().read(layer, PageKind::DsaIndexKey, 0, end, cached.data());
     const PagedStorage* paged = seq.cache().paged();
-    const bool fp8 = paged && paged->page(layer, PageKind::DsaIndexKey).format == PageFormat::Fp8IndexKey;
+    const PageFormat format = paged ? paged->page(layer, PageKind::DsaIndexKey).format : PageFormat::Float32;
+    const bool fp8 = format == PageFormat::Fp8IndexKey || format == PageFormat::Mxfp4Rows ||
+                     format == PageFormat::Nvfp4Rows;
+    if (format == PageFormat::Mxfp4Rows)
+      for (int64_t j = 0; j < end; ++j) round_mxfp4_key_like_gpu(cached.data() + j * dim, dim);
     for (int64_t i = 0; i < seq.count; ++i) {
       const int64_t row = seq.offset + i;
       const int64_t visible = seq.start() + i + 1;
@@ -128,8 +168,13 @@ Tensor DsaIndexer::select_gpu(const Tensor& x, const Tensor& q_resid, const Batc
                 cuda::kDsaIndexDim, " with 32 or 64 heads (DeepSeek-V3.2, Kimi K3); this model has ", heads, " x ",
                 dim);
   const DeviceStep& step = device_step(batch, x.device());
-  SPARROW_CHECK(step.format(layer, PageKind::DsaIndexKey) == PageFormat::Fp8IndexKey,
-                "the GPU indexer reads FP8 index keys (indexer_kv_dtype fp8)");
+  cuda::DsaKeyFormat key_format{};
+  switch (step.format(layer, PageKind::DsaIndexKey)) {
+    case PageFormat::Fp8IndexKey: key_format = cuda::DsaKeyFormat::Fp8; break;
+    case PageFormat::Mxfp4Rows: key_format = cuda::DsaKeyFormat::Mxfp4; break;
+    case PageFormat::Nvfp4Rows: key_format = cuda::DsaKeyFormat::Nvfp4; break;
+    default: fail("the GPU indexer reads fp8, mxfp4 or nvfp4 index keys (indexer_kv_dtype), not float32 or bfloat16");
+  }
   cudaStream_t stream = cuda::stream();
 
   // The same projections, norm and rotation as select(), in bf16; head_dim^-0.5 joins num_heads^-0.5 in
@@ -139,22 +184,26 @@ Tensor DsaIndexer::select_gpu(const Tensor& x, const Tensor& q_resid, const Batc
   Tensor& head_weights = p.head_weights;
   ops::scale_(head_weights, 1.0f / std::sqrt(float(dim)));
 
-  // Store this step's keys (quantised to FP8 in the page), quantise the queries, score every visible
-  // key of every row, and keep the top-k of each row (its causal prefix when it sees no more than k).
+  // Store this step's keys (quantised to the page's format in the same launch), quantise the queries to
+  // FP8, score every visible key of every row, and keep the top-k of each row (its causal prefix when it
+  // sees no more than k).
   uint8_t* pool = step.page_base(layer, PageKind::DsaIndexKey);
   cuda::dsa_write_keys(keys.raw(), cuda::DsaDType::BF16, rows, step.row_seq.as<int32_t>(), step.row_pos.as<int32_t>(),
-                       step.page_table.as<int64_t>(), step.table_stride, step.block_size(), pool, stream);
+                       step.page_table.as<int64_t>(), step.table_stride, step.block_size(), key_format, pool, stream);
   Tensor q_fp8 = Tensor::empty({rows, heads, dim}, ScalarType::U8, x.device());
   Tensor w_folded = Tensor::empty({rows, heads}, ScalarType::F32, x.device());
   cuda::dsa_quantize_queries(queries.raw(), cuda::DsaDType::BF16, head_weights.as<float>(), rows, int(heads),
                              q_fp8.as<uint8_t>(), w_folded.as<float>(), stream);
   const int64_t ld = (step.max_visible + 1) / 2 * 2;
   Tensor score_rows = Tensor::empty({rows, ld}, ScalarType::F32, x.device());
-  // Requests of two tokens each (speculative verification) let the kernel score both against one key read.
-  const bool pairs = std::all_of(batch.seqs.begin(), batch.seqs.end(), [](const SeqSlice& s) { return s.count == 2; });
+  // Requests of two tokens each (speculative verification) let the kernel score both against one key read;
+  // so do prefill chunks with 4-bit keys, which the same (wgmma) kernel scores at every row count.
+  const bool pairs =
+      std::all_of(batch.seqs.begin(), batch.seqs.end(), [](const SeqSlice& s) { return s.count == 2; }) ||
+      (key_format != cuda::DsaKeyFormat::Fp8 && rows >= 2 * int64_t(batch.seqs.size()));
   cuda::dsa_index_scores(q_fp8.as<uint8_t>(), w_folded.as<float>(), rows, int(heads), step.row_seq.as<int32_t>(),
                          step.row_visible.as<int32_t>(), pool, step.page_table.as<int64_t>(), step.table_stride,
-                         step.block_size(), score_rows.as<float>(), ld, step.max_visible, stream,
+                         step.block_size(), key_format, score_rows.as<float>(), ld, step.max_visible, stream,
                          cuda::DsaScoreKernel::Auto, pairs ? 2 : 1);
   const int k = int(options.topk);
   Tensor selected = Tensor::empty({rows, options.topk}, ScalarType::I32, x.device());

@@ -66,8 +66,10 @@ struct DsaIndexer {
   KeySelection select(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer) const;
   // The GPU's selection (kernels/cuda/dsa_indexer, kernels/cuda/topk): int32 [T, topk], each row's key
   // positions ascending and -1 after them; a row that sees no more than topk keys lists its causal
-  // prefix. Keys are stored and scored in FP8 (DeepSeek-V3.2's own index cache), queries quantised per
-  // (token, head), so the selection can differ from select()'s fp32 one where scores nearly tie.
+  // prefix. Keys are stored in the cache's index-key format (FP8 with a scale per token, DeepSeek-V3.2's
+  // own index cache; MXFP4; NVFP4) and scored against queries quantised to FP8 per (token, head)
+  // (kernels/cuda/dsa_indexer/fp4_keys.cuh says how each format is multiplied), so the selection can
+  // differ from select()'s where scores nearly tie.
   Tensor select_gpu(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer) const;
 
   // The index score of one query against n keys: scores[s] for s < n. `query` is one token's

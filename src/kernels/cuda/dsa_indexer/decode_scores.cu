@@ -11,6 +11,9 @@
 // into shared memory with cp.async in the 128-byte swizzled layout wgmma reads (16-byte chunk c of row r
 // at r * 128 + ((c ^ (r % 8)) * 16), 1024-byte aligned), STAGES tiles in flight, so the kernel is bound by
 // the 132 bytes per key it reads from HBM.
+//
+// This file holds the FP8-key kernel; MXFP4 and NVFP4 keys (68 and 72 bytes a key) have their own kernel in
+// decode_scores_fp4.cu (keys widened in registers, A from registers), which dsa_decode_scores dispatches to.
 #include "kernels/cuda/dsa_indexer/decode_scores.cuh"
 
 #include <algorithm>
@@ -277,8 +280,13 @@ bool dsa_decode_scores_supported(int heads) { return heads == 32 || heads == 64;
 
 void dsa_decode_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows, int heads, const int32_t* row_seq,
                        const int32_t* row_visible, const uint8_t* pool, const int64_t* page_table,
-                       int64_t page_table_stride, int block_size, float* scores, int64_t ld, int64_t max_visible,
-                       int rows_per_sequence, int sms, cudaStream_t stream) {
+                       int64_t page_table_stride, int block_size, DsaKeyFormat format, float* scores, int64_t ld,
+                       int64_t max_visible, int rows_per_sequence, int sms, cudaStream_t stream) {
+  if (format != DsaKeyFormat::Fp8) {
+    dsa_decode_scores_fp4(q_fp8, w_folded, rows, heads, row_seq, row_visible, pool, page_table, page_table_stride,
+                          block_size, format, scores, ld, max_visible, rows_per_sequence, sms, stream);
+    return;
+  }
   SPARROW_CHECK(dsa_decode_scores_supported(heads), "dsa_decode_scores: heads must be 32 or 64, got ", heads);
   SPARROW_CHECK(rows_per_sequence >= 1, "dsa_decode_scores: rows_per_sequence must be >= 1");
   if (rows <= 0 || max_visible <= 0) return;

@@ -1,5 +1,6 @@
-// The wgmma index-score kernel for decode-sized batches (decode_scores.cu); index_scores.cu's
-// dsa_index_scores chooses it. Same arguments and contract as dsa_index_scores (index_scores.h).
+// The wgmma index-score kernels (decode_scores.cu: FP8 keys, decode-sized batches; decode_scores_fp4.cu:
+// MXFP4 and NVFP4 keys, every row count); index_scores.cu's dsa_index_scores chooses them. Same arguments
+// and contract as dsa_index_scores (index_scores.h).
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -11,9 +12,16 @@ namespace sparrow::cuda {
 
 bool dsa_decode_scores_supported(int heads);
 
+// Any key format (4-bit formats go to dsa_decode_scores_fp4).
 void dsa_decode_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows, int heads, const int32_t* row_seq,
                        const int32_t* row_visible, const uint8_t* pool, const int64_t* page_table,
-                       int64_t page_table_stride, int block_size, float* scores, int64_t ld, int64_t max_visible,
-                       int rows_per_sequence, int sms, cudaStream_t stream);
+                       int64_t page_table_stride, int block_size, DsaKeyFormat format, float* scores, int64_t ld,
+                       int64_t max_visible, int rows_per_sequence, int sms, cudaStream_t stream);
+
+void dsa_decode_scores_fp4(const uint8_t* q_fp8, const float* w_folded, int64_t rows, int heads,
+                           const int32_t* row_seq, const int32_t* row_visible, const uint8_t* pool,
+                           const int64_t* page_table, int64_t page_table_stride, int block_size,
+                           DsaKeyFormat format, float* scores, int64_t ld, int64_t max_visible,
+                           int rows_per_sequence, int sms, cudaStream_t stream);
 
 }  // namespace sparrow::cuda

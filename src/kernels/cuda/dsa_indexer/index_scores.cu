@@ -11,9 +11,18 @@
 // of the fragment's k order (thread t holds k = 4t..4t+3 and 16+4t..16+4t+3 of each 32-wide step) lane
 // t loads 32 contiguous bytes of its row (dims 32t .. 32t+31) with two 16-byte loads and feeds step s
 // with dims 32t+8s .. 32t+8s+7: A and B use the same mapping, so every product pairs equal dims.
+//
+// MXFP4 keys take the same path: lane t loads the 16 code bytes of dims 32t .. 32t+31 (one MXFP4 block) and
+// the key's scale word, and widens them to the same 32 e4m3 bytes in registers (fp4_keys.cuh: exact, relative
+// to a power of two per key that multiplies like an FP8 key's scale). NVFP4 keys (16-bit products) are
+// scored by the wgmma kernel for every row count (index_scores.h).
+//
+// The key writes quantise in the same launch as the copy into the page: FP8 (amax / 448 per token), MXFP4
+// and NVFP4 through the device twins of the CPU codecs (kernels/cuda/quant/fp4.cuh), byte for byte.
 #include "kernels/cuda/dsa_indexer/index_scores.h"
 
 #include "kernels/cuda/dsa_indexer/decode_scores.cuh"
+#include "kernels/cuda/dsa_indexer/fp4_keys.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -76,6 +85,59 @@ __global__ void write_keys_kernel(const void* keys, DsaDType type, int64_t count
   if (lane == 0) reinterpret_cast<float*>(base + int64_t(block_size) * kDim)[slot] = scale;
 }
 
+// One warp writes one key in a 4-bit format (page_codec.cpp's Fp4RowsCodec, kernels/cpu/fp4.h): lane i
+// holds dims 4i .. 4i+3, so an MXFP4 block (32 values) is 8 lanes and an NVFP4 block (16) 4 lanes; the block
+// scale comes from a shuffle reduction over them, the codes from the device twins (quant/fp4.cuh).
+template <DsaKeyFormat F>
+__global__ void write_fp4_keys_kernel(const void* keys, DsaDType type, int64_t count, const int32_t* token_seq,
+                                      const int32_t* token_pos, const int64_t* page_table, int64_t stride,
+                                      int block_size, uint8_t* pool) {
+  constexpr bool kMx = F == DsaKeyFormat::Mxfp4;
+  const int64_t token = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (token >= count) return;
+  float v[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = load_elem(keys, type, token * kDim + lane * 4 + i);
+  // fmaxf leaves NaNs out of the amax, as the CPU codecs do (std::fmax for NVFP4; MXFP4 blocks holding a
+  // NaN or an infinity get the NaN scale whatever their amax).
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+  for (int o = 1; o < (kMx ? 8 : 4); o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  uint32_t codes = 0, scale;
+  if constexpr (kMx) {
+    const bool finite = isfinite(v[0]) && isfinite(v[1]) && isfinite(v[2]) && isfinite(v[3]);
+    const unsigned bad = __ballot_sync(0xffffffffu, !finite);
+    scale = quant::mxfp4_scale(amax, ((bad >> (lane & ~7)) & 0xFFu) != 0u);
+    if (scale != quant::kE8m0Nan) {  // a NaN-scale block keeps codes 0
+      const float inverse = quant::mxfp4_inverse(uint8_t(scale));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) codes |= quant::mxfp4_encode(v[i], inverse) << (4 * i);
+    }
+  } else {
+    scale = quant::nvfp4_scale(amax, 1.0f);  // second-level scale kKvTensorScale = 1.0 (cache/page_codec.h)
+    const float step = quant::nvfp4_step(uint8_t(scale), 1.0f);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) codes |= quant::nvfp4_encode(v[i], step) << (4 * i);
+  }
+  const int64_t pos = token_pos[token];
+  const int64_t page = page_table[int64_t(token_seq[token]) * stride + pos / block_size];
+  const int64_t slot = pos % block_size;
+  uint8_t* base = pool + page;
+  // Dims 4i .. 4i+3 are code bytes 2i, 2i+1 (element 2k in the low nibble).
+  reinterpret_cast<uint16_t*>(base + slot * dsa::kFp4CodeBytes)[lane] = uint16_t(codes);
+  // The block scales, block b held by lane 8b (MXFP4) or 4b (NVFP4), gathered into lane 0's words.
+  uint32_t words[2] = {0u, 0u};
+#pragma unroll
+  for (int b = 0; b < (kMx ? 4 : 8); ++b)
+    words[b / 4] |= (__shfl_sync(0xffffffffu, scale, b * (kMx ? 8 : 4)) & 0xFFu) << (8 * (b % 4));
+  uint8_t* scales = base + int64_t(block_size) * dsa::kFp4CodeBytes + slot * dsa::fp4_scale_bytes(F);
+  if (lane == 0) {
+    if constexpr (kMx) *reinterpret_cast<uint32_t*>(scales) = words[0];
+    else *reinterpret_cast<uint2*>(scales) = make_uint2(words[0], words[1]);
+  }
+}
+
 __global__ void quantize_queries_kernel(const void* q, DsaDType type, const float* weights, int64_t vectors,
                                         uint8_t* q_fp8, float* w_folded) {
   const int64_t v = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -123,8 +185,9 @@ constexpr int kWarps = 4;
 constexpr int kNT = 2;                 // n-tiles of 8 keys per warp iteration
 constexpr int kTileKeys = 8 * kNT;
 
-// HEADS = 64: a warp's 64 M-rows are one query row; HEADS = 32: two consecutive rows.
-template <int HEADS>
+// HEADS = 64: a warp's 64 M-rows are one query row; HEADS = 32: two consecutive rows. MX: MXFP4 keys
+// (widened to e4m3 in registers), else FP8 keys.
+template <int HEADS, bool MX>
 __global__ void __launch_bounds__(kWarps * 32, 3) index_scores_kernel(ScoreParams p) {
   constexpr int R = 64 / HEADS;    // query rows per warp group
   constexpr int TPR = HEADS / 16;  // m-tiles per query row
@@ -204,9 +267,11 @@ __global__ void __launch_bounds__(kWarps * 32, 3) index_scores_kernel(ScoreParam
     for (int64_t kb = k_begin + int64_t(kslice) * kTileKeys; kb < k_end; kb += int64_t(kpc) * kTileKeys) {
       float res[kNT][R][2];
       if (kb < vmax) {
-        // Load kNT n-tiles of keys: lane (g, t) loads key kb + nt*8 + g, dims 32t .. 32t+31, and that
-        // key's scale.
+        // Load kNT n-tiles of keys: lane (g, t) loads key kb + nt*8 + g, dims 32t .. 32t+31 (FP8: 32 bytes;
+        // MXFP4: 16 code bytes and the key's 4 scale bytes), and that key's scale. All loads are issued
+        // before the first widening.
         uint4 b[kNT][2];
+        uint32_t mx_scales[kNT];
         float ksc[kNT];
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
@@ -215,20 +280,32 @@ __global__ void __launch_bounds__(kWarps * 32, 3) index_scores_kernel(ScoreParam
             const int64_t page = key / p.block_size;
             const int64_t slot = key - page * p.block_size;
             const uint8_t* base = p.pool + ptab[page];
-            const uint4* src = reinterpret_cast<const uint4*>(base + slot * kDim + t * 32);
-            b[nt][0] = src[0];
-            b[nt][1] = src[1];
-            ksc[nt] = reinterpret_cast<const float*>(base + int64_t(p.block_size) * kDim)[slot];
+            if constexpr (MX) {
+              b[nt][0] = *reinterpret_cast<const uint4*>(base + slot * dsa::kFp4CodeBytes + t * 16);
+              const uint8_t* scales = base + int64_t(p.block_size) * dsa::kFp4CodeBytes;
+              mx_scales[nt] = reinterpret_cast<const uint32_t*>(scales)[slot];
+            } else {
+              const uint4* src = reinterpret_cast<const uint4*>(base + slot * kDim + t * 32);
+              b[nt][0] = src[0];
+              b[nt][1] = src[1];
+              ksc[nt] = reinterpret_cast<const float*>(base + int64_t(p.block_size) * kDim)[slot];
+            }
           } else {
             b[nt][0] = make_uint4(0, 0, 0, 0);
             b[nt][1] = make_uint4(0, 0, 0, 0);
+            mx_scales[nt] = 0u;  // zero codes and a finite factor: scores 0, stored as -inf past the bound
             ksc[nt] = 0.0f;
           }
         }
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
-          const uint32_t bw[8] = {b[nt][0].x, b[nt][0].y, b[nt][0].z, b[nt][0].w,
-                                  b[nt][1].x, b[nt][1].y, b[nt][1].z, b[nt][1].w};
+          uint32_t bw[8];
+          if constexpr (MX) {
+            dsa::mxfp4_widen_block(b[nt][0], mx_scales[nt], t, bw, ksc[nt]);  // word w: dims 32t + 4w .. + 3
+          } else {
+            bw[0] = b[nt][0].x, bw[1] = b[nt][0].y, bw[2] = b[nt][0].z, bw[3] = b[nt][0].w;
+            bw[4] = b[nt][1].x, bw[5] = b[nt][1].y, bw[6] = b[nt][1].z, bw[7] = b[nt][1].w;
+          }
           float acc[4][4];
 #pragma unroll
           for (int mt = 0; mt < 4; ++mt)
@@ -298,14 +375,36 @@ __global__ void __launch_bounds__(kWarps * 32, 3) index_scores_kernel(ScoreParam
 
 }  // namespace
 
+const char* dsa_key_format_name(DsaKeyFormat format) {
+  switch (format) {
+    case DsaKeyFormat::Fp8: return "fp8";
+    case DsaKeyFormat::Mxfp4: return "mxfp4";
+    case DsaKeyFormat::Nvfp4: return "nvfp4";
+  }
+  return "?";
+}
+
 void dsa_write_keys(const void* keys, DsaDType type, int64_t count, const int32_t* token_seq,
                     const int32_t* token_pos, const int64_t* page_table, int64_t page_table_stride,
-                    int block_size, uint8_t* pool, cudaStream_t stream) {
+                    int block_size, DsaKeyFormat format, uint8_t* pool, cudaStream_t stream) {
   SPARROW_CHECK(count >= 0 && block_size > 0, "dsa_write_keys: bad count ", count, " or block_size ", block_size);
   if (count == 0) return;
   constexpr int kPerBlock = 8;
-  write_keys_kernel<<<unsigned((count + kPerBlock - 1) / kPerBlock), kPerBlock * 32, 0, stream>>>(
-      keys, type, count, token_seq, token_pos, page_table, page_table_stride, block_size, pool);
+  const unsigned blocks = unsigned((count + kPerBlock - 1) / kPerBlock);
+  switch (format) {
+    case DsaKeyFormat::Fp8:
+      write_keys_kernel<<<blocks, kPerBlock * 32, 0, stream>>>(keys, type, count, token_seq, token_pos, page_table,
+                                                               page_table_stride, block_size, pool);
+      break;
+    case DsaKeyFormat::Mxfp4:
+      write_fp4_keys_kernel<DsaKeyFormat::Mxfp4><<<blocks, kPerBlock * 32, 0, stream>>>(
+          keys, type, count, token_seq, token_pos, page_table, page_table_stride, block_size, pool);
+      break;
+    case DsaKeyFormat::Nvfp4:
+      write_fp4_keys_kernel<DsaKeyFormat::Nvfp4><<<blocks, kPerBlock * 32, 0, stream>>>(
+          keys, type, count, token_seq, token_pos, page_table, page_table_stride, block_size, pool);
+      break;
+  }
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -322,8 +421,8 @@ void dsa_quantize_queries(const void* q, DsaDType type, const float* weights, in
 
 void dsa_index_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows, int heads,
                       const int32_t* row_seq, const int32_t* row_visible, const uint8_t* pool,
-                      const int64_t* page_table, int64_t page_table_stride, int block_size, float* scores,
-                      int64_t ld, int64_t max_visible, cudaStream_t stream, DsaScoreKernel kernel,
+                      const int64_t* page_table, int64_t page_table_stride, int block_size, DsaKeyFormat format,
+                      float* scores, int64_t ld, int64_t max_visible, cudaStream_t stream, DsaScoreKernel kernel,
                       int rows_per_sequence) {
   SPARROW_CHECK(heads == 32 || heads == 64, "dsa_index_scores: heads must be 32 or 64, got ", heads);
   SPARROW_CHECK(block_size > 0, "dsa_index_scores: bad block_size ", block_size);
@@ -336,9 +435,12 @@ void dsa_index_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows,
     SPARROW_CUDA_CHECK(cudaGetDevice(&dev));
     SPARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   }
-  if (kernel == DsaScoreKernel::Wgmma || (kernel == DsaScoreKernel::Auto && rows <= kDsaWgmmaMaxRows)) {
+  const bool fp4 = format != DsaKeyFormat::Fp8;
+  SPARROW_CHECK(!(kernel == DsaScoreKernel::Tiles && format == DsaKeyFormat::Nvfp4),
+                "dsa_index_scores: the tiled kernel reads fp8 and mxfp4 keys; nvfp4 keys take the wgmma kernel");
+  if (kernel == DsaScoreKernel::Wgmma || (kernel == DsaScoreKernel::Auto && (fp4 || rows <= kDsaWgmmaMaxRows))) {
     dsa_decode_scores(q_fp8, w_folded, rows, heads, row_seq, row_visible, pool, page_table, page_table_stride,
-                      block_size, scores, ld, max_visible, rows_per_sequence, sms, stream);
+                      block_size, format, scores, ld, max_visible, rows_per_sequence, sms, stream);
     return;
   }
   ScoreParams p{q_fp8, w_folded, rows, row_seq, row_visible, pool, page_table, page_table_stride, block_size,
@@ -362,10 +464,13 @@ void dsa_index_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows,
   const int64_t splits = (max_visible + per - 1) / per;
   SPARROW_CHECK(group_blocks < 65536, "dsa_index_scores: too many rows (", rows, ")");
   const dim3 grid{unsigned(splits), unsigned(group_blocks), 1u};
+  const bool mx = format == DsaKeyFormat::Mxfp4;
   if (heads == 64) {
-    index_scores_kernel<64><<<grid, kWarps * 32, 0, stream>>>(p);
+    if (mx) index_scores_kernel<64, true><<<grid, kWarps * 32, 0, stream>>>(p);
+    else index_scores_kernel<64, false><<<grid, kWarps * 32, 0, stream>>>(p);
   } else {
-    index_scores_kernel<32><<<grid, kWarps * 32, 0, stream>>>(p);
+    if (mx) index_scores_kernel<32, true><<<grid, kWarps * 32, 0, stream>>>(p);
+    else index_scores_kernel<32, false><<<grid, kWarps * 32, 0, stream>>>(p);
   }
   SPARROW_CUDA_CHECK_LAUNCH();
 }
