@@ -105,8 +105,16 @@ Tensor GqaAttention::attend_gpu(const Tensor& q, const Tensor& k, const Tensor& 
                                 const Tensor& index_k, const Batch& batch, int layer) const {
 #if SPARROW_HAVE_CUDA
   const DeviceStep& step = device_step(batch, q.device());
-  SPARROW_CHECK(step.format(layer, PageKind::GqaKeyValue) == PageFormat::BFloat16,
-                "the GPU GQA kernels read bfloat16 K/V pages (--kv-cache-dtype bfloat16 or auto)");
+  // K/V pages: bfloat16, FP8 rows (fp8, fp8_per_tensor) or NVFP4 rows (nvfp4), read in place.
+  cuda::GqaKvFormat kv_format = cuda::GqaKvFormat::BFloat16;
+  switch (step.format(layer, PageKind::GqaKeyValue)) {
+    case PageFormat::BFloat16: kv_format = cuda::GqaKvFormat::BFloat16; break;
+    case PageFormat::Fp8Rows: kv_format = cuda::GqaKvFormat::Fp8; break;
+    case PageFormat::Nvfp4Rows: kv_format = cuda::GqaKvFormat::Nvfp4; break;
+    default:
+      fail("the GPU GQA kernels read bfloat16, fp8 or nvfp4 K/V pages (--kv-cache-dtype auto, bfloat16, fp8, "
+           "fp8_per_tensor or nvfp4)");
+  }
   cudaStream_t stream = cuda::stream();
   const int64_t rows = batch.size();
   const int32_t* row_seq = step.row_seq.as<int32_t>();
@@ -114,17 +122,23 @@ Tensor GqaAttention::attend_gpu(const Tensor& q, const Tensor& k, const Tensor& 
   const int64_t* table = step.page_table.as<int64_t>();
   uint8_t* kv_pool = step.page_base(layer, PageKind::GqaKeyValue);
   cuda::gqa_write_kv(k.raw(), v.raw(), rows, int(kv_heads), int(head_dim), row_seq, row_pos, table, step.table_stride,
-                     step.block_size(), kv_pool, stream);
+                     step.block_size(), kv_pool, kv_format, stream);
 
   Tensor blocks;
   int index_heads = 0, max_blocks = 0, index_block_size = 0;
   if (indexer) {
-    // FP8 keys (indexer_kv_dtype auto or fp8: scale-free e4m3 rows, 128 B a token) or bf16 keys.
-    const PageFormat key_page = step.format(layer, PageKind::MsaIndexKey);
-    SPARROW_CHECK(key_page == PageFormat::Fp8Rows || key_page == PageFormat::BFloat16,
-                  "the GPU MSA selector reads bfloat16 or fp8 index keys (indexer_kv_dtype auto, fp8 or bfloat16)");
-    const cuda::MsaKeyFormat key_format =
-        key_page == PageFormat::Fp8Rows ? cuda::MsaKeyFormat::Fp8 : cuda::MsaKeyFormat::BFloat16;
+    // Index keys (indexer_kv_dtype): bf16 (256 B a token at dim 128), scale-free e4m3 rows (fp8, 128 B),
+    // NVFP4 (72 B) or MXFP4 (68 B), read in place.
+    cuda::MsaKeyFormat key_format = cuda::MsaKeyFormat::BFloat16;
+    switch (step.format(layer, PageKind::MsaIndexKey)) {
+      case PageFormat::BFloat16: key_format = cuda::MsaKeyFormat::BFloat16; break;
+      case PageFormat::Fp8Rows: key_format = cuda::MsaKeyFormat::Fp8; break;
+      case PageFormat::Nvfp4Rows: key_format = cuda::MsaKeyFormat::Nvfp4; break;
+      case PageFormat::Mxfp4Rows: key_format = cuda::MsaKeyFormat::Mxfp4; break;
+      default:
+        fail("the GPU MSA selector reads bfloat16, fp8, nvfp4 or mxfp4 index keys (indexer_kv_dtype auto, bfloat16, "
+             "fp8, nvfp4 or mxfp4)");
+    }
     uint8_t* key_pool = step.page_base(layer, PageKind::MsaIndexKey);
     cuda::msa_write_keys(index_k.raw(), rows, int(indexer->head_dim), row_seq, row_pos, table, step.table_stride,
                          step.block_size(), key_pool, key_format, stream);
@@ -141,13 +155,14 @@ Tensor GqaAttention::attend_gpu(const Tensor& q, const Tensor& k, const Tensor& 
   }
   Tensor out = Tensor::empty({rows, heads * head_dim}, ScalarType::BF16, q.device());
   const size_t bytes = cuda::gqa_attention_workspace_bytes(rows, int(heads), int(kv_heads), int(head_dim),
-                                                           step.max_visible, index_heads, max_blocks, index_block_size);
+                                                           step.max_visible, index_heads, max_blocks, index_block_size,
+                                                           kv_format);
   Tensor workspace = Tensor::empty({int64_t(std::max<size_t>(bytes, 1))}, ScalarType::U8, q.device());
   const float scale = float(std::pow(double(head_dim), -0.5));  // MiniMaxM3VLAttention.scaling
   cuda::gqa_attention(q.raw(), out.raw(), rows, int(heads), int(kv_heads), int(head_dim), scale, row_seq, row_pos,
                       step.max_visible, indexer ? blocks.as<int32_t>() : nullptr, index_heads, max_blocks,
-                      index_block_size, table, step.table_stride, step.block_size(), kv_pool, workspace.raw(), bytes,
-                      stream);
+                      index_block_size, table, step.table_stride, step.block_size(), kv_pool, kv_format,
+                      workspace.raw(), bytes, stream);
   return out;
 #else
   (void)k, (void)v, (void)index_q, (void)index_k, (void)batch, (void)layer;

@@ -13,9 +13,17 @@
 //   1. the warp's lanes look up the 16 keys' cached rows (the page table, and for MSA the row's kept
 //      blocks staged in shared memory) one tile ahead, so that lookup latency overlaps the compute;
 //   2. the K and V rows of the warp's kv head are copied with cp.async (16-byte copies, zero-filled for
-//      keys the row may not see) into a 3-stage per-warp ring;
-//   3. S = Q K^T (16 heads x 16 keys, head_dim deep), masked, scaled into the log2 domain;
-//   4. P = exp2(S - m) is rounded to bf16 and used directly as the A operand of O += P V (the C fragment
+//      keys the row may not see) into a 3-stage per-warp ring: two tiles in flight while one is computed;
+//   3. narrow formats only (FP8, NVFP4): the ring holds the rows' raw bytes (1, or 1/2 + 1/16, byte a
+//      value: a tile is 2x / 3.6x fewer bytes to read than bf16's), and once a tile has landed each lane
+//      widens one row (a key's K or V) to bf16 in registers (kv_widen.cuh: integer ops and one bf16x2
+//      multiply per pair, exact) into one bf16 tile of the bf16 path's layout, while the next two tiles'
+//      raw bytes are still in flight. Steps 4-5 are then the same code for every format. (The widened
+//      tile makes a round trip through shared memory, which costs about as much shared-memory bandwidth
+//      per tile as the NVFP4 tile's HBM time at full rate; widening K straight into the mma B fragments
+//      would halve that.)
+//   4. S = Q K^T (16 heads x 16 keys, head_dim deep), masked, scaled into the log2 domain;
+//   5. P = exp2(S - m) is rounded to bf16 and used directly as the A operand of O += P V (the C fragment
 //      of two n8 tiles is the A fragment of one k16 step), no shared-memory round trip.
 // At the end the 4 warps' states are merged in shared memory (log-sum-exp weights) and the block writes
 // either the bf16 output or, when the keys are split, an fp32 partial and its log2-sum-exp to the
@@ -30,6 +38,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/gqa/gqa_attention.h"
+#include "kernels/cuda/gqa/kv_widen.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/runtime/cuda_check.h"
 
@@ -48,12 +57,16 @@ struct GqaParams {
   const int32_t* row_pos;      // [rows]
   const int32_t* blocks;       // sparse: [rows, index_heads, max_blocks]; dense: null
   const int64_t* page_table;   // [seqs, stride] byte offsets into pool
-  const uint8_t* pool;
+  const uint8_t* pool;         // the layer's K/V pages (gqa_attention.h)
   float* ws_o;                 // [splits, rows, heads, head_dim] (splits > 1)
   float* ws_lse;               // [splits, rows, heads], log2 domain
   int64_t rows;
   int64_t stride;
-  int64_t row_bytes;           // 2 * kv_heads * head_dim * 2
+  int64_t row_bytes;           // a token's row of values in its page: 2 kv_heads head_dim x 2 (bf16), x 1
+                               // (fp8), x 1/2 (nvfp4 codes)
+  int64_t scale_base;          // nvfp4: bytes from a page's start to its block scales (block_size x row_bytes)
+  int scale_row;               // nvfp4: bytes of a token's block scales (2 kv_heads head_dim / 16)
+  int chunk;                   // bytes per cp.async of K/V values: 16, or 8 (nvfp4 with head_dim % 32 == 16)
   int heads, kv_heads, head_dim;
   int group;                   // query heads per kv head
   int unit;                    // query heads per unit (same kv head and index head)
@@ -66,30 +79,119 @@ struct GqaParams {
   float scale_log2;            // scale * log2(e)
 };
 
-template <int DMAX>
+// Bytes of one head's K (or V) values in a row of each format: bf16 2 a value, E4M3 1, E2M1 codes 1/2.
+template <GqaKvFormat F>
+__host__ __device__ constexpr int value_bytes(int values) {
+  return F == GqaKvFormat::BFloat16 ? 2 * values : F == GqaKvFormat::Fp8 ? values : values / 2;
+}
+
+template <int DMAX, GqaKvFormat F>
 struct Layout {
+  static constexpr bool kNarrow = F != GqaKvFormat::BFloat16;
   static constexpr int kStride = DMAX + 8;                     // bf16 per smem row (+16 B: no ldmatrix conflicts)
   static constexpr int kTile = kTileKeys * kStride;            // bf16 elements of one K (or V) tile
   static constexpr int kQBytes = 16 * kStride * 2;
-  static constexpr int kWarpKvBytes = kStages * 2 * kTile * 2; // one warp's ring: K and V tiles per stage
+  // Narrow formats: a stage of the ring holds 32 raw rows (row r = key r % 16, K for r < 16 else V), each
+  // the head's codes padded by 16 bytes so that the 8 rows a quarter-warp reads with 16-byte loads fall on
+  // 8 distinct bank groups; NVFP4 adds per row the 4-byte words around its head_dim / 16 block scales (an
+  // odd count of words, so that 32 lanes reading word j of their rows hit 32 distinct banks).
+  static constexpr int kRawRow = kNarrow ? (value_bytes<F>(DMAX) + 15) / 16 * 16 + 16 : 0;
+  static constexpr int kScaleWords = F == GqaKvFormat::Nvfp4 ? ((DMAX / 64 + 2) | 1) : 0;
+  static constexpr int kScaleRow = 4 * kScaleWords;
+  static constexpr int kRawStage = 2 * kTileKeys * (kRawRow + kScaleRow);
+  // One warp's region: bf16: a ring of kStages (K, V) bf16 tiles; narrow: a ring of kStages raw stages and
+  // one (K, V) bf16 tile the raw rows are widened into.
+  static constexpr int kWarpKvBytes = kNarrow ? kStages * kRawStage + 2 * kTile * 2 : kStages * 2 * kTile * 2;
   static constexpr int kKvBytes = kWarps * kWarpKvBytes;
   static constexpr int kRedBytes = 2 * kWarps * 16 * 4;         // per-warp row max and sum
   static constexpr int kFixedBytes = kQBytes + kKvBytes + kRedBytes;
   static constexpr int kOStride = DMAX + 8;                    // fp32 per row of a warp's staged output
-  static_assert(16 * kOStride * 4 <= kWarpKvBytes, "a warp's output must fit in its own K/V ring");
+  static_assert(16 * kOStride * 4 <= kWarpKvBytes, "a warp's output must fit in its own K/V region");
+  static_assert(kRawStage % 16 == 0 && kWarpKvBytes % 16 == 0, "regions must stay 16-byte aligned");
 };
 
 using namespace ptx;  // smem_u32, cp_async16 / commit / wait, ldmatrix_x4(_trans), mma_bf16
 
 __device__ __forceinline__ uint32_t bf162_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
 
-template <int DMAX, bool SPARSE>
+// cp.async of 8 bytes (zero-filled when !valid): NVFP4 codes of heads whose 8-value groups are not
+// 16-byte aligned (head_dim % 32 == 16). The .ca form: .cg takes 16 bytes only (PTX ISA, cp.async).
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid) {
+  const int bytes = valid ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
+}
+
+// Where a key's row lives: its values (bf16, E4M3 or E2M1 codes) and, for NVFP4, the first of this lane's
+// head-row block scales (K scales for lanes 0-15, V scales for 16-31); row < 0: a key the row may not see.
+struct KeyAddr {
+  int64_t row;
+  int64_t scale;
+};
+
+// Widens raw row `lane` of a stage (row = key lane % 16, K for lanes < 16 else V; `mis`: where its block
+// scales start in their first word) into its bf16 tile row, columns 0 .. D-1 (the padding columns stay
+// zero). 16-byte loads and stores; the raw and bf16 row strides put a quarter-warp's 8 rows on 8
+// distinct bank groups. Every value is exact (kv_widen.cuh).
+template <int DMAX, GqaKvFormat F>
+__device__ __forceinline__ void widen_row(const uint8_t* stage, __nv_bfloat16* tile, int lane, int D, uint32_t mis) {
+  using L = Layout<DMAX, F>;
+  const uint8_t* raw = stage + lane * L::kRawRow;
+  __nv_bfloat16* dst = tile + (lane >> 4) * L::kTile + (lane & 15) * L::kStride;
+  if constexpr (F == GqaKvFormat::Fp8) {
+    // value = e4m3 * kKvTensorScale (1.0): 16 values per 16-byte load.
+#pragma unroll
+    for (int c = 0; c < DMAX / 16; ++c) {
+      if (c < D / 16) {
+        const uint4 v = *reinterpret_cast<const uint4*>(raw + 16 * c);
+        uint4 o0, o1;
+        widen::e4m3x4_to_bf16(v.x, o0.x, o0.y);
+        widen::e4m3x4_to_bf16(v.y, o0.z, o0.w);
+        widen::e4m3x4_to_bf16(v.z, o1.x, o1.y);
+        widen::e4m3x4_to_bf16(v.w, o1.z, o1.w);
+        *reinterpret_cast<uint4*>(dst + 16 * c) = o0;
+        *reinterpret_cast<uint4*>(dst + 16 * c + 8) = o1;
+      }
+    }
+  } else if constexpr (F == GqaKvFormat::Nvfp4) {
+    // value = e2m1 * e4m3 block scale * kKvTensorScale (1.0). Block b's scale is byte mis + b of the row's
+    // scale window (byte loads: 32 lanes read 32 rows an odd number of words apart, 32 distinct banks).
+    const uint8_t* sc = stage + 2 * kTileKeys * L::kRawRow + lane * L::kScaleRow + mis;
+    // One block of 16 values (8 code bytes) -> two 16-byte bf16 stores.
+    auto block = [&](uint32_t lo, uint32_t hi, int b) {
+      const uint32_t s2 = widen::nvfp4_scale_bf16x2(sc[b]);
+      uint32_t x[4], y[4];
+      widen::e2m1x8_to_bf16(lo, x);
+      widen::e2m1x8_to_bf16(hi, y);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) x[k] = widen::mul_bf16x2(x[k], s2), y[k] = widen::mul_bf16x2(y[k], s2);
+      *reinterpret_cast<uint4*>(dst + 16 * b) = make_uint4(x[0], x[1], x[2], x[3]);
+      *reinterpret_cast<uint4*>(dst + 16 * b + 8) = make_uint4(y[0], y[1], y[2], y[3]);
+    };
+    // Two blocks per 16-byte load; an odd last block (head_dim % 32 == 16) with an 8-byte load.
+#pragma unroll
+    for (int c = 0; c < DMAX / 32; ++c) {
+      if (c < D / 32) {
+        const uint4 v = *reinterpret_cast<const uint4*>(raw + 16 * c);
+        block(v.x, v.y, 2 * c);
+        block(v.z, v.w, 2 * c + 1);
+      }
+    }
+    if ((D / 16) & 1) {
+      const int b = D / 16 - 1;
+      const uint2 v = *reinterpret_cast<const uint2*>(raw + 8 * b);
+      block(v.x, v.y, b);
+    }
+  }
+}
+
+template <int DMAX, bool SPARSE, GqaKvFormat F>
 __global__ void __launch_bounds__(kThreads) gqa_attention_kernel(const GqaParams p) {
-  using L = Layout<DMAX>;
+  using L = Layout<DMAX, F>;
   constexpr int kS = kStages;
+  constexpr bool kNarrow = L::kNarrow;
   extern __shared__ __align__(128) uint8_t smem[];
   __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(smem);
-  __nv_bfloat16* kv_s = reinterpret_cast<__nv_bfloat16*>(smem + L::kQBytes);
+  uint8_t* kv_s = smem + L::kQBytes;  // the 4 warps' K/V regions, kWarpKvBytes each
   float* red_m = reinterpret_cast<float*>(smem + L::kQBytes + L::kKvBytes);
   float* red_l = red_m + kWarps * 16;
   int32_t* blk_s = reinterpret_cast<int32_t*>(smem + L::kFixedBytes);  // sparse: the row's kept blocks
@@ -107,7 +209,7 @@ __global__ void __launch_bounds__(kThreads) gqa_attention_kernel(const GqaParams
   const int seq = __ldg(p.row_seq + row);
   const int pos = __ldg(p.row_pos + row);
   const int D = p.head_dim;
-  const int cpr = D / 8;  // 16-byte chunks per head row
+  const int cpr = D / 8;  // 16-byte chunks of a bf16 head row (Q, and the bf16 tiles)
 
   // Q tile: heads h0 .. h0+nh-1 of this row; padding rows and columns are zero-filled.
   for (int c = tid; c < 16 * (DMAX / 8); c += kThreads) {
@@ -117,12 +219,16 @@ __global__ void __launch_bounds__(kThreads) gqa_attention_kernel(const GqaParams
     cp_async16(q_s + h * L::kStride + ch * 8, src, valid);
   }
   cp_async_commit();
-  // cp.async writes K/V columns < D only: the padding columns up to DMAX are zeroed once here.
+  // cp.async (bf16) and the widening (narrow formats) write K/V columns < D only: the padding columns up to
+  // DMAX of every bf16 tile (bf16: the whole ring; narrow: the one tile pair) are zeroed once here.
   if (D < DMAX) {
+    constexpr int kTileRows = (kNarrow ? 1 : kS) * 2 * kTileKeys;  // bf16 tile rows per warp
     const int pad = DMAX / 8 - cpr;
-    for (int c = tid; c < kWarps * kS * 2 * kTileKeys * pad; c += kThreads) {
-      const int r = c / pad, ch = cpr + c % pad;
-      *reinterpret_cast<uint4*>(kv_s + r * L::kStride + ch * 8) = make_uint4(0, 0, 0, 0);
+    for (int c = tid; c < kWarps * kTileRows * pad; c += kThreads) {
+      const int w = c / (kTileRows * pad), r = c / pad % kTileRows, ch = cpr + c % pad;
+      __nv_bfloat16* tiles =
+          reinterpret_cast<__nv_bfloat16*>(kv_s + w * L::kWarpKvBytes + (kNarrow ? kS * L::kRawStage : 0));
+      *reinterpret_cast<uint4*>(tiles + r * L::kStride + ch * 8) = make_uint4(0, 0, 0, 0);
     }
   }
   int nslots;
@@ -154,49 +260,96 @@ __global__ void __launch_bounds__(kThreads) gqa_attention_kernel(const GqaParams
   const int ntiles = se > sb ? (se - sb + kTileKeys - 1) / kTileKeys : 0;
   const int nt = ntiles > warp ? (ntiles - warp + kWarps - 1) / kWarps : 0;  // this warp's tiles
 
-  // Byte offset in the pool of the row of key (lane & 15) of this warp's tile i, or -1 when invisible.
-  auto key_offset = [&](int i) -> int64_t {
-    if (i >= nt) return -1;
+  // Where the row of key (lane & 15) of this warp's tile i lives (row -1 when invisible); for NVFP4 also
+  // the first block scale of this lane's head row (K for lanes 0-15, V for 16-31).
+  const int hb = value_bytes<F>(D);  // bytes of one head's K (or V) values in a row
+  const int64_t head_scale = int64_t((lane >> 4) * p.kv_heads + kvh) * (D / 16);
+  auto key_offset = [&](int i) -> KeyAddr {
+    if (i >= nt) return {-1, 0};
     const int slot = sb + (warp + i * kWarps) * kTileKeys + (lane & 15);
-    if (slot >= se) return -1;
+    if (slot >= se) return {-1, 0};
     int key;
     if constexpr (SPARSE) {
       key = blk_s[slot / p.index_block] * p.index_block + slot % p.index_block;
     } else {
       key = slot;
     }
-    if (key > pos) return -1;
-    return __ldg(p.page_table + int64_t(seq) * p.stride + key / p.block_size) +
-           int64_t(key % p.block_size) * p.row_bytes;
+    if (key > pos) return {-1, 0};
+    const int64_t page = __ldg(p.page_table + int64_t(seq) * p.stride + key / p.block_size);
+    const int s = key % p.block_size;
+    if constexpr (F == GqaKvFormat::Nvfp4)
+      return {page + int64_t(s) * p.row_bytes, page + p.scale_base + int64_t(s) * p.scale_row + head_scale};
+    else
+      return {page + int64_t(s) * p.row_bytes, 0};
   };
-  const uint8_t* k_base = p.pool + int64_t(kvh) * D * 2;
-  const int64_t v_shift = int64_t(p.kv_heads) * D * 2;
-  __nv_bfloat16* ring = kv_s + warp * kS * 2 * L::kTile;
-  // Copies the K and V rows of tile i (offsets `off`, one per key in lanes 0..15 and again in 16..31).
-  auto issue = [&](int i, int64_t off) {
-    __nv_bfloat16* kd = ring + (i % kS) * 2 * L::kTile;
-    __nv_bfloat16* vd = kd + L::kTile;
-    for (int c = lane; c < 32 * cpr; c += 32) {  // 16 keys x (K, V) x cpr chunks, chunks fastest
-      const int key = c / (2 * cpr), r = c - key * 2 * cpr;
-      const bool is_v = r >= cpr;
-      const int ch = is_v ? r - cpr : r;
-      const int64_t o = __shfl_sync(0xffffffffu, off, key);
-      const uint8_t* src = k_base + (o >= 0 ? o : 0) + (is_v ? v_shift : 0) + ch * 16;
-      cp_async16((is_v ? vd : kd) + key * L::kStride + ch * 8, src, o >= 0);
+  const uint8_t* k_base = p.pool + int64_t(kvh) * hb;
+  const int64_t v_shift = int64_t(p.kv_heads) * hb;
+  uint8_t* region = kv_s + warp * L::kWarpKvBytes;
+  __nv_bfloat16* ring = reinterpret_cast<__nv_bfloat16*>(region);                      // bf16: the tile ring
+  __nv_bfloat16* tile = reinterpret_cast<__nv_bfloat16*>(region + kS * L::kRawStage);  // narrow: the bf16 tile
+  // Copies the K and V rows of tile i (addresses `a`, one per key in lanes 0..15 and again in 16..31); for
+  // NVFP4 returns where this lane's block scales start in their first copied word.
+  auto issue = [&](int i, const KeyAddr& a) -> uint32_t {
+    if constexpr (!kNarrow) {
+      __nv_bfloat16* kd = ring + (i % kS) * 2 * L::kTile;
+      __nv_bfloat16* vd = kd + L::kTile;
+      for (int c = lane; c < 32 * cpr; c += 32) {  // 16 keys x (K, V) x cpr chunks, chunks fastest
+        const int key = c / (2 * cpr), r = c - key * 2 * cpr;
+        const bool is_v = r >= cpr;
+        const int ch = is_v ? r - cpr : r;
+        const int64_t o = __shfl_sync(0xffffffffu, a.row, key);
+        const uint8_t* src = k_base + (o >= 0 ? o : 0) + (is_v ? v_shift : 0) + ch * 16;
+        cp_async16((is_v ? vd : kd) + key * L::kStride + ch * 8, src, o >= 0);
+      }
+      return 0u;
+    } else {
+      // Raw rows: row key (K) and 16 + key (V) of the stage, `chunk`-byte copies, chunks fastest.
+      uint8_t* st = region + (i % kS) * L::kRawStage;
+      const int cb = hb / p.chunk;
+      for (int c = lane; c < 32 * cb; c += 32) {
+        const int key = c / (2 * cb), r = c - key * 2 * cb;
+        const bool is_v = r >= cb;
+        const int ch = is_v ? r - cb : r;
+        const int64_t o = __shfl_sync(0xffffffffu, a.row, key);
+        const uint8_t* src = k_base + (o >= 0 ? o : 0) + (is_v ? v_shift : 0) + ch * p.chunk;
+        uint8_t* dst = st + (key + (is_v ? kTileKeys : 0)) * L::kRawRow + ch * p.chunk;
+        if (p.chunk == 16)
+          cp_async16(dst, src, o >= 0);
+        else
+          cp_async8(dst, src, o >= 0);
+      }
+      if constexpr (F == GqaKvFormat::Nvfp4) {
+        // This lane's head row's D / 16 scale bytes, as the aligned 4-byte words that hold them (at most
+        // kScaleWords; never past the page's end, which is 4-byte aligned). An invisible key's window is
+        // zero-filled: scale 0, so its zero codes widen to zeros, never NaN.
+        const bool valid = a.row >= 0;
+        const uint32_t mis = valid ? uint32_t(a.scale & 3) : 0u;
+        const uint8_t* src = p.pool + (valid ? a.scale - mis : 0);
+        uint8_t* dst = st + 2 * kTileKeys * L::kRawRow + lane * L::kScaleRow;
+        const int words = (int(mis) + D / 16 + 3) / 4;
+        for (int w = 0; w < words; ++w) cp_async4(dst + 4 * w, src + 4 * w, valid);
+        return mis;
+      } else {
+        return 0u;
+      }
     }
   };
 
-  // Prologue: tiles 0 .. kS-2 in flight; validity masks queued 16 bits per tile.
+  // Prologue: tiles 0 .. kS-2 in flight; validity masks queued 16 bits per tile (NVFP4: this lane's scale
+  // misalignment, 2 bits per tile).
   uint64_t mask_q = 0;
+  uint32_t mis_q = 0;
 #pragma unroll
   for (int i = 0; i < kS - 1; ++i) {
-    const int64_t off = key_offset(i);
-    const uint32_t m = __ballot_sync(0xffffffffu, off >= 0) & 0xffffu;
-    if (i < nt) issue(i, off);
+    const KeyAddr a = key_offset(i);
+    const uint32_t m = __ballot_sync(0xffffffffu, a.row >= 0) & 0xffffu;
+    uint32_t mis = 0;
+    if (i < nt) mis = issue(i, a);
     cp_async_commit();
     mask_q |= uint64_t(m) << (16 * i);
+    mis_q |= mis << (2 * i);
   }
-  int64_t pending = key_offset(kS - 1);
+  KeyAddr pending = key_offset(kS - 1);
   cp_async_wait<kS - 1>();  // this thread's Q copies (the oldest group) have landed
   __syncthreads();          // everyone's Q copies and the zeroed padding are visible
 
@@ -216,18 +369,31 @@ __global__ void __launch_bounds__(kThreads) gqa_attention_kernel(const GqaParams
   for (int i = 0; i < nt; ++i) {
     // Refill the stage tile i-1 used (every lane finished reading it: __syncwarp at the loop end).
     {
-      const uint32_t m = __ballot_sync(0xffffffffu, pending >= 0) & 0xffffu;
-      if (i + kS - 1 < nt) issue(i + kS - 1, pending);
+      const uint32_t m = __ballot_sync(0xffffffffu, pending.row >= 0) & 0xffffu;
+      uint32_t mis = 0;
+      if (i + kS - 1 < nt) mis = issue(i + kS - 1, pending);
       cp_async_commit();
       mask_q |= uint64_t(m) << (16 * (kS - 1));
+      mis_q |= mis << (2 * (kS - 1));
     }
     pending = key_offset(i + kS);  // in flight while tile i is computed
     cp_async_wait<kS - 1>();
     __syncwarp();
     const uint32_t mask = uint32_t(mask_q & 0xffffu);
     mask_q >>= 16;
+    const uint32_t mis = mis_q & 3u;
+    mis_q >>= 2;
     if (mask != 0) {
-      const __nv_bfloat16* kt = ring + (i % kS) * 2 * L::kTile;
+      const __nv_bfloat16* kt;
+      if constexpr (kNarrow) {
+        // Every lane widens one raw row of stage i % kS (a key's K or V) into the bf16 tile; the tile's
+        // previous readers are done (__syncwarp at the end of the last iteration).
+        widen_row<DMAX, F>(region + (i % kS) * L::kRawStage, tile, lane, D, mis);
+        __syncwarp();
+        kt = tile;
+      } else {
+        kt = ring + (i % kS) * 2 * L::kTile;
+      }
       const __nv_bfloat16* vt = kt + L::kTile;
       // S = Q K^T: 16 heads x 16 keys.
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -340,7 +506,7 @@ __global__ void __launch_bounds__(kThreads) gqa_attention_kernel(const GqaParams
       if (mw == -INFINITY) continue;  // that warp saw no key: it holds zeros
       const float wt = exp2f(mw - m);
       total += wt * red_l[w * 16 + r];
-      const float* src = reinterpret_cast<const float*>(kv_s + w * kS * 2 * L::kTile) + r * L::kOStride + ch * 8;
+      const float* src = reinterpret_cast<const float*>(kv_s + w * L::kWarpKvBytes) + r * L::kOStride + ch * 8;
       const float4 a = *reinterpret_cast<const float4*>(src);
       const float4 b = *reinterpret_cast<const float4*>(src + 4);
       acc[0] += wt * a.x;
@@ -371,16 +537,18 @@ __global__ void __launch_bounds__(kThreads) gqa_attention_kernel(const GqaParams
   }
 }
 
-// Instantiated per (DMAX, SPARSE) in dense.cu and sparse.cu.
-template <int DMAX, bool SPARSE>
+// Instantiated per (DMAX, SPARSE, format) in dense.cu and sparse.cu.
+template <int DMAX, bool SPARSE, GqaKvFormat F>
 void launch_gqa_variant(const GqaParams& p, size_t smem, unsigned grid_x, unsigned grid_y, cudaStream_t stream) {
-  auto kernel = gqa_attention_kernel<DMAX, SPARSE>;
+  auto kernel = gqa_attention_kernel<DMAX, SPARSE, F>;
   SPARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kernel<<<dim3(grid_x, grid_y), kThreads, smem, stream>>>(p);
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
-void dispatch_dense(int dmax, const GqaParams& p, size_t smem, unsigned grid_x, unsigned grid_y, cudaStream_t stream);
-void dispatch_sparse(int dmax, const GqaParams& p, size_t smem, unsigned grid_x, unsigned grid_y, cudaStream_t stream);
+void dispatch_dense(int dmax, GqaKvFormat format, const GqaParams& p, size_t smem, unsigned grid_x, unsigned grid_y,
+                    cudaStream_t stream);
+void dispatch_sparse(int dmax, GqaKvFormat format, const GqaParams& p, size_t smem, unsigned grid_x, unsigned grid_y,
+                     cudaStream_t stream);
 
 }  // namespace sparrow::cuda::gqa_detail

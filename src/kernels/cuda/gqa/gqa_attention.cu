@@ -1,13 +1,19 @@
 // Host side of GQA attention (gqa_attention.h): argument checks, the split of the keys across blocks, the
-// log-sum-exp combine kernel, and the K/V cache write. The attention kernel is attention_kernel.cuh.
+// log-sum-exp combine kernel, and the K/V cache write (bf16 copies, or FP8 / NVFP4 quantisation fused into
+// the write). The attention kernel is attention_kernel.cuh.
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
 
 #include "kernels/cuda/gqa/attention_kernel.cuh"
+#include "kernels/cuda/quant/fp4.cuh"
 
 namespace sparrow::cuda::gqa_detail {
 namespace {
+
+// Dividing by the per-layer scale (1.0) changes no value; the writer still does, as the CPU codec does.
+constexpr float kTensorScale = kGqaKvTensorScale;
+static_assert(kTensorScale == 1.0f, "the attention kernel reads narrow pages with a per-layer scale of 1.0");
 
 // Merges the splits of one (row, head) for 16 of its columns (blockIdx.y picks which):
 //   out = sum_i 2^(lse_i - M) O_i / sum_i 2^(lse_i - M),  lse in the log2 domain, M = max_i lse_i
@@ -79,17 +85,63 @@ __global__ void __launch_bounds__(128) gqa_combine_kernel(const float* ws_o, con
   }
 }
 
-// One block per new token: its K and V rows (chunks of 16 bytes) into the cached row [K heads | V heads].
+// One block per new token, writing its cached row [K heads | V heads] (gqa_attention.h):
+//   BFloat16: 16-byte chunks copied;
+//   Fp8:      one thread per 8 values: e4m3(x / kTensorScale), the CPU Fp8RowsCodec's rule (kernels/cpu/fp8.h
+//             through its device twin quant::e4m3_encode);
+//   Nvfp4:    one thread per block of 16 values (a block never spans two heads nor K and V: head_dim % 16 ==
+//             0): the CPU Fp4RowsCodec's nvfp4_quantize (kernels/cpu/fp4.h) with global = kTensorScale, i.e.
+//             amax over the block (NaNs ignored), E4M3 scale of amax / 6, codes e2m1(|x| / step) with the
+//             sign, two a byte (value 2i in the low nibble), through the device twins in quant/fp4.cuh;
+//             8 code bytes at the token's code row, 1 scale byte at its scale row (values then scales).
+// `chunks`: 8-value groups of one token's K (or V); the row's values are [k row | v row].
+template <GqaKvFormat F>
 __global__ void __launch_bounds__(128) gqa_write_kv_kernel(const uint4* k, const uint4* v, int chunks,
                                                            const int32_t* row_seq, const int32_t* row_pos,
                                                            const int64_t* page_table, int64_t stride,
                                                            int block_size, int64_t row_bytes, uint8_t* pool) {
   const int64_t i = blockIdx.x;
   const int seq = __ldg(row_seq + i), pos = __ldg(row_pos + i);
-  uint4* dst = reinterpret_cast<uint4*>(pool + __ldg(page_table + int64_t(seq) * stride + pos / block_size) +
-                                        int64_t(pos % block_size) * row_bytes);
-  for (int c = threadIdx.x; c < 2 * chunks; c += blockDim.x)
-    dst[c] = c < chunks ? __ldg(k + i * chunks + c) : __ldg(v + i * chunks + (c - chunks));
+  const int slot = pos % block_size;
+  uint8_t* page = pool + __ldg(page_table + int64_t(seq) * stride + pos / block_size);
+  uint8_t* row = page + int64_t(slot) * row_bytes;
+  auto chunk = [&](int c) { return c < chunks ? __ldg(k + i * chunks + c) : __ldg(v + i * chunks + (c - chunks)); };
+  if constexpr (F == GqaKvFormat::BFloat16) {
+    for (int c = threadIdx.x; c < 2 * chunks; c += blockDim.x) reinterpret_cast<uint4*>(row)[c] = chunk(c);
+  } else if constexpr (F == GqaKvFormat::Fp8) {
+    for (int c = threadIdx.x; c < 2 * chunks; c += blockDim.x) {
+      const uint4 x = chunk(c);
+      const uint32_t in[4] = {x.x, x.y, x.z, x.w};
+      uint32_t out[2] = {0u, 0u};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float f = __uint_as_float(((in[e / 2] >> (16 * (e % 2))) & 0xFFFFu) << 16);  // value e: low half first
+        out[e / 4] |= uint32_t(quant::e4m3_encode(__fdiv_rn(f, kTensorScale))) << (8 * (e % 4));
+      }
+      reinterpret_cast<uint2*>(row)[c] = make_uint2(out[0], out[1]);
+    }
+  } else {
+    // Scales of the page's tokens follow all their codes: block_size x row_bytes bytes in.
+    uint8_t* scales = page + int64_t(block_size) * row_bytes + int64_t(slot) * (row_bytes / 8);
+    for (int b = threadIdx.x; b < chunks; b += blockDim.x) {  // chunks = 16-value blocks of K + V here
+      const uint4 x0 = chunk(2 * b), x1 = chunk(2 * b + 1);
+      const uint32_t in[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+      float f[16];
+      float amax = 0.0f;
+#pragma unroll
+      for (int e = 0; e < 16; ++e) {
+        f[e] = __uint_as_float(((in[e / 2] >> (16 * (e % 2))) & 0xFFFFu) << 16);
+        amax = fmaxf(amax, fabsf(f[e]));  // fmaxf ignores NaN, as the CPU's std::fmax
+      }
+      const uint8_t scale = quant::nvfp4_scale(amax, kTensorScale);
+      const float step = quant::nvfp4_step(scale, kTensorScale);
+      uint32_t codes[2] = {0u, 0u};
+#pragma unroll
+      for (int e = 0; e < 16; ++e) codes[e / 8] |= quant::nvfp4_encode(f[e], step) << (4 * (e % 8));
+      reinterpret_cast<uint2*>(row)[b] = make_uint2(codes[0], codes[1]);
+      scales[b] = scale;
+    }
+  }
 }
 
 int device_attribute(cudaDeviceAttr attr) {
@@ -104,14 +156,29 @@ int dmax_for(int head_dim) {
   return 256;
 }
 
-size_t fixed_smem(int dmax) {
+template <GqaKvFormat F>
+size_t fixed_smem_of(int dmax) {
   switch (dmax) {
-    case 16: return Layout<16>::kFixedBytes;
-    case 32: return Layout<32>::kFixedBytes;
-    case 64: return Layout<64>::kFixedBytes;
-    case 128: return Layout<128>::kFixedBytes;
-    default: return Layout<256>::kFixedBytes;
+    case 16: return Layout<16, F>::kFixedBytes;
+    case 32: return Layout<32, F>::kFixedBytes;
+    case 64: return Layout<64, F>::kFixedBytes;
+    case 128: return Layout<128, F>::kFixedBytes;
+    default: return Layout<256, F>::kFixedBytes;
   }
+}
+
+size_t fixed_smem(int dmax, GqaKvFormat format) {
+  switch (format) {
+    case GqaKvFormat::BFloat16: return fixed_smem_of<GqaKvFormat::BFloat16>(dmax);
+    case GqaKvFormat::Fp8: return fixed_smem_of<GqaKvFormat::Fp8>(dmax);
+    case GqaKvFormat::Nvfp4: return fixed_smem_of<GqaKvFormat::Nvfp4>(dmax);
+  }
+  fail("gqa attention: unknown K/V format ", int(format));
+}
+
+void check_format(GqaKvFormat format, const char* what) {
+  SPARROW_CHECK(format == GqaKvFormat::BFloat16 || format == GqaKvFormat::Fp8 || format == GqaKvFormat::Nvfp4, what,
+                ": unknown K/V format ", int(format));
 }
 
 // How gqa_attention tiles a problem.
@@ -124,7 +191,8 @@ struct Plan {
 };
 
 Plan make_plan(int64_t rows, int heads, int kv_heads, int head_dim, int64_t max_visible, bool sparse, int index_heads,
-               int max_blocks, int index_block_size) {
+               int max_blocks, int index_block_size, GqaKvFormat format) {
+  check_format(format, "gqa attention");
   SPARROW_CHECK(rows >= 0 && heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "gqa attention: bad heads ", heads,
                 " / kv heads ", kv_heads, " (rows ", rows, ")");
   SPARROW_CHECK(head_dim >= 16 && head_dim <= 256 && head_dim % 16 == 0,
@@ -145,7 +213,7 @@ Plan make_plan(int64_t rows, int heads, int kv_heads, int head_dim, int64_t max_
   plan.unit_tiles = (plan.unit + 15) / 16;
   plan.ctas_per_row = (heads / plan.unit) * plan.unit_tiles;
   plan.dmax = dmax_for(head_dim);
-  plan.smem = fixed_smem(plan.dmax) + (sparse ? (size_t(max_blocks) * 4 + 15) / 16 * 16 : 0);
+  plan.smem = fixed_smem(plan.dmax, format) + (sparse ? (size_t(max_blocks) * 4 + 15) / 16 * 16 : 0);
   // Dynamic shared memory, leaving room for the kernel's few static bytes.
   const size_t smem_limit = size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin)) - 1024;
   SPARROW_CHECK(plan.smem <= smem_limit, "gqa attention: ", plan.smem, " bytes of shared memory needed, ", smem_limit,
@@ -182,9 +250,13 @@ namespace sparrow::cuda {
 
 void gqa_write_kv(const void* k_bf16, const void* v_bf16, int64_t rows, int kv_heads, int head_dim,
                   const int32_t* row_seq, const int32_t* row_pos, const int64_t* page_table, int64_t stride,
-                  int block_size, uint8_t* pool, cudaStream_t stream) {
+                  int block_size, uint8_t* pool, GqaKvFormat format, cudaStream_t stream) {
+  gqa_detail::check_format(format, "gqa_write_kv");
   SPARROW_CHECK(rows >= 0 && kv_heads > 0 && head_dim > 0 && head_dim % 8 == 0, "gqa_write_kv: bad sizes rows=", rows,
                 " kv_heads=", kv_heads, " head_dim=", head_dim);
+  SPARROW_CHECK(format != GqaKvFormat::Nvfp4 || head_dim % 16 == 0,
+                "gqa_write_kv: NVFP4 K/V need head_dim a multiple of 16 (a block scale per 16 values of a head), got ",
+                head_dim);
   SPARROW_CHECK(rows < (int64_t(1) << 31), "gqa_write_kv: too many rows ", rows);
   SPARROW_CHECK(block_size > 0 && pool && page_table, "gqa_write_kv: cache not set");
   if (rows == 0) return;
@@ -192,28 +264,43 @@ void gqa_write_kv(const void* k_bf16, const void* v_bf16, int64_t rows, int kv_h
   SPARROW_CHECK(gqa_detail::aligned16(k_bf16) && gqa_detail::aligned16(v_bf16) && gqa_detail::aligned16(pool),
                 "gqa_write_kv: k, v and pool must be 16-byte aligned");
   const int chunks = kv_heads * head_dim / 8;  // 16-byte chunks of one token's K (or V)
-  gqa_detail::gqa_write_kv_kernel<<<unsigned(rows), 128, 0, stream>>>(
-      static_cast<const uint4*>(k_bf16), static_cast<const uint4*>(v_bf16), chunks, row_seq, row_pos, page_table,
-      stride, block_size, int64_t(4) * kv_heads * head_dim, pool);
+  const int64_t values = int64_t(2) * kv_heads * head_dim;  // of a token's row
+  const auto* k = static_cast<const uint4*>(k_bf16);
+  const auto* v = static_cast<const uint4*>(v_bf16);
+  using gqa_detail::gqa_write_kv_kernel;
+  switch (format) {
+    case GqaKvFormat::BFloat16:
+      gqa_write_kv_kernel<GqaKvFormat::BFloat16><<<unsigned(rows), 128, 0, stream>>>(
+          k, v, chunks, row_seq, row_pos, page_table, stride, block_size, 2 * values, pool);
+      break;
+    case GqaKvFormat::Fp8:
+      gqa_write_kv_kernel<GqaKvFormat::Fp8><<<unsigned(rows), 128, 0, stream>>>(
+          k, v, chunks, row_seq, row_pos, page_table, stride, block_size, values, pool);
+      break;
+    case GqaKvFormat::Nvfp4:  // the kernel's `chunks` counts 16-value blocks of the whole row
+      gqa_write_kv_kernel<GqaKvFormat::Nvfp4><<<unsigned(rows), 128, 0, stream>>>(
+          k, v, chunks, row_seq, row_pos, page_table, stride, block_size, values / 2, pool);
+      break;
+  }
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
 size_t gqa_attention_workspace_bytes(int64_t rows, int heads, int kv_heads, int head_dim, int64_t max_visible,
-                                     int index_heads, int max_blocks, int index_block_size) {
+                                     int index_heads, int max_blocks, int index_block_size, GqaKvFormat format) {
   return gqa_detail::make_plan(rows, heads, kv_heads, head_dim, max_visible, max_blocks > 0, index_heads, max_blocks,
-                               index_block_size)
+                               index_block_size, format)
       .workspace;
 }
 
 void gqa_attention(const void* q_bf16, void* out_bf16, int64_t rows, int heads, int kv_heads, int head_dim,
                    float scale, const int32_t* row_seq, const int32_t* row_pos, int64_t max_visible,
                    const int32_t* blocks, int index_heads, int max_blocks, int index_block_size,
-                   const int64_t* page_table, int64_t stride, int block_size, const uint8_t* pool, void* workspace,
-                   size_t workspace_bytes, cudaStream_t stream) {
+                   const int64_t* page_table, int64_t stride, int block_size, const uint8_t* pool,
+                   GqaKvFormat format, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   using namespace gqa_detail;
   const bool sparse = blocks != nullptr;
-  const Plan plan =
-      make_plan(rows, heads, kv_heads, head_dim, max_visible, sparse, index_heads, max_blocks, index_block_size);
+  const Plan plan = make_plan(rows, heads, kv_heads, head_dim, max_visible, sparse, index_heads, max_blocks,
+                              index_block_size, format);
   if (rows == 0) return;
   SPARROW_CHECK(block_size > 0 && pool && page_table, "gqa attention: cache not set");
   SPARROW_CHECK(q_bf16 && out_bf16 && row_seq && row_pos, "gqa attention: null q, out, row_seq or row_pos");
@@ -236,7 +323,13 @@ void gqa_attention(const void* q_bf16, void* out_bf16, int64_t rows, int heads, 
   p.pool = pool;
   p.rows = rows;
   p.stride = stride;
-  p.row_bytes = int64_t(4) * kv_heads * head_dim;
+  const int64_t values = int64_t(2) * kv_heads * head_dim;  // of a token's row
+  p.row_bytes = format == GqaKvFormat::BFloat16 ? 2 * values : format == GqaKvFormat::Fp8 ? values : values / 2;
+  p.scale_base = int64_t(block_size) * p.row_bytes;  // NVFP4: the page's scales follow all its codes
+  p.scale_row = int(values / 16);
+  // NVFP4 codes of one head are head_dim / 2 bytes at a multiple of head_dim / 2: 16-byte copies need
+  // head_dim % 32 == 0, else 8-byte ones (head_dim % 16 == 0 always holds here).
+  p.chunk = format == GqaKvFormat::Nvfp4 && head_dim % 32 != 0 ? 8 : 16;
   p.heads = heads;
   p.kv_heads = kv_heads;
   p.head_dim = head_dim;
@@ -257,9 +350,9 @@ void gqa_attention(const void* q_bf16, void* out_bf16, int64_t rows, int heads, 
     p.ws_lse = p.ws_o + size_t(plan.splits) * size_t(rows) * size_t(heads) * size_t(head_dim);
   }
   if (sparse)
-    dispatch_sparse(plan.dmax, p, plan.smem, unsigned(grid_x), unsigned(plan.splits), stream);
+    dispatch_sparse(plan.dmax, format, p, plan.smem, unsigned(grid_x), unsigned(plan.splits), stream);
   else
-    dispatch_dense(plan.dmax, p, plan.smem, unsigned(grid_x), unsigned(plan.splits), stream);
+    dispatch_dense(plan.dmax, format, p, plan.smem, unsigned(grid_x), unsigned(plan.splits), stream);
   if (plan.splits > 1) {
     const int64_t rows_heads = rows * heads;
     gqa_combine_kernel<<<dim3(unsigned(rows_heads), unsigned(head_dim / 16)), 128, 0, stream>>>(

@@ -1,10 +1,13 @@
 // bench_msa (kernel_bench.h): MiniMax-M3.1's MSA block selection (4 index heads per GPU under TP4, dim
 // 128, index blocks of 128 keys, top-16, 1 forced local block): decode (one query token per sequence,
 // batch 1..128, contexts 8K..512K) and prefill of a 4K / 8K chunk against its causal prefix. Keys sit in
-// a paged pool (64-token pages in random order) in each key format: FP8 E4M3 (the GPU's default, 128 B a
-// token; shape tag keys=fp8) and bf16 (256 B; keys=bf16). Bytes: the keys' bytes per (sequence, visible
-// key) + queries (bf16) + the kept ids and counts written; the block scores' round trip through the
-// workspace (L2-sized for decode) is not counted. FLOPs: 2 * heads * 128 per (query row, visible key).
+// a paged pool (64-token pages in random order) in each key format (indexer_kv_dtype; shape tag keys=):
+// bf16 (256 B a token), FP8 E4M3 (128 B), NVFP4 (64 B of E2M1 codes + 8 E4M3 scales = 72 B, the MiniMax
+// seed's index keys) and MXFP4 (64 + 4 E8M0 scales = 68 B). Narrow pools hold E4M3 codes of values in
+// [-1, 1) in every byte (valid FP8 values, E2M1 code pairs and finite NVFP4 / MXFP4 scales). Bytes: the
+// format's key bytes per (sequence, visible key) + queries (bf16) + the kept ids and counts written; the
+// block scores' round trip through the workspace (L2-sized for decode) is not counted. FLOPs: 2 * heads *
+// 128 per (query row, visible key).
 #include <algorithm>
 #include <numeric>
 #include <random>
@@ -28,7 +31,8 @@ __global__ void fill_bf16(uint16_t* p, int64_t n, uint64_t salt) {
     p[i] = uint16_t(__float_as_uint(hash_unit(uint64_t(i) * 0x9E3779B97F4A7C15ull + salt)) >> 16);
 }
 
-// E4M3 codes of values uniform in [-1, 1) (no NaN codes, as written keys have none).
+// E4M3 codes of values uniform in [-1, 1) (no NaN codes, as written keys have none): FP8 keys, and FP4 codes
+// and scales.
 __global__ void fill_e4m3(uint8_t* p, int64_t n, uint64_t salt) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     p[i] = quant::e4m3_encode(hash_unit(uint64_t(i) * 0x9E3779B97F4A7C15ull + salt));
@@ -78,14 +82,25 @@ void bench_msa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
   const std::string model = "minimax_m3.1 index_heads=4 (TP4) dim=128 ib=128 top16";
   const double out_bytes_per_row = double(kHeads) * (kTopk + 1) * 4 + double(kHeads) * kDim * 2;
 
-  for (const MsaKeyFormat format : {MsaKeyFormat::Fp8, MsaKeyFormat::BFloat16}) {
-    const bool fp8 = format == MsaKeyFormat::Fp8;
-    const int64_t key_bytes = fp8 ? kDim : kDim * 2;  // per token
-    const std::string tag = fp8 ? " keys=fp8" : " keys=bf16";
-    if (fp8)
-      fill_e4m3<<<4096, 256, 0, stream>>>(pool, total_pages * kBlock * kDim, 1);
-    else
+  struct Format {
+    MsaKeyFormat format;
+    const char* name;
+    const char* note;
+  };
+  const Format formats[] = {
+      {MsaKeyFormat::BFloat16, "bf16", "bf16 keys"},
+      {MsaKeyFormat::Fp8, "fp8", "FP8 E4M3 keys widened to bf16 in registers"},
+      {MsaKeyFormat::Nvfp4, "nvfp4", "NVFP4 keys (E2M1 + E4M3 per 16) widened to bf16 in registers"},
+      {MsaKeyFormat::Mxfp4, "mxfp4", "MXFP4 keys (E2M1 + E8M0 per 32) widened to bf16 in registers"},
+  };
+  for (const Format& f : formats) {
+    const MsaKeyFormat format = f.format;
+    const int64_t key_bytes = msa_key_bytes(format, kDim);  // per token: codes and scales
+    const std::string tag = std::string(" keys=") + f.name;
+    if (format == MsaKeyFormat::BFloat16)
       fill_bf16<<<4096, 256, 0, stream>>>(reinterpret_cast<uint16_t*>(pool), total_pages * kBlock * kDim, 1);
+    else
+      fill_e4m3<<<4096, 256, 0, stream>>>(pool, total_pages * kBlock * key_bytes, 1);
     SPARROW_CUDA_CHECK_LAUNCH();
     std::vector<int64_t> offsets(ids);
     for (auto& o : offsets) o *= kBlock * key_bytes;
@@ -108,8 +123,8 @@ void bench_msa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
         row.median_us = median_launch_us(launch, stream, options.iterations);
         row.bytes = double(batch) * ctx * key_bytes + double(batch) * out_bytes_per_row;
         row.flops = 2.0 * kHeads * kDim * double(batch) * ctx;
-        row.note = std::string(fp8 ? "FP8 E4M3 keys widened to bf16 in registers" : "bf16 keys") +
-                   " (paged, bs 64), bf16 mma.sync block scores + top-16 selection; decode tiling";
+        row.note = std::string(f.note) + " (paged, bs 64, " + std::to_string(key_bytes) +
+                   " B a key), bf16 mma.sync block scores + top-16 selection; decode tiling";
         rows.push_back(row);
       }
 
@@ -129,8 +144,7 @@ void bench_msa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
       row.median_us = median_launch_us(launch, stream, std::max(3, options.iterations / 4));
       row.bytes = double(chunk) * key_bytes + double(chunk) * out_bytes_per_row;
       row.flops = 2.0 * kHeads * kDim * (double(chunk) * (chunk + 1) / 2);
-      row.note = std::string(fp8 ? "FP8 keys; " : "bf16 keys; ") +
-                 "causal; prefill tiling (32 vectors per warp, keys shared through L1)";
+      row.note = std::string(f.name) + " keys; causal; prefill tiling (32 vectors per warp, keys shared through L1)";
       rows.push_back(row);
     }
   }

@@ -25,11 +25,16 @@
 //    (j / VEC) * 4 VEC + t * VEC + j % VEC of the row. A and B use the same mapping, so every product
 //    pairs equal dims; words past dim/2 are zero (dims that are not a multiple of 16).
 //
-//    FP8 keys (E4M3 rows of dim bytes) are read with the same mapping at half the width: a bf16 word j
-//    covers dims 2j and 2j+1, which are bytes 2j and 2j+1 of an FP8 row, so a lane loads 2 VEC bytes
-//    where the bf16 path loads 4 VEC and widens each byte pair to the bf16 pair (exact: every E4M3 value
-//    is a bf16 value) before the mma: the A fragments, hence the scores, are the bf16 path's on the
-//    dequantised keys, bit for bit.
+//    Narrow keys (FP8, NVFP4, MXFP4) use the same mapping over the raw bytes: bf16 word j covers dims 2j
+//    and 2j+1, which are bytes 2j, 2j+1 of an FP8 row and byte j of an FP4 row's codes. VEC is chosen per
+//    format so that each load is 16 raw bytes when the dim allows it (8 bf16 words of FP8 keys, 16 of
+//    FP4 keys: at MiniMax-M3.1's dim 128, two 16-byte loads per lane and key for FP8, one for FP4 plus its
+//    block scales), against four for bf16 keys. The raw bytes are then widened to the bf16 words the
+//    bf16 path would have loaded (kernels/cuda/gqa/kv_widen.cuh: PRMT / shift / logic ops and bf16x2
+//    multiplies, exact; no conversion-pipe instruction, which is what made the first FP8 path 1.5x slower
+//    than bf16: bench/results/kernels.md). In the decode tiling the loads of a step's raw keys are issued
+//    before the previous step's keys are widened and multiplied (a register double buffer), so a narrow
+//    key's load latency hides behind the arithmetic instead of stalling on it.
 //
 // 2. Selection, one CTA per vector: the vector's block scores go to shared memory as 32-bit keys whose
 //    unsigned order is the float order (NaN lowest, -0 = +0, as topk.cu), the forced blocks become +inf,
@@ -43,6 +48,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "kernels/cuda/gqa/kv_widen.cuh"
 #include "kernels/cuda/quant/fp4.cuh"
 #include "kernels/cuda/runtime/cuda_check.h"
 
@@ -62,6 +68,17 @@ constexpr int kMinKeysPerWarp = 128;
 constexpr uint32_t kKeyPosInf = 0xFF800000u;  // order_key(+inf)
 constexpr uint32_t kKeyNegInf = 0x007FFFFFu;  // order_key(-inf)
 
+// Dividing by the per-layer scale (1.0) changes no value; the writers still do, as the CPU codec does.
+constexpr float kTensorScale = kMsaKeyTensorScale;
+static_assert(kTensorScale == 1.0f, "the score kernel reads narrow keys with a per-layer scale of 1.0");
+
+__host__ __device__ constexpr bool is_fp4(MsaKeyFormat f) {
+  return f == MsaKeyFormat::Nvfp4 || f == MsaKeyFormat::Mxfp4;
+}
+__host__ __device__ constexpr int fp4_block(MsaKeyFormat f) {
+  return f == MsaKeyFormat::Nvfp4 ? quant::kNvfp4Block : quant::kMxfp4Block;
+}
+
 int sm_count() {
   static int sms = 0;
   if (sms == 0) {
@@ -73,8 +90,9 @@ int sm_count() {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Key writes: one thread per 16-byte piece of a row.
+// Key writes.
 
+// bf16: one thread per 16-byte piece of a row.
 __global__ void write_keys_kernel(const uint4* keys, int64_t count, int pieces, const int32_t* token_seq,
                                   const int32_t* token_pos, const int64_t* page_table, int64_t stride,
                                   int block_size, uint8_t* pool) {
@@ -108,11 +126,71 @@ __global__ void write_keys_fp8_kernel(const uint4* keys, int64_t count, int piec
 #pragma unroll
   for (int v = 0; v < 8; ++v) {
     const uint32_t bits = (in[v / 2] >> (16 * (v % 2))) & 0xFFFFu;  // value v: low half first
-    const uint32_t code = quant::e4m3_encode(__uint_as_float(bits << 16));
+    const uint32_t code = quant::e4m3_encode(__fdiv_rn(__uint_as_float(bits << 16), kTensorScale));
     out[v / 4] |= code << (8 * (v % 4));
   }
   uint2* dst = reinterpret_cast<uint2*>(pool + page + int64_t(pos % block_size) * pieces * 8);
   dst[piece] = make_uint2(out[0], out[1]);
+}
+
+// NVFP4 / MXFP4 key writes: one thread per block (16 / 32 values; the last block of a dim that is no
+// multiple of the block is shorter, a multiple of 8), quantised by the CPU codec's rules (kernels/cpu/
+// fp4.h nvfp4_quantize with global = kTensorScale, mxfp4_quantize) through their device twins
+// (quant/fp4.cuh): the block's code bytes at the token's code row (4 per 8 values, value 2i in the low
+// nibble of byte i), its scale byte at the token's scale row, after all the page's codes.
+template <MsaKeyFormat F>
+__global__ void write_keys_fp4_kernel(const uint4* keys, int64_t count, int dim, int nblocks, const int32_t* token_seq,
+                                      const int32_t* token_pos, const int64_t* page_table, int64_t stride,
+                                      int block_size, uint8_t* pool) {
+  constexpr int BS = fp4_block(F);
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= count * nblocks) return;
+  const int64_t row = i / nblocks;
+  const int b = int(i - row * nblocks);
+  const int pos = token_pos[row];
+  if (pos < 0) return;
+  uint8_t* page = pool + page_table[int64_t(token_seq[row]) * stride + pos / block_size];
+  const int slot = pos % block_size;
+  const int begin = b * BS, n8 = min(BS, dim - begin) / 8;  // 8-value groups in this block
+  const uint4* src = keys + (row * dim + begin) / 8;
+  float x[BS];
+#pragma unroll
+  for (int q = 0; q < BS / 8; ++q) {
+    const uint4 v = q < n8 ? src[q] : make_uint4(0u, 0u, 0u, 0u);  // zeros change no block's amax
+    const uint32_t in[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[8 * q + e] = __uint_as_float(((in[e / 2] >> (16 * (e % 2))) & 0xFFFFu) << 16);
+  }
+  float amax = 0.0f;
+  bool not_finite = false;
+#pragma unroll
+  for (int e = 0; e < BS; ++e) {
+    amax = fmaxf(amax, fabsf(x[e]));  // fmaxf ignores NaN, as the CPU's std::fmax
+    not_finite = not_finite || !isfinite(x[e]);
+  }
+  uint32_t codes[BS / 8];
+#pragma unroll
+  for (int q = 0; q < BS / 8; ++q) codes[q] = 0u;
+  uint8_t scale;
+  if constexpr (F == MsaKeyFormat::Nvfp4) {
+    scale = quant::nvfp4_scale(amax, kTensorScale);
+    const float step = quant::nvfp4_step(scale, kTensorScale);
+#pragma unroll
+    for (int e = 0; e < BS; ++e) codes[e / 8] |= quant::nvfp4_encode(x[e], step) << (4 * (e % 8));
+  } else {
+    scale = quant::mxfp4_scale(amax, not_finite);
+    if (scale != quant::kE8m0Nan) {  // a NaN block keeps codes 0, as the CPU codec
+      const float inverse = quant::mxfp4_inverse(scale);
+#pragma unroll
+      for (int e = 0; e < BS; ++e) codes[e / 8] |= quant::mxfp4_encode(x[e], inverse) << (4 * (e % 8));
+    }
+  }
+  // dim / 2 and begin / 2 are multiples of 4: the code words are aligned.
+  uint32_t* dst = reinterpret_cast<uint32_t*>(page + int64_t(slot) * (dim / 2) + begin / 2);
+#pragma unroll
+  for (int q = 0; q < BS / 8; ++q)
+    if (q < n8) dst[q] = codes[q];
+  page[int64_t(block_size) * (dim / 2) + int64_t(slot) * nblocks + b] = scale;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -129,6 +207,9 @@ struct ScoreParams {
   const int64_t* page_table;
   int64_t stride;
   int block_size;
+  int key_bytes;       // a token's row of values (bf16, E4M3) or codes (E2M1) in its page
+  int64_t scale_base;  // FP4: bytes from a page's start to its scales (block_size * dim / 2)
+  int scale_bytes;     // FP4: a token's scale bytes (one per block)
   int ib;
   int nblocks;  // workspace row length: max_position / ib + 1
   float* ws;    // [vectors, nblocks]
@@ -138,16 +219,20 @@ struct ScoreParams {
   int blocks_per_split;
 };
 
-// Lane t's 2 KS words of a row (see the top of the file); `pieces` = dim / (8 VEC) loads of VEC words.
+// Lane t's 2 KS words of a bf16 row (see the top of the file); `pieces` = dim / (8 VEC) loads of VEC words.
 template <int KS, int VEC>
 __device__ __forceinline__ void load_row(uint32_t (&w)[2 * KS], const uint8_t* row, int t, int pieces) {
 #pragma unroll
   for (int c = 0; c < 2 * KS / VEC; ++c) {
     if (c < pieces) {
       const uint8_t* src = row + (c * 4 * VEC + t * VEC) * 4;
-      if constexpr (VEC == 4) {
-        const uint4 x = *reinterpret_cast<const uint4*>(src);
-        w[c * 4 + 0] = x.x, w[c * 4 + 1] = x.y, w[c * 4 + 2] = x.z, w[c * 4 + 3] = x.w;
+      if constexpr (VEC >= 4) {
+#pragma unroll
+        for (int u = 0; u < VEC / 4; ++u) {
+          const uint4 x = *reinterpret_cast<const uint4*>(src + 16 * u);
+          w[c * VEC + 4 * u + 0] = x.x, w[c * VEC + 4 * u + 1] = x.y, w[c * VEC + 4 * u + 2] = x.z,
+                              w[c * VEC + 4 * u + 3] = x.w;
+        }
       } else if constexpr (VEC == 2) {
         const uint2 x = *reinterpret_cast<const uint2*>(src);
         w[c * 2 + 0] = x.x, w[c * 2 + 1] = x.y;
@@ -161,41 +246,84 @@ __device__ __forceinline__ void load_row(uint32_t (&w)[2 * KS], const uint8_t* r
   }
 }
 
-// Two E4M3 values (x's low byte first) as a bf16 pair (the low half first), exactly: E4M3 -> f16 on the
-// hardware (cvt.rn.f16x2.e4m3x2, sm_89+; every E4M3 value, subnormals included, is a normal f16), f16 ->
-// fp32 -> bf16 (exact: 3 mantissa bits); NaN stays NaN.
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t x) {
-  uint32_t h;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(uint16_t(x)));
-  float lo, hi;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(uint16_t(h)));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(uint16_t(h >> 16)));
-  uint32_t b;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(hi), "f"(lo));  // the first source is the upper half
-  return b;
+// Lane t's raw bytes of a narrow key row: the bytes of its 2 KS bf16 words (2 a word for FP8, 1 for
+// FP4 codes), piece after piece, and for FP4 the scale byte(s) of each piece (a piece of VEC words =
+// 2 VEC dims lies in one block, except at VEC 16 for NVFP4: two blocks, two bytes).
+template <int KS, int VEC, MsaKeyFormat F>
+struct RawKey {
+  static constexpr int kBytesPerWord = F == MsaKeyFormat::Fp8 ? 2 : 1;
+  static constexpr int kPieceBytes = VEC * kBytesPerWord;
+  static constexpr int kPieces = 2 * KS / VEC;
+  static constexpr int kWords = (2 * KS * kBytesPerWord + 3) / 4;
+  uint32_t code[kWords];
+  uint32_t scale[is_fp4(F) ? kPieces : 1];
+};
+
+template <int KS, int VEC, MsaKeyFormat F>
+__device__ __forceinline__ void load_raw(RawKey<KS, VEC, F>& r, const uint8_t* codes, const uint8_t* scales, int t,
+                                         int pieces) {
+  using R = RawKey<KS, VEC, F>;
+#pragma unroll
+  for (int i = 0; i < R::kWords; ++i) r.code[i] = 0u;
+#pragma unroll
+  for (int c = 0; c < R::kPieces; ++c) {
+    r.scale[is_fp4(F) ? c : 0] = 0u;
+    if (c >= pieces) continue;
+    const int w0 = c * 4 * VEC + t * VEC;  // the piece's first bf16 word in the row
+    const uint8_t* src = codes + w0 * R::kBytesPerWord;
+    if constexpr (R::kPieceBytes == 16) {
+      const uint4 x = *reinterpret_cast<const uint4*>(src);
+      r.code[4 * c] = x.x, r.code[4 * c + 1] = x.y, r.code[4 * c + 2] = x.z, r.code[4 * c + 3] = x.w;
+    } else if constexpr (R::kPieceBytes == 8) {
+      const uint2 x = *reinterpret_cast<const uint2*>(src);
+      r.code[2 * c] = x.x, r.code[2 * c + 1] = x.y;
+    } else if constexpr (R::kPieceBytes == 4) {
+      r.code[c] = *reinterpret_cast<const uint32_t*>(src);
+    } else if constexpr (R::kPieceBytes == 2) {
+      r.code[c / 2] |= uint32_t(*reinterpret_cast<const uint16_t*>(src)) << (16 * (c % 2));
+    } else {
+      r.code[c / 4] |= uint32_t(*src) << (8 * (c % 4));
+    }
+    if constexpr (is_fp4(F)) {
+      const int d0 = 2 * w0;  // the piece's first dim
+      if constexpr (F == MsaKeyFormat::Nvfp4 && VEC == 16)
+        r.scale[c] = *reinterpret_cast<const uint16_t*>(scales + d0 / 16);  // blocks d0/16 and d0/16 + 1
+      else
+        r.scale[c] = scales[d0 / fp4_block(F)];
+    }
+  }
 }
 
-// load_row for an FP8 row: the same words, each from two bytes (see the top of the file).
-template <int KS, int VEC>
-__device__ __forceinline__ void load_row_fp8(uint32_t (&w)[2 * KS], const uint8_t* row, int t, int pieces) {
+// The bf16 words load_row would have given for the dequantised key (exact, kv_widen.cuh).
+template <int KS, int VEC, MsaKeyFormat F>
+__device__ __forceinline__ void widen_raw(const RawKey<KS, VEC, F>& r, uint32_t (&a)[2 * KS]) {
+  if constexpr (F == MsaKeyFormat::Fp8) {
 #pragma unroll
-  for (int c = 0; c < 2 * KS / VEC; ++c) {
-    if (c < pieces) {
-      const uint8_t* src = row + (c * 4 * VEC + t * VEC) * 2;
-      if constexpr (VEC == 4) {
-        const uint2 x = *reinterpret_cast<const uint2*>(src);
-        w[c * 4 + 0] = e4m3x2_to_bf16x2(x.x), w[c * 4 + 1] = e4m3x2_to_bf16x2(x.x >> 16);
-        w[c * 4 + 2] = e4m3x2_to_bf16x2(x.y), w[c * 4 + 3] = e4m3x2_to_bf16x2(x.y >> 16);
-      } else if constexpr (VEC == 2) {
-        const uint32_t x = *reinterpret_cast<const uint32_t*>(src);
-        w[c * 2 + 0] = e4m3x2_to_bf16x2(x), w[c * 2 + 1] = e4m3x2_to_bf16x2(x >> 16);
-      } else {
-        w[c] = e4m3x2_to_bf16x2(*reinterpret_cast<const uint16_t*>(src));
-      }
-    } else {
+    for (int i = 0; i < KS; ++i) widen::e4m3x4_to_bf16(r.code[i], a[2 * i], a[2 * i + 1]);
+  } else {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) w[c * VEC + i] = 0u;
+    for (int i = 0; i < RawKey<KS, VEC, F>::kWords; ++i) {
+      uint32_t o[4];
+      widen::e2m1x8_to_bf16(r.code[i], o);
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (4 * i + k < 2 * KS) a[4 * i + k] = o[k];
     }
+    // Word j belongs to piece j / VEC; at VEC 16 (NVFP4) its second half to the piece's second block.
+    constexpr int kHalves = F == MsaKeyFormat::Nvfp4 && VEC == 16 ? 2 : 1;
+#pragma unroll
+    for (int c = 0; c < 2 * KS / VEC; ++c)
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        const uint32_t code = (r.scale[c] >> (8 * h)) & 0xFFu;
+        const uint32_t s2 =
+            F == MsaKeyFormat::Nvfp4 ? widen::nvfp4_scale_bf16x2(code) : widen::mxfp4_scale_bf16x2(code);
+#pragma unroll
+        for (int j = 0; j < VEC / kHalves; ++j) {
+          const int w = c * VEC + h * (VEC / kHalves) + j;
+          a[w] = widen::mul_bf16x2(a[w], s2);
+        }
+      }
   }
 }
 
@@ -209,11 +337,17 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 }
 
 // KS k-steps of 16 dims (dim <= 16 KS), VEC words per load, NT n-tiles (8 NT vectors per warp), MTI
-// m-tiles of 16 keys per step; FP8: E4M3 key rows (else bf16).
-template <int KS, int VEC, int NT, int MTI, bool FP8>
+// m-tiles of 16 keys per step; F: how the keys are stored (msa.h).
+template <int KS, int VEC, int NT, int MTI, MsaKeyFormat F>
 __global__ void __launch_bounds__(kThreads) block_scores_kernel(const ScoreParams p) {
   constexpr int kVecs = NT * 8;
   static_assert(kVecs <= 32, "a warp's rows are held one per lane");
+  constexpr bool kNarrow = F != MsaKeyFormat::BFloat16;
+  // Decode tiling with whole 2- to 16-byte pieces: the next step's raw keys are loaded before this step's
+  // are widened (Prefill's 4 warps share their keys through L1 instead; the generic VEC 1 tiling of odd
+  // dims would need too many registers for a second buffer).
+  constexpr bool kPrefetch = kNarrow && NT == 1 && VEC >= 2;
+  using Raw = RawKey<KS, VEC, F>;
   const float ninf = -INFINITY;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -225,7 +359,7 @@ __global__ void __launch_bounds__(kThreads) block_scores_kernel(const ScoreParam
   const int64_t v1 = min(v0 + kVecs, p.vectors);
   const int pieces = p.dim / (8 * VEC);
   const int64_t row_bytes = int64_t(p.dim) * 2;  // a query vector (bf16)
-  const int key_bytes = FP8 ? p.dim : p.dim * 2;  // a key row
+  const int key_bytes = p.key_bytes;             // a key row (codes for FP4)
   const int bb = int(split) * p.blocks_per_split;
   const int be = min(bb + p.blocks_per_split, p.nblocks);
   const int ib = p.ib;
@@ -298,68 +432,112 @@ __global__ void __launch_bounds__(kThreads) block_scores_kernel(const ScoreParam
           if (g == nt && lim[nt][e] >= cur * ib) p.ws[(v0 + nt * 8 + 2 * t + e) * p.nblocks + cur] = m;
         }
     };
-
+    // The m-tile of keys mk0 .. mk0+15 from its A fragments: a0 = key mk0 + g, a1 = the key 8 after it.
+    auto score_mtile = [&](const uint32_t (&a0)[2 * KS], const uint32_t (&a1)[2 * KS], int mk0) {
+      float acc[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
+#pragma unroll
+        for (int s = 0; s < KS; ++s)
+          mma_bf16(acc[nt], a0[2 * s], a1[2 * s], a0[2 * s + 1], a1[2 * s + 1], qf[nt][2 * s], qf[nt][2 * s + 1]);
+      }
+      // acc[nt][e] = key_a · vector (nt, 2t+e), acc[nt][2+e] = key_b · the same vector.
+      const int key_a = mk0 + g, key_b = key_a + 8;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (!(key_a < key_end && key_a <= lim[nt][e])) acc[nt][e] = ninf;
+          if (!(key_b < key_end && key_b <= lim[nt][e])) acc[nt][2 + e] = ninf;
+        }
+      const int blk_a = key_a / ib, blk_b = key_b / ib;
+      const int last = (min(mk0 + 16, key_end) - 1) / ib;
 #pragma unroll 1
-    for (int k0 = key_begin; k0 < key_end; k0 += 16 * MTI) {
-      // A fragments: a[mi][0] = key k0 + 16 mi + g, a[mi][1] = the key 8 after it.
-      uint32_t a[MTI][2][2 * KS];
+      for (int b = mk0 / ib; b <= last; ++b) {
+        if (b != cur) {
+          if (cur >= 0) flush();
+          cur = b;
 #pragma unroll
-      for (int mi = 0; mi < MTI; ++mi)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int key = k0 + mi * 16 + h * 8 + g;
-          if (key < key_end) {
-            const int page = key / p.block_size;
-            const int slot = key - page * p.block_size;
-            const uint8_t* row = p.pool + ptab[page] + int64_t(slot) * key_bytes;
-            if constexpr (FP8)
-              load_row_fp8<KS, VEC>(a[mi][h], row, t, pieces);
-            else
-              load_row<KS, VEC>(a[mi][h], row, t, pieces);
-          } else {
-#pragma unroll
-            for (int i = 0; i < 2 * KS; ++i) a[mi][h][i] = 0u;
-          }
+          for (int nt = 0; nt < NT; ++nt) run[nt][0] = run[nt][1] = ninf;
         }
-#pragma unroll
-      for (int mi = 0; mi < MTI; ++mi) {
-        const int mk0 = k0 + mi * 16;
-        if (mk0 >= key_end) break;
-        float acc[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
-#pragma unroll
-          for (int s = 0; s < KS; ++s)
-            mma_bf16(acc[nt], a[mi][0][2 * s], a[mi][1][2 * s], a[mi][0][2 * s + 1], a[mi][1][2 * s + 1],
-                     qf[nt][2 * s], qf[nt][2 * s + 1]);
-        }
-        // acc[nt][e] = key_a · vector (nt, 2t+e), acc[nt][2+e] = key_b · the same vector.
-        const int key_a = mk0 + g, key_b = key_a + 8;
+        // fmaxf ignores a NaN operand, as std::max(acc, NaN) does in the CPU max-pool.
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            if (!(key_a < key_end && key_a <= lim[nt][e])) acc[nt][e] = ninf;
-            if (!(key_b < key_end && key_b <= lim[nt][e])) acc[nt][2 + e] = ninf;
-          }
-        const int blk_a = key_a / ib, blk_b = key_b / ib;
-        const int last = (min(mk0 + 16, key_end) - 1) / ib;
+          for (int e = 0; e < 2; ++e)
+            run[nt][e] = fmaxf(run[nt][e], fmaxf(blk_a == b ? acc[nt][e] : ninf, blk_b == b ? acc[nt][2 + e] : ninf));
+      }
+    };
+
+    if constexpr (!kNarrow) {
 #pragma unroll 1
-        for (int b = mk0 / ib; b <= last; ++b) {
-          if (b != cur) {
-            if (cur >= 0) flush();
-            cur = b;
+      for (int k0 = key_begin; k0 < key_end; k0 += 16 * MTI) {
+        // A fragments: a[mi][0] = key k0 + 16 mi + g, a[mi][1] = the key 8 after it.
+        uint32_t a[MTI][2][2 * KS];
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) run[nt][0] = run[nt][1] = ninf;
+        for (int mi = 0; mi < MTI; ++mi)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int key = k0 + mi * 16 + h * 8 + g;
+            if (key < key_end) {
+              const int page = key / p.block_size;
+              const int slot = key - page * p.block_size;
+              load_row<KS, VEC>(a[mi][h], p.pool + ptab[page] + int64_t(slot) * key_bytes, t, pieces);
+            } else {
+#pragma unroll
+              for (int i = 0; i < 2 * KS; ++i) a[mi][h][i] = 0u;
+            }
           }
-          // fmaxf ignores a NaN operand, as std::max(acc, NaN) does in the CPU max-pool.
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
+        for (int mi = 0; mi < MTI; ++mi) {
+          const int mk0 = k0 + mi * 16;
+          if (mk0 >= key_end) break;
+          score_mtile(a[mi][0], a[mi][1], mk0);
+        }
+      }
+    } else {
+      // Raw key bytes of the step at k: rk[mi][0] = key k + 16 mi + g, rk[mi][1] = the key 8 after it
+      // (zeros past key_end: no load).
+      auto fetch = [&](Raw (&rk)[MTI][2], int k) {
 #pragma unroll
-            for (int e = 0; e < 2; ++e)
-              run[nt][e] = fmaxf(run[nt][e], fmaxf(blk_a == b ? acc[nt][e] : ninf, blk_b == b ? acc[nt][2 + e] : ninf));
+        for (int mi = 0; mi < MTI; ++mi)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int key = k + mi * 16 + h * 8 + g;
+            if (key < key_end) {
+              const int page = key / p.block_size;
+              const int slot = key - page * p.block_size;
+              const uint8_t* base = p.pool + ptab[page];
+              load_raw<KS, VEC, F>(rk[mi][h], base + int64_t(slot) * key_bytes,
+                                   base + p.scale_base + int64_t(slot) * p.scale_bytes, t, pieces);
+            } else {
+              load_raw<KS, VEC, F>(rk[mi][h], nullptr, nullptr, t, 0);
+            }
+          }
+      };
+      Raw rk[MTI][2];
+      if constexpr (kPrefetch) fetch(rk, key_begin);
+#pragma unroll 1
+      for (int k0 = key_begin; k0 < key_end; k0 += 16 * MTI) {
+        Raw next[kPrefetch ? MTI : 1][2];
+        if constexpr (kPrefetch)
+          fetch(next, k0 + 16 * MTI);  // in flight while this step is widened and multiplied
+        else
+          fetch(rk, k0);
+#pragma unroll
+        for (int mi = 0; mi < MTI; ++mi) {
+          const int mk0 = k0 + mi * 16;
+          if (mk0 >= key_end) break;
+          uint32_t a0[2 * KS], a1[2 * KS];
+          widen_raw<KS, VEC, F>(rk[mi][0], a0);
+          widen_raw<KS, VEC, F>(rk[mi][1], a1);
+          score_mtile(a0, a1, mk0);
+        }
+        if constexpr (kPrefetch) {
+#pragma unroll
+          for (int mi = 0; mi < MTI; ++mi) rk[mi][0] = next[mi][0], rk[mi][1] = next[mi][1];
         }
       }
     }
@@ -505,28 +683,32 @@ int64_t rows_per_chunk(int64_t rows, int heads, int nblocks) {
   return std::min(rows, cr);
 }
 
+// bf16 words one 16-byte load of a format's raw key bytes covers: bf16 4 (8 dims), FP8 8, FP4 16.
+constexpr int wide_vec(MsaKeyFormat f) { return f == MsaKeyFormat::BFloat16 ? 4 : f == MsaKeyFormat::Fp8 ? 8 : 16; }
+
 struct Variant {
   int ks, vec;
 };
 
 // (k-steps, words per load) for a dim: exact tilings for 16 (the test fixture), 128 (MiniMax-M3.1) and
-// 256; any other multiple of 8 pads to 256 dims and loads single words.
-Variant variant_for(int dim) {
+// 256, with 16-byte loads of raw key bytes; any other multiple of 8 pads to 256 dims and loads single
+// words.
+Variant variant_for(int dim, MsaKeyFormat format) {
   if (dim == 16) return {1, 2};
-  if (dim == 128) return {8, 4};
-  if (dim == 256) return {16, 4};
+  if (dim == 128) return {8, wide_vec(format)};
+  if (dim == 256) return {16, wide_vec(format)};
   return {16, 1};
 }
 
-template <int KS, int VEC, int NT, int MTI, bool FP8>
+template <int KS, int VEC, int NT, int MTI, MsaKeyFormat F>
 void launch_scores(const ScoreParams& p, cudaStream_t stream) {
   const int per_cta = kWarps / p.chunks_per_cta;
   const dim3 grid{unsigned((p.splits + per_cta - 1) / per_cta),
                   unsigned((p.chunks + p.chunks_per_cta - 1) / p.chunks_per_cta), 1u};
-  block_scores_kernel<KS, VEC, NT, MTI, FP8><<<grid, kThreads, 0, stream>>>(p);
+  block_scores_kernel<KS, VEC, NT, MTI, F><<<grid, kThreads, 0, stream>>>(p);
 }
 
-template <int KS, int VEC, bool FP8>
+template <int KS, int VEC, MsaKeyFormat F>
 void launch_scores_tiled(ScoreParams p, bool prefill, cudaStream_t stream) {
   // Prefill: 32 vectors per warp (16 at KS = 16, whose fragments are twice as large); Decode: 8.
   constexpr int kWideNT = KS >= 16 ? 2 : 4;
@@ -542,24 +724,41 @@ void launch_scores_tiled(ScoreParams p, bool prefill, cudaStream_t stream) {
   p.blocks_per_split = int(per);
   p.splits = int((p.nblocks + per - 1) / per);
   if (prefill)
-    launch_scores<KS, VEC, kWideNT, kMTI, FP8>(p, stream);
+    launch_scores<KS, VEC, kWideNT, kMTI, F>(p, stream);
   else
-    launch_scores<KS, VEC, 1, kMTI, FP8>(p, stream);
+    launch_scores<KS, VEC, 1, kMTI, F>(p, stream);
 }
 
-template <bool FP8>
+template <MsaKeyFormat F>
 void launch_scores_for(const Variant& var, const ScoreParams& p, bool prefill, cudaStream_t stream) {
+  constexpr int W = wide_vec(F);
   if (var.ks == 1)
-    launch_scores_tiled<1, 2, FP8>(p, prefill, stream);
+    launch_scores_tiled<1, 2, F>(p, prefill, stream);
   else if (var.ks == 8)
-    launch_scores_tiled<8, 4, FP8>(p, prefill, stream);
-  else if (var.vec == 4)
-    launch_scores_tiled<16, 4, FP8>(p, prefill, stream);
+    launch_scores_tiled<8, W, F>(p, prefill, stream);
+  else if (var.vec == W)
+    launch_scores_tiled<16, W, F>(p, prefill, stream);
   else
-    launch_scores_tiled<16, 1, FP8>(p, prefill, stream);
+    launch_scores_tiled<16, 1, F>(p, prefill, stream);
 }
+
+bool known_format(MsaKeyFormat f) {
+  return f == MsaKeyFormat::BFloat16 || f == MsaKeyFormat::Fp8 || f == MsaKeyFormat::Nvfp4 || f == MsaKeyFormat::Mxfp4;
+}
+
+int fp4_blocks(MsaKeyFormat f, int dim) { return (dim + fp4_block(f) - 1) / fp4_block(f); }
 
 }  // namespace
+
+int64_t msa_key_bytes(MsaKeyFormat format, int dim) {
+  switch (format) {
+    case MsaKeyFormat::BFloat16: return int64_t(dim) * 2;
+    case MsaKeyFormat::Fp8: return dim;
+    case MsaKeyFormat::Nvfp4:
+    case MsaKeyFormat::Mxfp4: return dim / 2 + fp4_blocks(format, dim);
+  }
+  fail("msa_key_bytes: unknown key format ", int(format));
+}
 
 void msa_write_keys(const void* keys_bf16, int64_t count, int dim, const int32_t* token_seq,
                     const int32_t* token_pos, const int64_t* page_table, int64_t page_table_stride,
@@ -567,19 +766,33 @@ void msa_write_keys(const void* keys_bf16, int64_t count, int dim, const int32_t
   SPARROW_CHECK(count >= 0 && block_size > 0, "msa_write_keys: bad count ", count, " or block_size ", block_size);
   SPARROW_CHECK(dim > 0 && dim % 8 == 0, "msa_write_keys: dim ", dim, " must be a positive multiple of 8");
   SPARROW_CHECK(reinterpret_cast<uintptr_t>(keys_bf16) % 16 == 0, "msa_write_keys: keys must be 16-byte aligned");
-  SPARROW_CHECK(format == MsaKeyFormat::BFloat16 || format == MsaKeyFormat::Fp8, "msa_write_keys: unknown key format ",
-                int(format));
+  SPARROW_CHECK(known_format(format), "msa_write_keys: unknown key format ", int(format));
   if (count == 0) return;
   const int pieces = dim / 8;
-  const int64_t threads = count * pieces;
-  if (format == MsaKeyFormat::Fp8)
-    write_keys_fp8_kernel<<<unsigned((threads + 255) / 256), 256, 0, stream>>>(
-        static_cast<const uint4*>(keys_bf16), count, pieces, token_seq, token_pos, page_table, page_table_stride,
-        block_size, pool);
-  else
-    write_keys_kernel<<<unsigned((threads + 255) / 256), 256, 0, stream>>>(
-        static_cast<const uint4*>(keys_bf16), count, pieces, token_seq, token_pos, page_table, page_table_stride,
-        block_size, pool);
+  const auto* keys = static_cast<const uint4*>(keys_bf16);
+  auto grid = [](int64_t threads) { return unsigned((threads + 255) / 256); };
+  switch (format) {
+    case MsaKeyFormat::BFloat16:
+      write_keys_kernel<<<grid(count * pieces), 256, 0, stream>>>(keys, count, pieces, token_seq, token_pos, page_table,
+                                                                  page_table_stride, block_size, pool);
+      break;
+    case MsaKeyFormat::Fp8:
+      write_keys_fp8_kernel<<<grid(count * pieces), 256, 0, stream>>>(keys, count, pieces, token_seq, token_pos,
+                                                                      page_table, page_table_stride, block_size, pool);
+      break;
+    case MsaKeyFormat::Nvfp4: {
+      const int nb = fp4_blocks(format, dim);
+      write_keys_fp4_kernel<MsaKeyFormat::Nvfp4><<<grid(count * nb), 256, 0, stream>>>(
+          keys, count, dim, nb, token_seq, token_pos, page_table, page_table_stride, block_size, pool);
+      break;
+    }
+    case MsaKeyFormat::Mxfp4: {
+      const int nb = fp4_blocks(format, dim);
+      write_keys_fp4_kernel<MsaKeyFormat::Mxfp4><<<grid(count * nb), 256, 0, stream>>>(
+          keys, count, dim, nb, token_seq, token_pos, page_table, page_table_stride, block_size, pool);
+      break;
+    }
+  }
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -605,8 +818,7 @@ void msa_select_blocks(const void* q_bf16, int64_t rows, int index_heads, int di
   SPARROW_CHECK(max_position + ib + 64 < int64_t(INT_MAX), "msa_select_blocks: max_position ", max_position,
                 " too large");
   SPARROW_CHECK(reinterpret_cast<uintptr_t>(q_bf16) % 16 == 0, "msa_select_blocks: queries must be 16-byte aligned");
-  SPARROW_CHECK(key_format == MsaKeyFormat::BFloat16 || key_format == MsaKeyFormat::Fp8,
-                "msa_select_blocks: unknown key format ", int(key_format));
+  SPARROW_CHECK(known_format(key_format), "msa_select_blocks: unknown key format ", int(key_format));
   if (rows <= 0) return;
   SPARROW_CHECK(workspace_bytes >= msa_select_workspace_bytes(rows, index_heads, max_position, ib),
                 "msa_select_blocks: workspace of ", workspace_bytes, " bytes, ",
@@ -615,7 +827,7 @@ void msa_select_blocks(const void* q_bf16, int64_t rows, int index_heads, int di
   const int64_t chunk_rows = rows_per_chunk(rows, index_heads, nb);
   const bool prefill =
       kernel == MsaScoreKernel::Prefill || (kernel == MsaScoreKernel::Auto && rows > kMsaDecodeMaxRows);
-  const Variant var = variant_for(dim);
+  const Variant var = variant_for(dim, key_format);
   float* ws = static_cast<float*>(workspace);
   const bool in_smem = nb <= kSelectSmemBlocks;
   const size_t select_smem = in_smem ? size_t(nb) * sizeof(uint32_t) : 0;
@@ -634,13 +846,18 @@ void msa_select_blocks(const void* q_bf16, int64_t rows, int index_heads, int di
     sp.page_table = page_table;
     sp.stride = page_table_stride;
     sp.block_size = block_size;
+    sp.key_bytes = key_format == MsaKeyFormat::BFloat16 ? dim * 2 : key_format == MsaKeyFormat::Fp8 ? dim : dim / 2;
+    sp.scale_base = int64_t(block_size) * (dim / 2);  // FP4: the page's scales follow all its codes
+    sp.scale_bytes = is_fp4(key_format) ? fp4_blocks(key_format, dim) : 0;
     sp.ib = ib;
     sp.nblocks = nb;
     sp.ws = ws;
-    if (key_format == MsaKeyFormat::Fp8)
-      launch_scores_for<true>(var, sp, prefill, stream);
-    else
-      launch_scores_for<false>(var, sp, prefill, stream);
+    switch (key_format) {
+      case MsaKeyFormat::BFloat16: launch_scores_for<MsaKeyFormat::BFloat16>(var, sp, prefill, stream); break;
+      case MsaKeyFormat::Fp8: launch_scores_for<MsaKeyFormat::Fp8>(var, sp, prefill, stream); break;
+      case MsaKeyFormat::Nvfp4: launch_scores_for<MsaKeyFormat::Nvfp4>(var, sp, prefill, stream); break;
+      case MsaKeyFormat::Mxfp4: launch_scores_for<MsaKeyFormat::Mxfp4>(var, sp, prefill, stream); break;
+    }
     SPARROW_CUDA_CHECK_LAUNCH();
 
     const SelectParams sel{ws,          nb,         in_smem,   index_heads,

@@ -1,6 +1,7 @@
 // MiniMax-M3's MSA block selector on Hopper (the GPU form of select_blocks / MsaIndexer::select in
-// src/model/msa_indexer.{h,cpp}): bf16 or FP8 (E4M3) index keys in the paged cache, bf16 index queries,
-// block scores on the bf16 tensor cores, the selection per (query row, index head) on the device.
+// src/model/msa_indexer.{h,cpp}): bf16, FP8 (E4M3), NVFP4 or MXFP4 index keys in the paged cache, bf16
+// index queries, block scores on the bf16 tensor cores, the selection per (query row, index head) on the
+// device.
 //
 //   block score  B_g[b] = max over keys s of block b with s <= pos of  q_g · k_s     (raw dot, no scale)
 //   blocks b = 0 .. pos / ib of a query at position pos; the forced newest blocks newest - l
@@ -15,18 +16,30 @@
 // max-pool (fmaxf, like std::max(acc, NaN) on the CPU), so a block score is never NaN; a block none of
 // whose visible products is a number scores -inf and is dropped unless forced.
 //
-// FP8 keys: every E4M3 value is a bf16 value (3 mantissa bits, exponents 2^-9 .. 2^8), so the selector
-// widens them exactly to bf16 as it loads them and runs the bf16 path unchanged: its scores and kept
-// blocks are bit for bit those of the bf16 kernel on the dequantised keys.
+// Narrow keys: every E4M3 value, and every NVFP4 / MXFP4 value (E2M1 times its block scale, within fp32's
+// range), is a bf16 value, so the selector widens the raw key bytes exactly to bf16 in registers
+// (kernels/cuda/gqa/kv_widen.cuh) and feeds the same bf16 products: its scores are those of bf16 keys
+// holding the dequantised values, up to the tensor core's summation order (the narrow paths give each
+// lane 16 contiguous raw bytes, so the dims are dealt to the k-steps in another order than the bf16
+// path's); exactly equal for values whose dot products are exact in fp32. Exception: an E4M3 NaN code
+// (written only for a NaN input) reads as +-480.
 //
-// Paged cache (docs/cache.md, notes/helper_context.md): sequence `seq`'s token j lives in the page at
-// byte offset page_table[seq * page_table_stride + j / block_size] of `pool`, slot j % block_size; a
-// page of B tokens holds B rows of `dim` values, consecutive: dim * 2 bytes of bf16 each
-// (PageFormat::BFloat16), or dim bytes of E4M3 each with no scale (PageFormat::Fp8Rows, the CPU page
-// codec's MSA index key: e4m3(x / kKvTensorScale) with that per-layer scale fixed at 1.0; MiniMax's own
-// MSA kernels keep their index keys as scale-free FP8 E4M3 too: 128 bytes a token). Page offsets must
-// be multiples of 16 bytes. The cache's block_size (tokens per page) is unrelated to the MSA index
-// block size `ib` (index_block_size: 128 in MiniMax-M3.1).
+// Paged cache (docs/cache.md, cache/page_codec.h): sequence `seq`'s token j lives in the page at byte
+// offset page_table[seq * page_table_stride + j / block_size] of `pool`, slot s = j % block_size; a page
+// of B tokens holds, per MsaKeyFormat:
+//   BFloat16 (PageFormat::BFloat16):  B rows of dim bf16, consecutive (dim * 2 bytes a token);
+//   Fp8      (PageFormat::Fp8Rows):   B rows of dim E4M3 bytes, e4m3(x / kKvTensorScale) with that per-layer
+//            scale fixed at 1.0 (MiniMax's own MSA kernels keep their index keys as scale-free E4M3 too):
+//            128 bytes a token at dim 128;
+//   Nvfp4    (PageFormat::Nvfp4Rows): "values then scales": B x dim/2 bytes of E2M1 codes (value 2i in the
+//            low nibble of byte i), then B x ceil(dim/16) E4M3 block scales; second-level scale
+//            kKvTensorScale = 1.0: 64 + 8 = 72 bytes a token at dim 128 (the MiniMax seed's NVFP4 keys);
+//   Mxfp4    (PageFormat::Mxfp4Rows): the same with ceil(dim/32) E8M0 block scales (OCP MX v1.0 section
+//            6.3): 64 + 4 = 68 bytes a token at dim 128.
+// Token s's codes (or row) start at page + s * (its code bytes), its scales at page + B * dim/2 +
+// s * (its scale bytes). A dim that is no multiple of the block ends in a shorter block (cpu/fp4.h).
+// Page offsets must be multiples of 16 bytes. The cache's block_size (tokens per page) is unrelated to
+// the MSA index block size `ib` (index_block_size: 128 in MiniMax-M3.1).
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -39,16 +52,27 @@ inline constexpr int kMsaMaxDim = 256;         // index_head_dim (multiple of 8)
 inline constexpr int kMsaMaxHeads = 64;        // index heads per launch (MiniMax-M3.1: 4 per GPU under TP4)
 inline constexpr int kMsaMaxTopkBlocks = 64;   // index_topk_blocks (MiniMax-M3.1: 16)
 
+// The per-layer scale of FP8 keys and NVFP4's second-level scale, as the kernels apply it: cache/page_codec.h's
+// kKvTensorScale, a fixed 1.0 (tests/cuda/msa_test.cpp checks that they agree).
+inline constexpr float kMsaKeyTensorScale = 1.0f;
+
 // How the index keys are stored in their pages (see the top of the file).
 enum class MsaKeyFormat {
-  BFloat16,  // dim bf16 values a token (PageFormat::BFloat16)
-  Fp8,       // dim E4M3 values a token, no scale (PageFormat::Fp8Rows): 128 bytes at MiniMax-M3.1's dim
+  BFloat16,  // dim bf16 values a token (PageFormat::BFloat16): 256 bytes at MiniMax-M3.1's dim 128
+  Fp8,       // dim E4M3 values a token, no scale (PageFormat::Fp8Rows): 128 bytes
+  Nvfp4,     // E2M1 codes then E4M3 scales per 16 (PageFormat::Nvfp4Rows): 72 bytes
+  Mxfp4,     // E2M1 codes then E8M0 scales per 32 (PageFormat::Mxfp4Rows): 68 bytes
 };
+
+// Bytes a token's key takes in its page (codes and scales).
+int64_t msa_key_bytes(MsaKeyFormat format, int dim);
 
 // Stores `count` index keys (keys_bf16: [count, dim] bf16, row-major, 16-byte aligned; dim a multiple
 // of 8) in their page slots: row i is token token_pos[i] of sequence token_seq[i] (device arrays).
-// Rows with token_pos[i] < 0 are skipped (padding). Fp8 encodes each value as the CPU page codec does
-// (kernels/cpu/fp8.h: round to nearest even, saturating at ±448, NaN -> 0x7F), bit for bit.
+// Rows with token_pos[i] < 0 are skipped (padding). The narrow formats are quantised in the same launch,
+// byte for byte what the CPU page codec (page_codec(dtype, MsaIndexKey)) stores: Fp8 rounds each value
+// (kernels/cpu/fp8.h: to nearest even, saturating at ±448, NaN -> 0x7F); Nvfp4 and Mxfp4 quantise each
+// block (kernels/cpu/fp4.h nvfp4_quantize with global scale 1.0, mxfp4_quantize).
 void msa_write_keys(const void* keys_bf16, int64_t count, int dim, const int32_t* token_seq,
                     const int32_t* token_pos, const int64_t* page_table, int64_t page_table_stride,
                     int block_size, uint8_t* pool, MsaKeyFormat format, cudaStream_t stream);
