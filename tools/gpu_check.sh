@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# On the GPU machine: the GPU tests, then sparrow serving the GPU fixtures of deepseek_v32 and kimi_k3 on the
-# device (OpenAI completions with token-id prompts, a prefix-cache hit, streaming, /metrics), then forward
-# throughput (deepseek_v32's, minimax_m3's and kimi_k3's GPU fixtures, CUDA graphs on and off).
+# On the GPU machine: the GPU tests, then sparrow serving the GPU fixtures on the device (OpenAI completions
+# with token-id prompts, a prefix-cache hit, streaming, /metrics): deepseek_v32 and kimi_k3 with the default
+# caches, and deepseek_v32 and minimax_m3 with the 4-bit ones (NVFP4 latents or K/V, MXFP4 / NVFP4 index
+# keys); then forward throughput (deepseek_v32's, minimax_m3's and kimi_k3's GPU fixtures, CUDA graphs on
+# and off; FORWARD=0 skips it). GPU_TESTS=<gtest filter> runs those GPU tests only (default Cuda*).
 #   tools/gpu_check.sh [BIN_DIR]     (BIN_DIR holds sparrow and sparrow_tests; default build)
 # The binaries are built on the project machine (sm_90a); .devlibs/ carries the shared libraries the GPU
 # machine lacks (docs/gpu.md). Tests find the repo through the path compiled into them, so the repo is
@@ -15,15 +17,16 @@ status=0
 compiled_root=$(strings "$BIN/sparrow_tests" | grep -m1 -o '^/.*/tests/cache_test.cpp$' | sed 's|/tests/cache_test.cpp||')
 [[ -n "$compiled_root" && ! -e "$compiled_root" ]] && mkdir -p "$(dirname "$compiled_root")" && ln -s "$ROOT" "$compiled_root"
 
-echo "== GPU tests"
-"$BIN/sparrow_tests" --gtest_filter='Cuda*' --gtest_brief=1 || status=1
+echo "== GPU tests (${GPU_TESTS:-Cuda*})"
+"$BIN/sparrow_tests" --gtest_filter="${GPU_TESTS:-Cuda*}" --gtest_brief=1 || status=1
 
 # Serving on the device: a completion, a streamed sampled one, and the same prompt again (a prefix-cache
 # hit: for kimi_k3 the KDA state comes back from a snapshot) with /metrics after.
 serve_check() {
   local fixture=$1 port=$2
-  echo "== sparrow serve --device cuda --model $fixture"
-  "$BIN/sparrow" serve --device cuda --model "$fixture" --port $port --max-model-len 512 > /tmp/serve.log 2>&1 &
+  shift 2  # more sparrow serve flags
+  echo "== sparrow serve --device cuda --model $fixture $*"
+  "$BIN/sparrow" serve --device cuda --model "$fixture" --port $port --max-model-len 512 "$@" > /tmp/serve.log 2>&1 &
   local server=$!
   for _ in $(seq 60); do curl -sf localhost:$port/health > /dev/null && break; sleep 0.5; done
   local prompt
@@ -43,6 +46,9 @@ serve_check() {
 FIXTURE=tests/fixtures/deepseek_v32_gpu
 serve_check $FIXTURE 18431
 serve_check tests/fixtures/kimi_k3_gpu 18432
+serve_check $FIXTURE 18433 --kv-cache-dtype nvfp4 --attention-config '{"indexer_kv_dtype": "mxfp4"}'
+serve_check tests/fixtures/minimax_m3 18434 --kv-cache-dtype nvfp4 --attention-config '{"indexer_kv_dtype": "nvfp4"}'
+[[ "${FORWARD:-1}" == 0 ]] && exit $status
 
 echo "== forward throughput (tiny model: launch-bound, for orientation only), CUDA graphs on and off"
 "$BIN/sparrow" bench forward --device cpu --model "$FIXTURE" --prompt-tokens 256 --decode-tokens 32 --batch 8 || status=1

@@ -42,7 +42,7 @@ void add_cache_format_options(CLI::App* sub, std::string& kv_cache_dtype, std::s
   sub->add_option("--kv-cache-dtype", kv_cache_dtype,
                   "KV-cache storage: auto (float32 on the CPU, bfloat16 on a GPU), float32, bfloat16, fp8 (= fp8_e4m3, "
                   "fp8_ds_mla: MLA latents in FlashMLA's 656-byte layout), fp8_per_tensor (MLA latents as 576 e4m3), "
-                  "nvfp4 (docs/cache.md; the GPU kernels read bfloat16, and fp8 MLA latents)")
+                  "nvfp4 (docs/cache.md: each page kind's layout; the CPU and the GPU read every one)")
       ->capture_default_str();
   sub->add_option("--attention-config", attention_config,
                   "vLLM's attention settings as JSON: {\"indexer_kv_dtype\": auto|float32|bfloat16|fp8|mxfp4|nvfp4}, "
