@@ -36,8 +36,11 @@ serve_check() {
       -d "{\"model\": \"$fixture\", \"prompt\": $prompt, \"max_tokens\": 12, \"temperature\": 0}" || status=1
     echo
   done
+  # (to a file first: `curl | head` under pipefail fails whenever head stops reading early)
   curl -sfN localhost:$port/v1/completions -H 'Content-Type: application/json' \
-    -d "{\"model\": \"$fixture\", \"prompt\": $prompt, \"max_tokens\": 4, \"temperature\": 0.8, \"seed\": 1, \"stream\": true}" | head -c 600 || status=1
+    -d "{\"model\": \"$fixture\", \"prompt\": $prompt, \"max_tokens\": 4, \"temperature\": 0.8, \"seed\": 1, \"stream\": true}" \
+    > /tmp/stream.txt || status=1
+  head -c 600 /tmp/stream.txt
   echo
   curl -sf localhost:$port/metrics | grep -E "^vllm:(num_requests|prompt_tokens|generation_tokens|prefix_cache)" | head -8
   kill $server; wait $server 2>/dev/null
