@@ -403,6 +403,9 @@ DeviceRouting route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, in
   SPARROW_CHECK(logits.type() == ScalarType::F32, "router logits must be float32");
 #if SPARROW_HAVE_CUDA
   const int64_t tokens = logits.dim(0), experts = logits.dim(1);
+  // The kernel reads the bias through a raw pointer: one on the host is an illegal access on the device.
+  SPARROW_CHECK(bias.device() == logits.device() && bias.type() == ScalarType::F32 && bias.numel() == experts,
+                "router bias must be float32 with one value per expert (", experts, ") on the logits' device");
   DeviceRouting r{Tensor::empty({tokens, top_k}, ScalarType::I32, logits.device()),
                   Tensor::empty({tokens, top_k}, ScalarType::F32, logits.device())};
   cuda::route_grouped_sigmoid(logits.as<float>(), bias.as<float>(), tokens, experts, n_group, topk_group, top_k,

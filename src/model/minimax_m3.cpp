@@ -237,7 +237,7 @@ std::unique_ptr<FeedForward> load_feed_forward(Checkpoint& ckpt, const TextConfi
   SigmoidRouter& router = moe->router;
   router.weight = ckpt.take(p + "gate.weight", {cfg.num_experts, cfg.hidden});
   const std::string bias = p + (names.release ? "e_score_correction_bias" : "gate.e_score_correction_bias");
-  router.bias = ckpt.has(bias) ? ckpt.take(bias, {cfg.num_experts}) : Tensor::zeros({cfg.num_experts});
+  router.bias = SigmoidRouter::load_bias(ckpt, bias, cfg.num_experts);
   router.top_k = cfg.top_k;
   router.n_group = router.topk_group = 1;
   router.normalize = true;

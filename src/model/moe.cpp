@@ -42,6 +42,10 @@ Tensor DenseMlp::forward(const Tensor& x) const {
   return ops::linear(ops::glu(gate_up_out, act.glu_kind(), act.alpha, act.limit), down);
 }
 
+Tensor SigmoidRouter::load_bias(Checkpoint& ckpt, const std::string& name, int64_t num_experts) {
+  return ckpt.has(name) ? ckpt.take(name, {num_experts}) : Tensor::zeros({num_experts}, ScalarType::F32, ckpt.device());
+}
+
 Routing SigmoidRouter::route(const Tensor& x) const {
   const int64_t t = x.dim(0), e = weight.dim(0);
   SPARROW_CHECK(e % n_group == 0, "router: ", e, " experts do not split into ", n_group, " groups");
@@ -118,9 +122,7 @@ std::unique_ptr<MoeBlock> MoeBlock::load_grouped(Checkpoint& ckpt, const std::st
                                                  const GroupedMoeShape& shape) {
   auto moe = std::make_unique<MoeBlock>();
   moe->router.weight = ckpt.take(prefix + "gate.weight", {shape.num_experts, shape.hidden});
-  const std::string bias = prefix + "gate.e_score_correction_bias";
-  moe->router.bias = ckpt.has(bias) ? ckpt.take(bias, {shape.num_experts})
-                                    : Tensor::zeros({shape.num_experts}, ScalarType::F32, ckpt.device());
+  moe->router.bias = SigmoidRouter::load_bias(ckpt, prefix + "gate.e_score_correction_bias", shape.num_experts);
   moe->router.top_k = shape.top_k;
   moe->router.n_group = shape.n_group;
   moe->router.topk_group = shape.topk_group;

@@ -59,6 +59,10 @@ struct SigmoidRouter {
   float routed_scaling_factor = 1.0f;
 
   Routing route(const Tensor& x) const;  // x [T, H]
+
+  // The checkpoint's e_score_correction_bias `name` ([num_experts]), or zeros where it has none (always so
+  // for --load-format dummy, whose has() is false) on the checkpoint's device, where the router reads it.
+  static Tensor load_bias(Checkpoint& ckpt, const std::string& name, int64_t num_experts);
 };
 
 // The shape of a DeepSeek-V3-style MoE layer (DeepSeek-V3.2, Kimi): grouped sigmoid routing, SiLU-gated

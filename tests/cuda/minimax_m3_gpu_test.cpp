@@ -242,5 +242,39 @@ TEST_F(CudaMiniMaxM3, GraphReplayEqualsEagerDecoding) {
           << "step " << step << " sequence " << s;
 }
 
+// --load-format dummy: the checkpoint has no tensor (has() is false), so the MoE layers build their zero
+// e_score_correction_bias themselves; it must live on the GPU, where the router kernel reads it (it was
+// made on the host, and the first prefill of any dummy MiniMax-M3 shape faulted with an illegal memory
+// access in route_grouped_sigmoid). The fixture's config, with dummy weights, prefills and decodes to
+// finite logits.
+TEST(CudaMiniMaxM3Dummy, PrefillAndDecodeRunWithoutACheckpointBias) {
+  SPARROW_REQUIRE_GPU();
+  const fs::path dir = fs::temp_directory_path() / "sparrow_minimax_m3_gpu_dummy";
+  fs::create_directories(dir);
+  for (const char* name : {"config.json", "generation_config.json"})
+    fs::copy_file(kFixture / name, dir / name, fs::copy_options::overwrite_existing);
+  LoadOptions options;
+  options.load_format = "dummy";
+  auto gpu = load_model(dir.string(), Device::Cuda, options);
+  CacheConfig config;
+  config.device = Device::Cuda;
+  config.memory_bytes = int64_t(128) << 20;
+  config.enable_prefix_caching = false;
+  KvCache cache(gpu->cache_spec(), config);
+  SequenceState s;
+  s.cache = cache.view(cache.create_sequence());
+  Tokens prompt;
+  for (int i = 0; i < 90; ++i) prompt.push_back((i * 37 + 11) % 256);  // > index_topk_blocks x 8: blocks selected
+  Tensor logits = gpu->forward(make_batch({{&s, prompt}})).to(Device::Cpu);
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_EQ(logits.dim(1), 256);
+    for (int64_t t = 0; t < logits.dim(0); ++t)
+      for (int64_t j = 0; j < logits.dim(1); ++j)
+        ASSERT_TRUE(std::isfinite(logits.row(t)[j])) << "step " << step << " row " << t << " logit " << j;
+    const Tokens next = {argmax(logits.row(logits.dim(0) - 1), logits.dim(1))};
+    logits = gpu->forward(make_batch({{&s, next}})).to(Device::Cpu);
+  }
+}
+
 }  // namespace
 
