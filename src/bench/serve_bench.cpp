@@ -176,6 +176,16 @@ Json run_serve_benchmark(const ServeBenchOptions& o) {
     r.seed = o.seed;
     jobs = random_workload(r, text);
   }
+  // One request of a job over a worker's connection; a failure is counted, never the end of the run.
+  auto send = [&](ServeConnection& connection, const Job& job, const WorkItem& item, Clock::time_point since) {
+    RequestResult r;
+    try {
+      r = connection.stream(endpoint, request_body(job, item, chat, model, o), chat, since, tokenizer.get());
+    } catch (const std::exception& e) {
+      r.error = e.what();
+    }
+    return r;
+  };
   SPARROW_CHECK(o.num_warmups >= 0, "--num-warmups must not be negative");
   if (o.num_warmups > 0) {
     // Warm-up requests (vLLM's --num-warmups), left out of every figure: the server's first steps at a
@@ -200,22 +210,14 @@ Json run_serve_benchmark(const ServeBenchOptions& o) {
       warm = random_workload(r, text);
     }
     std::atomic<size_t> next{0}, failed{0};
-    auto send = [&] {
+    auto warm_up = [&] {
       ServeConnection connection(url, o.api_key);
-      for (size_t j; (j = next++) < warm.size();) {
-        RequestResult r;
-        try {
-          r = connection.stream(endpoint, request_body(warm[j], warm[j].requests[0], chat, model, o), chat,
-                                Clock::now(), tokenizer.get());
-        } catch (const std::exception& e) {
-          r.error = e.what();
-        }
-        if (!r.success) ++failed;
-      }
+      for (size_t j; (j = next++) < warm.size();)
+        if (!send(connection, warm[j], warm[j].requests[0], Clock::now()).success) ++failed;
     };
     std::vector<std::thread> senders;
     const int64_t width = std::min<int64_t>(o.num_warmups, o.max_concurrency > 0 ? o.max_concurrency : kMaxWorkers);
-    for (int64_t w = 0; w < width; ++w) senders.emplace_back(send);
+    for (int64_t w = 0; w < width; ++w) senders.emplace_back(warm_up);
     for (std::thread& t : senders) t.join();
     std::printf("Warm-up: %zu requests (%zu failed)\n", warm.size(), failed.load());
   }
@@ -253,12 +255,7 @@ Json run_serve_benchmark(const ServeBenchOptions& o) {
       for (size_t k = 0; k < jobs[j].requests.size(); ++k) {
         const WorkItem& item = jobs[j].requests[k];
         if (item.think_time_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(item.think_time_s));
-        RequestResult r;
-        try {
-          r = connection.stream(endpoint, request_body(jobs[j], item, chat, model, o), chat, start, tokenizer.get());
-        } catch (const std::exception& e) {  // a failure is counted, never the end of the run
-          r.error = e.what();
-        }
+        RequestResult r = send(connection, jobs[j], item, start);
         if (r.prompt_len < 0) r.prompt_len = item.prompt_len;
         if (agentic) {
           r.session = int64_t(j);
