@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <set>
@@ -88,6 +89,19 @@ bool parse_sample(const std::string& line, std::string& name, double& value) {
   return end != start;
 }
 
+// Calls `sample(name, value)` for every sample line of a Prometheus text page (labels skipped).
+void for_each_sample(const std::string& text, const std::function<void(const std::string&, double)>& sample) {
+  size_t begin = 0;
+  while (begin < text.size()) {
+    size_t end = text.find('\n', begin);
+    if (end == std::string::npos) end = text.size();
+    std::string name;
+    double value = 0;
+    if (parse_sample(text.substr(begin, end - begin), name, value)) sample(name, value);
+    begin = end + 1;
+  }
+}
+
 void line(std::string& out, const std::string& label, const std::string& value) {
   char buf[160];
   std::snprintf(buf, sizeof buf, "%-40s %-10s\n", label.c_str(), value.c_str());
@@ -166,20 +180,12 @@ bool meets_slos(const RequestResult& r, const Slos& slos) {
 std::optional<PrefixCacheCounters> parse_prefix_cache_counters(const std::string& text) {
   PrefixCacheCounters current, legacy;
   bool have_current = false, have_legacy = false;
-  size_t begin = 0;
-  while (begin < text.size()) {
-    size_t end = text.find('\n', begin);
-    if (end == std::string::npos) end = text.size();
-    std::string name;
-    double value = 0;
-    if (parse_sample(text.substr(begin, end - begin), name, value)) {
-      if (name == "vllm:prefix_cache_queries_total") current.queries += value, have_current = true;
-      if (name == "vllm:prefix_cache_hits_total") current.hits += value, have_current = true;
-      if (name == "vllm:gpu_prefix_cache_queries_total") legacy.queries += value, have_legacy = true;
-      if (name == "vllm:gpu_prefix_cache_hits_total") legacy.hits += value, have_legacy = true;
-    }
-    begin = end + 1;
-  }
+  for_each_sample(text, [&](const std::string& name, double value) {
+    if (name == "vllm:prefix_cache_queries_total") current.queries += value, have_current = true;
+    if (name == "vllm:prefix_cache_hits_total") current.hits += value, have_current = true;
+    if (name == "vllm:gpu_prefix_cache_queries_total") legacy.queries += value, have_legacy = true;
+    if (name == "vllm:gpu_prefix_cache_hits_total") legacy.hits += value, have_legacy = true;
+  });
   if (have_current) return current;  // servers exporting both names count the same tokens twice
   if (have_legacy) return legacy;
   return std::nullopt;
@@ -200,17 +206,10 @@ std::optional<EngineStepCounters> parse_engine_step_counters(const std::string& 
       {"sparrow:prefill_step_seconds_total", &c.prefill_seconds},
       {"sparrow:prefill_forward_seconds_total", &c.prefill_forward_seconds}};
   bool found = false;
-  size_t begin = 0;
-  while (begin < text.size()) {
-    size_t end = text.find('\n', begin);
-    if (end == std::string::npos) end = text.size();
-    std::string name;
-    double value = 0;
-    if (parse_sample(text.substr(begin, end - begin), name, value))
-      for (const auto& [series_name, field] : series)
-        if (name == series_name) *field += value, found = true;
-    begin = end + 1;
-  }
+  for_each_sample(text, [&](const std::string& name, double value) {
+    for (const auto& [series_name, field] : series)
+      if (name == series_name) *field += value, found = true;
+  });
   return found ? std::optional(c) : std::nullopt;
 }
 
