@@ -51,15 +51,6 @@ std::vector<std::string> parse_metric_names(const std::string& text) {
   return names;
 }
 
-std::string now_stamp() {
-  std::time_t t = std::time(nullptr);
-  std::tm local{};
-  localtime_r(&t, &local);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y%m%d-%H%M%S", &local);
-  return buf;
-}
-
 struct ServerCounters {
   std::optional<PrefixCacheCounters> prefix_cache;
   std::optional<EngineStepCounters> engine_steps;
@@ -90,6 +81,15 @@ std::string result_path(const ServeBenchOptions& o, const std::string& backend, 
 }
 
 }  // namespace
+
+std::string now_stamp() {
+  std::time_t t = std::time(nullptr);
+  std::tm local{};
+  localtime_r(&t, &local);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y%m%d-%H%M%S", &local);
+  return buf;
+}
 
 std::string request_body(const Job& job, const WorkItem& item, bool chat, const std::string& model,
                          const ServeBenchOptions& o) {

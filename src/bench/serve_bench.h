@@ -39,6 +39,9 @@ struct ServeBenchOptions {
   bool progress = true;
 };
 
+// Local time as YYYYMMDD-HHMMSS: the result files' "date" and default names (as vLLM's).
+std::string now_stamp();
+
 // Runs the benchmark, prints the summary on stdout, writes the result file when asked, and returns the
 // result JSON. Bad options and an unreachable server are sparrow::Errors; failed requests are counted.
 Json run_serve_benchmark(const ServeBenchOptions& options);
