@@ -24,7 +24,9 @@
 # model.generate, bench/peers/hf_serve_peer.py; both: PEERS=vllm,hf), VLLM_ARGS (more vllm serve flags),
 # HF_CONCURRENCIES (default 1,2,4,8,16: static batches of a 60 GB bf16 model soon run out of memory and time),
 # HF_PROMPTS_PER_CONCURRENCY (default 1: one batch per point), HF_ARGS (more hf_serve_peer.py run flags),
-# LAUNCH_TIMEOUT (s, default 1800).
+# VLLM (the command that runs vLLM's CLI, default vllm; e.g. "python3 -m vllm.entrypoints.cli.main" where vLLM
+# is installed without its scripts), SPARROW_SWEEP (0: skip sparrow's sweep, to run the peers of a shape in a
+# call of their own), LAUNCH_TIMEOUT (s, default 1800).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -67,18 +69,21 @@ for shape in "${SHAPES[@]}"; do
   cp "$config" "$model/config.json"
   cp models/minimax_m3/tokenizer.json models/minimax_m3/tokenizer_config.json "$model/"
 
+  if [[ "${SPARROW_SWEEP:-1}" != 0 ]]; then
   echo "== sparrow: $shape" | tee -a "$LOG" >&2
   "$SPARROW" bench sweep "${WORKLOAD[@]}" --tokenizer "$model" --label sparrow \
       --launch "$model --load-format dummy --device $DEVICE --max-model-len $MAX_MODEL_LEN --max-num-seqs 256 --kv-cache-memory $KV_MEMORY ${SERVE_ARGS:-}" \
       --launch-timeout "$LAUNCH_TIMEOUT" --output "$OUT/$shape/sweep-sparrow.json" >> "$LOG" 2>&1 \
     || { echo "sparrow sweep of $shape failed (see $shape/sweep.log)" >&2; status=1; }
+  fi
   peers=()
 
   if [[ ",$PEERS," == *",vllm,"* ]]; then
     echo "== vllm: $shape" | tee -a "$LOG" >&2
-    if command -v vllm >/dev/null; then
+    read -ra vllm_cmd <<< "${VLLM:-vllm}"
+    if command -v "${vllm_cmd[0]}" >/dev/null; then
       # The same folder, dummy weights, the same workload, sparrow's client (vLLM's metric definitions).
-      vllm serve "$model" --load-format dummy --port 8100 --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 256 \
+      "${vllm_cmd[@]}" serve "$model" --load-format dummy --port 8100 --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 256 \
           --trust-remote-code ${VLLM_ARGS:-} >> "$OUT/$shape/vllm-server.log" 2>&1 &
       vllm_pid=$!
       for _ in $(seq "$LAUNCH_TIMEOUT"); do
@@ -98,7 +103,7 @@ for shape in "${SHAPES[@]}"; do
       fi
       kill "$vllm_pid" 2>/dev/null; wait "$vllm_pid" 2>/dev/null
     else
-      echo "PEERS=vllm but no vllm command here: skipped" | tee -a "$LOG" >&2
+      echo "PEERS=vllm but no ${vllm_cmd[0]} command here: skipped" | tee -a "$LOG" >&2
     fi
   fi
 

@@ -265,11 +265,12 @@ void minimax_m3(Families& f, const Config& c, bool tied_outside) {
   for (int64_t i = 0; i < layers; ++i) {
     Counter& d = f.dense;
     d.vector(2 * hidden);
-    // GqaAttention's projections go through take(): bf16 whatever the config's quantization.
-    d.add(Store::Matrix, heads * head_dim, hidden);
-    d.add(Store::Matrix, kv_heads * head_dim, hidden);
-    d.add(Store::Matrix, kv_heads * head_dim, hidden);
-    d.add(Store::Matrix, hidden, heads * head_dim);
+    // GqaAttention's projections go through take_linear() (FP8 where the checkpoint is); the indexer's
+    // through take(): bf16 whatever the config's quantization.
+    d.add(Store::Linear, heads * head_dim, hidden);
+    d.add(Store::Linear, kv_heads * head_dim, hidden);
+    d.add(Store::Linear, kv_heads * head_dim, hidden);
+    d.add(Store::Linear, hidden, heads * head_dim);
     d.vector(2 * head_dim);
     MixerCost m;
     m.kind = "gqa";

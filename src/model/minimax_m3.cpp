@@ -200,10 +200,10 @@ std::unique_ptr<Mixer> load_attention(Checkpoint& ckpt, const TextConfig& cfg, c
   attn->kv_heads = cfg.kv_heads;
   attn->head_dim = cfg.head_dim;
   attn->norm_eps = cfg.norm_eps;
-  attn->q_proj = ckpt.take(p + "q_proj.weight", {cfg.heads * cfg.head_dim, cfg.hidden});
-  attn->k_proj = ckpt.take(p + "k_proj.weight", {cfg.kv_heads * cfg.head_dim, cfg.hidden});
-  attn->v_proj = ckpt.take(p + "v_proj.weight", {cfg.kv_heads * cfg.head_dim, cfg.hidden});
-  attn->o_proj = ckpt.take(p + "o_proj.weight", {cfg.hidden, cfg.heads * cfg.head_dim});
+  attn->q_proj = ckpt.take_linear(p + "q_proj.weight", {cfg.heads * cfg.head_dim, cfg.hidden});
+  attn->k_proj = ckpt.take_linear(p + "k_proj.weight", {cfg.kv_heads * cfg.head_dim, cfg.hidden});
+  attn->v_proj = ckpt.take_linear(p + "v_proj.weight", {cfg.kv_heads * cfg.head_dim, cfg.hidden});
+  attn->o_proj = ckpt.take_linear(p + "o_proj.weight", {cfg.hidden, cfg.heads * cfg.head_dim});
   attn->q_norm = ckpt.take(p + "q_norm.weight", {cfg.head_dim});
   attn->k_norm = ckpt.take(p + "k_norm.weight", {cfg.head_dim});
   attn->rope = cfg.rope;
