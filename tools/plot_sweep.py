@@ -8,7 +8,8 @@ concurrency; a curve joins an engine's points.
 
 Inputs:
   SWEEP ...                 sweep JSONs written by `sparrow bench sweep` (each one curve, named by its
-                            label, with its decode roofline drawn dashed beside it)
+                            label; the first one's decode roofline is drawn dashed, once: it belongs
+                            to the model and workload, which every curve shares)
   --peer LABEL=PATH[,PATH]  a peer's curve: `vllm bench serve --save-result` files (one per concurrency,
                             read from their max_concurrency), folders of them, globs, or a sweep JSON
 
@@ -145,6 +146,9 @@ def main():
 
     fig, ax = plt.subplots(figsize=(9, 6))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    # One roofline: it is the model's and the workload's (same folder, same requests for every engine), so
+    # the first curve that carries one draws it; a peer's sweep JSON repeats it at its own points.
+    roofline_drawn = False
     for i, curve in enumerate(curves):
         color = colors[i % len(colors)]
         pts = sorted(curve["points"], key=lambda p: p["x"])
@@ -154,9 +158,10 @@ def main():
                 ax.annotate(f"c{p['concurrency']}", (p["x"], p[args.y]), textcoords="offset points", xytext=(4, 4),
                             fontsize=7, color=color)
         roof = sorted(curve["roofline"], key=lambda p: p["x"])
-        if roof and not args.no_roofline:
-            ax.plot([p["x"] for p in roof], [p[args.y] for p in roof], "--", color=color, alpha=0.7,
-                    label=f"{curve['label']} roofline (decode, HBM / FLOP limit)")
+        if roof and not args.no_roofline and not roofline_drawn:
+            ax.plot([p["x"] for p in roof], [p[args.y] for p in roof], "--", color="0.35",
+                    label="roofline (decode: HBM / FLOP limit)")
+            roofline_drawn = True
     ax.set_xlabel(f"Interactivity: output tokens/s per user (1000 / {args.tpot} TPOT)")
     ax.set_ylabel("Throughput per GPU: " + ("total (input + output)" if args.y == "total" else "output") + " tokens/s")
     if args.log:
