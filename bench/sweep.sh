@@ -19,7 +19,8 @@
 # lengths, default 8192 / 1024: InferenceX's 8K/1K), CONCURRENCIES (default 1,2,4,8,16,32,64,128,256),
 # PROMPTS_PER_CONCURRENCY (default 4), NUM_WARMUPS (untimed requests before each point, at least one wave
 # at its concurrency, default 1; 0: none), MODELS (where the model folders go, default $OUT/models), KV_MEMORY (sparrow's --kv-cache-memory, default 40GiB),
-# MAX_MODEL_LEN (default 16384; agentic: 131072), SERVE_ARGS (more sparrow serve flags), PEERS (vllm: also
+# MAX_MODEL_LEN (default 16384; agentic: 131072), KV_CACHE_DTYPE (sparrow's --kv-cache-dtype, also the
+# roofline's; default: the shape's, below), SERVE_ARGS (more sparrow serve flags), PEERS (vllm: also
 # sweep `vllm serve <shape folder> --load-format dummy`; hf: run the same requests through transformers'
 # model.generate, bench/peers/hf_serve_peer.py; both: PEERS=vllm,hf), VLLM_ARGS (more vllm serve flags),
 # HF_CONCURRENCIES (default 1,2,4,8,16: static batches of a 60 GB bf16 model soon run out of memory and time),
@@ -69,10 +70,20 @@ for shape in "${SHAPES[@]}"; do
   cp "$config" "$model/config.json"
   cp models/minimax_m3/tokenizer.json models/minimax_m3/tokenizer_config.json "$model/"
 
+  # What a shape needs from each engine to serve the same cache: DeepSeek-V3.2 in FlashMLA's FP8 layout (656 B a
+  # token; vLLM's only DSA path on Hopper, fp8_ds_mla, 64-token pages), MiniMax-M3 with 128-token pages in vLLM
+  # (one MSA block a page: its sparse layers take no other size).
+  shape_kv=auto shape_vllm=()
+  case "$shape" in
+    deepseek_v3.2) shape_kv=fp8 shape_vllm=(--kv-cache-dtype fp8_ds_mla --block-size 64) ;;
+    minimax_m3.1_flash) shape_vllm=(--block-size 128) ;;
+  esac
+  kv_dtype="${KV_CACHE_DTYPE:-$shape_kv}"
+
   if [[ "${SPARROW_SWEEP:-1}" != 0 ]]; then
   echo "== sparrow: $shape" | tee -a "$LOG" >&2
-  "$SPARROW" bench sweep "${WORKLOAD[@]}" --tokenizer "$model" --label sparrow \
-      --launch "$model --load-format dummy --device $DEVICE --max-model-len $MAX_MODEL_LEN --max-num-seqs 256 --kv-cache-memory $KV_MEMORY ${SERVE_ARGS:-}" \
+  "$SPARROW" bench sweep "${WORKLOAD[@]}" --tokenizer "$model" --label sparrow --kv-cache-dtype "$kv_dtype" \
+      --launch "$model --load-format dummy --device $DEVICE --max-model-len $MAX_MODEL_LEN --max-num-seqs 256 --kv-cache-memory $KV_MEMORY --kv-cache-dtype $kv_dtype ${SERVE_ARGS:-}" \
       --launch-timeout "$LAUNCH_TIMEOUT" --output "$OUT/$shape/sweep-sparrow.json" >> "$LOG" 2>&1 \
     || { echo "sparrow sweep of $shape failed (see $shape/sweep.log)" >&2; status=1; }
   fi
@@ -84,7 +95,7 @@ for shape in "${SHAPES[@]}"; do
     if command -v "${vllm_cmd[0]}" >/dev/null; then
       # The same folder, dummy weights, the same workload, sparrow's client (vLLM's metric definitions).
       "${vllm_cmd[@]}" serve "$model" --load-format dummy --port 8100 --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 256 \
-          --trust-remote-code ${VLLM_ARGS:-} >> "$OUT/$shape/vllm-server.log" 2>&1 &
+          --trust-remote-code "${shape_vllm[@]}" ${VLLM_ARGS:-} >> "$OUT/$shape/vllm-server.log" 2>&1 &
       vllm_pid=$!
       for _ in $(seq "$LAUNCH_TIMEOUT"); do
         curl -sf http://127.0.0.1:8100/v1/models >/dev/null 2>&1 && break
@@ -92,7 +103,7 @@ for shape in "${SHAPES[@]}"; do
         sleep 1
       done
       if curl -sf http://127.0.0.1:8100/v1/models >/dev/null 2>&1; then
-        "$SPARROW" bench sweep "${WORKLOAD[@]}" --tokenizer "$model" --label vllm --base-url http://127.0.0.1:8100 \
+        "$SPARROW" bench sweep "${WORKLOAD[@]}" --tokenizer "$model" --label vllm --base-url http://127.0.0.1:8100 --kv-cache-dtype "$kv_dtype" \
             --model-config "$model" --output "$OUT/$shape/sweep-vllm.json" >> "$LOG" 2>&1 \
           && peers+=(--peer "vllm=$OUT/$shape/sweep-vllm.json") \
           || { echo "vllm sweep of $shape failed (see $shape/sweep.log)" >&2; status=1; }
