@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""bench/sweep.sh end to end on the CPU: the bundled model's config as the shape, dummy weights, a tiny
+random workload at concurrencies 1 and 2, sparrow's sweep and a vLLM peer played by tests/bench/fake_vllm.sh
+(sparrow serving the same folder on vLLM's port), then the same with SPARROW_SWEEP=0 (the peer alone).
+
+  python3 tests/bench/sweep_script_test.py --sparrow build/sparrow
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def sweep(sparrow, out, **env):
+    argv = os.path.join(out, "vllm-argv.txt")
+    full = dict(os.environ, OUT=out, SPARROW=sparrow, DEVICE="cpu", MODELS=os.path.join(out, "models"),
+                CONCURRENCIES="1,2", ISL="24", OSL="4", PROMPTS_PER_CONCURRENCY="1", NUM_WARMUPS="0",
+                KV_MEMORY="1GiB", MAX_MODEL_LEN="96", LAUNCH_TIMEOUT="120", PEERS="vllm",
+                VLLM=os.path.join(ROOT, "tests/bench/fake_vllm.sh"), FAKE_VLLM_ARGV=argv, **env)
+    run = subprocess.run(["bash", os.path.join(ROOT, "bench/sweep.sh"), os.path.join(ROOT, "models/minimax_m3/config.json")],
+                         env=full, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    shape_dir = os.path.join(out, "minimax_m3-config")
+    log = open(os.path.join(shape_dir, "sweep.log")).read() if os.path.exists(os.path.join(shape_dir, "sweep.log")) else ""
+    assert run.returncode == 0, f"sweep.sh failed ({run.returncode}):\n{run.stderr}\n{log[-3000:]}"
+    with open(argv) as f:
+        vllm_args = f.read().split("\n")
+    return shape_dir, vllm_args, log
+
+
+def points(path):
+    with open(path) as f:
+        sweep = json.load(f)
+    return sweep, {p["concurrency"]: p for p in sweep["points"]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sparrow", required=True)
+    args = ap.parse_args()
+    sparrow = os.path.abspath(args.sparrow)
+
+    with tempfile.TemporaryDirectory() as out:
+        shape_dir, vllm_args, log = sweep(sparrow, out, KV_CACHE_DTYPE="bfloat16", VLLM_ARGS="--enforce-eager")
+        ours, ours_points = points(os.path.join(shape_dir, "sweep-sparrow.json"))
+        peer, peer_points = points(os.path.join(shape_dir, "sweep-vllm.json"))
+        for sweep_json, pts in ((ours, ours_points), (peer, peer_points)):
+            assert sorted(pts) == [1, 2], pts.keys()
+            for c, p in pts.items():
+                assert p["completed"] == c and p["failed"] == 0, (sweep_json["label"], c, p["completed"], p["failed"])
+                assert p["roofline"]["tokens_per_s_per_user"] > 0
+            # The cache format reaches the roofline of both sweeps (and sparrow's server: see the launch).
+            assert sweep_json["kv_cache_dtype"] == "bfloat16", sweep_json["kv_cache_dtype"]
+        assert ours["label"] == "sparrow" and peer["label"] == "vllm"
+        assert "--kv-cache-dtype bfloat16" in ours["launch"], ours["launch"]
+        # vLLM got the folder, dummy weights, the sweep's limits, then VLLM_ARGS.
+        model = os.path.join(out, "models", "minimax_m3-config")
+        assert vllm_args[:2] == ["serve", model], vllm_args
+        for flag, value in (("--load-format", "dummy"), ("--port", "8100"), ("--max-model-len", "96")):
+            assert vllm_args[vllm_args.index(flag) + 1] == value, (flag, vllm_args)
+        assert "--enforce-eager" in vllm_args, vllm_args
+
+    with tempfile.TemporaryDirectory() as out:
+        shape_dir, _, log = sweep(sparrow, out, SPARROW_SWEEP="0")
+        assert not os.path.exists(os.path.join(shape_dir, "sweep-sparrow.json")), "SPARROW_SWEEP=0 still ran sparrow"
+        assert "== sparrow" not in log
+        _, peer_points = points(os.path.join(shape_dir, "sweep-vllm.json"))
+        assert sorted(peer_points) == [1, 2]
+    print("sweep_script_test: ok")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except AssertionError as e:
+        print(f"sweep_script_test: FAILED: {e}", file=sys.stderr)
+        sys.exit(1)
