@@ -5,7 +5,8 @@
 # a vLLM peer runs the same shape folder and workload when asked (PEERS=vllm); tools/plot_sweep.py draws
 # each shape's front when matplotlib is there.
 #
-#   bench/sweep.sh [SHAPE ...]        SHAPE: deepseek_v3.2, kimi_k3.1_pro, minimax_m3.1_flash (default: all),
+#   bench/sweep.sh [SHAPE ...]        SHAPE: deepseek_v3.2, kimi_k3.1_pro, minimax_m3.1_flash, kimi_linear_48b
+#                                     (default: all four),
 #                                     or the path of any config.json-like file
 #
 # A shape's model folder is made under $MODELS/<shape>: the shape's config.json plus the bundled
@@ -18,7 +19,7 @@
 # Env: SPARROW (binary, default build/sparrow), DEVICE (default cuda), DATASET (random | agentic, default random), ISL / OSL (random
 # lengths, default 8192 / 1024: InferenceX's 8K/1K), CONCURRENCIES (default 1,2,4,8,16,32,64,128,256),
 # PROMPTS_PER_CONCURRENCY (default 4), NUM_WARMUPS (untimed requests before each point, at least one wave
-# at its concurrency, default 1; 0: none), MODELS (where the model folders go, default $OUT/models), KV_MEMORY (sparrow's --kv-cache-memory, default 40GiB),
+# at its concurrency, default 1; 0: none), MODELS (where the model folders go, default $OUT/models), KV_MEMORY (sparrow's --kv-cache-memory, default 40GiB; the shape's, below),
 # MAX_MODEL_LEN (default 16384; agentic: 131072), KV_CACHE_DTYPE (sparrow's --kv-cache-dtype, also the
 # roofline's; default: the shape's, below), SERVE_ARGS (more sparrow serve flags), PEERS (vllm: also
 # sweep `vllm serve <shape folder> --load-format dummy`; hf: run the same requests through transformers'
@@ -44,12 +45,11 @@ CONCURRENCIES="${CONCURRENCIES:-1,2,4,8,16,32,64,128,256}"
 PROMPTS_PER_CONCURRENCY="${PROMPTS_PER_CONCURRENCY:-4}"
 NUM_WARMUPS="${NUM_WARMUPS:-1}"
 MODELS="${MODELS:-$OUT/models}"
-KV_MEMORY="${KV_MEMORY:-40GiB}"
 if [[ "$DATASET" == "agentic" ]]; then MAX_MODEL_LEN="${MAX_MODEL_LEN:-131072}"; else MAX_MODEL_LEN="${MAX_MODEL_LEN:-16384}"; fi
 LAUNCH_TIMEOUT="${LAUNCH_TIMEOUT:-1800}"
 PEERS="${PEERS:-}"
 SHAPES=("$@")
-[[ ${#SHAPES[@]} -eq 0 ]] && SHAPES=(deepseek_v3.2 kimi_k3.1_pro minimax_m3.1_flash)
+[[ ${#SHAPES[@]} -eq 0 ]] && SHAPES=(deepseek_v3.2 kimi_k3.1_pro minimax_m3.1_flash kimi_linear_48b)
 [[ -x "$SPARROW" ]] || { echo "no $SPARROW (build the sparrow target and carry it)" >&2; exit 1; }
 status=0
 
@@ -73,17 +73,20 @@ for shape in "${SHAPES[@]}"; do
   # What a shape needs from each engine to serve the same cache: DeepSeek-V3.2 in FlashMLA's FP8 layout (656 B a
   # token; vLLM's only DSA path on Hopper, fp8_ds_mla, 64-token pages), MiniMax-M3 with 128-token pages in vLLM
   # (one MSA block a page: its sparse layers take no other size).
-  shape_kv=auto shape_vllm=()
+  # Kimi-Linear-48B is whole and bf16 (98 GB): its cache gets what is left.
+  shape_kv=auto shape_vllm=() shape_kv_memory=40GiB
   case "$shape" in
     deepseek_v3.2) shape_kv=fp8 shape_vllm=(--kv-cache-dtype fp8_ds_mla --block-size 64) ;;
     minimax_m3.1_flash) shape_vllm=(--block-size 128) ;;
+    kimi_linear_48b) shape_kv_memory=20GiB ;;
   esac
   kv_dtype="${KV_CACHE_DTYPE:-$shape_kv}"
+  kv_memory="${KV_MEMORY:-$shape_kv_memory}"
 
   if [[ "${SPARROW_SWEEP:-1}" != 0 ]]; then
   echo "== sparrow: $shape" | tee -a "$LOG" >&2
   "$SPARROW" bench sweep "${WORKLOAD[@]}" --tokenizer "$model" --label sparrow --kv-cache-dtype "$kv_dtype" \
-      --launch "$model --load-format dummy --device $DEVICE --max-model-len $MAX_MODEL_LEN --max-num-seqs 256 --kv-cache-memory $KV_MEMORY --kv-cache-dtype $kv_dtype ${SERVE_ARGS:-}" \
+      --launch "$model --load-format dummy --device $DEVICE --max-model-len $MAX_MODEL_LEN --max-num-seqs 256 --kv-cache-memory $kv_memory --kv-cache-dtype $kv_dtype ${SERVE_ARGS:-}" \
       --launch-timeout "$LAUNCH_TIMEOUT" --output "$OUT/$shape/sweep-sparrow.json" >> "$LOG" 2>&1 \
     || { echo "sparrow sweep of $shape failed (see $shape/sweep.log)" >&2; status=1; }
   fi
