@@ -8,18 +8,22 @@
 // when the device has not that much free), so the experts a step touches and the rows each gets are those of
 // the real layer.
 //
-// Tokens: decode batches 1, 8, 64, 128, 256 (one token per sequence) and prefill chunks 4096 and 16384. The
-// routing is fixed per token count (a host generator with a fixed seed): top_k distinct experts per token,
-// uniform at random, weights uniform in [0.1, 1).
+// Tokens: decode batches 1, 4, 8, 16, 64, 128, 256 (one token per sequence) and prefill chunks 4096 and
+// 16384. The routing is fixed per token count (a host generator with a fixed seed): top_k distinct experts
+// per token, uniform at random, weights uniform in [0.1, 1). Up to 8 rows per expert on average (tokens *
+// top_k <= 8 * experts: here every decode batch) the call takes moe.cu's decode path, above it the tiled or
+// the wgmma kernels; the note names the path (moe_experts_path).
 //
 // Bytes (minimum HBM traffic): the weights of the distinct experts the routing touches (counted exactly from
-// the routing; FP8: the codes plus their fp32 block scales), x read and out written (bf16), the routing read
-// (int32 id + fp32 weight per pair). The intermediates (h, the per-pair outputs) are this implementation's
-// overhead and not counted. FLOPs: 2 * pairs * 3 * hidden * inter (gate, up and down products), plus 4 per
-// GLU element (pairs * inter) and 2 per output element per pair (the weighted sum).
-// Decode is bound by the experts' bytes; prefill by FLOPs where the rows per expert exceed the ridge point
-// (790e12 / 4.3e12 = 184 FLOP/B, i.e. ~184 rows per expert in bf16): DeepSeek at 16K tokens (512 rows per
-// expert) is compute-bound, at 4K (128) still memory-bound. The note gives both fractions.
+// the routing, close to the expected E (1 - (1 - k/E)^T): DeepSeek 8, 30.5, 102, 222 experts at 1, 4, 16, 64
+// tokens; MiniMax 4, 15.3, 51, 111; FP8: the codes plus their fp32 block scales), x read and out written
+// (bf16), the routing read (int32 id + fp32 weight per pair). The intermediates (h, the per-pair outputs)
+// are this implementation's overhead and not counted. FLOPs: 2 * pairs * 3 * hidden * inter (gate, up and
+// down products), plus 4 per GLU element (pairs * inter) and 2 per output element per pair (the weighted
+// sum). Decode is bound by the experts' bytes, so its % of 4.3 TB/s is the figure to read; prefill by FLOPs
+// where the rows per expert exceed the ridge point (790e12 / 4.3e12 = 184 FLOP/B, i.e. ~184 rows per expert
+// in bf16): DeepSeek at 16K tokens (512 rows per expert) is compute-bound, at 4K (128) still memory-bound.
+// The note gives both fractions.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -122,7 +126,7 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
   const bool want_bf16 = wanted("moe_experts"), want_fp8 = wanted("moe_experts_fp8");
   if (!want_bf16 && !want_fp8) return;
   std::vector<Model> models(std::begin(kModels), std::end(kModels));
-  std::vector<int64_t> token_counts = {1, 8, 64, 128, 256, 4096, 16384};
+  std::vector<int64_t> token_counts = {1, 4, 8, 16, 64, 128, 256, 4096, 16384};
   if (options.quick) {
     models.resize(1);
     token_counts = {8, 4096};
@@ -208,11 +212,20 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
                     pairs * 8;
         row.flops = 2.0 * pairs * 3 * double(H) * double(I) + 4.0 * pairs * double(I) + 2.0 * pairs * double(H);
         const double seconds = row.median_us * 1e-6;
-        row.note = std::string(fp8 ? "e4m3 experts, 128x128 fp32 block scales, dequantised to bf16 in shared memory; "
-                                   : "bf16 experts; ") +
-                   "bf16 tensor cores, fp32 accumulation; " + std::to_string(r.distinct) + " of " +
-                   std::to_string(E) + " experts touched; " + fmt_pct(row.bytes / kHbmBytesPerSecond / seconds) +
-                   " of 4.3 TB/s, " + fmt_pct(row.flops / kBf16FlopsPerSecond / seconds) + " of 790 TFLOP/s";
+        const MoePath path = moe_experts_path(tokens, k, E, H, I);
+        std::string how;
+        if (path == MoePath::Decode)
+          how = std::string("decode path: weights streamed by warps, mma.sync m16n8k16, ") +
+                (fp8 ? "e4m3 experts converted exactly to bf16, 128x128 fp32 block scales applied per block sum; "
+                     : "bf16 experts; ");
+        else
+          how = std::string(path == MoePath::Wgmma ? "wgmma path: " : "tiled path: ") +
+                (fp8 ? "e4m3 experts, 128x128 fp32 block scales, dequantised to bf16 in shared memory; "
+                     : "bf16 experts; ") +
+                "bf16 tensor cores; ";
+        row.note = how + "fp32 accumulation; " + std::to_string(r.distinct) + " of " + std::to_string(E) +
+                   " experts touched; " + fmt_pct(row.bytes / kHbmBytesPerSecond / seconds) + " of 4.3 TB/s, " +
+                   fmt_pct(row.flops / kBf16FlopsPerSecond / seconds) + " of 790 TFLOP/s";
         rows.push_back(row);
       }
       release();

@@ -27,6 +27,19 @@ void route_grouped_sigmoid(const float* logits, const float* bias, int64_t token
 // x bf16 [tokens, hidden]; gate_up bf16 [E, 2*inter, hidden]; down bf16 [E, hidden, inter]; out bf16
 // [tokens, hidden] (overwritten). Tokens are grouped by expert on the device (no host round trip) and
 // each expert's tokens go through one product; `workspace` is from moe_workspace_bytes.
+//
+// Every path rounds the intermediate h = act(·) and each slot's weighted output to bf16 and sums a
+// token's slots in slot order in fp32 (one final bf16 rounding), and every path is deterministic: the
+// same inputs give the same bits run to run, whatever the routing. Which path runs is decided on the
+// host from the sizes alone (moe_experts_path), the same for the bf16 and the FP8 form:
+//   Decode when tokens * top_k <= 8 * num_experts (at most 8 rows per expert on average: decode steps)
+//     and hidden, inter <= ~57K: each output element is one fp32 accumulation over k (bf16 tensor-core
+//     products of the bf16 weights and activations). A different summation order from the other paths:
+//     results agree with them within rounding, not bit for bit.
+//   Wgmma (on average >= 32 rows per expert, hidden % 256 == 0, inter % 128 == 0) and Tiled (otherwise):
+//     bf16 weight tiles on the tensor cores, fp32 accumulation; the two may differ in the last bit.
+enum class MoePath { Decode, Tiled, Wgmma };
+MoePath moe_experts_path(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden, int64_t inter);
 size_t moe_workspace_bytes(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden, int64_t inter);
 void moe_experts(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
                  int64_t top_k, const void* gate_up, const void* down, int64_t num_experts, int64_t inter,
@@ -42,11 +55,19 @@ void moe_experts(const void* x, int64_t tokens, int64_t hidden, const int32_t* e
 //     stacked matrix). When inter % 128 == 0 this is the same array as [E, 2*inter/128, ceil(hidden/128)].
 //   down: e4m3 [E, hidden, inter]; down_scales: fp32 [E, ceil(hidden/128), ceil(inter/128)]:
 //     W[e][i][j] = e4m3(down[e][i][j]) * down_scales[e][i / 128][j / 128].
-// Rounding: weight tiles are dequantised as they are staged into shared memory, bf16(e4m3 * scale) (the
-// exact e4m3 value times the fp32 scale, one fp32 rounding, then round to nearest even to bf16; the same
-// values as dequantize_fp8_blocks in kernels/cuda/gemm/gemm_fp8.h), and the products then run exactly as
-// in moe_experts (bf16 tensor cores, fp32 accumulation, the same order). So the result is bit-identical to
-// moe_experts on the weights dequantised that way. Activations stay bf16 (no activation quantisation).
+// Rounding, by path (moe_experts_path; activations stay bf16 on every path, no activation quantisation):
+//   Tiled, Wgmma: weight tiles are dequantised as they are staged into shared memory, bf16(e4m3 * scale)
+//     (the exact e4m3 value times the fp32 scale, one fp32 rounding, then round to nearest even to bf16;
+//     the same values as dequantize_fp8_blocks in kernels/cuda/gemm/gemm_fp8.h), and the products then run
+//     exactly as in moe_experts (bf16 tensor cores, fp32 accumulation, the same order). So the result is
+//     bit-identical to moe_experts on the weights dequantised that way.
+//   Decode: the scale is applied per 128-column block, not per weight: for each output element and each
+//     block b of 128 columns, the raw e4m3 values (exact in bf16) times the bf16 activations are summed in
+//     fp32 (tensor cores), and that block partial is multiplied by the block's scale and added to the
+//     fp32 accumulator: sum_b scale_b * (sum_{k in b} e4m3_k * a_k). No bf16 rounding of weights, so this
+//     is not bit-identical to moe_experts on bf16(e4m3 * scale) weights; the two agree within rounding
+//     (the bf16 weight rounding, 2^-8 relative per weight, plus each path's bf16 roundings of h, of the
+//     slot outputs and of out). Deterministic run to run.
 // hidden and inter must be multiples of 16 (the e4m3 rows are read in 16-byte pieces); the workspace is
 // moe_workspace_bytes's; operands 16-byte aligned, scales 4-byte aligned.
 void moe_experts_fp8(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
