@@ -236,45 +236,6 @@ void dequantise(const Fp8Experts& f, int64_t experts, int64_t hidden, int64_t in
     }
 }
 
-// out[t] = Σ_j w[t,j] · down[e] · act(gate_up[e] · x[t]) in double.
-std::vector<float> experts_reference(const std::vector<float>& x, const Routing& routing,
-                                     const std::vector<float>& gate_up, const std::vector<float>& down, int64_t tokens,
-                                     int64_t hidden, int64_t inter, cuda::GluKind kind, double alpha, double limit) {
-  std::vector<float> out(tokens * hidden);
-  std::vector<double> h(inter), acc(hidden);
-  for (int64_t t = 0; t < tokens; ++t) {
-    std::fill(acc.begin(), acc.end(), 0.0);
-    const float* xr = &x[t * hidden];
-    for (int64_t j = 0; j < routing.top_k; ++j) {
-      const int64_t e = routing.experts[t * routing.top_k + j];
-      for (int64_t i = 0; i < inter; ++i) {
-        const float* g = &gate_up[(e * 2 * inter + i) * hidden];
-        const float* u = g + inter * hidden;
-        double gs = 0, us = 0;
-        for (int64_t k = 0; k < hidden; ++k) {
-          gs += double(g[k]) * xr[k];
-          us += double(u[k]) * xr[k];
-        }
-        if (kind == cuda::GluKind::SiluGlu) {
-          h[i] = gs / (1.0 + std::exp(-gs)) * us;
-        } else {
-          const double gc = std::min(gs, limit), uc = std::clamp(us, -limit, limit);
-          h[i] = (uc + 1.0) * gc / (1.0 + std::exp(-alpha * gc));
-        }
-      }
-      const double w = routing.weights[t * routing.top_k + j];
-      for (int64_t d = 0; d < hidden; ++d) {
-        const float* dr = &down[(e * hidden + d) * inter];
-        double s = 0;
-        for (int64_t i = 0; i < inter; ++i) s += double(dr[i]) * h[i];
-        acc[d] += w * s;
-      }
-    }
-    for (int64_t d = 0; d < hidden; ++d) out[t * hidden + d] = float(acc[d]);
-  }
-  return out;
-}
-
 // The decode path's error bound (moe.h, MoePath::Decode), per output element, to first order in bf16's
 // unit roundoff u = 2^-8 and fp32's 2^-24. The kernel computes, for each slot j of token t (expert e,
 // weight w_j): gate/up sums g_i, u_i over K = hidden in fp32 (tensor cores; FP8: per 128-column block,
@@ -294,9 +255,10 @@ struct BoundedReference {
   std::vector<double> bound;
 };
 
-BoundedReference decode_reference(const std::vector<float>& x, const Routing& routing,
-                                  const std::vector<float>& gate_up, const std::vector<float>& down, int64_t tokens,
-                                  int64_t hidden, int64_t inter, cuda::GluKind kind, double alpha, double limit) {
+// out[t] = Σ_j w[t,j] · down[e] · act(gate_up[e] · x[t]) in double, with the bound above.
+BoundedReference experts_reference(const std::vector<float>& x, const Routing& routing,
+                                   const std::vector<float>& gate_up, const std::vector<float>& down, int64_t tokens,
+                                   int64_t hidden, int64_t inter, cuda::GluKind kind, double alpha, double limit) {
   const double u = std::ldexp(1.0, -8), f32 = std::ldexp(1.0, -24);
   const double gamma_h = 2.0 * double(hidden + 64) * f32, gamma_i = 2.0 * double(inter + 64) * f32;
   BoundedReference r;
@@ -437,17 +399,17 @@ TEST(CudaMoe, Fp8ExpertsMatchDequantisedBf16) {
           // Decode path (tokens 1 and 7 here): the FP8 kernel scales each 128-column block's sum of raw e4m3
           // products, the bf16 one reads bf16(e4m3 * scale): each within the decode bound of the exact result
           // on its own weights, so the two agree within rounding.
-          EXPECT_TRUE(within_bound(test::from_bf16(got8), decode_reference(x, routing, gu_exact, down_exact, tokens,
-                                                                           c.hidden, c.inter, kind, alpha, limit)));
-          EXPECT_TRUE(within_bound(test::from_bf16(got16), decode_reference(x, routing, gu_bf16, down_bf16, tokens,
+          EXPECT_TRUE(within_bound(test::from_bf16(got8), experts_reference(x, routing, gu_exact, down_exact, tokens,
                                                                             c.hidden, c.inter, kind, alpha, limit)));
+          EXPECT_TRUE(within_bound(test::from_bf16(got16), experts_reference(x, routing, gu_bf16, down_bf16, tokens,
+                                                                             c.hidden, c.inter, kind, alpha, limit)));
         }
 
         // Against the double reference on the exact (fp32, unrounded) dequantised weights: bf16 weights,
         // intermediate h and per-slot outputs, one final bf16 rounding; tolerances as for moe_experts.
         const std::vector<float> got = test::from_bf16(got8);
         const std::vector<float> ref = experts_reference(x, routing, gu_exact, down_exact, tokens, c.hidden, c.inter,
-                                                         kind, alpha, limit);
+                                                         kind, alpha, limit).out;
         EXPECT_LT(test::rel_error(got, ref), 1e-2);
         double max_ref = 0;
         for (float v : ref) max_ref = std::max(max_ref, double(std::fabs(v)));
@@ -565,8 +527,8 @@ TEST(CudaMoe, DecodePathMatchesReference) {
         cuda::moe_experts(dx.get(), c.tokens, c.hidden, de.get<int32_t>(), dw.get<float>(), c.top_k, dgu.get(),
                           dd.get(), c.experts, c.inter, kind, alpha, limit, out.get(), ws.get(), cuda::stream());
         const std::vector<uint16_t> got = out.download<uint16_t>(c.tokens * c.hidden);
-        const BoundedReference ref = decode_reference(x, routing, gu_bf16, down_bf16, c.tokens, c.hidden, c.inter,
-                                                      kind, alpha, limit);
+        const BoundedReference ref = experts_reference(x, routing, gu_bf16, down_bf16, c.tokens, c.hidden, c.inter,
+                                                       kind, alpha, limit);
         EXPECT_TRUE(within_bound(test::from_bf16(got), ref));
         EXPECT_LT(test::rel_error(test::from_bf16(got), ref.out), 1e-2);
         out.poison();
@@ -587,8 +549,8 @@ TEST(CudaMoe, DecodePathMatchesReference) {
           return out.download<uint16_t>(c.tokens * c.hidden);
         };
         const std::vector<uint16_t> got = run();
-        const BoundedReference ref = decode_reference(x, routing, gu_exact, down_exact, c.tokens, c.hidden, c.inter,
-                                                      kind, alpha, limit);
+        const BoundedReference ref = experts_reference(x, routing, gu_exact, down_exact, c.tokens, c.hidden, c.inter,
+                                                       kind, alpha, limit);
         EXPECT_TRUE(within_bound(test::from_bf16(got), ref));
         EXPECT_LT(test::rel_error(test::from_bf16(got), ref.out), 1e-2);
         EXPECT_EQ(run(), got);  // deterministic
@@ -606,7 +568,7 @@ TEST(CudaMoe, DecodePathMatchesReference) {
           std::vector<float> gu_w, down_w;
           dequantise(g, c.experts, c.hidden, c.inter, false, gu_w, down_w);
           const std::vector<float> out_w = experts_reference(x, routing, gu_w, down_w, c.tokens, c.hidden, c.inter,
-                                                             kind, alpha, limit);
+                                                             kind, alpha, limit).out;
           size_t outside = 0;
           for (size_t i = 0; i < out_w.size(); ++i)
             if (std::fabs(double(out_w[i]) - ref.out[i]) > ref.bound[i]) ++outside;
