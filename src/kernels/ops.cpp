@@ -13,6 +13,7 @@
 #include "kernels/cuda/elementwise/elementwise.h"
 #include "kernels/cuda/gemm/gemm.h"
 #include "kernels/cuda/gemm/gemm_fp8.h"
+#include "kernels/cuda/gemm/gemm_skinny.h"
 #include "kernels/cuda/moe/moe.h"
 #include "kernels/cuda/runtime/device.h"
 #include "kernels/cuda/sampling/sampling.h"
@@ -61,7 +62,29 @@ Tensor linear(const Tensor& x, const Tensor& w, ScalarType out_type) {
   const int64_t rows = x.numel() / in;
   Tensor y = Tensor::empty({rows, out}, out_type, x.device());
   if (rows == 0) return y;
-  if (w.type() == ScalarType::F8E4M3) {
+  const bool fp8 = w.type() == ScalarType::F8E4M3;
+  // Decode-sized products (at most 8 rows: the n of the kernel's mma.m16n8k16) stream the weights through
+  // the skinny kernel (gemm_skinny.h; cuBLASLt reaches 5-57% of HBM at these sizes, bench/results/kernels.md):
+  // bf16 activations against bf16 or FP8 weights (the activations are not quantised to FP8 there), whenever
+  // its size and alignment requirements hold; otherwise cuBLASLt as below.
+  if (rows <= cuda::kSkinnyMaxRows && x.type() == ScalarType::BF16 &&
+      (fp8 ? w.block_scales().defined() : w.type() == ScalarType::BF16)) {
+    const float* scales = fp8 ? w.block_scales().as<float>() : nullptr;
+    if (cuda::gemm_skinny_unsupported(rows, out, in, fp8, x.raw(), in, w.raw(), scales, y.raw(), elem(y), out) ==
+        nullptr) {
+      const size_t ws_bytes = cuda::gemm_skinny_workspace_bytes(rows, out, in, fp8);
+      Tensor ws = ws_bytes > 0 ? Tensor::empty({int64_t(ws_bytes)}, ScalarType::U8, x.device()) : Tensor();
+      void* ws_ptr = ws_bytes > 0 ? ws.raw() : nullptr;
+      if (fp8)
+        cuda::gemm_skinny_fp8(rows, out, in, x.raw(), in, w.as<uint8_t>(), scales, y.raw(), elem(y), out, ws_ptr,
+                              ws_bytes, cuda::stream());
+      else
+        cuda::gemm_skinny_bf16(rows, out, in, x.raw(), in, w.raw(), y.raw(), elem(y), out, ws_ptr, ws_bytes,
+                               cuda::stream());
+      return y;
+    }
+  }
+  if (fp8) {
     // An FP8 checkpoint's weight (Checkpoint::take_linear): the activations are quantised per 128
     // columns and the product runs on the FP8 tensor cores with both block scales.
     SPARROW_CHECK(x.type() == ScalarType::BF16 && w.block_scales().defined(),

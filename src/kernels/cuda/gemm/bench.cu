@@ -2,6 +2,9 @@
 // GPU path runs at (compute-bound for prefill-sized m, memory-bound on the weights for decode-sized m).
 // gemm_fp8: the FP8 block-scaled product (gemm_fp8.h, activation quantisation included) at
 // DeepSeek-V3.2's projection shapes, each beside the bf16 product of the same shape in the same run.
+// gemm_skinny: the decode-sized products (m = 1, 4, 8) of gemm_skinny.h at DeepSeek-V3.2's, MiniMax-M3.1's
+// and the lm_heads' shapes, bf16 and FP8, each beside cuBLASLt on the same operands in the same run
+// (rows cublaslt_bf16 / cublaslt_fp8: gemm_nt, gemm_fp8_block_scaled), the limit bytes / 4.3 TB/s.
 #include <cuda_bf16.h>
 
 #include <string>
@@ -10,6 +13,7 @@
 #include "kernels/cuda/bench_random.cuh"
 #include "kernels/cuda/gemm/gemm.h"
 #include "kernels/cuda/gemm/gemm_fp8.h"
+#include "kernels/cuda/gemm/gemm_skinny.h"
 #include "kernels/cuda/kernel_bench.h"
 #include "kernels/cuda/runtime/cuda_check.h"
 #include "kernels/cuda/runtime/device.h"
@@ -94,9 +98,104 @@ KernelBenchRow fp8_row(const std::string& shape, int64_t m, int64_t n, int64_t k
   return row;
 }
 
+// The skinny product and cuBLASLt on the same operands: y[m, n] = x[m, k] · W[n, k]ᵀ, W bf16 or e4m3 with
+// 128x128 fp32 block scales, x and y bf16. Minimum traffic: W (and its scales), x in, y out; the skinny
+// path's split-K partial sums and cuBLASLt's quantised copy of x are overheads, not counted.
+void skinny_rows(const std::string& shape, int64_t m, int64_t n, int64_t k, bool fp8, int iterations,
+                 std::vector<KernelBenchRow>& rows) {
+  const int64_t scale_count = fp8 ? ((n + 127) / 128) * ((k + 127) / 128) : 0;
+  void* x = device_alloc(m * k * 2);
+  void* w = device_alloc(n * k * (fp8 ? 1 : 2));
+  auto* s = fp8 ? static_cast<float*>(device_alloc(scale_count * 4)) : nullptr;
+  void* y = device_alloc(m * n * 2);
+  const size_t ws_bytes = gemm_skinny_workspace_bytes(m, n, k, fp8);
+  void* ws = ws_bytes ? device_alloc(ws_bytes) : nullptr;
+  fill_bf16<<<1024, 256, 0, stream()>>>(static_cast<__nv_bfloat16*>(x), m * k, 1);
+  if (fp8) {
+    fill_e4m3<<<1024, 256, 0, stream()>>>(static_cast<uint8_t*>(w), n * k, 2);
+    fill_scales<<<64, 256, 0, stream()>>>(s, scale_count, 3);
+  } else {
+    fill_bf16<<<1024, 256, 0, stream()>>>(static_cast<__nv_bfloat16*>(w), n * k, 2);
+  }
+  SPARROW_CUDA_CHECK_LAUNCH();
+  const std::string dims = " m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k);
+  const double bytes = double(n * k) * (fp8 ? 1 : 2) + 4.0 * scale_count + 2.0 * m * k + 2.0 * m * n;
+  KernelBenchRow skinny;
+  skinny.kernel = fp8 ? "gemm_skinny_fp8" : "gemm_skinny_bf16";
+  skinny.shape = shape + dims;
+  skinny.median_us = median_launch_us(
+      [&](cudaStream_t st) {
+        if (fp8)
+          gemm_skinny_fp8(m, n, k, x, k, static_cast<const uint8_t*>(w), s, y, ElemType::BF16, n, ws, ws_bytes, st);
+        else
+          gemm_skinny_bf16(m, n, k, x, k, w, y, ElemType::BF16, n, ws, ws_bytes, st);
+      },
+      stream(), iterations);
+  skinny.bytes = bytes;
+  skinny.flops = 2.0 * m * n * k;
+  skinny.note = std::string("weights streamed once, mma.sync from registers, fp32 accumulation") +
+                (fp8 ? ", bf16 x (not quantised), e4m3 W with 128x128 scales" : ", bf16") +
+                (ws_bytes ? ", K split over the grid + fixed-order reduction" : "");
+  rows.push_back(skinny);
+  KernelBenchRow lt;
+  lt.kernel = fp8 ? "cublaslt_fp8" : "cublaslt_bf16";
+  lt.shape = shape + dims;
+  lt.median_us = median_launch_us(
+      [&](cudaStream_t st) {
+        if (fp8) {
+          gemm_fp8_block_scaled(m, n, k, x, k, static_cast<const uint8_t*>(w), s, y, ElemType::BF16, n, st);
+        } else {
+          const GemmOperand gx{x, ElemType::BF16, k, 0}, gw{w, ElemType::BF16, k, 0};
+          gemm_nt(m, n, k, gx, gw, GemmOutput{y, ElemType::BF16, n, 0}, 1.0f, 0.0f, 1, st);
+        }
+      },
+      stream(), iterations);
+  lt.bytes = bytes;
+  lt.flops = skinny.flops;
+  lt.note = fp8 ? "cuBLASLt beside gemm_skinny_fp8: x quantised per 1x128 in the call, FP8 tensor cores"
+                : "cuBLASLt beside gemm_skinny_bf16";
+  rows.push_back(lt);
+  device_free(x);
+  device_free(w);
+  device_free(s);
+  device_free(y);
+  device_free(ws);
+}
+
 }  // namespace
 
 void bench_gemm(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows) {
+  if (wanted(options, "gemm_skinny")) {  // --filter gemm_skinny: these rows only (cuBLASLt ones included)
+    struct Proj {
+      const char* name;
+      int64_t n, k;
+      bool fp8_too;  // the lm_heads are bf16 in the checkpoints
+    };
+    // [out, in] as stored. DeepSeek-V3.2: hidden 7168, q_lora 1536, 128 heads x (128 + 64) q, kv_lora 512 +
+    // rope 64, 128 x 128 v into o_proj, shared expert intermediate 2048, vocab 129280. MiniMax-M3.1: hidden
+    // 6144, 64 x 128 q heads, 4 x 128 kv heads, vocab 200064.
+    std::vector<Proj> projs = {{"deepseek_v3.2 q_a_proj", 1536, 7168, true},
+                               {"deepseek_v3.2 q_b_proj", 24576, 1536, true},
+                               {"deepseek_v3.2 kv_a_proj_with_mqa", 576, 7168, true},
+                               {"deepseek_v3.2 o_proj", 7168, 16384, true},
+                               {"deepseek_v3.2 shared expert gate_up", 4096, 7168, true},
+                               {"deepseek_v3.2 shared expert down", 7168, 2048, true},
+                               {"minimax_m3.1 q_proj", 8192, 6144, true},
+                               {"minimax_m3.1 k_proj / v_proj", 512, 6144, true},
+                               {"minimax_m3.1 o_proj", 6144, 8192, true},
+                               {"minimax_m3.1 lm_head", 200064, 6144, false},
+                               {"deepseek_v3.2 lm_head", 129280, 7168, false}};
+    std::vector<int64_t> ms = {1, 4, 8};
+    if (options.quick) {
+      projs = {projs[2], projs[3]};
+      ms = {1};
+    }
+    for (const Proj& p : projs)
+      for (int64_t m : ms) {
+        if (p.fp8_too) skinny_rows(p.name, m, p.n, p.k, true, options.iterations, rows);
+        skinny_rows(p.name, m, p.n, p.k, false, options.iterations, rows);
+      }
+  }
   if (wanted(options, "gemm_fp8")) {
     struct Proj {
       const char* name;

@@ -3,6 +3,10 @@
 //   y[m, n] = alpha * x[m, k] · w[k, n]   + beta * y      (gemm_nn)
 // Operands are bf16 (tensor cores, fp32 accumulation); y is bf16 or fp32. Strided-batched forms run
 // `batch` independent products (per-head products of MLA's absorbed weights).
+//
+// Decode-sized products (m <= 8) reach only a fraction of HBM bandwidth through cuBLASLt; ops::linear sends
+// them to gemm_skinny_bf16 (gemm_skinny.h) instead: the same product, weights streamed once, fp32
+// accumulation in another order (within rounding of this one), y bf16 or fp32.
 #pragma once
 #include <cuda_runtime_api.h>
 

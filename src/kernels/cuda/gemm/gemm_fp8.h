@@ -8,6 +8,13 @@
 // https://docs.nvidia.com/cuda/cublas/#element-1d-and-128x128-2d-block-scaling-for-fp8-data-types).
 // These scale modes exist on sm_90 only, from cuBLAS 12.9 on.
 //
+// Small m (ops::linear at m <= 8) takes gemm_skinny_fp8 (gemm_skinny.h) instead, a weight-streaming
+// product that does NOT quantise the activations: bf16 x times each e4m3 weight converted exactly to bf16,
+// fp32 sums per 128-column block, each multiplied by its block scale into an fp32 accumulator. Its
+// result is within fp32-accumulation rounding of x · (dequantised W)ᵀ (slightly closer to it than this
+// path, which adds the activations' 1x128-block e4m3 rounding), not bit-identical to this path. At m <= 8
+// the product is bound by reading W; x's precision costs nothing there, and the quantising launch is gone.
+//
 // Scale layouts (fp32 everywhere):
 //   * Weights, w_scales: row-major [ceil(n / 128), ceil(k / 128)], exactly a checkpoint's
 //     weight_scale_inv. cuBLASLt's CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F wants, for A, "K-major"

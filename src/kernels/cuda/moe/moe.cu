@@ -18,10 +18,11 @@
 // Steps 1 and 4 are shared; steps 2 and 3 take one of three paths, chosen on the host from the sizes
 // alone (moe_experts_path in moe.h; the same for bf16 and FP8 weights):
 //   - Decode (use_decode: at most 8 rows per expert on average, i.e. tokens·top_k <= 8·experts: decode
-//     steps, DeepSeek-V3.2 and MiniMax-M3.1 up to 256 tokens, Kimi K3.1 Pro up to 896): dec:: below, a
-//     memory-bound streaming kernel. The schedule holds one tile per touched expert; a CTA takes (expert,
-//     group of output rows), each warp 16 weight rows that it streams from HBM with 16-byte loads, 4
-//     slabs in flight, the expert's activation rows (up to 8 per pass, any count by looping) staged in
+//     steps, DeepSeek-V3.2 and MiniMax-M3.1 up to 256 tokens, Kimi K3.1 Pro up to 896): skinny::kernel
+//     (kernels/cuda/gemm/skinny.cuh, shared with the dense decode-sized products of gemm_skinny.h) with
+//     the two jobs of dec:: below, a memory-bound streaming kernel. The schedule holds one tile per
+//     touched expert; a CTA takes (expert, group of output rows), each warp 16 weight rows that it streams
+//     from HBM with 16-byte loads, 4 slabs in flight, the expert's activation rows (up to 8 per pass, any count by looping) staged in
 //     shared memory, products on mma.sync m16n8k16 straight from registers, fp32 accumulation; FP8
 //     block scales are applied to each 128-column block's partial sum. Not bit-identical to the tiled
 //     paths (moe.h says what each guarantees).
@@ -52,6 +53,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/cuda/gemm/skinny.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/runtime/cuda_check.h"
 
@@ -832,60 +834,27 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
 }  // namespace wg
 
 // ------------------------------------------------------------------------------------------------
-// Decode: few rows per expert, the products streamed from HBM (dec:: below, use_decode)
+// Decode: few rows per expert, the products streamed from HBM (use_decode)
 // ------------------------------------------------------------------------------------------------
 //
-// With at most 8 rows per expert (decode steps) the products are bound by reading the touched experts'
-// weights once (DeepSeek-V3.2 at 1 token: 8 experts x 44 MB of e4m3 = 82 us at 4.3 TB/s); the 64-row
-// tiles above would be mostly padding, their grid only (experts touched) x (N / 64) CTAs. Here:
+// The kernel is skinny::kernel (gemm/skinny.cuh: its comment says how it streams the weights and why),
+// shared with the dense decode-sized products; the two jobs below tell it where an expert's rows and
+// weights are and what to do with the sums:
 //   - grid (expert slot, group of output rows): the schedule is built with one tile per touched expert
 //     (schedule_kernel with bm = pairs), blockIdx.x indexes it; the grid's x is a host-side bound
 //     (min(pairs, experts)) and surplus CTAs exit. blockIdx.y: `warps` consecutive 16-row weight groups.
-//   - a warp owns one group of 16 weight rows: gate/up: gate rows i and up rows i of 8 outputs
-//     i = 8 group + g (so each lane holds the gate and the up sum of the same (row, output), and the
-//     activation is fused); down: 16 rows of out = 16 outputs. It walks K in slabs of 64 bytes per row:
-//     lane (g = lane / 4, t = lane % 4) reads 16 bytes (16 e4m3 codes or 8 bf16) at byte 64 s + 16 t of
-//     weight rows g and g + 8 (one instruction: 8 rows x 64 contiguous bytes, whole 32-byte sectors),
-//     streamed past L1 (ld.global.nc.L1::no_allocate), U = 4 slabs in flight per lane (a register
-//     ring: slab s + U is requested when slab s is used);
-//   - the expert's activation rows (x rows gathered through sorted_pair for gate/up, h rows for down), up
-//     to `rows` of them (<= 8) per pass, are staged once per pass into shared memory (bf16, cp.async,
-//     issued after the first weight slabs are requested), row pitch padded so that the fragment reads
-//     below are free of bank conflicts; an expert with more rows loops over passes of `rows` rows
-//     (re-reading its weights), so any routing (all tokens on one expert included) is handled;
-//   - products on the tensor cores, mma.sync m16n8k16 (bf16 in, fp32 accumulators; PTX ISA "Matrix
-//     Fragments for mma.m16n8k16"): A = the 16 weight rows, B = up to 8 activation rows (n = token of
-//     the pass; rows past the pass are zero), C = 16 x 8 fp32. A dot product does not depend on the order
-//     of k, so each lane's own 16-byte pieces are its fragment: in mma j of a slab, lane t's k = 2t, 2t+1
-//     are its columns 4j, 4j+1 and k = 2t+8, 2t+9 its columns 4j+2, 4j+3 -- the same assignment for the
-//     weights (A) and the activations (B), so no shuffles and no shared-memory staging of the weights.
-//     FP8: e4m3 pairs -> bf16 pairs with cuda_fp8.h's x2 conversion (exact: e4m3 values are bf16
-//     values); each 128-column block (two slabs) accumulates on the raw codes, and the block partial is
-//     then multiplied by its scale into the fp32 accumulator (moe.h's Decode contract).
-//   - epilogue from the accumulators: lane (g, t) holds rows g, g + 8 for tokens 2t, 2t + 1.
-// Why the tensor cores and not FMAs: at 1.9 GHz an SM must take ~17 weight bytes per clock for 4.3 TB/s
-// (32.6 GB/s per SM), i.e. a warp's 512-byte load instruction buys at most ~30 clocks x 4 schedulers =
-// ~120 issue slots, ~120 instructions per lane per 16 bytes (7.5 per byte). With FMAs, 16 e4m3 codes x 8
-// rows are 128 FFMA per 16 bytes (H200 fp32 peak ~67 TFLOP/s vs 2 x 8 x 4.3e12 = 69 TFLOP/s needed):
-// compute-bound at 8 rows. Here, per slab (32 weight bytes per lane), FP8: 2 LDG.128, 16 e4m3x2 -> f16x2,
-// 32 f16 -> f32 and 16 f32x2 -> bf16x2 conversions, 4 mma, 2 LDS.128 of activations, 2 scale loads, ~2
-// FFMA (the block scale, every other slab), address and loop arithmetic: ~110 instructions in the SASS
-// (sm_90a, nvcc 13.0), ~55 per 16 bytes = 3.4 per byte whatever the rows, ~45% of the issue budget.
-// bf16 weights, no conversion: ~45 per slab, 1.4 per byte. Tensor-core rate needed: 2 x 16 x 8 x 16 FLOP
-// per 256 bytes of e4m3 = 16 FLOP/B, 69 TFLOP/s at 4.3 TB/s, a small fraction of mma.sync's rate (the 4
-// dependent mma per slab and warp, ~30 clocks each, are covered by the other warps). Shared memory: per
-// slab a lane reads 32 (FP8) or 16 (bf16) bytes of activations for 32 weight bytes, well under 128
-// B/clock per SM. Bytes in flight: U = 4 slabs x 2 rows x 512 B = 4 KB per warp; registers (FP8: 109-116
-// per thread, bf16: 74-76) leave 16 (FP8) or ~24 (bf16) warps per SM: 64-96 KB, twice or more the ~30 KB
-// per SM that 4.3 TB/s x ~1 us of loaded latency needs.
+//     One K range (the whole row): every output is one sum over K in a fixed order.
+//   - gate/up: a warp's 16 rows are gate rows i and up rows i of 8 outputs i = 8 group + g, so each lane
+//     holds the gate and the up sum of the same (row, output) and activation() is applied in the store;
+//     the activation rows are x[token(sorted_pair[r])], gathered.
+//   - down: 16 rows of y = 16 outputs, the h rows in sorted order, the pair weight applied in the store.
 namespace dec {
 
-constexpr int MAX_ROWS = 8;             // rows per pass: the n of mma.m16n8k16
-constexpr int U = 4;                    // slabs in flight per lane
-constexpr int MAX_THREADS = 256;        // 4 or 8 warps per CTA (decode_plan)
-constexpr int SMEM_CAP = 113 * 1024;    // two CTAs per SM fit (228 KB per SM, 1 KB reserved per CTA)
+using skinny::LaneRows;
+using skinny::Slice;
 
-struct Args {
+// Fields common to both products (skinny::kernel's Job interface).
+struct Base {
   const Tile* tiles;           // one tile per touched expert: (expert, first sorted row, end)
   const int32_t* num_tiles;
   const int32_t* sorted_pair;
@@ -901,194 +870,77 @@ struct Args {
   int pitch;                   // bytes between staged activation rows
   GluKind kind;
   float alpha, limit;
+
+  __device__ bool slice(Slice& s) const {
+    if (int(blockIdx.x) >= *num_tiles) return false;  // a surplus slot: fewer experts touched than the bound
+    const Tile tile = tiles[blockIdx.x];
+    s = Slice{tile.expert, tile.begin, tile.end};
+    return true;
+  }
 };
 
-// 16 weight bytes, read once: no L1 allocation (nothing else reads them in this kernel), and the L2 asked
-// to fetch the whole aligned 256-byte block around them (the row's next pieces are this lane's next
-// slabs, past a row's end the next row's first; an aligned block never straddles a page, so a prefetch
-// past the tensor's end cannot fault).
-__device__ __forceinline__ uint4 ldg_stream(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-// The two e4m3 codes in the low 16 bits of `two` (lower byte first) as a bf16 pair: e4m3 -> f16 exact
-// (cvt.rn.f16x2.e4m3x2), f16 -> f32 exact, f32 -> bf16 exact (an e4m3 value has 4 significant bits and
-// an exponent in [-9, 8]).
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two) {
-  const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xffffu), __NV_E4M3);
-  const float2 f = __half22float2(__half2(hr));
-  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
-  uint32_t bits;
-  memcpy(&bits, &b, sizeof(bits));
-  return bits;
-}
-
-// GATE_UP: h[row] = act(x[token(row)] · gate[e]ᵀ, x[token(row)] · up[e]ᵀ)   (K = hidden, N = inter);
-// else:    y[row] = bf16(weight[pair(row)] · (h[row] · down[e]ᵀ))          (K = inter, N = hidden).
-template <bool GATE_UP, bool FP8>
-__global__ void __launch_bounds__(MAX_THREADS) kernel(const Args p) {
-  extern __shared__ __align__(16) uint8_t act_smem[];  // [rows][pitch] bf16 activation rows
-  if (int(blockIdx.x) >= *p.num_tiles) return;  // a surplus slot: fewer experts touched than the bound
-  const Tile tile = p.tiles[blockIdx.x];
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, t = lane % 4;
-  const int64_t group = int64_t(blockIdx.y) * (blockDim.x / 32) + warp;
-  const int64_t K = p.K, N = p.N;
-  constexpr int64_t ES = FP8 ? 1 : 2;        // bytes per weight
-  const int64_t row_bytes = K * ES;           // a multiple of 16 (moe.h: K % 16 (FP8) / K % 8 (bf16))
-  const int nslabs = int((row_bytes + 63) / 64);
-
-  // This lane's two weight rows (of the expert's [NB * N, K] matrix) and whether they exist. gate/up:
-  // N % 8 == 0, so a group either lies inside [0, N) or past it; down: the last group may be partial
-  // (bf16 with hidden % 16 == 8).
-  int64_t lo, hi;
-  bool active, lo_ok, hi_ok;
-  if constexpr (GATE_UP) {
-    lo = 8 * group + g;
-    hi = N + lo;
-    active = lo_ok = hi_ok = 8 * group < N;
-  } else {
-    lo = 16 * group + g;
-    hi = lo + 8;
-    active = 16 * group < N;
-    lo_ok = lo < N;
-    hi_ok = hi < N;
-  }
-  const uint8_t* w_exp = static_cast<const uint8_t*>(p.w) + int64_t(tile.expert) * (GATE_UP ? 2 : 1) * N * row_bytes;
-  const uint8_t* w_lo = w_exp + lo * row_bytes + t * 16;
-  const uint8_t* w_hi = w_exp + hi * row_bytes + t * 16;
-  // FP8 block scales of the two rows, one per 128 columns (moe.h). gate/up: row lo is gate row i and row
-  // hi up row i, each half with its own [ceil(N/128), ceil(K/128)] scales; i in [8 group, 8 group + 8),
-  // inside one 128-row block. down: rows 16 group .. 16 group + 15, inside one 128-row block.
-  const float* s_lo = nullptr;
-  const float* s_hi = nullptr;
-  if constexpr (FP8) {
-    const int64_t kb = (K + 127) / 128, nb = (N + 127) / 128;
-    if constexpr (GATE_UP) {
-      s_lo = p.w_scales + ((int64_t(tile.expert) * 2 + 0) * nb + (8 * group) / 128) * kb;
-      s_hi = p.w_scales + ((int64_t(tile.expert) * 2 + 1) * nb + (8 * group) / 128) * kb;
-    } else {
-      s_lo = p.w_scales + (int64_t(tile.expert) * nb + (16 * group) / 128) * kb;
-    }
-  }
-
-  // The ring: slab s lives in slot s % U (u below is always a compile-time index after unrolling).
-  uint4 r_lo[U], r_hi[U];
-  float c_lo[U], c_hi[U];
-  auto load = [&](int u, int s) {
-    const int64_t off = int64_t(s) * 64;
-    const bool in = off + t * 16 < row_bytes;  // the lane's 16 bytes are all in or all out of the row
-    r_lo[u] = in && lo_ok ? ldg_stream(w_lo + off) : make_uint4(0, 0, 0, 0);
-    r_hi[u] = in && hi_ok ? ldg_stream(w_hi + off) : make_uint4(0, 0, 0, 0);
+// h[row] = act(x[token(row)] · gate[e]ᵀ, x[token(row)] · up[e]ᵀ)   (K = hidden, N = inter).
+template <bool FP8>
+struct GateUp : Base {
+  static constexpr bool SPLIT_K = false, TWO_SCALE_ROWS = true;
+  // Row lo is gate row i and row hi up row i, i = 8 group + g; N % 8 == 0, so a group either lies inside
+  // [0, N) or past it. FP8: each half has its own [ceil(N/128), ceil(K/128)] scales; i in [8 group,
+  // 8 group + 8), inside one 128-row block.
+  __device__ LaneRows lane_rows(const Slice& s, int64_t group, int g) const {
+    const int64_t row_bytes = K * (FP8 ? 1 : 2);
+    const uint8_t* w_exp = static_cast<const uint8_t*>(w) + int64_t(s.index) * 2 * N * row_bytes;
+    LaneRows r{};
+    r.lo_col = 8 * group + g;
+    r.hi_col = r.lo_col;
+    r.lo = w_exp + r.lo_col * row_bytes;
+    r.hi = w_exp + (N + r.lo_col) * row_bytes;
+    r.active = r.lo_ok = r.hi_ok = 8 * group < N;
     if constexpr (FP8) {
-      c_lo[u] = __ldg(s_lo + s / 2);  // slab s (64 columns) lies in block s / 2
-      c_hi[u] = GATE_UP ? __ldg(s_hi + s / 2) : c_lo[u];
+      const int64_t kb = (K + 127) / 128, nb = (N + 127) / 128;
+      r.s_lo = w_scales + ((int64_t(s.index) * 2 + 0) * nb + (8 * group) / 128) * kb;
+      r.s_hi = w_scales + ((int64_t(s.index) * 2 + 1) * nb + (8 * group) / 128) * kb;
     }
-  };
-
-  const int R = p.rows, pitch = p.pitch;
-  for (int first = tile.begin; first < tile.end; first += R) {  // one pass per `R` rows of the expert
-    const int rows = min(R, tile.end - first);
-    if (active) {
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (u < nslabs) load(u, u);
-    }
-    // Stage the pass's activation rows, warp w rows w, w + warps, ... (the rows' indices are read in
-    // parallel); K % 8 == 0: whole 16-byte pieces of 16-byte aligned rows.
-    for (int r = warp; r < rows; r += int(blockDim.x / 32)) {
-      const bf16* src = GATE_UP ? p.a + int64_t(p.sorted_pair[first + r] / p.top_k) * K : p.a + int64_t(first + r) * K;
-      for (int64_t c = lane; c < K / 8; c += 32) cp_async16(act_smem + r * pitch + c * 16, src + c * 8, true);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-
-    if (active) {
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // FP8: the current 128-column block's raw sums
-      const uint8_t* a_row = act_smem + g * pitch;
-      const bool has_row = g < rows;  // token g of the pass exists (B column g)
-#pragma unroll 1
-      for (int s0 = 0; s0 < nslabs; s0 += U) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int s = s0 + u;
-          if (s >= nslabs) break;
-          const int64_t off = int64_t(s) * 64 + t * 16;  // the lane's byte offset in its weight rows
-          constexpr int J = FP8 ? 4 : 2;                 // mmas per slab: 4 columns of the lane's piece each
-          // B: the lane's columns of token g, as bf16 pairs (zero past the pass's rows or past K, so that
-          // garbage never meets the zero weights there).
-          uint32_t b[2 * J];
-          if (has_row && off < row_bytes) {
-            const uint8_t* src = a_row + off * (2 / ES);  // bf16 activations: 2 / ES bytes per weight byte
-            const uint4 v0 = *reinterpret_cast<const uint4*>(src);
-            b[0] = v0.x, b[1] = v0.y, b[2] = v0.z, b[3] = v0.w;
-            if constexpr (FP8) {
-              const uint4 v1 = *reinterpret_cast<const uint4*>(src + 16);
-              b[4] = v1.x, b[5] = v1.y, b[6] = v1.z, b[7] = v1.w;
-            }
-          } else {
-#pragma unroll
-            for (int i = 0; i < 2 * J; ++i) b[i] = 0;
-          }
-          // A: the weight pieces of rows lo and hi as bf16 pairs (pair i = the piece's columns 2i, 2i + 1).
-          uint32_t a_lo[2 * J], a_hi[2 * J];
-          const uint32_t w_lo4[4] = {r_lo[u].x, r_lo[u].y, r_lo[u].z, r_lo[u].w};
-          const uint32_t w_hi4[4] = {r_hi[u].x, r_hi[u].y, r_hi[u].z, r_hi[u].w};
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            if constexpr (FP8) {
-              a_lo[2 * i] = e4m3x2_to_bf16x2(w_lo4[i]);
-              a_lo[2 * i + 1] = e4m3x2_to_bf16x2(w_lo4[i] >> 16);
-              a_hi[2 * i] = e4m3x2_to_bf16x2(w_hi4[i]);
-              a_hi[2 * i + 1] = e4m3x2_to_bf16x2(w_hi4[i] >> 16);
-            } else {
-              a_lo[i] = w_lo4[i];
-              a_hi[i] = w_hi4[i];
-            }
-          }
-          // mma j: A regs {row g, k 2t..2t+1}, {row g+8, same k}, {row g, k 2t+8..2t+9}, {row g+8, same k}
-          // = pairs 2j (columns 4j, 4j+1) and 2j + 1 (columns 4j+2, 4j+3); B regs: the same pairs of token g.
-#pragma unroll
-          for (int j = 0; j < J; ++j) {
-            const uint32_t a[4] = {a_lo[2 * j], a_hi[2 * j], a_lo[2 * j + 1], a_hi[2 * j + 1]};
-            ptx::mma_bf16(FP8 ? part : acc, a, b[2 * j], b[2 * j + 1]);
-          }
-          if constexpr (FP8) {
-            if ((s & 1) || s == nslabs - 1) {  // the block's last slab: scale its partial into acc
-              acc[0] = __fmaf_rn(c_lo[u], part[0], acc[0]);
-              acc[1] = __fmaf_rn(c_lo[u], part[1], acc[1]);
-              acc[2] = __fmaf_rn(c_hi[u], part[2], acc[2]);
-              acc[3] = __fmaf_rn(c_hi[u], part[3], acc[3]);
-#pragma unroll
-              for (int i = 0; i < 4; ++i) part[i] = 0.0f;
-            }
-          }
-          if (s + U < nslabs) load(u, s + U);
-        }
-      }
-      // acc: {row lo, token 2t}, {row lo, token 2t+1}, {row hi, token 2t}, {row hi, token 2t+1}.
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const int n = 2 * t + q;
-        if (n >= rows) continue;
-        const int64_t row = first + n;
-        if constexpr (GATE_UP) {
-          p.out[row * N + lo] = __float2bfloat16_rn(activation(acc[q], acc[2 + q], p.kind, p.alpha, p.limit));
-        } else {
-          const float wgt = p.pair_weight[p.sorted_pair[row]];
-          if (lo_ok) p.out[row * N + lo] = __float2bfloat16_rn(__fmul_rn(wgt, acc[q]));
-          if (hi_ok) p.out[row * N + hi] = __float2bfloat16_rn(__fmul_rn(wgt, acc[2 + q]));
-        }
-      }
-    }
-    __syncthreads();  // the next pass restages the activation rows
+    return r;
   }
-}
+  __device__ const bf16* act_row(const Slice&, int64_t row) const {
+    return a + int64_t(sorted_pair[row] / top_k) * K;
+  }
+  __device__ void store(const Slice&, int64_t row, int64_t group, int g, float gate, float up) const {
+    out[row * N + 8 * group + g] = __float2bfloat16_rn(activation(gate, up, kind, alpha, limit));
+  }
+};
+
+// y[row] = bf16(weight[pair(row)] · (h[row] · down[e]ᵀ))   (K = inter, N = hidden).
+template <bool FP8>
+struct Down : Base {
+  static constexpr bool SPLIT_K = false, TWO_SCALE_ROWS = false;
+  // Rows 16 group + g and + 8 (inside one 128-row scale block); the last group may be partial (bf16 with
+  // hidden % 16 == 8).
+  __device__ LaneRows lane_rows(const Slice& s, int64_t group, int g) const {
+    const int64_t row_bytes = K * (FP8 ? 1 : 2);
+    const uint8_t* w_exp = static_cast<const uint8_t*>(w) + int64_t(s.index) * N * row_bytes;
+    LaneRows r{};
+    r.lo_col = 16 * group + g;
+    r.hi_col = r.lo_col + 8;
+    r.lo = w_exp + r.lo_col * row_bytes;
+    r.hi = w_exp + r.hi_col * row_bytes;
+    r.active = 16 * group < N;
+    r.lo_ok = r.lo_col < N;
+    r.hi_ok = r.hi_col < N;
+    if constexpr (FP8) {
+      const int64_t kb = (K + 127) / 128, nb = (N + 127) / 128;
+      r.s_lo = r.s_hi = w_scales + (int64_t(s.index) * nb + (16 * group) / 128) * kb;
+    }
+    return r;
+  }
+  __device__ const bf16* act_row(const Slice&, int64_t row) const { return a + row * K; }
+  __device__ void store(const Slice&, int64_t row, int64_t group, int g, float lo, float hi) const {
+    const float wgt = pair_weight[sorted_pair[row]];
+    const int64_t lo_col = 16 * group + g, hi_col = lo_col + 8;
+    if (lo_col < N) out[row * N + lo_col] = __float2bfloat16_rn(__fmul_rn(wgt, lo));
+    if (hi_col < N) out[row * N + hi_col] = __float2bfloat16_rn(__fmul_rn(wgt, hi));
+  }
+};
 
 }  // namespace dec
 
@@ -1165,26 +1017,19 @@ bool use_wgmma(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidde
   return hidden % wg::BN == 0 && inter % 128 == 0 && tokens * top_k >= 32 * num_experts;
 }
 
-// The decode path's staged activation row pitch (bytes) for K columns. Lanes 0-7 of a fragment read
-// (one shared-memory phase of a 16-byte load) are tokens g = 0, 1 at the same 4 column pieces, so the
-// second row must land on the other banks: FP8: pieces of 32 bytes at stride 32 (row bytes 0-15 of each,
-// then 16-31): a pitch = 16 (mod 32) interleaves them; bf16: 64 contiguous bytes per row: a pitch = 64
-// (mod 128) puts the second row's 64 bytes on the other half of the banks.
-int64_t decode_pitch(int64_t K, bool fp8) { return fp8 ? 2 * K + 16 : (2 * K + 63) / 128 * 128 + 64; }
-
 // Decode steps: at most 8 rows per expert on average. The decode kernel reads each touched expert's
 // weights once per pass of up to 8 of its rows, the tiled kernels once per 64-row tile, so both read the
 // minimum while experts have <= 8 rows; the decode kernel streams at HBM speed (FP8: ~55 instructions per
-// 16 weight bytes, independent of the rows, against ~120 available; see dec::), the WMMA tiles reached 16-20%
+// 16 weight bytes, independent of the rows, against ~120 available; see gemm/skinny.cuh), the WMMA tiles reached 16-20%
 // of HBM (FP8) there. At 8 rows per expert on average with uniform routing (Poisson(8) rows), 41% of the
 // experts take two passes (~1.4x the bytes, still ahead of the tiled kernel's 31-32% at those sizes);
 // beyond that the passes grow and the tiles take over. Activation rows of both products must fit the
 // shared-memory budget (K up to ~57K).
 bool use_decode(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden, int64_t inter) {
   const int64_t pairs = tokens * top_k;
-  return pairs <= dec::MAX_ROWS * num_experts && pairs <= (int64_t(1) << 30) &&
-         std::max(decode_pitch(hidden, false), decode_pitch(hidden, true)) <= dec::SMEM_CAP &&
-         std::max(decode_pitch(inter, false), decode_pitch(inter, true)) <= dec::SMEM_CAP;
+  return pairs <= skinny::MAX_ROWS * num_experts && pairs <= (int64_t(1) << 30) &&
+         std::max(skinny::pitch_bytes(hidden, false), skinny::pitch_bytes(hidden, true)) <= skinny::SMEM_CAP &&
+         std::max(skinny::pitch_bytes(inter, false), skinny::pitch_bytes(inter, true)) <= skinny::SMEM_CAP;
 }
 
 }  // namespace
@@ -1197,46 +1042,27 @@ MoePath moe_experts_path(int64_t tokens, int64_t top_k, int64_t num_experts, int
 
 namespace {
 
-// Rows per pass, shared memory and CTA size of one decode product with K columns: up to 8 rows (never more
-// than the step's tokens: a router gives a token distinct experts, so an expert has at most `tokens`
-// rows; other routings just take more passes), within SMEM_CAP. 4 warps per CTA while >= 4 CTAs fit an SM
-// by shared memory (registers then allow 4 FP8 or 6 bf16 CTAs: 16-24 warps per SM), else 8 warps (two
-// CTAs of 112 KB at 8 rows x 7168 columns: 16 warps per SM, one CTA's staging overlapped by the other's
-// streaming).
-struct DecodePlan {
-  int rows, pitch, warps;
-  size_t smem;
-};
-DecodePlan decode_plan(int64_t tokens, int64_t K, bool fp8) {
-  DecodePlan d{};
-  d.pitch = int(decode_pitch(K, fp8));
-  d.rows = int(std::min<int64_t>({dec::MAX_ROWS, tokens, dec::SMEM_CAP / d.pitch}));
-  d.smem = size_t(d.rows) * size_t(d.pitch);
-  const size_t per_sm = (228 * 1024) / (d.smem + 1024);
-  d.warps = per_sm >= 4 ? 4 : 8;
-  return d;
-}
-
-// groups: 16-row weight groups per expert (gate/up: inter / 8; down: ceil(hidden / 16)); slots: the bound
-// on touched experts (min(pairs, experts)).
-template <bool GATE_UP, bool FP8>
-void launch_decode(const char* what, dec::Args args, int64_t slots, int64_t groups, int64_t tokens,
-                   cudaStream_t stream) {
+// One decode product (skinny::make_plan: up to 8 rows per pass -- never more than the step's tokens: a
+// router gives a token distinct experts, so an expert has at most `tokens` rows; other routings just take
+// more passes -- and 4 or 8 warps per CTA by shared memory). groups: 16-row weight groups per expert
+// (gate/up: inter / 8; down: ceil(hidden / 16)); slots: the bound on touched experts (min(pairs, experts)).
+template <class Job, bool FP8>
+void launch_decode(const char* what, Job job, int64_t slots, int64_t groups, int64_t tokens, cudaStream_t stream) {
   static const bool configured = [] {
-    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(dec::kernel<GATE_UP, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            dec::SMEM_CAP));
+    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(skinny::kernel<Job, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            skinny::SMEM_CAP));
     // All of the SM's 228 KB as shared memory, so that two 113 KB CTAs fit (the weights bypass L1).
-    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(dec::kernel<GATE_UP, FP8>, cudaFuncAttributePreferredSharedMemoryCarveout,
+    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(skinny::kernel<Job, FP8>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                             int(cudaSharedmemCarveoutMaxShared)));
     return true;
   }();
   (void)configured;
-  const DecodePlan plan = decode_plan(tokens, args.K, FP8);
-  args.rows = plan.rows;
-  args.pitch = plan.pitch;
+  const skinny::Plan plan = skinny::make_plan(tokens, job.K, FP8);
+  job.rows = plan.rows;
+  job.pitch = plan.pitch;
   const dim3 grid(unsigned(slots), unsigned((groups + plan.warps - 1) / plan.warps));
   SPARROW_CHECK(slots <= 0x7fffffff && grid.y <= 65535, what, ": decode grid too large");
-  dec::kernel<GATE_UP, FP8><<<grid, plan.warps * 32, plan.smem, stream>>>(args);
+  skinny::kernel<Job, FP8><<<grid, plan.warps * 32, plan.smem, stream>>>(job);
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -1308,12 +1134,12 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
   if (path == MoePath::Decode) {
     // At most min(pairs, experts) experts are touched (l.max_tiles >= that: the tile list fits).
     const int64_t slots = std::min<int64_t>(pairs, num_experts);
-    dec::Args up{tiles, num_tiles, sorted_pair, int(top_k), static_cast<const bf16*>(x), hidden, gate_up,
-                 gate_up_scales, inter, nullptr, h, 0, 0, glu_kind, alpha, limit};
-    launch_decode<true, FP8>(what, up, slots, inter / 8, tokens, stream);
-    dec::Args dn{tiles, num_tiles, sorted_pair, int(top_k), h, inter, down, down_scales, hidden, weights, y, 0, 0,
-                 glu_kind, alpha, limit};
-    launch_decode<false, FP8>(what, dn, slots, (hidden + 15) / 16, tokens, stream);
+    const dec::GateUp<FP8> up{{tiles, num_tiles, sorted_pair, int(top_k), static_cast<const bf16*>(x), hidden,
+                               gate_up, gate_up_scales, inter, nullptr, h, 0, 0, glu_kind, alpha, limit}};
+    launch_decode<dec::GateUp<FP8>, FP8>(what, up, slots, inter / 8, tokens, stream);
+    const dec::Down<FP8> dn{{tiles, num_tiles, sorted_pair, int(top_k), h, inter, down, down_scales, hidden, weights,
+                             y, 0, 0, glu_kind, alpha, limit}};
+    launch_decode<dec::Down<FP8>, FP8>(what, dn, slots, (hidden + 15) / 16, tokens, stream);
     combine_kernel<<<unsigned(tokens), 256, 0, stream>>>(y, pos_of_pair, int(top_k), hidden, static_cast<bf16*>(out));
     SPARROW_CUDA_CHECK_LAUNCH();
     return;

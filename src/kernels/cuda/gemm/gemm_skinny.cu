@@ -1,0 +1,226 @@
+// Decode-sized dense products on skinny::kernel (gemm_skinny.h says what they compute).
+//
+// Grid. A warp streams one group of 16 weight rows, and an SM needs ~30 KB of loads in flight for its
+// share of 4.3 TB/s (~1 us loaded latency x 32.6 GB/s); a warp has U = 4 slabs x 2 rows x 512 B = 4 KB in
+// flight, so the chip needs ~8+ streaming warps per SM, ~1000-2000 in all (registers allow 16 FP8 / ~24
+// bf16 warps per SM). Large matrices have that many groups (q_b 24576 rows: 1536; the lm_heads 8080-12504),
+// small ones do not (kv_a 576 rows: 36 groups = 36 warps, ~150 KB in flight on the whole chip: ~5% of HBM
+// at best). So K is split over blockIdx.z into `splits` ranges of chunk_slabs 64-byte slabs, enough that
+// groups x splits ~ 16 warps per SM (splits = SMs x 16 / groups, at most one range per 4 slabs -- one
+// ring fill -- and a range an even number of slabs, so that an FP8 128-column scale block lies in one
+// range). Each range's fp32 partial sums go to the workspace, [splits][m][n], and reduce_kernel adds them
+// in split order (fixed: the result is the same on every run) and rounds once to y's type. With one range
+// the kernel stores y itself. The partials cost splits x m x n x 8 bytes of traffic (written and read
+// back, mostly in L2): with ranges of at least 4 slabs (splits <= k x bytes per weight / 256) that is at
+// most m / 32 of the weights' bytes (25% at m = 8, 3% at m = 1), and a second launch (~2 us outside
+// graphs). Examples on 132 SMs (2112 warps wanted): kv_a 576x7168 e4m3: 36 groups, 28 ranges of 4 slabs
+// (1008 warps, bounded by the 4-slab minimum); q_a 1536x7168: 96 groups, 22 ranges of 6 slabs (19 ranges);
+// o_proj 7168x16384: 448 groups, 4 ranges; q_b 24576x1536 and the lm_heads: one range.
+//
+// Shared memory: a CTA stages only its K range of the m rows (skinny::make_plan: 4 warps per CTA while 4
+// CTAs fit an SM, else 8); a range is shortened until m rows of it fit skinny::SMEM_CAP.
+#include "kernels/cuda/gemm/gemm_skinny.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "kernels/cuda/gemm/skinny.cuh"
+#include "kernels/cuda/runtime/cuda_check.h"
+#include "kernels/cuda/runtime/device.h"
+
+namespace sparrow::cuda {
+
+namespace {
+
+using skinny::bf16;
+using skinny::LaneRows;
+using skinny::Slice;
+
+// skinny::kernel's Job for y[m, N] = x[m, K] · W[N, K]ᵀ (the MoE down product's row mapping, one slice).
+template <bool FP8>
+struct DenseJob {
+  static constexpr bool SPLIT_K = true;
+  static constexpr bool TWO_SCALE_ROWS = false;  // rows 16 group + g and + 8 share a 128-row scale block
+  int64_t K;
+  int rows, pitch, chunk_slabs;
+  const bf16* x;
+  int64_t ldx;
+  int m;
+  const uint8_t* w;
+  const float* w_scales;
+  int64_t N;
+  void* y;
+  int64_t ldy;
+  bool y_f32;
+  float* partial;  // splits > 1: [splits][m][N] fp32, else null (the store writes y)
+
+  __device__ bool slice(Slice& s) const {
+    s = Slice{0, 0, m};
+    return true;
+  }
+  __device__ LaneRows lane_rows(const Slice&, int64_t group, int g) const {
+    const int64_t row_bytes = K * (FP8 ? 1 : 2);
+    LaneRows r{};
+    r.lo_col = 16 * group + g;
+    r.hi_col = r.lo_col + 8;
+    r.lo = w + r.lo_col * row_bytes;
+    r.hi = w + r.hi_col * row_bytes;
+    r.active = 16 * group < N;
+    r.lo_ok = r.lo_col < N;
+    r.hi_ok = r.hi_col < N;
+    if constexpr (FP8) r.s_lo = r.s_hi = w_scales + ((16 * group) / 128) * ((K + 127) / 128);
+    return r;
+  }
+  __device__ const bf16* act_row(const Slice&, int64_t row) const { return x + row * ldx; }
+  __device__ void put(int64_t row, int64_t col, float v) const {
+    if (partial != nullptr) partial[(int64_t(blockIdx.z) * m + row) * N + col] = v;
+    else if (y_f32) static_cast<float*>(y)[row * ldy + col] = v;
+    else static_cast<bf16*>(y)[row * ldy + col] = __float2bfloat16_rn(v);
+  }
+  __device__ void store(const Slice&, int64_t row, int64_t group, int g, float lo, float hi) const {
+    const int64_t lo_col = 16 * group + g, hi_col = lo_col + 8;
+    if (lo_col < N) put(row, lo_col, lo);
+    if (hi_col < N) put(row, hi_col, hi);
+  }
+};
+
+// y[i][j] = Σ_s partial[s][i][j], s = 0, 1, ... in order (fp32), rounded once to y's type.
+__global__ void reduce_kernel(const float* partial, int splits, int m, int64_t n, void* y, int64_t ldy, bool y_f32) {
+  const int64_t total = int64_t(m) * n;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    float v = partial[e];
+    for (int s = 1; s < splits; ++s) v = __fadd_rn(v, partial[int64_t(s) * total + e]);
+    const int64_t i = e / n, j = e % n;
+    if (y_f32) static_cast<float*>(y)[i * ldy + j] = v;
+    else static_cast<bf16*>(y)[i * ldy + j] = __float2bfloat16_rn(v);
+  }
+}
+
+int sm_count() {
+  static const int count = [] {
+    int device = 0, v = 0;
+    SPARROW_CUDA_CHECK(cudaGetDevice(&device));
+    SPARROW_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
+    return std::max(v, 1);
+  }();
+  return count;
+}
+
+constexpr int kWarpsPerSmTarget = 16;  // FP8's register-limited residency; ~64 KB of loads in flight per SM
+
+struct DensePlan {
+  skinny::Plan cta;
+  int chunk_slabs, splits;
+  int64_t groups;
+};
+
+DensePlan dense_plan(int64_t m, int64_t n, int64_t k, bool fp8) {
+  const int64_t es = fp8 ? 1 : 2;
+  const int64_t nslabs = (k * es + skinny::SLAB - 1) / skinny::SLAB;
+  DensePlan p{};
+  p.groups = (n + 15) / 16;
+  const int64_t rows = std::clamp<int64_t>(m, 1, skinny::MAX_ROWS);
+  // The longest range whose m rows fit the shared-memory cap (pitch <= 2 cols + 127 in both layouts),
+  // in whole pairs of slabs.
+  const int64_t max_cols = (skinny::SMEM_CAP / rows - 127) / 2;
+  const int64_t max_chunk = std::max<int64_t>(2, max_cols * es / skinny::SLAB / 2 * 2);
+  const int64_t want = std::max<int64_t>(1, int64_t(sm_count()) * kWarpsPerSmTarget / p.groups);
+  const int64_t splits = std::clamp<int64_t>(want, 1, std::max<int64_t>(1, nslabs / skinny::U));
+  int64_t chunk = (nslabs + splits - 1) / splits;
+  chunk = std::min(max_chunk, (chunk + 1) / 2 * 2);
+  p.chunk_slabs = int(chunk);
+  p.splits = int((nslabs + chunk - 1) / chunk);
+  p.cta = skinny::make_plan(rows, chunk * skinny::SLAB / es, fp8);
+  return p;
+}
+
+bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+template <bool FP8>
+void run(const char* what, int64_t m, int64_t n, int64_t k, const void* x, int64_t ldx, const void* w,
+         const float* w_scales, void* y, ElemType y_type, int64_t ldy, void* workspace, size_t workspace_bytes,
+         cudaStream_t stream) {
+  if (const char* why = gemm_skinny_unsupported(m, n, k, FP8, x, ldx, w, w_scales, y, y_type, ldy))
+    fail(what, ": ", why, " (m=", m, " n=", n, " k=", k, " ldx=", ldx, " ldy=", ldy, ")");
+  if (m == 0) return;
+  const DensePlan plan = dense_plan(m, n, k, FP8);
+  const size_t need = gemm_skinny_workspace_bytes(m, n, k, FP8);
+  SPARROW_CHECK(need == 0 || (workspace != nullptr && workspace_bytes >= need && aligned(workspace, 16)), what,
+                ": needs a 16-byte aligned workspace of ", need, " bytes, got ", workspace_bytes);
+  if (stream == nullptr) stream = cuda::stream();
+  using Job = DenseJob<FP8>;
+  static const bool configured = [] {
+    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(skinny::kernel<Job, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            skinny::SMEM_CAP));
+    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(skinny::kernel<Job, FP8>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                            int(cudaSharedmemCarveoutMaxShared)));
+    return true;
+  }();
+  (void)configured;
+  const bool f32 = y_type == ElemType::F32;
+  float* partial = plan.splits > 1 ? static_cast<float*>(workspace) : nullptr;
+  const Job job{k,
+                plan.cta.rows,
+                plan.cta.pitch,
+                plan.chunk_slabs,
+                static_cast<const bf16*>(x),
+                ldx,
+                int(m),
+                static_cast<const uint8_t*>(w),
+                w_scales,
+                n,
+                y,
+                ldy,
+                f32,
+                partial};
+  const dim3 grid(1, unsigned((plan.groups + plan.cta.warps - 1) / plan.cta.warps), unsigned(plan.splits));
+  SPARROW_CHECK(grid.y <= 65535 && grid.z <= 65535, what, ": n=", n, " k=", k, " too large for the grid");
+  skinny::kernel<Job, FP8><<<grid, plan.cta.warps * 32, plan.cta.smem, stream>>>(job);
+  SPARROW_CUDA_CHECK_LAUNCH();
+  if (partial != nullptr) {
+    const int blocks = int(std::min<int64_t>((m * n + 255) / 256, 4 * int64_t(sm_count())));
+    reduce_kernel<<<blocks, 256, 0, stream>>>(partial, plan.splits, int(m), n, y, ldy, f32);
+    SPARROW_CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace
+
+const char* gemm_skinny_unsupported(int64_t m, int64_t n, int64_t k, bool fp8, const void* x, int64_t ldx,
+                                    const void* w, const float* w_scales, const void* y, ElemType y_type,
+                                    int64_t ldy) {
+  if (m < 0 || m > kSkinnyMaxRows) return "m must be in [0, 8]";
+  if (n < 1 || k < 1) return "n and k must be positive";
+  if (fp8 ? k % 16 != 0 : k % 8 != 0) return fp8 ? "k must be a multiple of 16" : "k must be a multiple of 8";
+  if (x == nullptr || w == nullptr || y == nullptr) return "null operand";
+  if (fp8 && w_scales == nullptr) return "null weight scales";
+  if (!aligned(x, 16) || !aligned(w, 16)) return "x and w must be 16-byte aligned";
+  if (ldx < k || ldx % 8 != 0) return "x row stride must be >= k and a multiple of 8 (16-byte aligned rows)";
+  if (fp8 && !aligned(w_scales, 4)) return "weight scales must be 4-byte aligned";
+  if (ldy < n) return "y row stride must be >= n";
+  if (!aligned(y, y_type == ElemType::F32 ? 4 : 2)) return "y must be aligned to its element size";
+  // Grid limits (blockIdx.y: groups of 4-8 warps of 16 rows; blockIdx.z: K ranges of >= 2 slabs).
+  if ((n + 15) / 16 > 65535 * 4 || (k * (fp8 ? 1 : 2) + 127) / 128 > 65535) return "n or k too large";
+  return nullptr;
+}
+
+size_t gemm_skinny_workspace_bytes(int64_t m, int64_t n, int64_t k, bool fp8) {
+  if (m <= 0 || n <= 0 || k <= 0) return 0;
+  const DensePlan plan = dense_plan(m, n, k, fp8);
+  return plan.splits > 1 ? size_t(plan.splits) * size_t(m) * size_t(n) * sizeof(float) : 0;
+}
+
+void gemm_skinny_bf16(int64_t m, int64_t n, int64_t k, const void* x_bf16, int64_t ldx, const void* w_bf16, void* y,
+                      ElemType y_type, int64_t ldy, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  run<false>("gemm_skinny_bf16", m, n, k, x_bf16, ldx, w_bf16, nullptr, y, y_type, ldy, workspace, workspace_bytes,
+             stream);
+}
+
+void gemm_skinny_fp8(int64_t m, int64_t n, int64_t k, const void* x_bf16, int64_t ldx, const uint8_t* w,
+                     const float* w_scales, void* y, ElemType y_type, int64_t ldy, void* workspace,
+                     size_t workspace_bytes, cudaStream_t stream) {
+  run<true>("gemm_skinny_fp8", m, n, k, x_bf16, ldx, w, w_scales, y, y_type, ldy, workspace, workspace_bytes,
+            stream);
+}
+
+}  // namespace sparrow::cuda

@@ -1,0 +1,293 @@
+// Skinny products: few activation rows (<= 8 per pass) against a big weight matrix, streamed from HBM.
+// One kernel template (skinny::kernel<Job, FP8>) serves the MoE decode path (moe/moe.cu: gate/up with the
+// activation fused, down with the pair weight; rows gathered per expert) and the dense decode-sized
+// products (gemm/gemm_skinny.cu, ops::linear at m <= 8). Device code only: include from .cu files.
+//
+// The products are bound by reading the weights once (DeepSeek-V3.2 at 1 token: 8 experts x 44 MB of e4m3
+// = 82 us at 4.3 TB/s; the 2.5 GB bf16 lm_head = 0.6 ms); tiled tensor-core GEMMs would be mostly
+// padding at these sizes. Here:
+//   - grid: blockIdx.x a slice (MoE: one touched expert, its rows; dense: the one matrix, all m rows),
+//     blockIdx.y `warps` consecutive 16-row weight groups, blockIdx.z a range of K (split-K, dense only:
+//     job.chunk_slabs slabs per z; the MoE jobs use one range, the whole row).
+//   - a warp owns one group of 16 weight rows (the Job maps group and lane to the two rows it reads: MoE
+//     gate/up: gate rows i and up rows i of 8 outputs i = 8 group + g, so each lane holds the gate and the
+//     up sum of the same (row, output) and the activation is fused; down and dense: 16 rows of out = 16
+//     outputs). It walks its K range in slabs of 64 bytes per row: lane (g = lane / 4, t = lane % 4) reads
+//     16 bytes (16 e4m3 codes or 8 bf16) at byte 64 s + 16 t of weight rows g and g + 8 (one instruction:
+//     8 rows x 64 contiguous bytes, whole 32-byte sectors), streamed past L1 (ld.global.nc.L1::no_allocate),
+//     U = 4 slabs in flight per lane (a register ring: slab s + U is requested when slab s is used);
+//   - the slice's activation rows (job.act_row: gathered through sorted_pair for MoE gate/up, contiguous
+//     for down and dense), up to `rows` of them (<= 8) per pass and only the columns of the CTA's K range,
+//     are staged once per pass into shared memory (bf16, cp.async, issued after the first weight slabs are
+//     requested), row pitch padded so that the fragment reads below are free of bank conflicts; a slice
+//     with more rows loops over passes of `rows` rows (re-reading its weights), so any routing (all tokens
+//     on one expert included) is handled;
+//   - products on the tensor cores, mma.sync m16n8k16 (bf16 in, fp32 accumulators; PTX ISA "Matrix
+//     Fragments for mma.m16n8k16"): A = the 16 weight rows, B = up to 8 activation rows (n = row of the
+//     pass; rows past the pass are zero), C = 16 x 8 fp32. A dot product does not depend on the order of
+//     k, so each lane's own 16-byte pieces are its fragment: in mma j of a slab, lane t's k = 2t, 2t+1 are
+//     its columns 4j, 4j+1 and k = 2t+8, 2t+9 its columns 4j+2, 4j+3 -- the same assignment for the
+//     weights (A) and the activations (B), so no shuffles and no shared-memory staging of the weights.
+//     FP8: e4m3 pairs -> bf16 pairs with cuda_fp8.h's x2 conversion (exact: e4m3 values are bf16 values);
+//     each 128-column block (two slabs) accumulates on the raw codes, and the block partial is then
+//     multiplied by its scale into the fp32 accumulator (a K range starts at an even slab, so a block never
+//     straddles two ranges);
+//   - epilogue from the accumulators (job.store): lane (g, t) holds rows g, g + 8 for pass rows 2t, 2t + 1.
+// Why the tensor cores and not FMAs: at 1.9 GHz an SM must take ~17 weight bytes per clock for 4.3 TB/s
+// (32.6 GB/s per SM), i.e. a warp's 512-byte load instruction buys at most ~30 clocks x 4 schedulers =
+// ~120 issue slots, ~120 instructions per lane per 16 bytes (7.5 per byte). With FMAs, 16 e4m3 codes x 8
+// rows are 128 FFMA per 16 bytes (H200 fp32 peak ~67 TFLOP/s vs 2 x 8 x 4.3e12 = 69 TFLOP/s needed):
+// compute-bound at 8 rows. Here, per slab (32 weight bytes per lane), FP8: 2 LDG.128, 16 e4m3x2 -> f16x2,
+// 32 f16 -> f32 and 16 f32x2 -> bf16x2 conversions, 4 mma, 2 LDS.128 of activations, 2 scale loads, ~2
+// FFMA (the block scale, every other slab), address and loop arithmetic: ~110 instructions in the SASS
+// (sm_90a, nvcc 13.0), ~55 per 16 bytes = 3.4 per byte whatever the rows, ~45% of the issue budget.
+// bf16 weights, no conversion: ~45 per slab, 1.4 per byte. Tensor-core rate needed: 2 x 16 x 8 x 16 FLOP
+// per 256 bytes of e4m3 = 16 FLOP/B, 69 TFLOP/s at 4.3 TB/s, a small fraction of mma.sync's rate (the 4
+// dependent mma per slab and warp, ~30 clocks each, are covered by the other warps). Shared memory: per
+// slab a lane reads 32 (FP8) or 16 (bf16) bytes of activations for 32 weight bytes, well under 128
+// B/clock per SM. Bytes in flight: U = 4 slabs x 2 rows x 512 B = 4 KB per warp; registers (MoE FP8:
+// 109-116 per thread, bf16: 74-76; dense, with its K range: 116 and 86) leave 16 (FP8) or 20-24 (bf16)
+// warps per SM: 64-96 KB, twice or more the ~30 KB
+// per SM that 4.3 TB/s x ~1 us of loaded latency needs -- provided the grid has that many warps, which is
+// why the dense launcher splits K when the matrix has few 16-row groups (gemm_skinny.cu).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/cuda/ptx.cuh"
+
+namespace sparrow::cuda::skinny {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int MAX_ROWS = 8;             // rows per pass: the n of mma.m16n8k16
+constexpr int U = 4;                    // slabs in flight per lane
+constexpr int SLAB = 64;                // weight bytes per row and slab
+constexpr int MAX_THREADS = 256;        // 4 or 8 warps per CTA (make_plan)
+constexpr int SMEM_CAP = 113 * 1024;    // two CTAs per SM fit (228 KB per SM, 1 KB reserved per CTA)
+
+// What a CTA works on: rows [begin, end) of its slice's activations (MoE: the expert's sorted rows; dense:
+// all m rows) against the slice's weights (MoE: expert `index`; dense: index 0).
+struct Slice {
+  int32_t index, begin, end;
+};
+
+// The two weight rows of a lane (row starts; they need not exist: lo_ok / hi_ok), their block scales
+// (FP8: one fp32 per 128 columns, s_lo[kb] for column block kb), and the output columns they feed.
+struct LaneRows {
+  const uint8_t* lo;
+  const uint8_t* hi;
+  const float* s_lo;
+  const float* s_hi;
+  int64_t lo_col, hi_col;
+  bool active, lo_ok, hi_ok;  // active: the warp's group exists (uniform over the warp)
+};
+
+// 16 weight bytes, read once: no L1 allocation (nothing else reads them in this kernel), and the L2 asked
+// to fetch the whole aligned 256-byte block around them (the row's next pieces are this lane's next
+// slabs, past a row's end the next row's first; an aligned block never straddles a page, so a prefetch
+// past the tensor's end cannot fault).
+__device__ __forceinline__ uint4 ldg_stream(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// The two e4m3 codes in the low 16 bits of `two` (lower byte first) as a bf16 pair: e4m3 -> f16 exact
+// (cvt.rn.f16x2.e4m3x2), f16 -> f32 exact, f32 -> bf16 exact (an e4m3 value has 4 significant bits and
+// an exponent in [-9, 8]).
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two) {
+  const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xffffu), __NV_E4M3);
+  const float2 f = __half22float2(__half2(hr));
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+  uint32_t bits;
+  memcpy(&bits, &b, sizeof(bits));
+  return bits;
+}
+
+// The staged activation row pitch (bytes) for `cols` columns. Lanes 0-7 of a fragment read (one
+// shared-memory phase of a 16-byte load) are rows g = 0, 1 at the same 4 column pieces, so the second
+// row must land on the other banks: FP8: pieces of 32 bytes at stride 32 (row bytes 0-15 of each, then
+// 16-31): a pitch = 16 (mod 32) interleaves them; bf16: 64 contiguous bytes per row: a pitch = 64
+// (mod 128) puts the second row's 64 bytes on the other half of the banks.
+inline int64_t pitch_bytes(int64_t cols, bool fp8) { return fp8 ? 2 * cols + 16 : (2 * cols + 63) / 128 * 128 + 64; }
+
+// Rows per pass, shared memory and CTA size for a K range of `cols` columns and up to `max_rows` rows
+// per slice: up to 8 rows (never more than a slice can have), within SMEM_CAP. 4 warps per CTA while >= 4
+// CTAs fit an SM by shared memory (registers then allow 4 FP8 or 6 bf16 CTAs: 16-24 warps per SM), else
+// 8 warps (two CTAs of 112 KB at 8 rows x 7168 columns: 16 warps per SM, one CTA's staging overlapped by
+// the other's streaming).
+struct Plan {
+  int rows, pitch, warps;
+  size_t smem;
+};
+inline Plan make_plan(int64_t max_rows, int64_t cols, bool fp8) {
+  Plan d{};
+  d.pitch = int(pitch_bytes(cols, fp8));
+  d.rows = int(std::min<int64_t>({MAX_ROWS, max_rows, SMEM_CAP / d.pitch}));
+  d.smem = size_t(d.rows) * size_t(d.pitch);
+  const size_t per_sm = (228 * 1024) / (d.smem + 1024);
+  d.warps = per_sm >= 4 ? 4 : 8;
+  return d;
+}
+
+// Job: the caller's description of the product, passed by value. Fields the kernel reads:
+//   int64_t K;        columns (weights per row)
+//   int rows, pitch;  activation rows per pass (1..MAX_ROWS) and their staged pitch (make_plan)
+//   int chunk_slabs;  SPLIT_K only: slabs per blockIdx.z (even for FP8: a 128-column block never
+//                     straddles two ranges)
+// constants
+//   static constexpr bool SPLIT_K;         blockIdx.z selects a K range (else one range, the whole row)
+//   static constexpr bool TWO_SCALE_ROWS;  FP8: rows lo and hi lie in different 128-row scale blocks
+//                                          (gate/up); else s_hi is not read (one scale load per slab)
+// and device methods:
+//   bool slice(Slice&) const;                         blockIdx.x's slice; false: a surplus CTA, exit
+//   LaneRows lane_rows(const Slice&, int64_t group, int g) const;
+//   const bf16* act_row(const Slice&, int64_t row) const;   activation row `row` (begin <= row < end)
+//   void store(const Slice&, int64_t row, int64_t group, int g, float lo, float hi) const;
+//                    the two sums of pass row `row` (columns lo_col, hi_col of lane_rows(slice, group, g);
+//                    recomputed there rather than kept live across the K loop: registers)
+template <class Job, bool FP8>
+__global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
+  extern __shared__ __align__(16) uint8_t act_smem[];  // [rows][pitch] bf16 activation rows (the K range)
+  Slice slice;
+  if (!job.slice(slice)) return;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, t = lane % 4;
+  const int64_t group = int64_t(blockIdx.y) * (blockDim.x / 32) + warp;
+  const int64_t K = job.K;
+  constexpr int64_t ES = FP8 ? 1 : 2;        // bytes per weight
+  constexpr bool TWO_SCALE_ROWS = Job::TWO_SCALE_ROWS;
+  const int64_t row_bytes = K * ES;           // a multiple of 16 (K % 16 (FP8) / K % 8 (bf16))
+  const int nslabs = int((row_bytes + SLAB - 1) / SLAB);
+  // This CTA's K range: slabs [s_begin, s_end), columns [s_begin * SLAB / ES, ...).
+  // (Compile-time off for the MoE jobs: the run-time range cost them 6-29 registers per thread, up to a
+  // third of the bf16 gate/up product's occupancy.)
+  int s_begin = 0, s_end = nslabs;
+  if constexpr (Job::SPLIT_K) {
+    s_begin = int(blockIdx.z) * job.chunk_slabs;
+    s_end = min(nslabs, s_begin + job.chunk_slabs);
+  }
+  const int64_t byte_begin = int64_t(s_begin) * SLAB;  // staged activations start at this weight byte's column
+  const int64_t col_begin = byte_begin / ES, col_end = min(K, int64_t(s_end) * SLAB / ES);
+
+  const LaneRows lr = job.lane_rows(slice, group, g);
+  const uint8_t* w_lo = lr.lo + t * 16;
+  const uint8_t* w_hi = lr.hi + t * 16;
+
+  // The ring: slab s lives in slot (s - s_begin) % U (u below is always a compile-time index after unrolling).
+  uint4 r_lo[U], r_hi[U];
+  float c_lo[U], c_hi[U];
+  auto load = [&](int u, int s) {
+    const int64_t off = int64_t(s) * SLAB;
+    const bool in = off + t * 16 < row_bytes;  // the lane's 16 bytes are all in or all out of the row
+    r_lo[u] = in && lr.lo_ok ? ldg_stream(w_lo + off) : make_uint4(0, 0, 0, 0);
+    r_hi[u] = in && lr.hi_ok ? ldg_stream(w_hi + off) : make_uint4(0, 0, 0, 0);
+    if constexpr (FP8) {
+      c_lo[u] = __ldg(lr.s_lo + s / 2);  // slab s (64 columns) lies in block s / 2
+      c_hi[u] = TWO_SCALE_ROWS ? __ldg(lr.s_hi + s / 2) : c_lo[u];
+    }
+  };
+
+  const int R = job.rows, pitch = job.pitch;
+  for (int first = slice.begin; first < slice.end; first += R) {  // one pass per `R` rows of the slice
+    const int rows = min(R, slice.end - first);
+    if (lr.active) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (s_begin + u < s_end) load(u, s_begin + u);
+    }
+    // Stage the pass's activation rows (the K range's columns), warp w rows w, w + warps, ... (the rows'
+    // indices are read in parallel); K % 8 == 0 and the range starts at a multiple of 32 columns: whole
+    // 16-byte pieces of 16-byte aligned rows.
+    for (int r = warp; r < rows; r += int(blockDim.x / 32)) {
+      const bf16* src = job.act_row(slice, first + r) + col_begin;
+      for (int64_t c = lane; c < (col_end - col_begin) / 8; c += 32)
+        ptx::cp_async16(act_smem + r * pitch + c * 16, src + c * 8, true);
+    }
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+
+    if (lr.active) {
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // FP8: the current 128-column block's raw sums
+      const uint8_t* a_row = act_smem + g * pitch;
+      const bool has_row = g < rows;  // row g of the pass exists (B column g)
+#pragma unroll 1
+      for (int s0 = s_begin; s0 < s_end; s0 += U) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int s = s0 + u;
+          if (s >= s_end) break;
+          const int64_t off = int64_t(s) * SLAB + t * 16;  // the lane's byte offset in its weight rows
+          constexpr int J = FP8 ? 4 : 2;                   // mmas per slab: 4 columns of the lane's piece each
+          // B: the lane's columns of row g, as bf16 pairs (zero past the pass's rows or past K, so that
+          // garbage never meets the zero weights there).
+          uint32_t b[2 * J];
+          if (has_row && off < row_bytes) {
+            const uint8_t* src = a_row + (off - byte_begin) * (2 / ES);  // bf16: 2 / ES bytes per weight byte
+            const uint4 v0 = *reinterpret_cast<const uint4*>(src);
+            b[0] = v0.x, b[1] = v0.y, b[2] = v0.z, b[3] = v0.w;
+            if constexpr (FP8) {
+              const uint4 v1 = *reinterpret_cast<const uint4*>(src + 16);
+              b[4] = v1.x, b[5] = v1.y, b[6] = v1.z, b[7] = v1.w;
+            }
+          } else {
+#pragma unroll
+            for (int i = 0; i < 2 * J; ++i) b[i] = 0;
+          }
+          // A: the weight pieces of rows lo and hi as bf16 pairs (pair i = the piece's columns 2i, 2i + 1).
+          uint32_t a_lo[2 * J], a_hi[2 * J];
+          const uint32_t w_lo4[4] = {r_lo[u].x, r_lo[u].y, r_lo[u].z, r_lo[u].w};
+          const uint32_t w_hi4[4] = {r_hi[u].x, r_hi[u].y, r_hi[u].z, r_hi[u].w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            if constexpr (FP8) {
+              a_lo[2 * i] = e4m3x2_to_bf16x2(w_lo4[i]);
+              a_lo[2 * i + 1] = e4m3x2_to_bf16x2(w_lo4[i] >> 16);
+              a_hi[2 * i] = e4m3x2_to_bf16x2(w_hi4[i]);
+              a_hi[2 * i + 1] = e4m3x2_to_bf16x2(w_hi4[i] >> 16);
+            } else {
+              a_lo[i] = w_lo4[i];
+              a_hi[i] = w_hi4[i];
+            }
+          }
+          // mma j: A regs {row g, k 2t..2t+1}, {row g+8, same k}, {row g, k 2t+8..2t+9}, {row g+8, same k}
+          // = pairs 2j (columns 4j, 4j+1) and 2j + 1 (columns 4j+2, 4j+3); B regs: the same pairs of row g.
+#pragma unroll
+          for (int j = 0; j < J; ++j) {
+            const uint32_t a[4] = {a_lo[2 * j], a_hi[2 * j], a_lo[2 * j + 1], a_hi[2 * j + 1]};
+            ptx::mma_bf16(FP8 ? part : acc, a, b[2 * j], b[2 * j + 1]);
+          }
+          if constexpr (FP8) {
+            if ((s & 1) || s == s_end - 1) {  // the block's last slab: scale its partial into acc
+              acc[0] = __fmaf_rn(c_lo[u], part[0], acc[0]);
+              acc[1] = __fmaf_rn(c_lo[u], part[1], acc[1]);
+              acc[2] = __fmaf_rn(c_hi[u], part[2], acc[2]);
+              acc[3] = __fmaf_rn(c_hi[u], part[3], acc[3]);
+#pragma unroll
+              for (int i = 0; i < 4; ++i) part[i] = 0.0f;
+            }
+          }
+          if (s + U < s_end) load(u, s + U);
+        }
+      }
+      // acc: {row lo, pass row 2t}, {row lo, pass row 2t+1}, {row hi, pass row 2t}, {row hi, pass row 2t+1}.
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int n = 2 * t + q;
+        if (n < rows) job.store(slice, int64_t(first + n), group, g, acc[q], acc[2 + q]);
+      }
+    }
+    __syncthreads();  // the next pass restages the activation rows
+  }
+}
+
+}  // namespace sparrow::cuda::skinny
