@@ -59,17 +59,7 @@ struct DenseJob {
     return true;
   }
   __device__ LaneRows lane_rows(const Slice&, int64_t group, int g) const {
-    const int64_t row_bytes = K * (FP8 ? 1 : 2);
-    LaneRows r{};
-    r.lo_col = 16 * group + g;
-    r.hi_col = r.lo_col + 8;
-    r.lo = w + r.lo_col * row_bytes;
-    r.hi = w + r.hi_col * row_bytes;
-    r.active = 16 * group < N;
-    r.lo_ok = r.lo_col < N;
-    r.hi_ok = r.hi_col < N;
-    if constexpr (FP8) r.s_lo = r.s_hi = w_scales + ((16 * group) / 128) * ((K + 127) / 128);
-    return r;
+    return skinny::matrix_lane_rows<FP8>(w, w_scales, N, K, group, g);
   }
   __device__ const bf16* act_row(const Slice&, int64_t row) const { return x + row * ldx; }
   __device__ void put(int64_t row, int64_t col, float v) const {

@@ -88,6 +88,25 @@ struct LaneRows {
   bool active, lo_ok, hi_ok;  // active: the warp's group exists (uniform over the warp)
 };
 
+// The rows of one plain [N, K] weight matrix (a dense product's, or one expert's down projection) that
+// lane g of 16-row group `group` streams: rows 16 group + g and + 8, inside one 128-row scale block, the
+// last group possibly partial. `scales`: the matrix's [ceil(N/128), ceil(K/128)] block scales (FP8).
+template <bool FP8>
+__device__ __forceinline__ LaneRows matrix_lane_rows(const uint8_t* w, const float* scales, int64_t N, int64_t K,
+                                                     int64_t group, int g) {
+  const int64_t row_bytes = K * (FP8 ? 1 : 2);
+  LaneRows r{};
+  r.lo_col = 16 * group + g;
+  r.hi_col = r.lo_col + 8;
+  r.lo = w + r.lo_col * row_bytes;
+  r.hi = w + r.hi_col * row_bytes;
+  r.active = 16 * group < N;
+  r.lo_ok = r.lo_col < N;
+  r.hi_ok = r.hi_col < N;
+  if constexpr (FP8) r.s_lo = r.s_hi = scales + ((16 * group) / 128) * ((K + 127) / 128);
+  return r;
+}
+
 // 16 weight bytes, read once: no L1 allocation (nothing else reads them in this kernel), and the L2 asked
 // to fetch the whole aligned 256-byte block around them (the row's next pieces are this lane's next
 // slabs, past a row's end the next row's first; an aligned block never straddles a page, so a prefetch

@@ -917,21 +917,11 @@ struct Down : Base {
   // Rows 16 group + g and + 8 (inside one 128-row scale block); the last group may be partial (bf16 with
   // hidden % 16 == 8).
   __device__ LaneRows lane_rows(const Slice& s, int64_t group, int g) const {
+    // Expert s.index's [N, K] matrix and its [ceil(N/128), ceil(K/128)] scales.
     const int64_t row_bytes = K * (FP8 ? 1 : 2);
+    const float* scales = FP8 ? w_scales + int64_t(s.index) * ((N + 127) / 128) * ((K + 127) / 128) : nullptr;
     const uint8_t* w_exp = static_cast<const uint8_t*>(w) + int64_t(s.index) * N * row_bytes;
-    LaneRows r{};
-    r.lo_col = 16 * group + g;
-    r.hi_col = r.lo_col + 8;
-    r.lo = w_exp + r.lo_col * row_bytes;
-    r.hi = w_exp + r.hi_col * row_bytes;
-    r.active = 16 * group < N;
-    r.lo_ok = r.lo_col < N;
-    r.hi_ok = r.hi_col < N;
-    if constexpr (FP8) {
-      const int64_t kb = (K + 127) / 128, nb = (N + 127) / 128;
-      r.s_lo = r.s_hi = w_scales + (int64_t(s.index) * nb + (16 * group) / 128) * kb;
-    }
-    return r;
+    return skinny::matrix_lane_rows<FP8>(w_exp, scales, N, K, group, g);
   }
   __device__ const bf16* act_row(const Slice&, int64_t row) const { return a + row * K; }
   __device__ void store(const Slice&, int64_t row, int64_t group, int g, float lo, float hi) const {
