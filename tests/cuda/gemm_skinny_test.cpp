@@ -29,6 +29,7 @@
 #include "kernels/cuda/gemm/gemm_skinny.h"
 #include "kernels/cuda/runtime/device.h"
 #include "kernels/ops.h"
+#include "model_test_util.h"
 #include "rt_test_util.h"
 
 namespace sparrow {
@@ -146,35 +147,22 @@ struct Check {
 
 Check check(const Case& c, const Operands& op, const std::vector<uint8_t>& raw) {
   const bool f32 = c.out == ElemType::F32;
-  const int64_t es = f32 ? 4 : 2, ldy = c.n + c.y_pad;
+  const int64_t ldy = c.n + c.y_pad;
   const double r_out = f32 ? std::ldexp(1.0, -24) : std::ldexp(1.0, -8);
   const double acc_rel = double(c.k / 16 + 64) * std::ldexp(1.0, -22);
   Check r;
-  for (int64_t i = 0; i <= c.m; ++i)
-    for (int64_t j = 0; j < ldy; ++j) {
-      const uint8_t* p = &raw[(i * ldy + j) * es];
-      if (i == c.m || j >= c.n) {
-        for (int64_t b = 0; b < es; ++b) r.written_outside += p[b] != 0xFF;
-        continue;
-      }
-      float v;
-      if (f32) {
-        std::memcpy(&v, p, 4);
-      } else {
-        uint16_t h;
-        std::memcpy(&h, p, 2);
-        v = test::bf2f(h);
-      }
-      const double ref = op.ref[i * c.n + j], acc = acc_rel * op.abs_sum[i * c.n + j];
-      const double bound = acc + r_out * (std::fabs(ref) + acc);
-      const double d = std::fabs(double(v) - ref);
-      const double ratio = d == 0 ? 0.0 : d / bound;
-      if (!std::isnan(r.worst) && !(ratio <= r.worst)) {
-        r.worst = ratio;
-        r.at = i * c.n + j;
-        r.got = v;
-      }
+  const std::vector<float> got = test::read_strided_output(raw, c.m, c.n, ldy, f32, r.written_outside);
+  for (int64_t e = 0; e < c.m * c.n; ++e) {
+    const double ref = op.ref[e], acc = acc_rel * op.abs_sum[e];
+    const double bound = acc + r_out * (std::fabs(ref) + acc);
+    const double d = std::fabs(double(got[e]) - ref);
+    const double ratio = d == 0 ? 0.0 : d / bound;
+    if (!std::isnan(r.worst) && !(ratio <= r.worst)) {
+      r.worst = ratio;
+      r.at = e;
+      r.got = got[e];
     }
+  }
   return r;
 }
 
@@ -286,18 +274,11 @@ TEST(CudaGemmSkinny, RejectsBadArguments) {
   EXPECT_NO_THROW(cuda::synchronize());
 }
 
+using model_test::relative_l2;
+
 // ops::linear at m <= 8 on the GPU: the skinny path (bit-identical to a direct launch on the same
 // operands), close to the CPU op on the same bf16-rounded inputs (relative L2, the tolerance of ops_test's
 // products); m = 9 stays on cuBLASLt and matches too.
-double relative_l2(const Tensor& ours, const Tensor& ref) {
-  double diff = 0, norm = 0;
-  for (int64_t i = 0; i < ref.numel(); ++i) {
-    const double d = double(ours.data()[i]) - ref.data()[i];
-    diff += d * d;
-    norm += double(ref.data()[i]) * ref.data()[i];
-  }
-  return std::sqrt(diff / std::max(norm, 1e-300));
-}
 
 TEST(CudaGemmSkinny, LinearTakesTheSkinnyPathForSmallM) {
   SPARROW_REQUIRE_GPU();

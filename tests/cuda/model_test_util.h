@@ -36,6 +36,12 @@ inline double relative_l2(const float* a, const float* ref, int64_t n) {
   return std::sqrt(diff / std::max(norm, 1e-300));
 }
 
+// The same for two host fp32 tensors of as many elements.
+inline double relative_l2(const Tensor& ours, const Tensor& ref) {
+  EXPECT_EQ(ours.numel(), ref.numel());
+  return relative_l2(ours.data(), ref.data(), std::min(ours.numel(), ref.numel()));
+}
+
 // The largest relative L2 error of a row of `ours` against the same row of `ref` (infinite on NaN).
 inline double worst_row_error(const Tensor& ours, const Tensor& ref) {
   EXPECT_EQ(ours.shape(), ref.shape());

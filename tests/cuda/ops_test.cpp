@@ -16,6 +16,7 @@
 #include "kernels/ops.h"
 #include "model/decoder.h"
 #include "model/model.h"
+#include "model_test_util.h"
 
 using namespace sparrow;
 
@@ -33,16 +34,7 @@ Tensor random_tensor(Shape shape, std::mt19937& rng, float scale = 1.0f) {
 Tensor gpu(const Tensor& t, ScalarType type = ScalarType::BF16) { return t.to(Device::Cuda, type); }
 Tensor host(const Tensor& t) { return t.to(Device::Cpu, ScalarType::F32); }
 
-double relative_l2(const Tensor& ours, const Tensor& ref) {
-  EXPECT_EQ(ours.numel(), ref.numel());
-  double diff = 0, norm = 0;
-  for (int64_t i = 0; i < ref.numel(); ++i) {
-    const double d = double(ours.data()[i]) - ref.data()[i];
-    diff += d * d;
-    norm += double(ref.data()[i]) * ref.data()[i];
-  }
-  return std::sqrt(diff / std::max(norm, 1e-300));
-}
+using model_test::relative_l2;
 
 constexpr double kBf16 = 1.5e-2;  // bf16 inputs and outputs, fp32 math
 

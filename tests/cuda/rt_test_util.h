@@ -85,6 +85,35 @@ inline std::vector<float> random_vector(std::mt19937_64& rng, size_t n, float lo
   return v;
 }
 
+// The m x n values of a product's output downloaded as raw bytes: rows of `ld` elements (bf16, or fp32 when
+// `f32`) plus one guard row, poisoned with 0xFF before the launch. Counts the bytes written outside the
+// m x n values (the padding columns and the guard row) into `written_outside`.
+inline std::vector<float> read_strided_output(const std::vector<uint8_t>& raw, int64_t m, int64_t n, int64_t ld,
+                                              bool f32, int64_t& written_outside) {
+  const int64_t es = f32 ? 4 : 2;
+  std::vector<float> values;
+  values.reserve(size_t(m * n));
+  written_outside = 0;
+  for (int64_t i = 0; i <= m; ++i)
+    for (int64_t j = 0; j < ld; ++j) {
+      const uint8_t* p = &raw[size_t((i * ld + j) * es)];
+      if (i == m || j >= n) {
+        for (int64_t b = 0; b < es; ++b) written_outside += p[b] != 0xFF;
+        continue;
+      }
+      float v;
+      if (f32) {
+        std::memcpy(&v, p, 4);
+      } else {
+        uint16_t h;
+        std::memcpy(&h, p, 2);
+        v = bf2f(h);
+      }
+      values.push_back(v);
+    }
+  return values;
+}
+
 // ‖a − b‖ / ‖b‖ (NaN anywhere gives NaN, which fails any "< tol" check).
 inline double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;
