@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """bench/peers/hf_serve_peer.py on the CPU with the bundled tiny model (models/minimax_m3): `capture` records
-requests posted as sparrow bench serve posts them, `run --requests` replays them at concurrencies 1 and 2,
-and tools/plot_sweep.py reads the result files as a peer. Exits 77 (skipped) without torch / transformers.
+requests posted as sparrow bench serve posts them, `run --requests` replays them at concurrencies 1 and 2
+(and through a Kimi-Linear model built by --dummy from a config alone), and tools/plot_sweep.py reads the
+result files as a peer. Exits 77 (skipped) without torch / transformers.
 
   python3 tests/hf_serve_peer_test.py
 """
@@ -83,6 +84,22 @@ def main():
         # static batching: at concurrency 2 the third request starts when the first batch has finished
         if c == 2:
             assert r["start_times"][0] == r["start_times"][1] < r["start_times"][2]
+
+    # --dummy from a config alone, for the Kimi family's peer shape (bench/shapes/serve/kimi_linear_48b.json):
+    # the kimi_linear fixture's config (KDA + MLA + MoE), random weights, the bundled tokenizer.
+    kimi = os.path.join(tmp, "kimi_linear")
+    os.makedirs(kimi)
+    with open(os.path.join(ROOT, "tests", "fixtures", "kimi_linear", "config.json")) as f:
+        config = json.load(f)
+    config["vocab_size"] = 4096  # the bundled tokenizer's ids (the serve shapes' vocabularies hold them too)
+    with open(os.path.join(kimi, "config.json"), "w") as f:
+        json.dump(config, f)
+    kimi_out = os.path.join(tmp, "hf-kimi")
+    subprocess.run([sys.executable, PEER, "run", kimi, "--dummy", "--tokenizer", MODEL, "--device", "cpu",
+                    "--dtype", "float32", "--requests", requests_file, "--concurrencies", "2", "--num-prompts", "3",
+                    "--result-dir", kimi_out], check=True, timeout=120)
+    r = json.load(open(os.path.join(kimi_out, "hf-concurrency2.json")))
+    assert r["completed"] == 3 and r["output_lens"] == [3, 4, 5] and r["load_format"] == "dummy", r
 
     # the plot reads them as a peer curve
     sys.path.insert(0, os.path.join(ROOT, "tools"))
