@@ -1,5 +1,5 @@
 // The PTX primitives several kernel families use, written once (PTX ISA: cp.async, ldmatrix,
-// mma.sync.m16n8k16). Device code only: include from .cu/.cuh files.
+// mma.sync.m16n8k16, wgmma's group discipline). Device code only: include from .cu/.cuh files.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -46,6 +46,16 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// wgmma's group discipline (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"): a fence
+// before the first wgmma that reads registers or shared memory written since; commit the wgmmas issued
+// so far as one group; wait until at most N of the warpgroup's groups are still pending.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
 }  // namespace sparrow::cuda::ptx

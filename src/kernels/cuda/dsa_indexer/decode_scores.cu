@@ -230,12 +230,12 @@ __global__ void __launch_bounds__(kThreads) decode_scores_kernel(DecodeParams p)
 
       const uint8_t* keys = tiles + (t % kStages) * kTileBytes;
       Accumulator<N> acc;
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+      ptx::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kDim / 32; ++kk)
         wgmma_k32(acc, descriptor(keys + kk * 32), descriptor(query + kk * 32), kk > 0);
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
 
       // D layout (m64nNk32, fp32): acc.d[4j + 0/1] = key 16 * warp + g, columns 8j + 2(lane % 4) + 0/1;
       // acc.d[4j + 2/3] = key 16 * warp + g + 8, the same columns. Columns of row r are j in

@@ -372,15 +372,15 @@ __global__ void __launch_bounds__(kThreads, HEADS * ROWS <= 64 ? 4 : 3) decode_s
         uint32_t k0[8], k1[8];  // word i: dims 32 q4 + 4i .. + 3 of each key
         dsa::mxfp4_widen_block(codes0, sc0, q4, k0, factor0);
         dsa::mxfp4_widen_block(codes1, sc1, q4, k1, factor1);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        ptx::wgmma_fence();
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           // Step s: logical k 32s + 4q4 + i <- dims 32 q4 + 8s + i (word 2s), 32s + 16 + 4q4 + i <- word 2s + 1.
           const uint32_t a[4] = {k0[2 * s], k1[2 * s], k0[2 * s + 1], k1[2 * s + 1]};
           wgmma_rs_e4m3(acc, a, descriptor(query + s * 32), s > 0);
         }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < 8; ++i) keep(k0[i]), keep(k1[i]);
       } else {
@@ -389,7 +389,7 @@ __global__ void __launch_bounds__(kThreads, HEADS * ROWS <= 64 ? 4 : 3) decode_s
         uint32_t k0[16], k1[16];  // word i: dims 32 q4 + 2i, + 1 of each key
         dsa::nvfp4_widen_block(codes0, sc0, k0);
         dsa::nvfp4_widen_block(codes1, sc1, k1);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        ptx::wgmma_fence();
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
           // Step s: logical k 16s + 2q4 + i <- word 4(s/2) + 2(s%2), 16s + 8 + 2q4 + i <- the next word.
@@ -397,8 +397,8 @@ __global__ void __launch_bounds__(kThreads, HEADS * ROWS <= 64 ? 4 : 3) decode_s
           const uint32_t a[4] = {k0[i0], k1[i0], k0[i0 + 1], k1[i0 + 1]};
           wgmma_rs_f16(acc, a, descriptor(query + (s / 4) * (N * 128) + (s % 4) * 32), s > 0);
         }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < 16; ++i) keep(k0[i]), keep(k1[i]);
       }
