@@ -139,14 +139,6 @@ void run(const char* what, int64_t m, int64_t n, int64_t k, const void* x, int64
                 ": needs a 16-byte aligned workspace of ", need, " bytes, got ", workspace_bytes);
   if (stream == nullptr) stream = cuda::stream();
   using Job = DenseJob<FP8>;
-  static const bool configured = [] {
-    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(skinny::kernel<Job, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            skinny::SMEM_CAP));
-    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(skinny::kernel<Job, FP8>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                            int(cudaSharedmemCarveoutMaxShared)));
-    return true;
-  }();
-  (void)configured;
   const bool f32 = y_type == ElemType::F32;
   float* partial = plan.splits > 1 ? static_cast<float*>(workspace) : nullptr;
   const Job job{k,
@@ -165,8 +157,7 @@ void run(const char* what, int64_t m, int64_t n, int64_t k, const void* x, int64
                 partial};
   const dim3 grid(1, unsigned((plan.groups + plan.cta.warps - 1) / plan.cta.warps), unsigned(plan.splits));
   SPARROW_CHECK(grid.y <= 65535 && grid.z <= 65535, what, ": n=", n, " k=", k, " too large for the grid");
-  skinny::kernel<Job, FP8><<<grid, plan.cta.warps * 32, plan.cta.smem, stream>>>(job);
-  SPARROW_CUDA_CHECK_LAUNCH();
+  skinny::launch<Job, FP8>(job, grid, plan.cta, stream);
   if (partial != nullptr) {
     const int blocks = int(std::min<int64_t>((m * n + 255) / 256, 4 * int64_t(sm_count())));
     reduce_kernel<<<blocks, 256, 0, stream>>>(partial, plan.splits, int(m), n, y, ldy, f32);

@@ -60,6 +60,7 @@
 #include <cstring>
 
 #include "kernels/cuda/ptx.cuh"
+#include "kernels/cuda/runtime/cuda_check.h"
 
 namespace sparrow::cuda::skinny {
 
@@ -307,6 +308,22 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
     }
     __syncthreads();  // the next pass restages the activation rows
   }
+}
+
+// Launches kernel<Job, FP8> with `plan`'s CTA size and shared memory (the kernel's attributes set on first
+// use: up to SMEM_CAP of dynamic shared memory, and all of the SM's 228 KB as shared memory so that two
+// 113 KB CTAs fit; the weights bypass L1).
+template <class Job, bool FP8>
+void launch(const Job& job, dim3 grid, const Plan& plan, cudaStream_t stream) {
+  static const bool configured = [] {
+    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel<Job, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_CAP));
+    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel<Job, FP8>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                            int(cudaSharedmemCarveoutMaxShared)));
+    return true;
+  }();
+  (void)configured;
+  kernel<Job, FP8><<<grid, plan.warps * 32, plan.smem, stream>>>(job);
+  SPARROW_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace sparrow::cuda::skinny

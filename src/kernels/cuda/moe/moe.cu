@@ -1035,22 +1035,12 @@ namespace {
 // (gate/up: inter / 8; down: ceil(hidden / 16)); slots: the bound on touched experts (min(pairs, experts)).
 template <class Job, bool FP8>
 void launch_decode(const char* what, Job job, int64_t slots, int64_t groups, int64_t tokens, cudaStream_t stream) {
-  static const bool configured = [] {
-    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(skinny::kernel<Job, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            skinny::SMEM_CAP));
-    // All of the SM's 228 KB as shared memory, so that two 113 KB CTAs fit (the weights bypass L1).
-    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(skinny::kernel<Job, FP8>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                            int(cudaSharedmemCarveoutMaxShared)));
-    return true;
-  }();
-  (void)configured;
   const skinny::Plan plan = skinny::make_plan(tokens, job.K, FP8);
   job.rows = plan.rows;
   job.pitch = plan.pitch;
   const dim3 grid(unsigned(slots), unsigned((groups + plan.warps - 1) / plan.warps));
   SPARROW_CHECK(slots <= 0x7fffffff && grid.y <= 65535, what, ": decode grid too large");
-  skinny::kernel<Job, FP8><<<grid, plan.warps * 32, plan.smem, stream>>>(job);
-  SPARROW_CUDA_CHECK_LAUNCH();
+  skinny::launch<Job, FP8>(job, grid, plan, stream);
 }
 
 template <bool GATE_UP, bool FP8>
