@@ -54,8 +54,11 @@ void add_bench_kernels(CLI::App* bench) {
     SPARROW_CHECK(iterations > 0, "--iterations must be positive");
     cuda::KernelBenchOptions options{filter, quick, quick ? std::min(iterations, 10) : iterations};
     std::vector<cuda::KernelBenchRow> rows;
-    auto wanted = [&](const char* name) { return filter.empty() || std::string(name).find(filter) != std::string::npos; };
-    // Each family's entry point applies the filter to its own kernel names too.
+    // A family runs when the filter is part of its name ("dsa") or names one of its kernels ("sparse_mla_decode"
+    // holds "mla"); each family's entry point then applies the filter to its own kernel names.
+    auto wanted = [&](const std::string& family) {
+      return filter.empty() || family.find(filter) != std::string::npos || filter.find(family) != std::string::npos;
+    };
     if (wanted("dsa_index") || wanted("dsa")) cuda::bench_dsa_indexer(options, rows);
     if (wanted("topk")) cuda::bench_topk(options, rows);
     if (wanted("mla")) cuda::bench_mla_decode(options, rows);
