@@ -63,24 +63,19 @@ Tensor linear(const Tensor& x, const Tensor& w, ScalarType out_type) {
   Tensor y = Tensor::empty({rows, out}, out_type, x.device());
   if (rows == 0) return y;
   const bool fp8 = w.type() == ScalarType::F8E4M3;
-  // Decode-sized products (at most 8 rows: the n of the kernel's mma.m16n8k16) stream the weights through
-  // the skinny kernel (gemm_skinny.h; cuBLASLt reaches 5-57% of HBM at these sizes, bench/results/kernels.md):
-  // bf16 activations against bf16 or FP8 weights (the activations are not quantised to FP8 there), whenever
-  // its size and alignment requirements hold; otherwise cuBLASLt as below.
-  if (rows <= cuda::kSkinnyMaxRows && x.type() == ScalarType::BF16 &&
-      (fp8 ? w.block_scales().defined() : w.type() == ScalarType::BF16)) {
-    const float* scales = fp8 ? w.block_scales().as<float>() : nullptr;
+  // Decode-sized products with FP8 weights (at most 8 rows: the n of the kernel's mma.m16n8k16) stream the
+  // weights through the skinny kernel (gemm_skinny.h), without a separate launch quantising the activations:
+  // up to 2x cuBLASLt's FP8 path there (bench/results/kernels.md, "Skinny products"). bf16 weights stay on
+  // cuBLASLt, which reached 16-100% of HBM against the skinny kernel's 12-79% in the same run.
+  if (fp8 && rows <= cuda::kSkinnyMaxRows && x.type() == ScalarType::BF16 && w.block_scales().defined()) {
+    const float* scales = w.block_scales().as<float>();
     if (cuda::gemm_skinny_unsupported(rows, out, in, fp8, x.raw(), in, w.raw(), scales, y.raw(), elem(y), out) ==
         nullptr) {
       const size_t ws_bytes = cuda::gemm_skinny_workspace_bytes(rows, out, in, fp8);
       Tensor ws = ws_bytes > 0 ? Tensor::empty({int64_t(ws_bytes)}, ScalarType::U8, x.device()) : Tensor();
       void* ws_ptr = ws_bytes > 0 ? ws.raw() : nullptr;
-      if (fp8)
-        cuda::gemm_skinny_fp8(rows, out, in, x.raw(), in, w.as<uint8_t>(), scales, y.raw(), elem(y), out, ws_ptr,
-                              ws_bytes, cuda::stream());
-      else
-        cuda::gemm_skinny_bf16(rows, out, in, x.raw(), in, w.raw(), y.raw(), elem(y), out, ws_ptr, ws_bytes,
-                               cuda::stream());
+      cuda::gemm_skinny_fp8(rows, out, in, x.raw(), in, w.as<uint8_t>(), scales, y.raw(), elem(y), out, ws_ptr,
+                            ws_bytes, cuda::stream());
       return y;
     }
   }

@@ -4,9 +4,9 @@
 // Operands are bf16 (tensor cores, fp32 accumulation); y is bf16 or fp32. Strided-batched forms run
 // `batch` independent products (per-head products of MLA's absorbed weights).
 //
-// Decode-sized products (m <= 8) reach only a fraction of HBM bandwidth through cuBLASLt; ops::linear sends
-// them to gemm_skinny_bf16 (gemm_skinny.h) instead: the same product, weights streamed once, fp32
-// accumulation in another order (within rounding of this one), y bf16 or fp32.
+// Decode-sized products (m <= 8) with FP8 weights go to gemm_skinny_fp8 (gemm_skinny.h) instead of
+// gemm_fp8_block_scaled (ops::linear); bf16 ones stay here: cuBLASLt streams bf16 weights faster at every
+// measured decode shape (bench/results/kernels.md, "Skinny products").
 #pragma once
 #include <cuda_runtime_api.h>
 
