@@ -28,7 +28,9 @@
 # HF_PROMPTS_PER_CONCURRENCY (default 1: one batch per point), HF_ARGS (more hf_serve_peer.py run flags),
 # VLLM (the command that runs vLLM's CLI, default vllm; e.g. "python3 -m vllm.entrypoints.cli.main" where vLLM
 # is installed without its scripts), SPARROW_SWEEP (0: skip sparrow's sweep, to run the peers of a shape in a
-# call of their own), LAUNCH_TIMEOUT (s, default 1800).
+# call of their own), LAUNCH_TIMEOUT (s, default 1800), PEER_PORT (vLLM's port, default 8100; the HF peer's
+# request capture takes PEER_PORT + 100; sparrow's servers take a free port), so that two sweeps can share a
+# machine of two GPUs: CUDA_VISIBLE_DEVICES=1 PEER_PORT=8300 bench/sweep.sh <another shape> beside the first.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -47,6 +49,7 @@ NUM_WARMUPS="${NUM_WARMUPS:-1}"
 MODELS="${MODELS:-$OUT/models}"
 if [[ "$DATASET" == "agentic" ]]; then MAX_MODEL_LEN="${MAX_MODEL_LEN:-131072}"; else MAX_MODEL_LEN="${MAX_MODEL_LEN:-16384}"; fi
 LAUNCH_TIMEOUT="${LAUNCH_TIMEOUT:-1800}"
+PEER_PORT="${PEER_PORT:-8100}"
 PEERS="${PEERS:-}"
 SHAPES=("$@")
 [[ ${#SHAPES[@]} -eq 0 ]] && SHAPES=(deepseek_v3.2 kimi_k3.1_pro minimax_m3.1_flash kimi_linear_48b)
@@ -97,16 +100,16 @@ for shape in "${SHAPES[@]}"; do
     read -ra vllm_cmd <<< "${VLLM:-vllm}"
     if command -v "${vllm_cmd[0]}" >/dev/null; then
       # The same folder, dummy weights, the same workload, sparrow's client (vLLM's metric definitions).
-      "${vllm_cmd[@]}" serve "$model" --load-format dummy --port 8100 --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 256 \
+      "${vllm_cmd[@]}" serve "$model" --load-format dummy --port "$PEER_PORT" --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 256 \
           --trust-remote-code "${shape_vllm[@]}" ${VLLM_ARGS:-} >> "$OUT/$shape/vllm-server.log" 2>&1 &
       vllm_pid=$!
       for _ in $(seq "$LAUNCH_TIMEOUT"); do
-        curl -sf http://127.0.0.1:8100/v1/models >/dev/null 2>&1 && break
+        curl -sf http://127.0.0.1:$PEER_PORT/v1/models >/dev/null 2>&1 && break
         kill -0 "$vllm_pid" 2>/dev/null || break
         sleep 1
       done
-      if curl -sf http://127.0.0.1:8100/v1/models >/dev/null 2>&1; then
-        "$SPARROW" bench sweep "${WORKLOAD[@]}" --tokenizer "$model" --label vllm --base-url http://127.0.0.1:8100 --kv-cache-dtype "$kv_dtype" \
+      if curl -sf http://127.0.0.1:$PEER_PORT/v1/models >/dev/null 2>&1; then
+        "$SPARROW" bench sweep "${WORKLOAD[@]}" --tokenizer "$model" --label vllm --base-url http://127.0.0.1:$PEER_PORT --kv-cache-dtype "$kv_dtype" \
             --model-config "$model" --output "$OUT/$shape/sweep-vllm.json" >> "$LOG" 2>&1 \
           && peers+=(--peer "vllm=$OUT/$shape/sweep-vllm.json") \
           || { echo "vllm sweep of $shape failed (see $shape/sweep.log)" >&2; status=1; }
@@ -133,10 +136,10 @@ for shape in "${SHAPES[@]}"; do
       hf_c="${HF_CONCURRENCIES:-1,2,4,8,16}"
       hf_k="${HF_PROMPTS_PER_CONCURRENCY:-1}"
       hf_n=$(( $(tr ',' '\n' <<< "$hf_c" | sort -n | tail -1) * hf_k ))
-      python3 bench/peers/hf_serve_peer.py capture --port 8200 --count "$hf_n" --output "$OUT/$shape/hf-requests.jsonl" >> "$LOG" 2>&1 &
+      python3 bench/peers/hf_serve_peer.py capture --port "$((PEER_PORT + 100))" --count "$hf_n" --output "$OUT/$shape/hf-requests.jsonl" >> "$LOG" 2>&1 &
       cap_pid=$!
       sleep 2
-      "$SPARROW" bench serve --base-url http://127.0.0.1:8200 --tokenizer "$model" --dataset-name random \
+      "$SPARROW" bench serve --base-url http://127.0.0.1:$((PEER_PORT + 100)) --tokenizer "$model" --dataset-name random \
           --random-input-len "$ISL" --random-output-len "$OSL" --ignore-eos --num-prompts "$hf_n" --max-concurrency 1 \
           --disable-tqdm >> "$LOG" 2>&1
       kill "$cap_pid" 2>/dev/null; wait "$cap_pid" 2>/dev/null

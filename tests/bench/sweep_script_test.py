@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """bench/sweep.sh end to end on the CPU: the bundled model's config as the shape, dummy weights, a tiny
 random workload at concurrencies 1 and 2, sparrow's sweep and a vLLM peer played by tests/bench/fake_vllm.sh
-(sparrow serving the same folder on vLLM's port), then the same with SPARROW_SWEEP=0 (the peer alone).
+(sparrow serving the same folder on vLLM's port), then the same with SPARROW_SWEEP=0 (the peer alone) on another
+PEER_PORT.
+The two sweeps' JSONs also go through tools/sweep_table.py (serve.md's tables), with a point that failed whole.
 
   python3 tests/bench/sweep_script_test.py --sparrow build/sparrow
 """
@@ -37,6 +39,32 @@ def points(path):
     return sweep, {p["concurrency"]: p for p in sweep["points"]}
 
 
+def check_table(ours_path, peer_path, out):
+    """tools/sweep_table.py on both sweeps and on a peer whose server died: one row per point, the engine's
+    counters in sparrow's rows, the failed points without figures."""
+    with open(peer_path) as f:
+        peer = json.load(f)
+    peer["points"].append({"concurrency": 4, "completed": 0, "failed": 4, "num_prompts": 4})
+    peer["points"].append({"concurrency": 8, "completed": 0, "error": "cannot read the served model; is it up?"})
+    dead = os.path.join(out, "dead-peer.json")
+    with open(dead, "w") as f:
+        json.dump(peer, f)
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools/sweep_table.py"), "--engine", "sparrow", ours_path,
+                          "--engine", "peer", dead], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in run.stdout.splitlines()[2:]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("sparrow", "1", "1 of 1"), ("sparrow", "2", "2 of 2"), ("peer", "1", "1 of 1"), ("peer", "2", "2 of 2"),
+        ("peer", "4", "0 of 4"), ("peer", "8", "none: cannot read the served model")], run.stdout
+    for r in rows[:4]:
+        assert float(r[5].replace(",", "")) > 0 and r[9].endswith("%"), r  # tok/s per user and its share of the roofline
+    assert all(rows[i][10] and rows[i][12] for i in (0, 1)), rows[:2]  # sparrow's decode step time and prefill steps
+    assert not any(rows[4][3:]) and not any(rows[5][3:]), rows[4:]
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools/sweep_table.py"), os.path.join(out, "missing.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "missing.json" in bad.stderr, (bad.returncode, bad.stderr)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sparrow", required=True)
@@ -62,13 +90,15 @@ def main():
         for flag, value in (("--load-format", "dummy"), ("--port", "8100"), ("--max-model-len", "96")):
             assert vllm_args[vllm_args.index(flag) + 1] == value, (flag, vllm_args)
         assert "--enforce-eager" in vllm_args, vllm_args
+        check_table(os.path.join(shape_dir, "sweep-sparrow.json"), os.path.join(shape_dir, "sweep-vllm.json"), out)
 
     with tempfile.TemporaryDirectory() as out:
-        shape_dir, _, log = sweep(sparrow, out, SPARROW_SWEEP="0")
+        shape_dir, vllm_args, log = sweep(sparrow, out, SPARROW_SWEEP="0", PEER_PORT="8350")
         assert not os.path.exists(os.path.join(shape_dir, "sweep-sparrow.json")), "SPARROW_SWEEP=0 still ran sparrow"
         assert "== sparrow" not in log
         _, peer_points = points(os.path.join(shape_dir, "sweep-vllm.json"))
         assert sorted(peer_points) == [1, 2]
+        assert vllm_args[vllm_args.index("--port") + 1] == "8350", vllm_args  # a second sweep beside the first
     print("sweep_script_test: ok")
 
 
