@@ -19,6 +19,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/ptx.cuh"
+#include "kernels/cuda/wgmma.cuh"
 #include "kernels/cuda/runtime/cuda_check.h"
 
 namespace sparrow::cuda {
@@ -36,62 +37,6 @@ constexpr int kTileBytes = kTileKeys * kDim;  // 8 KB
 constexpr int smem_bytes(int n) { return n * kDim + kStages * kTileBytes + kStages * kTileKeys * 4 + 1024; }
 
 using namespace ptx;  // smem_u32, cp_async16 / cp_async4 (zero-filled when !valid), commit, wait
-
-// Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format" for wgmma): K-major rows of 128
-// bytes with the 128-byte swizzle; 8-row core groups 1024 bytes apart (stride byte offset); the leading
-// byte offset is unused when a row is one swizzle atom wide.
-__device__ __forceinline__ uint64_t descriptor(const void* p) {
-  const uint32_t addr = smem_u32(p);
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
-
-template <int N>
-struct Accumulator {
-  float d[N / 2];
-};
-
-// D (+)= A · Bᵀ, m64 nN k32, e4m3 inputs, fp32 accumulation.
-__device__ __forceinline__ void wgmma_k32(Accumulator<64>& acc, uint64_t a, uint64_t b, int accumulate) {
-  float* d = acc.d;
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,"
-      "%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(a), "l"(b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_k32(Accumulator<128>& acc, uint64_t a, uint64_t b, int accumulate) {
-  float* d = acc.d;
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,"
-      "%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,"
-      "%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_k32(Accumulator<32>& acc, uint64_t a, uint64_t b, int accumulate) {
-  float* d = acc.d;
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(a), "l"(b), "r"(accumulate));
-}
 
 struct DecodeParams {
   const uint8_t* q;  // [rows, heads, 128] e4m3
@@ -225,20 +170,21 @@ __global__ void __launch_bounds__(kThreads) decode_scores_kernel(DecodeParams p)
       load_tile(t + kStages - 1);
       cp_async_wait<kStages - 1>();  // tile t (and the queries) have landed for this thread's copies
       // cp.async writes are generic-proxy writes; wgmma reads through the async proxy.
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      wgmma::fence_proxy_async();
       __syncthreads();
 
       const uint8_t* keys = tiles + (t % kStages) * kTileBytes;
-      Accumulator<N> acc;
+      float acc[N / 2];
       ptx::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kDim / 32; ++kk)
-        wgmma_k32(acc, descriptor(keys + kk * 32), descriptor(query + kk * 32), kk > 0);
+        wgmma::ss_e4m3<N>(acc, wgmma::sw128_descriptor(keys + kk * 32), wgmma::sw128_descriptor(query + kk * 32),
+                          kk > 0);
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
 
-      // D layout (m64nNk32, fp32): acc.d[4j + 0/1] = key 16 * warp + g, columns 8j + 2(lane % 4) + 0/1;
-      // acc.d[4j + 2/3] = key 16 * warp + g + 8, the same columns. Columns of row r are j in
+      // D layout (m64nNk32, fp32): acc[4j + 0/1] = key 16 * warp + g, columns 8j + 2(lane % 4) + 0/1;
+      // acc[4j + 2/3] = key 16 * warp + g + 8, the same columns. Columns of row r are j in
       // [r * HEADS / 8, (r + 1) * HEADS / 8).
       float s0[ROWS], s1[ROWS];
 #pragma unroll
@@ -246,8 +192,8 @@ __global__ void __launch_bounds__(kThreads) decode_scores_kernel(DecodeParams p)
 #pragma unroll
       for (int j = 0; j < J; ++j) {
         const int r = (8 * j) / HEADS;
-        s0[r] += pw0[j] * fmaxf(acc.d[4 * j], 0.0f) + pw1[j] * fmaxf(acc.d[4 * j + 1], 0.0f);
-        s1[r] += pw0[j] * fmaxf(acc.d[4 * j + 2], 0.0f) + pw1[j] * fmaxf(acc.d[4 * j + 3], 0.0f);
+        s0[r] += pw0[j] * fmaxf(acc[4 * j], 0.0f) + pw1[j] * fmaxf(acc[4 * j + 1], 0.0f);
+        s1[r] += pw0[j] * fmaxf(acc[4 * j + 2], 0.0f) + pw1[j] * fmaxf(acc[4 * j + 3], 0.0f);
       }
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {

@@ -34,6 +34,7 @@
 #include "kernels/cuda/dsa_indexer/decode_scores.cuh"
 #include "kernels/cuda/dsa_indexer/fp4_keys.cuh"
 #include "kernels/cuda/ptx.cuh"
+#include "kernels/cuda/wgmma.cuh"
 #include "kernels/cuda/runtime/cuda_check.h"
 
 namespace sparrow::cuda {
@@ -66,15 +67,6 @@ constexpr int smem_bytes(int n) {
   return n * Layout<F>::kQueryBytes + kStages * Layout<F>::kStageBytes + 1024;
 }
 
-// Shared-memory matrix descriptor of a K-major operand with 128-byte rows and the 128-byte swizzle (PTX
-// ISA, "Matrix Descriptor Format"): 8-row core groups 1024 bytes apart; the leading byte offset is unused
-// when a row is one swizzle atom wide. A k-step starts 32 bytes further along the row (k32 of 8-bit,
-// k16 of 16-bit values).
-__device__ __forceinline__ uint64_t descriptor(const void* p) {
-  const uint32_t addr = smem_u32(p);
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
-
 // Byte offset of byte `b` of row n in a 128-byte swizzled K-major tile (16-byte chunk c of row n at
 // n * 128 + ((c ^ (n % 8)) * 16)).
 __device__ __forceinline__ int swizzled(int n, int b) { return n * 128 + (((b >> 4) ^ (n & 7)) << 4) + (b & 15); }
@@ -83,115 +75,6 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid
   const int bytes = valid ? 8 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
 }
-
-// Keeps a register's value where it is until this point: a wgmma reads its register operands
-// asynchronously, until wgmma.wait_group, so neither they nor the accumulators may be reused or read
-// before it (CUTLASS's warpgroup_fence_operand).
-__device__ __forceinline__ void keep(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
-__device__ __forceinline__ void keep(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-
-template <int N>
-struct Accumulator {
-  float d[N / 2];
-};
-
-// D (+)= A · Bᵀ with A (4 registers) from registers and B from shared memory: m64nNk32 e4m3 and m64nNk16
-// f16 (B K-major: imm-trans-b 0), fp32 accumulation.
-__device__ __forceinline__ void wgmma_rs_e4m3(Accumulator<32>& acc, const uint32_t (&a)[4], uint64_t b,
-                                              int accumulate) {
-  float* d = acc.d;
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
-      "{%16,%17,%18,%19}, %20, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_rs_e4m3(Accumulator<64>& acc, const uint32_t (&a)[4], uint64_t b,
-                                              int accumulate) {
-  float* d = acc.d;
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"
-      "%24,%25,%26,%27,%28,%29,%30,%31}, "
-      "{%32,%33,%34,%35}, %36, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_rs_e4m3(Accumulator<128>& acc, const uint32_t (&a)[4], uint64_t b,
-                                              int accumulate) {
-  float* d = acc.d;
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"
-      "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-      "{%64,%65,%66,%67}, %68, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_rs_f16(Accumulator<32>& acc, const uint32_t (&a)[4], uint64_t b,
-                                             int accumulate) {
-  float* d = acc.d;
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
-      "{%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_rs_f16(Accumulator<64>& acc, const uint32_t (&a)[4], uint64_t b,
-                                             int accumulate) {
-  float* d = acc.d;
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"
-      "%24,%25,%26,%27,%28,%29,%30,%31}, "
-      "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_rs_f16(Accumulator<128>& acc, const uint32_t (&a)[4], uint64_t b,
-                                             int accumulate) {
-  float* d = acc.d;
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"
-      "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-      "{%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-
 
 struct Fp4Params {
   const uint8_t* q;  // [rows, heads, 128] e4m3
@@ -356,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, HEADS * ROWS <= 64 ? 4 : 3) decode_s
       // The queries were written by plain stores (generic proxy); wgmma reads them through the async proxy.
       // The barrier also means every thread has finished reading tile t - 1's stage, which the next line
       // refills.
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      wgmma::fence_proxy_async();
       __syncthreads();
       load_tile(t + kStages - 1);
 
@@ -364,7 +247,7 @@ __global__ void __launch_bounds__(kThreads, HEADS * ROWS <= 64 ? 4 : 3) decode_s
       const uint8_t* stage = stages + (t % kStages) * L::kStageBytes;
       const uint4 codes0 = *reinterpret_cast<const uint4*>(stage + r_a * kFp4CodeBytes + q4 * 16);
       const uint4 codes1 = *reinterpret_cast<const uint4*>(stage + (r_a + 8) * kFp4CodeBytes + q4 * 16);
-      Accumulator<N> acc;
+      float acc[N / 2];
       float factor0 = 1.0f, factor1 = 1.0f;
       if constexpr (L::kMx) {
         const uint32_t sc0 = *reinterpret_cast<const uint32_t*>(stage + L::kCodeTileBytes + r_a * 4);
@@ -377,12 +260,12 @@ __global__ void __launch_bounds__(kThreads, HEADS * ROWS <= 64 ? 4 : 3) decode_s
         for (int s = 0; s < 4; ++s) {
           // Step s: logical k 32s + 4q4 + i <- dims 32 q4 + 8s + i (word 2s), 32s + 16 + 4q4 + i <- word 2s + 1.
           const uint32_t a[4] = {k0[2 * s], k1[2 * s], k0[2 * s + 1], k1[2 * s + 1]};
-          wgmma_rs_e4m3(acc, a, descriptor(query + s * 32), s > 0);
+          wgmma::rs_e4m3<N>(acc, a, wgmma::sw128_descriptor(query + s * 32), s > 0);
         }
         ptx::wgmma_commit();
         ptx::wgmma_wait<0>();
 #pragma unroll
-        for (int i = 0; i < 8; ++i) keep(k0[i]), keep(k1[i]);
+        for (int i = 0; i < 8; ++i) wgmma::keep(k0[i]), wgmma::keep(k1[i]);
       } else {
         const uint32_t sc0 = *reinterpret_cast<const uint16_t*>(stage + L::kCodeTileBytes + r_a * 8 + 2 * q4);
         const uint32_t sc1 = *reinterpret_cast<const uint16_t*>(stage + L::kCodeTileBytes + (r_a + 8) * 8 + 2 * q4);
@@ -395,17 +278,16 @@ __global__ void __launch_bounds__(kThreads, HEADS * ROWS <= 64 ? 4 : 3) decode_s
           // Step s: logical k 16s + 2q4 + i <- word 4(s/2) + 2(s%2), 16s + 8 + 2q4 + i <- the next word.
           const int i0 = 4 * (s / 2) + 2 * (s % 2);
           const uint32_t a[4] = {k0[i0], k1[i0], k0[i0 + 1], k1[i0 + 1]};
-          wgmma_rs_f16(acc, a, descriptor(query + (s / 4) * (N * 128) + (s % 4) * 32), s > 0);
+          wgmma::rs_f16<N>(acc, a, wgmma::sw128_descriptor(query + (s / 4) * (N * 128) + (s % 4) * 32), s > 0);
         }
         ptx::wgmma_commit();
         ptx::wgmma_wait<0>();
 #pragma unroll
-        for (int i = 0; i < 16; ++i) keep(k0[i]), keep(k1[i]);
+        for (int i = 0; i < 16; ++i) wgmma::keep(k0[i]), wgmma::keep(k1[i]);
       }
-#pragma unroll
-      for (int i = 0; i < N / 2; ++i) keep(acc.d[i]);
+      wgmma::keep(acc);
 
-      // D layout (m64nN, fp32): acc.d[4j + 0/1] = key r_a, columns 8j + 2q4 + 0/1; acc.d[4j + 2/3] = key
+      // D layout (m64nN, fp32): acc[4j + 0/1] = key r_a, columns 8j + 2q4 + 0/1; acc[4j + 2/3] = key
       // r_a + 8, the same columns. Columns of row r are j in [r * HEADS / 8, (r + 1) * HEADS / 8).
       float s0[ROWS], s1[ROWS];
 #pragma unroll
@@ -413,8 +295,8 @@ __global__ void __launch_bounds__(kThreads, HEADS * ROWS <= 64 ? 4 : 3) decode_s
 #pragma unroll
       for (int j = 0; j < J; ++j) {
         const int r = (8 * j) / HEADS;
-        s0[r] += w0[j] * fmaxf(acc.d[4 * j], 0.0f) + w1[j] * fmaxf(acc.d[4 * j + 1], 0.0f);
-        s1[r] += w0[j] * fmaxf(acc.d[4 * j + 2], 0.0f) + w1[j] * fmaxf(acc.d[4 * j + 3], 0.0f);
+        s0[r] += w0[j] * fmaxf(acc[4 * j], 0.0f) + w1[j] * fmaxf(acc[4 * j + 1], 0.0f);
+        s1[r] += w0[j] * fmaxf(acc[4 * j + 2], 0.0f) + w1[j] * fmaxf(acc[4 * j + 3], 0.0f);
       }
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
