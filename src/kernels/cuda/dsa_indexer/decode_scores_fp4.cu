@@ -33,6 +33,7 @@
 #include "core/error.h"
 #include "kernels/cuda/dsa_indexer/decode_scores.cuh"
 #include "kernels/cuda/dsa_indexer/fp4_keys.cuh"
+#include "kernels/cuda/dsa_indexer/decode_rows.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/wgmma.cuh"
 #include "kernels/cuda/runtime/cuda_check.h"
@@ -122,12 +123,7 @@ __global__ void __launch_bounds__(kThreads, HEADS * ROWS <= 64 ? 4 : 3) decode_s
   bool valid[ROWS];
   int seq[ROWS];
   int64_t visible[ROWS];
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    valid[r] = row0 + r < p.rows;
-    seq[r] = valid[r] ? p.row_seq[row0 + r] : -1;
-    visible[r] = valid[r] ? p.row_visible[row0 + r] : 0;
-  }
+  dsa::load_rows(row0, p.rows, p.row_seq, p.row_visible, valid, seq, visible);
 
   // The queries of every valid row (zeros for an invalid one), permuted along K as the widened keys are
   // (top of this file) and swizzled. Each thread reads whole 16-byte chunks (dims 16c .. 16c+15 of a query
@@ -167,43 +163,22 @@ __global__ void __launch_bounds__(kThreads, HEADS * ROWS <= 64 ? 4 : 3) decode_s
     }
   }
 
-  // This thread's head weights: D's columns 8j + 2q4 + {0, 1}; column n is head n % HEADS of row n / HEADS.
+  // This thread's head weights (D's columns 8j + 2(lane % 4) + {0, 1}).
   float w0[J], w1[J];
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const int n = 8 * j + 2 * q4, r = n / HEADS;
-    w0[j] = valid[r] ? p.w[(row0 + r) * HEADS + n % HEADS] : 0.0f;
-    w1[j] = valid[r] ? p.w[(row0 + r) * HEADS + n % HEADS + 1] : 0.0f;
-  }
+  dsa::head_weights<HEADS>(valid, p.w, row0, q4, w0, w1);
 
   // The two keys of the tile this thread widens (and whose scores it finishes): rows r_a, r_a + 8.
   const int r_a = 16 * warp + g;
 
 #pragma unroll 1
   for (int pass = 0; pass < ROWS; ++pass) {
-    // This pass scores the rows of one sequence: the first valid row not scored by an earlier pass.
-    bool first_of_seq = valid[pass];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r)
-      if (r < pass && seq[r] == seq[pass]) first_of_seq = false;
-    if (!first_of_seq) continue;
-    const int pass_seq = seq[pass];
     bool active[ROWS];
-    int64_t k_scored = k_begin;  // keys at or past every active row's bound are -inf without reading them
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      active[r] = valid[r] && seq[r] == pass_seq;
-      if (active[r]) k_scored = max(k_scored, min(k_end, visible[r]));
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      if (!active[r]) continue;
-      float* out = p.scores + (row0 + r) * p.ld;
-      for (int64_t s = max(k_begin, min(k_end, visible[r])) + tid; s < k_end; s += kThreads) out[s] = -INFINITY;
-    }
-    if (k_scored <= k_begin) continue;
+    int64_t k_scored;  // keys at or past every active row's bound are -inf without reading them
+    if (!dsa::begin_pass(pass, valid, seq, visible, k_begin, k_end, row0, p.scores, p.ld, tid, kThreads, active,
+                         k_scored))
+      continue;
     const int tiles_total = int((k_scored - k_begin + kTileKeys - 1) / kTileKeys);
-    const int64_t* pages = p.page_table + int64_t(pass_seq) * p.stride;
+    const int64_t* pages = p.page_table + int64_t(seq[pass]) * p.stride;
 
     // Tile `t` into stage t % kStages, in the page's layout: thread pair (2r, 2r + 1) copies key r's 64 code
     // bytes (32 each), the even thread also its scales, one page lookup per thread. Keys past k_scored are
