@@ -31,6 +31,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "kernels/cuda/paged.cuh"
 #include "kernels/cuda/runtime/cuda_check.h"
 
 namespace sparrow::cuda {
@@ -77,10 +78,9 @@ __global__ void write_keys_kernel(const void* keys, DsaDType type, int64_t count
   if (token >= count) return;
   float scale;
   uint32_t packed = quantize_row(keys, type, token * kDim, lane, scale);
-  const int64_t pos = token_pos[token];
-  const int64_t page = page_table[int64_t(token_seq[token]) * stride + pos / block_size];
-  const int64_t slot = pos % block_size;
-  uint8_t* base = pool + page;
+  const PagedSlot at = paged_slot(pool, page_table, stride, token_seq[token], token_pos[token], block_size);
+  uint8_t* base = at.page;
+  const int64_t slot = at.slot;
   reinterpret_cast<uint32_t*>(base + slot * kDim)[lane] = packed;
   if (lane == 0) reinterpret_cast<float*>(base + int64_t(block_size) * kDim)[slot] = scale;
 }
@@ -120,10 +120,9 @@ __global__ void write_fp4_keys_kernel(const void* keys, DsaDType type, int64_t c
 #pragma unroll
     for (int i = 0; i < 4; ++i) codes |= quant::nvfp4_encode(v[i], step) << (4 * i);
   }
-  const int64_t pos = token_pos[token];
-  const int64_t page = page_table[int64_t(token_seq[token]) * stride + pos / block_size];
-  const int64_t slot = pos % block_size;
-  uint8_t* base = pool + page;
+  const PagedSlot at = paged_slot(pool, page_table, stride, token_seq[token], token_pos[token], block_size);
+  uint8_t* base = at.page;
+  const int64_t slot = at.slot;
   // Dims 4i .. 4i+3 are code bytes 2i, 2i+1 (element 2k in the low nibble).
   reinterpret_cast<uint16_t*>(base + slot * dsa::kFp4CodeBytes)[lane] = uint16_t(codes);
   // The block scales, block b held by lane 8b (MXFP4) or 4b (NVFP4), gathered into lane 0's words.

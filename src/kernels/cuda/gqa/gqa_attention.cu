@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "kernels/cuda/gqa/attention_kernel.cuh"
+#include "kernels/cuda/paged.cuh"
 #include "kernels/cuda/quant/fp4.cuh"
 
 namespace sparrow::cuda::gqa_detail {
@@ -102,9 +103,8 @@ __global__ void __launch_bounds__(128) gqa_write_kv_kernel(const uint4* k, const
                                                            int block_size, int64_t row_bytes, uint8_t* pool) {
   const int64_t i = blockIdx.x;
   const int seq = __ldg(row_seq + i), pos = __ldg(row_pos + i);
-  const int slot = pos % block_size;
-  uint8_t* page = pool + __ldg(page_table + int64_t(seq) * stride + pos / block_size);
-  uint8_t* row = page + int64_t(slot) * row_bytes;
+  const PagedSlot at = paged_slot(pool, page_table, stride, seq, pos, block_size);
+  uint8_t* row = at.page + at.slot * row_bytes;
   auto chunk = [&](int c) { return c < chunks ? __ldg(k + i * chunks + c) : __ldg(v + i * chunks + (c - chunks)); };
   if constexpr (F == GqaKvFormat::BFloat16) {
     for (int c = threadIdx.x; c < 2 * chunks; c += blockDim.x) reinterpret_cast<uint4*>(row)[c] = chunk(c);
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(128) gqa_write_kv_kernel(const uint4* k, const
     }
   } else {
     // Scales of the page's tokens follow all their codes: block_size x row_bytes bytes in.
-    uint8_t* scales = page + int64_t(block_size) * row_bytes + int64_t(slot) * (row_bytes / 8);
+    uint8_t* scales = at.page + int64_t(block_size) * row_bytes + at.slot * (row_bytes / 8);
     for (int b = threadIdx.x; b < chunks; b += blockDim.x) {  // chunks = 16-value blocks of K + V here
       const uint4 x0 = chunk(2 * b), x1 = chunk(2 * b + 1);
       const uint32_t in[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};

@@ -13,6 +13,7 @@
 #include <cuda_fp8.h>
 
 #include "kernels/cuda/mla/mla_attention.h"
+#include "kernels/cuda/paged.cuh"
 #include "kernels/cuda/quant/fp4.cuh"
 #include "kernels/cuda/runtime/cuda_check.h"
 
@@ -42,8 +43,8 @@ __global__ void __launch_bounds__(128) mla_cache_write_kernel(const MlaPagedCach
   const int seq = row_seq ? row_seq[i] : seq0;
   const int64_t pos = row_pos ? int64_t(row_pos[i]) : start_pos + i;
   constexpr int64_t kRowBytes = MlaRowBytes<F>::value;
-  uint8_t* dst = cache.pool + cache.page_offsets[int64_t(seq) * cache.pages_stride + pos / cache.block_size] +
-                 (pos % cache.block_size) * kRowBytes;
+  const PagedSlot at = paged_slot(cache.pool, cache.page_offsets, cache.pages_stride, seq, pos, cache.block_size);
+  uint8_t* dst = at.page + at.slot * kRowBytes;
   const T* s = src + i * kMlaRow;
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   float v[4];

@@ -49,6 +49,7 @@
 
 #include "core/error.h"
 #include "kernels/cuda/gqa/kv_widen.cuh"
+#include "kernels/cuda/paged.cuh"
 #include "kernels/cuda/quant/fp4.cuh"
 #include "kernels/cuda/runtime/cuda_check.h"
 
@@ -102,8 +103,8 @@ __global__ void write_keys_kernel(const uint4* keys, int64_t count, int pieces, 
   const int piece = int(i - row * pieces);
   const int pos = token_pos[row];
   if (pos < 0) return;
-  const int64_t page = page_table[int64_t(token_seq[row]) * stride + pos / block_size];
-  uint4* dst = reinterpret_cast<uint4*>(pool + page + int64_t(pos % block_size) * pieces * 16);
+  const PagedSlot at = paged_slot(pool, page_table, stride, token_seq[row], pos, block_size);
+  uint4* dst = reinterpret_cast<uint4*>(at.page + at.slot * pieces * 16);
   dst[piece] = keys[i];
 }
 
@@ -119,7 +120,7 @@ __global__ void write_keys_fp8_kernel(const uint4* keys, int64_t count, int piec
   const int piece = int(i - row * pieces);
   const int pos = token_pos[row];
   if (pos < 0) return;
-  const int64_t page = page_table[int64_t(token_seq[row]) * stride + pos / block_size];
+  const PagedSlot at = paged_slot(pool, page_table, stride, token_seq[row], pos, block_size);
   const uint4 x = keys[i];
   const uint32_t in[4] = {x.x, x.y, x.z, x.w};
   uint32_t out[2] = {0u, 0u};
@@ -129,7 +130,7 @@ __global__ void write_keys_fp8_kernel(const uint4* keys, int64_t count, int piec
     const uint32_t code = quant::e4m3_encode(__fdiv_rn(__uint_as_float(bits << 16), kTensorScale));
     out[v / 4] |= code << (8 * (v % 4));
   }
-  uint2* dst = reinterpret_cast<uint2*>(pool + page + int64_t(pos % block_size) * pieces * 8);
+  uint2* dst = reinterpret_cast<uint2*>(at.page + at.slot * pieces * 8);
   dst[piece] = make_uint2(out[0], out[1]);
 }
 
@@ -149,8 +150,7 @@ __global__ void write_keys_fp4_kernel(const uint4* keys, int64_t count, int dim,
   const int b = int(i - row * nblocks);
   const int pos = token_pos[row];
   if (pos < 0) return;
-  uint8_t* page = pool + page_table[int64_t(token_seq[row]) * stride + pos / block_size];
-  const int slot = pos % block_size;
+  const PagedSlot at = paged_slot(pool, page_table, stride, token_seq[row], pos, block_size);
   const int begin = b * BS, n8 = min(BS, dim - begin) / 8;  // 8-value groups in this block
   const uint4* src = keys + (row * dim + begin) / 8;
   float x[BS];
@@ -186,11 +186,11 @@ __global__ void write_keys_fp4_kernel(const uint4* keys, int64_t count, int dim,
     }
   }
   // dim / 2 and begin / 2 are multiples of 4: the code words are aligned.
-  uint32_t* dst = reinterpret_cast<uint32_t*>(page + int64_t(slot) * (dim / 2) + begin / 2);
+  uint32_t* dst = reinterpret_cast<uint32_t*>(at.page + at.slot * (dim / 2) + begin / 2);
 #pragma unroll
   for (int q = 0; q < BS / 8; ++q)
     if (q < n8) dst[q] = codes[q];
-  page[int64_t(block_size) * (dim / 2) + int64_t(slot) * nblocks + b] = scale;
+  at.page[int64_t(block_size) * (dim / 2) + at.slot * nblocks + b] = scale;
 }
 
 // ---------------------------------------------------------------------------------------------------
