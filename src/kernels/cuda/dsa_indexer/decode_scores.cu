@@ -39,19 +39,7 @@ constexpr int smem_bytes(int n) { return n * kDim + kStages * kTileBytes + kStag
 
 using namespace ptx;  // smem_u32, cp_async16 / cp_async4 (zero-filled when !valid), commit, wait
 
-struct DecodeParams {
-  const uint8_t* q;  // [rows, heads, 128] e4m3
-  const float* w;    // [rows, heads]
-  int64_t rows;
-  const int32_t* row_seq;
-  const int32_t* row_visible;
-  const uint8_t* pool;
-  const int64_t* page_table;
-  int64_t stride;
-  int block_size;
-  float* scores;
-  int64_t ld;
-  int64_t max_visible;
+struct DecodeParams : IndexScoreArgs {
   int64_t keys_per_cta;  // a multiple of kTileKeys
 };
 
@@ -238,8 +226,9 @@ void dsa_decode_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows
   per = std::max<int64_t>(per, 8 * kTileKeys);
   per = (per + kTileKeys - 1) / kTileKeys * kTileKeys;
   const int64_t splits = (max_visible + per - 1) / per;
-  DecodeParams params{q_fp8, w_folded, rows, row_seq, row_visible, pool, page_table, page_table_stride, block_size,
-                      scores, ld, max_visible, per};
+  DecodeParams params{{q_fp8, w_folded, rows, row_seq, row_visible, pool, page_table, page_table_stride, block_size,
+                       scores, ld, max_visible},
+                      per};
   const dim3 grid{unsigned(splits), unsigned(ctas_y), 1u};
   kernel<<<grid, kThreads, smem, stream>>>(params);
   SPARROW_CUDA_CHECK_LAUNCH();

@@ -10,6 +10,23 @@
 
 namespace sparrow::cuda {
 
+// What every index-score kernel reads (the dsa_index_scores contract, index_scores.h); each kernel's
+// parameters add their own grid split to it.
+struct IndexScoreArgs {
+  const uint8_t* q;  // [rows, heads, 128] e4m3
+  const float* w;    // [rows, heads], the head weights with the softmax scale folded in
+  int64_t rows;
+  const int32_t* row_seq;      // [rows]
+  const int32_t* row_visible;  // [rows] keys each row sees
+  const uint8_t* pool;
+  const int64_t* page_table;  // [sequences, stride] byte offsets into pool
+  int64_t stride;
+  int block_size;
+  float* scores;  // [rows, ld]
+  int64_t ld;
+  int64_t max_visible;
+};
+
 bool dsa_decode_scores_supported(int heads);
 
 // Any key format (4-bit formats go to dsa_decode_scores_fp4).

@@ -77,20 +77,8 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
 }
 
-struct Fp4Params {
-  const uint8_t* q;  // [rows, heads, 128] e4m3
-  const float* w;    // [rows, heads]
-  int64_t rows;
-  const int32_t* row_seq;
-  const int32_t* row_visible;
-  const uint8_t* pool;
-  const int64_t* page_table;
-  int64_t stride;
-  int block_size;
-  int block_shift;  // log2(block_size) when it is a power of two, else -1
-  float* scores;
-  int64_t ld;
-  int64_t max_visible;
+struct Fp4Params : IndexScoreArgs {
+  int block_shift;       // log2(block_size) when it is a power of two, else -1
   int64_t keys_per_cta;  // a multiple of kTileKeys
 };
 
@@ -347,8 +335,10 @@ void dsa_decode_scores_fp4(const uint8_t* q_fp8, const float* w_folded, int64_t 
   const int64_t ctas_y = (rows + group - 1) / group;
   SPARROW_CHECK(ctas_y < 65536, "dsa_decode_scores: too many rows (", rows, ")");
   const int shift = (block_size & (block_size - 1)) == 0 ? __builtin_ctz(unsigned(block_size)) : -1;
-  const Fp4Params params{q_fp8, w_folded, rows, row_seq, row_visible, pool, page_table, page_table_stride, block_size,
-                         shift, scores, ld, max_visible, 0};
+  const Fp4Params params{{q_fp8, w_folded, rows, row_seq, row_visible, pool, page_table, page_table_stride,
+                          block_size, scores, ld, max_visible},
+                         shift,
+                         0};
   if (format == DsaKeyFormat::Mxfp4) launch<DsaKeyFormat::Mxfp4>(params, heads, group, ctas_y, sms, stream);
   else launch<DsaKeyFormat::Nvfp4>(params, heads, group, ctas_y, sms, stream);
 }

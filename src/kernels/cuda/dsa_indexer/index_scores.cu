@@ -162,19 +162,7 @@ __device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-struct ScoreParams {
-  const uint8_t* q;
-  const float* w;
-  int64_t rows;
-  const int32_t* row_seq;
-  const int32_t* row_visible;
-  const uint8_t* pool;
-  const int64_t* page_table;
-  int64_t stride;
-  int block_size;
-  float* scores;
-  int64_t ld;
-  int64_t max_visible;
+struct ScoreParams : IndexScoreArgs {
   int64_t groups;        // ceil(rows / rows_per_group)
   int groups_per_cta;    // warps of a CTA on different groups (same keys)
   int64_t keys_per_cta;  // multiple of 32 * (warps / groups_per_cta)
@@ -442,8 +430,11 @@ void dsa_index_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows,
                       block_size, format, scores, ld, max_visible, rows_per_sequence, sms, stream);
     return;
   }
-  ScoreParams p{q_fp8, w_folded, rows, row_seq, row_visible, pool, page_table, page_table_stride, block_size,
-                scores, ld, max_visible, 0, 1, 0};
+  ScoreParams p{{q_fp8, w_folded, rows, row_seq, row_visible, pool, page_table, page_table_stride, block_size, scores,
+                 ld, max_visible},
+                0,
+                1,
+                0};
   const int rows_per_group = 64 / heads;
   p.groups = (rows + rows_per_group - 1) / rows_per_group;
   // Many groups (prefill, large decode batches): 4 groups per CTA share each key tile through L1.
