@@ -537,7 +537,6 @@ __global__ void __launch_bounds__(kThreads) gqa_attention_kernel(const GqaParams
   }
 }
 
-// Instantiated per (DMAX, SPARSE, format) in dense.cu and sparse.cu.
 template <int DMAX, bool SPARSE, GqaKvFormat F>
 void launch_gqa_variant(const GqaParams& p, size_t smem, unsigned grid_x, unsigned grid_y, cudaStream_t stream) {
   auto kernel = gqa_attention_kernel<DMAX, SPARSE, F>;
@@ -546,9 +545,32 @@ void launch_gqa_variant(const GqaParams& p, size_t smem, unsigned grid_x, unsign
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
-void dispatch_dense(int dmax, GqaKvFormat format, const GqaParams& p, size_t smem, unsigned grid_x, unsigned grid_y,
-                    cudaStream_t stream);
-void dispatch_sparse(int dmax, GqaKvFormat format, const GqaParams& p, size_t smem, unsigned grid_x, unsigned grid_y,
-                     cudaStream_t stream);
+template <bool SPARSE, GqaKvFormat F>
+void dispatch_head_dim(int dmax, const GqaParams& p, size_t smem, unsigned grid_x, unsigned grid_y,
+                       cudaStream_t stream) {
+  switch (dmax) {
+    case 16: return launch_gqa_variant<16, SPARSE, F>(p, smem, grid_x, grid_y, stream);
+    case 32: return launch_gqa_variant<32, SPARSE, F>(p, smem, grid_x, grid_y, stream);
+    case 64: return launch_gqa_variant<64, SPARSE, F>(p, smem, grid_x, grid_y, stream);
+    case 128: return launch_gqa_variant<128, SPARSE, F>(p, smem, grid_x, grid_y, stream);
+    default: return launch_gqa_variant<256, SPARSE, F>(p, smem, grid_x, grid_y, stream);
+  }
+}
+
+// The kernel for a head_dim bucket (dmax) and K/V page format. dense.cu instantiates SPARSE = false and
+// sparse.cu SPARSE = true, so that the two halves of the variants compile in parallel.
+template <bool SPARSE>
+void dispatch_gqa(int dmax, GqaKvFormat format, const GqaParams& p, size_t smem, unsigned grid_x, unsigned grid_y,
+                  cudaStream_t stream) {
+  switch (format) {
+    case GqaKvFormat::BFloat16:
+      return dispatch_head_dim<SPARSE, GqaKvFormat::BFloat16>(dmax, p, smem, grid_x, grid_y, stream);
+    case GqaKvFormat::Fp8: return dispatch_head_dim<SPARSE, GqaKvFormat::Fp8>(dmax, p, smem, grid_x, grid_y, stream);
+    case GqaKvFormat::Nvfp4: return dispatch_head_dim<SPARSE, GqaKvFormat::Nvfp4>(dmax, p, smem, grid_x, grid_y, stream);
+  }
+}
+extern template void dispatch_gqa<false>(int, GqaKvFormat, const GqaParams&, size_t, unsigned, unsigned,
+                                         cudaStream_t);
+extern template void dispatch_gqa<true>(int, GqaKvFormat, const GqaParams&, size_t, unsigned, unsigned, cudaStream_t);
 
 }  // namespace sparrow::cuda::gqa_detail

@@ -349,10 +349,8 @@ void gqa_attention(const void* q_bf16, void* out_bf16, int64_t rows, int heads, 
     p.ws_o = static_cast<float*>(workspace);
     p.ws_lse = p.ws_o + size_t(plan.splits) * size_t(rows) * size_t(heads) * size_t(head_dim);
   }
-  if (sparse)
-    dispatch_sparse(plan.dmax, format, p, plan.smem, unsigned(grid_x), unsigned(plan.splits), stream);
-  else
-    dispatch_dense(plan.dmax, format, p, plan.smem, unsigned(grid_x), unsigned(plan.splits), stream);
+  (sparse ? dispatch_gqa<true> : dispatch_gqa<false>)(plan.dmax, format, p, plan.smem, unsigned(grid_x),
+                                                       unsigned(plan.splits), stream);
   if (plan.splits > 1) {
     const int64_t rows_heads = rows * heads;
     gqa_combine_kernel<<<dim3(unsigned(rows_heads), unsigned(head_dim / 16)), 128, 0, stream>>>(

@@ -4,26 +4,6 @@
 
 namespace sparrow::cuda::gqa_detail {
 
-template <GqaKvFormat F>
-void dispatch_sparse_format(int dmax, const GqaParams& p, size_t smem, unsigned grid_x, unsigned grid_y,
-                            cudaStream_t stream) {
-  switch (dmax) {
-    case 16: return launch_gqa_variant<16, true, F>(p, smem, grid_x, grid_y, stream);
-    case 32: return launch_gqa_variant<32, true, F>(p, smem, grid_x, grid_y, stream);
-    case 64: return launch_gqa_variant<64, true, F>(p, smem, grid_x, grid_y, stream);
-    case 128: return launch_gqa_variant<128, true, F>(p, smem, grid_x, grid_y, stream);
-    default: return launch_gqa_variant<256, true, F>(p, smem, grid_x, grid_y, stream);
-  }
-}
-
-void dispatch_sparse(int dmax, GqaKvFormat format, const GqaParams& p, size_t smem, unsigned grid_x, unsigned grid_y,
-                    cudaStream_t stream) {
-  switch (format) {
-    case GqaKvFormat::BFloat16:
-      return dispatch_sparse_format<GqaKvFormat::BFloat16>(dmax, p, smem, grid_x, grid_y, stream);
-    case GqaKvFormat::Fp8: return dispatch_sparse_format<GqaKvFormat::Fp8>(dmax, p, smem, grid_x, grid_y, stream);
-    case GqaKvFormat::Nvfp4: return dispatch_sparse_format<GqaKvFormat::Nvfp4>(dmax, p, smem, grid_x, grid_y, stream);
-  }
-}
+template void dispatch_gqa<true>(int, GqaKvFormat, const GqaParams&, size_t, unsigned, unsigned, cudaStream_t);
 
 }  // namespace sparrow::cuda::gqa_detail
