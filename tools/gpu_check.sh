@@ -3,7 +3,8 @@
 # with token-id prompts, a prefix-cache hit, streaming, /metrics): deepseek_v32 and kimi_k3 with the default
 # caches, and deepseek_v32 and minimax_m3 with the 4-bit ones (NVFP4 latents or K/V, MXFP4 / NVFP4 index
 # keys); then forward throughput (deepseek_v32's, minimax_m3's and kimi_k3's GPU fixtures, CUDA graphs on
-# and off; FORWARD=0 skips it). GPU_TESTS=<gtest filter> runs those GPU tests only (default Cuda*).
+# and off; FORWARD=0 skips it). GPU_TESTS=<gtest filter> runs those GPU tests only (default Cuda*), suite
+# by suite with a time limit each (below); SERVE=0 skips the serving checks.
 #   tools/gpu_check.sh [BIN_DIR]     (BIN_DIR holds sparrow and sparrow_tests; default build)
 # The binaries are built on the project machine (sm_90a); .devlibs/ carries the shared libraries the GPU
 # machine lacks (docs/gpu.md). Tests find the repo through the path compiled into them, so the repo is
@@ -17,8 +18,28 @@ status=0
 compiled_root=$(strings "$BIN/sparrow_tests" | grep -m1 -o '^/.*/tests/cache_test.cpp$' | sed 's|/tests/cache_test.cpp||')
 [[ -n "$compiled_root" && ! -e "$compiled_root" ]] && mkdir -p "$(dirname "$compiled_root")" && ln -s "$ROOT" "$compiled_root"
 
-echo "== GPU tests (${GPU_TESTS:-Cuda*})"
-"$BIN/sparrow_tests" --gtest_filter="${GPU_TESTS:-Cuda*}" --gtest_brief=1 || status=1
+# Suite by suite, each under its own time limit (GPU_SUITE_TIMEOUT s, default 300) and with its own log
+# (LOG_DIR, default $OUT/gpu-tests or /tmp/gpu-tests), so that one slow or hung suite neither hides the
+# others' results nor loses its own output: one summary line per suite.
+echo "== GPU tests (${GPU_TESTS:-Cuda*}), suite by suite"
+log_dir="${LOG_DIR:-${OUT:-/tmp}/gpu-tests}"
+mkdir -p "$log_dir"
+# "Suite.Test" per line for the tests the filter selects (gtest lists a suite, then its tests indented).
+tests=$("$BIN/sparrow_tests" --gtest_filter="${GPU_TESTS:-Cuda*}" --gtest_list_tests |
+  awk '/^[^ ]/ {suite = $1; next} {print suite $1}')
+for suite in $(sed 's/\..*//' <<< "$tests" | uniq); do
+  log="$log_dir/${suite//\//_}.log"
+  start=$SECONDS
+  filter=$(grep "^$suite\." <<< "$tests" | paste -sd: -)
+  timeout "${GPU_SUITE_TIMEOUT:-300}" stdbuf -oL "$BIN/sparrow_tests" --gtest_filter="$filter" > "$log" 2>&1
+  rc=$?
+  summary=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ tests?' "$log" | head -3 | tr '\n' ' ')
+  case $rc in
+    0) echo "ok      $suite ($((SECONDS - start)) s) $summary" ;;
+    124) echo "TIMEOUT $suite after $((SECONDS - start)) s (last: $(grep -E '^\[ RUN' "$log" | tail -1))"; status=1 ;;
+    *) echo "FAILED  $suite ($((SECONDS - start)) s) $summary"; grep -E '^\[  FAILED  \]' "$log" | head -5; status=1 ;;
+  esac
+done
 
 # Serving on the device: a completion, a streamed sampled one, and the same prompt again (a prefix-cache
 # hit: for kimi_k3 the KDA state comes back from a snapshot) with /metrics after.
@@ -47,10 +68,12 @@ serve_check() {
   head -5 /tmp/serve.log
 }
 FIXTURE=tests/fixtures/deepseek_v32_gpu
-serve_check $FIXTURE 18431
-serve_check tests/fixtures/kimi_k3_gpu 18432
-serve_check $FIXTURE 18433 --kv-cache-dtype nvfp4 --attention-config '{"indexer_kv_dtype": "mxfp4"}'
-serve_check tests/fixtures/minimax_m3 18434 --kv-cache-dtype nvfp4 --attention-config '{"indexer_kv_dtype": "nvfp4"}'
+if [[ "${SERVE:-1}" != 0 ]]; then
+  serve_check $FIXTURE 18431
+  serve_check tests/fixtures/kimi_k3_gpu 18432
+  serve_check $FIXTURE 18433 --kv-cache-dtype nvfp4 --attention-config '{"indexer_kv_dtype": "mxfp4"}'
+  serve_check tests/fixtures/minimax_m3 18434 --kv-cache-dtype nvfp4 --attention-config '{"indexer_kv_dtype": "nvfp4"}'
+fi
 [[ "${FORWARD:-1}" == 0 ]] && exit $status
 
 echo "== forward throughput (tiny model: launch-bound, for orientation only), CUDA graphs on and off"
