@@ -7,7 +7,8 @@
 // moe_experts, all on the device and without a host round trip (so it can be captured in a graph):
 //   1. counting sort of the tokens·top_k (token, slot) pairs by expert: per-expert counts (atomics),
 //      offsets and a tile schedule (one block, a parallel scan), then each pair takes a slot in its expert's segment
-//      (atomics). The order of pairs inside a segment varies from run to run, but no result depends
+//      (atomics); for the Decode path below, all of it in one block and one launch (decode_sort_kernel)
+//      instead of four. The order of pairs inside a segment varies from run to run, but no result depends
 //      on it: every output row of the products below is computed alone, in a fixed order over k, and
 //      the final combine sums each token's slots in slot order.
 //   2. one grouped product over all experts for gate_up with the activation fused into its epilogue:
@@ -234,6 +235,53 @@ __global__ void place_kernel(const int32_t* experts, int64_t pairs, int num_expe
     if (e >= 0 && e < num_experts) {
       pos = atomicAdd(&cursor[e], 1);
       sorted_pair[pos] = int32_t(p);
+    }
+    pos_of_pair[p] = pos;
+  }
+}
+
+// The decode path's whole sort in one block (instead of a memset and the three kernels above): counts in
+// shared memory, the tile list (one tile per touched expert: its whole segment; the decode kernel makes
+// its own passes of 8 rows), then each pair's slot. For at most DECODE_SORT_EXPERTS experts and
+// DECODE_SORT_PAIRS pairs (run_moe_experts checks); the slots within an expert are taken by atomics, as in
+// place_kernel, and no row's product depends on the order of the rows beside it.
+constexpr int DECODE_SORT_THREADS = 1024, DECODE_SORT_EXPERTS = 1024, DECODE_SORT_PAIRS = 16384;
+__global__ void __launch_bounds__(DECODE_SORT_THREADS)
+    decode_sort_kernel(const int32_t* experts, int pairs, int num_experts, Tile* tiles, int32_t* num_tiles,
+                       int32_t* sorted_pair, int32_t* pos_of_pair) {
+  __shared__ int32_t count[DECODE_SORT_EXPERTS], cursor[DECODE_SORT_EXPERTS];
+  __shared__ int32_t warp_rows[DECODE_SORT_THREADS / 32], warp_tiles[DECODE_SORT_THREADS / 32];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  for (int e = tid; e < num_experts; e += DECODE_SORT_THREADS) count[e] = 0;
+  __syncthreads();
+  for (int p = tid; p < pairs; p += DECODE_SORT_THREADS) {
+    const int e = experts[p];
+    if (e >= 0 && e < num_experts) atomicAdd(&count[e], 1);
+  }
+  __syncthreads();
+  // Exclusive scan of (rows, touched) over the experts, one expert a thread (num_experts <= threads).
+  const int32_t own_rows = tid < num_experts ? count[tid] : 0, own_tile = own_rows > 0 ? 1 : 0;
+  int32_t rows = own_rows, nt = own_tile;
+  for (int o = 1; o < 32; o *= 2) {
+    const int32_t r = __shfl_up_sync(0xffffffffu, rows, o), t = __shfl_up_sync(0xffffffffu, nt, o);
+    if (lane >= o) rows += r, nt += t;
+  }
+  if (lane == 31) warp_rows[warp] = rows, warp_tiles[warp] = nt;
+  __syncthreads();
+  int32_t begin = rows - own_rows, tile = nt - own_tile;
+  for (int w = 0; w < warp; ++w) begin += warp_rows[w], tile += warp_tiles[w];
+  if (tid < num_experts) {
+    cursor[tid] = begin;
+    if (own_tile) tiles[tile] = Tile{tid, begin, begin + own_rows};
+  }
+  if (tid == DECODE_SORT_THREADS - 1) *num_tiles = tile + own_tile;  // the last thread's end is the total
+  __syncthreads();
+  for (int p = tid; p < pairs; p += DECODE_SORT_THREADS) {
+    const int e = experts[p];
+    int32_t pos = -1;
+    if (e >= 0 && e < num_experts) {
+      pos = atomicAdd(&cursor[e], 1);
+      sorted_pair[pos] = p;
     }
     pos_of_pair[p] = pos;
   }
@@ -1030,20 +1078,27 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
   auto* h = reinterpret_cast<bf16*>(ws + l.h);
   auto* y = reinterpret_cast<bf16*>(ws + l.y);
 
-  SPARROW_CUDA_CHECK(cudaMemsetAsync(counts, 0, sizeof(int32_t) * num_experts, stream));
-  const int pair_blocks = int(std::min<int64_t>((pairs + 255) / 256, 4096));
-  count_kernel<<<pair_blocks, 256, 0, stream>>>(experts, pairs, int(num_experts), counts);
-  SPARROW_CUDA_CHECK_LAUNCH();
   const MoePath path = moe_experts_path(tokens, top_k, num_experts, hidden, inter);
+  if (path == MoePath::Decode && num_experts <= DECODE_SORT_EXPERTS && pairs <= DECODE_SORT_PAIRS) {
+    decode_sort_kernel<<<1, DECODE_SORT_THREADS, 0, stream>>>(experts, int(pairs), int(num_experts), tiles, num_tiles,
+                                                             sorted_pair, pos_of_pair);
+    SPARROW_CUDA_CHECK_LAUNCH();
+  } else {
+    SPARROW_CUDA_CHECK(cudaMemsetAsync(counts, 0, sizeof(int32_t) * num_experts, stream));
+    const int pair_blocks = int(std::min<int64_t>((pairs + 255) / 256, 4096));
+    count_kernel<<<pair_blocks, 256, 0, stream>>>(experts, pairs, int(num_experts), counts);
+    SPARROW_CUDA_CHECK_LAUNCH();
+    // Decode: tiles of `pairs` rows, i.e. exactly one tile per touched expert (its whole segment; the
+    // decode kernel makes its own passes). Counts never exceed pairs, so no tile is split (use_decode keeps
+    // pairs <= 2^30: no overflow in the schedule's arithmetic).
+    const int bm = path == MoePath::Decode ? int(pairs) : path == MoePath::Wgmma ? wg::BM : BM;
+    schedule_kernel<<<1, SCHEDULE_THREADS, 0, stream>>>(counts, int(num_experts), bm, cursor, tiles, num_tiles,
+                                                        tile_start);
+    SPARROW_CUDA_CHECK_LAUNCH();
+    place_kernel<<<pair_blocks, 256, 0, stream>>>(experts, pairs, int(num_experts), cursor, sorted_pair, pos_of_pair);
+    SPARROW_CUDA_CHECK_LAUNCH();
+  }
   const bool wide = path == MoePath::Wgmma;
-  // Decode: tiles of `pairs` rows, i.e. exactly one tile per touched expert (its whole segment; the
-  // decode kernel makes its own passes). Counts never exceed pairs, so no tile is split (use_decode keeps
-  // pairs <= 2^30: no overflow in the schedule's arithmetic).
-  const int bm = path == MoePath::Decode ? int(pairs) : wide ? wg::BM : BM;
-  schedule_kernel<<<1, SCHEDULE_THREADS, 0, stream>>>(counts, int(num_experts), bm, cursor, tiles, num_tiles, tile_start);
-  SPARROW_CUDA_CHECK_LAUNCH();
-  place_kernel<<<pair_blocks, 256, 0, stream>>>(experts, pairs, int(num_experts), cursor, sorted_pair, pos_of_pair);
-  SPARROW_CUDA_CHECK_LAUNCH();
 
   if (path == MoePath::Decode) {
     // At most min(pairs, experts) experts are touched (l.max_tiles >= that: the tile list fits).
