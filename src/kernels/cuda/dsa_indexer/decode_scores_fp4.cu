@@ -42,7 +42,7 @@ namespace sparrow::cuda {
 
 namespace {
 
-using namespace ptx;  // smem_u32, cp_async16 / cp_async4, commit, wait
+using namespace ptx;  // smem_u32, cp_async16 / cp_async8 / cp_async4, commit, wait
 using dsa::kFp4CodeBytes;
 
 constexpr int kDim = kDsaIndexDim;
@@ -71,11 +71,6 @@ constexpr int smem_bytes(int n) {
 // Byte offset of byte `b` of row n in a 128-byte swizzled K-major tile (16-byte chunk c of row n at
 // n * 128 + ((c ^ (n % 8)) * 16)).
 __device__ __forceinline__ int swizzled(int n, int b) { return n * 128 + (((b >> 4) ^ (n & 7)) << 4) + (b & 15); }
-
-__device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid) {
-  const int bytes = valid ? 8 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
-}
 
 struct Fp4Params : IndexScoreArgs {
   int block_shift;       // log2(block_size) when it is a power of two, else -1

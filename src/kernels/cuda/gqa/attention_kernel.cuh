@@ -110,16 +110,10 @@ struct Layout {
   static_assert(kRawStage % 16 == 0 && kWarpKvBytes % 16 == 0, "regions must stay 16-byte aligned");
 };
 
-using namespace ptx;  // smem_u32, cp_async16 / commit / wait, ldmatrix_x4(_trans), mma_bf16
+using namespace ptx;  // smem_u32, cp_async16 / cp_async8 (NVFP4 codes of heads whose 8-value groups are not
+                      // 16-byte aligned) / commit / wait, ldmatrix_x4(_trans), mma_bf16
 
 __device__ __forceinline__ uint32_t bf162_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
-
-// cp.async of 8 bytes (zero-filled when !valid): NVFP4 codes of heads whose 8-value groups are not
-// 16-byte aligned (head_dim % 32 == 16). The .ca form: .cg takes 16 bytes only (PTX ISA, cp.async).
-__device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid) {
-  const int bytes = valid ? 8 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
-}
 
 // Where a key's row lives: its values (bf16, E4M3 or E2M1 codes) and, for NVFP4, the first of this lane's
 // head-row block scales (K scales for lanes 0-15, V scales for 16-31); row < 0: a key the row may not see.

@@ -287,21 +287,10 @@ __global__ void __launch_bounds__(DECODE_SORT_THREADS)
   }
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int size = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(size));
-}
-// 4 bytes (a block scale); .ca: .cg takes only 16-byte copies.
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
+using ptx::cp_async16;  // zero-filled when !valid
+using ptx::cp_async4;
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
 
 __device__ __forceinline__ float activation(float g, float u, GluKind kind, float alpha, float limit) {
   // Activation::apply (src/model/moe.cpp).
@@ -461,7 +450,7 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
       for (int b = 0; b < NB; ++b)
         cp_async16(&sm.tiles.q[stage][b][qrow][qcol], kv && w_row[b] ? w_row[b] + k : wq,
                    kv && w_row[b] != nullptr);
-      if (tid < NB) cp_async4(&sm.tiles.scale[stage][tid], s_row + k0 / 128);
+      if (tid < NB) cp_async4(&sm.tiles.scale[stage][tid], s_row + k0 / 128, true);
     };
     for (int s = 0; s < STAGES_FP8 - 1; ++s) {
       if (s < ktiles) load_stage(s, s * BK);
@@ -681,7 +670,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
 #pragma unroll
       for (int i = 0; i < B_PER_THREAD; ++i)
         cp_async16(q_dst + (qrow0 + 64 * i) * BK + qchunk * 16, static_cast<const uint8_t*>(b_src[i]) + k0, true);
-      if (tid < 2) cp_async4(s_smem + slot * 2 + tid, s_src + k0 / 128);
+      if (tid < 2) cp_async4(s_smem + slot * 2 + tid, s_src + k0 / 128, true);
     } else {
       uint8_t* b_dst = b_smem + slot * B_BYTES;
 #pragma unroll
