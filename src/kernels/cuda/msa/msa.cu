@@ -50,6 +50,7 @@
 #include "core/error.h"
 #include "kernels/cuda/gqa/kv_widen.cuh"
 #include "kernels/cuda/paged.cuh"
+#include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/quant/fp4.cuh"
 #include "kernels/cuda/runtime/cuda_check.h"
 
@@ -327,15 +328,6 @@ __device__ __forceinline__ void widen_raw(const RawKey<KS, VEC, F>& r, uint32_t 
   }
 }
 
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // KS k-steps of 16 dims (dim <= 16 KS), VEC words per load, NT n-tiles (8 NT vectors per warp), MTI
 // m-tiles of 16 keys per step; F: how the keys are stored (msa.h).
 template <int KS, int VEC, int NT, int MTI, MsaKeyFormat F>
@@ -440,8 +432,10 @@ __global__ void __launch_bounds__(kThreads) block_scores_kernel(const ScoreParam
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
 #pragma unroll
-        for (int s = 0; s < KS; ++s)
-          mma_bf16(acc[nt], a0[2 * s], a1[2 * s], a0[2 * s + 1], a1[2 * s + 1], qf[nt][2 * s], qf[nt][2 * s + 1]);
+        for (int s = 0; s < KS; ++s) {
+          const uint32_t a[4] = {a0[2 * s], a1[2 * s], a0[2 * s + 1], a1[2 * s + 1]};
+          ptx::mma_bf16(acc[nt], a, qf[nt][2 * s], qf[nt][2 * s + 1]);
+        }
       }
       // acc[nt][e] = key_a · vector (nt, 2t+e), acc[nt][2+e] = key_b · the same vector.
       const int key_a = mk0 + g, key_b = key_a + 8;
