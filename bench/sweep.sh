@@ -20,7 +20,8 @@
 # lengths, default 8192 / 1024: InferenceX's 8K/1K), CONCURRENCIES (default 1,2,4,8,16,32,64,128,256),
 # PROMPTS_PER_CONCURRENCY (default 4), NUM_WARMUPS (untimed requests before each point, at least one wave
 # at its concurrency, default 1; 0: none), MODELS (where the model folders go, default $OUT/models), KV_MEMORY (sparrow's --kv-cache-memory, default 40GiB; the shape's, below),
-# MAX_MODEL_LEN (default 16384; agentic: 131072), KV_CACHE_DTYPE (sparrow's --kv-cache-dtype, also the
+# MAX_MODEL_LEN (default 16384; agentic: 131072), MAX_NUM_BATCHED_TOKENS (every engine's step token budget,
+# default 8192: vLLM's default; sparrow serve's own default is 2048), KV_CACHE_DTYPE (sparrow's --kv-cache-dtype, also the
 # roofline's; default: the shape's, below), SERVE_ARGS (more sparrow serve flags), PEERS (vllm: also
 # sweep `vllm serve <shape folder> --load-format dummy`; hf: run the same requests through transformers'
 # model.generate, bench/peers/hf_serve_peer.py; both: PEERS=vllm,hf), VLLM_ARGS (more vllm serve flags),
@@ -50,6 +51,8 @@ MODELS="${MODELS:-$OUT/models}"
 if [[ "$DATASET" == "agentic" ]]; then MAX_MODEL_LEN="${MAX_MODEL_LEN:-131072}"; else MAX_MODEL_LEN="${MAX_MODEL_LEN:-16384}"; fi
 LAUNCH_TIMEOUT="${LAUNCH_TIMEOUT:-1800}"
 PEER_PORT="${PEER_PORT:-8100}"
+# The step token budget (chunked prefill), the same for every engine: vLLM's default, 8192.
+MAX_NUM_BATCHED_TOKENS="${MAX_NUM_BATCHED_TOKENS:-8192}"
 PEERS="${PEERS:-}"
 SHAPES=("$@")
 [[ ${#SHAPES[@]} -eq 0 ]] && SHAPES=(deepseek_v3.2 kimi_k3.1_pro minimax_m3.1_flash kimi_linear_48b)
@@ -89,7 +92,7 @@ for shape in "${SHAPES[@]}"; do
   if [[ "${SPARROW_SWEEP:-1}" != 0 ]]; then
   echo "== sparrow: $shape" | tee -a "$LOG" >&2
   "$SPARROW" bench sweep "${WORKLOAD[@]}" --tokenizer "$model" --label sparrow --kv-cache-dtype "$kv_dtype" \
-      --launch "$model --load-format dummy --device $DEVICE --max-model-len $MAX_MODEL_LEN --max-num-seqs 256 --kv-cache-memory $kv_memory --kv-cache-dtype $kv_dtype ${SERVE_ARGS:-}" \
+      --launch "$model --load-format dummy --device $DEVICE --max-model-len $MAX_MODEL_LEN --max-num-seqs 256 --max-num-batched-tokens $MAX_NUM_BATCHED_TOKENS --kv-cache-memory $kv_memory --kv-cache-dtype $kv_dtype ${SERVE_ARGS:-}" \
       --launch-timeout "$LAUNCH_TIMEOUT" --output "$OUT/$shape/sweep-sparrow.json" >> "$LOG" 2>&1 \
     || { echo "sparrow sweep of $shape failed (see $shape/sweep.log)" >&2; status=1; }
   fi
@@ -101,6 +104,7 @@ for shape in "${SHAPES[@]}"; do
     if command -v "${vllm_cmd[0]}" >/dev/null; then
       # The same folder, dummy weights, the same workload, sparrow's client (vLLM's metric definitions).
       "${vllm_cmd[@]}" serve "$model" --load-format dummy --port "$PEER_PORT" --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 256 \
+          --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" \
           --trust-remote-code "${shape_vllm[@]}" ${VLLM_ARGS:-} >> "$OUT/$shape/vllm-server.log" 2>&1 &
       vllm_pid=$!
       for _ in $(seq "$LAUNCH_TIMEOUT"); do

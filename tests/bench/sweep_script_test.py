@@ -84,10 +84,13 @@ def main():
             assert sweep_json["kv_cache_dtype"] == "bfloat16", sweep_json["kv_cache_dtype"]
         assert ours["label"] == "sparrow" and peer["label"] == "vllm"
         assert "--kv-cache-dtype bfloat16" in ours["launch"], ours["launch"]
+        # Both engines run the same step token budget (vLLM's default unless MAX_NUM_BATCHED_TOKENS says).
+        assert "--max-num-batched-tokens 8192" in ours["launch"], ours["launch"]
         # vLLM got the folder, dummy weights, the sweep's limits, then VLLM_ARGS.
         model = os.path.join(out, "models", "minimax_m3-config")
         assert vllm_args[:2] == ["serve", model], vllm_args
-        for flag, value in (("--load-format", "dummy"), ("--port", "8100"), ("--max-model-len", "96")):
+        for flag, value in (("--load-format", "dummy"), ("--port", "8100"), ("--max-model-len", "96"),
+                            ("--max-num-batched-tokens", "8192")):
             assert vllm_args[vllm_args.index(flag) + 1] == value, (flag, vllm_args)
         assert "--enforce-eager" in vllm_args, vllm_args
         check_table(os.path.join(shape_dir, "sweep-sparrow.json"), os.path.join(shape_dir, "sweep-vllm.json"), out)
