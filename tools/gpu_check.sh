@@ -19,10 +19,10 @@ compiled_root=$(strings "$BIN/sparrow_tests" | grep -m1 -o '^/.*/tests/cache_tes
 [[ -n "$compiled_root" && ! -e "$compiled_root" ]] && mkdir -p "$(dirname "$compiled_root")" && ln -s "$ROOT" "$compiled_root"
 
 # Suite by suite, each under its own time limit (GPU_SUITE_TIMEOUT s, default 300) and with its own log
-# (LOG_DIR, default $OUT/gpu-tests or /tmp/gpu-tests), so that one slow or hung suite neither hides the
-# others' results nor loses its own output: one summary line per suite.
+# (LOG_DIR, default /tmp/gpu-tests), so that one slow or hung suite neither hides the others' results nor
+# loses its own output: one summary line per suite, and the end of the log of any that did not pass.
 echo "== GPU tests (${GPU_TESTS:-Cuda*}), suite by suite"
-log_dir="${LOG_DIR:-${OUT:-/tmp}/gpu-tests}"
+log_dir="${LOG_DIR:-/tmp/gpu-tests}"
 mkdir -p "$log_dir"
 # "Suite.Test" per line for the tests the filter selects (gtest lists a suite, then its tests indented).
 tests=$("$BIN/sparrow_tests" --gtest_filter="${GPU_TESTS:-Cuda*}" --gtest_list_tests |
@@ -37,8 +37,9 @@ for suite in $(sed 's/\..*//' <<< "$tests" | uniq); do
   case $rc in
     0) echo "ok      $suite ($((SECONDS - start)) s) $summary" ;;
     124) echo "TIMEOUT $suite after $((SECONDS - start)) s (last: $(grep -E '^\[ RUN' "$log" | tail -1))"; status=1 ;;
-    *) echo "FAILED  $suite ($((SECONDS - start)) s) $summary"; grep -E '^\[  FAILED  \]' "$log" | head -5; status=1 ;;
+    *) echo "FAILED  $suite ($((SECONDS - start)) s) $summary"; status=1 ;;
   esac
+  [[ $rc == 0 ]] || { grep -E '^\[  FAILED  \]|Failure|error' "$log" | head -20; tail -n 15 "$log"; }
 done
 
 # Serving on the device: a completion, a streamed sampled one, and the same prompt again (a prefix-cache
