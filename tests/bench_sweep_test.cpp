@@ -242,6 +242,29 @@ TEST(Roofline, DecodeStepByHand) {
   EXPECT_TRUE(big.compute_bound);
   EXPECT_DOUBLE_EQ(big.seconds, big.flops / 1e12);
   EXPECT_TRUE(mentions(error_message([&] { bench::decode_roofline(m, 0, 10, hw); }), {"batch"}));
+
+  // The serving limit: O decode steps plus B prompts' prefill over one cycle. A prompt of I = 3000 tokens:
+  // 2 · P_active a token, the dense layer's causal Σ p keys, the sparse layer's min(p, 2048) latents and
+  // Σ p index keys, the KDA update a token.
+  const double I = 3000, O = 100;
+  const double causal = I * (I + 1) / 2, capped = 2048.0 * 2049 / 2 + (I - 2048) * 2048;
+  const double prefill = I * 2 * (5e8 + 2 * 1 * 5e7) + causal * 100 + capped * 10 + causal * 1 + I * 7;
+  EXPECT_DOUBLE_EQ(bench::prefill_flops(m, I), prefill);
+  hw.flops_per_s = 1e14;
+  const bench::ServingCycle few = bench::serving_roofline(m, 2, I, O, hw);
+  const bench::DecodeStep step = bench::decode_roofline(m, 2, I + O / 2, hw);
+  EXPECT_DOUBLE_EQ(few.decode_bytes, O * step.bytes);
+  EXPECT_DOUBLE_EQ(few.prefill_flops, 2 * prefill);
+  EXPECT_DOUBLE_EQ(few.compute_seconds, (O * step.flops + 2 * prefill) / 1e14);
+  EXPECT_FALSE(few.compute_bound);  // two users: the decode steps' reads bind
+  EXPECT_DOUBLE_EQ(few.seconds, O * step.bytes / 1e12);
+  EXPECT_DOUBLE_EQ(few.tokens_per_s_per_user, O / few.seconds);
+  EXPECT_DOUBLE_EQ(few.total_tokens_per_s_per_gpu, 2 * (I + O) / few.seconds);
+  // Many users: the prompts' FLOPs bind, below what the decode roofline alone allows.
+  const bench::ServingCycle many = bench::serving_roofline(m, 4096, I, O, hw);
+  EXPECT_TRUE(many.compute_bound);
+  EXPECT_LT(many.tokens_per_s_per_user, bench::decode_roofline(m, 4096, I + O / 2, hw).tokens_per_s_per_user);
+  EXPECT_TRUE(mentions(error_message([&] { bench::serving_roofline(m, 2, I, 0, hw); }), {"output length"}));
 }
 
 // The serving shapes: real widths, weights that leave room for the KV cache on one H200 (141 GB).
@@ -332,7 +355,7 @@ TEST(BenchSweep, DummyServerWithoutTokenizerServesTokenIds) {
 }
 
 // The whole command: the sweep launches `sparrow serve` on the bundled model, runs two points and writes
-// the sweep JSON with the roofline beside each point.
+// the sweep JSON with the roofline and the serving limit beside each point.
 TEST(BenchSweep, TinySweepAgainstALaunchedServer) {
   const fs::path model = kSource / "models" / "minimax_m3";
   if (!fs::exists(model / "model.safetensors")) GTEST_SKIP() << "no bundled model";
@@ -364,6 +387,19 @@ TEST(BenchSweep, TinySweepAgainstALaunchedServer) {
     EXPECT_DOUBLE_EQ(r["context"].get<double>(), p["mean_context"].get<double>());
     // The CPU is far below an H200's limit.
     EXPECT_GT(r["tokens_per_s_per_user"].get<double>(), p["tokens_per_s_per_user"].get<double>());
+    // The serving limit counts the prompts' prefill too: never above the decode roofline; `sparrow bench
+    // roofline` gives the same numbers from the config alone.
+    ASSERT_TRUE(p.contains("serving_limit")) << p;
+    const auto& lim = p["serving_limit"];
+    EXPECT_LE(lim["tokens_per_s_per_user"].get<double>(), r["tokens_per_s_per_user"].get<double>());
+    const std::string roof_cmd = std::string(SPARROW_BINARY) + " bench roofline --model-config " + model.string() +
+                                 " --batch " + std::to_string(expected_concurrency) + " --input-len " +
+                                 std::to_string(p["mean_input_len"].get<double>()) + " --output-len 8 >" +
+                                 dir.file("roofline.json") + " 2>&1";
+    ASSERT_EQ(std::system(roof_cmd.c_str()), 0) << slurp(dir.file("roofline.json"));
+    const nlohmann::json alone = nlohmann::json::parse(slurp(dir.file("roofline.json")));
+    EXPECT_DOUBLE_EQ(alone["serving"]["tokens_per_s_per_user"].get<double>(), lim["tokens_per_s_per_user"].get<double>());
+    EXPECT_DOUBLE_EQ(alone["decode"]["tokens_per_s_per_user"].get<double>(), r["tokens_per_s_per_user"].get<double>());
     EXPECT_TRUE(fs::exists(dir.file("sparrow-concurrency" + std::to_string(expected_concurrency) + ".json")));
     expected_concurrency *= 2;
   }
@@ -375,8 +411,8 @@ TEST(BenchSweep, TinySweepAgainstALaunchedServer) {
     EXPECT_EQ(std::system(("python3 -m py_compile " + (kSource / "tools" / "plot_sweep.py").string()).c_str()), 0);
 }
 
-// tools/plot_sweep.py on a sweep JSON (sparrow's curve and roofline) and vLLM-format per-concurrency result
-// files (a peer): a PNG and an SVG.
+// tools/plot_sweep.py on a sweep JSON (sparrow's curve, roofline and serving limit) and vLLM-format
+// per-concurrency result files (a peer): a PNG and an SVG.
 TEST(PlotSweep, DrawsSweepRooflineAndPeers) {
   if (std::system("python3 -c 'import matplotlib' >/dev/null 2>&1") != 0)
     GTEST_SKIP() << "no matplotlib (pip install matplotlib) for tools/plot_sweep.py";
@@ -386,9 +422,12 @@ TEST(PlotSweep, DrawsSweepRooflineAndPeers) {
     const nlohmann::json r = {{"batch", c}, {"tokens_per_s_per_user", 900.0 / (1 + 0.1 * c)},
                               {"tokens_per_s_per_gpu", 900.0 * c / (1 + 0.1 * c)},
                               {"total_tokens_per_s_per_gpu", 9000.0 * c / (1 + 0.1 * c)}, {"bound", "memory"}};
+    const nlohmann::json limit = {{"tokens_per_s_per_user", 800.0 / (1 + 0.2 * c)},
+                                  {"total_tokens_per_s_per_gpu", 8000.0 * c / (1 + 0.2 * c)},
+                                  {"output_tokens_per_s_per_gpu", 800.0 * c / (1 + 0.2 * c)}, {"bound", "compute"}};
     points.push_back({{"concurrency", c}, {"completed", 10}, {"median_tpot_ms", 5.0 * (1 + 0.2 * c)},
                       {"mean_tpot_ms", 6.0 * (1 + 0.2 * c)}, {"tokens_per_s_per_gpu", 2000.0 * c},
-                      {"output_tokens_per_s_per_gpu", 200.0 * c}, {"roofline", r}});
+                      {"output_tokens_per_s_per_gpu", 200.0 * c}, {"roofline", r}, {"serving_limit", limit}});
     roofline.push_back(r);
     dir.write("vllm-c" + std::to_string(c) + ".json",
               nlohmann::json({{"max_concurrency", c}, {"completed", 10}, {"median_tpot_ms", 4.0 * (1 + 0.3 * c)},

@@ -8,8 +8,9 @@ concurrency; a curve joins an engine's points.
 
 Inputs:
   SWEEP ...                 sweep JSONs written by `sparrow bench sweep` (each one curve, named by its
-                            label; the first one's decode roofline is drawn dashed, once: it belongs
-                            to the model and workload, which every curve shares)
+                            label; the first one's decode roofline is drawn dashed and its serving
+                            limit, prefill included, dotted, once: they belong to the model and
+                            workload, which every curve shares)
   --peer LABEL=PATH[,PATH]  a peer's curve: `vllm bench serve --save-result` files (one per concurrency,
                             read from their max_concurrency), folders of them, globs, or a sweep JSON
 
@@ -44,9 +45,9 @@ def point_from_result(result, gpus, stat):
 
 
 def points_from_sweep(sweep, stat):
-    """Points and roofline of a sparrow sweep JSON."""
+    """Points, roofline and serving limit of a sparrow sweep JSON."""
     gpus = sweep.get("num_gpus", 1) or 1
-    points, roofline = [], []
+    points, roofline, serving = [], [], []
     for p in sweep.get("points", []):
         tpot = p.get(tpot_key(stat))
         if not tpot or tpot <= 0 or not p.get("completed"):
@@ -66,7 +67,16 @@ def points_from_sweep(sweep, stat):
                 "output": r["tokens_per_s_per_gpu"],
                 "bound": r.get("bound", ""),
             })
-    return points, roofline
+        lim = p.get("serving_limit")
+        if lim:
+            serving.append({
+                "concurrency": p["concurrency"],
+                "x": lim["tokens_per_s_per_user"],
+                "total": lim["total_tokens_per_s_per_gpu"],
+                "output": lim["output_tokens_per_s_per_gpu"],
+                "bound": lim.get("bound", ""),
+            })
+    return points, roofline, serving
 
 
 def expand(paths):
@@ -86,14 +96,15 @@ def expand(paths):
 
 def load_curve(label, paths, gpus, stat):
     """A curve from sweep JSONs and/or per-concurrency result JSONs."""
-    points, roofline = [], []
+    points, roofline, serving = [], [], []
     for path in expand(paths):
         with open(path) as f:
             data = json.load(f)
         if isinstance(data, dict) and data.get("kind") == "sparrow-bench-sweep":
-            p, r = points_from_sweep(data, stat)
+            p, r, lim = points_from_sweep(data, stat)
             points += p
             roofline += r
+            serving += lim
             label = label or data.get("label", os.path.basename(path))
         else:
             p = point_from_result(data, gpus, stat)
@@ -103,7 +114,8 @@ def load_curve(label, paths, gpus, stat):
                 print(f"plot_sweep: {path}: no completed requests or no TPOT, skipped", file=sys.stderr)
     points.sort(key=lambda p: p["concurrency"] or 0)
     roofline.sort(key=lambda p: p["concurrency"] or 0)
-    return {"label": label or "?", "points": points, "roofline": roofline}
+    serving.sort(key=lambda p: p["concurrency"] or 0)
+    return {"label": label or "?", "points": points, "roofline": roofline, "serving": serving}
 
 
 def main():
@@ -161,6 +173,10 @@ def main():
         if roof and not args.no_roofline and not roofline_drawn:
             ax.plot([p["x"] for p in roof], [p[args.y] for p in roof], "--", color="0.35",
                     label="roofline (decode: HBM / FLOP limit)")
+            serving = sorted(curve.get("serving", []), key=lambda p: p["x"])
+            if serving:
+                ax.plot([p["x"] for p in serving], [p[args.y] for p in serving], ":", color="0.15",
+                        label="serving limit (prompts' prefill + decode)")
             roofline_drawn = True
     ax.set_xlabel(f"Interactivity: output tokens/s per user (1000 / {args.tpot} TPOT)")
     ax.set_ylabel("Throughput per GPU: " + ("total (input + output)" if args.y == "total" else "output") + " tokens/s")

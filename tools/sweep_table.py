@@ -4,9 +4,10 @@ written by the same client), one row per point, so the page's tables come from t
 
   python3 tools/sweep_table.py [--engine NAME] SWEEP.json [--engine NAME SWEEP.json ...]
 
-Columns: the point's request counts, median TTFT and TPOT, tokens/s per user (1000 / mean TPOT, as the plot's
-x axis is drawn from the median), total and output tokens/s per GPU, the decode roofline at that batch and
-context and the fraction of it reached; for a sparrow sweep also the engine's own decode step time, the
+Columns: the point's request counts, median TTFT and TPOT, tokens/s per user (1000 / median TPOT, the plot's
+x axis), total and output tokens/s per GPU, the decode roofline at that batch and context and the fraction
+of it reached, the serving limit (the prompts' prefill counted too, roofline.h) and the fraction of it; for
+a sparrow sweep also the engine's own decode step time, the
 share of a step spent on the host, and the prefill steps it ran (the /metrics counters the sweep records).
 """
 import argparse
@@ -15,7 +16,8 @@ import sys
 
 COLUMNS = ["engine", "concurrency", "completed", "median TTFT ms", "median TPOT ms", "tok/s/user",
            "total tok/s/GPU", "output tok/s/GPU", "roofline tok/s/user", "of roofline",
-           "decode step ms (engine)", "host share", "prefill steps, mean ms"]
+           "serving limit tok/s/user", "of serving limit", "decode step ms (engine)", "host share",
+           "prefill steps, mean ms"]
 
 
 def number(value, digits=0):
@@ -37,6 +39,7 @@ def rows(engine, sweep):
         roof = p.get("roofline") or {}
         per_user = p.get("tokens_per_s_per_user")
         limit = roof.get("tokens_per_s_per_user")
+        serving = (p.get("serving_limit") or {}).get("tokens_per_s_per_user")
         steps = p.get("engine_steps") or {}
         decode, prefill = steps.get("decode") or {}, steps.get("prefill") or {}
         if not p.get("completed"):  # a point that failed whole has no figures, only its count
@@ -53,6 +56,8 @@ def rows(engine, sweep):
             number(p.get("output_tokens_per_s_per_gpu")),
             number(limit, 1),
             f"{100 * per_user / limit:.0f}%" if per_user and limit else "",
+            number(serving, 1),
+            f"{100 * per_user / serving:.0f}%" if per_user and serving else "",
             number(decode.get("mean_step_ms"), 2),
             f"{100 * decode['host_fraction']:.0f}%" if "host_fraction" in decode else "",
             f"{prefill['steps']:.0f} x {prefill['mean_step_ms']:.0f}" if prefill.get("steps") else "",

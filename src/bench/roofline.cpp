@@ -377,6 +377,58 @@ DecodeStep decode_roofline(const ModelCost& model, int64_t batch, double context
   return s;
 }
 
+double prefill_flops(const ModelCost& model, double tokens) {
+  SPARROW_CHECK(tokens >= 0, "roofline: the prompt length must be non-negative");
+  const double I = tokens;
+  double flops = I * 2.0 * (model.dense_params + double(model.moe_layers * model.experts_per_token) * model.expert_params);
+  for (const MixerCost& m : model.mixers) {
+    // Σ_{p=1..I} min(p, A): every earlier key until A of them, then A a query.
+    const double A = m.attended_limit > 0 ? std::min(I, double(m.attended_limit)) : I;
+    const double attended = A * (A + 1) / 2 + (I - A) * A;
+    flops += attended * m.flops_per_key + I * (I + 1) / 2 * m.index_flops_per_key + I * m.state_flops;
+  }
+  return flops;
+}
+
+ServingCycle serving_roofline(const ModelCost& model, int64_t batch, double input_len, double output_len,
+                              const HardwareLimits& hw) {
+  SPARROW_CHECK(output_len > 0 && input_len >= 0, "roofline: the output length must be positive");
+  ServingCycle c;
+  c.batch = batch;
+  c.input_len = input_len;
+  c.output_len = output_len;
+  c.context = input_len + output_len / 2;  // what an average decode step attends over
+  const DecodeStep step = decode_roofline(model, batch, c.context, hw);
+  c.decode_bytes = output_len * step.bytes;
+  c.decode_flops = output_len * step.flops;
+  c.prefill_flops = double(batch) * prefill_flops(model, input_len);
+  c.memory_seconds = c.decode_bytes / hw.hbm_bytes_per_s;
+  c.compute_seconds = (c.decode_flops + c.prefill_flops) / hw.flops_per_s;
+  c.compute_bound = c.compute_seconds > c.memory_seconds;
+  c.seconds = std::max(c.memory_seconds, c.compute_seconds);
+  c.tokens_per_s_per_user = output_len / c.seconds;
+  c.total_tokens_per_s_per_gpu = double(batch) * (input_len + output_len) / c.seconds;
+  c.output_tokens_per_s_per_gpu = double(batch) * output_len / c.seconds;
+  return c;
+}
+
+Json to_json(const ServingCycle& c) {
+  return Json{{"batch", c.batch},
+              {"input_len", c.input_len},
+              {"output_len", c.output_len},
+              {"context", c.context},
+              {"decode_bytes", c.decode_bytes},
+              {"decode_flops", c.decode_flops},
+              {"prefill_flops", c.prefill_flops},
+              {"memory_seconds", c.memory_seconds},
+              {"compute_seconds", c.compute_seconds},
+              {"seconds", c.seconds},
+              {"bound", c.compute_bound ? "compute" : "memory"},
+              {"tokens_per_s_per_user", c.tokens_per_s_per_user},
+              {"total_tokens_per_s_per_gpu", c.total_tokens_per_s_per_gpu},
+              {"output_tokens_per_s_per_gpu", c.output_tokens_per_s_per_gpu}};
+}
+
 Json to_json(const DecodeStep& s) {
   return Json{{"batch", s.batch},
               {"context", s.context},

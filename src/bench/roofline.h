@@ -89,7 +89,31 @@ struct DecodeStep {
 };
 DecodeStep decode_roofline(const ModelCost& model, int64_t batch, double context, const HardwareLimits& hw);
 
+// The serving limit of the closed-loop workload at concurrency B: B requests, each with a prompt of
+// I tokens and O output tokens, and each finished one replaced by a new one. Over one cycle (every user
+// gets its O tokens, and B prompts are prefilled to keep B running) the GPU must at least
+//   read    O · bytes(B, C)                               (the O decode steps; a prompt's weights reads
+//                                                          are counted free: a step can carry them)
+//   compute O · flops(B, C) + B · prefill_flops(I)        prefill_flops(I) = I · 2 · P_active +
+//           Σ_layers [ Σ_{p=1..I} (min(p, A_l) · f_l + p · g_l) + I · h_l ]   (causal attention)
+// and takes T = max(reads / HBM bandwidth, FLOPs / peak), as if prefill and decode overlapped perfectly
+// in mixed steps; then tokens/s/user = O / T and tokens/s/GPU = B · (I + O) / T (output: B · O / T). The
+// decode roofline above counts prefill free; at high concurrency the prompts' FLOPs are what binds.
+struct ServingCycle {
+  int64_t batch = 0;
+  double input_len = 0, output_len = 0, context = 0;
+  double decode_bytes = 0, decode_flops = 0, prefill_flops = 0;  // the whole cycle's
+  double memory_seconds = 0, compute_seconds = 0, seconds = 0;
+  bool compute_bound = false;
+  double tokens_per_s_per_user = 0, total_tokens_per_s_per_gpu = 0, output_tokens_per_s_per_gpu = 0;
+};
+ServingCycle serving_roofline(const ModelCost& model, int64_t batch, double input_len, double output_len,
+                              const HardwareLimits& hw);
+// FLOPs of one prompt of `tokens` tokens (the prefill_flops of ServingCycle).
+double prefill_flops(const ModelCost& model, double tokens);
+
 Json to_json(const DecodeStep& step);
+Json to_json(const ServingCycle& cycle);
 Json to_json(const ModelCost& model);  // the totals, not the per-layer list
 
 }  // namespace sparrow::bench

@@ -159,6 +159,19 @@ Json roofline_json(const ModelCost& cost, int64_t batch, double context, double 
   return j;
 }
 
+// The serving limit (prefill + decode over a request cycle, roofline.h) for `gpus` GPUs, per GPU.
+Json serving_json(const ModelCost& cost, int64_t batch, double input_len, double output_len, const HardwareLimits& hw,
+                  int64_t gpus) {
+  HardwareLimits all = hw;
+  all.hbm_bytes_per_s *= double(gpus);
+  all.flops_per_s *= double(gpus);
+  const ServingCycle cycle = serving_roofline(cost, batch, input_len, output_len, all);
+  Json j = to_json(cycle);
+  j["total_tokens_per_s_per_gpu"] = cycle.total_tokens_per_s_per_gpu / double(gpus);
+  j["output_tokens_per_s_per_gpu"] = cycle.output_tokens_per_s_per_gpu / double(gpus);
+  return j;
+}
+
 }  // namespace
 
 std::vector<int64_t> parse_concurrencies(const std::string& text) {
@@ -277,6 +290,10 @@ Json run_sweep(const SweepOptions& o) {
         point["roofline"] = roofline_json(*cost, c, point["mean_context"].get<double>(), (in + out) / out,
                                           o.hardware, o.num_gpus);
         roofline.push_back(point["roofline"]);
+        // Every prompt prefilled whole: the random workload's (agentic sessions reuse their prefix).
+        if (s.dataset_name == "random")
+          point["serving_limit"] = serving_json(*cost, c, point["mean_input_len"].get<double>(),
+                                                point["mean_output_len"].get<double>(), o.hardware, o.num_gpus);
       }
       if (number(result, "failed") > 0 && result.contains("errors"))
         for (const Json& e : result["errors"])

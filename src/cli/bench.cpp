@@ -14,6 +14,9 @@
 // sparrow bench sweep [bench serve's flags] [--concurrencies 1,2,...,256] [--launch 'SERVE ARGS'] ...
 //   bench serve at each concurrency, one sweep JSON with the decode roofline beside every point
 //   (src/bench/sweep.h; tools/plot_sweep.py draws it).
+// sparrow bench roofline --model-config DIR --batch B --input-len I --output-len O [--kv-cache-dtype D]
+//   The limits a sweep point records, without a server: the decode step and the serving cycle
+//   (src/bench/roofline.h), as one JSON line.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -22,6 +25,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/roofline.h"
 #include "bench/serve_bench.h"
 #include "bench/sweep.h"
 #include "cli/commands.h"
@@ -247,6 +251,33 @@ void add_bench_sweep(CLI::App* parent) {
   });
 }
 
+// sparrow bench roofline: one point's limits from a config alone (the sweep's model cost and formulas).
+void add_bench_roofline(CLI::App* parent) {
+  auto* sub = parent->add_subcommand("roofline", "A model's decode roofline and serving limit at one batch and workload");
+  static std::string model_config, kv_cache_dtype = "auto";
+  static int64_t batch = 1;
+  static double input_len = 8192, output_len = 1024, hbm_tbps = 4.3, peak_tflops = 790;
+  sub->add_option("--model-config", model_config, "the model's folder or config.json")->required();
+  sub->add_option("--batch", batch, "concurrent sequences (the sweep's concurrency)")->capture_default_str();
+  sub->add_option("--input-len", input_len, "prompt tokens per request")->capture_default_str();
+  sub->add_option("--output-len", output_len, "output tokens per request")->capture_default_str();
+  sub->add_option("--kv-cache-dtype", kv_cache_dtype, "as bench sweep's")->capture_default_str();
+  sub->add_option("--hbm-bandwidth", hbm_tbps, "HBM bandwidth, TB/s (H200 measured)")->capture_default_str();
+  sub->add_option("--peak-tflops", peak_tflops, "dense bf16 peak, TFLOP/s (H200 cuBLASLt)")->capture_default_str();
+  on_selected(sub, [] {
+    SPARROW_CHECK(batch > 0 && input_len >= 0 && output_len > 0,
+                  "--batch and --output-len must be positive, --input-len non-negative");
+    SPARROW_CHECK(hbm_tbps > 0 && peak_tflops > 0, "--hbm-bandwidth and --peak-tflops must be positive");
+    const bench::HardwareLimits hw{hbm_tbps * 1e12, peak_tflops * 1e12};
+    const bench::ModelCost cost = bench::model_cost_from_path(model_config, kv_cache_dtype);
+    const nlohmann::json out = {
+        {"model", to_json(cost)},
+        {"decode", to_json(bench::decode_roofline(cost, batch, input_len + output_len / 2, hw))},
+        {"serving", to_json(bench::serving_roofline(cost, batch, input_len, output_len, hw))}};
+    std::printf("%s\n", out.dump().c_str());
+  });
+}
+
 }  // namespace
 
 void add_bench(CLI::App& app) {
@@ -314,6 +345,7 @@ void add_bench(CLI::App& app) {
   add_bench_kernels(bench);
   add_bench_serve(bench);
   add_bench_sweep(bench);
+  add_bench_roofline(bench);
   add_bench_kv_quality(bench);
 }
 

@@ -58,7 +58,9 @@ def check_table(ours_path, peer_path, out):
         ("peer", "4", "0 of 4"), ("peer", "8", "none: cannot read the served model")], run.stdout
     for r in rows[:4]:
         assert float(r[5].replace(",", "")) > 0 and r[9].endswith("%"), r  # tok/s per user and its share of the roofline
-    assert all(rows[i][10] and rows[i][12] for i in (0, 1)), rows[:2]  # sparrow's decode step time and prefill steps
+    assert all(rows[i][12] and rows[i][14] for i in (0, 1)), rows[:2]  # sparrow's decode step time and prefill steps
+    for r in rows[:4]:  # the random workload's serving limit (prefill included) and its share
+        assert float(r[10].replace(",", "")) > 0 and r[11].endswith("%"), r
     assert not any(rows[4][3:]) and not any(rows[5][3:]), rows[4:]
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools/sweep_table.py"), os.path.join(out, "missing.json")],
                          capture_output=True, text=True, timeout=60)
@@ -80,6 +82,8 @@ def main():
             for c, p in pts.items():
                 assert p["completed"] == c and p["failed"] == 0, (sweep_json["label"], c, p["completed"], p["failed"])
                 assert p["roofline"]["tokens_per_s_per_user"] > 0
+                # Prefill counted: the serving limit is never above the decode roofline.
+                assert 0 < p["serving_limit"]["tokens_per_s_per_user"] <= p["roofline"]["tokens_per_s_per_user"]
             # The cache format reaches the roofline of both sweeps (and sparrow's server: see the launch).
             assert sweep_json["kv_cache_dtype"] == "bfloat16", sweep_json["kv_cache_dtype"]
         assert ours["label"] == "sparrow" and peer["label"] == "vllm"
