@@ -323,16 +323,16 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job, const int p
   }
 }
 
-// Launches kernel<Job, FP8> with `plan`'s CTA size and shared memory (the kernel's attributes set on first
-// use: up to SMEM_CAP of dynamic shared memory, and all of the SM's 228 KB as shared memory so that two
-// 113 KB CTAs fit; the weights bypass L1).
 // The prefetch distance every launch uses: PREFETCH_RINGS, or what the kernel benchmark sets to measure the
-// loop without it (gemm_skinny.h, set_skinny_prefetch_rings).
+// loop without it (gemm_skinny.h, set_skinny_prefetch_rings). A CUDA graph keeps the value it captured.
 inline int& prefetch_rings() {
   static int rings = PREFETCH_RINGS;
   return rings;
 }
 
+// Launches kernel<Job, FP8> with `plan`'s CTA size and shared memory (the kernel's attributes set on first
+// use: up to SMEM_CAP of dynamic shared memory, and all of the SM's 228 KB as shared memory so that two
+// 113 KB CTAs fit; the weights bypass L1).
 template <class Job, bool FP8>
 void launch(const Job& job, dim3 grid, const Plan& plan, cudaStream_t stream) {
   static const bool configured = [] {
