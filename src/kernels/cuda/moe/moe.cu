@@ -183,6 +183,23 @@ __global__ void count_kernel(const int32_t* experts, int64_t pairs, int num_expe
   }
 }
 
+// Exclusive prefix sums over a block of THREADS threads of two per-thread values at once (a thread's rows
+// and tiles): a shuffle scan inside each warp, then the earlier warps' totals (`warp_a`, `warp_b`: shared
+// scratch of THREADS / 32 each). Every thread of the block must call it.
+template <int THREADS>
+__device__ __forceinline__ void block_exclusive_scan(int32_t& a, int32_t& b, int32_t* warp_a, int32_t* warp_b) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int32_t ia = a, ib = b;  // inclusive scan inside the warp
+  for (int o = 1; o < 32; o *= 2) {
+    const int32_t ua = __shfl_up_sync(0xffffffffu, ia, o), ub = __shfl_up_sync(0xffffffffu, ib, o);
+    if (lane >= o) ia += ua, ib += ub;
+  }
+  if (lane == 31) warp_a[warp] = ia, warp_b[warp] = ib;
+  __syncthreads();
+  a = ia - a, b = ib - b;  // exclusive, then the earlier warps' totals
+  for (int w = 0; w < warp; ++w) a += warp_a[w], b += warp_b[w];
+}
+
 // One block (SCHEDULE_THREADS threads): offsets, cursors and the tile list, tiles of `bm` rows (BM for the
 // WMMA products, wg::BM for the wgmma ones, the whole segment for the decode products). The offsets are
 // an exclusive scan of (rows, tiles) over the experts: thread i sums a contiguous run of experts, the
@@ -194,7 +211,7 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) schedule_kernel(const int32_
                                                                     int32_t* cursor, Tile* tiles, int32_t* num_tiles,
                                                                     int32_t* tile_start) {
   __shared__ int32_t warp_rows[SCHEDULE_THREADS / 32], warp_tiles[SCHEDULE_THREADS / 32];
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int tid = threadIdx.x;
   const int per = (num_experts + SCHEDULE_THREADS - 1) / SCHEDULE_THREADS;
   const int e0 = min(num_experts, tid * per), e1 = min(num_experts, e0 + per);
   int32_t own_rows = 0, own_tiles = 0;
@@ -203,15 +220,8 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) schedule_kernel(const int32_
     own_rows += c;
     own_tiles += (c + bm - 1) / bm;
   }
-  int32_t rows = own_rows, nt = own_tiles;  // inclusive scan inside the warp
-  for (int o = 1; o < 32; o *= 2) {
-    const int32_t r = __shfl_up_sync(0xffffffffu, rows, o), t = __shfl_up_sync(0xffffffffu, nt, o);
-    if (lane >= o) rows += r, nt += t;
-  }
-  if (lane == 31) warp_rows[warp] = rows, warp_tiles[warp] = nt;
-  __syncthreads();
-  int32_t off = rows - own_rows, first_tile = nt - own_tiles;  // exclusive, then the earlier warps' totals
-  for (int w = 0; w < warp; ++w) off += warp_rows[w], first_tile += warp_tiles[w];
+  int32_t off = own_rows, first_tile = own_tiles;
+  block_exclusive_scan<SCHEDULE_THREADS>(off, first_tile, warp_rows, warp_tiles);
   for (int e = e0; e < e1; ++e) {
     cursor[e] = off;
     tile_start[e] = first_tile;
@@ -251,7 +261,7 @@ __global__ void __launch_bounds__(DECODE_SORT_THREADS)
                        int32_t* sorted_pair, int32_t* pos_of_pair) {
   __shared__ int32_t count[DECODE_SORT_EXPERTS], cursor[DECODE_SORT_EXPERTS];
   __shared__ int32_t warp_rows[DECODE_SORT_THREADS / 32], warp_tiles[DECODE_SORT_THREADS / 32];
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int tid = threadIdx.x;
   for (int e = tid; e < num_experts; e += DECODE_SORT_THREADS) count[e] = 0;
   __syncthreads();
   for (int p = tid; p < pairs; p += DECODE_SORT_THREADS) {
@@ -261,15 +271,8 @@ __global__ void __launch_bounds__(DECODE_SORT_THREADS)
   __syncthreads();
   // Exclusive scan of (rows, touched) over the experts, one expert a thread (num_experts <= threads).
   const int32_t own_rows = tid < num_experts ? count[tid] : 0, own_tile = own_rows > 0 ? 1 : 0;
-  int32_t rows = own_rows, nt = own_tile;
-  for (int o = 1; o < 32; o *= 2) {
-    const int32_t r = __shfl_up_sync(0xffffffffu, rows, o), t = __shfl_up_sync(0xffffffffu, nt, o);
-    if (lane >= o) rows += r, nt += t;
-  }
-  if (lane == 31) warp_rows[warp] = rows, warp_tiles[warp] = nt;
-  __syncthreads();
-  int32_t begin = rows - own_rows, tile = nt - own_tile;
-  for (int w = 0; w < warp; ++w) begin += warp_rows[w], tile += warp_tiles[w];
+  int32_t begin = own_rows, tile = own_tile;
+  block_exclusive_scan<DECODE_SORT_THREADS>(begin, tile, warp_rows, warp_tiles);
   if (tid < num_experts) {
     cursor[tid] = begin;
     if (own_tile) tiles[tile] = Tile{tid, begin, begin + own_rows};
