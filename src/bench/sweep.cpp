@@ -145,13 +145,17 @@ Json copy_numbers(const Json& from, std::initializer_list<const char*> keys) {
   return out;
 }
 
-// A roofline step for `gpus` GPUs sharing the model perfectly (bandwidth and FLOP/s add up), per GPU.
+// `gpus` GPUs sharing the model perfectly: their bandwidth and FLOP/s add up.
+HardwareLimits all_gpus(HardwareLimits hw, int64_t gpus) {
+  hw.hbm_bytes_per_s *= double(gpus);
+  hw.flops_per_s *= double(gpus);
+  return hw;
+}
+
+// A roofline step for `gpus` GPUs, per GPU.
 Json roofline_json(const ModelCost& cost, int64_t batch, double context, double total_over_output,
                    const HardwareLimits& hw, int64_t gpus) {
-  HardwareLimits all = hw;
-  all.hbm_bytes_per_s *= double(gpus);
-  all.flops_per_s *= double(gpus);
-  const DecodeStep step = decode_roofline(cost, batch, context, all);
+  const DecodeStep step = decode_roofline(cost, batch, context, all_gpus(hw, gpus));
   Json j = to_json(step);
   j["tokens_per_s_per_gpu"] = step.tokens_per_s_per_gpu / double(gpus);
   // Prefill counted free: each output token brings its share of the input along.
@@ -162,10 +166,7 @@ Json roofline_json(const ModelCost& cost, int64_t batch, double context, double 
 // The serving limit (prefill + decode over a request cycle, roofline.h) for `gpus` GPUs, per GPU.
 Json serving_json(const ModelCost& cost, int64_t batch, double input_len, double output_len, const HardwareLimits& hw,
                   int64_t gpus) {
-  HardwareLimits all = hw;
-  all.hbm_bytes_per_s *= double(gpus);
-  all.flops_per_s *= double(gpus);
-  const ServingCycle cycle = serving_roofline(cost, batch, input_len, output_len, all);
+  const ServingCycle cycle = serving_roofline(cost, batch, input_len, output_len, all_gpus(hw, gpus));
   Json j = to_json(cycle);
   j["total_tokens_per_s_per_gpu"] = cycle.total_tokens_per_s_per_gpu / double(gpus);
   j["output_tokens_per_s_per_gpu"] = cycle.output_tokens_per_s_per_gpu / double(gpus);

@@ -270,10 +270,10 @@ void add_bench_roofline(CLI::App* parent) {
     SPARROW_CHECK(hbm_tbps > 0 && peak_tflops > 0, "--hbm-bandwidth and --peak-tflops must be positive");
     const bench::HardwareLimits hw{hbm_tbps * 1e12, peak_tflops * 1e12};
     const bench::ModelCost cost = bench::model_cost_from_path(model_config, kv_cache_dtype);
-    const nlohmann::json out = {
-        {"model", to_json(cost)},
-        {"decode", to_json(bench::decode_roofline(cost, batch, input_len + output_len / 2, hw))},
-        {"serving", to_json(bench::serving_roofline(cost, batch, input_len, output_len, hw))}};
+    const bench::ServingCycle serving = bench::serving_roofline(cost, batch, input_len, output_len, hw);
+    const nlohmann::json out = {{"model", to_json(cost)},
+                                {"decode", to_json(bench::decode_roofline(cost, batch, serving.context, hw))},
+                                {"serving", to_json(serving)}};
     std::printf("%s\n", out.dump().c_str());
   });
 }
