@@ -15,9 +15,7 @@
 //     outputs). It walks its K range in slabs of 64 bytes per row: lane (g = lane / 4, t = lane % 4) reads
 //     16 bytes (16 e4m3 codes or 8 bf16) at byte 64 s + 16 t of weight rows g and g + 8 (one instruction:
 //     8 rows x 64 contiguous bytes, whole 32-byte sectors), streamed past L1 (ld.global.nc.L1::no_allocate),
-//     U = 4 slabs in flight per lane (a register ring: slab s + U is requested when slab s is used), and
-//     the L2 asked for each row's next PREFETCH_RINGS rings beyond it (cp.async.bulk.prefetch.L2, no
-//     registers held; whether it pays is measured by the kernel bench, impl sparrow-no_prefetch);
+//     U = 4 slabs in flight per lane (a register ring: slab s + U is requested when slab s is used);
 //   - the slice's activation rows (job.act_row: gathered through sorted_pair for MoE gate/up, contiguous
 //     for down and dense), up to `rows` of them (<= 8) per pass and only the columns of the CTA's K range,
 //     are staged once per pass into shared memory (bf16, cp.async, issued after the first weight slabs are
