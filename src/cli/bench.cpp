@@ -74,14 +74,12 @@ void add_bench_kernels(CLI::App* bench) {
     if (wanted("moe")) cuda::bench_moe(options, rows);
     std::FILE* json = json_path.empty() ? nullptr : std::fopen(json_path.c_str(), "w");
     SPARROW_CHECK(json_path.empty() || json, "cannot write ", json_path);
-    std::printf("%-34s %-62s %10s %8s %9s %7s\n", "kernel [impl, when not sparrow's]", "shape", "us", "TB/s",
-                "TFLOP/s", "limit");
+    std::printf("%-22s %-62s %10s %8s %9s %7s\n", "kernel", "shape", "us", "TB/s", "TFLOP/s", "limit");
     for (const cuda::KernelBenchRow& r : rows) {
       const double seconds = r.median_us * 1e-6;
       const double tbps = r.bytes / seconds / 1e12, tflops = r.flops / seconds / 1e12;
       const double limit = std::max(r.bytes / cuda::kHbmBytesPerSecond, r.flops / cuda::kBf16FlopsPerSecond) / seconds;
-      const std::string name = r.impl.empty() || r.impl == "sparrow" ? r.kernel : r.kernel + " [" + r.impl + "]";
-      std::printf("%-34s %-62s %10.1f %8.2f %9.1f %6.0f%%\n", name.c_str(), r.shape.c_str(), r.median_us, tbps,
+      std::printf("%-22s %-62s %10.1f %8.2f %9.1f %6.0f%%\n", r.kernel.c_str(), r.shape.c_str(), r.median_us, tbps,
                   tflops, 100 * limit);
       if (json) {
         nlohmann::json line = {{"kernel", r.kernel}, {"shape", r.shape},   {"impl", r.impl.empty() ? "sparrow" : r.impl},

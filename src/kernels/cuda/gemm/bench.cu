@@ -120,32 +120,23 @@ void skinny_rows(const std::string& shape, int64_t m, int64_t n, int64_t k, bool
   SPARROW_CUDA_CHECK_LAUNCH();
   const std::string dims = " m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k);
   const double bytes = double(n * k) * (fp8 ? 1 : 2) + 4.0 * scale_count + 2.0 * m * k + 2.0 * m * n;
-  // The engine's setting (impl "sparrow"), then the same loop without its L2 prefetch ("sparrow-no_prefetch").
-  const int default_rings = skinny_prefetch_rings();
-  for (const int rings : {default_rings, 0}) {
-    if (rings == 0 && default_rings == 0) break;
-    set_skinny_prefetch_rings(rings);
-    KernelBenchRow skinny;
-    skinny.kernel = fp8 ? "gemm_skinny_fp8" : "gemm_skinny_bf16";
-    skinny.impl = rings == default_rings ? "sparrow" : "sparrow-no_prefetch";
-    skinny.shape = shape + dims;
-    skinny.median_us = median_launch_us(
-        [&](cudaStream_t st) {
-          if (fp8)
-            gemm_skinny_fp8(m, n, k, x, k, static_cast<const uint8_t*>(w), s, y, ElemType::BF16, n, ws, ws_bytes, st);
-          else
-            gemm_skinny_bf16(m, n, k, x, k, w, y, ElemType::BF16, n, ws, ws_bytes, st);
-        },
-        stream(), iterations);
-    skinny.bytes = bytes;
-    skinny.flops = 2.0 * m * n * k;
-    skinny.note = std::string("weights streamed once, mma.sync from registers, fp32 accumulation") +
-                  (fp8 ? ", bf16 x (not quantised), e4m3 W with 128x128 scales" : ", bf16") +
-                  (ws_bytes ? ", K split over the grid + fixed-order reduction" : "") +
-                  ", L2 prefetch " + std::to_string(rings) + " rings ahead";
-    rows.push_back(skinny);
-  }
-  set_skinny_prefetch_rings(default_rings);
+  KernelBenchRow skinny;
+  skinny.kernel = fp8 ? "gemm_skinny_fp8" : "gemm_skinny_bf16";
+  skinny.shape = shape + dims;
+  skinny.median_us = median_launch_us(
+      [&](cudaStream_t st) {
+        if (fp8)
+          gemm_skinny_fp8(m, n, k, x, k, static_cast<const uint8_t*>(w), s, y, ElemType::BF16, n, ws, ws_bytes, st);
+        else
+          gemm_skinny_bf16(m, n, k, x, k, w, y, ElemType::BF16, n, ws, ws_bytes, st);
+      },
+      stream(), iterations);
+  skinny.bytes = bytes;
+  skinny.flops = 2.0 * m * n * k;
+  skinny.note = std::string("weights streamed once, mma.sync from registers, fp32 accumulation") +
+                (fp8 ? ", bf16 x (not quantised), e4m3 W with 128x128 scales" : ", bf16") +
+                (ws_bytes ? ", K split over the grid + fixed-order reduction" : "");
+  rows.push_back(skinny);
   KernelBenchRow lt;
   lt.kernel = fp8 ? "cublaslt_fp8" : "cublaslt_bf16";
   lt.shape = shape + dims;
@@ -160,7 +151,7 @@ void skinny_rows(const std::string& shape, int64_t m, int64_t n, int64_t k, bool
       },
       stream(), iterations);
   lt.bytes = bytes;
-  lt.flops = 2.0 * m * n * k;
+  lt.flops = skinny.flops;
   lt.note = fp8 ? "cuBLASLt beside gemm_skinny_fp8: x quantised per 1x128 in the call, FP8 tensor cores"
                 : "cuBLASLt beside gemm_skinny_bf16";
   rows.push_back(lt);

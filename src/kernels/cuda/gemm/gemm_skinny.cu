@@ -167,12 +167,6 @@ void run(const char* what, int64_t m, int64_t n, int64_t k, const void* x, int64
 
 }  // namespace
 
-void set_skinny_prefetch_rings(int rings) {
-  SPARROW_CHECK(rings >= 0 && rings <= 8, "skinny prefetch rings must be in [0, 8], not ", rings);
-  skinny::prefetch_rings() = rings;
-}
-int skinny_prefetch_rings() { return skinny::prefetch_rings(); }
-
 const char* gemm_skinny_unsupported(int64_t m, int64_t n, int64_t k, bool fp8, const void* x, int64_t ldx,
                                     const void* w, const float* w_scales, const void* y, ElemType y_type,
                                     int64_t ldy) {

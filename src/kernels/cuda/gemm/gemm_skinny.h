@@ -55,10 +55,4 @@ void gemm_skinny_fp8(int64_t m, int64_t n, int64_t k, const void* x_bf16, int64_
                      const float* w_scales, void* y, ElemType y_type, int64_t ldy, void* workspace,
                      size_t workspace_bytes, cudaStream_t stream);
 
-// The L2 prefetch distance of skinny::kernel's streaming loop, in rings of 4 slabs (skinny.cuh), for every
-// later launch of it (dense and MoE decode); 0 turns the prefetch off. For the kernel benchmark's
-// side-by-side rows only: not thread-safe, and the default is what the engine runs.
-void set_skinny_prefetch_rings(int rings);
-int skinny_prefetch_rings();
-
 }  // namespace sparrow::cuda

@@ -68,7 +68,6 @@ using bf16 = __nv_bfloat16;
 
 constexpr int MAX_ROWS = 8;             // rows per pass: the n of mma.m16n8k16
 constexpr int U = 4;                    // slabs in flight per lane
-constexpr int PREFETCH_RINGS = 2;       // rings of U slabs the L2 is asked for ahead of the loads (below)
 constexpr int SLAB = 64;                // weight bytes per row and slab
 constexpr int MAX_THREADS = 256;        // 4 or 8 warps per CTA (make_plan)
 constexpr int SMEM_CAP = 113 * 1024;    // two CTAs per SM fit (228 KB per SM, 1 KB reserved per CTA)
@@ -176,7 +175,7 @@ inline Plan make_plan(int64_t max_rows, int64_t cols, bool fp8) {
 //                    the two sums of pass row `row` (columns lo_col, hi_col of lane_rows(slice, group, g);
 //                    recomputed there rather than kept live across the K loop: registers)
 template <class Job, bool FP8>
-__global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job, const int prefetch_rings) {
+__global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
   extern __shared__ __align__(16) uint8_t act_smem[];  // [rows][pitch] bf16 activation rows (the K range)
   Slice slice;
   if (!job.slice(slice)) return;
@@ -216,16 +215,6 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job, const int p
     }
   };
 
-  // The register ring holds U slabs (4 KB a warp) in flight; the L2 is asked for more ahead of it: lane
-  // t = 0 of each row pair requests slabs [s, s + U) of its two rows, `prefetch_rings` rings before the
-  // loads reach them (prefetch_rings = 0: none), with no registers held while they arrive.
-  auto prefetch = [&](int s) {
-    const int64_t off = int64_t(s) * SLAB, end = min(int64_t(min(s + U, s_end)) * SLAB, row_bytes);
-    if (t != 0 || off >= end) return;
-    if (lr.lo_ok) ptx::prefetch_l2(lr.lo + off, uint32_t(end - off));
-    if (lr.hi_ok) ptx::prefetch_l2(lr.hi + off, uint32_t(end - off));
-  };
-
   const int R = job.rows, pitch = job.pitch;
   for (int first = slice.begin; first < slice.end; first += R) {  // one pass per `R` rows of the slice
     const int rows = min(R, slice.end - first);
@@ -233,7 +222,6 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job, const int p
 #pragma unroll
       for (int u = 0; u < U; ++u)
         if (s_begin + u < s_end) load(u, s_begin + u);
-      for (int ring = 1; ring <= prefetch_rings; ++ring) prefetch(s_begin + ring * U);
     }
     // Stage the pass's activation rows (the K range's columns), warp w rows w, w + warps, ... (the rows'
     // indices are read in parallel); K % 8 == 0 and the range starts at a multiple of 32 columns: whole
@@ -254,7 +242,6 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job, const int p
       const bool has_row = g < rows;  // row g of the pass exists (B column g)
 #pragma unroll 1
       for (int s0 = s_begin; s0 < s_end; s0 += U) {
-        if (prefetch_rings > 0) prefetch(s0 + (prefetch_rings + 1) * U);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int s = s0 + u;
@@ -323,13 +310,6 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job, const int p
   }
 }
 
-// The prefetch distance every launch uses: PREFETCH_RINGS, or what the kernel benchmark sets to measure the
-// loop without it (gemm_skinny.h, set_skinny_prefetch_rings). A CUDA graph keeps the value it captured.
-inline int& prefetch_rings() {
-  static int rings = PREFETCH_RINGS;
-  return rings;
-}
-
 // Launches kernel<Job, FP8> with `plan`'s CTA size and shared memory (the kernel's attributes set on first
 // use: up to SMEM_CAP of dynamic shared memory, and all of the SM's 228 KB as shared memory so that two
 // 113 KB CTAs fit; the weights bypass L1).
@@ -342,7 +322,7 @@ void launch(const Job& job, dim3 grid, const Plan& plan, cudaStream_t stream) {
     return true;
   }();
   (void)configured;
-  kernel<Job, FP8><<<grid, plan.warps * 32, plan.smem, stream>>>(job, prefetch_rings());
+  kernel<Job, FP8><<<grid, plan.warps * 32, plan.smem, stream>>>(job);
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 

@@ -33,7 +33,6 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cuda/gemm/gemm_skinny.h"
 #include "kernels/cuda/bench_random.cuh"
 #include "kernels/cuda/kernel_bench.h"
 #include "kernels/cuda/moe/moe.h"
@@ -228,17 +227,6 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
                    " experts touched; " + fmt_pct(row.bytes / kHbmBytesPerSecond / seconds) + " of 4.3 TB/s, " +
                    fmt_pct(row.flops / kBf16FlopsPerSecond / seconds) + " of 790 TFLOP/s";
         rows.push_back(row);
-        if (path == MoePath::Decode && skinny_prefetch_rings() > 0) {
-          // The same decode path without the streaming loop's L2 prefetch (impl "sparrow-no_prefetch").
-          const int rings = skinny_prefetch_rings();
-          set_skinny_prefetch_rings(0);
-          KernelBenchRow plain = row;
-          plain.impl = "sparrow-no_prefetch";
-          plain.median_us = median_launch_us(launch, st, options.iterations);
-          plain.note = "the row above without the L2 prefetch ahead of the register ring";
-          set_skinny_prefetch_rings(rings);
-          rows.push_back(plain);
-        }
       }
       release();
     }
