@@ -354,15 +354,15 @@ TEST(BenchSweep, DummyServerWithoutTokenizerServesTokenIds) {
   EXPECT_NE(refused->body.find("token-id prompts"), std::string::npos) << refused->body;
 }
 
-// The whole command: the sweep launches `sparrow serve` on the bundled model, runs two points and writes
-// the sweep JSON with the roofline and the serving limit beside each point.
+// The whole command: the sweep launches `sparrow serve` on the bundled model, runs two points (each with its
+// own prompts) and writes the sweep JSON with the roofline and the serving limit beside each point.
 TEST(BenchSweep, TinySweepAgainstALaunchedServer) {
   const fs::path model = kSource / "models" / "minimax_m3";
   if (!fs::exists(model / "model.safetensors")) GTEST_SKIP() << "no bundled model";
   TempDir dir;
   const std::string cmd = std::string(SPARROW_BINARY) + " bench sweep --launch '" + model.string() +
                           " --kv-cache-memory 64MiB' --concurrencies 1,2 --prompts-per-concurrency 2 "
-                          "--random-input-len 32 --random-output-len 8 --ignore-eos --disable-tqdm --save-result "
+                          "--random-input-len 96 --random-output-len 8 --ignore-eos --disable-tqdm --save-result "
                           "--result-dir " + dir.path() + " --output " + dir.file("sweep.json") + " >" +
                           dir.file("out.log") + " 2>&1";
   const int rc = std::system(cmd.c_str());
@@ -379,6 +379,11 @@ TEST(BenchSweep, TinySweepAgainstALaunchedServer) {
     EXPECT_EQ(p["completed"], 2 * expected_concurrency) << p;
     EXPECT_EQ(p["failed"], 0) << p;
     EXPECT_DOUBLE_EQ(p["mean_output_len"].get<double>(), 8.0);
+    // Each point draws its own prompts (seed + point index): none of them is a prefix-cache hit left by the
+    // previous point (with one seed, point 2's first two prompts would be point 1's, a whole 64-token block
+    // each already cached).
+    EXPECT_EQ(p["seed"], expected_concurrency == 1 ? 0 : 1) << p;
+    EXPECT_EQ(p["prefix_cache_hit_rate"], 0.0) << p;
     EXPECT_GT(p["tokens_per_s_per_user"].get<double>(), 0) << p;
     EXPECT_GT(p["tokens_per_s_per_gpu"].get<double>(), p["output_tokens_per_s_per_gpu"].get<double>());
     ASSERT_TRUE(p.contains("roofline")) << p;

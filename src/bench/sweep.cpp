@@ -271,9 +271,14 @@ Json run_sweep(const SweepOptions& o) {
 
   Json points = Json::array(), roofline = Json::array();
   std::string model_id;
-  for (int64_t c : o.concurrencies) {
+  for (size_t i = 0; i < o.concurrencies.size(); ++i) {
+    const int64_t c = o.concurrencies[i];
     ServeBenchOptions s = base;
     s.max_concurrency = c;
+    // Each point draws its own requests (point i: seed + i, i.e. `sparrow bench serve --seed <seed + i>`'s).
+    // With one seed for all, point c's first prompts or sessions would be the previous point's, already in
+    // the server's prefix cache: a quarter of the prompt tokens at 1,4,16,... would be cache hits.
+    s.seed = o.serve.seed + i;
     if (!o.fixed_num_prompts) s.random.num_prompts = c * o.prompts_per_concurrency;
     if (!o.fixed_sessions) s.agentic.sessions = c * o.sessions_per_concurrency;
     // Warm-up at a point is at least one full wave at its concurrency: the batch size is what is new.
@@ -286,6 +291,7 @@ Json run_sweep(const SweepOptions& o) {
       const Json result = run_serve_benchmark(s);
       if (result.contains("model_id") && result["model_id"].is_string()) model_id = result["model_id"];
       point = sweep_point(result, c, o.num_gpus);
+      point["seed"] = s.seed;
       const double out = number(result, "total_output_tokens"), in = number(result, "total_input_tokens");
       if (cost && out > 0) {
         point["roofline"] = roofline_json(*cost, c, point["mean_context"].get<double>(), (in + out) / out,
@@ -326,7 +332,7 @@ Json run_sweep(const SweepOptions& o) {
                 {"model_config", model_config},
                 {"kv_cache_dtype", o.kv_cache_dtype},
                 {"model_cost", cost ? to_json(*cost) : Json(nullptr)}};
-  Json workload = {{"seed", o.serve.seed}, {"ignore_eos", o.serve.ignore_eos}, {"request_rate", o.serve.request_rate}};
+  Json workload = {{"seed", o.serve.seed}, {"seeds", "point i: seed + i"}, {"ignore_eos", o.serve.ignore_eos}, {"request_rate", o.serve.request_rate}};
   if (o.serve.dataset_name == "agentic") {
     const AgenticOptions& a = o.serve.agentic;
     workload.update({{"sessions", o.fixed_sessions ? Json(a.sessions) : Json("concurrency x " + std::to_string(o.sessions_per_concurrency))},
