@@ -28,7 +28,8 @@
 # HF_CONCURRENCIES (default 1,2,4,8,16: static batches of a 60 GB bf16 model soon run out of memory and time),
 # HF_PROMPTS_PER_CONCURRENCY (default 1: one batch per point), HF_ARGS (more hf_serve_peer.py run flags),
 # VLLM (the command that runs vLLM's CLI, default vllm; e.g. "python3 -m vllm.entrypoints.cli.main" where vLLM
-# is installed without its scripts), SPARROW_SWEEP (0: skip sparrow's sweep, to run the peers of a shape in a
+# is installed without its scripts), PEER_WARM_PASS (0: no untimed warm pass of vLLM before its sweep, see
+# WARM_PASS below), SPARROW_SWEEP (0: skip sparrow's sweep, to run the peers of a shape in a
 # call of their own), LAUNCH_TIMEOUT (s, default 1800), PEER_PORT (vLLM's port, default 8100; the HF peer's
 # request capture takes PEER_PORT + 100; sparrow's servers take a free port), so that two sweeps can share a
 # machine of two GPUs: CUDA_VISIBLE_DEVICES=1 PEER_PORT=8300 bench/sweep.sh <another shape> beside the first.
@@ -63,6 +64,17 @@ status=0
 WORKLOAD=(--dataset-name "$DATASET" --concurrencies "$CONCURRENCIES" --num-warmups "$NUM_WARMUPS" --ignore-eos --disable-tqdm)
 if [[ "$DATASET" == "random" ]]; then
   WORKLOAD+=(--random-input-len "$ISL" --random-output-len "$OSL" --prompts-per-concurrency "$PROMPTS_PER_CONCURRENCY")
+fi
+# vLLM's warm pass: the same points with shorter requests and another seed (so nothing it leaves in the
+# prefix cache is asked for again), untimed. vLLM compiles some Triton kernels on first use, when a batch
+# first takes a new size class: a point's warm-up wave does not reach them all (its 2026-11-30 DeepSeek run
+# compiled three MoE / quantisation kernels during the c = 64 point, whose p99 ITL was 2.1 s). sparrow's
+# kernels are compiled ahead of time; its CUDA graphs are captured in the points' warm-up waves.
+WARM_PASS=(--dataset-name "$DATASET" --concurrencies "$CONCURRENCIES" --num-warmups 0 --ignore-eos --disable-tqdm --seed 1000)
+if [[ "$DATASET" == "random" ]]; then
+  WARM_PASS+=(--random-input-len "$ISL" --random-output-len $((OSL < 32 ? OSL : 32)) --prompts-per-concurrency 1)
+else
+  WARM_PASS+=(--sessions-per-concurrency 1 --agentic-turns 2)
 fi
 
 for shape in "${SHAPES[@]}"; do
@@ -113,6 +125,9 @@ for shape in "${SHAPES[@]}"; do
         sleep 1
       done
       if curl -sf http://127.0.0.1:$PEER_PORT/v1/models >/dev/null 2>&1; then
+        [[ "${PEER_WARM_PASS:-1}" == 0 ]] || "$SPARROW" bench sweep "${WARM_PASS[@]}" --tokenizer "$model" --label vllm-warm-pass \
+            --base-url http://127.0.0.1:$PEER_PORT --output "$OUT/$shape/sweep-vllm-warm-pass.json" >> "$LOG" 2>&1 \
+          || echo "vllm warm pass of $shape failed (see $shape/sweep.log); sweeping anyway" | tee -a "$LOG" >&2
         "$SPARROW" bench sweep "${WORKLOAD[@]}" --tokenizer "$model" --label vllm --base-url http://127.0.0.1:$PEER_PORT --kv-cache-dtype "$kv_dtype" \
             --model-config "$model" --output "$OUT/$shape/sweep-vllm.json" >> "$LOG" 2>&1 \
           && peers+=(--peer "vllm=$OUT/$shape/sweep-vllm.json") \
@@ -136,7 +151,8 @@ for shape in "${SHAPES[@]}"; do
       echo "PEERS=hf but torch / transformers do not import here: skipped" | tee -a "$LOG" >&2
     else
       # sparrow's client sends its workload to a stand-in server that records it (--max-concurrency 1 keeps
-      # the order); the first c x K requests are what sparrow bench sweep sends at point c.
+      # the order); point c replays the first c x K of them, as many as sparrow bench sweep sends there (the
+      # sweep draws each point's with its own seed; generate() has no prefix cache, so only lengths matter).
       hf_c="${HF_CONCURRENCIES:-1,2,4,8,16}"
       hf_k="${HF_PROMPTS_PER_CONCURRENCY:-1}"
       hf_n=$(( $(tr ',' '\n' <<< "$hf_c" | sort -n | tail -1) * hf_k ))

@@ -27,8 +27,9 @@ Two modes:
 
 --max-concurrency 1 keeps the captured order equal to the workload's order; sparrow's random workload
 of N prompts is the first N of a longer one with the same seed, so one capture of max(concurrency) x
-prompts-per-concurrency prompts serves every point (point c takes the first c x K requests, as
-`sparrow bench sweep` sends c x K prompts at point c).
+prompts-per-concurrency prompts serves every point (point c takes the first c x K requests, as many as
+`sparrow bench sweep` sends at point c; the sweep draws each point's prompts with its own seed, which
+changes nothing here: generate() keeps no prefix cache, and the lengths are the same).
 
 The requests file: JSON lines (or one JSON list) of objects with `prompt` (text, or a list of token
 ids) or `messages` (chat; rendered with the tokenizer's chat template), `max_tokens` (or

@@ -20,8 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def sweep(sparrow, out, **env):
     argv = os.path.join(out, "vllm-argv.txt")
     full = dict(os.environ, OUT=out, SPARROW=sparrow, DEVICE="cpu", MODELS=os.path.join(out, "models"),
-                CONCURRENCIES="1,2", ISL="24", OSL="4", PROMPTS_PER_CONCURRENCY="1", NUM_WARMUPS="0",
-                KV_MEMORY="1GiB", MAX_MODEL_LEN="96", LAUNCH_TIMEOUT="120", PEERS="vllm",
+                CONCURRENCIES="1,2", ISL="72", OSL="4", PROMPTS_PER_CONCURRENCY="1", NUM_WARMUPS="0",
+                KV_MEMORY="1GiB", MAX_MODEL_LEN="128", LAUNCH_TIMEOUT="120", PEERS="vllm",
                 VLLM=os.path.join(ROOT, "tests/bench/fake_vllm.sh"), FAKE_VLLM_ARGV=argv, **env)
     run = subprocess.run(["bash", os.path.join(ROOT, "bench/sweep.sh"), os.path.join(ROOT, "models/minimax_m3/config.json")],
                          env=full, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -93,16 +93,24 @@ def main():
         # vLLM got the folder, dummy weights, the sweep's limits, then VLLM_ARGS.
         model = os.path.join(out, "models", "minimax_m3-config")
         assert vllm_args[:2] == ["serve", model], vllm_args
-        for flag, value in (("--load-format", "dummy"), ("--port", "8100"), ("--max-model-len", "96"),
+        for flag, value in (("--load-format", "dummy"), ("--port", "8100"), ("--max-model-len", "128"),
                             ("--max-num-batched-tokens", "8192")):
             assert vllm_args[vllm_args.index(flag) + 1] == value, (flag, vllm_args)
         assert "--enforce-eager" in vllm_args, vllm_args
+        # vLLM's untimed warm pass ran first, at the same points with another seed: the measured prompts (72
+        # tokens, a whole 64-token block each) find nothing of it, nor of each other, in the prefix cache.
+        warm, warm_points = points(os.path.join(shape_dir, "sweep-vllm-warm-pass.json"))
+        assert sorted(warm_points) == [1, 2] and warm["workload"]["seed"] == 1000, warm["workload"]
+        for sweep_json, pts in ((ours, ours_points), (peer, peer_points)):
+            assert [pts[c]["seed"] for c in (1, 2)] == [0, 1], sweep_json["label"]
+            assert all(p["prefix_cache_hit_rate"] == 0 for p in pts.values()), (sweep_json["label"], pts)
         check_table(os.path.join(shape_dir, "sweep-sparrow.json"), os.path.join(shape_dir, "sweep-vllm.json"), out)
 
     with tempfile.TemporaryDirectory() as out:
-        shape_dir, vllm_args, log = sweep(sparrow, out, SPARROW_SWEEP="0", PEER_PORT="8350")
+        shape_dir, vllm_args, log = sweep(sparrow, out, SPARROW_SWEEP="0", PEER_PORT="8350", PEER_WARM_PASS="0")
         assert not os.path.exists(os.path.join(shape_dir, "sweep-sparrow.json")), "SPARROW_SWEEP=0 still ran sparrow"
         assert "== sparrow" not in log
+        assert not os.path.exists(os.path.join(shape_dir, "sweep-vllm-warm-pass.json")), "PEER_WARM_PASS=0 still warmed"
         _, peer_points = points(os.path.join(shape_dir, "sweep-vllm.json"))
         assert sorted(peer_points) == [1, 2]
         assert vllm_args[vllm_args.index("--port") + 1] == "8350", vllm_args  # a second sweep beside the first
