@@ -459,7 +459,8 @@ Routing random_routing(std::mt19937_64& rng, int64_t tokens, int64_t experts, in
 // inter not multiples of 128 (FP8: the partial last scale block of each row and of each half's rows;
 // inter % 128 != 0: the up half's scale blocks start mid-block of the stacked rows), bf16 sizes that are
 // not multiples of 16 (a partial last 16-row group in down, a partial last 64-byte slab), and skewed
-// routings whose experts take several passes of 8 rows.
+// routings whose experts' rows are cut into several tiles of 8, by the one-block sort and, past its 1024
+// experts, by the general schedule.
 TEST(CudaMoe, DecodePathMatchesReference) {
   SPARROW_REQUIRE_GPU();
   const uint64_t seed = test::fresh_seed();
@@ -478,13 +479,15 @@ TEST(CudaMoe, DecodePathMatchesReference) {
       {7, 208, 80, 16, 4, Skew::Uniform, false},     // one partial scale block each way
       {16, 144, 272, 256, 8, Skew::Uniform, true},
       {64, 256, 144, 256, 8, Skew::Uniform, false},  // 2 rows per expert on average, up to ~8
-      {64, 128, 96, 64, 4, Skew::Uniform, true},     // 4 rows per expert on average: some take 2 passes
-      {64, 144, 272, 64, 1, Skew::AllSame, true},    // one expert, 64 rows: 8 passes
-      {20, 272, 144, 32, 4, Skew::AllSame, false},   // four experts, 20 rows each: passes of 8, 8, 4
-      {3, 256, 128, 16, 2, Skew::AllSame, false},    // 3 tokens: passes of 3 rows
+      {64, 128, 96, 64, 4, Skew::Uniform, true},     // 4 rows per expert on average: some have 2 tiles
+      {64, 144, 272, 64, 1, Skew::AllSame, true},    // one expert, 64 rows: 8 tiles
+      {20, 272, 144, 32, 4, Skew::AllSame, false},   // four experts, 20 rows each: tiles of 8, 8, 4
+      {3, 256, 128, 16, 2, Skew::AllSame, false},    // 3 tokens: tiles of 3 rows
+      {256, 128, 64, 128, 4, Skew::Uniform, false},  // MiniMax's 256-token ratio: 8 rows on average, ~40% cut
+      {1100, 64, 48, 1100, 8, Skew::Uniform, false}, // 1100 experts: the general schedule, tiles of 8
       {64, 144, 272, 256, 8, Skew::FirstSame, true}, // one expert with 64 rows among ~220 with ~2
       {5, 200, 72, 16, 4, Skew::Uniform, true},      // bf16 only: hidden, inter % 16 == 8
-      {9, 200, 72, 16, 2, Skew::AllSame, false},     // bf16 only: passes of 8 and 1
+      {9, 200, 72, 16, 2, Skew::AllSame, false},     // bf16 only: tiles of 8 and 1
   };
   const float alpha = 1.702f, limit = 7.0f;
   for (const Case& c : cases) {

@@ -21,10 +21,11 @@
 //   - Decode (use_decode: at most 8 rows per expert on average, i.e. tokens·top_k <= 8·experts: decode
 //     steps, DeepSeek-V3.2 and MiniMax-M3.1 up to 256 tokens, Kimi K3.1 Pro up to 896): skinny::kernel
 //     (kernels/cuda/gemm/skinny.cuh, shared with the dense decode-sized products of gemm_skinny.h) with
-//     the two jobs of dec:: below, a memory-bound streaming kernel. The schedule holds one tile per
-//     touched expert; a CTA takes (expert, group of output rows), each warp 16 weight rows that it streams
-//     from HBM with 16-byte loads, 4 slabs in flight, the expert's activation rows (up to 8 per pass, any count by looping) staged in
-//     shared memory, products on mma.sync m16n8k16 straight from registers, fp32 accumulation; FP8
+//     the two jobs of dec:: below, a memory-bound streaming kernel. The schedule holds tiles of at most
+//     one pass of rows (8, fewer at fewer tokens) per touched expert; a CTA takes (tile, group of output
+//     rows), each warp 16 weight rows that it streams from HBM with 16-byte loads, 4 slabs in flight, the
+//     tile's activation rows staged in shared memory, products on mma.sync m16n8k16 straight from
+//     registers, fp32 accumulation; FP8
 //     block scales are applied to each 128-column block's partial sum. Not bit-identical to the tiled
 //     paths (moe.h says what each guarantees).
 //   - Tiled (otherwise): a device-built list of 64-row tiles (expert, first row, end row); the grid is
@@ -201,7 +202,7 @@ __device__ __forceinline__ void block_exclusive_scan(int32_t& a, int32_t& b, int
 }
 
 // One block (SCHEDULE_THREADS threads): offsets, cursors and the tile list, tiles of `bm` rows (BM for the
-// WMMA products, wg::BM for the wgmma ones, the whole segment for the decode products). The offsets are
+// WMMA products, wg::BM for the wgmma ones, one pass of the decode products: decode_tile_rows). The offsets are
 // an exclusive scan of (rows, tiles) over the experts: thread i sums a contiguous run of experts, the
 // block scans those sums (warp shuffles, then the 8 warp totals), and each thread writes its run's
 // offsets. (A serial loop in one thread paid one L2 round trip per expert: ~0.1 us each, tens of us per
@@ -251,14 +252,14 @@ __global__ void place_kernel(const int32_t* experts, int64_t pairs, int num_expe
 }
 
 // The decode path's whole sort in one block (instead of a memset and the three kernels above): counts in
-// shared memory, the tile list (one tile per touched expert: its whole segment; the decode kernel makes
-// its own passes of 8 rows), then each pair's slot. For at most DECODE_SORT_EXPERTS experts and
+// shared memory, the tile list (each touched expert's segment in tiles of `tile_rows` rows, one pass of the
+// decode kernel each), then each pair's slot. For at most DECODE_SORT_EXPERTS experts and
 // DECODE_SORT_PAIRS pairs (run_moe_experts checks); the slots within an expert are taken by atomics, as in
 // place_kernel, and no row's product depends on the order of the rows beside it.
 constexpr int DECODE_SORT_THREADS = 1024, DECODE_SORT_EXPERTS = 1024, DECODE_SORT_PAIRS = 16384;
 __global__ void __launch_bounds__(DECODE_SORT_THREADS)
-    decode_sort_kernel(const int32_t* experts, int pairs, int num_experts, Tile* tiles, int32_t* num_tiles,
-                       int32_t* sorted_pair, int32_t* pos_of_pair) {
+    decode_sort_kernel(const int32_t* experts, int pairs, int num_experts, int tile_rows, Tile* tiles,
+                       int32_t* num_tiles, int32_t* sorted_pair, int32_t* pos_of_pair) {
   __shared__ int32_t count[DECODE_SORT_EXPERTS], cursor[DECODE_SORT_EXPERTS];
   __shared__ int32_t warp_rows[DECODE_SORT_THREADS / 32], warp_tiles[DECODE_SORT_THREADS / 32];
   const int tid = threadIdx.x;
@@ -269,15 +270,16 @@ __global__ void __launch_bounds__(DECODE_SORT_THREADS)
     if (e >= 0 && e < num_experts) atomicAdd(&count[e], 1);
   }
   __syncthreads();
-  // Exclusive scan of (rows, touched) over the experts, one expert a thread (num_experts <= threads).
-  const int32_t own_rows = tid < num_experts ? count[tid] : 0, own_tile = own_rows > 0 ? 1 : 0;
-  int32_t begin = own_rows, tile = own_tile;
+  // Exclusive scan of (rows, tiles) over the experts, one expert a thread (num_experts <= threads).
+  const int32_t own_rows = tid < num_experts ? count[tid] : 0, own_tiles = (own_rows + tile_rows - 1) / tile_rows;
+  int32_t begin = own_rows, tile = own_tiles;
   block_exclusive_scan<DECODE_SORT_THREADS>(begin, tile, warp_rows, warp_tiles);
   if (tid < num_experts) {
     cursor[tid] = begin;
-    if (own_tile) tiles[tile] = Tile{tid, begin, begin + own_rows};
+    for (int32_t r = 0; r < own_rows; r += tile_rows)
+      tiles[tile++] = Tile{tid, begin + r, begin + min(r + tile_rows, own_rows)};
   }
-  if (tid == DECODE_SORT_THREADS - 1) *num_tiles = tile + own_tile;  // the last thread's end is the total
+  if (tid == DECODE_SORT_THREADS - 1) *num_tiles = tile;  // the last thread's end is the total
   __syncthreads();
   for (int p = tid; p < pairs; p += DECODE_SORT_THREADS) {
     const int e = experts[p];
@@ -814,10 +816,14 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
 // The kernel is skinny::kernel (gemm/skinny.cuh: its comment says how it streams the weights and why),
 // shared with the dense decode-sized products; the two jobs below tell it where an expert's rows and
 // weights are and what to do with the sums:
-//   - grid (expert slot, group of output rows): the schedule is built with one tile per touched expert
-//     (schedule_kernel with bm = pairs), blockIdx.x indexes it; the grid's x is a host-side bound
-//     (min(pairs, experts)) and surplus CTAs exit. blockIdx.y: `warps` consecutive 16-row weight groups.
-//     One K range (the whole row): every output is one sum over K in a fixed order.
+//   - grid (tile, group of output rows): the schedule cuts each touched expert's rows into tiles of one
+//     pass (decode_tile_rows: 8 rows, fewer at fewer tokens), blockIdx.x indexes them; the grid's x is a
+//     host-side bound (decode_slots) and surplus CTAs exit. blockIdx.y: `warps` consecutive 16-row weight
+//     groups. One K range (the whole row): every output is one sum over K in a fixed order, whichever
+//     tile its row is in. An expert with more rows than a pass has several tiles, adjacent in x: their CTAs
+//     for one y run side by side and stream the same weight rows at about the same time, so that the L2 can
+//     serve the repeats (one CTA looping over passes read them from HBM once per pass: at 8 rows per expert
+//     on average ~40% of the experts have more than 8, and the path fell to 48-49% of HBM at 256 tokens).
 //   - gate/up: a warp's 16 rows are gate rows i and up rows i of 8 outputs i = 8 group + g, so each lane
 //     holds the gate and the up sum of the same (row, output) and activation() is applied in the store;
 //     the activation rows are x[token(sorted_pair[r])], gathered.
@@ -829,7 +835,7 @@ using skinny::Slice;
 
 // Fields common to both products (skinny::kernel's Job interface).
 struct Base {
-  const Tile* tiles;           // one tile per touched expert: (expert, first sorted row, end)
+  const Tile* tiles;           // (expert, first sorted row, end), at most one pass of rows each
   const int32_t* num_tiles;
   const int32_t* sorted_pair;
   int top_k;
@@ -908,7 +914,9 @@ struct Down : Base {
 
 }  // namespace dec
 
-// Workspace layout, each part 256-byte aligned.
+// Workspace layout, each part 256-byte aligned. max_tiles bounds the Tiled path's 64-row tiles (its grid);
+// the tile list has room for one tile per pair, the most any path's schedule makes (the decode path's tiles
+// can have a single row).
 struct Layout {
   size_t counts, cursor, tile_start, num_tiles, tiles, sorted_pair, pos_of_pair, h, y, total;
   int64_t max_tiles;
@@ -930,7 +938,7 @@ Layout layout(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden
   l.cursor = take(sizeof(int32_t) * num_experts);
   l.tile_start = take(sizeof(int32_t) * num_experts);
   l.num_tiles = take(sizeof(int32_t));
-  l.tiles = take(sizeof(Tile) * std::max<int64_t>(l.max_tiles, 1));
+  l.tiles = take(sizeof(Tile) * std::max<int64_t>(pairs, 1));
   l.sorted_pair = take(sizeof(int32_t) * pairs);
   l.pos_of_pair = take(sizeof(int32_t) * pairs);
   l.h = take(sizeof(bf16) * pairs * inter);
@@ -982,13 +990,13 @@ bool use_wgmma(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidde
 }
 
 // Decode steps: at most 8 rows per expert on average. The decode kernel reads each touched expert's
-// weights once per pass of up to 8 of its rows, the tiled kernels once per 64-row tile, so both read the
+// weights once per tile of up to 8 of its rows, the tiled kernels once per 64-row tile, so both read the
 // minimum while experts have <= 8 rows; the decode kernel streams at HBM speed (FP8: ~55 instructions per
-// 16 weight bytes, independent of the rows, against ~120 available; see gemm/skinny.cuh), the WMMA tiles reached 16-20%
-// of HBM (FP8) there. At 8 rows per expert on average with uniform routing (Poisson(8) rows), 41% of the
-// experts take two passes (~1.4x the bytes, still ahead of the tiled kernel's 31-32% at those sizes);
-// beyond that the passes grow and the tiles take over. Activation rows of both products must fit the
-// shared-memory budget (K up to ~57K).
+// 16 weight bytes, independent of the rows, against ~120 available; see gemm/skinny.cuh), the WMMA tiles
+// reached 16-20% of HBM (FP8) there. At 8 rows per expert on average with uniform routing (Poisson(8)
+// rows), 41% of the experts have two tiles, whose CTAs run side by side so that the second read can come
+// from the L2 (dec:: above); beyond that the tiles of 8 multiply and the 64-row tiles take over. Activation rows
+// of both products must fit the shared-memory budget (K up to ~57K).
 bool use_decode(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden, int64_t inter) {
   const int64_t pairs = tokens * top_k;
   return pairs <= skinny::MAX_ROWS * num_experts && pairs <= (int64_t(1) << 30) &&
@@ -1018,6 +1026,17 @@ void launch_decode(const char* what, Job job, int64_t slots, int64_t groups, int
   const dim3 grid(unsigned(slots), unsigned((groups + plan.warps - 1) / plan.warps));
   SPARROW_CHECK(slots <= 0x7fffffff && grid.y <= 65535, what, ": decode grid too large");
   skinny::launch<Job, FP8>(job, grid, plan, stream);
+}
+
+// The decode tiles' rows: one pass of both products (the fewer of their plans' rows), so no CTA loops.
+int decode_tile_rows(int64_t tokens, int64_t hidden, int64_t inter, bool fp8) {
+  return std::min(skinny::make_plan(tokens, hidden, fp8).rows, skinny::make_plan(tokens, inter, fp8).rows);
+}
+
+// The decode grid's bound on tiles: a touched expert (at most min(pairs, experts) of them) with c rows has
+// ceil(c / R) <= c / R + 1 tiles, so at most ceil(pairs / R) + touched in all, and never more than pairs.
+int64_t decode_slots(int64_t pairs, int64_t num_experts, int tile_rows) {
+  return std::min(pairs, std::min(pairs, num_experts) + (pairs + tile_rows - 1) / tile_rows);
 }
 
 template <bool GATE_UP, bool FP8>
@@ -1071,19 +1090,18 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
   auto* y = reinterpret_cast<bf16*>(ws + l.y);
 
   const MoePath path = moe_experts_path(tokens, top_k, num_experts, hidden, inter);
+  const int tile_rows = path == MoePath::Decode ? decode_tile_rows(tokens, hidden, inter, FP8) : 0;
   if (path == MoePath::Decode && num_experts <= DECODE_SORT_EXPERTS && pairs <= DECODE_SORT_PAIRS) {
-    decode_sort_kernel<<<1, DECODE_SORT_THREADS, 0, stream>>>(experts, int(pairs), int(num_experts), tiles, num_tiles,
-                                                             sorted_pair, pos_of_pair);
+    decode_sort_kernel<<<1, DECODE_SORT_THREADS, 0, stream>>>(experts, int(pairs), int(num_experts), tile_rows, tiles,
+                                                             num_tiles, sorted_pair, pos_of_pair);
     SPARROW_CUDA_CHECK_LAUNCH();
   } else {
     SPARROW_CUDA_CHECK(cudaMemsetAsync(counts, 0, sizeof(int32_t) * num_experts, stream));
     const int pair_blocks = int(std::min<int64_t>((pairs + 255) / 256, 4096));
     count_kernel<<<pair_blocks, 256, 0, stream>>>(experts, pairs, int(num_experts), counts);
     SPARROW_CUDA_CHECK_LAUNCH();
-    // Decode: tiles of `pairs` rows, i.e. exactly one tile per touched expert (its whole segment; the
-    // decode kernel makes its own passes). Counts never exceed pairs, so no tile is split (use_decode keeps
-    // pairs <= 2^30: no overflow in the schedule's arithmetic).
-    const int bm = path == MoePath::Decode ? int(pairs) : path == MoePath::Wgmma ? wg::BM : BM;
+    // Decode: tiles of one pass (use_decode keeps pairs <= 2^30: no overflow in the schedule's arithmetic).
+    const int bm = path == MoePath::Decode ? tile_rows : path == MoePath::Wgmma ? wg::BM : BM;
     schedule_kernel<<<1, SCHEDULE_THREADS, 0, stream>>>(counts, int(num_experts), bm, cursor, tiles, num_tiles,
                                                         tile_start);
     SPARROW_CUDA_CHECK_LAUNCH();
@@ -1093,8 +1111,7 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
   const bool wide = path == MoePath::Wgmma;
 
   if (path == MoePath::Decode) {
-    // At most min(pairs, experts) experts are touched (l.max_tiles >= that: the tile list fits).
-    const int64_t slots = std::min<int64_t>(pairs, num_experts);
+    const int64_t slots = decode_slots(pairs, num_experts, tile_rows);  // the tile list has room for pairs
     const dec::GateUp<FP8> up{{tiles, num_tiles, sorted_pair, int(top_k), static_cast<const bf16*>(x), hidden,
                                gate_up, gate_up_scales, inter, nullptr, h, 0, 0, glu_kind, alpha, limit}};
     launch_decode<dec::GateUp<FP8>, FP8>(what, up, slots, inter / 8, tokens, stream);
