@@ -20,8 +20,8 @@
 //     for down and dense), up to `rows` of them (<= 8) per pass and only the columns of the CTA's K range,
 //     are staged once per pass into shared memory (bf16, cp.async, issued after the first weight slabs are
 //     requested), row pitch padded so that the fragment reads below are free of bank conflicts; a slice
-//     with more rows loops over passes of `rows` rows (re-reading its weights), so any routing (all tokens
-//     on one expert included) is handled;
+//     with more rows would loop over passes of `rows` rows, re-reading its weights (the MoE schedule cuts
+//     an expert's rows into slices of one pass instead, moe.cu; dense products have at most 8 rows);
 //   - products on the tensor cores, mma.sync m16n8k16 (bf16 in, fp32 accumulators; PTX ISA "Matrix
 //     Fragments for mma.m16n8k16"): A = the 16 weight rows, B = up to 8 activation rows (n = row of the
 //     pass; rows past the pass are zero), C = 16 x 8 fp32. A dot product does not depend on the order of
