@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 
 #include <cmath>
+#include <map>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -104,6 +105,48 @@ TEST(Cli, SeededSamplingIsReproducible) {
 }
 
 // Without a usable GPU (CI), --device cuda is one clear line, whatever the build.
+// bench forward --profile: one part per kind of the stack's pieces (kimi_k3's fixture: KDA and MLA + DSA
+// mixers, a dense MLP and MoE layers), marked as often a step as the config has layers of that kind, in
+// the order first met; the prefill step and each decode step profiled; shares that add up to the whole.
+TEST(Cli, BenchForwardProfilesEachPartOfTheStack) {
+  const fs::path model = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/kimi_k3";
+  const CommandResult r = run("bench forward --model " + model.string() +
+                              " --prompt-tokens 40 --decode-tokens 3 --batch 2 --repeats 1 --profile");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json out = nlohmann::json::parse(r.out);
+  const nlohmann::json config = nlohmann::json::parse(slurp(model / "config.json"));
+  std::map<std::string, double> expected = {{"embedding", 1}, {"final norm", 1}, {"lm_head", 1}};
+  for (const auto& t : config["layer_types"]) expected[t == "linear_attention" ? "mixer kda" : "mixer mla+dsa"] += 1;
+  for (const auto& t : config["mlp_layer_types"]) expected[t == "dense" ? "ffn mlp" : "ffn moe"] += 1;
+  for (const char* phase : {"prefill", "decode"}) {
+    SCOPED_TRACE(phase);
+    const nlohmann::json& p = out["profile"][phase];
+    EXPECT_EQ(p["steps"], std::string(phase) == "prefill" ? 1 : 3);
+    std::map<std::string, double> seen;
+    std::vector<std::string> order;
+    double share = 0, ms = 0;
+    for (const auto& part : p["parts"]) {
+      seen[part["part"]] = part["per_step"].get<double>();
+      order.push_back(part["part"]);
+      share += part["share"].get<double>();
+      ms += part["ms_per_step"].get<double>();
+      EXPECT_GE(part["ms_per_step"].get<double>(), 0.0) << part;
+    }
+    EXPECT_EQ(seen, expected);
+    EXPECT_EQ(order.front(), "embedding");
+    EXPECT_EQ(order.back(), "lm_head");
+    EXPECT_NEAR(share, 1.0, 1e-9);
+    EXPECT_NEAR(ms, p["ms_per_step"].get<double>(), 1e-9);
+    EXPECT_GT(ms, 0.0);
+  }
+  EXPECT_NE(r.err.find("decode step, profiled (3 steps, eager)"), std::string::npos) << r.err;
+  // Without --profile, no profile (and no eager detour).
+  const CommandResult plain = run("bench forward --model " + model.string() +
+                                  " --prompt-tokens 8 --decode-tokens 1 --repeats 1");
+  ASSERT_EQ(plain.status, 0) << plain.err;
+  EXPECT_FALSE(nlohmann::json::parse(plain.out).contains("profile"));
+}
+
 TEST(Cli, DeviceCudaWithoutAGpuIsOneLine) {
 #if SPARROW_HAVE_CUDA
   int count = 0;

@@ -1,6 +1,7 @@
-// sparrow bench forward --model DIR [--prompt-tokens N] [--decode-tokens N] [--batch B] [--repeats R]
+// sparrow bench forward --model DIR [--prompt-tokens N] [--decode-tokens N] [--batch B] [--repeats R] [--profile]
 //   Times prefill (B sequences of N random tokens in one batch) and decode (B sequences, one token per
-//   step against their caches); prints tokens/s as one JSON line per measurement.
+//   step against their caches); prints tokens/s as one JSON line per measurement; --profile adds where a
+//   step's time goes, part by part (model/step_profile.h).
 // sparrow bench kernels [--filter NAME] [--quick] [--iterations N] [--json FILE]
 //   Times each GPU kernel at the real models' shapes (kernels/cuda/kernel_bench.h) and prints time,
 //   bytes and FLOPs counted by hand, TB/s, TFLOP/s and the fraction of the H200's limit; bench/kernels.sh
@@ -33,6 +34,7 @@
 #include "core/parallel.h"
 #include "kernels/ops.h"
 #include "model/model.h"
+#include "model/step_profile.h"
 
 #if SPARROW_HAVE_CUDA
 #include "kernels/cuda/kernel_bench.h"
@@ -276,6 +278,29 @@ void add_bench_roofline(CLI::App* parent) {
   });
 }
 
+// A step profile as JSON: per part, its marks per step (layers of that kind), ms per step and share.
+nlohmann::json profile_json(const StepProfile& p) {
+  nlohmann::json parts = nlohmann::json::array();
+  const double steps = double(std::max<int64_t>(p.steps(), 1)), total = p.seconds();
+  for (const StepProfile::Part& part : p.parts())
+    parts.push_back({{"part", part.name},
+                     {"per_step", double(part.count) / steps},
+                     {"ms_per_step", 1e3 * part.seconds / steps},
+                     {"share", total > 0 ? part.seconds / total : 0.0}});
+  return {{"steps", p.steps()}, {"ms_per_step", 1e3 * total / steps}, {"parts", parts}};
+}
+
+// The same as a table on stderr (stdout keeps one JSON line per run).
+void print_profile(const char* title, const StepProfile& p) {
+  const double steps = double(std::max<int64_t>(p.steps(), 1)), total = p.seconds();
+  std::fprintf(stderr, "%s, profiled (%lld steps, eager): %.3f ms a step\n", title, (long long)p.steps(),
+               1e3 * total / steps);
+  std::fprintf(stderr, "  %-22s %8s %12s %7s\n", "part", "x/step", "ms/step", "share");
+  for (const StepProfile::Part& part : p.parts())
+    std::fprintf(stderr, "  %-22s %8.0f %12.3f %6.1f%%\n", part.name.c_str(), double(part.count) / steps,
+                 1e3 * part.seconds / steps, total > 0 ? 100 * part.seconds / total : 0.0);
+}
+
 }  // namespace
 
 void add_bench(CLI::App& app) {
@@ -283,11 +308,15 @@ void add_bench(CLI::App& app) {
   auto* sub = bench->add_subcommand("forward", "Prefill and decode throughput of a model on this machine");
   static std::string model_dir, device = "cpu";
   static int64_t prompt_tokens = 128, decode_tokens = 32, batch = 1, repeats = 3;
+  static bool profile = false;
   sub->add_option("--model", model_dir, "Hugging Face model folder")->required();
   sub->add_option("--prompt-tokens", prompt_tokens, "prompt length per sequence");
   sub->add_option("--decode-tokens", decode_tokens, "decode steps");
   sub->add_option("--batch", batch, "sequences per batch");
   sub->add_option("--repeats", repeats, "repetitions (the best is reported)");
+  sub->add_flag("--profile", profile,
+                "after the timed repeats, one more with every step timed part by part (eagerly: embedding, each "
+                "mixer and feed-forward kind, lm_head), reported beside the totals");
   add_device_option(sub, device);
   on_selected(sub, [] {
     SPARROW_CHECK(prompt_tokens > 0 && decode_tokens >= 0 && batch > 0 && repeats > 0, "bench: sizes must be positive");
@@ -302,8 +331,10 @@ void add_bench(CLI::App& app) {
       const std::vector<TokenDraw> greedy(size_t(logits.dim(0)), TokenDraw{0.0f});
       return ops::sample_tokens(logits, greedy, {});
     };
-    double best_prefill = 1e30, best_decode = 1e30;
-    for (int64_t r = 0; r < repeats; ++r) {
+    // One repeat: B fresh sequences prefilled in one batch, then the decode steps; the seconds of each
+    // phase. With profiles, the model times its parts into them (model/step_profile.h).
+    StepProfile prefill_profile, decode_profile;
+    auto run_once = [&](bool profiled) {
       std::vector<SequenceState> states(batch);
       std::vector<std::pair<SequenceState*, std::vector<int32_t>>> parts;
       for (auto& s : states) {
@@ -314,9 +345,11 @@ void add_bench(CLI::App& app) {
       }
       Batch prefill = make_batch(parts);
       prefill.all_logits = false;
+      model->step_profile = profiled ? &prefill_profile : nullptr;
       auto t0 = clock::now();
       run_step(prefill);
       auto t1 = clock::now();
+      model->step_profile = profiled ? &decode_profile : nullptr;
       for (int64_t step = 0; step < decode_tokens; ++step) {
         for (auto& p : parts) p.second = {token(rng)};
         Batch decode = make_batch(parts);
@@ -324,9 +357,16 @@ void add_bench(CLI::App& app) {
         run_step(decode);
       }
       auto t2 = clock::now();
-      best_prefill = std::min(best_prefill, std::chrono::duration<double>(t1 - t0).count());
-      best_decode = std::min(best_decode, std::chrono::duration<double>(t2 - t1).count());
+      model->step_profile = nullptr;
+      return std::pair{std::chrono::duration<double>(t1 - t0).count(), std::chrono::duration<double>(t2 - t1).count()};
+    };
+    double best_prefill = 1e30, best_decode = 1e30;
+    for (int64_t r = 0; r < repeats; ++r) {
+      const auto [prefill_s, decode_s] = run_once(false);
+      best_prefill = std::min(best_prefill, prefill_s);
+      best_decode = std::min(best_decode, decode_s);
     }
+    const int64_t replays = model->graph_replays();  // the timed repeats' (the profiled one runs eagerly)
     nlohmann::json out = {{"model", model_dir},
                           {"device", device},
                           {"model_type", model->model_type()},
@@ -337,7 +377,13 @@ void add_bench(CLI::App& app) {
                           {"prefill_tokens_per_s", double(batch * prompt_tokens) / best_prefill},
                           {"decode_tokens_per_s", decode_tokens ? double(batch * decode_tokens) / best_decode : 0.0},
                           {"decode_step_ms", decode_tokens ? 1e3 * best_decode / double(decode_tokens) : 0.0},
-                          {"cuda_graph_replays", model->graph_replays()}};
+                          {"cuda_graph_replays", replays}};
+    if (profile) {
+      run_once(true);
+      out["profile"] = {{"prefill", profile_json(prefill_profile)}, {"decode", profile_json(decode_profile)}};
+      print_profile("prefill step", prefill_profile);
+      if (decode_tokens) print_profile("decode step", decode_profile);
+    }
     std::printf("%s\n", out.dump().c_str());
   });
   add_bench_kernels(bench);

@@ -514,4 +514,28 @@ std::vector<int32_t> sample_tokens(const Tensor& logits, std::span<const TokenDr
 #endif
 }
 
+TimeMark TimeMark::now(Device device) {
+  TimeMark mark;
+  if (device == Device::Cpu) {
+    mark.cpu_ = std::chrono::steady_clock::now();
+    return mark;
+  }
+#if SPARROW_HAVE_CUDA
+  mark.event_ = std::shared_ptr<void>(cuda::record_event(), [](void* e) { cuda::destroy_event(cudaEvent_t(e)); });
+  return mark;
+#else
+  no_cuda();
+#endif
+}
+
+double seconds_between(const TimeMark& from, const TimeMark& to) {
+  SPARROW_CHECK(bool(from.event_) == bool(to.event_), "seconds_between: marks of two devices");
+  if (!to.event_) return std::chrono::duration<double>(to.cpu_ - from.cpu_).count();
+#if SPARROW_HAVE_CUDA
+  return 1e-3 * double(cuda::elapsed_ms(cudaEvent_t(from.event_.get()), cudaEvent_t(to.event_.get())));
+#else
+  no_cuda();
+#endif
+}
+
 }  // namespace sparrow::ops

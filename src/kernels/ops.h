@@ -7,7 +7,9 @@
 // inside each kernel; weights are bfloat16, norm weights and biases fp32. `act_type(device)` is the
 // activation type a device uses.
 #pragma once
+#include <chrono>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -93,5 +95,18 @@ Tensor moe_experts(const Tensor& x, const DeviceRouting& routing, const Tensor& 
 // Returns the tokens on the host; from a GPU only the ids cross.
 std::vector<int32_t> sample_tokens(const Tensor& logits, std::span<const TokenDraw> draws,
                                    std::span<const LogitAdjustment> adjustments);
+
+// A point on a device's timeline, for profiling (model/step_profile.h): on the CPU, whose ops return when
+// their work is done, the clock; on a GPU an event recorded after the work queued so far.
+class TimeMark {
+ public:
+  static TimeMark now(Device device);
+  // Seconds from `from` to `to` (on a GPU it waits for `to`).
+  friend double seconds_between(const TimeMark& from, const TimeMark& to);
+
+ private:
+  std::chrono::steady_clock::time_point cpu_{};
+  std::shared_ptr<void> event_;  // CUDA: the event, destroyed with the last copy
+};
 
 }  // namespace sparrow::ops

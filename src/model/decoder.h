@@ -27,12 +27,15 @@ class Mixer {
   virtual Tensor forward(const Tensor& x, const Batch& batch, int layer) = 0;
   // What forward() caches per token and per sequence.
   virtual LayerCacheSpec cache_spec() const = 0;
+  // Its kind, for step profiles ("mla+dsa", "gqa+msa", "kda", ...).
+  virtual std::string name() const = 0;
 };
 
 class FeedForward {
  public:
   virtual ~FeedForward() = default;
   virtual Tensor forward(const Tensor& x) const = 0;  // [T, hidden] -> [T, hidden]
+  virtual std::string name() const = 0;                // its kind, for step profiles: "mlp", "moe"
 };
 
 struct DecoderLayer {

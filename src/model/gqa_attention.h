@@ -41,6 +41,7 @@ class GqaAttention : public Mixer {
 
   Tensor forward(const Tensor& x, const Batch& batch, int layer) override;
   LayerCacheSpec cache_spec() const override;
+  std::string name() const override { return indexer ? "gqa+msa" : "gqa"; }
   // The cache of a layer with these dimensions; index_head_dim 0 = no MSA indexer.
   static LayerCacheSpec cache_spec_for(int64_t kv_heads, int64_t head_dim, int64_t index_head_dim);
 

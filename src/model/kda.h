@@ -84,6 +84,7 @@ class KdaMixer : public Mixer {
 
   Tensor forward(const Tensor& x, const Batch& batch, int layer) override;
   LayerCacheSpec cache_spec() const override { return cache_spec_for(config_); }
+  std::string name() const override { return "kda"; }
   static LayerCacheSpec cache_spec_for(const KdaConfig& config);
 
  private:

@@ -71,6 +71,7 @@ class MlaMixer : public Mixer {
 
   Tensor forward(const Tensor& x, const Batch& batch, int layer) override;
   LayerCacheSpec cache_spec() const override;
+  std::string name() const override { return indexer_ ? "mla+dsa" : "mla"; }
   // The cache of an MLA layer with these options, with a DSA indexer when `index` is not null.
   static LayerCacheSpec cache_spec_for(const MlaOptions& options, const DsaIndexerOptions* index);
 

@@ -57,6 +57,7 @@ struct Batch {
 Batch make_batch(const std::vector<std::pair<SequenceState*, std::vector<int32_t>>>& parts);
 
 class KvCache;
+class StepProfile;
 
 class Model {
  public:
@@ -83,6 +84,8 @@ class Model {
 
   // vLLM's --enforce-eager: no CUDA graphs (decode steps launch their kernels one by one).
   bool enforce_eager = false;
+  // When set, each forward step is timed part by part into it, eagerly (model/step_profile.h).
+  StepProfile* step_profile = nullptr;
   // Decode steps run by replaying a CUDA graph so far (model/decode_graphs.h).
   virtual int64_t graph_replays() const { return 0; }
 

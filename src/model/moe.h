@@ -42,6 +42,7 @@ struct DenseMlp : FeedForward {
   static DenseMlp load(Checkpoint& ckpt, const std::string& prefix, int64_t hidden, int64_t intermediate,
                        Activation act);
   Tensor forward(const Tensor& x) const override;  // [T, H] -> [T, H]
+  std::string name() const override { return "mlp"; }
 };
 
 struct Routing {
@@ -85,6 +86,7 @@ struct MoeBlock : FeedForward {
   Activation act;
 
   Tensor forward(const Tensor& x) const override;  // routed experts (weighted) + shared experts
+  std::string name() const override { return "moe"; }
 };
 
 // Applies the routed experts: out[t] = sum_j weights[t, j] * expert_{experts[t, j]}(x[t]).

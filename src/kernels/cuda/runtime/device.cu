@@ -202,4 +202,22 @@ void zero_device(void* dst, size_t bytes) {
 
 void synchronize() { SPARROW_CUDA_CHECK(cudaStreamSynchronize(stream())); }
 
+cudaEvent_t record_event() {
+  cudaEvent_t event = nullptr;
+  SPARROW_CUDA_CHECK(cudaEventCreate(&event));
+  SPARROW_CUDA_CHECK(cudaEventRecord(event, stream()));
+  return event;
+}
+
+float elapsed_ms(cudaEvent_t from, cudaEvent_t to) {
+  SPARROW_CUDA_CHECK(cudaEventSynchronize(to));
+  float ms = 0;
+  SPARROW_CUDA_CHECK(cudaEventElapsedTime(&ms, from, to));
+  return ms;
+}
+
+void destroy_event(cudaEvent_t event) {
+  if (event) cudaEventDestroy(event);  // a release: nothing to report if the context is already gone
+}
+
 }  // namespace sparrow::cuda

@@ -32,4 +32,10 @@ void copy_device(void* dst, const void* src, size_t bytes);
 void zero_device(void* dst, size_t bytes);
 void synchronize();
 
+// Timing marks on stream() (profiling): an event recorded after the work queued so far; the milliseconds
+// between two of them (waits for the later one); and its release.
+cudaEvent_t record_event();
+float elapsed_ms(cudaEvent_t from, cudaEvent_t to);
+void destroy_event(cudaEvent_t event);
+
 }  // namespace sparrow::cuda
