@@ -87,4 +87,7 @@ for model in "$FIXTURE" tests/fixtures/minimax_m3 tests/fixtures/kimi_k3_gpu; do
     done
   done
 done
+# Where a step's time goes (the decoder's marks as events on the stream; docs/bench.md).
+"$BIN/sparrow" bench forward --device cuda --model tests/fixtures/kimi_k3_gpu --prompt-tokens 256 --decode-tokens 16 \
+  --batch 8 --repeats 1 --profile || status=1
 exit $status

@@ -6,7 +6,9 @@
 #include <cstdio>
 #include <limits>
 
+#include "core/error.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/ops.h"
 #include "kernels/cuda/gemm/gemm.h"
 #include "kernels/cuda/runtime/cuda_check.h"
 #include "kernels/cuda/runtime/device.h"
@@ -72,6 +74,27 @@ TEST(CudaRuntime, CopiesRoundTrip) {
   }
   cuda::copy_to_device(nullptr, nullptr, 0);  // empty copies are no-ops
   cuda::synchronize();
+}
+
+// Timing marks on the stream (ops::TimeMark, what bench forward --profile reads): the time between two
+// marks is the device's time for the work between them, so 1 GiB of copies between marks takes longer than
+// nothing between them, and at most the host's wall time around both (the marks wait for the work).
+TEST(CudaRuntime, TimeMarksMeasureTheStreamsWork) {
+  SPARROW_REQUIRE_GPU();
+  const size_t bytes = size_t(1) << 30;
+  DeviceBuffer a(bytes), b(bytes);
+  const ops::TimeMark empty_from = ops::TimeMark::now(Device::Cuda);
+  const ops::TimeMark empty_to = ops::TimeMark::now(Device::Cuda);
+  const auto wall0 = std::chrono::steady_clock::now();
+  const ops::TimeMark from = ops::TimeMark::now(Device::Cuda);
+  for (int i = 0; i < 4; ++i) cuda::copy_device(b.get(), a.get(), bytes);
+  const ops::TimeMark to = ops::TimeMark::now(Device::Cuda);
+  const double seconds = seconds_between(from, to);  // waits for the copies
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
+  EXPECT_GT(seconds, 8.0 * double(bytes) / 5e12);  // 4 copies read and write 8 GiB: > 1.7 ms at 5 TB/s
+  EXPECT_LE(seconds, wall);
+  EXPECT_LT(seconds_between(empty_from, empty_to), seconds / 100);
+  EXPECT_THROW(seconds_between(from, ops::TimeMark::now(Device::Cpu)), Error);  // marks of two devices
 }
 
 // ---- GEMM -----------------------------------------------------------------------------------------
