@@ -57,6 +57,31 @@ TEST(CudaRuntime, PoolReusesBlocksAndCountsBytes) {
   cuda::device_free(zero);
 }
 
+// The pool's size classes (no device needed): small and step-sized requests round up by at most 25%,
+// so a step's scratch finds its blocks again; from 1 GiB on (weights, caches) only to the driver's 2 MiB.
+TEST(CudaPool, SizeClassesWasteLittleOnLargeBlocks) {
+  EXPECT_EQ(cuda::pool_size_class(0), 256u);
+  EXPECT_EQ(cuda::pool_size_class(1000), 1024u);
+  EXPECT_EQ(cuda::pool_size_class(size_t(64) << 10), size_t(64) << 10);
+  EXPECT_EQ(cuda::pool_size_class((size_t(64) << 10) + 1), size_t(80) << 10);  // 1.25 x 64 KiB
+  EXPECT_EQ(cuda::pool_size_class(size_t(300) << 20), size_t(320) << 20);      // 1.25 x 256 MiB
+  for (size_t bytes = 100; bytes < (size_t(1) << 30); bytes = bytes * 3 / 2 + 7) {
+    const size_t cls = cuda::pool_size_class(bytes);
+    EXPECT_GE(cls, bytes);
+    EXPECT_LE(double(cls), std::max(1.25 * double(bytes), double(bytes) + 255)) << bytes;
+  }
+  // Kimi-Linear-48B's expert stacks [256, 2048, 2304] and [256, 2304, 1024] in bf16, and its recurrent
+  // state for 512 sequences: 2 MiB multiples, never a 25% class (2.68 / 1.34 / 25.8 GB).
+  const size_t gate_up = size_t(256) * 2048 * 2304 * 2, down = size_t(256) * 2304 * 1024 * 2;
+  const size_t state = size_t(512) * 44892160;
+  for (size_t bytes : {gate_up, down, state, size_t(1) << 30}) {
+    const size_t cls = cuda::pool_size_class(bytes);
+    EXPECT_EQ(cls % (size_t(2) << 20), 0u) << bytes;
+    EXPECT_GE(cls, bytes);
+    EXPECT_LT(cls - bytes, size_t(2) << 20) << bytes;
+  }
+}
+
 TEST(CudaRuntime, CopiesRoundTrip) {
   SPARROW_REQUIRE_GPU();
   const uint64_t seed = test::fresh_seed();

@@ -5,6 +5,10 @@
 //     of two (2^k, 1.25·2^k, 1.5·2^k, 1.75·2^k), so a reused block wastes at most 25% and a decode step
 //     that asks for the same sizes every step finds them all in the free lists (no cudaMalloc once warm,
 //     which also keeps addresses stable for CUDA graph replay).
+//   * From 1 GiB on, a block is rounded to 2 MiB (the driver's own granularity) instead: blocks that large
+//     are weights (a layer's stacked experts), the KV cache and the recurrent state, allocated once and
+//     kept, where up to 25% is gigabytes (Kimi-Linear-48B's 26 expert stacks of 2.4 + 1.2 GB lost 10.5 GB
+//     to the classes, and its sweep ran out of memory mid-run, 2026-11-30). A step's scratch stays below.
 //   * Freed blocks are handed out again at once. That is safe because all engine work is ordered on the
 //     one stream(): a block freed by the host after enqueuing its last use is only reused by work enqueued
 //     later on the same stream. Work on other streams must not free into the pool while still running.
@@ -46,14 +50,19 @@ Pool& pool() {
   return *p;
 }
 
-size_t size_class(size_t bytes) {
+}  // namespace
+
+size_t pool_size_class(size_t bytes) {
   if (bytes == 0) bytes = 1;
-  constexpr size_t kSmall = size_t(64) << 10;
+  constexpr size_t kSmall = size_t(64) << 10, kLarge = size_t(1) << 30, kDriverGranule = size_t(2) << 20;
   if (bytes <= kSmall) return (bytes + 255) / 256 * 256;
+  if (bytes >= kLarge) return (bytes + kDriverGranule - 1) / kDriverGranule * kDriverGranule;
   size_t pow2 = size_t(1) << (63 - __builtin_clzll(bytes));  // largest power of two <= bytes
   size_t step = pow2 / 4;
   return (bytes + step - 1) / step * step;
 }
+
+namespace {
 
 void release_locked(Pool& p) {
   for (auto& [cls, blocks] : p.free_blocks)
@@ -100,7 +109,7 @@ cudaStream_t stream() {
 }
 
 void* device_alloc(size_t bytes) {
-  const size_t cls = size_class(bytes);
+  const size_t cls = pool_size_class(bytes);
   Pool& p = pool();
   std::lock_guard<std::mutex> lock(p.mu);
   auto& free_lists = p.capturing ? p.free_graph_blocks : p.free_blocks;

@@ -18,6 +18,7 @@ cudaStream_t stream();              // the engine's stream (created on first use
 void* device_alloc(size_t bytes);   // from the pool; 256-byte aligned; throws on out-of-memory
 void device_free(void* p);          // back to the pool (nullptr is ignored)
 size_t device_bytes_in_use();       // for tests and the memory planner
+size_t pool_size_class(size_t bytes);  // the bytes a request of `bytes` takes from the pool (device.cu says why)
 void release_cached_memory();       // return pooled blocks to the driver (the graph pool's stay)
 
 // Between these, device_alloc serves from the CUDA graphs' own pool (device.cu says why); its blocks
