@@ -28,8 +28,9 @@
 # HF_CONCURRENCIES (default 1,2,4,8,16: static batches of a 60 GB bf16 model soon run out of memory and time),
 # HF_PROMPTS_PER_CONCURRENCY (default 1: one batch per point), HF_ARGS (more hf_serve_peer.py run flags),
 # VLLM (the command that runs vLLM's CLI, default vllm; e.g. "python3 -m vllm.entrypoints.cli.main" where vLLM
-# is installed without its scripts), PEER_ROUTING (vLLM's VLLM_MOE_ROUTING_SIMULATION_STRATEGY, default
-# uniform_random; "dummy": the routing vLLM's dummy weights make, see ROUTING below), PEER_WARM_PASS (0: no
+# is installed without its scripts), MOE_ROUTING (uniform_random, the default: both engines draw each token's
+# experts uniformly, sparrow with --moe-routing-simulation and vLLM with VLLM_MOE_ROUTING_SIMULATION_STRATEGY;
+# own: each engine routes as its dummy weights make it; see ROUTING below), PEER_WARM_PASS (0: no
 # untimed warm pass of vLLM before its sweep, see
 # WARM_PASS below), SPARROW_SWEEP (0: skip sparrow's sweep, to run the peers of a shape in a
 # call of their own), LAUNCH_TIMEOUT (s, default 1800), PEER_PORT (vLLM's port, default 8100; the HF peer's
@@ -79,18 +80,24 @@ else
   WARM_PASS+=(--sessions-per-concurrency 1 --agentic-turns 2)
 fi
 
-# vLLM's MoE routing. Its --load-format dummy draws every float parameter uniform in [-1e-3, 1e-3] from a
-# seed that depends only on the parameter's size (vllm/model_executor/model_loader/weight_utils.py,
-# initialize_dummy_weights): the norm before the router, the router and its e_score_correction_bias alike,
-# the same values in every layer. The router's scores then vary by ~1e-5 from token to token while the bias
-# spreads the experts by ~1e-3, so the bias picks nearly the same experts for every token: ~5 of
-# MiniMax-M3's 128 and ~10 of Kimi's or DeepSeek's 256 at any batch, where a real model touches 51 / 102 at
-# batch 16 (bench/peers/vllm/dummy_routing.py). Measured so, vLLM reads a fraction of the expert bytes a
-# real model would (its Kimi-Linear-48B TPOT at c = 16 was half the roofline's, 2026-11-30). vLLM's routing
-# simulation draws top_k experts per token uniformly instead, as the roofline assumes and as sparrow's
-# dummy weights route (a real initialisation's scale: docs/bench.md, "Dummy weights").
-ROUTING="${PEER_ROUTING:-uniform_random}"
-[[ "$ROUTING" == dummy ]] && ROUTING=""
+# MoE routing, the same for both engines. vLLM's --load-format dummy draws every float parameter uniform in
+# [-1e-3, 1e-3] from a seed that depends only on the parameter's size
+# (vllm/model_executor/model_loader/weight_utils.py, initialize_dummy_weights): the norm before the router,
+# the router and its e_score_correction_bias alike, the same values in every layer. The router's scores then
+# vary by ~1e-5 from token to token while the bias spreads the experts by ~1e-3, so the bias picks nearly the
+# same experts for every token: ~5 of MiniMax-M3's 128 and ~10 of Kimi's or DeepSeek's 256 at any batch,
+# where a real model touches 51 / 102 at batch 16 (bench/peers/vllm/dummy_routing.py). Measured so, vLLM
+# reads a fraction of the expert bytes a real model would (its Kimi-Linear-48B TPOT at c = 16 was half the
+# roofline's, 2026-11-30). With uniform_random both engines draw top_k distinct experts per token uniformly
+# (vLLM: torch.randint; sparrow: a hash of the token's hidden state, kernels/uniform_routing.h), which is
+# what the roofline assumes; sparrow's own dummy routing is a real initialisation's (docs/bench.md).
+case "${MOE_ROUTING:-uniform_random}" in
+  uniform_random) ROUTING=uniform_random ;;
+  own) ROUTING="" ;;
+  *) echo "MOE_ROUTING must be uniform_random or own, not '${MOE_ROUTING}'" >&2; exit 2 ;;
+esac
+SPARROW_ROUTING=()
+[[ -n "$ROUTING" ]] && SPARROW_ROUTING=(--moe-routing-simulation "$ROUTING")
 
 for shape in "${SHAPES[@]}"; do
   config="bench/shapes/serve/$shape.json"
@@ -119,7 +126,7 @@ for shape in "${SHAPES[@]}"; do
   if [[ "${SPARROW_SWEEP:-1}" != 0 ]]; then
   echo "== sparrow: $shape" | tee -a "$LOG" >&2
   "$SPARROW" bench sweep "${WORKLOAD[@]}" --tokenizer "$model" --label sparrow --kv-cache-dtype "$kv_dtype" \
-      --launch "$model --load-format dummy --device $DEVICE --max-model-len $MAX_MODEL_LEN --max-num-seqs 256 --max-num-batched-tokens $MAX_NUM_BATCHED_TOKENS --kv-cache-memory $kv_memory --kv-cache-dtype $kv_dtype ${SERVE_ARGS:-}" \
+      --launch "$model --load-format dummy ${SPARROW_ROUTING[*]} --device $DEVICE --max-model-len $MAX_MODEL_LEN --max-num-seqs 256 --max-num-batched-tokens $MAX_NUM_BATCHED_TOKENS --kv-cache-memory $kv_memory --kv-cache-dtype $kv_dtype ${SERVE_ARGS:-}" \
       --launch-timeout "$LAUNCH_TIMEOUT" --output "$OUT/$shape/sweep-sparrow.json" >> "$LOG" 2>&1 \
     || { echo "sparrow sweep of $shape failed (see $shape/sweep.log)" >&2; status=1; }
   fi
@@ -130,7 +137,7 @@ for shape in "${SHAPES[@]}"; do
     read -ra vllm_cmd <<< "${VLLM:-vllm}"
     if command -v "${vllm_cmd[0]}" >/dev/null; then
       # The same folder, dummy weights, the same workload, sparrow's client (vLLM's metric definitions).
-      echo "vllm routing: ${ROUTING:-as its dummy weights make it} (VLLM_MOE_ROUTING_SIMULATION_STRATEGY)" | tee -a "$LOG" >&2
+      echo "vllm routing: ${ROUTING:-as its dummy weights make it} (VLLM_MOE_ROUTING_SIMULATION_STRATEGY)" >> "$LOG"
       VLLM_MOE_ROUTING_SIMULATION_STRATEGY="$ROUTING" "${vllm_cmd[@]}" serve "$model" --load-format dummy --port "$PEER_PORT" --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 256 \
           --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" \
           --trust-remote-code "${shape_vllm[@]}" ${VLLM_ARGS:-} >> "$OUT/$shape/vllm-server.log" 2>&1 &

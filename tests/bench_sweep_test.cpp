@@ -165,6 +165,25 @@ TEST_P(DummyFamilies, RooflineCountsEveryTensorTheModelTakes) {
   EXPECT_EQ(cost.mixers.size(), size_t(model->num_layers()));
 }
 
+// --moe-routing-simulation uniform_random reaches every family's MoE layers (their logits change, and
+// stay deterministic), and nothing else: a model without simulation is unchanged by the option's absence.
+TEST_P(DummyFamilies, RoutingSimulationReachesTheMoeLayers) {
+  TempDir dir;
+  const std::string path = config_only(dir, GetParam());
+  LoadOptions options;
+  options.load_format = "dummy";
+  auto own = load_model(path, Device::Cpu, options);
+  options.moe_routing_simulation = "uniform_random";
+  auto a = load_model(path, Device::Cpu, options);
+  auto b = load_model(path, Device::Cpu, options);
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 24; ++i) prompt.push_back(int32_t((i * 37 + 5) % std::min<int64_t>(a->vocab_size(), 200)));
+  const Tensor lo = logits_of(*own, prompt), la = logits_of(*a, prompt), lb = logits_of(*b, prompt);
+  const auto values = [](const Tensor& t) { return std::vector<float>(t.data(), t.data() + t.numel()); };
+  EXPECT_EQ(values(la), values(lb));
+  EXPECT_NE(values(la), values(lo)) << GetParam() << ": the simulation did not reach a MoE layer";
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, DummyFamilies,
                          ::testing::Values("deepseek_v32", "kimi_linear", "kimi_k3", "minimax_m3", "minimax_m3_vl"));
 
@@ -179,6 +198,9 @@ TEST(DummyWeights, LoadFormatFlagValues) {
   TempDir empty;
   options.load_format = "dummy";
   EXPECT_TRUE(mentions(error_message([&] { load_model(empty.path(), Device::Cpu, options); }), {"config.json"}));
+  options.moe_routing_simulation = "uniform";  // vLLM's name is uniform_random
+  EXPECT_TRUE(mentions(error_message([&] { load_model(path, Device::Cpu, options); }),
+                       {"--moe-routing-simulation", "uniform_random", "'uniform'"}));
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <random>
+#include <set>
 
 #include "kernels/cpu/ops.h"
+#include "kernels/uniform_routing.h"
 #include "model/moe.h"
 
 using namespace sparrow;
@@ -76,4 +79,72 @@ TEST(MoeActivation, ClampedSwiglu) {
   a.apply(gate, up, out, 2);
   EXPECT_NEAR(out[0], (-7.0f + 1.0f) * 7.0f * sig(7.0f * 1.702f), 1e-5);
   EXPECT_NEAR(out[1], (0.5f + 1.0f) * -1.0f * sig(-1.702f), 1e-6);
+}
+
+// The simulated routing of benchmarks (kernels/uniform_routing.h): distinct experts in range, each expert
+// drawn equally often, and a batch touching E (1 - (1 - k/E)^B) experts as the roofline assumes.
+TEST(UniformRouting, DrawsDistinctExpertsUniformly) {
+  struct Case { int64_t experts, top_k, batch; };
+  for (const Case& c : {Case{128, 4, 16}, Case{256, 8, 16}, Case{256, 8, 64}, Case{8, 8, 4}}) {
+    SCOPED_TRACE(testing::Message() << c.experts << " experts, top " << c.top_k << ", batch " << c.batch);
+    std::vector<int64_t> hits(c.experts, 0);
+    double distinct_sum = 0;
+    const int batches = 400;
+    uint64_t key = 1;
+    for (int b = 0; b < batches; ++b) {
+      std::set<int32_t> touched;
+      for (int64_t t = 0; t < c.batch; ++t) {
+        std::vector<int32_t> chosen(c.top_k);
+        uniform_routing::draw_experts(uniform_routing::mix64(key++), c.experts, c.top_k, chosen.data());
+        std::set<int32_t> mine(chosen.begin(), chosen.end());
+        ASSERT_EQ(int64_t(mine.size()), c.top_k) << "a token got the same expert twice";
+        for (int32_t e : chosen) {
+          ASSERT_GE(e, 0);
+          ASSERT_LT(e, c.experts);
+          ++hits[e];
+          touched.insert(e);
+        }
+      }
+      distinct_sum += double(touched.size());
+    }
+    const double expected = c.experts * (1 - std::pow(1 - double(c.top_k) / c.experts, c.batch));
+    EXPECT_NEAR(distinct_sum / batches, expected, 0.02 * expected);
+    const double mean_hits = double(batches * c.batch * c.top_k) / c.experts;
+    for (int64_t e = 0; e < c.experts; ++e) EXPECT_NEAR(double(hits[e]), mean_hits, 0.25 * mean_hits) << "expert " << e;
+  }
+}
+
+// --moe-routing-simulation uniform_random on the CPU router: a router whose bias sends every token to the
+// same experts (as vLLM's dummy weights do, bench/peers/vllm/dummy_routing.py) spreads them instead; the
+// draw is keyed by the token's bf16 hidden state and the layer's salt, so it repeats, does not depend on
+// the batch, and differs between layers.
+TEST(MoeRouter, SimulatedUniformRoutingReplacesTheChoice) {
+  const int64_t hidden = 96, experts = 128, tokens = 64;
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1, 1);
+  SigmoidRouter r;
+  r.weight = Tensor::empty({experts, hidden});
+  for (int64_t i = 0; i < r.weight.numel(); ++i) r.weight.data()[i] = 1e-3f * u(rng);
+  r.bias = Tensor::zeros({experts});
+  for (int64_t e = 0; e < 4; ++e) r.bias.data()[e] = 1.0f;  // experts 0-3 win every token
+  r.top_k = 4;
+  r.routed_scaling_factor = 2.0f;
+  Tensor x = Tensor::empty({tokens, hidden});
+  for (int64_t i = 0; i < x.numel(); ++i) x.data()[i] = u(rng);
+
+  const Routing own = r.route(x);
+  EXPECT_EQ(std::set<int32_t>(own.experts.begin(), own.experts.end()), (std::set<int32_t>{0, 1, 2, 3}));
+
+  r.simulate_uniform = true;
+  r.simulation_salt = 5;
+  const Routing sim = r.route(x);
+  const std::set<int32_t> touched(sim.experts.begin(), sim.experts.end());
+  EXPECT_GT(int64_t(touched.size()), 80);  // uniform: 111 expected of 128 for 64 tokens x 4; the bias: 4
+  for (float w : sim.weights) EXPECT_FLOAT_EQ(w, 2.0f / 4);
+  EXPECT_EQ(r.route(x).experts, sim.experts);  // the same tokens, the same experts
+  // One token alone gets what it got in the batch.
+  const Routing third = r.route(Tensor::view(x.row(3), {1, hidden}));
+  EXPECT_EQ(third.experts, std::vector<int32_t>(sim.experts.begin() + 12, sim.experts.begin() + 16));
+  r.simulation_salt = 6;  // another layer
+  EXPECT_NE(r.route(x).experts, sim.experts);
 }

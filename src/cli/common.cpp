@@ -18,6 +18,7 @@ std::vector<std::pair<CLI::App*, std::function<void()>>>& actions() {
 namespace {
 bool enforce_eager = false;  // one command runs per process
 std::string load_format = "auto";
+std::string moe_routing_simulation;
 }  // namespace
 
 void add_device_option(CLI::App* sub, std::string& device) {
@@ -28,11 +29,15 @@ void add_device_option(CLI::App* sub, std::string& device) {
                   "auto or safetensors: the folder's weights; dummy: random weights from config.json alone "
                   "(benchmarks at real dimensions, docs/bench.md)")
       ->capture_default_str();
+  sub->add_option("--moe-routing-simulation", moe_routing_simulation,
+                  "uniform_random: route each token to uniformly drawn experts, as the roofline assumes (benchmarks "
+                  "only: outputs are no longer the model's; vLLM's VLLM_MOE_ROUTING_SIMULATION_STRATEGY)");
 }
 
 std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device) {
   LoadOptions options;
   options.load_format = load_format;
+  options.moe_routing_simulation = moe_routing_simulation;
   std::unique_ptr<Model> model = load_model(dir, parse_device(device), options);
   model->enforce_eager = enforce_eager;
   return model;

@@ -435,6 +435,20 @@ DeviceRouting route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, in
 #endif
 }
 
+void simulate_uniform_routing(const Tensor& x, DeviceRouting& routing, int64_t num_experts, uint32_t salt,
+                              float weight) {
+  SPARROW_CHECK(!x.on_cpu(), "simulate_uniform_routing is the GPU path (the CPU's is in SigmoidRouter::route)");
+#if SPARROW_HAVE_CUDA
+  SPARROW_CHECK(x.type() == ScalarType::BF16 && x.ndim() == 2 && routing.experts.dim(0) == x.dim(0),
+                "simulated routing takes the bf16 [tokens, hidden] activations the routing is for");
+  cuda::simulate_uniform_routing(x.raw(), x.dim(0), x.dim(1), num_experts, routing.experts.dim(1), salt, weight,
+                                 routing.experts.as<int32_t>(), routing.weights.as<float>(), cuda::stream());
+#else
+  (void)routing, (void)num_experts, (void)salt, (void)weight;
+  no_cuda();
+#endif
+}
+
 Tensor moe_experts(const Tensor& x, const DeviceRouting& routing, const Tensor& gate_up, const Tensor& down, Glu kind,
                    float alpha, float limit) {
   SPARROW_CHECK(!x.on_cpu(), "moe_experts is the GPU path (the CPU's is run_experts)");

@@ -86,6 +86,10 @@ struct DeviceRouting {
 };
 DeviceRouting route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, int64_t n_group, int64_t topk_group,
                                     int64_t top_k, bool normalize, float normalize_eps, float scaling);
+// Benchmarks' simulated routing (kernels/uniform_routing.h): overwrites `routing` with top_k distinct
+// uniform experts per token, keyed by x's bf16 rows and `salt`, each weighted `weight`.
+void simulate_uniform_routing(const Tensor& x, DeviceRouting& routing, int64_t num_experts, uint32_t salt,
+                              float weight);
 // sum_j weights[t, j] * down[e] · glu(gate_up[e] · x[t]) over the routed experts e = experts[t, j].
 Tensor moe_experts(const Tensor& x, const DeviceRouting& routing, const Tensor& gate_up, const Tensor& down, Glu kind,
                    float alpha, float limit);

@@ -7,6 +7,7 @@
 #include "formats/checkpoint.h"
 #include "model/dense_sequence_cache.h"
 #include "model/families.h"
+#include "model/moe.h"
 
 namespace sparrow {
 
@@ -97,20 +98,44 @@ void check_load_format(const std::string& load_format) {
                 "--load-format must be auto, safetensors or dummy, not '", load_format, "'");
 }
 
+void check_moe_routing_simulation(const std::string& strategy) {
+  SPARROW_CHECK(strategy.empty() || strategy == "uniform_random",
+                "--moe-routing-simulation must be uniform_random (or absent: the model's own routing), not '",
+                strategy, "'");
+}
+
+namespace {
+
+std::unique_ptr<DecoderModel> load_family(Checkpoint& ckpt) {
+  const Config& config = ckpt.config();
+  const std::string type = config.get_string("model_type");
+  if (type == "deepseek_v32") return load_deepseek_v32(ckpt);
+  if (type == "kimi_linear" || type == "kimi_k3") return load_kimi_linear(ckpt);
+  // MiniMax-M3: the text-only causal LM, or the text half of a vision-language checkpoint.
+  if (type == "minimax_m3_vl_text" || type == "minimax_m3") return load_minimax_m3(ckpt, config, "model.");
+  if (type == "minimax_m3_vl")
+    return load_minimax_m3(ckpt, config.get_object("text_config"), "model.language_model.");
+  config.unsupported("model_type", type, "deepseek_v32, kimi_linear, kimi_k3, minimax_m3_vl_text, minimax_m3_vl");
+}
+
+}  // namespace
+
 std::unique_ptr<Model> load_model(const std::string& dir, Device device, const LoadOptions& options) {
   check_load_format(options.load_format);
+  check_moe_routing_simulation(options.moe_routing_simulation);
   std::unique_ptr<Checkpoint> ckpt =
       options.load_format == "dummy" ? Checkpoint::open_dummy(dir, options.dummy_seed) : Checkpoint::open(dir);
-  const Config& config = ckpt->config();
-  const std::string type = config.get_string("model_type");
   if (device != Device::Cpu) ckpt->place_on(device);
-  if (type == "deepseek_v32") return load_deepseek_v32(*ckpt);
-  if (type == "kimi_linear" || type == "kimi_k3") return load_kimi_linear(*ckpt);
-  // MiniMax-M3: the text-only causal LM, or the text half of a vision-language checkpoint.
-  if (type == "minimax_m3_vl_text" || type == "minimax_m3") return load_minimax_m3(*ckpt, config, "model.");
-  if (type == "minimax_m3_vl")
-    return load_minimax_m3(*ckpt, config.get_object("text_config"), "model.language_model.");
-  config.unsupported("model_type", type, "deepseek_v32, kimi_linear, kimi_k3, minimax_m3_vl_text, minimax_m3_vl");
+  std::unique_ptr<DecoderModel> model = load_family(*ckpt);
+  if (!options.moe_routing_simulation.empty()) {
+    for (size_t layer = 0; layer < model->layers.size(); ++layer) {
+      if (auto* moe = dynamic_cast<MoeBlock*>(model->layers[layer].ffn.get())) {
+        moe->router.simulate_uniform = true;
+        moe->router.simulation_salt = uint32_t(layer);
+      }
+    }
+  }
+  return model;
 }
 
 // Dispatches like load_model.

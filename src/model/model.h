@@ -103,9 +103,13 @@ std::unique_ptr<Model> load_model(const std::string& dir, Device device = Device
 struct LoadOptions {
   std::string load_format = "auto";
   uint64_t dummy_seed = 0;  // the dummy weights' seed
+  // "uniform_random": every MoE layer routes each token to uniformly drawn experts (SigmoidRouter, for
+  // benchmarks: vLLM's VLLM_MOE_ROUTING_SIMULATION_STRATEGY); empty: the model's own routing.
+  std::string moe_routing_simulation;
 };
-// Throws a one-line error for an unknown load format.
+// Throw a one-line error for an unknown load format / routing simulation.
 void check_load_format(const std::string& load_format);
+void check_moe_routing_simulation(const std::string& strategy);
 std::unique_ptr<Model> load_model(const std::string& dir, Device device, const LoadOptions& options);
 
 // The cache spec load_model(dir)->cache_spec() would give, from config.json alone (no weights): lets the

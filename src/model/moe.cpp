@@ -1,13 +1,16 @@
 #include "model/moe.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 
+#include "core/bfloat16.h"
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/ops.h"
+#include "kernels/uniform_routing.h"
 
 namespace sparrow {
 
@@ -85,6 +88,16 @@ Routing SigmoidRouter::route(const Tensor& x) const {
       r.weights[i * top_k + j] = w * routed_scaling_factor;
     }
   }
+  if (simulate_uniform) {
+    // Keyed by the bf16 form of the token's first values, as the GPU's bf16 activations are.
+    std::vector<uint16_t> bits(std::min<int64_t>(x.dim(1), uniform_routing::kKeyValues));
+    for (int64_t i = 0; i < t; ++i) {
+      for (size_t v = 0; v < bits.size(); ++v) bits[v] = float_to_bf16(x.row(i)[v]);
+      uniform_routing::draw_experts(uniform_routing::token_key(bits.data(), int64_t(bits.size()), simulation_salt), e,
+                                    top_k, r.experts.data() + i * top_k);
+      std::fill_n(r.weights.data() + i * top_k, top_k, routed_scaling_factor / float(top_k));
+    }
+  }
   return r;
 }
 
@@ -142,9 +155,12 @@ Tensor MoeBlock::forward(const Tensor& x) const {
     // The same routing and experts as route() / run_experts() above, as two device kernels over the
     // whole step (no host round trip between them).
     const SigmoidRouter& r = router;
-    const ops::DeviceRouting routing =
+    ops::DeviceRouting routing =
         ops::route_grouped_sigmoid(ops::linear(x, r.weight, ScalarType::F32), r.bias, r.n_group, r.topk_group,
                                    r.top_k, r.normalize, r.normalize_eps, r.routed_scaling_factor);
+    if (r.simulate_uniform)
+      ops::simulate_uniform_routing(x, routing, r.weight.dim(0), r.simulation_salt,
+                                    r.routed_scaling_factor / float(r.top_k));
     out = ops::moe_experts(x, routing, experts.gate_up, experts.down, act.glu_kind(), act.alpha, act.limit);
   }
   for (const DenseMlp& s : shared) ops::add_(out, s.forward(x));

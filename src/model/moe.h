@@ -59,6 +59,13 @@ struct SigmoidRouter {
   float normalize_eps = 1e-20f;  // DeepSeek adds 1e-20 to the denominator, MiniMax does not
   float routed_scaling_factor = 1.0f;
 
+  // `--moe-routing-simulation uniform_random`, for benchmarks (kernels/uniform_routing.h): after the router
+  // has run (its cost stays in the step), each token's experts become top_k distinct uniform draws keyed by
+  // its hidden state and `simulation_salt` (the layer), each weighted routed_scaling_factor / top_k. The
+  // model's outputs are then no longer its own.
+  bool simulate_uniform = false;
+  uint32_t simulation_salt = 0;
+
   Routing route(const Tensor& x) const;  // x [T, H]
 
   // The checkpoint's e_score_correction_bias `name` ([num_experts]), or zeros where it has none (always so

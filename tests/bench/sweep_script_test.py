@@ -99,8 +99,9 @@ def main():
                             ("--max-num-batched-tokens", "8192")):
             assert vllm_args[vllm_args.index(flag) + 1] == value, (flag, vllm_args)
         assert "--enforce-eager" in vllm_args, vllm_args
-        # vLLM's dummy weights route nearly every token to the same experts: it simulates uniform routing.
+        # vLLM's dummy weights route nearly every token to the same experts: both engines draw them uniformly.
         assert vllm_args[-1] == "routing=uniform_random", vllm_args
+        assert "--moe-routing-simulation uniform_random" in ours["launch"], ours["launch"]
         # vLLM's untimed warm pass ran first, at the same points with another seed: the measured prompts (72
         # tokens, a whole 64-token block each) find nothing of it, nor of each other, in the prefix cache.
         warm, warm_points = points(os.path.join(shape_dir, "sweep-vllm-warm-pass.json"))
@@ -112,14 +113,14 @@ def main():
 
     with tempfile.TemporaryDirectory() as out:
         shape_dir, vllm_args, log = sweep(sparrow, out, SPARROW_SWEEP="0", PEER_PORT="8350", PEER_WARM_PASS="0",
-                                          PEER_ROUTING="dummy")
+                                          MOE_ROUTING="own")
         assert not os.path.exists(os.path.join(shape_dir, "sweep-sparrow.json")), "SPARROW_SWEEP=0 still ran sparrow"
         assert "== sparrow" not in log
         assert not os.path.exists(os.path.join(shape_dir, "sweep-vllm-warm-pass.json")), "PEER_WARM_PASS=0 still warmed"
         _, peer_points = points(os.path.join(shape_dir, "sweep-vllm.json"))
         assert sorted(peer_points) == [1, 2]
         assert vllm_args[vllm_args.index("--port") + 1] == "8350", vllm_args  # a second sweep beside the first
-        assert vllm_args[-1] == "routing=", vllm_args  # PEER_ROUTING=dummy: vLLM's own (empty: no simulation)
+        assert vllm_args[-1] == "routing=", vllm_args  # MOE_ROUTING=own: vLLM's own (empty: no simulation)
     print("sweep_script_test: ok")
 
 

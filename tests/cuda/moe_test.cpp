@@ -8,6 +8,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "core/bfloat16.h"
 #include "core/error.h"
 #include "core/tensor.h"
 #include "kernels/cpu/fp8.h"
@@ -95,6 +96,38 @@ TEST(CudaMoe, RouteMatchesSigmoidRouter) {
                                 de2.get<int32_t>(), dw2.get<float>(), cuda::stream());
     EXPECT_EQ(de.download<int32_t>(tokens * 2), de2.download<int32_t>(tokens * 2));
     EXPECT_EQ(dw.download<float>(tokens * 2), dw2.download<float>(tokens * 2));
+  }
+}
+
+// The simulated routing of benchmarks: the GPU draws the same experts as the CPU router for the same
+// bf16-representable activations (hidden sizes below and above the 64 hashed values), weights 1 / top_k.
+TEST(CudaMoe, SimulatedUniformRoutingMatchesTheCpu) {
+  SPARROW_REQUIRE_GPU();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (int64_t hidden : {40, 2304, 7168}) {
+    const int64_t tokens = 300, experts = 256, top_k = 8;
+    std::vector<float> x = test::random_vector(rng, tokens * hidden, -2, 2);
+    for (float& v : x) v = bf16_to_float(float_to_bf16(v));
+    SigmoidRouter router;
+    router.weight = Tensor::zeros({experts, hidden});
+    router.bias = Tensor::zeros({experts});
+    router.top_k = top_k;
+    router.routed_scaling_factor = 2.446f;
+    router.simulate_uniform = true;
+    router.simulation_salt = 11;
+    Routing ref = router.route(Tensor::view(x.data(), {tokens, hidden}));
+
+    std::vector<uint16_t> bits(x.size());
+    for (size_t i = 0; i < x.size(); ++i) bits[i] = float_to_bf16(x[i]);
+    DeviceBuffer dx(bits), de(tokens * top_k * 4), dw(tokens * top_k * 4);
+    de.poison();
+    dw.poison();
+    cuda::simulate_uniform_routing(dx.get(), tokens, hidden, experts, top_k, 11, 2.446f / top_k, de.get<int32_t>(),
+                                   dw.get<float>(), cuda::stream());
+    EXPECT_EQ(de.download<int32_t>(tokens * top_k), ref.experts) << "hidden " << hidden;
+    EXPECT_EQ(dw.download<float>(tokens * top_k), ref.weights) << "hidden " << hidden;
   }
 }
 

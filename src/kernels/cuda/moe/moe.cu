@@ -59,6 +59,7 @@
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/wgmma.cuh"
 #include "kernels/cuda/runtime/cuda_check.h"
+#include "kernels/uniform_routing.h"
 
 namespace sparrow::cuda {
 
@@ -974,6 +975,35 @@ void route_grouped_sigmoid(const float* logits, const float* bias, int64_t token
                            int32_t* experts, float* weights, cudaStream_t stream) {
   route_grouped_sigmoid(logits, bias, tokens, num_experts, n_group, topk_group, top_k, normalize, 1e-20f, scaling,
                         experts, weights, stream);
+}
+
+namespace {
+
+// One thread per token: kernels/uniform_routing.h's draw, keyed by the token's bf16 hidden values.
+__global__ void uniform_routing_kernel(const bf16* x, int tokens, int64_t hidden, int num_experts, int top_k,
+                                       uint32_t salt, float weight, int32_t* experts, float* weights) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= tokens) return;
+  const auto* bits = reinterpret_cast<const uint16_t*>(x + int64_t(t) * hidden);
+  uniform_routing::draw_experts(uniform_routing::token_key(bits, hidden, salt), num_experts, top_k,
+                                experts + int64_t(t) * top_k);
+  for (int j = 0; j < top_k; ++j) weights[int64_t(t) * top_k + j] = weight;
+}
+
+}  // namespace
+
+void simulate_uniform_routing(const void* x, int64_t tokens, int64_t hidden, int64_t num_experts, int64_t top_k,
+                              uint32_t salt, float weight, int32_t* experts, float* weights, cudaStream_t stream) {
+  SPARROW_CHECK(num_experts > 0 && num_experts <= 65536, "simulate_uniform_routing: bad expert count ", num_experts);
+  SPARROW_CHECK(top_k >= 1 && top_k <= num_experts, "simulate_uniform_routing: top_k ", top_k, " not in [1, ",
+                num_experts, "]");
+  SPARROW_CHECK(tokens >= 0 && tokens <= 0x7fffffff && hidden > 0, "simulate_uniform_routing: bad sizes ", tokens,
+                " x ", hidden);
+  if (tokens == 0) return;
+  constexpr int kThreads = 128;
+  uniform_routing_kernel<<<unsigned((tokens + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      static_cast<const bf16*>(x), int(tokens), hidden, int(num_experts), int(top_k), salt, weight, experts, weights);
+  SPARROW_CUDA_CHECK_LAUNCH();
 }
 
 size_t moe_workspace_bytes(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden, int64_t inter) {

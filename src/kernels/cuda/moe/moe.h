@@ -22,6 +22,13 @@ void route_grouped_sigmoid(const float* logits, const float* bias, int64_t token
                            int64_t n_group, int64_t topk_group, int64_t top_k, bool normalize, float normalize_eps,
                            float scaling, int32_t* experts, float* weights, cudaStream_t stream);
 
+// Benchmarks' simulated routing (kernels/uniform_routing.h): overwrites each token's experts with top_k
+// distinct uniform draws keyed by its bf16 hidden state x[t] (bf16 [tokens, hidden]) and `salt`, and its
+// weights with `weight`. The same experts as the CPU's draw for the same bf16 values.
+void simulate_uniform_routing(const void* x, int64_t tokens, int64_t hidden, int64_t num_experts,
+                              int64_t top_k, uint32_t salt, float weight, int32_t* experts, float* weights,
+                              cudaStream_t stream);
+
 // Routed experts over all tokens of a step:
 //   out[t] = sum_j weights[t, j] * down[e] · act(gate_up[e] · x[t]),  e = experts[t, j]
 // x bf16 [tokens, hidden]; gate_up bf16 [E, 2*inter, hidden]; down bf16 [E, hidden, inter]; out bf16
