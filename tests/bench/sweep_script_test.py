@@ -64,6 +64,18 @@ def check_table(ours_path, peer_path, out):
     for r in rows[:4]:  # the random workload's serving limit (prefill included) and its share
         assert float(r[10].replace(",", "")) > 0 and r[11].endswith("%"), r
     assert not any(rows[4][3:]) and not any(rows[5][3:]), rows[4:]
+    # A folder of per-concurrency results (the HF peer's) borrows the first sweep's limits at its concurrency.
+    results = os.path.join(out, "hf")
+    os.makedirs(results)
+    with open(os.path.join(results, "hf-concurrency2.json"), "w") as f:
+        json.dump({"max_concurrency": 2, "num_prompts": 2, "completed": 2, "failed": 0, "median_ttft_ms": 900.0,
+                   "median_tpot_ms": 100.0, "total_token_throughput": 50.0, "output_throughput": 5.0}, f)
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools/sweep_table.py"), "--engine", "sparrow", ours_path,
+                          "--engine", "hf", results], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in run.stdout.splitlines()[2:]]
+    assert rows[-1][:8] == ["hf", "2", "2 of 2", "900", "100.00", "10.0", "50", "5"], rows[-1]
+    assert rows[-1][8] == rows[1][8] and rows[-1][9] == f"{100 * 10.0 / float(rows[1][8].replace(',', '')):.0f}%", rows
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools/sweep_table.py"), os.path.join(out, "missing.json")],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "missing.json" in bad.stderr, (bad.returncode, bad.stderr)
