@@ -113,12 +113,13 @@ for shape in "${SHAPES[@]}"; do
   # What a shape needs from each engine to serve the same cache: DeepSeek-V3.2 in FlashMLA's FP8 layout (656 B a
   # token; vLLM's only DSA path on Hopper, fp8_ds_mla, 64-token pages), MiniMax-M3 with 128-token pages in vLLM
   # (one MSA block a page: its sparse layers take no other size).
-  # Kimi-Linear-48B is whole and bf16 (98 GB): its cache gets what is left.
+  # Kimi-Linear-48B is whole and bf16 (98 GB): its cache gets 32 GiB, of which 23 GB are the recurrent
+  # state slots (44.9 MB a sequence for 256 running sequences and 256 prefix snapshots).
   shape_kv=auto shape_vllm=() shape_kv_memory=40GiB
   case "$shape" in
     deepseek_v3.2) shape_kv=fp8 shape_vllm=(--kv-cache-dtype fp8_ds_mla --block-size 64) ;;
     minimax_m3.1_flash) shape_vllm=(--block-size 128) ;;
-    kimi_linear_48b) shape_kv_memory=20GiB ;;
+    kimi_linear_48b) shape_kv_memory=32GiB ;;
   esac
   kv_dtype="${KV_CACHE_DTYPE:-$shape_kv}"
   kv_memory="${KV_MEMORY:-$shape_kv_memory}"
