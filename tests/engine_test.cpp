@@ -230,6 +230,38 @@ TEST_P(EngineFamily, ChoicesOfOneGreedyRequestAreIdentical) {
   for (int64_t i = 0; i < 3; ++i) EXPECT_EQ(three("n3", i).tokens, alone("n3").tokens) << "choice " << i;
 }
 
+// The start-up step (EngineConfig::warm_up, on by default on a GPU): a full budget of prompt tokens in as
+// many sequences as max_model_len and max_num_seqs allow, and nothing left of it: every block free and none
+// in the prefix cache, every state slot free, every counter at zero, and the requests after it get the
+// tokens they get without it.
+TEST_P(EngineFamily, WarmUpRunsAFullStepAndLeavesNothing) {
+  auto model = load_model(fixture(GetParam()).string());
+  EngineConfig config = roomy_config(*model);
+  config.max_num_batched_tokens = 400;  // 160 + 160 + 80 (roomy_config's max_model_len: 160)
+  const std::vector<Tokens> prompts = fixture_prompts(GetParam());
+  std::vector<Request> requests;
+  for (size_t i = 0; i < 3; ++i) requests.push_back(greedy_request("r" + std::to_string(i), prompts[i], 6));
+  const Recorder cold = run_alone(*model, requests, config);
+
+  config.warm_up = true;
+  EngineCore engine(*model, nullptr, config);
+  EXPECT_EQ(engine.warm_up(), 400);  // once more by hand: the constructor ran it too
+  expect_everything_free(engine);
+  EXPECT_EQ(engine.cache().num_cached_blocks(), 0);
+  if (engine.cache().plan().num_state_slots > 0)
+    EXPECT_EQ(engine.cache().num_free_state_slots(), engine.cache().plan().num_state_slots);
+  const EngineStats stats = engine.stats();
+  EXPECT_EQ(stats.prompt_tokens_total + stats.generation_tokens_total + stats.prefix_queries, 0);
+  EXPECT_EQ(stats.prefill_steps.steps + stats.decode_steps.steps, 0);
+  Recorder warm;
+  for (const Request& request : requests) {
+    engine.add(request, warm.callback());
+    run_until_idle(engine);
+  }
+  for (const Request& request : requests) EXPECT_EQ(warm(request.id).tokens, cold(request.id).tokens) << request.id;
+  EXPECT_EQ(warm(requests[0].id).cached_tokens, 0);  // the warm-up's prompt left no prefix behind
+}
+
 INSTANTIATE_TEST_SUITE_P(EngineFixtures, EngineFamily,
                          ::testing::Values("deepseek_v32", "kimi_linear", "kimi_k3", "minimax_m3"));
 
@@ -615,5 +647,22 @@ TEST(EngineErrors, AFailedStepEndsItsRequestsAndTheEngineGoesOn) {
   run_until_idle(engine);
   EXPECT_EQ(got("fine").finish_reason, "length");
   EXPECT_EQ(got("fine").tokens.size(), 4u);
+  expect_everything_free(engine);
+}
+
+// A warm-up that fails (as a GPU out of memory would: the warm-up's first token is 0) stops the start with
+// the cause and the flags to change, and gives back what it took.
+TEST(EngineWarmUp, AFailedStepNamesTheFlags) {
+  FailingModel failing(load_model(fixture("kimi_linear").string()), /*poison=*/0);
+  EngineConfig config = roomy_config(failing);
+  const std::string error = sparrow::testing::error_message([&] {
+    config.warm_up = true;
+    EngineCore engine(failing, nullptr, config);
+  });
+  for (const char* part : {"poisoned batch", "--kv-cache-memory", "--max-num-batched-tokens", "1280 tokens"})
+    EXPECT_NE(error.find(part), std::string::npos) << part << " not in: " << error;
+  config.warm_up = false;
+  EngineCore engine(failing, nullptr, config);
+  EXPECT_FALSE(sparrow::testing::error_message([&] { engine.warm_up(); }).empty());
   expect_everything_free(engine);
 }

@@ -159,6 +159,9 @@ void serve(const ServeFlags& flags) {
   SPARROW_CHECK(!flags.enable_auto_tool_choice || !flags.tool_call_parser.empty(),
                 "--enable-auto-tool-choice needs --tool-call-parser");
 
+  // On a GPU one full step runs before the server listens (EngineCore::warm_up): a --kv-cache-memory that
+  // leaves no room for a step's activations is refused here rather than failing requests.
+  config.warm_up = parse_device(flags.device) != Device::Cpu;
   Engine engine(load_cli_model(model_dir, flags.device), tokenizer, config);
   std::string summary = engine.cache_plan().summary(engine.max_model_len());
   std::printf("%s%s", summary.c_str(), summary.empty() || summary.back() != '\n' ? "\n" : "");

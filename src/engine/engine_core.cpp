@@ -34,6 +34,7 @@ EngineCore::EngineCore(Model& model, const Tokenizer* tokenizer, EngineConfig co
                 "): give it more memory or lower max_model_len");
   end_of_sequence_ = config_.eos_token_ids;
   if (end_of_sequence_.empty() && tokenizer_ && tokenizer_->eos_id()) end_of_sequence_.push_back(*tokenizer_->eos_id());
+  if (config_.warm_up) warm_up();
 }
 
 void EngineCore::validate(const Request& request) const {
@@ -132,6 +133,49 @@ class StepTimer {
 };
 
 }  // namespace
+
+int64_t EngineCore::warm_up() {
+  const int64_t per_sequence = std::min(config_.max_model_len, config_.max_num_batched_tokens);
+  std::vector<SeqId> ids;
+  std::vector<SequenceState> states;
+  states.reserve(size_t(config_.max_num_seqs));  // `parts` points into it
+  std::vector<std::pair<SequenceState*, std::vector<int32_t>>> parts;
+  int64_t tokens = 0;
+  while (tokens < config_.max_num_batched_tokens && int64_t(ids.size()) < config_.max_num_seqs &&
+         cache_.num_free_state_slots() > 0) {
+    const int64_t n = std::min(per_sequence, config_.max_num_batched_tokens - tokens);
+    const SeqId id = cache_.create_sequence();
+    ids.push_back(id);
+    if (!cache_.allocate(id, n)) break;  // a cache this small serves shorter steps only; warm what fits
+    states.emplace_back();
+    states.back().cache = cache_.view(id);
+    std::vector<int32_t> prompt(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) prompt[size_t(i)] = int32_t((tokens + i) * 7919 % model_.vocab_size());
+    parts.push_back({&states.back(), std::move(prompt)});
+    tokens += n;
+  }
+  const auto release = [&] {
+    for (SeqId id : ids) cache_.free_sequence(id);
+  };
+  if (parts.empty()) {
+    release();
+    return 0;
+  }
+  try {
+    Batch batch = make_batch(parts);
+    batch.all_logits = false;
+    const Tensor logits = model_.forward(batch);
+    std::vector<TokenDraw> draws(parts.size());
+    ops::sample_tokens(logits, draws, {});
+  } catch (const std::exception& e) {
+    release();
+    fail("a full engine step (", tokens, " tokens in ", parts.size(), " sequences) does not run beside the KV cache: ",
+         e.what(), "; give the cache less memory (--kv-cache-memory, --gpu-memory-utilization) or lower "
+         "--max-num-batched-tokens");
+  }
+  release();
+  return tokens;
+}
 
 bool EngineCore::step() {
   StepTimer timer;

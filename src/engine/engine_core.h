@@ -35,6 +35,9 @@ struct EngineConfig {
   // End-of-sequence ids (generation_config.json's, see eos_token_ids in generate.h); when empty, the
   // tokenizer's eos token.
   std::vector<int32_t> eos_token_ids;
+  // Run warm_up() when the core is made (sparrow serve on a GPU): a cache too large for a step's scratch
+  // then fails at start.
+  bool warm_up = false;
 };
 
 // Where the engine loop's time goes, summed over steps of one kind: `seconds` from scheduling to the last
@@ -75,6 +78,13 @@ class EngineCore {
   void abort(const std::string& request_id);
   void abort_all();
 
+  // One forward pass of a full step before serving, as vLLM's profile run: max_num_batched_tokens prompt
+  // tokens (in as many sequences as max_model_len needs, at most max_num_seqs) and the draw of each
+  // sequence's next token, so that a step's largest scratch is allocated now and kept by the device pool.
+  // A KV cache that leaves too little memory for it fails here, naming the flags to change, instead of
+  // failing requests later. Nothing of it stays: its blocks go back unshared (no prefix-cache entries) and
+  // no counter moves. Returns the tokens it ran.
+  int64_t warm_up();
   // Runs one step; false when there was nothing to run.
   bool step();
   bool has_work() const { return scheduler_.has_work(); }
