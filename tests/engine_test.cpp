@@ -262,6 +262,20 @@ TEST_P(EngineFamily, WarmUpRunsAFullStepAndLeavesNothing) {
   EXPECT_EQ(warm(requests[0].id).cached_tokens, 0);  // the warm-up's prompt left no prefix behind
 }
 
+// The cache gpu_kv_cache_bytes measures a step in holds exactly that step: a warm-up of the full budget
+// runs whole in it (and the engine accepts it for max_model_len).
+TEST_P(EngineFamily, DummyStepCacheHoldsItsStep) {
+  auto model = load_model(fixture(GetParam()).string());
+  EngineConfig config = roomy_config(*model);
+  config.max_num_batched_tokens = 400;  // sequences of 160, 160 and 80 tokens
+  config.max_num_seqs = 3;              // as many state slots as the step's sequences
+  config.cache = dummy_step_cache_config(*model, config, 160, 400);
+  EngineCore engine(*model, nullptr, config);
+  EXPECT_EQ(engine.cache().plan().num_blocks * engine.cache().plan().block_size, 400);
+  EXPECT_EQ(engine.warm_up(), 400);
+  expect_everything_free(engine);
+}
+
 INSTANTIATE_TEST_SUITE_P(EngineFixtures, EngineFamily,
                          ::testing::Values("deepseek_v32", "kimi_linear", "kimi_k3", "minimax_m3"));
 
@@ -659,10 +673,25 @@ TEST(EngineWarmUp, AFailedStepNamesTheFlags) {
     config.warm_up = true;
     EngineCore engine(failing, nullptr, config);
   });
-  for (const char* part : {"poisoned batch", "--kv-cache-memory", "--max-num-batched-tokens", "1280 tokens"})
+  for (const char* part : {"poisoned batch", "--kv-cache-memory", "--max-num-batched-tokens", "4096 tokens"})
     EXPECT_NE(error.find(part), std::string::npos) << part << " not in: " << error;
   config.warm_up = false;
   EngineCore engine(failing, nullptr, config);
   EXPECT_FALSE(sparrow::testing::error_message([&] { engine.warm_up(); }).empty());
   expect_everything_free(engine);
+}
+
+// --gpu-memory-utilization on a GPU, vLLM's meaning: what the weights (in use) and the two measured steps
+// leave of utilization x total; nothing left is a start error with the numbers and the flags.
+TEST(EngineMemory, GpuUtilizationBudget) {
+  const int64_t gib = int64_t(1) << 30;
+  EXPECT_EQ(gpu_kv_cache_budget(0.9, 100 * gib, 60 * gib, 5 * gib, gib), 90 * gib - 66 * gib);
+  EXPECT_EQ(gpu_kv_cache_budget(1.0, 100 * gib, 60 * gib, 0, 0), 40 * gib);
+  const std::string none = sparrow::testing::error_message([&] { gpu_kv_cache_budget(0.6, 100 * gib, 58 * gib, 3 * gib, gib); });
+  for (const char* part : {"--gpu-memory-utilization 0.6", "leaves nothing", "58.00 GiB", "3.00 GiB", "60.00 GiB allowed", "--kv-cache-memory",
+                           "--max-num-batched-tokens"})
+    EXPECT_NE(none.find(part), std::string::npos) << part << " not in: " << none;
+  for (double bad : {0.0, 1.5, -0.1})
+    EXPECT_NE(sparrow::testing::error_message([&] { gpu_kv_cache_budget(bad, 100 * gib, 0, 0, 0); }).find("(0, 1]"),
+              std::string::npos);
 }

@@ -116,7 +116,8 @@ void serve(const ServeFlags& flags) {
   config.cache.max_num_seqs = flags.max_num_seqs;
   config.cache.enable_prefix_caching = flags.prefix_caching;
   if (!flags.kv_cache_memory.empty()) config.cache.memory_bytes = parse_byte_size(flags.kv_cache_memory);
-  if (flags.gpu_memory_utilization > 0) config.cache.memory_fraction = flags.gpu_memory_utilization;
+  const bool on_gpu = parse_device(flags.device) != Device::Cpu;
+  if (flags.gpu_memory_utilization > 0 && !on_gpu) config.cache.memory_fraction = flags.gpu_memory_utilization;
   config.max_num_seqs = flags.max_num_seqs;
   config.max_num_batched_tokens = flags.max_num_batched_tokens;
   config.max_model_len = flags.max_model_len > 0 ? flags.max_model_len : model_context_length(model_dir);
@@ -159,10 +160,16 @@ void serve(const ServeFlags& flags) {
   SPARROW_CHECK(!flags.enable_auto_tool_choice || !flags.tool_call_parser.empty(),
                 "--enable-auto-tool-choice needs --tool-call-parser");
 
+  std::unique_ptr<Model> model = load_cli_model(model_dir, flags.device);
+  // On a GPU without --kv-cache-memory, vLLM's meaning of --gpu-memory-utilization (default 0.9): the cache
+  // gets what the weights and two measured steps leave of that share of the GPU (gpu_kv_cache_bytes).
+  if (on_gpu && config.cache.memory_bytes == 0)
+    config.cache.memory_bytes = gpu_kv_cache_bytes(
+        *model, config, flags.gpu_memory_utilization > 0 ? flags.gpu_memory_utilization : 0.9);
   // On a GPU one full step runs before the server listens (EngineCore::warm_up): a --kv-cache-memory that
   // leaves no room for a step's activations is refused here rather than failing requests.
-  config.warm_up = parse_device(flags.device) != Device::Cpu;
-  Engine engine(load_cli_model(model_dir, flags.device), tokenizer, config);
+  config.warm_up = on_gpu;
+  Engine engine(std::move(model), tokenizer, config);
   std::string summary = engine.cache_plan().summary(engine.max_model_len());
   std::printf("%s%s", summary.c_str(), summary.empty() || summary.back() != '\n' ? "\n" : "");
 
@@ -229,8 +236,9 @@ void add_serve(CLI::App& app) {
   sub->add_option("--kv-cache-memory", f.kv_cache_memory,
                   "KV-cache budget in bytes, e.g. 4GiB or 512MiB (default: --gpu-memory-utilization)");
   sub->add_option("--gpu-memory-utilization", f.gpu_memory_utilization,
-                  "fraction of memory for the KV cache when --kv-cache-memory is not given; on the CPU backend, a "
-                  "fraction of the machine's RAM (default 0.25)");
+                  "on a GPU (vLLM's meaning): the fraction of the GPU's memory sparrow may hold, the KV cache getting "
+                  "what the weights and a full step's measured scratch leave of it (default 0.9); on the CPU backend: "
+                  "the fraction of the machine's RAM for the KV cache (default 0.25). Ignored with --kv-cache-memory");
   sub->add_option("--max-num-seqs", f.max_num_seqs, "most requests running at once")->capture_default_str();
   sub->add_option("--max-num-batched-tokens", f.max_num_batched_tokens,
                   "tokens per engine step (chunked prefill budget)")

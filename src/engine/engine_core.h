@@ -40,6 +40,20 @@ struct EngineConfig {
   bool warm_up = false;
 };
 
+// vLLM's --gpu-memory-utilization on a GPU: sparrow may hold `utilization` of the GPU's memory, and the KV
+// cache gets what is left of it once the weights and CUDA context (what the driver reports in use), one full
+// step's scratch and one decode step's scratch (the CUDA graphs' pool) are counted. The two steps are run
+// (dummy prompts in a cache just large enough, nothing kept) and measured by the device pool's peak.
+// Throws, naming the flags, when nothing is left.
+int64_t gpu_kv_cache_bytes(Model& model, const EngineConfig& config, double utilization);
+// Its arithmetic, on numbers: utilization * total - in use - the two steps' scratch, or the error.
+int64_t gpu_kv_cache_budget(double utilization, int64_t total_bytes, int64_t in_use_bytes, int64_t step_bytes,
+                            int64_t graph_step_bytes);
+// The cache a dummy step of `total` tokens in sequences of at most `per_sequence` runs in: just its blocks and
+// state slots, no prefix caching.
+CacheConfig dummy_step_cache_config(const Model& model, const EngineConfig& config, int64_t per_sequence,
+                                    int64_t total);
+
 // Where the engine loop's time goes, summed over steps of one kind: `seconds` from scheduling to the last
 // emitted token, `forward_seconds` the part from the batch being ready to the sampled tokens being on
 // the host (the forward pass's launches and kernels, and sampling). The rest is host work: scheduling,

@@ -19,6 +19,7 @@
 //     one at a time on the one stream, and none keeps data in its scratch from one replay to the next.
 #include "kernels/cuda/runtime/device.h"
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <unordered_map>
@@ -42,6 +43,7 @@ struct Pool {
   std::unordered_map<void*, Block> live;                   // handed out
   bool capturing = false;                                  // between begin_graph_pool and end_graph_pool
   size_t in_use = 0;                                 // bytes of live blocks (by class)
+  size_t peak = 0;                                   // the most in_use has been since reset_device_peak
   size_t cached = 0;                                 // bytes held in free lists
 };
 
@@ -138,6 +140,7 @@ void* device_alloc(size_t bytes) {
   }
   p.live.emplace(ptr, Block{cls, p.capturing});
   p.in_use += cls;
+  p.peak = std::max(p.peak, p.in_use);
   return ptr;  // cudaMalloc returns 256-byte aligned memory
 }
 
@@ -175,6 +178,23 @@ size_t device_bytes_in_use() {
   Pool& p = pool();
   std::lock_guard<std::mutex> lock(p.mu);
   return p.in_use;
+}
+
+size_t device_peak_bytes() {
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  return p.peak;
+}
+
+void reset_device_peak() {
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  p.peak = p.in_use;
+}
+
+void device_memory_info(size_t& free_bytes, size_t& total_bytes) {
+  require_device();
+  SPARROW_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
 }
 
 void release_cached_memory() {

@@ -19,6 +19,9 @@ void* device_alloc(size_t bytes);   // from the pool; 256-byte aligned; throws o
 void device_free(void* p);          // back to the pool (nullptr is ignored)
 size_t device_bytes_in_use();       // for tests and the memory planner
 size_t pool_size_class(size_t bytes);  // the bytes a request of `bytes` takes from the pool (device.cu says why)
+size_t device_peak_bytes();         // the most device_bytes_in_use() has been since reset_device_peak()
+void reset_device_peak();           // (profiling a step's scratch: EngineCore's gpu_kv_cache_bytes)
+void device_memory_info(size_t& free_bytes, size_t& total_bytes);  // the driver's cudaMemGetInfo
 void release_cached_memory();       // return pooled blocks to the driver (the graph pool's stay)
 
 // Between these, device_alloc serves from the CUDA graphs' own pool (device.cu says why); its blocks
