@@ -55,6 +55,19 @@ TEST(CudaRuntime, PoolReusesBlocksAndCountsBytes) {
   void* zero = cuda::device_alloc(0);
   EXPECT_NE(zero, nullptr);
   cuda::device_free(zero);
+  // The peak counter (gpu_kv_cache_bytes measures a step's scratch with it): the most in use since a reset.
+  cuda::reset_device_peak();
+  EXPECT_EQ(cuda::device_peak_bytes(), cuda::device_bytes_in_use());
+  void* big = cuda::device_alloc(size_t(5) << 20);
+  void* small = cuda::device_alloc(size_t(1) << 20);
+  cuda::device_free(big);
+  cuda::device_free(small);
+  EXPECT_EQ(cuda::device_peak_bytes(), before + (size_t(6) << 20));
+  cuda::reset_device_peak();
+  EXPECT_EQ(cuda::device_peak_bytes(), before);
+  size_t free_bytes = 0, total_bytes = 0;
+  cuda::device_memory_info(free_bytes, total_bytes);
+  EXPECT_GT(total_bytes, free_bytes);
 }
 
 // The pool's size classes (no device needed): small and step-sized requests round up by at most 25%,
