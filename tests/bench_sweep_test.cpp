@@ -129,6 +129,13 @@ Tensor logits_of(Model& model, const std::vector<int32_t>& prompt) {
 
 class DummyFamilies : public ::testing::TestWithParam<std::string> {};
 
+// 24 token ids valid in any fixture's vocabulary.
+std::vector<int32_t> small_prompt(const Model& model) {
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 24; ++i) prompt.push_back(int32_t((i * 37 + 5) % std::min<int64_t>(model.vocab_size(), 200)));
+  return prompt;
+}
+
 TEST_P(DummyFamilies, ConfigAloneGivesFiniteDeterministicLogits) {
   TempDir dir;
   const std::string path = config_only(dir, GetParam());
@@ -136,8 +143,7 @@ TEST_P(DummyFamilies, ConfigAloneGivesFiniteDeterministicLogits) {
   dummy.load_format = "dummy";
   auto a = load_model(path, Device::Cpu, dummy);
   auto b = load_model(path, Device::Cpu, dummy);
-  std::vector<int32_t> prompt;
-  for (int i = 0; i < 24; ++i) prompt.push_back(int32_t((i * 37 + 5) % std::min<int64_t>(a->vocab_size(), 200)));
+  const std::vector<int32_t> prompt = small_prompt(*a);
   const Tensor la = logits_of(*a, prompt), lb = logits_of(*b, prompt);
   ASSERT_EQ(la.numel(), lb.numel());
   float lo = la.data()[0], hi = la.data()[0];
@@ -165,8 +171,8 @@ TEST_P(DummyFamilies, RooflineCountsEveryTensorTheModelTakes) {
   EXPECT_EQ(cost.mixers.size(), size_t(model->num_layers()));
 }
 
-// --moe-routing-simulation uniform_random reaches every family's MoE layers (their logits change, and
-// stay deterministic), and nothing else: a model without simulation is unchanged by the option's absence.
+// --moe-routing-simulation uniform_random reaches every family's MoE layers: their logits change, and stay
+// deterministic.
 TEST_P(DummyFamilies, RoutingSimulationReachesTheMoeLayers) {
   TempDir dir;
   const std::string path = config_only(dir, GetParam());
@@ -176,8 +182,7 @@ TEST_P(DummyFamilies, RoutingSimulationReachesTheMoeLayers) {
   options.moe_routing_simulation = "uniform_random";
   auto a = load_model(path, Device::Cpu, options);
   auto b = load_model(path, Device::Cpu, options);
-  std::vector<int32_t> prompt;
-  for (int i = 0; i < 24; ++i) prompt.push_back(int32_t((i * 37 + 5) % std::min<int64_t>(a->vocab_size(), 200)));
+  const std::vector<int32_t> prompt = small_prompt(*a);
   const Tensor lo = logits_of(*own, prompt), la = logits_of(*a, prompt), lb = logits_of(*b, prompt);
   const auto values = [](const Tensor& t) { return std::vector<float>(t.data(), t.data() + t.numel()); };
   EXPECT_EQ(values(la), values(lb));
