@@ -135,10 +135,6 @@ class StepTimer {
   Clock::time_point start_, batch_ready_, sampled_;
 };
 
-}  // namespace
-
-namespace {
-
 // One forward pass of `total` prompt tokens in sequences of at most `per_sequence` (and at most `max_seqs`
 // of them), then the draw of each sequence's next token, on `cache`; every sequence is freed again without
 // committing its tokens (no prefix-cache entries). Returns the tokens run; rethrows the forward's error
