@@ -95,7 +95,7 @@ Routing SigmoidRouter::route(const Tensor& x) const {
       for (size_t v = 0; v < bits.size(); ++v) bits[v] = float_to_bf16(x.row(i)[v]);
       uniform_routing::draw_experts(uniform_routing::token_key(bits.data(), int64_t(bits.size()), simulation_salt), e,
                                     top_k, r.experts.data() + i * top_k);
-      std::fill_n(r.weights.data() + i * top_k, top_k, routed_scaling_factor / float(top_k));
+      std::fill_n(r.weights.data() + i * top_k, top_k, simulated_weight());
     }
   }
   return r;
@@ -159,8 +159,7 @@ Tensor MoeBlock::forward(const Tensor& x) const {
         ops::route_grouped_sigmoid(ops::linear(x, r.weight, ScalarType::F32), r.bias, r.n_group, r.topk_group,
                                    r.top_k, r.normalize, r.normalize_eps, r.routed_scaling_factor);
     if (r.simulate_uniform)
-      ops::simulate_uniform_routing(x, routing, r.weight.dim(0), r.simulation_salt,
-                                    r.routed_scaling_factor / float(r.top_k));
+      ops::simulate_uniform_routing(x, routing, r.weight.dim(0), r.simulation_salt, r.simulated_weight());
     out = ops::moe_experts(x, routing, experts.gate_up, experts.down, act.glu_kind(), act.alpha, act.limit);
   }
   for (const DenseMlp& s : shared) ops::add_(out, s.forward(x));

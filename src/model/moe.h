@@ -65,6 +65,7 @@ struct SigmoidRouter {
   // model's outputs are then no longer its own.
   bool simulate_uniform = false;
   uint32_t simulation_salt = 0;
+  float simulated_weight() const { return routed_scaling_factor / float(top_k); }  // each simulated expert's
 
   Routing route(const Tensor& x) const;  // x [T, H]
 
