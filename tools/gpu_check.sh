@@ -5,6 +5,9 @@
 # keys); then forward throughput (deepseek_v32's, minimax_m3's and kimi_k3's GPU fixtures, CUDA graphs on
 # and off; FORWARD=0 skips it). GPU_TESTS=<gtest filter> runs those GPU tests only (default Cuda*), suite
 # by suite with a time limit each (below); SERVE=0 skips the serving checks.
+# GPU_SANITIZE=<tool> (memcheck, racecheck, synccheck, initcheck) runs each suite under NVIDIA's
+# compute-sanitizer with that tool: any error it reports fails the suite (exit code 86), and the first
+# reports are shown; combine with SERVE=0 FORWARD=0 for a sanitizer-only run (docs/gpu.md).
 #   tools/gpu_check.sh [BIN_DIR]     (BIN_DIR holds sparrow and sparrow_tests; default build)
 # The binaries are built on the project machine (sm_90a); .devlibs/ carries the shared libraries the GPU
 # machine lacks (docs/gpu.md). Tests find the repo through the path compiled into them, so the repo is
@@ -21,26 +24,40 @@ compiled_root=$(strings "$BIN/sparrow_tests" | grep -m1 -o '^/.*/tests/cache_tes
 # Suite by suite, each under its own time limit (GPU_SUITE_TIMEOUT s, default 300) and with its own log
 # (LOG_DIR, default /tmp/gpu-tests), so that one slow or hung suite neither hides the others' results nor
 # loses its own output: one summary line per suite, and the end of the log of any that did not pass.
-echo "== GPU tests (${GPU_TESTS:-Cuda*}), suite by suite"
-log_dir="${LOG_DIR:-/tmp/gpu-tests}"
-mkdir -p "$log_dir"
+# GPU_JOBS=N runs N suites at once on the one GPU (default 1; the sanitizer's slowdown is mostly host work,
+# so a sanitizer run gains most from it).
+echo "== GPU tests (${GPU_TESTS:-Cuda*}), suite by suite${GPU_SANITIZE:+, under compute-sanitizer --tool $GPU_SANITIZE}"
+export BIN GPU_SUITE_TIMEOUT GPU_SANITIZE
+export LOG_DIR="${LOG_DIR:-/tmp/gpu-tests}"
+mkdir -p "$LOG_DIR"
 # "Suite.Test" per line for the tests the filter selects (gtest lists a suite, then its tests indented).
-tests=$("$BIN/sparrow_tests" --gtest_filter="${GPU_TESTS:-Cuda*}" --gtest_list_tests |
+export TESTS
+TESTS=$("$BIN/sparrow_tests" --gtest_filter="${GPU_TESTS:-Cuda*}" --gtest_list_tests |
   awk '/^[^ ]/ {suite = $1; next} {print suite $1}')
-for suite in $(sed 's/\..*//' <<< "$tests" | uniq); do
-  log="$log_dir/${suite//\//_}.log"
-  start=$SECONDS
-  filter=$(grep "^$suite\." <<< "$tests" | paste -sd: -)
-  timeout "${GPU_SUITE_TIMEOUT:-300}" stdbuf -oL "$BIN/sparrow_tests" --gtest_filter="$filter" > "$log" 2>&1
+# One suite: its summary line (and, unless it passed, the lines that say why); exit status 0 when it passed.
+run_suite() {
+  local suite=$1 start=$SECONDS rc summary
+  local log="$LOG_DIR/${suite//\//_}.log" filter
+  filter=$(grep "^$suite\." <<< "$TESTS" | paste -sd: -)
+  local sanitizer=()
+  [[ -n "${GPU_SANITIZE:-}" ]] && sanitizer=("$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+                                             --tool "$GPU_SANITIZE" --error-exitcode 86 --print-limit 10)
+  timeout "${GPU_SUITE_TIMEOUT:-300}" stdbuf -oL "${sanitizer[@]}" "$BIN/sparrow_tests" --gtest_filter="$filter" > "$log" 2>&1
   rc=$?
   summary=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ tests?' "$log" | head -3 | tr '\n' ' ')
+  local out
   case $rc in
-    0) echo "ok      $suite ($((SECONDS - start)) s) $summary" ;;
-    124) echo "TIMEOUT $suite after $((SECONDS - start)) s (last: $(grep -E '^\[ RUN' "$log" | tail -1))"; status=1 ;;
-    *) echo "FAILED  $suite ($((SECONDS - start)) s) $summary"; status=1 ;;
+    0) out="ok      $suite ($((SECONDS - start)) s) $summary" ;;
+    86) out="SANITIZER $suite ($((SECONDS - start)) s): $(grep -m1 'ERROR SUMMARY' "$log")" ;;
+    124) out="TIMEOUT $suite after $((SECONDS - start)) s (last: $(grep -E '^\[ RUN' "$log" | tail -1))" ;;
+    *) out="FAILED  $suite ($((SECONDS - start)) s) $summary" ;;
   esac
-  [[ $rc == 0 ]] || { grep -E '^\[  FAILED  \]|Failure|error' "$log" | head -20; tail -n 15 "$log"; }
-done
+  [[ $rc == 0 ]] || out+=$'\n'"$(grep -E '^\[  FAILED  \]|Failure|error|^=========' "$log" | head -30)"$'\n'"$(tail -n 15 "$log")"
+  echo "$out"  # one write, so that suites run at once do not interleave their lines
+  return $((rc != 0))
+}
+export -f run_suite
+sed 's/\..*//' <<< "$TESTS" | uniq | xargs -r -P "${GPU_JOBS:-1}" -I{} bash -c 'run_suite "$1"' _ {} || status=1
 
 # Serving on the device: a completion, a streamed sampled one, and the same prompt again (a prefix-cache
 # hit: for kimi_k3 the KDA state comes back from a snapshot) with /metrics after.
