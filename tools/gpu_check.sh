@@ -41,7 +41,7 @@ run_suite() {
   filter=$(grep "^$suite\." <<< "$TESTS" | paste -sd: -)
   local sanitizer=()
   [[ -n "${GPU_SANITIZE:-}" ]] && sanitizer=("$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
-                                             --tool "$GPU_SANITIZE" --error-exitcode 86 --print-limit 10)
+                                             --tool "$GPU_SANITIZE" --error-exitcode 86 --print-limit 10 --require-cuda-init no)
   timeout "${GPU_SUITE_TIMEOUT:-300}" stdbuf -oL "${sanitizer[@]}" "$BIN/sparrow_tests" --gtest_filter="$filter" > "$log" 2>&1
   rc=$?
   summary=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ tests?' "$log" | head -3 | tr '\n' ' ')
