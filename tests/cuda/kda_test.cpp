@@ -96,12 +96,12 @@ void cpu_delta(const DeltaProblem& p, int64_t row, int count, float* state, floa
 // per sequence is its count), as a prefill followed by decode steps would. Compares every launch's outputs and
 // the final states with delta_rule_recurrent over each sequence's whole run at once.
 void run_delta_case(const DeltaProblem& p, const std::vector<std::vector<int>>& steps, bool fused_qkv, bool normalize,
-                    std::mt19937_64& rng) {
+                    std::mt19937_64& rng, bool aligned_states = false) {
   const int H = p.H, D = p.D, S = int(p.counts.size());
   const int64_t P = int64_t(H) * D;
   std::string what = "H=" + std::to_string(H) + " D=" + std::to_string(D) + " counts=" + counts_str(p.counts) +
                      " launches=" + std::to_string(steps.size()) + (fused_qkv ? " qkv fused" : " qkv separate") +
-                     (normalize ? " l2norm in kernel" : "");
+                     (normalize ? " l2norm in kernel" : "") + (aligned_states ? " states 16-byte aligned" : "");
   SCOPED_TRACE(what);
 
   // Reference: each sequence's whole run at once.
@@ -111,7 +111,7 @@ void run_delta_case(const DeltaProblem& p, const std::vector<std::vector<int>>& 
     if (p.counts[s] > 0)
       cpu_delta(p, full_off[s], p.counts[s], ref_state.data() + size_t(s) * H * D * D, ref_out.data());
 
-  States states(S, P * D, rng);
+  States states(S, P * D, rng, aligned_states);
   for (int s = 0; s < S; ++s) states.upload(s, p.state0.data() + size_t(s) * H * D * D);
 
   std::vector<float> got_out(p.q.size(), NAN);
@@ -217,6 +217,37 @@ TEST(CudaKda, DeltaRulePrefillThenDecodeEqualsOneRun) {
       split[2][s] = counts[s] - sum;
     }
     run_delta_case(p, split, true, true, rng);
+  }
+}
+
+// Launches in which no sequence has more than one row (decode steps) take kda_delta_rule's decode kernel
+// (chosen by max_count == 1). Several steps in a row, each continuing the states the previous one left, at
+// odd batch sizes and head counts, some sequences idle in some steps (their states must stay as they are),
+// the states 16-byte aligned (16-byte loads) or not (mixed: 4-byte loads where a state is not).
+TEST(CudaKda, DeltaRuleDecodeStepsMatchRecurrentReference) {
+  SPARROW_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  std::mt19937_64 rng(seed);
+  struct Shape {
+    int H, S;
+  };
+  for (const int D : {16, 32, 64, 128}) {
+    std::vector<Shape> shapes = {{1, 1}, {3, 7}, {5, 33}, {12, 130}};
+    if (D == 128) shapes.push_back({96, 3});
+    for (const Shape& shape : shapes) {
+      constexpr int kSteps = 3;
+      std::vector<std::vector<int>> steps(kSteps, std::vector<int>(shape.S, 1));
+      for (auto& step : steps)
+        for (int& c : step)
+          if (shape.S > 1 && rng() % 5 == 0) c = 0;  // idle this step
+      std::vector<int> counts(shape.S, 0);
+      for (const auto& step : steps)
+        for (int s = 0; s < shape.S; ++s) counts[s] += step[s];
+      const DeltaProblem p = make_delta_problem(shape.H, D, counts, rng);
+      for (const bool aligned : {true, false}) run_delta_case(p, steps, rng() % 2 == 0, rng() % 2 == 0, rng, aligned);
+    }
   }
 }
 

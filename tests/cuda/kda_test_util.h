@@ -32,27 +32,37 @@ inline std::vector<int32_t> offsets_of(const std::vector<int>& counts) {
 }
 
 // Per-sequence state slots of `size` floats (plus gaps) in one device allocation in a shuffled order, the
-// state `offset` bytes into its slot (not 8-byte aligned), reached through a device array of slot
-// pointers: what a cache's slots look like to the kernels.
+// state `offset` bytes into its slot, reached through a device array of slot pointers: what a cache's slots
+// look like to the kernels. By default the offset is 12 bytes and slots lie size + 7 floats apart, so
+// states are not 8-byte aligned and only some are 16-byte aligned; `aligned` puts every state on a 16-byte
+// boundary, as the cache does (planner.h), which the decode kernel's 16-byte loads want.
 struct KdaSlotStates {
-  static constexpr int64_t kOffsetFloats = 3;
-  static constexpr int64_t offset = kOffsetFloats * sizeof(float);
+  int64_t offset;  // bytes
   int64_t size;
   std::vector<int64_t> at;  // float offset of sequence s's state
   DeviceArray<float> pool;
   DeviceArray<uint8_t*> pointers;
-  KdaSlotStates(int num_seqs, int64_t state_size, std::mt19937_64& rng)
-      : size(state_size), at(num_seqs), pool(size_t((num_seqs + 2) * (state_size + 7))), pointers(size_t(num_seqs)) {
+  KdaSlotStates(int num_seqs, int64_t state_size, std::mt19937_64& rng, bool aligned = false)
+      : offset(int64_t(sizeof(float)) * (aligned ? 4 : 3)),
+        size(state_size),
+        at(num_seqs),
+        pool(size_t((num_seqs + 2) * stride_of(state_size, aligned))),
+        pointers(size_t(num_seqs)) {
+    const int64_t stride = stride_of(state_size, aligned);
     std::vector<int64_t> slots(num_seqs + 2);
     for (size_t i = 0; i < slots.size(); ++i) slots[i] = int64_t(i);
     std::shuffle(slots.begin(), slots.end(), rng);
     std::vector<uint8_t*> ptrs(num_seqs);
     for (int s = 0; s < num_seqs; ++s) {
-      at[s] = slots[s] * (state_size + 7) + kOffsetFloats;
-      ptrs[s] = reinterpret_cast<uint8_t*>(pool.ptr + slots[s] * (state_size + 7));
+      at[s] = slots[s] * stride + offset / int64_t(sizeof(float));
+      ptrs[s] = reinterpret_cast<uint8_t*>(pool.ptr + slots[s] * stride);
     }
     pool.poison();
     pointers.upload(ptrs);
+  }
+  // Floats from one slot to the next: the state, its offset and a gap (a multiple of 4 when aligned).
+  static int64_t stride_of(int64_t state_size, bool aligned) {
+    return aligned ? (state_size + 8 + 3) / 4 * 4 : state_size + 7;
   }
   // The launch's sequences: the rows of `offsets` ([S + 1], consecutive ranges).
   cuda::KdaSequences seqs(const DeviceArray<int32_t>& offsets, int64_t max_count) const {

@@ -4,7 +4,9 @@
 // Decode (kda_delta_rule, one token per sequence). Bytes (minimum HBM traffic): each sequence's state
 // [heads, 128, 128] fp32 read and written once (2 x 64 KB per head), plus q, k, v, g (fp32 [heads, 128]
 // each), beta and the output. FLOPs: per token and head, the decay, S^T k, the rank-1 update and S^T q:
-// about 4 * 128 * 128 multiply-adds (8 * 128^2 FLOPs).
+// about 4 * 128 * 128 multiply-adds (8 * 128^2 FLOPs). Beside it, on the same rows: the token-serial kernel
+// (impl "sparrow-token_serial", what decode ran before the decode kernel) and a cudaMemcpyAsync of the states
+// alone (impl "cudaMemcpyAsync", bytes = the state read and written: the bandwidth ceiling at that size).
 //
 // Prefill (one sequence of 8K, 32K, 128K tokens, and 8 sequences of 8K): kda_delta_rule_chunked (impl
 // "sparrow") and, at 8K, the token-serial kda_delta_rule (impl "sparrow-token_serial") on the same inputs.
@@ -157,18 +159,50 @@ void bench_kda(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
       SPARROW_CUDA_CHECK(cudaMalloc(&d_offsets, (batch + 1) * sizeof(int32_t)));
       SPARROW_CUDA_CHECK(cudaMemcpy(d_ptrs, state_ptrs.data(), batch * sizeof(float*), cudaMemcpyHostToDevice));
       SPARROW_CUDA_CHECK(cudaMemcpy(d_offsets, offsets.data(), (batch + 1) * sizeof(int32_t), cudaMemcpyHostToDevice));
-      auto launch = [&](cudaStream_t s) {
-        const KdaSequences seqs{d_offsets, d_offsets + 1, reinterpret_cast<uint8_t* const*>(d_ptrs), batch, 1};
-        kda_delta_rule(qkv, qkv + width, qkv + 2 * width, 3 * width, g, beta, out, heads, kHeadDim, true, seqs, 0, s);
+      // max_count 1 takes the decode kernel; max_count 2 (the same rows) the token-serial one, for comparison.
+      auto launch_with = [&](int64_t max_count) {
+        return [=](cudaStream_t s) {
+          const KdaSequences seqs{d_offsets, d_offsets + 1, reinterpret_cast<uint8_t* const*>(d_ptrs), batch,
+                                  max_count};
+          kda_delta_rule(qkv, qkv + width, qkv + 2 * width, 3 * width, g, beta, out, heads, kHeadDim, true, seqs, 0,
+                         s);
+        };
       };
+      const std::string shape =
+          "kimi_k3.1_pro heads=" + std::to_string(heads) + " d=128 decode batch=" + std::to_string(batch);
+      const double bytes = double(batch) * state_floats * 4 * 2 + double(tokens) * (5 * width + heads) * 4;
+      const double flops = 8.0 * kHeadDim * kHeadDim * heads * double(tokens);
       KernelBenchRow row;
       row.kernel = "kda_delta_rule";
-      row.shape = "kimi_k3.1_pro heads=" + std::to_string(heads) + " d=128 decode batch=" + std::to_string(batch);
-      row.median_us = median_launch_us(launch, stream, options.iterations);
-      row.bytes = double(batch) * state_floats * 4 * 2 + double(tokens) * (5 * width + heads) * 4;
-      row.flops = 8.0 * kHeadDim * kHeadDim * heads * double(tokens);
-      row.note = "fp32 state in registers, one CTA per (sequence, head, 32 value columns)";
+      row.shape = shape;
+      row.median_us = median_launch_us(launch_with(1), stream, options.iterations);
+      row.bytes = bytes;
+      row.flops = flops;
+      row.note = "decode kernel: fp32 state slice in registers, 16-byte loads issued first";
       rows.push_back(row);
+      if (!options.quick) {
+        KernelBenchRow srow = row;
+        srow.impl = "sparrow-token_serial";
+        srow.median_us = median_launch_us(launch_with(2), stream, options.iterations);
+        srow.note = "the token-serial kda_delta_rule on the same rows (what decode ran before)";
+        rows.push_back(srow);
+        // The copy ceiling at this size: the state's bytes read and written by cudaMemcpyAsync, nothing else.
+        float* copy = nullptr;
+        SPARROW_CUDA_CHECK(cudaMalloc(&copy, size_t(batch) * state_floats * sizeof(float)));
+        KernelBenchRow crow = row;
+        crow.impl = "cudaMemcpyAsync";
+        crow.median_us = median_launch_us(
+            [&](cudaStream_t s) {
+              SPARROW_CUDA_CHECK(cudaMemcpyAsync(copy, states, size_t(batch) * state_floats * sizeof(float),
+                                                 cudaMemcpyDeviceToDevice, s));
+            },
+            stream, options.iterations);
+        crow.bytes = double(batch) * state_floats * 4 * 2;
+        crow.flops = 0;
+        crow.note = "device-to-device copy of the states alone (the bandwidth ceiling at this size)";
+        rows.push_back(crow);
+        SPARROW_CUDA_CHECK(cudaFree(copy));
+      }
       SPARROW_CUDA_CHECK(cudaFree(qkv));
       SPARROW_CUDA_CHECK(cudaFree(g));
       SPARROW_CUDA_CHECK(cudaFree(beta));

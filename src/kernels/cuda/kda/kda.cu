@@ -210,6 +210,176 @@ void launch_delta_rule(const float* q, const float* k, const float* v, int64_t q
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
+// ---- delta rule, decode --------------------------------------------------------------------------
+// A launch where no sequence has more than one row (decode). Per (sequence, head) the step is then one
+// pass over the state: read once, decayed, reduced, updated, written once. That is a copy with a
+// reduction in the middle, and it runs at HBM speed only if most of the time many state bytes are in
+// flight on every SM, which the token-serial kernel above does not arrange (at D = 128 it keeps 48 KB of
+// state per SM in flight, in 4-byte loads issued behind two dependent pointer loads: 57-61% of HBM).
+// Here the state loads come first: block = (VC value columns, head, sequence), W warps; lane c4 = lane % LC
+// (LC = VC / 4) holds the 4 columns j0 + 4 c4 .. +3 of rows row0 + r * ROWSTEP, r < R, so each thread
+// issues R independent 16-byte loads (a warp's load covers RG = 32 / LC row segments of 16 LC contiguous
+// bytes) before anything that waits. Meanwhile warp 0 stages the token's normalised q, k and exp(g) in
+// shared memory; one barrier, the decay and both dot products over the thread's rows, a shuffle over the
+// warp's row groups, a second barrier to sum the warps' partial sums, then the rank-1 update, the output
+// and the write-back. The order of operations per element is delta_rule_kernel's.
+// The state loads are 16 bytes wide when the state is 16-byte aligned (slots and state offsets in the
+// cache are: planner.h); otherwise (the header promises nothing) each is four 4-byte loads, the same
+// arithmetic. The branch is uniform over the block.
+template <int D, int VC, int W, int MIN_BLOCKS>
+__global__ void __launch_bounds__(32 * W, MIN_BLOCKS)
+    delta_rule_decode_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                             int64_t qkv_stride, const float* __restrict__ log_decay, const float* __restrict__ beta,
+                             float* __restrict__ out, int heads, bool normalize_qk, KdaSequences seqs,
+                             int64_t state_offset) {
+  constexpr int LC = VC / 4, RG = 32 / LC, ROWSTEP = W * RG, R = D / ROWSTEP, PER = (D + 31) / 32;
+  static_assert(VC % 4 == 0 && 32 % LC == 0 && D % VC == 0 && D % ROWSTEP == 0 && R >= 1, "decode tiling");
+  __shared__ float sq[D], sk[D], seg[D];
+  __shared__ float sqk;
+  __shared__ float4 red[2][W][LC];  // per warp: partial S_d^T k and S_d^T q of the slice's columns
+
+  const int seq = blockIdx.z, h = blockIdx.y, j0 = blockIdx.x * VC;
+  // Three independent loads (one latency), not begin -> slot -> state one after the other.
+  const int32_t row32 = seqs.begin[seq], end32 = seqs.end[seq];
+  uint8_t* const slot = seqs.slots[seq];
+  if (end32 <= row32) return;  // no row this launch: the state stays as it is
+  const int64_t row = row32, P = int64_t(heads) * D;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, c4 = lane % LC, rsub = lane / LC;
+  const int row0 = warp * RG + rsub;
+
+  float* const S = reinterpret_cast<float*>(slot + state_offset) + int64_t(h) * D * D + j0 + 4 * c4;
+  const bool vec = (reinterpret_cast<uintptr_t>(S) & 15) == 0;  // j0 + 4 c4 is a multiple of 4: uniform
+  float4 s[R];
+  if (vec) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = *reinterpret_cast<const float4*>(S + (row0 + r * ROWSTEP) * D);
+  } else {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float* p = S + (row0 + r * ROWSTEP) * D;
+      s[r] = make_float4(p[0], p[1], p[2], p[3]);
+    }
+  }
+  const float* vp = v + row * qkv_stride + h * D + j0 + 4 * c4;
+  const float v0 = vp[0], v1 = vp[1], v2 = vp[2], v3 = vp[3];
+  const float b = beta[row * heads + h];
+
+  if (warp == 0) {
+    // The token's q and k (lane holds d = lane + 32 i), the optional L2 norms (kda.cpp l2_normalize:
+    // x / sqrt(sum x^2 + 1e-6), q also times D^-1/2), then q.k, as delta_rule_kernel stages them.
+    float qv[PER], kv[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int d = lane + 32 * i;
+      const bool in = d < D;
+      qv[i] = in ? q[row * qkv_stride + h * D + d] : 0.0f;
+      kv[i] = in ? k[row * qkv_stride + h * D + d] : 0.0f;
+      if (in) seg[d] = expf(log_decay[row * P + h * D + d]);
+    }
+    if (normalize_qk) {
+      float qq = 0.0f, kk = 0.0f;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        qq = fmaf(qv[i], qv[i], qq);
+        kk = fmaf(kv[i], kv[i], kk);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        qq += __shfl_xor_sync(0xffffffffu, qq, o);
+        kk += __shfl_xor_sync(0xffffffffu, kk, o);
+      }
+      const float q_inv = 1.0f / sqrtf(qq + 1e-6f), k_inv = 1.0f / sqrtf(kk + 1e-6f);
+      const float q_scale = float(1.0 / sqrt(double(D)));  // as KdaMixer's q_scale, rounded once
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        qv[i] = qv[i] * q_inv * q_scale;
+        kv[i] = kv[i] * k_inv;
+      }
+    }
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int d = lane + 32 * i;
+      if (d < D) {
+        sq[d] = qv[i];
+        sk[d] = kv[i];
+      }
+      acc = fmaf(qv[i], kv[i], acc);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) sqk = acc;
+  }
+  __syncthreads();
+
+  float4 ks = make_float4(0.0f, 0.0f, 0.0f, 0.0f), qs = ks;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int i = row0 + r * ROWSTEP;
+    const float e = seg[i], ki = sk[i], qi = sq[i];
+    s[r].x *= e, s[r].y *= e, s[r].z *= e, s[r].w *= e;
+    ks.x = fmaf(ki, s[r].x, ks.x), ks.y = fmaf(ki, s[r].y, ks.y), ks.z = fmaf(ki, s[r].z, ks.z);
+    ks.w = fmaf(ki, s[r].w, ks.w);
+    qs.x = fmaf(qi, s[r].x, qs.x), qs.y = fmaf(qi, s[r].y, qs.y), qs.z = fmaf(qi, s[r].z, qs.z);
+    qs.w = fmaf(qi, s[r].w, qs.w);
+  }
+#pragma unroll
+  for (int o = LC; o < 32; o <<= 1) {
+    ks.x += __shfl_xor_sync(0xffffffffu, ks.x, o), ks.y += __shfl_xor_sync(0xffffffffu, ks.y, o);
+    ks.z += __shfl_xor_sync(0xffffffffu, ks.z, o), ks.w += __shfl_xor_sync(0xffffffffu, ks.w, o);
+    qs.x += __shfl_xor_sync(0xffffffffu, qs.x, o), qs.y += __shfl_xor_sync(0xffffffffu, qs.y, o);
+    qs.z += __shfl_xor_sync(0xffffffffu, qs.z, o), qs.w += __shfl_xor_sync(0xffffffffu, qs.w, o);
+  }
+  if (rsub == 0) {
+    red[0][warp][c4] = ks;
+    red[1][warp][c4] = qs;
+  }
+  __syncthreads();
+  float4 KS = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int w = 0; w < W; ++w) {
+    const float4 x = red[0][w][c4];
+    KS.x += x.x, KS.y += x.y, KS.z += x.z, KS.w += x.w;
+  }
+  const float u0 = b * (v0 - KS.x), u1 = b * (v1 - KS.y), u2 = b * (v2 - KS.z), u3 = b * (v3 - KS.w);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float ki = sk[row0 + r * ROWSTEP];
+    s[r].x = fmaf(ki, u0, s[r].x), s[r].y = fmaf(ki, u1, s[r].y);
+    s[r].z = fmaf(ki, u2, s[r].z), s[r].w = fmaf(ki, u3, s[r].w);
+  }
+  if (vec) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) *reinterpret_cast<float4*>(S + (row0 + r * ROWSTEP) * D) = s[r];
+  } else {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float* p = S + (row0 + r * ROWSTEP) * D;
+      p[0] = s[r].x, p[1] = s[r].y, p[2] = s[r].z, p[3] = s[r].w;
+    }
+  }
+  if (warp == 0 && rsub == 0) {
+    float4 QS = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float4 x = red[1][w][c4];
+      QS.x += x.x, QS.y += x.y, QS.z += x.z, QS.w += x.w;
+    }
+    float* o = out + row * P + h * D + j0 + 4 * c4;
+    o[0] = fmaf(sqk, u0, QS.x), o[1] = fmaf(sqk, u1, QS.y), o[2] = fmaf(sqk, u2, QS.z), o[3] = fmaf(sqk, u3, QS.w);
+  }
+}
+
+template <int D, int VC, int W, int MIN_BLOCKS>
+void launch_delta_rule_decode(const float* q, const float* k, const float* v, int64_t qkv_stride,
+                              const float* log_decay, const float* beta, float* out, int heads, bool normalize_qk,
+                              const KdaSequences& seqs, int64_t state_offset, cudaStream_t stream) {
+  const dim3 grid(D / VC, heads, seqs.num_seqs);
+  delta_rule_decode_kernel<D, VC, W, MIN_BLOCKS><<<grid, 32 * W, 0, stream>>>(
+      q, k, v, qkv_stride, log_decay, beta, out, heads, normalize_qk, seqs, state_offset);
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
 // ---- gated output norm ---------------------------------------------------------------------------
 // One warp per (row, head); the sum of squares in double as cpu::rms_normalize, then x * inv * w * gate,
 // each product rounded as the CPU rounds it.
@@ -301,7 +471,35 @@ void kda_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_
                 " heads, ", num_seqs, " sequences");
   SPARROW_CHECK(qkv_stride >= int64_t(heads) * head_dim, "kda_delta_rule: row stride ", qkv_stride,
                 " below heads * head_dim");
-  if (num_seqs == 0) return;
+  if (num_seqs == 0 || seqs.max_count == 0) return;  // max_count bounds every count: no rows at all
+  if (seqs.max_count == 1) {
+    // Decode (no sequence has more than one row): the state-streaming kernel. At D = 128, 64 value columns
+    // and 8 warps: 8 rows x 4 columns of state per thread, 80 registers, 3 blocks (24 warps, 96 KB of
+    // state) per SM. Measured on the H200 (bench/results/kernels.md) against 128 x 128 and 128 x 32
+    // slices and 16 rows per thread, which ran the same or slower; capping registers at 64 for 32 warps
+    // per SM spilled and ran 10-30% slower.
+#define SPARROW_KDA_DECODE(D, VC, W, MINB)                                                                           \
+  launch_delta_rule_decode<D, VC, W, MINB>(q, k, v, qkv_stride, log_decay, beta, out, heads, normalize_qk, seqs, \
+                                           state_offset, stream)
+    switch (head_dim) {
+      case 16:
+        SPARROW_KDA_DECODE(16, 16, 2, 8);
+        break;
+      case 32:
+        SPARROW_KDA_DECODE(32, 32, 2, 8);
+        break;
+      case 64:
+        SPARROW_KDA_DECODE(64, 64, 4, 6);
+        break;
+      case 128:
+        SPARROW_KDA_DECODE(128, 64, 8, 3);
+        break;
+      default:
+        fail("kda_delta_rule: head_dim ", head_dim, " not one of 16, 32, 64, 128");
+    }
+#undef SPARROW_KDA_DECODE
+    return;
+  }
   // Value slices of 32 columns; when the (sequence, head) pairs alone leave most of the 132 SMs idle,
   // slices of 16 (twice the blocks, half the state per thread: a shorter per-token chain).
   int device = 0, sms = 132;

@@ -58,8 +58,10 @@ void kda_gates(const float* f, const float* dt_bias, const float* A_log, const f
 //             x / sqrt(sum x^2 + 1e-6), and q *= D^-1/2, on the fly (q, k in memory are not changed)
 //   log_decay [T, heads * D] (g <= 0), beta [T, heads], out [T, heads * D]
 //   head_dim  D in {16, 32, 64, 128}
-// Exact for any count (decode: one row per sequence; prefill: many); one block per (sequence, head,
-// slice of 32 value columns) walks the sequence's rows, the state slice held in registers.
+// Exact for any count (decode: one row per sequence; prefill: many). When seqs.max_count is 1 (decode),
+// a kernel that streams each state once (one block per sequence, head and 64 value columns, the slice
+// loaded into registers with 16-byte loads when the state is 16-byte aligned); otherwise one block per
+// (sequence, head, slice of 32 value columns) walks the sequence's rows, the state slice held in registers.
 void kda_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* log_decay,
                     const float* beta, float* out, int heads, int head_dim, bool normalize_qk,
                     const KdaSequences& seqs, int64_t state_offset, cudaStream_t stream);
