@@ -40,10 +40,10 @@ fs::path scratch_dir() {
   return dir;
 }
 
-CommandResult run(const std::string& args) {
+// `command` through the shell, its output captured.
+CommandResult run_command(const std::string& command) {
   fs::path dir = scratch_dir();
-  std::string cmd = std::string(SPARROW_BINARY) + " " + args + " >" + (dir / "out").string() + " 2>" +
-                    (dir / "err").string();
+  std::string cmd = command + " >" + (dir / "out").string() + " 2>" + (dir / "err").string();
   int rc = std::system(cmd.c_str());
   CommandResult r;
   r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
@@ -51,6 +51,8 @@ CommandResult run(const std::string& args) {
   r.err = slurp(dir / "err");
   return r;
 }
+
+CommandResult run(const std::string& args) { return run_command(std::string(SPARROW_BINARY) + " " + args); }
 
 const fs::path kFixture = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/deepseek_v32";
 
@@ -200,3 +202,17 @@ TEST(Cli, BadInputGivesOneLineErrors) {
                             (kFixture / "prompts.json").string() + " --out " + (dir / "x.safetensors").string()),
                         "unknown device 'tpu'");
 }
+
+TEST(Cli, ServeRejectsBadHttpFlagsBeforeLoading) {
+  // The flags are checked before the model is looked for (which would fail too, with another message).
+  auto serve = [](const std::string& flags) { return run("serve /nonexistent/model " + flags); };
+  expect_one_line_error(serve("--port 99999"), "--port must be in 0-65535 (got 99999)");
+  expect_one_line_error(serve("--port -1"), "--port must be in 0-65535");
+  expect_one_line_error(serve("--http-header-timeout -1"), "--http-header-timeout must be more than 0");
+  expect_one_line_error(serve("--http-request-timeout 0"), "--http-request-timeout must be more than 0");
+  expect_one_line_error(serve("--http-keep-alive-timeout -5"), "--http-keep-alive-timeout must be 0 or more");
+  expect_one_line_error(serve("--http-max-connections 0"), "--http-max-connections");
+  expect_one_line_error(serve("--max-queued-requests -1"), "--max-queued-requests");
+  expect_one_line_error(serve("--http-max-body-size 12XB"), "--http-max-body-size");
+}
+
