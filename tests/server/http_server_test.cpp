@@ -510,11 +510,13 @@ TEST(HttpServerLive, ConnectionCapRefusesWhenEveryConnectionIsAnswering) {
 
 TEST(HttpServerLive, AClientThatGoesAwayEndsItsAnswerAtOnce) {
   std::promise<std::pair<bool, Clock::time_point>> ended;
+  std::mutex kept_mutex;
   std::shared_ptr<Responder> kept;
   LiveServer live({}, [&](HttpServer& server) {
     server.route("POST", "/forever", [&](const Request&, const Responder& responder) {
       responder.start_stream({200, "text/event-stream", {}, "started"});
       responder.on_done([&](bool delivered) { ended.set_value({delivered, Clock::now()}); });
+      std::lock_guard<std::mutex> lock(kept_mutex);
       kept = std::make_shared<Responder>(responder);  // never ends by itself
     });
   });
@@ -528,6 +530,7 @@ TEST(HttpServerLive, AClientThatGoesAwayEndsItsAnswerAtOnce) {
   auto [delivered, when] = future.get();
   EXPECT_FALSE(delivered);
   EXPECT_LT(when - gone, 500ms);
+  std::lock_guard<std::mutex> lock(kept_mutex);
   kept->write("late");  // harmless after the end
   kept->end();
 }
