@@ -311,6 +311,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Feeds the parser what has arrived; answers or reads on.
   void parse() {
     while (phase_ == Phase::Reading) {
+      if (!parser_->got_some()) {  // RFC 9112 section 2.2: empty lines before a request line are ignored
+        auto bytes = static_cast<const char*>(input_.data().data());
+        size_t blank = 0;
+        while (blank < input_.size() && (bytes[blank] == '\r' || bytes[blank] == '\n')) ++blank;
+        input_.consume(blank);
+        if (input_.size() == 0) break;
+      }
       error_code ec;
       size_t used = parser_->put(input_.data(), ec);
       // Without eager parsing, the call that completes the header section consumes exactly it.
