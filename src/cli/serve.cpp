@@ -282,7 +282,7 @@ void add_serve(CLI::App& app) {
                   "connection's first request: from the connection's opening); then 408 and close")
       ->capture_default_str();
   sub->add_option("--http-request-timeout", f.http_request_timeout,
-                  "seconds a whole request (body included) may take to arrive, and a write to the client may stall")
+                  "seconds a whole request (body included) may take to arrive, and a write to the client to complete")
       ->capture_default_str();
   sub->add_option("--http-keep-alive-timeout", f.http_keep_alive_timeout,
                   "seconds an idle keep-alive connection stays open (0: one request per connection)")

@@ -249,7 +249,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
         close();
         break;
       }
-      case Phase::Answering:  // a write made no progress: the client stopped reading
+      case Phase::Answering:  // a write did not complete: the client stopped reading
       case Phase::Idle:       // keep-alive timeout
       case Phase::Lingering:
         close();
@@ -484,8 +484,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
     }
     writing_ = true;
     sending_ = std::exchange(outbox_, std::string());
-    // A client that stops reading holds its answer; it is dropped when a write makes no progress for as
-    // long as a whole request may take.
+    // A client that stops reading holds its answer; it is dropped when a write does not complete within
+    // as long as a whole request may take.
     if (phase_ == Phase::Answering) arm(Clock::now() + server_.config.request_timeout);
     asio::async_write(socket_, asio::buffer(sending_),
                       [self = shared_from_this()](error_code ec, size_t) { self->on_written(ec); });

@@ -23,7 +23,7 @@
 // - At most `max_connections` are open (connection_table.h says which one a newcomer replaces).
 // - While a request is answered the connection keeps reading: a client that closes its end or resets
 //   the connection ends the answer at once (Responder::on_done says so), as does a failed write or a
-//   write that makes no progress within `request_timeout`.
+//   write that does not complete within `request_timeout`.
 #pragma once
 #include <chrono>
 #include <cstddef>
