@@ -40,10 +40,10 @@ fs::path scratch_dir() {
   return dir;
 }
 
-// `command` through the shell, its output captured.
-CommandResult run_command(const std::string& command) {
+CommandResult run(const std::string& args) {
   fs::path dir = scratch_dir();
-  std::string cmd = command + " >" + (dir / "out").string() + " 2>" + (dir / "err").string();
+  std::string cmd = std::string(SPARROW_BINARY) + " " + args + " >" + (dir / "out").string() + " 2>" +
+                    (dir / "err").string();
   int rc = std::system(cmd.c_str());
   CommandResult r;
   r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
@@ -51,8 +51,6 @@ CommandResult run_command(const std::string& command) {
   r.err = slurp(dir / "err");
   return r;
 }
-
-CommandResult run(const std::string& args) { return run_command(std::string(SPARROW_BINARY) + " " + args); }
 
 const fs::path kFixture = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/deepseek_v32";
 
@@ -215,4 +213,3 @@ TEST(Cli, ServeRejectsBadHttpFlagsBeforeLoading) {
   expect_one_line_error(serve("--max-queued-requests -1"), "--max-queued-requests");
   expect_one_line_error(serve("--http-max-body-size 12XB"), "--http-max-body-size");
 }
-
