@@ -8,7 +8,7 @@ cd "$(dirname "$0")"
 BUILD=${SPARROW_BUILD_DIR:-build}
 
 # Debian packages the build and tests need (see docs/ARCHITECTURE.md, "Dependencies").
-PACKAGES=(cmake ninja-build g++ pkg-config libopenblas-dev nlohmann-json3-dev libcli11-dev libgtest-dev libpcre2-dev libxxhash-dev libcpp-httplib-dev curl)
+PACKAGES=(cmake ninja-build g++ pkg-config libopenblas-dev nlohmann-json3-dev libcli11-dev libgtest-dev libpcre2-dev libxxhash-dev libcpp-httplib-dev libboost-dev curl)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -200,3 +200,16 @@ TEST(Cli, BadInputGivesOneLineErrors) {
                             (kFixture / "prompts.json").string() + " --out " + (dir / "x.safetensors").string()),
                         "unknown device 'tpu'");
 }
+
+TEST(Cli, ServeRejectsBadHttpFlagsBeforeLoading) {
+  // The flags are checked before the model is looked for (which would fail too, with another message).
+  auto serve = [](const std::string& flags) { return run("serve /nonexistent/model " + flags); };
+  expect_one_line_error(serve("--port 99999"), "--port must be in 0-65535 (got 99999)");
+  expect_one_line_error(serve("--port -1"), "--port must be in 0-65535");
+  expect_one_line_error(serve("--http-header-timeout -1"), "--http-header-timeout must be more than 0");
+  expect_one_line_error(serve("--http-request-timeout 0"), "--http-request-timeout must be more than 0");
+  expect_one_line_error(serve("--http-keep-alive-timeout -5"), "--http-keep-alive-timeout must be 0 or more");
+  expect_one_line_error(serve("--http-max-connections 0"), "--http-max-connections");
+  expect_one_line_error(serve("--max-queued-requests -1"), "--max-queued-requests");
+  expect_one_line_error(serve("--http-max-body-size 12XB"), "--http-max-body-size");
+}

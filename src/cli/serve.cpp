@@ -30,14 +30,14 @@ namespace fs = std::filesystem;
 namespace {
 
 // "4GiB", "512MiB", "1.5GB", "100000": K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti powers of 1024; a
-// trailing "B" is optional.
-int64_t parse_byte_size(const std::string& text) {
+// trailing "B" is optional. `flag` names the flag in errors.
+int64_t parse_byte_size(const std::string& flag, const std::string& text) {
   size_t used = 0;
   double value = 0;
   try {
     value = std::stod(text, &used);
   } catch (const std::exception&) {
-    fail("--kv-cache-memory: '", text, "' is not a size (e.g. 4GiB, 512MiB, 2000000000)");
+    fail(flag, ": '", text, "' is not a size (e.g. 4GiB, 512MiB, 2000000000)");
   }
   std::string unit = text.substr(used);
   if (!unit.empty() && (unit.back() == 'B' || unit.back() == 'b')) unit.pop_back();
@@ -46,11 +46,11 @@ int64_t parse_byte_size(const std::string& text) {
   if (!unit.empty()) {
     size_t power = prefixes.find(char(std::toupper(unit[0])));
     bool binary = unit.size() == 2 && (unit[1] == 'i' || unit[1] == 'I');
-    SPARROW_CHECK(power != std::string::npos && (unit.size() == 1 || binary), "--kv-cache-memory: unknown unit in '",
-                  text, "' (use K, M, G, T, Ki, Mi, Gi or Ti, with or without B)");
+    SPARROW_CHECK(power != std::string::npos && (unit.size() == 1 || binary), flag, ": unknown unit in '", text,
+                  "' (use K, M, G, T, Ki, Mi, Gi or Ti, with or without B)");
     scale = std::pow(binary ? 1024.0 : 1000.0, double(power + 1));
   }
-  SPARROW_CHECK(value > 0, "--kv-cache-memory must be positive");
+  SPARROW_CHECK(value > 0, flag, " must be positive");
   return int64_t(value * scale);
 }
 
@@ -84,9 +84,13 @@ void apply_generation_config(const std::string& mode, const std::string& model_d
 struct ServeFlags {
   std::string model, host = "127.0.0.1", api_key, tool_call_parser, reasoning_parser, chat_template;
   std::vector<std::string> served_model_names;
-  int port = 8000;
+  int64_t port = 8000;
   int64_t max_model_len = 0, block_size = 64, max_num_seqs = 64, max_num_batched_tokens = 2048;
-  int64_t max_logprobs = kMaxLogprobs, max_concurrent_requests = 256;
+  int64_t max_logprobs = kMaxLogprobs, max_queued_requests = 1024;
+  // The HTTP layer's limits (server/http/http_server.h).
+  double http_header_timeout = 10, http_request_timeout = 60, http_keep_alive_timeout = 5;
+  int64_t http_max_connections = 1024;
+  std::string http_max_body_size = "32MiB";
   std::string kv_cache_dtype = "auto", attention_config, kv_cache_memory, generation_config = "auto", device = "cpu";
   double gpu_memory_utilization = 0;
   bool enable_auto_tool_choice = false, prefix_caching = true;
@@ -103,7 +107,36 @@ extern "C" void on_stop_signal(int signal) {
   [[maybe_unused]] ssize_t written = write(stop_pipe[1], &byte, 1);
 }
 
+// The HTTP flags, checked before the model loads: a mistake is one line at once, not after minutes.
+server::ServerConfig server_config_from(const ServeFlags& flags) {
+  SPARROW_CHECK(flags.port >= 0 && flags.port <= 65535, "--port must be in 0-65535 (got ", flags.port, ")");
+  auto duration = [](const char* flag, double seconds, bool zero_allowed) {
+    SPARROW_CHECK(std::isfinite(seconds) && seconds < 1e9 && (seconds > 0 || (zero_allowed && seconds == 0)), flag, " must be ",
+                  zero_allowed ? "0 or more" : "more than 0", " seconds (got ", seconds, ")");
+    return std::chrono::milliseconds(std::max<int64_t>(std::llround(seconds * 1000), seconds > 0 ? 1 : 0));
+  };
+  SPARROW_CHECK(flags.http_max_connections >= 1, "--http-max-connections must be at least 1");
+  SPARROW_CHECK(flags.max_queued_requests >= 0, "--max-queued-requests must be 0 or more");
+  server::ServerConfig config;
+  config.http.host = flags.host;
+  config.http.port = int(flags.port);
+  config.http.header_timeout = duration("--http-header-timeout", flags.http_header_timeout, false);
+  config.http.request_timeout = duration("--http-request-timeout", flags.http_request_timeout, false);
+  config.http.keep_alive_timeout = duration("--http-keep-alive-timeout", flags.http_keep_alive_timeout, true);
+  config.http.max_connections = size_t(flags.http_max_connections);
+  config.http.max_body_bytes = size_t(parse_byte_size("--http-max-body-size", flags.http_max_body_size));
+  config.http.log_requests = !flags.disable_log_requests;
+  if (!flags.api_key.empty())
+    config.api_key = flags.api_key;
+  else if (const char* key = std::getenv("SPARROW_API_KEY"); key && *key)
+    config.api_key = key;
+  config.max_num_seqs = flags.max_num_seqs;
+  config.max_queued_requests = flags.max_queued_requests;
+  return config;
+}
+
 void serve(const ServeFlags& flags) {
+  server::ServerConfig server_config = server_config_from(flags);
   std::string model_dir = flags.model.empty() ? default_model_dir() : flags.model;
   SPARROW_CHECK(flags.block_size == 64 || flags.block_size == 128 || flags.block_size == 256,
                 "--block-size must be 64, 128 or 256");
@@ -115,7 +148,7 @@ void serve(const ServeFlags& flags) {
   apply_cache_format_flags(flags.kv_cache_dtype, flags.attention_config, config.cache);
   config.cache.max_num_seqs = flags.max_num_seqs;
   config.cache.enable_prefix_caching = flags.prefix_caching;
-  if (!flags.kv_cache_memory.empty()) config.cache.memory_bytes = parse_byte_size(flags.kv_cache_memory);
+  if (!flags.kv_cache_memory.empty()) config.cache.memory_bytes = parse_byte_size("--kv-cache-memory", flags.kv_cache_memory);
   const bool on_gpu = parse_device(flags.device) != Device::Cpu;
   if (flags.gpu_memory_utilization > 0 && !on_gpu) config.cache.memory_fraction = flags.gpu_memory_utilization;
   config.max_num_seqs = flags.max_num_seqs;
@@ -176,15 +209,6 @@ void serve(const ServeFlags& flags) {
   std::optional<uint64_t> seed;
   if (flags.seed >= 0) seed = uint64_t(flags.seed);
   server::ServingContext context(engine, tokenizer, chat_template, options, seed);
-  server::ServerConfig server_config;
-  server_config.host = flags.host;
-  server_config.port = flags.port;
-  if (!flags.api_key.empty())
-    server_config.api_key = flags.api_key;
-  else if (const char* key = std::getenv("SPARROW_API_KEY"); key && *key)
-    server_config.api_key = key;
-  server_config.max_concurrent_requests = flags.max_concurrent_requests;
-  server_config.log_requests = !flags.disable_log_requests;
   server::Server server(context, server_config);
   int port = server.bind();
   std::printf("sparrow serve: %s as '%s' on http://%s:%d (max_model_len %lld)\n", model_dir.c_str(),
@@ -250,8 +274,23 @@ void add_serve(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--seed", f.seed, "seed the random draws of requests that give no seed of their own");
   sub->add_option("--max-logprobs", f.max_logprobs, "largest logprobs / top_logprobs accepted")->capture_default_str();
-  sub->add_option("--max-concurrent-requests", f.max_concurrent_requests,
-                  "completions in flight before the server answers 503 (sparrow's own flag)")
+  sub->add_option("--max-queued-requests", f.max_queued_requests,
+                  "completions that may wait for the engine beyond --max-num-seqs; more get 503 with Retry-After")
+      ->capture_default_str();
+  sub->add_option("--http-header-timeout", f.http_header_timeout,
+                  "seconds a request's line and header fields may take to arrive, from its first byte (a new "
+                  "connection's first request: from the connection's opening); then 408 and close")
+      ->capture_default_str();
+  sub->add_option("--http-request-timeout", f.http_request_timeout,
+                  "seconds a whole request (body included) may take to arrive, and a write to the client to complete")
+      ->capture_default_str();
+  sub->add_option("--http-keep-alive-timeout", f.http_keep_alive_timeout,
+                  "seconds an idle keep-alive connection stays open (0: one request per connection)")
+      ->capture_default_str();
+  sub->add_option("--http-max-connections", f.http_max_connections,
+                  "open connections; a newcomer at the cap replaces the slowest idle or incomplete one, else 503")
+      ->capture_default_str();
+  sub->add_option("--http-max-body-size", f.http_max_body_size, "largest request body (e.g. 32MiB); larger get 413")
       ->capture_default_str();
   sub->add_flag("--enable-prompt-tokens-details", f.enable_prompt_tokens_details,
                 "report usage.prompt_tokens_details.cached_tokens");

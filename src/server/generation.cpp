@@ -48,9 +48,9 @@ void Generation::abort() {
     if (submitted_[p]) engine_.abort(engine_ids_[p]);
 }
 
-std::optional<Generation::Event> Generation::next(std::chrono::milliseconds timeout) {
+std::optional<Generation::Event> Generation::next() {
   if (finished()) return std::nullopt;
-  std::optional<Event> event = queue_->pop(timeout);
+  std::optional<Event> event = queue_->pop();
   if (event) record(*event);
   return event;
 }

@@ -1,7 +1,7 @@
 // One API request inside the engine: one engine request per prompt, each with n choices. The engine
-// calls back on its own thread; the callbacks only push onto this generation's queue, and the HTTP
-// handler thread drains it with next(). Choice indices are numbered across prompts as vLLM does:
-// choice = prompt * n + (the engine's choice index).
+// calls back on its own thread; the callbacks only push onto this generation's queue and wake its
+// consumer (set_wake), which takes the events with next() on a worker thread. Choice indices are
+// numbered across prompts as vLLM does: choice = prompt * n + (the engine's choice index).
 //
 // Destroying a Generation aborts whatever is still running (the client went away or the server is
 // shutting down); the engine's late callbacks then land in a queue nobody reads, which they keep
@@ -9,6 +9,7 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -38,8 +39,10 @@ class Generation {
   Generation(const Generation&) = delete;
   Generation& operator=(const Generation&) = delete;
 
-  // The next event, or nothing if none arrived within `timeout` (or everything has finished).
-  std::optional<Event> next(std::chrono::milliseconds timeout);
+  // The next event, or nothing if none is waiting (or everything has finished).
+  std::optional<Event> next();
+  // `wake` runs on the engine's thread whenever an event arrives (at once if some are waiting).
+  void set_wake(std::function<void()> wake) { queue_->set_wake(std::move(wake)); }
   bool finished() const { return finished_choices_ == int64_t(choices_.size()); }
   int64_t num_choices() const { return int64_t(choices_.size()); }
   int64_t num_prompts() const { return int64_t(engine_ids_.size()); }

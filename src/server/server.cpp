@@ -1,229 +1,268 @@
 #include "server/server.h"
 
-#include <httplib.h>
-#include <sys/socket.h>
-
 #include <cstdio>
 
 #include "core/error.h"
 #include "server/api_error.h"
-#include "server/client_socket.h"
 #include "server/openai_responses.h"
 
 namespace sparrow::server {
 namespace {
 
-// How long a worker waits for the engine before it looks at its client again.
-constexpr auto kClientCheckInterval = std::chrono::milliseconds(100);
-
-void send_json(httplib::Response& res, const Json& body, int status = 200) {
-  res.status = status;
-  res.set_content(to_text(body), "application/json");
+http::Response json_response(const Json& body, int status = 200) {
+  return http::Response{status, "application/json", {}, to_text(body)};
 }
 
-void send_error(httplib::Response& res, int status, const std::string& message, const std::string& param = {}) {
-  send_json(res, error_body(status, message, param), status);
+http::Response error_response(int status, const std::string& message, const std::string& param = {}) {
+  return json_response(error_body(status, message, param), status);
 }
 
 // vLLM requires JSON bodies to say so (serve/utils/api_utils.py validate_json_request).
-Json json_body(const httplib::Request& req) {
-  std::string type = req.get_header_value("Content-Type");
-  if (type.rfind("application/json", 0) != 0) bad_request("Unsupported Media Type: Only 'application/json' is allowed");
-  return parse_json_object(req.body);
+Json json_body(const http::Request& request) {
+  if (request.field("Content-Type").rfind("application/json", 0) != 0)
+    bad_request("Unsupported Media Type: Only 'application/json' is allowed");
+  return parse_json_object(request.body);
 }
+
+// Compares in a time that depends on the expected value's length only, so that a client cannot find
+// the key byte by byte from how long a refusal takes.
+bool same_secret(const std::string& given, const std::string& expected) {
+  unsigned char difference = given.size() == expected.size() ? 0 : 1;
+  for (size_t i = 0; i < expected.size(); ++i)
+    difference |= static_cast<unsigned char>(expected[i] ^ (i < given.size() ? given[i] : 0));
+  return difference == 0;
+}
+
+// How long a client refused for a full queue is told to wait (RFC 9110 section 10.2.3).
+constexpr const char* kRetryAfterSeconds = "1";
 
 }  // namespace
 
-// A completion in flight. It holds its place among the server's completions from before its request is
-// validated until its response is written (the 503 limit counts it, drain() waits for it).
-struct Server::ActiveCompletion {
-  // Takes a place, or throws 503 when the server is draining or full.
-  explicit ActiveCompletion(Server& server) : server(server) {
-    std::lock_guard<std::mutex> lock(server.active_mutex_);
-    if (server.draining_) throw ApiError(503, "the server is shutting down");
-    if (int64_t(server.active_.size()) >= server.config_.max_concurrent_requests)
-      throw ApiError(503, "the server is overloaded (" + std::to_string(server.config_.max_concurrent_requests) +
-                              " requests in flight); retry later");
-    server.active_.insert(this);
-  }
-  ~ActiveCompletion() {
+// A completion from its admission to the end of its answer. It holds its place among the server's
+// completions (the queue limit counts it, drain() waits for it) until it is destroyed: once its answer
+// is written or its client has gone, and no worker is still working on it.
+//
+// Each engine event wakes it (on the engine's thread); a worker then drains the events that have
+// arrived into bytes for the connection. Wakes that come while a worker drains are folded into that
+// worker's next round, so one completion never has two workers.
+class Server::Completion : public std::enable_shared_from_this<Completion> {
+ public:
+  Completion(Server& server, http::Responder responder) : server_(server), responder_(std::move(responder)) {}
+
+  ~Completion() {
     {
-      std::lock_guard<std::mutex> lock(server.active_mutex_);
-      server.active_.erase(this);
+      std::lock_guard<std::mutex> lock(server_.active_mutex_);
+      server_.active_.erase(this);
     }
-    server.active_changed_.notify_all();
-    // Then `job` goes, aborting in the engine whatever still runs.
-  }
-  void start(std::unique_ptr<CompletionJob> started, ClientSocket socket) {
-    std::lock_guard<std::mutex> lock(server.active_mutex_);  // drain() reads `job`
-    job = std::move(started);
-    client = socket;
+    server_.active_changed_.notify_all();
+    // Then `job_` goes, aborting in the engine whatever still runs.
   }
 
-  Server& server;
-  std::unique_ptr<CompletionJob> job;  // set once the request is submitted
-  ClientSocket client;
-  bool started = false;
+  void start(std::unique_ptr<CompletionJob> job) {
+    {
+      std::lock_guard<std::mutex> lock(server_.active_mutex_);  // drain() reads job_
+      job_ = std::move(job);
+    }
+    // The answer's end: when the client went away first, the engine stops the request at its next
+    // step. The callback holds this completion until the answer has ended.
+    responder_.on_done([self = shared_from_this()](bool delivered) {
+      if (!delivered) self->job_->generation().abort();
+    });
+    std::weak_ptr<Completion> weak = shared_from_this();
+    job_->generation().set_wake([weak] {
+      if (auto self = weak.lock()) self->wake();
+    });
+    wake();  // the head (and a stream's first chunks) go out at once
+  }
+
+  // Drain() of the server reads this under the active mutex.
+  CompletionJob* job() const { return job_.get(); }
+
+ private:
+  void wake() {
+    {
+      std::lock_guard<std::mutex> lock(wake_mutex_);
+      if (draining_) {
+        wake_again_ = true;
+        return;
+      }
+      draining_ = true;
+    }
+    server_.post([self = shared_from_this()] { self->drain(); });
+  }
+
+  void drain() {
+    for (;;) {
+      try {
+        produce();
+      } catch (const std::exception& e) {  // a bug in turning events into chunks: end the answer, not the server
+        fail(e.what());
+      }
+      std::lock_guard<std::mutex> lock(wake_mutex_);
+      if (!wake_again_) {
+        draining_ = false;
+        return;
+      }
+      wake_again_ = false;
+    }
+  }
+
+  void produce() {
+    if (answered_) return;
+    CompletionJob& job = *job_;
+    Generation& generation = job.generation();
+    if (!started_) {
+      started_ = true;
+      if (job.streaming()) responder_.start_stream({200, "text/event-stream", {}, job.stream_start()});
+    }
+    std::string out;
+    while (std::optional<Generation::Event> event = generation.next()) out += job.on_event(*event);
+    if (generation.finished()) {
+      answered_ = true;
+      if (job.streaming()) {
+        responder_.write(out + job.stream_end());
+        responder_.end();
+      } else {
+        Json body = job.response();
+        int status = body.contains("error") ? body["error"]["code"].get<int>() : 200;
+        responder_.send(json_response(body, status));
+      }
+    } else if (job.streaming()) {
+      responder_.write(std::move(out));
+    }
+  }
+
+  void fail(const std::string& what) {
+    if (answered_) return;
+    answered_ = true;
+    job_->generation().abort();
+    Json error = error_body(500, "internal error: " + what);
+    if (started_ && job_->streaming()) {
+      responder_.write(sse_event(error) + kStreamEnd);
+      responder_.end();
+    } else {
+      responder_.send(json_response(error, 500));
+    }
+  }
+
+  Server& server_;
+  const http::Responder responder_;
+  std::unique_ptr<CompletionJob> job_;  // set by start()
+  bool started_ = false, answered_ = false;  // touched by the draining worker only
+  std::mutex wake_mutex_;
+  bool draining_ = false, wake_again_ = false;
 };
 
-Server::Server(ServingContext& context, ServerConfig config)
-    : context_(context), config_(std::move(config)), http_(std::make_unique<httplib::Server>()) {
-  // Every connection holds a worker while its completion streams: size the pool for the allowed
-  // completions plus room for /health, /metrics and the 503 answers beyond the limit.
-  size_t workers = size_t(config_.max_concurrent_requests) + 16;
-  http_->new_task_queue = [workers] { return new httplib::ThreadPool(workers); };
-  http_->set_payload_max_length(config_.max_body_bytes);
-  http_->set_keep_alive_timeout(5);
-  // Debian's cpp-httplib is built with a listen backlog of 5 (CPPHTTPLIB_LISTEN_BACKLOG): a burst of
-  // more new connections than that (a benchmark opening 64 or 256 streams at once) overflows the accept
-  // queue, and some of those clients see their connection reset. The listening socket is kept here
-  // so bind() can raise its backlog to the system's limit.
-  http_->set_socket_options([this](socket_t sock) {
-    httplib::default_socket_options(sock);
-    listen_socket_ = sock;
-  });
+Server::Server(ServingContext& context, ServerConfig config) : context_(context), config_(std::move(config)) {
+  config_.http.error_response = [](int status, const std::string& message) { return error_response(status, message); };
+  http_ = std::make_unique<http::HttpServer>(config_.http);
   add_routes();
 }
 
-Server::~Server() = default;
-
-int Server::bind() {
-  int port = config_.port;
-  if (port == 0)
-    port = http_->bind_to_any_port(config_.host);
-  else if (!http_->bind_to_port(config_.host, port))
-    port = -1;
-  SPARROW_CHECK(port > 0, "cannot listen on ", config_.host, ":", config_.port,
-                " (address in use, or not an address of this machine)");
-  if (listen_socket_ >= 0) ::listen(listen_socket_, SOMAXCONN);  // listen() again only resizes the queue
-  return port;
+Server::~Server() {
+  std::unique_ptr<http::HttpServer> http;
+  {
+    std::lock_guard<std::mutex> lock(http_mutex_);
+    http = std::move(http_);
+  }
+  http.reset();  // outside the lock: its workers may still wake completions, which then post nothing
 }
 
-void Server::listen() { http_->listen_after_bind(); }
+int Server::bind() { return http_->bind(); }
+
+void Server::listen() { http_->run(); }
 
 void Server::stop() { http_->stop(); }
+
+void Server::post(std::function<void()> task) {
+  std::lock_guard<std::mutex> lock(http_mutex_);
+  if (http_) http_->post(std::move(task));
+}
 
 void Server::drain(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(active_mutex_);
   draining_ = true;
   if (!active_changed_.wait_for(lock, timeout, [&] { return active_.empty(); })) {
-    for (ActiveCompletion* active : active_)
-      if (active->job) active->job->generation().abort();
-    // The aborted requests end at the engine's next step; their workers then write the final chunk.
+    for (Completion* active : active_)
+      if (CompletionJob* job = active->job()) job->generation().abort();
+    // The aborted requests end at the engine's next step; then their last chunks are written.
     active_changed_.wait_for(lock, std::chrono::seconds(10), [&] { return active_.empty(); });
   }
   lock.unlock();
   stop();
 }
 
-void Server::guarded(const httplib::Request& req, httplib::Response& res,
-                     const std::function<void(const httplib::Request&, httplib::Response&)>& handler) const {
-  try {
-    check_api_key(req);
-    handler(req, res);
-  } catch (const ApiError& e) {
-    send_error(res, e.status(), e.what(), e.param());
-  } catch (const Error& e) {  // the engine, tokenizer or template refusing user input
-    send_error(res, 400, e.what());
-  } catch (const std::exception& e) {
-    send_error(res, 500, std::string("internal error: ") + e.what());
-  }
+http::Handler Server::guarded(std::function<void(const http::Request&, const http::Responder&)> handler) const {
+  return [this, handler = std::move(handler)](const http::Request& request, const http::Responder& responder) {
+    try {
+      check_api_key(request);
+      handler(request, responder);
+    } catch (const ApiError& e) {
+      responder.send(error_response(e.status(), e.what(), e.param()));
+    } catch (const Error& e) {  // the engine, tokenizer or template refusing user input
+      responder.send(error_response(400, e.what()));
+    } catch (const std::exception& e) {
+      responder.send(error_response(500, std::string("internal error: ") + e.what()));
+    }
+  };
 }
 
-void Server::check_api_key(const httplib::Request& req) const {
-  if (!config_.api_key || req.path == "/health" || req.path == "/metrics") return;
-  if (req.get_header_value("Authorization") != "Bearer " + *config_.api_key)
+void Server::check_api_key(const http::Request& request) const {
+  if (!config_.api_key || request.path == "/health" || request.path == "/metrics") return;
+  // The field exactly as sent: "Bearer KEY " with a trailing space is not the key (http_message.h).
+  std::optional<std::string> given = request.verbatim_field("Authorization");
+  if (!given || !same_secret(*given, "Bearer " + *config_.api_key))
     throw ApiError(401, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)");
 }
 
 void Server::add_routes() {
-  auto route = [this](auto handler) {
-    return [this, handler](const httplib::Request& req, httplib::Response& res) { guarded(req, res, handler); };
-  };
-  http_->Post("/v1/chat/completions", route([this](const auto& req, auto& res) { completion(req, res, true); }));
-  http_->Post("/v1/completions", route([this](const auto& req, auto& res) { completion(req, res, false); }));
-  http_->Post("/tokenize", route([this](const auto& req, auto& res) { tokenize(req, res); }));
-  http_->Post("/detokenize", route([this](const auto& req, auto& res) { detokenize(req, res); }));
-  http_->Get("/v1/models", route([this](const auto&, auto& res) { models(res); }));
-  http_->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-    std::lock_guard<std::mutex> lock(active_mutex_);
-    res.status = draining_ ? 503 : 200;
-  });
-  http_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-    Engine::Stats s = context_.engine.stats();
-    EngineGauges gauges{s.running,
-                        s.waiting,
-                        s.kv_blocks_used,
-                        s.kv_blocks_total,
-                        s.prefix_queries,
-                        s.prefix_hits,
-                        s.preemptions,
-                        s.prompt_tokens_total,
-                        s.generation_tokens_total,
-                        {s.decode_steps.steps, s.decode_steps.seconds, s.decode_steps.forward_seconds},
-                        {s.prefill_steps.steps, s.prefill_steps.seconds, s.prefill_steps.forward_seconds}};
-    res.set_content(context_.metrics.render(gauges), "text/plain; version=0.0.4; charset=utf-8");
-  });
-
-  // What httplib answers by itself (unknown route, body too large) gets an OpenAI error body too.
-  http_->set_error_handler([](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty()) return;
-    if (res.status == 404)
-      send_error(res, 404, "Not Found: " + req.method + " " + req.path);
-    else if (res.status == 413)
-      send_error(res, 413, "the request body is too large");
-    else
-      send_error(res, res.status, "HTTP error " + std::to_string(res.status));
-  });
-  http_->set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
-    send_error(res, 500, "internal error");
-  });
-  if (config_.log_requests)
-    http_->set_logger([](const httplib::Request& req, const httplib::Response& res) {
-      std::fprintf(stderr, "%s %s %s %d\n", req.remote_addr.c_str(), req.method.c_str(), req.path.c_str(), res.status);
+  auto json_route = [this](auto handler) {
+    return guarded([handler](const http::Request& request, const http::Responder& responder) {
+      responder.send(json_response(handler(request)));
     });
+  };
+  http_->route("POST", "/v1/chat/completions",
+               guarded([this](const auto& request, const auto& responder) { completion(request, responder, true); }));
+  http_->route("POST", "/v1/completions",
+               guarded([this](const auto& request, const auto& responder) { completion(request, responder, false); }));
+  http_->route("POST", "/tokenize", json_route([this](const auto& request) { return tokenize(request); }));
+  http_->route("POST", "/detokenize", json_route([this](const auto& request) { return detokenize(request); }));
+  http_->route("GET", "/v1/models", json_route([this](const auto&) { return models(); }));
+  http_->route("GET", "/health", [this](const http::Request&, const http::Responder& responder) {
+    std::lock_guard<std::mutex> lock(active_mutex_);
+    responder.send({draining_ ? 503 : 200, "", {}, ""});
+  });
+  http_->route("GET", "/metrics", [this](const http::Request&, const http::Responder& responder) {
+    responder.send({200, "text/plain; version=0.0.4; charset=utf-8", {}, metrics()});
+  });
 }
 
-void Server::completion(const httplib::Request& req, httplib::Response& res, bool chat) {
-  auto arrival = Clock::now();
-  auto active = std::make_shared<ActiveCompletion>(*this);
-  Json body = json_body(req);
-  active->start(chat ? start_chat_completion(body, context_, arrival) : start_text_completion(body, context_, arrival),
-                ClientSocket(req.local_addr, req.local_port, req.remote_addr, req.remote_port));
-  // Non-streamed bodies go out through the same provider, so that the worker watches the client while
-  // it waits.
-  bool stream = active->job->streaming();
-  res.set_chunked_content_provider(
-      stream ? "text/event-stream" : "application/json",
-      [this, active](size_t, httplib::DataSink& sink) { return pump(*active, sink); },
-      [active](bool completed) {
-        if (!completed) active->job->generation().abort();  // the client went away
-      });
+std::shared_ptr<Server::Completion> Server::admit(const http::Responder& responder) {
+  std::lock_guard<std::mutex> lock(active_mutex_);
+  if (draining_) throw ApiError(503, "the server is shutting down");
+  if (int64_t(active_.size()) >= config_.max_num_seqs + config_.max_queued_requests) return nullptr;
+  auto completion = std::make_shared<Completion>(*this, responder);
+  active_.insert(completion.get());
+  return completion;
 }
 
-bool Server::pump(ActiveCompletion& active, httplib::DataSink& sink) {
-  CompletionJob& job = *active.job;
-  Generation& generation = job.generation();
-  auto write = [&](const std::string& bytes) { return bytes.empty() || sink.write(bytes.data(), bytes.size()); };
-  if (!active.started) {  // the headers (and the role chunks) go out at once
-    active.started = true;
-    return write(job.streaming() ? job.stream_start() : "");
+void Server::completion(const http::Request& request, const http::Responder& responder, bool chat) {
+  std::shared_ptr<Completion> completion = admit(responder);
+  if (!completion) {
+    http::Response busy =
+        error_response(503, "the server is overloaded: " + std::to_string(config_.max_queued_requests) +
+                                " requests already wait for the engine (--max-queued-requests); retry later");
+    busy.fields.emplace_back("Retry-After", kRetryAfterSeconds);
+    responder.send(std::move(busy));
+    return;
   }
-  if (active.client.closed()) return false;  // httplib then calls the releaser, which aborts
-  std::string out;
-  for (auto event = generation.next(kClientCheckInterval); event; event = generation.next(std::chrono::milliseconds(0)))
-    out += job.on_event(*event);  // whatever has arrived goes out in one write
-  if (generation.finished()) {
-    out += job.streaming() ? job.stream_end() : to_text(job.response());
-    bool written = write(out);
-    sink.done();
-    return written;
-  }
-  return write(out);
+  Json body = json_body(request);
+  completion->start(chat ? start_chat_completion(body, context_, request.received)
+                         : start_text_completion(body, context_, request.received));
 }
 
-void Server::tokenize(const httplib::Request& req, httplib::Response& res) {
-  Json body = json_body(req);
+Json Server::tokenize(const http::Request& request) const {
+  Json body = json_body(request);
   Fields f(body);
   context_.check_model(f.string("model").value_or(""));
   const Tokenizer& tokenizer = context_.require_tokenizer();
@@ -249,11 +288,11 @@ void Server::tokenize(const httplib::Request& req, httplib::Response& res) {
     for (int32_t id : ids) strs.push_back(tokenizer.id_to_token(id).value_or(""));
     out["token_strs"] = std::move(strs);
   }
-  send_json(res, out);
+  return out;
 }
 
-void Server::detokenize(const httplib::Request& req, httplib::Response& res) {
-  Json body = json_body(req);
+Json Server::detokenize(const http::Request& request) const {
+  Json body = json_body(request);
   Fields f(body);
   context_.check_model(f.string("model").value_or(""));
   auto tokens = f.integers("tokens");
@@ -263,10 +302,10 @@ void Server::detokenize(const httplib::Request& req, httplib::Response& res) {
     if (id < 0 || id >= context_.engine.model().vocab_size()) f.invalid("tokens", "holds an id outside the vocabulary");
     ids.push_back(int32_t(id));
   }
-  send_json(res, {{"prompt", context_.require_tokenizer().decode(ids)}});
+  return {{"prompt", context_.require_tokenizer().decode(ids)}};
 }
 
-void Server::models(httplib::Response& res) const {
+Json Server::models() const {
   Json data = Json::array();
   int64_t created = unix_time();
   for (const std::string& name : context_.options.served_model_names)
@@ -277,7 +316,23 @@ void Server::models(httplib::Response& res) const {
                     {"root", context_.options.model_path},
                     {"parent", nullptr},
                     {"max_model_len", context_.engine.max_model_len()}});
-  send_json(res, {{"object", "list"}, {"data", std::move(data)}});
+  return {{"object", "list"}, {"data", std::move(data)}};
+}
+
+std::string Server::metrics() const {
+  Engine::Stats s = context_.engine.stats();
+  EngineGauges gauges{s.running,
+                      s.waiting,
+                      s.kv_blocks_used,
+                      s.kv_blocks_total,
+                      s.prefix_queries,
+                      s.prefix_hits,
+                      s.preemptions,
+                      s.prompt_tokens_total,
+                      s.generation_tokens_total,
+                      {s.decode_steps.steps, s.decode_steps.seconds, s.decode_steps.forward_seconds},
+                      {s.prefill_steps.steps, s.prefill_steps.seconds, s.prefill_steps.forward_seconds}};
+  return context_.metrics.render(gauges);
 }
 
 }  // namespace sparrow::server

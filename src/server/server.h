@@ -1,17 +1,19 @@
-// The HTTP front of sparrow serve: an OpenAI-compatible API over cpp-httplib.
+// The OpenAI-compatible API of sparrow serve, on the HTTP layer of http/http_server.h:
 //
 //   POST /v1/chat/completions, /v1/completions   (JSON, or server-sent events with "stream": true)
 //   GET  /v1/models, /health, /metrics
 //   POST /tokenize, /detokenize                   (at the root, as vLLM)
 //
-// Each connection is served by one worker thread of a pool; a completion's worker pulls the engine's
-// events from its Generation and writes them out as they come (httplib's chunked content provider,
-// also for non-streamed bodies). Between events it checks its client's socket (client_socket.h): a
-// client that went away has its request aborted in the engine, which frees its cache blocks.
+// Handlers run on the HTTP layer's worker pool: they parse, validate, render and tokenize, submit to
+// the engine, and return. A completion then lives on events (Server::Completion): each engine event
+// wakes it, a worker turns what has arrived into stream chunks (or, not streaming, keeps it for the one
+// body at the end) and hands them to the connection, which writes them as the client takes them. A
+// client that goes away ends its answer at once, and the request is aborted in the engine, which frees
+// its cache blocks.
 //
-// Errors are OpenAI error objects (api_error.h): 400 bad request, 401 wrong API key, 404 unknown model
-// or route, 413 body too large, 503 overloaded (more than max_concurrent_requests completions in flight)
-// or shutting down. drain() is the graceful shutdown behind SIGTERM.
+// Requests beyond what the engine runs at once (max_num_seqs) wait in the engine's queue, as in vLLM;
+// past max_queued_requests more the answer is 503 with Retry-After. Errors are OpenAI error objects
+// (api_error.h). drain() is the graceful shutdown behind SIGTERM.
 #pragma once
 #include <chrono>
 #include <condition_variable>
@@ -22,24 +24,16 @@
 #include <set>
 #include <string>
 
+#include "server/http/http_server.h"
 #include "server/serving.h"
-
-namespace httplib {
-class Server;
-class DataSink;
-struct Request;
-struct Response;
-}  // namespace httplib
 
 namespace sparrow::server {
 
 struct ServerConfig {
-  std::string host = "127.0.0.1";
-  int port = 8000;                     // 0: any free port (bind() returns it)
+  http::HttpConfig http;               // address, port, connection and request limits, access log
   std::optional<std::string> api_key;  // requests must send "Authorization: Bearer <key>"
-  size_t max_body_bytes = size_t(32) << 20;
-  int64_t max_concurrent_requests = 256;  // completions in flight; more get 503
-  bool log_requests = true;
+  int64_t max_num_seqs = 64;           // what the engine runs at once (its --max-num-seqs)
+  int64_t max_queued_requests = 1024;  // completions accepted beyond max_num_seqs; more get 503
 };
 
 class Server {
@@ -57,30 +51,33 @@ class Server {
   void stop();
 
  private:
-  struct ActiveCompletion;
-  class InFlightSlot;
+  class Completion;
 
   void add_routes();
-  // Runs a handler, turning ApiError (and anything else) into an error response.
-  void guarded(const httplib::Request& req, httplib::Response& res,
-               const std::function<void(const httplib::Request&, httplib::Response&)>& handler) const;
-  void check_api_key(const httplib::Request& req) const;
-  void completion(const httplib::Request& req, httplib::Response& res, bool chat);
-  bool pump(ActiveCompletion& active, httplib::DataSink& sink);
-  void tokenize(const httplib::Request& req, httplib::Response& res);
-  void detokenize(const httplib::Request& req, httplib::Response& res);
-  void models(httplib::Response& res) const;
+  // A handler with the API key check, its ApiErrors (and anything else) answered as error objects.
+  http::Handler guarded(std::function<void(const http::Request&, const http::Responder&)> handler) const;
+  void check_api_key(const http::Request& request) const;
+  // A place among the completions in flight; nullptr when the queue is full. 503 while draining.
+  std::shared_ptr<Completion> admit(const http::Responder& responder);
+  void completion(const http::Request& request, const http::Responder& responder, bool chat);
+  Json tokenize(const http::Request& request) const;
+  Json detokenize(const http::Request& request) const;
+  Json models() const;
+  std::string metrics() const;
+  // Runs `task` on a worker, unless the server is being destroyed.
+  void post(std::function<void()> task);
 
   ServingContext& context_;
   ServerConfig config_;
-  std::unique_ptr<httplib::Server> http_;
-  int listen_socket_ = -1;  // the bound socket (a POSIX descriptor), whose accept queue bind() enlarges
 
-  // Completions in flight, for the 503 limit and for drain().
+  // Completions in flight, for the queue limit and for drain().
   std::mutex active_mutex_;
   std::condition_variable active_changed_;
-  std::set<ActiveCompletion*> active_;
+  std::set<Completion*> active_;
   bool draining_ = false;
+
+  std::mutex http_mutex_;  // guards http_ against the engine thread's wake-ups while it is destroyed
+  std::unique_ptr<http::HttpServer> http_;  // last: goes first, ending its threads before the rest goes
 };
 
 }  // namespace sparrow::server

@@ -58,8 +58,8 @@ class ServingContext {
   std::mutex seeds_mutex_;
 };
 
-// A completion in progress. The HTTP layer pulls the engine's events from generation() and writes what
-// the job makes of them: stream chunks, or one body at the end.
+// A completion in progress. The server takes the engine's events from generation() as they arrive and
+// writes what the job makes of them: stream chunks, or one body at the end.
 class CompletionJob {
  public:
   virtual ~CompletionJob() = default;
@@ -72,7 +72,8 @@ class CompletionJob {
   virtual std::string on_event(const Generation::Event& event) = 0;
   // Streaming, once every choice has finished: the usage chunk if asked for, then [DONE].
   virtual std::string stream_end() = 0;
-  // Non-streaming, once every choice has finished: the response body.
+  // Non-streaming, once every choice has finished: the response body; an error object (its `code` the
+  // HTTP status) when the engine failed.
   virtual Json response() = 0;
 };
 

@@ -3,6 +3,8 @@
 // engine-to-handler event queue.
 #include <gtest/gtest.h>
 
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 
 #include "server/api_error.h"
@@ -273,18 +275,32 @@ TEST(ServerMetrics, PrometheusText) {
     EXPECT_NE(text.find(line + "\n"), std::string::npos) << line << "\n" << text;
 }
 
-TEST(ServerEventQueue, CrossesThreadsAndTimesOut) {
+TEST(ServerEventQueue, CrossesThreadsAndWakesTheConsumer) {
   EventQueue<int> queue;
-  EXPECT_FALSE(queue.pop(std::chrono::milliseconds(1)));
+  EXPECT_FALSE(queue.pop());
+  queue.push(-1);  // before anyone listens: the wake-up comes when the listener is set
+  std::mutex mutex;
+  std::condition_variable woken;
+  int wakes = 0;
+  queue.set_wake([&] {
+    std::lock_guard<std::mutex> lock(mutex);
+    ++wakes;
+    woken.notify_all();
+  });
+  EXPECT_EQ(wakes, 1);
+  EXPECT_EQ(queue.pop(), -1);
   std::thread producer([&] {
     for (int i = 0; i < 100; ++i) queue.push(i);
   });
   for (int i = 0; i < 100; ++i) {
-    auto v = queue.pop(std::chrono::seconds(5));
-    ASSERT_TRUE(v);
+    std::optional<int> v;
+    std::unique_lock<std::mutex> lock(mutex);
+    ASSERT_TRUE(woken.wait_for(lock, std::chrono::seconds(5), [&] { return (v = queue.pop()).has_value(); }));
     EXPECT_EQ(*v, i);
   }
   producer.join();
+  EXPECT_EQ(wakes, 101);  // one per push
+  EXPECT_FALSE(queue.pop());
 }
 
 }  // namespace

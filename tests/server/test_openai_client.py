@@ -344,14 +344,15 @@ def test_http_level_errors(server):
     assert too_large.status_code == 413 and error_of(too_large)["type"] == "RequestTooLargeError"
 
 
-def test_overload_is_503(start_server):
-    busy = start_server("--max-concurrent-requests", "1")
+def test_full_queue_is_503(start_server):
+    # One sequence runs and none may wait: a second request is refused while the first runs.
+    busy = start_server("--max-num-seqs", "1", "--max-queued-requests", "0")
     client = busy.client()
     stream = client.completions.create(model=MODEL_NAME, stream=True, **LONG)
-    next(iter(stream))  # the first request holds the only slot
+    next(iter(stream))  # the first request holds the only place
     with pytest.raises(openai.InternalServerError) as refused:
         client.completions.create(model=MODEL_NAME, prompt=[1, 2], max_tokens=2)
-    assert refused.value.status_code == 503
+    assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "1"
     stream.close()
     # Once the first is gone (aborted), requests are served again.
     assert wait_until(lambda: busy.metrics()["vllm:num_requests_running"] == 0)
@@ -382,7 +383,7 @@ def test_client_disconnect_aborts_the_request(start_server):
     after_stream = server.metrics()[aborted]
     assert after_stream >= 1
 
-    # A non-streaming client that gives up: the heartbeat write notices it.
+    # A non-streaming client that gives up: the read kept open on its connection notices it.
     with pytest.raises(openai.APITimeoutError):
         server.client(timeout=0.3).completions.create(model=MODEL_NAME, **LONG)
     assert wait_until(settled, timeout_s=15), server.metrics()
