@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "template/jinja_limits.h"
 #include "template/unicode.h"
 
 namespace sparrow::jinja {
@@ -238,6 +239,7 @@ std::string replace(std::string_view s, std::string_view old_text, std::string_v
     for (char32_t c : text) {
       if (count < 0 || done < count) out += new_text, ++done;
       utf8::append(out, c);
+      check_string_size(int64_t(out.size()));
     }
     if (count < 0 || done < count) out += new_text;
     return out;
@@ -248,6 +250,7 @@ std::string replace(std::string_view s, std::string_view old_text, std::string_v
     if (at == std::string_view::npos) break;
     out += s.substr(start, at - start);
     out += new_text;
+    check_string_size(int64_t(out.size()));
     start = at + old_text.size();
   }
   out += s.substr(start);
@@ -302,6 +305,7 @@ std::string pad(std::string_view s, int64_t width, std::string_view fill, char a
   if (margin <= 0) return std::string(s);
   // CPython's str.center puts the odd extra character on the left only when width is odd.
   int64_t left = align == '<' ? 0 : align == '>' ? margin : margin / 2 + (margin & width & 1);
+  check_string_size(int64_t(s.size()) + int64_t(std::min<uint64_t>(margin, kMaxStringBytes) * fill.size()));
   std::string out;
   for (int64_t i = 0; i < left; ++i) out += fill;
   out += s;
