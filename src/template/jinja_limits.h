@@ -30,7 +30,7 @@ constexpr int kMaxCallDepth = 256;
 // deepest requests take 4 to 8 levels per level of the request's JSON: about 1,000.
 constexpr int kMaxEvalDepth = 2048;
 
-// Loop iterations of one render, all loops (and `if` filters of loops) together: about a second of
+// Loop iterations of one render, all loops (and `if` filters of loops) together: a few seconds of
 // work. A request of 100,000 messages renders; a loop inside a loop over them does not.
 constexpr int64_t kMaxLoopIterations = 1'000'000;
 
