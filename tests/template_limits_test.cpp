@@ -247,7 +247,10 @@ TEST(TemplateLimits, StringsAndListsCannotExplode) {
         << source.substr(0, 60);
   for (const std::string& source :
        {"{{ [1] * 1000000000000 }}", "{{ ([1, 2] * 600000)|length }}", "{{ [1]|batch(1000000000000, fill_with=0) }}",
-        "{% set l = [1] * 1000000 %}{{ (l + l)|length }}"})
+        "{% set l = [1] * 1000000 %}{{ (l + l)|length }}",
+                                    "{{ ('a' * 2000000)|list|length }}", "{{ ('a,' * 1100000).split(',')|length }}",
+                                    "{{ ('a,' * 1100000).rsplit(',')|length }}", "{{ ('a ' * 1100000).split()|length }}",
+                                    "{{ ('a\\n' * 1100000).splitlines()|length }}"})
     EXPECT_TRUE(mentions(error_message([&] { render(source); }), {"exceeds the template limit of 1048576 items"}))
         << source;
   // Near the limits everything still works.

@@ -389,6 +389,7 @@ ValueList iterate(const Value& v) {
       return keys;
     }
     case Value::Kind::String: {
+      check_list_size(int64_t(utf8_length(v.as_string())));  // a 32 MiB message would take 1.5 GiB
       ValueList chars;
       for (char32_t c : utf8_decode(v.as_string())) chars.emplace_back(utf8_encode(std::u32string(1, c)));
       return chars;

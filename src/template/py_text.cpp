@@ -160,6 +160,7 @@ std::vector<std::string> split_whitespace(std::string_view s, int64_t maxsplit, 
       size_t start = i;
       while (i < n && !is_space(text[i])) ++i;
       parts.push_back(text.substr(start, i - start));
+      check_list_size(int64_t(parts.size()));
     }
   } else {
     size_t i = text.size();
@@ -173,6 +174,7 @@ std::vector<std::string> split_whitespace(std::string_view s, int64_t maxsplit, 
       size_t end = i;
       while (i > 0 && !is_space(text[i - 1])) --i;
       parts.push_back(text.substr(i, end - i));
+      check_list_size(int64_t(parts.size()));
     }
     std::reverse(parts.begin(), parts.end());
   }
@@ -191,6 +193,7 @@ std::vector<std::string> split(std::string_view s, const std::optional<std::stri
     size_t at = s.find(*sep, start);
     if (at == std::string_view::npos) break;
     out.emplace_back(s.substr(start, at - start));
+    check_list_size(int64_t(out.size()));
     start = at + sep->size();
   }
   out.emplace_back(s.substr(start));
@@ -206,6 +209,7 @@ std::vector<std::string> rsplit(std::string_view s, const std::optional<std::str
     size_t at = s.rfind(*sep, end - sep->size());
     if (at == std::string_view::npos) break;
     out.emplace_back(s.substr(at + sep->size(), end - at - sep->size()));
+    check_list_size(int64_t(out.size()));
     end = at;
   }
   out.emplace_back(s.substr(0, end));
@@ -225,6 +229,7 @@ std::vector<std::string> splitlines(std::string_view s, bool keep_ends) {
     size_t end = i;
     i += (text[i] == '\r' && i + 1 < text.size() && text[i + 1] == '\n') ? 2 : 1;
     out.push_back(utf8_encode(std::u32string_view(text).substr(start, (keep_ends ? i : end) - start)));
+    check_list_size(int64_t(out.size()));
     start = i;
   }
   if (start < text.size()) out.push_back(utf8_encode(std::u32string_view(text).substr(start)));
