@@ -308,6 +308,15 @@ TEST(ParsersLimits, DeepModelOutputIsNotWalked) {
   ASSERT_TRUE(innermost->is_string());
   EXPECT_TRUE(innermost->get<std::string>().ends_with("<a><a>x")) << innermost->get<std::string>().substr(0, 40);
 
+  // 50,000 bare namespace tokens between a call's tags are skipped in a loop, not a recursion.
+  std::string bare;
+  for (int i = 0; i < 50000; ++i) bare += ns + "x";
+  OutputParser bare_parser(nullptr, make_tool_parser("minimax_m3", json()));
+  ParsedOutput calls = parse_output(bare_parser, ns + "<tool_call>\n" + ns + "<invoke name=\"f\">" + bare + ns +
+                                                     "<v>1" + ns + "</v>" + ns + "</invoke>\n" + ns + "</tool_call>");
+  ASSERT_EQ(calls.tool_calls.size(), 1u);
+  EXPECT_EQ(calls.tool_calls[0].arguments, R"({"v":"1"})");
+
   json schema = {{"type", "integer"}};
   for (int i = 0; i < 1000; ++i) schema = {{"anyOf", json::array({schema})}};
   EXPECT_EQ(schema_types(schema), std::set<std::string>{"string"});  // the integer lies past the limit

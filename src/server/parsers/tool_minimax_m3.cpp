@@ -222,20 +222,19 @@ class MinimaxM3ToolParser final : public StreamingToolParser {
   // The next complete tag after NS, e.g. "<invoke name=\"f\">" or "</city>"; the text before its NS is
   // dropped (consumed). nullopt while it is incomplete.
   std::optional<std::string> next_tag(bool at_end) {
-    MarkerHit hit = find_marker(buffer_, {kNamespace}, at_end);
-    consume(hit.pos);
-    if (!hit.found()) return std::nullopt;
-    size_t close = buffer_.find('>', kNamespace.size());
-    if (close == std::string::npos) {
-      if (at_end) buffer_.clear();
-      return std::nullopt;
+    while (true) {  // a loop, not a recursion: the model may write any number of bare namespace tokens
+      MarkerHit hit = find_marker(buffer_, {kNamespace}, at_end);
+      consume(hit.pos);
+      if (!hit.found()) return std::nullopt;
+      size_t close = buffer_.find('>', kNamespace.size());
+      if (close == std::string::npos) {
+        if (at_end) buffer_.clear();
+        return std::nullopt;
+      }
+      std::string tag = buffer_.substr(kNamespace.size(), close + 1 - kNamespace.size());
+      if (tag.starts_with("<")) return tag;
+      consume(kNamespace.size());  // a namespace token without a tag: skip it
     }
-    std::string tag = buffer_.substr(kNamespace.size(), close + 1 - kNamespace.size());
-    if (!tag.starts_with("<")) {  // a namespace token without a tag: skip it
-      consume(kNamespace.size());
-      return next_tag(at_end);
-    }
-    return tag;
   }
 
   void consume_tag(const std::string& tag) { consume(kNamespace.size() + tag.size()); }
