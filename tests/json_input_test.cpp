@@ -35,6 +35,14 @@ TEST(JsonInput, RepeatedKeysKeepTheirFirstPlaceAndLastValue) {
   ordered_json object = parse_json_input<ordered_json>(R"({"x": 1, "y": 2, "x": {"z": 3}})").value;
   EXPECT_EQ(object.dump(), R"({"x":{"z":3},"y":2})");  // as Python's json.loads
   EXPECT_EQ(parse_json_input<json>(R"({"x": 1, "x": 2})").value.dump(), R"({"x":2})");
+  // The same past the size from which keys are found through an index.
+  std::string text = "{";
+  for (int i = 0; i < 40; ++i) text += "\"k" + std::to_string(i) + "\": " + std::to_string(i) + ", ";
+  ordered_json large = parse_json_input<ordered_json>(text + "\"k3\": \"last\", \"k39\": 0}").value;
+  EXPECT_EQ(large.size(), 40u);
+  EXPECT_EQ(std::next(large.begin(), 3).key(), "k3");
+  EXPECT_EQ(large["k3"], "last");
+  EXPECT_EQ(large.back(), 0);
 }
 
 TEST(JsonInput, InvalidTextIsInvalid) {

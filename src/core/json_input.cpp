@@ -37,12 +37,27 @@ class Builder {
  private:
   static constexpr bool kOrdered = std::is_same_v<Json, nlohmann::ordered_json>;
 
+  // An ordered object of more members than this finds its keys through Open::places. (nlohmann's
+  // ordered_map is a vector of pairs whose own lookups search it from the start; a sorted object is a
+  // std::map, which needs no help.)
+  static constexpr size_t kIndexedSize = 16;
+
   struct Open {
     Json* container;
-    // An ordered object's keys -> their places in it. (nlohmann's ordered_map is a vector of pairs whose
-    // own lookups search it from the start; a sorted object is a std::map, which needs no help.)
-    std::unordered_map<std::string, size_t> places;
+    std::unordered_map<std::string, size_t> places;  // key -> its place; empty while the object is small
   };
+
+  // Where key_ sits in an open ordered object, or pairs.size() when it is new.
+  template <typename Pairs>
+  size_t find_member(const Open& object, const Pairs& pairs) const {
+    if (!object.places.empty()) {
+      auto it = object.places.find(key_);
+      return it == object.places.end() ? pairs.size() : it->second;
+    }
+    size_t at = 0;
+    while (at < pairs.size() && pairs[at].first != key_) ++at;
+    return at;
+  }
 
   // Puts `v` where the parser is (the root, the open array, or the open object under key_); returns
   // where it went.
@@ -59,12 +74,15 @@ class Builder {
     auto& members = top.container->template get_ref<typename Json::object_t&>();
     if constexpr (kOrdered) {
       auto& pairs = static_cast<typename Json::object_t::Container&>(members);
-      auto [at, added] = top.places.emplace(key_, pairs.size());
-      if (added)
+      size_t at = find_member(top, pairs);
+      if (at < pairs.size()) {
+        pairs[at].second = std::move(v);  // a repeated key: its first place, its last value
+      } else {
         pairs.emplace_back(key_, std::move(v));
-      else
-        pairs[at->second].second = std::move(v);  // a repeated key: its first place, its last value
-      return &pairs[at->second].second;
+        if (!top.places.empty() || pairs.size() == kIndexedSize)
+          for (size_t i = top.places.size(); i < pairs.size(); ++i) top.places.emplace(pairs[i].first, i);
+      }
+      return &pairs[at].second;
     } else {
       Json& slot = members[key_];
       slot = std::move(v);
