@@ -40,10 +40,11 @@ fs::path scratch_dir() {
   return dir;
 }
 
-CommandResult run(const std::string& args) {
+// `within_s` > 0: killed after that many seconds (a server that should have refused to start).
+CommandResult run(const std::string& args, int within_s = 0) {
   fs::path dir = scratch_dir();
-  std::string cmd = std::string(SPARROW_BINARY) + " " + args + " >" + (dir / "out").string() + " 2>" +
-                    (dir / "err").string();
+  std::string cmd = (within_s > 0 ? "timeout " + std::to_string(within_s) + " " : std::string()) + SPARROW_BINARY +
+                    " " + args + " >" + (dir / "out").string() + " 2>" + (dir / "err").string();
   int rc = std::system(cmd.c_str());
   CommandResult r;
   r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
@@ -212,4 +213,26 @@ TEST(Cli, ServeRejectsBadHttpFlagsBeforeLoading) {
   expect_one_line_error(serve("--http-max-connections 0"), "--http-max-connections");
   expect_one_line_error(serve("--max-queued-requests -1"), "--max-queued-requests");
   expect_one_line_error(serve("--http-max-body-size 12XB"), "--http-max-body-size");
+}
+
+// `sparrow serve` refuses what vLLM refuses before it loads anything: a model that is not a local folder
+// (a hub id is not downloaded), a --max-model-len beyond the model's positions, a --generation-config
+// folder that does not exist, and generation defaults that do not fit their fields.
+TEST(Cli, ServeStartUpErrorsAreOneLine) {
+  const int within_s = 120;  // they fail at once; a server that started would be killed instead
+  expect_one_line_error(run("serve /nonexistent/model --port 0", within_s), "/nonexistent/model: not a directory");
+  expect_one_line_error(run("serve deepseek-ai/DeepSeek-V3.2 --port 0", within_s),
+                        "not a directory (sparrow reads a local Hugging Face model folder and downloads nothing: fetch "
+                        "it first, e.g. `huggingface-cli download deepseek-ai/DeepSeek-V3.2 --local-dir DIR`");
+  if (!fs::exists(kFixture / "config.json")) return;
+  const std::string model = "serve " + kFixture.string() + " --port 0 --kv-cache-memory 64MiB";
+  expect_one_line_error(run(model + " --max-model-len 100000", within_s),
+                        "--max-model-len 100000 is more than the model's 256 positions (max_position_embeddings in ");
+  expect_one_line_error(run(model + " --generation-config /nonexistent/folder", within_s),
+                        "--generation-config /nonexistent/folder: not a directory");
+  fs::path defaults = scratch_dir() / "huge_generation_config";
+  fs::create_directories(defaults);
+  std::ofstream(defaults / "generation_config.json") << R"({"temperature": 1e39})";
+  expect_one_line_error(run(model + " --generation-config " + defaults.string(), within_s),
+                        "\"temperature\" is out of range (1e+39)");
 }

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json_input.h"
 #include "server/parsers/parser.h"
 #include "server/parsers/text_scan.h"
 #include "server/parsers/tool_schema.h"
@@ -274,6 +275,51 @@ TEST(ParsersSchema, CoercionFollowsVllm) {
   EXPECT_EQ(coerce(" 7 ", {"string"}), "\" 7 \"") << "strings are verbatim";
   EXPECT_EQ(coerce("{\"a\": 1}", {}), "{\"a\":1}") << "unknown type: JSON when it is JSON";
   EXPECT_EQ(coerce("plain", {}), "\"plain\"");
+}
+
+// Model output nested deeper than outside JSON may be (kMaxJsonDepth) is never walked: JSON text stays a
+// string, nested MiniMax-M3 tags deeper than the limit stay text, and a schema's branches are followed
+// only that deep.
+TEST(ParsersLimits, DeepModelOutputIsNotWalked) {
+  const std::string deep_json = std::string(30000, '[') + std::string(30000, ']');
+  EXPECT_EQ(coerce_value(deep_json, {"array"}), json(deep_json));
+  EXPECT_EQ(coerce_value(deep_json, {}), json(deep_json));
+  const std::string fine = std::string(100, '[') + std::string(100, ']');
+  EXPECT_TRUE(coerce_value(fine, {"array"}).is_array());
+
+  const std::string ns = "]<]minimax[>[";
+  std::string nested;
+  for (int i = 0; i < 20000; ++i) nested += ns + "<a>";
+  nested += "x";
+  for (int i = 0; i < 20000; ++i) nested += ns + "</a>";
+  std::string output = ns + "<tool_call>\n" + ns + "<invoke name=\"f\">" + ns + "<v>" + nested + ns + "</v>" + ns +
+                       "</invoke>\n" + ns + "</tool_call>";
+  OutputParser parser(nullptr, make_tool_parser("minimax_m3", json()));
+  ParsedOutput out = parse_output(parser, output);
+  ASSERT_EQ(out.tool_calls.size(), 1u);
+  // The arguments nest as deep as a request may carry them back, and no deeper: the tags past that are
+  // text.
+  JsonInput<json> arguments = parse_json_input<json>(out.tool_calls[0].arguments);
+  ASSERT_TRUE(arguments.ok());
+  int depth = 0;
+  const json* innermost = &arguments.value;
+  for (; innermost->is_object(); innermost = &innermost->begin().value()) ++depth;
+  EXPECT_EQ(depth, kMaxJsonDepth - 1);
+  ASSERT_TRUE(innermost->is_string());
+  EXPECT_TRUE(innermost->get<std::string>().ends_with("<a><a>x")) << innermost->get<std::string>().substr(0, 40);
+
+  // 50,000 bare namespace tokens between a call's tags are skipped in a loop, not a recursion.
+  std::string bare;
+  for (int i = 0; i < 50000; ++i) bare += ns + "x";
+  OutputParser bare_parser(nullptr, make_tool_parser("minimax_m3", json()));
+  ParsedOutput calls = parse_output(bare_parser, ns + "<tool_call>\n" + ns + "<invoke name=\"f\">" + bare + ns +
+                                                     "<v>1" + ns + "</v>" + ns + "</invoke>\n" + ns + "</tool_call>");
+  ASSERT_EQ(calls.tool_calls.size(), 1u);
+  EXPECT_EQ(calls.tool_calls[0].arguments, R"({"v":"1"})");
+
+  json schema = {{"type", "integer"}};
+  for (int i = 0; i < 1000; ++i) schema = {{"anyOf", json::array({schema})}};
+  EXPECT_EQ(schema_types(schema), std::set<std::string>{"string"});  // the integer lies past the limit
 }
 
 TEST(ParsersScan, MarkersSplitAcrossDeltasAreHeldBack) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,9 +34,17 @@ void add_bench_kv_quality(CLI::App* bench);
 std::string default_model_dir();
 
 // A --model argument's config.json: MODEL/config.json, or MODEL itself when it is a file (a shape config
-// such as bench/shapes/*.json).
+// such as bench/shapes/*.json). A MODEL that is neither (a typo, a Hugging Face hub id) is a one-line
+// "not a directory" error saying how to get a local folder.
 std::string model_config_path(const std::string& model);
-// The model's context length as vLLM derives max_model_len; a one-line error when config.json has none.
+// The model's context length as vLLM derives max_model_len: the smallest of the length keys config.json
+// has (in text_config for vision-language configs), and which key that was; nullopt when it has none.
+struct ModelPositions {
+  int64_t tokens = 0;
+  std::string key;  // "max_position_embeddings", "model_max_length", ...
+};
+std::optional<ModelPositions> model_positions(const std::string& model);
+// The same, a one-line error when config.json has none.
 int64_t model_context_length(const std::string& model);
 
 // --device cpu|cuda (vLLM's flag): where the model runs; vLLM's --enforce-eager (no CUDA graphs) and

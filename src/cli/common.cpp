@@ -1,5 +1,7 @@
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -98,12 +100,19 @@ std::string default_model_dir() {
 
 std::string model_config_path(const std::string& model) {
   namespace fs = std::filesystem;
-  return fs::is_regular_file(model) ? model : (fs::path(model) / "config.json").string();
+  if (fs::is_regular_file(model)) return model;
+  if (!fs::is_directory(model)) {
+    // sparrow reads local folders only; ORG/NAME is what a Hugging Face hub id looks like.
+    bool hub_id = !model.empty() && std::count(model.begin(), model.end(), '/') == 1 && model.front() != '/' &&
+                  model.front() != '.';
+    fail(model, ": not a directory (sparrow reads a local Hugging Face model folder and downloads nothing: fetch ",
+         hub_id ? "it" : "the model", " first, e.g. `huggingface-cli download ", hub_id ? model : "ORG/NAME",
+         " --local-dir DIR`, and pass DIR)");
+  }
+  return (fs::path(model) / "config.json").string();
 }
 
-// The smallest of the length keys config.json has (in text_config for vision-language configs), as vLLM
-// derives max_model_len.
-int64_t model_context_length(const std::string& model) {
+std::optional<ModelPositions> model_positions(const std::string& model) {
   const std::string path = model_config_path(model);
   nlohmann::json config = nlohmann::json::object();
   if (std::filesystem::exists(path)) {
@@ -112,13 +121,20 @@ int64_t model_context_length(const std::string& model) {
     SPARROW_CHECK(!config.is_discarded() && config.is_object(), path, ": not a JSON object");
   }
   const nlohmann::json& text = config.contains("text_config") ? config["text_config"] : config;
-  int64_t length = 0;
+  std::optional<ModelPositions> smallest;
   for (const char* key : {"max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
                           "max_sequence_length", "max_seq_length", "seq_len"})
-    if (text.contains(key) && text[key].is_number_integer() && (length == 0 || text[key].get<int64_t>() < length))
-      length = text[key].get<int64_t>();
-  SPARROW_CHECK(length > 0, path, ": no context length (max_position_embeddings, ...); pass --max-model-len");
-  return length;
+    if (text.contains(key) && text[key].is_number_integer() && text[key].get<int64_t>() > 0 &&
+        (!smallest || text[key].get<int64_t>() < smallest->tokens))
+      smallest = ModelPositions{text[key].get<int64_t>(), key};
+  return smallest;
+}
+
+int64_t model_context_length(const std::string& model) {
+  std::optional<ModelPositions> positions = model_positions(model);
+  SPARROW_CHECK(positions, model_config_path(model),
+                ": no context length (max_position_embeddings, ...); pass --max-model-len");
+  return positions->tokens;
 }
 
 void on_selected(CLI::App* sub, std::function<void()> action) { actions().push_back({sub, std::move(action)}); }

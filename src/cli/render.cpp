@@ -9,6 +9,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/json_input.h"
 #include "template/chat_template.h"
 
 namespace sparrow::cli {
@@ -27,9 +28,11 @@ void add_render(CLI::App& app) {
     SPARROW_CHECK(in, request_path, ": cannot open");
     std::stringstream text;
     text << in.rdbuf();
-    auto request = nlohmann::ordered_json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-    SPARROW_CHECK(!request.is_discarded(), request_path, ": not valid JSON");
-    std::string prompt = chat_template.render(request);
+    auto request = parse_json_input<nlohmann::ordered_json>(text.str());
+    SPARROW_CHECK(request.status != decltype(request)::Status::TooDeep, request_path,
+                  ": nests arrays and objects more than ", kMaxJsonDepth, " levels deep (the limit)");
+    SPARROW_CHECK(request.ok(), request_path, ": not valid JSON");
+    std::string prompt = chat_template.render(request.value);
     std::fwrite(prompt.data(), 1, prompt.size(), stdout);
   });
 }

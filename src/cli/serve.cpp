@@ -12,8 +12,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <type_traits>
 
 #include "cache/planner.h"
 #include "cli/commands.h"
@@ -67,10 +69,20 @@ nlohmann::json read_json_if_present(const fs::path& path) {
 // an unset max_tokens (vLLM's default behaviour); "vllm" ignores the file; a folder reads its file.
 void apply_generation_config(const std::string& mode, const std::string& model_dir, server::ServingOptions& options) {
   if (mode == "vllm") return;
-  nlohmann::json config = read_json_if_present(fs::path(mode == "auto" ? model_dir : mode) / "generation_config.json");
+  SPARROW_CHECK(mode == "auto" || fs::is_directory(mode), "--generation-config ", mode,
+                ": not a directory (expected auto, vllm, or a folder holding generation_config.json)");
+  const fs::path path = fs::path(mode == "auto" ? model_dir : mode) / "generation_config.json";
+  nlohmann::json config = read_json_if_present(path);
   SamplingParams& s = options.default_sampling;
+  // Each default must fit its field (a float32 or an int64), as a request's own value must.
   auto number = [&](const char* key, auto& field) {
-    if (config.contains(key) && config[key].is_number()) field = config[key].get<std::decay_t<decltype(field)>>();
+    using Field = std::decay_t<decltype(field)>;
+    if (!config.contains(key) || !config[key].is_number()) return;
+    double value = config[key].get<double>();
+    bool fits = std::is_floating_point_v<Field> ? std::fabs(value) <= std::numeric_limits<float>::max()
+                                                : value >= -9.2e18 && value <= 9.2e18;
+    SPARROW_CHECK(fits, path.string(), ": \"", key, "\" is out of range (", config[key].dump(), ")");
+    field = config[key].get<Field>();
   };
   number("temperature", s.temperature);
   number("top_p", s.top_p);
@@ -138,6 +150,12 @@ server::ServerConfig server_config_from(const ServeFlags& flags) {
 void serve(const ServeFlags& flags) {
   server::ServerConfig server_config = server_config_from(flags);
   std::string model_dir = flags.model.empty() ? default_model_dir() : flags.model;
+  // A --max-model-len beyond the positions the model was trained for is refused before anything loads,
+  // as vLLM refuses it (its VLLM_ALLOW_LONG_MAX_MODEL_LEN override has no sparrow equivalent).
+  const std::optional<ModelPositions> positions = model_positions(model_dir);  // "not a directory" first
+  if (flags.max_model_len > 0 && positions && flags.max_model_len > positions->tokens)
+    fail("--max-model-len ", flags.max_model_len, " is more than the model's ", positions->tokens, " positions (",
+         positions->key, " in ", model_config_path(model_dir), ")");
   SPARROW_CHECK(flags.block_size == 64 || flags.block_size == 128 || flags.block_size == 256,
                 "--block-size must be 64, 128 or 256");
   SPARROW_CHECK(flags.gpu_memory_utilization >= 0 && flags.gpu_memory_utilization <= 1,
@@ -155,24 +173,6 @@ void serve(const ServeFlags& flags) {
   config.max_num_batched_tokens = flags.max_num_batched_tokens;
   config.max_model_len = flags.max_model_len > 0 ? flags.max_model_len : model_context_length(model_dir);
   for (int32_t id : eos_token_ids(model_dir)) config.eos_token_ids.push_back(id);
-
-  std::shared_ptr<const Tokenizer> tokenizer;
-  try {
-    tokenizer = load_tokenizer(model_dir);
-  } catch (const Error& e) {
-    std::fprintf(stderr, "sparrow serve: no tokenizer (%s): only token-id prompts will be served\n", e.what());
-  }
-  std::shared_ptr<const ChatTemplate> chat_template;
-  // An explicit --chat-template must load (a typo is an error, not a silent fallback).
-  if (tokenizer && !flags.chat_template.empty())
-    chat_template = std::make_shared<ChatTemplate>(ChatTemplate::load(model_dir, flags.chat_template));
-  if (tokenizer && !chat_template) {
-    try {
-      chat_template = std::make_shared<ChatTemplate>(ChatTemplate::load(model_dir));
-    } catch (const Error& e) {
-      std::fprintf(stderr, "sparrow serve: no chat template (%s): /v1/chat/completions is off\n", e.what());
-    }
-  }
 
   server::ServingOptions options;
   options.served_model_names =
@@ -192,6 +192,24 @@ void serve(const ServeFlags& flags) {
   if (!options.reasoning_parser.empty()) parsers::make_reasoning_parser(options.reasoning_parser);
   SPARROW_CHECK(!flags.enable_auto_tool_choice || !flags.tool_call_parser.empty(),
                 "--enable-auto-tool-choice needs --tool-call-parser");
+
+  std::shared_ptr<const Tokenizer> tokenizer;
+  try {
+    tokenizer = load_tokenizer(model_dir);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "sparrow serve: no tokenizer (%s): only token-id prompts will be served\n", e.what());
+  }
+  std::shared_ptr<const ChatTemplate> chat_template;
+  // An explicit --chat-template must load (a typo is an error, not a silent fallback).
+  if (tokenizer && !flags.chat_template.empty())
+    chat_template = std::make_shared<ChatTemplate>(ChatTemplate::load(model_dir, flags.chat_template));
+  if (tokenizer && !chat_template) {
+    try {
+      chat_template = std::make_shared<ChatTemplate>(ChatTemplate::load(model_dir));
+    } catch (const Error& e) {
+      std::fprintf(stderr, "sparrow serve: no chat template (%s): /v1/chat/completions is off\n", e.what());
+    }
+  }
 
   std::unique_ptr<Model> model = load_cli_model(model_dir, flags.device);
   // On a GPU without --kv-cache-memory, vLLM's meaning of --gpu-memory-utilization (default 0.9): the cache

@@ -1,5 +1,6 @@
 #include "server/json_fields.h"
 
+#include "core/json_input.h"
 #include "server/api_error.h"
 
 namespace sparrow::server {
@@ -36,7 +37,7 @@ std::optional<int64_t> Fields::integer(const std::string& name) const {
   // pydantic accepts floats with no fractional part (2.0) for int fields.
   if (v->is_number_float()) {
     double d = v->get<double>();
-    if (d == double(int64_t(d)) && d >= -9.2e18 && d <= 9.2e18) return int64_t(d);
+    if (d >= -9.2e18 && d <= 9.2e18 && d == double(int64_t(d))) return int64_t(d);
   }
   if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(INT64_MAX)) invalid(name, "is too large");
   if (!v->is_number_integer()) invalid(name, "must be an integer");
@@ -89,10 +90,13 @@ std::optional<std::vector<std::string>> Fields::strings(const std::string& name)
 }
 
 Json parse_json_object(const std::string& body) {
-  Json j = Json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) bad_request("the request body is not valid JSON");
-  if (!j.is_object()) bad_request("the request body must be a JSON object");
-  return j;
+  JsonInput<Json> parsed = parse_json_input<Json>(body);
+  if (parsed.status == JsonInput<Json>::Status::TooDeep)
+    bad_request("the request body nests arrays and objects more than " + std::to_string(kMaxJsonDepth) +
+                " levels deep (the limit)");
+  if (!parsed.ok()) bad_request("the request body is not valid JSON");
+  if (!parsed.value.is_object()) bad_request("the request body must be a JSON object");
+  return std::move(parsed.value);
 }
 
 }  // namespace sparrow::server

@@ -42,7 +42,8 @@ class Fields {
   std::string path_;
 };
 
-// Parses a request body: 400 unless it is a JSON object.
+// Parses a request body (core/json_input.h): 400 unless it is a JSON object nested at most kMaxJsonDepth
+// levels.
 Json parse_json_object(const std::string& body);
 
 }  // namespace sparrow::server

@@ -10,10 +10,15 @@ namespace {
 
 constexpr int64_t kMaxChoices = 128;  // OpenAI's limit on n
 
+// A sampling parameter, held as a float32 as vLLM's sampler holds it: a value beyond float32's range
+// (temperature 1e308) is refused, not turned into inf.
 float float_field(const Fields& f, const std::string& name, float def, double lo, double hi, const char* range) {
   auto v = f.number(name);
   if (!v) return def;
-  if (!std::isfinite(*v) || *v < lo || *v > hi) f.invalid(name, std::string("must be ") + range);
+  std::string given = ", got " + f.get(name)->dump();
+  if (!std::isfinite(*v) || *v < lo || *v > hi) f.invalid(name, std::string("must be ") + range + given);
+  if (std::fabs(*v) > std::numeric_limits<float>::max())
+    f.invalid(name, "is too large for a 32-bit float" + given);
   return float(*v);
 }
 
@@ -154,6 +159,48 @@ void check_tools(const Json& tools) {
   }
 }
 
+// A message's content, as vLLM accepts it: a string, a list of content parts, or (assistant messages,
+// whose content may be only tool calls) null. Parts are {"type": "text", "text": "..."}; the other part
+// types (image_url, input_audio, video_url, file, ...) carry media sparrow cannot read yet, and are
+// refused rather than dropped.
+void check_content(const Json& message_json, const Fields& message, const std::string& role) {
+  auto given = message_json.find("content");
+  if (given == message_json.end() || given->is_string()) return;
+  if (given->is_null() && role == "assistant") return;
+  const Json* content = &*given;
+  const std::string must = role == "assistant" ? "must be a string, a list of content parts or null"
+                                               : "must be a string or a list of content parts";
+  if (!content->is_array()) message.invalid("content", must + ", not " + content->type_name());
+  for (size_t j = 0; j < content->size(); ++j) {
+    const Json& part = (*content)[j];
+    std::string where = message.param("content") + "[" + std::to_string(j) + "]";
+    if (!part.is_object()) bad_request("`" + where + "` must be a content part object, not " + part.type_name(), where);
+    Fields fields(part, where);
+    auto type = fields.string("type");
+    if (!type) fields.invalid("type", "is required (\"text\")");
+    if (*type != "text")
+      bad_request("`" + where + "`: content parts of type '" + *type +
+                      "' are not supported yet (sparrow reads text only; images, audio, video and files are not "
+                      "supported)",
+                  where + ".type");
+    if (!fields.string("text")) fields.invalid("text", "is required and must be a string");
+  }
+}
+
+// The request's `messages`: a non-empty list of objects with a string `role` and a content vLLM accepts.
+const Json* check_messages(const Fields& f) {
+  const Json* messages = f.get("messages");
+  if (!messages) bad_request("`messages` is required", "messages");
+  if (!messages->is_array() || messages->empty()) f.invalid("messages", "must be a non-empty list of messages");
+  for (size_t i = 0; i < messages->size(); ++i) {
+    Fields message((*messages)[i], "messages[" + std::to_string(i) + "]");
+    auto role = message.string("role");
+    if (!role) message.invalid("role", "is required and must be a string");
+    check_content((*messages)[i], message, *role);
+  }
+  return messages;
+}
+
 bool tool_named(const Json& tools, const std::string& name) {
   for (const Json& tool : tools)
     if (tool["function"]["name"] == name) return true;
@@ -167,13 +214,7 @@ ChatRequest parse_chat_request(const Json& body, const SamplingParams& defaults,
   ChatRequest out;
   parse_generation_fields(f, out, defaults, max_logprobs);
 
-  const Json* messages = f.get("messages");
-  if (!messages) bad_request("`messages` is required", "messages");
-  if (!messages->is_array() || messages->empty()) f.invalid("messages", "must be a non-empty list of messages");
-  for (size_t i = 0; i < messages->size(); ++i) {
-    Fields message((*messages)[i], "messages[" + std::to_string(i) + "]");
-    if (!message.string("role")) message.invalid("role", "is required and must be a string");
-  }
+  const Json* messages = check_messages(f);
 
   out.logprobs = f.boolean("logprobs").value_or(false);
   if (auto k = f.integer("top_logprobs")) {

@@ -6,6 +6,8 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/json_input.h"
+#include "template/jinja_limits.h"
 #include "template/py_text.h"
 
 namespace sparrow {
@@ -55,9 +57,12 @@ void parse_tool_call_arguments(json& messages) {
       if (empty) {
         function["arguments"] = json::object();
       } else if (arguments.is_string()) {
-        json parsed = json::parse(arguments.get<std::string>(), nullptr, /*allow_exceptions=*/false);
-        SPARROW_CHECK(!parsed.is_discarded(), where, ".function.arguments is not valid JSON");
-        function["arguments"] = std::move(parsed);
+        JsonInput<json> parsed = parse_json_input<json>(arguments.get<std::string>());
+        SPARROW_CHECK(parsed.status != JsonInput<json>::Status::TooDeep, where,
+                      ".function.arguments nests arrays and objects more than ", kMaxJsonDepth,
+                      " levels deep (the limit)");
+        SPARROW_CHECK(parsed.ok(), where, ".function.arguments is not valid JSON");
+        function["arguments"] = std::move(parsed.value);
       } else {
         SPARROW_CHECK(arguments.is_object() || arguments.is_array(), where,
                       ".function.arguments must be a JSON string or an object");
@@ -106,9 +111,10 @@ std::string cut_at_final_message(const std::string& rendered, const std::string&
   return jinja::strip(rendered.substr(0, at), std::nullopt, false, true);
 }
 
-}  // namespace
-
-Value to_jinja_value(const json& j) {
+// `j` sits inside `level` arrays / objects; its own nesting is refused before it is walked.
+Value to_jinja_value_at(const json& j, int level) {
+  SPARROW_CHECK(!j.is_structured() || level < jinja::kMaxValueDepth, "request: a value nested more than ",
+                jinja::kMaxValueDepth, " levels deep (the template limit)");
   switch (j.type()) {
     case json::value_t::null:
       return Value::none();
@@ -127,18 +133,22 @@ Value to_jinja_value(const json& j) {
       return Value(j.get<std::string>());
     case json::value_t::array: {
       jinja::ValueList items;
-      for (const json& item : j) items.push_back(to_jinja_value(item));
+      for (const json& item : j) items.push_back(to_jinja_value_at(item, level + 1));
       return Value::list(std::move(items));
     }
     case json::value_t::object: {
       jinja::Dict d;
-      for (const auto& [key, value] : j.items()) d.set(Value(key), to_jinja_value(value));
+      for (const auto& [key, value] : j.items()) d.set(Value(key), to_jinja_value_at(value, level + 1));
       return Value::dict(std::move(d));
     }
     default:
       fail("request: unsupported JSON value");
   }
 }
+
+}  // namespace
+
+Value to_jinja_value(const json& j) { return to_jinja_value_at(j, 0); }
 
 ChatTemplate ChatTemplate::load(const std::string& model_dir, const std::string& template_file) {
   fs::path dir(model_dir);

@@ -81,6 +81,7 @@ struct CondExpr {  // then if test else otherwise (otherwise may be null: undefi
 
 struct Expr {
   int line = 0;
+  int depth = 1;  // 1 + the depth of its deepest operand (at most kMaxSyntaxDepth, jinja_limits.h)
   std::variant<Literal, NameRef, ListLiteral, DictLiteral, GetAttr, GetItem, SliceExpr, CallExpr, FilterExpr, TestExpr,
                UnaryExpr, BinaryExpr, CompareExpr, ConcatExpr, CondExpr>
       node;

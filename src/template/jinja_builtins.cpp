@@ -7,6 +7,7 @@
 #include <memory>
 #include <unordered_map>
 
+#include "template/jinja_limits.h"
 #include "template/py_text.h"
 #include "template/unicode.h"
 
@@ -198,7 +199,7 @@ const std::unordered_map<std::string, TestFunction>& tests() {
 
 // ---- global functions ----
 
-// range(stop) / range(start, stop[, step]), capped like jinja2.sandbox (MAX_RANGE = 100000).
+// range(stop) / range(start, stop[, step]), capped like jinja2.sandbox (MAX_RANGE).
 Value range_function(const Args& args) {
   if (!args.keyword.empty()) template_fail("range() takes no keyword arguments");
   const ValueList& p = args.positional;
@@ -211,10 +212,11 @@ Value range_function(const Args& args) {
   int64_t step = p.size() == 3 ? p[2].as_int() : 1;
   if (step == 0) template_fail("range() arg 3 must not be zero");
   ValueList items;
-  for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
-    if (items.size() >= 100000)
-      template_fail("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
+  for (int64_t i = start; step > 0 ? i < stop : i > stop;) {
+    if (int64_t(items.size()) >= kMaxRangeItems)
+      template_fail("Range too big. The sandbox blocks ranges larger than MAX_RANGE (", kMaxRangeItems, ").");
     items.emplace_back(i);
+    if (__builtin_add_overflow(i, step, &i)) break;  // the next one is past any int64 stop
   }
   return Value::list(std::move(items));
 }
@@ -255,6 +257,12 @@ Value joiner_function(const Args& args) {
 
 }  // namespace
 
+std::shared_ptr<Object> make_namespace(const Args& args) {
+  auto ns = new_object("Namespace", /*assignable=*/true);
+  ns->attributes = dict_from_args(args, "namespace()");
+  return ns;
+}
+
 TestFunction find_test(const std::string& name) {
   auto it = tests().find(name);
   return it == tests().end() ? nullptr : it->second;
@@ -264,13 +272,7 @@ Dict global_functions() {
   Dict globals;
   globals.set("range", Value::function("range", range_function));
   globals.set("dict", Value::function("dict", [](const Args& a) { return Value::dict(dict_from_args(a, "dict()")); }));
-  globals.set("namespace", Value::function("namespace", [](const Args& a) {
-                auto ns = std::make_shared<Object>();
-                ns->type_name = "Namespace";
-                ns->assignable = true;
-                ns->attributes = dict_from_args(a, "namespace()");
-                return Value::object(ns);
-              }));
+  globals.set("namespace", Value::function("namespace", [](const Args& a) { return Value::object(make_namespace(a)); }));
   globals.set("joiner", Value::function("joiner", joiner_function));
   // transformers' chat-template globals (chat_template_utils._cached_compile_jinja_template).
   globals.set("raise_exception", Value::function("raise_exception", [](const Args& a) -> Value {

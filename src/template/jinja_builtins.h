@@ -5,6 +5,7 @@
 //   methods  (the Python str / dict / list methods reachable as x.name(),    jinja_methods.cpp
 //             minus the ones ImmutableSandboxedEnvironment refuses)
 #pragma once
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -21,6 +22,9 @@ TestFunction find_test(const std::string& name);
 
 // The global functions every template sees; template variables of the same name hide them.
 Dict global_functions();
+// namespace(...): a new assignable object holding the given attributes (a mapping or pairs, then
+// keyword arguments).
+std::shared_ptr<Object> make_namespace(const Args& args);
 
 // `receiver.name` where `name` is a Python method of the receiver's type: a bound method, or, for
 // methods that would mutate (list.append, dict.update, ...), an undefined value whose use raises the

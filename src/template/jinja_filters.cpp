@@ -5,8 +5,10 @@
 #include <cmath>
 #include <cstdio>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "template/jinja_builtins.h"
+#include "template/jinja_limits.h"
 #include "template/py_text.h"
 #include "template/unicode.h"
 
@@ -55,10 +57,12 @@ Value do_tojson(const Value& input, const Args& args) {
            {optional("ensure_ascii", false), optional("indent"), optional("separators"), optional("sort_keys", false)});
   JsonOptions options;
   options.ensure_ascii = truthy(p[0]);
-  if (p[1].is_string())
+  if (p[1].is_string()) {
     options.indent = p[1].as_string();
-  else if (!p[1].is_none())
+  } else if (!p[1].is_none()) {
+    check_string_size(p[1].as_int());
     options.indent = std::string(std::max<int64_t>(0, p[1].as_int()), ' ');
+  }
   if (!p[2].is_none()) {
     ValueList seps = iterate(p[2]);
     if (seps.size() != 2 || !seps[0].is_string() || !seps[1].is_string())
@@ -106,6 +110,7 @@ Value do_join(const Value& input, const Args& args) {
   for (size_t i = 0; i < items.size(); ++i) {
     if (i) out += separator;
     out += to_str(attribute_of(items[i], p[1]));
+    check_string_size(int64_t(out.size()));
   }
   return out;
 }
@@ -136,16 +141,21 @@ Value do_sort(const Value& input, const Args& args) {
   return Value::list(sorted(iterate(input), truthy(p[0]), truthy(p[1]), p[2]));
 }
 
+// String keys (the usual ones) are looked up in a hash set, so a request's list of a million items
+// takes linear time; other keys are compared one by one, as Python's == would.
 Value do_unique(const Value& input, const Args& args) {
   ValueList p = bind(args, "unique", {optional("case_sensitive", false), optional("attribute")});
-  ValueList seen, out;
+  std::unordered_set<std::string> seen_strings;
+  ValueList seen_others, out;
   for (const Value& item : iterate(input)) {
     Value key = attribute_of(item, p[1]);
     if (!truthy(p[0])) key = ignore_case(key);
-    if (std::none_of(seen.begin(), seen.end(), [&](const Value& s) { return equals(s, key); })) {
-      seen.push_back(key);
-      out.push_back(item);
-    }
+    bool first = key.is_string() ? seen_strings.insert(key.as_string()).second
+                                 : std::none_of(seen_others.begin(), seen_others.end(),
+                                                [&](const Value& s) { return equals(s, key); });
+    if (!first) continue;
+    if (!key.is_string()) seen_others.push_back(key);
+    out.push_back(item);
   }
   return Value::list(std::move(out));
 }
@@ -318,6 +328,7 @@ Value do_escape(const Value& input, const Args& args) {
 // given as width); blank lines stay empty unless blank=True.
 Value do_indent(const Value& input, const Args& args) {
   ValueList p = bind(args, "indent", {optional("width", 4), optional("first", false), optional("blank", false)});
+  if (!p[0].is_string()) check_string_size(p[0].as_int());
   std::string indention = p[0].is_string() ? p[0].as_string() : std::string(std::max<int64_t>(0, p[0].as_int()), ' ');
   if (input.is_undefined()) input.fail_undefined();
   if (!input.is_string()) template_fail("unsupported operand type(s) for +=: '", type_name(input), "' and 'str'");
@@ -327,6 +338,7 @@ Value do_indent(const Value& input, const Args& args) {
     if (i) out += "\n";
     bool indent_line = i > 0 && (truthy(p[2]) || !lines[i].empty());
     out += (indent_line ? indention : "") + lines[i];
+    check_string_size(int64_t(out.size()));
   }
   if (truthy(p[1])) out = indention + out;
   return out;
@@ -389,6 +401,7 @@ Value do_batch(const Value& input, const Args& args) {
     if (static_cast<int64_t>(row.size()) == size) rows.push_back(Value::list(std::exchange(row, {})));
   }
   if (!row.empty()) {
+    if (!p[1].is_none()) check_list_size(size);
     if (!p[1].is_none())
       while (static_cast<int64_t>(row.size()) < size) row.push_back(p[1]);
     rows.push_back(Value::list(std::move(row)));
@@ -537,7 +550,19 @@ const std::unordered_map<std::string, FilterFunction>& filters() {
 }
 
 // One "%" conversion of Python's printf-style formatting.
-std::string format_one(char conversion, const std::string& flags, int width, int precision, const Value& v) {
+// snprintf into a string of the size it needs (widths and precisions are at most kMaxStringBytes).
+template <typename Number>
+std::string printf_string(const std::string& spec, Number value) {
+  int size = std::snprintf(nullptr, 0, spec.c_str(), value);
+  if (size < 0) template_fail("format: cannot format with '", spec, "'");
+  check_string_size(size);
+  std::string out(size_t(size) + 1, '\0');
+  std::snprintf(out.data(), out.size(), spec.c_str(), value);
+  out.resize(size_t(size));
+  return out;
+}
+
+std::string format_one(char conversion, const std::string& flags, int64_t width, int64_t precision, const Value& v) {
   auto pad_to_width = [&](std::string s) {
     int64_t missing = width - static_cast<int64_t>(utf8_length(s));
     if (missing <= 0) return s;
@@ -555,28 +580,27 @@ std::string format_one(char conversion, const std::string& flags, int width, int
   if (!v.is_number()) template_fail("%", conversion, " format: a real number is required, not ", type_name(v));
   std::string spec =
       "%" + flags + (width > 0 ? std::to_string(width) : "") + (precision >= 0 ? "." + std::to_string(precision) : "");
-  char buf[512];
   switch (conversion) {
     case 'd':
     case 'i':
-    case 'u':
-      std::snprintf(buf, sizeof buf, (spec + "lld").c_str(),
-                    static_cast<long long>(v.kind() == Value::Kind::Float ? std::trunc(v.as_float()) : v.as_int()));
-      return buf;
+    case 'u': {
+      if (v.kind() != Value::Kind::Float) return printf_string(spec + "lld", static_cast<long long>(v.as_int()));
+      double whole = std::trunc(v.as_float());
+      if (!(std::fabs(whole) < 9.2e18)) template_fail("%", conversion, " format: ", float_repr(whole), " is too large");
+      return printf_string(spec + "lld", static_cast<long long>(whole));
+    }
     case 'x':
     case 'X':
     case 'o':
       if (v.kind() == Value::Kind::Float) template_fail("%", conversion, " format: an integer is required, not float");
-      std::snprintf(buf, sizeof buf, (spec + "ll" + conversion).c_str(), static_cast<long long>(v.as_int()));
-      return buf;
+      return printf_string(spec + "ll" + conversion, static_cast<long long>(v.as_int()));
     case 'f':
     case 'F':
     case 'e':
     case 'E':
     case 'g':
     case 'G':
-      std::snprintf(buf, sizeof buf, (spec + conversion).c_str(), v.as_float());
-      return buf;
+      return printf_string(spec + conversion, v.as_float());
     default:
       template_fail("unsupported format character '", conversion, "'");
   }
@@ -611,13 +635,19 @@ std::string percent_format(const std::string& format, const Value& args) {
     std::string flags;
     while (i < format.size() && std::string_view("-+ #0").find(format[i]) != std::string_view::npos)
       flags += format[i++];
-    int width = 0, precision = -1;
-    while (i < format.size() && std::isdigit(static_cast<unsigned char>(format[i])))
+    // A width or precision is at most what the longest string may hold (checked digit by digit, so
+    // neither overflows).
+    int64_t width = 0, precision = -1;
+    while (i < format.size() && std::isdigit(static_cast<unsigned char>(format[i]))) {
       width = width * 10 + (format[i++] - '0');
+      check_string_size(width);
+    }
     if (i < format.size() && format[i] == '.') {
       precision = 0;
-      while (++i < format.size() && std::isdigit(static_cast<unsigned char>(format[i])))
+      while (++i < format.size() && std::isdigit(static_cast<unsigned char>(format[i]))) {
         precision = precision * 10 + (format[i] - '0');
+        check_string_size(precision);
+      }
     }
     if (i >= format.size()) template_fail("incomplete format");
     char conversion = format[i];
@@ -634,6 +664,7 @@ std::string percent_format(const std::string& format, const Value& args) {
         template_fail("not enough arguments for format string");
     }
     out += format_one(conversion, flags, width, precision, *value);
+    check_string_size(int64_t(out.size()));  // '%(a)s%(a)s...' repeats one argument
   }
   if (!named && next < positional.size()) template_fail("not all arguments converted during string formatting");
   return out;

@@ -6,10 +6,13 @@
 //     so their `set`s do not leak out (which is why templates use namespace() to carry state);
 //   - a macro resolves free names in the scope where it was defined, at call time, so it sees a
 //     top-level `set` made after its definition.
+// A render stays inside the limits of jinja_limits.h: nesting of evaluation and calls, loop
+// iterations, and the size of every string and list it builds.
 #include <cmath>
 #include <unordered_map>
 
 #include "template/jinja_builtins.h"
+#include "template/jinja_limits.h"
 #include "template/jinja_parser.h"
 #include "template/jinja_template.h"
 #include "template/unicode.h"
@@ -68,12 +71,21 @@ std::pair<double, double> float_divmod(double x, double y) {
   return {floordiv, mod};
 }
 
+// The size of `times` copies of `size` units, checked first: 'a' * 10**12 must not try to allocate.
+int64_t repeated_size(int64_t size, int64_t times) {
+  int64_t total = 0;
+  if (times > 0 && __builtin_mul_overflow(size, times, &total)) total = INT64_MAX;
+  return total;
+}
+
 Value repeat(const Value& sequence, int64_t times) {
   if (sequence.is_string()) {
+    check_string_size(repeated_size(int64_t(sequence.as_string().size()), times));
     std::string out;
     for (int64_t i = 0; i < times; ++i) out += sequence.as_string();
     return out;
   }
+  check_list_size(repeated_size(int64_t(sequence.items().size()), times));
   ValueList out;
   for (int64_t i = 0; i < times; ++i) out.insert(out.end(), sequence.items().begin(), sequence.items().end());
   return sequence.kind() == Value::Kind::Tuple ? Value::tuple(std::move(out)) : Value::list(std::move(out));
@@ -92,6 +104,7 @@ Value arithmetic(const std::string& op, const Value& a, const Value& b) {
     if (numbers) return a.as_float() + b.as_float();
     if (a.is_string() && b.is_string()) return a.as_string() + b.as_string();
     if (a.is_sequence() && a.kind() == b.kind()) {
+      check_list_size(int64_t(a.items().size() + b.items().size()));
       ValueList items = a.items();
       items.insert(items.end(), b.items().begin(), b.items().end());
       return a.kind() == K::Tuple ? Value::tuple(std::move(items)) : Value::list(std::move(items));
@@ -160,14 +173,28 @@ bool compare(const std::string& op, const Value& a, const Value& b) {
   return !less_than(a, b);
 }
 
-constexpr int kMaxCallDepth = 500;  // macro calls and recursive loops; Python stops near here too
-
 class Interpreter {
  public:
+  // Namespaces still alive when the render ends hold themselves ({% set ns.me = ns %}), which
+  // reference counting never frees: emptying them breaks the cycles.
+  ~Interpreter() {
+    for (const std::weak_ptr<Object>& made : namespaces_)
+      if (std::shared_ptr<Object> ns = made.lock()) {
+        Dict held = std::move(ns->attributes);  // freed at the end of this block
+        ns->attributes = Dict();
+      }
+  }
+
   std::string render(const Body& body, const Dict& variables) {
+    deadline_ = std::chrono::steady_clock::now() + kMaxRenderTime;
     auto globals = std::make_shared<Scope>();
     static const Dict functions = global_functions();
     for (const auto& [name, value] : functions.entries()) globals->set(name.as_string(), value);
+    globals->set("namespace", Value::function("namespace", [this](const Args& args) {
+                   std::shared_ptr<Object> ns = make_namespace(args);
+                   remember(ns);
+                   return Value::object(ns);
+                 }));
     for (const auto& [name, value] : variables.entries()) globals->set(to_str(name), value);
     auto top = std::make_shared<Scope>(globals);
     std::string out;
@@ -177,6 +204,22 @@ class Interpreter {
 
  private:
   enum class Flow { Normal, Break, Continue };
+
+  // Counts one level of nesting for as long as it lives; past `limit` levels it throws instead.
+  struct NestingGuard {
+    NestingGuard(int& depth, int limit, const char* what) : depth(depth) {
+      if (depth >= limit) template_fail(what, " (the template limit is ", limit, ")");
+      ++depth;
+    }
+    ~NestingGuard() { --depth; }
+    int& depth;
+  };
+
+  // Appends to a render's text (the output, or a block captured by set / filter / a macro call).
+  static void write(std::string& out, const std::string& text) {
+    check_string_size(int64_t(out.size() + text.size()));
+    out += text;
+  }
 
   // ---- statements ----
 
@@ -188,8 +231,17 @@ class Interpreter {
     return Flow::Normal;
   }
 
+  // Every 16 steps (statements and expressions) the clock is read; past kMaxRenderTime the render stops.
+  // One step may walk a whole request list (a slice, `in`), so the clock is read often.
+  void step() {
+    if ((++steps_ & 15) == 0 && std::chrono::steady_clock::now() > deadline_)
+      template_fail("the render took more than ", kMaxRenderTime.count(), " seconds (the template limit)");
+  }
+
   Flow exec(const Stmt& stmt, const ScopePtr& scope, std::string& out) {
     try {
+      step();
+      NestingGuard guard(eval_depth_, kMaxEvalDepth, "template evaluation nested too deeply");
       return std::visit([&](const auto& node) { return run(node, scope, out); }, stmt.node);
     } catch (TemplateError& e) {
       if (e.line == 0) e.line = stmt.line;
@@ -198,12 +250,12 @@ class Interpreter {
   }
 
   Flow run(const TextStmt& s, const ScopePtr&, std::string& out) {
-    out += s.text;
+    write(out, s.text);
     return Flow::Normal;
   }
 
   Flow run(const OutputStmt& s, const ScopePtr& scope, std::string& out) {
-    out += to_str(eval(*s.value, scope));
+    write(out, to_str(eval(*s.value, scope)));
     return Flow::Normal;
   }
 
@@ -242,7 +294,7 @@ class Interpreter {
   Flow run(const FilterBlockStmt& s, const ScopePtr& scope, std::string& out) {
     std::string text;
     exec(s.body, scope, text);
-    out += to_str(apply_filter_chain(*s.filter, text, scope));
+    write(out, to_str(apply_filter_chain(*s.filter, text, scope)));
     return Flow::Normal;
   }
 
@@ -277,12 +329,19 @@ class Interpreter {
     for (size_t i = 0; i < n; ++i) scope.set(target.names[i], parts[i]);
   }
 
+  // Counts one loop iteration against kMaxLoopIterations.
+  void count_iteration() {
+    if (++loop_iterations_ > kMaxLoopIterations)
+      template_fail("more than ", kMaxLoopIterations, " loop iterations (the template limit)");
+  }
+
   // Runs a for loop over `iterable`; recursive loops call this again through `loop(children)`.
   void loop_over(const ForStmt& s, const Value& iterable, const ScopePtr& scope, std::string& out, int depth) {
     ValueList items = iterate(iterable);
     if (s.filter) {  // `for x in xs if cond`: filtered first, so loop.length counts what is kept
       ValueList kept;
       for (const Value& item : items) {
+        count_iteration();
         auto probe = std::make_shared<Scope>(scope);
         assign(s.target, item, *probe);
         if (truthy(eval(*s.filter, probe))) kept.push_back(item);
@@ -294,6 +353,7 @@ class Interpreter {
       return;
     }
     for (size_t i = 0; i < items.size(); ++i) {
+      count_iteration();
       auto iteration = std::make_shared<Scope>(scope);
       assign(s.target, items[i], *iteration);
       iteration->set("loop", loop_context(s, items, i, depth, scope));
@@ -303,8 +363,7 @@ class Interpreter {
 
   // jinja2's LoopContext for item i.
   Value loop_context(const ForStmt& s, const ValueList& items, size_t i, int depth, const ScopePtr& scope) {
-    auto loop = std::make_shared<Object>();
-    loop->type_name = "LoopContext";
+    auto loop = new_object("LoopContext", /*assignable=*/false);
     int64_t n = static_cast<int64_t>(items.size()), index = static_cast<int64_t>(i);
     Dict& a = loop->attributes;
     a.set("index", index + 1);
@@ -328,7 +387,7 @@ class Interpreter {
         if (args.positional.size() != 1 || !args.keyword.empty()) template_fail("loop() takes one argument");
         ScopePtr parent = outer.lock();
         if (!parent) template_fail("a recursive loop was called after it ended");
-        DepthGuard guard(*this);
+        NestingGuard guard(call_depth_, kMaxCallDepth, "maximum recursion depth exceeded");
         std::string text;
         loop_over(s, args.positional[0], parent, text, depth + 1);
         return Value(text);
@@ -337,21 +396,10 @@ class Interpreter {
     return Value::object(loop);
   }
 
-  struct DepthGuard {
-    explicit DepthGuard(Interpreter& in) : in(in) {
-      if (++in.call_depth_ > kMaxCallDepth) {
-        --in.call_depth_;
-        template_fail("maximum recursion depth exceeded");
-      }
-    }
-    ~DepthGuard() { --in.call_depth_; }
-    Interpreter& in;
-  };
-
   Value call_macro(const MacroStmt& m, const std::weak_ptr<Scope>& defined_in, const Args& args) {
     ScopePtr parent = defined_in.lock();
     if (!parent) template_fail("macro '", m.name, "' was called after the scope defining it ended");
-    DepthGuard guard(*this);
+    NestingGuard guard(call_depth_, kMaxCallDepth, "maximum recursion depth exceeded");
     auto scope = std::make_shared<Scope>(parent);
     size_t n = m.params.size();
     if (args.positional.size() > n && !m.uses_varargs)
@@ -397,7 +445,12 @@ class Interpreter {
 
   Value eval(const Expr& e, const ScopePtr& scope) {
     try {
-      return std::visit([&](const auto& node) { return evaluate(node, scope, e.line); }, e.node);
+      step();
+      NestingGuard guard(eval_depth_, kMaxEvalDepth, "template evaluation nested too deeply");
+      Value v = std::visit([&](const auto& node) { return evaluate(node, scope, e.line); }, e.node);
+      // Growth beyond the checks at the source (repeat, padding, ...): concatenation and the like.
+      if (v.is_string()) check_string_size(int64_t(v.as_string().size()));
+      return v;
     } catch (TemplateError& err) {
       if (err.line == 0) err.line = e.line;
       throw;
@@ -492,7 +545,7 @@ class Interpreter {
 
   Value evaluate(const ConcatExpr& e, const ScopePtr& scope, int) {
     std::string out;
-    for (const auto& part : e.parts) out += to_str(eval(*part, scope));
+    for (const auto& part : e.parts) write(out, to_str(eval(*part, scope)));
     return out;
   }
 
@@ -539,7 +592,20 @@ class Interpreter {
     }
   }
 
-  int call_depth_ = 0;
+  // Keeps a weak reference to a namespace for ~Interpreter, dropping those already freed whenever the
+  // list doubles, so a loop making a namespace per message keeps the list short.
+  void remember(const std::shared_ptr<Object>& ns) {
+    if (namespaces_.size() == namespaces_.capacity())
+      std::erase_if(namespaces_, [](const std::weak_ptr<Object>& made) { return made.expired(); });
+    namespaces_.push_back(ns);
+  }
+
+  std::vector<std::weak_ptr<Object>> namespaces_;  // made by this render
+  int call_depth_ = 0;        // macro and recursive-loop calls in progress (kMaxCallDepth)
+  int eval_depth_ = 0;        // statements and expressions in progress (kMaxEvalDepth)
+  int64_t loop_iterations_ = 0;  // so far in this render (kMaxLoopIterations)
+  uint64_t steps_ = 0;           // statements and expressions evaluated so far
+  std::chrono::steady_clock::time_point deadline_;  // kMaxRenderTime after the render began
 };
 
 }  // namespace

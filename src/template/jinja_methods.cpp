@@ -5,6 +5,7 @@
 #include <unordered_map>
 
 #include "template/jinja_builtins.h"
+#include "template/jinja_limits.h"
 #include "template/py_text.h"
 #include "template/unicode.h"
 
@@ -142,6 +143,7 @@ Value str_format(const Value& self, const Args& args) {
       if (!value) template_fail("str.format: no argument named '", field, "'");
     }
     out += conversion == 'r' ? repr(*value) : to_str(*value);
+    check_string_size(int64_t(out.size()));  // '{0}{0}{0}...' repeats one argument
   }
   return out;
 }
@@ -155,6 +157,7 @@ Value str_join(const Value& self, const Args& args) {
       template_fail("sequence item ", i, ": expected str instance, ", type_name(items[i]), " found");
     if (i) out += self.as_string();
     out += items[i].as_string();
+    check_string_size(int64_t(out.size()));
   }
   return out;
 }
@@ -281,6 +284,7 @@ const MethodTable& str_methods() {
          std::string text = s.as_string();
          int64_t missing = expect_int(p[0], "zfill", "width") - static_cast<int64_t>(utf8_length(text));
          if (missing <= 0) return Value(text);
+         check_string_size(int64_t(text.size()) + missing);
          size_t sign = !text.empty() && (text[0] == '+' || text[0] == '-') ? 1 : 0;
          return Value(text.substr(0, sign) + std::string(missing, '0') + text.substr(sign));
        }},

@@ -4,16 +4,65 @@
 #include <initializer_list>
 
 #include "template/jinja_lexer.h"
+#include "template/jinja_limits.h"
 
 namespace sparrow::jinja {
 namespace {
 
 using T = Token::Type;
 
+// The depth of the deepest operand of each kind of node (0: none).
+int deepest(const ExprPtr& e) { return e ? e->depth : 0; }
+int deepest(const CallArgs& args) {
+  int d = std::max(deepest(args.star_args), deepest(args.star_kwargs));
+  for (const auto& e : args.positional) d = std::max(d, deepest(e));
+  for (const auto& [name, e] : args.keyword) d = std::max(d, deepest(e));
+  return d;
+}
+int operand_depth(const Literal&) { return 0; }
+int operand_depth(const NameRef&) { return 0; }
+int operand_depth(const ListLiteral& n) {
+  int d = 0;
+  for (const auto& e : n.items) d = std::max(d, deepest(e));
+  return d;
+}
+int operand_depth(const DictLiteral& n) {
+  int d = 0;
+  for (const auto& [key, value] : n.items) d = std::max({d, deepest(key), deepest(value)});
+  return d;
+}
+int operand_depth(const GetAttr& n) { return deepest(n.object); }
+int operand_depth(const GetItem& n) { return std::max(deepest(n.object), deepest(n.key)); }
+int operand_depth(const SliceExpr& n) {
+  return std::max({deepest(n.object), deepest(n.start), deepest(n.stop), deepest(n.step)});
+}
+int operand_depth(const CallExpr& n) { return std::max(deepest(n.callee), deepest(n.args)); }
+int operand_depth(const FilterExpr& n) { return std::max(deepest(n.input), deepest(n.args)); }
+int operand_depth(const TestExpr& n) { return std::max(deepest(n.input), deepest(n.args)); }
+int operand_depth(const UnaryExpr& n) { return deepest(n.operand); }
+int operand_depth(const BinaryExpr& n) { return std::max(deepest(n.left), deepest(n.right)); }
+int operand_depth(const CompareExpr& n) {
+  int d = deepest(n.first);
+  for (const auto& [op, e] : n.rest) d = std::max(d, deepest(e));
+  return d;
+}
+int operand_depth(const ConcatExpr& n) {
+  int d = 0;
+  for (const auto& e : n.parts) d = std::max(d, deepest(e));
+  return d;
+}
+int operand_depth(const CondExpr& n) { return std::max({deepest(n.test), deepest(n.then), deepest(n.otherwise)}); }
+
+// Expressions nest by operators as well as by brackets: a + b + c is ((a + b) + c), so a long chain is
+// as deep as it is long, and the interpreter (and the tree's destructor) recurse that deep.
 template <typename Node>
 ExprPtr make_expr(int line, Node node) {
   auto e = std::make_unique<Expr>();
   e->line = line;
+  e->depth = operand_depth(node) + 1;
+  if (e->depth > kMaxSyntaxDepth)
+    throw TemplateError(cat("expression nested more than ", kMaxSyntaxDepth, " levels deep (the template limit)"),
+                        line);
   e->node = std::move(node);
   return e;
 }
@@ -96,6 +145,18 @@ class Parser {
     next();
   }
 
+  // One level of the parser's recursion, for as long as it lives: brackets, `not`, unary signs, else
+  // branches and blocks inside blocks nest at most kMaxSyntaxDepth deep.
+  struct Nested {
+    explicit Nested(Parser& parser) : parser(parser) {
+      if (parser.nesting_ >= kMaxSyntaxDepth)
+        parser.fail(cat("the template nests more than ", kMaxSyntaxDepth, " levels deep (the template limit)"));
+      ++parser.nesting_;
+    }
+    ~Nested() { --parser.nesting_; }
+    Parser& parser;
+  };
+
   // ---- statements ----
 
   // Parses until a block tag whose name is in `end_names` (left as the current token), or the end.
@@ -139,6 +200,7 @@ class Parser {
   }
 
   void parse_statement(Body& body) {
+    Nested nested(*this);
     const Token& t = current();
     if (t.type != T::Name) fail("tag name expected");
     int line = t.line;
@@ -323,7 +385,11 @@ class Parser {
     ExprPtr expr = parse_or();
     while (skip_name("if")) {
       ExprPtr test = parse_or();
-      ExprPtr otherwise = skip_name("else") ? parse_condexpr() : nullptr;
+      ExprPtr otherwise;
+      if (skip_name("else")) {
+        Nested nested(*this);
+        otherwise = parse_condexpr();
+      }
       expr = make_expr(line, CondExpr{std::move(test), std::move(expr), std::move(otherwise)});
       line = current().line;
     }
@@ -346,6 +412,7 @@ class Parser {
 
   ExprPtr parse_not() {
     if (is_name("not")) {
+      Nested nested(*this);
       int line = next().line;
       return make_expr(line, UnaryExpr{UnaryExpr::Op::Not, parse_not()});
     }
@@ -414,12 +481,13 @@ class Parser {
   ExprPtr parse_unary(bool with_filter) {
     int line = current().line;
     ExprPtr node;
-    if (skip_op("-"))
-      node = make_expr(line, UnaryExpr{UnaryExpr::Op::Negate, parse_unary(false)});
-    else if (skip_op("+"))
-      node = make_expr(line, UnaryExpr{UnaryExpr::Op::Plus, parse_unary(false)});
-    else
+    if (is_op("-") || is_op("+")) {
+      Nested nested(*this);
+      auto op = next().text == "-" ? UnaryExpr::Op::Negate : UnaryExpr::Op::Plus;
+      node = make_expr(line, UnaryExpr{op, parse_unary(false)});
+    } else {
       node = parse_primary();
+    }
     node = parse_postfix(std::move(node));
     if (with_filter) node = parse_filter_expr(std::move(node));
     return node;
@@ -450,6 +518,7 @@ class Parser {
         return make_expr(line, Literal{Value(t.number)});
       case T::Operator:
         if (t.text == "(") {
+          Nested nested(*this);
           next();
           ExprPtr inner = parse_tuple(false, true, {}, true);
           expect_op(")");
@@ -465,6 +534,7 @@ class Parser {
   }
 
   ExprPtr parse_list() {
+    Nested nested(*this);
     int line = next().line;
     std::vector<ExprPtr> items;
     while (!is_op("]")) {
@@ -477,6 +547,7 @@ class Parser {
   }
 
   ExprPtr parse_dict() {
+    Nested nested(*this);
     int line = next().line;
     std::vector<std::pair<ExprPtr, ExprPtr>> items;
     while (!is_op("}")) {
@@ -515,6 +586,7 @@ class Parser {
   }
 
   ExprPtr parse_subscript(ExprPtr node) {
+    Nested nested(*this);
     const Token& t = next();
     int line = t.line;
     if (t.text == ".") {
@@ -552,6 +624,7 @@ class Parser {
   }
 
   CallArgs parse_call_args() {
+    Nested nested(*this);
     int line = expect_op("(").line;
     CallArgs args;
     bool need_comma = false;
@@ -637,6 +710,7 @@ class Parser {
   std::vector<Token> tokens_;
   size_t pos_ = 0;
   int loop_depth_ = 0;                   // for loops around the current tag (break/continue need one)
+  int nesting_ = 0;                      // Nested levels open (kMaxSyntaxDepth)
   std::vector<std::string> names_read_;  // every variable name read so far, for macros' varargs/kwargs
 };
 

@@ -8,6 +8,8 @@
 //
 // Errors (syntax, runtime, raise_exception) are one-line sparrow::Errors naming the template line:
 //   "chat template line 12: unknown filter 'foo'".
+// Parsing and rendering keep to the limits of jinja_limits.h (nesting, recursion, loop iterations,
+// string and list sizes); passing one is such an error too.
 #pragma once
 #include <memory>
 #include <string>

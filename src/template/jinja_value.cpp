@@ -3,17 +3,90 @@
 #include <algorithm>
 #include <cmath>
 
+#include "template/jinja_limits.h"
 #include "template/py_text.h"
 #include "template/unicode.h"
 
 namespace sparrow::jinja {
 
+void check_string_size(int64_t bytes) {
+  if (bytes > kMaxStringBytes)
+    template_fail("a string of ", bytes, " bytes exceeds the template limit of ", kMaxStringBytes, " bytes");
+}
+
+void check_list_size(int64_t items) {
+  if (items > kMaxListItems)
+    template_fail("a list of ", items, " items exceeds the template limit of ", kMaxListItems, " items");
+}
+
+namespace {
+
+// The depth of a container holding values of these depths.
+int container_depth(int deepest_item) {
+  if (deepest_item + 1 > kMaxValueDepth)
+    template_fail("a value nested more than ", kMaxValueDepth, " levels deep (the template limit)");
+  return deepest_item + 1;
+}
+
+int container_depth(const ValueList& items) {
+  int deepest = 0;
+  for (const Value& item : items) deepest = std::max(deepest, item.depth());
+  return container_depth(deepest);
+}
+
+int container_depth(const Dict& entries) {
+  int deepest = 0;
+  for (const auto& [key, value] : entries.entries()) deepest = std::max({deepest, key.depth(), value.depth()});
+  return container_depth(deepest);
+}
+
+// Frees objects one after another: an object freed while another is being freed waits in `pending`
+// until that one is done, so a chain of a million namespaces takes a loop, not a million nested calls.
+struct ObjectDeleter {
+  void operator()(Object* object) const {
+    thread_local std::vector<Object*>* pending = nullptr;
+    if (pending) {
+      pending->push_back(object);
+      return;
+    }
+    std::vector<Object*> queue = {object};
+    pending = &queue;
+    while (!queue.empty()) {
+      Object* next = queue.back();
+      queue.pop_back();
+      delete next;  // may queue the objects only it held
+    }
+    pending = nullptr;
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<Object> new_object(std::string type_name, bool assignable) {
+  auto object = std::shared_ptr<Object>(new Object, ObjectDeleter());
+  object->type_name = std::move(type_name);
+  object->assignable = assignable;
+  return object;
+}
+
 Value Value::undefined(std::string message) { return Value(Kind::Undefined, std::move(message)); }
 Value Value::none() { return Value(Kind::None, std::monostate{}); }
-Value Value::list(ValueList items) { return Value(Kind::List, std::make_shared<const ValueList>(std::move(items))); }
-Value Value::tuple(ValueList items) { return Value(Kind::Tuple, std::make_shared<const ValueList>(std::move(items))); }
-Value Value::dict(Dict entries) { return Value(Kind::Dict, std::make_shared<const Dict>(std::move(entries))); }
-Value Value::object(std::shared_ptr<Object> object) { return Value(Kind::Object, std::move(object)); }
+Value Value::list(ValueList items) {
+  int depth = container_depth(items);
+  return Value(Kind::List, std::make_shared<const ValueList>(std::move(items)), depth);
+}
+Value Value::tuple(ValueList items) {
+  int depth = container_depth(items);
+  return Value(Kind::Tuple, std::make_shared<const ValueList>(std::move(items)), depth);
+}
+Value Value::dict(Dict entries) {
+  int depth = container_depth(entries);
+  return Value(Kind::Dict, std::make_shared<const Dict>(std::move(entries)), depth);
+}
+Value Value::object(std::shared_ptr<Object> object) {
+  int depth = object->assignable ? 1 : container_depth(object->attributes);
+  return Value(Kind::Object, std::move(object), depth);
+}
 Value Value::function(std::string name, std::function<Value(const Args&)> call) {
   return Value(Kind::Function, std::make_shared<const Function>(Function{std::move(name), std::move(call)}));
 }
@@ -49,19 +122,37 @@ const Value* Dict::find(const Value& key) const {
   return nullptr;
 }
 
-const Value* Dict::find(const std::string& key) const {
-  for (const auto& [k, v] : entries_)
+const Value* Dict::find(const std::string& key) const { return const_cast<Dict*>(this)->find_string(key); }
+
+Value* Dict::find_string(const std::string& key) {
+  if (!string_keys_.empty()) {
+    auto it = string_keys_.find(key);
+    return it == string_keys_.end() ? nullptr : &entries_[it->second].second;
+  }
+  for (auto& [k, v] : entries_)
     if (k.is_string() && k.as_string() == key) return &v;
   return nullptr;
 }
 
 void Dict::set(Value key, Value value) {
-  for (auto& [k, v] : entries_)
-    if (equals(k, key)) {
-      v = std::move(value);
-      return;
-    }
+  Value* existing = nullptr;
+  if (key.is_string()) {
+    existing = find_string(key.as_string());
+  } else {
+    for (auto it = entries_.begin(); it != entries_.end() && !existing; ++it)
+      if (equals(it->first, key)) existing = &it->second;
+  }
+  if (existing) {
+    *existing = std::move(value);
+    return;
+  }
   entries_.emplace_back(std::move(key), std::move(value));
+  if (entries_.size() == kIndexedSize) {
+    for (size_t i = 0; i < entries_.size(); ++i)
+      if (entries_[i].first.is_string()) string_keys_.emplace(entries_[i].first.as_string(), i);
+  } else if (entries_.size() > kIndexedSize && entries_.back().first.is_string()) {
+    string_keys_.emplace(entries_.back().first.as_string(), entries_.size() - 1);
+  }
 }
 
 ValueList bind_args(const Args& args, const std::string& callee, const std::vector<Param>& params) {
@@ -123,29 +214,35 @@ std::string to_str(const Value& v) {
 
 namespace {
 
-std::string join_repr(const ValueList& items) {
+std::string repr_at(const Value& v, int level);
+
+std::string join_repr(const ValueList& items, int level) {
   std::string out;
   for (size_t i = 0; i < items.size(); ++i) {
     if (i) out += ", ";
-    out += repr(items[i]);
+    out += repr_at(items[i], level);
+    check_string_size(int64_t(out.size()));
   }
   return out;
 }
 
-std::string dict_repr(const Dict& d) {
+std::string dict_repr(const Dict& d, int level) {
   std::string out = "{";
   bool first = true;
   for (const auto& [k, val] : d.entries()) {
     if (!first) out += ", ";
     first = false;
-    out += repr(k) + ": " + repr(val);
+    out += repr_at(k, level) + ": " + repr_at(val, level);
+    check_string_size(int64_t(out.size()));
   }
   return out + "}";
 }
 
-}  // namespace
-
-std::string repr(const Value& v) {
+// repr(v) for a value inside `level` others. Only namespaces nest deeper than their depth() says
+// (they may even hold themselves), hence the count.
+std::string repr_at(const Value& v, int level) {
+  if (level > kMaxValueDepth)
+    template_fail("repr: a value nested more than ", kMaxValueDepth, " levels deep (the template limit)");
   switch (v.kind()) {
     case Value::Kind::Undefined:
       return "Undefined";
@@ -160,23 +257,27 @@ std::string repr(const Value& v) {
     case Value::Kind::String:
       return string_repr(v.as_string());
     case Value::Kind::List:
-      return "[" + join_repr(v.items()) + "]";
+      return "[" + join_repr(v.items(), level + 1) + "]";
     case Value::Kind::Tuple:
-      return "(" + join_repr(v.items()) + (v.items().size() == 1 ? ",)" : ")");
+      return "(" + join_repr(v.items(), level + 1) + (v.items().size() == 1 ? ",)" : ")");
     case Value::Kind::Dict:
-      return dict_repr(v.as_dict());
+      return dict_repr(v.as_dict(), level + 1);
     case Value::Kind::Object: {
       const Object& o = v.as_object();
       if (o.type_name == "LoopContext")  // jinja2's LoopContext.__repr__
         return "<LoopContext " + to_str(*o.attributes.find(std::string("index"))) + "/" +
                to_str(*o.attributes.find(std::string("length"))) + ">";
-      return "<" + o.type_name + " " + dict_repr(o.attributes) + ">";
+      return "<" + o.type_name + " " + dict_repr(o.attributes, level + 1) + ">";
     }
     case Value::Kind::Function:
       return "<function " + v.as_function().name + ">";
   }
   return "";
 }
+
+}  // namespace
+
+std::string repr(const Value& v) { return repr_at(v, 0); }
 
 std::string type_name(const Value& v) {
   switch (v.kind()) {
@@ -288,6 +389,7 @@ ValueList iterate(const Value& v) {
       return keys;
     }
     case Value::Kind::String: {
+      check_list_size(int64_t(utf8_length(v.as_string())));  // a 32 MiB message would take 1.5 GiB
       ValueList chars;
       for (char32_t c : utf8_decode(v.as_string())) chars.emplace_back(utf8_encode(std::u32string(1, c)));
       return chars;
@@ -337,7 +439,9 @@ std::string json_key(const Value& key) {
 
 void dump(std::string& out, const Value& v, const JsonOptions& o, const std::string& item_separator, int depth) {
   auto newline = [&](int level) {
+    check_string_size(int64_t(out.size()));  // a wide indent multiplies the text
     if (!o.indent) return;
+    check_string_size(int64_t(out.size() + 1 + level * o.indent->size()));
     out += '\n';
     for (int i = 0; i < level; ++i) out += *o.indent;
   };

@@ -15,6 +15,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -57,10 +58,12 @@ class Value {
   Value(double f) : kind_(Kind::Float), data_(f) {}
   Value(std::string s) : kind_(Kind::String), data_(std::move(s)) {}
   Value(const char* s) : Value(std::string(s)) {}
+  // Containers know how deeply they nest (depth()); one nested more than kMaxValueDepth
+  // (jinja_limits.h) is a TemplateError, so no value is too deep to walk or to destroy.
   static Value list(ValueList items);
   static Value tuple(ValueList items);
   static Value dict(Dict entries);
-  static Value object(std::shared_ptr<Object> object);
+  static Value object(std::shared_ptr<Object> object);  // from new_object()
   static Value function(std::string name, std::function<Value(const Args&)> call);
 
   Kind kind() const { return kind_; }
@@ -69,6 +72,9 @@ class Value {
   bool is_string() const { return kind_ == Kind::String; }
   bool is_number() const { return kind_ == Kind::Int || kind_ == Kind::Float || kind_ == Kind::Bool; }
   bool is_sequence() const { return kind_ == Kind::List || kind_ == Kind::Tuple; }  // list or tuple
+  // 0 for a scalar; 1 + the deepest item, key or attribute for a container. A namespace counts 1 whatever
+  // it holds: its attributes change after it is built (see new_object for why that is safe).
+  int depth() const { return depth_; }
 
   bool as_bool() const { return std::get<bool>(data_); }
   int64_t as_int() const;   // Int or Bool
@@ -86,12 +92,15 @@ class Value {
   [[noreturn]] void fail_undefined() const;
 
  private:
-  Value(Kind kind, std::variant<std::monostate, bool, int64_t, double, std::string, std::shared_ptr<const ValueList>,
-                                std::shared_ptr<const Dict>, std::shared_ptr<Object>, std::shared_ptr<const Function>>
-                       data)
-      : kind_(kind), data_(std::move(data)) {}
+  Value(Kind kind,
+        std::variant<std::monostate, bool, int64_t, double, std::string, std::shared_ptr<const ValueList>,
+                     std::shared_ptr<const Dict>, std::shared_ptr<Object>, std::shared_ptr<const Function>>
+            data,
+        int depth = 0)
+      : kind_(kind), depth_(depth), data_(std::move(data)) {}
 
   Kind kind_;
+  int depth_ = 0;
   // None: monostate; Undefined: its error message as a string.
   std::variant<std::monostate, bool, int64_t, double, std::string, std::shared_ptr<const ValueList>,
                std::shared_ptr<const Dict>, std::shared_ptr<Object>, std::shared_ptr<const Function>>
@@ -110,7 +119,13 @@ class Dict {
   const std::vector<Entry>& entries() const { return entries_; }
 
  private:
+  // A request may send an object of 100,000 keys: past this size string keys are found through
+  // string_keys_, so building and reading such a dict takes linear time, not quadratic.
+  static constexpr size_t kIndexedSize = 16;
+  Value* find_string(const std::string& key);
+
   std::vector<Entry> entries_;
+  std::unordered_map<std::string, size_t> string_keys_;  // key -> its entry; empty while the dict is small
 };
 
 // An object with named attributes: a namespace() (assignable with `set ns.x = ...`) or a loop
@@ -121,6 +136,11 @@ struct Object {
   Dict attributes;
   std::function<Value(const Args&)> call;  // empty: not callable
 };
+
+// A new object. Namespaces hold values assigned after they are built, so chains of them can grow
+// without bound ({% set cur.next = namespace() %} in a loop); their owner pointers free them one after
+// another instead of inside one another, so dropping a long chain cannot overflow the stack.
+std::shared_ptr<Object> new_object(std::string type_name, bool assignable);
 
 // Arguments of a call: f(a, b, key=c).
 struct Args {

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "template/jinja_limits.h"
 #include "template/unicode.h"
 
 namespace sparrow::jinja {
@@ -159,6 +160,7 @@ std::vector<std::string> split_whitespace(std::string_view s, int64_t maxsplit, 
       size_t start = i;
       while (i < n && !is_space(text[i])) ++i;
       parts.push_back(text.substr(start, i - start));
+      check_list_size(int64_t(parts.size()));
     }
   } else {
     size_t i = text.size();
@@ -172,6 +174,7 @@ std::vector<std::string> split_whitespace(std::string_view s, int64_t maxsplit, 
       size_t end = i;
       while (i > 0 && !is_space(text[i - 1])) --i;
       parts.push_back(text.substr(i, end - i));
+      check_list_size(int64_t(parts.size()));
     }
     std::reverse(parts.begin(), parts.end());
   }
@@ -190,6 +193,7 @@ std::vector<std::string> split(std::string_view s, const std::optional<std::stri
     size_t at = s.find(*sep, start);
     if (at == std::string_view::npos) break;
     out.emplace_back(s.substr(start, at - start));
+    check_list_size(int64_t(out.size()));
     start = at + sep->size();
   }
   out.emplace_back(s.substr(start));
@@ -205,6 +209,7 @@ std::vector<std::string> rsplit(std::string_view s, const std::optional<std::str
     size_t at = s.rfind(*sep, end - sep->size());
     if (at == std::string_view::npos) break;
     out.emplace_back(s.substr(at + sep->size(), end - at - sep->size()));
+    check_list_size(int64_t(out.size()));
     end = at;
   }
   out.emplace_back(s.substr(0, end));
@@ -224,6 +229,7 @@ std::vector<std::string> splitlines(std::string_view s, bool keep_ends) {
     size_t end = i;
     i += (text[i] == '\r' && i + 1 < text.size() && text[i + 1] == '\n') ? 2 : 1;
     out.push_back(utf8_encode(std::u32string_view(text).substr(start, (keep_ends ? i : end) - start)));
+    check_list_size(int64_t(out.size()));
     start = i;
   }
   if (start < text.size()) out.push_back(utf8_encode(std::u32string_view(text).substr(start)));
@@ -238,6 +244,7 @@ std::string replace(std::string_view s, std::string_view old_text, std::string_v
     for (char32_t c : text) {
       if (count < 0 || done < count) out += new_text, ++done;
       utf8::append(out, c);
+      check_string_size(int64_t(out.size()));
     }
     if (count < 0 || done < count) out += new_text;
     return out;
@@ -248,6 +255,7 @@ std::string replace(std::string_view s, std::string_view old_text, std::string_v
     if (at == std::string_view::npos) break;
     out += s.substr(start, at - start);
     out += new_text;
+    check_string_size(int64_t(out.size()));
     start = at + old_text.size();
   }
   out += s.substr(start);
@@ -302,6 +310,7 @@ std::string pad(std::string_view s, int64_t width, std::string_view fill, char a
   if (margin <= 0) return std::string(s);
   // CPython's str.center puts the odd extra character on the left only when width is odd.
   int64_t left = align == '<' ? 0 : align == '>' ? margin : margin / 2 + (margin & width & 1);
+  check_string_size(int64_t(s.size()) + int64_t(std::min<uint64_t>(margin, kMaxStringBytes) * fill.size()));
   std::string out;
   for (int64_t i = 0; i < left; ++i) out += fill;
   out += s;

@@ -31,6 +31,8 @@ int64_t count(std::string_view s, std::string_view sub);  // non-overlapping occ
 std::string title(std::string_view s);                    // str.title
 std::string capitalize(std::string_view s);               // str.capitalize
 // str.center / ljust / rjust with a one-character fill.
+// replace and pad build strings larger than their input: both keep to kMaxStringBytes (jinja_limits.h);
+// the splits keep to kMaxListItems pieces.
 std::string pad(std::string_view s, int64_t width, std::string_view fill, char align);
 
 // Parses an int the way Python's int(text, base) does (whitespace, sign, underscores); nullopt when

@@ -93,6 +93,81 @@ TEST(ServerRequests, ChatValidationErrors) {
   EXPECT_EQ(rejection([&] { parse_json_object("[1]"); }).first, 400);
 }
 
+// The message of the ApiError `fn` throws.
+template <typename Fn>
+std::string rejection_message(Fn fn) {
+  try {
+    fn();
+  } catch (const ApiError& e) {
+    return e.what();
+  }
+  return "(accepted)";
+}
+
+TEST(ServerRequests, BodiesNestedTooDeepAreRefusedBeforeParsing) {
+  auto nested = [](int depth) { return std::string(depth, '[') + std::string(depth, ']'); };
+  // The issue's reproduction: 30,000 levels in a message's content.
+  std::string deep = R"({"messages": [{"role": "user", "content": )" + nested(30000) + "}]}";
+  EXPECT_EQ(rejection([&] { parse_json_object(deep); }).first, 400);
+  EXPECT_NE(rejection_message([&] { parse_json_object(deep); }).find("more than 128 levels deep"), std::string::npos);
+  // 128 levels in all (the body and messages take 3 of them) still parse.
+  EXPECT_NO_THROW(parse_json_object(R"({"messages": [{"role": "user", "content": )" + nested(125) + "}]}"));
+  EXPECT_EQ(rejection([&] { parse_json_object(R"({"messages": [{"role": "user", "content": )" + nested(126) + "}]}"); })
+                .first,
+            400);
+}
+
+TEST(ServerRequests, FloatFieldsRefuseValuesBeyondFloat32) {
+  const std::string messages = R"("messages": [{"role": "user", "content": "hi"}])";
+  for (const char* field : {"temperature", "repetition_penalty"}) {
+    std::string body = "{" + messages + ", \"" + field + "\": 1e308}";
+    EXPECT_EQ(rejection([&] { chat(body); }), std::make_pair(400, std::string(field)));
+    std::string message = rejection_message([&] { chat(body); });
+    EXPECT_NE(message.find("got 1e+308"), std::string::npos) << message;
+    EXPECT_EQ(rejection([&] { completion(R"({"prompt": "a", ")" + std::string(field) + R"(": 1e39})"); }),
+              std::make_pair(400, std::string(field)));
+  }
+  // Out-of-range messages show the value given too.
+  EXPECT_NE(rejection_message([&] { chat("{" + messages + R"(, "top_p": 1.5})"); }).find("got 1.5"), std::string::npos);
+  EXPECT_EQ(chat("{" + messages + R"(, "temperature": 3.4e38})").sampling.temperature, 3.4e38f);  // still a float
+  // An integer field given a huge float is refused, not converted out of range.
+  EXPECT_EQ(rejection([&] { chat("{" + messages + R"(, "top_k": 1e300})"); }), std::make_pair(400, std::string("top_k")));
+}
+
+// vLLM's content forms: a string, a list of content parts, or null for an assistant message.
+TEST(ServerRequests, MessageContentTypes) {
+  auto with_content = [](const std::string& role, const std::string& content) {
+    return R"({"messages": [{"role": "user", "content": "hi"}, {"role": ")" + role + R"(", "content": )" + content +
+           "}]}";
+  };
+  for (const char* content : {R"("text")", R"([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])", "[]"})
+    EXPECT_NO_THROW(chat(with_content("user", content))) << content;
+  EXPECT_NO_THROW(chat(with_content("assistant", "null")));
+  EXPECT_NO_THROW(chat(R"({"messages": [{"role": "assistant", "tool_calls": []}]})"));  // no content at all
+
+  for (const char* content : {"42", "true", R"({"text": "a"})", "null"})
+    EXPECT_EQ(rejection([&] { chat(with_content("user", content)); }), std::make_pair(400, std::string("messages[1].content")))
+        << content;
+  EXPECT_EQ(rejection([&] { chat(with_content("user", "[[\"a\"]]")); }),
+            std::make_pair(400, std::string("messages[1].content[0]")));
+  EXPECT_EQ(rejection([&] { chat(with_content("user", R"(["a"])")); }),
+            std::make_pair(400, std::string("messages[1].content[0]")));
+  EXPECT_EQ(rejection([&] { chat(with_content("user", R"([{"text": "a"}])")); }),
+            std::make_pair(400, std::string("messages[1].content[0].type")));
+  EXPECT_EQ(rejection([&] { chat(with_content("user", R"([{"type": "text", "text": 5}])")); }),
+            std::make_pair(400, std::string("messages[1].content[0].text")));
+  // Media parts are refused, not dropped.
+  for (const char* type : {"image_url", "input_audio", "video_url", "file", "audio_url"}) {
+    std::string content = std::string(R"([{"type": "text", "text": "see"}, {"type": ")") + type + R"(", ")" + type +
+                          R"(": {"url": "https://example.com/x"}}])";
+    EXPECT_EQ(rejection([&] { chat(with_content("user", content)); }),
+              std::make_pair(400, std::string("messages[1].content[1].type")))
+        << type;
+    std::string message = rejection_message([&] { chat(with_content("user", content)); });
+    EXPECT_NE(message.find(std::string("'") + type + "' are not supported yet"), std::string::npos) << message;
+  }
+}
+
 TEST(ServerRequests, CompletionPrompts) {
   EXPECT_EQ(completion(R"({"prompt": "abc"})").prompts, std::vector<Prompt>{std::string("abc")});
   std::vector<Prompt> ids = {std::vector<int32_t>{1, 2}};

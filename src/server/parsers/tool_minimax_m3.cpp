@@ -6,6 +6,7 @@
 // child tags (a repeated tag collects its values in a list), or, when the schema allows an array and the
 // first child is <item>, an array of the children. Nested values are converted once complete, each level
 // typed by the schema's "properties" / "items" (text without a schema stays a string), as vLLM does.
+#include "core/json_input.h"
 #include "server/parsers/markers.h"
 #include "server/parsers/streaming_tool_parser.h"
 #include "server/parsers/text_scan.h"
@@ -24,7 +25,10 @@ struct Element {
 };
 
 // Parses the body of a nested value: NS<a>text NS</a>NS<b>NS<c>1NS</c>NS</b> ... A closing tag closes the
-// innermost open element of that name (and any left open inside it).
+// innermost open element of that name (and any left open inside it). A tag that would nest the call's
+// arguments deeper than kMaxJsonDepth (core/json_input.h; the arguments object and this value take two
+// levels) is kept as text, so the conversion below, which recurses once per level, stays shallow
+// whatever the model writes, and the arguments can come back in a request.
 Element parse_nested(std::string_view body) {
   Element root;
   std::vector<Element*> open = {&root};
@@ -46,6 +50,9 @@ Element parse_nested(std::string_view body) {
           open.resize(depth);
           break;
         }
+    } else if (int(open.size()) >= kMaxJsonDepth - 1) {
+      open.back()->text += chunk;
+      continue;
     } else {
       open.back()->children.push_back({std::string(chunk.substr(1, close - 1)), "", {}});
       open.push_back(&open.back()->children.back());
@@ -215,20 +222,19 @@ class MinimaxM3ToolParser final : public StreamingToolParser {
   // The next complete tag after NS, e.g. "<invoke name=\"f\">" or "</city>"; the text before its NS is
   // dropped (consumed). nullopt while it is incomplete.
   std::optional<std::string> next_tag(bool at_end) {
-    MarkerHit hit = find_marker(buffer_, {kNamespace}, at_end);
-    consume(hit.pos);
-    if (!hit.found()) return std::nullopt;
-    size_t close = buffer_.find('>', kNamespace.size());
-    if (close == std::string::npos) {
-      if (at_end) buffer_.clear();
-      return std::nullopt;
+    while (true) {  // a loop, not a recursion: the model may write any number of bare namespace tokens
+      MarkerHit hit = find_marker(buffer_, {kNamespace}, at_end);
+      consume(hit.pos);
+      if (!hit.found()) return std::nullopt;
+      size_t close = buffer_.find('>', kNamespace.size());
+      if (close == std::string::npos) {
+        if (at_end) buffer_.clear();
+        return std::nullopt;
+      }
+      std::string tag = buffer_.substr(kNamespace.size(), close + 1 - kNamespace.size());
+      if (tag.starts_with("<")) return tag;
+      consume(kNamespace.size());  // a namespace token without a tag: skip it
     }
-    std::string tag = buffer_.substr(kNamespace.size(), close + 1 - kNamespace.size());
-    if (!tag.starts_with("<")) {  // a namespace token without a tag: skip it
-      consume(kNamespace.size());
-      return next_tag(at_end);
-    }
-    return tag;
   }
 
   void consume_tag(const std::string& tag) { consume(kNamespace.size() + tag.size()); }

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <optional>
 
+#include "core/json_input.h"
 #include "server/parsers/text_scan.h"
 
 namespace sparrow::parsers {
@@ -60,8 +61,10 @@ std::string normalise_type(std::string_view name) {
   return it == aliases.end() ? key : it->second;
 }
 
-void collect_types(const json& schema, std::set<std::string>& types) {
-  if (!schema.is_object()) return;
+// `level`: how many anyOf / oneOf / allOf branches lead here. Request schemas nest at most
+// kMaxJsonDepth levels (the request body is checked), and a schema given some other way stops there too.
+void collect_types(const json& schema, std::set<std::string>& types, int level) {
+  if (!schema.is_object() || level > kMaxJsonDepth) return;
   if (schema.contains("type")) {
     const json& type = schema["type"];
     if (type.is_string()) types.insert(normalise_type(type.get<std::string>()));
@@ -83,7 +86,9 @@ void collect_types(const json& schema, std::set<std::string>& types) {
   for (const char* branch : {"anyOf", "oneOf", "allOf"})
     if (schema.contains(branch) && schema[branch].is_array())
       for (const json& choice : schema[branch]) {
-        std::set<std::string> inner = schema_types(choice);
+        std::set<std::string> inner;
+        collect_types(choice, inner, level + 1);
+        if (inner.empty()) inner.insert("string");  // as schema_types() says of a schema that says nothing
         types.insert(inner.begin(), inner.end());
       }
 }
@@ -96,13 +101,12 @@ bool all_finite(const json& value) {
   return true;
 }
 
-// Python's json.loads, keeping only finite results (inf/nan cannot be written back as JSON).
+// Python's json.loads, keeping only finite results (inf/nan cannot be written back as JSON). Text
+// nested deeper than kMaxJsonDepth is not parsed (it stays a string): the model wrote it, and nothing
+// that walks the value may recurse that deep.
 std::optional<json> parse_finite_json(const std::string& text) {
-  try {
-    json value = json::parse(text);
-    if (all_finite(value)) return value;
-  } catch (const json::exception&) {
-  }
+  JsonInput<json> parsed = parse_json_input<json>(text);
+  if (parsed.ok() && all_finite(parsed.value)) return std::move(parsed.value);
   return std::nullopt;
 }
 
@@ -149,7 +153,7 @@ std::optional<double> parse_number(std::string_view text) {
 
 std::set<std::string> schema_types(const json& schema) {
   std::set<std::string> types;
-  collect_types(schema, types);
+  collect_types(schema, types, 0);
   if (types.empty()) types.insert("string");
   return types;
 }
