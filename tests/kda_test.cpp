@@ -203,7 +203,11 @@ TEST(KdaMixer, PrefillThenDecodeEqualsOneLongPrefill) {
     return std::vector<float>(p, p + mixer.cache_spec().state(kind)->size);
   };
   EXPECT_LT(max_rel_diff(state_of(steps, StateKind::Recurrent), state_of(whole, StateKind::Recurrent)), 1e-5);
-  EXPECT_EQ(state_of(steps, StateKind::ConvTail), state_of(whole, StateKind::ConvTail));
+  // The conv tail holds the last tokens' q/k/v projections, which come out of BLAS products of 140 rows
+  // in one case and of 2, 67 and 1 rows in the other: equal up to the product kernel's rounding, which
+  // depends on the row count for some OpenBLAS kernels (Haswell, Zen) and not others (SkylakeX). A wrong
+  // tail (another token's projections) differs by O(1), far past this bound.
+  EXPECT_LT(max_rel_diff(state_of(steps, StateKind::ConvTail), state_of(whole, StateKind::ConvTail)), 1e-5);
 }
 
 TEST(KdaMixer, SequencesInOneBatchDoNotInteract) {
