@@ -27,6 +27,13 @@ def test_merges_sparrow_and_peers(tmp_path, capsys):
          "impl": "sparrow", "median_us": 20000.0, "bytes": 1e6, "flops": 7.9e12, "note": "bf16"},
         {"kernel": "sparse_mla_prefill", "shape": "deepseek_v3.2 heads=128 ctx=8192 batch=1 q=4096 topk=2048 bf16",
          "impl": "sparrow", "median_us": 10000.0, "bytes": 0, "flops": 7.9e12, "note": "fp8 mma"},
+        # The field decides over the note: FP8 products whatever the note says, and bf16 ones although it
+        # mentions fp8 tensor cores.
+        {"kernel": "dsa_index_scores", "shape": "deepseek_v3.2 heads=64 ctx=8192 batch=64 q=1",
+         "impl": "sparrow", "median_us": 10000.0, "bytes": 0, "flops": 7.9e12, "fp8_products": True, "note": "wgmma"},
+        {"kernel": "dsa_index_scores", "shape": "deepseek_v3.2 heads=64 ctx=8192 batch=128 q=1",
+         "impl": "sparrow", "median_us": 10000.0, "bytes": 0, "flops": 7.9e12, "fp8_products": False,
+         "note": "keys widened to f16, not fp8 tensor cores"},
     ], extra="# a comment line\nnot json\n")
     torch_ = write(tmp_path / "torch_mla.jsonl", [
         {"kernel": "sparse_mla_decode", "shape": "deepseek_v3.2 heads=128 ctx=8192 batch=1 q=1 topk=2048 fp8",
@@ -47,7 +54,7 @@ def test_merges_sparrow_and_peers(tmp_path, capsys):
     assert kernel_table.main([sparrow, torch_, flash]) == 0
     out = capsys.readouterr().out
     rows = {(r[0], r[1]): r for r in table_rows(out)}
-    assert len(rows) == 4
+    assert len(rows) == 6
 
     r = rows[("sparse_mla_decode", "deepseek_v3.2 heads=128 ctx=8192 batch=1 q=1 topk=2048 fp8")]
     assert r[2] == "2000" and r[3] == "2.15" and r[5] == "50.0%"
@@ -60,6 +67,9 @@ def test_merges_sparrow_and_peers(tmp_path, capsys):
 
     r = rows[("sparse_mla_prefill", "deepseek_v3.2 heads=128 ctx=8192 batch=1 q=4096 topk=2048 bf16")]
     assert r[5] == "50.0%"         # note says fp8 mma: compared with the 1580 TFLOP/s peak
+
+    assert rows[("dsa_index_scores", "deepseek_v3.2 heads=64 ctx=8192 batch=64 q=1")][5] == "50.0%"
+    assert rows[("dsa_index_scores", "deepseek_v3.2 heads=64 ctx=8192 batch=128 q=1")][5] == "100%"
 
     r = rows[("sparse_mla_decode", "kimi_k3.1_pro_tp8 heads=12 ctx=8192 batch=1 q=1 topk=2048 fp8")]
     assert r[2] == "" and r[7] == "fail" and r[8] == ""

@@ -12,8 +12,9 @@ One table row per (kernel, shape):
 TB/s, TFLOP/s and % of limit come from sparrow's row (its hand-counted minimum bytes and FLOPs):
 % of limit = max(bytes / 4.3e12 B/s, flops / peak) / time, the fraction of the H200's roofline bound reached.
 The peak is the dense bf16 rate, 790 TFLOP/s, also for kernels whose operands are stored in FP8, unless the
-row's note says the matrix products themselves run in FP8 ("fp8 mma", "fp8 matmul", "fp8 gemm", "fp8 flops" or
-"fp8 tensor"), then 1580 TFLOP/s. "torch µs" is the fastest impl whose name starts with "torch"; other peers
+row says its matrix products themselves run in FP8, then 1580 TFLOP/s: `"fp8_products": true` (what `sparrow
+bench kernels` writes), or, in lines without that field (peers, and sparrow's lines before it existed), a note
+saying so ("fp8 mma", "fp8 matmul", "fp8 gemm", "fp8 flops" or "fp8 tensor"). "torch µs" is the fastest impl whose name starts with "torch"; other peers
 count toward the best peer and are listed under the table. Impls named "sparrow-<variant>" are sparrow's own
 other kernels for the operation (e.g. the one it used before); they are shown in the last column as
 "variant µs", never as peers. Speedup = best peer µs / sparrow µs (> 1: sparrow
@@ -30,6 +31,13 @@ HBM_BYTES_PER_S = 4.3e12
 BF16_FLOPS_PER_S = 790e12
 FP8_FLOPS_PER_S = 1580e12
 FP8_MMA = re.compile(r"\bfp8[ _-]?(mma|matmul|gemm|flops|tensor)", re.IGNORECASE)
+
+
+def runs_fp8_products(row):
+    """Whether a row's FLOPs count against the FP8 peak: its fp8_products field, else its note."""
+    if "fp8_products" in row:
+        return bool(row["fp8_products"])
+    return bool(FP8_MMA.search(str(row.get("note") or "")))
 
 
 def parse_shape(shape):
@@ -160,7 +168,7 @@ def build_table(rows):
         ref = sp or next(iter(impls.values()))
         bytes_ = float(ref.get("bytes") or 0)
         flops = float(ref.get("flops") or 0)
-        peak = FP8_FLOPS_PER_S if FP8_MMA.search(str(ref.get("note") or "")) else BF16_FLOPS_PER_S
+        peak = FP8_FLOPS_PER_S if runs_fp8_products(ref) else BF16_FLOPS_PER_S
         tbs = tfs = pct = None
         if sp_us:
             secs = sp_us * 1e-6

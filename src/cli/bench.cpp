@@ -80,13 +80,13 @@ void add_bench_kernels(CLI::App* bench) {
     for (const cuda::KernelBenchRow& r : rows) {
       const double seconds = r.median_us * 1e-6;
       const double tbps = r.bytes / seconds / 1e12, tflops = r.flops / seconds / 1e12;
-      const double limit = std::max(r.bytes / cuda::kHbmBytesPerSecond, r.flops / cuda::kBf16FlopsPerSecond) / seconds;
+      const double limit = std::max(r.bytes / cuda::kHbmBytesPerSecond, r.flops / cuda::matrix_peak(r)) / seconds;
       std::printf("%-22s %-62s %10.1f %8.2f %9.1f %6.0f%%\n", r.kernel.c_str(), r.shape.c_str(), r.median_us, tbps,
                   tflops, 100 * limit);
       if (json) {
         nlohmann::json line = {{"kernel", r.kernel}, {"shape", r.shape},   {"impl", r.impl.empty() ? "sparrow" : r.impl},
                                {"median_us", r.median_us}, {"bytes", r.bytes}, {"flops", r.flops},
-                               {"note", r.note}};
+                               {"fp8_products", r.fp8_products}, {"note", r.note}};
         std::fprintf(json, "%s\n", line.dump().c_str());
       }
     }

@@ -25,6 +25,9 @@ struct KernelBenchRow {
   double median_us = 0;
   double bytes = 0;    // HBM bytes the operation must move
   double flops = 0;    // arithmetic it must do (2 per multiply-add)
+  // The products run on the FP8 tensor cores (e4m3 x e4m3, wgmma or cuBLASLt's FP8 kernels): the FLOPs count
+  // against the FP8 rate. Operands stored in FP8 but widened to bf16 or f16 before the products do not.
+  bool fp8_products = false;
   std::string note;    // anything a reader needs (dtype, layout)
 };
 
@@ -32,6 +35,11 @@ struct KernelBenchRow {
 inline constexpr double kHbmBytesPerSecond = 4.3e12;
 inline constexpr double kBf16FlopsPerSecond = 790e12;
 inline constexpr double kFp8FlopsPerSecond = 1580e12;  // Hopper's FP8 tensor-core rate is twice bf16's
+
+// The tensor-core rate a row's FLOPs count against.
+inline double matrix_peak(const KernelBenchRow& row) {
+  return row.fp8_products ? kFp8FlopsPerSecond : kBf16FlopsPerSecond;
+}
 
 // Median time of `launch` in microseconds, by CUDA events around each of `iterations` launches after a
 // warm-up. `launch` must enqueue its work on `stream`. Between launches the L2 is flushed (a 256 MiB

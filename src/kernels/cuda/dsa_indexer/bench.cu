@@ -148,6 +148,7 @@ void bench_dsa_indexer(const KernelBenchOptions& options, std::vector<KernelBenc
               row.bytes = double(batch) * ctx * key_bytes + double(nrows) * m.heads * (128 + 4) +
                           double(nrows) * ctx * 4;
               row.flops = 2.0 * m.heads * 128 * double(nrows) * ctx;
+              row.fp8_products = wgmma && format != DsaKeyFormat::Nvfp4;  // `product` above says which
               row.note = wgmma ? what + " and fp8 queries, fp32 scores; " + product
                                : what + " with the tiled kernel (emulated e4m3 mma.sync; FP8 prefill's kernel)";
               rows.push_back(row);
@@ -182,6 +183,7 @@ void bench_dsa_indexer(const KernelBenchOptions& options, std::vector<KernelBenc
           row.median_us = median_launch_us(launch, stream, std::max(3, options.iterations / 4));
           row.bytes = double(chunk) * key_bytes + double(chunk) * m.heads * (128 + 4) + double(chunk) * chunk * 4;
           row.flops = 2.0 * m.heads * 128 * (double(chunk) * (chunk + 1) / 2);
+          row.fp8_products = !fp8 && kernel == DsaScoreKernel::Auto && format != DsaKeyFormat::Nvfp4;  // wgmma e4m3
           row.note = "causal; full [chunk, chunk] fp32 scores written (-inf above the diagonal); " + what +
                      (fp8 ? "; tiled kernel (emulated e4m3 mma.sync)"
                           : kernel == DsaScoreKernel::Auto ? "; wgmma kernel, rows in pairs, " + product

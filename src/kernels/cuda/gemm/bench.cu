@@ -89,6 +89,7 @@ KernelBenchRow fp8_row(const std::string& shape, int64_t m, int64_t n, int64_t k
   // (m*k bytes written and read again) is overhead this implementation adds, so it is not counted.
   row.bytes = double(n * k) + 4.0 * scale_count + 2.0 * m * k + 2.0 * m * n;
   row.flops = 2.0 * m * n * k;
+  row.fp8_products = true;
   row.note = "cuBLASLt fp8 gemm, e4m3 x e4m3, 128x128 weight / 1x128 activation fp32 block scales, bf16 x quantised "
              "in the call, bf16 out";
   device_free(x);
@@ -152,6 +153,7 @@ void skinny_rows(const std::string& shape, int64_t m, int64_t n, int64_t k, bool
       stream(), iterations);
   lt.bytes = bytes;
   lt.flops = skinny.flops;
+  lt.fp8_products = fp8;  // cuBLASLt quantises x and multiplies e4m3 x e4m3
   lt.note = fp8 ? "cuBLASLt beside gemm_skinny_fp8: x quantised per 1x128 in the call, FP8 tensor cores"
                 : "cuBLASLt beside gemm_skinny_bf16";
   rows.push_back(lt);
