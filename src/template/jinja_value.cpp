@@ -71,7 +71,8 @@ ValueList bind_args(const Args& args, const std::string& callee, const std::vect
   std::vector<bool> given(params.size(), false);
   for (size_t i = 0; i < args.positional.size(); ++i) bound[i] = args.positional[i], given[i] = true;
   for (const auto& [name, value] : args.keyword) {
-    auto it = std::find_if(params.begin(), params.end(), [&](const Param& p) { return name == p.name; });
+    // An init-capture: clang before 16 cannot capture a structured binding (the sanitizer build uses clang).
+    auto it = std::find_if(params.begin(), params.end(), [&name = name](const Param& p) { return name == p.name; });
     if (it == params.end()) template_fail(callee, " got an unexpected keyword argument '", name, "'");
     size_t i = it - params.begin();
     if (given[i]) template_fail(callee, " got multiple values for argument '", name, "'");
