@@ -18,10 +18,21 @@ Value Value::function(std::string name, std::function<Value(const Args&)> call) 
   return Value(Kind::Function, std::make_shared<const Function>(Function{std::move(name), std::move(call)}));
 }
 
-int64_t Value::as_int() const { return kind_ == Kind::Bool ? int64_t{as_bool()} : std::get<int64_t>(data_); }
+int64_t Value::as_int() const {
+  if (kind_ == Kind::Bool) return int64_t{as_bool()};
+  expect_kind(kind_ == Kind::Int, "an int");
+  return std::get<int64_t>(data_);
+}
 
 double Value::as_float() const {
-  return kind_ == Kind::Float ? std::get<double>(data_) : static_cast<double>(as_int());
+  if (kind_ == Kind::Float) return std::get<double>(data_);
+  expect_kind(kind_ == Kind::Int || kind_ == Kind::Bool, "a number");
+  return static_cast<double>(as_int());
+}
+
+void Value::fail_kind(const char* expected) const {
+  if (is_undefined()) fail_undefined();
+  template_fail("expected ", expected, ", got '", type_name(*this), "'");
 }
 
 const void* Value::identity() const {
