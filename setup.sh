@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # One entry point for a fresh Debian 12 machine:
 #   ./setup.sh        install what is missing, build, and run the main job on the embedded default model
-#   ./setup.sh test   install what is missing, build, and run the whole test suite
-# Set SPARROW_BUILD_DIR to build elsewhere (default: build/).
+#   ./setup.sh test   install what is missing, build, and run the whole test suite, then the sanitizer
+#                     build's tests and fuzz smoke runs (docs/testing.md)
+# Set SPARROW_BUILD_DIR to build elsewhere (default: build/; the sanitizer build: SPARROW_ASAN_BUILD_DIR,
+# default build-asan/).
 set -euo pipefail
 cd "$(dirname "$0")"
 BUILD=${SPARROW_BUILD_DIR:-build}
 
 # Debian packages the build and tests need (see docs/ARCHITECTURE.md, "Dependencies").
 PACKAGES=(cmake ninja-build g++ pkg-config libopenblas-dev nlohmann-json3-dev libcli11-dev libgtest-dev libpcre2-dev libxxhash-dev libcpp-httplib-dev libboost-dev curl)
+# The test mode's sanitizer build (docs/testing.md): clang with its sanitizer and libFuzzer runtimes, and
+# llvm's llvm-symbolizer so that reports name files and lines.
+if [ "${1:-}" = test ]; then PACKAGES+=(clang libclang-rt-14-dev llvm); fi
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -32,6 +37,14 @@ if [ "${1:-}" = test ]; then
   python3 -m pip install -q --disable-pip-version-check tokenizers==0.23.3 tiktoken==0.14.0 jinja2==3.1.6 \
       openai pytest httpx
   ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
+
+  # The sanitizer build (docs/testing.md): clang, CPU only, AddressSanitizer and UndefinedBehaviorSanitizer
+  # on the C++ tests (label sanitize) and a smoke run of every libFuzzer target (label fuzz).
+  ASAN_BUILD=${SPARROW_ASAN_BUILD_DIR:-build-asan}
+  cmake -S . -B "$ASAN_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=clang++ -DSPARROW_CUDA=OFF \
+      -DSPARROW_SANITIZE=address,undefined -DSPARROW_FUZZ=ON
+  cmake --build "$ASAN_BUILD" -j"$(nproc)"
+  ctest --test-dir "$ASAN_BUILD" --output-on-failure -j"$(nproc)" -L 'sanitize|fuzz'
 else
   # The main job, on the bundled default model (models/minimax_m3, trained by tools/train_small_models.py):
   # a raw-text continuation, then the OpenAI-compatible server: a chat that calls a tool, and the answer

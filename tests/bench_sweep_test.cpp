@@ -295,6 +295,27 @@ TEST(Roofline, DecodeStepByHand) {
 }
 
 // The serving shapes: real widths, weights that leave room for the KV cache on one H200 (141 GB).
+// The roofline reads a config only once the family's own reader accepted it, and its per-layer lists
+// must have one entry per layer: one-line errors, not std::out_of_range (found by tests/fuzz/fuzz_config).
+TEST(Roofline, RefusesWhatTheFamiliesRefuse) {
+  auto fixture = [](const char* name) {
+    return Config::load((kSource / "tests/fixtures" / name / "config.json").string()).json();
+  };
+  nlohmann::json deepseek = fixture("deepseek_v32");
+  deepseek["mlp_layer_types"] = {"dense"};
+  EXPECT_TRUE(mentions(error_message([&] { bench::model_cost(Config(deepseek, "config.json")); }),
+                       {"mlp_layer_types", "num_hidden_layers entries"}));
+  deepseek = fixture("deepseek_v32");
+  deepseek.erase("rope_parameters");
+  deepseek["rope_scaling"] = {{"type", 7}};
+  EXPECT_TRUE(mentions(error_message([&] { bench::model_cost(Config(deepseek, "config.json")); }),
+                       {"rope_parameters.rope_type must be a string"}));
+  nlohmann::json minimax = fixture("minimax_m3");
+  minimax["layer_types"] = {"full_attention"};
+  EXPECT_TRUE(mentions(error_message([&] { bench::model_cost(Config(minimax, "config.json")); }),
+                       {"layer_types", "num_hidden_layers entries"}));
+}
+
 TEST(Roofline, ServeShapesFitOneH200) {
   // Kimi-Linear-48B is whole and bf16 (98 GB); the others are cut to 40-80 GB of FP8.
   const std::pair<const char*, double> shapes[] = {

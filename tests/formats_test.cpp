@@ -245,6 +245,9 @@ TEST(FormatsDType, Bf16IsTheTopHalfOfFp32) {
 }
 
 TEST(FormatsDType, F16EveryCodeMatchesTheCompilersHalf) {
+#if defined(__clang__) && __clang_major__ < 15
+  GTEST_SKIP() << "clang 14 (the sanitizer build's compiler) has no _Float16 on x86; the g++ build runs this test";
+#else
   TempDir dir;
   std::vector<uint16_t> codes(65536);
   for (int i = 0; i < 65536; ++i) codes[i] = static_cast<uint16_t>(i);
@@ -262,6 +265,7 @@ TEST(FormatsDType, F16EveryCodeMatchesTheCompilersHalf) {
   EXPECT_EQ(t.data()[0xC000], -2.0f);
   EXPECT_EQ(t.data()[0xFC00], -std::numeric_limits<float>::infinity());
   EXPECT_TRUE(std::isnan(t.data()[0x7E00]));
+#endif
 }
 
 TEST(FormatsDType, E4M3EveryCodeMatchesTorch) {

@@ -167,7 +167,8 @@ std::vector<std::pair<std::string, Tensor>> to_release_layout(const std::vector<
                                                   : replace(native, "model.", "language_model.model.");
     name = replace(replace(name, ".mlp.", ".block_sparse_moe."), "indexer.", "index_");
     name = replace(name, "gate.e_score_correction_bias", "e_score_correction_bias");
-    auto split = [&](const std::string& fused, const char* first, const char* second) {
+    // &t = t: clang before 16 cannot capture a structured binding (the sanitizer build uses clang).
+    auto split = [&, &t = t](const std::string& fused, const char* first, const char* second) {
       const int64_t half = t.dim(0) / 2;
       out.push_back({replace(name, fused, first), t.rows(0, half).clone()});
       out.push_back({replace(name, fused, second), t.rows(half, 2 * half).clone()});

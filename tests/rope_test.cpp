@@ -50,4 +50,7 @@ TEST(Rope, RejectsUnknownTypes) {
   EXPECT_THROW(Rope::from_config(nlohmann::json{{"rope_type", "longrope"}}, 8, 128), Error);
   EXPECT_THROW(Rope::from_config(nlohmann::json{{"rope_type", "yarn"}, {"factor", 2.0}}, 8, 128), Error);
   EXPECT_THROW(Rope::from_config(nlohmann::json::object(), 7, 128), Error);
+  // A type that is not a string is the same one-line error, not a JSON exception (found by fuzz_config).
+  EXPECT_THROW(Rope::from_config(nlohmann::json{{"rope_type", 3}}, 8, 128), Error);
+  EXPECT_THROW(Rope::from_config(nlohmann::json{{"type", {1}}}, 8, 128), Error);
 }

@@ -196,6 +196,16 @@ TEST(TemplateErrors, NameTheLine) {
   EXPECT_TRUE(mentions(error_message([] { render("{{ raise_exception('two\\nlines') }}"); }), {"two lines"}));
 }
 
+// A builtin handed an argument of the wrong kind (found by tests/fuzz/fuzz_template_source): a
+// one-line template error, as Python's TypeError, never a C++ exception escaping the renderer.
+TEST(TemplateErrors, ArgumentsOfTheWrongKindAreErrors) {
+  EXPECT_TRUE(mentions(error_message([] { render("{{ 'aaa' | replace('a', 'b', 'x') }}"); }),
+                       {"chat template line 1: expected an int, got 'str'"}));
+  EXPECT_TRUE(mentions(error_message([] { render("{{ 'aaa' | replace('a', 'b', nothing) }}"); }),
+                       {"chat template line 1: 'nothing' is undefined"}));
+  EXPECT_TRUE(mentions(error_message([] { render("{{ 'a' | indent([]) }}"); }), {"expected an int, got 'list'"}));
+}
+
 TEST(TemplateErrors, DeepRecursionIsAnErrorNotACrash) {
   EXPECT_TRUE(mentions(error_message([] { render("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"); }),
                        {"maximum recursion depth exceeded"}));

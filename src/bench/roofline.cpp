@@ -108,7 +108,11 @@ std::string key_or_alias(const Config& c, const std::string& name, const std::st
 }
 
 std::vector<std::string> dense_first(const Config& c, int64_t layers, int64_t default_dense) {
-  if (c.has("mlp_layer_types")) return c.get_string_list("mlp_layer_types");
+  if (c.has("mlp_layer_types")) {
+    std::vector<std::string> types = c.get_string_list("mlp_layer_types");
+    c.require(int64_t(types.size()) == layers, "mlp_layer_types", "a list of num_hidden_layers entries");
+    return types;
+  }
   const int64_t dense = c.get_int("first_k_dense_replace", default_dense);
   std::vector<std::string> types(size_t(layers), "sparse");
   for (int64_t i = 0; i < std::min(dense, layers); ++i) types[size_t(i)] = "dense";
@@ -301,6 +305,10 @@ double expected_distinct_experts(int64_t num_experts, int64_t per_token, double 
 }
 
 ModelCost model_cost(const Config& config, const std::string& kv_cache_dtype) {
+  // The family's own config reader first, so that a config the engine refuses is refused here with the
+  // same message (layer lists of the wrong length, unknown kinds, sizes that are not positive), and the
+  // counts below only read configs it accepted.
+  cache_spec_from_config(config);
   Families f;
   const std::string type = config.get_string("model_type");
   if (config.has("quantization_config")) {

@@ -19,7 +19,8 @@ namespace {
 nlohmann::json rope_parameters(const Config& config) {
   if (config.has("rope_parameters")) return config.json()["rope_parameters"];
   nlohmann::json params = config.has("rope_scaling") ? config.json()["rope_scaling"] : nlohmann::json::object();
-  if (!params.contains("rope_type")) params["rope_type"] = params.value("type", std::string("default"));
+  config.require(params.is_object(), "rope_scaling", "an object");
+  if (!params.contains("rope_type")) params["rope_type"] = params.contains("type") ? params["type"] : nlohmann::json("default");
   params["rope_theta"] = config.get_float("rope_theta", 10000.0);
   return params;
 }

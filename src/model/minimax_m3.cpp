@@ -46,7 +46,7 @@ nlohmann::json rope_parameters(const Config& config) {
                           : config.has("rope_scaling")  ? config.json()["rope_scaling"]
                                                          : nlohmann::json::object();
   config.require(params.is_object(), "rope_parameters", "an object");
-  if (!params.contains("rope_type")) params["rope_type"] = params.value("type", std::string("default"));
+  if (!params.contains("rope_type")) params["rope_type"] = params.contains("type") ? params["type"] : nlohmann::json("default");
   if (!params.contains("rope_theta")) params["rope_theta"] = config.get_float("rope_theta", 5000000.0);
   if (!params.contains("partial_rotary_factor") && config.has("partial_rotary_factor"))
     params["partial_rotary_factor"] = config.get_float("partial_rotary_factor");

@@ -24,8 +24,11 @@ Rope Rope::from_config(const nlohmann::json& params, int rot_dim, int64_t max_po
                 rot_dim);
   std::string type = "default";
   if (params.is_object()) {
-    if (params.contains("rope_type")) type = params["rope_type"].get<std::string>();
-    else if (params.contains("type")) type = params["type"].get<std::string>();
+    const char* key = params.contains("rope_type") ? "rope_type" : params.contains("type") ? "type" : nullptr;
+    if (key) {
+      SPARROW_CHECK(params[key].is_string(), "config.json: rope_parameters.", key, " must be a string");
+      type = params[key].get<std::string>();
+    }
   }
   const double theta = params.is_object() ? json_number(params, "rope_theta", 10000.0) : 10000.0;
   const int half = rot_dim / 2;

@@ -24,7 +24,8 @@ void StepProfile::end_step() {
   active_ = false;
   const ops::TimeMark* previous = &begin_;
   for (const auto& [name, at] : marks_) {
-    auto it = std::find_if(parts_.begin(), parts_.end(), [&](const Part& p) { return p.name == name; });
+    // An init-capture: clang before 16 cannot capture a structured binding (the sanitizer build uses clang).
+    auto it = std::find_if(parts_.begin(), parts_.end(), [&name = name](const Part& p) { return p.name == name; });
     if (it == parts_.end()) it = parts_.insert(parts_.end(), Part{name});
     it->seconds += seconds_between(*previous, at);
     ++it->count;

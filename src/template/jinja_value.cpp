@@ -91,10 +91,21 @@ Value Value::function(std::string name, std::function<Value(const Args&)> call) 
   return Value(Kind::Function, std::make_shared<const Function>(Function{std::move(name), std::move(call)}));
 }
 
-int64_t Value::as_int() const { return kind_ == Kind::Bool ? int64_t{as_bool()} : std::get<int64_t>(data_); }
+int64_t Value::as_int() const {
+  if (kind_ == Kind::Bool) return int64_t{as_bool()};
+  expect_kind(kind_ == Kind::Int, "an int");
+  return std::get<int64_t>(data_);
+}
 
 double Value::as_float() const {
-  return kind_ == Kind::Float ? std::get<double>(data_) : static_cast<double>(as_int());
+  if (kind_ == Kind::Float) return std::get<double>(data_);
+  expect_kind(kind_ == Kind::Int || kind_ == Kind::Bool, "a number");
+  return static_cast<double>(as_int());
+}
+
+void Value::fail_kind(const char* expected) const {
+  if (is_undefined()) fail_undefined();
+  template_fail("expected ", expected, ", got '", type_name(*this), "'");
 }
 
 const void* Value::identity() const {
@@ -162,7 +173,8 @@ ValueList bind_args(const Args& args, const std::string& callee, const std::vect
   std::vector<bool> given(params.size(), false);
   for (size_t i = 0; i < args.positional.size(); ++i) bound[i] = args.positional[i], given[i] = true;
   for (const auto& [name, value] : args.keyword) {
-    auto it = std::find_if(params.begin(), params.end(), [&](const Param& p) { return name == p.name; });
+    // An init-capture: clang before 16 cannot capture a structured binding (the sanitizer build uses clang).
+    auto it = std::find_if(params.begin(), params.end(), [&name = name](const Param& p) { return name == p.name; });
     if (it == params.end()) template_fail(callee, " got an unexpected keyword argument '", name, "'");
     size_t i = it - params.begin();
     if (given[i]) template_fail(callee, " got multiple values for argument '", name, "'");

@@ -76,15 +76,36 @@ class Value {
   // it holds: its attributes change after it is built (see new_object for why that is safe).
   int depth() const { return depth_; }
 
-  bool as_bool() const { return std::get<bool>(data_); }
+  // The accessors check the kind: a template can pass any value where a builtin expects, say, an int
+  // (`replace('a', 'b', x)`), and that must be a one-line template error (for an undefined value, its
+  // own error), as Python raises a TypeError, not a C++ exception escaping the renderer.
+  bool as_bool() const {
+    expect_kind(kind_ == Kind::Bool, "a bool");
+    return std::get<bool>(data_);
+  }
   int64_t as_int() const;   // Int or Bool
   double as_float() const;  // Int, Bool or Float
-  const std::string& as_string() const { return std::get<std::string>(data_); }
+  const std::string& as_string() const {
+    expect_kind(kind_ == Kind::String, "a string");
+    return std::get<std::string>(data_);
+  }
   const std::string& undefined_message() const { return std::get<std::string>(data_); }
-  const ValueList& items() const { return *std::get<std::shared_ptr<const ValueList>>(data_); }
-  const Dict& as_dict() const { return *std::get<std::shared_ptr<const Dict>>(data_); }
-  Object& as_object() const { return *std::get<std::shared_ptr<Object>>(data_); }
-  const Function& as_function() const { return *std::get<std::shared_ptr<const Function>>(data_); }
+  const ValueList& items() const {
+    expect_kind(is_sequence(), "a list");
+    return *std::get<std::shared_ptr<const ValueList>>(data_);
+  }
+  const Dict& as_dict() const {
+    expect_kind(kind_ == Kind::Dict, "a dict");
+    return *std::get<std::shared_ptr<const Dict>>(data_);
+  }
+  Object& as_object() const {
+    expect_kind(kind_ == Kind::Object, "an object");
+    return *std::get<std::shared_ptr<Object>>(data_);
+  }
+  const Function& as_function() const {
+    expect_kind(kind_ == Kind::Function, "a function");
+    return *std::get<std::shared_ptr<const Function>>(data_);
+  }
   // Identity, for `is sameas` and == on objects and functions.
   const void* identity() const;
 
@@ -92,6 +113,12 @@ class Value {
   [[noreturn]] void fail_undefined() const;
 
  private:
+  // Unless `ok`: the undefined value's error, or "expected <what>, got '<type>'".
+  void expect_kind(bool ok, const char* expected) const {
+    if (!ok) fail_kind(expected);
+  }
+  [[noreturn]] void fail_kind(const char* expected) const;
+
   Value(Kind kind,
         std::variant<std::monostate, bool, int64_t, double, std::string, std::shared_ptr<const ValueList>,
                      std::shared_ptr<const Dict>, std::shared_ptr<Object>, std::shared_ptr<const Function>>
