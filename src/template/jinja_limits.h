@@ -30,14 +30,15 @@ constexpr int kMaxCallDepth = 256;
 // deepest requests take 4 to 8 levels per level of the request's JSON: about 1,000.
 constexpr int kMaxEvalDepth = 2048;
 
-// Loop iterations of one render, all loops (and `if` filters of loops) together: a few seconds of
-// work. A request of 100,000 messages renders; a loop inside a loop over them does not.
+// Loop iterations of one render, all loops (and `if` filters of loops) together: about half a second
+// of work. A request of 100,000 messages renders; a loop inside a loop over them does not.
 constexpr int64_t kMaxLoopIterations = 1'000'000;
 
-// The time one render may take. Real templates render the largest request the server accepts in well
-// under a second, but some are quadratic in the request (a loop over the messages that slices or
-// concatenates them, as Kimi K3's does for runs of tool messages), which a hostile request turns into
-// hours. The clock is read every few evaluation steps.
+// The processor time one render may take (its thread's CPU time, so a busy server gives a render the
+// budget an idle one does). Real templates render the largest request the server accepts in well under
+// a second, but some are quadratic in the request (a loop over the messages that slices or concatenates
+// them, as Kimi K3's does for runs of tool messages), which a hostile request turns into hours. The
+// clock is read every few evaluation steps.
 constexpr std::chrono::seconds kMaxRenderTime{10};
 
 // range() results, as jinja2's sandbox (MAX_RANGE), with its error message.

@@ -87,6 +87,9 @@ Value Value::object(std::shared_ptr<Object> object) {
   int depth = object->assignable ? 1 : container_depth(object->attributes);
   return Value(Kind::Object, std::move(object), depth);
 }
+Value Value::object(std::shared_ptr<Object> object, int deepest_attribute) {
+  return Value(Kind::Object, std::move(object), container_depth(deepest_attribute));
+}
 Value Value::function(std::string name, std::function<Value(const Args&)> call) {
   return Value(Kind::Function, std::make_shared<const Function>(Function{std::move(name), std::move(call)}));
 }

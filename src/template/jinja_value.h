@@ -64,6 +64,9 @@ class Value {
   static Value tuple(ValueList items);
   static Value dict(Dict entries);
   static Value object(std::shared_ptr<Object> object);  // from new_object()
+  // An object whose attributes change after it is built (a loop's LoopContext) but never hold a value
+  // deeper than `deepest_attribute`.
+  static Value object(std::shared_ptr<Object> object, int deepest_attribute);
   static Value function(std::string name, std::function<Value(const Args&)> call);
 
   Kind kind() const { return kind_; }
@@ -144,6 +147,8 @@ class Dict {
   size_t size() const { return entries_.size(); }
   bool empty() const { return entries_.empty(); }
   const std::vector<Entry>& entries() const { return entries_; }
+  // The value of entry i (in insertion order), to change it without looking its key up.
+  Value& value_at(size_t i) { return entries_[i].second; }
 
  private:
   // A request may send an object of 100,000 keys: past this size string keys are found through

@@ -23,7 +23,7 @@ STEERABLE_TEMPLATE = (
     "{%- if depth is defined %}{{ down(depth) }}{% endif -%}"
     "{%- if count is defined %}{% for i in range(count) %}{% endfor %}{% endif -%}"
     "{%- if copies is defined %}{% for i in range(copies) %}{{ messages[0].content }}{% endfor %}{% endif -%}"
-    "{%- if rows is defined %}{% for i in range(rows) %}{% for j in range(cols) %}{% endfor %}{% endfor %}"
+    "{%- if rows is defined %}{% set js = range(cols) %}{% for i in range(rows) %}{% for j in js %}{% endfor %}{% endfor %}"
     "{% endif -%}"
     "{%- if gather is defined %}{% set ns = namespace(l=[]) %}{% for m in messages %}{% set ns.l = ns.l + [m] %}"
     "{% endfor %}{% endif -%}"
