@@ -39,12 +39,14 @@ if [ "${1:-}" = test ]; then
   ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
 
   # The sanitizer build (docs/testing.md): clang, CPU only, AddressSanitizer and UndefinedBehaviorSanitizer
-  # on the C++ tests (label sanitize) and a smoke run of every libFuzzer target (label fuzz).
+  # on the C++ tests (label sanitize) and a smoke run of every libFuzzer target (label fuzz). It runs on
+  # OpenBLAS's Nehalem kernels (SSE4.2, which every x86-64 CPU of the last fifteen years has) rather than
+  # the ones picked for this CPU, so a test that holds on one BLAS kernel's rounding only fails here.
   ASAN_BUILD=${SPARROW_ASAN_BUILD_DIR:-build-asan}
   cmake -S . -B "$ASAN_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=clang++ -DSPARROW_CUDA=OFF \
       -DSPARROW_SANITIZE=address,undefined -DSPARROW_FUZZ=ON
   cmake --build "$ASAN_BUILD" -j"$(nproc)"
-  ctest --test-dir "$ASAN_BUILD" --output-on-failure -j"$(nproc)" -L 'sanitize|fuzz'
+  OPENBLAS_CORETYPE=Nehalem ctest --test-dir "$ASAN_BUILD" --output-on-failure -j"$(nproc)" -L 'sanitize|fuzz'
 else
   # The main job, on the bundled default model (models/minimax_m3, trained by tools/train_small_models.py):
   # a raw-text continuation, then the OpenAI-compatible server: a chat that calls a tool, and the answer
