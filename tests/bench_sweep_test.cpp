@@ -104,14 +104,10 @@ TEST(DummyWeights, ValuesArePureFunctionsOfSeedNameAndIndex) {
   for (int i = 0; i < 10000; ++i) ASSERT_EQ(t.data()[i], whole[i]);
 }
 
-// Every family from config.json alone, with the loader load_model would pick.
+// Every family from config.json alone, with the loader load_model would pick (the registry's).
 std::unique_ptr<DecoderModel> load_dummy(Checkpoint& ckpt) {
-  const Config& config = ckpt.config();
-  const std::string type = config.get_string("model_type");
-  if (type == "deepseek_v32") return load_deepseek_v32(ckpt);
-  if (type == "kimi_linear" || type == "kimi_k3") return load_kimi_linear(ckpt);
-  if (type == "minimax_m3_vl") return load_minimax_m3(ckpt, config.get_object("text_config"), "model.language_model.");
-  return load_minimax_m3(ckpt, config, "model.");
+  const ModelFamily& family = model_family(ckpt.config());
+  return family.load(ckpt, family.text(ckpt.config()), family.weight_prefix);
 }
 
 Tensor logits_of(Model& model, const std::vector<int32_t>& prompt) {
@@ -309,7 +305,7 @@ TEST(Roofline, RefusesWhatTheFamiliesRefuse) {
   deepseek.erase("rope_parameters");
   deepseek["rope_scaling"] = {{"type", 7}};
   EXPECT_TRUE(mentions(error_message([&] { bench::model_cost(Config(deepseek, "config.json")); }),
-                       {"rope_parameters.rope_type must be a string"}));
+                       {"field 'rope_scaling.type' must be a string"}));
   nlohmann::json minimax = fixture("minimax_m3");
   minimax["layer_types"] = {"full_attention"};
   EXPECT_TRUE(mentions(error_message([&] { bench::model_cost(Config(minimax, "config.json")); }),

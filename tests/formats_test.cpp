@@ -221,6 +221,39 @@ TEST(FormatsConfig, LoadErrorsNameTheFile) {
   EXPECT_EQ(Config::load(good).get_int("hidden_size"), 4);
 }
 
+// The expectations follow transformers 5.17's modeling_rope_utils.py (convert_rope_params_to_dict,
+// standardize_rope_params) step by step, one rule per config.
+TEST(FormatsConfig, RopeParametersAsTransformersStandardizesThem) {
+  auto rope = [](const char* text, double theta = 10000.0, int64_t max_positions = 4096) {
+    return Config(nlohmann::json::parse(text), "config.json").rope_parameters(theta, max_positions);
+  };
+  // Nothing given: the family's default theta.
+  EXPECT_EQ(rope("{}", 5e6), nlohmann::json::parse(R"({"rope_type": "default", "rope_theta": 5000000.0})"));
+  // The top-level rope_theta and partial_rotary_factor move into the dict; values in it win.
+  EXPECT_EQ(rope(R"({"rope_theta": 1e6, "partial_rotary_factor": 0.5})"),
+            nlohmann::json::parse(R"({"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5})"));
+  EXPECT_EQ(rope(R"({"rope_theta": 1e6, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}})")["rope_theta"], 7.0);
+  // rope_scaling (the legacy name) wins over rope_parameters unless it is empty; its `type` is rope_type.
+  auto yarn = rope(R"({"rope_scaling": {"type": "yarn", "factor": 40}, "rope_parameters": {"rope_type": "default"},
+                       "max_position_embeddings": 163840})", 10000.0, 163840);
+  EXPECT_EQ(yarn["rope_type"], "yarn");
+  EXPECT_EQ(yarn["factor"], 40);
+  EXPECT_EQ(yarn["original_max_position_embeddings"], 163840);  // absent everywhere: max_position_embeddings
+  EXPECT_EQ(rope(R"({"rope_scaling": {}, "rope_parameters": {"rope_type": "default", "rope_theta": 3.0}})")["rope_theta"], 3.0);
+  // A scaled type keeps its own original_max_position_embeddings, but the top-level field wins over it
+  // (Phi-3's exception in standardize_rope_params); an unscaled type gets none.
+  EXPECT_EQ(rope(R"({"rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 4096}})")
+                ["original_max_position_embeddings"], 4096);
+  EXPECT_EQ(rope(R"({"original_max_position_embeddings": 8192,
+                     "rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 4096}})")
+                ["original_max_position_embeddings"], 8192);
+  EXPECT_FALSE(rope(R"({"original_max_position_embeddings": 8192})").contains("original_max_position_embeddings"));
+  // Malformed fields are one-line errors naming the field.
+  EXPECT_TRUE(mentions(error_message([&] { rope(R"({"rope_parameters": [1]})"); }), {"rope_parameters", "an object"}));
+  EXPECT_TRUE(mentions(error_message([&] { rope(R"({"rope_scaling": {"type": 3}})"); }), {"rope_scaling.type' must be a string"}));
+  EXPECT_TRUE(mentions(error_message([&] { rope(R"({"rope_theta": "x"})"); }), {"rope_theta"}));
+}
+
 // ---------------------------------------------------------------------------------------------------
 // dtype conversions: exact, including subnormals, infinities and NaN
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "kernels/cpu/ops.h"
-#include "model/kda.h"
+#include "model/kda_mixer.h"
 
 using namespace sparrow;
 

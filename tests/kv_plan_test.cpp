@@ -19,6 +19,7 @@
 #include "cache/kv_plan.h"
 #include "core/error.h"
 #include "formats/config.h"
+#include "model/families.h"
 #include "model/model.h"
 #include "test_util.h"
 
@@ -181,6 +182,23 @@ TEST(KvPlan, RejectsWhatItCannotPlanInOneLine) {
                        {"--tensor-parallel-size"}));
   EXPECT_TRUE(mentions(error_message([&] { plan_kv(kimi, options("nvfp4", "auto", 8, 1, 1000)); }),
                        {"too small"}));
+}
+
+// The model registry (model/families.h) is the one model_type dispatch: a type it lacks is one line
+// naming every type it has, and a vision-language row reads its text fields from text_config.
+TEST(ModelRegistry, OneRowPerModelType) {
+  using sparrow::testing::error_message;
+  using sparrow::testing::mentions;
+  auto config = [](nlohmann::json j) { return Config(std::move(j), "config.json"); };
+  EXPECT_TRUE(mentions(error_message([&] { model_family(config({{"model_type", "llama"}})); }),
+                       {"unsupported model_type 'llama'", "deepseek_v32", "kimi_linear", "kimi_k3", "minimax_m3_vl_text",
+                        "minimax_m3_vl"}));
+  EXPECT_EQ(std::string(model_family(config({{"model_type", "kimi_k3"}})).family), "kimi_linear");
+  const ModelFamily& vl = model_family(config({{"model_type", "minimax_m3_vl"}}));
+  EXPECT_EQ(std::string(vl.weight_prefix), "model.language_model.");
+  EXPECT_EQ(vl.text(config({{"model_type", "minimax_m3_vl"}, {"text_config", {{"hidden_size", 8}}}})).get_int("hidden_size"), 8);
+  EXPECT_TRUE(mentions(error_message([&] { cache_spec_from_config(config({{"model_type", "minimax_m3_vl"}})); }),
+                       {"text_config"}));
 }
 
 // ---- the command ----

@@ -6,7 +6,7 @@
 
 #include "kernels/cpu/ops.h"
 #include "kernels/uniform_routing.h"
-#include "model/moe.h"
+#include "model/feed_forward.h"
 
 using namespace sparrow;
 

@@ -131,3 +131,36 @@ TEST(TextCli, BadUseIsAOneLineError) {
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
   }
 }
+
+// Every command takes the context length by one rule (cli/common.cpp, model_context_length): the
+// smallest of config.json's length fields, and a one-line error when it has none.
+TEST(TextCli, ContextLengthIsTheSmallestLengthFieldForEveryCommand) {
+  sparrow::testing::TempDir dir;
+  const fs::path bundled = kSource / "models/minimax_m3";
+  nlohmann::json config = nlohmann::json::parse(slurp(bundled / "config.json"));
+  auto model_with = [&](const std::string& name, const nlohmann::json& edited) {
+    fs::path folder = fs::path(dir.path()) / name;
+    fs::create_directories(folder);
+    for (const auto& entry : fs::directory_iterator(bundled))
+      if (entry.path().filename() != "config.json") fs::create_symlink(entry.path(), folder / entry.path().filename());
+    std::ofstream(folder / "config.json") << edited.dump();
+    return folder.string();
+  };
+  nlohmann::json short_context = config;
+  short_context["seq_length"] = 4;  // smaller than max_position_embeddings: this one counts
+  const std::string short_model = model_with("short", short_context);
+  CommandResult generated = run("generate --model " + short_model + " --prompt 'def fibonacci(n):'");
+  EXPECT_EQ(generated.status, 1) << generated.err;
+  auto line = [](const std::string& err) { return err.substr(0, err.find('\n')); };
+  EXPECT_TRUE(sparrow::testing::mentions(line(generated.err), {"more than the model's context of 4"})) << generated.err;
+  CommandResult scored = run("perplexity --model " + short_model + " --file " + short_model + "/README.md --context 8");
+  EXPECT_EQ(scored.status, 1) << scored.err;
+  EXPECT_TRUE(sparrow::testing::mentions(line(scored.err), {"model's context (4)"})) << scored.err;
+  nlohmann::json no_length = config;
+  no_length.erase("max_position_embeddings");
+  if (no_length.contains("text_config")) no_length["text_config"].erase("max_position_embeddings");
+  CommandResult r = run("generate --model " + model_with("none", no_length) + " --prompt x");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_TRUE(sparrow::testing::mentions(line(r.err), {"error: ", "config.json: no context length"})) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}

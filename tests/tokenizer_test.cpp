@@ -20,7 +20,7 @@
 #include "tokenizer/regex.h"
 #include "tokenizer/tiktoken.h"
 #include "tokenizer/tokenizer.h"
-#include "tokenizer/unicode.h"
+#include "tokenizer/normalization.h"
 #include "tokenizer/utf8.h"
 
 namespace fs = std::filesystem;
@@ -219,6 +219,30 @@ TEST(Tokenizer, SpecialTokensAndLookups) {
   auto minimax = load_tokenizer((kData / "minimax_m3").string());
   EXPECT_EQ(minimax->bos_id(), minimax->token_to_id("]~!b["));
   EXPECT_EQ(minimax->eos_id(), minimax->token_to_id("[e~["));
+}
+
+// tokenizer_config.json's add_bos_token decides the BOS of every raw-text prompt, as transformers'
+// tokenizer(text) (add_special_tokens=True) does.
+TEST(Tokenizer, AddBosTokenIsTheOneBosRule) {
+  TempDir dir;
+  dir.write("tokenizer.json", read_json(kData / "deepseek_v32" / "tokenizer.json").dump());
+  json config = read_json(kData / "deepseek_v32" / "tokenizer_config.json");
+  auto with = [&](json add_bos) {
+    json edited = config;
+    edited["add_bos_token"] = add_bos;
+    dir.write("tokenizer_config.json", edited.dump());
+    return load_tokenizer(dir.path());
+  };
+  std::vector<TokenId> text = with(false)->encode("hello world");
+  EXPECT_EQ(with(false)->encode_with_special_tokens("hello world"), text);
+  std::vector<TokenId> with_bos{0};
+  with_bos.insert(with_bos.end(), text.begin(), text.end());
+  EXPECT_EQ(with(true)->encode_with_special_tokens("hello world"), with_bos);
+  EXPECT_EQ(with(true)->encode("hello world"), text);  // encode() itself adds nothing
+  EXPECT_TRUE(mentions(error_message([&] { with("yes"); }), {"tokenizer_config.json", "add_bos_token must be true or false"}));
+  config["bos_token"] = "<not-a-token>";
+  EXPECT_TRUE(mentions(error_message([&] { with(true); }), {"tokenizer_config.json", "add_bos_token is set but bos_token"}));
+  EXPECT_EQ(with(false)->encode_with_special_tokens("hello world"), text);
 }
 
 // ---- UTF-8 ----

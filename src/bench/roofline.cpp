@@ -6,6 +6,7 @@
 
 #include "cache/planner.h"
 #include "core/error.h"
+#include "model/families.h"
 #include "model/model.h"
 
 namespace sparrow::bench {
@@ -317,11 +318,13 @@ ModelCost model_cost(const Config& config, const std::string& kv_cache_dtype) {
     if (q.has("weight_block_size")) block = q.get_int_list("weight_block_size");
     f.dense.fp8 = q.get_string("quant_method", "") == "fp8" && block == std::vector<int64_t>{128, 128};
   }
-  if (type == "deepseek_v32") deepseek_v32(f, config);
-  else if (type == "kimi_linear" || type == "kimi_k3") kimi_linear(f, config);
-  else if (type == "minimax_m3" || type == "minimax_m3_vl_text") minimax_m3(f, config, false);
-  else if (type == "minimax_m3_vl") minimax_m3(f, config.get_object("text_config"), config.get_bool("tie_word_embeddings", false));
-  else config.unsupported("model_type", type, "deepseek_v32, kimi_linear, kimi_k3, minimax_m3_vl_text, minimax_m3_vl");
+  // The cost model of the registry's family (model/families.h), over the config of its text fields.
+  const ModelFamily& family = model_family(config);
+  const std::string name = family.family;
+  if (name == "deepseek_v32") deepseek_v32(f, family.text(config));
+  else if (name == "kimi_linear") kimi_linear(f, family.text(config));
+  else if (name == "minimax_m3") minimax_m3(f, family.text(config), config.get_bool("tie_word_embeddings", false));
+  else fail("bench: no cost model for the ", name, " family");
 
   ModelCost& cost = f.cost;
   cost.model_type = type;

@@ -116,7 +116,7 @@ void run_chat(ChatFlags& flags) {
   if (flags.tool_call_parser.empty()) flags.tool_call_parser = default_parser;
   std::set<int32_t> end_tokens = eos_token_ids(flags.model_dir);
   if (tokenizer->eos_id()) end_tokens.insert(*tokenizer->eos_id());
-  const int64_t context = context_length(flags.model_dir);
+  const int64_t context = model_context_length(flags.model_dir);
 
   const bool terminal = isatty(STDIN_FILENO) && isatty(STDOUT_FILENO);
   if (terminal)

@@ -44,7 +44,8 @@ struct ModelPositions {
   std::string key;  // "max_position_embeddings", "model_max_length", ...
 };
 std::optional<ModelPositions> model_positions(const std::string& model);
-// The same, a one-line error when config.json has none.
+// The same, a one-line error when config.json has none: the one context-length rule, used by every
+// command (serve and kv-plan unless --max-model-len is given; generate, chat, perplexity, kv-quality).
 int64_t model_context_length(const std::string& model);
 
 // --device cpu|cuda (vLLM's flag): where the model runs; vLLM's --enforce-eager (no CUDA graphs) and

@@ -133,7 +133,8 @@ std::optional<ModelPositions> model_positions(const std::string& model) {
 int64_t model_context_length(const std::string& model) {
   std::optional<ModelPositions> positions = model_positions(model);
   SPARROW_CHECK(positions, model_config_path(model),
-                ": no context length (max_position_embeddings, ...); pass --max-model-len");
+                ": no context length (max_position_embeddings or another length field); serve and kv-plan "
+                "take --max-model-len");
   return positions->tokens;
 }
 

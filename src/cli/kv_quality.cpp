@@ -72,7 +72,7 @@ void add_bench_kv_quality(CLI::App* bench) {
       ->capture_default_str();
   on_selected(sub, [] {
     if (model_dir.empty()) model_dir = default_model_dir();
-    const int64_t context = context_length(model_dir);
+    const int64_t context = model_context_length(model_dir);
     if (window == 0) window = std::min<int64_t>(context, 1024);
     SPARROW_CHECK(window >= 2 && window <= context, "--context must be between 2 and the model's context (", context,
                   "), got ", window);
@@ -98,7 +98,7 @@ void add_bench_kv_quality(CLI::App* bench) {
       }
 
     const std::vector<std::vector<int32_t>> windows =
-        perplexity_windows(text_prompt_ids(*tokenizer, model_dir, text.str()), window);
+        perplexity_windows(tokenizer->encode_with_special_tokens(text.str()), window);
     SPARROW_CHECK(!windows.empty(), text_path, ": the text has fewer than two tokens; nothing to score");
     auto perplexity = [](const Measured& m) { return std::exp(m.nll / double(m.scored)); };
     CacheConfig reference_config, bf16_config;

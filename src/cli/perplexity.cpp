@@ -52,7 +52,7 @@ void add_perplexity(CLI::App& app) {
     apply_cache_format_flags(kv_cache_dtype, attention_config, cache_config);
     cache_config.device = parse_device(device);
     if (model_dir.empty()) model_dir = default_model_dir();
-    const int64_t context = context_length(model_dir);
+    const int64_t context = model_context_length(model_dir);
     if (window == 0) window = std::min<int64_t>(context, 1024);
     SPARROW_CHECK(window >= 2 && window <= context, "--context must be between 2 and the model's context (", context,
                   "), got ", window);
@@ -63,7 +63,7 @@ void add_perplexity(CLI::App& app) {
 
     auto tokenizer = load_tokenizer(model_dir);
     auto model = load_cli_model(model_dir, device);
-    const std::vector<int32_t> ids = text_prompt_ids(*tokenizer, model_dir, text.str());
+    const std::vector<int32_t> ids = tokenizer->encode_with_special_tokens(text.str());
     double total_nll = 0;
     int64_t scored = 0;
     for (const std::vector<int32_t>& chunk : perplexity_windows(ids, window)) {

@@ -183,9 +183,6 @@ void serve(const ServeFlags& flags) {
   options.reasoning_parser = flags.reasoning_parser;
   options.enable_auto_tool_choice = flags.enable_auto_tool_choice;
   options.enable_prompt_tokens_details = flags.enable_prompt_tokens_details;
-  // transformers adds BOS to text it encodes with add_special_tokens when the tokenizer says so.
-  options.prepend_bos =
-      read_json_if_present(fs::path(model_dir) / "tokenizer_config.json").value("add_bos_token", false);
   apply_generation_config(flags.generation_config, model_dir, options);
   // Unknown parser names are refused at start, not at the first request.
   if (!options.tool_call_parser.empty()) parsers::make_tool_parser(options.tool_call_parser, nullptr);

@@ -2,44 +2,11 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
-
-#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "kernels/ops.h"
 
 namespace sparrow::cli {
-namespace {
-
-nlohmann::json read_json_object(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  if (!in) return nlohmann::json::object();
-  nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  SPARROW_CHECK(!j.is_discarded() && j.is_object(), path.string(), ": not a JSON object");
-  return j;
-}
-
-}  // namespace
-
-int64_t context_length(const std::string& model_dir) {
-  nlohmann::json config = read_json_object(std::filesystem::path(model_dir) / "config.json");
-  for (const char* key : {"max_position_embeddings", "model_max_length"})
-    if (config.contains(key) && config[key].is_number_integer() && config[key].get<int64_t>() > 0)
-      return config[key].get<int64_t>();
-  return 1024;
-}
-
-std::vector<int32_t> text_prompt_ids(const Tokenizer& tokenizer, const std::string& model_dir, const std::string& text) {
-  std::vector<int32_t> ids = tokenizer.encode(text);
-  nlohmann::json config = read_json_object(std::filesystem::path(model_dir) / "tokenizer_config.json");
-  if (config.value("add_bos_token", false)) {
-    SPARROW_CHECK(tokenizer.bos_id(), model_dir, "/tokenizer_config.json: add_bos_token is set but bos_token is unknown");
-    ids.insert(ids.begin(), *tokenizer.bos_id());
-  }
-  return ids;
-}
 
 std::vector<int32_t> generate_streaming(Model& model, const std::vector<int32_t>& prompt,
                                         const SamplingParams& sampling, const std::set<int32_t>& end_tokens,

@@ -14,14 +14,6 @@
 
 namespace sparrow::cli {
 
-// Positions the model was trained for: config.json's max_position_embeddings, else its
-// model_max_length, else 1024.
-int64_t context_length(const std::string& model_dir);
-
-// The ids of raw text as transformers' tokenizer(text) gives them: no special tokens added, except a
-// BOS first when tokenizer_config.json sets add_bos_token.
-std::vector<int32_t> text_prompt_ids(const Tokenizer& tokenizer, const std::string& model_dir, const std::string& text);
-
 // Samples up to `max_tokens` tokens after `prompt` (one sequence, its own cache: prefill, then one
 // forward per token) and calls on_token(id) for each, end token included; stops after a token of
 // `end_tokens` or at `context` positions. Returns the generated ids.

@@ -140,6 +140,28 @@ Config Config::get_object(const std::string& key) const {
   return Config(value, where_ + ": " + key);
 }
 
+nlohmann::json Config::rope_parameters(double default_theta, int64_t max_position_embeddings) const {
+  const bool scaling = has("rope_scaling") && !(json_["rope_scaling"].is_object() && json_["rope_scaling"].empty());
+  const char* key = scaling ? "rope_scaling" : "rope_parameters";
+  nlohmann::json params = has(key) ? json_[key] : nlohmann::json::object();
+  require(params.is_object(), key, "an object");
+  const char* type_key = params.contains("rope_type") ? "rope_type" : "type";
+  if (params.contains(type_key))
+    require(params[type_key].is_string(), std::string(key) + "." + type_key, "a string");
+  if (!params.contains("rope_type")) params["rope_type"] = params.contains("type") ? params["type"] : nlohmann::json("default");
+  if (!params.contains("rope_theta")) params["rope_theta"] = get_float("rope_theta", default_theta);
+  if (!params.contains("partial_rotary_factor") && has("partial_rotary_factor"))
+    params["partial_rotary_factor"] = get_float("partial_rotary_factor");
+  const std::string type = params["rope_type"].get<std::string>();
+  if (type == "llama3" || type == "yarn" || type == "longrope") {
+    if (has("original_max_position_embeddings"))
+      params["original_max_position_embeddings"] = get_int("original_max_position_embeddings");
+    else if (!params.contains("original_max_position_embeddings"))
+      params["original_max_position_embeddings"] = max_position_embeddings;
+  }
+  return params;
+}
+
 void Config::unsupported(const std::string& key, const std::string& value, const std::string& supported) const {
   fail(where_, ": unsupported ", key, " '", value, "' (supported: ", supported, ")");
 }

@@ -35,6 +35,15 @@ class Config {
   std::string get_string(const std::string& key, const std::string& def) const;
   Config get_object(const std::string& key) const;  // a nested object (e.g. text_config)
 
+  // The rotary-embedding parameters as transformers standardizes them (modeling_rope_utils.py,
+  // convert_rope_params_to_dict and standardize_rope_params, transformers 5.17): `rope_scaling` when it
+  // is a non-empty object, else `rope_parameters`, else {}; then, where the dict lacks them, rope_type
+  // (its legacy `type`, else "default"), rope_theta (the top-level field, else the family's
+  // `default_theta`), partial_rotary_factor (the top-level field, when given) and, for the scaled types
+  // llama3 / yarn / longrope, original_max_position_embeddings (the top-level field always wins; else
+  // `max_position_embeddings`). The one parser of these fields: families pass their defaults.
+  nlohmann::json rope_parameters(double default_theta, int64_t max_position_embeddings) const;
+
   // Unsupported-value errors: "config.json: unsupported hidden_act 'gelu' (supported: silu)".
   [[noreturn]] void unsupported(const std::string& key, const std::string& value, const std::string& supported) const;
   // Range check: throws "config.json: field 'x' must be ..." unless ok.

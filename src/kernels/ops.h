@@ -77,7 +77,7 @@ void batched_matmul_nn(int64_t batch, int64_t m, int64_t n, int64_t k, MatView a
 void batched_matmul_nt(int64_t batch, int64_t m, int64_t n, int64_t k, MatView a, MatView b, const Tensor& c,
                        int64_t c_offset, int64_t ldc, int64_t c_batch_stride);
 
-// Mixture of experts on a device (the CPU path is model/moe.cpp's route() and run_experts(), which
+// Mixture of experts on a device (the CPU path is model/feed_forward.cpp's route() and run_experts(), which
 // these mirror; tests compare them):
 // DeepSeek-V3's grouped sigmoid routing of fp32 router logits [T, E] with the correction bias.
 struct DeviceRouting {

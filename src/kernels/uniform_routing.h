@@ -6,7 +6,7 @@
 // The draw is keyed by the token's hidden state (its first kKeyValues values as bf16 bits) and a salt
 // (the layer), not by a random stream: it needs no state, so CUDA graphs replay it as they are, the CPU
 // and the GPU choose the same experts for the same bf16 inputs, and a token's experts do not depend on
-// the rest of its batch. Shared by the CPU router (model/moe.cpp) and the CUDA kernel (cuda/moe/moe.cu).
+// the rest of its batch. Shared by the CPU router (model/feed_forward.cpp) and the CUDA kernel (cuda/moe/moe.cu).
 #pragma once
 #include <cstdint>
 

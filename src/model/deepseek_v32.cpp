@@ -9,21 +9,11 @@
 #include "model/dsa_indexer.h"
 #include "model/families.h"
 #include "model/mla.h"
-#include "model/moe.h"
+#include "model/feed_forward.h"
 
 namespace sparrow {
 
 namespace {
-
-// rope_parameters, or the legacy rope_scaling + rope_theta pair that transformers folds into it.
-nlohmann::json rope_parameters(const Config& config) {
-  if (config.has("rope_parameters")) return config.json()["rope_parameters"];
-  nlohmann::json params = config.has("rope_scaling") ? config.json()["rope_scaling"] : nlohmann::json::object();
-  config.require(params.is_object(), "rope_scaling", "an object");
-  if (!params.contains("rope_type")) params["rope_type"] = params.contains("type") ? params["type"] : nlohmann::json("default");
-  params["rope_theta"] = config.get_float("rope_theta", 10000.0);
-  return params;
-}
 
 // Which feed-forward each layer gets: "dense" or "sparse" (MoE). mlp_layer_types when given, else
 // the first first_k_dense_replace layers are dense (DeepseekV32Config.__post_init__).
@@ -69,9 +59,10 @@ Attention attention_config(const Config& config) {
       if (t != "deepseek_sparse_attention") config.unsupported("layer_types entry", t, "deepseek_sparse_attention");
   }
 
-  const nlohmann::json rope_params = rope_parameters(config);
-  const Rope rope =
-      Rope::from_config(rope_params, int(qk_rope_head_dim), config.get_int("max_position_embeddings", 163840));
+  // DeepseekV32Config's defaults: rope_theta 10000, max_position_embeddings 163840.
+  const int64_t max_positions = config.get_int("max_position_embeddings", 163840);
+  const nlohmann::json rope_params = config.rope_parameters(10000.0, max_positions);
+  const Rope rope = Rope::from_config(rope_params, int(qk_rope_head_dim), max_positions);
 
   Attention attention;
   attention.num_layers = num_layers;
@@ -107,8 +98,7 @@ std::vector<LayerCacheSpec> deepseek_v32_cache_spec(const Config& config) {
   return std::vector<LayerCacheSpec>(attention.num_layers, MlaMixer::cache_spec_for(attention.mla, &attention.index));
 }
 
-std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt) {
-  const Config& config = ckpt.config();
+std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt, const Config& config, const std::string& prefix) {
   const std::string act = config.get_string("hidden_act", "silu");
   if (act != "silu") config.unsupported("hidden_act", act, "silu");
   const Attention attention = attention_config(config);
@@ -142,23 +132,23 @@ std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt) {
   model->vocab = vocab;
   model->hidden = hidden;
   model->norm_eps = float(config.get_float("rms_norm_eps", 1e-6));
-  model->take_embeddings(ckpt, "model.", "lm_head.weight", config.get_bool("tie_word_embeddings", false));
+  model->take_embeddings(ckpt, prefix, "lm_head.weight", config.get_bool("tie_word_embeddings", false));
 
   const Activation silu_glu;
   for (int64_t i = 0; i < num_layers; ++i) {
-    const std::string prefix = "model.layers." + std::to_string(i) + ".";
+    const std::string layer_prefix = prefix + "layers." + std::to_string(i) + ".";
     DecoderLayer layer;
-    layer.input_norm = ckpt.take(prefix + "input_layernorm.weight", {hidden});
-    layer.post_norm = ckpt.take(prefix + "post_attention_layernorm.weight", {hidden});
-    layer.mixer = MlaMixer::load(ckpt, prefix + "self_attn.", mla,
-                                 DsaIndexer::load(ckpt, prefix + "self_attn.indexer.", index));
+    layer.input_norm = ckpt.take(layer_prefix + "input_layernorm.weight", {hidden});
+    layer.post_norm = ckpt.take(layer_prefix + "post_attention_layernorm.weight", {hidden});
+    layer.mixer = MlaMixer::load(ckpt, layer_prefix + "self_attn.", mla,
+                                 DsaIndexer::load(ckpt, layer_prefix + "self_attn.indexer.", index));
     if (mlp_types[i] == "dense") {
       auto mlp = std::make_unique<DenseMlp>(
-          DenseMlp::load(ckpt, prefix + "mlp.", hidden, config.get_int("intermediate_size", 18432), silu_glu));
+          DenseMlp::load(ckpt, layer_prefix + "mlp.", hidden, config.get_int("intermediate_size", 18432), silu_glu));
       layer.ffn = std::move(mlp);
     } else {
       layer.ffn = MoeBlock::load_grouped(
-          ckpt, prefix + "mlp.",
+          ckpt, layer_prefix + "mlp.",
           {hidden, num_experts, moe_intermediate, experts_per_token, n_group, topk_group, n_shared,
            config.get_bool("norm_topk_prob", true), float(config.get_float("routed_scaling_factor", 2.5))});
     }
@@ -168,7 +158,7 @@ std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt) {
   // (transformers drops them on load).
   std::vector<std::string> mtp_layers;
   for (int64_t i = 0; i < config.get_int("num_nextn_predict_layers", 1); ++i)
-    mtp_layers.push_back("model.layers." + std::to_string(num_layers + i) + ".");
+    mtp_layers.push_back(prefix + "layers." + std::to_string(num_layers + i) + ".");
   ckpt.finish(mtp_layers);
   return model;
 }

@@ -31,7 +31,7 @@ struct DeviceStep {
   int64_t table_stride = 0;
   int64_t max_visible = 0;  // at least the largest row_visible
 
-  // Recurrent layers (model/kda.h). Sequence s owns rows seq_rows[s] .. seq_rows[s+1]-1; when the
+  // Recurrent layers (model/kda_mixer.h). Sequence s owns rows seq_rows[s] .. seq_rows[s+1]-1; when the
   // cache wants a prefix-cache snapshot inside the step (SequenceCache::snapshot_position), the rows
   // before seq_split[s] run first, the states are copied to snapshot_slots[s], then the rest runs;
   // otherwise seq_split[s] = seq_rows[s+1] and snapshot_slots[s] is 0 (a snapshot at the step's end

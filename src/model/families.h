@@ -1,26 +1,47 @@
-// One loader per family (src/model/<family>.cpp). Each reads its config through `ckpt.config()`,
-// takes its weights, checks the config for values it does not support, and calls ckpt.finish().
-// Each also says what its layers cache from the config alone (for the cache planner).
+// One loader per family (src/model/<family>.cpp). Each reads its config, takes its weights, checks the
+// config for values it does not support, and calls ckpt.finish(). Each also says what its layers cache
+// from the config alone (for the cache planner). The registry below maps model_type to them.
 #pragma once
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "formats/checkpoint.h"
+#include "formats/config.h"
 #include "model/decoder.h"
 
 namespace sparrow {
 
-std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt);
+// Every loader takes the checkpoint, the config holding the text model's fields (the whole config.json,
+// or its text_config for a vision-language checkpoint) and where the text model's weights live
+// ("model.", "model.language_model."); every cache spec reads the same config, without weights.
+using FamilyLoader = std::unique_ptr<DecoderModel> (*)(Checkpoint& ckpt, const Config& text, const std::string& prefix);
+using FamilyCacheSpec = std::vector<LayerCacheSpec> (*)(const Config& text);
+
+std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 // kimi_linear and kimi_k3 (kimi_linear + a DSA indexer on every full-attention layer).
-std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt);
-// minimax_m3 text model: `text` is the config holding the text fields (the whole config.json, or its
-// text_config for a minimax_m3_vl checkpoint); `prefix` is where the text weights live ("model." or
-// "model.language_model." — whatever transformers writes for that architecture).
+std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 std::unique_ptr<DecoderModel> load_minimax_m3(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 
-// What each family's layers cache, from its config alone (the loaders' cache_spec() without weights;
-// model.h cache_spec_from_config dispatches to these).
-std::vector<LayerCacheSpec> deepseek_v32_cache_spec(const Config& config);
-std::vector<LayerCacheSpec> kimi_linear_cache_spec(const Config& config);
+std::vector<LayerCacheSpec> deepseek_v32_cache_spec(const Config& text);
+std::vector<LayerCacheSpec> kimi_linear_cache_spec(const Config& text);
 std::vector<LayerCacheSpec> minimax_m3_cache_spec(const Config& text);
+
+// The model registry: one row per config.json model_type, the only place a model_type is dispatched
+// (load_model, cache_spec_from_config, bench's roofline, the tests). A new family is its file plus a row.
+struct ModelFamily {
+  const char* model_type;
+  const char* family;         // the family file under src/model/ ("kimi_linear" serves kimi_k3 too)
+  const char* text_config;    // nullptr: the text fields are at the top level; else the nested object's key
+  const char* weight_prefix;  // where the text model's weights live
+  FamilyLoader load;
+  FamilyCacheSpec cache_spec;
+
+  // The config holding the text model's fields.
+  Config text(const Config& config) const { return text_config ? config.get_object(text_config) : config; }
+};
+
+// The registry's row for config.json's model_type; a one-line error naming the supported types otherwise.
+const ModelFamily& model_family(const Config& config);
 
 }  // namespace sparrow

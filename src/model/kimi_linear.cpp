@@ -1,7 +1,7 @@
 // Kimi Linear (transformers 5.17 KimiLinearForCausalLM, model_type "kimi_linear") and Kimi K3
 // (model_type "kimi_k3").
 //
-// Kimi Linear: each layer is either Kimi Delta Attention (src/model/kda.h, layer type
+// Kimi Linear: each layer is either Kimi Delta Attention (src/model/kda_mixer.h, layer type
 // "linear_attention") or MLA without rotary embeddings (src/model/mla.h, "full_attention": the
 // 64 "rope" dims of q and k are used as they are, softmax scale qk_head_dim^-0.5); its feed-forward
 // is a dense SiLU MLP ("dense") or a grouped-sigmoid-routed MoE with shared experts ("sparse").
@@ -26,9 +26,9 @@
 #include "core/error.h"
 #include "model/dsa_indexer.h"
 #include "model/families.h"
-#include "model/kda.h"
+#include "model/kda_mixer.h"
 #include "model/mla.h"
-#include "model/moe.h"
+#include "model/feed_forward.h"
 
 namespace sparrow {
 
@@ -91,14 +91,6 @@ std::vector<std::string> mlp_layer_types(const Config& config, int64_t num_layer
 // `probe` is a tensor name present in either layout.
 std::string ffn_prefix(const Checkpoint& ckpt, const std::string& layer_prefix, const std::string& probe) {
   return ckpt.has(layer_prefix + "block_sparse_moe." + probe) ? layer_prefix + "block_sparse_moe." : layer_prefix + "mlp.";
-}
-
-// DeepSeek-V3.2's rope_parameters for the K3 indexer (default rope, theta 10000, when absent).
-nlohmann::json indexer_rope_parameters(const Config& config) {
-  nlohmann::json params = config.has("rope_parameters") ? config.json()["rope_parameters"] : nlohmann::json::object();
-  if (!params.contains("rope_type")) params["rope_type"] = "default";
-  if (!params.contains("rope_theta")) params["rope_theta"] = config.get_float("rope_theta", 10000.0);
-  return params;
 }
 
 // The token mixers: which layers are KDA and which MLA (with a DSA indexer on Kimi K3), and their
@@ -167,7 +159,8 @@ Attention attention_config(const Config& config) {
     index.num_heads = config.get_int("index_n_heads", 64);
     index.head_dim = config.get_int("index_head_dim", 128);
     index.topk = config.get_int("index_topk", 2048);
-    index.rope = Rope::from_config(indexer_rope_parameters(config), int(mla.qk_rope_head_dim), max_positions);
+    index.rope = Rope::from_config(config.rope_parameters(10000.0, max_positions), int(mla.qk_rope_head_dim),
+                                   max_positions);
     config.require(index.num_heads > 0, "index_n_heads", "a positive integer");
     config.require(index.head_dim >= mla.qk_rope_head_dim, "index_head_dim", "at least qk_rope_head_dim");
     config.require(index.topk > 0, "index_topk", "a positive integer");
@@ -187,8 +180,7 @@ std::vector<LayerCacheSpec> kimi_linear_cache_spec(const Config& config) {
   return spec;
 }
 
-std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt) {
-  const Config& config = ckpt.config();
+std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt, const Config& config, const std::string& prefix) {
   const std::string type = config.get_string("model_type");
   const int64_t vocab = config.get_int("vocab_size", 163840);
   config.require(vocab > 0, "vocab_size", "a positive integer");
@@ -234,34 +226,34 @@ std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt) {
   model->vocab = vocab;
   model->hidden = hidden;
   model->norm_eps = attention.kda.norm_eps;  // KDA's gated norm and the layer norms share rms_norm_eps
-  model->take_embeddings(ckpt, "model.", "lm_head.weight", config.get_bool("tie_word_embeddings", false));
+  model->take_embeddings(ckpt, prefix, "lm_head.weight", config.get_bool("tie_word_embeddings", false));
 
   const Activation silu_glu;
   for (int64_t i = 0; i < num_layers; ++i) {
-    const std::string prefix = cat("model.layers.", i, ".");
+    const std::string layer_prefix = cat(prefix, "layers.", i, ".");
     DecoderLayer layer;
-    layer.input_norm = ckpt.take(prefix + "input_layernorm.weight", {hidden});
-    layer.post_norm = ckpt.take(prefix + "post_attention_layernorm.weight", {hidden});
+    layer.input_norm = ckpt.take(layer_prefix + "input_layernorm.weight", {hidden});
+    layer.post_norm = ckpt.take(layer_prefix + "post_attention_layernorm.weight", {hidden});
     if (attn_types[i] == "linear_attention") {
-      layer.mixer = KdaMixer::load(ckpt, prefix + "self_attn.", attention.kda);
+      layer.mixer = KdaMixer::load(ckpt, layer_prefix + "self_attn.", attention.kda);
     } else {
       std::unique_ptr<DsaIndexer> indexer =
-          attention.has_indexer ? DsaIndexer::load(ckpt, prefix + "self_attn.indexer.", attention.index) : nullptr;
-      layer.mixer = MlaMixer::load(ckpt, prefix + "self_attn.", attention.mla, std::move(indexer));
+          attention.has_indexer ? DsaIndexer::load(ckpt, layer_prefix + "self_attn.indexer.", attention.index) : nullptr;
+      layer.mixer = MlaMixer::load(ckpt, layer_prefix + "self_attn.", attention.mla, std::move(indexer));
     }
     if (mlp_types[i] == "dense") {
-      layer.ffn = std::make_unique<DenseMlp>(DenseMlp::load(ckpt, ffn_prefix(ckpt, prefix, "down_proj.weight"), hidden,
+      layer.ffn = std::make_unique<DenseMlp>(DenseMlp::load(ckpt, ffn_prefix(ckpt, layer_prefix, "down_proj.weight"), hidden,
                                                            config.get_int("intermediate_size", 9216), silu_glu));
     } else {
       layer.ffn = MoeBlock::load_grouped(
-          ckpt, ffn_prefix(ckpt, prefix, "gate.weight"),
+          ckpt, ffn_prefix(ckpt, layer_prefix, "gate.weight"),
           {hidden, num_experts, moe_intermediate, experts_per_token, n_group, topk_group, n_shared, normalize,
            float(config.get_float("routed_scaling_factor", 2.446))});
     }
     model->layers.push_back(std::move(layer));
   }
   // Multi-token-prediction layers after the last decoder layer are not part of the causal LM.
-  ckpt.finish({cat("model.layers.", num_layers, ".")});
+  ckpt.finish({cat(prefix, "layers.", num_layers, ".")});
   return model;
 }
 

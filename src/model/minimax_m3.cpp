@@ -1,8 +1,8 @@
 // MiniMax-M3 text model (transformers 5.17 MiniMaxM3VLForCausalLM, model_type "minimax_m3_vl_text", and
 // the language model inside MiniMaxM3SparseForConditionalGeneration, model_type "minimax_m3_vl"):
-// every layer is GQA attention with per-head q/k norms and partial RoPE (src/model/gqa_attention.h), with
+// every layer is GQA attention with per-head q/k norms and partial RoPE (src/model/gqa_mixer.h), with
 // an MSA block selector on the "minimax_m3_sparse" layers (src/model/msa_indexer.h); the feed-forward is
-// a dense clamped-SwiGLU MLP or a sigmoid-routed MoE with one shared expert (src/model/moe.h), per
+// a dense clamped-SwiGLU MLP or a sigmoid-routed MoE with one shared expert (src/model/feed_forward.h), per
 // mlp_layer_types. All RMSNorms are Gemma-style (x̂ · (1 + w)).
 // Missing config fields take MiniMaxM3VLTextConfig's defaults, as transformers would, including its
 // legacy spellings (sparse_attention_config, moe_layer_freq, rope_theta, rope_scaling).
@@ -27,8 +27,8 @@
 
 #include "core/error.h"
 #include "model/families.h"
-#include "model/gqa_attention.h"
-#include "model/moe.h"
+#include "model/gqa_mixer.h"
+#include "model/feed_forward.h"
 #include "model/msa_indexer.h"
 
 namespace sparrow {
@@ -37,24 +37,6 @@ namespace {
 
 const char* const kFullAttention = "full_attention";
 const char* const kSparseAttention = "minimax_m3_sparse";
-
-// rope_parameters, or the legacy rope_scaling / rope_theta / partial_rotary_factor fields that
-// transformers folds into it (PreTrainedConfig.convert_rope_params_to_dict). The default theta is
-// MiniMaxM3VLTextConfig.default_theta.
-nlohmann::json rope_parameters(const Config& config) {
-  nlohmann::json params = config.has("rope_parameters") ? config.json()["rope_parameters"]
-                          : config.has("rope_scaling")  ? config.json()["rope_scaling"]
-                                                         : nlohmann::json::object();
-  config.require(params.is_object(), "rope_parameters", "an object");
-  if (!params.contains("rope_type")) params["rope_type"] = params.contains("type") ? params["type"] : nlohmann::json("default");
-  if (!params.contains("rope_theta")) params["rope_theta"] = config.get_float("rope_theta", 5000000.0);
-  if (!params.contains("partial_rotary_factor") && config.has("partial_rotary_factor"))
-    params["partial_rotary_factor"] = config.get_float("partial_rotary_factor");
-  if (params["rope_type"] == "yarn" && !params.contains("original_max_position_embeddings"))
-    params["original_max_position_embeddings"] =
-        config.get_int("original_max_position_embeddings", config.get_int("max_position_embeddings", 524288));
-  return params;
-}
 
 // A per-layer list of strings (layer_types, mlp_layer_types), checked against the allowed values.
 std::vector<std::string> layer_list(const Config& config, const std::string& key, int64_t num_layers,
@@ -149,12 +131,14 @@ struct TextConfig {
 
     // MiniMaxM3VLRotaryEmbedding: rotary dims = int(head_dim * partial_rotary_factor). The config's
     // rotary_dim field is not read by transformers, so it is not read here either.
-    const nlohmann::json params = rope_parameters(c);
+    // MiniMaxM3VLTextConfig's defaults: default_theta 5e6, max_position_embeddings 524288.
+    const int64_t max_positions = c.get_int("max_position_embeddings", 524288);
+    const nlohmann::json params = c.rope_parameters(5000000.0, max_positions);
     const double partial = params.value("partial_rotary_factor", 1.0);
     const int rot_dim = int(double(head_dim) * partial);
     c.require(rot_dim > 0 && rot_dim <= head_dim && rot_dim % 2 == 0, "rope_parameters",
               "a partial_rotary_factor giving an even number of rotary dims in (0, head_dim]");
-    rope = Rope::from_config(params, rot_dim, c.get_int("max_position_embeddings", 524288));
+    rope = Rope::from_config(params, rot_dim, max_positions);
 
     if (std::find(layer_types.begin(), layer_types.end(), kSparseAttention) != layer_types.end()) {
       c.require(index_heads > 0 && heads % index_heads == 0, "index_n_heads", "a divisor of num_attention_heads");

@@ -7,7 +7,7 @@
 #include "formats/checkpoint.h"
 #include "model/dense_sequence_cache.h"
 #include "model/families.h"
-#include "model/moe.h"
+#include "model/feed_forward.h"
 
 namespace sparrow {
 
@@ -104,21 +104,26 @@ void check_moe_routing_simulation(const std::string& strategy) {
                 strategy, "'");
 }
 
-namespace {
+// The registry (families.h). MiniMax-M3 is served from its text-only causal LM or from the text half of
+// a vision-language checkpoint.
+const ModelFamily kModelFamilies[] = {
+    {"deepseek_v32", "deepseek_v32", nullptr, "model.", load_deepseek_v32, deepseek_v32_cache_spec},
+    {"kimi_linear", "kimi_linear", nullptr, "model.", load_kimi_linear, kimi_linear_cache_spec},
+    {"kimi_k3", "kimi_linear", nullptr, "model.", load_kimi_linear, kimi_linear_cache_spec},
+    {"minimax_m3_vl_text", "minimax_m3", nullptr, "model.", load_minimax_m3, minimax_m3_cache_spec},
+    {"minimax_m3", "minimax_m3", nullptr, "model.", load_minimax_m3, minimax_m3_cache_spec},
+    {"minimax_m3_vl", "minimax_m3", "text_config", "model.language_model.", load_minimax_m3, minimax_m3_cache_spec},
+};
 
-std::unique_ptr<DecoderModel> load_family(Checkpoint& ckpt) {
-  const Config& config = ckpt.config();
+const ModelFamily& model_family(const Config& config) {
   const std::string type = config.get_string("model_type");
-  if (type == "deepseek_v32") return load_deepseek_v32(ckpt);
-  if (type == "kimi_linear" || type == "kimi_k3") return load_kimi_linear(ckpt);
-  // MiniMax-M3: the text-only causal LM, or the text half of a vision-language checkpoint.
-  if (type == "minimax_m3_vl_text" || type == "minimax_m3") return load_minimax_m3(ckpt, config, "model.");
-  if (type == "minimax_m3_vl")
-    return load_minimax_m3(ckpt, config.get_object("text_config"), "model.language_model.");
-  config.unsupported("model_type", type, "deepseek_v32, kimi_linear, kimi_k3, minimax_m3_vl_text, minimax_m3_vl");
+  std::string supported;
+  for (const ModelFamily& family : kModelFamilies) {
+    if (type == family.model_type) return family;
+    supported += std::string(supported.empty() ? "" : ", ") + family.model_type;
+  }
+  config.unsupported("model_type", type, supported);
 }
-
-}  // namespace
 
 std::unique_ptr<Model> load_model(const std::string& dir, Device device, const LoadOptions& options) {
   check_load_format(options.load_format);
@@ -126,7 +131,8 @@ std::unique_ptr<Model> load_model(const std::string& dir, Device device, const L
   std::unique_ptr<Checkpoint> ckpt =
       options.load_format == "dummy" ? Checkpoint::open_dummy(dir, options.dummy_seed) : Checkpoint::open(dir);
   if (device != Device::Cpu) ckpt->place_on(device);
-  std::unique_ptr<DecoderModel> model = load_family(*ckpt);
+  const ModelFamily& family = model_family(ckpt->config());
+  std::unique_ptr<DecoderModel> model = family.load(*ckpt, family.text(ckpt->config()), family.weight_prefix);
   if (!options.moe_routing_simulation.empty()) {
     for (size_t layer = 0; layer < model->layers.size(); ++layer) {
       if (auto* moe = dynamic_cast<MoeBlock*>(model->layers[layer].ffn.get())) {
@@ -138,14 +144,9 @@ std::unique_ptr<Model> load_model(const std::string& dir, Device device, const L
   return model;
 }
 
-// Dispatches like load_model.
 std::vector<LayerCacheSpec> cache_spec_from_config(const Config& config) {
-  const std::string type = config.get_string("model_type");
-  if (type == "deepseek_v32") return deepseek_v32_cache_spec(config);
-  if (type == "kimi_linear" || type == "kimi_k3") return kimi_linear_cache_spec(config);
-  if (type == "minimax_m3_vl_text" || type == "minimax_m3") return minimax_m3_cache_spec(config);
-  if (type == "minimax_m3_vl") return minimax_m3_cache_spec(config.get_object("text_config"));
-  config.unsupported("model_type", type, "deepseek_v32, kimi_linear, kimi_k3, minimax_m3_vl_text, minimax_m3_vl");
+  const ModelFamily& family = model_family(config);
+  return family.cache_spec(family.text(config));
 }
 
 }  // namespace sparrow

@@ -7,7 +7,7 @@
 #include "core/parallel.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/ops.h"
-#include "model/gqa_attention.h"
+#include "model/gqa_mixer.h"
 
 namespace sparrow {
 

@@ -18,7 +18,7 @@
 namespace sparrow {
 
 // Per-token rows, one row per token and layer. The row layout of each kind is documented at the block
-// that writes it (mla.h, dsa_indexer.h, gqa_attention.h).
+// that writes it (mla.h, dsa_indexer.h, gqa_mixer.h).
 enum class PageKind {
   MlaLatent,    // MLA: [kv_a_layernorm(c) | roped k_rot], kv_lora_rank + qk_rope_head_dim floats
   DsaIndexKey,  // DSA indexer key, index_head_dim floats
@@ -27,7 +27,7 @@ enum class PageKind {
 };
 inline constexpr int kNumPageKinds = 4;
 
-// Per-sequence state of a recurrent layer (kda.h), fp32 whatever the cache dtype.
+// Per-sequence state of a recurrent layer (kda_mixer.h), fp32 whatever the cache dtype.
 enum class StateKind {
   ConvTail,   // the last kernel-1 inputs of the short convolution
   Recurrent,  // the delta-rule state

@@ -277,10 +277,8 @@ Json Server::tokenize(const http::Request& request) const {
   } else {
     auto prompt = f.string("prompt");
     if (!prompt) bad_request("`prompt` (a string) or `messages` is required", "prompt");
-    if (f.boolean("add_special_tokens").value_or(true) && context_.options.prepend_bos && tokenizer.bos_id())
-      ids.push_back(*tokenizer.bos_id());
-    std::vector<int32_t> encoded = tokenizer.encode(*prompt);
-    ids.insert(ids.end(), encoded.begin(), encoded.end());
+    ids = f.boolean("add_special_tokens").value_or(true) ? tokenizer.encode_with_special_tokens(*prompt)
+                                                         : tokenizer.encode(*prompt);
   }
   Json out = {{"count", ids.size()}, {"max_model_len", context_.engine.max_model_len()}, {"tokens", ids}};
   if (f.boolean("return_token_strs").value_or(false)) {

@@ -29,7 +29,6 @@ struct ServingOptions {
   bool enable_prompt_tokens_details = false;  // usage.prompt_tokens_details.cached_tokens
   SamplingParams default_sampling;            // request defaults (generation_config.json with --generation-config auto)
   std::optional<int64_t> default_max_tokens;  // generation_config.json's max_new_tokens: caps an unset max_tokens
-  bool prepend_bos = false;                   // /v1/completions text prompts get the BOS token (add_special_tokens)
 };
 
 class ServingContext {

@@ -42,10 +42,7 @@ class TextCompletion : public CompletionJob {
       if (const auto* given = std::get_if<std::string>(&prompt)) {
         const Tokenizer& tokenizer = context.require_tokenizer();
         text = *given;
-        if (request_.add_special_tokens && options.prepend_bos && tokenizer.bos_id())
-          ids.push_back(*tokenizer.bos_id());
-        std::vector<int32_t> encoded = tokenizer.encode(text);
-        ids.insert(ids.end(), encoded.begin(), encoded.end());
+        ids = request_.add_special_tokens ? tokenizer.encode_with_special_tokens(text) : tokenizer.encode(text);
       } else {
         ids = std::get<std::vector<int32_t>>(prompt);
         for (int32_t id : ids)

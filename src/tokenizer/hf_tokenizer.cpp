@@ -3,7 +3,7 @@
 #include <map>
 
 #include "core/error.h"
-#include "tokenizer/unicode.h"
+#include "tokenizer/normalization.h"
 #include "tokenizer/utf8.h"
 
 namespace sparrow {

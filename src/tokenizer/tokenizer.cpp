@@ -105,7 +105,23 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& model_dir) {
   };
   tokenizer->bos_id_ = special_id("bos_token");
   tokenizer->eos_id_ = special_id("eos_token");
+  if (config.is_object() && config.contains("add_bos_token") && !config["add_bos_token"].is_null()) {
+    SPARROW_CHECK(config["add_bos_token"].is_boolean(), (dir / "tokenizer_config.json").string(),
+                  ": add_bos_token must be true or false");
+    tokenizer->add_bos_ = config["add_bos_token"].get<bool>();
+    // transformers refuses this too (its tokenizer raises a ValueError when it must add a BOS it lacks).
+    SPARROW_CHECK(!tokenizer->add_bos_ || tokenizer->bos_id_, (dir / "tokenizer_config.json").string(),
+                  ": add_bos_token is set but bos_token is missing or not in the vocabulary");
+  }
   return tokenizer;
+}
+
+std::vector<TokenId> Tokenizer::encode_with_special_tokens(std::string_view text) const {
+  std::vector<TokenId> ids;
+  if (add_bos_) ids.push_back(*bos_id_);
+  std::vector<TokenId> encoded = encode(text);
+  ids.insert(ids.end(), encoded.begin(), encoded.end());
+  return ids;
 }
 
 }  // namespace sparrow

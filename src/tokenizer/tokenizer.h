@@ -46,6 +46,12 @@ class Tokenizer {
   std::optional<TokenId> bos_id() const { return bos_id_; }
   std::optional<TokenId> eos_id() const { return eos_id_; }
 
+  // encode() plus the special tokens transformers' tokenizer(text) adds (add_special_tokens=True): the
+  // BOS first when tokenizer_config.json sets add_bos_token. The one BOS rule, for every raw-text prompt:
+  // generate, perplexity, kv-quality, and the server's completions and /tokenize prompts. (Chat prompts
+  // are encoded without it: the chat template writes any BOS itself.)
+  std::vector<TokenId> encode_with_special_tokens(std::string_view text) const;
+
  protected:
   // Called by the loaders for every id. A later call for the same id replaces the earlier one.
   void set_token(TokenId id, std::string text, std::string bytes, bool special);
@@ -58,8 +64,9 @@ class Tokenizer {
   std::vector<Entry> tokens_;
   StringMap<TokenId> ids_by_text_;
   std::optional<TokenId> bos_id_, eos_id_;
+  bool add_bos_ = false;  // tokenizer_config.json's add_bos_token
 
-  friend std::unique_ptr<Tokenizer> load_tokenizer(const std::string& model_dir);  // sets bos / eos
+  friend std::unique_ptr<Tokenizer> load_tokenizer(const std::string& model_dir);  // sets bos / eos / add_bos_
 };
 
 // Loads the tokenizer of a model folder (tokenizer.json preferred over tiktoken.model). Errors name

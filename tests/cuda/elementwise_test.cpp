@@ -9,7 +9,7 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/elementwise/elementwise.h"
 #include "kernels/cuda/runtime/device.h"
-#include "model/moe.h"
+#include "model/feed_forward.h"
 #include "model/rope.h"
 #include "gpu_test_util.h"
 #include "rt_test_util.h"

@@ -1,4 +1,4 @@
-// Kimi Delta Attention on the GPU (src/kernels/cuda/kda) against the CPU code of src/model/kda.cpp: the delta
+// Kimi Delta Attention on the GPU (src/kernels/cuda/kda) against the CPU code of src/model/kda_mixer.cpp: the delta
 // rule against delta_rule_recurrent itself (outputs and final states, decode and prefill, prefill continued by
 // decode steps), the short conv and its tail, the gates and the gated output norm against loops that follow
 // KdaMixer::forward line by line.
@@ -17,7 +17,7 @@
 #include "gpu_test_util.h"
 #include "kda_test_util.h"
 #include "kernels/cuda/runtime/cuda_check.h"
-#include "model/kda.h"
+#include "model/kda_mixer.h"
 
 namespace sparrow::cuda {
 namespace {

@@ -14,7 +14,7 @@
 #include "kernels/cpu/fp8.h"
 #include "kernels/cuda/moe/moe.h"
 #include "kernels/cuda/runtime/device.h"
-#include "model/moe.h"
+#include "model/feed_forward.h"
 #include "gpu_test_util.h"
 #include "rt_test_util.h"
 

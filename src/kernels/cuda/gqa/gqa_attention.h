@@ -1,4 +1,4 @@
-// Grouped-query attention (MiniMax-M3, src/model/gqa_attention.h) on the GPU over the paged K/V cache,
+// Grouped-query attention (MiniMax-M3, src/model/gqa_mixer.h) on the GPU over the paged K/V cache,
 // dense causal or restricted to the key blocks MiniMax's MSA selector keeps (src/model/msa_indexer.h).
 //
 // Cache (PageKind::GqaKeyValue, docs/cache.md, cache/page_codec.h): a token's row holds W = 2 * kv_heads *

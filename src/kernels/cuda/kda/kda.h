@@ -1,12 +1,12 @@
-// Kimi Delta Attention (KDA, src/model/kda.h) on the GPU: the short causal convolution with its saved
+// Kimi Delta Attention (KDA, src/model/kda_mixer.h) on the GPU: the short causal convolution with its saved
 // tail, the gate activations, the delta-rule recurrence over each sequence's fp32 state, and the gated
-// output norm. Each kernel is the twin of the CPU code in src/model/kda.cpp and is tested against it
+// output norm. Each kernel is the twin of the CPU code in src/model/kda_mixer.cpp and is tested against it
 // (tests/cuda/kda_test.cpp).
 //
 // Batches: the rows [T, ...] of all sequences are stacked; sequence s owns rows begin[s] .. end[s] - 1
 // (KdaSequences below; a sequence may have no rows this launch, and then its states are left as they
 // are). A step may run a sequence's rows in two launches (up to a prefix-cache snapshot, then the rest:
-// model/kda.h), so the ranges need not tile the rows.
+// model/kda_mixer.h), so the ranges need not tile the rows.
 // Per-sequence states live in the sequence's state slot (a paged cache's per-sequence slot,
 // cache/kv_cache.h): the state of one layer and kind sits `offset` bytes into slots[s]:
 //   conv tail   fp32 [kernel - 1, channels]: the last kernel-1 inputs, oldest first
@@ -66,7 +66,7 @@ void kda_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_
                     const float* beta, float* out, int heads, int head_dim, bool normalize_qk,
                     const KdaSequences& seqs, int64_t state_offset, cudaStream_t stream);
 
-// The same recurrence in the chunk-parallel form (delta_rule_chunked in src/model/kda.cpp; the fla
+// The same recurrence in the chunk-parallel form (delta_rule_chunked in src/model/kda_mixer.cpp; the fla
 // library's chunk_kda): for prefill, where a sequence has many rows. Same arguments and result as
 // kda_delta_rule, to the rounding of its tensor-core products (tf32 and bf16 operands, fp32 sums and state:
 // about 1e-3 relative; kernels/cuda/kda/chunk.cu says how much), plus a device workspace of at least
@@ -84,7 +84,7 @@ void kda_delta_rule_chunked(const float* q, const float* k, const float* v, int6
 // sequence for its ragged last chunk.
 size_t kda_delta_rule_chunked_workspace_bytes(int64_t total_rows, int num_seqs, int heads, int head_dim);
 
-// Prefix-cache snapshots (model/kda.h): for every sequence s with snapshots[s] not null, copies `bytes`
+// Prefix-cache snapshots (model/kda_mixer.h): for every sequence s with snapshots[s] not null, copies `bytes`
 // bytes at `offset` of its state slot to the same place in snapshots[s] (a slot of the same layout).
 // Sequences with a null entry are skipped, so a CUDA graph can capture the copy once for every step.
 void kda_copy_states(const KdaSequences& seqs, uint8_t* const* snapshots, int64_t offset, int64_t bytes,

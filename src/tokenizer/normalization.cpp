@@ -1,4 +1,4 @@
-#include "tokenizer/unicode.h"
+#include "tokenizer/normalization.h"
 
 #include <algorithm>
 #include <vector>

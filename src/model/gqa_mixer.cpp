@@ -1,4 +1,4 @@
-#include "model/gqa_attention.h"
+#include "model/gqa_mixer.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "model/kda.h"
+#include "model/kda_mixer.h"
 
 #include <algorithm>
 #include <cmath>

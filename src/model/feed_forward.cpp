@@ -1,4 +1,4 @@
-#include "model/moe.h"
+#include "model/feed_forward.h"
 
 #include <algorithm>
 #include <cmath>
