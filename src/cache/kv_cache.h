@@ -3,7 +3,7 @@
 //
 // Sequences. Each running sequence owns a block table (the blocks holding its tokens 0..n-1, block i
 // holding tokens i*block_size .. (i+1)*block_size - 1) and, when the model has recurrent layers, a state
-// slot. The model reaches them through view(seq), a SequenceCache (model/sequence_cache.h): rows go
+// slot. The model reaches them through view(seq), a SequenceCache (core/sequence_cache.h): rows go
 // through the page-address translation below, state straight to the slot.
 //
 // A step of the engine, for each sequence it runs:
@@ -39,14 +39,14 @@
 
 #include "cache/planner.h"
 #include "core/tensor.h"
-#include "model/sequence_cache.h"
+#include "core/sequence_cache.h"
 
 namespace sparrow {
 
 using SeqId = int64_t;
 
 // Block rows live on config.device: host memory, or GPU memory that the GPU kernels address directly
-// (PagedStorage, model/sequence_cache.h); view(seq)->write/read still work there, through a copy, for
+// (PagedStorage, core/kv_layout.h); view(seq)->write/read still work there, through a copy, for
 // tests and tools.
 class KvCache final : public PagedStorage {
  public:

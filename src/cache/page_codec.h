@@ -23,7 +23,7 @@
 #include <string>
 
 #include "core/bfloat16.h"
-#include "model/sequence_cache.h"
+#include "core/kv_layout.h"
 
 namespace sparrow {
 

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "cache/page_codec.h"
-#include "model/sequence_cache.h"
+#include "core/kv_layout.h"
 
 namespace sparrow {
 

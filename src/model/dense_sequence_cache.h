@@ -6,7 +6,7 @@
 #include <memory>
 #include <vector>
 
-#include "model/sequence_cache.h"
+#include "core/sequence_cache.h"
 
 namespace sparrow {
 

@@ -3,7 +3,7 @@
 // the same code, and a prefill followed by decodes must equal one long prefill.
 //
 // A sequence's cache (what each layer keeps between steps: attention rows, index keys, convolution
-// tails, recurrent state) is reached through its SequenceCache (model/sequence_cache.h). Offline use
+// tails, recurrent state) is reached through its SequenceCache (core/sequence_cache.h). Offline use
 // gets a private growable one from new_sequence(); the serving engine hands each running sequence a
 // view of its paged cache (cache/kv_cache.h). The model math does not change between the two.
 #pragma once
@@ -14,7 +14,7 @@
 
 #include "core/tensor.h"
 #include "formats/config.h"
-#include "model/sequence_cache.h"
+#include "core/sequence_cache.h"
 
 namespace sparrow {
 

@@ -1,6 +1,4 @@
-#include "model/sequence_cache.h"
-
-#include "core/error.h"
+#include "core/kv_layout.h"
 
 namespace sparrow {
 
@@ -32,15 +30,6 @@ const StateSpec* LayerCacheSpec::state(StateKind kind) const {
   for (const StateSpec& s : states)
     if (s.kind == kind) return &s;
   return nullptr;
-}
-
-float* SequenceCache::snapshot(int layer, StateKind kind) {
-  fail("this sequence cache keeps no state snapshots (layer ", layer, ", ", state_kind_name(kind), ")");
-}
-
-const std::vector<int32_t>& SequenceCache::block_table() const {
-  static const std::vector<int32_t> none;
-  return none;
 }
 
 }  // namespace sparrow
