@@ -394,7 +394,8 @@ class Interpreter {
     // Building a fresh one per iteration made an empty loop body cost microseconds.
     auto index = std::make_shared<int64_t>(0);
     auto loop = loop_context(s, items, index, depth, scope);
-    Value loop_value = Value::object(loop, container_depth_of(items));
+    // Its previtem / nextitem are items of `iterable`, so they nest no deeper than the iterable's own items.
+    Value loop_value = Value::object(loop, std::max(iterable.depth() - 1, 0));
     for (size_t i = 0; i < items.size(); ++i) {
       count_iteration();
       *index = static_cast<int64_t>(i);
@@ -404,13 +405,6 @@ class Interpreter {
       iteration->set("loop", loop_value);
       if (exec(s.body, iteration, out) == Flow::Break) break;
     }
-  }
-
-  // The deepest of `items`: what a LoopContext's previtem and nextitem can hold.
-  static int container_depth_of(const ValueList& items) {
-    int deepest = 0;
-    for (const Value& item : items) deepest = std::max(deepest, item.depth());
-    return deepest;
   }
 
   // The attributes of a LoopContext that change from one iteration to the next, in the order
