@@ -111,11 +111,11 @@ std::unique_ptr<DecoderModel> load_dummy(Checkpoint& ckpt) {
 }
 
 Tensor logits_of(Model& model, const std::vector<int32_t>& prompt) {
-  SequenceState state = model.new_sequence();
+  SequenceState state = sparrow::testing::new_sequence(model);
   Batch prefill = make_batch({{&state, prompt}});
-  Tensor logits = model.forward(prefill);
+  Tensor logits = sparrow::testing::run_step(model, prefill);
   Batch decode = make_batch({{&state, {prompt[0]}}});  // one decode step on top
-  Tensor last = model.forward(decode);
+  Tensor last = sparrow::testing::run_step(model, decode);
   std::vector<float> all(logits.data(), logits.data() + logits.numel());
   all.insert(all.end(), last.data(), last.data() + last.numel());
   Tensor out = Tensor::empty({int64_t(all.size())});

@@ -24,6 +24,7 @@
 #include "core/error.h"
 #include "formats/config.h"
 #include "model/model.h"
+#include "test_util.h"
 
 using namespace sparrow;
 namespace fs = std::filesystem;
@@ -502,7 +503,7 @@ struct PagedSequence {
   // One step: the logits of every new token.
   Tensor step(Model& model, const Tokens& new_tokens) {
     if (!cache.allocate(id, state.length + int64_t(new_tokens.size()))) fail("out of blocks");
-    Tensor logits = model.forward(make_batch({{&state, new_tokens}}));
+    Tensor logits = sparrow::testing::run_step(model, make_batch({{&state, new_tokens}}));
     tokens.insert(tokens.end(), new_tokens.begin(), new_tokens.end());
     steps.push_back(new_tokens);
     cache.commit_tokens(id, tokens, state.length);
@@ -607,8 +608,8 @@ TEST_P(CacheExactness, PrefixHitResumesExactly) {
       EXPECT_LE(worst_row_error(with_hit, without_hit), kReorderingTolerance);
 
     // One prefill of the whole second prompt, on the private growable cache.
-    SequenceState dense = model->new_sequence();
-    const Tensor one_prefill = model->forward(make_batch({{&dense, second_prompt}}));
+    SequenceState dense = sparrow::testing::new_sequence(*model);
+    const Tensor one_prefill = sparrow::testing::run_step(*model, make_batch({{&dense, second_prompt}}));
     EXPECT_LE(worst_row_error(one_prefill, with_hit, reused), kReorderingTolerance);
   }
 }
@@ -620,11 +621,11 @@ TEST_P(CacheExactness, PagedFloat32EqualsTheGrowableCache) {
   // Without prefix caching (no snapshots, so recurrent passes are never split), prefill then decodes.
   KvCache cache(model->cache_spec(), make_config(16, "float32", kFixtureCacheBytes, 4, /*prefix_caching=*/false));
   PagedSequence paged(cache);
-  SequenceState dense = model->new_sequence();
+  SequenceState dense = sparrow::testing::new_sequence(*model);
   Tokens next(prompt.begin(), prompt.end() - 3);
   for (int i = 0; i < 4; ++i) {
     const Tensor a = paged.step(*model, next);
-    const Tensor b = model->forward(make_batch({{&dense, next}}));
+    const Tensor b = sparrow::testing::run_step(*model, make_batch({{&dense, next}}));
     EXPECT_TRUE(bitwise_equal(a, b)) << "step " << i << ": relative L2 " << worst_row_error(a, b);
     next = {prompt[prompt.size() - 3 + std::min(i, 2)]};
   }
@@ -640,12 +641,12 @@ TEST_P(CacheExactness, BfloatSixteenCacheStaysCloseToFloat32) {
   const std::vector<Tokens> prompts = fixture_prompts(GetParam());
   KvCache cache(model->cache_spec(), make_config(16, "bfloat16", kFixtureCacheBytes));
   PagedSequence half(cache);
-  SequenceState full = model->new_sequence();
+  SequenceState full = sparrow::testing::new_sequence(*model);
   Tokens next(prompts[0].begin(), prompts[0].begin() + 8);
   std::vector<double> errors;  // per position
   while (half.state.length < 16) {  // a prefill, then decodes
     const Tensor a = half.step(*model, next);
-    const Tensor b = model->forward(make_batch({{&full, next}}));
+    const Tensor b = sparrow::testing::run_step(*model, make_batch({{&full, next}}));
     for (int64_t r = 0; r < b.dim(0); ++r) errors.push_back(worst_row_error(a.rows(r, r + 1), b.rows(r, r + 1)));
     next = {argmax(b.row(b.dim(0) - 1), b.dim(1))};
   }
@@ -677,12 +678,12 @@ TEST_P(CacheExactness, EveryCacheFormatRunsTheFamily) {
       config.indexer_kv_dtype = index;
       KvCache cache(model->cache_spec(), config);
       PagedSequence paged(cache);
-      SequenceState full = model->new_sequence();
+      SequenceState full = sparrow::testing::new_sequence(*model);
       Tokens next(prompts[0].begin(), prompts[0].begin() + 8);
       std::vector<double> errors;
       while (paged.state.length < 16) {
         const Tensor a = paged.step(*model, next);
-        const Tensor b = model->forward(make_batch({{&full, next}}));
+        const Tensor b = sparrow::testing::run_step(*model, make_batch({{&full, next}}));
         for (int64_t r = 0; r < b.dim(0); ++r) errors.push_back(worst_row_error(a.rows(r, r + 1), b.rows(r, r + 1)));
         next = {argmax(b.row(b.dim(0) - 1), b.dim(1))};
       }

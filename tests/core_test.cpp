@@ -7,7 +7,7 @@
 #include "core/parallel.h"
 #include "core/tensor.h"
 #include "kernels/cpu/ops.h"
-#include "model/decode_graphs.h"
+#include "runner/decode_graphs.h"
 
 using namespace sparrow;
 

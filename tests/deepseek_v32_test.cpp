@@ -257,15 +257,15 @@ TEST(DeepseekV32Model, PrefillThenDecodeEqualsOneLongPrefill) {
   const int64_t V = model->vocab_size();
   const std::vector<int32_t> tokens = prompt(12);
 
-  SequenceState whole = model->new_sequence();
-  Tensor reference = model->forward(make_batch({{&whole, tokens}}));
+  SequenceState whole = sparrow::testing::new_sequence(*model);
+  Tensor reference = sparrow::testing::run_step(*model, make_batch({{&whole, tokens}}));
   ASSERT_EQ(reference.dim(0), 12);
 
-  SequenceState steps = model->new_sequence();
-  Tensor first = model->forward(make_batch({{&steps, std::vector<int32_t>(tokens.begin(), tokens.begin() + 5)}}));
+  SequenceState steps = sparrow::testing::new_sequence(*model);
+  Tensor first = sparrow::testing::run_step(*model, make_batch({{&steps, std::vector<int32_t>(tokens.begin(), tokens.begin() + 5)}}));
   for (int64_t t = 0; t < 5; ++t) EXPECT_LT(relative_error(first.row(t), reference.row(t), V), 1e-5) << t;
   for (int64_t t = 5; t < 12; ++t) {
-    Tensor one = model->forward(make_batch({{&steps, {tokens[t]}}}));
+    Tensor one = sparrow::testing::run_step(*model, make_batch({{&steps, {tokens[t]}}}));
     EXPECT_LT(relative_error(one.row(0), reference.row(t), V), 1e-5) << "decode at " << t;
   }
   EXPECT_EQ(steps.length, 12);
@@ -278,14 +278,14 @@ TEST(DeepseekV32Model, SequencesInOneBatchDoNotInteract) {
   const int64_t V = model->vocab_size();
   const std::vector<int32_t> a = prompt(9), b = prompt(11);
 
-  SequenceState alone_a = model->new_sequence(), alone_b = model->new_sequence();
-  Tensor ra = model->forward(make_batch({{&alone_a, a}}));
-  Tensor rb = model->forward(make_batch({{&alone_b, b}}));
+  SequenceState alone_a = sparrow::testing::new_sequence(*model), alone_b = sparrow::testing::new_sequence(*model);
+  Tensor ra = sparrow::testing::run_step(*model, make_batch({{&alone_a, a}}));
+  Tensor rb = sparrow::testing::run_step(*model, make_batch({{&alone_b, b}}));
 
   // b is ahead by 6 tokens before the shared batch: different cache lengths in one step.
-  SequenceState sa = model->new_sequence(), sb = model->new_sequence();
-  model->forward(make_batch({{&sb, std::vector<int32_t>(b.begin(), b.begin() + 6)}}));
-  Tensor both = model->forward(
+  SequenceState sa = sparrow::testing::new_sequence(*model), sb = sparrow::testing::new_sequence(*model);
+  sparrow::testing::run_step(*model, make_batch({{&sb, std::vector<int32_t>(b.begin(), b.begin() + 6)}}));
+  Tensor both = sparrow::testing::run_step(*model, 
       make_batch({{&sa, a}, {&sb, std::vector<int32_t>(b.begin() + 6, b.end())}}));
   for (int64_t t = 0; t < 9; ++t) EXPECT_LT(relative_error(both.row(t), ra.row(t), V), 1e-5) << "a " << t;
   for (int64_t t = 0; t < 5; ++t) EXPECT_LT(relative_error(both.row(9 + t), rb.row(6 + t), V), 1e-5) << "b " << t;

@@ -269,7 +269,7 @@ TEST_P(EngineFamily, DummyStepCacheHoldsItsStep) {
   EngineConfig config = roomy_config(*model);
   config.max_num_batched_tokens = 400;  // sequences of 160, 160 and 80 tokens
   config.max_num_seqs = 3;              // as many state slots as the step's sequences
-  config.cache = dummy_step_cache_config(*model, config, 160, 400);
+  config.cache = dummy_step_cache_config(*model, config.cache, config.max_num_seqs, 160, 400);
   EngineCore engine(*model, nullptr, config);
   EXPECT_EQ(engine.cache().plan().num_blocks * engine.cache().plan().block_size, 400);
   EXPECT_EQ(engine.warm_up(), 400);
@@ -344,10 +344,10 @@ std::vector<double> log_softmax(const float* row, int64_t n) {
 
 // Logits at every prompt position, from one offline prefill.
 Tensor reference_logits(Model& model, const Tokens& prompt) {
-  SequenceState state = model.new_sequence();
+  SequenceState state = sparrow::testing::new_sequence(model);
   Batch batch = make_batch({{&state, prompt}});
   batch.all_logits = true;
-  return model.forward(batch);
+  return sparrow::testing::run_step(model, batch);
 }
 
 }  // namespace
@@ -636,9 +636,9 @@ class FailingModel : public Model {
   int64_t vocab_size() const override { return inner_->vocab_size(); }
   int64_t num_layers() const override { return inner_->num_layers(); }
   std::vector<LayerCacheSpec> cache_spec() const override { return inner_->cache_spec(); }
-  Tensor forward(const Batch& batch) override {
+  Tensor forward(const Batch& batch, StepMarks* marks) override {
     if (std::count(batch.tokens.begin(), batch.tokens.end(), poison_)) fail("poisoned batch");
-    return inner_->forward(batch);
+    return inner_->forward(batch, marks);
   }
 
  private:

@@ -184,21 +184,21 @@ double relative_error(const float* a, const float* b, int64_t n) {
 // a chunked prefill of 3 continuing it, and single-token decodes: every row must agree.
 void expect_steps_match_one_prefill(Model& model, const std::vector<int32_t>& tokens) {
   const int64_t V = model.vocab_size(), T = int64_t(tokens.size());
-  SequenceState whole = model.new_sequence();
-  const Tensor reference = model.forward(make_batch({{&whole, tokens}}));
+  SequenceState whole = sparrow::testing::new_sequence(model);
+  const Tensor reference = sparrow::testing::run_step(model, make_batch({{&whole, tokens}}));
   ASSERT_EQ(reference.dim(0), T);
 
-  SequenceState steps = model.new_sequence();
+  SequenceState steps = sparrow::testing::new_sequence(model);
   int64_t done = 0;
   for (int64_t count : {int64_t(70), int64_t(3)}) {
-    const Tensor part = model.forward(
+    const Tensor part = sparrow::testing::run_step(model, 
         make_batch({{&steps, std::vector<int32_t>(tokens.begin() + done, tokens.begin() + done + count)}}));
     for (int64_t t = 0; t < count; ++t)
       EXPECT_LT(relative_error(part.row(t), reference.row(done + t), V), 1e-5) << "prefill row " << done + t;
     done += count;
   }
   for (; done < T; ++done) {
-    const Tensor one = model.forward(make_batch({{&steps, {tokens[done]}}}));
+    const Tensor one = sparrow::testing::run_step(model, make_batch({{&steps, {tokens[done]}}}));
     EXPECT_LT(relative_error(one.row(0), reference.row(done), V), 1e-5) << "decode at " << done;
   }
   EXPECT_EQ(steps.length, T);
@@ -232,8 +232,8 @@ TEST(KimiK3Model, TheIndexerRestrictsTheFullAttentionLayers) {
   write_checkpoint(dense_dir, wide, Layout::Transformers);
   std::unique_ptr<Model> sparse = load_model(sparse_dir.path()), dense = load_model(dense_dir.path());
   const std::vector<int32_t> tokens = prompt(20);
-  SequenceState a = sparse->new_sequence(), b = dense->new_sequence();
-  const Tensor ls = sparse->forward(make_batch({{&a, tokens}})), ld = dense->forward(make_batch({{&b, tokens}}));
+  SequenceState a = sparrow::testing::new_sequence(*sparse), b = sparrow::testing::new_sequence(*dense);
+  const Tensor ls = sparrow::testing::run_step(*sparse, make_batch({{&a, tokens}})), ld = sparrow::testing::run_step(*dense, make_batch({{&b, tokens}}));
   const int64_t V = sparse->vocab_size();
   for (int64_t t = 0; t < 5; ++t) EXPECT_LT(relative_error(ls.row(t), ld.row(t), V), 1e-6) << t;
   EXPECT_GT(relative_error(ls.row(19), ld.row(19), V), 1e-3);
@@ -248,8 +248,8 @@ TEST(KimiLinearModel, BothCheckpointLayoutsLoadTheSameModel) {
     write_checkpoint(kimi_dir, config, Layout::Kimi);
     std::unique_ptr<Model> hf = load_model(hf_dir.path()), kimi = load_model(kimi_dir.path());
     const std::vector<int32_t> tokens = prompt(12);
-    SequenceState a = hf->new_sequence(), b = kimi->new_sequence();
-    const Tensor la = hf->forward(make_batch({{&a, tokens}})), lb = kimi->forward(make_batch({{&b, tokens}}));
+    SequenceState a = sparrow::testing::new_sequence(*hf), b = sparrow::testing::new_sequence(*kimi);
+    const Tensor la = sparrow::testing::run_step(*hf, make_batch({{&a, tokens}})), lb = sparrow::testing::run_step(*kimi, make_batch({{&b, tokens}}));
     for (int64_t i = 0; i < la.numel(); ++i) ASSERT_EQ(la.data()[i], lb.data()[i]) << config["model_type"] << " " << i;
   }
 }
@@ -261,14 +261,14 @@ TEST(KimiLinearModel, SequencesInOneBatchDoNotInteract) {
   const int64_t V = model->vocab_size();
   const std::vector<int32_t> a = prompt(70), b = prompt(11);
 
-  SequenceState alone_a = model->new_sequence(), alone_b = model->new_sequence();
-  const Tensor ra = model->forward(make_batch({{&alone_a, a}}));
-  const Tensor rb = model->forward(make_batch({{&alone_b, b}}));
+  SequenceState alone_a = sparrow::testing::new_sequence(*model), alone_b = sparrow::testing::new_sequence(*model);
+  const Tensor ra = sparrow::testing::run_step(*model, make_batch({{&alone_a, a}}));
+  const Tensor rb = sparrow::testing::run_step(*model, make_batch({{&alone_b, b}}));
 
   // b is ahead by 10 tokens: a 70-token prefill and a 1-token decode share the step.
-  SequenceState sa = model->new_sequence(), sb = model->new_sequence();
-  model->forward(make_batch({{&sb, std::vector<int32_t>(b.begin(), b.begin() + 10)}}));
-  const Tensor both = model->forward(make_batch({{&sa, a}, {&sb, {b[10]}}}));
+  SequenceState sa = sparrow::testing::new_sequence(*model), sb = sparrow::testing::new_sequence(*model);
+  sparrow::testing::run_step(*model, make_batch({{&sb, std::vector<int32_t>(b.begin(), b.begin() + 10)}}));
+  const Tensor both = sparrow::testing::run_step(*model, make_batch({{&sa, a}, {&sb, {b[10]}}}));
   for (int64_t t = 0; t < 70; ++t) EXPECT_LT(relative_error(both.row(t), ra.row(t), V), 1e-5) << "a " << t;
   EXPECT_LT(relative_error(both.row(70), rb.row(10), V), 1e-5);
 }

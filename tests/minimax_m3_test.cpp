@@ -204,11 +204,11 @@ std::vector<int32_t> tiny_prompt(int n, int seed) {
 // Runs `tokens` through a fresh sequence in chunks of the given sizes (the last size repeats) and
 // returns the logits of every token, [n, vocab].
 Tensor run_in_chunks(Model& model, const std::vector<int32_t>& tokens, std::vector<int64_t> chunks) {
-  SequenceState seq = model.new_sequence();
+  SequenceState seq = sparrow::testing::new_sequence(model);
   Tensor all = Tensor::empty({int64_t(tokens.size()), model.vocab_size()});
   for (int64_t done = 0, c = 0; done < int64_t(tokens.size()); ++c) {
     const int64_t len = std::min(int64_t(tokens.size()) - done, chunks[std::min<size_t>(c, chunks.size() - 1)]);
-    Tensor logits = model.forward(make_batch({{&seq, {tokens.begin() + done, tokens.begin() + done + len}}}));
+    Tensor logits = sparrow::testing::run_step(model, make_batch({{&seq, {tokens.begin() + done, tokens.begin() + done + len}}}));
     std::copy(logits.data(), logits.data() + logits.numel(), all.row(done));
     done += len;
   }
@@ -248,9 +248,9 @@ TEST(MiniMaxM3Model, BatchedSequencesMatchSeparateRuns) {
   const std::vector<int32_t> a = tiny_prompt(45, 2), b = tiny_prompt(30, 3);
   Tensor a_alone = run_in_chunks(*model, a, {45}), b_alone = run_in_chunks(*model, b, {30});
   // b has a cached prefix of 20 when the two go through one batch.
-  SequenceState sa = model->new_sequence(), sb = model->new_sequence();
-  model->forward(make_batch({{&sb, {b.begin(), b.begin() + 20}}}));
-  Tensor both = model->forward(make_batch({{&sa, a}, {&sb, {b.begin() + 20, b.end()}}}));
+  SequenceState sa = sparrow::testing::new_sequence(*model), sb = sparrow::testing::new_sequence(*model);
+  sparrow::testing::run_step(*model, make_batch({{&sb, {b.begin(), b.begin() + 20}}}));
+  Tensor both = sparrow::testing::run_step(*model, make_batch({{&sa, a}, {&sb, {b.begin() + 20, b.end()}}}));
   EXPECT_LT(max_relative_error(both.rows(0, 45), a_alone), 1e-5);
   EXPECT_LT(max_relative_error(both.rows(45, 55), b_alone.rows(20, 30)), 1e-5);
 }

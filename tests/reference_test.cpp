@@ -24,6 +24,7 @@
 #include "core/error.h"
 #include "formats/safetensors.h"
 #include "model/model.h"
+#include "test_util.h"
 
 using namespace sparrow;
 namespace fs = std::filesystem;
@@ -135,12 +136,12 @@ int32_t argmax(const float* row, int64_t n) {
 Tensor run(Model& model, const std::vector<std::pair<SequenceState*, Tokens>>& parts) {
   Batch batch = make_batch(parts);
   batch.all_logits = true;
-  return model.forward(batch);
+  return sparrow::testing::run_step(model, batch);
 }
 
 // The logits of `tokens` as one prefill of a fresh sequence.
 Tensor prefill(Model& model, const Tokens& tokens) {
-  SequenceState state = model.new_sequence();
+  SequenceState state = sparrow::testing::new_sequence(model);
   return run(model, {{&state, tokens}});
 }
 
@@ -208,17 +209,17 @@ TEST_P(Reference, PrefillLogitsMatchTransformers) {
 TEST_P(Reference, GreedyDecodeMatchesTransformers) {
   for (size_t i = 0; i < fixture_.prompts.size(); ++i) {
     const Tokens& expected = fixture_.completions[i];
-    SequenceState state = model_->new_sequence();
+    SequenceState state = sparrow::testing::new_sequence(*model_);
     Batch batch = make_batch({{&state, fixture_.prompts[i]}});
     batch.all_logits = false;
-    Tensor last = model_->forward(batch);
+    Tensor last = sparrow::testing::run_step(*model_, batch);
     Tokens generated;
     while (generated.size() < expected.size()) {
       ASSERT_EQ(last.shape(), Shape({1, vocab_})) << "logits of the last token only";
       generated.push_back(argmax(last.row(0), vocab_));
       Batch step = make_batch({{&state, {generated.back()}}});
       step.all_logits = false;
-      last = model_->forward(step);
+      last = sparrow::testing::run_step(*model_, step);
     }
     auto first_difference = std::mismatch(generated.begin(), generated.end(), expected.begin()).first;
     EXPECT_EQ(generated, expected) << describe(fixture_.prompts[i], i) << ": first difference at step "
@@ -229,7 +230,7 @@ TEST_P(Reference, GreedyDecodeMatchesTransformers) {
 TEST_P(Reference, PrefillThenDecodeEqualsOnePrefill) {
   const Tokens& prompt = longest_prompt();
   Tensor whole = prefill(*model_, prompt);
-  SequenceState state = model_->new_sequence();
+  SequenceState state = sparrow::testing::new_sequence(*model_);
   const size_t half = prompt.size() / 2;
   std::vector<Tensor> pieces = {run(*model_, {{&state, slice(prompt, 0, half)}})};
   for (size_t t = half; t < prompt.size(); ++t) pieces.push_back(run(*model_, {{&state, {prompt[t]}}}));
@@ -241,7 +242,7 @@ TEST_P(Reference, PrefillThenDecodeEqualsOnePrefill) {
 TEST_P(Reference, ChunkedPrefillEqualsOnePrefill) {
   const Tokens& prompt = longest_prompt();
   Tensor whole = prefill(*model_, prompt);
-  SequenceState state = model_->new_sequence();
+  SequenceState state = sparrow::testing::new_sequence(*model_);
   std::vector<Tensor> pieces;
   for (size_t begin = 0; begin < prompt.size(); begin += kChunk)
     pieces.push_back(run(*model_, {{&state, slice(prompt, begin, std::min(prompt.size(), begin + kChunk))}}));
@@ -257,7 +258,7 @@ TEST_P(Reference, BatchedSequencesEqualSeparateRuns) {
   const Tokens a_next = slice(fixture_.completions.back(), 0, 1);
   const Tokens b_next = slice(fixture_.completions.front(), 0, std::min<size_t>(5, fixture_.completions[0].size()));
 
-  SequenceState a = model_->new_sequence(), b = model_->new_sequence();
+  SequenceState a = sparrow::testing::new_sequence(*model_), b = sparrow::testing::new_sequence(*model_);
   Tensor first = run(*model_, {{&a, a_prompt}, {&b, b_prompt}});
   Tensor second = run(*model_, {{&a, a_next}, {&b, b_next}});
 

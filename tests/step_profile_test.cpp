@@ -1,7 +1,7 @@
-// StepProfile (model/step_profile.h): marks split a step into parts, parts of one kind add up over layers
+// StepProfile (runner/step_profile.h): marks split a step into parts, parts of one kind add up over layers
 // and steps, and misuse is an error rather than a wrong profile. The decoder's marks are checked through
 // `sparrow bench forward --profile` in cli_test.cpp.
-#include "model/step_profile.h"
+#include "runner/step_profile.h"
 
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
-// Small helpers shared by tests: a temporary directory that cleans up after itself, and checks on
-// the one-line sparrow::Error messages that user mistakes must produce.
+// Small helpers shared by tests: a temporary directory that cleans up after itself, checks on the
+// one-line sparrow::Error messages that user mistakes must produce, and offline CPU steps.
 #pragma once
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -10,6 +10,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "runner/model_runner.h"
 
 namespace sparrow::testing {
 
@@ -64,5 +65,11 @@ inline ::testing::AssertionResult mentions(const std::string& message, std::init
       return ::testing::AssertionFailure() << "'" << message << "' does not mention '" << part << "'";
   return ::testing::AssertionSuccess();
 }
+
+// Offline steps on the CPU, as tools run them: a sequence with its own cache, and one step through a
+// runner (runner/model_runner.h). A CPU runner keeps nothing between steps, so a fresh one per step runs
+// exactly what a long-lived one would.
+inline SequenceState new_sequence(const Model& model) { return standalone_sequence(model.cache_spec()); }
+inline Tensor run_step(Model& model, const Batch& batch) { return ModelRunner(model).run(batch); }
 
 }  // namespace sparrow::testing

@@ -7,9 +7,7 @@
 #include "cache/prefix_hash.h"
 #include "core/error.h"
 
-#if SPARROW_HAVE_CUDA
-#include "kernels/cuda/runtime/device.h"
-#endif
+#include "core/device/device.h"
 
 namespace sparrow {
 
@@ -17,31 +15,23 @@ namespace {
 
 // Copies a page between host and GPU memory (synchronously).
 void copy_page(void* dst, const void* src, int64_t bytes, bool to_host) {
-#if SPARROW_HAVE_CUDA
   if (to_host)
-    cuda::copy_to_host_sync(dst, src, size_t(bytes));
+    device::copy_to_host_sync(dst, src, size_t(bytes));
   else {
-    cuda::copy_to_device(dst, src, size_t(bytes));
-    cuda::synchronize();
+    device::copy_to_device(dst, src, size_t(bytes));
+    device::synchronize();
   }
-#else
-  fail("kv cache on a GPU in a build without the CUDA backend");
-#endif
 }
 
 // Slot bytes where the cache lives: host memory, or the GPU (in stream order with the kernels).
 void zero_bytes(Device device, std::byte* dst, int64_t bytes) {
   if (device == Device::Cpu) return void(std::memset(dst, 0, size_t(bytes)));
-#if SPARROW_HAVE_CUDA
-  cuda::zero_device(dst, size_t(bytes));
-#endif
+  device::zero(dst, size_t(bytes));
 }
 
 void copy_bytes(Device device, std::byte* dst, const std::byte* src, int64_t bytes) {
   if (device == Device::Cpu) return void(std::memcpy(dst, src, size_t(bytes)));
-#if SPARROW_HAVE_CUDA
-  cuda::copy_device(dst, src, size_t(bytes));
-#endif
+  device::copy_device(dst, src, size_t(bytes));
 }
 
 }  // namespace

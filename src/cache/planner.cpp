@@ -1,9 +1,5 @@
 #include "cache/planner.h"
 
-#if SPARROW_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/device/device.h"
 #include "core/error.h"
 
 namespace sparrow {
@@ -76,13 +73,9 @@ int64_t cache_memory_budget(const CacheConfig& config) {
   SPARROW_CHECK(config.memory_fraction > 0 && config.memory_fraction <= 1,
                 "kv cache memory fraction must be in (0, 1], got ", config.memory_fraction);
   if (config.device == Device::Cuda) {
-#if SPARROW_HAVE_CUDA
     size_t free_bytes = 0, total_bytes = 0;
-    SPARROW_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess, "kv cache: cannot read GPU memory");
+    device::memory_info(free_bytes, total_bytes);
     return int64_t(double(free_bytes) * config.memory_fraction);
-#else
-    fail("kv cache on a GPU in a build without the CUDA backend");
-#endif
   }
   const double ram = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
   return int64_t(ram * config.memory_fraction);

@@ -1,7 +1,7 @@
 // sparrow bench forward --model DIR [--prompt-tokens N] [--decode-tokens N] [--batch B] [--repeats R] [--profile]
 //   Times prefill (B sequences of N random tokens in one batch) and decode (B sequences, one token per
 //   step against their caches); prints tokens/s as one JSON line per measurement; --profile adds where a
-//   step's time goes, part by part (model/step_profile.h).
+//   step's time goes, part by part (runner/step_profile.h).
 // sparrow bench kernels [--filter NAME] [--quick] [--iterations N] [--json FILE]
 //   Times each GPU kernel at the real models' shapes (kernels/cuda/kernel_bench.h) and prints time,
 //   bytes and FLOPs counted by hand, TB/s, TFLOP/s and the fraction of the H200's limit; bench/kernels.sh
@@ -34,11 +34,13 @@
 #include "core/parallel.h"
 #include "kernels/ops.h"
 #include "model/model.h"
-#include "model/step_profile.h"
+#include "runner/model_runner.h"
+#include "runner/step_profile.h"
 
 #if SPARROW_HAVE_CUDA
 #include "kernels/cuda/kernel_bench.h"
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 #endif
 
 namespace sparrow::cli {
@@ -56,7 +58,7 @@ void add_bench_kernels(CLI::App* bench) {
   sub->add_option("--json", json_path, "also write one JSON line per measurement to this file");
   on_selected(sub, [] {
 #if SPARROW_HAVE_CUDA
-    cuda::require_device();
+    device::require();
     SPARROW_CHECK(iterations > 0, "--iterations must be positive");
     cuda::KernelBenchOptions options{filter, quick, quick ? std::min(iterations, 10) : iterations};
     std::vector<cuda::KernelBenchRow> rows;
@@ -321,35 +323,36 @@ void add_bench(CLI::App& app) {
   on_selected(sub, [] {
     SPARROW_CHECK(prompt_tokens > 0 && decode_tokens >= 0 && batch > 0 && repeats > 0, "bench: sizes must be positive");
     auto model = load_cli_model(model_dir, device);
+    ModelRunner runner(*model, cli_runner_options());
     std::mt19937 rng(0);
     std::uniform_int_distribution<int32_t> token(0, int32_t(model->vocab_size() - 1));
     using clock = std::chrono::steady_clock;
     // Each step ends with its greedy tokens on the host, as the engine's steps do (only the ids cross
     // from a GPU), so the time is the whole step's.
     auto run_step = [&](const Batch& batch_of_step) {
-      Tensor logits = model->forward(batch_of_step);
+      Tensor logits = runner.run(batch_of_step);
       const std::vector<TokenDraw> greedy(size_t(logits.dim(0)), TokenDraw{0.0f});
       return ops::sample_tokens(logits, greedy, {});
     };
     // One repeat: B fresh sequences prefilled in one batch, then the decode steps; the seconds of each
-    // phase. With profiles, the model times its parts into them (model/step_profile.h).
+    // phase. With profiles, the runner times its parts into them (runner/step_profile.h).
     StepProfile prefill_profile, decode_profile;
     auto run_once = [&](bool profiled) {
       std::vector<SequenceState> states(batch);
       std::vector<std::pair<SequenceState*, std::vector<int32_t>>> parts;
       for (auto& s : states) {
-        s = model->new_sequence();
+        s = runner.new_sequence();
         std::vector<int32_t> prompt(prompt_tokens);
         for (auto& t : prompt) t = token(rng);
         parts.push_back({&s, prompt});
       }
       Batch prefill = make_batch(parts);
       prefill.all_logits = false;
-      model->step_profile = profiled ? &prefill_profile : nullptr;
+      runner.set_step_profile(profiled ? &prefill_profile : nullptr);
       auto t0 = clock::now();
       run_step(prefill);
       auto t1 = clock::now();
-      model->step_profile = profiled ? &decode_profile : nullptr;
+      runner.set_step_profile(profiled ? &decode_profile : nullptr);
       // The first decode step is not timed when there are others: on a GPU it captures the batch's CUDA
       // graph (tens of ms, once per batch size), which would be counted in every step's mean with a single
       // repeat.
@@ -363,7 +366,7 @@ void add_bench(CLI::App& app) {
         run_step(decode);
       }
       auto t2 = clock::now();
-      model->step_profile = nullptr;
+      runner.set_step_profile(nullptr);
       return std::pair{std::chrono::duration<double>(t1 - t0).count(),
                        std::chrono::duration<double>(t2 - decode_start).count()};
     };
@@ -374,7 +377,7 @@ void add_bench(CLI::App& app) {
       best_prefill = std::min(best_prefill, prefill_s);
       best_decode = std::min(best_decode, decode_s);
     }
-    const int64_t replays = model->graph_replays();  // the timed repeats' (the profiled one runs eagerly)
+    const int64_t replays = runner.graph_replays();  // the timed repeats' (the profiled one runs eagerly)
     nlohmann::json out = {{"model", model_dir},
                           {"device", device},
                           {"model_type", model->model_type()},

@@ -12,6 +12,7 @@
 
 #include "cache/planner.h"
 #include "model/model.h"
+#include "runner/model_runner.h"
 
 namespace sparrow::cli {
 
@@ -51,8 +52,10 @@ int64_t model_context_length(const std::string& model);
 // --device cpu|cuda (vLLM's flag): where the model runs; vLLM's --enforce-eager (no CUDA graphs) and
 // --load-format auto|safetensors|dummy (dummy: random weights from config.json alone).
 void add_device_option(CLI::App* sub, std::string& device);
-// load_model on `device` ("cpu" | "cuda") with the --enforce-eager and --load-format choices applied.
+// load_model on `device` ("cpu" | "cuda") with the --load-format choices applied.
 std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device);
+// How the command's model runners run steps: --enforce-eager.
+RunnerOptions cli_runner_options();
 
 // vLLM's --kv-cache-dtype and --attention-config (JSON; sparrow takes "indexer_kv_dtype"): the cache
 // formats of docs/cache.md. serve, perplexity and bench kv-quality share them.
@@ -62,7 +65,7 @@ void apply_cache_format_flags(const std::string& kv_cache_dtype, const std::stri
                               CacheConfig& config);
 // One prefill of `ids` as a fresh sequence in a paged KvCache of `config`'s formats (block_size 64, no
 // prefix caching, a budget of just the rows it needs): the logits [ids.size(), vocab] on the CPU.
-Tensor forward_in_kv_cache(Model& model, const std::vector<int32_t>& ids, CacheConfig config);
+Tensor forward_in_kv_cache(ModelRunner& runner, const std::vector<int32_t>& ids, CacheConfig config);
 
 // perplexity's recipe (perplexity.cpp): the ids cut into consecutive windows of `window` tokens (a last
 // window of one token dropped), and the summed negative log-likelihood of a window's tokens after its

@@ -40,9 +40,13 @@ std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string&
   LoadOptions options;
   options.load_format = load_format;
   options.moe_routing_simulation = moe_routing_simulation;
-  std::unique_ptr<Model> model = load_model(dir, parse_device(device), options);
-  model->enforce_eager = enforce_eager;
-  return model;
+  return load_model(dir, parse_device(device), options);
+}
+
+RunnerOptions cli_runner_options() {
+  RunnerOptions options;
+  options.enforce_eager = enforce_eager;
+  return options;
 }
 
 void add_cache_format_options(CLI::App* sub, std::string& kv_cache_dtype, std::string& attention_config) {
@@ -63,7 +67,8 @@ void apply_cache_format_flags(const std::string& kv_cache_dtype, const std::stri
   if (!attention_config.empty()) apply_attention_config(attention_config, config);
 }
 
-Tensor forward_in_kv_cache(Model& model, const std::vector<int32_t>& ids, CacheConfig config) {
+Tensor forward_in_kv_cache(ModelRunner& runner, const std::vector<int32_t>& ids, CacheConfig config) {
+  const Model& model = runner.model();
   config.block_size = 64;
   config.max_num_seqs = 1;
   config.enable_prefix_caching = false;
@@ -74,10 +79,10 @@ Tensor forward_in_kv_cache(Model& model, const std::vector<int32_t>& ids, CacheC
   config.memory_bytes = blocks * probe.row_bytes + 2 * probe.state_slot_bytes;
   KvCache cache(model.cache_spec(), config);
   const SeqId id = cache.create_sequence();
-  SequenceState state = model.new_sequence();
+  SequenceState state;
   state.cache = cache.view(id);
   SPARROW_CHECK(cache.allocate(id, int64_t(ids.size())), "kv cache: no room for ", ids.size(), " tokens");
-  Tensor logits = model.forward(make_batch({{&state, ids}})).to(Device::Cpu);
+  Tensor logits = runner.run(make_batch({{&state, ids}})).to(Device::Cpu);
   cache.free_sequence(id);
   return logits;
 }

@@ -34,12 +34,12 @@ struct Measured {
   SelectionProbe probe;
 };
 
-Measured measure(Model& model, const std::vector<std::vector<int32_t>>& windows, const CacheConfig& config) {
+Measured measure(ModelRunner& runner, const std::vector<std::vector<int32_t>>& windows, const CacheConfig& config) {
   Measured m;
   selection_probe() = &m.probe;
   try {
     for (const std::vector<int32_t>& chunk : windows) {
-      m.logits.push_back(forward_in_kv_cache(model, chunk, config));
+      m.logits.push_back(forward_in_kv_cache(runner, chunk, config));
       m.nll += window_nll(m.logits.back(), chunk);
       m.scored += int64_t(chunk.size()) - 1;
     }
@@ -88,6 +88,7 @@ void add_bench_kv_quality(CLI::App* bench) {
     text << in.rdbuf();
     auto tokenizer = load_tokenizer(model_dir);
     auto model = load_cli_model(model_dir, "cpu");
+    ModelRunner runner(*model, cli_runner_options());
     bool has_indexer = false;
     for (const LayerCacheSpec& layer : model->cache_spec())
       has_indexer |= layer.page(PageKind::DsaIndexKey) || layer.page(PageKind::MsaIndexKey);
@@ -104,11 +105,11 @@ void add_bench_kv_quality(CLI::App* bench) {
     CacheConfig reference_config, bf16_config;
     apply_cache_format_flags("float32", "", reference_config);
     apply_cache_format_flags("bfloat16", "", bf16_config);
-    const Measured reference = measure(*model, windows, reference_config);
-    const double bf16_perplexity = perplexity(measure(*model, windows, bf16_config));
+    const Measured reference = measure(runner, windows, reference_config);
+    const double bf16_perplexity = perplexity(measure(runner, windows, bf16_config));
 
     for (const CacheConfig& config : configs) {
-      const Measured m = measure(*model, windows, config);
+      const Measured m = measure(runner, windows, config);
       double max_error = 0, sum_error = 0;
       int64_t count = 0;
       for (size_t w = 0; w < windows.size(); ++w) {

@@ -63,16 +63,17 @@ void add_perplexity(CLI::App& app) {
 
     auto tokenizer = load_tokenizer(model_dir);
     auto model = load_cli_model(model_dir, device);
+    ModelRunner runner(*model, cli_runner_options());
     const std::vector<int32_t> ids = tokenizer->encode_with_special_tokens(text.str());
     double total_nll = 0;
     int64_t scored = 0;
     for (const std::vector<int32_t>& chunk : perplexity_windows(ids, window)) {
       Tensor logits;
       if (paged) {
-        logits = forward_in_kv_cache(*model, chunk, cache_config);
+        logits = forward_in_kv_cache(runner, chunk, cache_config);
       } else {
-        SequenceState state = model->new_sequence();
-        logits = model->forward(make_batch({{&state, chunk}})).to(Device::Cpu);
+        SequenceState state = runner.new_sequence();
+        logits = runner.run(make_batch({{&state, chunk}})).to(Device::Cpu);
       }
       total_nll += window_nll(logits, chunk);
       scored += int64_t(chunk.size()) - 1;

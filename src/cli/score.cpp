@@ -19,13 +19,14 @@ void add_score(CLI::App& app) {
     if (model_dir.empty()) model_dir = default_model_dir();
     auto prompts = read_prompt_ids(prompts_path);
     auto model = load_cli_model(model_dir, device);
+    ModelRunner runner(*model, cli_runner_options());
     std::vector<std::pair<std::string, Tensor>> out;
     for (size_t i = 0; i < prompts.size(); ++i) {
       for (int32_t id : prompts[i])
         SPARROW_CHECK(id < model->vocab_size(), prompts_path, ": prompt ", i, " holds id ", id,
                       " outside the vocabulary (", model->vocab_size(), ")");
-      SequenceState state = model->new_sequence();
-      out.push_back({"logits." + std::to_string(i), model->forward(make_batch({{&state, prompts[i]}})).to(Device::Cpu)});
+      SequenceState state = runner.new_sequence();
+      out.push_back({"logits." + std::to_string(i), runner.run(make_batch({{&state, prompts[i]}})).to(Device::Cpu)});
     }
     write_safetensors(out_path, out);
   });

@@ -211,9 +211,12 @@ void serve(const ServeFlags& flags) {
   std::unique_ptr<Model> model = load_cli_model(model_dir, flags.device);
   // On a GPU without --kv-cache-memory, vLLM's meaning of --gpu-memory-utilization (default 0.9): the cache
   // gets what the weights and two measured steps leave of that share of the GPU (gpu_kv_cache_bytes).
-  if (on_gpu && config.cache.memory_bytes == 0)
-    config.cache.memory_bytes = gpu_kv_cache_bytes(
-        *model, config, flags.gpu_memory_utilization > 0 ? flags.gpu_memory_utilization : 0.9);
+  config.runner = cli_runner_options();
+  if (on_gpu && config.cache.memory_bytes == 0) {
+    ModelRunner profile_runner(*model, config.runner);
+    config.cache.memory_bytes = gpu_kv_cache_bytes(profile_runner, config.cache, config.step_limits(),
+                                                   flags.gpu_memory_utilization > 0 ? flags.gpu_memory_utilization : 0.9);
+  }
   // On a GPU one full step runs before the server listens (EngineCore::warm_up): a --kv-cache-memory that
   // leaves no room for a step's activations is refused here rather than failing requests.
   config.warm_up = on_gpu;

@@ -1,5 +1,7 @@
 #include "cli/text_generation.h"
 
+#include "cli/commands.h"
+
 #include <algorithm>
 #include <cstdio>
 
@@ -19,14 +21,15 @@ std::vector<int32_t> generate_streaming(Model& model, const std::vector<int32_t>
     SPARROW_CHECK(id >= 0 && id < model.vocab_size(), "prompt token ", id, " is outside the model's vocabulary (",
                   model.vocab_size(), ")");
   Sampler sampler(sampling, std::vector<int32_t>(end_tokens.begin(), end_tokens.end()));
-  SequenceState state = model.new_sequence();
+  ModelRunner runner(model, cli_runner_options());
+  SequenceState state = runner.new_sequence();
   std::vector<int32_t> output;
   std::vector<int32_t> next_input = prompt;
   const int64_t room = std::min(max_tokens, context - int64_t(prompt.size()));
   while (int64_t(output.size()) < room) {
     Batch batch = make_batch({{&state, next_input}});
     batch.all_logits = false;  // only the last position's logits are sampled
-    Tensor logits = model.forward(batch);  // [1, vocab] where the model runs
+    Tensor logits = runner.run(batch);  // [1, vocab] where the model runs
     std::vector<TokenDraw> draws;
     std::vector<LogitAdjustment> adjustments;
     sampler.prepare(0, prompt, output, draws, adjustments);

@@ -5,10 +5,7 @@
 #include "core/bfloat16.h"
 #include "core/error.h"
 
-#if SPARROW_HAVE_CUDA
-#include "kernels/cuda/elementwise/elementwise.h"
-#include "kernels/cuda/runtime/device.h"
-#endif
+#include "core/device/device.h"
 
 namespace sparrow {
 
@@ -29,12 +26,8 @@ const char* device_name(Device device) { return device == Device::Cpu ? "cpu" : 
 Device parse_device(const std::string& name) {
   if (name == "cpu") return Device::Cpu;
   if (name == "cuda") {
-#if SPARROW_HAVE_CUDA
-    cuda::require_device();
+    device::require();  // in a build without the CUDA backend: says so
     return Device::Cuda;
-#else
-    fail("--device cuda: this build of sparrow has no CUDA backend (nvcc was not found when it was built)");
-#endif
   }
   fail("unknown device '", name, "' (expected cpu or cuda)");
 }
@@ -73,12 +66,8 @@ Tensor Tensor::empty(Shape shape, ScalarType type, Device device) {
     void* p = ::operator new[](bytes, std::align_val_t(64));
     t.storage_ = std::shared_ptr<void>(p, [](void* q) { ::operator delete[](q, std::align_val_t(64)); });
   } else {
-#if SPARROW_HAVE_CUDA
-    void* p = cuda::device_alloc(bytes);
-    t.storage_ = std::shared_ptr<void>(p, [](void* q) { cuda::device_free(q); });
-#else
-    fail("a CUDA tensor in a build without the CUDA backend");
-#endif
+    void* p = device::alloc(bytes);
+    t.storage_ = std::shared_ptr<void>(p, [](void* q) { device::free(q); });
   }
   t.data_ = t.storage_.get();
   t.shape_ = std::move(shape);
@@ -92,9 +81,7 @@ Tensor Tensor::zeros(Shape shape, ScalarType type, Device device) {
   if (device == Device::Cpu) {
     std::memset(t.data_, 0, t.nbytes());
   } else {
-#if SPARROW_HAVE_CUDA
-    cuda::zero_device(t.data_, size_t(t.nbytes()));
-#endif
+    device::zero(t.data_, size_t(t.nbytes()));
   }
   return t;
 }
@@ -143,9 +130,7 @@ Tensor Tensor::clone() const {
   if (device_ == Device::Cpu) {
     std::memcpy(t.data_, data_, nbytes());
   } else {
-#if SPARROW_HAVE_CUDA
-    cuda::copy_device(t.data_, data_, nbytes());
-#endif
+    device::copy_device(t.data_, data_, nbytes());
   }
   return t;
 }
@@ -158,13 +143,9 @@ void Tensor::copy_from(const Tensor& src) {
     std::memcpy(data_, src.data_, nbytes());
     return;
   }
-#if SPARROW_HAVE_CUDA
-  if (src.device_ == Device::Cpu) cuda::copy_to_device(data_, src.data_, nbytes());
-  else if (device_ == Device::Cpu) cuda::copy_to_host_sync(data_, src.data_, nbytes());
-  else cuda::copy_device(data_, src.data_, nbytes());
-#else
-  fail("a CUDA tensor in a build without the CUDA backend");
-#endif
+  if (src.device_ == Device::Cpu) device::copy_to_device(data_, src.data_, nbytes());
+  else if (device_ == Device::Cpu) device::copy_to_host_sync(data_, src.data_, nbytes());
+  else device::copy_device(data_, src.data_, nbytes());
 }
 
 namespace {
@@ -214,32 +195,21 @@ Tensor Tensor::to(Device device, ScalarType type) const {
     return out;
   }
   if (device_ == Device::Cpu && device == Device::Cpu) return convert_on_host(*this, type);
-#if SPARROW_HAVE_CUDA
   if (device_ == Device::Cpu) {  // host -> device: convert on the host (halves the bytes sent for bf16)
     Tensor host = type == type_ ? *this : convert_on_host(*this, type);
     Tensor out = empty(shape_, type, Device::Cuda);
     // From pageable memory the copy returns once the bytes are staged, so `host` may be freed at once
     // (CUDA runtime API, "API synchronization behavior"): no wait for the device.
-    cuda::copy_to_device(out.data_, host.data_, out.nbytes());
+    device::copy_to_device(out.data_, host.data_, out.nbytes());
     return out;
   }
-  if (device == Device::Cpu) {  // device -> host
-    Tensor staged = type == type_ ? *this : to(Device::Cuda, type);
-    Tensor out = empty(shape_, type, Device::Cpu);
-    cuda::copy_to_host_sync(out.data_, staged.data_, out.nbytes());
-    return out;
-  }
-  // device -> device conversion
-  auto elem = [](ScalarType t) {
-    SPARROW_CHECK(t == ScalarType::F32 || t == ScalarType::BF16, "no GPU conversion for ", scalar_name(t));
-    return t == ScalarType::F32 ? cuda::ElemType::F32 : cuda::ElemType::BF16;
-  };
-  Tensor out = empty(shape_, type, Device::Cuda);
-  cuda::convert(data_, elem(type_), out.data_, elem(type), numel(), cuda::stream());
-  return out;
-#else
-  fail("a CUDA tensor in a build without the CUDA backend");
-#endif
+  // device -> host, or between types on the device: the bytes come to the host as they are and convert
+  // there. The runtime runs no kernels (the GPU's conversion kernels are ops, kernels/ops.h); nothing
+  // on a step's path converts a device tensor through here.
+  Tensor raw = empty(shape_, type_, Device::Cpu);
+  device::copy_to_host_sync(raw.data_, data_, nbytes());
+  Tensor host = type == type_ ? raw : convert_on_host(raw, type);
+  return device == Device::Cpu ? host : host.to(device, type);
 }
 
 }  // namespace sparrow

@@ -6,9 +6,7 @@
 
 #include "core/error.h"
 #include "kernels/ops.h"
-#if SPARROW_HAVE_CUDA
-#include "kernels/cuda/runtime/device.h"
-#endif
+#include "runner/memory_profile.h"
 
 namespace sparrow {
 
@@ -27,6 +25,7 @@ bool contains(const std::vector<int32_t>& ids, int32_t id) { return std::find(id
 
 EngineCore::EngineCore(Model& model, const Tokenizer* tokenizer, EngineConfig config)
     : model_(model),
+      runner_(model, config.runner),
       tokenizer_(tokenizer),
       config_(std::move(config)),
       cache_(model.cache_spec(), engine_cache_config(config_.cache, config_.max_num_seqs, model.device())),
@@ -135,115 +134,17 @@ class StepTimer {
   Clock::time_point start_, batch_ready_, sampled_;
 };
 
-// One forward pass of `total` prompt tokens in sequences of at most `per_sequence` (and at most `max_seqs`
-// of them), then the draw of each sequence's next token, on `cache`; every sequence is freed again without
-// committing its tokens (no prefix-cache entries). Returns the tokens run; rethrows the forward's error
-// after freeing.
-int64_t run_dummy_step(Model& model, KvCache& cache, int64_t per_sequence, int64_t total, int64_t max_seqs) {
-  std::vector<SeqId> ids;
-  std::vector<SequenceState> states;
-  states.reserve(size_t(std::max<int64_t>(max_seqs, 0)));  // `parts` points into it
-  std::vector<std::pair<SequenceState*, std::vector<int32_t>>> parts;
-  int64_t tokens = 0;
-  while (tokens < total && int64_t(ids.size()) < max_seqs && cache.num_free_state_slots() > 0) {
-    const int64_t n = std::min(per_sequence, total - tokens);
-    const SeqId id = cache.create_sequence();
-    ids.push_back(id);
-    if (!cache.allocate(id, n)) break;  // a cache this small serves shorter steps only; run what fits
-    states.emplace_back();
-    states.back().cache = cache.view(id);
-    std::vector<int32_t> prompt(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) prompt[size_t(i)] = int32_t((tokens + i) * 7919 % model.vocab_size());
-    parts.push_back({&states.back(), std::move(prompt)});
-    tokens += n;
-  }
-  try {
-    if (!parts.empty()) {
-      Batch batch = make_batch(parts);
-      batch.all_logits = false;
-      const Tensor logits = model.forward(batch);
-      std::vector<TokenDraw> draws(parts.size());
-      ops::sample_tokens(logits, draws, {});
-    }
-  } catch (...) {
-    for (SeqId id : ids) cache.free_sequence(id);
-    throw;
-  }
-  for (SeqId id : ids) cache.free_sequence(id);
-  return parts.empty() ? 0 : tokens;
-}
-
 }  // namespace
 
 int64_t EngineCore::warm_up() {
   const int64_t per_sequence = std::min(config_.max_model_len, config_.max_num_batched_tokens);
   try {
-    return run_dummy_step(model_, cache_, per_sequence, config_.max_num_batched_tokens, config_.max_num_seqs);
+    return run_dummy_step(runner_, cache_, per_sequence, config_.max_num_batched_tokens, config_.max_num_seqs);
   } catch (const std::exception& e) {
     fail("a full engine step (", config_.max_num_batched_tokens, " tokens in sequences of at most ", per_sequence,
          ") does not run beside the KV cache: ", e.what(), "; give the cache less memory (--kv-cache-memory, "
          "--gpu-memory-utilization) or lower --max-num-batched-tokens");
   }
-}
-
-CacheConfig dummy_step_cache_config(const Model& model, const EngineConfig& config, int64_t per_sequence,
-                                    int64_t total) {
-  const int64_t sequences = std::min(config.max_num_seqs, (total + per_sequence - 1) / per_sequence);
-  CacheConfig cache = engine_cache_config(config.cache, sequences, model.device());
-  cache.enable_prefix_caching = false;  // no snapshot slots: the step commits nothing
-  cache.memory_bytes = int64_t(1) << 30;  // any budget: the plan's row and slot sizes do not depend on it
-  const CachePlan plan = plan_cache(model.cache_spec(), cache);
-  const int64_t block = plan.block_size;
-  const int64_t rows = (total / per_sequence) * ((per_sequence + block - 1) / block) +
-                       ((total % per_sequence) + block - 1) / block;
-  cache.memory_bytes = rows * plan.row_bytes + plan.num_state_slots * plan.state_slot_bytes;
-  return cache;
-}
-
-int64_t gpu_kv_cache_budget(double utilization, int64_t total_bytes, int64_t in_use_bytes, int64_t step_bytes,
-                            int64_t graph_step_bytes) {
-  SPARROW_CHECK(utilization > 0 && utilization <= 1, "--gpu-memory-utilization must be in (0, 1], got ", utilization);
-  const int64_t budget = int64_t(utilization * double(total_bytes)) - in_use_bytes - step_bytes - graph_step_bytes;
-  const auto gib = [](int64_t bytes) {
-    char text[32];
-    std::snprintf(text, sizeof text, "%.2f GiB", double(bytes) / double(int64_t(1) << 30));
-    return std::string(text);
-  };
-  SPARROW_CHECK(budget > 0, "--gpu-memory-utilization ", utilization, " leaves nothing for the KV cache: of the GPU's ",
-                gib(total_bytes), " (", gib(int64_t(utilization * double(total_bytes))), " allowed) the weights and the "
-                "CUDA context hold ", gib(in_use_bytes), ", a full step's scratch takes ", gib(step_bytes),
-                " and a decode step's in the CUDA graphs ", gib(graph_step_bytes),
-                ": raise it, lower --max-num-batched-tokens or --max-num-seqs, or give --kv-cache-memory");
-  return budget;
-}
-
-int64_t gpu_kv_cache_bytes(Model& model, const EngineConfig& config, double utilization) {
-#if SPARROW_HAVE_CUDA
-  SPARROW_CHECK(model.device() != Device::Cpu, "gpu_kv_cache_bytes: the model is on the CPU");
-  // A step's scratch: the pool's peak while it runs in a cache just large enough, less what was live before.
-  const auto scratch_of = [&](int64_t per_sequence, int64_t total) {
-    KvCache cache(model.cache_spec(), dummy_step_cache_config(model, config, per_sequence, total));
-    const int64_t with_cache = int64_t(cuda::device_bytes_in_use());
-    cuda::reset_device_peak();
-    run_dummy_step(model, cache, per_sequence, total, config.max_num_seqs);
-    return int64_t(cuda::device_peak_bytes()) - with_cache;
-  };
-  int64_t step = 0, graph_step = 0;
-  try {
-    step = scratch_of(std::min(config.max_model_len, config.max_num_batched_tokens), config.max_num_batched_tokens);
-    graph_step = scratch_of(1, std::min(config.max_num_seqs, config.max_num_batched_tokens));
-  } catch (const std::exception& e) {
-    fail("sizing the KV cache (--gpu-memory-utilization): a full engine step does not run beside the weights: ", e.what(),
-         "; lower --max-num-batched-tokens");
-  }
-  cuda::release_cached_memory();  // the steps' blocks: counted in `step`, not in what the driver reports in use
-  size_t free_bytes = 0, total_bytes = 0;
-  cuda::device_memory_info(free_bytes, total_bytes);
-  return gpu_kv_cache_budget(utilization, int64_t(total_bytes), int64_t(total_bytes - free_bytes), step, graph_step);
-#else
-  (void)model, (void)config, (void)utilization;
-  fail("--gpu-memory-utilization on a GPU in a build without the CUDA backend");
-#endif
 }
 
 bool EngineCore::step() {
@@ -268,7 +169,7 @@ bool EngineCore::step() {
   timer.batch_ready(decode ? decode_steps_ : prefill_steps_);
   Tensor logits;
   try {
-    logits = model_.forward(batch);
+    logits = runner_.run(batch);
   } catch (const std::exception& e) {
     // Nothing the user sends can cause this (requests are validated): end the step's choices with
     // "error" rather than take the engine down.

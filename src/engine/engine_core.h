@@ -4,7 +4,7 @@
 //
 // One step:
 //   1. the scheduler picks the sequences and how many tokens of each (scheduler.h);
-//   2. their tokens form one Batch, run by model.forward against the paged KV cache; logits come back
+//   2. their tokens form one Batch, run by the core's ModelRunner against the paged KV cache; logits come back
 //      for each sequence's last token, or for every token when a prefill needs prompt logprobs;
 //   3. the computed tokens are committed to the cache (full blocks enter the prefix cache);
 //   4. each sequence whose tokens are now all computed draws its next token (all of them at once, where
@@ -23,6 +23,8 @@
 #include "engine/scheduler.h"
 #include "engine/sequence.h"
 #include "model/model.h"
+#include "runner/memory_profile.h"
+#include "runner/model_runner.h"
 #include "tokenizer/tokenizer.h"
 
 namespace sparrow {
@@ -38,21 +40,10 @@ struct EngineConfig {
   // Run warm_up() when the core is made (sparrow serve on a GPU): a cache too large for a step's scratch
   // then fails at start.
   bool warm_up = false;
-};
+  RunnerOptions runner;  // how the core's model runner runs steps (--enforce-eager)
 
-// vLLM's --gpu-memory-utilization on a GPU: sparrow may hold `utilization` of the GPU's memory, and the KV
-// cache gets what is left of it once the weights and CUDA context (what the driver reports in use), one full
-// step's scratch and one decode step's scratch (the CUDA graphs' pool) are counted. The two steps are run
-// (dummy prompts in a cache just large enough, nothing kept) and measured by the device pool's peak.
-// Throws, naming the flags, when nothing is left.
-int64_t gpu_kv_cache_bytes(Model& model, const EngineConfig& config, double utilization);
-// Its arithmetic, on numbers: utilization * total - in use - the two steps' scratch, or the error.
-int64_t gpu_kv_cache_budget(double utilization, int64_t total_bytes, int64_t in_use_bytes, int64_t step_bytes,
-                            int64_t graph_step_bytes);
-// The cache a dummy step of `total` tokens in sequences of at most `per_sequence` runs in: just its blocks and
-// state slots, no prefix caching.
-CacheConfig dummy_step_cache_config(const Model& model, const EngineConfig& config, int64_t per_sequence,
-                                    int64_t total);
+  StepLimits step_limits() const { return {max_num_seqs, max_num_batched_tokens, max_model_len}; }
+};
 
 // Where the engine loop's time goes, summed over steps of one kind: `seconds` from scheduling to the last
 // emitted token, `forward_seconds` the part from the batch being ready to the sampled tokens being on
@@ -129,6 +120,7 @@ class EngineCore {
   void finish(Sequence& seq, RequestOutput& event);
 
   Model& model_;
+  ModelRunner runner_;
   const Tokenizer* tokenizer_;
   EngineConfig config_;
   std::vector<int32_t> end_of_sequence_;

@@ -8,14 +8,15 @@
 #include "core/parallel.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/sampling.h"
+#include "core/device/device.h"
 
 #if SPARROW_HAVE_CUDA
 #include "kernels/cuda/elementwise/elementwise.h"
 #include "kernels/cuda/gemm/gemm.h"
 #include "kernels/cuda/gemm/gemm_fp8.h"
 #include "kernels/cuda/gemm/gemm_skinny.h"
+#include "core/device/stream.h"
 #include "kernels/cuda/moe/moe.h"
-#include "kernels/cuda/runtime/device.h"
 #include "kernels/cuda/sampling/sampling.h"
 #endif
 
@@ -191,7 +192,7 @@ Tensor embedding(const Tensor& table, const std::vector<int32_t>& ids) {
 #if SPARROW_HAVE_CUDA
   // (A copy from pageable memory returns once staged: `ids` need not outlive it.)
   Tensor dev_ids = Tensor::empty({int64_t(ids.size())}, ScalarType::I32, table.device());
-  cuda::copy_to_device(dev_ids.raw(), ids.data(), ids.size() * sizeof(int32_t));
+  device::copy_to_device(dev_ids.raw(), ids.data(), ids.size() * sizeof(int32_t));
   Tensor out = Tensor::empty({int64_t(ids.size()), width}, act_type(table.device()), table.device());
   cuda::embedding(table.raw(), elem(table), dev_ids.as<int32_t>(), int64_t(ids.size()), width, out.raw(), elem(out),
                   cuda::stream());
@@ -214,7 +215,7 @@ Tensor select_rows(const Tensor& x, const std::vector<int64_t>& rows) {
 #if SPARROW_HAVE_CUDA
   std::vector<int32_t> index(rows.begin(), rows.end());
   Tensor dev_index = Tensor::empty({int64_t(index.size())}, ScalarType::I32, x.device());
-  cuda::copy_to_device(dev_index.raw(), index.data(), index.size() * sizeof(int32_t));
+  device::copy_to_device(dev_index.raw(), index.data(), index.size() * sizeof(int32_t));
   cuda::gather_rows(x.raw(), elem(x), dev_index.as<int32_t>(), int64_t(index.size()), width, out.raw(),
                     cuda::stream());
   return out;
@@ -271,8 +272,8 @@ Tensor concat_rows(const Tensor& a, const Tensor& b) {
     return out;
   }
 #if SPARROW_HAVE_CUDA
-  cuda::copy_device(out.raw(), a.raw(), a.nbytes());
-  cuda::copy_device(out.as<char>() + a.nbytes(), b.raw(), b.nbytes());
+  device::copy_device(out.raw(), a.raw(), a.nbytes());
+  device::copy_device(out.as<char>() + a.nbytes(), b.raw(), b.nbytes());
   return out;
 #else
   no_cuda();
@@ -521,7 +522,7 @@ std::vector<int32_t> sample_tokens(const Tensor& logits, std::span<const TokenDr
   Tensor dev_tokens = Tensor::empty({rows}, ScalarType::I32, logits.device());
   cuda::draw_tokens(source.as<float>(), rows, vocab, vocab, dev_draws.as<TokenDraw>(), dev_tokens.as<int32_t>(),
                     cuda::stream());
-  cuda::copy_to_host_sync(tokens.data(), dev_tokens.raw(), rows * sizeof(int32_t));
+  device::copy_to_host_sync(tokens.data(), dev_tokens.raw(), rows * sizeof(int32_t));
   return tokens;
 #else
   no_cuda();
@@ -534,22 +535,14 @@ TimeMark TimeMark::now(Device device) {
     mark.cpu_ = std::chrono::steady_clock::now();
     return mark;
   }
-#if SPARROW_HAVE_CUDA
-  mark.event_ = std::shared_ptr<void>(cuda::record_event(), [](void* e) { cuda::destroy_event(cudaEvent_t(e)); });
+  mark.event_ = std::shared_ptr<void>(device::record_event(), [](void* e) { device::destroy_event(e); });
   return mark;
-#else
-  no_cuda();
-#endif
 }
 
 double seconds_between(const TimeMark& from, const TimeMark& to) {
   SPARROW_CHECK(bool(from.event_) == bool(to.event_), "seconds_between: marks of two devices");
   if (!to.event_) return std::chrono::duration<double>(to.cpu_ - from.cpu_).count();
-#if SPARROW_HAVE_CUDA
-  return 1e-3 * double(cuda::elapsed_ms(cudaEvent_t(from.event_.get()), cudaEvent_t(to.event_.get())));
-#else
-  no_cuda();
-#endif
+  return 1e-3 * double(device::elapsed_ms(from.event_.get(), to.event_.get()));
 }
 
 }  // namespace sparrow::ops

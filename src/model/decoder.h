@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "core/tensor.h"
-#include "model/decode_graphs.h"
 #include "model/model.h"
 
 namespace sparrow {
@@ -68,14 +67,9 @@ class DecoderModel : public Model {
   int64_t vocab_size() const override { return vocab; }
   int64_t num_layers() const override { return int64_t(layers.size()); }
   std::vector<LayerCacheSpec> cache_spec() const override;
-  Tensor forward(const Batch& batch) override;
-  int64_t graph_replays() const override { return graphs_.replays(); }
-
- private:
   // The stack itself, from the batch's tokens to its logits on the model's device (on a GPU, from the
   // step's inputs in batch.device_step).
-  Tensor compute_logits(const Batch& batch);
-  DecodeGraphs graphs_;
+  Tensor forward(const Batch& batch, StepMarks* marks) override;
 };
 
 }  // namespace sparrow

@@ -1,5 +1,5 @@
-// What the GPU kernels need to know about a batch, built once per forward pass and shared by every
-// layer: the tokens and positions, each row's sequence and causal bound, the rows whose logits are
+// What the GPU kernels need to know about a batch, built once per forward pass by the runner
+// (runner/step_inputs.h) and shared by every layer: the tokens and positions, each row's sequence and causal bound, the rows whose logits are
 // returned, and the paged cache's addresses (one page table for all layers and page kinds,
 // docs/cache.md). All of it is laid out in one host buffer and uploaded with one copy.
 //
@@ -9,11 +9,12 @@
 //
 // The launch shape (table_stride, max_visible) may be padded beyond what the batch needs: the kernels
 // bound each row by row_visible, so a larger shape gives the same result. CUDA graphs rely on that to
-// replay one capture for a range of context lengths (model/decode_graphs.h).
+// replay one capture for a range of context lengths (runner/decode_graphs.h).
 #pragma once
 #include <cstdint>
 #include <memory>
 
+#include "core/error.h"
 #include "core/tensor.h"
 #include "model/model.h"
 
@@ -50,22 +51,12 @@ struct DeviceStep {
   int block_size() const { return int(storage->block_size()); }
 };
 
-// The least launch shape of a batch: table_stride = the longest block table, max_visible = the
-// largest causal bound. Every sequence must have a paged cache on `device`, all the same one.
-struct StepShape {
-  int64_t table_stride = 0;
-  int64_t max_visible = 0;
-};
-StepShape step_shape(const Batch& batch, Device device);
-
-// Bytes of the device buffer that holds a step of `rows` rows and `seqs` sequences with `shape`.
-int64_t step_buffer_bytes(int64_t rows, int64_t seqs, const StepShape& shape);
-
-// Fills `buffer` (uint8 on the device, at least step_buffer_bytes) with the batch's step in `shape`
-// (at least step_shape(batch)) and returns views of it; attaches it to the batch (batch.device_step).
-std::shared_ptr<const DeviceStep> upload_device_step(const Batch& batch, const StepShape& shape, const Tensor& buffer);
-
-// The batch's DeviceStep: the attached one, or a fresh one in its least shape.
-const DeviceStep& device_step(const Batch& batch, Device device);
+// The step's inputs of a batch on a GPU: the ones the runner attached (runner/step_inputs.h builds and
+// uploads them before the forward pass, once for every layer).
+inline const DeviceStep& device_step(const Batch& batch) {
+  SPARROW_CHECK(batch.device_step != nullptr, "a GPU forward pass without its step's inputs: run the batch "
+                "through a ModelRunner (runner/model_runner.h), which uploads them");
+  return *batch.device_step;
+}
 
 }  // namespace sparrow

@@ -13,7 +13,8 @@
 
 #if SPARROW_HAVE_CUDA
 #include "kernels/cuda/dsa_indexer/index_scores.h"
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 #include "kernels/cuda/topk/topk.h"
 #endif
 
@@ -167,7 +168,7 @@ Tensor DsaIndexer::select_gpu(const Tensor& x, const Tensor& q_resid, const Batc
   SPARROW_CHECK(dim == cuda::kDsaIndexDim && (heads == 32 || heads == 64), "the GPU indexer takes index_head_dim ",
                 cuda::kDsaIndexDim, " with 32 or 64 heads (DeepSeek-V3.2, Kimi K3); this model has ", heads, " x ",
                 dim);
-  const DeviceStep& step = device_step(batch, x.device());
+  const DeviceStep& step = device_step(batch);
   cuda::DsaKeyFormat key_format{};
   switch (step.format(layer, PageKind::DsaIndexKey)) {
     case PageFormat::Fp8IndexKey: key_format = cuda::DsaKeyFormat::Fp8; break;

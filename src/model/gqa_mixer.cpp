@@ -14,7 +14,8 @@
 #if SPARROW_HAVE_CUDA
 #include "kernels/cuda/gqa/gqa_attention.h"
 #include "kernels/cuda/msa/msa.h"
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 #endif
 
 namespace sparrow {
@@ -104,7 +105,7 @@ Tensor GqaAttention::forward(const Tensor& x, const Batch& batch, int layer) {
 Tensor GqaAttention::attend_gpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& index_q,
                                 const Tensor& index_k, const Batch& batch, int layer) const {
 #if SPARROW_HAVE_CUDA
-  const DeviceStep& step = device_step(batch, q.device());
+  const DeviceStep& step = device_step(batch);
   // K/V pages: bfloat16, FP8 rows (fp8, fp8_per_tensor) or NVFP4 rows (nvfp4), read in place.
   cuda::GqaKvFormat kv_format = cuda::GqaKvFormat::BFloat16;
   switch (step.format(layer, PageKind::GqaKeyValue)) {

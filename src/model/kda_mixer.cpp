@@ -13,7 +13,8 @@
 
 #if SPARROW_HAVE_CUDA
 #include "kernels/cuda/kda/kda.h"
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 #endif
 
 namespace sparrow {
@@ -335,7 +336,7 @@ Tensor KdaMixer::forward_gpu(const Tensor& x, const Batch& batch, int layer) {
 #if SPARROW_HAVE_CUDA
   constexpr int64_t kChunkedFrom = 64;  // rows of the longest sequence: one whole chunk
   const int64_t T = x.dim(0), H = config_.num_heads, D = config_.head_dim, P = config_.projection_dim();
-  const DeviceStep& step = device_step(batch, x.device());
+  const DeviceStep& step = device_step(batch);
   const PagedStorage& storage = *step.storage;
   cudaStream_t stream = cuda::stream();
 

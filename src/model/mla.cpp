@@ -12,7 +12,8 @@
 
 #if SPARROW_HAVE_CUDA
 #include "kernels/cuda/mla/mla_attention.h"
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 #endif
 
 namespace sparrow {
@@ -209,7 +210,7 @@ Tensor MlaMixer::attend_gpu(const Tensor& x, const Tensor& q_resid, const Tensor
                             const Batch& batch, int layer) {
 #if SPARROW_HAVE_CUDA
   const MlaOptions& o = options_;
-  const DeviceStep& step = device_step(batch, x.device());
+  const DeviceStep& step = device_step(batch);
   cuda::MlaPagedCache cache{step.page_base(layer, PageKind::MlaLatent), step.page_table.as<int64_t>(),
                             step.table_stride, step.block_size(),
                             gpu_latent_format(step.format(layer, PageKind::MlaLatent))};

@@ -2,7 +2,6 @@
 
 #include "model/device_step.h"
 
-#include "cache/kv_cache.h"
 #include "core/error.h"
 #include "formats/checkpoint.h"
 #include "model/dense_sequence_cache.h"
@@ -18,54 +17,7 @@ SequenceState standalone_sequence(std::vector<LayerCacheSpec> spec) {
   return s;
 }
 
-namespace {
-
-// A standalone sequence in the model's offline device cache: its cache is the KvCache view, and the
-// sequence returns its blocks when dropped.
-class OfflineSequence final : public SequenceCache {
- public:
-  OfflineSequence(std::shared_ptr<KvCache> cache, SeqId id) : cache_(std::move(cache)), id_(id), view_(cache_->view(id)) {}
-  ~OfflineSequence() override { cache_->free_sequence(id_); }
-
-  void write(int layer, PageKind kind, int64_t pos, int64_t count, const float* rows) override {
-    view_->write(layer, kind, pos, count, rows);
-  }
-  void read(int layer, PageKind kind, int64_t begin, int64_t end, float* rows) const override {
-    view_->read(layer, kind, begin, end, rows);
-  }
-  float* state(int layer, StateKind kind) override { return view_->state(layer, kind); }
-  int64_t snapshot_position(int64_t begin, int64_t end) override { return view_->snapshot_position(begin, end); }
-  float* snapshot(int layer, StateKind kind) override { return view_->snapshot(layer, kind); }
-  std::byte* state_slot() override { return view_->state_slot(); }
-  std::byte* snapshot_slot() override { return view_->snapshot_slot(); }
-  const PagedStorage* paged() const override { return view_->paged(); }
-  const std::vector<int32_t>& block_table() const override { return view_->block_table(); }
-  void reserve(int64_t tokens) override { view_->reserve(tokens); }
-
- private:
-  std::shared_ptr<KvCache> cache_;
-  SeqId id_;
-  SequenceCache* view_;
-};
-
-}  // namespace
-
 Model::~Model() = default;
-
-SequenceState Model::new_sequence() const {
-  if (device() == Device::Cpu) return standalone_sequence(cache_spec());
-  if (!offline_cache_) {
-    CacheConfig config;
-    config.device = device();
-    config.enable_prefix_caching = false;
-    config.memory_fraction = 0.3;  // of the free GPU memory, once the weights are in
-    offline_cache_ = std::make_shared<KvCache>(cache_spec(), config);
-  }
-  SequenceState s;
-  s.owned_cache = std::make_unique<OfflineSequence>(offline_cache_, offline_cache_->create_sequence());
-  s.cache = s.owned_cache.get();
-  return s;
-}
 
 Batch make_batch(const std::vector<std::pair<SequenceState*, std::vector<int32_t>>>& parts) {
   Batch batch;

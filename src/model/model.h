@@ -2,9 +2,12 @@
 // tokens that continue its cached state. Prefill is a long run, decode a run of one; both go through
 // the same code, and a prefill followed by decodes must equal one long prefill.
 //
+// Model::forward is the math alone. Running a batch (checking it, uploading the step's inputs,
+// replaying a decode graph, advancing the sequences) is the runner's job (runner/model_runner.h).
+//
 // A sequence's cache (what each layer keeps between steps: attention rows, index keys, convolution
 // tails, recurrent state) is reached through its SequenceCache (core/sequence_cache.h). Offline use
-// gets a private growable one from new_sequence(); the serving engine hands each running sequence a
+// gets a private one from ModelRunner::new_sequence(); the serving engine hands each running sequence a
 // view of its paged cache (cache/kv_cache.h). The model math does not change between the two.
 #pragma once
 #include <cstdint>
@@ -50,14 +53,19 @@ struct Batch {
   // The positions as an int64 tensor on `device`, made on first use and shared by every layer.
   const Tensor& positions_on(Device device) const;
   mutable Tensor positions_tensor;
-  mutable std::shared_ptr<const DeviceStep> device_step;  // model/device_step.h
+  mutable std::shared_ptr<const DeviceStep> device_step;  // model/device_step.h (attached by the runner)
 };
 
 // Builds a batch from (state, new tokens) pairs.
 Batch make_batch(const std::vector<std::pair<SequenceState*, std::vector<int32_t>>>& parts);
 
-class KvCache;
-class StepProfile;
+// Marks the end of each part of a forward pass (the embedding, each layer's mixer and feed-forward, ...),
+// for step profiles (runner/step_profile.h).
+class StepMarks {
+ public:
+  virtual ~StepMarks() = default;
+  virtual void mark(const std::string& part) = 0;
+};
 
 class Model {
  public:
@@ -73,24 +81,12 @@ class Model {
   // Where the weights live and the forward pass runs.
   virtual Device device() const { return Device::Cpu; }
 
-  // A fresh sequence for offline use (tests, score, generate): on the CPU with its own growable cache,
-  // on a GPU in a paged cache on the device that the model keeps for such sequences.
-  SequenceState new_sequence() const;
-
-  // Runs the batch and advances each state's length. Returns fp32 logits on the model's device:
+  // The forward pass over a checked batch whose caches have room for its tokens (and, on a GPU, whose
+  // step's inputs are attached: model/device_step.h). Returns fp32 logits on the model's device:
   // [batch.size(), vocab] when batch.all_logits, else [batch.seqs.size(), vocab] for each sequence's
-  // last token.
-  virtual Tensor forward(const Batch& batch) = 0;
-
-  // vLLM's --enforce-eager: no CUDA graphs (decode steps launch their kernels one by one).
-  bool enforce_eager = false;
-  // When set, each forward step is timed part by part into it, eagerly (model/step_profile.h).
-  StepProfile* step_profile = nullptr;
-  // Decode steps run by replaying a CUDA graph so far (model/decode_graphs.h).
-  virtual int64_t graph_replays() const { return 0; }
-
- private:
-  mutable std::shared_ptr<KvCache> offline_cache_;  // GPU models: the pages of new_sequence()'s sequences
+  // last token. Writes the new tokens' rows and state into the caches but leaves each state's length
+  // alone (the runner advances it). `marks`, when given, gets the end of each part.
+  virtual Tensor forward(const Batch& batch, StepMarks* marks) = 0;
 };
 
 // Loads a Hugging Face model folder onto `device`; dispatches on config.json's model_type. One-line

@@ -23,6 +23,7 @@
 #include "cache/kv_cache.h"
 #include "gpu_test_util.h"
 #include "model/model.h"
+#include "runner/model_runner.h"
 #include "model_test_util.h"
 
 using namespace sparrow;
@@ -89,7 +90,7 @@ class CudaCacheFormats : public ::testing::TestWithParam<FormatCase> {
   static Tensor run(Model& model, SequenceState& s, const Tokens& tokens, bool all_logits) {
     Batch batch = make_batch({{&s, tokens}});
     batch.all_logits = all_logits;
-    return model.forward(batch).to(Device::Cpu);
+    return ModelRunner(model).run(batch).to(Device::Cpu);
   }
 
   // Counts a row: NaN fails at once; within the budget it is compared (`exact`: the CPU with float32 pages).

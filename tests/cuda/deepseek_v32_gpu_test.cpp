@@ -27,10 +27,12 @@
 #include "core/error.h"
 #include "formats/safetensors.h"
 #include "kernels/cpu/fp8.h"
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 #include "gpu_test_util.h"
 #include "model_test_util.h"
 #include "model/model.h"
+#include "runner/model_runner.h"
 
 using namespace sparrow;
 namespace fs = std::filesystem;
@@ -75,7 +77,7 @@ struct GpuCache {
 Tensor run(Model& model, const std::vector<std::pair<SequenceState*, Tokens>>& parts) {
   Batch batch = make_batch(parts);
   batch.all_logits = true;
-  return model.forward(batch).to(Device::Cpu);
+  return ModelRunner(model).run(batch).to(Device::Cpu);
 }
 
 class CudaDeepseekV32 : public ::testing::TestWithParam<std::string> {
@@ -88,6 +90,7 @@ class CudaDeepseekV32 : public ::testing::TestWithParam<std::string> {
     for (size_t i = 0; i < prompts_.size(); ++i)
       reference_.push_back(to_float32(file->tensors().at("logits." + std::to_string(i)), file));
     gpu_ = load_model(kFixture.string(), Device::Cuda);
+    gpu_runner_ = std::make_unique<ModelRunner>(*gpu_);
     cache_ = std::make_unique<GpuCache>(*gpu_, GetParam());
     cpu_ = load_model(kFixture.string());
     // The CPU twin stores latents as the GPU does (fp32 standing in for bf16, or the same FP8 bytes).
@@ -101,6 +104,7 @@ class CudaDeepseekV32 : public ::testing::TestWithParam<std::string> {
   std::vector<Tokens> prompts_, completions_;
   std::vector<Tensor> reference_;
   std::unique_ptr<Model> gpu_, cpu_;
+  std::unique_ptr<ModelRunner> gpu_runner_;  // the fixture model\'s steps (decode graphs persist)
   std::unique_ptr<GpuCache> cache_, cpu_cache_;  // cpu_cache_: fp32 rows, FP8 index keys
 };
 
@@ -138,7 +142,7 @@ TEST_P(CudaDeepseekV32, GreedyTokensMatchTransformersWithinTheBudget) {
   SequenceState g = cache_->sequence(), c = cpu_cache_->sequence();
   Batch first_gpu = make_batch({{&g, prompt}}), first_cpu = make_batch({{&c, prompt}});
   first_gpu.all_logits = first_cpu.all_logits = false;
-  Tensor lg = gpu_->forward(first_gpu).to(Device::Cpu), lc = cpu_->forward(first_cpu);
+  Tensor lg = gpu_runner_->run(first_gpu).to(Device::Cpu), lc = ModelRunner(*cpu_).run(first_cpu);
   size_t checked = 0, steps = 0;
   for (size_t step = 0; int64_t(prompt.size() + step) < kTopk; ++step, ++steps) {
     const int64_t vocab = lc.dim(1);
@@ -151,8 +155,8 @@ TEST_P(CudaDeepseekV32, GreedyTokensMatchTransformersWithinTheBudget) {
     }
     Batch next_gpu = make_batch({{&g, {expected}}}), next_cpu = make_batch({{&c, {expected}}});
     next_gpu.all_logits = next_cpu.all_logits = false;
-    lg = gpu_->forward(next_gpu).to(Device::Cpu);
-    lc = cpu_->forward(next_cpu);
+    lg = gpu_runner_->run(next_gpu).to(Device::Cpu);
+    lc = ModelRunner(*cpu_).run(next_cpu);
   }
   std::printf("[ %s ] %zu of %zu greedy steps had a margin >= %.2f and were checked\n", GetParam().c_str(), checked,
               steps, margin_needed());
@@ -232,24 +236,24 @@ TEST_P(CudaDeepseekV32, GraphReplayEqualsEagerDecoding) {
   ASSERT_GE(prompts_[2].size(), 120u);
   const std::vector<Tokens> prompts = {prompts_[0], Tokens(prompts_[2].begin(), prompts_[2].begin() + 120)};
   auto decode = [&](bool eager, std::vector<Tensor>& logits_per_step) {
-    gpu_->enforce_eager = eager;
+    gpu_runner_->set_enforce_eager(eager);
     std::vector<SequenceState> states(2);
     for (SequenceState& s : states) s = cache_->sequence();
     std::vector<std::pair<SequenceState*, Tokens>> parts = {{&states[0], prompts[0]}, {&states[1], prompts[1]}};
     for (int step = 0; step < 24; ++step) {
       Batch batch = make_batch(parts);
       batch.all_logits = false;
-      const Tensor logits = gpu_->forward(batch).to(Device::Cpu);
+      const Tensor logits = gpu_runner_->run(batch).to(Device::Cpu);
       logits_per_step.push_back(logits);
       for (size_t s = 0; s < parts.size(); ++s) parts[s].second = {argmax(logits.row(int64_t(s)), logits.dim(1))};
     }
   };
   std::vector<Tensor> eager, graphed;
   decode(true, eager);
-  const int64_t replays_before = gpu_->graph_replays();
+  const int64_t replays_before = gpu_runner_->graph_replays();
   decode(false, graphed);
-  gpu_->enforce_eager = false;
-  EXPECT_GE(gpu_->graph_replays() - replays_before, 18) << "most decode steps should replay a graph";
+  gpu_runner_->set_enforce_eager(false);
+  EXPECT_GE(gpu_runner_->graph_replays() - replays_before, 18) << "most decode steps should replay a graph";
   for (size_t step = 0; step < eager.size(); ++step)
     for (int64_t s = 0; s < 2; ++s) {
       EXPECT_LE(relative_l2(graphed[step].row(s), eager[step].row(s), eager[step].dim(1)), 1e-5)
@@ -324,13 +328,13 @@ TEST(CudaModel, Fp8CheckpointRunsAsFp8) {
   for (const Entry& e : entries) out.write(reinterpret_cast<const char*>(e.bytes.data()), std::streamsize(e.bytes.size()));
   out.close();
 
-  const size_t before = cuda::device_bytes_in_use();
+  const size_t before = device::bytes_in_use();
   auto bf16_model = load_model(kFixture.string(), Device::Cuda);
-  const size_t bf16_bytes = cuda::device_bytes_in_use() - before;
+  const size_t bf16_bytes = device::bytes_in_use() - before;
   bf16_model.reset();
-  const size_t before_fp8 = cuda::device_bytes_in_use();
+  const size_t before_fp8 = device::bytes_in_use();
   auto gpu = load_model(dir.string(), Device::Cuda);
-  const size_t fp8_bytes = cuda::device_bytes_in_use() - before_fp8;
+  const size_t fp8_bytes = device::bytes_in_use() - before_fp8;
   std::printf("weights on the GPU: %zu bytes from the bf16 checkpoint, %zu from the FP8 one\n", bf16_bytes, fp8_bytes);
   EXPECT_LT(fp8_bytes, bf16_bytes * 9 / 10) << "the FP8 projections should stay FP8 on the GPU";
 

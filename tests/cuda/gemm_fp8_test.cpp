@@ -12,7 +12,8 @@
 #include "core/error.h"
 #include "kernels/cpu/fp8.h"
 #include "kernels/cuda/gemm/gemm_fp8.h"
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 #include "gpu_test_util.h"
 #include "rt_test_util.h"
 
@@ -209,7 +210,7 @@ void run_product_case(const ProductCase& c, std::mt19937_64& rng) {
   for (int rep = 0; rep < 2; ++rep) {  // the second launch reuses the cached plan
     SCOPED_TRACE(testing::Message() << "launch " << rep);
     dy.poison();
-    cuda::synchronize();
+    device::synchronize();
     cuda::gemm_fp8_block_scaled(c.m, c.n, c.k, dx.get(), ldx, dw.get<uint8_t>(), ws_ptr, dy.get(), c.out, ldy,
                                 c.own_stream ? own : cuda::stream());
     if (own) {
@@ -322,7 +323,7 @@ TEST(CudaGemmFp8, RejectsBadArguments) {
   expect_error([&] { cuda::dequantize_fp8_blocks(4, 4, nullptr, sp, yp, nullptr); }, "null");
   expect_error([&] { cuda::dequantize_fp8_blocks(4, -4, wp, sp, yp, nullptr); }, "bad sizes");
   // Nothing above reached the device: the stream is still healthy.
-  EXPECT_NO_THROW(cuda::synchronize());
+  EXPECT_NO_THROW(device::synchronize());
 }
 
 }  // namespace

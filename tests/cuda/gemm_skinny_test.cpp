@@ -27,7 +27,8 @@
 #include "gpu_test_util.h"
 #include "kernels/cpu/fp8.h"
 #include "kernels/cuda/gemm/gemm_skinny.h"
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 #include "kernels/ops.h"
 #include "model_test_util.h"
 #include "rt_test_util.h"
@@ -133,7 +134,7 @@ std::vector<uint8_t> launch(const Case& c, const DeviceBuffer& dx, const DeviceB
   else
     cuda::gemm_skinny_bf16(c.m, c.n, c.k, dx.get(), ldx, dw.get(), dy.get(), c.out, ldy,
                            ws_bytes ? ws.get() : nullptr, ws_bytes, nullptr);
-  cuda::synchronize();
+  device::synchronize();
   return dy.download<uint8_t>(dy.bytes());
 }
 
@@ -271,7 +272,7 @@ TEST(CudaGemmSkinny, RejectsBadArguments) {
                "workspace");
   // m = 0: nothing to do.
   EXPECT_NO_THROW(cuda::gemm_skinny_bf16(0, 64, 128, xp, 128, wp, yp, ElemType::BF16, 64, nullptr, 0, nullptr));
-  EXPECT_NO_THROW(cuda::synchronize());
+  EXPECT_NO_THROW(device::synchronize());
 }
 
 using model_test::relative_l2;
@@ -326,7 +327,7 @@ TEST(CudaGemmSkinny, LinearTakesTheSkinnyPathForSmallFp8M) {
       cuda::gemm_skinny_fp8(m, n, k, xg.raw(), k, w8.as<uint8_t>(), w8.block_scales().as<float>(), dy.get(), et, n,
                             ws.get(), ws_bytes, nullptr);
       std::vector<uint8_t> mine = dy.download<uint8_t>(m * n * es), theirs(m * n * es);
-      cuda::copy_to_host_sync(theirs.data(), y8.raw(), theirs.size());
+      device::copy_to_host_sync(theirs.data(), y8.raw(), theirs.size());
       EXPECT_TRUE(mine == theirs) << "ops::linear did not take the skinny path for FP8 weights";
     }
   }

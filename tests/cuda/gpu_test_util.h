@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <vector>
 
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::test {
 

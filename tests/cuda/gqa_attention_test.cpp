@@ -18,7 +18,7 @@
 #include "core/bfloat16.h"
 #include "gpu_test_util.h"
 #include "kernels/cuda/gqa/gqa_attention.h"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::cuda {
 namespace {

@@ -16,7 +16,7 @@
 
 #include "gpu_test_util.h"
 #include "kda_test_util.h"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 #include "model/kda_mixer.h"
 
 namespace sparrow::cuda {

@@ -12,7 +12,7 @@
 
 #include "gpu_test_util.h"
 #include "kernels/cuda/kda/kda.h"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::test {
 

@@ -19,6 +19,7 @@
 #include "formats/safetensors.h"
 #include "gpu_test_util.h"
 #include "model/model.h"
+#include "runner/model_runner.h"
 #include "model_test_util.h"
 
 using namespace sparrow;
@@ -51,6 +52,7 @@ class CudaKimi : public ::testing::TestWithParam<std::string> {
     for (size_t i = 0; i < prompts_.size(); ++i)
       reference_.push_back(to_float32(file->tensors().at("logits." + std::to_string(i)), file));
     gpu_ = load_model(fixture_.string(), Device::Cuda);
+    gpu_runner_ = std::make_unique<ModelRunner>(*gpu_);
     cache_ = make_cache(false);
   }
   bool sparse() const { return GetParam() == "kimi_k3_gpu"; }
@@ -76,13 +78,14 @@ class CudaKimi : public ::testing::TestWithParam<std::string> {
   Tensor run(const std::vector<std::pair<SequenceState*, Tokens>>& parts, bool all_logits = true) {
     Batch batch = make_batch(parts);
     batch.all_logits = all_logits;
-    return gpu_->forward(batch).to(Device::Cpu);
+    return gpu_runner_->run(batch).to(Device::Cpu);
   }
 
   fs::path fixture_;
   std::vector<Tokens> prompts_, completions_;
   std::vector<Tensor> reference_;
   std::unique_ptr<Model> gpu_;
+  std::unique_ptr<ModelRunner> gpu_runner_;  // the fixture model\'s steps (decode graphs persist)
   std::unique_ptr<KvCache> cache_;
 };
 
@@ -177,7 +180,7 @@ TEST_P(CudaKimi, ChunkedAndBatchedEqualOnePrefill) {
 // step's state slots from the step's upload).
 TEST_P(CudaKimi, GraphReplayEqualsEagerDecoding) {
   auto decode = [&](bool eager, std::vector<Tensor>& per_step) {
-    gpu_->enforce_eager = eager;
+    gpu_runner_->set_enforce_eager(eager);
     std::vector<SequenceState> states(2);
     for (SequenceState& s : states) s = sequence();
     std::vector<std::pair<SequenceState*, Tokens>> parts = {{&states[0], prompts_[1]}, {&states[1], prompts_[2]}};
@@ -189,10 +192,10 @@ TEST_P(CudaKimi, GraphReplayEqualsEagerDecoding) {
   };
   std::vector<Tensor> eager, graphed;
   decode(true, eager);
-  const int64_t before = gpu_->graph_replays();
+  const int64_t before = gpu_runner_->graph_replays();
   decode(false, graphed);
-  gpu_->enforce_eager = false;
-  EXPECT_GE(gpu_->graph_replays() - before, 12);
+  gpu_runner_->set_enforce_eager(false);
+  EXPECT_GE(gpu_runner_->graph_replays() - before, 12);
   for (size_t step = 0; step < eager.size(); ++step)
     for (int64_t s = 0; s < 2; ++s)
       EXPECT_LE(relative_l2(graphed[step].row(s), eager[step].row(s), eager[step].dim(1)), 1e-5)

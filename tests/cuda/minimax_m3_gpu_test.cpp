@@ -30,6 +30,7 @@
 #include "gpu_test_util.h"
 #include "model_test_util.h"
 #include "model/model.h"
+#include "runner/model_runner.h"
 
 using namespace sparrow;
 namespace fs = std::filesystem;
@@ -56,6 +57,7 @@ class CudaMiniMaxM3 : public ::testing::Test {
     for (size_t i = 0; i < prompts_.size(); ++i)
       reference_.push_back(to_float32(file->tensors().at("logits." + std::to_string(i)), file));
     gpu_ = load_model(kFixture.string(), Device::Cuda);
+    gpu_runner_ = std::make_unique<ModelRunner>(*gpu_);
     CacheConfig config;
     config.device = Device::Cuda;
     config.memory_bytes = int64_t(128) << 20;
@@ -70,12 +72,13 @@ class CudaMiniMaxM3 : public ::testing::Test {
   Tensor run(const std::vector<std::pair<SequenceState*, Tokens>>& parts, bool all_logits = true) {
     Batch batch = make_batch(parts);
     batch.all_logits = all_logits;
-    return gpu_->forward(batch).to(Device::Cpu);
+    return gpu_runner_->run(batch).to(Device::Cpu);
   }
 
   std::vector<Tokens> prompts_, completions_;
   std::vector<Tensor> reference_;
   std::unique_ptr<Model> gpu_;
+  std::unique_ptr<ModelRunner> gpu_runner_;  // the fixture model\'s steps (decode graphs persist)
   std::unique_ptr<KvCache> cache_;
 };
 
@@ -148,7 +151,7 @@ TEST_F(CudaMiniMaxM3, EveryRowMatchesTheCpuWhenTheChoicesAreDetermined) {
       g.cache = cache.view(cache.create_sequence());
       c.cache = cpu_cache.view(cpu_cache.create_sequence());
       Batch bg = make_batch({{&g, prompts_[i]}}), bc = make_batch({{&c, prompts_[i]}});
-      const Tensor ours = gpu->forward(bg).to(Device::Cpu), theirs = cpu->forward(bc);
+      const Tensor ours = ModelRunner(*gpu).run(bg).to(Device::Cpu), theirs = ModelRunner(*cpu).run(bc);
       const double error = worst_row_error(ours, theirs);
       std::printf("determined choices, %s MSA keys, prompt %zu (%zu tokens): worst relative L2 vs the CPU %.3g\n",
                   cache_dtype_name(cache.plan().index_dtype), i, prompts_[i].size(), error);
@@ -220,7 +223,7 @@ TEST_F(CudaMiniMaxM3, ChunkedAndBatchedEqualOnePrefill) {
 // Decode steps replayed from CUDA graphs equal the same steps launched directly.
 TEST_F(CudaMiniMaxM3, GraphReplayEqualsEagerDecoding) {
   auto decode = [&](bool eager, std::vector<Tensor>& per_step) {
-    gpu_->enforce_eager = eager;
+    gpu_runner_->set_enforce_eager(eager);
     std::vector<SequenceState> states(2);
     for (SequenceState& s : states) s = sequence();
     std::vector<std::pair<SequenceState*, Tokens>> parts = {{&states[0], prompts_[1]}, {&states[1], prompts_[2]}};
@@ -232,10 +235,10 @@ TEST_F(CudaMiniMaxM3, GraphReplayEqualsEagerDecoding) {
   };
   std::vector<Tensor> eager, graphed;
   decode(true, eager);
-  const int64_t before = gpu_->graph_replays();
+  const int64_t before = gpu_runner_->graph_replays();
   decode(false, graphed);
-  gpu_->enforce_eager = false;
-  EXPECT_GE(gpu_->graph_replays() - before, 12);
+  gpu_runner_->set_enforce_eager(false);
+  EXPECT_GE(gpu_runner_->graph_replays() - before, 12);
   for (size_t step = 0; step < eager.size(); ++step)
     for (int64_t s = 0; s < 2; ++s)
       EXPECT_LE(relative_l2(graphed[step].row(s), eager[step].row(s), eager[step].dim(1)), 1e-5)
@@ -265,14 +268,14 @@ TEST(CudaMiniMaxM3Dummy, PrefillAndDecodeRunWithoutACheckpointBias) {
   s.cache = cache.view(cache.create_sequence());
   Tokens prompt;
   for (int i = 0; i < 90; ++i) prompt.push_back((i * 37 + 11) % 256);  // > index_topk_blocks x 8: blocks selected
-  Tensor logits = gpu->forward(make_batch({{&s, prompt}})).to(Device::Cpu);
+  Tensor logits = ModelRunner(*gpu).run(make_batch({{&s, prompt}})).to(Device::Cpu);
   for (int step = 0; step < 3; ++step) {
     ASSERT_EQ(logits.dim(1), 256);
     for (int64_t t = 0; t < logits.dim(0); ++t)
       for (int64_t j = 0; j < logits.dim(1); ++j)
         ASSERT_TRUE(std::isfinite(logits.row(t)[j])) << "step " << step << " row " << t << " logit " << j;
     const Tokens next = {argmax(logits.row(logits.dim(0) - 1), logits.dim(1))};
-    logits = gpu->forward(make_batch({{&s, next}})).to(Device::Cpu);
+    logits = ModelRunner(*gpu).run(make_batch({{&s, next}})).to(Device::Cpu);
   }
 }
 

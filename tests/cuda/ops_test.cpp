@@ -17,6 +17,8 @@
 #include "model/decoder.h"
 #include "model/model.h"
 #include "model_test_util.h"
+#include "runner/model_runner.h"
+#include "runner/step_inputs.h"
 
 using namespace sparrow;
 
@@ -172,15 +174,17 @@ TEST(CudaOps, DeepseekBlocksMatchTheCpu) {
   auto gpu_model = load_model(dir, Device::Cuda);
   auto& cpu = dynamic_cast<DecoderModel&>(*cpu_model);
   auto& gpu_ = dynamic_cast<DecoderModel&>(*gpu_model);
+  ModelRunner gpu_runner(gpu_);  // the sequences' paged cache on the device
   const uint32_t seed = fresh_seed();
   std::mt19937 rng(seed);
   for (int64_t tokens : {20, 90}) {  // within and beyond the indexer's top-64
     const Tensor x = random_tensor({tokens, cpu.hidden}, rng), xr = host(gpu(x));
     std::vector<int32_t> ids(tokens, 3);
     for (size_t layer = 0; layer < cpu.layers.size(); ++layer) {
-      SequenceState cs = cpu.new_sequence(), gs = gpu_.new_sequence();
+      SequenceState cs = standalone_sequence(cpu.cache_spec()), gs = gpu_runner.new_sequence();
       Batch cb = make_batch({{&cs, ids}}), gb = make_batch({{&gs, ids}});
       gs.cache->reserve(tokens);
+      attach_device_step(gb, Device::Cuda);  // what the runner uploads before a GPU forward pass
       const Tensor mixed_cpu = cpu.layers[layer].mixer->forward(xr, cb, int(layer));
       const Tensor mixed_gpu = gpu_.layers[layer].mixer->forward(gpu(x), gb, int(layer));
       const double e = relative_l2(host(mixed_gpu), mixed_cpu);
@@ -235,11 +239,13 @@ TEST_P(CudaOpsStack, DeepseekStackMatchesTheCpuStageByStage) {
   config.indexer_kv_dtype = "fp8";
   config.memory_bytes = int64_t(64) << 20;
   KvCache cpu_cache(cpu.cache_spec(), config);
-  SequenceState cs, gs = dev.new_sequence();
+  ModelRunner dev_runner(dev);
+  SequenceState cs, gs = dev_runner.new_sequence();
   cs.cache = cpu_cache.view(cpu_cache.create_sequence());
   Batch cb = make_batch({{&cs, ids}}), gb = make_batch({{&gs, ids}});
   cs.cache->reserve(int64_t(ids.size()));
   gs.cache->reserve(int64_t(ids.size()));
+  attach_device_step(gb, Device::Cuda);  // what the runner uploads before a GPU forward pass
   Tensor xc = ops::embedding(cpu.embed, ids), xg = ops::embedding(dev.embed, ids);
   auto stage = [&](const char* what, const Tensor& g, const Tensor& c) {
     const double e = relative_l2(host(g), c);
@@ -269,10 +275,10 @@ TEST_P(CudaOpsStack, DeepseekStackMatchesTheCpuStageByStage) {
   stage("final norm", xg, xc);
   const Tensor lg = host(ops::linear(xg, dev.lm_head, ScalarType::F32)), lc = ops::linear(xc, cpu.lm_head);
   stage("logits", lg, lc);
-  // The model's own forward() on the GPU gives the same logits as the stages above.
-  SequenceState fs = dev.new_sequence();
+  // The model's own step on the GPU gives the same logits as the stages above.
+  SequenceState fs = dev_runner.new_sequence();
   Batch fb = make_batch({{&fs, ids}});
-  EXPECT_LE(relative_l2(host(dev.forward(fb)), lg), 1e-6) << "forward() differs from its stages";
+  EXPECT_LE(relative_l2(host(dev_runner.run(fb)), lg), 1e-6) << "the runner's step differs from its stages";
 }
 
 INSTANTIATE_TEST_SUITE_P(CudaOps, CudaOpsStack,

@@ -11,7 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 
 namespace sparrow::test {
 
@@ -43,25 +44,25 @@ inline std::vector<float> from_bf16(const std::vector<uint16_t>& v) {
 // A pool allocation that goes back to the pool on scope exit.
 class DeviceBuffer {
  public:
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes), p_(cuda::device_alloc(bytes)) {}
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes), p_(device::alloc(bytes)) {}
   template <typename T>
   explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {
     upload(host);
   }
-  ~DeviceBuffer() { cuda::device_free(p_); }
+  ~DeviceBuffer() { device::free(p_); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   template <typename T = void>
   T* get() const { return static_cast<T*>(p_); }
   template <typename T>
   void upload(const std::vector<T>& host) {
-    cuda::copy_to_device(p_, host.data(), host.size() * sizeof(T));
-    cuda::synchronize();
+    device::copy_to_device(p_, host.data(), host.size() * sizeof(T));
+    device::synchronize();
   }
   template <typename T>
   std::vector<T> download(size_t count) const {
     std::vector<T> out(count);
-    cuda::copy_to_host_sync(out.data(), p_, count * sizeof(T));
+    device::copy_to_host_sync(out.data(), p_, count * sizeof(T));
     return out;
   }
   // Fills with 0xFF bytes: NaN as fp32 and as bf16, -1 as int32, so unwritten outputs show.

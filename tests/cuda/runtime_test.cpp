@@ -10,8 +10,9 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/ops.h"
 #include "kernels/cuda/gemm/gemm.h"
-#include "kernels/cuda/runtime/cuda_check.h"
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/cuda_check.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 #include "kernels/cuda/sampling/sampling.h"
 #include "gpu_test_util.h"
 #include "rt_test_util.h"
@@ -23,8 +24,8 @@ using test::DeviceBuffer;
 
 TEST(CudaRuntime, DeviceAndStream) {
   SPARROW_REQUIRE_GPU();
-  EXPECT_TRUE(cuda::device_available());
-  EXPECT_NO_THROW(cuda::require_device());
+  EXPECT_TRUE(device::available());
+  EXPECT_NO_THROW(device::require());
   cudaStream_t s = cuda::stream();
   EXPECT_NE(s, nullptr);
   EXPECT_EQ(s, cuda::stream());
@@ -35,51 +36,51 @@ TEST(CudaRuntime, DeviceAndStream) {
 
 TEST(CudaRuntime, PoolReusesBlocksAndCountsBytes) {
   SPARROW_REQUIRE_GPU();
-  const size_t before = cuda::device_bytes_in_use();
-  void* a = cuda::device_alloc(1000);
+  const size_t before = device::bytes_in_use();
+  void* a = device::alloc(1000);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(a) % 256, 0u);
-  EXPECT_GE(cuda::device_bytes_in_use(), before + 1000);
-  cuda::device_free(a);
-  EXPECT_EQ(cuda::device_bytes_in_use(), before);
-  void* b = cuda::device_alloc(1000);  // same size class: the block comes back
+  EXPECT_GE(device::bytes_in_use(), before + 1000);
+  device::free(a);
+  EXPECT_EQ(device::bytes_in_use(), before);
+  void* b = device::alloc(1000);  // same size class: the block comes back
   EXPECT_EQ(a, b);
-  void* c = cuda::device_alloc(size_t(3) << 20);
+  void* c = device::alloc(size_t(3) << 20);
   EXPECT_NE(c, b);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(c) % 256, 0u);
-  cuda::device_free(b);
-  cuda::device_free(c);
-  cuda::device_free(nullptr);
-  EXPECT_EQ(cuda::device_bytes_in_use(), before);
-  cuda::release_cached_memory();
-  EXPECT_EQ(cuda::device_bytes_in_use(), before);
-  void* zero = cuda::device_alloc(0);
+  device::free(b);
+  device::free(c);
+  device::free(nullptr);
+  EXPECT_EQ(device::bytes_in_use(), before);
+  device::release_cached_memory();
+  EXPECT_EQ(device::bytes_in_use(), before);
+  void* zero = device::alloc(0);
   EXPECT_NE(zero, nullptr);
-  cuda::device_free(zero);
+  device::free(zero);
   // The peak counter (gpu_kv_cache_bytes measures a step's scratch with it): the most in use since a reset.
-  cuda::reset_device_peak();
-  EXPECT_EQ(cuda::device_peak_bytes(), cuda::device_bytes_in_use());
-  void* big = cuda::device_alloc(size_t(5) << 20);
-  void* small = cuda::device_alloc(size_t(1) << 20);
-  cuda::device_free(big);
-  cuda::device_free(small);
-  EXPECT_EQ(cuda::device_peak_bytes(), before + (size_t(6) << 20));
-  cuda::reset_device_peak();
-  EXPECT_EQ(cuda::device_peak_bytes(), before);
+  device::reset_peak();
+  EXPECT_EQ(device::peak_bytes(), device::bytes_in_use());
+  void* big = device::alloc(size_t(5) << 20);
+  void* small = device::alloc(size_t(1) << 20);
+  device::free(big);
+  device::free(small);
+  EXPECT_EQ(device::peak_bytes(), before + (size_t(6) << 20));
+  device::reset_peak();
+  EXPECT_EQ(device::peak_bytes(), before);
   size_t free_bytes = 0, total_bytes = 0;
-  cuda::device_memory_info(free_bytes, total_bytes);
+  device::memory_info(free_bytes, total_bytes);
   EXPECT_GT(total_bytes, free_bytes);
 }
 
 // The pool's size classes (no device needed): small and step-sized requests round up by at most 25%,
 // so a step's scratch finds its blocks again; from 1 GiB on (weights, caches) only to the driver's 2 MiB.
 TEST(CudaPool, SizeClassesWasteLittleOnLargeBlocks) {
-  EXPECT_EQ(cuda::pool_size_class(0), 256u);
-  EXPECT_EQ(cuda::pool_size_class(1000), 1024u);
-  EXPECT_EQ(cuda::pool_size_class(size_t(64) << 10), size_t(64) << 10);
-  EXPECT_EQ(cuda::pool_size_class((size_t(64) << 10) + 1), size_t(80) << 10);  // 1.25 x 64 KiB
-  EXPECT_EQ(cuda::pool_size_class(size_t(300) << 20), size_t(320) << 20);      // 1.25 x 256 MiB
+  EXPECT_EQ(device::pool_size_class(0), 256u);
+  EXPECT_EQ(device::pool_size_class(1000), 1024u);
+  EXPECT_EQ(device::pool_size_class(size_t(64) << 10), size_t(64) << 10);
+  EXPECT_EQ(device::pool_size_class((size_t(64) << 10) + 1), size_t(80) << 10);  // 1.25 x 64 KiB
+  EXPECT_EQ(device::pool_size_class(size_t(300) << 20), size_t(320) << 20);      // 1.25 x 256 MiB
   for (size_t bytes = 100; bytes < (size_t(1) << 30); bytes = bytes * 3 / 2 + 7) {
-    const size_t cls = cuda::pool_size_class(bytes);
+    const size_t cls = device::pool_size_class(bytes);
     EXPECT_GE(cls, bytes);
     EXPECT_LE(double(cls), std::max(1.25 * double(bytes), double(bytes) + 255)) << bytes;
   }
@@ -88,7 +89,7 @@ TEST(CudaPool, SizeClassesWasteLittleOnLargeBlocks) {
   const size_t gate_up = size_t(256) * 2048 * 2304 * 2, down = size_t(256) * 2304 * 1024 * 2;
   const size_t state = size_t(512) * 44892160;
   for (size_t bytes : {gate_up, down, state, size_t(1) << 30}) {
-    const size_t cls = cuda::pool_size_class(bytes);
+    const size_t cls = device::pool_size_class(bytes);
     EXPECT_EQ(cls % (size_t(2) << 20), 0u) << bytes;
     EXPECT_GE(cls, bytes);
     EXPECT_LT(cls - bytes, size_t(2) << 20) << bytes;
@@ -104,14 +105,14 @@ TEST(CudaRuntime, CopiesRoundTrip) {
     std::vector<float> host = test::random_vector(rng, n);
     DeviceBuffer a(n * 4), b(n * 4);
     b.poison();
-    cuda::copy_to_device(a.get(), host.data(), n * 4);
-    cuda::copy_device(b.get(), a.get(), n * 4);
+    device::copy_to_device(a.get(), host.data(), n * 4);
+    device::copy_device(b.get(), a.get(), n * 4);
     std::vector<float> back(n, -7.0f);
-    cuda::copy_to_host_sync(back.data(), b.get(), n * 4);
+    device::copy_to_host_sync(back.data(), b.get(), n * 4);
     EXPECT_EQ(std::memcmp(back.data(), host.data(), n * 4), 0) << "n=" << n;
   }
-  cuda::copy_to_device(nullptr, nullptr, 0);  // empty copies are no-ops
-  cuda::synchronize();
+  device::copy_to_device(nullptr, nullptr, 0);  // empty copies are no-ops
+  device::synchronize();
 }
 
 // Timing marks on the stream (ops::TimeMark, what bench forward --profile reads): the time between two
@@ -125,7 +126,7 @@ TEST(CudaRuntime, TimeMarksMeasureTheStreamsWork) {
   const ops::TimeMark empty_to = ops::TimeMark::now(Device::Cuda);
   const auto wall0 = std::chrono::steady_clock::now();
   const ops::TimeMark from = ops::TimeMark::now(Device::Cuda);
-  for (int i = 0; i < 4; ++i) cuda::copy_device(b.get(), a.get(), bytes);
+  for (int i = 0; i < 4; ++i) device::copy_device(b.get(), a.get(), bytes);
   const ops::TimeMark to = ops::TimeMark::now(Device::Cuda);
   const double seconds = seconds_between(from, to);  // waits for the copies
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();

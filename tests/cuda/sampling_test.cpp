@@ -19,7 +19,8 @@
 #include "core/error.h"
 #include "gpu_test_util.h"
 #include "kernels/cpu/sampling.h"
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 #include "kernels/cuda/sampling/sampling.h"
 #include "rt_test_util.h"
 

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::cuda {
 

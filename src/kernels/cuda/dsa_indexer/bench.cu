@@ -14,7 +14,7 @@
 #include "kernels/cuda/dsa_indexer/index_scores.h"
 #include "kernels/cuda/bench_random.cuh"
 #include "kernels/cuda/kernel_bench.h"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::cuda {
 namespace {

@@ -21,7 +21,7 @@
 #include "kernels/cuda/dsa_indexer/decode_rows.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/wgmma.cuh"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::cuda {
 

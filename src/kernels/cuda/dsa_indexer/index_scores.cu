@@ -32,7 +32,7 @@
 
 #include "core/error.h"
 #include "kernels/cuda/paged.cuh"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::cuda {
 namespace {

@@ -13,7 +13,7 @@
 
 #include <type_traits>
 
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::cuda {
 

@@ -15,8 +15,9 @@
 #include "kernels/cuda/gemm/gemm_fp8.h"
 #include "kernels/cuda/gemm/gemm_skinny.h"
 #include "kernels/cuda/kernel_bench.h"
-#include "kernels/cuda/runtime/cuda_check.h"
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/cuda_check.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 
 namespace sparrow::cuda {
 
@@ -47,7 +48,7 @@ bool wanted(const KernelBenchOptions& options, const char* kernel) {
 
 // One bf16 gemm_nt row: y[m, n] = x[m, k] · w[n, k]ᵀ, all bf16.
 KernelBenchRow bf16_row(const std::string& shape, int64_t m, int64_t n, int64_t k, int iterations) {
-  void *x = device_alloc(m * k * 2), *w = device_alloc(n * k * 2), *y = device_alloc(m * n * 2);
+  void *x = device::alloc(m * k * 2), *w = device::alloc(n * k * 2), *y = device::alloc(m * n * 2);
   fill_bf16<<<1024, 256, 0, stream()>>>(static_cast<__nv_bfloat16*>(x), m * k, 1);
   fill_bf16<<<1024, 256, 0, stream()>>>(static_cast<__nv_bfloat16*>(w), n * k, 2);
   SPARROW_CUDA_CHECK_LAUNCH();
@@ -61,9 +62,9 @@ KernelBenchRow bf16_row(const std::string& shape, int64_t m, int64_t n, int64_t 
   row.bytes = 2.0 * (m * k + n * k + m * n);
   row.flops = 2.0 * m * n * k;
   row.note = "cuBLASLt, bf16 in and out, fp32 accumulation";
-  device_free(x);
-  device_free(w);
-  device_free(y);
+  device::free(x);
+  device::free(w);
+  device::free(y);
   return row;
 }
 
@@ -71,10 +72,10 @@ KernelBenchRow bf16_row(const std::string& shape, int64_t m, int64_t n, int64_t 
 // (row, 128 columns) inside the timed call, bf16 y.
 KernelBenchRow fp8_row(const std::string& shape, int64_t m, int64_t n, int64_t k, int iterations) {
   const int64_t scale_count = ((n + 127) / 128) * ((k + 127) / 128);
-  void* x = device_alloc(m * k * 2);
-  auto* w = static_cast<uint8_t*>(device_alloc(n * k));
-  auto* s = static_cast<float*>(device_alloc(scale_count * 4));
-  void* y = device_alloc(m * n * 2);
+  void* x = device::alloc(m * k * 2);
+  auto* w = static_cast<uint8_t*>(device::alloc(n * k));
+  auto* s = static_cast<float*>(device::alloc(scale_count * 4));
+  void* y = device::alloc(m * n * 2);
   fill_bf16<<<1024, 256, 0, stream()>>>(static_cast<__nv_bfloat16*>(x), m * k, 1);
   fill_e4m3<<<1024, 256, 0, stream()>>>(w, n * k, 2);
   fill_scales<<<64, 256, 0, stream()>>>(s, scale_count, 3);
@@ -92,10 +93,10 @@ KernelBenchRow fp8_row(const std::string& shape, int64_t m, int64_t n, int64_t k
   row.fp8_products = true;
   row.note = "cuBLASLt fp8 gemm, e4m3 x e4m3, 128x128 weight / 1x128 activation fp32 block scales, bf16 x quantised "
              "in the call, bf16 out";
-  device_free(x);
-  device_free(w);
-  device_free(s);
-  device_free(y);
+  device::free(x);
+  device::free(w);
+  device::free(s);
+  device::free(y);
   return row;
 }
 
@@ -105,12 +106,12 @@ KernelBenchRow fp8_row(const std::string& shape, int64_t m, int64_t n, int64_t k
 void skinny_rows(const std::string& shape, int64_t m, int64_t n, int64_t k, bool fp8, int iterations,
                  std::vector<KernelBenchRow>& rows) {
   const int64_t scale_count = fp8 ? ((n + 127) / 128) * ((k + 127) / 128) : 0;
-  void* x = device_alloc(m * k * 2);
-  void* w = device_alloc(n * k * (fp8 ? 1 : 2));
-  auto* s = fp8 ? static_cast<float*>(device_alloc(scale_count * 4)) : nullptr;
-  void* y = device_alloc(m * n * 2);
+  void* x = device::alloc(m * k * 2);
+  void* w = device::alloc(n * k * (fp8 ? 1 : 2));
+  auto* s = fp8 ? static_cast<float*>(device::alloc(scale_count * 4)) : nullptr;
+  void* y = device::alloc(m * n * 2);
   const size_t ws_bytes = gemm_skinny_workspace_bytes(m, n, k, fp8);
-  void* ws = ws_bytes ? device_alloc(ws_bytes) : nullptr;
+  void* ws = ws_bytes ? device::alloc(ws_bytes) : nullptr;
   fill_bf16<<<1024, 256, 0, stream()>>>(static_cast<__nv_bfloat16*>(x), m * k, 1);
   if (fp8) {
     fill_e4m3<<<1024, 256, 0, stream()>>>(static_cast<uint8_t*>(w), n * k, 2);
@@ -157,11 +158,11 @@ void skinny_rows(const std::string& shape, int64_t m, int64_t n, int64_t k, bool
   lt.note = fp8 ? "cuBLASLt beside gemm_skinny_fp8: x quantised per 1x128 in the call, FP8 tensor cores"
                 : "cuBLASLt beside gemm_skinny_bf16";
   rows.push_back(lt);
-  device_free(x);
-  device_free(w);
-  device_free(s);
-  device_free(y);
-  device_free(ws);
+  device::free(x);
+  device::free(w);
+  device::free(s);
+  device::free(y);
+  device::free(ws);
 }
 
 }  // namespace

@@ -3,7 +3,8 @@
 #include <map>
 #include <mutex>
 
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 
 namespace sparrow::cuda {
 
@@ -29,7 +30,7 @@ void* cublaslt_workspace(cudaStream_t stream) {
   Shared& s = shared();
   std::lock_guard<std::mutex> lock(s.mu);
   void*& workspace = s.workspaces[stream];
-  if (workspace == nullptr) workspace = device_alloc(kCublasWorkspaceBytes);
+  if (workspace == nullptr) workspace = device::alloc(kCublasWorkspaceBytes);
   return workspace;
 }
 

@@ -18,8 +18,9 @@
 #include <tuple>
 
 #include "kernels/cuda/gemm/cublaslt.cuh"
-#include "kernels/cuda/runtime/cuda_check.h"
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/cuda_check.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 
 namespace sparrow::cuda {
 

@@ -20,8 +20,9 @@
 #include <tuple>
 
 #include "kernels/cuda/gemm/cublaslt.cuh"
-#include "kernels/cuda/runtime/cuda_check.h"
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/cuda_check.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 
 namespace sparrow::cuda {
 
@@ -237,7 +238,7 @@ Plan make_plan(const PlanKey& key, const float* a_scales, const float* b_scales)
 // waits for it, so that reuse cannot overtake it.
 class Workspace {
  public:
-  Workspace(size_t bytes, cudaStream_t stream) : p_(static_cast<char*>(device_alloc(bytes))), stream_(stream) {}
+  Workspace(size_t bytes, cudaStream_t stream) : p_(static_cast<char*>(device::alloc(bytes))), stream_(stream) {}
   ~Workspace() {
     if (stream_ != cuda::stream()) {
       Context& ctx = context();
@@ -245,7 +246,7 @@ class Workspace {
       // Errors here cannot be thrown from a destructor; a failing stream reports at the next checked call.
       if (cudaEventRecord(ctx.done, stream_) == cudaSuccess) cudaStreamWaitEvent(cuda::stream(), ctx.done, 0);
     }
-    device_free(p_);
+    device::free(p_);
   }
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;

@@ -25,8 +25,9 @@
 
 #include "core/error.h"
 #include "kernels/cuda/gemm/skinny.cuh"
-#include "kernels/cuda/runtime/cuda_check.h"
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/cuda_check.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 
 namespace sparrow::cuda {
 

@@ -60,7 +60,7 @@
 #include <cstring>
 
 #include "kernels/cuda/ptx.cuh"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::cuda::skinny {
 

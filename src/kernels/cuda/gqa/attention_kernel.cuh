@@ -40,7 +40,7 @@
 #include "kernels/cuda/gqa/gqa_attention.h"
 #include "kernels/cuda/gqa/kv_widen.cuh"
 #include "kernels/cuda/ptx.cuh"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::cuda::gqa_detail {
 

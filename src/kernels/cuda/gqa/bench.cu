@@ -25,7 +25,7 @@
 #include "kernels/cuda/gqa/gqa_attention.h"
 #include "kernels/cuda/kernel_bench.h"
 #include "kernels/cuda/quant/fp4.cuh"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::cuda {
 

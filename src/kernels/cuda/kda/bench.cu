@@ -24,7 +24,7 @@
 #include "kernels/cuda/bench_random.cuh"
 #include "kernels/cuda/kda/kda.h"
 #include "kernels/cuda/kernel_bench.h"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::cuda {
 

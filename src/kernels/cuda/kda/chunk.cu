@@ -58,7 +58,7 @@
 #include "core/error.h"
 #include "kernels/cuda/kda/kda.h"
 #include "kernels/cuda/ptx.cuh"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::cuda {
 

@@ -26,7 +26,7 @@
 
 #include "kernels/cuda/mla/mla_attention.h"
 #include "kernels/cuda/ptx.cuh"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::cuda::mla_detail {
 

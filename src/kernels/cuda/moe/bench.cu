@@ -36,8 +36,9 @@
 #include "kernels/cuda/bench_random.cuh"
 #include "kernels/cuda/kernel_bench.h"
 #include "kernels/cuda/moe/moe.h"
-#include "kernels/cuda/runtime/cuda_check.h"
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/cuda_check.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 
 namespace sparrow::cuda {
 
@@ -133,7 +134,7 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
   }
   const int64_t max_tokens = *std::max_element(token_counts.begin(), token_counts.end());
   // Other families' pooled blocks go back to the driver: the experts need most of the device.
-  release_cached_memory();
+  device::release_cached_memory();
   cudaStream_t st = stream();
 
   for (const Model& m : models)

@@ -58,7 +58,7 @@
 #include "kernels/cuda/gemm/skinny.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/wgmma.cuh"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 #include "kernels/uniform_routing.h"
 
 namespace sparrow::cuda {

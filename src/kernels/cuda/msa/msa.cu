@@ -52,7 +52,7 @@
 #include "kernels/cuda/paged.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/quant/fp4.cuh"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::cuda {
 namespace {

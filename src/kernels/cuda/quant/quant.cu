@@ -6,7 +6,7 @@
 
 #include "core/error.h"
 #include "kernels/cuda/quant/fp4.cuh"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::cuda {
 

@@ -7,7 +7,7 @@
 
 #include "kernels/cuda/bench_random.cuh"
 #include "kernels/cuda/kernel_bench.h"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 #include "kernels/cuda/sampling/sampling.h"
 
 namespace sparrow::cuda {

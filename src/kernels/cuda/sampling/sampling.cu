@@ -57,7 +57,7 @@
 
 #include <climits>
 
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::cuda {
 

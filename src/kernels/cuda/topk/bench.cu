@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "kernels/cuda/kernel_bench.h"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 #include "kernels/cuda/topk/topk.h"
 
 namespace sparrow::cuda {

@@ -27,7 +27,7 @@
 #include <climits>
 
 #include "core/error.h"
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
 namespace sparrow::cuda {
 namespace {

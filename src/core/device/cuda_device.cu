@@ -1,4 +1,4 @@
-// The GPU runtime: device probe, the engine's stream, a caching pool over cudaMalloc, checked copies.
+// The device runtime on CUDA (core/device/device.h, stream.h): device probe, the engine's stream, a caching pool over cudaMalloc, checked copies.
 //
 // Pool design (why it looks like this):
 //   * Sizes are rounded up to a size class: multiples of 256 B up to 64 KiB, then four classes per power
@@ -17,7 +17,8 @@
 //     captured graph bakes in the addresses of its scratch, so those blocks must never be handed to
 //     anyone else. They are shared by all graphs (vLLM shares one graph pool the same way): graphs run
 //     one at a time on the one stream, and none keeps data in its scratch from one replay to the next.
-#include "kernels/cuda/runtime/device.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 
 #include <algorithm>
 #include <map>
@@ -25,9 +26,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "kernels/cuda/runtime/cuda_check.h"
+#include "core/device/cuda_check.h"
 
-namespace sparrow::cuda {
+namespace sparrow::device {
 
 namespace {
 
@@ -43,7 +44,7 @@ struct Pool {
   std::unordered_map<void*, Block> live;                   // handed out
   bool capturing = false;                                  // between begin_graph_pool and end_graph_pool
   size_t in_use = 0;                                 // bytes of live blocks (by class)
-  size_t peak = 0;                                   // the most in_use has been since reset_device_peak
+  size_t peak = 0;                                   // the most in_use has been since reset_peak
   size_t cached = 0;                                 // bytes held in free lists
 };
 
@@ -75,7 +76,7 @@ void release_locked(Pool& p) {
 
 }  // namespace
 
-bool device_available() {
+bool available() {
   // Probed once. cudaGetDeviceCount reports a missing driver or device as an error code, never by
   // throwing; the sticky-free error it leaves is cleared so later checks do not see it.
   static const bool available = [] {
@@ -90,8 +91,8 @@ bool device_available() {
   return available;
 }
 
-void require_device() {
-  if (device_available()) return;
+void require() {
+  if (available()) return;
   int count = 0;
   cudaError_t status = cudaGetDeviceCount(&count);
   cudaGetLastError();
@@ -100,17 +101,8 @@ void require_device() {
   fail("no CUDA device found (use --device cpu)");
 }
 
-cudaStream_t stream() {
-  static cudaStream_t s = [] {
-    require_device();
-    cudaStream_t created = nullptr;
-    SPARROW_CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
-    return created;
-  }();
-  return s;
-}
 
-void* device_alloc(size_t bytes) {
+void* alloc(size_t bytes) {
   const size_t cls = pool_size_class(bytes);
   Pool& p = pool();
   std::lock_guard<std::mutex> lock(p.mu);
@@ -122,7 +114,7 @@ void* device_alloc(size_t bytes) {
     it->second.pop_back();
     if (!p.capturing) p.cached -= cls;
   } else {
-    require_device();
+    require();
     cudaError_t status = cudaMalloc(&ptr, cls);
     if (status == cudaErrorMemoryAllocation) {
       cudaGetLastError();  // clear, then retry with the cache handed back to the driver
@@ -144,12 +136,12 @@ void* device_alloc(size_t bytes) {
   return ptr;  // cudaMalloc returns 256-byte aligned memory
 }
 
-void device_free(void* ptr) {
+void free(void* ptr) {
   if (ptr == nullptr) return;
   Pool& p = pool();
   std::lock_guard<std::mutex> lock(p.mu);
   auto it = p.live.find(ptr);
-  SPARROW_CHECK(it != p.live.end(), "device_free: pointer was not allocated by the pool");
+  SPARROW_CHECK(it != p.live.end(), "device::free: pointer was not allocated by the pool");
   const Block block = it->second;
   p.live.erase(it);
   p.in_use -= block.size_class;
@@ -174,26 +166,26 @@ void end_graph_pool() {
   p.capturing = false;
 }
 
-size_t device_bytes_in_use() {
+size_t bytes_in_use() {
   Pool& p = pool();
   std::lock_guard<std::mutex> lock(p.mu);
   return p.in_use;
 }
 
-size_t device_peak_bytes() {
+size_t peak_bytes() {
   Pool& p = pool();
   std::lock_guard<std::mutex> lock(p.mu);
   return p.peak;
 }
 
-void reset_device_peak() {
+void reset_peak() {
   Pool& p = pool();
   std::lock_guard<std::mutex> lock(p.mu);
   p.peak = p.in_use;
 }
 
-void device_memory_info(size_t& free_bytes, size_t& total_bytes) {
-  require_device();
+void memory_info(size_t& free_bytes, size_t& total_bytes) {
+  require();
   SPARROW_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
 }
 
@@ -210,43 +202,57 @@ void copy_to_device(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
   // From pageable host memory the driver stages the bytes before returning, so `src` may be reused;
   // from pinned memory it must stay alive until the stream reaches the copy.
-  SPARROW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream()));
+  SPARROW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cuda::stream()));
 }
 
 void copy_to_host_sync(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
-  SPARROW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream()));
-  SPARROW_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  SPARROW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cuda::stream()));
+  SPARROW_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
 }
 
 void copy_device(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
-  SPARROW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream()));
+  SPARROW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cuda::stream()));
 }
 
-void zero_device(void* dst, size_t bytes) {
+void zero(void* dst, size_t bytes) {
   if (bytes == 0) return;
-  SPARROW_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream()));
+  SPARROW_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, cuda::stream()));
 }
 
-void synchronize() { SPARROW_CUDA_CHECK(cudaStreamSynchronize(stream())); }
+void synchronize() { SPARROW_CUDA_CHECK(cudaStreamSynchronize(cuda::stream())); }
 
-cudaEvent_t record_event() {
+Event record_event() {
   cudaEvent_t event = nullptr;
   SPARROW_CUDA_CHECK(cudaEventCreate(&event));
-  SPARROW_CUDA_CHECK(cudaEventRecord(event, stream()));
-  return event;
+  SPARROW_CUDA_CHECK(cudaEventRecord(event, cuda::stream()));
+  return static_cast<Event>(event);
 }
 
-float elapsed_ms(cudaEvent_t from, cudaEvent_t to) {
-  SPARROW_CUDA_CHECK(cudaEventSynchronize(to));
+float elapsed_ms(Event from, Event to) {
+  SPARROW_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(to)));
   float ms = 0;
-  SPARROW_CUDA_CHECK(cudaEventElapsedTime(&ms, from, to));
+  SPARROW_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(from), static_cast<cudaEvent_t>(to)));
   return ms;
 }
 
-void destroy_event(cudaEvent_t event) {
-  if (event) cudaEventDestroy(event);  // a release: nothing to report if the context is already gone
+void destroy_event(Event event) {
+  if (event) cudaEventDestroy(static_cast<cudaEvent_t>(event));  // a release: nothing to report if the context is already gone
+}
+
+}  // namespace sparrow::device
+
+namespace sparrow::cuda {
+
+cudaStream_t stream() {
+  static cudaStream_t s = [] {
+    device::require();
+    cudaStream_t created = nullptr;
+    SPARROW_CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
+    return created;
+  }();
+  return s;
 }
 
 }  // namespace sparrow::cuda

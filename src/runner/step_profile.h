@@ -1,5 +1,6 @@
 // Where a forward step's time goes, part by part (`sparrow bench forward --profile`, docs/bench.md). The
-// decoder marks the end of each part of a step: the step's inputs, the embedding, each layer's mixer and
+// runner marks the step's inputs and hands the profile to Model::forward as its StepMarks; the decoder
+// marks the end of each part of a step: the step's inputs, the embedding, each layer's mixer and
 // feed-forward (each with its norm and residual add), the final norm with the last rows' selection, the
 // lm_head. end_step() reads the marks (on a GPU it waits for the step: the marks are events on the
 // engine's stream, so a part's time is the device's, launch gaps included) and adds each part's time to
@@ -12,10 +13,11 @@
 #include <vector>
 
 #include "kernels/ops.h"
+#include "model/model.h"
 
 namespace sparrow {
 
-class StepProfile {
+class StepProfile final : public StepMarks {
  public:
   struct Part {
     std::string name;
@@ -24,7 +26,7 @@ class StepProfile {
   };
 
   void start(Device device);             // a step begins
-  void mark(const std::string& part);    // the time since the previous mark (or the start) is `part`'s
+  void mark(const std::string& part) override;  // the time since the previous mark (or the start) is `part`'s
   void end_step();                       // reads the step's marks into the totals
   const std::vector<Part>& parts() const { return parts_; }  // in the order first seen
   int64_t steps() const { return steps_; }

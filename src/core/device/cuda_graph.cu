@@ -1,20 +1,23 @@
-#include "kernels/cuda/runtime/graph.h"
+#include "core/device/graph.h"
 
 #include <exception>
 #include <string>
 
-#include "kernels/cuda/runtime/cuda_check.h"
-#include "kernels/cuda/runtime/device.h"
+#include <cuda_runtime_api.h>
 
-namespace sparrow::cuda {
+#include "core/device/cuda_check.h"
+#include "core/device/device.h"
+#include "core/device/stream.h"
 
-CudaGraph::~CudaGraph() {
-  if (exec_) cudaGraphExecDestroy(exec_);  // errors ignored: nothing to do about them here
+namespace sparrow::device {
+
+Graph::~Graph() {
+  if (exec_) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));  // errors ignored: nothing to do about them here
 }
 
-void CudaGraph::capture(const std::function<void()>& work) {
-  SPARROW_CHECK(exec_ == nullptr, "CudaGraph::capture: already captured");
-  cudaStream_t s = stream();
+void Graph::capture(const std::function<void()>& work) {
+  SPARROW_CHECK(exec_ == nullptr, "device::Graph::capture: already captured");
+  cudaStream_t s = cuda::stream();
   // Relaxed mode: the capture allows cudaMalloc (the graph pool may need fresh blocks), which the
   // global mode forbids; nothing else runs on this thread meanwhile.
   SPARROW_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
@@ -35,18 +38,19 @@ void CudaGraph::capture(const std::function<void()>& work) {
     if (graph) cudaGraphDestroy(graph);
     fail("CUDA graph capture failed: ", failure);
   }
-  const cudaError_t made = cudaGraphInstantiate(&exec_, graph, 0);
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
   cudaGraphDestroy(graph);
   if (made != cudaSuccess) {
-    exec_ = nullptr;
     cudaGetLastError();
     fail("CUDA graph instantiation failed: ", cudaGetErrorString(made));
   }
+  exec_ = exec;
 }
 
-void CudaGraph::replay() {
-  SPARROW_CHECK(exec_ != nullptr, "CudaGraph::replay: nothing captured");
-  SPARROW_CUDA_CHECK(cudaGraphLaunch(exec_, stream()));
+void Graph::replay() {
+  SPARROW_CHECK(exec_ != nullptr, "device::Graph::replay: nothing captured");
+  SPARROW_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_), cuda::stream()));
 }
 
-}  // namespace sparrow::cuda
+}  // namespace sparrow::device

@@ -1,4 +1,4 @@
-#include "model/device_step.h"
+#include "runner/step_inputs.h"
 
 #include <algorithm>
 #include <cstring>
@@ -140,8 +140,7 @@ std::shared_ptr<const DeviceStep> upload_device_step(const Batch& batch, const S
   return step;
 }
 
-const DeviceStep& device_step(const Batch& batch, Device device) {
-  if (batch.device_step) return *batch.device_step;
+const DeviceStep& attach_device_step(const Batch& batch, Device device) {
   const StepShape shape = step_shape(batch, device);
   const int64_t bytes = step_buffer_bytes(batch.size(), int64_t(batch.seqs.size()), shape);
   upload_device_step(batch, shape, Tensor::empty({bytes}, ScalarType::U8, device));

@@ -1,5 +1,6 @@
-// Every CUDA runtime call and every kernel launch is checked; a failure becomes a sparrow::Error whose
-// one-line message names the call, the file and line, and CUDA's own description.
+// Every CUDA runtime call and every kernel launch is checked, in the runtime (core/device) and the
+// kernels alike; a failure becomes a sparrow::Error whose one-line message names the call, the file and
+// line, and CUDA's own description.
 #pragma once
 #include <cuda_runtime_api.h>
 

@@ -1,4 +1,4 @@
-#include "model/step_profile.h"
+#include "runner/step_profile.h"
 
 #include <algorithm>
 

@@ -18,7 +18,7 @@
 #include <tuple>
 
 #include "core/tensor.h"
-#include "model/device_step.h"
+#include "runner/step_inputs.h"
 
 namespace sparrow {
 
@@ -31,7 +31,7 @@ class DecodeGraphs {
 
   // A decode step a graph may run: every sequence brings one token and only last-token logits are asked.
   static bool eligible(const Batch& batch);
-  // The padded shape a graph uses for `least` (the batch's own shape, device_step.h).
+  // The padded shape a graph uses for `least` (the batch's own shape, step_inputs.h).
   static StepShape padded(const StepShape& least, int64_t block_size);
 
   // Runs `compute` (the forward pass over batch.device_step, returning logits on the device) for an

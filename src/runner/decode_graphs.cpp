@@ -1,13 +1,10 @@
-#include "model/decode_graphs.h"
+#include "runner/decode_graphs.h"
 
 #include <cstdio>
 
+#include "core/device/device.h"
+#include "core/device/graph.h"
 #include "core/error.h"
-
-#if SPARROW_HAVE_CUDA
-#include "kernels/cuda/runtime/device.h"
-#include "kernels/cuda/runtime/graph.h"
-#endif
 
 namespace sparrow {
 
@@ -23,16 +20,12 @@ int64_t bucket(int64_t n) {
 
 }  // namespace
 
-#if SPARROW_HAVE_CUDA
 struct DecodeGraphs::Graph {
-  Tensor inputs;  // the step's inputs (device_step.h), refilled before each replay
+  Tensor inputs;  // the step's inputs (model/device_step.h), refilled before each replay
   Tensor logits;  // written by each replay (graph pool)
-  cuda::CudaGraph graph;
+  device::Graph graph;
   int64_t last_used = 0;
 };
-#else
-struct DecodeGraphs::Graph {};
-#endif
 
 DecodeGraphs::DecodeGraphs(int64_t max_graphs) : max_graphs_(max_graphs) {}
 DecodeGraphs::~DecodeGraphs() = default;
@@ -52,7 +45,6 @@ StepShape DecodeGraphs::padded(const StepShape& least, int64_t block_size) {
 }
 
 Tensor DecodeGraphs::run(const Batch& batch, Device device, const std::function<Tensor()>& compute) {
-#if SPARROW_HAVE_CUDA
   SPARROW_CHECK(eligible(batch), "DecodeGraphs::run: not a decode step");
   const StepShape least = step_shape(batch, device);
   const StepShape shape = padded(least, batch.seqs[0].cache().paged()->block_size());
@@ -70,7 +62,7 @@ Tensor DecodeGraphs::run(const Batch& batch, Device device, const std::function<
       auto oldest = graphs_.begin();
       for (auto g = graphs_.begin(); g != graphs_.end(); ++g)
         if (g->second->last_used < oldest->second->last_used) oldest = g;
-      cuda::synchronize();  // its last replay may still run
+      device::synchronize();  // its last replay may still run
       graphs_.erase(oldest);
     }
     auto graph = std::make_unique<Graph>();
@@ -93,12 +85,6 @@ Tensor DecodeGraphs::run(const Batch& batch, Device device, const std::function<
   g.graph.replay();
   ++replays_;
   return g.logits.clone();  // the next replay overwrites g.logits
-#else
-  (void)batch;
-  (void)device;
-  (void)compute;
-  fail("CUDA graphs in a build without the CUDA backend");
-#endif
 }
 
 }  // namespace sparrow
