@@ -26,10 +26,9 @@ void generate_text(const std::string& model_dir, const std::string& device, cons
   auto model = load_cli_model(model_dir, device);
   std::vector<int32_t> prompt = tokenizer->encode_with_special_tokens(prompt_text);
   IncrementalDetokenizer detokenizer(*tokenizer);
-  generate_streaming(*model, prompt, options.sampling, options.stop_token_ids, options.max_tokens,
-                     model_context_length(model_dir), [&](int32_t token) {
-                       if (!options.stop_token_ids.count(token)) write_now(detokenizer.push(token).text);
-                     });
+  generate_streaming(*model, prompt, options, model_context_length(model_dir), [&](int32_t token) {
+    if (!options.stop_token_ids.count(token)) write_now(detokenizer.push(token).text);
+  });
   write_now(detokenizer.finish().text + "\n");
 }
 
