@@ -1,17 +1,21 @@
 // The text commands of the `sparrow` binary on the bundled trained models, as a user runs them:
 // perplexity equal to what transformers measures (tools/perplexity_reference.py wrote the reference),
-// generate --prompt continuing Python with the default model, and chat calling the calculator tool.
+// generate --prompt continuing Python with the default model (as generate --prompt-ids does for the same
+// ids: one engine loop under both), and chat calling the calculator tool.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 
+#include "engine/generate.h"
 #include "test_util.h"
+#include "tokenizer/tokenizer.h"
 
 namespace fs = std::filesystem;
 
@@ -97,6 +101,46 @@ TEST(TextCli, GenerateContinuesPythonWithTheDefaultModel) {
       << text;
   // Greedy generation is deterministic.
   EXPECT_EQ(run("generate --prompt 'def fibonacci(n):' --temperature 0 --max-tokens 40").out, r.out);
+}
+
+// `generate --prompt` runs the engine's loop as `generate --prompt-ids` does: the text it streams is the
+// decoding of the tokens the JSON form returns for the prompt's ids (less the end token), greedy or
+// seeded, and at the model's context it stops where a request for the room left would.
+TEST(TextCli, GenerateTextIsTheDecodedContinuationOfItsPromptIds) {
+  sparrow::testing::TempDir dir;
+  const std::string bundled = (kSource / "models/minimax_m3").string();
+  auto tokenizer = sparrow::load_tokenizer(bundled);
+  const std::set<int32_t> end_tokens = sparrow::eos_token_ids(bundled);
+  const std::string prompt = "def fibonacci(n):";
+  const std::vector<int32_t> prompt_ids = tokenizer->encode_with_special_tokens(prompt);
+  const std::string prompt_ids_path = dir.write("prompt.json", nlohmann::json({{"prompts", {prompt_ids}}}).dump());
+  auto expect_same_continuation = [&](const std::string& model, const std::string& text_flags,
+                                      const std::string& ids_flags) {
+    SCOPED_TRACE(text_flags);
+    CommandResult text = run("generate --model " + model + " --prompt '" + prompt + "' " + text_flags);
+    CommandResult ids = run("generate --model " + model + " --prompt-ids " + prompt_ids_path + " " + ids_flags);
+    ASSERT_EQ(text.status, 0) << text.err;
+    ASSERT_EQ(ids.status, 0) << ids.err;
+    std::vector<int32_t> completion = nlohmann::json::parse(ids.out)["completions"][0].get<std::vector<int32_t>>();
+    ASSERT_FALSE(completion.empty());
+    if (end_tokens.count(completion.back())) completion.pop_back();  // kept in the ids, not written as text
+    EXPECT_EQ(text.out, tokenizer->decode(completion) + "\n");
+  };
+  for (const std::string& flags : {"--temperature 0 --max-tokens 40", "--temperature 1 --seed 3 --max-tokens 300",
+                                   "--temperature 1 --seed 3 --max-tokens 300 --ignore-eos"})
+    expect_same_continuation(bundled, flags, flags);
+
+  // A context of the prompt and 5 more tokens.
+  const fs::path short_context = fs::path(dir.path()) / "short_context";
+  fs::create_directories(short_context);
+  for (const auto& entry : fs::directory_iterator(bundled))
+    if (entry.path().filename() != "config.json")
+      fs::create_symlink(entry.path(), short_context / entry.path().filename());
+  nlohmann::json config = nlohmann::json::parse(slurp(fs::path(bundled) / "config.json"));
+  config["seq_length"] = prompt_ids.size() + 5;
+  std::ofstream(short_context / "config.json") << config.dump();
+  expect_same_continuation(short_context.string(), "--temperature 0 --max-tokens 40 --ignore-eos",
+                           "--temperature 0 --max-tokens 5 --ignore-eos");
 }
 
 TEST(TextCli, ChatShowsReasoningAndTheCalculatorCall) {

@@ -2,7 +2,7 @@
 """The perplexity transformers measures on a text file, computed exactly as `sparrow perplexity` does,
 so that tests/text_cli_test.cpp can check sparrow against it (within 0.5%).
 
-The recipe (shared with src/cli/perplexity.cpp):
+The recipe (shared with src/cli/perplexity_command.cpp):
   ids     = the tokenizer's ids of the whole file (no special tokens added; a BOS first only when
             tokenizer_config.json says add_bos_token)
   windows = consecutive, non-overlapping runs of W = min(context, 1024) ids, where context is

@@ -1,5 +1,8 @@
 // Subcommands of the `sparrow` binary. add_X registers X's flags and remembers what to run when X is
-// selected; run_selected() runs it after parsing.
+// selected; run_selected() runs it after parsing. Each lives in X_command.cpp (detokenize beside tokenize,
+// bench kv-quality in kv_quality_command.cpp), so that no file here shares its name with one of the
+// engine's (engine/generate.cpp, cache/kv_plan.cpp); what several share is in common.cpp and
+// text_generation.h.
 #pragma once
 #include <CLI/CLI.hpp>
 
@@ -26,7 +29,7 @@ void add_detokenize(CLI::App& app);
 void add_chat(CLI::App& app);
 void add_perplexity(CLI::App& app);
 void add_kv_plan(CLI::App& app);
-// sparrow bench kv-quality (kv_quality.cpp), registered under `bench`.
+// sparrow bench kv-quality (kv_quality_command.cpp), registered under `bench`.
 void add_bench_kv_quality(CLI::App* bench);
 
 // The bundled model's folder (models/minimax_m3, found beside the executable's folder or in the
@@ -67,9 +70,9 @@ void apply_cache_format_flags(const std::string& kv_cache_dtype, const std::stri
 // prefix caching, a budget of just the rows it needs): the logits [ids.size(), vocab] on the CPU.
 Tensor forward_in_kv_cache(ModelRunner& runner, const std::vector<int32_t>& ids, CacheConfig config);
 
-// perplexity's recipe (perplexity.cpp): the ids cut into consecutive windows of `window` tokens (a last
-// window of one token dropped), and the summed negative log-likelihood of a window's tokens after its
-// first given its logits.
+// perplexity's recipe (perplexity_command.cpp): the ids cut into consecutive windows of `window` tokens
+// (a last window of one token dropped), and the summed negative log-likelihood of a window's tokens after
+// its first given its logits.
 std::vector<std::vector<int32_t>> perplexity_windows(const std::vector<int32_t>& ids, int64_t window);
 double window_nll(const Tensor& logits, const std::vector<int32_t>& chunk);
 

@@ -1,5 +1,6 @@
 // `sparrow <subcommand>`: the command-line front end. Each subcommand is a small function in its own
-// file; this file only wires them to CLI11 and turns errors into one line on stderr and exit code 1.
+// file (<subcommand>_command.cpp); this file only wires them to CLI11 and turns errors into one line on
+// stderr and exit code 1.
 #include <CLI/CLI.hpp>
 
 #include <cstdio>

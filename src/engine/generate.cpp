@@ -12,17 +12,15 @@
 
 namespace sparrow {
 
-std::vector<std::vector<int32_t>> generate(Model& model, const std::vector<std::vector<int32_t>>& prompts,
-                                           const GenerateOptions& options) {
-  SPARROW_CHECK(options.max_tokens >= 0, "max_tokens must be >= 0, got ", options.max_tokens);
-  const size_t n = prompts.size();
-  std::vector<std::vector<int32_t>> out(n);
-  if (options.max_tokens == 0 || n == 0) return out;
+namespace {
 
-  // The serving engine's loop, sized so that every prompt is prefilled in the first step and all
-  // decode together after it, with a cache just big enough for every sequence at its full length.
+// The serving engine's loop sized so that every prompt is prefilled in the first step and all decode
+// together after it, with a cache just big enough for every sequence at its full length (prompt +
+// max_tokens) and no prefix caching (nothing is shared or reused offline).
+EngineConfig offline_engine_config(const Model& model, const std::vector<std::vector<int32_t>>& prompts,
+                                   int64_t max_tokens) {
   EngineConfig config;
-  config.max_num_seqs = int64_t(n);
+  config.max_num_seqs = int64_t(prompts.size());
   config.max_num_batched_tokens = 0;
   config.cache.enable_prefix_caching = false;
   config.cache.max_num_seqs = config.max_num_seqs;
@@ -30,25 +28,53 @@ std::vector<std::vector<int32_t>> generate(Model& model, const std::vector<std::
   const CachePlan plan = plan_cache(model.cache_spec(), config.cache);
   int64_t blocks = 0;
   for (const auto& prompt : prompts) {
-    const int64_t length = int64_t(prompt.size()) + options.max_tokens;
+    const int64_t length = int64_t(prompt.size()) + max_tokens;
     config.max_num_batched_tokens += int64_t(prompt.size());
     config.max_model_len = std::max(config.max_model_len, length);
     blocks += (length + plan.block_size - 1) / plan.block_size;
   }
   config.cache.memory_bytes = blocks * plan.row_bytes + plan.num_state_slots * plan.state_slot_bytes;
   config.max_num_batched_tokens = std::max<int64_t>(config.max_num_batched_tokens, 1);
+  return config;
+}
+
+}  // namespace
+
+void generate(Model& model, const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& options,
+              const OnGeneratedToken& on_token) {
+  SPARROW_CHECK(options.max_tokens >= 0, "max_tokens must be >= 0, got ", options.max_tokens);
+  if (options.max_tokens == 0 || prompts.empty()) return;
+
+  EngineConfig config = offline_engine_config(model, prompts, options.max_tokens);
+  // The stop ids become the engine's end-of-sequence ids and, with no tokenizer, its only ones: a sequence
+  // ends right after one of them (kept in its tokens) and nowhere else, and they are masked until
+  // min_tokens exist, as SamplingParams::stop_token_ids would be. The two differ only in the event's
+  // stop_reason, not read here, and in ignore_eos switching these off (`sparrow generate --ignore-eos`
+  // empties the set instead).
   config.eos_token_ids.assign(options.stop_token_ids.begin(), options.stop_token_ids.end());
+  config.runner = options.runner;
   EngineCore engine(model, /*tokenizer=*/nullptr, config);
-  for (size_t i = 0; i < n; ++i) {
+  bool step_failed = false;
+  for (size_t i = 0; i < prompts.size(); ++i) {
     Request request{std::to_string(i), prompts[i], options.sampling};
     request.params.max_tokens = options.max_tokens;
     if (request.params.seed) *request.params.seed += i;  // prompt i draws with seed + i
-    engine.add(std::move(request), [&out, i](const RequestOutput& event) {
-      out[i].insert(out[i].end(), event.new_tokens.begin(), event.new_tokens.end());
+    engine.add(std::move(request), [&on_token, &step_failed, i](const RequestOutput& event) {
+      for (int32_t token : event.new_tokens) on_token(i, token);
+      step_failed |= event.finish_reason == "error";
     });
   }
   while (engine.step()) {
+    // The engine ends a failed step's requests and goes on (a server must); here the output would be cut
+    // short without a word, so the failure ends the generation.
+    SPARROW_CHECK(!step_failed, "generation stopped: a step of the model failed (the cause is printed above)");
   }
+}
+
+std::vector<std::vector<int32_t>> generate(Model& model, const std::vector<std::vector<int32_t>>& prompts,
+                                           const GenerateOptions& options) {
+  std::vector<std::vector<int32_t>> out(prompts.size());
+  generate(model, prompts, options, [&out](size_t prompt, int32_t token) { out[prompt].push_back(token); });
   return out;
 }
 

@@ -1,13 +1,18 @@
-// Offline generation over a fixed set of prompts: all prompts are prefilled in one batch, then every
-// unfinished sequence decodes one token per step in one batch, each against its own cache (the
-// prefix is never recomputed). The serving engine's scheduler generalises this loop.
+// Offline generation over a fixed set of prompts, run by the serving engine's loop (EngineCore): all
+// prompts are prefilled in one batch, then every unfinished sequence decodes one token per step in one
+// batch, each against its own cache (the prefix is never recomputed). `sparrow generate` (both forms) and
+// `sparrow chat` generate through here, so the engine is the only generation loop.
 #pragma once
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "engine/sampler.h"
 #include "model/model.h"
+#include "runner/model_runner.h"
 
 namespace sparrow {
 
@@ -15,8 +20,16 @@ struct GenerateOptions {
   int64_t max_tokens = 16;
   SamplingParams sampling;
   std::set<int32_t> stop_token_ids;  // generation ends after emitting one of these (it is kept)
+  RunnerOptions runner;              // how the engine's runner runs steps (--enforce-eager)
 };
 
+// Calls on_token(i, id) for each token generated after prompts[i] as soon as it is sampled (a stop token
+// too), in the order of the steps. Prompt i samples with options.sampling.seed + i when seeded. Throws
+// sparrow::Error when a step of the model fails (the engine prints its cause to stderr).
+using OnGeneratedToken = std::function<void(size_t prompt, int32_t token)>;
+void generate(Model& model, const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& options,
+              const OnGeneratedToken& on_token);
+// The same, the tokens of each prompt collected.
 std::vector<std::vector<int32_t>> generate(Model& model, const std::vector<std::vector<int32_t>>& prompts,
                                            const GenerateOptions& options);
 

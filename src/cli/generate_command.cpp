@@ -26,10 +26,9 @@ void generate_text(const std::string& model_dir, const std::string& device, cons
   auto model = load_cli_model(model_dir, device);
   std::vector<int32_t> prompt = tokenizer->encode_with_special_tokens(prompt_text);
   IncrementalDetokenizer detokenizer(*tokenizer);
-  generate_streaming(*model, prompt, options.sampling, options.stop_token_ids, options.max_tokens,
-                     model_context_length(model_dir), [&](int32_t token) {
-                       if (!options.stop_token_ids.count(token)) write_now(detokenizer.push(token).text);
-                     });
+  generate_streaming(*model, prompt, options, model_context_length(model_dir), [&](int32_t token) {
+    if (!options.stop_token_ids.count(token)) write_now(detokenizer.push(token).text);
+  });
   write_now(detokenizer.finish().text + "\n");
 }
 
@@ -60,6 +59,7 @@ void add_generate(CLI::App& app) {
     validate(options.sampling);
     SPARROW_CHECK(options.max_tokens >= 0, "--max-tokens must be >= 0");
     if (!ignore_eos) options.stop_token_ids = eos_token_ids(model_dir);
+    options.runner = cli_runner_options();
     if (text->count()) return generate_text(model_dir, device, prompt_text, options);
 
     auto prompts = read_prompt_ids(prompts_path);

@@ -114,8 +114,13 @@ void run_chat(ChatFlags& flags) {
   const std::string default_parser = parser_for(model->model_type());
   if (flags.reasoning_parser.empty()) flags.reasoning_parser = default_parser;
   if (flags.tool_call_parser.empty()) flags.tool_call_parser = default_parser;
-  std::set<int32_t> end_tokens = eos_token_ids(flags.model_dir);
-  if (tokenizer->eos_id()) end_tokens.insert(*tokenizer->eos_id());
+  GenerateOptions options;
+  options.sampling = flags.sampling;
+  options.max_tokens = flags.max_tokens;
+  options.runner = cli_runner_options();
+  options.stop_token_ids = eos_token_ids(flags.model_dir);
+  if (tokenizer->eos_id()) options.stop_token_ids.insert(*tokenizer->eos_id());
+  const std::set<int32_t>& end_tokens = options.stop_token_ids;
   const int64_t context = model_context_length(flags.model_dir);
 
   const bool terminal = isatty(STDIN_FILENO) && isatty(STDOUT_FILENO);
@@ -162,10 +167,9 @@ void run_chat(ChatFlags& flags) {
     };
 
     IncrementalDetokenizer detokenizer(*tokenizer);
-    generate_streaming(*model, tokenizer->encode(prompt), flags.sampling, end_tokens, flags.max_tokens, context,
-                       [&](int32_t token) {
-                         if (!end_tokens.count(token)) show(parser.feed(detokenizer.push(token).text));
-                       });
+    generate_streaming(*model, tokenizer->encode(prompt), options, context, [&](int32_t token) {
+      if (!end_tokens.count(token)) show(parser.feed(detokenizer.push(token).text));
+    });
     show(parser.feed(detokenizer.finish().text));
     show(parser.finish());
     for (const auto& call : reply.tool_calls) printer.tool_call(call);

@@ -11,7 +11,7 @@
 //   (src/bench/serve_bench.h, docs/bench.md).
 // sparrow bench kv-quality --model DIR --file TEXT [--kv-cache-dtype D,...] [--indexer-kv-dtype D,...]
 //   Perplexity, logit error against the float32 cache and indexer top-k recall per cache format
-//   (kv_quality.cpp).
+//   (kv_quality_command.cpp).
 // sparrow bench sweep [bench serve's flags] [--concurrencies 1,2,...,256] [--launch 'SERVE ARGS'] ...
 //   bench serve at each concurrency, one sweep JSON with the decode roofline beside every point
 //   (src/bench/sweep.h; tools/plot_sweep.py draws it).
