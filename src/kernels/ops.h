@@ -100,7 +100,7 @@ Tensor moe_experts(const Tensor& x, const DeviceRouting& routing, const Tensor& 
 std::vector<int32_t> sample_tokens(const Tensor& logits, std::span<const TokenDraw> draws,
                                    std::span<const LogitAdjustment> adjustments);
 
-// A point on a device's timeline, for profiling (model/step_profile.h): on the CPU, whose ops return when
+// A point on a device's timeline, for profiling (runner/step_profile.h): on the CPU, whose ops return when
 // their work is done, the clock; on a GPU an event recorded after the work queued so far.
 class TimeMark {
  public:

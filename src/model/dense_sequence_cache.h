@@ -1,5 +1,5 @@
 // The offline SequenceCache: one growable fp32 buffer per (layer, page kind) and one per (layer, state
-// kind), owned by the sequence. Model::new_sequence() hands these out for tests, `sparrow score` and
+// kind), owned by the sequence. ModelRunner::new_sequence() hands these out for tests, `sparrow score` and
 // `sparrow generate`; the serving engine uses the paged cache (cache/kv_cache.h) instead.
 #pragma once
 #include <cstdint>

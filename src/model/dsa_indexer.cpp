@@ -169,13 +169,9 @@ Tensor DsaIndexer::select_gpu(const Tensor& x, const Tensor& q_resid, const Batc
                 cuda::kDsaIndexDim, " with 32 or 64 heads (DeepSeek-V3.2, Kimi K3); this model has ", heads, " x ",
                 dim);
   const DeviceStep& step = device_step(batch);
-  cuda::DsaKeyFormat key_format{};
-  switch (step.format(layer, PageKind::DsaIndexKey)) {
-    case PageFormat::Fp8IndexKey: key_format = cuda::DsaKeyFormat::Fp8; break;
-    case PageFormat::Mxfp4Rows: key_format = cuda::DsaKeyFormat::Mxfp4; break;
-    case PageFormat::Nvfp4Rows: key_format = cuda::DsaKeyFormat::Nvfp4; break;
-    default: fail("the GPU indexer reads fp8, mxfp4 or nvfp4 index keys (indexer_kv_dtype), not float32 or bfloat16");
-  }
+  const PageFormat key_format = step.format(layer, PageKind::DsaIndexKey);
+  SPARROW_CHECK(cuda::dsa_reads_key_format(key_format),
+                "the GPU indexer reads fp8, mxfp4 or nvfp4 index keys (indexer_kv_dtype), not float32 or bfloat16");
   cudaStream_t stream = cuda::stream();
 
   // The same projections, norm and rotation as select(), in bf16; head_dim^-0.5 joins num_heads^-0.5 in
@@ -201,7 +197,7 @@ Tensor DsaIndexer::select_gpu(const Tensor& x, const Tensor& q_resid, const Batc
   // so do prefill chunks with 4-bit keys, which the same (wgmma) kernel scores at every row count.
   const bool pairs =
       std::all_of(batch.seqs.begin(), batch.seqs.end(), [](const SeqSlice& s) { return s.count == 2; }) ||
-      (key_format != cuda::DsaKeyFormat::Fp8 && rows >= 2 * int64_t(batch.seqs.size()));
+      (key_format != PageFormat::Fp8IndexKey && rows >= 2 * int64_t(batch.seqs.size()));
   cuda::dsa_index_scores(q_fp8.as<uint8_t>(), w_folded.as<float>(), rows, int(heads), step.row_seq.as<int32_t>(),
                          step.row_visible.as<int32_t>(), pool, step.page_table.as<int64_t>(), step.table_stride,
                          step.block_size(), key_format, score_rows.as<float>(), ld, step.max_visible, stream,

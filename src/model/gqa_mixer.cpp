@@ -107,15 +107,9 @@ Tensor GqaAttention::attend_gpu(const Tensor& q, const Tensor& k, const Tensor& 
 #if SPARROW_HAVE_CUDA
   const DeviceStep& step = device_step(batch);
   // K/V pages: bfloat16, FP8 rows (fp8, fp8_per_tensor) or NVFP4 rows (nvfp4), read in place.
-  cuda::GqaKvFormat kv_format = cuda::GqaKvFormat::BFloat16;
-  switch (step.format(layer, PageKind::GqaKeyValue)) {
-    case PageFormat::BFloat16: kv_format = cuda::GqaKvFormat::BFloat16; break;
-    case PageFormat::Fp8Rows: kv_format = cuda::GqaKvFormat::Fp8; break;
-    case PageFormat::Nvfp4Rows: kv_format = cuda::GqaKvFormat::Nvfp4; break;
-    default:
-      fail("the GPU GQA kernels read bfloat16, fp8 or nvfp4 K/V pages (--kv-cache-dtype auto, bfloat16, fp8, "
-           "fp8_per_tensor or nvfp4)");
-  }
+  const PageFormat kv_format = step.format(layer, PageKind::GqaKeyValue);
+  SPARROW_CHECK(cuda::gqa_reads_kv_format(kv_format), "the GPU GQA kernels read bfloat16, fp8 or nvfp4 K/V pages "
+                "(--kv-cache-dtype auto, bfloat16, fp8, fp8_per_tensor or nvfp4)");
   cudaStream_t stream = cuda::stream();
   const int64_t rows = batch.size();
   const int32_t* row_seq = step.row_seq.as<int32_t>();
@@ -130,16 +124,9 @@ Tensor GqaAttention::attend_gpu(const Tensor& q, const Tensor& k, const Tensor& 
   if (indexer) {
     // Index keys (indexer_kv_dtype): bf16 (256 B a token at dim 128), scale-free e4m3 rows (fp8, 128 B),
     // NVFP4 (72 B) or MXFP4 (68 B), read in place.
-    cuda::MsaKeyFormat key_format = cuda::MsaKeyFormat::BFloat16;
-    switch (step.format(layer, PageKind::MsaIndexKey)) {
-      case PageFormat::BFloat16: key_format = cuda::MsaKeyFormat::BFloat16; break;
-      case PageFormat::Fp8Rows: key_format = cuda::MsaKeyFormat::Fp8; break;
-      case PageFormat::Nvfp4Rows: key_format = cuda::MsaKeyFormat::Nvfp4; break;
-      case PageFormat::Mxfp4Rows: key_format = cuda::MsaKeyFormat::Mxfp4; break;
-      default:
-        fail("the GPU MSA selector reads bfloat16, fp8, nvfp4 or mxfp4 index keys (indexer_kv_dtype auto, bfloat16, "
-             "fp8, nvfp4 or mxfp4)");
-    }
+    const PageFormat key_format = step.format(layer, PageKind::MsaIndexKey);
+    SPARROW_CHECK(cuda::msa_reads_key_format(key_format), "the GPU MSA selector reads bfloat16, fp8, nvfp4 or mxfp4 "
+                  "index keys (indexer_kv_dtype auto, bfloat16, fp8, nvfp4 or mxfp4)");
     uint8_t* key_pool = step.page_base(layer, PageKind::MsaIndexKey);
     cuda::msa_write_keys(index_k.raw(), rows, int(indexer->head_dim), row_seq, row_pos, table, step.table_stride,
                          step.block_size(), key_pool, key_format, stream);

@@ -185,24 +185,6 @@ Tensor MlaMixer::attend_cpu(const Tensor& x, const Tensor& q_resid, const Tensor
   return mixed;
 }
 
-#if SPARROW_HAVE_CUDA
-namespace {
-// The kernels' name for a latent page layout (page_codec.cpp's MLA codecs; kernels/cuda/mla/mla_attention.h).
-cuda::MlaCacheFormat gpu_latent_format(PageFormat format) {
-  switch (format) {
-    case PageFormat::BFloat16: return cuda::MlaCacheFormat::kBf16;
-    case PageFormat::Fp8Latent: return cuda::MlaCacheFormat::kFp8;     // fp8: FlashMLA's 656 bytes
-    case PageFormat::Fp8Rows: return cuda::MlaCacheFormat::kFp8Rows;   // fp8_per_tensor: 576 e4m3
-    case PageFormat::Nvfp4Latent: return cuda::MlaCacheFormat::kNvfp4;  // nvfp4: 352 bytes
-    default: break;
-  }
-  fail("the GPU MLA kernels read bfloat16, fp8, fp8_per_tensor or nvfp4 latents (--kv-cache-dtype), not ",
-       format == PageFormat::Float32 ? std::string("float32") : "page format " + std::to_string(int(format)),
-       " MLA pages");
-}
-}  // namespace
-#endif
-
 // The GPU attention: this step's rows are written into the paged cache (quantised there in the cache's
 // format: fp8, fp8_per_tensor, nvfp4), the indexer's top-k (or the causal prefix) gives every row its key list, and one
 // kernel attends over the listed rows in place (kernels/cuda/mla).
@@ -211,9 +193,12 @@ Tensor MlaMixer::attend_gpu(const Tensor& x, const Tensor& q_resid, const Tensor
 #if SPARROW_HAVE_CUDA
   const MlaOptions& o = options_;
   const DeviceStep& step = device_step(batch);
+  const PageFormat latent_format = step.format(layer, PageKind::MlaLatent);
+  SPARROW_CHECK(cuda::mla_reads_latent_format(latent_format), "the GPU MLA kernels read bfloat16, fp8, fp8_per_tensor "
+                "or nvfp4 latents (--kv-cache-dtype), not ", latent_format == PageFormat::Float32 ? "float32" : "these",
+                " MLA pages");
   cuda::MlaPagedCache cache{step.page_base(layer, PageKind::MlaLatent), step.page_table.as<int64_t>(),
-                            step.table_stride, step.block_size(),
-                            gpu_latent_format(step.format(layer, PageKind::MlaLatent))};
+                            step.table_stride, step.block_size(), latent_format};
   cudaStream_t stream = cuda::stream();
   const int64_t rows = batch.size();
   cuda::mla_cache_write(cache, new_rows.raw(), cuda::MlaSourceType::kBf16, rows, step.row_seq.as<int32_t>(),

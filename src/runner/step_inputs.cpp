@@ -44,7 +44,7 @@ StepShape step_shape(const Batch& batch, Device device) {
   for (const SeqSlice& seq : batch.seqs) {
     const PagedStorage* paged = seq.cache().paged();
     SPARROW_CHECK(paged != nullptr && paged->device() == device, "a sequence's cache is not a paged cache on ",
-                  device_name(device), " (make sequences with the model's new_sequence() or the engine)");
+                  device_name(device), " (make sequences with ModelRunner::new_sequence() or the engine)");
     SPARROW_CHECK(storage == nullptr || storage == paged, "the sequences of one batch must share one paged cache");
     storage = paged;
     shape.table_stride = std::max<int64_t>(shape.table_stride, int64_t(seq.cache().block_table().size()));

@@ -25,16 +25,15 @@
 namespace {
 
 using namespace sparrow;
-using cuda::DsaKeyFormat;
 
 #define CK(x) ASSERT_EQ((x), cudaSuccess) << #x
 
-constexpr DsaKeyFormat kFormats[] = {DsaKeyFormat::Fp8, DsaKeyFormat::Mxfp4, DsaKeyFormat::Nvfp4};
+constexpr PageFormat kFormats[] = {PageFormat::Fp8IndexKey, PageFormat::Mxfp4Rows, PageFormat::Nvfp4Rows};
 
-CacheDtype cache_dtype(DsaKeyFormat f) {
-  return f == DsaKeyFormat::Fp8 ? CacheDtype::Fp8 : f == DsaKeyFormat::Mxfp4 ? CacheDtype::Mxfp4 : CacheDtype::Nvfp4;
+CacheDtype cache_dtype(PageFormat f) {
+  return f == PageFormat::Fp8IndexKey ? CacheDtype::Fp8 : f == PageFormat::Mxfp4Rows ? CacheDtype::Mxfp4 : CacheDtype::Nvfp4;
 }
-const PageCodec& codec(DsaKeyFormat f) { return page_codec(cache_dtype(f), PageKind::DsaIndexKey); }
+const PageCodec& codec(PageFormat f) { return page_codec(cache_dtype(f), PageKind::DsaIndexKey); }
 const PageSpec kKeySpec{PageKind::DsaIndexKey, 128};
 
 // CPU model of the quantiser: scale = amax / 448, code = e4m3(x / scale).
@@ -86,15 +85,15 @@ TEST(CudaDsaIndexer, Fp8EncodeMatchesCpuCodec) {
 // A paged pool of index keys in `format` holding `ctx[s]` tokens for each sequence, pages in random order,
 // a few pages nobody owns. Every byte starts at 0xFF (as the device copy is poisoned).
 struct Pool {
-  DsaKeyFormat format;
+  PageFormat format;
   int block_size = 64;
   int64_t stride = 0;  // pages per sequence in the table
   std::vector<int64_t> table;
   std::vector<uint8_t> bytes;
-  int64_t value_bytes() const { return format == DsaKeyFormat::Fp8 ? 128 : 64; }
-  int64_t scale_bytes() const { return format == DsaKeyFormat::Nvfp4 ? 8 : 4; }
+  int64_t value_bytes() const { return format == PageFormat::Fp8IndexKey ? 128 : 64; }
+  int64_t scale_bytes() const { return format == PageFormat::Nvfp4Rows ? 8 : 4; }
   int64_t page_bytes() const { return int64_t(block_size) * cuda::dsa_key_bytes(format); }
-  Pool(DsaKeyFormat f, const std::vector<int64_t>& ctx, int bs, std::mt19937& rng) : format(f), block_size(bs) {
+  Pool(PageFormat f, const std::vector<int64_t>& ctx, int bs, std::mt19937& rng) : format(f), block_size(bs) {
     int64_t total = 0;
     for (int64_t c : ctx) {
       stride = std::max(stride, (c + bs - 1) / bs);
@@ -126,14 +125,14 @@ struct Pool {
   // e4m3 relative to 2^(eref - 127), eref = max(largest E8M0 byte, 7) - 6, which is the factor
   // (fp4_keys.cuh: exact unless a block lies more than 14 binades below the key's largest).
   void key(int seq, int64_t pos, float* k, double& factor) {
-    if (format == DsaKeyFormat::Fp8) {
+    if (format == PageFormat::Fp8IndexKey) {
       for (int i = 0; i < 128; ++i) k[i] = cpu::e4m3_to_float(values(seq, pos)[i]);
       factor = *reinterpret_cast<const float*>(scales(seq, pos));
       return;
     }
     codec(format).decode(kKeySpec, block_size, reinterpret_cast<const std::byte*>(page(seq, pos)), slot(pos), 1, k);
     factor = 1.0;
-    if (format == DsaKeyFormat::Mxfp4) {
+    if (format == PageFormat::Mxfp4Rows) {
       const uint8_t* sc = scales(seq, pos);
       const int eref = std::max<int>(*std::max_element(sc, sc + 4), 7) - 6;
       for (int i = 0; i < 128; ++i) k[i] = cpu::e4m3_to_float(cpu::float_to_e4m3(std::ldexp(k[i], 127 - eref)));
@@ -145,7 +144,7 @@ struct Pool {
 // Keys with the edge cases of every format: zeros, all equal, all negative, tiny (scales clamped or
 // rounding to zero, fp32 subnormals), saturating, blocks of very different magnitudes, and (4-bit formats,
 // whose codecs define them) infinities and NaNs.
-std::vector<float> edge_keys(DsaKeyFormat format, int64_t count, std::mt19937& rng) {
+std::vector<float> edge_keys(PageFormat format, int64_t count, std::mt19937& rng) {
   std::normal_distribution<float> nd(0.0f, 2.0f);
   std::uniform_int_distribution<int> ex(-8, 8);
   std::vector<float> keys(count * 128);
@@ -163,7 +162,7 @@ std::vector<float> edge_keys(DsaKeyFormat format, int64_t count, std::mt19937& r
   for (int i = 0; i < 128; ++i) row(10)[i] = nd(rng) * 1e30f;
   for (int i = 0; i < 128; ++i) row(11)[i] = nd(rng) * (i < 32 ? 1e4f : i < 64 ? 1.0f : i < 96 ? 1e-4f : 1e-9f);
   for (int i = 0; i < 128; ++i) row(12)[i] = (i % 2 ? 1.0f : -1.0f) * 6.0f * std::ldexp(1.0f, i % 9 - 4);
-  if (format != DsaKeyFormat::Fp8) {
+  if (format != PageFormat::Fp8IndexKey) {
     row(13)[3] = INFINITY;
     row(14)[40] = -INFINITY;
     row(15)[77] = NAN;
@@ -177,7 +176,7 @@ TEST(CudaDsaIndexer, WriteKeysAndQuantizeQueriesMatchCpu) {
   const unsigned seed = std::random_device{}();
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 2.0f);
-  for (const DsaKeyFormat format : kFormats)
+  for (const PageFormat format : kFormats)
     for (const int block_size : {64, 32})
       for (int bf16 = 0; bf16 < 2; ++bf16) {
         SCOPED_TRACE(std::string(cuda::dsa_key_format_name(format)) + " block " + std::to_string(block_size) +
@@ -214,7 +213,7 @@ TEST(CudaDsaIndexer, WriteKeysAndQuantizeQueriesMatchCpu) {
         for (size_t b = 0; b < got.size(); ++b)
           ASSERT_EQ(int(got[b]), int(pool.bytes[b])) << "pool byte " << b << " (page offset " << b % pool.page_bytes()
                                                      << ")";
-        if (format != DsaKeyFormat::Fp8) continue;
+        if (format != PageFormat::Fp8IndexKey) continue;
         // Queries (the same FP8 quantisation for every key format).
         for (int heads : {32, 64}) {
           const int64_t rows = 37;
@@ -260,7 +259,7 @@ void fill_random_keys(Pool& pool, const std::vector<int64_t>& ctx, std::mt19937&
       uint8_t* v = pool.values(int(s), j);
       uint8_t* sc = pool.scales(int(s), j);
       switch (pool.format) {
-        case DsaKeyFormat::Fp8: {
+        case PageFormat::Fp8IndexKey: {
           for (int i = 0; i < 128; ++i) {
             int x;
             do x = byte(rng); while ((x & 0x7F) == 0x7F);
@@ -270,14 +269,14 @@ void fill_random_keys(Pool& pool, const std::vector<int64_t>& ctx, std::mt19937&
           std::memcpy(sc, &f, 4);
           break;
         }
-        case DsaKeyFormat::Mxfp4: {
+        case PageFormat::Mxfp4Rows: {
           for (int i = 0; i < 64; ++i) v[i] = uint8_t(byte(rng));
           const int e = base(rng);
           for (int b = 0; b < 4; ++b) sc[b] = uint8_t(std::max(0, e - (coin(rng) < 2 ? far(rng) : near(rng))));
           if (coin(rng) == 0) sc[coin(rng) % 4] = 0;
           break;
         }
-        case DsaKeyFormat::Nvfp4:
+        case PageFormat::Nvfp4Rows:
           for (int i = 0; i < 64; ++i) v[i] = uint8_t(byte(rng));
           for (int b = 0; b < 8; ++b) sc[b] = uint8_t(nv_scale(rng));
           break;
@@ -292,7 +291,7 @@ struct ScoreCase {
   int block_size = 64;
 };
 
-void run_score_case(DsaKeyFormat format, const ScoreCase& c, std::mt19937& rng, unsigned seed) {
+void run_score_case(PageFormat format, const ScoreCase& c, std::mt19937& rng, unsigned seed) {
   const int heads = c.heads;
   const char* fname = cuda::dsa_key_format_name(format);
   Pool pool(format, c.ctx, c.block_size, rng);
@@ -378,14 +377,14 @@ void run_score_case(DsaKeyFormat format, const ScoreCase& c, std::mt19937& rng, 
                               {cuda::DsaScoreKernel::Auto, 1, "auto"}};
   for (const Variant& v : variants) {
     const bool wgmma = v.kernel == cuda::DsaScoreKernel::Wgmma ||
-                       (v.kernel == cuda::DsaScoreKernel::Auto && (format != DsaKeyFormat::Fp8 || rows <= 256));
-    if (v.kernel == cuda::DsaScoreKernel::Tiles && format == DsaKeyFormat::Nvfp4) {
+                       (v.kernel == cuda::DsaScoreKernel::Auto && (format != PageFormat::Fp8IndexKey || rows <= 256));
+    if (v.kernel == cuda::DsaScoreKernel::Tiles && format == PageFormat::Nvfp4Rows) {
       EXPECT_THROW(cuda::dsa_index_scores(dq8.ptr, dwf.ptr, rows, heads, drs.ptr, drv.ptr, dpool.ptr, dt.ptr,
                                           pool.stride, c.block_size, format, dsc.ptr, ld, max_vis, nullptr, v.kernel),
                    Error);
       continue;
     }
-    const double tolerance = !wgmma ? 2e-5 : format == DsaKeyFormat::Nvfp4 ? 5e-5 : 3e-4;
+    const double tolerance = !wgmma ? 2e-5 : format == PageFormat::Nvfp4Rows ? 5e-5 : 3e-4;
     dsc.poison();
     cuda::dsa_index_scores(dq8.ptr, dwf.ptr, rows, heads, drs.ptr, drv.ptr, dpool.ptr, dt.ptr, pool.stride,
                            c.block_size, format, dsc.ptr, ld, max_vis, nullptr, v.kernel, v.rows_per_sequence);
@@ -421,7 +420,7 @@ TEST(CudaDsaIndexer, ScoresMatchCpuDecode) {
   SPARROW_REQUIRE_GPU();
   const unsigned seed = std::random_device{}();
   std::mt19937 rng(seed);
-  for (const DsaKeyFormat format : kFormats)
+  for (const PageFormat format : kFormats)
     for (int heads : {64, 32}) {
       run_score_case(format, {heads, {1}, {1}}, rng, seed);
       run_score_case(format, {heads, {5, 64, 65, 200}, {1, 1, 2, 1}}, rng, seed);
@@ -439,7 +438,7 @@ TEST(CudaDsaIndexer, ScoresMatchCpuPrefill) {
   SPARROW_REQUIRE_GPU();
   const unsigned seed = std::random_device{}();
   std::mt19937 rng(seed);
-  for (const DsaKeyFormat format : kFormats)
+  for (const PageFormat format : kFormats)
     for (int heads : {64, 32}) {
       run_score_case(format, {heads, {500}, {500}}, rng, seed);             // a whole prompt
       run_score_case(format, {heads, {2500, 300}, {333, 300}}, rng, seed);  // chunks continuing a cache, and a new one
@@ -458,7 +457,7 @@ TEST(CudaDsaIndexer, Mxfp4BlocksFarBelowTheirKeysMaximumRoundAsOnTheCpu) {
   std::mt19937 rng(seed);
   for (int heads : {64, 32}) {
     const std::vector<int64_t> ctx = {192};
-    Pool pool(DsaKeyFormat::Mxfp4, ctx, 64, rng);
+    Pool pool(PageFormat::Mxfp4Rows, ctx, 64, rng);
     for (int64_t j = 0; j < ctx[0]; ++j) {
       uint8_t* v = pool.values(0, j);
       uint8_t* sc = pool.scales(0, j);
@@ -486,7 +485,7 @@ TEST(CudaDsaIndexer, Mxfp4BlocksFarBelowTheirKeysMaximumRoundAsOnTheCpu) {
     for (const auto kernel : {cuda::DsaScoreKernel::Tiles, cuda::DsaScoreKernel::Wgmma}) {
       dsc.poison();
       cuda::dsa_index_scores(dq8.ptr, dwf.ptr, rows, heads, drs.ptr, drv.ptr, dpool.ptr, dt.ptr, pool.stride, 64,
-                             DsaKeyFormat::Mxfp4, dsc.ptr, ld, ctx[0], nullptr, kernel);
+                             PageFormat::Mxfp4Rows, dsc.ptr, ld, ctx[0], nullptr, kernel);
       CK(cudaDeviceSynchronize());
       auto got = dsc.download();
       std::vector<float> kf(128);

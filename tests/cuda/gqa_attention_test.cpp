@@ -25,13 +25,13 @@ namespace {
 
 static_assert(kGqaKvTensorScale == kKvTensorScale, "the GPU kernels and the CPU codec disagree on the scale");
 
-const GqaKvFormat kFormats[] = {GqaKvFormat::BFloat16, GqaKvFormat::Fp8, GqaKvFormat::Nvfp4};
-CacheDtype dtype_of(GqaKvFormat f) {
-  if (f == GqaKvFormat::BFloat16) return CacheDtype::BFloat16;
-  return f == GqaKvFormat::Fp8 ? CacheDtype::Fp8 : CacheDtype::Nvfp4;
+const PageFormat kFormats[] = {PageFormat::BFloat16, PageFormat::Fp8Rows, PageFormat::Nvfp4Rows};
+CacheDtype dtype_of(PageFormat f) {
+  if (f == PageFormat::BFloat16) return CacheDtype::BFloat16;
+  return f == PageFormat::Fp8Rows ? CacheDtype::Fp8 : CacheDtype::Nvfp4;
 }
-const PageCodec& codec_of(GqaKvFormat f) { return page_codec(dtype_of(f), PageKind::GqaKeyValue); }
-const char* name_of(GqaKvFormat f) { return cache_dtype_name(dtype_of(f)); }
+const PageCodec& codec_of(PageFormat f) { return page_codec(dtype_of(f), PageKind::GqaKeyValue); }
+const char* name_of(PageFormat f) { return cache_dtype_name(dtype_of(f)); }
 
 float bf16_at(const uint8_t* p) {
   uint16_t b;
@@ -77,12 +77,12 @@ struct PagedKv {
   int64_t row_bytes = 0, stride = 1;
   std::vector<uint8_t> pool;
   std::vector<int64_t> page_table;
-  GqaKvFormat format = GqaKvFormat::BFloat16;
+  PageFormat format = PageFormat::BFloat16;
   std::vector<uint8_t> narrow;
   std::vector<int64_t> narrow_table;
 
   PagedKv(const std::vector<int>& lens, int kvh, int d, int bs, std::mt19937_64& rng, bool fill_rows,
-          GqaKvFormat f = GqaKvFormat::BFloat16, float amplitude = 1.0f)
+          PageFormat f = PageFormat::BFloat16, float amplitude = 1.0f)
       : kv_heads(kvh), head_dim(d), block_size(bs), format(f) {
     row_bytes = int64_t(4) * kv_heads * head_dim;
     const int64_t page_bytes = block_size * row_bytes + 48;  // other layers' pages sit between ours
@@ -112,7 +112,7 @@ struct PagedKv {
         }
       }
     }
-    if (format == GqaKvFormat::BFloat16) return;
+    if (format == PageFormat::BFloat16) return;
     // The narrow pages: the same page order (slot i of the bf16 pool -> slot i here), their own size.
     const int64_t narrow_page = codec_of(format).page_bytes(spec(), block_size) + 48;
     narrow.assign(size_t(total_pages * narrow_page), 0xff);
@@ -140,9 +140,9 @@ struct PagedKv {
     return reinterpret_cast<std::byte*>(narrow.data() + narrow_table[seq * stride + pos / block_size]);
   }
   // What the kernel reads: the narrow pages, or the bf16 ones.
-  const std::vector<uint8_t>& device_pool() const { return format == GqaKvFormat::BFloat16 ? pool : narrow; }
+  const std::vector<uint8_t>& device_pool() const { return format == PageFormat::BFloat16 ? pool : narrow; }
   const std::vector<int64_t>& device_table() const {
-    return format == GqaKvFormat::BFloat16 ? page_table : narrow_table;
+    return format == PageFormat::BFloat16 ? page_table : narrow_table;
   }
   uint8_t* row(int seq, int64_t pos) {
     return pool.data() + page_table[seq * stride + pos / block_size] + (pos % block_size) * row_bytes;
@@ -236,7 +236,7 @@ std::vector<float> reference(const Shape& sh, const PagedKv& kv, const std::vect
 // K/V in `format` pages, values uniform in [-amplitude, amplitude] (2^-7: mostly E4M3 subnormals, which the
 // FP8 path widens through bf16 subnormals).
 void run_case(const Shape& sh, bool sparse, const std::vector<int>& lens, int rows_per_seq, int block_size,
-              int64_t visible_pad, std::mt19937_64& rng, GqaKvFormat format, float amplitude = 1.0f) {
+              int64_t visible_pad, std::mt19937_64& rng, PageFormat format, float amplitude = 1.0f) {
   const int64_t rows = int64_t(lens.size()) * rows_per_seq;
   const int D = sh.head_dim;
   std::string what = std::string(sh.name) + (sparse ? " sparse" : " dense") + " kv=" + name_of(format) +
@@ -320,7 +320,7 @@ TEST(CudaGqaAttention, DecodeMatchesCpuReference) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  for (const GqaKvFormat format : kFormats) {
+  for (const PageFormat format : kFormats) {
     int n = 0;
     for (const Shape* sh : {&kFixture, &kMiniMax, &kMiniMaxTp4, &kWide, &kOdd, &kMqa}) {
       const bool main_shape = sh == &kFixture || sh == &kMiniMax || sh == &kMiniMaxTp4;
@@ -337,7 +337,7 @@ TEST(CudaGqaAttention, DecodeMatchesCpuReference) {
     run_case(kMiniMaxTp4, false, {200000}, 1, 64, 0, rng, format);
     run_case(kFixture, false, {131072 + int(rng() % 1000)}, 1, 16, 0, rng, format);
     // Small values: E4M3 subnormals (FP8), NVFP4 blocks with subnormal E4M3 scales.
-    if (format != GqaKvFormat::BFloat16) {
+    if (format != PageFormat::BFloat16) {
       run_case(kMiniMax, false, decode_lens(rng, 1, 5000), 1, 64, 0, rng, format, 0x1p-7f);
       run_case(kMiniMaxTp4, true, decode_lens(rng, 1, 5000), 1, 16, 0, rng, format, 0x1p-7f);
     }
@@ -349,7 +349,7 @@ TEST(CudaGqaAttention, PrefillMatchesCpuReference) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  for (const GqaKvFormat format : kFormats) {
+  for (const PageFormat format : kFormats) {
     int n = 0;
     for (const Shape* sh : {&kFixture, &kMiniMax, &kMiniMaxTp4, &kWide, &kOdd, &kMqa}) {
       for (const bool sparse : {false, true}) {
@@ -372,7 +372,7 @@ TEST(CudaGqaAttention, WriteKvIsByteExact) {
   std::mt19937_64 rng(seed);
   const float special[] = {0.0f, -0.0f, 448.0f, 464.0f, 1e30f, INFINITY, -INFINITY, NAN, 0x1p-9f, 0x1p-10f,
                            1.0625f, 0.25f, 0.75f, -1.25f, 1.75f, 2.5f, -3.5f, 5.0f, 6.0f, 7.0f};
-  for (const GqaKvFormat format : kFormats) {
+  for (const PageFormat format : kFormats) {
     for (const Shape* sh : {&kFixture, &kMiniMax, &kOdd, &kMqa}) {
       for (const int block_size : {16, 64}) {
         const std::vector<int> lens = {1 + int(rng() % 200), 1 + int(rng() % 3000), 1 + int(rng() % 40)};
@@ -401,7 +401,7 @@ TEST(CudaGqaAttention, WriteKvIsByteExact) {
         for (int64_t i = 0; i < rows; ++i) {
           row_seq[i] = all[i].first;
           row_pos[i] = all[i].second;
-          if (format == GqaKvFormat::BFloat16) {
+          if (format == PageFormat::BFloat16) {
             const int64_t off = kv.row(row_seq[i], row_pos[i]) - kv.pool.data();
             std::memcpy(expected.data() + off, k.data() + i * width, size_t(width) * 2);
             std::memcpy(expected.data() + off + int64_t(width) * 2, v.data() + i * width, size_t(width) * 2);

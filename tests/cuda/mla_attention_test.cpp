@@ -29,29 +29,29 @@ namespace {
 
 static_assert(kMlaTensorScale == sparrow::kKvTensorScale, "the kernels' per-layer scale is the cache's");
 
-constexpr MlaCacheFormat kAllFormats[] = {MlaCacheFormat::kBf16, MlaCacheFormat::kFp8, MlaCacheFormat::kFp8Rows,
-                                          MlaCacheFormat::kNvfp4};
+constexpr PageFormat kAllFormats[] = {PageFormat::BFloat16, PageFormat::Fp8Latent, PageFormat::Fp8Rows,
+                                          PageFormat::Nvfp4Latent};
 
-const char* format_name(MlaCacheFormat format) {
+const char* format_name(PageFormat format) {
   switch (format) {
-    case MlaCacheFormat::kBf16: return "bf16";
-    case MlaCacheFormat::kFp8: return "fp8";
-    case MlaCacheFormat::kFp8Rows: return "fp8_per_tensor";
-    case MlaCacheFormat::kNvfp4: return "nvfp4";
+    case PageFormat::BFloat16: return "bf16";
+    case PageFormat::Fp8Latent: return "fp8";
+    case PageFormat::Fp8Rows: return "fp8_per_tensor";
+    case PageFormat::Nvfp4Latent: return "nvfp4";
   }
   return "?";
 }
 
 // The CPU codec of a format (--kv-cache-dtype name -> page_codec), checked to be the layout the kernels read.
-const PageCodec& codec_of(MlaCacheFormat format) {
+const PageCodec& codec_of(PageFormat format) {
   static const PageSpec spec{PageKind::MlaLatent, kMlaRow, kMlaRope, 1};
   CacheDtype dtype{};
   PageFormat layout{};
   switch (format) {
-    case MlaCacheFormat::kBf16: dtype = CacheDtype::BFloat16, layout = PageFormat::BFloat16; break;
-    case MlaCacheFormat::kFp8: dtype = CacheDtype::Fp8, layout = PageFormat::Fp8Latent; break;
-    case MlaCacheFormat::kFp8Rows: dtype = CacheDtype::Fp8PerTensor, layout = PageFormat::Fp8Rows; break;
-    case MlaCacheFormat::kNvfp4: dtype = CacheDtype::Nvfp4, layout = PageFormat::Nvfp4Latent; break;
+    case PageFormat::BFloat16: dtype = CacheDtype::BFloat16, layout = PageFormat::BFloat16; break;
+    case PageFormat::Fp8Latent: dtype = CacheDtype::Fp8, layout = PageFormat::Fp8Latent; break;
+    case PageFormat::Fp8Rows: dtype = CacheDtype::Fp8PerTensor, layout = PageFormat::Fp8Rows; break;
+    case PageFormat::Nvfp4Latent: dtype = CacheDtype::Nvfp4, layout = PageFormat::Nvfp4Latent; break;
   }
   const PageCodec& codec = page_codec(dtype, PageKind::MlaLatent);
   EXPECT_EQ(codec.format(), layout) << format_name(format);
@@ -66,7 +66,7 @@ const PageSpec& latent_spec() {
 
 // Encodes one [512 | 64] row with the format's CPU codec; `deq` (if set) receives the codec's decode,
 // the exact values a reader must see.
-void encode_row(MlaCacheFormat format, const float* x, uint8_t* dst, float* deq) {
+void encode_row(PageFormat format, const float* x, uint8_t* dst, float* deq) {
   const PageCodec& codec = codec_of(format);
   codec.encode(latent_spec(), 1, x, 0, 1, reinterpret_cast<std::byte*>(dst));
   if (deq) codec.decode(latent_spec(), 1, reinterpret_cast<const std::byte*>(dst), 0, 1, deq);
@@ -102,14 +102,14 @@ void random_row(std::mt19937_64& rng, bool edges, float* x) {
 // A paged pool holding `lens[s]` tokens per sequence in pages scattered at random, with garbage (NaN
 // bit patterns) everywhere no token lives, and the exact values each token must read as.
 struct TestCache {
-  MlaCacheFormat format;
+  PageFormat format;
   int block_size = 64;
   int64_t pages_stride = 0;
   std::vector<uint8_t> pool;
   std::vector<int64_t> page_offsets;
   std::vector<std::vector<float>> values;  // per sequence [len, 576], the codec's decode
 
-  TestCache(MlaCacheFormat f, const std::vector<int>& lens, std::mt19937_64& rng, bool edges = false) : format(f) {
+  TestCache(PageFormat f, const std::vector<int>& lens, std::mt19937_64& rng, bool edges = false) : format(f) {
     const int64_t row_bytes = mla_row_bytes(format);
     const int64_t page_bytes = block_size * row_bytes + 48;  // other layers' pages sit between ours
     int64_t total_pages = 0;
@@ -194,7 +194,7 @@ Reference reference(const TestCache& cache, const std::vector<float>& q, const s
 // Relative L2 error allowed per (row, head). The reference reads the codec's decoded values, so only the
 // kernel's own rounding counts: P and the output in bf16 for every format; kFp8 also rounds each
 // dequantised value e4m3 * fp32 scale to bf16 (the other formats' values are exact bf16 numbers).
-double tolerance(MlaCacheFormat format) { return format == MlaCacheFormat::kFp8 ? 2.5e-2 : 1.5e-2; }
+double tolerance(PageFormat format) { return format == PageFormat::Fp8Latent ? 2.5e-2 : 1.5e-2; }
 
 // Compares GPU outputs with the reference; every element must have been written (poisoned before).
 void expect_close(const Reference& ref, const std::vector<uint16_t>& out, const std::vector<float>& lse,
@@ -276,7 +276,7 @@ GpuResult run_gpu(const TestCache& cache, const Shape& c, const std::vector<uint
   return result;
 }
 
-std::string describe(const Shape& c, MlaCacheFormat format) {
+std::string describe(const Shape& c, PageFormat format) {
   return std::string(c.sparse ? "sparse " : "dense ") + format_name(format) + " heads=" + std::to_string(c.heads) +
          (c.sparse ? " topk=" + std::to_string(c.topk) : "") + " seqs=" + std::to_string(c.lens.size()) +
          " q=" + std::to_string(c.q_per_seq) +
@@ -310,7 +310,7 @@ void make_rows(const Shape& c, std::mt19937_64& rng, std::vector<int>& row_seq, 
   }
 }
 
-void run_case(const Shape& c, MlaCacheFormat format, std::mt19937_64& rng) {
+void run_case(const Shape& c, PageFormat format, std::mt19937_64& rng) {
   const int64_t rows = int64_t(c.lens.size()) * c.q_per_seq;
   const std::string what = describe(c, format);
   TestCache cache(format, c.lens, rng);
@@ -365,7 +365,7 @@ TEST(CudaMlaAttention, SparseMatchesCpuReferenceInEveryFormat) {
       {true, 128, 128, {600}, 40},
   };
   for (const Shape& c : shapes)
-    for (MlaCacheFormat format : kAllFormats) run_case(c, format, rng);
+    for (PageFormat format : kAllFormats) run_case(c, format, rng);
 }
 
 TEST(CudaMlaAttention, DenseMatchesCpuReferenceInEveryFormat) {
@@ -386,7 +386,7 @@ TEST(CudaMlaAttention, DenseMatchesCpuReferenceInEveryFormat) {
       {false, 64, 0, {500}, 120},  // prefill-like: many rows, causal lengths
   };
   for (const Shape& c : shapes)
-    for (MlaCacheFormat format : kAllFormats) run_case(c, format, rng);
+    for (PageFormat format : kAllFormats) run_case(c, format, rng);
 }
 
 // Every row attends to exactly one key, so the output is that key's latent (P = 1, exactly) and the
@@ -402,7 +402,7 @@ TEST(CudaMlaAttention, OneKeyReadsTheDecodedRowExactly) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   const float scale = 0.0721f;
-  for (MlaCacheFormat format : kAllFormats) {
+  for (PageFormat format : kAllFormats) {
     for (const Shape& c : {Shape{true, 128, 2048, random_lens(rng, 3, 1, 5000), 2},
                            Shape{true, 16, 512, random_lens(rng, 4, 1, 3000), 1},
                            Shape{true, 64, 64, random_lens(rng, 6, 1, 700), 1},
@@ -455,7 +455,7 @@ TEST(CudaMlaAttention, CacheWriteMatchesTheCpuCodec) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   const float inf = std::numeric_limits<float>::infinity();
-  for (MlaCacheFormat format : kAllFormats) {
+  for (PageFormat format : kAllFormats) {
     for (MlaSourceType src_type : {MlaSourceType::kFloat32, MlaSourceType::kBf16}) {
       SCOPED_TRACE(std::string(format_name(format)) + (src_type == MlaSourceType::kBf16 ? " from bf16" : " from fp32"));
       const std::vector<int> lens = random_lens(rng, 3, 1, 400);
@@ -468,7 +468,7 @@ TEST(CudaMlaAttention, CacheWriteMatchesTheCpuCodec) {
           if (rng() % 2) targets.push_back({int(s), j});
       std::shuffle(targets.begin(), targets.end(), rng);
       const int64_t count = int64_t(targets.size());
-      const bool specials = format == MlaCacheFormat::kFp8Rows || format == MlaCacheFormat::kNvfp4;
+      const bool specials = format == PageFormat::Fp8Rows || format == PageFormat::Nvfp4Latent;
       std::vector<float> src(size_t(count) * kMlaRow);
       std::vector<uint16_t> src_bf16(src.size());
       for (int64_t i = 0; i < count; ++i) {

@@ -41,35 +41,35 @@ using namespace sparrow;
 static_assert(cuda::kMsaKeyTensorScale == kKvTensorScale, "the GPU selector and the CPU codec disagree on the scale");
 
 // The key formats, and the cache dtype whose MsaIndexKey codec stores each.
-const cuda::MsaKeyFormat kFormats[] = {cuda::MsaKeyFormat::BFloat16, cuda::MsaKeyFormat::Fp8,
-                                       cuda::MsaKeyFormat::Nvfp4, cuda::MsaKeyFormat::Mxfp4};
-const cuda::MsaKeyFormat kNarrowFormats[] = {cuda::MsaKeyFormat::Fp8, cuda::MsaKeyFormat::Nvfp4,
-                                             cuda::MsaKeyFormat::Mxfp4};
-CacheDtype dtype_of(cuda::MsaKeyFormat f) {
+const PageFormat kFormats[] = {PageFormat::BFloat16, PageFormat::Fp8Rows,
+                                       PageFormat::Nvfp4Rows, PageFormat::Mxfp4Rows};
+const PageFormat kNarrowFormats[] = {PageFormat::Fp8Rows, PageFormat::Nvfp4Rows,
+                                             PageFormat::Mxfp4Rows};
+CacheDtype dtype_of(PageFormat f) {
   switch (f) {
-    case cuda::MsaKeyFormat::BFloat16: return CacheDtype::BFloat16;
-    case cuda::MsaKeyFormat::Fp8: return CacheDtype::Fp8;
-    case cuda::MsaKeyFormat::Nvfp4: return CacheDtype::Nvfp4;
-    case cuda::MsaKeyFormat::Mxfp4: return CacheDtype::Mxfp4;
+    case PageFormat::BFloat16: return CacheDtype::BFloat16;
+    case PageFormat::Fp8Rows: return CacheDtype::Fp8;
+    case PageFormat::Nvfp4Rows: return CacheDtype::Nvfp4;
+    case PageFormat::Mxfp4Rows: return CacheDtype::Mxfp4;
   }
   return CacheDtype::BFloat16;
 }
-const PageCodec& codec_of(cuda::MsaKeyFormat f) { return page_codec(dtype_of(f), PageKind::MsaIndexKey); }
-std::string name_of(cuda::MsaKeyFormat f) { return std::string(cache_dtype_name(dtype_of(f))) + " keys"; }
+const PageCodec& codec_of(PageFormat f) { return page_codec(dtype_of(f), PageKind::MsaIndexKey); }
+std::string name_of(PageFormat f) { return std::string(cache_dtype_name(dtype_of(f))) + " keys"; }
 
 // A paged pool of dim-wide keys in one format (its codec's page layout; bf16 by default) holding ctx[s]
 // tokens for each sequence, pages in random order.
 struct Pool {
   int block_size = 64;
   int dim = 0;
-  cuda::MsaKeyFormat format = cuda::MsaKeyFormat::BFloat16;
+  PageFormat format = PageFormat::BFloat16;
   int64_t stride = 0;  // pages per sequence in the table
   std::vector<int64_t> table;
   std::vector<uint8_t> bytes;
   PageSpec spec() const { return {PageKind::MsaIndexKey, dim}; }
   int64_t page_bytes() const { return codec_of(format).page_bytes(spec(), block_size); }
   Pool(const std::vector<int64_t>& ctx, int bs, int d, std::mt19937& rng,
-       cuda::MsaKeyFormat f = cuda::MsaKeyFormat::BFloat16)
+       PageFormat f = PageFormat::BFloat16)
       : block_size(bs), dim(d), format(f) {
     int64_t total = 0;
     for (int64_t c : ctx) {
@@ -133,7 +133,7 @@ TEST(CudaMsa, WriteKeysFillTheirPageSlots) {
       test::DeviceArray<uint8_t> dpool(pool.bytes.size());
       CK(cudaMemset(dpool.ptr, 0xA5, pool.bytes.size()));
       cuda::msa_write_keys(dk.ptr, count, dim, ds.ptr, dp.ptr, dt.ptr, pool.stride, bs, dpool.ptr,
-                           cuda::MsaKeyFormat::BFloat16, nullptr);
+                           PageFormat::BFloat16, nullptr);
       CK(cudaDeviceSynchronize());
       const std::vector<uint8_t> got = dpool.download();
       // Every owned slot holds its row; everything else (pages nobody owns, slots past a sequence's end)
@@ -166,7 +166,7 @@ TEST(CudaMsa, WriteNarrowKeysMatchTheCpuPageCodec) {
                            NAN,     0x1p-9f,  0x1p-10f, 3 * 0x1p-10f, 1.0625f, 1.1875f, -2.375f,
                            0x1p-6f * 1.0625f, 240.0f, 248.0f, 0.25f, 0.75f, -1.25f, 1.75f, 2.5f, -3.5f, 5.0f,
                            6.0f,    7.0f,     -6.0f};
-  for (const cuda::MsaKeyFormat format : kNarrowFormats) {
+  for (const PageFormat format : kNarrowFormats) {
     const PageCodec& codec = codec_of(format);
     for (int dim : {128, 16, 24, 40}) {
       for (int bs : {16, 64}) {
@@ -254,7 +254,7 @@ void add_prefill(Case& c, int s, int64_t first) {
 // into a pool of that format, and the CPU reference uses the codec's decoded keys (exactly bf16 values).
 // The kernel's kept blocks must equal the CPU rule's on exact value kinds and be near-optimal on real
 // values.
-void run_case_in(const Case& c, std::mt19937& rng, unsigned seed, cuda::MsaKeyFormat format) {
+void run_case_in(const Case& c, std::mt19937& rng, unsigned seed, PageFormat format) {
   SCOPED_TRACE(c.name + " " + name_of(format) + " seed " + std::to_string(seed));
   const int dim = c.dim, H = c.heads;
   Pool pool(c.ctx, c.block_size, dim, rng, format);
@@ -396,7 +396,7 @@ void run_case_in(const Case& c, std::mt19937& rng, unsigned seed, cuda::MsaKeyFo
 
 // Every case in every key format.
 void run_case(const Case& c, std::mt19937& rng, unsigned seed) {
-  for (const cuda::MsaKeyFormat format : kFormats) run_case_in(c, rng, seed, format);
+  for (const PageFormat format : kFormats) run_case_in(c, rng, seed, format);
 }
 
 Case fixture_case(std::string name, std::vector<int64_t> ctx, int local, int block_size) {
@@ -616,7 +616,7 @@ TEST(CudaMsa, SelectMatchesTheModelsCpuSelectorPerKeyFormat) {
     for (size_t i = 0; i < q.size(); ++i) qb[i] = float_to_bf16(nd(rng)), q[i] = bf16_to_float(qb[i]);
     int64_t max_position = 0;
     for (int32_t p : row_pos) max_position = std::max<int64_t>(max_position, p);
-    for (const cuda::MsaKeyFormat format : kFormats) {
+    for (const PageFormat format : kFormats) {
       SCOPED_TRACE(name_of(format) + " dim " + std::to_string(sh.dim) + " seed " + std::to_string(seed));
       Pool pool(ctx, 64, sh.dim, rng, format);
       std::vector<std::vector<float>> keys(ctx.size());

@@ -22,11 +22,11 @@ namespace {
 // Pages of 64 tokens: value words (FP8: 2048 words of codes, bytes below 0x40 with random signs: finite,
 // modest values; 4-bit: 1024 words of any e2m1 codes), then the scales: FP8 fp32 0.01; MXFP4 E8M0 bytes
 // 120..130 (2^-7 .. 2^3); NVFP4 E4M3 bytes 0x28 .. 0x47 (0.156 .. 3.75).
-__global__ void fill_pool(uint32_t* words, int64_t n, int page_words, int value_words, DsaKeyFormat format) {
+__global__ void fill_pool(uint32_t* words, int64_t n, int page_words, int value_words, PageFormat format) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int w = int(i % page_words);
     uint32_t v;
-    if (format == DsaKeyFormat::Fp8) {
+    if (format == PageFormat::Fp8IndexKey) {
       v = w < value_words ? (hash32(i) & 0x3F3F3F3Fu) | (hash32(i * 7 + 1) & 0x80808080u) : 0x3C23D70Au;
     } else if (w < value_words) {
       v = hash32(i);
@@ -34,7 +34,7 @@ __global__ void fill_pool(uint32_t* words, int64_t n, int page_words, int value_
       v = 0;
       for (int b = 0; b < 4; ++b) {
         const uint32_t h = hash32(i * 4 + b);
-        v |= (format == DsaKeyFormat::Mxfp4 ? 120u + h % 11u : 0x28u + (h & 0x1Fu)) << (8 * b);
+        v |= (format == PageFormat::Mxfp4Rows ? 120u + h % 11u : 0x28u + (h & 0x1Fu)) << (8 * b);
       }
     }
     words[i] = v;
@@ -96,28 +96,28 @@ void bench_dsa_indexer(const KernelBenchOptions& options, std::vector<KernelBenc
   fill_floats<<<1024, 256, 0, stream>>>(wf, max_rows * 64, 0.01f);
   SPARROW_CUDA_CHECK_LAUNCH();
 
-  for (const DsaKeyFormat format : {DsaKeyFormat::Fp8, DsaKeyFormat::Mxfp4, DsaKeyFormat::Nvfp4}) {
+  for (const PageFormat format : {PageFormat::Fp8IndexKey, PageFormat::Mxfp4Rows, PageFormat::Nvfp4Rows}) {
     const int key_bytes = dsa_key_bytes(format);
     const int64_t page_bytes = int64_t(kBlock) * key_bytes;
-    const int value_words = kBlock * (format == DsaKeyFormat::Fp8 ? 128 : 64) / 4;
+    const int value_words = kBlock * (format == PageFormat::Fp8IndexKey ? 128 : 64) / 4;
     fill_pool<<<4096, 256, 0, stream>>>(reinterpret_cast<uint32_t*>(pool), total_pages * page_bytes / 4,
                                         int(page_bytes / 4), value_words, format);
     SPARROW_CUDA_CHECK_LAUNCH();
     std::vector<int64_t> offsets(total_pages);
     for (int64_t i = 0; i < total_pages; ++i) offsets[i] = ids[i] * page_bytes;
     SPARROW_CUDA_CHECK(cudaMemcpy(table, offsets.data(), total_pages * sizeof(int64_t), cudaMemcpyHostToDevice));
-    const bool fp8 = format == DsaKeyFormat::Fp8;
+    const bool fp8 = format == PageFormat::Fp8IndexKey;
     const std::string keys_field = fp8 ? "" : std::string(" keys=") + dsa_key_format_name(format);
     const std::string what = fp8 ? std::string("fp8 e4m3 keys (paged, bs 64)")
                                  : std::string(dsa_key_format_name(format)) + " keys (paged, bs 64, " +
                                        std::to_string(key_bytes) + " B)";
     const std::string product =
-        format == DsaKeyFormat::Nvfp4 ? "keys widened to f16 in registers, f16 tensor cores (wgmma f16)"
+        format == PageFormat::Nvfp4Rows ? "keys widened to f16 in registers, f16 tensor cores (wgmma f16)"
         : fp8 ? "fp8 tensor cores (wgmma e4m3), cp.async pipeline"
               : "keys widened to e4m3 in registers, fp8 tensor cores (wgmma e4m3)";
     // The tiled kernel reads FP8 and MXFP4 keys.
     std::vector<DsaScoreKernel> kernels = {DsaScoreKernel::Wgmma};
-    if (format != DsaKeyFormat::Nvfp4) kernels.push_back(DsaScoreKernel::Tiles);
+    if (format != PageFormat::Nvfp4Rows) kernels.push_back(DsaScoreKernel::Tiles);
 
     float* scores = nullptr;
     const int64_t decode_score_floats = int64_t(max_batch) * 2 * max_ctx;
@@ -148,7 +148,7 @@ void bench_dsa_indexer(const KernelBenchOptions& options, std::vector<KernelBenc
               row.bytes = double(batch) * ctx * key_bytes + double(nrows) * m.heads * (128 + 4) +
                           double(nrows) * ctx * 4;
               row.flops = 2.0 * m.heads * 128 * double(nrows) * ctx;
-              row.fp8_products = wgmma && format != DsaKeyFormat::Nvfp4;  // `product` above says which
+              row.fp8_products = wgmma && format != PageFormat::Nvfp4Rows;  // `product` above says which
               row.note = wgmma ? what + " and fp8 queries, fp32 scores; " + product
                                : what + " with the tiled kernel (emulated e4m3 mma.sync; FP8 prefill's kernel)";
               rows.push_back(row);
@@ -168,7 +168,7 @@ void bench_dsa_indexer(const KernelBenchOptions& options, std::vector<KernelBenc
         float* ps = nullptr;
         SPARROW_CUDA_CHECK(cudaMalloc(&ps, chunk * chunk * sizeof(float)));
         std::vector<DsaScoreKernel> prefill_kernels = {DsaScoreKernel::Auto};
-        if (format == DsaKeyFormat::Mxfp4) prefill_kernels.push_back(DsaScoreKernel::Tiles);
+        if (format == PageFormat::Mxfp4Rows) prefill_kernels.push_back(DsaScoreKernel::Tiles);
         for (const DsaScoreKernel kernel : prefill_kernels) {
           // Rows in pairs for 4-bit keys, as the model asks for prefill chunks (model/dsa_indexer.cpp).
           auto launch = [&](cudaStream_t s) {
@@ -183,7 +183,7 @@ void bench_dsa_indexer(const KernelBenchOptions& options, std::vector<KernelBenc
           row.median_us = median_launch_us(launch, stream, std::max(3, options.iterations / 4));
           row.bytes = double(chunk) * key_bytes + double(chunk) * m.heads * (128 + 4) + double(chunk) * chunk * 4;
           row.flops = 2.0 * m.heads * 128 * (double(chunk) * (chunk + 1) / 2);
-          row.fp8_products = !fp8 && kernel == DsaScoreKernel::Auto && format != DsaKeyFormat::Nvfp4;  // wgmma e4m3
+          row.fp8_products = !fp8 && kernel == DsaScoreKernel::Auto && format != PageFormat::Nvfp4Rows;  // wgmma e4m3
           row.note = "causal; full [chunk, chunk] fp32 scores written (-inf above the diagonal); " + what +
                      (fp8 ? "; tiled kernel (emulated e4m3 mma.sync)"
                           : kernel == DsaScoreKernel::Auto ? "; wgmma kernel, rows in pairs, " + product

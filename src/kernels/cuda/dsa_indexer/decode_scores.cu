@@ -188,9 +188,9 @@ bool dsa_decode_scores_supported(int heads) { return heads == 32 || heads == 64;
 
 void dsa_decode_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows, int heads, const int32_t* row_seq,
                        const int32_t* row_visible, const uint8_t* pool, const int64_t* page_table,
-                       int64_t page_table_stride, int block_size, DsaKeyFormat format, float* scores, int64_t ld,
+                       int64_t page_table_stride, int block_size, PageFormat format, float* scores, int64_t ld,
                        int64_t max_visible, int rows_per_sequence, int sms, cudaStream_t stream) {
-  if (format != DsaKeyFormat::Fp8) {
+  if (format != PageFormat::Fp8IndexKey) {
     dsa_decode_scores_fp4(q_fp8, w_folded, rows, heads, row_seq, row_visible, pool, page_table, page_table_stride,
                           block_size, format, scores, ld, max_visible, rows_per_sequence, sms, stream);
     return;

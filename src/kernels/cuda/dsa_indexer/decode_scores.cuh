@@ -32,13 +32,13 @@ bool dsa_decode_scores_supported(int heads);
 // Any key format (4-bit formats go to dsa_decode_scores_fp4).
 void dsa_decode_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows, int heads, const int32_t* row_seq,
                        const int32_t* row_visible, const uint8_t* pool, const int64_t* page_table,
-                       int64_t page_table_stride, int block_size, DsaKeyFormat format, float* scores, int64_t ld,
+                       int64_t page_table_stride, int block_size, PageFormat format, float* scores, int64_t ld,
                        int64_t max_visible, int rows_per_sequence, int sms, cudaStream_t stream);
 
 void dsa_decode_scores_fp4(const uint8_t* q_fp8, const float* w_folded, int64_t rows, int heads,
                            const int32_t* row_seq, const int32_t* row_visible, const uint8_t* pool,
                            const int64_t* page_table, int64_t page_table_stride, int block_size,
-                           DsaKeyFormat format, float* scores, int64_t ld, int64_t max_visible,
+                           PageFormat format, float* scores, int64_t ld, int64_t max_visible,
                            int rows_per_sequence, int sms, cudaStream_t stream);
 
 }  // namespace sparrow::cuda

@@ -51,9 +51,9 @@ constexpr int kThreads = 128;  // one warpgroup
 constexpr int kStages = 6;     // 5 tiles (~22 KB) in flight per CTA while one is widened
 static_assert(kThreads == 2 * kTileKeys, "two threads copy each key of a tile");
 
-template <DsaKeyFormat F>
+template <PageFormat F>
 struct Layout {
-  static constexpr bool kMx = F == DsaKeyFormat::Mxfp4;
+  static constexpr bool kMx = F == PageFormat::Mxfp4Rows;
   static constexpr int kScaleBytes = dsa::fp4_scale_bytes(F);
   static constexpr int kCodeTileBytes = kTileKeys * kFp4CodeBytes;                // 4 KB
   static constexpr int kStageBytes = kCodeTileBytes + kTileKeys * kScaleBytes;  // 4352 / 4608
@@ -63,7 +63,7 @@ struct Layout {
 };
 
 // [N query vectors][kStages x (64 x 64 code bytes, 64 x scale bytes)], plus 1 KB to align.
-template <DsaKeyFormat F>
+template <PageFormat F>
 constexpr int smem_bytes(int n) {
   return n * Layout<F>::kQueryBytes + kStages * Layout<F>::kStageBytes + 1024;
 }
@@ -88,7 +88,7 @@ __device__ __forceinline__ void locate(const Fp4Params& p, uint32_t key, uint32_
   }
 }
 
-template <DsaKeyFormat F, int HEADS, int ROWS>
+template <PageFormat F, int HEADS, int ROWS>
 __global__ void __launch_bounds__(kThreads, HEADS * ROWS <= 64 ? 4 : 3) decode_scores_fp4_kernel(Fp4Params p) {
   using L = Layout<F>;
   constexpr int N = HEADS * ROWS;  // wgmma N: every head of every row
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, HEADS * ROWS <= 64 ? 4 : 3) decode_s
   cp_async_wait<0>();
 }
 
-template <DsaKeyFormat F>
+template <PageFormat F>
 void launch(const Fp4Params& params, int heads, int group, int64_t ctas_y, int sms, cudaStream_t stream) {
   using Kernel = void (*)(Fp4Params);
   static const Kernel kernels[4] = {decode_scores_fp4_kernel<F, 32, 1>, decode_scores_fp4_kernel<F, 64, 1>,
@@ -318,10 +318,10 @@ void launch(const Fp4Params& params, int heads, int group, int64_t ctas_y, int s
 void dsa_decode_scores_fp4(const uint8_t* q_fp8, const float* w_folded, int64_t rows, int heads,
                            const int32_t* row_seq, const int32_t* row_visible, const uint8_t* pool,
                            const int64_t* page_table, int64_t page_table_stride, int block_size,
-                           DsaKeyFormat format, float* scores, int64_t ld, int64_t max_visible,
+                           PageFormat format, float* scores, int64_t ld, int64_t max_visible,
                            int rows_per_sequence, int sms, cudaStream_t stream) {
   SPARROW_CHECK(heads == 32 || heads == 64, "dsa_decode_scores: heads must be 32 or 64, got ", heads);
-  SPARROW_CHECK(format == DsaKeyFormat::Mxfp4 || format == DsaKeyFormat::Nvfp4,
+  SPARROW_CHECK(format == PageFormat::Mxfp4Rows || format == PageFormat::Nvfp4Rows,
                 "dsa_decode_scores_fp4: keys must be mxfp4 or nvfp4");
   SPARROW_CHECK(rows_per_sequence >= 1, "dsa_decode_scores: rows_per_sequence must be >= 1");
   SPARROW_CHECK(max_visible < (int64_t(1) << 31), "dsa_decode_scores: max_visible ", max_visible, " too large");
@@ -334,8 +334,8 @@ void dsa_decode_scores_fp4(const uint8_t* q_fp8, const float* w_folded, int64_t 
                           block_size, scores, ld, max_visible},
                          shift,
                          0};
-  if (format == DsaKeyFormat::Mxfp4) launch<DsaKeyFormat::Mxfp4>(params, heads, group, ctas_y, sms, stream);
-  else launch<DsaKeyFormat::Nvfp4>(params, heads, group, ctas_y, sms, stream);
+  if (format == PageFormat::Mxfp4Rows) launch<PageFormat::Mxfp4Rows>(params, heads, group, ctas_y, sms, stream);
+  else launch<PageFormat::Nvfp4Rows>(params, heads, group, ctas_y, sms, stream);
 }
 
 }  // namespace sparrow::cuda

@@ -50,7 +50,7 @@ namespace sparrow::cuda::dsa {
 inline constexpr int kFp4CodeBytes = kDsaIndexDim / 2;  // 64: a key's codes
 
 // Scale bytes per token: 4 E8M0 (MXFP4) or 8 E4M3 (NVFP4).
-__host__ __device__ constexpr int fp4_scale_bytes(DsaKeyFormat f) { return f == DsaKeyFormat::Mxfp4 ? 4 : 8; }
+__host__ __device__ constexpr int fp4_scale_bytes(PageFormat f) { return f == PageFormat::Mxfp4Rows ? 4 : 8; }
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
   uint32_t d;

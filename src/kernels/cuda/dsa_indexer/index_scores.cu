@@ -88,11 +88,11 @@ __global__ void write_keys_kernel(const void* keys, DsaDType type, int64_t count
 // One warp writes one key in a 4-bit format (page_codec.cpp's Fp4RowsCodec, kernels/cpu/fp4.h): lane i
 // holds dims 4i .. 4i+3, so an MXFP4 block (32 values) is 8 lanes and an NVFP4 block (16) 4 lanes; the block
 // scale comes from a shuffle reduction over them, the codes from the device twins (quant/fp4.cuh).
-template <DsaKeyFormat F>
+template <PageFormat F>
 __global__ void write_fp4_keys_kernel(const void* keys, DsaDType type, int64_t count, const int32_t* token_seq,
                                       const int32_t* token_pos, const int64_t* page_table, int64_t stride,
                                       int block_size, uint8_t* pool) {
-  constexpr bool kMx = F == DsaKeyFormat::Mxfp4;
+  constexpr bool kMx = F == PageFormat::Mxfp4Rows;
   const int64_t token = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (token >= count) return;
@@ -362,35 +362,39 @@ __global__ void __launch_bounds__(kWarps * 32, 3) index_scores_kernel(ScoreParam
 
 }  // namespace
 
-const char* dsa_key_format_name(DsaKeyFormat format) {
+const char* dsa_key_format_name(PageFormat format) {
   switch (format) {
-    case DsaKeyFormat::Fp8: return "fp8";
-    case DsaKeyFormat::Mxfp4: return "mxfp4";
-    case DsaKeyFormat::Nvfp4: return "nvfp4";
+    case PageFormat::Fp8IndexKey: return "fp8";
+    case PageFormat::Mxfp4Rows: return "mxfp4";
+    case PageFormat::Nvfp4Rows: return "nvfp4";
+      default: break;  // a format these kernels do not read: refused below or at the entry
   }
   return "?";
 }
 
 void dsa_write_keys(const void* keys, DsaDType type, int64_t count, const int32_t* token_seq,
                     const int32_t* token_pos, const int64_t* page_table, int64_t page_table_stride,
-                    int block_size, DsaKeyFormat format, uint8_t* pool, cudaStream_t stream) {
+                    int block_size, PageFormat format, uint8_t* pool, cudaStream_t stream) {
   SPARROW_CHECK(count >= 0 && block_size > 0, "dsa_write_keys: bad count ", count, " or block_size ", block_size);
+  SPARROW_CHECK(dsa_reads_key_format(format), "dsa_write_keys: index keys in a page format it does not write (",
+                int(format), ")");
   if (count == 0) return;
   constexpr int kPerBlock = 8;
   const unsigned blocks = unsigned((count + kPerBlock - 1) / kPerBlock);
   switch (format) {
-    case DsaKeyFormat::Fp8:
+    case PageFormat::Fp8IndexKey:
       write_keys_kernel<<<blocks, kPerBlock * 32, 0, stream>>>(keys, type, count, token_seq, token_pos, page_table,
                                                                page_table_stride, block_size, pool);
       break;
-    case DsaKeyFormat::Mxfp4:
-      write_fp4_keys_kernel<DsaKeyFormat::Mxfp4><<<blocks, kPerBlock * 32, 0, stream>>>(
+    case PageFormat::Mxfp4Rows:
+      write_fp4_keys_kernel<PageFormat::Mxfp4Rows><<<blocks, kPerBlock * 32, 0, stream>>>(
           keys, type, count, token_seq, token_pos, page_table, page_table_stride, block_size, pool);
       break;
-    case DsaKeyFormat::Nvfp4:
-      write_fp4_keys_kernel<DsaKeyFormat::Nvfp4><<<blocks, kPerBlock * 32, 0, stream>>>(
+    case PageFormat::Nvfp4Rows:
+      write_fp4_keys_kernel<PageFormat::Nvfp4Rows><<<blocks, kPerBlock * 32, 0, stream>>>(
           keys, type, count, token_seq, token_pos, page_table, page_table_stride, block_size, pool);
       break;
+      default: break;  // a format these kernels do not read: refused below or at the entry
   }
   SPARROW_CUDA_CHECK_LAUNCH();
 }
@@ -408,11 +412,13 @@ void dsa_quantize_queries(const void* q, DsaDType type, const float* weights, in
 
 void dsa_index_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows, int heads,
                       const int32_t* row_seq, const int32_t* row_visible, const uint8_t* pool,
-                      const int64_t* page_table, int64_t page_table_stride, int block_size, DsaKeyFormat format,
+                      const int64_t* page_table, int64_t page_table_stride, int block_size, PageFormat format,
                       float* scores, int64_t ld, int64_t max_visible, cudaStream_t stream, DsaScoreKernel kernel,
                       int rows_per_sequence) {
   SPARROW_CHECK(heads == 32 || heads == 64, "dsa_index_scores: heads must be 32 or 64, got ", heads);
   SPARROW_CHECK(block_size > 0, "dsa_index_scores: bad block_size ", block_size);
+  SPARROW_CHECK(dsa_reads_key_format(format), "dsa_index_scores: index keys in a page format it does not read (",
+                int(format), ")");
   SPARROW_CHECK(ld >= max_visible && ld % 2 == 0, "dsa_index_scores: ld ", ld, " must be even and >= max_visible ",
                 max_visible);
   if (rows <= 0 || max_visible <= 0) return;
@@ -422,8 +428,8 @@ void dsa_index_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows,
     SPARROW_CUDA_CHECK(cudaGetDevice(&dev));
     SPARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   }
-  const bool fp4 = format != DsaKeyFormat::Fp8;
-  SPARROW_CHECK(!(kernel == DsaScoreKernel::Tiles && format == DsaKeyFormat::Nvfp4),
+  const bool fp4 = format != PageFormat::Fp8IndexKey;
+  SPARROW_CHECK(!(kernel == DsaScoreKernel::Tiles && format == PageFormat::Nvfp4Rows),
                 "dsa_index_scores: the tiled kernel reads fp8 and mxfp4 keys; nvfp4 keys take the wgmma kernel");
   if (kernel == DsaScoreKernel::Wgmma || (kernel == DsaScoreKernel::Auto && (fp4 || rows <= kDsaWgmmaMaxRows))) {
     dsa_decode_scores(q_fp8, w_folded, rows, heads, row_seq, row_visible, pool, page_table, page_table_stride,
@@ -454,7 +460,7 @@ void dsa_index_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows,
   const int64_t splits = (max_visible + per - 1) / per;
   SPARROW_CHECK(group_blocks < 65536, "dsa_index_scores: too many rows (", rows, ")");
   const dim3 grid{unsigned(splits), unsigned(group_blocks), 1u};
-  const bool mx = format == DsaKeyFormat::Mxfp4;
+  const bool mx = format == PageFormat::Mxfp4Rows;
   if (heads == 64) {
     if (mx) index_scores_kernel<64, true><<<grid, kWarps * 32, 0, stream>>>(p);
     else index_scores_kernel<64, false><<<grid, kWarps * 32, 0, stream>>>(p);

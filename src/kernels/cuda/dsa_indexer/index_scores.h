@@ -22,28 +22,33 @@
 
 #include <cstdint>
 
+#include "core/kv_layout.h"
+
 namespace sparrow::cuda {
 
 enum class DsaDType { F32, BF16 };
 
-// The index-key page formats the kernels read and write in place.
-enum class DsaKeyFormat { Fp8, Mxfp4, Nvfp4 };
+// The index-key page formats (core/kv_layout.h) the kernels read and write in place: Fp8IndexKey,
+// Mxfp4Rows, Nvfp4Rows.
+inline constexpr bool dsa_reads_key_format(PageFormat format) {
+  return format == PageFormat::Fp8IndexKey || format == PageFormat::Mxfp4Rows || format == PageFormat::Nvfp4Rows;
+}
 
 inline constexpr int kDsaIndexDim = 128;      // index_head_dim of both models
 inline constexpr int kDsaKeyPageBytes = 132;  // FP8, per token: 128 e4m3 values + one fp32 scale
 
 // Bytes per token of a key format: 132 (FP8), 68 (MXFP4: 64 + 4), 72 (NVFP4: 64 + 8).
-constexpr int dsa_key_bytes(DsaKeyFormat format) {
-  return format == DsaKeyFormat::Fp8 ? kDsaKeyPageBytes : format == DsaKeyFormat::Mxfp4 ? 68 : 72;
+constexpr int dsa_key_bytes(PageFormat format) {
+  return format == PageFormat::Fp8IndexKey ? kDsaKeyPageBytes : format == PageFormat::Mxfp4Rows ? 68 : 72;
 }
-const char* dsa_key_format_name(DsaKeyFormat format);  // "fp8", "mxfp4", "nvfp4"
+const char* dsa_key_format_name(PageFormat format);  // "fp8", "mxfp4", "nvfp4"
 
 // Quantises `count` keys (keys: [count, 128] fp32 or bf16, row-major) into their page rows in `format`,
 // in the same launch, byte for byte as the CPU codec: token i belongs to sequence token_seq[i] at
 // position token_pos[i] (device arrays).
 void dsa_write_keys(const void* keys, DsaDType type, int64_t count, const int32_t* token_seq,
                     const int32_t* token_pos, const int64_t* page_table, int64_t page_table_stride,
-                    int block_size, DsaKeyFormat format, uint8_t* pool, cudaStream_t stream);
+                    int block_size, PageFormat format, uint8_t* pool, cudaStream_t stream);
 
 // q: [rows, heads, 128] (fp32 or bf16), weights: [rows, heads] fp32 (constants already folded in).
 // Writes q_fp8 [rows, heads, 128] e4m3 and w_folded [rows, heads] = weights * (amax(q[t,h]) / 448).
@@ -71,7 +76,7 @@ enum class DsaScoreKernel { Auto, Tiles, Wgmma };
 inline constexpr int64_t kDsaWgmmaMaxRows = 256;
 void dsa_index_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows, int heads,
                       const int32_t* row_seq, const int32_t* row_visible, const uint8_t* pool,
-                      const int64_t* page_table, int64_t page_table_stride, int block_size, DsaKeyFormat format,
+                      const int64_t* page_table, int64_t page_table_stride, int block_size, PageFormat format,
                       float* scores, int64_t ld, int64_t max_visible, cudaStream_t stream,
                       DsaScoreKernel kernel = DsaScoreKernel::Auto, int rows_per_sequence = 1);
 

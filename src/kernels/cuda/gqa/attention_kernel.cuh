@@ -80,14 +80,14 @@ struct GqaParams {
 };
 
 // Bytes of one head's K (or V) values in a row of each format: bf16 2 a value, E4M3 1, E2M1 codes 1/2.
-template <GqaKvFormat F>
+template <PageFormat F>
 __host__ __device__ constexpr int value_bytes(int values) {
-  return F == GqaKvFormat::BFloat16 ? 2 * values : F == GqaKvFormat::Fp8 ? values : values / 2;
+  return F == PageFormat::BFloat16 ? 2 * values : F == PageFormat::Fp8Rows ? values : values / 2;
 }
 
-template <int DMAX, GqaKvFormat F>
+template <int DMAX, PageFormat F>
 struct Layout {
-  static constexpr bool kNarrow = F != GqaKvFormat::BFloat16;
+  static constexpr bool kNarrow = F != PageFormat::BFloat16;
   static constexpr int kStride = DMAX + 8;                     // bf16 per smem row (+16 B: no ldmatrix conflicts)
   static constexpr int kTile = kTileKeys * kStride;            // bf16 elements of one K (or V) tile
   static constexpr int kQBytes = 16 * kStride * 2;
@@ -96,7 +96,7 @@ struct Layout {
   // 8 distinct bank groups; NVFP4 adds per row the 4-byte words around its head_dim / 16 block scales (an
   // odd count of words, so that 32 lanes reading word j of their rows hit 32 distinct banks).
   static constexpr int kRawRow = kNarrow ? (value_bytes<F>(DMAX) + 15) / 16 * 16 + 16 : 0;
-  static constexpr int kScaleWords = F == GqaKvFormat::Nvfp4 ? ((DMAX / 64 + 2) | 1) : 0;
+  static constexpr int kScaleWords = F == PageFormat::Nvfp4Rows ? ((DMAX / 64 + 2) | 1) : 0;
   static constexpr int kScaleRow = 4 * kScaleWords;
   static constexpr int kRawStage = 2 * kTileKeys * (kRawRow + kScaleRow);
   // One warp's region: bf16: a ring of kStages (K, V) bf16 tiles; narrow: a ring of kStages raw stages and
@@ -126,12 +126,12 @@ struct KeyAddr {
 // scales start in their first word) into its bf16 tile row, columns 0 .. D-1 (the padding columns stay
 // zero). 16-byte loads and stores; the raw and bf16 row strides put a quarter-warp's 8 rows on 8
 // distinct bank groups. Every value is exact (kv_widen.cuh).
-template <int DMAX, GqaKvFormat F>
+template <int DMAX, PageFormat F>
 __device__ __forceinline__ void widen_row(const uint8_t* stage, __nv_bfloat16* tile, int lane, int D, uint32_t mis) {
   using L = Layout<DMAX, F>;
   const uint8_t* raw = stage + lane * L::kRawRow;
   __nv_bfloat16* dst = tile + (lane >> 4) * L::kTile + (lane & 15) * L::kStride;
-  if constexpr (F == GqaKvFormat::Fp8) {
+  if constexpr (F == PageFormat::Fp8Rows) {
     // value = e4m3 * kKvTensorScale (1.0): 16 values per 16-byte load.
 #pragma unroll
     for (int c = 0; c < DMAX / 16; ++c) {
@@ -146,7 +146,7 @@ __device__ __forceinline__ void widen_row(const uint8_t* stage, __nv_bfloat16* t
         *reinterpret_cast<uint4*>(dst + 16 * c + 8) = o1;
       }
     }
-  } else if constexpr (F == GqaKvFormat::Nvfp4) {
+  } else if constexpr (F == PageFormat::Nvfp4Rows) {
     // value = e2m1 * e4m3 block scale * kKvTensorScale (1.0). Block b's scale is byte mis + b of the row's
     // scale window (byte loads: 32 lanes read 32 rows an odd number of words apart, 32 distinct banks).
     const uint8_t* sc = stage + 2 * kTileKeys * L::kRawRow + lane * L::kScaleRow + mis;
@@ -178,7 +178,7 @@ __device__ __forceinline__ void widen_row(const uint8_t* stage, __nv_bfloat16* t
   }
 }
 
-template <int DMAX, bool SPARSE, GqaKvFormat F>
+template <int DMAX, bool SPARSE, PageFormat F>
 __global__ void __launch_bounds__(kThreads) gqa_attention_kernel(const GqaParams p) {
   using L = Layout<DMAX, F>;
   constexpr int kS = kStages;
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(kThreads) gqa_attention_kernel(const GqaParams
     if (key > pos) return {-1, 0};
     const int64_t page = __ldg(p.page_table + int64_t(seq) * p.stride + key / p.block_size);
     const int s = key % p.block_size;
-    if constexpr (F == GqaKvFormat::Nvfp4)
+    if constexpr (F == PageFormat::Nvfp4Rows)
       return {page + int64_t(s) * p.row_bytes, page + p.scale_base + int64_t(s) * p.scale_row + head_scale};
     else
       return {page + int64_t(s) * p.row_bytes, 0};
@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(kThreads) gqa_attention_kernel(const GqaParams
         else
           cp_async8(dst, src, o >= 0);
       }
-      if constexpr (F == GqaKvFormat::Nvfp4) {
+      if constexpr (F == PageFormat::Nvfp4Rows) {
         // This lane's head row's D / 16 scale bytes, as the aligned 4-byte words that hold them (at most
         // kScaleWords; never past the page's end, which is 4-byte aligned). An invisible key's window is
         // zero-filled: scale 0, so its zero codes widen to zeros, never NaN.
@@ -531,7 +531,7 @@ __global__ void __launch_bounds__(kThreads) gqa_attention_kernel(const GqaParams
   }
 }
 
-template <int DMAX, bool SPARSE, GqaKvFormat F>
+template <int DMAX, bool SPARSE, PageFormat F>
 void launch_gqa_variant(const GqaParams& p, size_t smem, unsigned grid_x, unsigned grid_y, cudaStream_t stream) {
   auto kernel = gqa_attention_kernel<DMAX, SPARSE, F>;
   SPARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
@@ -539,7 +539,7 @@ void launch_gqa_variant(const GqaParams& p, size_t smem, unsigned grid_x, unsign
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
-template <bool SPARSE, GqaKvFormat F>
+template <bool SPARSE, PageFormat F>
 void dispatch_head_dim(int dmax, const GqaParams& p, size_t smem, unsigned grid_x, unsigned grid_y,
                        cudaStream_t stream) {
   switch (dmax) {
@@ -554,17 +554,18 @@ void dispatch_head_dim(int dmax, const GqaParams& p, size_t smem, unsigned grid_
 // The kernel for a head_dim bucket (dmax) and K/V page format. dense.cu instantiates SPARSE = false and
 // sparse.cu SPARSE = true, so that the two halves of the variants compile in parallel.
 template <bool SPARSE>
-void dispatch_gqa(int dmax, GqaKvFormat format, const GqaParams& p, size_t smem, unsigned grid_x, unsigned grid_y,
+void dispatch_gqa(int dmax, PageFormat format, const GqaParams& p, size_t smem, unsigned grid_x, unsigned grid_y,
                   cudaStream_t stream) {
   switch (format) {
-    case GqaKvFormat::BFloat16:
-      return dispatch_head_dim<SPARSE, GqaKvFormat::BFloat16>(dmax, p, smem, grid_x, grid_y, stream);
-    case GqaKvFormat::Fp8: return dispatch_head_dim<SPARSE, GqaKvFormat::Fp8>(dmax, p, smem, grid_x, grid_y, stream);
-    case GqaKvFormat::Nvfp4: return dispatch_head_dim<SPARSE, GqaKvFormat::Nvfp4>(dmax, p, smem, grid_x, grid_y, stream);
+    case PageFormat::BFloat16:
+      return dispatch_head_dim<SPARSE, PageFormat::BFloat16>(dmax, p, smem, grid_x, grid_y, stream);
+    case PageFormat::Fp8Rows: return dispatch_head_dim<SPARSE, PageFormat::Fp8Rows>(dmax, p, smem, grid_x, grid_y, stream);
+    case PageFormat::Nvfp4Rows: return dispatch_head_dim<SPARSE, PageFormat::Nvfp4Rows>(dmax, p, smem, grid_x, grid_y, stream);
+      default: break;  // a format these kernels do not read: refused below or at the entry
   }
 }
-extern template void dispatch_gqa<false>(int, GqaKvFormat, const GqaParams&, size_t, unsigned, unsigned,
+extern template void dispatch_gqa<false>(int, PageFormat, const GqaParams&, size_t, unsigned, unsigned,
                                          cudaStream_t);
-extern template void dispatch_gqa<true>(int, GqaKvFormat, const GqaParams&, size_t, unsigned, unsigned, cudaStream_t);
+extern template void dispatch_gqa<true>(int, PageFormat, const GqaParams&, size_t, unsigned, unsigned, cudaStream_t);
 
 }  // namespace sparrow::cuda::gqa_detail

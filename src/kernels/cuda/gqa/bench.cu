@@ -46,13 +46,13 @@ __global__ void fill_e4m3_kernel(uint8_t* p, int64_t n, uint64_t seed) {
 
 struct Format {
   const char* name;
-  GqaKvFormat format;
+  PageFormat format;
 };
 
 // Bytes of one token's row (all kv heads) in a page of each format.
-int64_t token_bytes(GqaKvFormat f, int kv_heads, int head_dim) {
+int64_t token_bytes(PageFormat f, int kv_heads, int head_dim) {
   const int64_t values = int64_t(2) * kv_heads * head_dim;
-  return f == GqaKvFormat::BFloat16 ? 2 * values : f == GqaKvFormat::Fp8 ? values : values / 2 + values / 16;
+  return f == PageFormat::BFloat16 ? 2 * values : f == PageFormat::Fp8Rows ? values : values / 2 + values / 16;
 }
 
 struct DeviceMem {
@@ -103,10 +103,10 @@ void bench_gqa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
   fill_bf16_kernel<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(q.p), int64_t(q.bytes / 2), 5);
   SPARROW_CUDA_CHECK_LAUNCH();
   const std::vector<Format> formats = {
-      {"bf16", GqaKvFormat::BFloat16}, {"fp8", GqaKvFormat::Fp8}, {"nvfp4", GqaKvFormat::Nvfp4}};
+      {"bf16", PageFormat::BFloat16}, {"fp8", PageFormat::Fp8Rows}, {"nvfp4", PageFormat::Nvfp4Rows}};
 
   for (const Format& f : formats) {
-    if (f.format == GqaKvFormat::BFloat16)
+    if (f.format == PageFormat::BFloat16)
       fill_bf16_kernel<<<8192, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(pool.p), int64_t(kPoolBytes / 2), 17);
     else
       fill_e4m3_kernel<<<8192, 256, 0, stream>>>(static_cast<uint8_t*>(pool.p), int64_t(kPoolBytes), 17);
@@ -177,7 +177,7 @@ void bench_gqa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
                         double(sel.size()) * 4;
             row.flops = 2.0 * batch * c.heads * keys * 2 * kHeadDim;
             row.note = std::string(f.name) + " paged K/V (" + std::to_string(row_bytes) + " B a token)" +
-                       (f.format == GqaKvFormat::BFloat16 ? "" : ", widened to bf16 in the kernel") +
+                       (f.format == PageFormat::BFloat16 ? "" : ", widened to bf16 in the kernel") +
                        (need ? ", keys split + combine" : ", one pass") +
                        (aliased ? ", pages shared across sequences" : "");
             rows.push_back(row);

@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(128) gqa_combine_kernel(const float* ws_o, con
 //             sign, two a byte (value 2i in the low nibble), through the device twins in quant/fp4.cuh;
 //             8 code bytes at the token's code row, 1 scale byte at its scale row (values then scales).
 // `chunks`: 8-value groups of one token's K (or V); the row's values are [k row | v row].
-template <GqaKvFormat F>
+template <PageFormat F>
 __global__ void __launch_bounds__(128) gqa_write_kv_kernel(const uint4* k, const uint4* v, int chunks,
                                                            const int32_t* row_seq, const int32_t* row_pos,
                                                            const int64_t* page_table, int64_t stride,
@@ -106,9 +106,9 @@ __global__ void __launch_bounds__(128) gqa_write_kv_kernel(const uint4* k, const
   const PagedSlot at = paged_slot(pool, page_table, stride, seq, pos, block_size);
   uint8_t* row = at.page + at.slot * row_bytes;
   auto chunk = [&](int c) { return c < chunks ? __ldg(k + i * chunks + c) : __ldg(v + i * chunks + (c - chunks)); };
-  if constexpr (F == GqaKvFormat::BFloat16) {
+  if constexpr (F == PageFormat::BFloat16) {
     for (int c = threadIdx.x; c < 2 * chunks; c += blockDim.x) reinterpret_cast<uint4*>(row)[c] = chunk(c);
-  } else if constexpr (F == GqaKvFormat::Fp8) {
+  } else if constexpr (F == PageFormat::Fp8Rows) {
     for (int c = threadIdx.x; c < 2 * chunks; c += blockDim.x) {
       const uint4 x = chunk(c);
       const uint32_t in[4] = {x.x, x.y, x.z, x.w};
@@ -156,7 +156,7 @@ int dmax_for(int head_dim) {
   return 256;
 }
 
-template <GqaKvFormat F>
+template <PageFormat F>
 size_t fixed_smem_of(int dmax) {
   switch (dmax) {
     case 16: return Layout<16, F>::kFixedBytes;
@@ -167,18 +167,18 @@ size_t fixed_smem_of(int dmax) {
   }
 }
 
-size_t fixed_smem(int dmax, GqaKvFormat format) {
+size_t fixed_smem(int dmax, PageFormat format) {
   switch (format) {
-    case GqaKvFormat::BFloat16: return fixed_smem_of<GqaKvFormat::BFloat16>(dmax);
-    case GqaKvFormat::Fp8: return fixed_smem_of<GqaKvFormat::Fp8>(dmax);
-    case GqaKvFormat::Nvfp4: return fixed_smem_of<GqaKvFormat::Nvfp4>(dmax);
+    case PageFormat::BFloat16: return fixed_smem_of<PageFormat::BFloat16>(dmax);
+    case PageFormat::Fp8Rows: return fixed_smem_of<PageFormat::Fp8Rows>(dmax);
+    case PageFormat::Nvfp4Rows: return fixed_smem_of<PageFormat::Nvfp4Rows>(dmax);
+      default: break;  // a format these kernels do not read: refused below or at the entry
   }
   fail("gqa attention: unknown K/V format ", int(format));
 }
 
-void check_format(GqaKvFormat format, const char* what) {
-  SPARROW_CHECK(format == GqaKvFormat::BFloat16 || format == GqaKvFormat::Fp8 || format == GqaKvFormat::Nvfp4, what,
-                ": unknown K/V format ", int(format));
+void check_format(PageFormat format, const char* what) {
+  SPARROW_CHECK(gqa_reads_kv_format(format), what, ": K/V pages in a format it does not read (", int(format), ")");
 }
 
 // How gqa_attention tiles a problem.
@@ -191,7 +191,7 @@ struct Plan {
 };
 
 Plan make_plan(int64_t rows, int heads, int kv_heads, int head_dim, int64_t max_visible, bool sparse, int index_heads,
-               int max_blocks, int index_block_size, GqaKvFormat format) {
+               int max_blocks, int index_block_size, PageFormat format) {
   check_format(format, "gqa attention");
   SPARROW_CHECK(rows >= 0 && heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "gqa attention: bad heads ", heads,
                 " / kv heads ", kv_heads, " (rows ", rows, ")");
@@ -250,11 +250,11 @@ namespace sparrow::cuda {
 
 void gqa_write_kv(const void* k_bf16, const void* v_bf16, int64_t rows, int kv_heads, int head_dim,
                   const int32_t* row_seq, const int32_t* row_pos, const int64_t* page_table, int64_t stride,
-                  int block_size, uint8_t* pool, GqaKvFormat format, cudaStream_t stream) {
+                  int block_size, uint8_t* pool, PageFormat format, cudaStream_t stream) {
   gqa_detail::check_format(format, "gqa_write_kv");
   SPARROW_CHECK(rows >= 0 && kv_heads > 0 && head_dim > 0 && head_dim % 8 == 0, "gqa_write_kv: bad sizes rows=", rows,
                 " kv_heads=", kv_heads, " head_dim=", head_dim);
-  SPARROW_CHECK(format != GqaKvFormat::Nvfp4 || head_dim % 16 == 0,
+  SPARROW_CHECK(format != PageFormat::Nvfp4Rows || head_dim % 16 == 0,
                 "gqa_write_kv: NVFP4 K/V need head_dim a multiple of 16 (a block scale per 16 values of a head), got ",
                 head_dim);
   SPARROW_CHECK(rows < (int64_t(1) << 31), "gqa_write_kv: too many rows ", rows);
@@ -269,24 +269,25 @@ void gqa_write_kv(const void* k_bf16, const void* v_bf16, int64_t rows, int kv_h
   const auto* v = static_cast<const uint4*>(v_bf16);
   using gqa_detail::gqa_write_kv_kernel;
   switch (format) {
-    case GqaKvFormat::BFloat16:
-      gqa_write_kv_kernel<GqaKvFormat::BFloat16><<<unsigned(rows), 128, 0, stream>>>(
+    case PageFormat::BFloat16:
+      gqa_write_kv_kernel<PageFormat::BFloat16><<<unsigned(rows), 128, 0, stream>>>(
           k, v, chunks, row_seq, row_pos, page_table, stride, block_size, 2 * values, pool);
       break;
-    case GqaKvFormat::Fp8:
-      gqa_write_kv_kernel<GqaKvFormat::Fp8><<<unsigned(rows), 128, 0, stream>>>(
+    case PageFormat::Fp8Rows:
+      gqa_write_kv_kernel<PageFormat::Fp8Rows><<<unsigned(rows), 128, 0, stream>>>(
           k, v, chunks, row_seq, row_pos, page_table, stride, block_size, values, pool);
       break;
-    case GqaKvFormat::Nvfp4:  // the kernel's `chunks` counts 16-value blocks of the whole row
-      gqa_write_kv_kernel<GqaKvFormat::Nvfp4><<<unsigned(rows), 128, 0, stream>>>(
+    case PageFormat::Nvfp4Rows:  // the kernel's `chunks` counts 16-value blocks of the whole row
+      gqa_write_kv_kernel<PageFormat::Nvfp4Rows><<<unsigned(rows), 128, 0, stream>>>(
           k, v, chunks, row_seq, row_pos, page_table, stride, block_size, values / 2, pool);
       break;
+      default: break;  // a format these kernels do not read: refused below or at the entry
   }
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
 size_t gqa_attention_workspace_bytes(int64_t rows, int heads, int kv_heads, int head_dim, int64_t max_visible,
-                                     int index_heads, int max_blocks, int index_block_size, GqaKvFormat format) {
+                                     int index_heads, int max_blocks, int index_block_size, PageFormat format) {
   return gqa_detail::make_plan(rows, heads, kv_heads, head_dim, max_visible, max_blocks > 0, index_heads, max_blocks,
                                index_block_size, format)
       .workspace;
@@ -296,7 +297,7 @@ void gqa_attention(const void* q_bf16, void* out_bf16, int64_t rows, int heads, 
                    float scale, const int32_t* row_seq, const int32_t* row_pos, int64_t max_visible,
                    const int32_t* blocks, int index_heads, int max_blocks, int index_block_size,
                    const int64_t* page_table, int64_t stride, int block_size, const uint8_t* pool,
-                   GqaKvFormat format, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                   PageFormat format, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   using namespace gqa_detail;
   const bool sparse = blocks != nullptr;
   const Plan plan = make_plan(rows, heads, kv_heads, head_dim, max_visible, sparse, index_heads, max_blocks,
@@ -324,12 +325,12 @@ void gqa_attention(const void* q_bf16, void* out_bf16, int64_t rows, int heads, 
   p.rows = rows;
   p.stride = stride;
   const int64_t values = int64_t(2) * kv_heads * head_dim;  // of a token's row
-  p.row_bytes = format == GqaKvFormat::BFloat16 ? 2 * values : format == GqaKvFormat::Fp8 ? values : values / 2;
+  p.row_bytes = format == PageFormat::BFloat16 ? 2 * values : format == PageFormat::Fp8Rows ? values : values / 2;
   p.scale_base = int64_t(block_size) * p.row_bytes;  // NVFP4: the page's scales follow all its codes
   p.scale_row = int(values / 16);
   // NVFP4 codes of one head are head_dim / 2 bytes at a multiple of head_dim / 2: 16-byte copies need
   // head_dim % 32 == 0, else 8-byte ones (head_dim % 16 == 0 always holds here).
-  p.chunk = format == GqaKvFormat::Nvfp4 && head_dim % 32 != 0 ? 8 : 16;
+  p.chunk = format == PageFormat::Nvfp4Rows && head_dim % 32 != 0 ? 8 : 16;
   p.heads = heads;
   p.kv_heads = kv_heads;
   p.head_dim = head_dim;

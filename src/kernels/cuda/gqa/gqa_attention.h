@@ -4,7 +4,7 @@
 // Cache (PageKind::GqaKeyValue, docs/cache.md, cache/page_codec.h): a token's row holds W = 2 * kv_heads *
 // head_dim values, [K of kv head 0 .. kv_heads-1 | V of kv head 0 .. kv_heads-1], each head head_dim
 // values; token j of a sequence lives in the page at pool + page_table[seq * stride + j / block_size],
-// slot s = j % block_size, stored in one of three formats (GqaKvFormat):
+// slot s = j % block_size, stored in one of three formats (PageFormat):
 //   BFloat16 (PageFormat::BFloat16): rows of W bf16, token after token: the row at page + s * 2W.
 //   Fp8      (PageFormat::Fp8Rows, --kv-cache-dtype fp8 / fp8_per_tensor): rows of W E4M3 bytes,
 //            e4m3(x / kKvTensorScale) with that per-layer scale fixed at 1.0: the row at page + s * W.
@@ -33,18 +33,21 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/kv_layout.h"
+
 namespace sparrow::cuda {
 
 // The per-layer scale of FP8 rows and NVFP4's second-level scale, as the kernels apply it: cache/page_codec.h's
 // kKvTensorScale, a fixed 1.0 (tests/cuda/gqa_attention_test.cpp checks that they agree).
 inline constexpr float kGqaKvTensorScale = 1.0f;
 
-// How the K/V pages are stored (see the top of the file).
-enum class GqaKvFormat {
-  BFloat16,  // PageFormat::BFloat16: 2 bytes a value (4 kv heads x 128: 2,048 B a token)
-  Fp8,       // PageFormat::Fp8Rows: 1 byte a value (1,024 B a token)
-  Nvfp4,     // PageFormat::Nvfp4Rows: half a byte a value + 1 byte per 16 (576 B a token)
-};
+// How the K/V pages are stored (core/kv_layout.h's PageFormat; see the top of the file):
+//   BFloat16   2 bytes a value (4 kv heads x 128: 2,048 B a token)
+//   Fp8Rows    1 byte a value (1,024 B a token)
+//   Nvfp4Rows  half a byte a value + 1 byte per 16 (576 B a token)
+inline constexpr bool gqa_reads_kv_format(PageFormat format) {
+  return format == PageFormat::BFloat16 || format == PageFormat::Fp8Rows || format == PageFormat::Nvfp4Rows;
+}
 
 // Writes the new tokens' K and V into their cache rows: row i of k and v ([rows, kv_heads * head_dim]
 // bf16 each) goes to sequence row_seq[i], position row_pos[i] (device arrays). BFloat16: byte-exact
@@ -53,13 +56,13 @@ enum class GqaKvFormat {
 // (8 otherwise).
 void gqa_write_kv(const void* k_bf16, const void* v_bf16, int64_t rows, int kv_heads, int head_dim,
                   const int32_t* row_seq, const int32_t* row_pos, const int64_t* page_table, int64_t stride,
-                  int block_size, uint8_t* pool, GqaKvFormat format, cudaStream_t stream);
+                  int block_size, uint8_t* pool, PageFormat format, cudaStream_t stream);
 
 // Bytes of device workspace gqa_attention needs for these sizes (0 when the keys are not split across
 // blocks). Depends only on its arguments and the device; pass the same values as to gqa_attention
 // (blocks null there <=> max_blocks 0 here).
 size_t gqa_attention_workspace_bytes(int64_t rows, int heads, int kv_heads, int head_dim, int64_t max_visible,
-                                     int index_heads, int max_blocks, int index_block_size, GqaKvFormat format);
+                                     int index_heads, int max_blocks, int index_block_size, PageFormat format);
 
 // GQA attention of `rows` query rows.
 //   q, out       [rows, heads, head_dim] bf16; head_dim a multiple of 16, at most 256
@@ -76,6 +79,6 @@ void gqa_attention(const void* q_bf16, void* out_bf16, int64_t rows, int heads, 
                    float scale, const int32_t* row_seq, const int32_t* row_pos, int64_t max_visible,
                    const int32_t* blocks, int index_heads, int max_blocks, int index_block_size,
                    const int64_t* page_table, int64_t stride, int block_size, const uint8_t* pool,
-                   GqaKvFormat format, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                   PageFormat format, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace sparrow::cuda

@@ -4,6 +4,6 @@
 
 namespace sparrow::cuda::gqa_detail {
 
-template void dispatch_gqa<true>(int, GqaKvFormat, const GqaParams&, size_t, unsigned, unsigned, cudaStream_t);
+template void dispatch_gqa<true>(int, PageFormat, const GqaParams&, size_t, unsigned, unsigned, cudaStream_t);
 
 }  // namespace sparrow::cuda::gqa_detail

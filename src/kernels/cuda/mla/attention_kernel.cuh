@@ -55,14 +55,14 @@ struct AttnParams {
   float* ws_lse;               // [splits, rows, heads]
 };
 
-template <int HG, int NSPLIT, MlaCacheFormat F>
+template <int HG, int NSPLIT, PageFormat F>
 struct Cfg {
   static constexpr int kWarps = HG * NSPLIT;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kHeads = 16 * HG;
   static constexpr int kN = 16 * NSPLIT;                     // keys per tile
   static constexpr int kCols = kMlaLatent / NSPLIT;          // output columns per warp
-  static constexpr bool kQuantized = F != MlaCacheFormat::kBf16;
+  static constexpr bool kQuantized = F != PageFormat::BFloat16;
   static constexpr int kRawRow = int(MlaRowBytes<F>::value);  // bytes of one cached row
   static_assert(kRawRow % 16 == 0, "rows are fetched with 16-byte copies");
   static constexpr int kChunks = kRawRow / 16;               // 16-byte copies per cached row
@@ -172,14 +172,14 @@ __device__ __forceinline__ void e2m1x8_to_bf16(uint32_t w, uint32_t (&out)[4]) {
 // So NVFP4 needs less dequantisation work than FP8's 656-byte layout and fetches 54% of its bytes
 // (cp.async, HBM, raw shared-memory reads): it should not be slower than fp8 at any context; against
 // fp8_per_tensor it trades ~30% more dequantisation for 39% fewer bytes (bench.cu measures both).
-template <MlaCacheFormat F, int N, int T>
+template <PageFormat F, int N, int T>
 __device__ __forceinline__ void dequant_tile(const uint8_t* raw, __nv_bfloat16* kv, int tid) {
   static_assert(T % 32 == 0, "a warp must cover whole rows");
   constexpr int R = int(MlaRowBytes<F>::value);
   constexpr int kLatentUnits = N * 32 / T, kRopeUnits = N * 8 / T;  // per thread
   static_assert(N * 8 % T == 0, "whole units per thread");
   const int h = (tid >> 2) & 1;  // which half of its unit a lane stores first
-  if constexpr (F == MlaCacheFormat::kFp8) {
+  if constexpr (F == PageFormat::Fp8Latent) {
     // FlashMLA layout: [512 e4m3][4 fp32 scales][64 bf16 rope]; value = e4m3 * scale rounded once to bf16.
 #pragma unroll 2
     for (int k = 0; k < kLatentUnits; ++k) {
@@ -209,7 +209,7 @@ __device__ __forceinline__ void dequant_tile(const uint8_t* raw, __nv_bfloat16* 
       const int c = tid + k * T, r = c >> 3, j = c & 7;
       store_bf16x8(kv + r * kQStride + kMlaLatent + 8 * j, *reinterpret_cast<const uint4*>(raw + r * R + 528 + 16 * j));
     }
-  } else if constexpr (F == MlaCacheFormat::kFp8Rows) {
+  } else if constexpr (F == PageFormat::Fp8Rows) {
     // 576 e4m3 (latent and rope alike, value = e4m3 * kMlaTensorScale = e4m3): 72 units of 8 a row. Raw
     // row r, unit j is at byte 8 * (72 r + j) = 8c; its bf16 at element r * kQStride + 8j = 8c + 8r.
     static_assert(kMlaTensorScale == 1.0f, "kFp8Rows reads e4m3 values unscaled");
@@ -223,7 +223,7 @@ __device__ __forceinline__ void dequant_tile(const uint8_t* raw, __nv_bfloat16* 
       e4m3x4_to_bf16(v.y, o.z, o.w);
       store_bf16x8(kv + 8 * c + 8 * r, o);
     }
-  } else if constexpr (F == MlaCacheFormat::kNvfp4) {
+  } else if constexpr (F == PageFormat::Nvfp4Latent) {
     // [256 B e2m1 codes | 64 B rope e4m3 | 32 B e4m3 block scales]; value = e2m1 * scale * kMlaTensorScale.
     static_assert(kMlaTensorScale == 1.0f, "kNvfp4 applies the block scales only");
 #pragma unroll 2
@@ -269,7 +269,7 @@ __device__ __forceinline__ int64_t key_offset(const AttnParams& p, int64_t row, 
   return page + int64_t(token % p.block_size) * row_bytes;
 }
 
-template <int HG, int NSPLIT, MlaCacheFormat F, bool SPARSE>
+template <int HG, int NSPLIT, PageFormat F, bool SPARSE>
 __global__ void __launch_bounds__(Cfg<HG, NSPLIT, F>::kThreads, 1) mla_attention_kernel(const AttnParams p) {
   using C = Cfg<HG, NSPLIT, F>;
   constexpr int N = C::kN;
@@ -501,7 +501,7 @@ struct AttnPlan {
 };
 AttnPlan plan_mla_attention(int64_t rows, int heads, int64_t max_keys);
 
-template <int HG, int NSPLIT, MlaCacheFormat F, bool SPARSE>
+template <int HG, int NSPLIT, PageFormat F, bool SPARSE>
 void launch_variant(const AttnParams& p, cudaStream_t stream) {
   using C = Cfg<HG, NSPLIT, F>;
   auto kernel = mla_attention_kernel<HG, NSPLIT, F, SPARSE>;
@@ -511,7 +511,7 @@ void launch_variant(const AttnParams& p, cudaStream_t stream) {
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
-template <MlaCacheFormat F, bool SPARSE>
+template <PageFormat F, bool SPARSE>
 void dispatch_tiling(const AttnPlan& plan, const AttnParams& p, cudaStream_t stream) {
   if (plan.hg == 1) launch_variant<1, 4, F, SPARSE>(p, stream);
   else if (plan.hg == 2) launch_variant<2, 2, F, SPARSE>(p, stream);
@@ -520,16 +520,17 @@ void dispatch_tiling(const AttnPlan& plan, const AttnParams& p, cudaStream_t str
 
 // Instantiated in sparse_decode.cu (SPARSE = true) and dense_decode.cu (SPARSE = false).
 template <bool SPARSE>
-void dispatch_mla_attention(const AttnPlan& plan, MlaCacheFormat format, const AttnParams& p, cudaStream_t stream) {
+void dispatch_mla_attention(const AttnPlan& plan, PageFormat format, const AttnParams& p, cudaStream_t stream) {
   switch (format) {
-    case MlaCacheFormat::kFp8: return dispatch_tiling<MlaCacheFormat::kFp8, SPARSE>(plan, p, stream);
-    case MlaCacheFormat::kBf16: return dispatch_tiling<MlaCacheFormat::kBf16, SPARSE>(plan, p, stream);
-    case MlaCacheFormat::kFp8Rows: return dispatch_tiling<MlaCacheFormat::kFp8Rows, SPARSE>(plan, p, stream);
-    case MlaCacheFormat::kNvfp4: return dispatch_tiling<MlaCacheFormat::kNvfp4, SPARSE>(plan, p, stream);
+    case PageFormat::Fp8Latent: return dispatch_tiling<PageFormat::Fp8Latent, SPARSE>(plan, p, stream);
+    case PageFormat::BFloat16: return dispatch_tiling<PageFormat::BFloat16, SPARSE>(plan, p, stream);
+    case PageFormat::Fp8Rows: return dispatch_tiling<PageFormat::Fp8Rows, SPARSE>(plan, p, stream);
+    case PageFormat::Nvfp4Latent: return dispatch_tiling<PageFormat::Nvfp4Latent, SPARSE>(plan, p, stream);
+      default: break;  // a format these kernels do not read: refused below or at the entry
   }
   fail("mla attention: unknown cache format ", int(format));
 }
-void dispatch_sparse(const AttnPlan& plan, MlaCacheFormat format, const AttnParams& p, cudaStream_t stream);
-void dispatch_dense(const AttnPlan& plan, MlaCacheFormat format, const AttnParams& p, cudaStream_t stream);
+void dispatch_sparse(const AttnPlan& plan, PageFormat format, const AttnParams& p, cudaStream_t stream);
+void dispatch_dense(const AttnPlan& plan, PageFormat format, const AttnParams& p, cudaStream_t stream);
 
 }  // namespace sparrow::cuda::mla_detail

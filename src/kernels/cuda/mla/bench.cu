@@ -38,16 +38,16 @@ struct Model {
 };
 
 struct Format {
-  MlaCacheFormat format;
+  PageFormat format;
   const char* label;  // in the shape string (bf16 and fp8 as before, so earlier results stay comparable)
   const char* note;
 };
 
 const Format kFormats[] = {
-    {MlaCacheFormat::kBf16, "bf16", "bf16 cache"},
-    {MlaCacheFormat::kFp8, "fp8", "FP8 FlashMLA layout (656 B)"},
-    {MlaCacheFormat::kFp8Rows, "fp8_per_tensor", "FP8 rows, per-layer scale (576 B)"},
-    {MlaCacheFormat::kNvfp4, "nvfp4", "NVFP4 latent + FP8 rope (352 B)"},
+    {PageFormat::BFloat16, "bf16", "bf16 cache"},
+    {PageFormat::Fp8Latent, "fp8", "FP8 FlashMLA layout (656 B)"},
+    {PageFormat::Fp8Rows, "fp8_per_tensor", "FP8 rows, per-layer scale (576 B)"},
+    {PageFormat::Nvfp4Latent, "nvfp4", "NVFP4 latent + FP8 rope (352 B)"},
 };
 
 struct DeviceMem {
@@ -97,7 +97,7 @@ void bench_mla_decode(const KernelBenchOptions& options, std::vector<KernelBench
   std::map<std::string, double> fp8_us;  // kernel + shape without the format -> fp8 (656 B) time
 
   for (const Format& f : kFormats) {
-    const MlaCacheFormat format = f.format;
+    const PageFormat format = f.format;
     const int64_t row_bytes = mla_row_bytes(format);
     {
       const int64_t total_pages = max_rows_pool / block;
@@ -160,9 +160,9 @@ void bench_mla_decode(const KernelBenchOptions& options, std::vector<KernelBench
             const std::string fmt = std::string(" ") + f.label;
             // fp8_per_tensor / nvfp4 against fp8 (656 B) on the same kernel and shape.
             auto versus_fp8 = [&](const std::string& key, double us) {
-              if (format == MlaCacheFormat::kFp8) fp8_us[key] = us;
+              if (format == PageFormat::Fp8Latent) fp8_us[key] = us;
               const auto it = fp8_us.find(key);
-              if (format == MlaCacheFormat::kBf16 || format == MlaCacheFormat::kFp8 || it == fp8_us.end())
+              if (format == PageFormat::BFloat16 || format == PageFormat::Fp8Latent || it == fp8_us.end())
                 return std::string();
               char buf[96];
               std::snprintf(buf, sizeof buf, "; %.2fx the time of fp8 (656 B)", us / it->second);

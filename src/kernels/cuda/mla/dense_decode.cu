@@ -6,7 +6,7 @@
 namespace sparrow::cuda {
 
 namespace mla_detail {
-void dispatch_dense(const AttnPlan& plan, MlaCacheFormat format, const AttnParams& p, cudaStream_t stream) {
+void dispatch_dense(const AttnPlan& plan, PageFormat format, const AttnParams& p, cudaStream_t stream) {
   dispatch_mla_attention<false>(plan, format, p, stream);
 }
 }  // namespace mla_detail

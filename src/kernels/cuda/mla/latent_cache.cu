@@ -35,7 +35,7 @@ __device__ __forceinline__ uint32_t e4m3_of(float x) {
 // One block of 128 threads per row; thread t owns latent values 4t .. 4t+3 and, for t < 32, rope values
 // 2t, 2t+1. kFp8: warp w's 128 values are exactly one scale group, so the amax is a warp reduction.
 // kNvfp4: the 4 threads 4b .. 4b+3 (consecutive lanes of one warp) hold NVFP4 block b.
-template <typename T, MlaCacheFormat F>
+template <typename T, PageFormat F>
 __global__ void __launch_bounds__(128) mla_cache_write_kernel(const MlaPagedCache cache, const T* src,
                                                                const int32_t* row_seq, const int32_t* row_pos,
                                                                int32_t seq0, int64_t start_pos) {
@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(128) mla_cache_write_kernel(const MlaPagedCach
   float v[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) v[k] = load_value(s + 4 * t + k);
-  if constexpr (F == MlaCacheFormat::kFp8) {
+  if constexpr (F == PageFormat::Fp8Latent) {
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -66,14 +66,14 @@ __global__ void __launch_bounds__(128) mla_cache_write_kernel(const MlaPagedCach
       const __nv_bfloat162 r = __floats2bfloat162_rn(load_value(s + 512 + 2 * t), load_value(s + 512 + 2 * t + 1));
       *reinterpret_cast<__nv_bfloat162*>(dst + 528 + 4 * t) = r;
     }
-  } else if constexpr (F == MlaCacheFormat::kFp8Rows) {
+  } else if constexpr (F == PageFormat::Fp8Rows) {
     *reinterpret_cast<uint32_t*>(dst + 4 * t) =
         e4m3_of(v[0]) | (e4m3_of(v[1]) << 8) | (e4m3_of(v[2]) << 16) | (e4m3_of(v[3]) << 24);
     if (t < 32) {
       const uint32_t r = e4m3_of(load_value(s + 512 + 2 * t)) | (e4m3_of(load_value(s + 512 + 2 * t + 1)) << 8);
       *reinterpret_cast<uint16_t*>(dst + 512 + 2 * t) = uint16_t(r);
     }
-  } else if constexpr (F == MlaCacheFormat::kNvfp4) {
+  } else if constexpr (F == PageFormat::Nvfp4Latent) {
     // Block amax over 4 lanes; starting from 0 and using fmaxf leaves NaNs out, as the CPU's std::fmax does
     // (a block of NaNs only has amax 0).
     float amax = 0.f;
@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(128) mla_cache_write_kernel(const MlaPagedCach
   }
 }
 
-template <typename T, MlaCacheFormat F>
+template <typename T, PageFormat F>
 void launch_format(const MlaPagedCache& cache, const T* src, int64_t count, const int32_t* row_seq,
                    const int32_t* row_pos, int32_t seq0, int64_t start_pos, cudaStream_t stream) {
   mla_cache_write_kernel<T, F><<<unsigned(count), 128, 0, stream>>>(cache, src, row_seq, row_pos, seq0, start_pos);
@@ -115,14 +115,15 @@ template <typename T>
 void launch_write(const MlaPagedCache& cache, const T* src, int64_t count, const int32_t* row_seq,
                   const int32_t* row_pos, int32_t seq0, int64_t start_pos, cudaStream_t stream) {
   switch (cache.format) {
-    case MlaCacheFormat::kFp8:
-      return launch_format<T, MlaCacheFormat::kFp8>(cache, src, count, row_seq, row_pos, seq0, start_pos, stream);
-    case MlaCacheFormat::kBf16:
-      return launch_format<T, MlaCacheFormat::kBf16>(cache, src, count, row_seq, row_pos, seq0, start_pos, stream);
-    case MlaCacheFormat::kFp8Rows:
-      return launch_format<T, MlaCacheFormat::kFp8Rows>(cache, src, count, row_seq, row_pos, seq0, start_pos, stream);
-    case MlaCacheFormat::kNvfp4:
-      return launch_format<T, MlaCacheFormat::kNvfp4>(cache, src, count, row_seq, row_pos, seq0, start_pos, stream);
+    case PageFormat::Fp8Latent:
+      return launch_format<T, PageFormat::Fp8Latent>(cache, src, count, row_seq, row_pos, seq0, start_pos, stream);
+    case PageFormat::BFloat16:
+      return launch_format<T, PageFormat::BFloat16>(cache, src, count, row_seq, row_pos, seq0, start_pos, stream);
+    case PageFormat::Fp8Rows:
+      return launch_format<T, PageFormat::Fp8Rows>(cache, src, count, row_seq, row_pos, seq0, start_pos, stream);
+    case PageFormat::Nvfp4Latent:
+      return launch_format<T, PageFormat::Nvfp4Latent>(cache, src, count, row_seq, row_pos, seq0, start_pos, stream);
+      default: break;  // a format these kernels do not read: refused below or at the entry
   }
   fail("mla cache write: unknown cache format ", int(cache.format));
 }

@@ -30,30 +30,35 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/kv_layout.h"
+
 namespace sparrow::cuda {
 
 inline constexpr int kMlaLatent = 512;
 inline constexpr int kMlaRope = 64;
 inline constexpr int kMlaRow = kMlaLatent + kMlaRope;  // 576 values per query head / cached token
 
-enum class MlaCacheFormat { kFp8, kBf16, kFp8Rows, kNvfp4 };
+// The latent page formats (core/kv_layout.h) the kernels read and write in place: Fp8Latent (FlashMLA's
+// 656 bytes), BFloat16, Fp8Rows (576 e4m3), Nvfp4Latent (352 bytes).
 
-// The per-layer scale of the kFp8Rows values and the NVFP4 second-level scale: a fixed 1.0, the same
+// The per-layer scale of the Fp8Rows values and the NVFP4 second-level scale: a fixed 1.0, the same
 // constant as sparrow::kKvTensorScale in cache/page_codec.h (which says why it is fixed); repeated here
 // because this library includes nothing above src/core. tests/cuda/mla_attention_test.cpp checks they agree.
 inline constexpr float kMlaTensorScale = 1.0f;
 
-inline constexpr int64_t mla_row_bytes(MlaCacheFormat format) {
+// Bytes a token's latent takes; 0 for a format the kernels do not read.
+inline constexpr int64_t mla_row_bytes(PageFormat format) {
   switch (format) {
-    case MlaCacheFormat::kFp8: return 512 + 16 + 128;       // e4m3 latent, fp32 scales, bf16 rope
-    case MlaCacheFormat::kBf16: return 2 * kMlaRow;         // 1152
-    case MlaCacheFormat::kFp8Rows: return kMlaRow;          // 576 e4m3
-    case MlaCacheFormat::kNvfp4: return 256 + 64 + 32;      // e2m1 latent, e4m3 rope, e4m3 block scales
+    case PageFormat::Fp8Latent: return 512 + 16 + 128;   // e4m3 latent, fp32 scales, bf16 rope
+    case PageFormat::BFloat16: return 2 * kMlaRow;       // 1152
+    case PageFormat::Fp8Rows: return kMlaRow;            // 576 e4m3
+    case PageFormat::Nvfp4Latent: return 256 + 64 + 32;  // e2m1 latent, e4m3 rope, e4m3 block scales
+    default: return 0;
   }
-  return 0;
 }
+inline constexpr bool mla_reads_latent_format(PageFormat format) { return mla_row_bytes(format) > 0; }
 // The same as a constant device code may read (a host constexpr function cannot be called there).
-template <MlaCacheFormat F>
+template <PageFormat F>
 struct MlaRowBytes {
   static constexpr int64_t value = mla_row_bytes(F);
 };
@@ -64,7 +69,7 @@ struct MlaPagedCache {
   const int64_t* page_offsets = nullptr;   // device, [num_seqs, pages_stride] byte offsets into pool
   int64_t pages_stride = 0;                // entries per sequence in page_offsets
   int block_size = 64;                     // tokens per page
-  MlaCacheFormat format = MlaCacheFormat::kFp8;
+  PageFormat format = PageFormat::Fp8Latent;
 };
 
 enum class MlaSourceType { kFloat32, kBf16 };

@@ -5,7 +5,7 @@
 namespace sparrow::cuda {
 
 namespace mla_detail {
-void dispatch_sparse(const AttnPlan& plan, MlaCacheFormat format, const AttnParams& p, cudaStream_t stream) {
+void dispatch_sparse(const AttnPlan& plan, PageFormat format, const AttnParams& p, cudaStream_t stream) {
   dispatch_mla_attention<true>(plan, format, p, stream);
 }
 }  // namespace mla_detail

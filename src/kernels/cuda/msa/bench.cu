@@ -83,21 +83,21 @@ void bench_msa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
   const double out_bytes_per_row = double(kHeads) * (kTopk + 1) * 4 + double(kHeads) * kDim * 2;
 
   struct Format {
-    MsaKeyFormat format;
+    PageFormat format;
     const char* name;
     const char* note;
   };
   const Format formats[] = {
-      {MsaKeyFormat::BFloat16, "bf16", "bf16 keys"},
-      {MsaKeyFormat::Fp8, "fp8", "FP8 E4M3 keys widened to bf16 in registers"},
-      {MsaKeyFormat::Nvfp4, "nvfp4", "NVFP4 keys (E2M1 + E4M3 per 16) widened to bf16 in registers"},
-      {MsaKeyFormat::Mxfp4, "mxfp4", "MXFP4 keys (E2M1 + E8M0 per 32) widened to bf16 in registers"},
+      {PageFormat::BFloat16, "bf16", "bf16 keys"},
+      {PageFormat::Fp8Rows, "fp8", "FP8 E4M3 keys widened to bf16 in registers"},
+      {PageFormat::Nvfp4Rows, "nvfp4", "NVFP4 keys (E2M1 + E4M3 per 16) widened to bf16 in registers"},
+      {PageFormat::Mxfp4Rows, "mxfp4", "MXFP4 keys (E2M1 + E8M0 per 32) widened to bf16 in registers"},
   };
   for (const Format& f : formats) {
-    const MsaKeyFormat format = f.format;
+    const PageFormat format = f.format;
     const int64_t key_bytes = msa_key_bytes(format, kDim);  // per token: codes and scales
     const std::string tag = std::string(" keys=") + f.name;
-    if (format == MsaKeyFormat::BFloat16)
+    if (format == PageFormat::BFloat16)
       fill_bf16<<<4096, 256, 0, stream>>>(reinterpret_cast<uint16_t*>(pool), total_pages * kBlock * kDim, 1);
     else
       fill_e4m3<<<4096, 256, 0, stream>>>(pool, total_pages * kBlock * key_bytes, 1);

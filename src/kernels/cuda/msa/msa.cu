@@ -74,11 +74,11 @@ constexpr uint32_t kKeyNegInf = 0x007FFFFFu;  // order_key(-inf)
 constexpr float kTensorScale = kMsaKeyTensorScale;
 static_assert(kTensorScale == 1.0f, "the score kernel reads narrow keys with a per-layer scale of 1.0");
 
-__host__ __device__ constexpr bool is_fp4(MsaKeyFormat f) {
-  return f == MsaKeyFormat::Nvfp4 || f == MsaKeyFormat::Mxfp4;
+__host__ __device__ constexpr bool is_fp4(PageFormat f) {
+  return f == PageFormat::Nvfp4Rows || f == PageFormat::Mxfp4Rows;
 }
-__host__ __device__ constexpr int fp4_block(MsaKeyFormat f) {
-  return f == MsaKeyFormat::Nvfp4 ? quant::kNvfp4Block : quant::kMxfp4Block;
+__host__ __device__ constexpr int fp4_block(PageFormat f) {
+  return f == PageFormat::Nvfp4Rows ? quant::kNvfp4Block : quant::kMxfp4Block;
 }
 
 int sm_count() {
@@ -140,7 +140,7 @@ __global__ void write_keys_fp8_kernel(const uint4* keys, int64_t count, int piec
 // fp4.h nvfp4_quantize with global = kTensorScale, mxfp4_quantize) through their device twins
 // (quant/fp4.cuh): the block's code bytes at the token's code row (4 per 8 values, value 2i in the low
 // nibble of byte i), its scale byte at the token's scale row, after all the page's codes.
-template <MsaKeyFormat F>
+template <PageFormat F>
 __global__ void write_keys_fp4_kernel(const uint4* keys, int64_t count, int dim, int nblocks, const int32_t* token_seq,
                                       const int32_t* token_pos, const int64_t* page_table, int64_t stride,
                                       int block_size, uint8_t* pool) {
@@ -173,7 +173,7 @@ __global__ void write_keys_fp4_kernel(const uint4* keys, int64_t count, int dim,
 #pragma unroll
   for (int q = 0; q < BS / 8; ++q) codes[q] = 0u;
   uint8_t scale;
-  if constexpr (F == MsaKeyFormat::Nvfp4) {
+  if constexpr (F == PageFormat::Nvfp4Rows) {
     scale = quant::nvfp4_scale(amax, kTensorScale);
     const float step = quant::nvfp4_step(scale, kTensorScale);
 #pragma unroll
@@ -250,9 +250,9 @@ __device__ __forceinline__ void load_row(uint32_t (&w)[2 * KS], const uint8_t* r
 // Lane t's raw bytes of a narrow key row: the bytes of its 2 KS bf16 words (2 a word for FP8, 1 for
 // FP4 codes), piece after piece, and for FP4 the scale byte(s) of each piece (a piece of VEC words =
 // 2 VEC dims lies in one block, except at VEC 16 for NVFP4: two blocks, two bytes).
-template <int KS, int VEC, MsaKeyFormat F>
+template <int KS, int VEC, PageFormat F>
 struct RawKey {
-  static constexpr int kBytesPerWord = F == MsaKeyFormat::Fp8 ? 2 : 1;
+  static constexpr int kBytesPerWord = F == PageFormat::Fp8Rows ? 2 : 1;
   static constexpr int kPieceBytes = VEC * kBytesPerWord;
   static constexpr int kPieces = 2 * KS / VEC;
   static constexpr int kWords = (2 * KS * kBytesPerWord + 3) / 4;
@@ -260,7 +260,7 @@ struct RawKey {
   uint32_t scale[is_fp4(F) ? kPieces : 1];
 };
 
-template <int KS, int VEC, MsaKeyFormat F>
+template <int KS, int VEC, PageFormat F>
 __device__ __forceinline__ void load_raw(RawKey<KS, VEC, F>& r, const uint8_t* codes, const uint8_t* scales, int t,
                                          int pieces) {
   using R = RawKey<KS, VEC, F>;
@@ -287,7 +287,7 @@ __device__ __forceinline__ void load_raw(RawKey<KS, VEC, F>& r, const uint8_t* c
     }
     if constexpr (is_fp4(F)) {
       const int d0 = 2 * w0;  // the piece's first dim
-      if constexpr (F == MsaKeyFormat::Nvfp4 && VEC == 16)
+      if constexpr (F == PageFormat::Nvfp4Rows && VEC == 16)
         r.scale[c] = *reinterpret_cast<const uint16_t*>(scales + d0 / 16);  // blocks d0/16 and d0/16 + 1
       else
         r.scale[c] = scales[d0 / fp4_block(F)];
@@ -296,9 +296,9 @@ __device__ __forceinline__ void load_raw(RawKey<KS, VEC, F>& r, const uint8_t* c
 }
 
 // The bf16 words load_row would have given for the dequantised key (exact, kv_widen.cuh).
-template <int KS, int VEC, MsaKeyFormat F>
+template <int KS, int VEC, PageFormat F>
 __device__ __forceinline__ void widen_raw(const RawKey<KS, VEC, F>& r, uint32_t (&a)[2 * KS]) {
-  if constexpr (F == MsaKeyFormat::Fp8) {
+  if constexpr (F == PageFormat::Fp8Rows) {
 #pragma unroll
     for (int i = 0; i < KS; ++i) widen::e4m3x4_to_bf16(r.code[i], a[2 * i], a[2 * i + 1]);
   } else {
@@ -311,14 +311,14 @@ __device__ __forceinline__ void widen_raw(const RawKey<KS, VEC, F>& r, uint32_t 
         if (4 * i + k < 2 * KS) a[4 * i + k] = o[k];
     }
     // Word j belongs to piece j / VEC; at VEC 16 (NVFP4) its second half to the piece's second block.
-    constexpr int kHalves = F == MsaKeyFormat::Nvfp4 && VEC == 16 ? 2 : 1;
+    constexpr int kHalves = F == PageFormat::Nvfp4Rows && VEC == 16 ? 2 : 1;
 #pragma unroll
     for (int c = 0; c < 2 * KS / VEC; ++c)
 #pragma unroll
       for (int h = 0; h < kHalves; ++h) {
         const uint32_t code = (r.scale[c] >> (8 * h)) & 0xFFu;
         const uint32_t s2 =
-            F == MsaKeyFormat::Nvfp4 ? widen::nvfp4_scale_bf16x2(code) : widen::mxfp4_scale_bf16x2(code);
+            F == PageFormat::Nvfp4Rows ? widen::nvfp4_scale_bf16x2(code) : widen::mxfp4_scale_bf16x2(code);
 #pragma unroll
         for (int j = 0; j < VEC / kHalves; ++j) {
           const int w = c * VEC + h * (VEC / kHalves) + j;
@@ -330,11 +330,11 @@ __device__ __forceinline__ void widen_raw(const RawKey<KS, VEC, F>& r, uint32_t 
 
 // KS k-steps of 16 dims (dim <= 16 KS), VEC words per load, NT n-tiles (8 NT vectors per warp), MTI
 // m-tiles of 16 keys per step; F: how the keys are stored (msa.h).
-template <int KS, int VEC, int NT, int MTI, MsaKeyFormat F>
+template <int KS, int VEC, int NT, int MTI, PageFormat F>
 __global__ void __launch_bounds__(kThreads) block_scores_kernel(const ScoreParams p) {
   constexpr int kVecs = NT * 8;
   static_assert(kVecs <= 32, "a warp's rows are held one per lane");
-  constexpr bool kNarrow = F != MsaKeyFormat::BFloat16;
+  constexpr bool kNarrow = F != PageFormat::BFloat16;
   // Decode tiling with whole 2- to 16-byte pieces: the next step's raw keys are loaded before this step's
   // are widened (Prefill's 4 warps share their keys through L1 instead; the generic VEC 1 tiling of odd
   // dims would need too many registers for a second buffer).
@@ -678,7 +678,7 @@ int64_t rows_per_chunk(int64_t rows, int heads, int nblocks) {
 }
 
 // bf16 words one 16-byte load of a format's raw key bytes covers: bf16 4 (8 dims), FP8 8, FP4 16.
-constexpr int wide_vec(MsaKeyFormat f) { return f == MsaKeyFormat::BFloat16 ? 4 : f == MsaKeyFormat::Fp8 ? 8 : 16; }
+constexpr int wide_vec(PageFormat f) { return f == PageFormat::BFloat16 ? 4 : f == PageFormat::Fp8Rows ? 8 : 16; }
 
 struct Variant {
   int ks, vec;
@@ -687,14 +687,14 @@ struct Variant {
 // (k-steps, words per load) for a dim: exact tilings for 16 (the test fixture), 128 (MiniMax-M3.1) and
 // 256, with 16-byte loads of raw key bytes; any other multiple of 8 pads to 256 dims and loads single
 // words.
-Variant variant_for(int dim, MsaKeyFormat format) {
+Variant variant_for(int dim, PageFormat format) {
   if (dim == 16) return {1, 2};
   if (dim == 128) return {8, wide_vec(format)};
   if (dim == 256) return {16, wide_vec(format)};
   return {16, 1};
 }
 
-template <int KS, int VEC, int NT, int MTI, MsaKeyFormat F>
+template <int KS, int VEC, int NT, int MTI, PageFormat F>
 void launch_scores(const ScoreParams& p, cudaStream_t stream) {
   const int per_cta = kWarps / p.chunks_per_cta;
   const dim3 grid{unsigned((p.splits + per_cta - 1) / per_cta),
@@ -702,7 +702,7 @@ void launch_scores(const ScoreParams& p, cudaStream_t stream) {
   block_scores_kernel<KS, VEC, NT, MTI, F><<<grid, kThreads, 0, stream>>>(p);
 }
 
-template <int KS, int VEC, MsaKeyFormat F>
+template <int KS, int VEC, PageFormat F>
 void launch_scores_tiled(ScoreParams p, bool prefill, cudaStream_t stream) {
   // Prefill: 32 vectors per warp (16 at KS = 16, whose fragments are twice as large); Decode: 8.
   constexpr int kWideNT = KS >= 16 ? 2 : 4;
@@ -723,7 +723,7 @@ void launch_scores_tiled(ScoreParams p, bool prefill, cudaStream_t stream) {
     launch_scores<KS, VEC, 1, kMTI, F>(p, stream);
 }
 
-template <MsaKeyFormat F>
+template <PageFormat F>
 void launch_scores_for(const Variant& var, const ScoreParams& p, bool prefill, cudaStream_t stream) {
   constexpr int W = wide_vec(F);
   if (var.ks == 1)
@@ -736,56 +736,55 @@ void launch_scores_for(const Variant& var, const ScoreParams& p, bool prefill, c
     launch_scores_tiled<16, 1, F>(p, prefill, stream);
 }
 
-bool known_format(MsaKeyFormat f) {
-  return f == MsaKeyFormat::BFloat16 || f == MsaKeyFormat::Fp8 || f == MsaKeyFormat::Nvfp4 || f == MsaKeyFormat::Mxfp4;
-}
 
-int fp4_blocks(MsaKeyFormat f, int dim) { return (dim + fp4_block(f) - 1) / fp4_block(f); }
+int fp4_blocks(PageFormat f, int dim) { return (dim + fp4_block(f) - 1) / fp4_block(f); }
 
 }  // namespace
 
-int64_t msa_key_bytes(MsaKeyFormat format, int dim) {
+int64_t msa_key_bytes(PageFormat format, int dim) {
   switch (format) {
-    case MsaKeyFormat::BFloat16: return int64_t(dim) * 2;
-    case MsaKeyFormat::Fp8: return dim;
-    case MsaKeyFormat::Nvfp4:
-    case MsaKeyFormat::Mxfp4: return dim / 2 + fp4_blocks(format, dim);
+    case PageFormat::BFloat16: return int64_t(dim) * 2;
+    case PageFormat::Fp8Rows: return dim;
+    case PageFormat::Nvfp4Rows:
+    case PageFormat::Mxfp4Rows: return dim / 2 + fp4_blocks(format, dim);
+      default: break;  // a format these kernels do not read: refused below or at the entry
   }
   fail("msa_key_bytes: unknown key format ", int(format));
 }
 
 void msa_write_keys(const void* keys_bf16, int64_t count, int dim, const int32_t* token_seq,
                     const int32_t* token_pos, const int64_t* page_table, int64_t page_table_stride,
-                    int block_size, uint8_t* pool, MsaKeyFormat format, cudaStream_t stream) {
+                    int block_size, uint8_t* pool, PageFormat format, cudaStream_t stream) {
   SPARROW_CHECK(count >= 0 && block_size > 0, "msa_write_keys: bad count ", count, " or block_size ", block_size);
   SPARROW_CHECK(dim > 0 && dim % 8 == 0, "msa_write_keys: dim ", dim, " must be a positive multiple of 8");
   SPARROW_CHECK(reinterpret_cast<uintptr_t>(keys_bf16) % 16 == 0, "msa_write_keys: keys must be 16-byte aligned");
-  SPARROW_CHECK(known_format(format), "msa_write_keys: unknown key format ", int(format));
+  SPARROW_CHECK(msa_reads_key_format(format), "msa_write_keys: index keys in a page format it does not write (", int(format), ")");
   if (count == 0) return;
   const int pieces = dim / 8;
   const auto* keys = static_cast<const uint4*>(keys_bf16);
   auto grid = [](int64_t threads) { return unsigned((threads + 255) / 256); };
   switch (format) {
-    case MsaKeyFormat::BFloat16:
+    case PageFormat::BFloat16:
       write_keys_kernel<<<grid(count * pieces), 256, 0, stream>>>(keys, count, pieces, token_seq, token_pos, page_table,
                                                                   page_table_stride, block_size, pool);
       break;
-    case MsaKeyFormat::Fp8:
+    case PageFormat::Fp8Rows:
       write_keys_fp8_kernel<<<grid(count * pieces), 256, 0, stream>>>(keys, count, pieces, token_seq, token_pos,
                                                                       page_table, page_table_stride, block_size, pool);
       break;
-    case MsaKeyFormat::Nvfp4: {
+    case PageFormat::Nvfp4Rows: {
       const int nb = fp4_blocks(format, dim);
-      write_keys_fp4_kernel<MsaKeyFormat::Nvfp4><<<grid(count * nb), 256, 0, stream>>>(
+      write_keys_fp4_kernel<PageFormat::Nvfp4Rows><<<grid(count * nb), 256, 0, stream>>>(
           keys, count, dim, nb, token_seq, token_pos, page_table, page_table_stride, block_size, pool);
       break;
     }
-    case MsaKeyFormat::Mxfp4: {
+    case PageFormat::Mxfp4Rows: {
       const int nb = fp4_blocks(format, dim);
-      write_keys_fp4_kernel<MsaKeyFormat::Mxfp4><<<grid(count * nb), 256, 0, stream>>>(
+      write_keys_fp4_kernel<PageFormat::Mxfp4Rows><<<grid(count * nb), 256, 0, stream>>>(
           keys, count, dim, nb, token_seq, token_pos, page_table, page_table_stride, block_size, pool);
       break;
     }
+      default: break;  // a format these kernels do not read: refused below or at the entry
   }
   SPARROW_CUDA_CHECK_LAUNCH();
 }
@@ -797,7 +796,7 @@ size_t msa_select_workspace_bytes(int64_t rows, int index_heads, int64_t max_pos
 }
 
 void msa_select_blocks(const void* q_bf16, int64_t rows, int index_heads, int dim, const int32_t* row_seq,
-                       const int32_t* row_pos, int64_t max_position, const uint8_t* pool, MsaKeyFormat key_format,
+                       const int32_t* row_pos, int64_t max_position, const uint8_t* pool, PageFormat key_format,
                        const int64_t* page_table, int64_t page_table_stride, int block_size, int ib,
                        int topk_blocks, int local_blocks, int32_t* blocks, int32_t* counts, void* workspace,
                        size_t workspace_bytes, cudaStream_t stream, MsaScoreKernel kernel) {
@@ -812,7 +811,7 @@ void msa_select_blocks(const void* q_bf16, int64_t rows, int index_heads, int di
   SPARROW_CHECK(max_position + ib + 64 < int64_t(INT_MAX), "msa_select_blocks: max_position ", max_position,
                 " too large");
   SPARROW_CHECK(reinterpret_cast<uintptr_t>(q_bf16) % 16 == 0, "msa_select_blocks: queries must be 16-byte aligned");
-  SPARROW_CHECK(known_format(key_format), "msa_select_blocks: unknown key format ", int(key_format));
+  SPARROW_CHECK(msa_reads_key_format(key_format), "msa_select_blocks: index keys in a page format it does not read (", int(key_format), ")");
   if (rows <= 0) return;
   SPARROW_CHECK(workspace_bytes >= msa_select_workspace_bytes(rows, index_heads, max_position, ib),
                 "msa_select_blocks: workspace of ", workspace_bytes, " bytes, ",
@@ -840,17 +839,18 @@ void msa_select_blocks(const void* q_bf16, int64_t rows, int index_heads, int di
     sp.page_table = page_table;
     sp.stride = page_table_stride;
     sp.block_size = block_size;
-    sp.key_bytes = key_format == MsaKeyFormat::BFloat16 ? dim * 2 : key_format == MsaKeyFormat::Fp8 ? dim : dim / 2;
+    sp.key_bytes = key_format == PageFormat::BFloat16 ? dim * 2 : key_format == PageFormat::Fp8Rows ? dim : dim / 2;
     sp.scale_base = int64_t(block_size) * (dim / 2);  // FP4: the page's scales follow all its codes
     sp.scale_bytes = is_fp4(key_format) ? fp4_blocks(key_format, dim) : 0;
     sp.ib = ib;
     sp.nblocks = nb;
     sp.ws = ws;
     switch (key_format) {
-      case MsaKeyFormat::BFloat16: launch_scores_for<MsaKeyFormat::BFloat16>(var, sp, prefill, stream); break;
-      case MsaKeyFormat::Fp8: launch_scores_for<MsaKeyFormat::Fp8>(var, sp, prefill, stream); break;
-      case MsaKeyFormat::Nvfp4: launch_scores_for<MsaKeyFormat::Nvfp4>(var, sp, prefill, stream); break;
-      case MsaKeyFormat::Mxfp4: launch_scores_for<MsaKeyFormat::Mxfp4>(var, sp, prefill, stream); break;
+      case PageFormat::BFloat16: launch_scores_for<PageFormat::BFloat16>(var, sp, prefill, stream); break;
+      case PageFormat::Fp8Rows: launch_scores_for<PageFormat::Fp8Rows>(var, sp, prefill, stream); break;
+      case PageFormat::Nvfp4Rows: launch_scores_for<PageFormat::Nvfp4Rows>(var, sp, prefill, stream); break;
+      case PageFormat::Mxfp4Rows: launch_scores_for<PageFormat::Mxfp4Rows>(var, sp, prefill, stream); break;
+          default: break;  // a format these kernels do not read: refused below or at the entry
     }
     SPARROW_CUDA_CHECK_LAUNCH();
 

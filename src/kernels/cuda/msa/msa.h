@@ -26,7 +26,7 @@
 //
 // Paged cache (docs/cache.md, cache/page_codec.h): sequence `seq`'s token j lives in the page at byte
 // offset page_table[seq * page_table_stride + j / block_size] of `pool`, slot s = j % block_size; a page
-// of B tokens holds, per MsaKeyFormat:
+// of B tokens holds, per PageFormat:
 //   BFloat16 (PageFormat::BFloat16):  B rows of dim bf16, consecutive (dim * 2 bytes a token);
 //   Fp8      (PageFormat::Fp8Rows):   B rows of dim E4M3 bytes, e4m3(x / kKvTensorScale) with that per-layer
 //            scale fixed at 1.0 (MiniMax's own MSA kernels keep their index keys as scale-free E4M3 too):
@@ -46,6 +46,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/kv_layout.h"
+
 namespace sparrow::cuda {
 
 inline constexpr int kMsaMaxDim = 256;         // index_head_dim (multiple of 8): 128 in MiniMax-M3.1
@@ -57,15 +59,18 @@ inline constexpr int kMsaMaxTopkBlocks = 64;   // index_topk_blocks (MiniMax-M3.
 inline constexpr float kMsaKeyTensorScale = 1.0f;
 
 // How the index keys are stored in their pages (see the top of the file).
-enum class MsaKeyFormat {
-  BFloat16,  // dim bf16 values a token (PageFormat::BFloat16): 256 bytes at MiniMax-M3.1's dim 128
-  Fp8,       // dim E4M3 values a token, no scale (PageFormat::Fp8Rows): 128 bytes
-  Nvfp4,     // E2M1 codes then E4M3 scales per 16 (PageFormat::Nvfp4Rows): 72 bytes
-  Mxfp4,     // E2M1 codes then E8M0 scales per 32 (PageFormat::Mxfp4Rows): 68 bytes
-};
+// (core/kv_layout.h's PageFormat):
+//   BFloat16   dim bf16 values a token: 256 bytes at MiniMax-M3.1's dim 128
+//   Fp8Rows    dim E4M3 values a token, no scale: 128 bytes
+//   Nvfp4Rows  E2M1 codes then E4M3 scales per 16: 72 bytes
+//   Mxfp4Rows  E2M1 codes then E8M0 scales per 32: 68 bytes
+inline constexpr bool msa_reads_key_format(PageFormat format) {
+  return format == PageFormat::BFloat16 || format == PageFormat::Fp8Rows || format == PageFormat::Nvfp4Rows ||
+         format == PageFormat::Mxfp4Rows;
+}
 
 // Bytes a token's key takes in its page (codes and scales).
-int64_t msa_key_bytes(MsaKeyFormat format, int dim);
+int64_t msa_key_bytes(PageFormat format, int dim);
 
 // Stores `count` index keys (keys_bf16: [count, dim] bf16, row-major, 16-byte aligned; dim a multiple
 // of 8) in their page slots: row i is token token_pos[i] of sequence token_seq[i] (device arrays).
@@ -75,7 +80,7 @@ int64_t msa_key_bytes(MsaKeyFormat format, int dim);
 // block (kernels/cpu/fp4.h nvfp4_quantize with global scale 1.0, mxfp4_quantize).
 void msa_write_keys(const void* keys_bf16, int64_t count, int dim, const int32_t* token_seq,
                     const int32_t* token_pos, const int64_t* page_table, int64_t page_table_stride,
-                    int block_size, uint8_t* pool, MsaKeyFormat format, cudaStream_t stream);
+                    int block_size, uint8_t* pool, PageFormat format, cudaStream_t stream);
 
 // How the block-score kernel tiles the (row, head) query vectors over warps (msa.cu says how each
 // works). Both are exact; tests run both on every case.
@@ -107,7 +112,7 @@ size_t msa_select_workspace_bytes(int64_t rows, int index_heads, int64_t max_pos
 //               (any contents).
 //   key_format: how `pool`'s key pages are stored (what msa_write_keys wrote).
 void msa_select_blocks(const void* q_bf16, int64_t rows, int index_heads, int dim, const int32_t* row_seq,
-                       const int32_t* row_pos, int64_t max_position, const uint8_t* pool, MsaKeyFormat key_format,
+                       const int32_t* row_pos, int64_t max_position, const uint8_t* pool, PageFormat key_format,
                        const int64_t* page_table, int64_t page_table_stride, int block_size, int ib,
                        int topk_blocks, int local_blocks, int32_t* blocks, int32_t* counts, void* workspace,
                        size_t workspace_bytes, cudaStream_t stream, MsaScoreKernel kernel = MsaScoreKernel::Auto);
