@@ -20,7 +20,7 @@
 #include "core/bfloat16.h"
 #include "formats/checkpoint.h"
 #include "formats/dummy_weights.h"
-#include "kernels/cpu/fp8.h"
+#include "kernels/cpu/fp8_codec.h"
 #include "model/families.h"
 #include "model/model.h"
 #include "serve_process.h"

@@ -13,8 +13,8 @@
 #include "cache/planner.h"
 #include "core/error.h"
 #include "formats/config.h"
-#include "kernels/cpu/fp4.h"
-#include "kernels/cpu/fp8.h"
+#include "kernels/cpu/fp4_codec.h"
+#include "kernels/cpu/fp8_codec.h"
 #include "model/model.h"
 #include "test_util.h"
 

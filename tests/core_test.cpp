@@ -6,7 +6,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "core/tensor.h"
-#include "kernels/cpu/ops.h"
+#include "kernels/cpu/reference_ops.h"
 #include "runner/decode_graphs.h"
 
 using namespace sparrow;

@@ -1,6 +1,6 @@
-// The CPU FP8 E4M3 codec (kernels/cpu/fp8.h) against the format's definition: every code decoded,
+// The CPU FP8 E4M3 codec (kernels/cpu/fp8_codec.h) against the format's definition: every code decoded,
 // and encodes checked against a brute-force nearest-value search (ties to the even code).
-#include "kernels/cpu/fp8.h"
+#include "kernels/cpu/fp8_codec.h"
 
 #include <gtest/gtest.h>
 

@@ -7,7 +7,7 @@
 #include <random>
 #include <vector>
 
-#include "kernels/cpu/ops.h"
+#include "kernels/cpu/reference_ops.h"
 #include "model/kda_mixer.h"
 
 using namespace sparrow;

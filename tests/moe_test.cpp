@@ -4,7 +4,7 @@
 #include <random>
 #include <set>
 
-#include "kernels/cpu/ops.h"
+#include "kernels/cpu/reference_ops.h"
 #include "kernels/uniform_routing.h"
 #include "model/feed_forward.h"
 

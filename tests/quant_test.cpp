@@ -1,4 +1,4 @@
-// The CPU number codecs (kernels/cpu/fp8.h, kernels/cpu/fp4.h) against the committed vectors of
+// The CPU number codecs (kernels/cpu/fp8_codec.h, kernels/cpu/fp4_codec.h) against the committed vectors of
 // tools/make_quant_vectors.py (an independent implementation from the specifications), bit for bit, and
 // their round trips. fp8_test.cpp checks E4M3 further against a brute-force search.
 #include <gtest/gtest.h>
@@ -8,8 +8,8 @@
 #include <random>
 
 #include "core/error.h"
-#include "kernels/cpu/fp4.h"
-#include "kernels/cpu/fp8.h"
+#include "kernels/cpu/fp4_codec.h"
+#include "kernels/cpu/fp8_codec.h"
 #include "quant_vectors.h"
 
 using namespace sparrow;

@@ -7,7 +7,7 @@
 #include "core/error.h"
 #include "engine/logprobs.h"
 #include "engine/sampler.h"
-#include "kernels/cpu/sampling.h"
+#include "kernels/cpu/reference_sampling.h"
 #include "kernels/ops.h"
 #include "test_util.h"
 

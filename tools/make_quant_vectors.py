@@ -2,7 +2,7 @@
 """Test vectors for sparrow's number codecs: FP8 E4M3, E2M1, NVFP4 and MXFP4.
 
 An implementation of the formats written from their specifications, independently of the C++
-(src/kernels/cpu/fp8.cpp, fp4.cpp) and CUDA (src/kernels/cuda/quant/fp4.cuh) code it checks: every
+(src/kernels/cpu/fp8_codec.cpp, fp4_codec.cpp) and CUDA (src/kernels/cuda/quant/fp4.cuh) code it checks: every
 encode below is a brute-force search for the nearest representable value (ties to the even code) over
 a table built from the format's definition, not a port of the engine's threshold logic.
 

@@ -6,8 +6,8 @@
 #include <type_traits>
 
 #include "core/error.h"
-#include "kernels/cpu/fp4.h"
-#include "kernels/cpu/fp8.h"
+#include "kernels/cpu/fp4_codec.h"
+#include "kernels/cpu/fp8_codec.h"
 
 namespace sparrow {
 

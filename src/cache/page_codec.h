@@ -14,7 +14,7 @@
 //   mxfp4            —                              values then e8m0 scales, values then e8m0 scales, key 68 B
 //                                                   68 B
 //
-// Quantised values follow the CPU codecs (kernels/cpu/fp8.h, kernels/cpu/fp4.h), which the GPU's
+// Quantised values follow the CPU codecs (kernels/cpu/fp8_codec.h, kernels/cpu/fp4_codec.h), which the GPU's
 // write kernels reproduce bit for bit. Formats with one scale for a whole layer (fp8 rows, the NVFP4
 // second level) keep it outside the pages: kKvTensorScale, below.
 #pragma once

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "kernels/cpu/ops.h"
+#include "kernels/cpu/reference_ops.h"
 
 namespace sparrow {
 

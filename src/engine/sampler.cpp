@@ -9,8 +9,8 @@
 #include <unordered_set>
 
 #include "core/error.h"
-#include "kernels/cpu/ops.h"
-#include "kernels/cpu/sampling.h"
+#include "kernels/cpu/reference_ops.h"
+#include "kernels/cpu/reference_sampling.h"
 
 namespace sparrow {
 

@@ -6,7 +6,7 @@
 //      probability, keep the smallest set whose probability reaches top_p, and draw one token with a
 //      key from the sequence's own generator (seeded: the same seed gives the same tokens alone or in a
 //      batch).
-// Steps 1-2 become LogitAdjustments and 3-4 a TokenDraw (kernels/sampling.h, which defines them
+// Steps 1-2 become LogitAdjustments and 3-4 a TokenDraw (kernels/sampling_rule.h, which defines them
 // exactly); ops::sample_tokens carries them out for a whole batch on the CPU or the GPU.
 // Logprobs are not computed here: vLLM returns those of the raw model logits (logprobs.h).
 #pragma once
@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/sampling.h"
+#include "kernels/sampling_rule.h"
 
 namespace sparrow {
 

@@ -6,7 +6,7 @@
 #include "core/bfloat16.h"
 #include "core/error.h"
 #include "core/parallel.h"
-#include "kernels/cpu/fp8.h"
+#include "kernels/cpu/fp8_codec.h"
 
 namespace sparrow {
 

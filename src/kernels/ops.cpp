@@ -6,8 +6,8 @@
 
 #include "core/error.h"
 #include "core/parallel.h"
-#include "kernels/cpu/ops.h"
-#include "kernels/cpu/sampling.h"
+#include "kernels/cpu/reference_ops.h"
+#include "kernels/cpu/reference_sampling.h"
 #include "core/device/device.h"
 
 #if SPARROW_HAVE_CUDA

@@ -1,5 +1,5 @@
 // The operations model code is written in, on any device. Each takes and returns Tensors and runs
-// where its inputs live: host float32 tensors go to the CPU reference ops (kernels/cpu/ops.h), CUDA
+// where its inputs live: host float32 tensors go to the CPU reference ops (kernels/cpu/reference_ops.h), CUDA
 // tensors to the GPU launchers (kernels/cuda/*). Model files call these and nothing device-specific,
 // which is what "one model code over both backends" means here.
 //
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "core/tensor.h"
-#include "kernels/sampling.h"
+#include "kernels/sampling_rule.h"
 
 namespace sparrow::ops {
 
@@ -94,7 +94,7 @@ void simulate_uniform_routing(const Tensor& x, DeviceRouting& routing, int64_t n
 Tensor moe_experts(const Tensor& x, const DeviceRouting& routing, const Tensor& gate_up, const Tensor& down, Glu kind,
                    float alpha, float limit);
 
-// Sampling (kernels/sampling.h): applies `adjustments` to a copy of `logits` (fp32 [rows, vocab], left
+// Sampling (kernels/sampling_rule.h): applies `adjustments` to a copy of `logits` (fp32 [rows, vocab], left
 // as it is: log-probabilities read the raw logits), then draws one token per row with draws[row].
 // Returns the tokens on the host; from a GPU only the ids cross.
 std::vector<int32_t> sample_tokens(const Tensor& logits, std::span<const TokenDraw> draws,

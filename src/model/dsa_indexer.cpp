@@ -4,9 +4,9 @@
 #include <cmath>
 
 #include "core/error.h"
-#include "kernels/cpu/fp4.h"
-#include "kernels/cpu/fp8.h"
-#include "kernels/cpu/ops.h"
+#include "kernels/cpu/fp4_codec.h"
+#include "kernels/cpu/fp8_codec.h"
+#include "kernels/cpu/reference_ops.h"
 #include "kernels/ops.h"
 #include "model/device_step.h"
 #include "model/selection_probe.h"

@@ -8,7 +8,7 @@
 #include "core/bfloat16.h"
 #include "core/error.h"
 #include "core/parallel.h"
-#include "kernels/cpu/ops.h"
+#include "kernels/cpu/reference_ops.h"
 #include "kernels/ops.h"
 #include "kernels/uniform_routing.h"
 

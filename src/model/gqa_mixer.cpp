@@ -6,7 +6,7 @@
 
 #include "core/error.h"
 #include "core/parallel.h"
-#include "kernels/cpu/ops.h"
+#include "kernels/cpu/reference_ops.h"
 #include "kernels/ops.h"
 #include "model/device_step.h"
 #include "model/selection_probe.h"

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "core/error.h"
-#include "kernels/cpu/ops.h"
+#include "kernels/cpu/reference_ops.h"
 #include "kernels/ops.h"
 #include "model/device_step.h"
 

@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/tensor.h"
-#include "kernels/cpu/ops.h"
+#include "kernels/cpu/reference_ops.h"
 
 namespace sparrow {
 
@@ -32,7 +32,7 @@ struct Rope {
   static Rope from_config(const nlohmann::json& rope_parameters, int rot_dim, int64_t max_position_embeddings);
 };
 
-// The pairings themselves are CPU ops (kernels/cpu/ops.h); the GPU has the same in kernels/cuda.
+// The pairings themselves are CPU ops (kernels/cpu/reference_ops.h); the GPU has the same in kernels/cuda.
 using cpu::apply_rope_interleaved;
 using cpu::apply_rope_neox;
 

@@ -26,7 +26,7 @@
 #include "cache/kv_cache.h"
 #include "core/error.h"
 #include "formats/safetensors.h"
-#include "kernels/cpu/fp8.h"
+#include "kernels/cpu/fp8_codec.h"
 #include "core/device/device.h"
 #include "core/device/stream.h"
 #include "gpu_test_util.h"

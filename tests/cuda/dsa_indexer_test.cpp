@@ -18,8 +18,8 @@
 #include "core/bfloat16.h"
 #include "core/error.h"
 #include "gpu_test_util.h"
-#include "kernels/cpu/fp4.h"
-#include "kernels/cpu/fp8.h"
+#include "kernels/cpu/fp4_codec.h"
+#include "kernels/cpu/fp8_codec.h"
 #include "kernels/cuda/dsa_indexer/index_scores.h"
 
 namespace {

@@ -6,7 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/tensor.h"
-#include "kernels/cpu/ops.h"
+#include "kernels/cpu/reference_ops.h"
 #include "kernels/cuda/elementwise/elementwise.h"
 #include "core/device/device.h"
 #include "core/device/stream.h"

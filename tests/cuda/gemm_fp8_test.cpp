@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "kernels/cpu/fp8.h"
+#include "kernels/cpu/fp8_codec.h"
 #include "kernels/cuda/gemm/gemm_fp8.h"
 #include "core/device/device.h"
 #include "core/device/stream.h"

@@ -25,7 +25,7 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "gpu_test_util.h"
-#include "kernels/cpu/fp8.h"
+#include "kernels/cpu/fp8_codec.h"
 #include "kernels/cuda/gemm/gemm_skinny.h"
 #include "core/device/device.h"
 #include "core/device/stream.h"

@@ -11,7 +11,7 @@
 #include "core/bfloat16.h"
 #include "core/error.h"
 #include "core/tensor.h"
-#include "kernels/cpu/fp8.h"
+#include "kernels/cpu/fp8_codec.h"
 #include "kernels/cuda/moe/moe.h"
 #include "core/device/device.h"
 #include "core/device/stream.h"

@@ -1,5 +1,5 @@
 // The device number codecs (kernels/cuda/quant/fp4.cuh, through the launchers of quant.h) against the
-// CPU reference (kernels/cpu/fp8.h, kernels/cpu/fp4.h), bit for bit: on the committed vectors
+// CPU reference (kernels/cpu/fp8_codec.h, kernels/cpu/fp4_codec.h), bit for bit: on the committed vectors
 // (tests/data/quant_vectors.json), every code of every element format, and random rows of many shapes
 // with specials mixed in (a fresh seed each run, printed on failure; outputs poisoned before each launch).
 #include <gtest/gtest.h>
@@ -11,8 +11,8 @@
 #include <random>
 
 #include "gpu_test_util.h"
-#include "kernels/cpu/fp4.h"
-#include "kernels/cpu/fp8.h"
+#include "kernels/cpu/fp4_codec.h"
+#include "kernels/cpu/fp8_codec.h"
 #include "kernels/cuda/quant/quant.h"
 #include "../quant_vectors.h"
 

@@ -7,7 +7,7 @@
 #include <limits>
 
 #include "core/error.h"
-#include "kernels/cpu/ops.h"
+#include "kernels/cpu/reference_ops.h"
 #include "kernels/ops.h"
 #include "kernels/cuda/gemm/gemm.h"
 #include "core/device/cuda_check.h"

@@ -1,4 +1,4 @@
-// GPU sampling (kernels/cuda/sampling) against the CPU reference (kernels/cpu/sampling.h): the same
+// GPU sampling (kernels/cuda/sampling) against the CPU reference (kernels/cpu/reference_sampling.h): the same
 // token for every row of random batches (each row its own temperature / top-k / top-p / min-p / key),
 // rows with ties, -inf, NaN, +inf and signed zeros, rows alone and in a batch, adjust_logits bit for
 // bit, and the draw's distribution against softmax.
@@ -18,7 +18,7 @@
 
 #include "core/error.h"
 #include "gpu_test_util.h"
-#include "kernels/cpu/sampling.h"
+#include "kernels/cpu/reference_sampling.h"
 #include "core/device/device.h"
 #include "core/device/stream.h"
 #include "kernels/cuda/sampling/sampling.h"

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "gpu_test_util.h"
-#include "kernels/cpu/ops.h"
+#include "kernels/cpu/reference_ops.h"
 #include "kernels/cuda/topk/topk.h"
 
 namespace {

@@ -85,7 +85,7 @@ __global__ void write_keys_kernel(const void* keys, DsaDType type, int64_t count
   if (lane == 0) reinterpret_cast<float*>(base + int64_t(block_size) * kDim)[slot] = scale;
 }
 
-// One warp writes one key in a 4-bit format (page_codec.cpp's Fp4RowsCodec, kernels/cpu/fp4.h): lane i
+// One warp writes one key in a 4-bit format (page_codec.cpp's Fp4RowsCodec, kernels/cpu/fp4_codec.h): lane i
 // holds dims 4i .. 4i+3, so an MXFP4 block (32 values) is 8 lanes and an NVFP4 block (16) 4 lanes; the block
 // scale comes from a shuffle reduction over them, the codes from the device twins (quant/fp4.cuh).
 template <PageFormat F>

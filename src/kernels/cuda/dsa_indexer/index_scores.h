@@ -16,7 +16,7 @@
 //   Nvfp4 (PageFormat::Nvfp4Rows, 72 B):    [B x 64 B of e2m1 codes][B x 8 E4M3 scales, one per 16 values],
 //                                           second-level scale 1.0 (kKvTensorScale, cache/page_codec.h);
 // codes two a byte, element 2i in the low nibble; the bytes are those of the CPU codecs
-// (kernels/cpu/fp8.h, kernels/cpu/fp4.h, cache/page_codec.cpp). Page offsets must be multiples of 16 bytes.
+// (kernels/cpu/fp8_codec.h, kernels/cpu/fp4_codec.h, cache/page_codec.cpp). Page offsets must be multiples of 16 bytes.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -81,7 +81,7 @@ void dsa_index_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows,
                       DsaScoreKernel kernel = DsaScoreKernel::Auto, int rows_per_sequence = 1);
 
 // x -> e4m3 with __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3), n values (for tests of the CPU
-// codec in kernels/cpu/fp8.h).
+// codec in kernels/cpu/fp8_codec.h).
 void fp8_e4m3_encode(const float* x, int64_t n, uint8_t* out, cudaStream_t stream);
 
 }  // namespace sparrow::cuda

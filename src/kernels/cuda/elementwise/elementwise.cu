@@ -1,4 +1,4 @@
-// The decoder's small per-token kernels. Each mirrors a CPU op (src/kernels/cpu/ops.cpp,
+// The decoder's small per-token kernels. Each mirrors a CPU op (src/kernels/cpu/reference_ops.cpp,
 // src/model/rope.cpp, src/model/feed_forward.cpp Activation::apply) operation by operation, so fp32 inputs give
 // the CPU's results up to the last bit in almost every element:
 //   * reductions accumulate in double as the CPU does (norms are memory-bound; FP64 costs nothing here);

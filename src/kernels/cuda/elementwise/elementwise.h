@@ -1,5 +1,5 @@
 // The small per-token kernels the decoder is built from, each the GPU twin of a CPU op in
-// src/kernels/cpu/ops.h and tested against it. Activations are bf16 or fp32 (ElemType); internal math
+// src/kernels/cpu/reference_ops.h and tested against it. Activations are bf16 or fp32 (ElemType); internal math
 // is fp32. All pointers are device pointers; rows are contiguous with the given row stride (elements).
 #pragma once
 #include <cuda_runtime_api.h>

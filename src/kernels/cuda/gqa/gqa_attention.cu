@@ -88,10 +88,10 @@ __global__ void __launch_bounds__(128) gqa_combine_kernel(const float* ws_o, con
 
 // One block per new token, writing its cached row [K heads | V heads] (gqa_attention.h):
 //   BFloat16: 16-byte chunks copied;
-//   Fp8:      one thread per 8 values: e4m3(x / kTensorScale), the CPU Fp8RowsCodec's rule (kernels/cpu/fp8.h
+//   Fp8:      one thread per 8 values: e4m3(x / kTensorScale), the CPU Fp8RowsCodec's rule (kernels/cpu/fp8_codec.h
 //             through its device twin quant::e4m3_encode);
 //   Nvfp4:    one thread per block of 16 values (a block never spans two heads nor K and V: head_dim % 16 ==
-//             0): the CPU Fp4RowsCodec's nvfp4_quantize (kernels/cpu/fp4.h) with global = kTensorScale, i.e.
+//             0): the CPU Fp4RowsCodec's nvfp4_quantize (kernels/cpu/fp4_codec.h) with global = kTensorScale, i.e.
 //             amax over the block (NaNs ignored), E4M3 scale of amax / 6, codes e2m1(|x| / step) with the
 //             sign, two a byte (value 2i in the low nibble), through the device twins in quant/fp4.cuh;
 //             8 code bytes at the token's code row, 1 scale byte at its scale row (values then scales).

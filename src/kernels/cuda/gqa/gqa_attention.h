@@ -14,7 +14,7 @@
 //            scale is kKvTensorScale = 1.0. Token s's codes at page + s * W/2, its scales at
 //            page + B * W/2 + s * W/16. With head_dim a multiple of 16 no block spans two heads (nor K
 //            and V). 4 kv heads x 128: 512 + 64 = 576 bytes a token (the MiniMax seed's figure).
-// The quantised values are exactly the CPU page codec's (kernels/cpu/fp8.h, kernels/cpu/fp4.h): the write
+// The quantised values are exactly the CPU page codec's (kernels/cpu/fp8_codec.h, kernels/cpu/fp4_codec.h): the write
 // below produces its bytes, and attention reads them in place, widening them to bf16 exactly in the kernel.
 // Page offsets and the q / k / v / out pointers must be multiples of 16 bytes (16-byte copies).
 //

@@ -10,7 +10,7 @@
 // kernels.md, "MSA selection with FP8 index keys"). Here every conversion is a few 32-bit PRMT / shift /
 // LOP3 ops and one bf16x2 multiply per pair, all on full-rate pipes.
 //
-// The value formats are kernels/cpu/fp8.h (E4M3) and kernels/cpu/fp4.h (E2M1, NVFP4, MXFP4); every
+// The value formats are kernels/cpu/fp8_codec.h (E4M3) and kernels/cpu/fp4_codec.h (E2M1, NVFP4, MXFP4); every
 // function below returns exactly the CPU decode of its codes, rounded to nothing (each decoded value is a
 // bf16 value), with one documented exception: the E4M3 NaN codes 0x7F / 0xFF read as +-480 (the writers
 // produce them only for NaN inputs; checking for them would cost a third more per value).
@@ -64,7 +64,7 @@ __device__ __forceinline__ void e4m3x4_to_bf16(uint32_t x, uint32_t& lo, uint32_
 // ---- E2M1 -> bf16 ----
 
 // Eight E2M1 codes (nibble k of x = value k: byte i holds values 2i in its low and 2i+1 in its high
-// nibble, the packing of kernels/cpu/fp4.h) -> four bf16 pairs (values 2k, 2k+1), unscaled and exact.
+// nibble, the packing of kernels/cpu/fp4_codec.h) -> four bf16 pairs (values 2k, 2k+1), unscaled and exact.
 // The magnitude (3 bits: 0, 0.5, 1, 1.5, 2, 3, 4, 6) indexes an 8-entry table held in two registers: one
 // PRMT looks up 4 values at once, its selector nibbles being 4 magnitudes (bit 3 cleared: plain byte
 // select, not sign replication); the low and the high bytes of the bf16 values are two such tables. A

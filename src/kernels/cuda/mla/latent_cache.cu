@@ -4,7 +4,7 @@
 //            RNE(value/scale) saturated to 448; the 64 rope values stay bf16.
 //   kBf16    576 bf16 values.
 //   kFp8Rows 576 e4m3(x / kMlaTensorScale) values (the per-layer scale, 1.0).
-//   kNvfp4   NVFP4 (kernels/cpu/fp4.h) over the 512 latent values: per 16 values the e4m3 block scale
+//   kNvfp4   NVFP4 (kernels/cpu/fp4_codec.h) over the 512 latent values: per 16 values the e4m3 block scale
 //            e4m3((amax/6)/kMlaTensorScale), codes e2m1(|x| / step) with the sign, two a byte; the rope
 //            as e4m3(x / kMlaTensorScale); layout [256 B codes | 64 B rope | 32 B scales in order].
 // The narrow formats use the device twins of the CPU codecs (kernels/cuda/quant/fp4.cuh), whose bits

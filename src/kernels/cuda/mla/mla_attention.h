@@ -78,7 +78,7 @@ enum class MlaSourceType { kFloat32, kBf16 };
 // sequence row_seq[i] (or seq0 when row_seq is null) at position row_pos[i] (or start_pos + i when
 // row_pos is null), encoded in the cache's format in the same kernel (one launch, one 128-thread block a
 // row): kFp8 per 128 latent values scale = amax/448 and e4m3 = RNE(value/scale), saturating, rope bf16;
-// kFp8Rows e4m3(value / kMlaTensorScale) for all 576; kNvfp4 the NVFP4 rule of kernels/cpu/fp4.h per 16
+// kFp8Rows e4m3(value / kMlaTensorScale) for all 576; kNvfp4 the NVFP4 rule of kernels/cpu/fp4_codec.h per 16
 // latent values (block scale e4m3((amax/6)/kMlaTensorScale)) and the rope as kFp8Rows. The bytes equal
 // the CPU page codec's encode of the same fp32 values (bf16 sources widened exactly).
 void mla_cache_write(const MlaPagedCache& cache, const void* src, MlaSourceType src_type, int64_t count,

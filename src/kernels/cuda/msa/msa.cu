@@ -110,7 +110,7 @@ __global__ void write_keys_kernel(const uint4* keys, int64_t count, int pieces, 
 }
 
 // FP8 key writes: one thread per 8 values (16 bytes of bf16 in, 8 bytes of E4M3 out), encoded by the CPU
-// page codec's rule (quant::e4m3_encode is kernels/cpu/fp8.h's twin; the codec divides by the per-layer
+// page codec's rule (quant::e4m3_encode is kernels/cpu/fp8_codec.h's twin; the codec divides by the per-layer
 // scale kKvTensorScale = 1.0 first, which changes nothing).
 __global__ void write_keys_fp8_kernel(const uint4* keys, int64_t count, int pieces, const int32_t* token_seq,
                                       const int32_t* token_pos, const int64_t* page_table, int64_t stride,

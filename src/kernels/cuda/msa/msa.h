@@ -37,7 +37,7 @@
 //   Mxfp4    (PageFormat::Mxfp4Rows): the same with ceil(dim/32) E8M0 block scales (OCP MX v1.0 section
 //            6.3): 64 + 4 = 68 bytes a token at dim 128.
 // Token s's codes (or row) start at page + s * (its code bytes), its scales at page + B * dim/2 +
-// s * (its scale bytes). A dim that is no multiple of the block ends in a shorter block (cpu/fp4.h).
+// s * (its scale bytes). A dim that is no multiple of the block ends in a shorter block (kernels/cpu/fp4_codec.h).
 // Page offsets must be multiples of 16 bytes. The cache's block_size (tokens per page) is unrelated to
 // the MSA index block size `ib` (index_block_size: 128 in MiniMax-M3.1).
 #pragma once
@@ -76,8 +76,8 @@ int64_t msa_key_bytes(PageFormat format, int dim);
 // of 8) in their page slots: row i is token token_pos[i] of sequence token_seq[i] (device arrays).
 // Rows with token_pos[i] < 0 are skipped (padding). The narrow formats are quantised in the same launch,
 // byte for byte what the CPU page codec (page_codec(dtype, MsaIndexKey)) stores: Fp8 rounds each value
-// (kernels/cpu/fp8.h: to nearest even, saturating at ±448, NaN -> 0x7F); Nvfp4 and Mxfp4 quantise each
-// block (kernels/cpu/fp4.h nvfp4_quantize with global scale 1.0, mxfp4_quantize).
+// (kernels/cpu/fp8_codec.h: to nearest even, saturating at ±448, NaN -> 0x7F); Nvfp4 and Mxfp4 quantise each
+// block (kernels/cpu/fp4_codec.h nvfp4_quantize with global scale 1.0, mxfp4_quantize).
 void msa_write_keys(const void* keys_bf16, int64_t count, int dim, const int32_t* token_seq,
                     const int32_t* token_pos, const int64_t* page_table, int64_t page_table_stride,
                     int block_size, uint8_t* pool, PageFormat format, cudaStream_t stream);

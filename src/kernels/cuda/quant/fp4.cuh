@@ -1,8 +1,8 @@
-// Device twins of the CPU number codecs (kernels/cpu/fp8.h and kernels/cpu/fp4.h): FP8 E4M3, E2M1,
+// Device twins of the CPU number codecs (kernels/cpu/fp8_codec.h and kernels/cpu/fp4_codec.h): FP8 E4M3, E2M1,
 // E8M0, and the NVFP4 / MXFP4 block rules, as __device__ __forceinline__ functions for kernels that
 // write or read quantised KV-cache pages. Each gives the CPU reference's bits exactly; the rules and
 // their special cases (NaN, infinities, zero scales, saturation) are documented once, in
-// kernels/cpu/fp4.h. tests/cuda/quant_test.cpp checks them against the CPU codecs and the committed
+// kernels/cpu/fp4_codec.h. tests/cuda/quant_test.cpp checks them against the CPU codecs and the committed
 // vectors (tests/data/quant_vectors.json).
 //
 // Hopper (sm_90) has no FP4 arithmetic and no E2M1 conversion instruction (cvt ... e2m1x2 is sm_100+),

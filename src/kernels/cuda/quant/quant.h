@@ -1,5 +1,5 @@
 // Launchers over the device number codecs of kernels/cuda/quant/fp4.cuh, for tests that check them
-// against the CPU reference (kernels/cpu/fp8.h, kernels/cpu/fp4.h) and for tools. The cache writers
+// against the CPU reference (kernels/cpu/fp8_codec.h, kernels/cpu/fp4_codec.h) and for tools. The cache writers
 // and attention kernels call the device functions themselves, fused into their own loops.
 #pragma once
 #include <cuda_runtime_api.h>

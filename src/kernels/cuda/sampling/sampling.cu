@@ -11,7 +11,7 @@
 // Every token i gets a 64-bit "composite" c_i = key(s_i) << idbits | (V - 1 - i), key being the
 // order-preserving uint32 of s_i = logit_i / temperature (flip all bits of negatives, set the sign bit
 // of positives; -0 counts as +0, NaN becomes 0: below -inf) and idbits = bit length of V - 1. The c_i are
-// distinct and their descending order IS the order O of kernels/sampling.h (s descending, ties to the
+// distinct and their descending order IS the order O of kernels/sampling_rule.h (s descending, ties to the
 // smaller id, NaN last). So every prefix of O is a threshold set {i : c_i >= T}, and each step of the
 // definition only has to find its threshold:
 //   - the argmax a is the largest c (one block max);
@@ -52,7 +52,7 @@
 // keys of its n tokens (the winner and any tie are always computed exactly).
 //
 // Everything depends only on the row's logits and its TokenDraw (not on the batch or the row's
-// address), so a row draws the same token alone or in any batch, as kernels/sampling.h asks.
+// address), so a row draws the same token alone or in any batch, as kernels/sampling_rule.h asks.
 #include "kernels/cuda/sampling/sampling.h"
 
 #include <climits>
@@ -160,7 +160,7 @@ struct Shared {
   uint32_t ncand;
 };
 
-// SplitMix64's finaliser, as sparrow::mix64 (kernels/sampling.h); the static_asserts below check the two
+// SplitMix64's finaliser, as sparrow::mix64 (kernels/sampling_rule.h); the static_asserts below check the two
 // agree.
 __host__ __device__ constexpr uint64_t mix64_dev(uint64_t z) {
   z += 0x9E3779B97F4A7C15ull;
@@ -447,7 +447,7 @@ __device__ __forceinline__ int first_reaching(const Shared& S, int n, double bas
   return lo < n ? lo : -1;
 }
 
-// w_i of kernels/sampling.h step 4. exp underflows to exactly 0 below -746 (in either library), so the
+// w_i of kernels/sampling_rule.h step 4. exp underflows to exactly 0 below -746 (in either library), so the
 // call is skipped there.
 __device__ __forceinline__ double weight_of(float s, double top) {
   if (isnan(s)) return 0.0;

@@ -1,12 +1,12 @@
-// Token choice on the GPU: greedy (argmax_rows) and the full draw of kernels/sampling.h (temperature,
+// Token choice on the GPU: greedy (argmax_rows) and the full draw of kernels/sampling_rule.h (temperature,
 // top-k, min-p, top-p, Gumbel-max with a per-row key), giving the CPU reference's token
-// (kernels/cpu/sampling.h), so that only the chosen ids cross to the host. sampling.cu says how.
+// (kernels/cpu/reference_sampling.h), so that only the chosen ids cross to the host. sampling.cu says how.
 #pragma once
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
-#include "kernels/sampling.h"
+#include "kernels/sampling_rule.h"
 
 namespace sparrow::cuda {
 

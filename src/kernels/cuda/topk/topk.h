@@ -1,6 +1,6 @@
 // Exact top-k over rows of fp32 scores (the DSA indexer's selection), by radix select on the float
 // bits: no sort. Per row: the k largest of the first lengths[row] scores, ties to the smaller index, NaN
-// ranking below everything (as cpu::top_k in kernels/cpu/ops.h); the k indices are written sorted
+// ranking below everything (as cpu::top_k in kernels/cpu/reference_ops.h); the k indices are written sorted
 // ascending. A row with lengths[row] <= k yields 0 .. len-1 followed by -1 up to k.
 #pragma once
 #include <cuda_runtime_api.h>

@@ -3,7 +3,7 @@
 // cvt.rn.satfinite.e4m3x2.f32): round to nearest, ties to even; |x| beyond 448 (infinities included)
 // saturates to ±448; NaN becomes 0x7F (NVIDIA canonicalises NaN to the positive code). It serves as the
 // reference for the FP8 caches the CUDA kernels write (DSA index keys, MLA latents, FP8 rows) and the
-// E4M3 block scale of NVFP4 (kernels/cpu/fp4.h); kernels/cuda/quant/fp4.cuh has its device twin.
+// E4M3 block scale of NVFP4 (kernels/cpu/fp4_codec.h); kernels/cuda/quant/fp4.cuh has its device twin.
 #pragma once
 #include <cstdint>
 

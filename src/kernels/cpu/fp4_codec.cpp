@@ -1,10 +1,10 @@
-#include "kernels/cpu/fp4.h"
+#include "kernels/cpu/fp4_codec.h"
 
 #include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
-#include "kernels/cpu/fp8.h"
+#include "kernels/cpu/fp8_codec.h"
 
 namespace sparrow::cpu {
 

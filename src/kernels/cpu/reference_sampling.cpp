@@ -1,11 +1,11 @@
-#include "kernels/cpu/sampling.h"
+#include "kernels/cpu/reference_sampling.h"
 
 #include <cmath>
 #include <limits>
 #include <numeric>
 #include <vector>
 
-#include "kernels/cpu/ops.h"
+#include "kernels/cpu/reference_ops.h"
 
 namespace sparrow::cpu {
 

@@ -1,4 +1,4 @@
-#include "kernels/cpu/fp8.h"
+#include "kernels/cpu/fp8_codec.h"
 
 #include <cmath>
 

@@ -1,5 +1,5 @@
 // One definition of how a row of logits becomes a token, shared by the CPU reference
-// (kernels/cpu/sampling.h) and the GPU (kernels/cuda/sampling), so that both choose the same token
+// (kernels/cpu/reference_sampling.h) and the GPU (kernels/cuda/sampling), so that both choose the same token
 // from the same logits and the same random key. Plain structs, no dependencies: both sides include it.
 //
 // Before the draw, a row's logits may be adjusted in place at a few tokens (LogitAdjustment: the

@@ -1,4 +1,4 @@
-#include "kernels/cpu/ops.h"
+#include "kernels/cpu/reference_ops.h"
 
 #include <cblas.h>
 

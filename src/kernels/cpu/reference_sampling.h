@@ -1,17 +1,17 @@
-// The CPU reference of kernels/sampling.h: what the GPU sampler is tested against, and what the
+// The CPU reference of kernels/sampling_rule.h: what the GPU sampler is tested against, and what the
 // engine runs when the model is on the CPU.
 #pragma once
 #include <cstdint>
 #include <span>
 
-#include "kernels/sampling.h"
+#include "kernels/sampling_rule.h"
 
 namespace sparrow::cpu {
 
 // Applies the adjustments whose row is `row` to that row's logits.
 void adjust_logits(float* logits, int64_t vocab, int32_t row, std::span<const LogitAdjustment> adjustments);
 
-// The token drawn from one row of logits (kernels/sampling.h, steps 1-6).
+// The token drawn from one row of logits (kernels/sampling_rule.h, steps 1-6).
 int32_t draw_token(const float* logits, int64_t vocab, const TokenDraw& draw);
 
 }  // namespace sparrow::cpu

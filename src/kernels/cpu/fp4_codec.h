@@ -12,7 +12,7 @@
 //   Packing: two codes a byte, element 2i in the low nibble and 2i+1 in the high nibble (the order of
 //   vLLM's and MiniMax MSA's FP4 caches); an odd count leaves the last high nibble 0.
 //
-// E4M3 (the block scale of NVFP4) is kernels/cpu/fp8.h.
+// E4M3 (the block scale of NVFP4) is kernels/cpu/fp8_codec.h.
 //
 // E8M0 (OCP MX v1.0 section 5.4.1): an unsigned biased exponent, value 2^(code - 127) for 0..254,
 //   0xFF = NaN; no zero, no sign.
