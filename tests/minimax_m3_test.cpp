@@ -50,6 +50,17 @@ TEST(MiniMaxM3BlockSelection, LocalBlocksClampAtTheFirstBlock) {
   EXPECT_EQ(sorted(select_blocks({5.0f, -1.0f, -2.0f, -3.0f}, 13, 4, 2, 2)), (std::vector<int32_t>{2, 3}));
 }
 
+// sparse_init_block (vLLM's MiniMaxM3 indexer, init blocks scored 1e30 and local ones 1e29): the first
+// blocks are forced beside the newest, and when the budget cannot hold both the init blocks come first.
+TEST(MiniMaxM3BlockSelection, InitBlocksAreForcedAndRankFirst) {
+  // Block 0 scores worst of all but is an init block; block 4 is local; block 1 takes the last slot.
+  EXPECT_EQ(select_blocks({-9.0f, 2.0f, -1.0f, 1.5f, -8.0f}, 17, 4, 3, 1, 1), (std::vector<int32_t>{0, 4, 1}));
+  // Two init blocks and one local in a budget of two: the init blocks.
+  EXPECT_EQ(select_blocks({-9.0f, -8.0f, 5.0f, 1.5f, -7.0f}, 17, 4, 2, 1, 2), (std::vector<int32_t>{0, 1}));
+  // More init blocks than the query sees: every visible block, once.
+  EXPECT_EQ(sorted(select_blocks({-1.0f, -2.0f}, 5, 4, 3, 1, 4)), (std::vector<int32_t>{0, 1}));
+}
+
 // One index head sees score = key[0], the other score = -key[0]. block_size 4, one kept block per query.
 // Keys: block 0 scores 3, block 1 scores 0, block 2 holds key 8 (score 1) and key 9 (score 100).
 TEST(MiniMaxM3Indexer, MaxPoolsOnlyTheKeysAQuerySees) {
@@ -302,6 +313,30 @@ TEST(MiniMaxM3Config, LegacyFieldsMeanWhatTransformersReadsFromThem) {
   EXPECT_EQ(max_relative_error(run_in_chunks(*load_model(legacy_dir.path()), tokens, {40}),
                                run_in_chunks(*load_model(modern_dir.path()), tokens, {40})),
             0.0);
+}
+
+// sparse_init_block is read (vLLM forces the first blocks; the releases have 0): on a prompt beyond the
+// block budget (5 blocks of 8, 3 kept), forcing block 0 changes what later queries see, and an explicit 0
+// is the same model as none. A block score other than "max" is refused.
+TEST(MiniMaxM3Config, SparseInitBlockIsRead) {
+  auto logits_with = [](const nlohmann::json& sparse_extra) {
+    TempDir dir;
+    nlohmann::json config = tiny_text_config();
+    for (const char* key : {"index_n_heads", "index_head_dim", "index_block_size", "index_topk_blocks",
+                            "index_local_blocks", "layer_types"})
+      config.erase(key);
+    config["sparse_attention_config"] = {{"sparse_num_index_heads", 2}, {"sparse_index_dim", 8},
+                                         {"sparse_block_size", 8},      {"sparse_topk_blocks", 3},
+                                         {"sparse_local_block", 1},     {"sparse_attention_freq", {0, 1, 1, 1}}};
+    config["sparse_attention_config"].update(sparse_extra);
+    write_checkpoint(dir, config, tiny_weights());
+    return run_in_chunks(*load_model(dir.path()), tiny_prompt(40, 7), {40});
+  };
+  const Tensor none = logits_with(nlohmann::json::object());
+  EXPECT_EQ(max_relative_error(logits_with({{"sparse_init_block", 0}, {"sparse_score_type", "max"}}), none), 0.0);
+  EXPECT_GT(max_relative_error(logits_with({{"sparse_init_block", 2}}), none), 1e-4);
+  EXPECT_TRUE(mentions(error_message([&] { logits_with({{"sparse_score_type", "mean"}}); }), {"sparse_score_type"}));
+  EXPECT_TRUE(mentions(error_message([&] { logits_with({{"sparse_init_block", -1}}); }), {"sparse_init_block"}));
 }
 
 TEST(MiniMaxM3Config, UnsupportedValuesAreOneLineErrors) {

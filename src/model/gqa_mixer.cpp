@@ -138,7 +138,8 @@ Tensor GqaAttention::attend_gpu(const Tensor& q, const Tensor& k, const Tensor& 
     Tensor workspace = Tensor::empty({int64_t(std::max<size_t>(bytes, 1))}, ScalarType::U8, q.device());
     cuda::msa_select_blocks(index_q.raw(), rows, index_heads, int(indexer->head_dim), row_seq, row_pos,
                             step.max_visible, key_pool, key_format, table, step.table_stride, step.block_size(),
-                            index_block_size, max_blocks, int(indexer->local_blocks), blocks.as<int32_t>(), nullptr,
+                            index_block_size, max_blocks, int(indexer->local_blocks), int(indexer->init_blocks),
+                            blocks.as<int32_t>(), nullptr,
                             workspace.raw(), bytes, stream);
   }
   Tensor out = Tensor::empty({rows, heads * head_dim}, ScalarType::BF16, q.device());

@@ -68,6 +68,7 @@ struct TextConfig {
   int64_t num_experts, top_k, intermediate, dense_intermediate, shared_intermediate;
   float routed_scaling_factor, swiglu_alpha, swiglu_limit;
   int64_t index_heads, index_head_dim, index_block_size, index_topk_blocks, index_local_blocks;
+  int64_t index_init_blocks = 0;  // sparse_attention_config.sparse_init_block (vLLM reads it; 0 in the releases)
   std::vector<std::string> layer_types;      // full_attention | minimax_m3_sparse
   std::vector<std::string> mlp_layer_types;  // sparse | dense
   Rope rope;
@@ -112,6 +113,13 @@ struct TextConfig {
       index_block_size = sparse->get_int("sparse_block_size", index_block_size);
       index_topk_blocks = sparse->get_int("sparse_topk_blocks", index_topk_blocks);
       index_local_blocks = sparse->get_int("sparse_local_block", index_local_blocks);
+      index_init_blocks = sparse->get_int("sparse_init_block", 0);
+      sparse->require(index_init_blocks >= 0, "sparse_init_block", "a non-negative integer");
+      // vLLM 0.33 (MiniMaxM3SparseAttention) scores a block by the max over its keys and builds no index
+      // value / output projections: another score type is not a model either engine runs.
+      if (sparse->has("sparse_score_type"))
+        sparse->require(sparse->get_string("sparse_score_type") == "max", "sparse_score_type",
+                        "\"max\" (the only block score vLLM and transformers compute)");
     }
     if (c.has("layer_types")) {
       layer_types = layer_list(c, "layer_types", num_layers, kFullAttention, kSparseAttention);
@@ -198,6 +206,7 @@ std::unique_ptr<Mixer> load_attention(Checkpoint& ckpt, const TextConfig& cfg, c
     idx.block_size = cfg.index_block_size;
     idx.topk_blocks = cfg.index_topk_blocks;
     idx.local_blocks = cfg.index_local_blocks;
+    idx.init_blocks = cfg.index_init_blocks;
     idx.norm_eps = cfg.norm_eps;
     idx.q_proj = ckpt.take(names.indexer(i, "q_proj"), {cfg.index_heads * cfg.index_head_dim, cfg.hidden});
     idx.k_proj = ckpt.take(names.indexer(i, "k_proj"), {cfg.index_head_dim, cfg.hidden});

@@ -18,12 +18,13 @@ constexpr int64_t kQueryTile = 256;
 }  // namespace
 
 std::vector<int32_t> select_blocks(std::vector<float> block_scores, int64_t position, int64_t block_size,
-                                   int64_t topk_blocks, int64_t local_blocks) {
+                                   int64_t topk_blocks, int64_t local_blocks, int64_t init_blocks) {
   const int64_t newest = position / block_size;
   const int64_t visible = int64_t(block_scores.size());
   SPARROW_CHECK(visible == newest + 1, "select_blocks: ", visible, " block scores for a query in block ", newest);
   // MiniMaxM3VLIndexer.forward: the local blocks get +inf so top-k always takes them.
   for (int64_t l = 0; l < local_blocks; ++l) block_scores[std::max<int64_t>(newest - l, 0)] = kInf;
+  for (int64_t b = 0; b < std::min(init_blocks, visible); ++b) block_scores[b] = kInf;
   std::vector<int32_t> chosen = cpu::top_k(block_scores.data(), visible, topk_blocks);
   // A block whose score is -inf has no visible key (transformers marks such slots -1).
   std::erase_if(chosen, [&](int32_t b) { return block_scores[b] == -kInf; });
@@ -68,7 +69,8 @@ BlockSelection MsaIndexer::select(const float* queries, int64_t ld_queries, int6
           std::vector<float> block_scores(position / block_size + 1, -kInf);
           for (int64_t s = 0; s <= position; ++s)
             block_scores[s / block_size] = std::max(block_scores[s / block_size], row[s]);
-          for (int32_t blk : select_blocks(std::move(block_scores), position, block_size, topk_blocks, local_blocks))
+          for (int32_t blk : select_blocks(std::move(block_scores), position, block_size, topk_blocks, local_blocks,
+                                                     init_blocks))
             sel.keep[(g * count + i) * sel.blocks + blk] = 1;
         }
       });

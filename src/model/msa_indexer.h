@@ -31,9 +31,12 @@ namespace sparrow {
 
 // The selection rule for one query and one index head. `block_scores` holds the scores of the blocks
 // the query sees (blocks 0 .. position / block_size); returns the kept block ids, forced blocks first,
-// then by descending score.
+// then by descending score. Forced: the `local_blocks` newest and the first `init_blocks`
+// (sparse_init_block; 0 in every release). vLLM scores init blocks 1e30 and local ones 1e29
+// (vllm/models/minimax_m3/common/indexer.py); here both are +inf and ties go to the smaller block id,
+// which ranks init blocks first the same way.
 std::vector<int32_t> select_blocks(std::vector<float> block_scores, int64_t position, int64_t block_size,
-                                   int64_t topk_blocks, int64_t local_blocks);
+                                   int64_t topk_blocks, int64_t local_blocks, int64_t init_blocks = 0);
 
 // Which blocks each (index head, query) keeps: keep[(head * queries + i) * blocks + b].
 struct BlockSelection {
@@ -50,6 +53,7 @@ struct MsaIndexer {
   int64_t block_size = 0;    // index_block_size keys per block
   int64_t topk_blocks = 0;   // index_topk_blocks kept per query, forced ones included
   int64_t local_blocks = 0;  // index_local_blocks newest blocks always kept
+  int64_t init_blocks = 0;   // sparse_init_block first blocks always kept
   float norm_eps = 1e-6f;
   Tensor q_proj;  // [heads * head_dim, hidden]
   Tensor k_proj;  // [head_dim, hidden]

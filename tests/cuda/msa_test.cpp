@@ -239,6 +239,7 @@ struct Case {
   std::vector<int32_t> row_pos; // -1: a padding row
   Values values = Values::SmallInts;
   int64_t max_position_pad = 0;  // added to the largest position for max_position
+  int init = 0;                  // sparse_init_block: the first blocks forced too
 };
 
 // Query rows: one per sequence at its last position (decode).
@@ -321,7 +322,7 @@ void run_case_in(const Case& c, std::mt19937& rng, unsigned seed, PageFormat for
         bs[s / c.ib] = std::max(bs[s / c.ib], dot);
       }
       std::vector<float> fs(bs.begin(), bs.end());
-      want[r * H + h] = select_blocks(std::move(fs), pos, c.ib, c.topk, c.local);
+      want[r * H + h] = select_blocks(std::move(fs), pos, c.ib, c.topk, c.local, c.init);
       std::sort(want[r * H + h].begin(), want[r * H + h].end());
     }
   }
@@ -342,7 +343,7 @@ void run_case_in(const Case& c, std::mt19937& rng, unsigned seed, PageFormat for
     CK(cudaMemset(dcounts.ptr, 0x7F, rows * H * 4));
     CK(cudaMemset(dws.ptr, 0x7F, std::max<size_t>(wsb, 1)));
     cuda::msa_select_blocks(dq.ptr, rows, H, dim, drs.ptr, drp.ptr, max_position, dpool.ptr, format, dt.ptr,
-                            pool.stride, c.block_size, c.ib, c.topk, c.local, dblocks.ptr, dcounts.ptr, dws.ptr, wsb,
+                            pool.stride, c.block_size, c.ib, c.topk, c.local, c.init, dblocks.ptr, dcounts.ptr, dws.ptr, wsb,
                             nullptr, kernel);
     CK(cudaDeviceSynchronize());
     const std::vector<int32_t> got = dblocks.download(), counts = dcounts.download();
@@ -371,6 +372,7 @@ void run_case_in(const Case& c, std::mt19937& rng, unsigned seed, PageFormat for
         const int64_t newest = pos / c.ib;
         std::vector<char> forced(newest + 1, 0);
         for (int l = 0; l < c.local; ++l) forced[std::max<int64_t>(newest - l, 0)] = 1;
+        for (int64_t b = 0; b < std::min<int64_t>(c.init, newest + 1); ++b) forced[b] = 1;
         std::vector<double> others;
         for (int64_t b = 0; b <= newest; ++b)
           if (!forced[b]) others.push_back(ref[v][b]);
@@ -420,6 +422,29 @@ TEST(CudaMsa, SelectMatchesCpuFixtureShape) {
       add_prefill(pre, 1, 30);
       run_case(pre, rng, seed);
     }
+}
+
+// sparse_init_block > 0 (vLLM reads it; every release has 0): the first blocks are forced beside the
+// local ones, in decode and prefill rows, up to the whole budget.
+TEST(CudaMsa, SelectForcesInitBlocksAsTheCpuDoes) {
+  SPARROW_REQUIRE_GPU();
+  const unsigned seed = std::random_device{}();
+  std::mt19937 rng(seed);
+  for (int init : {1, 2, 3})
+    for (int local : {0, 1}) {
+      Case dec = fixture_case("fixture decode, init blocks", {1, 5, 9, 17, 25, 64, 300}, local, 16);
+      dec.init = init;
+      add_decode(dec);
+      run_case(dec, rng, seed);
+      Case pre = fixture_case("fixture prefill, init blocks", {300}, local, 64);
+      pre.init = init;
+      add_prefill(pre, 0, 0);
+      run_case(pre, rng, seed);
+    }
+  Case c = minimax_case("minimax decode, init blocks", {1, 129, 2049, 16385}, 1, 64);
+  c.init = 2;
+  add_decode(c);
+  run_case(c, rng, seed);
 }
 
 TEST(CudaMsa, SelectMatchesCpuMiniMaxShapeDecode) {
@@ -638,7 +663,7 @@ TEST(CudaMsa, SelectMatchesTheModelsCpuSelectorPerKeyFormat) {
       test::DeviceArray<uint8_t> dws(wsb);
       dblocks.poison();
       cuda::msa_select_blocks(dq.ptr, rows, sh.heads, sh.dim, drs.ptr, drp.ptr, max_position, dpool.ptr, format,
-                              dt.ptr, pool.stride, 64, sh.ib, sh.topk, sh.local, dblocks.ptr, nullptr, dws.ptr, wsb,
+                              dt.ptr, pool.stride, 64, sh.ib, sh.topk, sh.local, /*init_blocks=*/0, dblocks.ptr, nullptr, dws.ptr, wsb,
                               nullptr);
       CK(cudaDeviceSynchronize());
       const std::vector<int32_t> got = dblocks.download();

@@ -114,7 +114,7 @@ void bench_msa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
         SPARROW_CUDA_CHECK(cudaMemcpy(row_pos, hp.data(), batch * 4, cudaMemcpyHostToDevice));
         auto launch = [&](cudaStream_t s) {
           msa_select_blocks(q, batch, kHeads, kDim, row_seq, row_pos, ctx - 1, pool, format, table, pages_per_seq,
-                            kBlock, kIndexBlock, kTopk, kLocal, blocks, counts, ws, ws_bytes, s);
+                            kBlock, kIndexBlock, kTopk, kLocal, /*init_blocks=*/0, blocks, counts, ws, ws_bytes, s);
         };
         KernelBenchRow row;
         row.kernel = "msa_select_blocks";
@@ -135,7 +135,7 @@ void bench_msa(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
       SPARROW_CUDA_CHECK(cudaMemcpy(row_pos, hp.data(), chunk * 4, cudaMemcpyHostToDevice));
       auto launch = [&](cudaStream_t s) {
         msa_select_blocks(q, chunk, kHeads, kDim, row_seq, row_pos, chunk - 1, pool, format, table, pages_per_seq,
-                          kBlock, kIndexBlock, kTopk, kLocal, blocks, counts, ws, ws_bytes, s);
+                          kBlock, kIndexBlock, kTopk, kLocal, /*init_blocks=*/0, blocks, counts, ws, ws_bytes, s);
       };
       KernelBenchRow row;
       row.kernel = "msa_select_blocks";

@@ -551,6 +551,7 @@ struct SelectParams {
   int ib;
   int topk;
   int local;
+  int init;
   int32_t* blocks;  // [vectors, topk]
   int32_t* counts;  // [vectors] or null
 };
@@ -593,9 +594,10 @@ __global__ void __launch_bounds__(kThreads, 4) select_kernel(const SelectParams 
   uint32_t* keys = p.in_smem ? smem_keys : reinterpret_cast<uint32_t*>(scores);
   for (int i = tid; i < n; i += kThreads) keys[i] = order_key(scores[i]);
   __syncthreads();
-  // select_blocks: the local blocks newest - l (clamped at 0) get +inf.
+  // select_blocks: the local blocks newest - l (clamped at 0) and the init blocks 0 .. init - 1 get +inf.
   if (tid == 0)
     for (int l = 0; l < min(p.local, n); ++l) keys[max(n - 1 - l, 0)] = kKeyPosInf;
+  for (int i = tid; i < min(p.init, n); i += kThreads) keys[i] = kKeyPosInf;
   __syncthreads();
 
   // T: the k-th largest key (0 when every block is kept: all keys are >= 0).
@@ -798,16 +800,16 @@ size_t msa_select_workspace_bytes(int64_t rows, int index_heads, int64_t max_pos
 void msa_select_blocks(const void* q_bf16, int64_t rows, int index_heads, int dim, const int32_t* row_seq,
                        const int32_t* row_pos, int64_t max_position, const uint8_t* pool, PageFormat key_format,
                        const int64_t* page_table, int64_t page_table_stride, int block_size, int ib,
-                       int topk_blocks, int local_blocks, int32_t* blocks, int32_t* counts, void* workspace,
-                       size_t workspace_bytes, cudaStream_t stream, MsaScoreKernel kernel) {
+                       int topk_blocks, int local_blocks, int init_blocks, int32_t* blocks, int32_t* counts,
+                       void* workspace, size_t workspace_bytes, cudaStream_t stream, MsaScoreKernel kernel) {
   SPARROW_CHECK(index_heads >= 1 && index_heads <= kMsaMaxHeads, "msa_select_blocks: index_heads ", index_heads,
                 " not in 1..", kMsaMaxHeads);
   SPARROW_CHECK(dim > 0 && dim % 8 == 0 && dim <= kMsaMaxDim, "msa_select_blocks: dim ", dim,
                 " must be a positive multiple of 8 up to ", kMsaMaxDim);
   SPARROW_CHECK(topk_blocks >= 1 && topk_blocks <= kMsaMaxTopkBlocks, "msa_select_blocks: topk_blocks ",
                 topk_blocks, " not in 1..", kMsaMaxTopkBlocks);
-  SPARROW_CHECK(ib >= 1 && local_blocks >= 0 && block_size > 0, "msa_select_blocks: bad ib ", ib,
-                ", local_blocks ", local_blocks, " or block_size ", block_size);
+  SPARROW_CHECK(ib >= 1 && local_blocks >= 0 && init_blocks >= 0 && block_size > 0, "msa_select_blocks: bad ib ", ib,
+                ", local_blocks ", local_blocks, ", init_blocks ", init_blocks, " or block_size ", block_size);
   SPARROW_CHECK(max_position + ib + 64 < int64_t(INT_MAX), "msa_select_blocks: max_position ", max_position,
                 " too large");
   SPARROW_CHECK(reinterpret_cast<uintptr_t>(q_bf16) % 16 == 0, "msa_select_blocks: queries must be 16-byte aligned");
@@ -855,7 +857,7 @@ void msa_select_blocks(const void* q_bf16, int64_t rows, int index_heads, int di
     SPARROW_CUDA_CHECK_LAUNCH();
 
     const SelectParams sel{ws,          nb,         in_smem,   index_heads,
-                           row_pos + r0, ib,        topk_blocks, local_blocks,
+                           row_pos + r0, ib,        topk_blocks, local_blocks, init_blocks,
                            blocks + r0 * index_heads * topk_blocks, counts ? counts + r0 * index_heads : nullptr};
     select_kernel<<<unsigned(vectors), kThreads, select_smem, stream>>>(sel);
     SPARROW_CUDA_CHECK_LAUNCH();

@@ -104,7 +104,8 @@ size_t msa_select_workspace_bytes(int64_t rows, int index_heads, int64_t max_pos
 //               A row with row_pos < 0 keeps nothing (padding rows).
 //   max_position (host): >= every row_pos (it sizes the grid and the workspace; may be padded larger).
 //   ib: index_block_size (keys per index block, >= 1); topk_blocks: 1 .. kMsaMaxTopkBlocks;
-//   local_blocks >= 0; dim: multiple of 8, <= kMsaMaxDim; index_heads: 1 .. kMsaMaxHeads.
+//   local_blocks >= 0 newest blocks and init_blocks >= 0 first blocks (sparse_init_block) always kept;
+//   dim: multiple of 8, <= kMsaMaxDim; index_heads: 1 .. kMsaMaxHeads.
 //   blocks (out, [rows, index_heads, topk_blocks] int32): the kept block ids in ASCENDING order (so the
 //               attention kernel walks keys monotonically), then -1 up to topk_blocks.
 //   counts (out, optional, [rows, index_heads] int32): how many ids each entry of `blocks` holds.
@@ -114,7 +115,8 @@ size_t msa_select_workspace_bytes(int64_t rows, int index_heads, int64_t max_pos
 void msa_select_blocks(const void* q_bf16, int64_t rows, int index_heads, int dim, const int32_t* row_seq,
                        const int32_t* row_pos, int64_t max_position, const uint8_t* pool, PageFormat key_format,
                        const int64_t* page_table, int64_t page_table_stride, int block_size, int ib,
-                       int topk_blocks, int local_blocks, int32_t* blocks, int32_t* counts, void* workspace,
-                       size_t workspace_bytes, cudaStream_t stream, MsaScoreKernel kernel = MsaScoreKernel::Auto);
+                       int topk_blocks, int local_blocks, int init_blocks, int32_t* blocks, int32_t* counts,
+                       void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       MsaScoreKernel kernel = MsaScoreKernel::Auto);
 
 }  // namespace sparrow::cuda
