@@ -17,6 +17,7 @@
 #include "model/dsa_indexer.h"
 #include "model/mla.h"
 #include "model/model.h"
+#include "runner/dense_sequence_cache.h"
 #include "test_util.h"
 
 using namespace sparrow;

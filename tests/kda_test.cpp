@@ -9,6 +9,7 @@
 
 #include "kernels/cpu/reference_ops.h"
 #include "model/kda_mixer.h"
+#include "runner/dense_sequence_cache.h"
 
 using namespace sparrow;
 

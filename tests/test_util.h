@@ -10,6 +10,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "runner/dense_sequence_cache.h"
 #include "runner/model_runner.h"
 
 namespace sparrow::testing {

@@ -3,7 +3,7 @@
 // Layers never own their cache. Each sequence comes with a SequenceCache; a layer writes the rows of
 // its new tokens, gathers the rows a step needs into a contiguous fp32 buffer, and reaches its
 // recurrent state through it. Two implementations exist:
-//   - DenseSequenceCache (model/dense_sequence_cache.h): growable fp32 buffers owned by the sequence,
+//   - DenseSequenceCache (runner/dense_sequence_cache.h): growable fp32 buffers owned by the sequence,
 //     for offline use (Model::new_sequence: tests, `sparrow score`, `sparrow generate`);
 //   - the serving engine's paged cache (cache/kv_cache.h): rows packed into block rows of a shared
 //     pool in the cache dtype, state in per-request slots.

@@ -4,18 +4,10 @@
 
 #include "core/error.h"
 #include "formats/checkpoint.h"
-#include "model/dense_sequence_cache.h"
 #include "model/families.h"
 #include "model/feed_forward.h"
 
 namespace sparrow {
-
-SequenceState standalone_sequence(std::vector<LayerCacheSpec> spec) {
-  SequenceState s;
-  s.owned_cache = std::make_unique<DenseSequenceCache>(std::move(spec));
-  s.cache = s.owned_cache.get();
-  return s;
-}
 
 Model::~Model() = default;
 

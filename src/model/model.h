@@ -24,11 +24,9 @@ namespace sparrow {
 struct SequenceState {
   int64_t length = 0;              // tokens already processed (the position of the next token)
   SequenceCache* cache = nullptr;  // where the layers keep this sequence's rows and state
-  std::unique_ptr<SequenceCache> owned_cache;  // set when the sequence owns its cache (standalone_sequence)
+  std::unique_ptr<SequenceCache> owned_cache;  // set when the sequence owns its cache (ModelRunner::new_sequence)
 };
 
-// A sequence with its own growable fp32 cache (a DenseSequenceCache) for layers cached as `spec` says.
-SequenceState standalone_sequence(std::vector<LayerCacheSpec> spec);
 
 // One sequence's share of a batch: rows [offset, offset + count) of the batch, at positions
 // state->length ... state->length + count - 1.

@@ -2,6 +2,7 @@
 
 #include "cache/kv_cache.h"
 #include "core/error.h"
+#include "runner/dense_sequence_cache.h"
 #include "runner/step_inputs.h"
 #include "runner/step_profile.h"
 

@@ -16,6 +16,7 @@
 #include "kernels/ops.h"
 #include "model/decoder.h"
 #include "model/model.h"
+#include "runner/dense_sequence_cache.h"
 #include "model_test_util.h"
 #include "runner/model_runner.h"
 #include "runner/step_inputs.h"

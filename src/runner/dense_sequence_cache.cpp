@@ -1,4 +1,4 @@
-#include "model/dense_sequence_cache.h"
+#include "runner/dense_sequence_cache.h"
 
 #include <algorithm>
 #include <utility>
@@ -57,6 +57,13 @@ float* DenseSequenceCache::state(int layer, StateKind kind) {
 int64_t DenseSequenceCache::tokens(int layer, PageKind page) const {
   const Buffer& b = page_buffer(layer, page);
   return int64_t(b.data.size()) / b.width;
+}
+
+SequenceState standalone_sequence(std::vector<LayerCacheSpec> spec) {
+  SequenceState s;
+  s.owned_cache = std::make_unique<DenseSequenceCache>(std::move(spec));
+  s.cache = s.owned_cache.get();
+  return s;
 }
 
 }  // namespace sparrow

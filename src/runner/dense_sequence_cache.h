@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/sequence_cache.h"
+#include "model/model.h"
 
 namespace sparrow {
 
@@ -34,5 +35,9 @@ class DenseSequenceCache : public SequenceCache {
   std::vector<Buffer> pages_;   // [layer * kNumPageKinds + kind]
   std::vector<Buffer> states_;  // [layer * kNumStateKinds + kind]
 };
+
+// A sequence with its own growable fp32 cache for layers cached as `spec` says (what
+// ModelRunner::new_sequence gives on the CPU; tests of a single block use it directly).
+SequenceState standalone_sequence(std::vector<LayerCacheSpec> spec);
 
 }  // namespace sparrow
