@@ -351,7 +351,7 @@ TEST(MiniMaxM3Config, UnsupportedValuesAreOneLineErrors) {
       load_with("layer_types", {"full_attention", "sliding_attention", "minimax_m3_sparse", "minimax_m3_sparse"}),
       {"layer_types entry", "sliding_attention"}));
   EXPECT_TRUE(mentions(load_with("mlp_layer_types", {"dense", "dense"}), {"mlp_layer_types"}));
-  EXPECT_TRUE(mentions(load_with("index_head_dim", 2), {"index_head_dim"}));
+  EXPECT_TRUE(mentions(load_with("index_head_dim", 3), {"index_head_dim", "even"}));
   EXPECT_TRUE(mentions(load_with("index_n_heads", 3), {"index_n_heads"}));
   EXPECT_TRUE(mentions(load_with("rope_parameters", {{"rope_type", "longrope"}}), {"longrope"}));
   EXPECT_TRUE(mentions(load_with("hidden_size", 16), {"embed_tokens", "shape"}));

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "kernels/cpu/reference_ops.h"
 #include "model/rope.h"
 
 using namespace sparrow;
@@ -44,6 +45,24 @@ TEST(Rope, DefaultFrequenciesAndRotation) {
   EXPECT_NEAR(y[0], 1 * std::cos(3.0f) - 2 * std::sin(3.0f), 1e-6);
   EXPECT_NEAR(y[2], 2 * std::cos(3.0f) + 1 * std::sin(3.0f), 1e-6);
   EXPECT_NEAR(y[1], 3 * std::cos(0.3f) - 4 * std::sin(0.3f), 1e-6);
+}
+
+// A head narrower than the rotary dims (MiniMax-M3's indexer with index_head_dim < rotary dims):
+// transformers slices cat(freqs, freqs) to the head, so with 3 frequencies and a head of 4 the table is
+// [f0, f1, f2, f0] and rotate_half pairs (0, 2), (1, 3) over the whole head.
+TEST(Rope, NarrowHeadTakesTheSlicedTable) {
+  const float cos[3] = {0.9f, 0.8f, 0.7f}, sin[3] = {0.1f, 0.2f, 0.3f};
+  float x[4] = {1, 2, 3, 4};
+  cpu::apply_rope_neox_narrow_head(x, cos, sin, 4, 6);
+  EXPECT_FLOAT_EQ(x[0], 1 * 0.9f - 3 * 0.1f);
+  EXPECT_FLOAT_EQ(x[1], 2 * 0.8f - 4 * 0.2f);
+  EXPECT_FLOAT_EQ(x[2], 3 * 0.7f + 1 * 0.3f);
+  EXPECT_FLOAT_EQ(x[3], 4 * 0.9f + 2 * 0.1f);
+  // A head as wide as the rotary dims is the plain NeoX rotation.
+  float y[6] = {1, 2, 3, 4, 5, 6}, z[6] = {1, 2, 3, 4, 5, 6};
+  cpu::apply_rope_neox_narrow_head(y, cos, sin, 6, 6);
+  apply_rope_neox(z, cos, sin, 6);
+  for (int i = 0; i < 6; ++i) EXPECT_FLOAT_EQ(y[i], z[i]) << i;
 }
 
 TEST(Rope, RejectsUnknownTypes) {

@@ -280,6 +280,32 @@ Tensor concat_rows(const Tensor& a, const Tensor& b) {
 #endif
 }
 
+void rope_narrow_heads_(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float attention_scaling,
+                        int64_t head_dim) {
+  same_device(x, positions, "rope");
+  const int64_t rot = 2 * inv_freq.numel(), row = x.dim(-1), rows = x.numel() / row;
+  SPARROW_CHECK(x.on_cpu(), "rope of heads narrower than the rotary dims (",head_dim, " < ", rot,
+                ") runs on the CPU only");
+  SPARROW_CHECK(head_dim > 0 && head_dim % 2 == 0 && head_dim < rot && row % head_dim == 0, "rope: heads of ",
+                head_dim, " values in rows of ", row, " against ", rot, " rotary dims");
+  SPARROW_CHECK(positions.numel() == rows && positions.type() == ScalarType::I64, "rope: ", positions.numel(),
+                " positions for ", rows, " rows");
+  require_f32(x, "rope");
+  parallel_for(rows, [&](int64_t begin, int64_t end) {
+    std::vector<float> cos(rot / 2), sin(rot / 2);
+    for (int64_t r = begin; r < end; ++r) {
+      const float pos = float(positions.as<int64_t>()[r]);
+      for (int64_t i = 0; i < rot / 2; ++i) {
+        const float angle = inv_freq.data()[i] * pos;  // as rope_ below (Rope::angles' arithmetic)
+        cos[i] = std::cos(angle) * attention_scaling;
+        sin[i] = std::sin(angle) * attention_scaling;
+      }
+      for (int64_t h = 0; h < row / head_dim; ++h)
+        cpu::apply_rope_neox_narrow_head(x.row(r) + h * head_dim, cos.data(), sin.data(), int(head_dim), int(rot));
+    }
+  });
+}
+
 void rope_(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float attention_scaling, int64_t first_col,
            int64_t heads, int64_t head_stride, bool interleaved) {
   same_device(x, positions, "rope");

@@ -51,6 +51,10 @@ Tensor concat_rows(const Tensor& a, const Tensor& b);
 // Rotary embedding in place: per row r and head h < heads, the `rot` values at column
 // first_col + h * head_stride, at position positions[r] (int64 tensor on x's device); inv_freq is fp32
 // on x's device; cos/sin scaled by attention_scaling. Pairings as model/rope.h.
+// Heads of head_dim < 2 * inv_freq.numel() values rotated whole as transformers does with
+// cos[..., :head_dim] (cpu::apply_rope_neox_narrow_head); the CPU only.
+void rope_narrow_heads_(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float attention_scaling,
+                        int64_t head_dim);
 void rope_(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float attention_scaling, int64_t first_col,
            int64_t heads, int64_t head_stride, bool interleaved);
 

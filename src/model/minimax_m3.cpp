@@ -150,8 +150,9 @@ struct TextConfig {
 
     if (std::find(layer_types.begin(), layer_types.end(), kSparseAttention) != layer_types.end()) {
       c.require(index_heads > 0 && heads % index_heads == 0, "index_n_heads", "a divisor of num_attention_heads");
-      // The indexer rotates its first rotary dims with the attention's cos/sin (cos[..., :index_head_dim]).
-      c.require(index_head_dim >= rot_dim, "index_head_dim", "at least the number of rotary dims");
+      // The indexer rotates with the attention's cos/sin sliced to its head (cos[..., :index_head_dim]):
+      // its first rotary dims, or its whole head when that is narrower (msa_indexer.cpp).
+      c.require(index_head_dim > 0 && index_head_dim % 2 == 0, "index_head_dim", "a positive even number");
       c.require(index_block_size > 0, "index_block_size", "a positive integer");
       c.require(index_topk_blocks > 0, "index_topk_blocks", "a positive integer");
       c.require(index_local_blocks >= 0, "index_local_blocks", "a non-negative integer");
@@ -255,6 +256,12 @@ std::vector<LayerCacheSpec> minimax_m3_cache_spec(const Config& text) {
 std::unique_ptr<DecoderModel> load_minimax_m3(Checkpoint& ckpt, const Config& text, const std::string& prefix) {
   const TextConfig cfg(text);
   const WeightNames names = WeightNames::find(ckpt, prefix);
+  const bool sparse = std::find(cfg.layer_types.begin(), cfg.layer_types.end(), kSparseAttention) !=
+                      cfg.layer_types.end();
+  SPARROW_CHECK(!sparse || ckpt.device() == Device::Cpu || cfg.index_head_dim >= cfg.rope.rot_dim(),
+                "index_head_dim ", cfg.index_head_dim, " below the ", cfg.rope.rot_dim(), " rotary dims (the "
+                "indexer then rotates its whole head, as transformers does) runs on the CPU only so far: use "
+                "--device cpu");
 
   auto model = std::make_unique<DecoderModel>();
   model->type = ckpt.config().get_string("model_type");

@@ -33,14 +33,20 @@ std::vector<int32_t> select_blocks(std::vector<float> block_scores, int64_t posi
 
 void MsaIndexer::project(const Tensor& x, const Tensor& positions, const Rope& rope, Tensor& queries,
                          Tensor& keys) const {
-  SPARROW_CHECK(rope.rot_dim() <= head_dim, "MSA indexer: index_head_dim ", head_dim,
-                " is smaller than the rotary dimension ", rope.rot_dim());
   queries = ops::linear(x, q_proj);  // [T, heads * head_dim]
   keys = ops::linear(x, k_proj);     // [T, head_dim]
   ops::rms_norm_(queries, q_norm, norm_eps, /*unit_offset=*/true);
   ops::rms_norm_(keys, k_norm, norm_eps, /*unit_offset=*/true);
-  rotate_heads(queries, head_dim, positions, rope);
-  rotate_heads(keys, head_dim, positions, rope);
+  if (head_dim >= rope.rot_dim()) {
+    rotate_heads(queries, head_dim, positions, rope);
+    rotate_heads(keys, head_dim, positions, rope);
+    return;
+  }
+  // MiniMaxM3VLIndexer slices the attention's cos/sin to index_head_dim: a head narrower than the
+  // rotary dims is rotated whole, each element at its slot's frequency.
+  const Tensor& inv_freq = rope.inv_freq_on(x.device());
+  ops::rope_narrow_heads_(queries, positions, inv_freq, rope.attention_scaling, head_dim);
+  ops::rope_narrow_heads_(keys, positions, inv_freq, rope.attention_scaling, head_dim);
 }
 
 BlockSelection MsaIndexer::select(const float* queries, int64_t ld_queries, int64_t count, int64_t start,

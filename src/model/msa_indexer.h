@@ -61,7 +61,8 @@ struct MsaIndexer {
   Tensor k_norm;  // [head_dim]
 
   // Index queries [T, heads * head_dim] and keys [T, head_dim] for the batch rows x [T, hidden] at
-  // `positions`: projected, normalised and rotated by the first rope.rot_dim() dims.
+  // `positions`: projected, normalised and rotated by the first rope.rot_dim() dims, or whole when
+  // head_dim < rope.rot_dim() (transformers' cos[..., :index_head_dim]).
   void project(const Tensor& x, const Tensor& positions, const Rope& rope, Tensor& queries,
                Tensor& keys) const;
 

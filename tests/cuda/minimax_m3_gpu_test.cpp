@@ -26,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cache/kv_cache.h"
+#include "core/error.h"
 #include "formats/safetensors.h"
 #include "gpu_test_util.h"
 #include "model_test_util.h"
@@ -277,6 +278,21 @@ TEST(CudaMiniMaxM3Dummy, PrefillAndDecodeRunWithoutACheckpointBias) {
     const Tokens next = {argmax(logits.row(logits.dim(0) - 1), logits.dim(1))};
     logits = ModelRunner(*gpu).run(make_batch({{&s, next}})).to(Device::Cpu);
   }
+}
+
+// Index heads narrower than the rotary dims run on the CPU only so far: on the GPU the load says so in one
+// line instead of running a rotation the kernels do not implement.
+TEST(CudaMiniMaxM3NarrowIndex, RefusedAtLoadWithAClearError) {
+  SPARROW_REQUIRE_GPU();
+  const fs::path narrow = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/minimax_m3_narrow_index";
+  std::string message;
+  try {
+    load_model(narrow.string(), Device::Cuda);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("index_head_dim 8 below the 12 rotary dims"), std::string::npos) << message;
+  EXPECT_NE(message.find("--device cpu"), std::string::npos) << message;
 }
 
 }  // namespace

@@ -158,6 +158,16 @@ void apply_rope_neox(float* x, const float* cos, const float* sin, int rot_dim) 
   }
 }
 
+void apply_rope_neox_narrow_head(float* x, const float* cos, const float* sin, int head_dim, int rot_dim) {
+  const int half = head_dim / 2, frequencies = rot_dim / 2;
+  for (int i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    const int fa = i % frequencies, fb = (i + half) % frequencies;
+    x[i] = a * cos[fa] - b * sin[fa];           // rotate_half(x)[i] = -x[i + half]
+    x[i + half] = b * cos[fb] + a * sin[fb];    // rotate_half(x)[i + half] = x[i]
+  }
+}
+
 void apply_rope_interleaved(float* x, const float* cos, const float* sin, int rot_dim) {
   int half = rot_dim / 2;
   float tmp[1024];

@@ -53,6 +53,11 @@ Tensor embedding(const Tensor& table, const std::vector<int32_t>& ids);
 // [rotated evens..., rotated odds...] as transformers' apply_rotary_pos_emb_interleave (model/rope.h).
 void apply_rope_neox(float* x, const float* cos, const float* sin, int rot_dim);
 void apply_rope_interleaved(float* x, const float* cos, const float* sin, int rot_dim);
+// transformers' apply_rotary_pos_emb with cos[..., :head_dim] of a rotary embedding wider than the head
+// (MiniMaxM3VLIndexer when index_head_dim < rotary dims): the whole head is rotated half against half,
+// and element j takes the angle of frequency j mod (rot_dim / 2), as the sliced cat(freqs, freqs) table
+// holds it. cos / sin: rot_dim / 2 entries. A plain rotation only when head_dim = rot_dim.
+void apply_rope_neox_narrow_head(float* x, const float* cos, const float* sin, int head_dim, int rot_dim);
 
 // y += x elementwise.
 void add_inplace(Tensor& y, const Tensor& x);
