@@ -628,28 +628,11 @@ TEST(EngineThreaded, RequestsFromManyThreadsAbortAndShutdown) {
 
 namespace {
 
-// The fixture model, except that a batch holding `poison` fails.
-class FailingModel : public Model {
- public:
-  FailingModel(std::unique_ptr<Model> inner, int32_t poison) : inner_(std::move(inner)), poison_(poison) {}
-  const std::string& model_type() const override { return inner_->model_type(); }
-  int64_t vocab_size() const override { return inner_->vocab_size(); }
-  int64_t num_layers() const override { return inner_->num_layers(); }
-  std::vector<LayerCacheSpec> cache_spec() const override { return inner_->cache_spec(); }
-  Tensor forward(const Batch& batch, StepMarks* marks) override {
-    if (std::count(batch.tokens.begin(), batch.tokens.end(), poison_)) fail("poisoned batch");
-    return inner_->forward(batch, marks);
-  }
-
- private:
-  std::unique_ptr<Model> inner_;
-  int32_t poison_;
-};
 
 }  // namespace
 
 TEST(EngineErrors, AFailedStepEndsItsRequestsAndTheEngineGoesOn) {
-  FailingModel model(load_model(fixture("deepseek_v32").string()), /*poison=*/0);
+  sparrow::testing::FailingModel model(load_model(fixture("deepseek_v32").string()), /*poison=*/0);
   const Tokens prompt = fixture_prompts("deepseek_v32")[0];
   EngineCore engine(model, nullptr, roomy_config(model));
   Recorder got;
@@ -667,7 +650,7 @@ TEST(EngineErrors, AFailedStepEndsItsRequestsAndTheEngineGoesOn) {
 // A warm-up that fails (as a GPU out of memory would: the warm-up's first token is 0) stops the start with
 // the cause and the flags to change, and gives back what it took.
 TEST(EngineWarmUp, AFailedStepNamesTheFlags) {
-  FailingModel failing(load_model(fixture("kimi_linear").string()), /*poison=*/0);
+  sparrow::testing::FailingModel failing(load_model(fixture("kimi_linear").string()), /*poison=*/0);
   EngineConfig config = roomy_config(failing);
   const std::string error = sparrow::testing::error_message([&] {
     config.warm_up = true;

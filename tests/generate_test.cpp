@@ -75,23 +75,6 @@ Tokens decode_one_token_at_a_time(Model& model, const Tokens& prompt, int64_t ma
   return generated;
 }
 
-// The bundled model, except that a batch holding `poison` fails (as a GPU out of memory would).
-class FailingModel : public Model {
- public:
-  FailingModel(std::unique_ptr<Model> inner, int32_t poison) : inner_(std::move(inner)), poison_(poison) {}
-  const std::string& model_type() const override { return inner_->model_type(); }
-  int64_t vocab_size() const override { return inner_->vocab_size(); }
-  int64_t num_layers() const override { return inner_->num_layers(); }
-  std::vector<LayerCacheSpec> cache_spec() const override { return inner_->cache_spec(); }
-  Tensor forward(const Batch& batch, StepMarks* marks) override {
-    if (std::count(batch.tokens.begin(), batch.tokens.end(), poison_)) fail("poisoned batch");
-    return inner_->forward(batch, marks);
-  }
-
- private:
-  std::unique_ptr<Model> inner_;
-  int32_t poison_;
-};
 
 class GenerateOnBundledModel : public ::testing::TestWithParam<std::string> {};
 
@@ -161,7 +144,7 @@ TEST(Generate, AFailedStepIsAnError) {
   BundledModel bundled("minimax_m3");
   const Tokens free_run = generate(*bundled.model, {bundled.prompts[0]}, greedy(8))[0];
   // The fourth token poisons the step that decodes it: four tokens come out, then the error.
-  FailingModel failing(std::move(bundled.model), free_run[3]);
+  sparrow::testing::FailingModel failing(std::move(bundled.model), free_run[3]);
   ASSERT_EQ(std::count(bundled.prompts[0].begin(), bundled.prompts[0].end(), free_run[3]), 0);
   ASSERT_EQ(std::count(free_run.begin(), free_run.begin() + 3, free_run[3]), 0);
   Tokens handed_over;

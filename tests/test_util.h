@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
+#include <memory>
 #include <string>
 
 #include "core/error.h"
@@ -72,5 +74,24 @@ inline ::testing::AssertionResult mentions(const std::string& message, std::init
 // exactly what a long-lived one would.
 inline SequenceState new_sequence(const Model& model) { return standalone_sequence(model.cache_spec()); }
 inline Tensor run_step(Model& model, const Batch& batch) { return ModelRunner(model).run(batch); }
+
+// A model that runs `inner` except that a batch holding the token `poison` fails, as a GPU out of memory
+// would mid-step (the engine's and generate()'s error paths).
+class FailingModel : public Model {
+ public:
+  FailingModel(std::unique_ptr<Model> inner, int32_t poison) : inner_(std::move(inner)), poison_(poison) {}
+  const std::string& model_type() const override { return inner_->model_type(); }
+  int64_t vocab_size() const override { return inner_->vocab_size(); }
+  int64_t num_layers() const override { return inner_->num_layers(); }
+  std::vector<LayerCacheSpec> cache_spec() const override { return inner_->cache_spec(); }
+  Tensor forward(const Batch& batch, StepMarks* marks) override {
+    if (std::count(batch.tokens.begin(), batch.tokens.end(), poison_)) fail("poisoned batch");
+    return inner_->forward(batch, marks);
+  }
+
+ private:
+  std::unique_ptr<Model> inner_;
+  int32_t poison_;
+};
 
 }  // namespace sparrow::testing

@@ -280,6 +280,20 @@ Tensor concat_rows(const Tensor& a, const Tensor& b) {
 #endif
 }
 
+namespace {
+// One position's cos/sin per frequency, with Rope::angles' arithmetic: angle = inv_freq * pos in fp32,
+// cos/sin scaled by attention_scaling afterwards.
+void rope_table(const Tensor& inv_freq, int64_t position, float attention_scaling, std::vector<float>& cos,
+                std::vector<float>& sin) {
+  const float pos = float(position);
+  for (size_t i = 0; i < cos.size(); ++i) {
+    const float angle = inv_freq.data()[i] * pos;
+    cos[i] = std::cos(angle) * attention_scaling;
+    sin[i] = std::sin(angle) * attention_scaling;
+  }
+}
+}  // namespace
+
 void rope_narrow_heads_(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float attention_scaling,
                         int64_t head_dim) {
   same_device(x, positions, "rope");
@@ -294,12 +308,7 @@ void rope_narrow_heads_(Tensor& x, const Tensor& positions, const Tensor& inv_fr
   parallel_for(rows, [&](int64_t begin, int64_t end) {
     std::vector<float> cos(rot / 2), sin(rot / 2);
     for (int64_t r = begin; r < end; ++r) {
-      const float pos = float(positions.as<int64_t>()[r]);
-      for (int64_t i = 0; i < rot / 2; ++i) {
-        const float angle = inv_freq.data()[i] * pos;  // as rope_ below (Rope::angles' arithmetic)
-        cos[i] = std::cos(angle) * attention_scaling;
-        sin[i] = std::sin(angle) * attention_scaling;
-      }
+      rope_table(inv_freq, positions.as<int64_t>()[r], attention_scaling, cos, sin);
       for (int64_t h = 0; h < row / head_dim; ++h)
         cpu::apply_rope_neox_narrow_head(x.row(r) + h * head_dim, cos.data(), sin.data(), int(head_dim), int(rot));
     }
@@ -319,13 +328,7 @@ void rope_(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float att
     parallel_for(rows, [&](int64_t begin, int64_t end) {
       std::vector<float> cos(rot / 2), sin(rot / 2);
       for (int64_t r = begin; r < end; ++r) {
-        // Rope::angles' arithmetic: angle = inv_freq * pos in fp32, cos/sin scaled afterwards.
-        const float pos = float(positions.as<int64_t>()[r]);
-        for (int64_t i = 0; i < rot / 2; ++i) {
-          const float angle = inv_freq.data()[i] * pos;
-          cos[i] = std::cos(angle) * attention_scaling;
-          sin[i] = std::sin(angle) * attention_scaling;
-        }
+        rope_table(inv_freq, positions.as<int64_t>()[r], attention_scaling, cos, sin);
         for (int64_t h = 0; h < heads; ++h) {
           float* p = x.row(r) + first_col + h * head_stride;
           if (interleaved)
