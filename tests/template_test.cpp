@@ -206,6 +206,16 @@ TEST(TemplateErrors, ArgumentsOfTheWrongKindAreErrors) {
   EXPECT_TRUE(mentions(error_message([] { render("{{ 'a' | indent([]) }}"); }), {"expected an int, got 'list'"}));
 }
 
+// Python's ints are unbounded and ours are int64: a float past that range (found by the fuzzer as
+// '4777...772'|int) is a one-line error, not undefined behaviour; in range it truncates as Python does.
+TEST(TemplateErrors, IntOfAHugeFloatIsAnError) {
+  EXPECT_TRUE(mentions(error_message([] { render("{{ '47777777777777777777777777777777777777'|int }}"); }),
+                       {"chat template line 1: int: ", "too large for a 64-bit integer"}));
+  EXPECT_TRUE(mentions(error_message([] { render("{{ 1e300|int }}"); }), {"too large for a 64-bit integer"}));
+  EXPECT_TRUE(mentions(error_message([] { render("{{ '%d' % 1e300 }}"); }), {"too large for a 64-bit integer"}));
+  EXPECT_EQ(render("{{ -3.9e15|int }} {{ '-2.5'|int }} {{ '%d' % 7.9 }}"), "-3900000000000000 -2 7");
+}
+
 TEST(TemplateErrors, DeepRecursionIsAnErrorNotACrash) {
   EXPECT_TRUE(mentions(error_message([] { render("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"); }),
                        {"maximum recursion depth exceeded"}));

@@ -201,6 +201,14 @@ Value do_reverse(const Value& input, const Args& args) {
   return Value::list(std::move(items));
 }
 
+// int() of a float: Python's ints are unbounded, ours are int64, so a float past that range is an error
+// rather than undefined behaviour.
+int64_t whole_part(double x) {
+  double whole = std::trunc(x);
+  if (!(std::fabs(whole) < 9.2e18)) template_fail("int: ", float_repr(whole), " is too large for a 64-bit integer");
+  return static_cast<int64_t>(whole);
+}
+
 Value do_int(const Value& input, const Args& args) {
   ValueList p = bind(args, "int", {optional("default", 0), optional("base", 10)});
   switch (input.kind()) {
@@ -212,12 +220,12 @@ Value do_int(const Value& input, const Args& args) {
     case Value::Kind::Float: {
       double x = input.as_float();
       if (!std::isfinite(x)) return p[0];
-      return static_cast<int64_t>(std::trunc(x));
+      return whole_part(x);
     }
     case Value::Kind::String: {
       if (auto i = parse_int(input.as_string(), static_cast<int>(p[1].as_int()))) return *i;
       // jinja2: "42.23"|int gives 42 through float().
-      if (auto f = parse_float(input.as_string()); f && std::isfinite(*f)) return static_cast<int64_t>(std::trunc(*f));
+      if (auto f = parse_float(input.as_string()); f && std::isfinite(*f)) return whole_part(*f);
       return p[0];
     }
     default:
@@ -585,9 +593,7 @@ std::string format_one(char conversion, const std::string& flags, int64_t width,
     case 'i':
     case 'u': {
       if (v.kind() != Value::Kind::Float) return printf_string(spec + "lld", static_cast<long long>(v.as_int()));
-      double whole = std::trunc(v.as_float());
-      if (!(std::fabs(whole) < 9.2e18)) template_fail("%", conversion, " format: ", float_repr(whole), " is too large");
-      return printf_string(spec + "lld", static_cast<long long>(whole));
+      return printf_string(spec + "lld", static_cast<long long>(whole_part(v.as_float())));
     }
     case 'x':
     case 'X':
