@@ -74,16 +74,14 @@ Tensor hand_inputs(const std::string& kinds) {
 }  // namespace
 
 TEST(DeepseekV32Indexer, ScoreIsTheWeightedSumOfReluHeadScores) {
-  DsaIndexer indexer;
-  indexer.options.num_heads = 2;
-  indexer.options.head_dim = 2;
+  const cpu::DsaShape shape{/*heads=*/2, /*head_dim=*/2, /*topk=*/4};
   const float query[] = {1, 0, /* head 1 */ 0, 1};
   const float weights[] = {1.0f, -0.5f};
   const float keys[] = {2, 0, 0, 2, 1, 1, -1, -1};
   // head 0: q·k = [2, 0, 1, -1], head 1: [0, 2, 1, -1]; relu(· / √2) weighted 1 and -0.5.
   const float s = 1.0f / std::sqrt(2.0f);
   std::vector<float> expected = {2 * s, -s, 0.5f * s, 0.0f};
-  std::vector<float> got = indexer.scores(query, weights, keys, 4);
+  std::vector<float> got = cpu::dsa_scores(shape, query, weights, keys, 4);
   ASSERT_EQ(got.size(), expected.size());
   for (size_t i = 0; i < expected.size(); ++i) EXPECT_NEAR(got[i], expected[i], 1e-6) << i;
 }
@@ -98,13 +96,18 @@ TEST(DeepseekV32Indexer, SelectsTheTopKeysOnceMoreThanTopkAreVisible) {
   const std::vector<LayerCacheSpec> spec = {{{indexer.options.cache_page()}, {}}};
   SequenceState state = standalone_sequence(spec);
   Batch batch = make_batch({{&state, {0, 0, 0, 0, 0}}});
-  KeySelection sel = indexer.select(x, q_resid, batch, 0);
+  // Each row of the int32 [T, topk] table: positions ascending, then -1.
+  auto row = [](const Tensor& table, int64_t r) {
+    return std::vector<int32_t>(table.as<int32_t>() + r * table.dim(1), table.as<int32_t>() + (r + 1) * table.dim(1));
+  };
+  const Tensor sel = indexer.select(x, q_resid, batch, 0);
+  ASSERT_EQ(sel.shape(), (std::vector<int64_t>{5, 2}));
   // Tokens 0 and 1 see no more than topk keys: their whole prefix.
-  EXPECT_TRUE(sel.is_prefix(0));
-  EXPECT_TRUE(sel.is_prefix(1));
-  EXPECT_EQ(sel.keys[2], (std::vector<int32_t>{1, 2}));  // B0 A1 C2      -> A1, C2
-  EXPECT_EQ(sel.keys[3], (std::vector<int32_t>{1, 2}));  // B0 A1 C2 B3   -> A1, C2
-  EXPECT_EQ(sel.keys[4], (std::vector<int32_t>{1, 4}));  // ... B3 A4     -> A1, A4
+  EXPECT_EQ(row(sel, 0), (std::vector<int32_t>{0, -1}));
+  EXPECT_EQ(row(sel, 1), (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(row(sel, 2), (std::vector<int32_t>{1, 2}));  // B0 A1 C2      -> A1, C2
+  EXPECT_EQ(row(sel, 3), (std::vector<int32_t>{1, 2}));  // B0 A1 C2 B3   -> A1, C2
+  EXPECT_EQ(row(sel, 4), (std::vector<int32_t>{1, 4}));  // ... B3 A4     -> A1, A4
   std::vector<float> keys(5 * 3);
   state.cache->read(0, PageKind::DsaIndexKey, 0, 5, keys.data());
   EXPECT_NEAR(keys[3], std::sqrt(2.0f), 1e-4);  // token 1 is kind A
@@ -113,8 +116,8 @@ TEST(DeepseekV32Indexer, SelectsTheTopKeysOnceMoreThanTopkAreVisible) {
   SequenceState stepwise = standalone_sequence(spec);
   for (int64_t t = 0; t < 5; ++t) {
     Batch step = make_batch({{&stepwise, {0}}});
-    KeySelection one = indexer.select(x.rows(t, t + 1), q_resid.rows(t, t + 1), step, 0);
-    EXPECT_EQ(one.keys[0], sel.keys[t]) << "token " << t;
+    const Tensor one = indexer.select(x.rows(t, t + 1), q_resid.rows(t, t + 1), step, 0);
+    EXPECT_EQ(row(one, 0), row(sel, t)) << "token " << t;
     stepwise.length += 1;
   }
   std::vector<float> stepwise_keys(5 * 3);

@@ -7,11 +7,15 @@
 #include <random>
 #include <vector>
 
+#include "kernels/cpu/kda_reference.h"
 #include "kernels/cpu/reference_ops.h"
 #include "model/kda_mixer.h"
 #include "runner/dense_sequence_cache.h"
 
 using namespace sparrow;
+using sparrow::cpu::delta_rule_chunked;
+using sparrow::cpu::delta_rule_recurrent;
+using sparrow::cpu::DeltaRuleInputs;
 
 namespace {
 

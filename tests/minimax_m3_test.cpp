@@ -16,6 +16,7 @@ using namespace sparrow;
 using sparrow::testing::error_message;
 using sparrow::testing::mentions;
 using sparrow::testing::TempDir;
+using sparrow::cpu::select_blocks;
 
 namespace {
 std::vector<int32_t> sorted(std::vector<int32_t> v) {
@@ -64,38 +65,41 @@ TEST(MiniMaxM3BlockSelection, InitBlocksAreForcedAndRankFirst) {
 // One index head sees score = key[0], the other score = -key[0]. block_size 4, one kept block per query.
 // Keys: block 0 scores 3, block 1 scores 0, block 2 holds key 8 (score 1) and key 9 (score 100).
 TEST(MiniMaxM3Indexer, MaxPoolsOnlyTheKeysAQuerySees) {
-  MsaIndexer idx;
-  idx.heads = 2;
-  idx.head_dim = 2;
-  idx.block_size = 4;
-  idx.topk_blocks = 1;
-  idx.local_blocks = 0;
+  cpu::MsaSelectShape shape{/*heads=*/2, /*head_dim=*/2, /*block_size=*/4, /*topk_blocks=*/1, /*local_blocks=*/0};
   const float key_scores[10] = {3, 3, 3, 3, 0, 0, 0, 0, 1, 100};
   std::vector<float> keys;
   for (float s : key_scores) keys.insert(keys.end(), {s, 0.5f});
   // Queries at positions 5, 8, 9 (a prefill of positions 5..9; 6 and 7 are uninteresting).
   std::vector<float> queries;
   for (int i = 0; i < 5; ++i) queries.insert(queries.end(), {1.0f, 0.0f, -1.0f, 0.0f});
-  BlockSelection sel = idx.select(queries.data(), 4, 5, 5, keys.data(), 10);
-  ASSERT_EQ(sel.blocks, 3);
+  std::vector<int32_t> table;
+  auto select = [&] {
+    table.assign(5 * shape.heads * shape.topk_blocks, 7);  // overwritten, -1 included
+    cpu::msa_select(shape, queries.data(), 4, 5, 5, keys.data(), table.data());
+  };
+  // The kept blocks of one head for the query at `position`: msa_select's row, ascending, -1 after.
   auto kept = [&](int64_t head, int64_t position) {
-    std::vector<int32_t> blocks;
-    for (int32_t b = 0; b < sel.blocks; ++b)
-      if (sel.kept(head, position - 5, b)) blocks.push_back(b);
+    const int32_t* row = table.data() + ((position - 5) * shape.heads + head) * shape.topk_blocks;
+    std::vector<int32_t> blocks(row, row + shape.topk_blocks);
+    std::erase(blocks, -1);
+    EXPECT_TRUE(std::is_sorted(blocks.begin(), blocks.end()));
     return blocks;
   };
+  select();
   EXPECT_EQ(kept(0, 5), (std::vector<int32_t>{0}));
   EXPECT_EQ(kept(0, 8), (std::vector<int32_t>{0}));  // key 9 is in the future: block 2 scores 1, not 100
   EXPECT_EQ(kept(0, 9), (std::vector<int32_t>{2}));
   EXPECT_EQ(kept(1, 5), (std::vector<int32_t>{1}));  // -0 beats -3
   EXPECT_EQ(kept(1, 8), (std::vector<int32_t>{1}));  // -0 beats -1 and -3
 
-  // With the newest block forced and a budget of two, position 8 keeps blocks 2 and 0.
-  idx.topk_blocks = 2;
-  idx.local_blocks = 1;
-  sel = idx.select(queries.data(), 4, 5, 5, keys.data(), 10);
+  // With the newest block forced and a budget of two, position 8 keeps blocks 2 and 0 (listed ascending);
+  // position 5 sees two blocks and keeps both; nothing else is listed.
+  shape.topk_blocks = 2;
+  shape.local_blocks = 1;
+  select();
   EXPECT_EQ(kept(0, 8), (std::vector<int32_t>{0, 2}));
   EXPECT_EQ(kept(1, 8), (std::vector<int32_t>{1, 2}));
+  EXPECT_EQ(kept(0, 5), (std::vector<int32_t>{0, 1}));
 }
 
 namespace {

@@ -22,6 +22,8 @@ Tensor vec(std::vector<float> v) {
   return t;
 }
 float sig(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+std::vector<int32_t> ints(const Tensor& t) { return std::vector<int32_t>(t.as<int32_t>(), t.as<int32_t>() + t.numel()); }
+std::vector<float> floats(const Tensor& t) { return std::vector<float>(t.as<float>(), t.as<float>() + t.numel()); }
 }  // namespace
 
 TEST(MoeRouter, GroupedSigmoidRoutingPicksTheBestGroupAndRenormalises) {
@@ -34,11 +36,11 @@ TEST(MoeRouter, GroupedSigmoidRoutingPicksTheBestGroupAndRenormalises) {
   r.routed_scaling_factor = 2.5f;
   // Expert 2 alone is the best, but group {0, 1} has the larger sum of its two best scores.
   Tensor x = vec({1.0f, 0.9f, 1.5f, -3.0f}).reshape({1, 4});
-  Routing out = r.route(x);
-  ASSERT_EQ(out.experts, (std::vector<int32_t>{0, 1}));
+  ops::Routing out = r.route(x);
+  ASSERT_EQ(ints(out.experts), (std::vector<int32_t>{0, 1}));
   float s0 = sig(1.0f), s1 = sig(0.9f);
-  EXPECT_NEAR(out.weights[0], s0 / (s0 + s1) * 2.5f, 1e-6);
-  EXPECT_NEAR(out.weights[1], s1 / (s0 + s1) * 2.5f, 1e-6);
+  EXPECT_NEAR(floats(out.weights)[0], s0 / (s0 + s1) * 2.5f, 1e-6);
+  EXPECT_NEAR(floats(out.weights)[1], s1 / (s0 + s1) * 2.5f, 1e-6);
 }
 
 TEST(MoeRouter, BiasChoosesButDoesNotWeigh) {
@@ -48,9 +50,9 @@ TEST(MoeRouter, BiasChoosesButDoesNotWeigh) {
   r.top_k = 1;
   r.normalize = false;
   Tensor x = vec({2.0f, 1.0f, -1.0f}).reshape({1, 3});
-  Routing out = r.route(x);
-  ASSERT_EQ(out.experts, (std::vector<int32_t>{2}));
-  EXPECT_NEAR(out.weights[0], sig(-1.0f), 1e-6);
+  ops::Routing out = r.route(x);
+  ASSERT_EQ(ints(out.experts), (std::vector<int32_t>{2}));
+  EXPECT_NEAR(floats(out.weights)[0], sig(-1.0f), 1e-6);
 }
 
 TEST(MoeExperts, WeightedSumOfExpertMlps) {
@@ -62,21 +64,19 @@ TEST(MoeExperts, WeightedSumOfExpertMlps) {
   float dn[4] = {1, -1, 2, 0.5f};
   std::copy(gu, gu + 8, ex.gate_up.data());
   std::copy(dn, dn + 4, ex.down.data());
-  Routing routing;
-  routing.top_k = 2;
-  routing.experts = {1, 0};
-  routing.weights = {0.25f, 0.75f};
+  ops::Routing routing{Tensor::empty({1, 2}, ScalarType::I32), Tensor::empty({1, 2}, ScalarType::F32)};
+  routing.experts.as<int32_t>()[0] = 1, routing.experts.as<int32_t>()[1] = 0;
+  routing.weights.as<float>()[0] = 0.25f, routing.weights.as<float>()[1] = 0.75f;
   Tensor x = vec({0.5f, -2.0f}).reshape({1, 2});
-  Tensor y = run_experts(x, routing, ex, Activation{});
+  Tensor y = ops::moe_experts(x, routing, ex.gate_up, ex.down, ops::Glu::SiluGlu, 1.0f, 0.0f);
   float h0 = cpu::silu(0.5f) * -2.0f, h1 = cpu::silu(-2.0f) * (0.5f - 2.0f);
   EXPECT_NEAR(y.data()[0], 0.75f * h0 * 1 + 0.25f * h1 * 2, 1e-6);
   EXPECT_NEAR(y.data()[1], 0.75f * h0 * -1 + 0.25f * h1 * 0.5f, 1e-6);
 }
 
 TEST(MoeActivation, ClampedSwiglu) {
-  Activation a{Activation::ClampedSwiglu, 1.702f, 7.0f};
   float gate[2] = {10.0f, -1.0f}, up[2] = {-9.0f, 0.5f}, out[2];
-  a.apply(gate, up, out, 2);
+  cpu::clamped_swiglu(gate, up, out, 2, 1.702f, 7.0f);
   EXPECT_NEAR(out[0], (-7.0f + 1.0f) * 7.0f * sig(7.0f * 1.702f), 1e-5);
   EXPECT_NEAR(out[1], (0.5f + 1.0f) * -1.0f * sig(-1.702f), 1e-6);
 }
@@ -132,19 +132,20 @@ TEST(MoeRouter, SimulatedUniformRoutingReplacesTheChoice) {
   Tensor x = Tensor::empty({tokens, hidden});
   for (int64_t i = 0; i < x.numel(); ++i) x.data()[i] = u(rng);
 
-  const Routing own = r.route(x);
-  EXPECT_EQ(std::set<int32_t>(own.experts.begin(), own.experts.end()), (std::set<int32_t>{0, 1, 2, 3}));
+  const std::vector<int32_t> own = ints(r.route(x).experts);
+  EXPECT_EQ(std::set<int32_t>(own.begin(), own.end()), (std::set<int32_t>{0, 1, 2, 3}));
 
   r.simulate_uniform = true;
   r.simulation_salt = 5;
-  const Routing sim = r.route(x);
-  const std::set<int32_t> touched(sim.experts.begin(), sim.experts.end());
+  const ops::Routing sim_routing = r.route(x);
+  const std::vector<int32_t> sim = ints(sim_routing.experts);
+  const std::set<int32_t> touched(sim.begin(), sim.end());
   EXPECT_GT(int64_t(touched.size()), 80);  // uniform: 111 expected of 128 for 64 tokens x 4; the bias: 4
-  for (float w : sim.weights) EXPECT_FLOAT_EQ(w, 2.0f / 4);
-  EXPECT_EQ(r.route(x).experts, sim.experts);  // the same tokens, the same experts
+  for (float w : floats(sim_routing.weights)) EXPECT_FLOAT_EQ(w, 2.0f / 4);
+  EXPECT_EQ(ints(r.route(x).experts), sim);  // the same tokens, the same experts
   // One token alone gets what it got in the batch.
-  const Routing third = r.route(Tensor::view(x.row(3), {1, hidden}));
-  EXPECT_EQ(third.experts, std::vector<int32_t>(sim.experts.begin() + 12, sim.experts.begin() + 16));
+  const std::vector<int32_t> third = ints(r.route(Tensor::view(x.row(3), {1, hidden})).experts);
+  EXPECT_EQ(third, std::vector<int32_t>(sim.begin() + 12, sim.begin() + 16));
   r.simulation_salt = 6;  // another layer
-  EXPECT_NE(r.route(x).experts, sim.experts);
+  EXPECT_NE(ints(r.route(x).experts), sim);
 }

@@ -6,8 +6,11 @@
 
 #include "core/error.h"
 #include "core/parallel.h"
+#include "core/bfloat16.h"
+#include "kernels/cpu/moe_reference.h"
 #include "kernels/cpu/reference_ops.h"
 #include "kernels/cpu/reference_sampling.h"
+#include "kernels/uniform_routing.h"
 #include "core/device/device.h"
 
 #if SPARROW_HAVE_CUDA
@@ -445,16 +448,21 @@ void batched_matmul_nt(int64_t batch, int64_t m, int64_t n, int64_t k, MatView a
   batched_matmul(true, batch, m, n, k, a, b, c, c_offset, ldc, c_batch_stride);
 }
 
-DeviceRouting route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, int64_t n_group, int64_t topk_group,
-                                    int64_t top_k, bool normalize, float normalize_eps, float scaling) {
-  SPARROW_CHECK(!logits.on_cpu(), "route_grouped_sigmoid is the GPU routing (the CPU's is SigmoidRouter::route)");
+Routing route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, int64_t n_group, int64_t topk_group,
+                              int64_t top_k, bool normalize, float normalize_eps, float scaling) {
   SPARROW_CHECK(logits.type() == ScalarType::F32, "router logits must be float32");
-#if SPARROW_HAVE_CUDA
   const int64_t tokens = logits.dim(0), experts = logits.dim(1);
+  if (logits.on_cpu()) {
+    Routing r{Tensor::empty({tokens, top_k}, ScalarType::I32), Tensor::empty({tokens, top_k}, ScalarType::F32)};
+    cpu::route_grouped_sigmoid(logits, bias, n_group, topk_group, top_k, normalize, normalize_eps, scaling,
+                               r.experts.as<int32_t>(), r.weights.as<float>());
+    return r;
+  }
+#if SPARROW_HAVE_CUDA
   // The kernel reads the bias through a raw pointer: one on the host is an illegal access on the device.
   SPARROW_CHECK(bias.device() == logits.device() && bias.type() == ScalarType::F32 && bias.numel() == experts,
                 "router bias must be float32 with one value per expert (", experts, ") on the logits' device");
-  DeviceRouting r{Tensor::empty({tokens, top_k}, ScalarType::I32, logits.device()),
+  Routing r{Tensor::empty({tokens, top_k}, ScalarType::I32, logits.device()),
                   Tensor::empty({tokens, top_k}, ScalarType::F32, logits.device())};
   cuda::route_grouped_sigmoid(logits.as<float>(), bias.as<float>(), tokens, experts, n_group, topk_group, top_k,
                               normalize, normalize_eps, scaling, r.experts.as<int32_t>(), r.weights.as<float>(),
@@ -465,13 +473,23 @@ DeviceRouting route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, in
 #endif
 }
 
-void simulate_uniform_routing(const Tensor& x, DeviceRouting& routing, int64_t num_experts, uint32_t salt,
-                              float weight) {
-  SPARROW_CHECK(!x.on_cpu(), "simulate_uniform_routing is the GPU path (the CPU's is in SigmoidRouter::route)");
+void simulate_uniform_routing(const Tensor& x, Routing& routing, int64_t num_experts, uint32_t salt, float weight) {
+  const int64_t top_k = routing.experts.dim(1);
+  if (x.on_cpu()) {
+    // Keyed by the bf16 form of the token's first values, as the GPU's bf16 activations are.
+    std::vector<uint16_t> bits(std::min<int64_t>(x.dim(1), uniform_routing::kKeyValues));
+    for (int64_t i = 0; i < x.dim(0); ++i) {
+      for (size_t v = 0; v < bits.size(); ++v) bits[v] = float_to_bf16(x.row(i)[v]);
+      uniform_routing::draw_experts(uniform_routing::token_key(bits.data(), int64_t(bits.size()), salt), num_experts,
+                                    top_k, routing.experts.as<int32_t>() + i * top_k);
+      std::fill_n(routing.weights.as<float>() + i * top_k, top_k, weight);
+    }
+    return;
+  }
 #if SPARROW_HAVE_CUDA
   SPARROW_CHECK(x.type() == ScalarType::BF16 && x.ndim() == 2 && routing.experts.dim(0) == x.dim(0),
                 "simulated routing takes the bf16 [tokens, hidden] activations the routing is for");
-  cuda::simulate_uniform_routing(x.raw(), x.dim(0), x.dim(1), num_experts, routing.experts.dim(1), salt, weight,
+  cuda::simulate_uniform_routing(x.raw(), x.dim(0), x.dim(1), num_experts, top_k, salt, weight,
                                  routing.experts.as<int32_t>(), routing.weights.as<float>(), cuda::stream());
 #else
   (void)routing, (void)num_experts, (void)salt, (void)weight;
@@ -479,9 +497,13 @@ void simulate_uniform_routing(const Tensor& x, DeviceRouting& routing, int64_t n
 #endif
 }
 
-Tensor moe_experts(const Tensor& x, const DeviceRouting& routing, const Tensor& gate_up, const Tensor& down, Glu kind,
+Tensor moe_experts(const Tensor& x, const Routing& routing, const Tensor& gate_up, const Tensor& down, Glu kind,
                    float alpha, float limit) {
-  SPARROW_CHECK(!x.on_cpu(), "moe_experts is the GPU path (the CPU's is run_experts)");
+  if (x.on_cpu()) {
+    require_f32(x, "moe_experts");
+    return cpu::moe_experts(x, routing.experts.as<int32_t>(), routing.weights.as<float>(), routing.experts.dim(1),
+                            gate_up, down, kind == Glu::ClampedSwiglu, alpha, limit);
+  }
 #if SPARROW_HAVE_CUDA
   const bool fp8 = gate_up.type() == ScalarType::F8E4M3;
   SPARROW_CHECK(x.type() == ScalarType::BF16 && (fp8 ? down.type() == ScalarType::F8E4M3 && gate_up.block_scales().defined() &&

@@ -81,21 +81,20 @@ void batched_matmul_nn(int64_t batch, int64_t m, int64_t n, int64_t k, MatView a
 void batched_matmul_nt(int64_t batch, int64_t m, int64_t n, int64_t k, MatView a, MatView b, const Tensor& c,
                        int64_t c_offset, int64_t ldc, int64_t c_batch_stride);
 
-// Mixture of experts on a device (the CPU path is model/feed_forward.cpp's route() and run_experts(), which
-// these mirror; tests compare them):
+// Mixture of experts, on either device (kernels/cpu/moe_reference.h defines them; kernels/cuda/moe is tested
+// against it):
 // DeepSeek-V3's grouped sigmoid routing of fp32 router logits [T, E] with the correction bias.
-struct DeviceRouting {
+struct Routing {
   Tensor experts;  // int32 [T, top_k]
   Tensor weights;  // fp32 [T, top_k], scaling included
 };
-DeviceRouting route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, int64_t n_group, int64_t topk_group,
-                                    int64_t top_k, bool normalize, float normalize_eps, float scaling);
+Routing route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, int64_t n_group, int64_t topk_group,
+                              int64_t top_k, bool normalize, float normalize_eps, float scaling);
 // Benchmarks' simulated routing (kernels/uniform_routing.h): overwrites `routing` with top_k distinct
 // uniform experts per token, keyed by x's bf16 rows and `salt`, each weighted `weight`.
-void simulate_uniform_routing(const Tensor& x, DeviceRouting& routing, int64_t num_experts, uint32_t salt,
-                              float weight);
+void simulate_uniform_routing(const Tensor& x, Routing& routing, int64_t num_experts, uint32_t salt, float weight);
 // sum_j weights[t, j] * down[e] · glu(gate_up[e] · x[t]) over the routed experts e = experts[t, j].
-Tensor moe_experts(const Tensor& x, const DeviceRouting& routing, const Tensor& gate_up, const Tensor& down, Glu kind,
+Tensor moe_experts(const Tensor& x, const Routing& routing, const Tensor& gate_up, const Tensor& down, Glu kind,
                    float alpha, float limit);
 
 // Sampling (kernels/sampling_rule.h): applies `adjustments` to a copy of `logits` (fp32 [rows, vocab], left

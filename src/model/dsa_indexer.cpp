@@ -4,9 +4,6 @@
 #include <cmath>
 
 #include "core/error.h"
-#include "kernels/cpu/fp4_codec.h"
-#include "kernels/cpu/fp8_codec.h"
-#include "kernels/cpu/reference_ops.h"
 #include "kernels/ops.h"
 #include "model/device_step.h"
 #include "model/selection_probe.h"
@@ -19,51 +16,6 @@
 #endif
 
 namespace sparrow {
-
-namespace {
-
-// x -> e4m3(x / s) * s with s = amax / 448: one FP8 vector with its scale, as the GPU quantises each
-// (token, head) index query (kernels/cuda/dsa_indexer).
-void round_like_fp8(float* x, int64_t n) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float scale = amax / cpu::kE4m3Max;
-  for (int64_t i = 0; i < n; ++i) x[i] = scale > 0.0f ? cpu::e4m3_to_float(cpu::float_to_e4m3(x[i] / scale)) * scale : 0.0f;
-}
-
-// The GPU scores MXFP4 keys on the FP8 tensor cores (kernels/cuda/dsa_indexer/fp4_keys.cuh): a key's values
-// are stored as e4m3(v / 2^(eref - 127)), eref = max(emax, 7) - 6 with emax the largest of its E8M0 block
-// exponents, and 2^(eref - 127) multiplies the key's score. That is exact for every block within 14
-// binades of the key's largest (all keys the codec writes from LayerNorm'd rows); a block further below
-// rounds to nearest even in e4m3, and this does the same to one decoded key of n values.
-// emax comes from the decoded values: the encoder's block exponent is floor(log2(amax)) - 2 (OCP MX v1.0
-// section 6.3), whose largest code is then 4 or 6, so the decoded block amax has the exponent e_b - 127 + 2;
-// all-zero and clamped blocks (amax < 2^-125) have e_b = 0, below every other, and a key whose largest
-// block is one of them gets eref = 1 either way.
-void round_mxfp4_key_like_gpu(float* key, int64_t n) {
-  constexpr int kMaxBlocks = 64;
-  const int64_t blocks = cpu::fp4_num_blocks(n, cpu::kMxfp4Block);
-  if (blocks > kMaxBlocks) return;  // wider than any model's index key
-  int exponent[kMaxBlocks];  // E8M0 code of each block, -1 for an all-zero one
-  int emax = 0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    float amax = 0.0f;
-    for (int64_t i = b * cpu::kMxfp4Block; i < std::min<int64_t>(n, (b + 1) * cpu::kMxfp4Block); ++i) {
-      if (std::isnan(key[i])) return;  // a NaN block: the key (and its score) is NaN on both devices
-      amax = std::max(amax, std::fabs(key[i]));
-    }
-    exponent[b] = amax > 0.0f ? std::clamp(std::ilogb(amax) - 2 + 127, 0, 254) : -1;
-    emax = std::max(emax, exponent[b]);
-  }
-  const int eref = std::max(emax, 7) - 6;
-  for (int64_t b = 0; b < blocks; ++b) {
-    if (exponent[b] < 0 || exponent[b] - eref >= -8) continue;  // zeros, or exact in e4m3: unchanged
-    for (int64_t i = b * cpu::kMxfp4Block; i < std::min<int64_t>(n, (b + 1) * cpu::kMxfp4Block); ++i)
-      key[i] = std::ldexp(cpu::e4m3_to_float(cpu::float_to_e4m3(std::ldexp(key[i], 127 - eref))), eref - 127);
-  }
-}
-
-}  // namespace
 
 std::unique_ptr<DsaIndexer> DsaIndexer::load(Checkpoint& ckpt, const std::string& prefix,
                                              const DsaIndexerOptions& options) {
@@ -79,20 +31,6 @@ std::unique_ptr<DsaIndexer> DsaIndexer::load(Checkpoint& ckpt, const std::string
   indexer->k_norm_bias = ckpt.take(prefix + "k_norm.bias", {dim});
   indexer->weights_proj = ckpt.take_linear(prefix + "weights_proj.weight", {heads, options.hidden});
   return indexer;
-}
-
-std::vector<float> DsaIndexer::scores(const float* query, const float* head_weights, const float* keys,
-                                      int64_t n) const {
-  const int64_t heads = options.num_heads, dim = options.head_dim;
-  const float scale = 1.0f / std::sqrt(float(dim));
-  // Per-head logits [heads, n] = q · kᵀ, then relu(logit * scale) as DeepseekV32Indexer.forward.
-  std::vector<float> per_head(heads * n);
-  cpu::gemm_nt(heads, n, dim, query, dim, keys, dim, per_head.data(), n);
-  for (float& s : per_head) s = std::max(s * scale, 0.0f);
-  // Weighted sum over heads: [1, heads] · [heads, n].
-  std::vector<float> total(n);
-  cpu::gemm_nn(1, n, heads, head_weights, heads, per_head.data(), n, total.data(), n);
-  return total;
 }
 
 DsaIndexer::Projection DsaIndexer::project(const Tensor& x, const Tensor& q_resid, const Batch& batch) const {
@@ -111,60 +49,45 @@ DsaIndexer::Projection DsaIndexer::project(const Tensor& x, const Tensor& q_resi
   return p;
 }
 
-KeySelection DsaIndexer::select(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer) const {
-  const int64_t heads = options.num_heads, dim = options.head_dim;
-  const int64_t tokens = batch.size();
-  const Projection p = project(x, q_resid, batch);
-  const Tensor &queries = p.queries, &keys = p.keys, &head_weights = p.head_weights;
-
-  KeySelection selection;
-  selection.keys.resize(tokens);
-  std::vector<float> cached;  // one sequence's index keys, [end, dim]
-  std::vector<float> query(heads * dim);
-  for (const SeqSlice& seq : batch.seqs) {
-    const int64_t end = seq.start() + seq.count;
-    seq.cache().write(layer, PageKind::DsaIndexKey, seq.start(), seq.count, keys.row(seq.offset));
-    if (end <= options.topk) continue;  // every query sees at most topk keys: all causal prefixes
-    cached.resize(end * dim);
-    // Keys come back as the cache stores them: exact in fp32, rounded in an FP8, MXFP4 or NVFP4 cache. With
-    // those keys the GPU's scoring kernels quantise the queries to FP8 (e4m3 and a scale per (token, head),
-    // for every key format: kernels/cuda/dsa_indexer/fp4_keys.cuh says why), and widen the keys exactly,
-    // except MXFP4 blocks far below their key's largest; the queries (and such keys) are rounded here the
-    // same way, so both devices select alike, up to ties and the order of the sums.
-    seq.cache().read(layer, PageKind::DsaIndexKey, 0, end, cached.data());
-    const PagedStorage* paged = seq.cache().paged();
-    const PageFormat format = paged ? paged->page(layer, PageKind::DsaIndexKey).format : PageFormat::Float32;
-    const bool fp8 = format == PageFormat::Fp8IndexKey || format == PageFormat::Mxfp4Rows ||
-                     format == PageFormat::Nvfp4Rows;
-    if (format == PageFormat::Mxfp4Rows)
-      for (int64_t j = 0; j < end; ++j) round_mxfp4_key_like_gpu(cached.data() + j * dim, dim);
-    for (int64_t i = 0; i < seq.count; ++i) {
-      const int64_t row = seq.offset + i;
-      const int64_t visible = seq.start() + i + 1;
-      if (visible <= options.topk) continue;  // every visible key is selected: the causal prefix
-      std::copy(queries.row(row), queries.row(row) + heads * dim, query.begin());
-      if (fp8)
-        for (int64_t h = 0; h < heads; ++h) round_like_fp8(query.data() + h * dim, dim);
-      std::vector<float> score = scores(query.data(), head_weights.row(row), cached.data(), visible);
-      std::vector<int32_t> top = cpu::top_k(score.data(), visible, options.topk);
-      std::sort(top.begin(), top.end());
-      if (SelectionProbe* probe = selection_probe(); probe && seq.start() == 0) {
-        // The same query, unrounded, against this prefill's exact fp32 keys (kv-quality's recall).
-        std::vector<float> exact_score =
-            scores(queries.row(row), head_weights.row(row), keys.row(seq.offset), visible);
-        std::vector<int32_t> exact = cpu::top_k(exact_score.data(), visible, options.topk);
-        std::sort(exact.begin(), exact.end());
-        probe->add(top, exact);
-      }
-      selection.keys[row] = std::move(top);
+Tensor DsaIndexer::select(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer) const {
+  const int64_t dim = options.head_dim, k = options.topk, rows = batch.size();
+  Projection p = project(x, q_resid, batch);
+  Tensor selected = Tensor::empty({rows, k}, ScalarType::I32, x.device());
+  if (x.on_cpu()) {
+    std::vector<float> cached;  // one sequence's index keys, [end, dim]
+    std::vector<int32_t> exact;
+    for (const SeqSlice& seq : batch.seqs) {
+      const int64_t end = seq.start() + seq.count;
+      seq.cache().write(layer, PageKind::DsaIndexKey, seq.start(), seq.count, p.keys.row(seq.offset));
+      // Keys come back as the cache stores them: exact in fp32, rounded in an FP8, MXFP4 or NVFP4 cache. With
+      // those keys the GPU's scoring kernels quantise the queries to FP8 (e4m3 and a scale per (token, head),
+      // for every key format: kernels/cuda/dsa_indexer/fp4_keys.cuh says why), and widen the keys exactly,
+      // except MXFP4 blocks far below their key's largest; cpu::dsa_select rounds the queries (and such keys)
+      // the same way, so both devices select alike, up to ties and the order of the sums.
+      cached.resize(end * dim);
+      if (end > k) seq.cache().read(layer, PageKind::DsaIndexKey, 0, end, cached.data());
+      const PagedStorage* paged = seq.cache().paged();
+      const PageFormat format = paged ? paged->page(layer, PageKind::DsaIndexKey).format : PageFormat::Float32;
+      const cpu::DsaKeyRounding rounding = format == PageFormat::Mxfp4Rows ? cpu::DsaKeyRounding::Mxfp4
+                                           : format == PageFormat::Fp8IndexKey || format == PageFormat::Nvfp4Rows
+                                               ? cpu::DsaKeyRounding::Fp8
+                                               : cpu::DsaKeyRounding::None;
+      // kv-quality's probe: the same queries, unrounded, against this prefill's exact fp32 keys.
+      SelectionProbe* probe = seq.start() == 0 ? selection_probe() : nullptr;
+      if (probe) exact.resize(seq.count * k);
+      int32_t* seq_selected = selected.as<int32_t>() + seq.offset * k;
+      cpu::dsa_select(shape(), p.queries.row(seq.offset), p.queries.row_size(), p.head_weights.row(seq.offset),
+                      p.head_weights.row_size(), seq.count, seq.start(), cached.data(), rounding, seq_selected,
+                      probe ? p.keys.row(seq.offset) : nullptr, probe ? exact.data() : nullptr);
+      if (!probe) continue;
+      auto list = [&](const int32_t* row) { return std::vector<int32_t>(row, std::find(row, row + k, -1)); };
+      for (int64_t i = k; i < seq.count; ++i)  // rows that see more than k keys
+        probe->add(list(seq_selected + i * k), list(exact.data() + i * k));
     }
+    return selected;
   }
-  return selection;
-}
-
-Tensor DsaIndexer::select_gpu(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer) const {
 #if SPARROW_HAVE_CUDA
-  const int64_t heads = options.num_heads, dim = options.head_dim, rows = batch.size();
+  const int64_t heads = options.num_heads;
   SPARROW_CHECK(dim == cuda::kDsaIndexDim && (heads == 32 || heads == 64), "the GPU indexer takes index_head_dim ",
                 cuda::kDsaIndexDim, " with 32 or 64 heads (DeepSeek-V3.2, Kimi K3); this model has ", heads, " x ",
                 dim);
@@ -174,9 +97,8 @@ Tensor DsaIndexer::select_gpu(const Tensor& x, const Tensor& q_resid, const Batc
                 "the GPU indexer reads fp8, mxfp4 or nvfp4 index keys (indexer_kv_dtype), not float32 or bfloat16");
   cudaStream_t stream = cuda::stream();
 
-  // The same projections, norm and rotation as select(), in bf16; head_dim^-0.5 joins num_heads^-0.5 in
+  // The projections, norm and rotation are in bf16 here; head_dim^-0.5 joins num_heads^-0.5 in
   // the head weights (relu(a * s) = a * relu(s) for a > 0).
-  Projection p = project(x, q_resid, batch);
   const Tensor &queries = p.queries, &keys = p.keys;
   Tensor& head_weights = p.head_weights;
   ops::scale_(head_weights, 1.0f / std::sqrt(float(dim)));
@@ -202,14 +124,13 @@ Tensor DsaIndexer::select_gpu(const Tensor& x, const Tensor& q_resid, const Batc
                          step.row_visible.as<int32_t>(), pool, step.page_table.as<int64_t>(), step.table_stride,
                          step.block_size(), key_format, score_rows.as<float>(), ld, step.max_visible, stream,
                          cuda::DsaScoreKernel::Auto, pairs ? 2 : 1);
-  const int k = int(options.topk);
-  Tensor selected = Tensor::empty({rows, options.topk}, ScalarType::I32, x.device());
-  const size_t workspace_bytes = cuda::topk_workspace_bytes(rows, step.max_visible, k);
+  const size_t workspace_bytes = cuda::topk_workspace_bytes(rows, step.max_visible, int(k));
   Tensor workspace = Tensor::empty({int64_t(std::max<size_t>(workspace_bytes, 1))}, ScalarType::U8, x.device());
-  cuda::topk_rows(score_rows.as<float>(), ld, step.row_visible.as<int32_t>(), rows, step.max_visible, k,
+  cuda::topk_rows(score_rows.as<float>(), ld, step.row_visible.as<int32_t>(), rows, step.max_visible, int(k),
                   selected.as<int32_t>(), workspace.raw(), workspace_bytes, stream);
   return selected;
 #else
+  (void)layer;
   fail("the DSA indexer on a GPU in a build without the CUDA backend");
 #endif
 }

@@ -23,6 +23,7 @@
 
 #include "core/tensor.h"
 #include "formats/checkpoint.h"
+#include "kernels/cpu/dsa_reference.h"
 #include "model/model.h"
 #include "model/rope.h"
 
@@ -40,14 +41,6 @@ struct DsaIndexerOptions {
   PageSpec cache_page() const { return {PageKind::DsaIndexKey, head_dim}; }
 };
 
-// Which cached key positions each query token attends to. For query row r of the batch,
-// keys[r] lists positions in its sequence, ascending; an empty list means "every position
-// 0..pos" (the causal prefix, used while no more than topk keys are visible).
-struct KeySelection {
-  std::vector<std::vector<int32_t>> keys;
-  bool is_prefix(int64_t row) const { return keys[row].empty(); }
-};
-
 struct DsaIndexer {
   DsaIndexerOptions options;
   Tensor wq_b;          // [num_heads * head_dim, query_input]
@@ -60,22 +53,19 @@ struct DsaIndexer {
   static std::unique_ptr<DsaIndexer> load(Checkpoint& ckpt, const std::string& prefix,
                                           const DsaIndexerOptions& options);
 
-  // x: [T, hidden] (normalised layer input), q_resid: [T, query_input], T = batch.size().
-  // Writes each new token's index key to its sequence's cache (PageKind::DsaIndexKey of `layer`) and
-  // returns the selection for every batch row.
-  KeySelection select(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer) const;
-  // The GPU's selection (kernels/cuda/dsa_indexer, kernels/cuda/topk): int32 [T, topk], each row's key
-  // positions ascending and -1 after them; a row that sees no more than topk keys lists its causal
-  // prefix. Keys are stored in the cache's index-key format (FP8 with a scale per token, DeepSeek-V3.2's
-  // own index cache; MXFP4; NVFP4) and scored against queries quantised to FP8 per (token, head)
-  // (kernels/cuda/dsa_indexer/fp4_keys.cuh says how each format is multiplied), so the selection can
-  // differ from select()'s where scores nearly tie.
-  Tensor select_gpu(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer) const;
+  // The one entry point of the selection, on either device. x: [T, hidden] (normalised layer input),
+  // q_resid: [T, query_input], T = batch.size(). Writes each new token's index key to the layer's
+  // DsaIndexKey pages and returns int32 [T, topk] on x's device: each row's selected key positions
+  // ascending, then -1; a row that sees no more than topk keys lists its causal prefix.
+  //   CPU: cpu::dsa_select (kernels/cpu/dsa_reference.h) over the sequence's cached keys, fp32 as
+  //        transformers, with the queries rounded as the GPU rounds them when the keys are quantised.
+  //   GPU: kernels/cuda/dsa_indexer and kernels/cuda/topk. Keys are stored in the cache's index-key format
+  //        (FP8 with a scale per token, DeepSeek-V3.2's own index cache; MXFP4; NVFP4) and scored against
+  //        queries quantised to FP8 per (token, head) (kernels/cuda/dsa_indexer/fp4_keys.cuh says how each
+  //        format is multiplied), so the selection can differ from the CPU's where scores nearly tie.
+  Tensor select(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer) const;
 
-  // The index score of one query against n keys: scores[s] for s < n. `query` is one token's
-  // [num_heads * head_dim] roped index query, `head_weights` its [num_heads] weights (already
-  // scaled by num_heads^-0.5), `keys` [n, head_dim] row-major. Exposed for tests.
-  std::vector<float> scores(const float* query, const float* head_weights, const float* keys, int64_t n) const;
+  cpu::DsaShape shape() const { return {options.num_heads, options.head_dim, options.topk}; }
 
  private:
   // What both selections start from, on x's device: roped queries [T, heads * head_dim], normalised and

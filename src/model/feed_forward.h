@@ -27,8 +27,6 @@ struct Activation {
   enum Kind { SiluGlu, ClampedSwiglu } kind = SiluGlu;
   float alpha = 1.0f;  // ClampedSwiglu only
   float limit = 0.0f;  // ClampedSwiglu only
-  // out[i] = act(gate[i], up[i]) for i < n
-  void apply(const float* gate, const float* up, float* out, int64_t n) const;
   ops::Glu glu_kind() const;
 };
 
@@ -43,12 +41,6 @@ struct DenseMlp : FeedForward {
                        Activation act);
   Tensor forward(const Tensor& x) const override;  // [T, H] -> [T, H]
   std::string name() const override { return "mlp"; }
-};
-
-struct Routing {
-  int64_t top_k = 0;
-  std::vector<int32_t> experts;  // [T, top_k]
-  std::vector<float> weights;    // [T, top_k], routed_scaling_factor included
 };
 
 struct SigmoidRouter {
@@ -67,7 +59,9 @@ struct SigmoidRouter {
   uint32_t simulation_salt = 0;
   float simulated_weight() const { return routed_scaling_factor / float(top_k); }  // each simulated expert's
 
-  Routing route(const Tensor& x) const;  // x [T, H]
+  // Each token's experts and weights, on x's device ([T, H]; kernels/ops.h route_grouped_sigmoid and, when
+  // simulating, simulate_uniform_routing).
+  ops::Routing route(const Tensor& x) const;
 
   // The checkpoint's e_score_correction_bias `name` ([num_experts]), or zeros where it has none (always so
   // for --load-format dummy, whose has() is false) on the checkpoint's device, where the router reads it.
@@ -96,9 +90,5 @@ struct MoeBlock : FeedForward {
   Tensor forward(const Tensor& x) const override;  // routed experts (weighted) + shared experts
   std::string name() const override { return "moe"; }
 };
-
-// Applies the routed experts: out[t] = sum_j weights[t, j] * expert_{experts[t, j]}(x[t]).
-Tensor run_experts(const Tensor& x, const Routing& routing, const Checkpoint::Experts& experts,
-                   const Activation& act);
 
 }  // namespace sparrow

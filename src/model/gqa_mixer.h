@@ -13,7 +13,6 @@
 #pragma once
 #include <cstdint>
 #include <optional>
-#include <vector>
 
 #include "core/tensor.h"
 #include "model/decoder.h"
@@ -46,13 +45,11 @@ class GqaAttention : public Mixer {
   static LayerCacheSpec cache_spec_for(int64_t kv_heads, int64_t head_dim, int64_t index_head_dim);
 
  private:
-  // Attention of one sequence's new queries (rows of q) against its cached rows [K | V] of positions
-  // 0 .. seq.start() + seq.count - 1 (kv); writes rows of out.
-  void attend(const Tensor& q, const SeqSlice& seq, const float* kv, const BlockSelection* selection,
-              Tensor& out) const;
-  // The GPU path of the whole batch (paged cache in place); returns [T, heads * head_dim] bf16.
-  Tensor attend_gpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& index_q, const Tensor& index_k,
-                    const Batch& batch, int layer) const;
+  // The attention core, the one entry point on either device: stores this step's K/V rows (k, v) in the
+  // layer's pages and returns the attended rows [T, heads * head_dim]. `kept` is the MSA selection
+  // (MsaIndexer::select) on MSA layers, empty otherwise.
+  Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kept, const Batch& batch,
+                int layer) const;
 };
 
 }  // namespace sparrow

@@ -57,23 +57,6 @@ struct KdaWeights {
   Tensor o_proj;    // [hidden, P]
 };
 
-// The delta-rule core for one sequence, all heads. q and k are L2-normalised, q also scaled.
-struct DeltaRuleInputs {
-  int64_t length = 0;      // tokens T
-  int64_t num_heads = 0;   // H
-  int64_t head_dim = 0;    // D (keys and values)
-  const float* q = nullptr;          // [T, H, D]
-  const float* k = nullptr;          // [T, H, D]
-  const float* v = nullptr;          // [T, H, D]
-  const float* log_decay = nullptr;  // [T, H, D] g, per key channel
-  const float* beta = nullptr;       // [T, H]
-};
-
-// Token by token: state [H, D, D] (S[h][k][v]) is read and updated, out is [T, H, D].
-void delta_rule_recurrent(const DeltaRuleInputs& in, float* state, float* out);
-// The same result through the chunk-parallel form (chunks of `chunk_size` tokens).
-void delta_rule_chunked(const DeltaRuleInputs& in, float* state, float* out, int64_t chunk_size = 64);
-
 class KdaMixer : public Mixer {
  public:
   KdaMixer(const KdaConfig& config, KdaWeights weights);
@@ -88,7 +71,13 @@ class KdaMixer : public Mixer {
   static LayerCacheSpec cache_spec_for(const KdaConfig& config);
 
  private:
-  Tensor forward_gpu(const Tensor& x, const Batch& batch, int layer);
+  // The phases after the projections, each one entry point on either device (CPU: kernels/cpu/kda_reference.h,
+  // GPU: kernels/cuda/kda/kda.h). gates_: log_decay [T, P] and beta [T, H] in place from their projections.
+  // mix: the conv and the delta rule over the sequences' states, returns core [T, P] fp32.
+  // gated_norm: RMSNorm per head times sigmoid(out_gate), fp32 on the CPU (in place) and bf16 on the GPU.
+  void gates_(Tensor& log_decay, Tensor& beta) const;
+  Tensor mix(const Tensor& qkv, const Tensor& log_decay, const Tensor& beta, const Batch& batch, int layer) const;
+  Tensor gated_norm(Tensor& core, const Tensor& out_gate) const;
 
   KdaConfig config_;
   KdaWeights w_;

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "core/error.h"
-#include "kernels/cpu/reference_ops.h"
+#include "kernels/cpu/mla_reference.h"
 #include "kernels/ops.h"
 #include "model/device_step.h"
 
@@ -127,8 +127,9 @@ Tensor MlaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
 
   // mixed[t, h] = sum_s softmax_s(q_abs[t, h] · row_s * scale) c_s, over the query's causal prefix or
   // the keys its indexer selects.
-  Tensor mixed = x.on_cpu() ? attend_cpu(x, q_resid, q_abs, new_rows, batch, layer)
-                            : attend_gpu(x, q_resid, q_abs, new_rows, batch, layer);
+  Tensor selected;  // with an indexer: the key positions each row attends (DsaIndexer::select)
+  if (indexer_) selected = indexer_->select(x, q_resid, batch, layer);
+  Tensor mixed = attend(q_abs, new_rows, selected, batch, layer);
 
   // Back from latent space per head: out[t, h] = W_UV[h] · mixed[t, h], then o_proj.
   Tensor attended = Tensor::empty({tokens, heads * o.v_head_dim}, mixed.type(), mixed.device());
@@ -140,58 +141,32 @@ Tensor MlaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
   return out;
 }
 
-// The reference attention: rows go through the sequence's cache as fp32 (any SequenceCache), one
-// query token at a time.
-Tensor MlaMixer::attend_cpu(const Tensor& x, const Tensor& q_resid, const Tensor& q_abs, const Tensor& new_rows,
-                            const Batch& batch, int layer) {
+// This step's rows go into the layer's pages, then every row attends over its causal prefix or the keys
+// the indexer selected: on the CPU through the sequence's cache as fp32 (kernels/cpu/mla_reference.h), on
+// the GPU (kernels/cuda/mla) over the paged cache in place, quantised there in the cache's format (fp8,
+// fp8_per_tensor, nvfp4).
+Tensor MlaMixer::attend(const Tensor& q_abs, const Tensor& new_rows, const Tensor& selected, const Batch& batch,
+                        int layer) const {
   const MlaOptions& o = options_;
-  const int64_t heads = o.num_heads, latent = o.kv_lora_rank, row_width = o.cache_row();
-
-  // The indexer reads its own cache, which must see this step's tokens, like ours below.
-  KeySelection selection;
-  if (indexer_) selection = indexer_->select(x, q_resid, batch, layer);
-
-  Tensor mixed = Tensor::empty({batch.size(), heads, latent});
-  std::vector<float> probs, gathered, prefix;
-  for (const SeqSlice& seq : batch.seqs) {
-    // Store this step's rows, then gather the whole causal prefix (this step's tokens included).
-    const int64_t end = seq.start() + seq.count;
-    seq.cache().write(layer, PageKind::MlaLatent, seq.start(), seq.count, new_rows.row(seq.offset));
-    prefix.resize(end * row_width);
-    seq.cache().read(layer, PageKind::MlaLatent, 0, end, prefix.data());
-    for (int64_t i = 0; i < seq.count; ++i) {
-      const int64_t row = seq.offset + i;
-      const float* keys = prefix.data();
-      int64_t n = seq.start() + i + 1;
-      if (indexer_ && !selection.is_prefix(row)) {
-        const std::vector<int32_t>& chosen = selection.keys[row];
-        n = int64_t(chosen.size());
-        gathered.resize(n * row_width);
-        for (int64_t j = 0; j < n; ++j)
-          std::memcpy(gathered.data() + j * row_width, prefix.data() + chosen[j] * row_width,
-                      sizeof(float) * row_width);
-        keys = gathered.data();
-      }
-      probs.resize(heads * n);
-      cpu::gemm_nt(heads, n, row_width, q_abs.row(row), row_width, keys, row_width, probs.data(), n);
-      for (int64_t h = 0; h < heads; ++h) {
-        float* p = probs.data() + h * n;
-        for (int64_t j = 0; j < n; ++j) p[j] *= o.softmax_scale;
-        cpu::softmax_inplace(p, n);
-      }
-      cpu::gemm_nn(heads, latent, n, probs.data(), n, keys, row_width, mixed.row(row), latent);
+  const int64_t rows = batch.size();
+  if (q_abs.on_cpu()) {
+    const cpu::MlaShape shape{o.num_heads, o.kv_lora_rank, o.cache_row(), o.softmax_scale};
+    const int64_t topk = indexer_ ? indexer_->options.topk : 0;
+    Tensor mixed = Tensor::empty({rows, o.num_heads, o.kv_lora_rank});
+    std::vector<float> prefix;
+    for (const SeqSlice& seq : batch.seqs) {
+      // Store this step's rows, then read the whole causal prefix (this step's tokens included).
+      const int64_t end = seq.start() + seq.count;
+      seq.cache().write(layer, PageKind::MlaLatent, seq.start(), seq.count, new_rows.row(seq.offset));
+      prefix.resize(end * o.cache_row());
+      seq.cache().read(layer, PageKind::MlaLatent, 0, end, prefix.data());
+      cpu::mla_attention(shape, q_abs.row(seq.offset), seq.count, seq.start(), prefix.data(),
+                         indexer_ ? selected.as<int32_t>() + seq.offset * topk : nullptr, topk,
+                         mixed.row(seq.offset));
     }
+    return mixed;
   }
-  return mixed;
-}
-
-// The GPU attention: this step's rows are written into the paged cache (quantised there in the cache's
-// format: fp8, fp8_per_tensor, nvfp4), the indexer's top-k (or the causal prefix) gives every row its key list, and one
-// kernel attends over the listed rows in place (kernels/cuda/mla).
-Tensor MlaMixer::attend_gpu(const Tensor& x, const Tensor& q_resid, const Tensor& q_abs, const Tensor& new_rows,
-                            const Batch& batch, int layer) {
 #if SPARROW_HAVE_CUDA
-  const MlaOptions& o = options_;
   const DeviceStep& step = device_step(batch);
   const PageFormat latent_format = step.format(layer, PageKind::MlaLatent);
   SPARROW_CHECK(cuda::mla_reads_latent_format(latent_format), "the GPU MLA kernels read bfloat16, fp8, fp8_per_tensor "
@@ -200,29 +175,30 @@ Tensor MlaMixer::attend_gpu(const Tensor& x, const Tensor& q_resid, const Tensor
   cuda::MlaPagedCache cache{step.page_base(layer, PageKind::MlaLatent), step.page_table.as<int64_t>(),
                             step.table_stride, step.block_size(), latent_format};
   cudaStream_t stream = cuda::stream();
-  const int64_t rows = batch.size();
   cuda::mla_cache_write(cache, new_rows.raw(), cuda::MlaSourceType::kBf16, rows, step.row_seq.as<int32_t>(),
                         step.row_pos.as<int32_t>(), 0, 0, stream);
 
   const int heads = int(o.num_heads);
-  Tensor mixed = Tensor::empty({rows, o.num_heads, o.kv_lora_rank}, ScalarType::BF16, x.device());
+  Tensor mixed = Tensor::empty({rows, o.num_heads, o.kv_lora_rank}, ScalarType::BF16, q_abs.device());
   if (indexer_) {
-    const Tensor keys = indexer_->select_gpu(x, q_resid, batch, layer);  // int32 [T, topk]
-    const int topk = int(keys.dim(1));
+    const int topk = int(selected.dim(1));
     const size_t workspace_bytes = cuda::mla_attention_workspace_bytes(rows, heads, topk);
-    Tensor workspace = Tensor::empty({int64_t(std::max<size_t>(workspace_bytes, 1))}, ScalarType::U8, x.device());
-    cuda::mla_sparse_attention(cache, q_abs.as<uint16_t>(), step.row_seq.as<int32_t>(), keys.as<int32_t>(), rows,
+    Tensor workspace =
+        Tensor::empty({int64_t(std::max<size_t>(workspace_bytes, 1))}, ScalarType::U8, q_abs.device());
+    cuda::mla_sparse_attention(cache, q_abs.as<uint16_t>(), step.row_seq.as<int32_t>(), selected.as<int32_t>(), rows,
                                heads, topk, o.softmax_scale, mixed.as<uint16_t>(), nullptr, workspace.raw(),
                                workspace_bytes, stream);
   } else {
     const size_t workspace_bytes = cuda::mla_attention_workspace_bytes(rows, heads, step.max_visible);
-    Tensor workspace = Tensor::empty({int64_t(std::max<size_t>(workspace_bytes, 1))}, ScalarType::U8, x.device());
+    Tensor workspace =
+        Tensor::empty({int64_t(std::max<size_t>(workspace_bytes, 1))}, ScalarType::U8, q_abs.device());
     cuda::mla_dense_attention(cache, q_abs.as<uint16_t>(), step.row_seq.as<int32_t>(), step.row_visible.as<int32_t>(),
                               rows, heads, step.max_visible, o.softmax_scale, mixed.as<uint16_t>(), nullptr,
                               workspace.raw(), workspace_bytes, stream);
   }
   return mixed;
 #else
+  (void)new_rows, (void)selected, (void)layer;
   fail("MLA on a GPU in a build without the CUDA backend");
 #endif
 }

@@ -78,11 +78,12 @@ class MlaMixer : public Mixer {
   const MlaOptions& options() const { return options_; }
 
  private:
-  // The attention itself, by device: returns mixed [T, heads, kv_lora_rank].
-  Tensor attend_cpu(const Tensor& x, const Tensor& q_resid, const Tensor& q_abs, const Tensor& new_rows,
-                    const Batch& batch, int layer);
-  Tensor attend_gpu(const Tensor& x, const Tensor& q_resid, const Tensor& q_abs, const Tensor& new_rows,
-                    const Batch& batch, int layer);
+  // The attention core, the one entry point on either device: stores this step's cache rows (new_rows,
+  // [T, latent + rot]) in the layer's pages and returns mixed [T, heads, kv_lora_rank] for the absorbed
+  // queries q_abs [T, heads, latent + rot]. `selected` is the indexer's table (DsaIndexer::select), empty
+  // without an indexer.
+  Tensor attend(const Tensor& q_abs, const Tensor& new_rows, const Tensor& selected, const Batch& batch,
+                int layer) const;
 
   MlaOptions options_;
   Tensor q_proj;          // [H * qk_head_dim, hidden]        (q_lora_rank = 0)

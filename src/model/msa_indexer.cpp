@@ -1,35 +1,19 @@
 #include "model/msa_indexer.h"
 
 #include <algorithm>
-#include <limits>
 
 #include "core/error.h"
-#include "core/parallel.h"
-#include "kernels/cpu/reference_ops.h"
 #include "kernels/ops.h"
+#include "model/device_step.h"
 #include "model/gqa_mixer.h"
+#include "model/selection_probe.h"
+
+#if SPARROW_HAVE_CUDA
+#include "core/device/stream.h"
+#include "kernels/cuda/msa/msa.h"
+#endif
 
 namespace sparrow {
-
-namespace {
-constexpr float kInf = std::numeric_limits<float>::infinity();
-// Queries scored per BLAS call: bounds the [tile, n_keys] score buffer on long prefills.
-constexpr int64_t kQueryTile = 256;
-}  // namespace
-
-std::vector<int32_t> select_blocks(std::vector<float> block_scores, int64_t position, int64_t block_size,
-                                   int64_t topk_blocks, int64_t local_blocks, int64_t init_blocks) {
-  const int64_t newest = position / block_size;
-  const int64_t visible = int64_t(block_scores.size());
-  SPARROW_CHECK(visible == newest + 1, "select_blocks: ", visible, " block scores for a query in block ", newest);
-  // MiniMaxM3VLIndexer.forward: the local blocks get +inf so top-k always takes them.
-  for (int64_t l = 0; l < local_blocks; ++l) block_scores[std::max<int64_t>(newest - l, 0)] = kInf;
-  for (int64_t b = 0; b < std::min(init_blocks, visible); ++b) block_scores[b] = kInf;
-  std::vector<int32_t> chosen = cpu::top_k(block_scores.data(), visible, topk_blocks);
-  // A block whose score is -inf has no visible key (transformers marks such slots -1).
-  std::erase_if(chosen, [&](int32_t b) { return block_scores[b] == -kInf; });
-  return chosen;
-}
 
 void MsaIndexer::project(const Tensor& x, const Tensor& positions, const Rope& rope, Tensor& queries,
                          Tensor& keys) const {
@@ -49,40 +33,61 @@ void MsaIndexer::project(const Tensor& x, const Tensor& positions, const Rope& r
   ops::rope_narrow_heads_(keys, positions, inv_freq, rope.attention_scaling, head_dim);
 }
 
-BlockSelection MsaIndexer::select(const float* queries, int64_t ld_queries, int64_t count, int64_t start,
-                                  const float* keys, int64_t n_keys) const {
-  SPARROW_CHECK(n_keys >= start + count, "MSA indexer: ", n_keys, " index keys for queries up to position ",
-                start + count - 1);
-  BlockSelection sel;
-  sel.heads = heads;
-  sel.queries = count;
-  sel.blocks = (start + count + block_size - 1) / block_size;  // blocks holding a key some query sees
-  sel.keep.assign(heads * count * sel.blocks, 0);
-  std::vector<float> scores;
-  for (int64_t g = 0; g < heads; ++g) {
-    for (int64_t i0 = 0; i0 < count; i0 += kQueryTile) {
-      const int64_t i1 = std::min(count, i0 + kQueryTile);
-      const int64_t seen = start + i1;  // keys visible to the tile's last query
-      scores.resize((i1 - i0) * seen);
-      // scores[i][s] = q_g(i) · k(s), fp32 like transformers' matmul of float() copies.
-      cpu::gemm_nt(i1 - i0, seen, head_dim, queries + i0 * ld_queries + g * head_dim, ld_queries, keys, head_dim,
-                   scores.data(), seen);
-      parallel_for(i1 - i0, [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; ++r) {
-          const int64_t i = i0 + r, position = start + i;
-          const float* row = scores.data() + r * seen;
-          // Max-pool each block over its keys at positions <= position (future keys are -inf there).
-          std::vector<float> block_scores(position / block_size + 1, -kInf);
-          for (int64_t s = 0; s <= position; ++s)
-            block_scores[s / block_size] = std::max(block_scores[s / block_size], row[s]);
-          for (int32_t blk : select_blocks(std::move(block_scores), position, block_size, topk_blocks, local_blocks,
-                                                     init_blocks))
-            sel.keep[(g * count + i) * sel.blocks + blk] = 1;
-        }
-      });
+Tensor MsaIndexer::select(const Tensor& queries, const Tensor& keys, const Batch& batch, int layer) const {
+  const int64_t rows = batch.size();
+  Tensor kept = Tensor::empty({rows, heads, topk_blocks}, ScalarType::I32, queries.device());
+  if (queries.on_cpu()) {
+    std::vector<float> cached;  // one sequence's index keys, [end, head_dim]
+    for (const SeqSlice& seq : batch.seqs) {
+      const int64_t end = seq.start() + seq.count;
+      seq.cache().write(layer, PageKind::MsaIndexKey, seq.start(), seq.count, keys.row(seq.offset));
+      cached.resize(end * head_dim);
+      seq.cache().read(layer, PageKind::MsaIndexKey, 0, end, cached.data());
+      int32_t* seq_kept = kept.as<int32_t>() + seq.offset * heads * topk_blocks;
+      cpu::msa_select(shape(), queries.row(seq.offset), queries.row_size(), seq.count, seq.start(), cached.data(),
+                      seq_kept);
+      if (SelectionProbe* probe = selection_probe(); probe && seq.start() == 0) {
+        // The blocks the exact fp32 keys of this prefill keep, per index head and query that has more
+        // blocks to choose from than it keeps (kv-quality's recall).
+        std::vector<int32_t> exact(seq.count * heads * topk_blocks);
+        cpu::msa_select(shape(), queries.row(seq.offset), queries.row_size(), seq.count, 0, keys.row(seq.offset),
+                        exact.data());
+        auto list = [&](const int32_t* table, int64_t g, int64_t i) {
+          const int32_t* first = table + (i * heads + g) * topk_blocks;
+          return std::vector<int32_t>(first, std::find(first, first + topk_blocks, -1));
+        };
+        for (int64_t g = 0; g < heads; ++g)
+          for (int64_t i = 0; i < seq.count; ++i)
+            if (i / block_size + 1 > topk_blocks) probe->add(list(seq_kept, g, i), list(exact.data(), g, i));
+      }
     }
+    return kept;
   }
-  return sel;
+#if SPARROW_HAVE_CUDA
+  // Index keys (indexer_kv_dtype): bf16 (256 B a token at dim 128), scale-free e4m3 rows (fp8, 128 B),
+  // NVFP4 (72 B) or MXFP4 (68 B), read in place.
+  const DeviceStep& step = device_step(batch);
+  const PageFormat key_format = step.format(layer, PageKind::MsaIndexKey);
+  SPARROW_CHECK(cuda::msa_reads_key_format(key_format), "the GPU MSA selector reads bfloat16, fp8, nvfp4 or mxfp4 "
+                "index keys (indexer_kv_dtype auto, bfloat16, fp8, nvfp4 or mxfp4)");
+  cudaStream_t stream = cuda::stream();
+  const int32_t* row_seq = step.row_seq.as<int32_t>();
+  const int32_t* row_pos = step.row_pos.as<int32_t>();
+  const int64_t* table = step.page_table.as<int64_t>();
+  uint8_t* key_pool = step.page_base(layer, PageKind::MsaIndexKey);
+  cuda::msa_write_keys(keys.raw(), rows, int(head_dim), row_seq, row_pos, table, step.table_stride,
+                       step.block_size(), key_pool, key_format, stream);
+  const size_t bytes = cuda::msa_select_workspace_bytes(rows, int(heads), step.max_visible, int(block_size));
+  Tensor workspace = Tensor::empty({int64_t(std::max<size_t>(bytes, 1))}, ScalarType::U8, queries.device());
+  cuda::msa_select_blocks(queries.raw(), rows, int(heads), int(head_dim), row_seq, row_pos, step.max_visible,
+                          key_pool, key_format, table, step.table_stride, step.block_size(), int(block_size),
+                          int(topk_blocks), int(local_blocks), int(init_blocks), kept.as<int32_t>(), nullptr,
+                          workspace.raw(), bytes, stream);
+  return kept;
+#else
+  (void)layer;
+  fail("the MSA selector on a GPU in a build without the CUDA backend");
+#endif
 }
 
 }  // namespace sparrow

@@ -25,27 +25,11 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "kernels/cpu/msa_reference.h"
+#include "model/model.h"
 #include "model/rope.h"
 
 namespace sparrow {
-
-// The selection rule for one query and one index head. `block_scores` holds the scores of the blocks
-// the query sees (blocks 0 .. position / block_size); returns the kept block ids, forced blocks first,
-// then by descending score. Forced: the `local_blocks` newest and the first `init_blocks`
-// (sparse_init_block; 0 in every release). vLLM scores init blocks 1e30 and local ones 1e29
-// (vllm/models/minimax_m3/common/indexer.py); here both are +inf and ties go to the smaller block id,
-// which ranks init blocks first the same way.
-std::vector<int32_t> select_blocks(std::vector<float> block_scores, int64_t position, int64_t block_size,
-                                   int64_t topk_blocks, int64_t local_blocks, int64_t init_blocks = 0);
-
-// Which blocks each (index head, query) keeps: keep[(head * queries + i) * blocks + b].
-struct BlockSelection {
-  int64_t heads = 0, queries = 0, blocks = 0;
-  std::vector<uint8_t> keep;
-  bool kept(int64_t head, int64_t query, int64_t block) const {
-    return keep[(head * queries + query) * blocks + block] != 0;
-  }
-};
 
 struct MsaIndexer {
   int64_t heads = 0;         // index_n_heads: one selection per head
@@ -66,11 +50,16 @@ struct MsaIndexer {
   void project(const Tensor& x, const Tensor& positions, const Rope& rope, Tensor& queries,
                Tensor& keys) const;
 
-  // The blocks kept by `count` consecutive queries of one sequence at positions start .. start+count-1,
-  // given their index queries (rows of `queries`, `ld_queries` floats apart) and the sequence's index
-  // keys [n_keys, head_dim], n_keys >= start + count (later keys are never looked at).
-  BlockSelection select(const float* queries, int64_t ld_queries, int64_t count, int64_t start, const float* keys,
-                        int64_t n_keys) const;
+  // The one entry point of the selection, on either device: writes this step's index keys (rows of `keys`)
+  // into the layer's MsaIndexKey pages and returns the kept blocks of every batch row, int32 [T, heads,
+  // topk_blocks] on the keys' device: ascending block ids, then -1. The CPU runs cpu::msa_select over the
+  // sequence's cached keys (kernels/cpu/msa_reference.h); the GPU runs msa_select_blocks on the paged keys in
+  // place (kernels/cuda/msa/msa.h), which writes the same table.
+  Tensor select(const Tensor& queries, const Tensor& keys, const Batch& batch, int layer) const;
+
+  cpu::MsaSelectShape shape() const {
+    return {heads, head_dim, block_size, topk_blocks, local_blocks, init_blocks};
+  }
 };
 
 }  // namespace sparrow

@@ -1,5 +1,5 @@
 // Every launcher of kernels/cuda/elementwise against its CPU twin (cpu::rms_norm, cpu::layer_norm,
-// apply_rope_neox / apply_rope_interleaved with Rope::angles, Activation::apply, plain loops), fp32 and
+// apply_rope_neox / apply_rope_interleaved with Rope::angles, cpu::silu_glu / clamped_swiglu, plain loops), fp32 and
 // bf16, several shapes, fresh seeds, outputs poisoned before each launch.
 #include <cmath>
 
@@ -10,7 +10,6 @@
 #include "kernels/cuda/elementwise/elementwise.h"
 #include "core/device/device.h"
 #include "core/device/stream.h"
-#include "model/feed_forward.h"
 #include "model/rope.h"
 #include "gpu_test_util.h"
 #include "rt_test_util.h"
@@ -269,15 +268,16 @@ TEST(CudaElementwise, GatedActivations) {
           Typed gu(it, test::random_vector(rng, rows * 2 * inter, -12, 12));
           Typed out(ot, std::vector<float>(rows * inter, 0.0f));
           out.buf.poison();
-          Activation act;
-          act.kind = kind == cuda::GluKind::SiluGlu ? Activation::SiluGlu : Activation::ClampedSwiglu;
-          act.alpha = 1.702f;
-          act.limit = 7.0f;
-          cuda::glu(gu.buf.get(), it, out.buf.get(), ot, rows, inter, kind, act.alpha, act.limit, cuda::stream());
+          const float alpha = 1.702f, limit = 7.0f;
+          cuda::glu(gu.buf.get(), it, out.buf.get(), ot, rows, inter, kind, alpha, limit, cuda::stream());
           std::vector<float> ref(rows * inter);
-          for (int64_t r = 0; r < rows; ++r)
-            act.apply(gu.values.data() + r * 2 * inter, gu.values.data() + r * 2 * inter + inter,
-                      ref.data() + r * inter, inter);
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* gate = gu.values.data() + r * 2 * inter;
+            if (kind == cuda::GluKind::SiluGlu)
+              cpu::silu_glu(gate, gate + inter, ref.data() + r * inter, inter);
+            else
+              cpu::clamped_swiglu(gate, gate + inter, ref.data() + r * inter, inter, alpha, limit);
+          }
           ref = Typed::round(ot, ref);
           // expf may differ from glibc's by an ulp or two.
           if (ot == ElemType::F32) EXPECT_TRUE(test::all_close(out.download(), ref, 1e-5, 1e-6));

@@ -1,4 +1,4 @@
-// kda_delta_rule_chunked (src/kernels/cuda/kda/chunk.cu) against the CPU delta rule of src/model/kda_mixer.cpp
+// kda_delta_rule_chunked (src/kernels/cuda/kda/chunk.cu) against the CPU delta rule of src/kernels/cpu/kda_reference.cpp
 // (delta_rule_recurrent, the definition; delta_rule_chunked in one case): outputs and final states on
 // random shapes, ragged sequences (1, 63, 64, 65, ... 5000 rows, some with none), nonzero starting states in
 // slots at an offset, q/k/v as column ranges of one fused buffer or apart, normalize_qk on and off, a
@@ -29,13 +29,16 @@
 #include "kda_test_util.h"
 #include "kernels/cuda/kda/kda.h"
 #include "core/device/cuda_check.h"
-#include "model/kda_mixer.h"
+#include "kernels/cpu/kda_reference.h"
 
 namespace sparrow::cuda {
 namespace {
 
 constexpr double kTolerance = 2e-2;
 
+using cpu::delta_rule_chunked;
+using cpu::delta_rule_recurrent;
+using cpu::DeltaRuleInputs;
 using test::counts_str;
 using test::offsets_of;
 using test::compare_vectors;

@@ -1,4 +1,4 @@
-// Kimi Delta Attention on the GPU (src/kernels/cuda/kda) against the CPU code of src/model/kda_mixer.cpp: the delta
+// Kimi Delta Attention on the GPU (src/kernels/cuda/kda) against the CPU code of src/kernels/cpu/kda_reference.cpp: the delta
 // rule against delta_rule_recurrent itself (outputs and final states, decode and prefill, prefill continued by
 // decode steps), the short conv and its tail, the gates and the gated output norm against loops that follow
 // KdaMixer::forward line by line.
@@ -17,11 +17,14 @@
 #include "gpu_test_util.h"
 #include "kda_test_util.h"
 #include "core/device/cuda_check.h"
-#include "model/kda_mixer.h"
+#include "kernels/cpu/kda_reference.h"
 
 namespace sparrow::cuda {
 namespace {
 
+using cpu::delta_rule_chunked;
+using cpu::delta_rule_recurrent;
+using cpu::DeltaRuleInputs;
 using test::counts_str;
 using test::offsets_of;
 using test::compare_vectors;

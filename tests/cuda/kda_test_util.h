@@ -78,7 +78,7 @@ struct KdaSlotStates {
   }
 };
 
-// KdaMixer's l2norm (src/model/kda_mixer.cpp): x / sqrt(sum x^2 + 1e-6), times scale.
+// KdaMixer's l2norm (src/kernels/cpu/kda_reference.cpp): x / sqrt(sum x^2 + 1e-6), times scale.
 inline void l2_normalize(float* x, int n, float scale) {
   float sum = 0.0f;
   for (int i = 0; i < n; ++i) sum += x[i] * x[i];

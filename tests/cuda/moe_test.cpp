@@ -1,6 +1,6 @@
 // The GPU mixture of experts against the CPU model code: route_grouped_sigmoid against
-// SigmoidRouter::route (the router's weight set to the identity so the logits pass through unchanged),
-// moe_experts against run_experts on bf16-representable weights; moe_experts_fp8 (e4m3 weights, 128x128
+// SigmoidRouter::route on the CPU (the router's weight set to the identity so the logits pass through
+// unchanged), moe_experts against the CPU experts (kernels/cpu/moe_reference.h) on bf16-representable weights; moe_experts_fp8 (e4m3 weights, 128x128
 // block scales) against moe_experts on the same weights dequantised on the host (bit for bit on the tiled
 // paths), and against a double reference; the decode path (moe_experts_path == Decode) against the double
 // reference within a bound derived from its roundings, for both weight formats.
@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "kernels/cpu/fp8_codec.h"
+#include "kernels/cpu/moe_reference.h"
 #include "kernels/cuda/moe/moe.h"
 #include "core/device/device.h"
 #include "core/device/stream.h"
@@ -23,6 +24,26 @@ namespace sparrow {
 namespace {
 
 using test::DeviceBuffer;
+
+// A routing as the tests hand it to both devices: experts and weights [tokens, top_k] on the host.
+struct Routing {
+  int64_t top_k = 0;
+  std::vector<int32_t> experts;
+  std::vector<float> weights;
+};
+
+// The CPU router's choice (SigmoidRouter::route on host tensors) as plain vectors.
+Routing cpu_routing(const SigmoidRouter& router, const Tensor& x) {
+  const ops::Routing r = router.route(x);
+  return {r.experts.dim(1), std::vector<int32_t>(r.experts.as<int32_t>(), r.experts.as<int32_t>() + r.experts.numel()),
+          std::vector<float>(r.weights.as<float>(), r.weights.as<float>() + r.weights.numel())};
+}
+
+// The CPU experts (kernels/cpu/moe_reference.h), the reference of moe_experts.
+Tensor run_experts(const Tensor& x, const Routing& routing, const Checkpoint::Experts& ex, const Activation& act) {
+  return cpu::moe_experts(x, routing.experts.data(), routing.weights.data(), routing.top_k, ex.gate_up, ex.down,
+                          act.kind == Activation::ClampedSwiglu, act.alpha, act.limit);
+}
 
 const char* path_name(int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t inter) {
   switch (cuda::moe_experts_path(tokens, top_k, experts, hidden, inter)) {
@@ -72,7 +93,7 @@ TEST(CudaMoe, RouteMatchesSigmoidRouter) {
       router.normalize = c.normalize;
       router.normalize_eps = c.eps;
       router.routed_scaling_factor = c.scaling;
-      Routing ref = router.route(Tensor::view(logits.data(), {tokens, c.experts}));
+      Routing ref = cpu_routing(router, Tensor::view(logits.data(), {tokens, c.experts}));
 
       DeviceBuffer dl(logits), db(bias), de(tokens * c.top_k * 4), dw(tokens * c.top_k * 4);
       de.poison();
@@ -118,7 +139,7 @@ TEST(CudaMoe, SimulatedUniformRoutingMatchesTheCpu) {
     router.routed_scaling_factor = 2.446f;
     router.simulate_uniform = true;
     router.simulation_salt = 11;
-    Routing ref = router.route(Tensor::view(x.data(), {tokens, hidden}));
+    Routing ref = cpu_routing(router, Tensor::view(x.data(), {tokens, hidden}));
 
     std::vector<uint16_t> bits(x.size());
     for (size_t i = 0; i < x.size(); ++i) bits[i] = float_to_bf16(x[i]);

@@ -1,5 +1,5 @@
 // MSA block selector kernels (kernels/cuda/msa) against the CPU rule (select_blocks in
-// model/msa_indexer.h) on block scores computed here from the same key values: key writes into random
+// kernels/cpu/msa_reference.h) on block scores computed here from the same key values: key writes into random
 // non-contiguous pages, and the kept blocks of decode and prefill rows for the test fixture's shape
 // (dim 16, index block 8, top-3) and MiniMax-M3.1's (dim 128, index block 128, top-16), contexts up to
 // 40K keys, 0-2 forced local blocks, both score tilings on every case, in every key format.
@@ -9,7 +9,7 @@
 // a few bits): the GPU's scores then equal the CPU's bit for bit and any tie is a true tie, resolved by
 // the same rule (smaller block id). Random real values are checked for near-optimality instead (ties and
 // near-ties may legitimately go either way there), and against the model's own CPU selector
-// (MsaIndexer::select, fp32 BLAS scores) up to near-ties, with the queries rounded to bf16 as the GPU's.
+// (cpu::msa_select, fp32 BLAS scores) up to near-ties, with the queries rounded to bf16 as the GPU's.
 //
 // Narrow keys (FP8, NVFP4, MXFP4): the write is byte for byte the CPU page codec's (page_codec(dtype,
 // MsaIndexKey)), edge values included, and every selection case runs on pages the CPU codec encoded, the
@@ -30,7 +30,7 @@
 #include "core/bfloat16.h"
 #include "gpu_test_util.h"
 #include "kernels/cuda/msa/msa.h"
-#include "model/msa_indexer.h"
+#include "kernels/cpu/msa_reference.h"
 
 namespace {
 
@@ -322,7 +322,7 @@ void run_case_in(const Case& c, std::mt19937& rng, unsigned seed, PageFormat for
         bs[s / c.ib] = std::max(bs[s / c.ib], dot);
       }
       std::vector<float> fs(bs.begin(), bs.end());
-      want[r * H + h] = select_blocks(std::move(fs), pos, c.ib, c.topk, c.local, c.init);
+      want[r * H + h] = cpu::select_blocks(std::move(fs), pos, c.ib, c.topk, c.local, c.init);
       std::sort(want[r * H + h].begin(), want[r * H + h].end());
     }
   }
@@ -623,12 +623,7 @@ TEST(CudaMsa, SelectMatchesTheModelsCpuSelectorPerKeyFormat) {
     int dim, ib, topk, local, heads;
   };
   for (const Shape& sh : {Shape{128, 128, 16, 1, 4}, Shape{16, 8, 3, 1, 2}}) {
-    MsaIndexer indexer;
-    indexer.heads = sh.heads;
-    indexer.head_dim = sh.dim;
-    indexer.block_size = sh.ib;
-    indexer.topk_blocks = sh.topk;
-    indexer.local_blocks = sh.local;
+    const cpu::MsaSelectShape cpu_shape{sh.heads, sh.dim, sh.ib, sh.topk, sh.local, /*init_blocks=*/0};
     const std::vector<int64_t> ctx = sh.dim == 128 ? std::vector<int64_t>{9000, 3000, 129, 20000}
                                                   : std::vector<int64_t>{300, 1000, 9};
     // Decode rows of every sequence, and a prefill chunk of the second one.
@@ -671,17 +666,17 @@ TEST(CudaMsa, SelectMatchesTheModelsCpuSelectorPerKeyFormat) {
       for (int64_t r = 0; r < rows; ++r) {
         const int pos = row_pos[r];
         const std::vector<float>& ks = keys[row_seq[r]];
-        // The model's CPU path for this one query (MsaIndexer::select of a decode step at `pos`).
-        const BlockSelection cpu = indexer.select(&q[r * sh.heads * sh.dim], sh.heads * sh.dim, 1, pos, ks.data(),
-                                                  pos + 1);
+        // The model's CPU path for this one query (cpu::msa_select of a decode step at `pos`).
+        std::vector<int32_t> cpu_kept(sh.heads * sh.topk);
+        cpu::msa_select(cpu_shape, &q[r * sh.heads * sh.dim], sh.heads * sh.dim, 1, pos, ks.data(), cpu_kept.data());
         for (int h = 0; h < sh.heads; ++h) {
           const std::string where = "row " + std::to_string(r) + " (pos " + std::to_string(pos) + ") head " +
                                     std::to_string(h);
           std::vector<int32_t> gpu_sel, cpu_sel;
           for (int j = 0; j < sh.topk; ++j)
             if (got[(r * sh.heads + h) * sh.topk + j] >= 0) gpu_sel.push_back(got[(r * sh.heads + h) * sh.topk + j]);
-          for (int64_t b = 0; b < cpu.blocks; ++b)
-            if (cpu.kept(h, 0, b)) cpu_sel.push_back(int32_t(b));
+          for (int j = 0; j < sh.topk; ++j)
+            if (cpu_kept[h * sh.topk + j] >= 0) cpu_sel.push_back(cpu_kept[h * sh.topk + j]);
           if (gpu_sel == cpu_sel) continue;
           // Exact block scores (double) decide whether the difference is a near-tie at the boundary.
           const float* qv = &q[(r * sh.heads + h) * sh.dim];

@@ -19,7 +19,7 @@
 //    does) and stores e2m1 x 2^(e_b - eref) in e4m3: exact for every block within 14 binades of the key's
 //    largest (e_b - eref >= -8), which LayerNorm'd keys always are; a block further below is rounded to
 //    nearest even in e4m3 (its values are below 2^-14 of the key's largest, those below 2^-18 of it become
-//    zero) and the CPU path (model/dsa_indexer.cpp) rounds its keys the same way. (The clamp at 7 keeps r
+//    zero) and the CPU path (kernels/cpu/dsa_reference.cpp) rounds its keys the same way. (The clamp at 7 keeps r
 //    a normal float when every block scale of a key is below 2^-120.) e4m3 products run at twice the
 //    16-bit rate, which keeps 64 heads (DeepSeek-V3.2) memory-bound at 68 B a key.
 //  * NVFP4 -> f16, f16 products (wgmma / the same kernel for every row count). A value is e2m1 x s with s

@@ -1,7 +1,7 @@
 // DeepSeek Sparse Attention (DSA) lightning indexer on Hopper: index keys in the paged cache (FP8, MXFP4
 // or NVFP4), FP8 queries, index scores on the tensor cores.
 //
-//   score[t, s] = sum_h w[t, h] * relu(q[t, h] · k[s])            (src/model/dsa_indexer.cpp)
+//   score[t, s] = sum_h w[t, h] * relu(q[t, h] · k[s])            (src/kernels/cpu/dsa_reference.cpp)
 //
 // The caller folds 1/sqrt(head_dim) and 1/sqrt(heads) into w. Queries are quantised per (token, head) to
 // e4m3 with one fp32 scale amax / 448, folded into w (relu(a * x) = a * relu(x) for a > 0); a key's own

@@ -1,5 +1,5 @@
 // The decoder's small per-token kernels. Each mirrors a CPU op (src/kernels/cpu/reference_ops.cpp,
-// src/model/rope.cpp, src/model/feed_forward.cpp Activation::apply) operation by operation, so fp32 inputs give
+// src/model/rope.cpp) operation by operation, so fp32 inputs give
 // the CPU's results up to the last bit in almost every element:
 //   * reductions accumulate in double as the CPU does (norms are memory-bound; FP64 costs nothing here);
 //   * products and sums that the CPU rounds separately (x86-64-v2 has no FMA) use __fmul_rn / __fadd_rn,
@@ -198,7 +198,8 @@ __global__ void rope_kernel(T* x, int64_t row_stride, int64_t first_col, int64_t
 }
 
 // ---- gated activations -----------------------------------------------------------------------------
-// Activation::apply (src/model/feed_forward.cpp): silu(g) = g / (1 + exp(-g)), then * up; MiniMax's clamped
+// cpu::silu_glu and cpu::clamped_swiglu (src/kernels/cpu/reference_ops.cpp): silu(g) = g / (1 + exp(-g)),
+// then * up; MiniMax's clamped
 // SwiGLU g = min(g, limit), u = clamp(u, -limit, limit), (u + 1) * (g * sigmoid(g * alpha)).
 template <typename X, typename Y>
 __global__ void glu_kernel(const X* gate_up, Y* out, int64_t rows, int64_t inter, GluKind kind, float alpha,

@@ -1,6 +1,6 @@
 // kda_delta_rule_chunked (kda.h): the KDA delta rule in its chunk-parallel form, for prefill.
 //
-// The math is delta_rule_chunked's (src/model/kda_mixer.cpp; transformers chunk_kimi_delta_attention; the fla
+// The math is delta_rule_chunked's (src/kernels/cpu/kda_reference.cpp; transformers chunk_kimi_delta_attention; the fla
 // library's chunk_kda), chunks of C = 64 rows starting at each sequence's first row, the last one ragged.
 // Per chunk and head, with G the running sum of g from the chunk's first row, Kb = beta K exp(G),
 // A[r][i] = -beta_r sum_d k_r k_i exp(G_r - G_i) (i < r), Aqk[r][i] = sum_d q_r k_i exp(G_r - G_i) (i <= r):

@@ -1,4 +1,4 @@
-// Kimi Delta Attention kernels (kda.h). Each follows src/model/kda_mixer.cpp operation by operation:
+// Kimi Delta Attention kernels (kda.h). Each follows src/kernels/cpu/kda_reference.cpp operation by operation:
 //   * the conv and the gated norm round the CPU's separate products and sums the same way
 //     (__fmul_rn / __fadd_rn, never contracted into an FMA; the norm's sum of squares in double);
 //   * the delta rule keeps the recurrence's order of operations per token but sums its dot products in

@@ -1,6 +1,6 @@
 // Kimi Delta Attention (KDA, src/model/kda_mixer.h) on the GPU: the short causal convolution with its saved
 // tail, the gate activations, the delta-rule recurrence over each sequence's fp32 state, and the gated
-// output norm. Each kernel is the twin of the CPU code in src/model/kda_mixer.cpp and is tested against it
+// output norm. Each kernel is the twin of the CPU code in src/kernels/cpu/kda_reference.cpp and is tested against it
 // (tests/cuda/kda_test.cpp).
 //
 // Batches: the rows [T, ...] of all sequences are stacked; sequence s owns rows begin[s] .. end[s] - 1
@@ -66,7 +66,7 @@ void kda_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_
                     const float* beta, float* out, int heads, int head_dim, bool normalize_qk,
                     const KdaSequences& seqs, int64_t state_offset, cudaStream_t stream);
 
-// The same recurrence in the chunk-parallel form (delta_rule_chunked in src/model/kda_mixer.cpp; the fla
+// The same recurrence in the chunk-parallel form (delta_rule_chunked in src/kernels/cpu/kda_reference.cpp; the fla
 // library's chunk_kda): for prefill, where a sequence has many rows. Same arguments and result as
 // kda_delta_rule, to the rounding of its tensor-core products (tf32 and bf16 operands, fp32 sums and state:
 // about 1e-3 relative; kernels/cuda/kda/chunk.cu says how much), plus a device workspace of at least

@@ -1,4 +1,4 @@
-// MLA (multi-head latent attention) on Hopper, in the absorbed-weight form of src/model/mla.cpp:
+// MLA (multi-head latent attention) on Hopper, in the absorbed-weight form of src/kernels/cpu/mla_reference.cpp:
 //   logits_s   = q_abs[t,h] · row_s * softmax_scale      (q_abs and row_s: 576 = [512 latent | 64 rope])
 //   out[t,h]   = sum_s softmax(logits)_s * c_s              (c_s: the 512 latent values of row_s)
 //   lse[t,h]   = log sum_s exp(logits_s)                    (natural log; -inf when no key is valid)

@@ -1,7 +1,7 @@
 // Mixture of experts on the GPU.
 //
-// route_grouped_sigmoid: one warp per token, the exact steps of SigmoidRouter::route (src/model/feed_forward.cpp)
-// with cpu::top_k's order (larger first, NaN last, ties to the smaller index). exp is taken in double and
+// route_grouped_sigmoid: one warp per token, the exact steps of cpu::route_grouped_sigmoid
+// (kernels/cpu/moe_reference.cpp) with cpu::top_k's order (larger first, NaN last, ties to the smaller index). exp is taken in double and
 // rounded so the scores match glibc's expf; sums and quotients round like the CPU's (no FMA).
 //
 // moe_experts, all on the device and without a host round trip (so it can be captured in a graph):
@@ -299,7 +299,7 @@ using ptx::cp_async_commit;
 using ptx::cp_async_wait;
 
 __device__ __forceinline__ float activation(float g, float u, GluKind kind, float alpha, float limit) {
-  // Activation::apply (src/model/feed_forward.cpp).
+  // cpu::silu_glu / cpu::clamped_swiglu (src/kernels/cpu/reference_ops.cpp).
   if (kind == GluKind::SiluGlu) return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
   const float gc = fminf(g, limit), uc = fminf(fmaxf(u, -limit), limit);
   const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-__fmul_rn(gc, alpha))));

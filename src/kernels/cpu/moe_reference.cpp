@@ -1,0 +1,90 @@
+#include "kernels/cpu/moe_reference.h"
+
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/cpu/reference_ops.h"
+
+namespace sparrow::cpu {
+
+void route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, int64_t n_group, int64_t topk_group,
+                           int64_t top_k, bool normalize, float normalize_eps, float scaling, int32_t* experts,
+                           float* weights) {
+  const int64_t t = logits.dim(0), e = logits.dim(1);
+  SPARROW_CHECK(n_group > 0 && e % n_group == 0, "router: ", e, " experts do not split into ", n_group, " groups");
+  SPARROW_CHECK(top_k > 0 && top_k <= e, "router: top_k ", top_k, " of ", e, " experts");
+  const int64_t per_group = e / n_group;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<float> scores(e), choice(e), group_scores(n_group);
+  for (int64_t i = 0; i < t; ++i) {
+    for (int64_t j = 0; j < e; ++j) {
+      scores[j] = sigmoid(logits.row(i)[j]);
+      choice[j] = scores[j] + bias.data()[j];
+    }
+    if (n_group > 1) {
+      // A group's score is the sum of its two best biased scores; keep the topk_group best groups.
+      for (int64_t g = 0; g < n_group; ++g) {
+        auto best = cpu::top_k(choice.data() + g * per_group, per_group, 2);
+        group_scores[g] = 0;
+        for (int32_t b : best) group_scores[g] += choice[g * per_group + b];
+      }
+      auto kept = cpu::top_k(group_scores.data(), n_group, topk_group);
+      std::vector<bool> keep(n_group, false);
+      for (int32_t g : kept) keep[g] = true;
+      for (int64_t j = 0; j < e; ++j)
+        if (!keep[j / per_group]) choice[j] = neg_inf;
+    }
+    auto chosen = cpu::top_k(choice.data(), e, top_k);
+    float sum = 0;
+    for (int64_t j = 0; j < top_k; ++j) sum += scores[chosen[j]];
+    for (int64_t j = 0; j < top_k; ++j) {
+      float w = scores[chosen[j]];
+      if (normalize) w /= sum + normalize_eps;
+      experts[i * top_k + j] = chosen[j];
+      weights[i * top_k + j] = w * scaling;
+    }
+  }
+}
+
+Tensor moe_experts(const Tensor& x, const int32_t* experts, const float* weights, int64_t top_k,
+                   const Tensor& gate_up, const Tensor& down, bool clamped_swiglu, float alpha, float limit) {
+  const int64_t t = x.dim(0), hidden = x.dim(1);
+  const int64_t num_experts = gate_up.dim(0), inter = down.dim(2);
+  // Group the (token, slot) pairs by expert so each expert runs one matrix product over its tokens.
+  std::vector<std::vector<int64_t>> assigned(num_experts);
+  for (int64_t i = 0; i < t * top_k; ++i) {
+    SPARROW_CHECK(experts[i] >= 0 && experts[i] < num_experts, "moe: expert ", experts[i], " of ", num_experts);
+    assigned[experts[i]].push_back(i);
+  }
+  Tensor out = Tensor::zeros({t, hidden});
+  for (int64_t ex = 0; ex < num_experts; ++ex) {
+    const auto& slots = assigned[ex];
+    if (slots.empty()) continue;
+    const int64_t n = int64_t(slots.size());
+    Tensor in = Tensor::empty({n, hidden});
+    for (int64_t j = 0; j < n; ++j) std::memcpy(in.row(j), x.row(slots[j] / top_k), sizeof(float) * hidden);
+    Tensor projected = Tensor::empty({n, 2 * inter});
+    gemm_nt(n, 2 * inter, hidden, in.data(), hidden, gate_up.row(ex), hidden, projected.data(), 2 * inter);
+    Tensor act_out = Tensor::empty({n, inter});
+    for (int64_t j = 0; j < n; ++j) {
+      const float* gate = projected.row(j);
+      if (clamped_swiglu)
+        cpu::clamped_swiglu(gate, gate + inter, act_out.row(j), inter, alpha, limit);
+      else
+        silu_glu(gate, gate + inter, act_out.row(j), inter);
+    }
+    Tensor y = Tensor::empty({n, hidden});
+    gemm_nt(n, hidden, inter, act_out.data(), inter, down.row(ex), inter, y.data(), hidden);
+    for (int64_t j = 0; j < n; ++j) {
+      float w = weights[slots[j]];
+      float* o = out.row(slots[j] / top_k);
+      const float* yr = y.row(j);
+      for (int64_t d = 0; d < hidden; ++d) o[d] += w * yr[d];
+    }
+  }
+  return out;
+}
+
+}  // namespace sparrow::cpu

@@ -1,0 +1,62 @@
+#include "kernels/cpu/msa_reference.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "core/error.h"
+#include "core/parallel.h"
+#include "kernels/cpu/reference_ops.h"
+
+namespace sparrow::cpu {
+
+namespace {
+constexpr float kInf = std::numeric_limits<float>::infinity();
+// Queries scored per BLAS call: bounds the [tile, n_keys] score buffer on long prefills.
+constexpr int64_t kQueryTile = 256;
+}  // namespace
+
+std::vector<int32_t> select_blocks(std::vector<float> block_scores, int64_t position, int64_t block_size,
+                                   int64_t topk_blocks, int64_t local_blocks, int64_t init_blocks) {
+  const int64_t newest = position / block_size;
+  const int64_t visible = int64_t(block_scores.size());
+  SPARROW_CHECK(visible == newest + 1, "select_blocks: ", visible, " block scores for a query in block ", newest);
+  // MiniMaxM3VLIndexer.forward: the local blocks get +inf so top-k always takes them.
+  for (int64_t l = 0; l < local_blocks; ++l) block_scores[std::max<int64_t>(newest - l, 0)] = kInf;
+  for (int64_t b = 0; b < std::min(init_blocks, visible); ++b) block_scores[b] = kInf;
+  std::vector<int32_t> chosen = top_k(block_scores.data(), visible, topk_blocks);
+  // A block whose score is -inf has no visible key (transformers marks such slots -1).
+  std::erase_if(chosen, [&](int32_t b) { return block_scores[b] == -kInf; });
+  return chosen;
+}
+
+void msa_select(const MsaSelectShape& shape, const float* queries, int64_t ld_queries, int64_t count, int64_t start,
+                const float* keys, int32_t* kept) {
+  const int64_t heads = shape.heads, dim = shape.head_dim, block_size = shape.block_size, k = shape.topk_blocks;
+  std::fill(kept, kept + count * heads * k, -1);
+  std::vector<float> scores;
+  for (int64_t g = 0; g < heads; ++g) {
+    for (int64_t i0 = 0; i0 < count; i0 += kQueryTile) {
+      const int64_t i1 = std::min(count, i0 + kQueryTile);
+      const int64_t seen = start + i1;  // keys visible to the tile's last query
+      scores.resize((i1 - i0) * seen);
+      // scores[i][s] = q_g(i) · k(s), fp32 like transformers' matmul of float() copies.
+      gemm_nt(i1 - i0, seen, dim, queries + i0 * ld_queries + g * dim, ld_queries, keys, dim, scores.data(), seen);
+      parallel_for(i1 - i0, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) {
+          const int64_t i = i0 + r, position = start + i;
+          const float* row = scores.data() + r * seen;
+          // Max-pool each block over its keys at positions <= position (future keys are -inf there).
+          std::vector<float> block_scores(position / block_size + 1, -kInf);
+          for (int64_t s = 0; s <= position; ++s)
+            block_scores[s / block_size] = std::max(block_scores[s / block_size], row[s]);
+          std::vector<int32_t> chosen = select_blocks(std::move(block_scores), position, block_size, k,
+                                                      shape.local_blocks, shape.init_blocks);
+          std::sort(chosen.begin(), chosen.end());
+          std::copy(chosen.begin(), chosen.end(), kept + (i * heads + g) * k);
+        }
+      });
+    }
+  }
+}
+
+}  // namespace sparrow::cpu
