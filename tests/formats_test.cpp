@@ -584,7 +584,7 @@ TEST(FormatsCheckpoint, Fp8ScaleErrors) {
                        }),
                        {"tensor 'v_scale_inv': expected shape [1, 1], found [2, 1]"}));
 
-  dir.write("config.json", R"({"quantization_config": {"weight_block_size": [128]}})");
+  dir.write("config.json", R"({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}})");
   EXPECT_TRUE(mentions(error_message([&] { Checkpoint::open(dir.path()); }), {"weight_block_size"}));
 }
 

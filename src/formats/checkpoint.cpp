@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "formats/dummy_weights.h"
+#include "kernels/cpu/fp4_codec.h"
 
 namespace sparrow {
 
@@ -54,18 +55,7 @@ std::unique_ptr<Checkpoint> Checkpoint::open(const std::string& dir) {
   SPARROW_CHECK(fs::exists(root / "config.json"), dir, ": missing config.json");
   checkpoint->config_ = Config::load((root / "config.json").string());
 
-  // DeepSeek-V3.2: "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}.
-  const Config& config = checkpoint->config_;
-  if (config.has("quantization_config")) {
-    Config quantization = config.get_object("quantization_config");
-    if (quantization.has("weight_block_size")) {
-      std::vector<int64_t> block = quantization.get_int_list("weight_block_size");
-      quantization.require(block.size() == 2 && block[0] > 0 && block[1] > 0, "weight_block_size",
-                           "two positive integers [rows, cols]");
-      checkpoint->block_rows_ = block[0];
-      checkpoint->block_cols_ = block[1];
-    }
-  }
+  checkpoint->quantization_ = read_quantization(dir, checkpoint->config_);
 
   const fs::path index_path = root / "model.safetensors.index.json";
   const fs::path single_path = root / "model.safetensors";
@@ -103,14 +93,10 @@ std::unique_ptr<Checkpoint> Checkpoint::open_dummy(const std::string& dir, uint6
   const Config& config = checkpoint->config_;
   // MiniMax-M3's RMSNorms are Gemma-style (model/minimax_m3.cpp): their identity weight is 0.
   checkpoint->dummy_unit_norms_ = config.get_string("model_type", "").starts_with("minimax_m3");
-  if (config.has("quantization_config")) {
-    const Config quantization = config.get_object("quantization_config");
-    std::vector<int64_t> block = {128, 128};
-    if (quantization.has("weight_block_size")) block = quantization.get_int_list("weight_block_size");
-    // The FP8 kernels take DeepSeek's 128x128 blocks only; other quantizations load as bf16 dummies.
-    checkpoint->dummy_fp8_ = quantization.get_string("quant_method", "") == "fp8" && block.size() == 2 &&
-                             block[0] == 128 && block[1] == 128;
-  }
+  // The FP8 kernels take DeepSeek's 128x128 blocks only; other quantizations load as bf16 dummies.
+  const QuantizationConfig quantization = read_quantization(dir, config);
+  checkpoint->dummy_fp8_ = quantization.method == "fp8" && quantization.block_rows == 128 &&
+                           quantization.block_cols == 128;
   return checkpoint;
 }
 
@@ -142,7 +128,49 @@ void Checkpoint::add_file(std::shared_ptr<SafetensorsFile> file) {
   files_.push_back(std::move(file));
 }
 
-bool Checkpoint::has(const std::string& name) const { return !dummy_ && index_.count(name) > 0; }
+bool Checkpoint::has(const std::string& name) const {
+  if (dummy_) return false;
+  return index_.count(name) > 0 || (name.ends_with(".weight") && index_.count(name + "_packed") > 0);
+}
+
+Checkpoint::Stored Checkpoint::stored(const std::string& name) const {
+  auto find = [&](const std::string& n) -> const TensorInfo* {
+    auto it = index_.find(n);
+    return it == index_.end() ? nullptr : it->second;
+  };
+  // `<base>.weight`'s siblings are `<base>.weight_scale` etc.; a weight named otherwise has `<name>_scale_inv`.
+  const std::string base = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : "";
+  auto sibling = [&](const char* suffix) { return base.empty() ? nullptr : find(base + suffix); };
+  auto is_e8m0 = [](const TensorInfo* t) { return t->dtype == DType::U8 || t->dtype == DType::F8_E8M0; };
+  Stored w;
+  w.data = find(name);
+  if (!w.data && (w.data = sibling(".weight_packed"))) {  // compressed-tensors' packed 4-bit weight
+    w.format = WeightFormat::Mxfp4;
+    w.scale = sibling(".weight_scale");
+    SPARROW_CHECK(w.scale && is_e8m0(w.scale), "tensor '", w.data->name, "' is a packed 4-bit weight but its E8M0 ",
+                  "scales '", base, ".weight_scale' (U8 or F8_E8M0) are missing (in ", w.data->file, ")");
+  } else if (!w.data) {
+    fail("missing tensor '", name, "' in ", dir_);
+  } else if (w.data->dtype == DType::F8_E4M3) {
+    w.scale = find(name + kScaleSuffix);
+    if (!w.scale) w.scale = sibling(".weight_scale");
+    SPARROW_CHECK(w.scale, "tensor '", name, "' is F8_E4M3 but its block scales '", name, kScaleSuffix,
+                  "' are missing (in ", w.data->file, ")");
+    w.format = is_e8m0(w.scale) ? WeightFormat::Mxfp8 : WeightFormat::Fp8Block;
+  } else if (w.data->dtype == DType::U8) {
+    w.format = WeightFormat::Nvfp4;
+    w.scale = sibling(".weight_scale");
+    w.scale_2 = sibling(".weight_scale_2");
+    w.input_scale = sibling(".input_scale");
+    SPARROW_CHECK(w.scale && w.scale->dtype == DType::F8_E4M3 && w.scale_2, "tensor '", name, "' is U8 (packed ",
+                  "NVFP4) but its E4M3 scales '", base, ".weight_scale' or its '", base,
+                  ".weight_scale_2' are missing (in ", w.data->file, ")");
+  }
+  if (w.format != WeightFormat::Dense && w.format != WeightFormat::Fp8Block)
+    SPARROW_CHECK(quantization_.declares(w.format), "tensor '", name, "' is stored as ", weight_format_name(w.format),
+                  ", which the checkpoint's quantization config does not declare (", quantization_.describe(), ")");
+  return w;
+}
 
 Tensor Checkpoint::take(const std::string& name, const Shape& expected) {
   if (dummy_) return dummy_take(name, expected, /*fp32_everywhere=*/false);
@@ -163,9 +191,10 @@ Tensor Checkpoint::take_linear(const std::string& name, const Shape& expected) {
   }
   auto it = index_.find(name);
   const bool fp8 = device_ != Device::Cpu && it != index_.end() && it->second->dtype == DType::F8_E4M3 &&
-                   expected.size() == 2 && it->second->shape == expected && block_rows_ == 128 && block_cols_ == 128;
-  const std::string scale_name = name + kScaleSuffix;
-  if (!fp8 || expected[1] % 16 != 0 || expected[0] % 8 != 0 || !has(scale_name)) return take(name, expected);
+                   expected.size() == 2 && it->second->shape == expected && quantization_.block_rows == 128 &&
+                   quantization_.block_cols == 128;
+  if (!fp8 || expected[1] % 16 != 0 || expected[0] % 8 != 0 || stored(name).format != WeightFormat::Fp8Block)
+    return take(name, expected);
   Tensor scales;
   Tensor codes = take_fp8_codes(name, expected, scales);
   return codes.with_block_scales(scales.clone()).to(device_);
@@ -178,8 +207,12 @@ Tensor Checkpoint::take_fp8_codes(const std::string& name, const Shape& expected
   SPARROW_CHECK(info.dtype == DType::F8_E4M3 && info.shape == expected, "tensor '", name, "': expected F8_E4M3 ",
                 shape_str(expected), ", found ", dtype_name(info.dtype), " ", shape_str(info.shape));
   const int64_t rows = expected[expected.size() - 2], cols = expected.back();
+  const Stored weight = stored(name);
+  SPARROW_CHECK(weight.format == WeightFormat::Fp8Block, "tensor '", name, "': expected FP8 with block scales, found ",
+                weight_format_name(weight.format));
   taken_.insert(name);
-  scales = take_host(name + kScaleSuffix, {ceil_div(rows, block_rows_), ceil_div(cols, block_cols_)});
+  scales = take_host(weight.scale->name,
+                     {ceil_div(rows, quantization_.block_rows), ceil_div(cols, quantization_.block_cols)});
   Tensor codes = Tensor::empty(expected, ScalarType::F8E4M3);
   std::memcpy(codes.raw(), info.data, info.nbytes);
   return codes;
@@ -191,18 +224,72 @@ Tensor Checkpoint::place(const Tensor& t) const {
 }
 
 Tensor Checkpoint::take_host(const std::string& name, const Shape& expected) {
-  auto it = index_.find(name);
-  SPARROW_CHECK(it != index_.end(), "missing tensor '", name, "' in ", dir_);
-  const TensorInfo& info = *it->second;
+  const Stored weight = stored(name);
+  const TensorInfo& info = *weight.data;
+  if (weight.format == WeightFormat::Mxfp4 || weight.format == WeightFormat::Nvfp4 ||
+      weight.format == WeightFormat::Mxfp8)
+    return dequantize_packed(weight, expected);
   SPARROW_CHECK(info.shape == expected, "tensor '", name, "': expected shape ", shape_str(expected), ", found ",
                 shape_str(info.shape), " (in ", info.file, ")");
   taken_.insert(name);
-  if (info.dtype == DType::F8_E4M3) {
-    const std::string scale_name = name + kScaleSuffix;
-    taken_.insert(scale_name);
-    return dequantize_fp8(info, scale_name);
+  if (weight.format == WeightFormat::Fp8Block) {
+    taken_.insert(weight.scale->name);
+    return dequantize_fp8(info, weight.scale->name);
   }
   return to_float32(info, owner_.at(name));
+}
+
+// MXFP8, NVFP4 and MXFP4 (formats/quantization.h), row by row: each row of the weight has its own row of
+// block scales, so leading dimensions (stacked experts) need nothing special.
+Tensor Checkpoint::dequantize_packed(const Stored& weight, const Shape& expected) {
+  const TensorInfo& data = *weight.data;
+  const std::string& name = data.name;
+  const char* format = weight_format_name(weight.format);
+  SPARROW_CHECK(expected.size() >= 2, "tensor '", name, "': ", format, " weights need at least 2 dimensions, expected ",
+                shape_str(expected));
+  const int64_t cols = expected.back();
+  const bool four_bit = weight.format != WeightFormat::Mxfp8;
+  const int64_t group = weight.format == WeightFormat::Nvfp4 ? 16 : 32;
+  Shape data_shape = expected, scale_shape = expected;
+  if (four_bit) data_shape.back() = cpu::fp4_packed_bytes(cols);
+  scale_shape.back() = ceil_div(cols, group);
+  SPARROW_CHECK(data.shape == data_shape, "tensor '", name, "' (", format, "): expected ", four_bit ? "packed " : "",
+                "shape ", shape_str(data_shape), " for the weight ", shape_str(expected), ", found ",
+                shape_str(data.shape), " (in ", data.file, ")");
+  const TensorInfo& scale = *weight.scale;
+  SPARROW_CHECK(scale.shape == scale_shape, "tensor '", scale.name, "': expected shape ", shape_str(scale_shape),
+                " (one scale per ", group, " values), found ", shape_str(scale.shape), " (in ", scale.file, ")");
+  float scale_2 = 1.0f;
+  if (weight.scale_2) {
+    SPARROW_CHECK(weight.scale_2->dtype == DType::F32 && shape_numel(weight.scale_2->shape) == 1, "tensor '",
+                  weight.scale_2->name, "': expected one F32 value, found ", dtype_name(weight.scale_2->dtype), " ",
+                  shape_str(weight.scale_2->shape), " (in ", weight.scale_2->file, ")");
+    std::memcpy(&scale_2, weight.scale_2->data, sizeof(float));
+    taken_.insert(weight.scale_2->name);
+  }
+  if (weight.input_scale) taken_.insert(weight.input_scale->name);
+  taken_.insert(name);
+  taken_.insert(scale.name);
+
+  Tensor out = Tensor::empty(expected);
+  const auto* codes = static_cast<const uint8_t*>(data.data);
+  const auto* scales = static_cast<const uint8_t*>(scale.data);
+  const int64_t rows = shape_numel(expected) / std::max<int64_t>(cols, 1);
+  const int64_t row_bytes = data_shape.back(), scale_cols = scale_shape.back();
+  parallel_for(rows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* row_codes = codes + r * row_bytes;
+      const uint8_t* row_scales = scales + r * scale_cols;
+      float* row = out.data() + r * cols;
+      if (weight.format == WeightFormat::Mxfp8)
+        dequantize_mxfp8(row_codes, row_scales, cols, row);
+      else if (weight.format == WeightFormat::Nvfp4)
+        dequantize_nvfp4(row_codes, row_scales, scale_2, cols, row);
+      else
+        dequantize_mxfp4(row_codes, row_scales, cols, row);
+    }
+  });
+  return out;
 }
 
 // w[..., i, j] = e4m3[..., i, j] * scale_inv[..., i / block_rows, j / block_cols], in fp32 as DeepSeek's
@@ -211,13 +298,12 @@ Tensor Checkpoint::take_host(const std::string& name, const Shape& expected) {
 Tensor Checkpoint::dequantize_fp8(const TensorInfo& weight, const std::string& scale_name) {
   SPARROW_CHECK(weight.shape.size() >= 2, "tensor '", weight.name, "': FP8 weights need at least 2 dimensions, found ",
                 shape_str(weight.shape), " (in ", weight.file, ")");
-  SPARROW_CHECK(has(scale_name), "tensor '", weight.name, "' is F8_E4M3 but its block scales '", scale_name,
-                "' are missing (in ", weight.file, ")");
   const int64_t rows = weight.shape[weight.shape.size() - 2];
   const int64_t cols = weight.shape.back();
   Shape scale_shape = weight.shape;
-  scale_shape[scale_shape.size() - 2] = ceil_div(rows, block_rows_);
-  scale_shape.back() = ceil_div(cols, block_cols_);
+  const int64_t block_rows = quantization_.block_rows, block_cols = quantization_.block_cols;
+  scale_shape[scale_shape.size() - 2] = ceil_div(rows, block_rows);
+  scale_shape.back() = ceil_div(cols, block_cols);
   const Tensor scale = take_host(scale_name, scale_shape);
 
   Tensor out = to_float32(weight, nullptr);  // a fresh buffer: E4M3 values, exact in fp32
@@ -227,9 +313,9 @@ Tensor Checkpoint::dequantize_fp8(const TensorInfo& weight, const std::string& s
   parallel_for(total_rows, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t matrix = r / rows, i = r % rows;
-      const float* scale_row = scale.data() + (matrix * scale_rows + i / block_rows_) * scale_cols;
+      const float* scale_row = scale.data() + (matrix * scale_rows + i / block_rows) * scale_cols;
       float* row = out.data() + r * cols;
-      for (int64_t j = 0; j < cols; ++j) row[j] *= scale_row[j / block_cols_];
+      for (int64_t j = 0; j < cols; ++j) row[j] *= scale_row[j / block_cols];
     }
   });
   return out;
@@ -261,8 +347,8 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
                 ".0.gate_proj.weight' (or '.0.w1.weight') in ", dir_);
   const std::string first = cat(prefix, ".0.", names->gate, ".weight");
   // (The FP8 expert kernel reads rows in 16-byte pieces: I and H multiples of 16.)
-  if (device_ != Device::Cpu && index_.at(first)->dtype == DType::F8_E4M3 && block_rows_ == 128 &&
-      block_cols_ == 128 && has(first + kScaleSuffix) && I % 16 == 0 && H % 16 == 0)
+  if (device_ != Device::Cpu && stored(first).format == WeightFormat::Fp8Block && quantization_.block_rows == 128 &&
+      quantization_.block_cols == 128 && I % 16 == 0 && H % 16 == 0)
     return take_fp8_experts(prefix, E, I, H, names->gate, names->up, names->down);
   Experts experts{Tensor::empty({E, 2 * I, H}), Tensor::empty({E, H, I})};
   const size_t matrix_bytes = static_cast<size_t>(I * H) * sizeof(float);

@@ -2,9 +2,11 @@
 // model.safetensors.index.json. Weights are handed to the model as fp32 tensors by name; the checkpoint
 // keeps track of which names were taken so that leftovers are reported as errors.
 //
-// FP8 E4M3 weights with DeepSeek's 128x128 block scales (`<name>_scale_inv`, one fp32 per block, as
-// DeepSeek-V3/V3.2 ship, quantization_config.weight_block_size) are dequantized on load:
-// w[i][j] = e4m3[i][j] * scale_inv[i / 128][j / 128].
+// Quantized weights (formats/quantization.h: DeepSeek's FP8 with block scales, MXFP8, ModelOpt NVFP4,
+// compressed-tensors MXFP4) are found under the weight's logical name (`<base>.weight`, whatever tensors
+// store it) and dequantized exactly on load; the config must declare the MX and NVFP4 formats it stores
+// (quantization_config / hf_quant_config.json). FP8 with block scales needs no declaration:
+// w[i][j] = e4m3[i][j] * scale_inv[i / 128][j / 128] (quantization_config.weight_block_size).
 #pragma once
 #include <map>
 #include <memory>
@@ -14,6 +16,7 @@
 
 #include "core/tensor.h"
 #include "formats/config.h"
+#include "formats/quantization.h"
 #include "formats/safetensors.h"
 
 namespace sparrow {
@@ -35,6 +38,7 @@ class Checkpoint {
 
   const std::string& dir() const { return dir_; }
   const Config& config() const { return config_; }
+  const QuantizationConfig& quantization() const { return quantization_; }
   bool dummy() const { return dummy_; }
   // A dummy checkpoint: the elements of every tensor handed out so far (the model's parameter count once
   // it is loaded).
@@ -45,9 +49,11 @@ class Checkpoint {
   void place_on(Device device) { device_ = device; }
   Device device() const { return device_; }
 
+  // Whether the weight `name` is stored, in any format (an MXFP4 `<base>.weight` is `<base>.weight_packed`).
   bool has(const std::string& name) const;
   // The tensor (fp32 on the host; see place_on) with exactly the expected shape; "missing tensor 'x'" or
-  // "tensor 'x': expected shape [a, b], found [c, d]" otherwise. Marks the name (and its scale) used.
+  // "tensor 'x': expected shape [a, b], found [c, d]" otherwise. Marks the name (and its scales) used.
+  // Quantized weights are dequantized exactly (formats/quantization.h); on a GPU they are placed as bfloat16.
   // F32 tensors are read-only views of the mapped file (clone() before writing in place).
   Tensor take(const std::string& name, const Shape& expected);
   // A weight matrix only `ops::linear` reads ([out, in]). On a GPU, an FP8 tensor with 128x128 block
@@ -81,8 +87,7 @@ class Checkpoint {
   std::map<std::string, const TensorInfo*> index_;
   std::map<std::string, std::shared_ptr<SafetensorsFile>> owner_;
   std::set<std::string> taken_;
-  int64_t block_rows_ = 128;  // FP8 scale block: one scale per block_rows_ x block_cols_ weights
-  int64_t block_cols_ = 128;
+  QuantizationConfig quantization_;  // FP8 scale block: one scale per block_rows x block_cols weights
 
   Device device_ = Device::Cpu;
 
@@ -101,7 +106,18 @@ class Checkpoint {
   void add_file(std::shared_ptr<SafetensorsFile> file);
   Tensor take_host(const std::string& name, const Shape& expected);  // take() before placement
   Tensor place(const Tensor& t) const;
+  // How the weight `name` is stored: its format and tensors; "missing tensor" and inconsistent siblings
+  // are one-line errors.
+  struct Stored {
+    WeightFormat format = WeightFormat::Dense;
+    const TensorInfo* data = nullptr;         // the values or the codes
+    const TensorInfo* scale = nullptr;        // block scales (FP8, MX, NVFP4)
+    const TensorInfo* scale_2 = nullptr;      // NVFP4's per-tensor scale
+    const TensorInfo* input_scale = nullptr;  // NVFP4's activation scale (taken, not used), if stored
+  };
+  Stored stored(const std::string& name) const;
   Tensor dequantize_fp8(const TensorInfo& weight, const std::string& scale_name);
+  Tensor dequantize_packed(const Stored& weight, const Shape& expected);  // MXFP8, NVFP4, MXFP4
   // An F8_E4M3 tensor's codes as they are (host) and its block scales; marks both taken.
   Tensor take_fp8_codes(const std::string& name, const Shape& expected, Tensor& scales);
   Experts take_fp8_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H, const char* gate_name,
