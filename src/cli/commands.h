@@ -53,7 +53,7 @@ std::optional<ModelPositions> model_positions(const std::string& model);
 int64_t model_context_length(const std::string& model);
 
 // --device cpu|cuda (vLLM's flag): where the model runs; vLLM's --enforce-eager (no CUDA graphs) and
-// --load-format auto|safetensors|dummy (dummy: random weights from config.json alone).
+// --load-format auto|safetensors|fastsafetensors|dummy (dummy: random weights from config.json alone).
 void add_device_option(CLI::App* sub, std::string& device);
 // load_model on `device` ("cpu" | "cuda") with the --load-format choices applied.
 std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device);

@@ -3,6 +3,8 @@
 #include <fstream>
 #include <optional>
 
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
 
 #include "cache/kv_cache.h"
@@ -28,8 +30,9 @@ void add_device_option(CLI::App* sub, std::string& device) {
       ->capture_default_str();
   sub->add_flag("--enforce-eager", enforce_eager, "launch every kernel of a decode step directly (no CUDA graphs)");
   sub->add_option("--load-format", load_format,
-                  "auto or safetensors: the folder's weights; dummy: random weights from config.json alone "
-                  "(benchmarks at real dimensions, docs/bench.md)")
+                  "auto, safetensors or fastsafetensors: the folder's weights, read ahead in parallel (one fast "
+                  "path, whatever the name); dummy: random weights from config.json alone (benchmarks at real "
+                  "dimensions, docs/bench.md)")
       ->capture_default_str();
   sub->add_option("--moe-routing-simulation", moe_routing_simulation,
                   "uniform_random: route each token to uniformly drawn experts, as the roofline assumes (benchmarks "
@@ -40,6 +43,9 @@ std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string&
   LoadOptions options;
   options.load_format = load_format;
   options.moe_routing_simulation = moe_routing_simulation;
+  // A checkpoint of 1 GB or more shows its progress and load rate on stderr.
+  options.progress = stderr;
+  options.progress_live = ::isatty(STDERR_FILENO) != 0;
   return load_model(dir, parse_device(device), options);
 }
 

@@ -9,6 +9,8 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "formats/dummy_weights.h"
+#include "formats/load_progress.h"
+#include "formats/shard_prefetch.h"
 #include "kernels/cpu/fp4_codec.h"
 
 namespace sparrow {
@@ -128,6 +130,28 @@ void Checkpoint::add_file(std::shared_ptr<SafetensorsFile> file) {
   files_.push_back(std::move(file));
 }
 
+void Checkpoint::mark_taken(const std::string& name) {
+  if (!taken_.insert(name).second) return;
+  auto it = index_.find(name);
+  if (it == index_.end()) return;
+  bytes_taken_ += int64_t(it->second->nbytes);
+  if (progress_) progress_->add(int64_t(it->second->nbytes));
+}
+
+int64_t Checkpoint::total_bytes() const {
+  int64_t total = 0;
+  for (const auto& [name, info] : index_) total += int64_t(info->nbytes);
+  return total;
+}
+
+void Checkpoint::prefetch(int threads, int64_t window_bytes) {
+  if (dummy_ || prefetcher_) return;
+  std::vector<std::string> paths;
+  for (const auto& file : files_) paths.push_back(file->path());
+  prefetcher_ = std::make_unique<ShardPrefetcher>(std::move(paths), threads, window_bytes,
+                                                  [this] { return bytes_taken_.load(); });
+}
+
 bool Checkpoint::has(const std::string& name) const {
   if (dummy_) return false;
   return index_.count(name) > 0 || (name.ends_with(".weight") && index_.count(name + "_packed") > 0);
@@ -210,7 +234,7 @@ Tensor Checkpoint::take_fp8_codes(const std::string& name, const Shape& expected
   const Stored weight = stored(name);
   SPARROW_CHECK(weight.format == WeightFormat::Fp8Block, "tensor '", name, "': expected FP8 with block scales, found ",
                 weight_format_name(weight.format));
-  taken_.insert(name);
+  mark_taken(name);
   scales = take_host(weight.scale->name,
                      {ceil_div(rows, quantization_.block_rows), ceil_div(cols, quantization_.block_cols)});
   Tensor codes = Tensor::empty(expected, ScalarType::F8E4M3);
@@ -231,9 +255,9 @@ Tensor Checkpoint::take_host(const std::string& name, const Shape& expected) {
     return dequantize_packed(weight, expected);
   SPARROW_CHECK(info.shape == expected, "tensor '", name, "': expected shape ", shape_str(expected), ", found ",
                 shape_str(info.shape), " (in ", info.file, ")");
-  taken_.insert(name);
+  mark_taken(name);
   if (weight.format == WeightFormat::Fp8Block) {
-    taken_.insert(weight.scale->name);
+    mark_taken(weight.scale->name);
     return dequantize_fp8(info, weight.scale->name);
   }
   return to_float32(info, owner_.at(name));
@@ -265,11 +289,11 @@ Tensor Checkpoint::dequantize_packed(const Stored& weight, const Shape& expected
                   weight.scale_2->name, "': expected one F32 value, found ", dtype_name(weight.scale_2->dtype), " ",
                   shape_str(weight.scale_2->shape), " (in ", weight.scale_2->file, ")");
     std::memcpy(&scale_2, weight.scale_2->data, sizeof(float));
-    taken_.insert(weight.scale_2->name);
+    mark_taken(weight.scale_2->name);
   }
-  if (weight.input_scale) taken_.insert(weight.input_scale->name);
-  taken_.insert(name);
-  taken_.insert(scale.name);
+  if (weight.input_scale) mark_taken(weight.input_scale->name);
+  mark_taken(name);
+  mark_taken(scale.name);
 
   Tensor out = Tensor::empty(expected);
   const auto* codes = static_cast<const uint8_t*>(data.data);

@@ -8,6 +8,7 @@
 // (quantization_config / hf_quant_config.json). FP8 with block scales needs no declaration:
 // w[i][j] = e4m3[i][j] * scale_inv[i / 128][j / 128] (quantization_config.weight_block_size).
 #pragma once
+#include <atomic>
 #include <map>
 #include <memory>
 #include <set>
@@ -17,7 +18,9 @@
 #include "core/tensor.h"
 #include "formats/config.h"
 #include "formats/quantization.h"
+#include "formats/load_progress.h"
 #include "formats/safetensors.h"
+#include "formats/shard_prefetch.h"
 
 namespace sparrow {
 
@@ -76,6 +79,15 @@ class Checkpoint {
   // On a GPU, FP8 experts (per-expert tensors with 128x128 scales) stay FP8 with their scales attached.
   Experts take_experts(const std::string& prefix, int64_t num_experts, int64_t intermediate, int64_t hidden);
 
+  // Loading at the disk's speed: reads the shard files ahead of the takes, `threads` files at once and at
+  // most `window_bytes` ahead of the bytes taken so far (formats/shard_prefetch.h). Nothing for a dummy.
+  void prefetch(int threads, int64_t window_bytes);
+  // Every tensor taken from now on counts its stored bytes in `progress` (may be null).
+  void report_to(LoadProgress* progress) { progress_ = progress; }
+  // The stored bytes of every tensor in the folder; of those taken so far.
+  int64_t total_bytes() const;
+  int64_t bytes_taken() const { return bytes_taken_.load(); }
+
   // Throws "unexpected tensor 'x' in <file>" for any tensor never taken (ignoring names matched by
   // `ignore_prefixes`, e.g. MTP layers or a vision tower the text model does not use).
   void finish(const std::vector<std::string>& ignore_prefixes = {});
@@ -87,6 +99,9 @@ class Checkpoint {
   std::map<std::string, const TensorInfo*> index_;
   std::map<std::string, std::shared_ptr<SafetensorsFile>> owner_;
   std::set<std::string> taken_;
+  std::atomic<int64_t> bytes_taken_{0};
+  LoadProgress* progress_ = nullptr;
+  std::unique_ptr<ShardPrefetcher> prefetcher_;
   QuantizationConfig quantization_;  // FP8 scale block: one scale per block_rows x block_cols weights
 
   Device device_ = Device::Cpu;
@@ -104,6 +119,7 @@ class Checkpoint {
   Tensor dummy_fp8(const std::string& name, const Shape& shape, const Shape& scales);
 
   void add_file(std::shared_ptr<SafetensorsFile> file);
+  void mark_taken(const std::string& name);  // and count its bytes
   Tensor take_host(const std::string& name, const Shape& expected);  // take() before placement
   Tensor place(const Tensor& t) const;
   // How the weight `name` is stored: its format and tensors; "missing tensor" and inconsistent siblings

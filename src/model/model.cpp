@@ -38,8 +38,9 @@ const Tensor& Batch::positions_on(Device device) const {
 std::unique_ptr<Model> load_model(const std::string& dir, Device device) { return load_model(dir, device, LoadOptions{}); }
 
 void check_load_format(const std::string& load_format) {
-  SPARROW_CHECK(load_format == "auto" || load_format == "safetensors" || load_format == "dummy",
-                "--load-format must be auto, safetensors or dummy, not '", load_format, "'");
+  SPARROW_CHECK(load_format == "auto" || load_format == "safetensors" || load_format == "fastsafetensors" ||
+                    load_format == "dummy",
+                "--load-format must be auto, safetensors, fastsafetensors or dummy, not '", load_format, "'");
 }
 
 void check_moe_routing_simulation(const std::string& strategy) {
@@ -75,8 +76,15 @@ std::unique_ptr<Model> load_model(const std::string& dir, Device device, const L
   std::unique_ptr<Checkpoint> ckpt =
       options.load_format == "dummy" ? Checkpoint::open_dummy(dir, options.dummy_seed) : Checkpoint::open(dir);
   if (device != Device::Cpu) ckpt->place_on(device);
+  const bool report = !ckpt->dummy() && options.progress && ckpt->total_bytes() >= options.progress_min_bytes;
+  LoadProgress progress(ckpt->total_bytes(), report ? options.progress : nullptr, options.progress_live);
+  ckpt->report_to(&progress);
+  if (!ckpt->dummy() && options.prefetch_threads > 0)
+    ckpt->prefetch(options.prefetch_threads, options.prefetch_window_bytes);
   const ModelFamily& family = model_family(ckpt->config());
   std::unique_ptr<DecoderModel> model = family.load(*ckpt, family.text(ckpt->config()), family.weight_prefix);
+  ckpt->report_to(nullptr);
+  progress.finish();
   if (!options.moe_routing_simulation.empty()) {
     for (size_t layer = 0; layer < model->layers.size(); ++layer) {
       if (auto* moe = dynamic_cast<MoeBlock*>(model->layers[layer].ffn.get())) {

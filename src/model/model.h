@@ -11,6 +11,7 @@
 // view of its paged cache (cache/kv_cache.h). The model math does not change between the two.
 #pragma once
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
@@ -91,11 +92,21 @@ class Model {
 // errors for anything wrong with the folder, or for a family the device cannot run yet.
 std::unique_ptr<Model> load_model(const std::string& dir, Device device = Device::Cpu);
 
-// vLLM's --load-format: "auto" and "safetensors" read the folder's safetensors; "dummy" builds the model
-// from config.json alone with random weights at its real dimensions (Checkpoint::open_dummy,
-// formats/dummy_weights.h), for benchmarks of shapes whose weights are not here.
+// vLLM's --load-format: "auto", "safetensors" and "fastsafetensors" (vLLM's name for its fast loader) read
+// the folder's safetensors through the one fast path: mmapped shards, read ahead in parallel
+// (Checkpoint::prefetch); "dummy" builds the model from config.json alone with random weights at its real
+// dimensions (Checkpoint::open_dummy, formats/dummy_weights.h), for benchmarks of shapes whose weights are
+// not here.
 struct LoadOptions {
   std::string load_format = "auto";
+  // Shard files read ahead at once, and how far ahead of the loader (bytes).
+  int prefetch_threads = 8;
+  int64_t prefetch_window_bytes = int64_t(8) << 30;
+  // Progress lines (formats/load_progress.h) go to `progress` (null: none) when the checkpoint holds at
+  // least `progress_min_bytes`; `progress_live` redraws one line (a terminal).
+  std::FILE* progress = nullptr;
+  bool progress_live = false;
+  int64_t progress_min_bytes = int64_t(1) << 30;
   uint64_t dummy_seed = 0;  // the dummy weights' seed
   // "uniform_random": every MoE layer routes each token to uniformly drawn experts (SigmoidRouter, for
   // benchmarks: vLLM's VLLM_MOE_ROUTING_SIMULATION_STRATEGY); empty: the model's own routing.
