@@ -185,6 +185,24 @@ def safetensors_seeds():
     ]
 
 
+def quantized_checkpoint_seeds():
+    """One weight in each stored format of formats/quantization.h, well formed, and a few near misses."""
+    e4m3 = bytes([0x38, 0x40, 0xB8, 0x00] * 16)           # 64 E4M3 codes
+    e8m0 = bytes([127, 130])                                # two MX block scales
+    fp4 = bytes([0x71, 0xA0] * 16)                           # 64 E2M1 values, packed
+    return [
+        safetensors_file([("b.weight", "F8_E4M3", [1, 64], e4m3), ("b.weight_scale_inv", "U8", [1, 2], e8m0)]),
+        safetensors_file([("a.weight", "U8", [1, 32], fp4), ("a.weight_scale", "F8_E4M3", [1, 4], bytes([0x38] * 4)),
+                          ("a.weight_scale_2", "F32", [], struct.pack("<f", 0.5)),
+                          ("a.input_scale", "F32", [1], struct.pack("<f", 1.0))]),
+        safetensors_file([("a.weight_packed", "U8", [1, 32], fp4), ("a.weight_scale", "F8_E8M0", [1, 2], e8m0)]),
+        safetensors_file([("c.weight", "F8_E4M3", [1, 64], e4m3), ("c.weight_scale_inv", "F32", [1, 1],
+                                                                     struct.pack("<f", 0.25))]),
+        safetensors_file([("b.weight", "F8_E4M3", [1, 64], e4m3), ("b.weight_scale_inv", "U8", [2, 1], e8m0)]),
+        safetensors_file([("a.weight", "U8", [1, 32], fp4), ("a.weight_scale", "F8_E4M3", [1, 4], bytes([0x38] * 4))]),
+    ]
+
+
 def index_seeds():
     index = load("tests/fixtures/deepseek_v32_fp8/model.safetensors.index.json")
     by_shard = {}
@@ -277,6 +295,7 @@ def main():
     write_dict("safetensors", "safetensors header keys and dtypes",
                ["__metadata__", "dtype", "shape", "data_offsets", "F32", "F16", "BF16", "F8_E4M3", "F8_E8M0", "I64",
                 "U8", "BOOL", "F64", "{", "}", "[", "]", ",", ":", '"', "18446744073709551615"])
+    write_corpus("quantized_checkpoint", quantized_checkpoint_seeds())
     write_corpus("checkpoint_index", index_seeds())
     write_dict("checkpoint_index", "model.safetensors.index.json keys, shard files and tensor names", index_words())
     write_corpus("config", config_files())
