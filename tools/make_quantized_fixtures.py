@@ -86,10 +86,10 @@ def pack_nibbles(codes: np.ndarray) -> np.ndarray:
 
 
 def blocks(w: np.ndarray, size: int) -> np.ndarray:
-    """[rows, cols] -> [rows, ceil(cols / size), size], the last block zero-padded."""
+    """[rows, cols] -> [rows, ceil(cols / size), size], the last block zero-padded (values or codes)."""
     rows, cols = w.shape
     n = -(-cols // size)
-    padded = np.zeros((rows, n * size), np.float32)
+    padded = np.zeros((rows, n * size), w.dtype if w.dtype == np.uint8 else np.float32)
     padded[:, :cols] = w
     return padded.reshape(rows, n, size)
 
@@ -120,16 +120,8 @@ def mxfp4(w: np.ndarray):
     exp = e8m0_exponent(np.abs(b).max(axis=-1), 2)  # E2M1's largest value 6 = 1.5 * 2^2
     scale = np.ldexp(np.float32(1), exp).astype(np.float32)
     codes = e2m1_encode(np.clip(b / scale[..., None], -6, 6)).reshape(w.shape[0], -1)[:, : w.shape[1]]
-    deq = (e2m1_decode(blocks_u8(codes, 32)) * scale[..., None]).reshape(w.shape[0], -1)[:, : w.shape[1]]
+    deq = (e2m1_decode(blocks(codes, 32)) * scale[..., None]).reshape(w.shape[0], -1)[:, : w.shape[1]]
     return {"packed": pack_nibbles(codes), "scale": (exp + 127).astype(np.uint8)}, deq.astype(np.float32)
-
-
-def blocks_u8(codes: np.ndarray, size: int) -> np.ndarray:
-    rows, cols = codes.shape
-    n = -(-cols // size)
-    padded = np.zeros((rows, n * size), np.uint8)
-    padded[:, :cols] = codes
-    return padded.reshape(rows, n, size)
 
 
 def nvfp4(w: np.ndarray):
@@ -143,7 +135,7 @@ def nvfp4(w: np.ndarray):
     safe = np.where(d > 0, d, 1).astype(np.float32)
     q = np.where(d[..., None] > 0, np.clip(b / safe[..., None], -6, 6), 0).astype(np.float32)
     codes = e2m1_encode(q).reshape(w.shape[0], -1)[:, : w.shape[1]]
-    deq = (e2m1_decode(blocks_u8(codes, 16)) * d[..., None]).reshape(w.shape[0], -1)[:, : w.shape[1]]
+    deq = (e2m1_decode(blocks(codes, 16)) * d[..., None]).reshape(w.shape[0], -1)[:, : w.shape[1]]
     return ({"packed": pack_nibbles(codes), "scale": block_scale.contiguous(), "scale_2": np.array([scale_2], np.float32)},
             deq.astype(np.float32))
 

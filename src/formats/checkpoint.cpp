@@ -273,7 +273,7 @@ Tensor Checkpoint::dequantize_packed(const Stored& weight, const Shape& expected
                 shape_str(expected));
   const int64_t cols = expected.back();
   const bool four_bit = weight.format != WeightFormat::Mxfp8;
-  const int64_t group = weight.format == WeightFormat::Nvfp4 ? 16 : 32;
+  const int64_t group = weight.format == WeightFormat::Nvfp4 ? cpu::kNvfp4Block : cpu::kMxfp4Block;
   Shape data_shape = expected, scale_shape = expected;
   if (four_bit) data_shape.back() = cpu::fp4_packed_bytes(cols);
   scale_shape.back() = ceil_div(cols, group);
@@ -310,7 +310,7 @@ Tensor Checkpoint::dequantize_packed(const Stored& weight, const Shape& expected
       else if (weight.format == WeightFormat::Nvfp4)
         dequantize_nvfp4(row_codes, row_scales, scale_2, cols, row);
       else
-        dequantize_mxfp4(row_codes, row_scales, cols, row);
+        cpu::mxfp4_dequantize(row_codes, row_scales, cols, row);
     }
   });
   return out;

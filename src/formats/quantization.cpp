@@ -129,17 +129,15 @@ QuantizationConfig read_quantization(const std::string& dir, const Config& confi
 }
 
 void dequantize_mxfp8(const uint8_t* e4m3, const uint8_t* e8m0_scales, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = cpu::e4m3_to_float(e4m3[i]) * cpu::e8m0_to_float(e8m0_scales[i / 32]);
+  // OCP MX v1.0: every MX format scales blocks of 32, MXFP8 as MXFP4.
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = cpu::e4m3_to_float(e4m3[i]) * cpu::e8m0_to_float(e8m0_scales[i / cpu::kMxfp4Block]);
 }
 
 void dequantize_nvfp4(const uint8_t* packed, const uint8_t* e4m3_scales, float scale_2, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i)
-    out[i] = cpu::e2m1_to_float(cpu::fp4_code(packed, i)) * (cpu::e4m3_to_float(e4m3_scales[i / 16]) * scale_2);
-}
-
-void dequantize_mxfp4(const uint8_t* packed, const uint8_t* e8m0_scales, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; ++i)
-    out[i] = cpu::e2m1_to_float(cpu::fp4_code(packed, i)) * cpu::e8m0_to_float(e8m0_scales[i / 32]);
+    out[i] = cpu::e2m1_to_float(cpu::fp4_code(packed, i)) *
+             (cpu::e4m3_to_float(e4m3_scales[i / cpu::kNvfp4Block]) * scale_2);
 }
 
 }  // namespace sparrow

@@ -56,9 +56,10 @@ struct QuantizationConfig {
 // sparrow reads.
 QuantizationConfig read_quantization(const std::string& dir, const Config& config);
 
-// Dequantization of one matrix row or block of rows, exact as the header says; n values each call.
+// Dequantization of one matrix row, exact as the header says; n values each call. (MXFP4 is the codec's own
+// cpu::mxfp4_dequantize, kernels/cpu/fp4_codec.h; NVFP4 weights multiply in vLLM's order, which differs from
+// the NVFP4 KV-cache codec's.)
 void dequantize_mxfp8(const uint8_t* e4m3, const uint8_t* e8m0_scales, int64_t n, float* out);
 void dequantize_nvfp4(const uint8_t* packed, const uint8_t* e4m3_scales, float scale_2, int64_t n, float* out);
-void dequantize_mxfp4(const uint8_t* packed, const uint8_t* e8m0_scales, int64_t n, float* out);
 
 }  // namespace sparrow

@@ -76,8 +76,9 @@ std::unique_ptr<Model> load_model(const std::string& dir, Device device, const L
   std::unique_ptr<Checkpoint> ckpt =
       options.load_format == "dummy" ? Checkpoint::open_dummy(dir, options.dummy_seed) : Checkpoint::open(dir);
   if (device != Device::Cpu) ckpt->place_on(device);
-  const bool report = !ckpt->dummy() && options.progress && ckpt->total_bytes() >= options.progress_min_bytes;
-  LoadProgress progress(ckpt->total_bytes(), report ? options.progress : nullptr, options.progress_live);
+  const int64_t total_bytes = ckpt->total_bytes();
+  const bool report = !ckpt->dummy() && options.progress && total_bytes >= options.progress_min_bytes;
+  LoadProgress progress(total_bytes, report ? options.progress : nullptr, options.progress_live);
   ckpt->report_to(&progress);
   if (!ckpt->dummy() && options.prefetch_threads > 0)
     ckpt->prefetch(options.prefetch_threads, options.prefetch_window_bytes);
