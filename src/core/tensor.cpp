@@ -94,6 +94,12 @@ Tensor Tensor::view(float* data, Shape shape, std::shared_ptr<void> keep_alive) 
   return t;
 }
 
+Tensor Tensor::view(void* data, Shape shape, ScalarType type, std::shared_ptr<void> keep_alive) {
+  Tensor t = view(static_cast<float*>(data), std::move(shape), std::move(keep_alive));
+  t.type_ = type;
+  return t;
+}
+
 Tensor Tensor::reshape(Shape shape) const {
   SPARROW_CHECK(shape_numel(shape) == numel(), "cannot reshape ", shape_str(shape_), " to ", shape_str(shape));
   Tensor t = *this;

@@ -37,6 +37,8 @@ class Tensor {
   static Tensor zeros(Shape shape, ScalarType type = ScalarType::F32, Device device = Device::Cpu);
   // A host float32 view of memory owned elsewhere; `keep_alive` (may be null) holds that memory.
   static Tensor view(float* data, Shape shape, std::shared_ptr<void> keep_alive = nullptr);
+  // The same of any type (e.g. the bf16 bytes of a memory-mapped checkpoint, read-only by contract).
+  static Tensor view(void* data, Shape shape, ScalarType type, std::shared_ptr<void> keep_alive = nullptr);
 
   float* data() { return static_cast<float*>(data_); }
   const float* data() const { return static_cast<const float*>(data_); }

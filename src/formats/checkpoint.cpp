@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/device/device.h"
 #include "core/error.h"
 #include "core/parallel.h"
 #include "formats/dummy_weights.h"
@@ -157,6 +158,18 @@ bool Checkpoint::has(const std::string& name) const {
   return index_.count(name) > 0 || (name.ends_with(".weight") && index_.count(name + "_packed") > 0);
 }
 
+int64_t Checkpoint::count_prefixed(const std::string& prefix) const {
+  int64_t n = 0;
+  for (auto it = index_.lower_bound(prefix); it != index_.end() && it->first.starts_with(prefix); ++it) ++n;
+  return n;
+}
+
+Shape Checkpoint::stored_shape(const std::string& name) const {
+  auto it = index_.find(name);
+  if (it == index_.end()) fail("missing tensor '", name, "' in ", dir_);
+  return it->second->shape;
+}
+
 Checkpoint::Stored Checkpoint::stored(const std::string& name) const {
   auto find = [&](const std::string& n) -> const TensorInfo* {
     auto it = index_.find(n);
@@ -196,13 +209,33 @@ Checkpoint::Stored Checkpoint::stored(const std::string& name) const {
   return w;
 }
 
+Tensor Checkpoint::take_mapped(const std::string& name, const Shape& expected, ScalarType type) {
+  auto it = index_.find(name);
+  if (it == index_.end()) return {};
+  const TensorInfo& info = *it->second;
+  const DType want = type == ScalarType::BF16 ? DType::BF16 : type == ScalarType::F32 ? DType::F32 : DType::U8;
+  if (info.dtype != want || want == DType::U8 || info.shape != expected) return {};
+  mark_taken(name);
+  return Tensor::view(const_cast<uint8_t*>(info.data), expected, type, owner_.at(name));
+}
+
+// On a GPU, a tensor stored as it will be placed (bf16 matrices, fp32 vectors) goes from the mapped file to
+// the device in one copy; anything else converts on the host first (Tensor::to).
 Tensor Checkpoint::take(const std::string& name, const Shape& expected) {
   if (dummy_) return dummy_take(name, expected, /*fp32_everywhere=*/false);
+  if (device_ != Device::Cpu) {
+    Tensor mapped = take_mapped(name, expected, expected.size() >= 2 ? ScalarType::BF16 : ScalarType::F32);
+    if (mapped.defined() && mapped.numel() > 0) return mapped.to(device_);
+  }
   return place(take_host(name, expected));
 }
 
 Tensor Checkpoint::take_fp32(const std::string& name, const Shape& expected) {
   if (dummy_) return dummy_take(name, expected, /*fp32_everywhere=*/true);
+  if (device_ != Device::Cpu) {
+    Tensor mapped = take_mapped(name, expected, ScalarType::F32);
+    if (mapped.defined() && mapped.numel() > 0) return mapped.to(device_);
+  }
   Tensor t = take_host(name, expected);
   return device_ == Device::Cpu ? t : t.to(device_, ScalarType::F32);
 }
@@ -237,9 +270,8 @@ Tensor Checkpoint::take_fp8_codes(const std::string& name, const Shape& expected
   mark_taken(name);
   scales = take_host(weight.scale->name,
                      {ceil_div(rows, quantization_.block_rows), ceil_div(cols, quantization_.block_cols)});
-  Tensor codes = Tensor::empty(expected, ScalarType::F8E4M3);
-  std::memcpy(codes.raw(), info.data, info.nbytes);
-  return codes;
+  // The mapped codes themselves (read-only): they reach a GPU in one copy.
+  return Tensor::view(const_cast<uint8_t*>(info.data), expected, ScalarType::F8E4M3, owner_.at(name));
 }
 
 Tensor Checkpoint::place(const Tensor& t) const {
@@ -374,6 +406,24 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
   if (device_ != Device::Cpu && stored(first).format == WeightFormat::Fp8Block && quantization_.block_rows == 128 &&
       quantization_.block_cols == 128 && I % 16 == 0 && H % 16 == 0)
     return take_fp8_experts(prefix, E, I, H, names->gate, names->up, names->down);
+  if (device_ != Device::Cpu && index_.at(first)->dtype == DType::BF16) {
+    // bf16 experts are stacked on the device straight from the mapped files, one copy per matrix.
+    Experts experts{Tensor::empty({E, 2 * I, H}, ScalarType::BF16, device_),
+                    Tensor::empty({E, H, I}, ScalarType::BF16, device_)};
+    const size_t bytes = static_cast<size_t>(I * H) * 2;
+    auto upload = [&](const std::string& name, const Shape& shape, Tensor& stack, int64_t at) {
+      Tensor mapped = take_mapped(name, shape, ScalarType::BF16);
+      if (!mapped.defined()) mapped = take_host(name, shape).to(Device::Cpu, ScalarType::BF16);  // another layout
+      device::copy_to_device(static_cast<uint8_t*>(stack.raw()) + at * bytes, mapped.raw(), bytes);
+    };
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string expert = cat(prefix, ".", e, ".");
+      upload(expert + names->gate + ".weight", {I, H}, experts.gate_up, 2 * e);
+      upload(expert + names->up + ".weight", {I, H}, experts.gate_up, 2 * e + 1);
+      upload(expert + names->down + ".weight", {H, I}, experts.down, e);
+    }
+    return experts;
+  }
   Experts experts{Tensor::empty({E, 2 * I, H}), Tensor::empty({E, H, I})};
   const size_t matrix_bytes = static_cast<size_t>(I * H) * sizeof(float);
   for (int64_t e = 0; e < E; ++e) {

@@ -54,6 +54,11 @@ class Checkpoint {
 
   // Whether the weight `name` is stored, in any format (an MXFP4 `<base>.weight` is `<base>.weight_packed`).
   bool has(const std::string& name) const;
+  // The shape `name` is stored in (a plain tensor; for a release that ships a vector in one of several
+  // layouts, e.g. KDA's A_log as [heads] or [1, 1, heads, 1]). "missing tensor 'x'" when absent.
+  Shape stored_shape(const std::string& name) const;
+  // How many stored tensors' names start with `prefix` (e.g. a vision tower the loader skips).
+  int64_t count_prefixed(const std::string& prefix) const;
   // The tensor (fp32 on the host; see place_on) with exactly the expected shape; "missing tensor 'x'" or
   // "tensor 'x': expected shape [a, b], found [c, d]" otherwise. Marks the name (and its scales) used.
   // Quantized weights are dequantized exactly (formats/quantization.h); on a GPU they are placed as bfloat16.
@@ -121,6 +126,9 @@ class Checkpoint {
   void add_file(std::shared_ptr<SafetensorsFile> file);
   void mark_taken(const std::string& name);  // and count its bytes
   Tensor take_host(const std::string& name, const Shape& expected);  // take() before placement
+  // A view of the mapped bytes when `name` is stored as `type` in exactly `expected` (marked taken), so
+  // that it reaches a GPU in one copy with no conversion; an undefined tensor otherwise.
+  Tensor take_mapped(const std::string& name, const Shape& expected, ScalarType type);
   Tensor place(const Tensor& t) const;
   // How the weight `name` is stored: its format and tensors; "missing tensor" and inconsistent siblings
   // are one-line errors.
