@@ -68,7 +68,7 @@ TEST(MoeExperts, WeightedSumOfExpertMlps) {
   routing.experts.as<int32_t>()[0] = 1, routing.experts.as<int32_t>()[1] = 0;
   routing.weights.as<float>()[0] = 0.25f, routing.weights.as<float>()[1] = 0.75f;
   Tensor x = vec({0.5f, -2.0f}).reshape({1, 2});
-  Tensor y = ops::moe_experts(x, routing, ex.gate_up, ex.down, ops::Glu::SiluGlu, 1.0f, 0.0f);
+  Tensor y = ops::moe_experts(x, routing, ex.gate_up, ex.down, Glu::SiluGlu, 1.0f, 0.0f);
   float h0 = cpu::silu(0.5f) * -2.0f, h1 = cpu::silu(-2.0f) * (0.5f - 2.0f);
   EXPECT_NEAR(y.data()[0], 0.75f * h0 * 1 + 0.25f * h1 * 2, 1e-6);
   EXPECT_NEAR(y.data()[1], 0.75f * h0 * -1 + 0.25f * h1 * 0.5f, 1e-6);
@@ -76,9 +76,20 @@ TEST(MoeExperts, WeightedSumOfExpertMlps) {
 
 TEST(MoeActivation, ClampedSwiglu) {
   float gate[2] = {10.0f, -1.0f}, up[2] = {-9.0f, 0.5f}, out[2];
-  cpu::clamped_swiglu(gate, up, out, 2, 1.702f, 7.0f);
+  cpu::glu(Glu::ClampedSwiglu, gate, up, out, 2, 1.702f, 7.0f);
   EXPECT_NEAR(out[0], (-7.0f + 1.0f) * 7.0f * sig(7.0f * 1.702f), 1e-5);
   EXPECT_NEAR(out[1], (0.5f + 1.0f) * -1.0f * sig(-1.702f), 1e-6);
+}
+
+// Kimi K3's SiTU (vLLM 0.33 SituAndMul.forward_native): beta tanh(g / beta) sigmoid(g) lambda tanh(u / lambda),
+// and u itself without a linear bound.
+TEST(MoeActivation, Situ) {
+  float gate[3] = {10.0f, -1.0f, 0.25f}, up[3] = {-30.0f, 0.5f, 2.0f}, out[3];
+  cpu::glu(Glu::Situ, gate, up, out, 3, 4.0f, 25.0f);
+  EXPECT_NEAR(out[0], 4.0 * std::tanh(2.5) * sig(10.0f) * 25.0 * std::tanh(-1.2), 1e-4);
+  EXPECT_NEAR(out[1], 4.0 * std::tanh(-0.25) * sig(-1.0f) * 25.0 * std::tanh(0.02), 1e-6);
+  cpu::glu(Glu::Situ, gate, up, out, 3, 1.0f, 0.0f);
+  EXPECT_NEAR(out[2], std::tanh(0.25) * sig(0.25f) * 2.0, 1e-6);
 }
 
 // The simulated routing of benchmarks (kernels/uniform_routing.h): distinct experts in range, each expert

@@ -186,6 +186,52 @@ void scale_(Tensor& x, float s) {
 #endif
 }
 
+void mul_sigmoid_(Tensor& y, const Tensor& gate) {
+  same_device(y, gate, "mul_sigmoid");
+  SPARROW_CHECK(y.numel() == gate.numel(), "mul_sigmoid: size mismatch ", shape_str(y.shape()), " vs ",
+                shape_str(gate.shape()));
+  if (y.on_cpu()) {
+    for (int64_t i = 0; i < y.numel(); ++i) y.data()[i] *= cpu::sigmoid(gate.data()[i]);
+    return;
+  }
+#if SPARROW_HAVE_CUDA
+  cuda::mul_sigmoid(y.raw(), elem(y), gate.raw(), elem(gate), y.numel(), cuda::stream());
+#else
+  no_cuda();
+#endif
+}
+
+Tensor attn_res_mix(std::span<const Tensor> sources, const Tensor& norm, const Tensor& proj, float eps) {
+  SPARROW_CHECK(!sources.empty(), "attn_res_mix: no sources");
+  const Tensor& first = sources[0];
+  const int64_t width = first.dim(-1), rows = first.numel() / width;
+  for (const Tensor& s : sources) {
+    same_device(s, first, "attn_res_mix");
+    SPARROW_CHECK(s.shape() == first.shape() && s.type() == first.type(), "attn_res_mix: sources differ: ",
+                  shape_str(s.shape()), " vs ", shape_str(first.shape()));
+  }
+  SPARROW_CHECK(norm.numel() == width && proj.numel() == width && norm.type() == ScalarType::F32 &&
+                    proj.type() == ScalarType::F32,
+                "attn_res_mix: norm and proj must be fp32 [", width, "]");
+  Tensor out = Tensor::empty(first.shape(), first.type(), first.device());
+  if (first.on_cpu()) {
+    std::vector<const float*> rows_of;
+    for (const Tensor& s : sources) rows_of.push_back(s.data());
+    cpu::attn_res_mix(rows_of, norm.data(), proj.data(), eps, out.data(), rows, width);
+    return out;
+  }
+#if SPARROW_HAVE_CUDA
+  cuda::AttnResSources from;
+  SPARROW_CHECK(int64_t(sources.size()) <= cuda::kMaxAttnResSources, "attn_res_mix: ", sources.size(),
+                " sources, the GPU kernel takes at most ", cuda::kMaxAttnResSources);
+  for (const Tensor& s : sources) from.rows[from.count++] = s.raw();
+  cuda::attn_res_mix(from, elem(first), rows, width, norm.data(), proj.data(), eps, out.raw(), cuda::stream());
+  return out;
+#else
+  no_cuda();
+#endif
+}
+
 Tensor embedding(const Tensor& table, const std::vector<int32_t>& ids) {
   const int64_t vocab = table.dim(0);
   [[maybe_unused]] const int64_t width = table.dim(1);
@@ -358,17 +404,13 @@ Tensor glu(const Tensor& gate_up, Glu kind, float alpha, float limit) {
     for (int64_t r = 0; r < rows; ++r) {
       const float* gate = gate_up.row(r);
       const float* up = gate + inter;
-      float* o = out.row(r);
-      if (kind == Glu::SiluGlu)
-        cpu::silu_glu(gate, up, o, inter);
-      else
-        cpu::clamped_swiglu(gate, up, o, inter, alpha, limit);
+      cpu::glu(kind, gate, up, out.row(r), inter, alpha, limit);
     }
     return out;
   }
 #if SPARROW_HAVE_CUDA
   cuda::glu(gate_up.raw(), elem(gate_up), out.raw(), elem(out), rows, inter,
-            kind == Glu::SiluGlu ? cuda::GluKind::SiluGlu : cuda::GluKind::ClampedSwiglu, alpha, limit,
+            kind, alpha, limit,
             cuda::stream());
   return out;
 #else
@@ -502,7 +544,7 @@ Tensor moe_experts(const Tensor& x, const Routing& routing, const Tensor& gate_u
   if (x.on_cpu()) {
     require_f32(x, "moe_experts");
     return cpu::moe_experts(x, routing.experts.as<int32_t>(), routing.weights.as<float>(), routing.experts.dim(1),
-                            gate_up, down, kind == Glu::ClampedSwiglu, alpha, limit);
+                            gate_up, down, kind, alpha, limit);
   }
 #if SPARROW_HAVE_CUDA
   const bool fp8 = gate_up.type() == ScalarType::F8E4M3;
@@ -515,15 +557,14 @@ Tensor moe_experts(const Tensor& x, const Routing& routing, const Tensor& gate_u
   Tensor out = Tensor::empty({tokens, hidden}, ScalarType::BF16, x.device());
   Tensor workspace = Tensor::empty(
       {int64_t(cuda::moe_workspace_bytes(tokens, top_k, num_experts, hidden, inter))}, ScalarType::U8, x.device());
-  const cuda::GluKind glu = kind == Glu::SiluGlu ? cuda::GluKind::SiluGlu : cuda::GluKind::ClampedSwiglu;
   if (fp8) {
     cuda::moe_experts_fp8(x.raw(), tokens, hidden, routing.experts.as<int32_t>(), routing.weights.as<float>(), top_k,
                           gate_up.as<uint8_t>(), gate_up.block_scales().as<float>(), down.as<uint8_t>(),
-                          down.block_scales().as<float>(), num_experts, inter, glu, alpha, limit, out.raw(),
+                          down.block_scales().as<float>(), num_experts, inter, kind, alpha, limit, out.raw(),
                           workspace.raw(), cuda::stream());
   } else {
     cuda::moe_experts(x.raw(), tokens, hidden, routing.experts.as<int32_t>(), routing.weights.as<float>(), top_k,
-                      gate_up.raw(), down.raw(), num_experts, inter, glu, alpha, limit, out.raw(), workspace.raw(),
+                      gate_up.raw(), down.raw(), num_experts, inter, kind, alpha, limit, out.raw(), workspace.raw(),
                       cuda::stream());
   }
   return out;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "kernels/glu.h"
 #include "kernels/sampling_rule.h"
 
 namespace sparrow::ops {
@@ -35,6 +36,10 @@ Tensor layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps);
 
 void add_(Tensor& y, const Tensor& x);  // y += x
 void scale_(Tensor& x, float s);        // x *= s
+void mul_sigmoid_(Tensor& y, const Tensor& gate);  // y *= sigmoid(gate), elementwise
+// AttnRes (Kimi K3, cpu::attn_res_mix): the softmax mix of the sources ([rows, width] each, one type and
+// device) with the query norm * proj (fp32 [width] each); a new [rows, width] of the sources' type.
+Tensor attn_res_mix(std::span<const Tensor> sources, const Tensor& norm, const Tensor& proj, float eps);
 
 // Rows of `table` for the ids (ids on the host; the result lives with the table, in act_type).
 Tensor embedding(const Tensor& table, const std::vector<int32_t>& ids);
@@ -58,8 +63,7 @@ void rope_narrow_heads_(Tensor& x, const Tensor& positions, const Tensor& inv_fr
 void rope_(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float attention_scaling, int64_t first_col,
            int64_t heads, int64_t head_stride, bool interleaved);
 
-// Gated activation of rows [gate | up] (2 * inter wide) -> [T, inter].
-enum class Glu { SiluGlu, ClampedSwiglu };
+// Gated activation of rows [gate | up] (2 * inter wide) -> [T, inter] (kernels/glu.h says each kind).
 Tensor glu(const Tensor& gate_up, Glu kind, float alpha = 1.0f, float limit = 0.0f);
 
 // Copies `lines` runs of `width` elements: run i from src at src_offset + i * src_pitch to dst at

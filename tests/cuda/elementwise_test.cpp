@@ -1,5 +1,5 @@
 // Every launcher of kernels/cuda/elementwise against its CPU twin (cpu::rms_norm, cpu::layer_norm,
-// apply_rope_neox / apply_rope_interleaved with Rope::angles, cpu::silu_glu / clamped_swiglu, plain loops), fp32 and
+// apply_rope_neox / apply_rope_interleaved with Rope::angles, cpu::glu, plain loops), fp32 and
 // bf16, several shapes, fresh seeds, outputs poisoned before each launch.
 #include <cmath>
 
@@ -262,21 +262,19 @@ TEST(CudaElementwise, GatedActivations) {
   for (auto [rows, inter] : {std::pair<int64_t, int64_t>{1, 2048}, {17, 100}, {64, 1536}})
     for (ElemType it : {ElemType::F32, ElemType::BF16})
       for (ElemType ot : {ElemType::F32, ElemType::BF16})
-        for (auto kind : {cuda::GluKind::SiluGlu, cuda::GluKind::ClampedSwiglu}) {
+        for (auto kind : {Glu::SiluGlu, Glu::ClampedSwiglu, Glu::Situ}) {
           SCOPED_TRACE(testing::Message() << rows << "x" << inter << " " << name(it) << "->" << name(ot) << " kind="
                                           << int(kind));
           Typed gu(it, test::random_vector(rng, rows * 2 * inter, -12, 12));
           Typed out(ot, std::vector<float>(rows * inter, 0.0f));
           out.buf.poison();
-          const float alpha = 1.702f, limit = 7.0f;
+          // MiniMax-M3's clamp; SiTU with Kimi K3's kind of bounds (beta 4, linear beta 25: both tanh live).
+          const float alpha = kind == Glu::Situ ? 4.0f : 1.702f, limit = kind == Glu::Situ ? 25.0f : 7.0f;
           cuda::glu(gu.buf.get(), it, out.buf.get(), ot, rows, inter, kind, alpha, limit, cuda::stream());
           std::vector<float> ref(rows * inter);
           for (int64_t r = 0; r < rows; ++r) {
             const float* gate = gu.values.data() + r * 2 * inter;
-            if (kind == cuda::GluKind::SiluGlu)
-              cpu::silu_glu(gate, gate + inter, ref.data() + r * inter, inter);
-            else
-              cpu::clamped_swiglu(gate, gate + inter, ref.data() + r * inter, inter, alpha, limit);
+            cpu::glu(kind, gate, gate + inter, ref.data() + r * inter, inter, alpha, limit);
           }
           ref = Typed::round(ot, ref);
           // expf may differ from glibc's by an ulp or two.

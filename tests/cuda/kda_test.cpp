@@ -414,8 +414,11 @@ TEST(CudaKda, GatesMatchCpuFormula) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
+  // lower_bound 0: Kimi Linear's -exp(A) softplus(s); -5: Kimi K3's bounded -5 sigmoid(exp(A) s).
+  for (const float lower_bound : {0.0f, -5.0f})
   for (const int H : {2, 12}) {
     for (const int D : {16, 128}) {
+      SCOPED_TRACE(testing::Message() << "lower_bound " << lower_bound);
       const int64_t rows = 1 + int64_t(rng() % 300), P = int64_t(H) * D;
       std::vector<float> f(static_cast<size_t>(rows * P)), b(static_cast<size_t>(rows * H));
       std::vector<float> dt(static_cast<size_t>(P)), A(static_cast<size_t>(H));
@@ -427,16 +430,18 @@ TEST(CudaKda, GatesMatchCpuFormula) {
       test::DeviceArray<float> d_f(f), d_b(b), d_dt(dt), d_A(A), d_g(f.size()), d_beta(b.size());
       d_g.poison();
       d_beta.poison();
-      kda_gates(d_f.ptr, d_dt.ptr, d_A.ptr, d_b.ptr, d_g.ptr, d_beta.ptr, rows, H, D, nullptr);
+      kda_gates(d_f.ptr, d_dt.ptr, d_A.ptr, d_b.ptr, d_g.ptr, d_beta.ptr, rows, H, D, lower_bound, nullptr);
       // And in place, as the engine may call it.
-      kda_gates(d_f.ptr, d_dt.ptr, d_A.ptr, d_b.ptr, d_f.ptr, d_b.ptr, rows, H, D, nullptr);
+      kda_gates(d_f.ptr, d_dt.ptr, d_A.ptr, d_b.ptr, d_f.ptr, d_b.ptr, rows, H, D, lower_bound, nullptr);
       SPARROW_CUDA_CHECK(cudaDeviceSynchronize());
       const std::vector<float> g = d_g.download(), beta = d_beta.download(), g2 = d_f.download(),
                                beta2 = d_b.download();
       int bad = 0;
       for (int64_t i = 0; i < rows * P; ++i) {
         const float x = f[i] + dt[i % P];
-        const float want = -std::exp(A[(i % P) / D]) * (x > 20.0f ? x : std::log(1.0f + std::exp(x)));
+        const float a = std::exp(A[(i % P) / D]);
+        const float want = lower_bound < 0.0f ? lower_bound / (1.0f + std::exp(-a * x))
+                                              : -a * (x > 20.0f ? x : std::log(1.0f + std::exp(x)));
         // expf on the device may be 2 ulp off the host's: log(1 + exp(x)) then differs by a few ulp of 1 when
         // exp(x) is small, so the tolerance has a part scaled by exp(A_log) besides the relative one.
         const double tol = 4e-6 * std::fabs(double(want)) + 5e-7 * std::exp(double(A[(i % P) / D]));

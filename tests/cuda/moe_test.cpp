@@ -42,7 +42,7 @@ Routing cpu_routing(const SigmoidRouter& router, const Tensor& x) {
 // The CPU experts (kernels/cpu/moe_reference.h), the reference of moe_experts.
 Tensor run_experts(const Tensor& x, const Routing& routing, const Checkpoint::Experts& ex, const Activation& act) {
   return cpu::moe_experts(x, routing.experts.data(), routing.weights.data(), routing.top_k, ex.gate_up, ex.down,
-                          act.kind == Activation::ClampedSwiglu, act.alpha, act.limit);
+                          act.kind, act.alpha, act.limit);
 }
 
 const char* path_name(int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t inter) {
@@ -176,7 +176,7 @@ TEST(CudaMoe, ExpertsMatchRunExperts) {
       {256, 256, 128, 64, 8},   // wgmma at 32 rows per expert: tiles of <= 64 rows only
   };
   for (const Case& c : cases)
-    for (auto kind : {cuda::GluKind::SiluGlu, cuda::GluKind::ClampedSwiglu}) {
+    for (auto kind : {Glu::SiluGlu, Glu::ClampedSwiglu, Glu::Situ}) {
       SCOPED_TRACE(testing::Message() << "tokens=" << c.tokens << " hidden=" << c.hidden << " inter=" << c.inter
                                       << " experts=" << c.experts << " top_k=" << c.top_k << " kind=" << int(kind)
                                       << " path=" << path_name(c.tokens, c.top_k, c.experts, c.hidden, c.inter));
@@ -200,7 +200,7 @@ TEST(CudaMoe, ExpertsMatchRunExperts) {
         }
       }
       Activation act;
-      act.kind = kind == cuda::GluKind::SiluGlu ? Activation::SiluGlu : Activation::ClampedSwiglu;
+      act.kind = kind;
       act.alpha = 1.702f;
       act.limit = 7.0f;
       Checkpoint::Experts ex{Tensor::view(gate_up.data(), {c.experts, 2 * c.inter, c.hidden}),
@@ -313,7 +313,7 @@ struct BoundedReference {
 // out[t] = Σ_j w[t,j] · down[e] · act(gate_up[e] · x[t]) in double, with the bound above.
 BoundedReference experts_reference(const std::vector<float>& x, const Routing& routing,
                                    const std::vector<float>& gate_up, const std::vector<float>& down, int64_t tokens,
-                                   int64_t hidden, int64_t inter, cuda::GluKind kind, double alpha, double limit) {
+                                   int64_t hidden, int64_t inter, Glu kind, double alpha, double limit) {
   const double u = std::ldexp(1.0, -8), f32 = std::ldexp(1.0, -24);
   const double gamma_h = 2.0 * double(hidden + 64) * f32, gamma_i = 2.0 * double(inter + 64) * f32;
   BoundedReference r;
@@ -334,7 +334,7 @@ BoundedReference experts_reference(const std::vector<float>& x, const Routing& r
           const double gx = double(gr[k]) * xr[k], ux = double(ur[k]) * xr[k];
           gs += gx, us += ux, ga += std::fabs(gx), ua += std::fabs(ux);
         }
-        if (kind == cuda::GluKind::SiluGlu) {
+        if (kind == Glu::SiluGlu) {
           h[i] = gs / (1.0 + std::exp(-gs)) * us;
         } else {
           const double gc = std::min(gs, limit), uc = std::clamp(us, -limit, limit);
@@ -401,8 +401,8 @@ TEST(CudaMoe, Fp8ExpertsMatchDequantisedBf16) {
   const float alpha = 1.702f, limit = 7.0f;
   for (const Shape& c : shapes)
     for (int64_t tokens : {1, 7, 300})  // 1, 7: decode; 300: tiled or wgmma, more than 64 rows for some experts
-      for (auto kind : {cuda::GluKind::SiluGlu, cuda::GluKind::ClampedSwiglu}) {
-        if (!c.both_kinds && kind != cuda::GluKind::SiluGlu) continue;
+      for (auto kind : {Glu::SiluGlu, Glu::ClampedSwiglu}) {
+        if (!c.both_kinds && kind != Glu::SiluGlu) continue;
         SCOPED_TRACE(testing::Message() << "tokens=" << tokens << " hidden=" << c.hidden << " inter=" << c.inter
                                         << " experts=" << c.experts << " top_k=" << c.top_k << " kind=" << int(kind)
                                         << " path=" << path_name(tokens, c.top_k, c.experts, c.hidden, c.inter));
@@ -549,8 +549,8 @@ TEST(CudaMoe, DecodePathMatchesReference) {
     ASSERT_EQ(cuda::moe_experts_path(c.tokens, c.top_k, c.experts, c.hidden, c.inter), cuda::MoePath::Decode);
     const bool fp8 = c.hidden % 16 == 0 && c.inter % 16 == 0;
     bool wrong_checked = false;
-    for (auto kind : {cuda::GluKind::SiluGlu, cuda::GluKind::ClampedSwiglu}) {
-      if (!c.both_kinds && kind != (c.top_k == 4 ? cuda::GluKind::ClampedSwiglu : cuda::GluKind::SiluGlu)) continue;
+    for (auto kind : {Glu::SiluGlu, Glu::ClampedSwiglu}) {
+      if (!c.both_kinds && kind != (c.top_k == 4 ? Glu::ClampedSwiglu : Glu::SiluGlu)) continue;
       SCOPED_TRACE(testing::Message() << "tokens=" << c.tokens << " hidden=" << c.hidden << " inter=" << c.inter
                                       << " experts=" << c.experts << " top_k=" << c.top_k << " skew=" << int(c.skew)
                                       << " kind=" << int(kind));
@@ -661,7 +661,7 @@ TEST(CudaMoe, Fp8ExpertsRejectBadArguments) {
   DeviceBuffer buf(1 << 20), scales(4096), out(1 << 16), ws(1 << 20);
   auto call = [&](int64_t hidden, int64_t inter, const float* s) {
     cuda::moe_experts_fp8(buf.get(), tokens, hidden, buf.get<int32_t>(), buf.get<float>(), top_k, buf.get<uint8_t>(),
-                          s, buf.get<uint8_t>(), s, experts, inter, cuda::GluKind::SiluGlu, 1.0f, 0.0f, out.get(),
+                          s, buf.get<uint8_t>(), s, experts, inter, Glu::SiluGlu, 1.0f, 0.0f, out.get(),
                           ws.get(), cuda::stream());
   };
   EXPECT_THROW(call(200, 64, scales.get<float>()), Error);  // hidden % 16 == 8

@@ -109,9 +109,26 @@ TEST(CudaOps, ElementwiseAndProductsMatchTheCpu) {
   }
   {
     const Tensor gate_up = random_tensor({37, 2 * 288}, rng), gr = host(gpu(gate_up));
-    EXPECT_CLOSE(ops::glu(gpu(gate_up), ops::Glu::SiluGlu), ops::glu(gr, ops::Glu::SiluGlu), "silu glu");
-    EXPECT_CLOSE(ops::glu(gpu(gate_up), ops::Glu::ClampedSwiglu, 1.702f, 1.5f),
-                 ops::glu(gr, ops::Glu::ClampedSwiglu, 1.702f, 1.5f), "clamped swiglu");
+    EXPECT_CLOSE(ops::glu(gpu(gate_up), Glu::SiluGlu), ops::glu(gr, Glu::SiluGlu), "silu glu");
+    EXPECT_CLOSE(ops::glu(gpu(gate_up), Glu::ClampedSwiglu, 1.702f, 1.5f),
+                 ops::glu(gr, Glu::ClampedSwiglu, 1.702f, 1.5f), "clamped swiglu");
+  }
+  {
+    // Kimi K3's pieces: the MLA output gate and the AttnRes mix over 1 to 5 sources (a first-block mix
+    // reads one, the output mix of a deep model several).
+    const Tensor y = random_tensor({37, 576}, rng), gate = random_tensor({37, 576}, rng);
+    Tensor a = gpu(y), b = host(gpu(y));
+    ops::mul_sigmoid_(a, gpu(gate));
+    ops::mul_sigmoid_(b, host(gpu(gate)));
+    EXPECT_CLOSE(a, b, "mul_sigmoid_");
+    std::vector<Tensor> on_gpu, on_host;
+    const Tensor norm = random_tensor({576}, rng), proj = random_tensor({576}, rng);
+    for (int sources = 1; sources <= 5; ++sources) {
+      on_gpu.push_back(gpu(random_tensor({37, 576}, rng)));
+      on_host.push_back(host(on_gpu.back()));
+      EXPECT_CLOSE(ops::attn_res_mix(on_gpu, gpu(norm, ScalarType::F32), gpu(proj, ScalarType::F32), 1e-6f),
+                   ops::attn_res_mix(on_host, norm, proj, 1e-6f), "attn_res_mix of " << sources << " sources");
+    }
   }
   {
     Tensor table = random_tensor({300, 64}, rng);

@@ -27,12 +27,14 @@ float softplus(float x) { return x > 20.0f ? x : std::log(1.0f + std::exp(x)); }
 }  // namespace
 
 void kda_gates(const float* f, const float* dt_bias, const float* A_log, const float* b, float* g, float* beta,
-               int64_t rows, int64_t heads, int64_t head_dim) {
+               int64_t rows, int64_t heads, int64_t head_dim, float lower_bound) {
   const int64_t P = heads * head_dim;
   parallel_for(rows, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t c = 0; c < P; ++c)
-        g[t * P + c] = -std::exp(A_log[c / head_dim]) * softplus(f[t * P + c] + dt_bias[c]);
+      for (int64_t c = 0; c < P; ++c) {
+        const float a = std::exp(A_log[c / head_dim]), s = f[t * P + c] + dt_bias[c];
+        g[t * P + c] = lower_bound < 0.0f ? lower_bound * sigmoid(a * s) : -a * softplus(s);
+      }
       for (int64_t h = 0; h < heads; ++h) beta[t * heads + h] = sigmoid(b[t * heads + h]);
     }
   });
@@ -104,7 +106,9 @@ void delta_rule_recurrent(const DeltaRuleInputs& in, float* state, float* out) {
 //   O         = (exp(G) * Q) S + Aqk Vn
 //   S        <- exp(G[n-1]) * S + (exp(G[n-1] - G) * K)^T Vn
 // Every exponent is a difference G[r] - G[i] with i <= r (or G[r] itself), so it is <= 0: the
-// decays are computed directly and never as exp(G) * exp(-G), which would overflow.
+// decays are computed directly and never as exp(G) * exp(-G), which would overflow. G is summed in
+// double: with strong decays (Kimi K3's reach -5 a token) it runs to -100 and beyond within a chunk, where
+// an fp32 running sum's rounding would put ~1e-5 relative error into every decay exp(G[r] - G[i]).
 // A ragged last chunk is handled as is: transformers pads it with k = v = beta = g = 0 rows, which
 // contribute nothing.
 void delta_rule_chunked(const DeltaRuleInputs& in, float* state, float* out, int64_t chunk_size) {
@@ -112,7 +116,8 @@ void delta_rule_chunked(const DeltaRuleInputs& in, float* state, float* out, int
   SPARROW_CHECK(C > 0, "delta rule: chunk size must be positive");
   parallel_for(H, [&](int64_t head_begin, int64_t head_end) {
     // Per-chunk scratch, row-major: [C, D] and [C, C].
-    std::vector<float> Q(C * D), K(C * D), V(C * D), G(C * D), beta(C);
+    std::vector<float> Q(C * D), K(C * D), V(C * D), beta(C);
+    std::vector<double> G(C * D);
     std::vector<float> A(C * C), Aqk(C * C), row(C), KbG(C * D), U(C * D), W(C * D), Vn(C * D), last_decay(D);
     for (int64_t h = head_begin; h < head_end; ++h) {
       float* S = state + h * D * D;
@@ -123,7 +128,7 @@ void delta_rule_chunked(const DeltaRuleInputs& in, float* state, float* out, int
           std::memcpy(&Q[r * D], in.q + at, sizeof(float) * D);
           std::memcpy(&K[r * D], in.k + at, sizeof(float) * D);
           std::memcpy(&V[r * D], in.v + at, sizeof(float) * D);
-          for (int64_t d = 0; d < D; ++d) G[r * D + d] = (r ? G[(r - 1) * D + d] : 0.0f) + in.log_decay[at + d];
+          for (int64_t d = 0; d < D; ++d) G[r * D + d] = (r ? G[(r - 1) * D + d] : 0.0) + in.log_decay[at + d];
           beta[r] = in.beta[(c0 + r) * H + h];
         }
 
@@ -132,7 +137,7 @@ void delta_rule_chunked(const DeltaRuleInputs& in, float* state, float* out, int
           for (int64_t i = 0; i <= r; ++i) {
             float kk = 0.0f, qk = 0.0f;
             for (int64_t d = 0; d < D; ++d) {
-              const float decay = std::exp(G[r * D + d] - G[i * D + d]);
+              const float decay = std::exp(float(G[r * D + d] - G[i * D + d]));
               kk += K[r * D + d] * beta[r] * K[i * D + d] * decay;
               qk += Q[r * D + d] * K[i * D + d] * decay;
             }
@@ -156,7 +161,7 @@ void delta_rule_chunked(const DeltaRuleInputs& in, float* state, float* out, int
         for (int64_t i = 0; i < n; ++i) {
           for (int64_t d = 0; d < D; ++d) {
             V[i * D + d] *= beta[i];
-            KbG[i * D + d] = K[i * D + d] * beta[i] * std::exp(G[i * D + d]);
+            KbG[i * D + d] = K[i * D + d] * beta[i] * std::exp(float(G[i * D + d]));
           }
         }
         for (int64_t r = 0; r < n; ++r) {
@@ -187,7 +192,7 @@ void delta_rule_chunked(const DeltaRuleInputs& in, float* state, float* out, int
           float* o = out + ((c0 + r) * H + h) * D;
           std::fill(o, o + D, 0.0f);
           for (int64_t i = 0; i < D; ++i) {
-            const float qd = Q[r * D + i] * std::exp(G[r * D + i]);
+            const float qd = Q[r * D + i] * std::exp(float(G[r * D + i]));
             for (int64_t j = 0; j < D; ++j) o[j] += qd * S[i * D + j];
           }
           for (int64_t i = 0; i <= r; ++i) {
@@ -196,13 +201,13 @@ void delta_rule_chunked(const DeltaRuleInputs& in, float* state, float* out, int
           }
         }
         // S <- exp(G[n-1]) S + (exp(G[n-1] - G) K)^T Vn
-        const float* G_last = &G[(n - 1) * D];
-        for (int64_t i = 0; i < D; ++i) last_decay[i] = std::exp(G_last[i]);
+        const double* G_last = &G[(n - 1) * D];
+        for (int64_t i = 0; i < D; ++i) last_decay[i] = std::exp(float(G_last[i]));
         for (int64_t i = 0; i < D; ++i)
           for (int64_t j = 0; j < D; ++j) S[i * D + j] *= last_decay[i];
         for (int64_t r = 0; r < n; ++r) {
           for (int64_t i = 0; i < D; ++i) {
-            const float kd = K[r * D + i] * std::exp(G_last[i] - G[r * D + i]);
+            const float kd = K[r * D + i] * std::exp(float(G_last[i] - G[r * D + i]));
             for (int64_t j = 0; j < D; ++j) S[i * D + j] += kd * Vn[r * D + j];
           }
         }

@@ -7,11 +7,14 @@
 
 namespace sparrow::cpu {
 
-// The gates (KimiLinearForgetGate; kernels/cuda/kda/kda.h kda_gates is the same contract), in place allowed:
-//   g[t, c]    = -exp(A_log[c / head_dim]) * softplus(f[t, c] + dt_bias[c])     (c < heads * head_dim)
+// The gates (kernels/cuda/kda/kda.h kda_gates is the same contract), in place allowed, with
+// s = f[t, c] + dt_bias[c] and a = exp(A_log[c / head_dim]) (c < heads * head_dim):
+//   g[t, c]    = -a * softplus(s)                  lower_bound == 0: Kimi Linear (KimiLinearForgetGate)
+//   g[t, c]    = lower_bound * sigmoid(a * s)      lower_bound < 0:  Kimi K3's bounded decay (vLLM 0.33
+//                kimi_k3/nvidia/ops/third_party/kda/chunk.py kda_gate_chunk_cumsum_vector_kernel)
 //   beta[t, h] = sigmoid(b[t, h])
 void kda_gates(const float* f, const float* dt_bias, const float* A_log, const float* b, float* g, float* beta,
-               int64_t rows, int64_t heads, int64_t head_dim);
+               int64_t rows, int64_t heads, int64_t head_dim, float lower_bound);
 
 // The causal depthwise conv + SiLU of `count` new tokens of one sequence (transformers causal_conv1d_fn with
 // the cached left context), then the l2norm of q and k per head and q *= head_dim^-1/2. history holds

@@ -49,7 +49,7 @@ void route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, int64_t n_g
 }
 
 Tensor moe_experts(const Tensor& x, const int32_t* experts, const float* weights, int64_t top_k,
-                   const Tensor& gate_up, const Tensor& down, bool clamped_swiglu, float alpha, float limit) {
+                   const Tensor& gate_up, const Tensor& down, Glu kind, float alpha, float limit) {
   const int64_t t = x.dim(0), hidden = x.dim(1);
   const int64_t num_experts = gate_up.dim(0), inter = down.dim(2);
   // Group the (token, slot) pairs by expert so each expert runs one matrix product over its tokens.
@@ -70,10 +70,7 @@ Tensor moe_experts(const Tensor& x, const int32_t* experts, const float* weights
     Tensor act_out = Tensor::empty({n, inter});
     for (int64_t j = 0; j < n; ++j) {
       const float* gate = projected.row(j);
-      if (clamped_swiglu)
-        cpu::clamped_swiglu(gate, gate + inter, act_out.row(j), inter, alpha, limit);
-      else
-        silu_glu(gate, gate + inter, act_out.row(j), inter);
+      cpu::glu(kind, gate, gate + inter, act_out.row(j), inter, alpha, limit);
     }
     Tensor y = Tensor::empty({n, hidden});
     gemm_nt(n, hidden, inter, act_out.data(), inter, down.row(ex), inter, y.data(), hidden);

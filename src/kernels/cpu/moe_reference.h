@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "core/tensor.h"
+#include "kernels/glu.h"
 
 namespace sparrow::cpu {
 
@@ -19,9 +20,9 @@ void route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, int64_t n_g
                            float* weights);
 
 // out[t] = sum_j weights[t, j] * down[e] · glu(gate_up[e] · x[t]) over e = experts[t, j]; gate_up [E, 2I, H]
-// (gate rows first), down [E, H, I]; glu SiLU-gated, or MiniMax's clamped SwiGLU (alpha, limit) when
-// clamped_swiglu. Each expert runs one product over the tokens routed to it.
+// (gate rows first), down [E, H, I]; glu of the kind with its alpha and limit (kernels/glu.h). Each expert
+// runs one product over the tokens routed to it.
 Tensor moe_experts(const Tensor& x, const int32_t* experts, const float* weights, int64_t top_k,
-                   const Tensor& gate_up, const Tensor& down, bool clamped_swiglu, float alpha, float limit);
+                   const Tensor& gate_up, const Tensor& down, Glu kind, float alpha, float limit);
 
 }  // namespace sparrow::cpu

@@ -88,14 +88,47 @@ Tensor layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps) 
   return y;
 }
 
-void silu_glu(const float* gate, const float* up, float* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = silu(gate[i]) * up[i];
+void glu(Glu kind, const float* gate, const float* up, float* out, int64_t n, float alpha, float limit) {
+  switch (kind) {
+    case Glu::SiluGlu:
+      for (int64_t i = 0; i < n; ++i) out[i] = silu(gate[i]) * up[i];
+      return;
+    case Glu::ClampedSwiglu:
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = std::min(gate[i], limit), u = std::clamp(up[i], -limit, limit);
+        out[i] = (u + 1.0f) * (g * sigmoid(g * alpha));
+      }
+      return;
+    case Glu::Situ:
+      for (int64_t i = 0; i < n; ++i) {
+        const float u = limit > 0.0f ? limit * std::tanh(up[i] / limit) : up[i];
+        out[i] = alpha * std::tanh(gate[i] / alpha) * sigmoid(gate[i]) * u;
+      }
+      return;
+  }
 }
 
-void clamped_swiglu(const float* gate, const float* up, float* out, int64_t n, float alpha, float limit) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = std::min(gate[i], limit), u = std::clamp(up[i], -limit, limit);
-    out[i] = (u + 1.0f) * (g * sigmoid(g * alpha));
+void attn_res_mix(std::span<const float* const> sources, const float* norm, const float* proj, float eps, float* out,
+                  int64_t rows, int64_t width) {
+  SPARROW_CHECK(!sources.empty(), "attn_res_mix: no sources");
+  std::vector<float> weight(sources.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (size_t i = 0; i < sources.size(); ++i) {
+      const float* v = sources[i] + r * width;
+      double dot = 0, ss = 0;
+      for (int64_t c = 0; c < width; ++c) {
+        dot += double(v[c]) * double(norm[c] * proj[c]);
+        ss += double(v[c]) * v[c];
+      }
+      weight[i] = float(dot / std::sqrt(ss / double(width) + double(eps)));
+    }
+    softmax_inplace(weight.data(), int64_t(weight.size()));
+    float* o = out + r * width;
+    for (int64_t c = 0; c < width; ++c) {
+      float acc = 0.0f;
+      for (size_t i = 0; i < sources.size(); ++i) acc += weight[i] * sources[i][r * width + c];
+      o[c] = acc;
+    }
   }
 }
 

@@ -4,9 +4,11 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "core/tensor.h"
+#include "kernels/glu.h"
 
 namespace sparrow::cpu {
 
@@ -32,11 +34,17 @@ Tensor layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps);
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
-// Gated activations of one row: out[i] = silu(gate[i]) * up[i], or MiniMax's clamped SwiGLU
-// (MiniMaxM3VLExperts._apply_gate: the gate clamped from above only, up on both sides):
-// g = min(gate, limit), u = clamp(up, -limit, limit), out = (u + 1) * g * sigmoid(alpha * g).
-void silu_glu(const float* gate, const float* up, float* out, int64_t n);
-void clamped_swiglu(const float* gate, const float* up, float* out, int64_t n, float alpha, float limit);
+// Gated activations of one row, out[i] = act(gate[i], up[i]) of the kind (kernels/glu.h): silu(gate) * up;
+// MiniMax's clamped SwiGLU (MiniMaxM3VLExperts._apply_gate: the gate clamped from above only, up on both
+// sides); Kimi K3's SiTU (vLLM 0.33 SituAndMul.forward_native).
+void glu(Glu kind, const float* gate, const float* up, float* out, int64_t n, float alpha, float limit);
+
+// AttnRes (Kimi K3; vLLM 0.33 models/kimi_k3/nvidia/ops/attn_res.py _attn_res_kernel): per row r, over the
+// sources i (each [rows, width]),
+//   logit_i = sum_c norm[c] proj[c] v_i[r, c] / sqrt(mean_c v_i[r, c]^2 + eps),  out[r] = sum_i softmax_i v_i[r]
+// (the raw sources are mixed; only the logits see them normalised). Sums in double.
+void attn_res_mix(std::span<const float* const> sources, const float* norm, const float* proj, float eps, float* out,
+                  int64_t rows, int64_t width);
 
 // Softmax in place over n values; entries equal to -inf get probability 0.
 void softmax_inplace(float* x, int64_t n);

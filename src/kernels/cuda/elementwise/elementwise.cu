@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "core/device/cuda_check.h"
+#include "kernels/cuda/glu.cuh"
 
 namespace sparrow::cuda {
 
@@ -74,6 +75,12 @@ __global__ void scale_kernel(T* x, int64_t n, float s) {
     store(x, i, __fmul_rn(load(x, i), s));
 }
 
+template <typename Y, typename G>
+__global__ void mul_sigmoid_kernel(Y* y, const G* gate, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    store(y, i, __fmul_rn(load(y, i), __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-load(gate, i))))));
+}
+
 template <typename T>
 __global__ void add_bias_kernel(T* y, int64_t rows, int64_t width, const float* bias) {
   const int64_t n = rows * width;
@@ -122,6 +129,44 @@ __global__ void rms_norm_kernel(const X* x, int64_t x_stride, Y* y, int64_t y_st
     float v = __fmul_rn(load(xr, i), inv);
     if (w != nullptr) v = __fmul_rn(v, unit_offset ? __fadd_rn(1.0f, w[i]) : w[i]);
     store(yr, i, v);
+  }
+}
+
+// cpu::attn_res_mix: one block per row; each source's logit from one pass over the row (the dot with
+// norm * proj and the sum of squares, in double like rms_norm_kernel), the softmax over the sources, then
+// the weighted sum of the raw rows in fp32.
+template <typename T>
+__global__ void attn_res_mix_kernel(AttnResSources sources, int64_t width, const float* norm, const float* proj,
+                                    float eps, T* out) {
+  __shared__ double scratch[32];
+  __shared__ float weight[kMaxAttnResSources];
+  const int64_t row = blockIdx.x;
+  for (int i = 0; i < sources.count; ++i) {
+    const T* v = static_cast<const T*>(sources.rows[i]) + row * width;
+    double dot = 0, ss = 0;
+    for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
+      const double x = load(v, c);
+      dot += x * double(__fmul_rn(norm[c], proj[c]));
+      ss += x * x;
+    }
+    dot = block_sum(dot, scratch);
+    ss = block_sum(ss, scratch);
+    if (threadIdx.x == 0) weight[i] = float(dot / sqrt(ss / double(width) + double(eps)));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float top = weight[0];
+    for (int i = 1; i < sources.count; ++i) top = fmaxf(top, weight[i]);
+    float sum = 0.0f;
+    for (int i = 0; i < sources.count; ++i) sum += (weight[i] = expf(weight[i] - top));
+    for (int i = 0; i < sources.count; ++i) weight[i] /= sum;
+  }
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
+    float acc = 0.0f;
+    for (int i = 0; i < sources.count; ++i)
+      acc = __fadd_rn(acc, __fmul_rn(weight[i], load(static_cast<const T*>(sources.rows[i]) + row * width, c)));
+    store(out + row * width, c, acc);
   }
 }
 
@@ -197,27 +242,16 @@ __global__ void rope_kernel(T* x, int64_t row_stride, int64_t first_col, int64_t
   }
 }
 
-// ---- gated activations -----------------------------------------------------------------------------
-// cpu::silu_glu and cpu::clamped_swiglu (src/kernels/cpu/reference_ops.cpp): silu(g) = g / (1 + exp(-g)),
-// then * up; MiniMax's clamped
-// SwiGLU g = min(g, limit), u = clamp(u, -limit, limit), (u + 1) * (g * sigmoid(g * alpha)).
+// ---- gated activations (kernels/glu.h, glu_value in kernels/cuda/glu.cuh) -----------------------------
 template <typename X, typename Y>
-__global__ void glu_kernel(const X* gate_up, Y* out, int64_t rows, int64_t inter, GluKind kind, float alpha,
+__global__ void glu_kernel(const X* gate_up, Y* out, int64_t rows, int64_t inter, Glu kind, float alpha,
                            float limit) {
   const int64_t n = rows * inter;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n;
        idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = idx / inter, c = idx % inter;
     const float g = load(gate_up, r * 2 * inter + c), u = load(gate_up, r * 2 * inter + inter + c);
-    float v;
-    if (kind == GluKind::SiluGlu) {
-      v = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
-    } else {
-      const float gc = fminf(g, limit), uc = fminf(fmaxf(u, -limit), limit);
-      const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-__fmul_rn(gc, alpha))));
-      v = __fmul_rn(__fadd_rn(uc, 1.0f), __fmul_rn(gc, sig));
-    }
-    store(out, idx, v);
+    store(out, idx, glu_value(g, u, kind, alpha, limit));
   }
 }
 
@@ -351,8 +385,33 @@ void scale(void* x, ElemType type, int64_t n, float s, cudaStream_t stream) {
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
+void mul_sigmoid(void* y, ElemType yt, const void* gate, ElemType gate_type, int64_t n, cudaStream_t stream) {
+  SPARROW_CHECK(n >= 0, "mul_sigmoid: negative count");
+  if (n == 0) return;
+  dispatch2(yt, gate_type, [&](auto* py, auto* pg) {
+    using Y = std::remove_pointer_t<decltype(py)>;
+    using G = std::remove_pointer_t<decltype(pg)>;
+    mul_sigmoid_kernel<<<grid_for(n, 256), 256, 0, stream>>>(static_cast<Y*>(y), static_cast<const G*>(gate), n);
+  });
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
+void attn_res_mix(const AttnResSources& sources, ElemType type, int64_t rows, int64_t width, const float* norm,
+                  const float* proj, float eps, void* out, cudaStream_t stream) {
+  SPARROW_CHECK(sources.count >= 1 && sources.count <= kMaxAttnResSources, "attn_res_mix: ", sources.count,
+                " sources (1 to ", kMaxAttnResSources, ")");
+  SPARROW_CHECK(rows >= 0 && rows <= 0x7fffffff && width > 0, "attn_res_mix: bad sizes");
+  if (rows == 0) return;
+  dispatch(type, [&](auto* p) {
+    using T = std::remove_pointer_t<decltype(p)>;
+    attn_res_mix_kernel<<<unsigned(rows), norm_threads(width), 0, stream>>>(sources, width, norm, proj, eps,
+                                                                             static_cast<T*>(out));
+  });
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
 void glu(const void* gate_up, ElemType in_type, void* out, ElemType out_type, int64_t rows, int64_t inter,
-         GluKind kind, float alpha, float limit, cudaStream_t stream) {
+         Glu kind, float alpha, float limit, cudaStream_t stream) {
   SPARROW_CHECK(rows >= 0 && inter > 0, "glu: bad sizes");
   if (rows == 0) return;
   dispatch2(in_type, out_type, [&](auto* pi, auto* po) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/gemm/gemm.h"  // ElemType
+#include "kernels/glu.h"
 
 namespace sparrow::cuda {
 
@@ -41,13 +42,24 @@ void rope(void* x, ElemType type, int64_t rows, int64_t row_stride, int64_t firs
 void add(const void* x, ElemType xt, void* y, ElemType yt, int64_t n, cudaStream_t stream);
 void add_bias(void* y, ElemType type, int64_t rows, int64_t width, const float* bias, cudaStream_t stream);
 void scale(void* x, ElemType type, int64_t n, float s, cudaStream_t stream);
+// y *= sigmoid(gate) elementwise (n values; an attention output gate).
+void mul_sigmoid(void* y, ElemType yt, const void* gate, ElemType gate_type, int64_t n, cudaStream_t stream);
 
-// Gated activations over rows of [gate (inter) | up (inter)]: out[r, :inter] = act(gate, up).
-//   SiLU-GLU: silu(gate) * up.  Clamped SwiGLU (MiniMax): g = min(gate, limit), u = clamp(up, ±limit),
-//   (u + 1) * g * sigmoid(alpha * g).
-enum class GluKind { SiluGlu, ClampedSwiglu };
+// AttnRes (Kimi K3), cpu::attn_res_mix: per row r, over the sources i < count (each [rows, width], one type),
+//   logit_i = sum_c norm[c] proj[c] v_i[r, c] / sqrt(mean_c v_i[r, c]^2 + eps),  out[r] = sum_i softmax_i v_i[r]
+// norm and proj fp32 [width]. At most kMaxAttnResSources sources.
+constexpr int kMaxAttnResSources = 32;
+struct AttnResSources {
+  const void* rows[kMaxAttnResSources];
+  int count = 0;
+};
+void attn_res_mix(const AttnResSources& sources, ElemType type, int64_t rows, int64_t width, const float* norm,
+                  const float* proj, float eps, void* out, cudaStream_t stream);
+
+// Gated activations over rows of [gate (inter) | up (inter)]: out[r, :inter] = act(gate, up), of the kind
+// (kernels/glu.h) with its alpha and limit.
 void glu(const void* gate_up, ElemType in_type, void* out, ElemType out_type, int64_t rows, int64_t inter,
-         GluKind kind, float alpha, float limit, cudaStream_t stream);
+         Glu kind, float alpha, float limit, cudaStream_t stream);
 
 // Copies rows: out[i, :] = x[index[i], :] (width values; index device int32 [count]).
 void gather_rows(const void* x, ElemType type, const int32_t* index, int64_t count, int64_t width, void* out,

@@ -72,14 +72,19 @@ __global__ void __launch_bounds__(kConvThreads)
 
 // ---- gates ---------------------------------------------------------------------------------------
 __global__ void gates_kernel(const float* f, const float* __restrict__ dt_bias, const float* __restrict__ A_log,
-                             const float* b, float* g, float* beta, int64_t rows, int heads, int head_dim) {
+                             const float* b, float* g, float* beta, int64_t rows, int heads, int head_dim,
+                             float lower_bound) {
   const int64_t P = int64_t(heads) * head_dim, n = rows * P, nb = rows * heads;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
     const int64_t c = e % P;
-    const float xv = __fadd_rn(f[e], dt_bias[c]);
-    const float sp = xv > 20.0f ? xv : logf(1.0f + expf(xv));
-    g[e] = __fmul_rn(-expf(A_log[c / head_dim]), sp);
+    const float xv = __fadd_rn(f[e], dt_bias[c]), a = expf(A_log[c / head_dim]);
+    if (lower_bound < 0.0f) {
+      g[e] = __fmul_rn(lower_bound, __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-__fmul_rn(a, xv)))));
+    } else {
+      const float sp = xv > 20.0f ? xv : logf(1.0f + expf(xv));
+      g[e] = __fmul_rn(-a, sp);
+    }
   }
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < nb; e += stride)
     beta[e] = 1.0f / (1.0f + expf(-b[e]));
@@ -453,13 +458,14 @@ void kda_short_conv(const float* x, float* y, int64_t channels, const float* wei
 }
 
 void kda_gates(const float* f, const float* dt_bias, const float* A_log, const float* b, float* g, float* beta,
-               int64_t rows, int heads, int head_dim, cudaStream_t stream) {
+               int64_t rows, int heads, int head_dim, float lower_bound, cudaStream_t stream) {
   SPARROW_CHECK(rows >= 0 && heads > 0 && head_dim > 0, "kda_gates: bad sizes");
   if (rows == 0) return;
   const int64_t n = rows * heads * head_dim;
   int64_t blocks = (n + 255) / 256;
   if (blocks > 4096) blocks = 4096;  // grid-stride loops cover the rest
-  gates_kernel<<<unsigned(blocks), 256, 0, stream>>>(f, dt_bias, A_log, b, g, beta, rows, heads, head_dim);
+  gates_kernel<<<unsigned(blocks), 256, 0, stream>>>(f, dt_bias, A_log, b, g, beta, rows, heads, head_dim,
+                                                     lower_bound);
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 

@@ -39,13 +39,15 @@ struct KdaSequences {
 void kda_short_conv(const float* x, float* y, int64_t channels, const float* weight, int kernel,
                     const KdaSequences& seqs, int64_t tail_offset, cudaStream_t stream);
 
-// The gates, as KdaMixer::forward computes them, in place allowed (g may be f, beta may be b):
-//   g[t, c]    = -exp(A_log[c / head_dim]) * softplus(f[t, c] + dt_bias[c])     (c < heads * head_dim)
+// The gates, as cpu::kda_gates (kernels/cpu/kda_reference.h), in place allowed (g may be f, beta may be b),
+// with s = f[t, c] + dt_bias[c] and a = exp(A_log[c / head_dim]):
+//   g[t, c]    = -a * softplus(s)                 lower_bound == 0 (Kimi Linear)
+//   g[t, c]    = lower_bound * sigmoid(a * s)     lower_bound < 0  (Kimi K3)
 //   beta[t, h] = sigmoid(b[t, h])
 // softplus(x) = x above 20, else log(1 + exp(x)) (KimiLinearForgetGate).
 //   f, g [rows, heads * head_dim]; b, beta [rows, heads]; dt_bias [heads * head_dim]; A_log [heads]
 void kda_gates(const float* f, const float* dt_bias, const float* A_log, const float* b, float* g, float* beta,
-               int64_t rows, int heads, int head_dim, cudaStream_t stream);
+               int64_t rows, int heads, int head_dim, float lower_bound, cudaStream_t stream);
 
 // The delta rule, token by token in each sequence's order (delta_rule_recurrent): per head h and token t,
 //   S = Diag(exp g_t) S;  u = beta_t (v_t - S^T k_t);  S += k_t u^T;  out_t = S^T q_t

@@ -47,13 +47,13 @@ namespace {
 struct Model {
   const char* name;
   int64_t hidden, inter, experts, top_k;
-  GluKind glu;
+  Glu glu;
 };
 
 const Model kModels[] = {
-    {"deepseek_v3.2", 7168, 2048, 256, 8, GluKind::SiluGlu},
-    {"kimi_k3.1_pro", 7168, 2048, 896, 8, GluKind::SiluGlu},
-    {"minimax_m3.1", 6144, 3072, 128, 4, GluKind::ClampedSwiglu},
+    {"deepseek_v3.2", 7168, 2048, 256, 8, Glu::SiluGlu},
+    {"kimi_k3.1_pro", 7168, 2048, 896, 8, Glu::SiluGlu},
+    {"minimax_m3.1", 6144, 3072, 128, 4, Glu::ClampedSwiglu},
 };
 constexpr float kAlpha = 1.702f, kLimit = 7.0f;  // MiniMax's swiglu_alpha / swiglu_limit defaults
 

@@ -56,6 +56,7 @@
 #include <cstring>
 
 #include "kernels/cuda/gemm/skinny.cuh"
+#include "kernels/cuda/glu.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/wgmma.cuh"
 #include "core/device/cuda_check.h"
@@ -298,13 +299,6 @@ using ptx::cp_async4;
 using ptx::cp_async_commit;
 using ptx::cp_async_wait;
 
-__device__ __forceinline__ float activation(float g, float u, GluKind kind, float alpha, float limit) {
-  // cpu::silu_glu / cpu::clamped_swiglu (src/kernels/cpu/reference_ops.cpp).
-  if (kind == GluKind::SiluGlu) return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
-  const float gc = fminf(g, limit), uc = fminf(fmaxf(u, -limit), limit);
-  const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-__fmul_rn(gc, alpha))));
-  return __fmul_rn(__fadd_rn(uc, 1.0f), __fmul_rn(gc, sig));
-}
 
 // bf16(e4m3 * scale) for the two codes of `two` (low byte first): e4m3 -> fp16 is exact (cvt.rn.f16x2.e4m3x2),
 // fp16 -> fp32 exact, one fp32 product, then nearest-even to bf16 -- the values dequantize_fp8_blocks gives.
@@ -353,7 +347,7 @@ template <bool IS_GATE_UP, bool FP8>
 __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
     const Tile* tiles, const int32_t* num_tiles, const int32_t* sorted_pair, int top_k, const bf16* a_base,
     const void* w_base, const float* w_scales, const float* pair_weight, int64_t K, int64_t N, bf16* out,
-    GluKind kind, float alpha, float limit) {
+    Glu kind, float alpha, float limit) {
   constexpr int NB = IS_GATE_UP ? 2 : 1;
   using namespace nvcuda;
   __shared__ __align__(128) GemmSmem<NB, FP8> sm;
@@ -495,7 +489,7 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
     if (row >= tile.end || col >= N) continue;
     float v;
     if constexpr (IS_GATE_UP) {
-      v = activation(sm.c[0][r][c], sm.c[1][r][c], kind, alpha, limit);
+      v = glu_value(sm.c[0][r][c], sm.c[1][r][c], kind, alpha, limit);
     } else {
       v = __fmul_rn(pair_weight[sorted_pair[row]], sm.c[0][r][c]);
     }
@@ -577,7 +571,7 @@ struct Args {
   int n_tiles;                 // N / 128 (gate/up) or N / 256 (down)
   const float* pair_weight;
   bf16* out;                   // h or y, [pairs, N] in sorted order
-  GluKind kind;
+  Glu kind;
   float alpha, limit;
 };
 
@@ -765,8 +759,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
     auto put = [&](int jg, int ju, int col) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float v0 = activation(acc[4 * jg + 2 * h], acc[4 * ju + 2 * h], p.kind, p.alpha, p.limit);
-        const float v1 = activation(acc[4 * jg + 2 * h + 1], acc[4 * ju + 2 * h + 1], p.kind, p.alpha, p.limit);
+        const float v0 = glu_value(acc[4 * jg + 2 * h], acc[4 * ju + 2 * h], p.kind, p.alpha, p.limit);
+        const float v1 = glu_value(acc[4 * jg + 2 * h + 1], acc[4 * ju + 2 * h + 1], p.kind, p.alpha, p.limit);
         *reinterpret_cast<__nv_bfloat162*>(&c_tile[(frag_row + 8 * h) * PITCH + col]) = __floats2bfloat162_rn(v0, v1);
       }
     };
@@ -826,7 +820,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
 //     serve the repeats (one CTA looping over passes read them from HBM once per pass: at 8 rows per expert
 //     on average ~40% of the experts have more than 8, and the path fell to 48-49% of HBM at 256 tokens).
 //   - gate/up: a warp's 16 rows are gate rows i and up rows i of 8 outputs i = 8 group + g, so each lane
-//     holds the gate and the up sum of the same (row, output) and activation() is applied in the store;
+//     holds the gate and the up sum of the same (row, output) and glu_value() is applied in the store;
 //     the activation rows are x[token(sorted_pair[r])], gathered.
 //   - down: 16 rows of y = 16 outputs, the h rows in sorted order, the pair weight applied in the store.
 namespace dec {
@@ -849,7 +843,7 @@ struct Base {
   bf16* out;                   // h or y, [pairs, N] in sorted order
   int rows;                    // activation rows per pass (1..MAX_ROWS)
   int pitch;                   // bytes between staged activation rows
-  GluKind kind;
+  Glu kind;
   float alpha, limit;
 
   __device__ bool slice(Slice& s) const {
@@ -887,7 +881,7 @@ struct GateUp : Base {
     return a + int64_t(sorted_pair[row] / top_k) * K;
   }
   __device__ void store(const Slice&, int64_t row, int64_t group, int g, float gate, float up) const {
-    out[row * N + 8 * group + g] = __float2bfloat16_rn(activation(gate, up, kind, alpha, limit));
+    out[row * N + 8 * group + g] = __float2bfloat16_rn(glu_value(gate, up, kind, alpha, limit));
   }
 };
 
@@ -1089,7 +1083,7 @@ template <bool FP8>
 void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hidden, const int32_t* experts,
                      const float* weights, int64_t top_k, const void* gate_up, const float* gate_up_scales,
                      const void* down, const float* down_scales, int64_t num_experts, int64_t inter,
-                     GluKind glu_kind, float alpha, float limit, void* out, void* workspace, cudaStream_t stream) {
+                     Glu glu_kind, float alpha, float limit, void* out, void* workspace, cudaStream_t stream) {
   SPARROW_CHECK(tokens >= 0 && top_k >= 1 && num_experts >= 1 && hidden > 0 && inter > 0, what,
                 ": bad sizes tokens=", tokens, " top_k=", top_k, " experts=", num_experts);
   const int64_t mult = FP8 ? 16 : 8;  // 16-byte chunks: 8 bf16, or 16 e4m3 codes
@@ -1187,14 +1181,14 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
 
 void moe_experts(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
                  int64_t top_k, const void* gate_up, const void* down, int64_t num_experts, int64_t inter,
-                 GluKind glu_kind, float alpha, float limit, void* out, void* workspace, cudaStream_t stream) {
+                 Glu glu_kind, float alpha, float limit, void* out, void* workspace, cudaStream_t stream) {
   run_moe_experts<false>("moe_experts", x, tokens, hidden, experts, weights, top_k, gate_up, nullptr, down, nullptr,
                          num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
 }
 
 void moe_experts_fp8(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
                      int64_t top_k, const uint8_t* gate_up, const float* gate_up_scales, const uint8_t* down,
-                     const float* down_scales, int64_t num_experts, int64_t inter, GluKind glu_kind, float alpha,
+                     const float* down_scales, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
                      float limit, void* out, void* workspace, cudaStream_t stream) {
   run_moe_experts<true>("moe_experts_fp8", x, tokens, hidden, experts, weights, top_k, gate_up, gate_up_scales, down,
                         down_scales, num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);

@@ -50,7 +50,7 @@ MoePath moe_experts_path(int64_t tokens, int64_t top_k, int64_t num_experts, int
 size_t moe_workspace_bytes(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden, int64_t inter);
 void moe_experts(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
                  int64_t top_k, const void* gate_up, const void* down, int64_t num_experts, int64_t inter,
-                 GluKind glu_kind, float alpha, float limit, void* out, void* workspace, cudaStream_t stream);
+                 Glu glu_kind, float alpha, float limit, void* out, void* workspace, cudaStream_t stream);
 
 // The same with FP8 E4M3 expert weights and DeepSeek's 128x128 block scales (fp32, a checkpoint's
 // weight_scale_inv), so FP8 checkpoints' experts stay FP8 on the GPU (half the bytes the decode reads).
@@ -79,7 +79,7 @@ void moe_experts(const void* x, int64_t tokens, int64_t hidden, const int32_t* e
 // moe_workspace_bytes's; operands 16-byte aligned, scales 4-byte aligned.
 void moe_experts_fp8(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
                      int64_t top_k, const uint8_t* gate_up, const float* gate_up_scales, const uint8_t* down,
-                     const float* down_scales, int64_t num_experts, int64_t inter, GluKind glu_kind, float alpha,
+                     const float* down_scales, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
                      float limit, void* out, void* workspace, cudaStream_t stream);
 
 }  // namespace sparrow::cuda
