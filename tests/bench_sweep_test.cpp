@@ -186,7 +186,8 @@ TEST_P(DummyFamilies, RoutingSimulationReachesTheMoeLayers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, DummyFamilies,
-                         ::testing::Values("deepseek_v32", "kimi_linear", "kimi_k3", "minimax_m3", "minimax_m3_vl"));
+                         ::testing::Values("deepseek_v32", "kimi_linear", "kimi_k3", "kimi_k3_1_pro", "minimax_m3",
+                                           "minimax_m3_vl"));
 
 TEST(DummyWeights, LoadFormatFlagValues) {
   TempDir dir;

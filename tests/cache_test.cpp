@@ -151,8 +151,10 @@ TEST(CachePlanner, BytesPerTokenOfTheFixtureFamilies) {
       // 2 MLA layers of 40 floats; 2 KDA layers of 4 heads x 16: conv tail (4-1) x 3 x 64 floats,
       // recurrent 4 x 16 x 16 floats.
       {"kimi_linear", 2 * 40 * 4, -1, -1, -1, 2 * 40 * 4, 2 * 3 * 192 * 4, 2 * 1024 * 4},
-      // kimi_linear + a DSA indexer (16) on both MLA layers.
-      {"kimi_k3", 2 * 40 * 4, 2 * 16 * 4, -1, -1, 2 * 56 * 4, 2 * 3 * 192 * 4, 2 * 1024 * 4},
+      // Kimi K3: 3 MLA layers of kv_lora_rank 16 + 4 = 20 floats; 5 KDA layers of 4 heads x 16.
+      {"kimi_k3", 3 * 20 * 4, -1, -1, -1, 3 * 20 * 4, 5 * 3 * 192 * 4, 5 * 1024 * 4},
+      // K3.1 Pro: the same with a DSA indexer (index_head_dim 16) on the 3 MLA layers.
+      {"kimi_k3_1_pro", 3 * 20 * 4, 3 * 16 * 4, -1, -1, 3 * 36 * 4, 5 * 3 * 192 * 4, 5 * 1024 * 4},
       // 3 GQA layers of 2 kv heads x 16 for K and V; MSA index keys (16) on layers 1 and 2.
       {"minimax_m3", -1, -1, 3 * 64 * 4, 2 * 16 * 4, (3 * 64 + 2 * 16) * 4, -1, -1},
       {"minimax_m3_vl", -1, -1, 3 * 64 * 4, 2 * 16 * 4, (3 * 64 + 2 * 16) * 4, -1, -1},
@@ -542,7 +544,7 @@ constexpr double kReorderingTolerance = 1e-5;
 
 class CacheExactness : public ::testing::TestWithParam<std::string> {};
 
-// A first request runs its prompt (in prefill chunks of `chunk` tokens) and 40 greedy tokens; a second
+// A first request runs its prompt (in prefill chunks of `chunk` tokens) and 60 greedy tokens; a second
 // request repeats part of that. With the prefix-cache hit its logits are bit for bit those of the same
 // steps run on an empty cache, for every family: attention rows come from the shared blocks, recurrent
 // state from the snapshot at the hit's boundary. Against one prefill of the whole second prompt (another
@@ -577,7 +579,8 @@ TEST_P(CacheExactness, PrefixHitResumesExactly) {
         const int64_t end = std::min<int64_t>(first_prompt.size(), done + c.chunk);
         logits = first.step(*model, Tokens(first_prompt.begin() + done, first_prompt.begin() + end));
       }
-      for (int i = 0; i < 40; ++i) logits = first.step(*model, {argmax(logits.row(logits.dim(0) - 1), logits.dim(1))});
+      // (60 tokens: after the shortest such prompt, Kimi K3's 70, a decode step still crosses position 128.)
+      for (int i = 0; i < 60; ++i) logits = first.step(*model, {argmax(logits.row(logits.dim(0) - 1), logits.dim(1))});
       second_prompt = c.whole_history ? first.tokens : Tokens(first_prompt.begin(), first_prompt.begin() + 70);
       second_prompt.insert(second_prompt.end(), other.begin(), other.end());
       first_steps = first.steps;

@@ -106,19 +106,22 @@ TEST(Cli, SeededSamplingIsReproducible) {
 }
 
 // Without a usable GPU (CI), --device cuda is one clear line, whatever the build.
-// bench forward --profile: one part per kind of the stack's pieces (kimi_k3's fixture: KDA and MLA + DSA
-// mixers, a dense MLP and MoE layers), marked as often a step as the config has layers of that kind, in
+// bench forward --profile: one part per kind of the stack's pieces (kimi_k3_1_pro's fixture: KDA and MLA +
+// DSA mixers, a dense MLP and MoE layers), marked as often a step as the config has layers of that kind, in
 // the order first met; the prefill step and each decode step profiled; shares that add up to the whole.
 TEST(Cli, BenchForwardProfilesEachPartOfTheStack) {
-  const fs::path model = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/kimi_k3";
+  const fs::path model = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/kimi_k3_1_pro";
   const CommandResult r = run("bench forward --model " + model.string() +
                               " --prompt-tokens 40 --decode-tokens 3 --batch 2 --repeats 1 --profile");
   ASSERT_EQ(r.status, 0) << r.err;
   const nlohmann::json out = nlohmann::json::parse(r.out);
-  const nlohmann::json config = nlohmann::json::parse(slurp(model / "config.json"));
+  const nlohmann::json text = nlohmann::json::parse(slurp(model / "config.json"))["text_config"];
   std::map<std::string, double> expected = {{"embedding", 1}, {"final norm", 1}, {"lm_head", 1}};
-  for (const auto& t : config["layer_types"]) expected[t == "linear_attention" ? "mixer kda" : "mixer mla+dsa"] += 1;
-  for (const auto& t : config["mlp_layer_types"]) expected[t == "dense" ? "ffn mlp" : "ffn moe"] += 1;
+  const std::vector<int> kda = text["linear_attn_config"]["kda_layers"];  // 1-indexed
+  for (int layer = 0; layer < text["num_hidden_layers"].get<int>(); ++layer) {
+    expected[std::count(kda.begin(), kda.end(), layer + 1) ? "mixer kda" : "mixer mla+dsa"] += 1;
+    expected[layer < text["first_k_dense_replace"].get<int>() ? "ffn mlp" : "ffn moe"] += 1;
+  }
   for (const char* phase : {"prefill", "decode"}) {
     SCOPED_TRACE(phase);
     const nlohmann::json& p = out["profile"][phase];

@@ -277,7 +277,7 @@ TEST_P(EngineFamily, DummyStepCacheHoldsItsStep) {
 }
 
 INSTANTIATE_TEST_SUITE_P(EngineFixtures, EngineFamily,
-                         ::testing::Values("deepseek_v32", "kimi_linear", "kimi_k3", "minimax_m3"));
+                         ::testing::Values("deepseek_v32", "kimi_linear", "kimi_k3", "kimi_k3_1_pro", "minimax_m3"));
 
 TEST(EngineGreedy, MatchesTheTransformersReference) {
   auto model = load_model(fixture("deepseek_v32").string());
@@ -487,8 +487,8 @@ TEST(EngineStops, StopStringsAcrossTokenBoundaries) {
 }
 
 TEST(EngineAbort, AtAnyPointFreesEverything) {
-  auto model = load_model(fixture("kimi_k3").string());
-  const std::vector<Tokens> prompts = fixture_prompts("kimi_k3");
+  auto model = load_model(fixture("kimi_k3_1_pro").string());
+  const std::vector<Tokens> prompts = fixture_prompts("kimi_k3_1_pro");
   EngineConfig config = roomy_config(*model);
   config.max_num_batched_tokens = 8;
   EngineCore engine(*model, nullptr, config);
@@ -497,9 +497,10 @@ TEST(EngineAbort, AtAnyPointFreesEverything) {
   engine.abort("waiting");  // before any step
   engine.add(greedy_request("prefilling", prompts[2], 10), got.callback());
   engine.add(greedy_request("decoding", prompts[0], 30), got.callback());
-  engine.add(greedy_request("finishing", prompts[0], 2), got.callback());
+  // (4 tokens: with 8 a step it finishes, its 2 tokens drawn, before the aborts below)
+  engine.add(greedy_request("finishing", Tokens(prompts[0].begin(), prompts[0].begin() + 4), 2), got.callback());
   engine.step();
-  engine.abort("prefilling");  // 8 of 90 prompt tokens computed
+  engine.abort("prefilling");  // 8 of 70 prompt tokens computed
   for (int i = 0; i < 4; ++i) engine.step();
   engine.abort("decoding");
   engine.abort("finishing");  // already finished: ignored

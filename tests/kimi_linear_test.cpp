@@ -1,11 +1,16 @@
-// Kimi Linear and Kimi K3 through load_model: small random checkpoints (KDA + MLA layers, dense MLP
-// and MoE) where a prefill followed by a chunked prefill and decodes equals one long prefill, both
-// checkpoint layouts load to the same model, batched sequences do not interact, and bad configs give
-// one-line errors. Agreement with transformers is checked on the committed fixtures
-// (tests/fixtures/kimi_linear, kimi_k3) by reference_test.cpp.
+// Kimi Linear and the released Kimi K3 / K3.1 Pro through load_model. Kimi Linear: small random
+// checkpoints (KDA + MLA layers, dense MLP and MoE) where a prefill followed by a chunked prefill and
+// decodes equals one long prefill, both checkpoint layouts load to the same model, batched sequences do not
+// interact, and bad configs give one-line errors. Kimi K3: the same on the committed release-layout
+// fixtures (tests/fixtures/kimi_k3, kimi_k3_1_pro, from tools/kimi_k3_reference.py), the K3.1 Pro indexer
+// restricting its MLA layers, the vision tower skipped, and K3 configs' errors. Agreement with the
+// references (transformers; tools/kimi_k3_reference.py for K3) is checked by reference_test.cpp.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -55,18 +60,6 @@ nlohmann::json tiny_kimi_linear() {
           {"tie_word_embeddings", false}};
 }
 
-// Kimi K3: the same with a query LoRA and a DSA indexer (index_topk 5) on the MLA layer.
-nlohmann::json tiny_kimi_k3() {
-  nlohmann::json c = tiny_kimi_linear();
-  c["model_type"] = "kimi_k3";
-  c["q_lora_rank"] = 12;
-  c["index_n_heads"] = 2;
-  c["index_head_dim"] = 8;
-  c["index_topk"] = 5;
-  c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}};
-  return c;
-}
-
 enum class Layout { Transformers, Kimi };  // what save_pretrained writes by default vs Kimi's release
 
 void write_checkpoint(const TempDir& dir, const nlohmann::json& config, Layout layout) {
@@ -77,7 +70,6 @@ void write_checkpoint(const TempDir& dir, const nlohmann::json& config, Layout l
   const int64_t nope = config["qk_nope_head_dim"], rope = config["qk_rope_head_dim"], v = config["v_head_dim"];
   const int64_t lh = config["linear_attn_config"]["num_heads"], ld = config["linear_attn_config"]["head_dim"];
   const int64_t kernel = config["linear_attn_config"]["short_conv_kernel_size"], P = lh * ld;
-  const bool k3 = config["model_type"] == "kimi_k3";
   const bool kimi = layout == Layout::Kimi;
   std::mt19937 rng(11);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -117,20 +109,8 @@ void write_checkpoint(const TempDir& dir, const nlohmann::json& config, Layout l
       linear(a + "g_b_proj.weight", P, ld);
       norm(a + "o_norm.weight", ld);
       linear(a + "o_proj.weight", H, P);
-    } else {  // MLA (and K3's indexer)
-      if (k3) {
-        const int64_t ql = config["q_lora_rank"], ih = config["index_n_heads"], id = config["index_head_dim"];
-        linear(a + "q_a_proj.weight", ql, H);
-        norm(a + "q_a_layernorm.weight", ql);
-        linear(a + "q_b_proj.weight", heads * (nope + rope), ql);
-        linear(a + "indexer.wq_b.weight", ih * id, ql);
-        linear(a + "indexer.wk.weight", id, H);
-        norm(a + "indexer.k_norm.weight", id);
-        add(a + "indexer.k_norm.bias", {id}, 0.1f);
-        linear(a + "indexer.weights_proj.weight", ih, H);
-      } else {
-        linear(a + "q_proj.weight", heads * (nope + rope), H);
-      }
+    } else {  // MLA
+      linear(a + "q_proj.weight", heads * (nope + rope), H);
       linear(a + "kv_a_proj_with_mqa.weight", kvl + rope, H);
       norm(a + "kv_a_layernorm.weight", kvl);
       linear(a + "kv_b_proj.weight", heads * (nope + v), kvl);
@@ -214,35 +194,10 @@ TEST(KimiLinearModel, PrefillThenDecodeEqualsOneLongPrefill) {
   expect_steps_match_one_prefill(*model, prompt(90));
 }
 
-TEST(KimiK3Model, PrefillThenDecodeEqualsOneLongPrefill) {
-  TempDir dir;
-  write_checkpoint(dir, tiny_kimi_k3(), Layout::Transformers);
-  std::unique_ptr<Model> model = load_model(dir.path());
-  EXPECT_EQ(model->model_type(), "kimi_k3");
-  expect_steps_match_one_prefill(*model, prompt(90));
-}
-
-TEST(KimiK3Model, TheIndexerRestrictsTheFullAttentionLayers) {
-  // Same weights, a budget wide enough to see everything: identical until more than index_topk = 5
-  // keys are visible, different afterwards.
-  TempDir sparse_dir, dense_dir;
-  nlohmann::json wide = tiny_kimi_k3();
-  wide["index_topk"] = 1000;
-  write_checkpoint(sparse_dir, tiny_kimi_k3(), Layout::Transformers);
-  write_checkpoint(dense_dir, wide, Layout::Transformers);
-  std::unique_ptr<Model> sparse = load_model(sparse_dir.path()), dense = load_model(dense_dir.path());
-  const std::vector<int32_t> tokens = prompt(20);
-  SequenceState a = sparrow::testing::new_sequence(*sparse), b = sparrow::testing::new_sequence(*dense);
-  const Tensor ls = sparrow::testing::run_step(*sparse, make_batch({{&a, tokens}})), ld = sparrow::testing::run_step(*dense, make_batch({{&b, tokens}}));
-  const int64_t V = sparse->vocab_size();
-  for (int64_t t = 0; t < 5; ++t) EXPECT_LT(relative_error(ls.row(t), ld.row(t), V), 1e-6) << t;
-  EXPECT_GT(relative_error(ls.row(19), ld.row(19), V), 1e-3);
-}
-
 TEST(KimiLinearModel, BothCheckpointLayoutsLoadTheSameModel) {
   // Kimi's release (block_sparse_moe, experts.N.w1/w2/w3, separate q/k/v convs, forget gate on
   // self_attn) and transformers' names hold the same random draws in the same order.
-  for (const nlohmann::json& config : {tiny_kimi_linear(), tiny_kimi_k3()}) {
+  for (const nlohmann::json& config : {tiny_kimi_linear()}) {
     TempDir hf_dir, kimi_dir;
     write_checkpoint(hf_dir, config, Layout::Transformers);
     write_checkpoint(kimi_dir, config, Layout::Kimi);
@@ -256,7 +211,7 @@ TEST(KimiLinearModel, BothCheckpointLayoutsLoadTheSameModel) {
 
 TEST(KimiLinearModel, SequencesInOneBatchDoNotInteract) {
   TempDir dir;
-  write_checkpoint(dir, tiny_kimi_k3(), Layout::Transformers);
+  write_checkpoint(dir, tiny_kimi_linear(), Layout::Transformers);
   std::unique_ptr<Model> model = load_model(dir.path());
   const int64_t V = model->vocab_size();
   const std::vector<int32_t> a = prompt(70), b = prompt(11);
@@ -301,7 +256,7 @@ TEST(KimiLinearModel, UnsupportedConfigsGiveOneLineErrors) {
     dir.write("config.json", config.dump());
     return error_message([&] { load_model(dir.path()); });
   };
-  const nlohmann::json linear = tiny_kimi_linear(), k3 = tiny_kimi_k3();
+  const nlohmann::json linear = tiny_kimi_linear();
   EXPECT_TRUE(mentions(load_with(linear, "hidden_act", "gelu"), {"hidden_act", "gelu"}));
   EXPECT_TRUE(mentions(load_with(linear, "moe_router_activation_func", "softmax"), {"moe_router_activation_func"}));
   EXPECT_TRUE(mentions(load_with(linear, "mla_use_nope", false), {"mla_use_nope"}));
@@ -311,7 +266,9 @@ TEST(KimiLinearModel, UnsupportedConfigsGiveOneLineErrors) {
                                                          "linear_attention"}),
                        {"layer_types", "sliding_attention"}));
   EXPECT_TRUE(mentions(load_with(linear, "mlp_layer_types", {"dense", "dense"}), {"mlp_layer_types"}));
-  EXPECT_TRUE(mentions(load_with(k3, "q_lora_rank", nullptr), {"q_lora_rank", "kimi_k3"}));
+  // Kimi K3's fields are refused under model_type kimi_linear: transformers would run another network.
+  EXPECT_TRUE(mentions(load_with(linear, "attn_res_block_size", 3), {"attn_res_block_size", "kimi_k3"}));
+  EXPECT_TRUE(mentions(load_with(linear, "hidden_act", "situ"), {"hidden_act", "situ"}));
   nlohmann::json gap = linear["linear_attn_config"];
   gap["kda_layers"] = {1, 2};
   EXPECT_TRUE(mentions(load_with(linear, "linear_attn_config", gap), {"layer 4"}));
@@ -319,4 +276,107 @@ TEST(KimiLinearModel, UnsupportedConfigsGiveOneLineErrors) {
   nlohmann::json wider = linear["linear_attn_config"];
   wider["head_dim"] = 16;
   EXPECT_TRUE(mentions(load_with(linear, "linear_attn_config", wider), {"layers.0.self_attn.q_proj.weight", "shape"}));
+}
+
+// ---- Kimi K3 and K3.1 Pro, on the release-layout fixtures -------------------------------------------------
+
+namespace {
+
+std::filesystem::path k3_fixture(const std::string& name) {
+  return std::filesystem::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / name;
+}
+
+// A copy of a K3 fixture's checkpoint whose text_config is changed by `edit` (and whose extra tensors, if
+// any, sit in a second shard named by an index).
+void copy_k3(const TempDir& dir, const std::string& fixture, const std::function<void(nlohmann::json&)>& edit) {
+  nlohmann::json config = nlohmann::json::parse(std::ifstream(k3_fixture(fixture) / "config.json"));
+  edit(config["text_config"]);
+  dir.write("config.json", config.dump());
+  std::filesystem::copy_file(k3_fixture(fixture) / "model.safetensors", dir.file("model.safetensors"));
+}
+
+}  // namespace
+
+TEST(KimiK3Model, PrefillThenDecodeEqualsOneLongPrefill) {
+  for (const char* fixture : {"kimi_k3", "kimi_k3_1_pro"}) {
+    SCOPED_TRACE(fixture);
+    std::unique_ptr<Model> model = load_model(k3_fixture(fixture).string());
+    EXPECT_EQ(model->model_type(), "kimi_k3");
+    expect_steps_match_one_prefill(*model, prompt(90, int(model->vocab_size())));
+  }
+}
+
+TEST(KimiK3Model, SequencesInOneBatchDoNotInteract) {
+  std::unique_ptr<Model> model = load_model(k3_fixture("kimi_k3_1_pro").string());
+  const int64_t V = model->vocab_size();
+  const std::vector<int32_t> a = prompt(70, int(V)), b = prompt(30, int(V));
+  SequenceState alone_a = sparrow::testing::new_sequence(*model), alone_b = sparrow::testing::new_sequence(*model);
+  const Tensor ra = sparrow::testing::run_step(*model, make_batch({{&alone_a, a}}));
+  const Tensor rb = sparrow::testing::run_step(*model, make_batch({{&alone_b, b}}));
+  SequenceState sa = sparrow::testing::new_sequence(*model), sb = sparrow::testing::new_sequence(*model);
+  sparrow::testing::run_step(*model, make_batch({{&sb, std::vector<int32_t>(b.begin(), b.begin() + 29)}}));
+  const Tensor both = sparrow::testing::run_step(*model, make_batch({{&sa, a}, {&sb, {b[29]}}}));
+  for (int64_t t = 0; t < 70; ++t) EXPECT_LT(relative_error(both.row(t), ra.row(t), V), 1e-5) << "a " << t;
+  EXPECT_LT(relative_error(both.row(70), rb.row(29), V), 1e-5);
+}
+
+TEST(KimiK3Model, TheIndexerRestrictsTheMlaLayers) {
+  // K3.1 Pro's weights with a budget that sees everything: identical while no more than index_topk keys
+  // are visible, different once the indexer leaves some out.
+  TempDir wide;
+  copy_k3(wide, "kimi_k3_1_pro", [](nlohmann::json& text) { text["index_topk"] = 100000; });
+  std::unique_ptr<Model> sparse = load_model(k3_fixture("kimi_k3_1_pro").string()), dense = load_model(wide.path());
+  const int64_t V = sparse->vocab_size();
+  const int64_t topk = nlohmann::json::parse(std::ifstream(k3_fixture("kimi_k3_1_pro") / "config.json"))["text_config"]["index_topk"];
+  const std::vector<int32_t> tokens = prompt(int(topk) + 30, int(V));
+  SequenceState a = sparrow::testing::new_sequence(*sparse), b = sparrow::testing::new_sequence(*dense);
+  const Tensor ls = sparrow::testing::run_step(*sparse, make_batch({{&a, tokens}}));
+  const Tensor ld = sparrow::testing::run_step(*dense, make_batch({{&b, tokens}}));
+  for (int64_t t = 0; t < topk; ++t) EXPECT_LT(relative_error(ls.row(t), ld.row(t), V), 2e-5) << t;
+  EXPECT_GT(relative_error(ls.row(topk + 29), ld.row(topk + 29), V), 1e-3);
+}
+
+TEST(KimiK3Model, TheVisionTowerIsSkipped) {
+  // The release is multimodal: its vision tower and projector sit beside language_model.* and are not read.
+  TempDir dir;
+  copy_k3(dir, "kimi_k3", [](nlohmann::json&) {});
+  write_safetensors(dir.file("vision.safetensors"),
+                    {{"vision_tower.encoder.blocks.0.attn.qkv.weight", Tensor::zeros({4, 4})},
+                     {"mm_projector.linear_1.weight", Tensor::zeros({4, 4})}});
+  nlohmann::json index;
+  std::unique_ptr<Model> text_only = load_model(k3_fixture("kimi_k3").string());
+  const auto text_file = SafetensorsFile::open((k3_fixture("kimi_k3") / "model.safetensors").string());
+  for (const auto& [name, info] : text_file->tensors())
+    index["weight_map"][name] = "model.safetensors";
+  index["weight_map"]["vision_tower.encoder.blocks.0.attn.qkv.weight"] = "vision.safetensors";
+  index["weight_map"]["mm_projector.linear_1.weight"] = "vision.safetensors";
+  dir.write("model.safetensors.index.json", index.dump());
+  std::unique_ptr<Model> model = load_model(dir.path());
+  const std::vector<int32_t> tokens = prompt(12, int(model->vocab_size()));
+  SequenceState a = sparrow::testing::new_sequence(*model), b = sparrow::testing::new_sequence(*text_only);
+  const Tensor la = sparrow::testing::run_step(*model, make_batch({{&a, tokens}}));
+  const Tensor lb = sparrow::testing::run_step(*text_only, make_batch({{&b, tokens}}));
+  for (int64_t i = 0; i < la.numel(); ++i) ASSERT_EQ(la.data()[i], lb.data()[i]) << i;
+}
+
+TEST(KimiK3Model, UnsupportedConfigsGiveOneLineErrors) {
+  auto load_with = [](const std::string& fixture, const std::function<void(nlohmann::json&)>& edit) {
+    TempDir dir;
+    copy_k3(dir, fixture, edit);
+    return error_message([&] { load_model(dir.path()); });
+  };
+  EXPECT_TRUE(mentions(load_with("kimi_k3", [](nlohmann::json& t) { t["hidden_act"] = "gelu"; }), {"hidden_act", "gelu", "situ"}));
+  EXPECT_TRUE(mentions(load_with("kimi_k3", [](nlohmann::json& t) { t["linear_attn_config"]["gate_lower_bound"] = 2.0; }),
+                       {"gate_lower_bound", "negative"}));
+  EXPECT_TRUE(mentions(load_with("kimi_k3_1_pro", [](nlohmann::json& t) { t["q_lora_rank"] = nullptr; }),
+                       {"q_lora_rank", "index_topk"}));
+  EXPECT_TRUE(mentions(load_with("kimi_k3_1_pro", [](nlohmann::json& t) { t["index_topk"] = 0; }), {"index_topk"}));
+  // A K3 checkpoint declared without its indexer has weights nobody reads.
+  EXPECT_TRUE(mentions(load_with("kimi_k3_1_pro", [](nlohmann::json& t) { t.erase("index_topk"); }),
+                       {"unexpected tensor", "indexer"}));
+  // Without AttnRes the per-sublayer queries are left over.
+  EXPECT_TRUE(mentions(load_with("kimi_k3", [](nlohmann::json& t) { t["attn_res_block_size"] = nullptr; }),
+                       {"unexpected tensor", "_res_"}));
+  EXPECT_TRUE(mentions(load_with("kimi_k3", [](nlohmann::json& t) { t["routed_expert_hidden_size"] = 48; }),
+                       {"routed_expert_down_proj", "shape"}));
 }

@@ -88,7 +88,7 @@ serve_check() {
 FIXTURE=tests/fixtures/deepseek_v32_gpu
 if [[ "${SERVE:-1}" != 0 ]]; then
   serve_check $FIXTURE 18431
-  serve_check tests/fixtures/kimi_k3_gpu 18432
+  serve_check tests/fixtures/kimi_k3_1_pro_gpu 18432
   serve_check $FIXTURE 18433 --kv-cache-dtype nvfp4 --attention-config '{"indexer_kv_dtype": "mxfp4"}'
   serve_check tests/fixtures/minimax_m3 18434 --kv-cache-dtype nvfp4 --attention-config '{"indexer_kv_dtype": "nvfp4"}'
 fi
@@ -96,7 +96,7 @@ fi
 
 echo "== forward throughput (tiny model: launch-bound, for orientation only), CUDA graphs on and off"
 "$BIN/sparrow" bench forward --device cpu --model "$FIXTURE" --prompt-tokens 256 --decode-tokens 32 --batch 8 || status=1
-for model in "$FIXTURE" tests/fixtures/minimax_m3 tests/fixtures/kimi_k3_gpu; do
+for model in "$FIXTURE" tests/fixtures/minimax_m3 tests/fixtures/kimi_k3_1_pro_gpu; do
   for batch in 1 8 64; do
     for eager in "" --enforce-eager; do
       "$BIN/sparrow" bench forward --device cuda $eager --model "$model" --prompt-tokens 256 --decode-tokens 64 \
@@ -105,6 +105,6 @@ for model in "$FIXTURE" tests/fixtures/minimax_m3 tests/fixtures/kimi_k3_gpu; do
   done
 done
 # Where a step's time goes (the decoder's marks as events on the stream; docs/bench.md).
-"$BIN/sparrow" bench forward --device cuda --model tests/fixtures/kimi_k3_gpu --prompt-tokens 256 --decode-tokens 16 \
+"$BIN/sparrow" bench forward --device cuda --model tests/fixtures/kimi_k3_1_pro_gpu --prompt-tokens 256 --decode-tokens 16 \
   --batch 8 --repeats 1 --profile || status=1
 exit $status

@@ -5,13 +5,25 @@ C++ implementation is tested against. Every formula names the vLLM 0.33.0 file a
 paths are relative to vllm/ (models/kimi_k3/nvidia/... unless said otherwise).
 
   python3 tools/kimi_k3_reference.py --self-check         # consistency checks of the reference itself
-  python3 tools/kimi_k3_reference.py --out DIR [--seed N]  # config.json, model.safetensors, prompts.json,
-                                                           # reference.safetensors, greedy.json, fixture.json
+  python3 tools/kimi_k3_reference.py --out DIR [--seed N] [--variant k3|k3_1_pro|k3_1_pro_gpu]
+      # config.json, generation_config.json, model.safetensors, prompts.json, reference.safetensors,
+      # greedy.json, fixture.json (see VARIANTS)
 
 The model, per token sequence processed from position 0 (prefill, causal):
   embedding -> for each layer: AttnRes mix -> input_layernorm -> KDA or MLA -> AttnRes mix ->
   post_attention_layernorm -> dense SiTU MLP or latent MoE -> ... -> final AttnRes mix -> model.norm -> lm_head.
 There is no residual stream x += f(x) when attn_res_block_size is set; see forward().
+
+Kimi K3.1 Pro = K3 plus a DeepSeek-V3.2 "lightning indexer" (DSA) on every MLA layer, present iff
+text_config.index_topk is not null (fields index_n_heads, index_head_dim, index_topk). vLLM 0.33.0's
+kimi_k3/nvidia code has no indexer (mla.py builds MLA with indexer=None), so the indexer follows
+transformers 5.17.0, models/deepseek_v32/modeling_deepseek_v32.py::DeepseekV32Indexer.forward and
+DeepseekV32Attention.forward (how the top-k masks the keys), WITHOUT its RoPE: K3 has no RoPE anywhere,
+so no part of the indexer's q or k is rotated. See dsa_indexer(). Its weights are
+language_model.model.layers.N.self_attn.indexer.{wq_b,wk,weights_proj}.weight, k_norm.{weight,bias}
+(INFERRED: transformers' module names under the K3 self_attn prefix; no K3.1 Pro checkpoint was read).
+A bf16 implementation (transformers) computes the indexer scores in fp32 from bf16 projections and a
+bf16 LayerNorm; here everything is float64, and seeds with near-ties in the selection are rejected.
 
 Where vLLM rounds to bf16 (the model dtype) and this reference does NOT (everything here is float64,
 computed on the stored weights upcast to float64; a C++ test must allow for these roundings):
@@ -84,8 +96,12 @@ LM_HEAD = TEXT + "lm_head.weight"   # (INFERRED)
 KDA_NORM_EPS = 1e-5                 # fla/ops/kda.py::FusedRMSNormGated(eps=1e-5), not rms_norm_eps
 L2_EPS = 1e-6                       # fused_recurrent.py: x / sqrt(sum x^2 + 1e-6); l2norm_fwd(eps=1e-6)
 SOFTPLUS_THRESHOLD = 20.0           # fused_recurrent.py / chunk.py: softplus(x) = x for x > 20
+INDEX_K_NORM_EPS = 1e-6             # transformers DeepseekV32Indexer.__init__: nn.LayerNorm(head_dim, eps=1e-6)
 GREEDY_TOKENS = 40
 MIN_GAP = 3e-5                      # default: reject seeds with a relative top-k / greedy gap below this
+# AttnRes query scale: logits of order 0.5. At 1.5 the random network's depth mix is sharp enough to amplify
+# a 1e-7 relative perturbation of its input ~250-fold, beyond what fp32 reorderings may differ by in the tests.
+ATTN_RES_GAIN = 0.5
 
 
 def text_config(config: dict) -> dict:
@@ -110,8 +126,9 @@ class Gaps:
     def __init__(self):
         self.smallest: dict[str, tuple[float, str]] = {}
 
-    def note(self, site: str, values: torch.Tensor, k: int, where: str):
-        """values [rows, n]: relative gap between the k-th and (k+1)-th largest of each row."""
+    def note(self, site: str, values: torch.Tensor, k: int, where: str, first_row: int = 0):
+        """values [rows, n]: relative gap between the k-th and (k+1)-th largest of each row; rows are
+        reported counting from first_row."""
         if k >= values.shape[-1]:
             return
         top = values.sort(-1, descending=True).values
@@ -119,7 +136,7 @@ class Gaps:
         gap = (top[:, k - 1] - top[:, k]) / scale            # masked (-inf) entries give an infinite gap
         row = int(gap.argmin())
         if float(gap[row]) < self.smallest.get(site, (math.inf, ""))[0]:
-            self.smallest[site] = (float(gap[row]), f"{where} row {row}")
+            self.smallest[site] = (float(gap[row]), f"{where} row {row + first_row}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,6 +151,13 @@ def linear(x, weight):
 def rms_norm(x, weight, eps):
     """layers/layernorm.py::RMSNorm: x / sqrt(mean(x^2) + eps) * w (plain weight, not Gemma's 1 + w)."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def layer_norm(x, weight, bias, eps):
+    """torch.nn.LayerNorm (elementwise affine, with bias): (x - mean) / sqrt(var + eps) * w + b, with the
+    biased variance (mean of squared deviations)."""
+    centered = x - x.mean(-1, keepdim=True)
+    return centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps) * weight + bias
 
 
 def gated_act(c: dict, gate, up):
@@ -162,15 +186,66 @@ def attn_res_mix(sources: list[torch.Tensor], norm_w, proj_w, eps):
 
 
 # ---------------------------------------------------------------------------------------------
+# K3.1 Pro: DSA indexer (transformers 5.17.0 deepseek_v32), no RoPE
+# ---------------------------------------------------------------------------------------------
+
+def has_indexer(c: dict) -> bool:
+    """K3.1 Pro: an indexer on every MLA layer iff text_config.index_topk is not null."""
+    return c.get("index_topk") is not None
+
+
+def dsa_index_scores(c: dict, W: Params, p: str, x, q_latent):
+    """The indexer's causal scores I [T, T] (-inf for s > t). transformers 5.17.0
+    models/deepseek_v32/modeling_deepseek_v32.py::DeepseekV32Indexer.forward, minus apply_rotary_pos_emb
+    (K3 has no RoPE; the same as cos = 1, sin = 0 there), with x the mixer input (hidden_states: the
+    input_layernorm output) and q_latent = q_a_layernorm(q_a_proj(x)) (q_resid):
+      q[t,h,:] = wq_b(q_latent)[t] viewed [T, index_n_heads, index_head_dim]
+      k[s,:]   = LayerNorm(wk(x))[s]     (k_norm = nn.LayerNorm(index_head_dim, eps=1e-6), with bias)
+      w[t,h]   = weights_proj(x)[t,h] * index_n_heads^-0.5
+      I[t,s]   = sum_h w[t,h] * relu(q[t,h,:] . k[s,:] * index_head_dim^-0.5)   (softmax_scale)
+    and I[t,s] = -inf for s > t (the causal attention_mask, bool -> masked_fill)."""
+    T, nh, hd = x.shape[0], c["index_n_heads"], c["index_head_dim"]
+    q = linear(q_latent, W(p + "wq_b.weight")).view(T, nh, hd)
+    k = layer_norm(linear(x, W(p + "wk.weight")), W(p + "k_norm.weight"), W(p + "k_norm.bias"), INDEX_K_NORM_EPS)
+    scores = F.relu(torch.einsum("thd,sd->ths", q, k) * hd ** -0.5)
+    weights = linear(x, W(p + "weights_proj.weight")) * nh ** -0.5
+    index = torch.einsum("th,ths->ts", weights, scores)
+    return index.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+
+
+def dsa_indexer(c: dict, W: Params, p: str, x, q_latent, gaps: Gaps | None = None, where: str = ""):
+    """Which keys each query token's MLA reads: a bool [T, T] mask, selected[t, s] (always s <= t).
+    transformers DeepseekV32Indexer.forward returns I.topk(min(index_topk, T)) per row (I from
+    dsa_index_scores); a masked key that topk picks (rows with t+1 < index_topk) stays masked, because
+    DeepseekV32Attention.forward ANDs the causal mask with the top-k scatter (attention_mask & ~index_mask).
+    So row t reads all its t+1 keys when t+1 <= index_topk, else its index_topk highest-scoring ones.
+    Ties (exact ones occur: relu makes whole scores 0) go to the earlier key (a stable sort), so that the
+    selection of row t does not depend on T; torch.topk leaves them unspecified, and fixture seeds with
+    near-ties are rejected anyway: gaps records the relative gap at the top-k boundary of the rows that
+    drop keys (site indexer_topk)."""
+    T, topk = x.shape[0], c["index_topk"]
+    index = dsa_index_scores(c, W, p, x, q_latent)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    picked = index.sort(dim=-1, descending=True, stable=True).indices[:, :min(topk, T)]
+    chosen = torch.zeros(T, T, dtype=torch.bool).scatter(1, picked, True)
+    if gaps is not None and T > topk:
+        gaps.note("indexer_topk", index[topk:], topk, f"{where}, {T} tokens,", first_row=topk)
+    return chosen & causal
+
+
+# ---------------------------------------------------------------------------------------------
 # MLA (mla.py::MultiHeadLatentAttention), no RoPE, sigmoid output gate
 # ---------------------------------------------------------------------------------------------
 
-def mla_attention(c: dict, W: Params, p: str, x):
+def mla_attention(c: dict, W: Params, p: str, x, gaps: Gaps | None = None, where: str = ""):
+    """With a K3.1 Pro indexer (has_indexer), each query attends only to the keys dsa_indexer selects
+    (transformers DeepseekV32Attention.forward: attention_mask & ~index_mask on the eager path)."""
     T, nh = x.shape[0], c["num_attention_heads"]
     dn, dr, dv, r = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
     eps = c["rms_norm_eps"]
     # _forward_q_lora: fused_qkv_a_g_proj = [q_a_proj | kv_a_proj_with_mqa | g_proj] (linear.py::
     # KimiK3MergedQKVGateLinear); _apply_q_lora_attention: fused_q_kv_rmsnorm, then q_b_proj.
+    q_latent = None
     if c.get("q_lora_rank") is not None:
         q_latent = rms_norm(linear(x, W(p + "q_a_proj.weight")), W(p + "q_a_layernorm.weight"), eps)
         q = linear(q_latent, W(p + "q_b_proj.weight"))
@@ -185,8 +260,11 @@ def mla_attention(c: dict, W: Params, p: str, x):
     k = torch.cat([kv[..., :dn], k_pe.unsqueeze(1).expand(T, nh, dr)], -1)
     v = kv[..., dn:]
     scores = torch.einsum("thd,shd->hts", q, k) * (dn + dr) ** -0.5   # self.scale = qk_head_dim**-0.5
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    keys = torch.ones(T, T, dtype=torch.bool).tril()                  # causal
+    if has_indexer(c):
+        assert q_latent is not None, "the indexer reads the q-LoRA latent: q_lora_rank must be set"
+        keys = dsa_indexer(c, W, p + "indexer.", x, q_latent, gaps, where)
+    probs = scores.masked_fill(~keys, float("-inf")).softmax(-1)
     out = torch.einsum("hts,shd->thd", probs, v).reshape(T, nh * dv)
     if c.get("mla_use_output_gate"):                                   # forward: _gate_sigmoid_mul
         out = out * torch.sigmoid(linear(x, W(p + "g_proj.weight")))
@@ -340,9 +418,9 @@ def is_moe_layer(c: dict, l: int) -> bool:
             and l % c.get("moe_layer_freq", 1) == 0)
 
 
-def attention(c, W, l, x):
+def attention(c, W, l, x, gaps=None):
     p = f"{MODEL}layers.{l}.self_attn."
-    return kda_layer(c, W, p, x)[0] if is_kda_layer(c, l) else mla_attention(c, W, p, x)
+    return kda_layer(c, W, p, x)[0] if is_kda_layer(c, l) else mla_attention(c, W, p, x, gaps, f"layer {l}")
 
 
 def ffn(c, W, l, x, gaps=None):
@@ -363,7 +441,7 @@ def forward(config: dict, weights: dict[str, torch.Tensor], tokens: list[int], *
         # No AttnRes: the standard pre-norm residual stack (the `not self.use_attn_res` branches).
         for l in range(L):
             pre = f"{MODEL}layers.{l}."
-            x = x + attention(c, W, l, rms_norm(x, W(pre + "input_layernorm.weight"), eps))
+            x = x + attention(c, W, l, rms_norm(x, W(pre + "input_layernorm.weight"), eps), gaps)
             x = x + ffn(c, W, l, rms_norm(x, W(pre + "post_attention_layernorm.weight"), eps), gaps)
     else:
         # AttnRes. blocks[j]: block slot j (blocks[0] = the embedding, blocks[j>0] = the sum of every
@@ -381,7 +459,7 @@ def forward(config: dict, weights: dict[str, torch.Tensor], tokens: list[int], *
                 blocks.append(s)                            # slot l//B (== m) is written, not read here
             h = attn_res_mix(blocks[:m] + [s], W(pre + "self_attention_res_norm.weight"),
                              W(pre + "self_attention_res_proj.weight"), eps)
-            a = attention(c, W, l, rms_norm(h, W(pre + "input_layernorm.weight"), eps))
+            a = attention(c, W, l, rms_norm(h, W(pre + "input_layernorm.weight"), eps), gaps)
             # _post_attn_norm: a new block's partial sum starts at a; otherwise s <- bf16(s + a).
             s = a if starts_block else s + a
             h = attn_res_mix(blocks[:m + starts_block] + [s], W(pre + "mlp_res_norm.weight"),
@@ -424,12 +502,77 @@ TINY_CONFIG = dict(model_type="kimi_k3", architectures=["KimiK3ForConditionalGen
 FP32_SUFFIXES = ("A_log", "dt_bias", "e_score_correction_bias", "_conv1d.weight")
 PROMPT_LENGTHS = [12, 40, 70]
 
+# K3.1 Pro: TINY plus an indexer on the MLA layers 2, 5, 7; top-16 < the 40- and 70-token prompts.
+# 8 index heads, not 4: a key whose q.k is <= 0 in every head scores exactly 0 (relu), which with 4
+# heads happens for 1 key in 16, and such exact ties sat at the top-16 boundary in all of seeds 1..20.
+TINY_PRO_TEXT_CONFIG = dict(TINY_TEXT_CONFIG, index_n_heads=8, index_head_dim=16, index_topk=16)
+TINY_PRO_CONFIG = dict(TINY_CONFIG, text_config=TINY_PRO_TEXT_CONFIG)
+
+# K3.1 Pro in shapes sparrow's GPU kernels take: kv_lora_rank 512 + qk_rope_head_dim 64 (the 576-wide
+# MLA cache row), indexer 32 heads x 128 with top-64, KDA head_dim 64, conv width 4. q_lora_rank 64,
+# qk_nope/v_head_dim 32, 2 KDA heads and routed_expert_hidden_size 64 (instead of 128, 64/64, 4, 128)
+# keep model.safetensors near 11 MB; the kernels do not constrain those.
+GPU_PRO_TEXT_CONFIG = dict(
+    TINY_PRO_TEXT_CONFIG,
+    vocab_size=256, hidden_size=128,
+    # 4 layers (KDA, KDA, MLA, KDA) in AttnRes blocks of 2: bf16's rounding grows with depth, and 8 layers of
+    # a random network would put the GPU beyond its bf16 tolerance (the variant's notes).
+    num_hidden_layers=4, attn_res_block_size=2,
+    linear_attn_config=dict(TINY_TEXT_CONFIG["linear_attn_config"], kda_layers=[1, 2, 4], full_attn_layers=[3],
+                            num_heads=2, head_dim=64),
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=512,
+    qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+    intermediate_size=256, moe_intermediate_size=64, routed_expert_hidden_size=64,
+    index_n_heads=32, index_head_dim=128, index_topk=64,
+    num_experts_per_token=8,  # every expert routed: bf16 on the GPU cannot flip a routing choice
+)
+GPU_PRO_CONFIG = dict(TINY_CONFIG, text_config=GPU_PRO_TEXT_CONFIG)
+
+K3_DESCRIPTION = ("released Kimi K3 text model (AttnRes, KDA + MLA without RoPE, latent MoE, SiTU) "
+                  "as vLLM 0.33.0 implements it; reference in float64 on the stored weights, "
+                  "no bf16 rounding of activations")
+PRO_DESCRIPTION = ("Kimi K3.1 Pro text model: the released K3 (AttnRes, KDA + MLA without RoPE, latent MoE, "
+                   "SiTU) as vLLM 0.33.0 implements it, plus a DeepSeek-V3.2 DSA indexer on every MLA layer as "
+                   "transformers 5.17.0 DeepseekV32Indexer/DeepseekV32Attention implement it, without RoPE; "
+                   "reference in float64 on the stored weights, no bf16 rounding of activations")
+
+# --variant: config, prompt lengths, default greedy length and near-tie threshold, weight gains
+# (random_weights), notes for fixture.json.
+VARIANTS = {
+    "k3": dict(config=TINY_CONFIG, prompt_lengths=PROMPT_LENGTHS, greedy_tokens=GREEDY_TOKENS, min_gap=MIN_GAP,
+               gain=1.5, head_gain=2.0, description=K3_DESCRIPTION, notes=None),
+    "k3_1_pro": dict(config=TINY_PRO_CONFIG, prompt_lengths=PROMPT_LENGTHS, greedy_tokens=GREEDY_TOKENS,
+                     min_gap=MIN_GAP, gain=1.5, head_gain=2.0, description=PRO_DESCRIPTION,
+                     notes="the k3 config plus index_n_heads 8, index_head_dim 16, index_topk 16: the 40- and "
+                           "70-token prompts (and the greedy continuations) exceed the top-k budget. 8 index "
+                           "heads rather than 4: with 4, a key with q.k <= 0 in every head scores exactly 0 "
+                           "(relu) for about 1 key in 16, and such exact ties fell on the top-16 boundary in "
+                           "every seed 1..20. Weight gains are the k3 ones"),
+    "k3_1_pro_gpu": dict(config=GPU_PRO_CONFIG, prompt_lengths=[20, 100, 140], greedy_tokens=24, min_gap=1e-5,
+                         gain=1.0, head_gain=2.0, description=PRO_DESCRIPTION,
+                         notes="shapes the GPU kernels take (kv_lora_rank 512, qk_rope_head_dim 64, indexer "
+                               "32 heads x 128 with top-64, KDA head_dim 64, conv 4); the 100- and 140-token "
+                               "prompts (the lengths tests/cuda/kimi_gpu_test.cpp expects) exceed the top-64 budget. q_lora_rank 64, qk_nope_head_dim 32, "
+                               "v_head_dim 32, 2 KDA heads and routed_expert_hidden_size 64 (rather than 128, "
+                               "64, 64, 4, 128) (and hidden 128, 4 heads, vocabulary 256) keep the fixture near the other GPU fixtures' ~5 MB. 24 greedy tokens (not 40) and a "
+                               "near-tie threshold of 1e-5 (not 3e-5, as for tests/fixtures/kimi_k3_gpu): the "
+                               "top-64 of up to 173 keys scored by 32 heads has relative gaps of ~1e-5 at its "
+                               "boundary in some of the ~500 rows checked. All 8 experts routed (top-8), as in tests/fixtures/"
+                               "kimi_linear_gpu, so that bf16 on the GPU cannot flip a routing choice. Weight gains "
+                               "are 1.0, not k3's 1.5, and there are 4 layers, not 8: with 8 layers at gain 1.5 this random "
+                               "network amplifies bf16 rounding of its activations to 5-10% in its logits (rounding "
+                               "every linear output, norm and AttnRes mix of tools/kimi_k3_reference.py to bf16 moves "
+                               "them that much), beyond the GPU test's 4% bf16 tolerance"),
+}
+
 
 def random_weights(config: dict, gen: torch.Generator, gain=1.5, head_gain=2.0) -> dict[str, torch.Tensor]:
     """float64 weights by checkpoint name. Matrices N(0, gain^2/fan_in) (lm_head: head_gain), the
-    embedding N(0, 1), norm scales 1 + N(0, 0.1^2), AttnRes queries N(0, 1/H) (logits of order 1).
+    embedding N(0, 1), norm scales 1 + N(0, 0.1^2), AttnRes queries N(0, ATTN_RES_GAIN^2/H) (logits of order 0.5).
     KDA decay: A = exp(A_log) in [1, 4], dt_bias ~ N(-2, 1), f_b gain 0.3, so exp(g) spans ~0.1..1
-    and the state remembers over many tokens."""
+    and the state remembers over many tokens. K3.1 Pro indexer (drawn after each MLA layer's own weights,
+    so a config without one draws exactly the K3 stream): wq_b, wk, weights_proj like any matrix,
+    k_norm weight 1 + N(0, 0.1^2) and bias N(0, 0.1^2)."""
     c = text_config(config)
     H, V, eps_std = c["hidden_size"], c["vocab_size"], 0.1
     out: dict[str, torch.Tensor] = {}
@@ -453,7 +596,7 @@ def random_weights(config: dict, gen: torch.Generator, gain=1.5, head_gain=2.0) 
         for n in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
             norm(pre + n + ".weight", H)
         for n in ("self_attention_res_proj", "mlp_res_proj"):
-            out[pre + n + ".weight"] = normal((1, H), 1.5 / math.sqrt(H))
+            out[pre + n + ".weight"] = normal((1, H), ATTN_RES_GAIN / math.sqrt(H))
         a = pre + "self_attn."
         if is_kda_layer(c, l):
             for n in "qkvg":
@@ -476,6 +619,13 @@ def random_weights(config: dict, gen: torch.Generator, gain=1.5, head_gain=2.0) 
             mat(a + "kv_b_proj.weight", nh * (dn + dv), c["kv_lora_rank"])
             mat(a + "g_proj.weight", nh * dv, H)
             mat(a + "o_proj.weight", H, nh * dv)
+            if has_indexer(c):                          # drawn last: a K3 config draws the same stream
+                ix, inh, ihd = a + "indexer.", c["index_n_heads"], c["index_head_dim"]
+                mat(ix + "wq_b.weight", inh * ihd, c["q_lora_rank"])
+                mat(ix + "wk.weight", ihd, H)
+                norm(ix + "k_norm.weight", ihd)
+                out[ix + "k_norm.bias"] = normal((ihd,), eps_std)
+                mat(ix + "weights_proj.weight", inh, H)
         if is_moe_layer(c, l):
             m, Z, I = pre + "block_sparse_moe.", c["routed_expert_hidden_size"], c["moe_intermediate_size"]
             mat(m + "gate.weight", c["num_experts"], H)
@@ -497,7 +647,7 @@ def random_weights(config: dict, gen: torch.Generator, gain=1.5, head_gain=2.0) 
             mat(pre + "mlp.down_proj.weight", H, c["intermediate_size"])
     norm(MODEL + "norm.weight", H)
     norm(MODEL + "output_attn_res_norm.weight", H)
-    out[MODEL + "output_attn_res_proj.weight"] = normal((1, H), 1.5 / math.sqrt(H))
+    out[MODEL + "output_attn_res_proj.weight"] = normal((1, H), ATTN_RES_GAIN / math.sqrt(H))
     mat(LM_HEAD, V, H, head_gain)
     return out
 
@@ -595,6 +745,67 @@ def self_check(seed: int) -> bool:
            (got - want).abs().max().item())
     print(f"  (logits with AttnRes: std {full.std().item():.3f}; without: std {got.std().item():.3f}; "
           f"AttnRes changes them by up to {(full[:40] - got).abs().max().item():.3f})")
+
+    # (d)-(g) K3.1 Pro: the TINY config plus a top-16 indexer on the MLA layers (2, 5, 7).
+    pro_w = random_weights(TINY_PRO_CONFIG, gen)
+    plain_pro_w = {n: t for n, t in pro_w.items() if ".indexer." not in n}
+    no_index = forward(TINY_CONFIG, plain_pro_w, tokens)
+    for topk in (len(tokens), 100):
+        wide = dict(TINY_PRO_CONFIG, text_config=dict(TINY_PRO_TEXT_CONFIG, index_topk=topk))
+        report(f"(d) index_topk {topk} >= 70 tokens: K3.1 Pro logits == same weights without the indexer",
+               (forward(wide, pro_w, tokens) - no_index).abs().max().item())
+    pro_full = forward(TINY_PRO_CONFIG, pro_w, tokens)
+    for n in (1, 12, 16, 17, 41):
+        report(f"(e) causality with the top-16 indexer: {n}-token prefix == rows [:{n}] of the 70-token forward",
+               (forward(TINY_PRO_CONFIG, pro_w, tokens[:n]) - pro_full[:n]).abs().max().item())
+    report("(f) top-16 indexer: rows [:16] (every key selected) == the forward without the indexer",
+           (pro_full[:16] - no_index[:16]).abs().max().item())
+    changed = (pro_full[16:] - no_index[16:]).abs().max().item()
+    results.append(changed > 1e-3)
+    print(f"  [{'PASS' if changed > 1e-3 else 'FAIL'}] (f) top-16 indexer: rows [16:] differ from the forward "
+          f"without it: max |diff| = {changed:.3e} (must be > 1e-3)")
+    # (g) dsa_indexer == transformers' DeepseekV32Indexer.forward with the identity rotation (cos 1, sin 0).
+    try:
+        from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config
+        from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
+    except ImportError as error:
+        print(f"  [SKIP] (g) transformers DeepseekV32Indexer not importable: {error}")
+    else:
+        pc, T = TINY_PRO_TEXT_CONFIG, len(tokens)
+        hf_cfg = DeepseekV32Config(hidden_size=pc["hidden_size"], q_lora_rank=pc["q_lora_rank"],
+                                   qk_rope_head_dim=8, index_n_heads=pc["index_n_heads"],
+                                   index_head_dim=pc["index_head_dim"], index_topk=pc["index_topk"])
+        hf = DeepseekV32Indexer(hf_cfg, 2).to(F64)
+        ip = f"{MODEL}layers.2.self_attn.indexer."
+        hf.load_state_dict({n: pro_w[ip + n] for n in hf.state_dict()})
+        xi = torch.randn(T, pc["hidden_size"], generator=gen, dtype=F64)
+        qi = torch.randn(T, pc["q_lora_rank"], generator=gen, dtype=F64)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        ident = (torch.ones(1, T, 8, dtype=F64), torch.zeros(1, T, 8, dtype=F64))
+        idx = hf(xi[None], qi[None], ident, causal[None], None)[0].long()
+        hf_mask = torch.zeros(T, T, dtype=torch.bool).scatter(1, idx, True) & causal
+        ours = dsa_indexer(pc, Params(pro_w), ip, xi, qi)
+        # transformers scores in fp32 (q.float(), k.float()) and leaves ties to torch.topk: compare the
+        # rows whose top-k boundary is clear (relative gap > 1e-5); rows t < 16 keep every key.
+        top = dsa_index_scores(pc, Params(pro_w), ip, xi, qi).sort(-1, descending=True).values
+        k = pc["index_topk"]
+        clear = torch.ones(T, dtype=torch.bool)
+        clear[k:] = (top[k:, k - 1] - top[k:, k]) > 1e-5 * top[k:, 0].abs().clamp_min(1e-30)
+        report(f"(g) dsa_indexer == transformers DeepseekV32Indexer (cos 1, sin 0), top-16: mismatched "
+               f"(query, key) pairs over the {int(clear.sum())} of {T} rows without a near-tie",
+               float((hf_mask != ours)[clear].sum()), 0.0)
+        # The forward returns indices only; check the scores I with transformers' own modules and
+        # attributes (wq_b, k_norm with its eps, weights_proj, softmax_scale, n_heads) in its formula.
+        with torch.no_grad():
+            hq = hf.wq_b(qi).view(T, pc["index_n_heads"], pc["index_head_dim"])
+            hk = hf.k_norm(hf.wk(xi))
+            hs = F.relu(torch.matmul(hq.transpose(0, 1), hk.T) * hf.softmax_scale)        # [H, T, T]
+            hw = hf.weights_proj(xi) * hf.n_heads ** -0.5
+            hI = torch.matmul(hw.unsqueeze(-2), hs.permute(1, 0, 2)).squeeze(-2).masked_fill(~causal, -math.inf)
+        ours_I = dsa_index_scores(pc, Params(pro_w), ip, xi, qi)
+        report("(g) dsa_index_scores == the transformers modules (wq_b, nn.LayerNorm k_norm, weights_proj, "
+               "softmax_scale, n_heads^-0.5) composed as in DeepseekV32Indexer.forward",
+               (ours_I[causal] - hI[causal]).abs().max().item())
     print("self-check:", "all passed" if all(results) else "FAILED")
     return all(results)
 
@@ -608,32 +819,55 @@ def greedy_gap(row: torch.Tensor) -> float:
     return float((top[0] - top[1]) / row.abs().max().clamp_min(1e-30))
 
 
-def build_fixture(out: Path, first_seed: int, max_tries: int, greedy_tokens: int, min_gap: float, command: str):
+def generation_config(config: dict) -> dict:
+    """generation_config.json in the format of the other fixtures (tests/fixtures/kimi_k3)."""
+    c = text_config(config)
+    return {"_from_model_config": True, "bos_token_id": c["bos_token_id"], "eos_token_id": c["eos_token_id"],
+            "output_attentions": False, "output_hidden_states": False, "transformers_version": "5.17.0",
+            "use_cache": True}
+
+
+def build_fixture(out: Path, variant: str, first_seed: int, max_tries: int, greedy_tokens: int | None,
+                  min_gap: float | None, command: str):
+    v = VARIANTS[variant]
+    config, prompt_lengths = v["config"], v["prompt_lengths"]
+    greedy_tokens = v["greedy_tokens"] if greedy_tokens is None else greedy_tokens
+    min_gap = v["min_gap"] if min_gap is None else min_gap
     rejected = []
     for seed in range(first_seed, first_seed + max_tries):
         gen = torch.Generator().manual_seed(seed)
-        stored = {n: t.to(storage_dtype(n)).contiguous() for n, t in random_weights(TINY_CONFIG, gen).items()}
-        vocab = TINY_TEXT_CONFIG["vocab_size"]
-        prompts = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+        stored = {n: t.to(storage_dtype(n)).contiguous()
+                  for n, t in random_weights(config, gen, v["gain"], v["head_gain"]).items()}
+        vocab = text_config(config)["vocab_size"]
+        prompts = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in prompt_lengths]
         gaps = Gaps()
-        logits = [forward(TINY_CONFIG, stored, p, gaps=gaps) for p in prompts]
+        logits = [forward(config, stored, p, gaps=gaps) for p in prompts]
         completions, greedy = [], (math.inf, "")
+
+        def near_ties():
+            found = dict(gaps.smallest, greedy_top1_top2=greedy)
+            return found, [f"{site} gap {gap:.2e} ({where})" for site, (gap, where) in found.items() if gap < min_gap]
+
+        # A seed with a near-tie so far is rejected whatever follows: stop generating at the first one.
+        found, problems = near_ties()
         for i, prompt in enumerate(prompts):
             ids = list(prompt)
             for step in range(greedy_tokens):
-                last = logits[i][-1] if step == 0 else forward(TINY_CONFIG, stored, ids, gaps=gaps)[-1]
+                if problems:
+                    break
+                last = logits[i][-1] if step == 0 else forward(config, stored, ids, gaps=gaps)[-1]
                 if greedy_gap(last) < greedy[0]:
                     greedy = (greedy_gap(last), f"prompt {i} step {step}")
                 ids.append(int(last.argmax()))
+                found, problems = near_ties()
             completions.append(ids[len(prompt):])
-        found = dict(gaps.smallest, greedy_top1_top2=greedy)
-        problems = [f"{site} gap {gap:.2e} ({where})" for site, (gap, where) in found.items() if gap < min_gap]
         if problems:
             rejected.append({"seed": seed, "why": problems})
-            print(f"seed {seed} rejected: {'; '.join(problems)}")
+            print(f"seed {seed} rejected: {'; '.join(problems)}", flush=True)
             continue
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2, sort_keys=True) + "\n")
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (out / "generation_config.json").write_text(json.dumps(generation_config(config), indent=2) + "\n")
         save_file(stored, out / "model.safetensors", metadata={"format": "pt"})
         # The reference must be what the files mean: reload and rerun on the stored values.
         reloaded = load_file(out / "model.safetensors")
@@ -648,13 +882,13 @@ def build_fixture(out: Path, first_seed: int, max_tries: int, greedy_tokens: int
                   "max": l.max().item(), "mean_top1_probability": l.softmax(-1).amax(-1).mean().item()}
                  for p, l in zip(prompts, logits)]
         info = {
-            "family": "kimi_k3", "generator": "tools/kimi_k3_reference.py", "command": command,
-            "description": "released Kimi K3 text model (AttnRes, KDA + MLA without RoPE, latent MoE, SiTU) "
-                           "as vLLM 0.33.0 implements it; reference in float64 on the stored weights, "
-                           "no bf16 rounding of activations",
+            "family": "kimi_k3", "variant": variant, "generator": "tools/kimi_k3_reference.py",
+            "command": command, "description": v["description"],
+            **({"notes": v["notes"]} if v["notes"] else {}),
             "storage": "bfloat16 (float32: A_log, dt_bias, e_score_correction_bias, conv taps)",
-            "seed": seed, "rejected_seeds": rejected, "prompt_lengths": PROMPT_LENGTHS,
-            "greedy_tokens": greedy_tokens, "torch": torch.__version__, "min_gap_threshold": min_gap,
+            "seed": seed, "rejected_seeds": rejected, "prompt_lengths": prompt_lengths,
+            "greedy_tokens": greedy_tokens, "weight_gain": v["gain"], "head_gain": v["head_gain"],
+            "torch": torch.__version__, "min_gap_threshold": min_gap,
             "smallest_relative_gaps": {s: {"gap": g, "where": w} for s, (g, w) in sorted(found.items())},
             "logits": stats,
         }
@@ -676,16 +910,21 @@ def main():
     parser.add_argument("--self-check", action="store_true", help="run the reference's self-checks")
     parser.add_argument("--seed", type=int, default=1, help="first seed tried (default 1)")
     parser.add_argument("--max-tries", type=int, default=20, help="seeds tried before giving up")
-    parser.add_argument("--greedy-tokens", type=int, default=GREEDY_TOKENS, help="greedy.json length")
-    parser.add_argument("--min-gap", type=float, default=MIN_GAP,
-                        help="reject seeds with a relative router top-k or greedy gap below this")
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="k3",
+                        help="fixture model: k3 (tiny K3), k3_1_pro (tiny K3 + DSA indexer), "
+                             "k3_1_pro_gpu (K3.1 Pro in GPU-kernel shapes); default k3")
+    parser.add_argument("--greedy-tokens", type=int, default=None,
+                        help="greedy.json length (default: the variant's)")
+    parser.add_argument("--min-gap", type=float, default=None,
+                        help="reject seeds with a relative router / indexer top-k or greedy gap below this "
+                             f"(default: the variant's, {MIN_GAP:g} except k3_1_pro_gpu)")
     args = parser.parse_args()
     if not args.out and not args.self_check:
         parser.error("give --out DIR and/or --self-check")
     torch.set_num_threads(1)
     ok = self_check(args.seed) if args.self_check else True
     if args.out:
-        build_fixture(args.out, args.seed, args.max_tries, args.greedy_tokens, args.min_gap,
+        build_fixture(args.out, args.variant, args.seed, args.max_tries, args.greedy_tokens, args.min_gap,
                       " ".join(["python3", "tools/kimi_k3_reference.py"] + sys.argv[1:]))
     sys.exit(0 if ok else 1)
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Builds the reference fixtures under tests/fixtures: tiny random checkpoints of each model family
 together with what HF transformers computes for them, so that tests/reference_test.cpp can check
-sparrow against transformers without network access or real weights.
+sparrow against transformers without network access or real weights. (Kimi K3, which transformers does
+not have, has its own reference and fixture writer: tools/kimi_k3_reference.py.)
 
 Each fixture folder holds
   config.json, model*.safetensors   the checkpoint, laid out as the family's real checkpoints are
@@ -32,7 +33,6 @@ import math
 import re
 import shutil
 import sys
-import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -51,8 +51,6 @@ from transformers import (
     MiniMaxM3VLForCausalLM,
     MiniMaxM3VLTextConfig,
 )
-from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer, DeepseekV32RotaryEmbedding
-from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
 
 GREEDY_TOKENS = 40
 # Relative gap (to the row's largest magnitude) under which a top-k boundary or a greedy choice
@@ -95,14 +93,6 @@ KIMI_LINEAR = dict(
     num_local_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
     routed_scaling_factor=2.446, norm_topk_prob=True, rms_norm_eps=1e-5,
     bos_token_id=0, eos_token_id=1, pad_token_id=None, tie_word_embeddings=False,
-)
-
-# Kimi K3: Kimi Linear with a q LoRA and a DeepSeek-V3.2 (DSA) indexer on every full-attention layer.
-KIMI_K3 = dict(
-    KIMI_LINEAR,
-    q_lora_rank=32,
-    index_topk=16, index_n_heads=8, index_head_dim=16,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 
 MINIMAX_M3 = dict(
@@ -151,91 +141,12 @@ FAMILIES = {
     "deepseek_v32_fp8": Family(DEEPSEEK_V32, "fp8", dsa_budget,
                                "DeepseekV32ForCausalLM, e4m3 linear weights with 128x128 block scales, 3 shards"),
     "kimi_linear": Family(KIMI_LINEAR, "float32", None, "KimiLinearForCausalLM, fp32 weights"),
-    "kimi_k3": Family(KIMI_K3, "bfloat16", dsa_budget,
-                      "Kimi Linear + DeepSeek-V3.2 indexer on full-attention layers, bf16 weights"),
     "minimax_m3": Family(MINIMAX_M3, "float16", msa_budget,
                          "MiniMaxM3VLForCausalLM (text only), fp16 weights, fused experts"),
     "minimax_m3_vl": Family(MINIMAX_M3_VL, "bfloat16", msa_budget,
                             "MiniMaxM3SparseForConditionalGeneration (vision tower present, text run), "
                             "bf16 weights in the original per-expert layout"),
 }
-
-
-# ---------------------------------------------------------------------------------------------
-# Kimi K3: transformers' Kimi Linear with DeepseekV32Indexer attached to the MLA layers
-# ---------------------------------------------------------------------------------------------
-
-class IndexKeyCache:
-    """The indexer key cache for K3 during generate(): KimiLinear's cache layers have no indexer
-    keys, so they live beside it, keyed by layer (same contract as DynamicIndexedLayer.update_indexer)."""
-
-    def __init__(self):
-        self.keys = {}
-
-    def update_indexer(self, key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        previous = self.keys.get(layer_idx)
-        self.keys[layer_idx] = key_states if previous is None else torch.cat([previous, key_states], dim=1)
-        return self.keys[layer_idx]
-
-
-def k3_attention_forward(self, hidden_states, attention_mask, past_key_values=None, **kwargs):
-    """KimiLinearAttention.forward with the DSA top-k folded into the attention mask, the way
-    transformers' DeepseekV32Attention.forward does it (eager path)."""
-    position_ids = kwargs["position_ids"]
-    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
-    position_embeddings = self.index_rotary_emb(hidden_states, position_ids)
-    index_cache = None
-    if past_key_values is not None:
-        if not hasattr(past_key_values, "k3_index_keys"):
-            past_key_values.k3_index_keys = IndexKeyCache()
-        index_cache = past_key_values.k3_index_keys
-    topk_indices = self.indexer(hidden_states, q_resid, position_embeddings, attention_mask[:, 0, :, :],
-                                position_ids, past_key_values=index_cache)
-    batch_size, seq_length = hidden_states.shape[:2]
-    index_mask = (
-        topk_indices.new_ones((batch_size, seq_length, attention_mask.shape[-1]), dtype=torch.bool)
-        .scatter(-1, topk_indices.long(), False)
-        .unsqueeze(1)
-    )
-    if attention_mask.dtype == torch.bool:
-        attention_mask = attention_mask & ~index_mask
-    else:
-        attention_mask = attention_mask.masked_fill(index_mask, torch.finfo(hidden_states.dtype).min)
-    return KimiLinearAttention.forward(self, hidden_states, attention_mask, past_key_values, **kwargs)
-
-
-def k3_indexer_config(config: KimiLinearConfig) -> DeepseekV32Config:
-    """The DeepSeek-V3.2 config the K3 indexer and its rotary embedding are built from."""
-    return DeepseekV32Config(
-        hidden_size=config.hidden_size, q_lora_rank=config.q_lora_rank,
-        qk_rope_head_dim=config.qk_rope_head_dim, qk_nope_head_dim=config.qk_nope_head_dim,
-        index_topk=config.index_topk, index_n_heads=config.index_n_heads, index_head_dim=config.index_head_dim,
-        rope_parameters=dict(getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
-        max_position_embeddings=config.max_position_embeddings,
-    )
-
-
-class KimiK3ForCausalLM(KimiLinearForCausalLM):
-    def __init__(self, config):
-        super().__init__(config)
-        index_config = k3_indexer_config(config)
-        rotary = DeepseekV32RotaryEmbedding(index_config)
-        for layer_idx, layer in enumerate(self.model.layers):
-            if config.layer_types[layer_idx] != "full_attention":
-                continue
-            attention = layer.self_attn
-            attention.indexer = DeepseekV32Indexer(index_config, layer_idx)
-            attention.index_rotary_emb = rotary
-            attention.forward = types.MethodType(k3_attention_forward, attention)
-
-
-K3_EXTRA_KEYS = ["index_n_heads", "index_head_dim", "index_topk", "rope_parameters"]
-
-
-def kimi_config_from(cfg: dict) -> KimiLinearConfig:
-    """KimiLinearConfig from a K3 config dict (config.json's or the tiny one)."""
-    cfg = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")}
-    return KimiLinearConfig(**cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,8 +159,6 @@ def build_model(family: str, cfg: dict):
         return DeepseekV32ForCausalLM(DeepseekV32Config(**cfg, attn_implementation="eager"))
     if family == "kimi_linear":
         return KimiLinearForCausalLM(KimiLinearConfig(**cfg, attn_implementation="eager"))
-    if family == "kimi_k3":
-        return KimiK3ForCausalLM(KimiLinearConfig(**cfg, attn_implementation="eager"))
     if family == "minimax_m3":
         return MiniMaxM3VLForCausalLM(MiniMaxM3VLTextConfig(**cfg, attn_implementation="eager"))
     if family == "minimax_m3_vl":
@@ -269,9 +178,6 @@ def load_model(family: str, folder: Path):
         model, info = DeepseekV32ForCausalLM.from_pretrained(folder, **kwargs)
     elif family == "kimi_linear":
         model, info = KimiLinearForCausalLM.from_pretrained(folder, **kwargs)
-    elif family == "kimi_k3":
-        config = kimi_config_from(json.loads((folder / "config.json").read_text()))
-        model, info = KimiK3ForCausalLM.from_pretrained(folder, config=config, **kwargs)
     elif family == "minimax_m3":
         model, info = MiniMaxM3VLForCausalLM.from_pretrained(folder, **kwargs)
     elif family == "minimax_m3_vl":
@@ -613,13 +519,6 @@ def write_checkpoint(family_name: str, family: Family, model, folder: Path, scra
         convert_to_fp8(folder, scratch / "dequantized")
     else:
         raise AssertionError(storage)
-    if family_name == "kimi_k3":
-        config = json.loads((folder / "config.json").read_text())
-        for key in K3_EXTRA_KEYS:
-            config[key] = getattr(model.config, key)
-        config["model_type"] = "kimi_k3"
-        config["architectures"] = ["KimiK3ForCausalLM"]
-        (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     expected = {n: p.detach().clone() for n, p in model.named_parameters()}
     expected.update({n: b.detach().clone() for n, b in model.named_buffers() if "e_score" in n})
     return expected

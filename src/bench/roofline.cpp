@@ -85,10 +85,16 @@ struct Families {
   ModelCost cost;
 };
 
+// `latent` > 0: Kimi K3's latent MoE, whose experts work at that width between a down and an up projection.
 void add_moe_layer(Families& f, int64_t hidden, int64_t experts, int64_t top_k, int64_t intermediate,
-                   int64_t shared_intermediate) {
+                   int64_t shared_intermediate, int64_t latent = 0, bool latent_norm = false) {
   f.dense.add(Store::Matrix, experts, hidden);  // router
-  count_mlp(f.dense, hidden, shared_intermediate);
+  if (shared_intermediate > 0) count_mlp(f.dense, hidden, shared_intermediate);
+  if (latent > 0) {
+    f.dense.add(Store::Linear, latent, hidden), f.dense.add(Store::Linear, hidden, latent);
+    if (latent_norm) f.dense.vector(latent);
+    hidden = latent;
+  }
   if (f.cost.moe_layers == 0) {
     Counter one;
     one.fp8 = f.dense.fp8;
@@ -175,9 +181,9 @@ std::vector<std::string> kimi_layer_types(const Config& c, const Config& linear,
   return types;
 }
 
-void kimi_linear(Families& f, const Config& c) {
-  const bool k3 = c.get_string("model_type") == "kimi_k3";
-  const int64_t hidden = c.get_int("hidden_size", 2304), layers = c.get_int("num_hidden_layers", 27);
+// Kimi Linear (transformers' defaults) or Kimi K3 (vLLM's defaults and K3's fields), model/kimi_linear.cpp.
+void kimi_linear(Families& f, const Config& c, bool k3) {
+  const int64_t hidden = c.get_int("hidden_size", k3 ? 4096 : 2304), layers = c.get_int("num_hidden_layers", k3 ? 32 : 27);
   const Config linear =
       c.has("linear_attn_config") ? c.get_object("linear_attn_config") : Config(nlohmann::json::object(), c.where());
   auto linear_size = [&](const std::string& sub, const std::string& key, int64_t def) {
@@ -192,18 +198,29 @@ void kimi_linear(Families& f, const Config& c) {
                 c.get_int("qk_nope_head_dim", 128),
                 c.get_int("qk_rope_head_dim", 64),
                 c.get_int("v_head_dim", 128),
-                c.get_bool("attention_bias", false)};
+                !k3 && c.get_bool("attention_bias", false)};
   const Dsa dsa{hidden, mla.q_lora, c.get_int("index_n_heads", 64), c.get_int("index_head_dim", 128),
                 c.get_int("index_topk", 2048)};
-  const int64_t experts = c.get_int(key_or_alias(c, "num_local_experts", "num_experts"), 256);
+  const bool indexer = k3 && c.has("index_topk"), mla_gate = k3 && c.get_bool("mla_use_output_gate", false);
+  const bool full_rank_gate = k3 && linear.get_bool("use_full_rank_gate", false);
+  const bool attn_res = k3 && c.get_int("attn_res_block_size", 0) > 0;
+  const std::string experts_key = key_or_alias(c, "num_local_experts", "num_experts");
+  const int64_t experts = c.get_int(experts_key, 256);
   const int64_t top_k = c.get_int(key_or_alias(c, "num_experts_per_tok", "num_experts_per_token"), 8);
-  const int64_t shared = c.get_int(key_or_alias(c, "n_shared_experts", "num_shared_experts"), 1);
+  const int64_t shared = c.get_int(key_or_alias(c, "n_shared_experts", "num_shared_experts"), k3 ? 0 : 1);
   const int64_t moe_intermediate = c.get_int("moe_intermediate_size", 1024);
+  const int64_t latent = k3 ? c.get_int("routed_expert_hidden_size", 0) : 0;
   const std::vector<std::string> types = kimi_layer_types(c, linear, layers);
-  const std::vector<std::string> mlp = dense_first(c, layers, 1);
+  std::vector<std::string> mlp = dense_first(c, layers, 1);
+  if (k3) {  // vLLM's KimiDecoderLayer: MoE iff num_experts is set, l >= first_k_dense_replace, l % freq == 0
+    const int64_t dense = c.get_int("first_k_dense_replace", 0), freq = c.get_int("moe_layer_freq", 1);
+    for (int64_t i = 0; i < layers; ++i)
+      mlp[size_t(i)] = c.has(experts_key) && i >= dense && i % freq == 0 ? "sparse" : "dense";
+  }
   embeddings(f, c.get_int("vocab_size", 163840), hidden, c.get_bool("tie_word_embeddings", false));
+  if (attn_res) f.dense.vector(2 * hidden);  // output_attn_res_norm, _proj
   for (int64_t i = 0; i < layers; ++i) {
-    f.dense.vector(2 * hidden);
+    f.dense.vector((attn_res ? 6 : 2) * hidden);  // the layer norms (and AttnRes's two queries of two vectors)
     MixerCost m;
     if (types.at(size_t(i)) == "linear_attention") {
       Counter& d = f.dense;
@@ -212,7 +229,10 @@ void kimi_linear(Families& f, const Config& c) {
       d.add(Store::Linear, D, hidden), d.add(Store::Linear, P, D);  // forget gate f_a, f_b
       d.vector(P + H);                                              // dt_bias, A_log
       d.add(Store::Linear, H, hidden);                              // b_proj
-      d.add(Store::Linear, D, hidden), d.add(Store::Linear, P, D);  // output gate g_a, g_b
+      if (full_rank_gate)
+        d.add(Store::Linear, P, hidden);                            // output gate g_proj (K3)
+      else
+        d.add(Store::Linear, D, hidden), d.add(Store::Linear, P, D);  // output gate g_a, g_b
       d.vector(D);                                                  // o_norm
       d.add(Store::Linear, hidden, P);
       m.kind = "kda";
@@ -220,9 +240,10 @@ void kimi_linear(Families& f, const Config& c) {
       m.state_flops = 8.0 * double(H) * double(D) * double(D);
     } else {
       mla.count(f.dense);
+      if (mla_gate) f.dense.add(Store::Linear, mla.heads * mla.v, hidden);  // g_proj
       m.kind = "mla";
       m.flops_per_key = mla.flops_per_key();
-      if (k3) {
+      if (indexer) {
         dsa.count(f.dense);
         m.kind = "mla_dsa";
         m.attended_limit = dsa.topk;
@@ -231,9 +252,10 @@ void kimi_linear(Families& f, const Config& c) {
     }
     f.cost.mixers.push_back(m);
     if (mlp.at(size_t(i)) == "dense")
-      count_mlp(f.dense, hidden, c.get_int("intermediate_size", 9216));
+      count_mlp(f.dense, hidden, c.get_int("intermediate_size", k3 ? 11008 : 9216));
     else
-      add_moe_layer(f, hidden, experts, top_k, moe_intermediate, moe_intermediate * shared);
+      add_moe_layer(f, hidden, experts, top_k, moe_intermediate, moe_intermediate * shared, latent,
+                    c.get_bool("latent_moe_use_norm", false));
   }
 }
 
@@ -322,7 +344,7 @@ ModelCost model_cost(const Config& config, const std::string& kv_cache_dtype) {
   const ModelFamily& family = model_family(config);
   const std::string name = family.family;
   if (name == "deepseek_v32") deepseek_v32(f, family.text(config));
-  else if (name == "kimi_linear") kimi_linear(f, family.text(config));
+  else if (name == "kimi_linear") kimi_linear(f, family.text(config), std::string(family.model_type) == "kimi_k3");
   else if (name == "minimax_m3") minimax_m3(f, family.text(config), config.get_bool("tie_word_embeddings", false));
   else fail("bench: no cost model for the ", name, " family");
 

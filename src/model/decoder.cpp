@@ -28,6 +28,48 @@ void DecoderModel::take_embeddings(Checkpoint& ckpt, const std::string& decoder_
   if (ckpt.has(head_name)) ckpt.take(head_name, {vocab, hidden});
 }
 
+Tensor DecoderModel::residual_layers(Tensor x, const Batch& batch, StepMarks* marks) {
+  for (size_t i = 0; i < layers.size(); ++i) {
+    DecoderLayer& layer = layers[i];
+    ops::add_(x, layer.mixer->forward(ops::rms_norm(x, layer.input_norm, norm_eps, norm_unit_offset), batch, int(i)));
+    if (marks) marks->mark("mixer " + layer.mixer->name());
+    ops::add_(x, layer.ffn->forward(ops::rms_norm(x, layer.post_norm, norm_eps, norm_unit_offset)));
+    if (marks) marks->mark("ffn " + layer.ffn->name());
+  }
+  return x;
+}
+
+// The AttnRes stack as the header writes it; `pending` is the last feed-forward output, added to the
+// partial sum where vLLM adds it (before the next layer's first mix, or the output mix).
+Tensor DecoderModel::attn_res_layers(Tensor embedded, const Batch& batch, StepMarks* marks) {
+  std::vector<Tensor> sources;  // the finished blocks, then (while mixing) the partial sum
+  Tensor partial = std::move(embedded), pending;
+  auto mix = [&](const AttnResQuery& query, bool with_partial) {
+    if (with_partial) sources.push_back(partial);
+    Tensor mixed = ops::attn_res_mix(sources, query.norm, query.proj, norm_eps);
+    if (with_partial) sources.pop_back();
+    return mixed;
+  };
+  for (size_t i = 0; i < layers.size(); ++i) {
+    DecoderLayer& layer = layers[i];
+    const bool starts_block = int64_t(i) % attn_res_block == 0;
+    if (pending.defined()) ops::add_(partial, pending);
+    if (starts_block) sources.push_back(partial);  // partial is rebound below, never added to in place
+    Tensor a = layer.mixer->forward(
+        ops::rms_norm(mix(layer.before_mixer, !starts_block), layer.input_norm, norm_eps, norm_unit_offset), batch,
+        int(i));
+    if (starts_block)
+      partial = std::move(a);
+    else
+      ops::add_(partial, a);
+    if (marks) marks->mark("mixer " + layer.mixer->name());
+    pending = layer.ffn->forward(ops::rms_norm(mix(layer.before_ffn, true), layer.post_norm, norm_eps, norm_unit_offset));
+    if (marks) marks->mark("ffn " + layer.ffn->name());
+  }
+  if (pending.defined()) ops::add_(partial, pending);
+  return mix(output_attn_res, true);
+}
+
 Tensor DecoderModel::forward(const Batch& batch, StepMarks* marks) {
   const bool on_gpu = placed_on != Device::Cpu;
   // (A profiled step marks the end of each part; the marks are the only difference.)
@@ -36,13 +78,7 @@ Tensor DecoderModel::forward(const Batch& batch, StepMarks* marks) {
   };
   Tensor x = on_gpu ? ops::embedding(embed, device_step(batch).token_ids) : ops::embedding(embed, batch.tokens);
   mark("embedding");
-  for (size_t i = 0; i < layers.size(); ++i) {
-    DecoderLayer& layer = layers[i];
-    ops::add_(x, layer.mixer->forward(ops::rms_norm(x, layer.input_norm, norm_eps, norm_unit_offset), batch, int(i)));
-    if (marks) mark("mixer " + layer.mixer->name());
-    ops::add_(x, layer.ffn->forward(ops::rms_norm(x, layer.post_norm, norm_eps, norm_unit_offset)));
-    if (marks) mark("ffn " + layer.ffn->name());
-  }
+  x = attn_res_block > 0 ? attn_res_layers(std::move(x), batch, marks) : residual_layers(std::move(x), batch, marks);
   if (!batch.all_logits) {
     if (on_gpu) {
       x = ops::select_rows(x, device_step(batch).last_rows);

@@ -4,6 +4,19 @@
 //   logits = lm_head(norm_final(x))
 // A family differs only in which mixer (MLA, MLA+DSA, GQA+MSA, KDA) and which feed-forward (dense MLP,
 // MoE) each layer gets, and in its RMSNorm convention; it builds a DecoderModel and is a short file.
+//
+// Kimi K3 replaces the residual stream by AttnRes (attention over the depth; vLLM 0.33
+// models/kimi_k3/nvidia/model.py KimiLinearModel.forward and KimiDecoderLayer._pre_attn_norm /
+// _post_attn_norm, ops/attn_res.py). Layers form blocks of attn_res_block_size; the sources are the
+// embedding, the sum of every sublayer output of each finished block, and the partial sum of the current
+// block; each sublayer's input is a softmax mix of them (ops::attn_res_mix, one learned query per
+// sublayer) instead of x:
+//   partial = x = embed(tokens); sources = []
+//   for layer l:  if l starts a block: sources += partial (the finished block; the embedding first)
+//                 a = mixer(norm_in(mix(sources [+ partial unless l starts a block])))
+//                 partial = a if l starts a block, else partial + a
+//                 partial += ffn(norm_post(mix(sources + partial)))   (added before the next layer)
+//   logits = lm_head(norm_final(mix_output(sources + partial)))
 #pragma once
 #include <memory>
 #include <string>
@@ -37,9 +50,16 @@ class FeedForward {
   virtual std::string name() const = 0;                // its kind, for step profiles: "mlp", "moe"
 };
 
+// One AttnRes mix point: the learned query is norm * proj (fp32 [hidden] each).
+struct AttnResQuery {
+  Tensor norm;
+  Tensor proj;
+};
+
 struct DecoderLayer {
   Tensor input_norm;  // [hidden]
   Tensor post_norm;   // [hidden]
+  AttnResQuery before_mixer, before_ffn;  // AttnRes only (self_attention_res_*, mlp_res_*)
   std::unique_ptr<Mixer> mixer;
   std::unique_ptr<FeedForward> ffn;
 };
@@ -56,6 +76,8 @@ class DecoderModel : public Model {
   Tensor final_norm;              // [hidden]
   Tensor lm_head;                 // [vocab, hidden] (may share storage with embed when tied)
   std::vector<DecoderLayer> layers;
+  int64_t attn_res_block = 0;     // layers per AttnRes block; 0: the residual stream
+  AttnResQuery output_attn_res;   // AttnRes only: the mix before the final norm
 
   // Takes embed_tokens and norm under `decoder_prefix` (e.g. "model.") and the output head `head_name`.
   // With tied embeddings the head is the embedding; transformers ties it even when the file also holds
@@ -70,6 +92,11 @@ class DecoderModel : public Model {
   // The stack itself, from the batch's tokens to its logits on the model's device (on a GPU, from the
   // step's inputs in batch.device_step).
   Tensor forward(const Batch& batch, StepMarks* marks) override;
+
+ private:
+  // The layers, from the embedded tokens to the hidden states before the final norm.
+  Tensor residual_layers(Tensor x, const Batch& batch, StepMarks* marks);
+  Tensor attn_res_layers(Tensor embedded, const Batch& batch, StepMarks* marks);
 };
 
 }  // namespace sparrow

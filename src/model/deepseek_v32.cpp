@@ -147,10 +147,12 @@ std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt, const Config& 
           DenseMlp::load(ckpt, layer_prefix + "mlp.", hidden, config.get_int("intermediate_size", 18432), silu_glu));
       layer.ffn = std::move(mlp);
     } else {
-      layer.ffn = MoeBlock::load_grouped(
-          ckpt, layer_prefix + "mlp.",
-          {hidden, num_experts, moe_intermediate, experts_per_token, n_group, topk_group, n_shared,
-           config.get_bool("norm_topk_prob", true), float(config.get_float("routed_scaling_factor", 2.5))});
+      GroupedMoeShape shape;
+      shape.hidden = hidden, shape.num_experts = num_experts, shape.intermediate = moe_intermediate;
+      shape.top_k = experts_per_token, shape.n_group = n_group, shape.topk_group = topk_group, shape.n_shared = n_shared;
+      shape.normalize = config.get_bool("norm_topk_prob", true);
+      shape.routed_scaling_factor = float(config.get_float("routed_scaling_factor", 2.5));
+      layer.ffn = MoeBlock::load_grouped(ckpt, layer_prefix + "mlp.", shape);
     }
     model->layers.push_back(std::move(layer));
   }

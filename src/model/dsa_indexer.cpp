@@ -19,8 +19,8 @@ namespace sparrow {
 
 std::unique_ptr<DsaIndexer> DsaIndexer::load(Checkpoint& ckpt, const std::string& prefix,
                                              const DsaIndexerOptions& options) {
-  SPARROW_CHECK(options.rope.rot_dim() <= options.head_dim, "DSA indexer: rotary dimension ", options.rope.rot_dim(),
-                " exceeds index_head_dim ", options.head_dim);
+  SPARROW_CHECK(!options.rope || options.rope->rot_dim() <= options.head_dim, "DSA indexer: rotary dimension ",
+                options.rope ? options.rope->rot_dim() : 0, " exceeds index_head_dim ", options.head_dim);
   SPARROW_CHECK(options.topk > 0, "DSA indexer: index_topk must be positive, got ", options.topk);
   auto indexer = std::make_unique<DsaIndexer>();
   indexer->options = options;
@@ -42,10 +42,11 @@ DsaIndexer::Projection DsaIndexer::project(const Tensor& x, const Tensor& q_resi
   ops::scale_(p.head_weights, 1.0f / std::sqrt(float(heads)));
   // NeoX (half-split) RoPE on the leading rot dims of every query head and of the key; the main MLA
   // attention uses the interleaved pairing instead.
+  if (!options.rope) return p;
   const Tensor& positions = batch.positions_on(x.device());
-  const Tensor& inv_freq = options.rope.inv_freq_on(x.device());
-  ops::rope_(p.queries, positions, inv_freq, options.rope.attention_scaling, 0, heads, dim, /*interleaved=*/false);
-  ops::rope_(p.keys, positions, inv_freq, options.rope.attention_scaling, 0, 1, dim, false);
+  const Tensor& inv_freq = options.rope->inv_freq_on(x.device());
+  ops::rope_(p.queries, positions, inv_freq, options.rope->attention_scaling, 0, heads, dim, /*interleaved=*/false);
+  ops::rope_(p.keys, positions, inv_freq, options.rope->attention_scaling, 0, 1, dim, false);
   return p;
 }
 

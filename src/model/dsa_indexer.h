@@ -5,7 +5,8 @@
 // (q_a_layernorm(q_a_proj(x))):
 //   q[h]    = wq_b(q_resid) split into heads of head_dim    (h < num_heads)
 //   k       = LayerNorm(wk(x))                              (weight + bias, eps 1e-6)
-//   NeoX RoPE on the FIRST rope.rot_dim() dims of every q[h] and of k (the rest passes through)
+//   NeoX RoPE on the FIRST rope.rot_dim() dims of every q[h] and of k (the rest passes through); none
+//   for Kimi K3.1 Pro, which has no RoPE anywhere
 //   w[h]    = weights_proj(x)[h] * num_heads^-0.5
 //   score(s) = sum_h w[h] * relu(q[h] · k_s * head_dim^-0.5)     for cached keys s <= t
 // and the query attends to the `topk` highest-scoring keys (all visible keys when there are no more
@@ -18,6 +19,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,7 +37,7 @@ struct DsaIndexerOptions {
   int64_t num_heads = 0;    // index_n_heads
   int64_t head_dim = 0;     // index_head_dim
   int64_t topk = 0;         // index_topk
-  Rope rope;                // NeoX rotation of the first rope.rot_dim() dims (qk_rope_head_dim)
+  std::optional<Rope> rope; // NeoX rotation of the first rope->rot_dim() dims (qk_rope_head_dim); absent: none
   float k_norm_eps = 1e-6f; // nn.LayerNorm(head_dim, eps=1e-6) in transformers
   // The indexer's cache: one key per token, head_dim floats, normalised and roped.
   PageSpec cache_page() const { return {PageKind::DsaIndexKey, head_dim}; }

@@ -19,12 +19,14 @@ using FamilyLoader = std::unique_ptr<DecoderModel> (*)(Checkpoint& ckpt, const C
 using FamilyCacheSpec = std::vector<LayerCacheSpec> (*)(const Config& text);
 
 std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt, const Config& text, const std::string& prefix);
-// kimi_linear and kimi_k3 (kimi_linear + a DSA indexer on every full-attention layer).
+// kimi_linear (as transformers defines it) and kimi_k3 (the release, as vLLM defines it), one file.
 std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt, const Config& text, const std::string& prefix);
+std::unique_ptr<DecoderModel> load_kimi_k3(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 std::unique_ptr<DecoderModel> load_minimax_m3(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 
 std::vector<LayerCacheSpec> deepseek_v32_cache_spec(const Config& text);
 std::vector<LayerCacheSpec> kimi_linear_cache_spec(const Config& text);
+std::vector<LayerCacheSpec> kimi_k3_cache_spec(const Config& text);
 std::vector<LayerCacheSpec> minimax_m3_cache_spec(const Config& text);
 
 // The model registry: one row per config.json model_type, the only place a model_type is dispatched

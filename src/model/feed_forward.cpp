@@ -24,11 +24,9 @@ DenseMlp DenseMlp::load(Checkpoint& ckpt, const std::string& prefix, int64_t hid
   return mlp;
 }
 
-ops::Glu Activation::glu_kind() const { return kind == SiluGlu ? ops::Glu::SiluGlu : ops::Glu::ClampedSwiglu; }
-
 Tensor DenseMlp::forward(const Tensor& x) const {
   Tensor gate_up_out = ops::linear(x, gate_up);  // [T, 2I]
-  return ops::linear(ops::glu(gate_up_out, act.glu_kind(), act.alpha, act.limit), down);
+  return ops::linear(ops::glu(gate_up_out, act.kind, act.alpha, act.limit), down);
 }
 
 Tensor SigmoidRouter::load_bias(Checkpoint& ckpt, const std::string& name, int64_t num_experts) {
@@ -45,9 +43,18 @@ std::unique_ptr<MoeBlock> MoeBlock::load_grouped(Checkpoint& ckpt, const std::st
   moe->router.topk_group = shape.topk_group;
   moe->router.normalize = shape.normalize;
   moe->router.routed_scaling_factor = shape.routed_scaling_factor;
-  moe->experts = ckpt.take_experts(prefix + "experts", shape.num_experts, shape.intermediate, shape.hidden);
-  moe->shared.push_back(DenseMlp::load(ckpt, prefix + "shared_experts.", shape.hidden,
-                                       shape.intermediate * shape.n_shared, moe->act));
+  moe->act = shape.act;
+  const int64_t expert_width = shape.latent > 0 ? shape.latent : shape.hidden;
+  if (shape.latent > 0) {
+    moe->latent_down = ckpt.take_linear(prefix + "routed_expert_down_proj.weight", {shape.latent, shape.hidden});
+    if (shape.latent_norm) moe->latent_norm = ckpt.take(prefix + "routed_expert_norm.weight", {shape.latent});
+    moe->latent_up = ckpt.take_linear(prefix + "routed_expert_up_proj.weight", {shape.hidden, shape.latent});
+    moe->latent_norm_eps = shape.latent_norm_eps;
+  }
+  moe->experts = ckpt.take_experts(prefix + "experts", shape.num_experts, shape.intermediate, expert_width);
+  if (shape.n_shared > 0)
+    moe->shared.push_back(DenseMlp::load(ckpt, prefix + "shared_experts.", shape.hidden,
+                                         shape.intermediate * shape.n_shared, moe->act));
   return moe;
 }
 
@@ -64,8 +71,16 @@ ops::Routing SigmoidRouter::route(const Tensor& x) const {
 }
 
 Tensor MoeBlock::forward(const Tensor& x) const {
-  Tensor out =
-      ops::moe_experts(x, router.route(x), experts.gate_up, experts.down, act.glu_kind(), act.alpha, act.limit);
+  const ops::Routing routing = router.route(x);
+  Tensor out;
+  if (latent_down.defined()) {
+    Tensor routed = ops::moe_experts(ops::linear(x, latent_down), routing, experts.gate_up, experts.down, act.kind,
+                                     act.alpha, act.limit);
+    if (latent_norm.defined()) ops::rms_norm_(routed, latent_norm, latent_norm_eps);
+    out = ops::linear(routed, latent_up);
+  } else {
+    out = ops::moe_experts(x, routing, experts.gate_up, experts.down, act.kind, act.alpha, act.limit);
+  }
   for (const DenseMlp& s : shared) ops::add_(out, s.forward(x));
   return out;
 }

@@ -8,8 +8,7 @@
 //   MiniMax-M3 (MiniMaxM3VLTopKRouter): the same with one group, normalised without epsilon; the block
 //     multiplies the routed sum by routed_scaling_factor afterwards (equal up to rounding, done here
 //     on the weights).
-// Activations: SiLU-gated (silu(gate) * up), or MiniMax's clamped SwiGLU
-//   gate = min(gate, limit); up = clamp(up, -limit, limit); (up + 1) * gate * sigmoid(alpha * gate).
+// Activations (kernels/glu.h): SiLU-gated (silu(gate) * up), MiniMax's clamped SwiGLU, Kimi K3's SiTU.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -23,11 +22,11 @@
 
 namespace sparrow {
 
+// The experts' and MLPs' gated activation and its two parameters (kernels/glu.h says what each kind uses).
 struct Activation {
-  enum Kind { SiluGlu, ClampedSwiglu } kind = SiluGlu;
-  float alpha = 1.0f;  // ClampedSwiglu only
-  float limit = 0.0f;  // ClampedSwiglu only
-  ops::Glu glu_kind() const;
+  Glu kind = Glu::SiluGlu;
+  float alpha = 1.0f;
+  float limit = 0.0f;
 };
 
 // gate/up/down MLP. gate_up is [2I, H] (gate rows first), down is [H, I].
@@ -68,24 +67,37 @@ struct SigmoidRouter {
   static Tensor load_bias(Checkpoint& ckpt, const std::string& name, int64_t num_experts);
 };
 
-// The shape of a DeepSeek-V3-style MoE layer (DeepSeek-V3.2, Kimi): grouped sigmoid routing, SiLU-gated
-// experts and n_shared shared experts of the same width.
+// The shape of a DeepSeek-V3-style MoE layer (DeepSeek-V3.2, Kimi): grouped sigmoid routing, gated experts
+// and n_shared shared experts of the same width (none when 0); with `latent` > 0 Kimi K3's latent MoE.
 struct GroupedMoeShape {
   int64_t hidden = 0, num_experts = 0, intermediate = 0, top_k = 0, n_group = 1, topk_group = 1, n_shared = 1;
   bool normalize = true;
   float routed_scaling_factor = 1.0f;
+  Activation act;
+  int64_t latent = 0;          // routed_expert_hidden_size; 0: the experts read x itself
+  bool latent_norm = false;    // latent_moe_use_norm
+  float latent_norm_eps = 1e-6f;
 };
 
+// Routed experts (weighted by the router) plus the shared experts. Kimi K3's latent MoE (vLLM 0.33
+// models/kimi_k3/nvidia/model.py KimiMoE.forward, latent_moe_runner.py): the router reads x, the routed
+// experts read z = latent_down x (width Z); their weighted sum is RMS-normalised (latent_norm) and
+// projected back (latent_up) before the shared experts, which read x, are added.
 struct MoeBlock : FeedForward {
   // Loads a DeepSeek-V3-style MoE under `prefix` (e.g. "model.layers.3.mlp."): gate.weight,
-  // gate.e_score_correction_bias (zeros when absent), experts (either layout), shared_experts.
+  // gate.e_score_correction_bias (zeros when absent), experts (either layout), shared_experts, and for
+  // a latent MoE routed_expert_down_proj, routed_expert_norm, routed_expert_up_proj.
   static std::unique_ptr<MoeBlock> load_grouped(Checkpoint& ckpt, const std::string& prefix,
                                                 const GroupedMoeShape& shape);
 
   SigmoidRouter router;
-  Checkpoint::Experts experts;    // gate_up [E, 2I, H], down [E, H, I]
+  Checkpoint::Experts experts;    // gate_up [E, 2I, H or Z], down [E, H or Z, I]
   std::vector<DenseMlp> shared;   // zero or one shared-expert MLP
   Activation act;
+  Tensor latent_down;             // [Z, hidden]  latent MoE only
+  Tensor latent_norm;             // [Z]          latent MoE with latent_moe_use_norm
+  Tensor latent_up;               // [hidden, Z]  latent MoE only
+  float latent_norm_eps = 1e-6f;
 
   Tensor forward(const Tensor& x) const override;  // routed experts (weighted) + shared experts
   std::string name() const override { return "moe"; }

@@ -53,10 +53,15 @@ std::unique_ptr<KdaMixer> KdaMixer::load(Checkpoint& ckpt, const std::string& pr
   w.f_a_proj = ckpt.take_linear(gate + "f_a_proj.weight", {D, hidden});
   w.f_b_proj = ckpt.take_linear(gate + "f_b_proj.weight", {P, D});
   w.dt_bias = ckpt.take_fp32(gate + "dt_bias", {P});
-  w.A_log = ckpt.take_fp32(gate + "A_log", {1, 1, H, 1}).reshape({H});
+  const bool flat_A_log = ckpt.has(gate + "A_log") && ckpt.stored_shape(gate + "A_log").size() == 1;
+  w.A_log = ckpt.take_fp32(gate + "A_log", flat_A_log ? Shape{H} : Shape{1, 1, H, 1}).reshape({H});
   w.b_proj = ckpt.take_linear(prefix + "b_proj.weight", {H, hidden});
-  w.g_a_proj = ckpt.take_linear(prefix + "g_a_proj.weight", {D, hidden});
-  w.g_b_proj = ckpt.take_linear(prefix + "g_b_proj.weight", {P, D});
+  if (config.full_rank_gate) {
+    w.g_proj = ckpt.take_linear(prefix + "g_proj.weight", {P, hidden});
+  } else {
+    w.g_a_proj = ckpt.take_linear(prefix + "g_a_proj.weight", {D, hidden});
+    w.g_b_proj = ckpt.take_linear(prefix + "g_b_proj.weight", {P, D});
+  }
   w.o_norm = ckpt.take_fp32(prefix + "o_norm.weight", {D});
   w.o_proj = ckpt.take_linear(prefix + "o_proj.weight", {hidden, P});
   return std::make_unique<KdaMixer>(config, std::move(w));
@@ -77,7 +82,9 @@ Tensor KdaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
   const Tensor qkv = ops::linear(x, w_.qkv_proj, ScalarType::F32);  // [T, 3P] before the conv
   Tensor log_decay = ops::linear(ops::linear(x, w_.f_a_proj), w_.f_b_proj, ScalarType::F32);  // [T, P]
   Tensor beta = ops::linear(x, w_.b_proj, ScalarType::F32);                                   // [T, H]
-  const Tensor out_gate = ops::linear(ops::linear(x, w_.g_a_proj), w_.g_b_proj, ScalarType::F32);  // [T, P]
+  const Tensor out_gate = config_.full_rank_gate  // [T, P]
+                              ? ops::linear(x, w_.g_proj, ScalarType::F32)
+                              : ops::linear(ops::linear(x, w_.g_a_proj), w_.g_b_proj, ScalarType::F32);
   gates_(log_decay, beta);
   Tensor core = mix(qkv, log_decay, beta, batch, layer);
   return ops::linear(gated_norm(core, out_gate), w_.o_proj);
@@ -87,10 +94,10 @@ void KdaMixer::gates_(Tensor& log_decay, Tensor& beta) const {
   const int64_t T = log_decay.dim(0), H = config_.num_heads, D = config_.head_dim;
   if (log_decay.on_cpu())
     return cpu::kda_gates(log_decay.data(), w_.dt_bias.data(), w_.A_log.data(), beta.data(), log_decay.data(),
-                          beta.data(), T, H, D);
+                          beta.data(), T, H, D, config_.decay_lower_bound);
 #if SPARROW_HAVE_CUDA
   cuda::kda_gates(log_decay.data(), w_.dt_bias.data(), w_.A_log.data(), beta.data(), log_decay.data(), beta.data(), T,
-                  int(H), int(D), cuda::stream());
+                  int(H), int(D), config_.decay_lower_bound, cuda::stream());
 #else
   fail("KDA on a GPU in a build without the CUDA backend");
 #endif

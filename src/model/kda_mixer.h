@@ -1,13 +1,17 @@
-// Kimi Delta Attention (KDA), the linear-attention mixer of Kimi Linear and Kimi K3
-// (transformers 5.17 KimiLinearDeltaAttention, modeling_kimi_linear.py).
+// Kimi Delta Attention (KDA), the linear-attention mixer of Kimi Linear (transformers 5.17
+// KimiLinearDeltaAttention, modeling_kimi_linear.py) and Kimi K3 (vLLM 0.33 models/kimi_k3/nvidia/kda.py,
+// KimiK3DeltaAttention).
 //
 // Per token x (already RMS-normalised by the decoder layer), with P = heads * head_dim:
 //   q, k, v   = silu(causal depthwise conv_K([q_proj x, k_proj x, v_proj x]))     (no conv bias)
-//   g         = -exp(A_log[h]) * softplus(f_b_proj(f_a_proj x) + dt_bias)          per key channel, <= 0
+//   s         = f_b_proj(f_a_proj x) + dt_bias,  a = exp(A_log[h])                 per key channel
+//   g         = -a * softplus(s)                  Kimi Linear, <= 0
+//             = lower_bound * sigmoid(a * s)      Kimi K3 (gate_lower_bound < 0), in (lower_bound, 0)
 //   beta      = sigmoid(b_proj x)                                                  per head
 //   q, k      = l2norm(q), l2norm(k)  (x / sqrt(sum x^2 + 1e-6)), then q *= head_dim^-1/2
 //   S         = (I - beta k k^T) Diag(exp g) S + beta k v^T,   o = S^T q            per head
-//   out       = o_proj( RMSNorm_head(o) * o_norm * sigmoid(g_b_proj(g_a_proj x)) )
+//   out       = o_proj( RMSNorm_head(o) * o_norm * sigmoid(gate) )
+//   gate      = g_b_proj(g_a_proj x) (Kimi Linear, low rank) or g_proj x (Kimi K3, use_full_rank_gate)
 //
 // Prefill (count > 1) runs the chunk-parallel form of the recurrence (transformers
 // chunk_kimi_delta_attention, chunk size 64); decode (count == 1) runs it token by token
@@ -39,7 +43,11 @@ struct KdaConfig {
   int64_t num_heads = 0;    // linear_num_heads
   int64_t head_dim = 0;     // linear_head_dim (key and value head size)
   int64_t conv_kernel = 4;  // linear_conv_kernel_dim
-  float norm_eps = 1e-5f;   // rms_norm_eps, used by the gated output norm
+  // The gated output norm's eps: rms_norm_eps in transformers' Kimi Linear; 1e-5 in vLLM's Kimi K3, whose
+  // FusedRMSNormGated keeps its default (kda.py never passes rms_norm_eps).
+  float norm_eps = 1e-5f;
+  float decay_lower_bound = 0.0f;  // gate_lower_bound (< 0: Kimi K3's bounded decay); 0: unbounded
+  bool full_rank_gate = false;     // use_full_rank_gate: the output gate is g_proj [P, hidden]
   int64_t projection_dim() const { return num_heads * head_dim; }
 };
 
@@ -51,8 +59,9 @@ struct KdaWeights {
   Tensor dt_bias;   // [P]
   Tensor A_log;     // [heads]
   Tensor b_proj;    // [heads, hidden]     beta
-  Tensor g_a_proj;  // [head_dim, hidden]  output gate, low rank
+  Tensor g_a_proj;  // [head_dim, hidden]  output gate, low rank (Kimi Linear)
   Tensor g_b_proj;  // [P, head_dim]
+  Tensor g_proj;    // [P, hidden]         output gate, full rank (Kimi K3)
   Tensor o_norm;    // [head_dim]          gated RMSNorm weight, shared by the heads
   Tensor o_proj;    // [hidden, P]
 };
@@ -62,7 +71,8 @@ class KdaMixer : public Mixer {
   KdaMixer(const KdaConfig& config, KdaWeights weights);
   // Takes the weights under `prefix` ("model.layers.3.self_attn."), in the layout transformers saves
   // (forget_gate.*, one fused conv1d) or the one Kimi's released checkpoints ship (f_a_proj, A_log,
-  // dt_bias directly under self_attn; separate q_conv1d / k_conv1d / v_conv1d).
+  // dt_bias directly under self_attn; separate q_conv1d / k_conv1d / v_conv1d; A_log as [1, 1, heads, 1]
+  // or, in Kimi K3's, [heads]).
   static std::unique_ptr<KdaMixer> load(Checkpoint& ckpt, const std::string& prefix, const KdaConfig& config);
 
   Tensor forward(const Tensor& x, const Batch& batch, int layer) override;

@@ -219,7 +219,7 @@ std::unique_ptr<Mixer> load_attention(Checkpoint& ckpt, const TextConfig& cfg, c
 
 std::unique_ptr<FeedForward> load_feed_forward(Checkpoint& ckpt, const TextConfig& cfg, const WeightNames& names,
                                                int64_t i) {
-  const Activation act{Activation::ClampedSwiglu, cfg.swiglu_alpha, cfg.swiglu_limit};
+  const Activation act{Glu::ClampedSwiglu, cfg.swiglu_alpha, cfg.swiglu_limit};
   const std::string p = names.mlp(ckpt, i);
   if (cfg.mlp_layer_types[i] == "dense")
     return std::make_unique<DenseMlp>(DenseMlp::load(ckpt, p, cfg.hidden, cfg.dense_intermediate, act));

@@ -70,6 +70,7 @@ std::unique_ptr<MlaMixer> MlaMixer::load(Checkpoint& ckpt, const std::string& pr
   mla->kv_a_norm = ckpt.take(prefix + "kv_a_layernorm.weight", {o.kv_lora_rank});
   mla->kv_b_proj =
       ckpt.take(prefix + "kv_b_proj.weight", {heads * (o.qk_nope_head_dim + o.v_head_dim), o.kv_lora_rank});
+  if (o.output_gate) mla->g_proj = ckpt.take_linear(prefix + "g_proj.weight", {heads * o.v_head_dim, o.hidden});
   mla->o_proj = ckpt.take_linear(prefix + "o_proj.weight", {o.hidden, heads * o.v_head_dim});
   if (o.attention_bias) mla->o_bias = ckpt.take(prefix + "o_proj.bias", {o.hidden});
   mla->indexer_ = std::move(indexer);
@@ -136,6 +137,7 @@ Tensor MlaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
   ops::batched_matmul_nt(heads, tokens, o.v_head_dim, latent, {&mixed, 0, heads * latent, latent},
                          {&kv_b_proj, nope * latent, latent, kv_b_rows_per_head * latent}, attended, 0,
                          heads * o.v_head_dim, o.v_head_dim);
+  if (o.output_gate) ops::mul_sigmoid_(attended, ops::linear(x, g_proj));
   Tensor out = ops::linear(attended, o_proj);
   if (o.attention_bias) ops::add_bias_(out, o_bias);
   return out;

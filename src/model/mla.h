@@ -7,6 +7,8 @@
 //   q_rot, k_rot = interleaved RoPE (apply_rotary_pos_emb_interleave); none when rope is absent (Kimi NoPE)
 //   k[h] = [W_UK[h] c | k_rot],  v[h] = W_UV[h] c,  with kv_b_proj = [W_UK[0]; W_UV[0]; W_UK[1]; ...]
 //   out  = o_proj(concat_h softmax(q[h]·k[h] * scale) v[h])
+//   (Kimi K3, mla_use_output_gate: out = o_proj(attn * sigmoid(g_proj(x))); vLLM 0.33
+//   models/kimi_k3/nvidia/mla.py, forward's _gate_sigmoid_mul)
 // Instead of expanding every cached latent into per-head keys and values, we fold W_UK into the
 // query and W_UV into the output (the same sums in another order):
 //   q_abs[h] = [q_nope[h] · W_UK[h] | q_rot[h]]         score(s) = q_abs[h] · [c_s | k_rot_s]
@@ -51,6 +53,7 @@ struct MlaOptions {
   float kv_norm_eps = 1e-6f;
   // config.attention_bias: biases on q_a_proj, kv_a_proj_with_mqa and o_proj (not q_proj, q_b_proj, kv_b_proj).
   bool attention_bias = false;
+  bool output_gate = false;  // mla_use_output_gate (Kimi K3): g_proj [heads * v_head_dim, hidden]
 
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   int64_t cache_row() const { return kv_lora_rank + qk_rope_head_dim; }  // floats per cached token
@@ -95,6 +98,7 @@ class MlaMixer : public Mixer {
   Tensor kv_a_bias;       // [kv_lora_rank + qk_rope_head_dim] (attention_bias)
   Tensor kv_a_norm;       // [kv_lora_rank]
   Tensor kv_b_proj;       // [H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]
+  Tensor g_proj;          // [H * v_head_dim, hidden]           (output_gate)
   Tensor o_proj;          // [hidden, H * v_head_dim]
   Tensor o_bias;          // [hidden]                         (attention_bias)
   std::unique_ptr<DsaIndexer> indexer_;

@@ -7,7 +7,7 @@
 // activations, the CPU fp32 ones): see kBf16Floor.
 //
 // The fixtures are the GPU fixtures with the kernels' real geometry (deepseek_v32_gpu, kimi_linear_gpu,
-// kimi_k3_gpu: MLA 512 + 64, DSA 32 heads x 128 with top-64) and minimax_m3 (GQA with MSA selection). Rows
+// kimi_k3_1_pro_gpu: MLA 512 + 64, DSA 32 heads x 128 with top-64) and minimax_m3 (GQA with MSA selection). Rows
 // at positions beyond an indexer's budget are computed (and must be finite) but not compared: there a
 // random checkpoint's selection is a close call that bf16 flips (deepseek_v32_gpu_test says more).
 #include <gtest/gtest.h>
@@ -170,7 +170,7 @@ std::vector<FormatCase> all_cases() {
     cases.push_back({"kimi_linear_gpu", kv, "", kDense});
     for (const char* index : {"fp8", "mxfp4", "nvfp4"}) {
       cases.push_back({"deepseek_v32_gpu", kv, index, kDsaBudget});
-      cases.push_back({"kimi_k3_gpu", kv, index, kDsaBudget});
+      cases.push_back({"kimi_k3_1_pro_gpu", kv, index, kDsaBudget});
     }
   }
   for (const char* kv : {"bfloat16", "fp8", "fp8_per_tensor", "nvfp4"})

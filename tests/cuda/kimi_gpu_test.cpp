@@ -1,12 +1,14 @@
-// kimi_linear and kimi_k3 end to end on the GPU against transformers (tests/fixtures/kimi_linear_gpu and
-// kimi_k3_gpu: tiny transformers 5.17 checkpoints with the real MLA geometry, latent 512 + rope 64, so the
-// Hopper MLA kernels run; KDA layers of 2 heads x 128 (kimi_linear) and 4 heads x 64 (kimi_k3); kimi_k3's
-// MLA layers carry a DSA indexer of 32 heads x 128 with top-64, and its prompts of 100 and 140 tokens
-// exceed that budget). Every expert is routed (8 of 8), so routing cannot flip under bf16.
+// kimi_linear and Kimi K3.1 Pro end to end on the GPU against their references (tests/fixtures/kimi_linear_gpu:
+// transformers 5.17; kimi_k3_1_pro_gpu: tools/kimi_k3_reference.py, float64, the released K3 with AttnRes,
+// the gated MLA, K3's KDA, SiTU and the latent MoE, plus K3.1 Pro's indexer). Both have the real MLA
+// geometry, latent 512 + rope 64, so the Hopper MLA kernels run; KDA layers of 2 heads x 128 (kimi_linear)
+// and 2 heads x 64 (K3.1 Pro); K3.1 Pro's MLA layers carry a DSA indexer of 32 heads x 128 with top-64, and
+// its prompts of 100 and 140 tokens exceed that budget. Every expert is routed (8 of 8), so routing cannot
+// flip under bf16.
 //
 // KDA's recurrent state lives in the paged cache's state slots on the GPU: chunked prefill, batching,
 // decode steps (CUDA graphs included) and prefix-cache hits must all continue it exactly where it was.
-// As in deepseek_v32_gpu_test, kimi_k3's selection beyond the budget is a close call on a random
+// As in deepseek_v32_gpu_test, K3.1 Pro's selection beyond the budget is a close call on a random
 // checkpoint (FP8 index keys), so rows beyond it are printed and compared in aggregate only.
 #include <gtest/gtest.h>
 
@@ -29,8 +31,9 @@ namespace {
 
 using namespace sparrow::model_test;
 
-// Relative L2 per row against fp32 transformers on the same bf16 weights: bf16 activations through four
-// layers, two of them recurrent, give ~1e-2; a wrong state slot, conv tail or cache row gives O(1).
+// Relative L2 per row against the fp32 / float64 reference on the same bf16 weights: bf16 activations
+// through the layers, some of them recurrent, give ~1e-2; a wrong state slot, conv tail or cache row gives
+// O(1).
 constexpr double kBf16Tolerance = 4e-2;
 // Between two GPU runs of the same steps (a prefix hit against the same schedule without it): the bf16
 // rounding of different batch shapes only.
@@ -39,7 +42,7 @@ constexpr double kGpuConsistency = 2e-2;
 // chunk-parallel form with bf16 operands, shorter ones the exact recurrence): bf16 accuracy.
 constexpr double kKernelChoiceTolerance = kBf16Tolerance;
 constexpr float kMarginNeeded = 0.1f;
-constexpr int64_t kIndexTopk = 64;  // kimi_k3_gpu's index_topk: positions below it see every key
+constexpr int64_t kIndexTopk = 64;  // kimi_k3_1_pro_gpu's index_topk: positions below it see every key
 
 class CudaKimi : public ::testing::TestWithParam<std::string> {
  protected:
@@ -55,7 +58,7 @@ class CudaKimi : public ::testing::TestWithParam<std::string> {
     gpu_runner_ = std::make_unique<ModelRunner>(*gpu_);
     cache_ = make_cache(false);
   }
-  bool sparse() const { return GetParam() == "kimi_k3_gpu"; }
+  bool sparse() const { return GetParam() == "kimi_k3_1_pro_gpu"; }
   // Rows at positions below this see every key (kimi_linear has no indexer: all of them).
   int64_t budget() const { return sparse() ? kIndexTopk : INT64_MAX; }
 
@@ -252,7 +255,7 @@ TEST_P(CudaKimi, PrefixHitsResumeTheRecurrentStateFromSnapshots) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(CudaFixtures, CudaKimi, ::testing::Values("kimi_linear_gpu", "kimi_k3_gpu"),
+INSTANTIATE_TEST_SUITE_P(CudaFixtures, CudaKimi, ::testing::Values("kimi_linear_gpu", "kimi_k3_1_pro_gpu"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

@@ -53,7 +53,8 @@ def run_streaming(client, request, results: dict, index: int):
 # Every family, the hybrid ones (KDA recurrent state slots and prefix-cache snapshots) included. The
 # budgets leave 10 block rows of 64 tokens: 16 sequences of ~2 blocks each cannot fit at once, so the
 # scheduler must preempt however the requests happen to interleave.
-KV_CACHE_MEMORY = {"deepseek_v32": "420KiB", "kimi_k3": "704KiB", "kimi_linear": "600KiB", "minimax_m3": "600KiB"}
+KV_CACHE_MEMORY = {"deepseek_v32": "420KiB", "kimi_k3": "1150KiB", "kimi_k3_1_pro": "1270KiB", "kimi_linear": "600KiB",
+                   "minimax_m3": "600KiB"}
 
 
 @pytest.mark.parametrize("family", sorted(KV_CACHE_MEMORY))
