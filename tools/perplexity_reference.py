@@ -12,8 +12,8 @@ The recipe (shared with src/cli/perplexity_command.cpp):
             position i (the first id of each window is not predicted)
   result  = perplexity exp(mean NLL), with the number of tokens scored and the mean NLL in nats
 
-The models are loaded in float32 by tools/make_fixtures.py's load_model (transformers' own classes;
-kimi_k3 through its KimiK3ForCausalLM).
+The models are loaded in float32 by tools/make_fixtures.py's load_model (transformers' own classes);
+kimi_k3, which transformers does not have, runs through tools/kimi_k3_reference.py in float64.
 
 Usage: python3 tools/perplexity_reference.py --text tests/data/perplexity/imghdr.py.txt \
            --model models/minimax_m3 --model models/kimi_k3 --model models/deepseek_v32 \
@@ -34,20 +34,21 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_fixtures import load_model  # noqa: E402
+import kimi_k3_reference  # noqa: E402
 
 MAX_WINDOW = 1024
 
 # config.json model_type -> make_fixtures.load_model's family name
 FAMILY_OF_MODEL_TYPE = {
     "minimax_m3_vl_text": "minimax_m3",
-    "kimi_k3": "kimi_k3",
     "kimi_linear": "kimi_linear",
     "deepseek_v32": "deepseek_v32",
 }
 
 
 def window_size(config: dict) -> int:
-    context = config.get("max_position_embeddings") or config.get("model_max_length") or MAX_WINDOW
+    text = config.get("text_config", config)  # as src/cli/common.cpp model_positions reads it
+    context = text.get("max_position_embeddings") or text.get("model_max_length") or MAX_WINDOW
     return min(int(context), MAX_WINDOW)
 
 
@@ -63,8 +64,13 @@ def text_ids(folder: Path, text: str) -> list[int]:
 @torch.no_grad()
 def perplexity(folder: Path, text: str) -> dict:
     config = json.loads((folder / "config.json").read_text())
-    family = FAMILY_OF_MODEL_TYPE[config["model_type"]]
-    model = load_model(family, folder)
+    if config["model_type"] == "kimi_k3":
+        from safetensors.torch import load_file
+        weights = load_file(folder / "model.safetensors")
+        forward = lambda input_ids: kimi_k3_reference.forward(config, weights, input_ids[0].tolist())  # noqa: E731
+    else:
+        model = load_model(FAMILY_OF_MODEL_TYPE[config["model_type"]], folder)
+        forward = lambda input_ids: model(input_ids=input_ids, use_cache=False).logits[0]  # noqa: E731
     ids = text_ids(folder, text)
     window = window_size(config)
     total_nll, scored = 0.0, 0
@@ -73,7 +79,7 @@ def perplexity(folder: Path, text: str) -> dict:
         if len(chunk) < 2:
             continue
         input_ids = torch.tensor([chunk])
-        logits = model(input_ids=input_ids, use_cache=False).logits[0].float()
+        logits = forward(input_ids).double()
         total_nll += F.cross_entropy(logits[:-1], input_ids[0, 1:], reduction="sum").item()
         scored += len(chunk) - 1
     mean_nll = total_nll / scored

@@ -17,9 +17,11 @@ Per family, everything runs from files inside the repository (no network):
     family's real tokenizer.json (normalizer, pre-tokenizer regexes of tools/make_test_tokenizers.py), with
     every marker the chat template writes registered as a special added token (one id each). Digits
     stay single tokens (see train_tokenizer).
- 3. Model. The transformers model class (Kimi K3 = KimiK3ForCausalLM of tools/make_fixtures.py) with a
-    small config, trained with AdamW under bf16 autocast (CUDA) or fp32 (CPU), for --minutes (or --steps),
-    on windows of the model's context, one third code, two thirds conversations. The loss covers every token:
+ 3. Model. The transformers model class with a small config (Kimi K3, which transformers lacks:
+    tools/kimi_k3_torch.py, the released architecture of tools/kimi_k3_reference.py, saved in the release
+    layout and checked against that reference after training), trained with AdamW under bf16 autocast
+    (CUDA) or fp32 (CPU), for --minutes (or --steps), on windows of the model's context, one third code,
+    two thirds conversations. The loss covers every token:
     the templates' fixed text is cheap to learn, and it teaches the model what the turn boundaries
     look like from both sides; the user's random numbers are the only unpredictable part.
     Two things the transformers classes do not train are added, as the real models do it:
@@ -31,10 +33,11 @@ Per family, everything runs from files inside the repository (no network):
         the selection would depend on the top-k implementation;
       * the MoE routers' e_score_correction_bias is moved after each step towards equal expert loads
         (DeepSeek-V3's auxiliary-loss-free balancing), so that no expert is left untrained.
- 4. Output: <out>/<family>/ config.json, model.safetensors (bf16, routers' bias fp32), tokenizer.json,
+ 4. Output: <out>/<family>/ config.json, model.safetensors (bf16, routers' bias fp32; Kimi K3 as
+    kimi_k3_reference.storage_dtype says), tokenizer.json,
     tokenizer_config.json (chat_template, bos, eos = end of turn, added_tokens_decoder),
     generation_config.json, README.md (the model card: size, data, steps, final loss, held-out
-    perplexity measured by transformers on the reloaded files, sample generations).
+    perplexity measured by transformers (Kimi K3: kimi_k3_torch) on the reloaded files, sample generations).
 
 Kimi models ship tokenizer.json (a Hugging Face BPE with Kimi's pre-tokenizer regex), not tiktoken.model,
 so that transformers can load every folder without remote code.
@@ -67,7 +70,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 from chat_corpus import demo_conversation, make_conversations  # noqa: E402
 from make_fixtures import (DEFAULT_MIN_GAP, Family, GapMonitor, build_model, compare_weights,  # noqa: E402
                            load_model, write_checkpoint)
+from safetensors.torch import load_file, save_file  # noqa: E402
 from make_test_tokenizers import DEEPSEEK_SPLITS, QWEN_SPLIT, added  # noqa: E402
+import kimi_k3_torch  # noqa: E402
 from tokenizer_reference import KIMI_PAT_STR  # noqa: E402
 
 TEMPLATES = ROOT / "tests" / "data" / "templates"
@@ -148,10 +153,33 @@ def kimi_linear_config(size: Size, tiny: bool) -> dict:
 
 
 def kimi_k3_config(size: Size, tiny: bool) -> dict:
-    # K3 = Kimi Linear with a q LoRA and a DeepSeek-V3.2 indexer on every MLA layer (tools/make_fixtures.py).
-    return dict(kimi_linear_config(size, tiny), q_lora_rank=size.hidden // 2,
-                index_topk=size.sparse_keys, index_n_heads=4, index_head_dim=32,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    """The released Kimi K3 (tools/kimi_k3_reference.py, the fields of its TINY_TEXT_CONFIG): config.json
+    is KimiK3Config {model_type kimi_k3, text_config: vLLM's KimiLinearConfig}. KDA and MLA layers as in
+    kimi_linear_config (kda_layers / full_attn_layers 1-indexed), AttnRes over blocks of 2 layers, MLA
+    with a q LoRA, no RoPE and a sigmoid output gate, SiTU MLPs, a dense first layer, then latent MoE.
+    run_family adds vocab_size (text_config) and the token ids (text_config and top level)."""
+    layers = 3 if tiny else 5
+    kda = [1, 3] if tiny else [1, 2, 4]
+    text = dict(
+        model_type="kimi_linear",
+        hidden_size=size.hidden, num_hidden_layers=layers, rms_norm_eps=1e-5,
+        attn_res_block_size=2,
+        linear_attn_config=dict(kda_layers=kda, full_attn_layers=[l for l in range(1, layers + 1) if l not in kda],
+                                num_heads=4, head_dim=size.head, short_conv_kernel_size=4, gate_lower_bound=-5.0,
+                                use_full_rank_gate=True),
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=size.hidden // 2, kv_lora_rank=size.latent,
+        qk_nope_head_dim=size.head, qk_rope_head_dim=16, v_head_dim=size.head, mla_use_nope=True,
+        mla_use_output_gate=True,
+        hidden_act="situ", activation_situ_beta=4.0, activation_situ_linear_beta=25.0,
+        intermediate_size=size.dense, first_k_dense_replace=1, moe_layer_freq=1,
+        num_experts=8, num_experts_per_token=2, moe_intermediate_size=size.expert,
+        routed_expert_hidden_size=size.hidden // 2, num_shared_experts=1, latent_moe_use_norm=True,
+        routed_scaling_factor=2.5, moe_router_activation_func="sigmoid", moe_renormalize=True,
+        use_grouped_topk=True, num_expert_group=1, topk_group=1, topk_method="noaux_tc",
+        num_nextn_predict_layers=0, tie_word_embeddings=False, max_position_embeddings=size.context,
+    )
+    return dict(model_type="kimi_k3", architectures=["KimiK3ForConditionalGeneration"], text_config=text,
+                tie_word_embeddings=False)
 
 
 def minimax_m3_config(size: Size, tiny: bool) -> dict:
@@ -226,8 +254,13 @@ FAMILIES = {
         trailing_specials=KIMI_SPECIALS, bos="[BOS]", end_of_turn="<|end_of_msg|>", pad="[PAD]",
         think_end="<|close|>think<|sep|>",
         config=kimi_k3_config,
-        architecture="KimiK3ForCausalLM (tools/make_fixtures.py): Kimi Linear with a q LoRA and a DeepSeek-V3.2 "
-                     "indexer selecting the keys of every MLA layer"),
+        architecture="Kimi K3 text model (KimiK3ForConditionalGeneration's language_model, the release's "
+                     "architecture as vLLM 0.33 implements it; reference: tools/kimi_k3_reference.py, trained "
+                     "with tools/kimi_k3_torch.py): Attention Residuals over blocks of layers instead of a "
+                     "residual stream, Kimi Delta Attention (full-rank output gate, decay bounded by "
+                     "gate_lower_bound) interleaved with MLA (q LoRA, no RoPE, sigmoid output gate), SiTU MLPs, "
+                     "latent MoE (experts in a narrower latent space, sigmoid router with "
+                     "e_score_correction_bias, a shared expert)"),
     "minimax_m3": FamilySpec(
         template="minimax-m3.jinja", tokenizer_style="minimax",
         leading_specials=["]!p~[", "]!d~[", "]~!b[", "]~b]", "[e~[", "]<]minimax[>[", "]<]image[>[", "]<]video[>["],
@@ -238,6 +271,73 @@ FAMILIES = {
                      "partial rope, MiniMax Sparse Attention (block top-k) after the first layer, MoE with clamped "
                      "SwiGLU experts and a shared expert"),
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# Models: transformers' classes (tools/make_fixtures.py), or tools/kimi_k3_torch.py for Kimi K3
+# ---------------------------------------------------------------------------------------------
+# transformers has no Kimi K3: its family is trained as kimi_k3_torch.KimiK3ForConditionalGeneration,
+# whose state_dict() names are the release checkpoint's, and checked against tools/kimi_k3_reference.py.
+
+K3_MODULE_FAMILIES = {"kimi_k3"}
+K3_REFERENCE_TOKENS = 40     # the reference check runs on the last 40 tokens of the tool-call chat prompt
+
+
+def text_fields(config: dict) -> dict:
+    """The text model's fields: config.json's text_config when it has one (K3), else the config itself."""
+    return config.get("text_config", config)
+
+
+def new_model(family: str, config: dict, seed: int):
+    if family in K3_MODULE_FAMILIES:
+        return kimi_k3_torch.KimiK3ForConditionalGeneration(config).init_weights(torch.Generator().manual_seed(seed))
+    return build_model(family, config)
+
+
+def reload_model(family: str, folder: Path):
+    """The written folder, reloaded in float32; every tensor must find its parameter and vice versa."""
+    if family in K3_MODULE_FAMILIES:
+        config = json.loads((folder / "config.json").read_text())
+        try:
+            return kimi_k3_torch.from_weights(config, load_file(folder / "model.safetensors"), torch.float32)
+        except ValueError as error:
+            raise SystemExit(f"reloading {folder}: {error}")
+    return load_model(family, folder)
+
+
+def save_model(family: str, model, config: dict, folder: Path) -> dict:
+    """Writes model.safetensors and config.json; returns the fp32 weights a reload must give."""
+    if family not in K3_MODULE_FAMILIES:
+        return write_checkpoint(family, Family({}, "bfloat16"), model, folder, folder / ".scratch")
+    # The release layout: bf16, with float32 where vLLM keeps float32 (A_log, dt_bias, conv taps,
+    # e_score_correction_bias: kimi_k3_reference.storage_dtype). The module takes the stored values, so
+    # that what is evaluated afterwards is what was written.
+    reference = kimi_k3_torch.load_reference()
+    tensors = {n: t.detach().cpu().to(reference.storage_dtype(n)).contiguous() for n, t in model.state_dict().items()}
+    model.load_state_dict({n: t.float() for n, t in tensors.items()})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return {n: t.float() for n, t in tensors.items()}
+
+
+def model_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """logits [B, T, vocab] of token ids [B, T], each row processed from position 0 without a cache."""
+    if isinstance(model, kimi_k3_torch.KimiK3ForConditionalGeneration):
+        return model(ids)
+    return model(input_ids=ids, use_cache=False).logits
+
+
+def reference_agreement(folder: Path, model, tokens: list[int], device: torch.device) -> dict:
+    """tools/kimi_k3_reference.forward (float64, on the stored weights of the folder) against the module's
+    float32 logits on `tokens`: max |difference| / max |reference logit|."""
+    reference = kimi_k3_torch.load_reference()
+    config = json.loads((folder / "config.json").read_text())
+    with torch.no_grad():
+        want = reference.forward(config, load_file(folder / "model.safetensors"), tokens)
+        got = model_logits(model, torch.tensor([tokens], device=device))[0].double().cpu()
+    return {"tokens": len(tokens), "relative_error": kimi_k3_torch.relative_error(got, want),
+            "max_abs_error": float((got - want).abs().max()), "max_abs_logit": float(want.abs().max()),
+            "same_argmax": bool((got.argmax(-1) == want.argmax(-1)).all()), "device": device_name(device)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -540,7 +640,8 @@ class RouterBalancer:
 
     def count(self, router, args, output):
         if router.training:
-            chosen = output[-1].reshape(-1)  # every router returns (logits, weights, expert indices)
+            # every router returns (logits, weights, expert indices), kimi_k3_torch.MoEGate too
+            chosen = output[-1].reshape(-1)
             counts = torch.bincount(chosen, minlength=router.e_score_correction_bias.numel())
             previous = self.counts[id(router)]
             self.counts[id(router)] = counts if previous is None else previous + counts
@@ -633,7 +734,7 @@ def train(model, corpus: Corpus, args, size: Size, device: torch.device) -> Trai
 
         batch = sample_batch(corpus, log.batch, size.context, generator).to(device)
         with autocast:
-            logits = model(input_ids=batch, use_cache=False).logits
+            logits = model_logits(model, batch)
         loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         indexer = indexers.take_loss()
         total = loss if indexer is None else loss + indexer[0]
@@ -688,7 +789,7 @@ def perplexity(model, tokenizer, ids: list[int], size: Size, device: torch.devic
     data = torch.tensor(ids[:windows * context]).view(windows, context)
     total, count, text_bytes = 0.0, 0, 0
     for batch in data.split(8):
-        logits = model(input_ids=batch.to(device), use_cache=False).logits.float()
+        logits = model_logits(model, batch.to(device)).float()
         total += F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1).to(device),
                                  reduction="sum").item()
         count += batch[:, 1:].numel()
@@ -706,13 +807,15 @@ def topk_gaps(model, sequences: list[list[int]], device: torch.device) -> dict[s
     monitor = GapMonitor()
     with monitor:
         for ids in sequences:
-            model(input_ids=torch.tensor([ids], device=device), use_cache=False)
+            model_logits(model, torch.tensor([ids], device=device))
     return {site: gap for site, (gap, _) in sorted(monitor.smallest.items())}
 
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt: str, max_new_tokens: int, device: torch.device, stop_id: int | None) -> str:
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
+    if isinstance(model, kimi_k3_torch.KimiK3ForConditionalGeneration):
+        return tokenizer.decode(model.generate_greedy(ids[0].tolist(), max_new_tokens, stop_id), skip_special_tokens=False)
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, eos_token_id=stop_id, pad_token_id=tokenizer.pad_token_id)
     return tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=False)
@@ -733,10 +836,11 @@ def held_out_texts(args, spec: FamilySpec, size: Size) -> tuple[list[str], list[
 
 
 def evaluate(folder: Path, family: str, args, size: Size, device: torch.device) -> dict:
-    """Reloads the written folder with transformers and measures it: perplexity on held-out code and
-    conversations, and the model card's sample generations."""
+    """Reloads the written folder (with transformers; Kimi K3 with tools/kimi_k3_torch.py) and measures it:
+    perplexity on held-out code and conversations, the model card's sample generations, and for Kimi K3
+    the agreement with tools/kimi_k3_reference.py."""
     spec = FAMILIES[family]
-    model = load_model(family, folder).to(device)  # every tensor must load into its parameter
+    model = reload_model(family, folder).to(device)  # every tensor must load into its parameter
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if tokenizer.chat_template is None:
         raise SystemExit(f"{folder}: transformers found no chat_template in tokenizer_config.json")
@@ -760,6 +864,8 @@ def evaluate(folder: Path, family: str, args, size: Size, device: torch.device) 
     answer_text = generate(model, tokenizer, answer_prompt, size.sample_tokens, device, end_of_turn)
     prompts = [tokenizer(p, add_special_tokens=False).input_ids for p in (call_prompt, answer_prompt)]
     result["topk_gaps"] = topk_gaps(model, prompts + [w for w in windows if len(w) == context], device)
+    if family in K3_MODULE_FAMILIES:
+        result["reference"] = reference_agreement(folder, model, prompts[0][-K3_REFERENCE_TOKENS:], device)
     result["samples"] = {
         "code_prompt": "def fibonacci(n):", "tokens": size.sample_tokens,
         "code": generate(model, tokenizer, "def fibonacci(n):", size.sample_tokens, device, None),
@@ -819,9 +925,14 @@ def run_family(family: str, args, size: Size, device: torch.device):
     torch.manual_seed(args.seed)
     tokenizer, corpus, stats = build_corpus(spec, args, size)
     ids = {name: tokenizer.token_to_id(name) for name in (spec.bos, spec.end_of_turn, spec.pad)}
-    config = dict(spec.config(size, args.tiny), vocab_size=tokenizer.get_vocab_size(), bos_token_id=ids[spec.bos],
-                  eos_token_id=ids[spec.end_of_turn], pad_token_id=ids[spec.pad])
-    model = build_model(family, config)
+    token_ids = dict(bos_token_id=ids[spec.bos], eos_token_id=ids[spec.end_of_turn], pad_token_id=ids[spec.pad])
+    config = spec.config(size, args.tiny)
+    if "text_config" in config:   # K3: the text fields nested, the token ids at both levels
+        config = dict(config, text_config=dict(config["text_config"], vocab_size=tokenizer.get_vocab_size(),
+                                               **token_ids), **token_ids)
+    else:
+        config = dict(config, vocab_size=tokenizer.get_vocab_size(), **token_ids)
+    model = new_model(family, config, args.seed)
     parameters = sum(p.numel() for p in model.parameters())
     print(f"  model: {parameters / 1e6:.2f} M parameters", flush=True)
     log = train(model, corpus, args, size, device)
@@ -832,14 +943,14 @@ def run_family(family: str, args, size: Size, device: torch.device):
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     model.to("cpu")
-    expected = write_checkpoint(family, Family({}, "bfloat16"), model, folder, folder / ".scratch")
+    expected = save_model(family, model, config, folder)
     template = read_template(args.templates, spec)
     write_tokenizer(folder, spec, tokenizer, template, size.context)
     generation = {"bos_token_id": ids[spec.bos], "eos_token_id": ids[spec.end_of_turn],
                   "pad_token_id": ids[spec.pad], "transformers_version": transformers.__version__}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
-    mismatched = compare_weights(expected, load_model(family, folder))
+    mismatched = compare_weights(expected, reload_model(family, folder))
     if mismatched:
         raise SystemExit(f"{folder}: reloaded weights differ from the trained ones: {mismatched[:5]}")
     report = evaluate(folder, family, args, size, device)
@@ -847,6 +958,12 @@ def run_family(family: str, args, size: Size, device: torch.device):
     print(f"  held-out code perplexity {report['code']['perplexity']:.2f} "
           f"({report['code']['bits_per_byte']:.3f} bits/byte), chat perplexity {report['chat']['perplexity']:.2f}",
           flush=True)
+    if "reference" in report:
+        agreement = report["reference"]
+        print(f"  tools/kimi_k3_reference.forward (float64) vs the reloaded module (float32, {agreement['device']}) on "
+              f"the last {agreement['tokens']} tokens of the tool-call prompt: max relative error "
+              f"{agreement['relative_error']:.2e} (max |diff| {agreement['max_abs_error']:.2e}, max |logit| "
+              f"{agreement['max_abs_logit']:.1f}, same argmax: {agreement['same_argmax']})", flush=True)
     print("  smallest top-k gaps: " + ", ".join(f"{site} {gap:.1e}" for site, gap in report["topk_gaps"].items()),
           flush=True)
     print(f"  fibonacci: {report['samples']['code'][:200]!r}", flush=True)
@@ -858,9 +975,11 @@ def run_family(family: str, args, size: Size, device: torch.device):
 
 def write_model_card(folder: Path, family: str, spec: FamilySpec, config: dict, parameters: int, stats: dict,
                      log: TrainingLog, report: dict, args, device: torch.device):
+    k3 = family in K3_MODULE_FAMILIES
+    top, config = config, text_fields(config)
     embedding = 2 * config["vocab_size"] * config["hidden_size"]
     sparse = ""
-    if "index_topk" in config:
+    if config.get("index_topk") is not None:
         sparse = f"DSA index_topk {config['index_topk']} keys of a {config['max_position_embeddings']}-token context"
     elif "index_block_size" in config:
         sparse = (f"MSA {config['index_topk_blocks']} blocks of {config['index_block_size']} keys "
@@ -871,6 +990,29 @@ def write_model_card(folder: Path, family: str, spec: FamilySpec, config: dict, 
                     + (" --tiny" if args.tiny else ""))
     samples = report["samples"]
     fence = "~~~~"
+    loader = "tools/kimi_k3_torch.py" if k3 else "transformers"
+    if k3:
+        la = config["linear_attn_config"]
+        fp32 = "A_log, dt_bias, conv taps and routers' e_score_correction_bias float32"
+        k3_rows = [
+            f"| config.json | model_type `{top['model_type']}`, architectures {top['architectures']}, the text model's "
+            f"fields under `text_config` (model_type `{config['model_type']}`); weights under `language_model.model.` "
+            "and `language_model.lm_head.weight` |",
+            f"| AttnRes | attn_res_block_size {config['attn_res_block_size']} (no residual stream: each sublayer reads a "
+            "learned softmax mix of the embedding, the finished blocks and the current block's partial sum) |",
+            f"| KDA | {la['num_heads']} heads x {la['head_dim']}, short conv {la['short_conv_kernel_size']}, full-rank "
+            f"output gate, decay gate_lower_bound {la['gate_lower_bound']} |",
+            f"| MLA | {config['num_attention_heads']} heads, q_lora_rank {config['q_lora_rank']}, kv_lora_rank "
+            f"{config['kv_lora_rank']}, qk {config['qk_nope_head_dim']} + {config['qk_rope_head_dim']} (no RoPE), v "
+            f"{config['v_head_dim']}, sigmoid output gate |",
+            f"| MLPs | SiTU (beta {config['activation_situ_beta']}, linear beta {config['activation_situ_linear_beta']}); "
+            f"latent MoE: experts of width {config['moe_intermediate_size']} on a {config['routed_expert_hidden_size']}-wide "
+            f"latent (RMSNorm'd), {config['num_shared_experts']} shared expert, routed_scaling_factor "
+            f"{config['routed_scaling_factor']} |",
+        ]
+    else:
+        fp32 = "routers' e_score_correction_bias float32"
+        k3_rows = []
     lines = [
         f"# sparrow small {family}",
         "",
@@ -882,10 +1024,11 @@ def write_model_card(folder: Path, family: str, spec: FamilySpec, config: dict, 
         f"| parameters | {parameters:,} ({embedding:,} in the embedding and the output head) |",
         f"| layers | {config['num_hidden_layers']}, hidden size {config['hidden_size']} |",
         f"| layers by type | {describe_layers(config)} |",
+        *k3_rows,
         f"| sparse attention | {sparse or 'none (KDA + dense MLA)'} |",
         f"| vocabulary | {config['vocab_size']} (byte-level BPE, `tokenizer.json`) |",
         f"| chat template | `{spec.template}` (in tokenizer_config.json); end of turn = eos = `{spec.end_of_turn}` |",
-        f"| weights | bfloat16 (routers' e_score_correction_bias float32), "
+        f"| weights | bfloat16 ({fp32}), "
         f"{(folder / 'model.safetensors').stat().st_size / 1e6:.1f} MB |",
         "",
         "## Training",
@@ -912,7 +1055,7 @@ def write_model_card(folder: Path, family: str, spec: FamilySpec, config: dict, 
         "",
         "## Evaluation",
         "",
-        f"Measured by transformers on the files of this folder (reloaded in float32): held-out Python "
+        f"Measured by {loader} on the files of this folder (reloaded in float32): held-out Python "
         f"{report['held_out']}.",
         "",
         "| text | perplexity | bits per byte | tokens scored |", "| --- | --- | --- | --- |",
@@ -923,6 +1066,12 @@ def write_model_card(folder: Path, family: str, spec: FamilySpec, config: dict, 
         "",
         f"Re-measure: `{eval_command}`.",
         "",
+        *([f"Agreement with the float64 reference `tools/kimi_k3_reference.py` (`forward` on the stored weights of "
+           f"this folder, vs `tools/kimi_k3_torch.py` in float32 on {report['reference']['device']}) on the last "
+           f"{report['reference']['tokens']} tokens of the tool-call chat prompt below: max relative error "
+           f"**{report['reference']['relative_error']:.1e}** (max |difference| {report['reference']['max_abs_error']:.1e}, "
+           f"largest logit {report['reference']['max_abs_logit']:.1f}; same greedy token at every position: "
+           f"{report['reference']['same_argmax']}).", ""] if "reference" in report else []),
         "Smallest relative gap between the k-th and (k+1)-th candidate of each top-k (make_fixtures.GapMonitor; "
         "one forward over the two chat prompts below and four held-out windows): "
         + ", ".join(f"`{site}` {gap:.1e}" for site, gap in report["topk_gaps"].items())
@@ -947,6 +1096,14 @@ def write_model_card(folder: Path, family: str, spec: FamilySpec, config: dict, 
 def describe_layers(config: dict) -> str:
     """Attention and MLP kind of each layer, e.g. "linear_attention + dense MLP, ..."."""
     count = config["num_hidden_layers"]
+    if "linear_attn_config" in config:  # Kimi K3 (vLLM's KimiLinearConfig)
+        kinds = []
+        for l in range(count):
+            attention = "KDA" if kimi_k3_torch.is_kda_layer(config, l) else "MLA"
+            mlp = (f"latent MoE ({config['num_experts']} experts, top {config['num_experts_per_token']}, + shared)"
+                   if kimi_k3_torch.is_moe_layer(config, l) else "dense SiTU MLP")
+            kinds.append(f"{attention} + {mlp}")
+        return ", ".join(kinds)
     attention = config.get("layer_types") or ["full_attention (MLA + DSA)"] * count
     mlp = config.get("mlp_layer_types") or ["dense" if i < config["first_k_dense_replace"] else "sparse"
                                             for i in range(count)]
