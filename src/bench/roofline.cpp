@@ -214,6 +214,7 @@ void kimi_linear(Families& f, const Config& c, bool k3) {
   std::vector<std::string> mlp = dense_first(c, layers, 1);
   if (k3) {  // vLLM's KimiDecoderLayer: MoE iff num_experts is set, l >= first_k_dense_replace, l % freq == 0
     const int64_t dense = c.get_int("first_k_dense_replace", 0), freq = c.get_int("moe_layer_freq", 1);
+    c.require(freq > 0, "moe_layer_freq", "a positive integer");
     for (int64_t i = 0; i < layers; ++i)
       mlp[size_t(i)] = c.has(experts_key) && i >= dense && i % freq == 0 ? "sparse" : "dense";
   }
