@@ -617,6 +617,12 @@ TEST(FormatsCheckpoint, ShardedIndexErrors) {
   EXPECT_TRUE(mentions(error_message([&] { Checkpoint::open(dir.path()); }),
                        {"model.safetensors.index.json", "shard2.safetensors", "'b'", "does not exist"}));
 
+  // A shard name the filesystem cannot look up (longer than NAME_MAX) is missing too, not a crash.
+  const std::string long_name(300, 'm');
+  dir.write("model.safetensors.index.json",
+            R"({"weight_map": {"a": "shard1.safetensors", "b": ")" + long_name + R"("}})");
+  EXPECT_TRUE(mentions(error_message([&] { Checkpoint::open(dir.path()); }), {"'b'", "does not exist"}));
+
   dir.write("model.safetensors.index.json",
             R"({"weight_map": {"a": "shard1.safetensors", "z": "shard1.safetensors"}})");
   EXPECT_TRUE(

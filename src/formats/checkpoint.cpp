@@ -50,25 +50,41 @@ std::map<std::string, std::string> read_weight_map(const std::string& path) {
 
 }  // namespace
 
+namespace {
+
+// Whether `path` exists, false for a name the filesystem refuses to look up (too long, ...): a shard name in
+// an index is the checkpoint's word, and such a name is then reported missing rather than escaping as a
+// std::filesystem::filesystem_error.
+bool path_exists(const fs::path& path) {
+  std::error_code ignored;
+  return fs::exists(path, ignored);
+}
+bool is_folder(const fs::path& path) {
+  std::error_code ignored;
+  return fs::is_directory(path, ignored);
+}
+
+}  // namespace
+
 std::unique_ptr<Checkpoint> Checkpoint::open(const std::string& dir) {
   auto checkpoint = std::unique_ptr<Checkpoint>(new Checkpoint());
   checkpoint->dir_ = dir;
   const fs::path root(dir);
-  SPARROW_CHECK(fs::is_directory(root), dir, ": not a directory");
-  SPARROW_CHECK(fs::exists(root / "config.json"), dir, ": missing config.json");
+  SPARROW_CHECK(is_folder(root), dir, ": not a directory");
+  SPARROW_CHECK(path_exists(root / "config.json"), dir, ": missing config.json");
   checkpoint->config_ = Config::load((root / "config.json").string());
 
   checkpoint->quantization_ = read_quantization(dir, checkpoint->config_);
 
   const fs::path index_path = root / "model.safetensors.index.json";
   const fs::path single_path = root / "model.safetensors";
-  if (fs::exists(index_path)) {
+  if (path_exists(index_path)) {
     std::map<std::string, std::string> weight_map = read_weight_map(index_path.string());
     std::map<std::string, std::shared_ptr<SafetensorsFile>> shards;
     for (const auto& [name, shard] : weight_map) {
       if (shards.count(shard)) continue;
       const fs::path shard_path = root / shard;
-      SPARROW_CHECK(fs::exists(shard_path), index_path.string(), ": shard '", shard, "' (listed for tensor '", name,
+      SPARROW_CHECK(path_exists(shard_path), index_path.string(), ": shard '", shard, "' (listed for tensor '", name,
                     "') does not exist");
       shards[shard] = SafetensorsFile::open(shard_path.string());
       checkpoint->add_file(shards[shard]);
@@ -78,7 +94,7 @@ std::unique_ptr<Checkpoint> Checkpoint::open(const std::string& dir) {
                     "' is listed in the index but missing from ", shard);
     }
   } else {
-    SPARROW_CHECK(fs::exists(single_path), dir, ": missing model.safetensors (or model.safetensors.index.json)");
+    SPARROW_CHECK(path_exists(single_path), dir, ": missing model.safetensors (or model.safetensors.index.json)");
     checkpoint->add_file(SafetensorsFile::open(single_path.string()));
   }
   return checkpoint;
@@ -88,8 +104,8 @@ std::unique_ptr<Checkpoint> Checkpoint::open_dummy(const std::string& dir, uint6
   auto checkpoint = std::unique_ptr<Checkpoint>(new Checkpoint());
   checkpoint->dir_ = dir;
   const fs::path root(dir);
-  SPARROW_CHECK(fs::is_directory(root), dir, ": not a directory");
-  SPARROW_CHECK(fs::exists(root / "config.json"), dir, ": missing config.json");
+  SPARROW_CHECK(is_folder(root), dir, ": not a directory");
+  SPARROW_CHECK(path_exists(root / "config.json"), dir, ": missing config.json");
   checkpoint->config_ = Config::load((root / "config.json").string());
   checkpoint->dummy_ = true;
   checkpoint->dummy_seed_ = seed;
