@@ -184,6 +184,21 @@ void expect_steps_match_one_prefill(Model& model, const std::vector<int32_t>& to
   EXPECT_EQ(steps.length, T);
 }
 
+// A 70-token prefill batched with the last token of a `b_length`-token sequence decoding: each equals the
+// same sequence run alone.
+void expect_batched_sequences_independent(Model& model, int b_length) {
+  const int64_t V = model.vocab_size();
+  const std::vector<int32_t> a = prompt(70, int(V)), b = prompt(b_length, int(V));
+  SequenceState alone_a = sparrow::testing::new_sequence(model), alone_b = sparrow::testing::new_sequence(model);
+  const Tensor ra = sparrow::testing::run_step(model, make_batch({{&alone_a, a}}));
+  const Tensor rb = sparrow::testing::run_step(model, make_batch({{&alone_b, b}}));
+  SequenceState sa = sparrow::testing::new_sequence(model), sb = sparrow::testing::new_sequence(model);
+  sparrow::testing::run_step(model, make_batch({{&sb, std::vector<int32_t>(b.begin(), b.end() - 1)}}));
+  const Tensor both = sparrow::testing::run_step(model, make_batch({{&sa, a}, {&sb, {b.back()}}}));
+  for (int64_t t = 0; t < 70; ++t) EXPECT_LT(relative_error(both.row(t), ra.row(t), V), 1e-5) << "a " << t;
+  EXPECT_LT(relative_error(both.row(70), rb.row(b_length - 1), V), 1e-5);
+}
+
 }  // namespace
 
 TEST(KimiLinearModel, PrefillThenDecodeEqualsOneLongPrefill) {
@@ -213,19 +228,7 @@ TEST(KimiLinearModel, SequencesInOneBatchDoNotInteract) {
   TempDir dir;
   write_checkpoint(dir, tiny_kimi_linear(), Layout::Transformers);
   std::unique_ptr<Model> model = load_model(dir.path());
-  const int64_t V = model->vocab_size();
-  const std::vector<int32_t> a = prompt(70), b = prompt(11);
-
-  SequenceState alone_a = sparrow::testing::new_sequence(*model), alone_b = sparrow::testing::new_sequence(*model);
-  const Tensor ra = sparrow::testing::run_step(*model, make_batch({{&alone_a, a}}));
-  const Tensor rb = sparrow::testing::run_step(*model, make_batch({{&alone_b, b}}));
-
-  // b is ahead by 10 tokens: a 70-token prefill and a 1-token decode share the step.
-  SequenceState sa = sparrow::testing::new_sequence(*model), sb = sparrow::testing::new_sequence(*model);
-  sparrow::testing::run_step(*model, make_batch({{&sb, std::vector<int32_t>(b.begin(), b.begin() + 10)}}));
-  const Tensor both = sparrow::testing::run_step(*model, make_batch({{&sa, a}, {&sb, {b[10]}}}));
-  for (int64_t t = 0; t < 70; ++t) EXPECT_LT(relative_error(both.row(t), ra.row(t), V), 1e-5) << "a " << t;
-  EXPECT_LT(relative_error(both.row(70), rb.row(10), V), 1e-5);
+  expect_batched_sequences_independent(*model, 11);
 }
 
 TEST(KimiLinearModel, LayerTypesFollowKimiLinearConfig) {
@@ -308,16 +311,7 @@ TEST(KimiK3Model, PrefillThenDecodeEqualsOneLongPrefill) {
 
 TEST(KimiK3Model, SequencesInOneBatchDoNotInteract) {
   std::unique_ptr<Model> model = load_model(k3_fixture("kimi_k3_1_pro").string());
-  const int64_t V = model->vocab_size();
-  const std::vector<int32_t> a = prompt(70, int(V)), b = prompt(30, int(V));
-  SequenceState alone_a = sparrow::testing::new_sequence(*model), alone_b = sparrow::testing::new_sequence(*model);
-  const Tensor ra = sparrow::testing::run_step(*model, make_batch({{&alone_a, a}}));
-  const Tensor rb = sparrow::testing::run_step(*model, make_batch({{&alone_b, b}}));
-  SequenceState sa = sparrow::testing::new_sequence(*model), sb = sparrow::testing::new_sequence(*model);
-  sparrow::testing::run_step(*model, make_batch({{&sb, std::vector<int32_t>(b.begin(), b.begin() + 29)}}));
-  const Tensor both = sparrow::testing::run_step(*model, make_batch({{&sa, a}, {&sb, {b[29]}}}));
-  for (int64_t t = 0; t < 70; ++t) EXPECT_LT(relative_error(both.row(t), ra.row(t), V), 1e-5) << "a " << t;
-  EXPECT_LT(relative_error(both.row(70), rb.row(29), V), 1e-5);
+  expect_batched_sequences_independent(*model, 30);
 }
 
 TEST(KimiK3Model, TheIndexerRestrictsTheMlaLayers) {

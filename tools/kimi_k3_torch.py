@@ -62,16 +62,8 @@ def rms_norm(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def gated_act(c: dict, gate, up):
-    """SiTU (layers/activation.py::SituAndMul.forward_native) or SiLU, as kimi_k3_reference.gated_act."""
-    if c["hidden_act"] == "silu":
-        return F.silu(gate) * up
-    assert c["hidden_act"] == "situ", c["hidden_act"]
-    beta = c.get("activation_situ_beta") or 1.0
-    lam = c.get("activation_situ_linear_beta")
-    if lam is not None and lam > 0:
-        up = lam * torch.tanh(up / lam)
-    return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * up
+# The gated activation (SiLU or SiTU) is the reference's own: it is written on tensors, batched or not.
+gated_act = load_reference().gated_act
 
 
 def attn_res_mix(sources: list[torch.Tensor], norm_w, proj_w, eps):

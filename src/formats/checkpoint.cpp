@@ -229,8 +229,9 @@ Tensor Checkpoint::take_mapped(const std::string& name, const Shape& expected, S
   auto it = index_.find(name);
   if (it == index_.end()) return {};
   const TensorInfo& info = *it->second;
-  const DType want = type == ScalarType::BF16 ? DType::BF16 : type == ScalarType::F32 ? DType::F32 : DType::U8;
-  if (info.dtype != want || want == DType::U8 || info.shape != expected) return {};
+  SPARROW_CHECK(type == ScalarType::BF16 || type == ScalarType::F32, "take_mapped: bf16 or fp32 only");
+  const DType stored_as = type == ScalarType::BF16 ? DType::BF16 : DType::F32;
+  if (info.dtype != stored_as || info.shape != expected || shape_numel(expected) == 0) return {};
   mark_taken(name);
   return Tensor::view(const_cast<uint8_t*>(info.data), expected, type, owner_.at(name));
 }
@@ -241,7 +242,7 @@ Tensor Checkpoint::take(const std::string& name, const Shape& expected) {
   if (dummy_) return dummy_take(name, expected, /*fp32_everywhere=*/false);
   if (device_ != Device::Cpu) {
     Tensor mapped = take_mapped(name, expected, expected.size() >= 2 ? ScalarType::BF16 : ScalarType::F32);
-    if (mapped.defined() && mapped.numel() > 0) return mapped.to(device_);
+    if (mapped.defined()) return mapped.to(device_);
   }
   return place(take_host(name, expected));
 }
@@ -250,7 +251,7 @@ Tensor Checkpoint::take_fp32(const std::string& name, const Shape& expected) {
   if (dummy_) return dummy_take(name, expected, /*fp32_everywhere=*/true);
   if (device_ != Device::Cpu) {
     Tensor mapped = take_mapped(name, expected, ScalarType::F32);
-    if (mapped.defined() && mapped.numel() > 0) return mapped.to(device_);
+    if (mapped.defined()) return mapped.to(device_);
   }
   Tensor t = take_host(name, expected);
   return device_ == Device::Cpu ? t : t.to(device_, ScalarType::F32);
