@@ -363,6 +363,32 @@ TEST(FormatsSafetensors, WriteReadRoundTrip) {
   EXPECT_TRUE(mentions(error_message([&] { write_safetensors(path, {{"a", a}, {"a", b}}); }), {"'a'"}));
 }
 
+// Each tensor is written in its own dtype, as releases store them (FP4 codes as U8 pairs).
+TEST(FormatsSafetensors, WritesEachTensorsOwnDtype) {
+  TempDir dir;
+  const std::string path = dir.file("typed.safetensors");
+  Tensor codes = Tensor::empty({2, 4}, ScalarType::E2M1x2), e8m0 = Tensor::empty({2, 1}, ScalarType::F8E8M0);
+  Tensor e4m3 = Tensor::empty({3}, ScalarType::F8E4M3), bf16 = Tensor::empty({2}, ScalarType::BF16);
+  for (int i = 0; i < 8; ++i) codes.as<uint8_t>()[i] = uint8_t(17 * i + 3);
+  e8m0.as<uint8_t>()[0] = 120, e8m0.as<uint8_t>()[1] = 127;
+  for (int i = 0; i < 3; ++i) e4m3.as<uint8_t>()[i] = uint8_t(0x38 + i);
+  bf16.as<uint16_t>()[0] = 0x3F80, bf16.as<uint16_t>()[1] = 0xC000;  // 1, -2
+  write_safetensors(path, {{"codes", codes}, {"e8m0", e8m0}, {"e4m3", e4m3}, {"bf16", bf16}});
+  auto file = SafetensorsFile::open(path);
+  const auto& t = file->tensors();
+  EXPECT_EQ(t.at("codes").dtype, DType::U8);
+  EXPECT_EQ(t.at("codes").shape, (Shape{2, 4}));
+  EXPECT_EQ(std::memcmp(t.at("codes").data, codes.raw(), 8), 0);
+  EXPECT_EQ(t.at("e8m0").dtype, DType::F8_E8M0);
+  EXPECT_EQ(t.at("e8m0").data[1], 127);
+  EXPECT_EQ(t.at("e4m3").dtype, DType::F8_E4M3);
+  EXPECT_EQ(t.at("e4m3").data[2], 0x3A);
+  EXPECT_EQ(t.at("bf16").dtype, DType::BF16);
+  const Tensor widened = to_float32(t.at("bf16"), file);
+  EXPECT_EQ(widened.data()[0], 1.0f);
+  EXPECT_EQ(widened.data()[1], -2.0f);
+}
+
 TEST(FormatsSafetensors, MetadataIsIgnored) {
   TempDir dir;
   std::string header =

@@ -40,6 +40,8 @@ int64_t scalar_size(ScalarType type) {
     case ScalarType::I64: return 8;
     case ScalarType::U8: return 1;
     case ScalarType::F8E4M3: return 1;
+    case ScalarType::E2M1x2: return 1;
+    case ScalarType::F8E8M0: return 1;
   }
   return 0;
 }
@@ -52,6 +54,8 @@ const char* scalar_name(ScalarType type) {
     case ScalarType::I64: return "int64";
     case ScalarType::U8: return "uint8";
     case ScalarType::F8E4M3: return "float8_e4m3fn";
+    case ScalarType::E2M1x2: return "float4_e2m1fn_x2";
+    case ScalarType::F8E8M0: return "float8_e8m0fnu";
   }
   return "?";
 }
@@ -103,7 +107,8 @@ Tensor Tensor::view(void* data, Shape shape, ScalarType type, std::shared_ptr<vo
 Tensor Tensor::reshape(Shape shape) const {
   SPARROW_CHECK(shape_numel(shape) == numel(), "cannot reshape ", shape_str(shape_), " to ", shape_str(shape));
   Tensor t = *this;
-  t.block_scales_.reset();  // a part or reshape of an FP8 matrix no longer matches its block scales
+  t.block_scales_.reset();  // a part or reshape of a quantized matrix no longer matches its scales
+  t.global_scales_.reset();
   t.shape_ = std::move(shape);
   return t;
 }
@@ -113,7 +118,8 @@ Tensor Tensor::view_bytes(int64_t byte_offset, Shape shape, ScalarType type) con
   SPARROW_CHECK(byte_offset >= 0 && byte_offset + bytes <= nbytes(), "view_bytes: ", bytes, " bytes at ", byte_offset,
                 " exceed the tensor's ", nbytes());
   Tensor t = *this;
-  t.block_scales_.reset();  // a part or reshape of an FP8 matrix no longer matches its block scales
+  t.block_scales_.reset();  // a part or reshape of a quantized matrix no longer matches its scales
+  t.global_scales_.reset();
   t.data_ = static_cast<char*>(data_) + byte_offset;
   t.shape_ = std::move(shape);
   t.type_ = type;
@@ -124,7 +130,8 @@ Tensor Tensor::rows(int64_t begin, int64_t end) const {
   SPARROW_CHECK(!shape_.empty() && begin >= 0 && begin <= end && end <= shape_[0], "rows [", begin, ", ", end,
                 ") out of range for ", shape_str(shape_));
   Tensor t = *this;
-  t.block_scales_.reset();  // a part or reshape of an FP8 matrix no longer matches its block scales
+  t.block_scales_.reset();  // a part or reshape of a quantized matrix no longer matches its scales
+  t.global_scales_.reset();
   t.data_ = static_cast<char*>(data_) + begin * row_size() * scalar_size(type_);
   t.shape_[0] = end - begin;
   return t;
@@ -190,14 +197,42 @@ Tensor Tensor::with_block_scales(Tensor scales) const {
   return t;
 }
 
+Tensor Tensor::with_fp4_scales(Tensor groups, Tensor global) const {
+  const bool nvfp4 = groups.type() == ScalarType::F8E4M3;
+  const int64_t group = nvfp4 ? 16 : 32;
+  bool shape_ok = type_ == ScalarType::E2M1x2 && ndim() >= 2 && groups.ndim() == ndim() &&
+                  (nvfp4 || groups.type() == ScalarType::F8E8M0) && (2 * dim(-1)) % group == 0 &&
+                  groups.dim(-1) == 2 * dim(-1) / group;
+  for (int i = 0; shape_ok && i + 1 < ndim(); ++i) shape_ok = groups.dim(i) == dim(i);
+  SPARROW_CHECK(shape_ok, "with_fp4_scales: FP4 codes ", scalar_name(type_), " ", shape_str(shape_),
+                " take F8E4M3 scales per 16 values or F8E8M0 scales per 32, got ", scalar_name(groups.type()), " ",
+                shape_str(groups.shape()));
+  SPARROW_CHECK(nvfp4 == global.defined() && (!global.defined() || global.type() == ScalarType::F32),
+                "with_fp4_scales: NVFP4 weights take fp32 global scales, MXFP4 weights none");
+  Tensor t = *this;
+  t.block_scales_ = std::make_shared<const Tensor>(std::move(groups));
+  t.global_scales_ = global.defined() ? std::make_shared<const Tensor>(std::move(global)) : nullptr;
+  return t;
+}
+
+const Tensor& Tensor::global_scales() const {
+  static const Tensor none;
+  return global_scales_ ? *global_scales_ : none;
+}
+
 Tensor Tensor::to(Device device, ScalarType type) const {
   if (device == device_ && type == type_) return *this;
-  if (type_ == ScalarType::F8E4M3 || type == ScalarType::F8E4M3) {
-    // FP8 weights move between devices as they are, scales along; nothing converts to or from FP8 here.
+  auto coded = [](ScalarType t) {
+    return t == ScalarType::F8E4M3 || t == ScalarType::E2M1x2 || t == ScalarType::F8E8M0;
+  };
+  if (coded(type_) || coded(type)) {
+    // Quantized weights move between devices as they are, scales along; nothing converts to or from
+    // their codes here.
     SPARROW_CHECK(type == type_, "cannot convert ", scalar_name(type_), " to ", scalar_name(type));
     Tensor out = empty(shape_, type, device);
     out.copy_from(*this);
-    if (block_scales_) out.block_scales_ = std::make_shared<const Tensor>(block_scales_->to(device, ScalarType::F32));
+    if (block_scales_) out.block_scales_ = std::make_shared<const Tensor>(block_scales_->to(device));
+    if (global_scales_) out.global_scales_ = std::make_shared<const Tensor>(global_scales_->to(device));
     return out;
   }
   if (device_ == Device::Cpu && device == Device::Cpu) return convert_on_host(*this, type);

@@ -22,12 +22,17 @@ int64_t shape_numel(const Shape& shape);
 enum class Device { Cpu, Cuda };
 // U8: raw bytes (workspaces, cache pools). F8E4M3: FP8 weights (OCP E4M3 "fn"), which carry their
 // block scales (block_scales(): fp32, one per 128x128 block, DeepSeek's weight_scale_inv).
-enum class ScalarType { F32, BF16, I32, I64, U8, F8E4M3 };
+// E2M1x2: FP4 weights as released, two OCP E2M1 codes a byte (element 2i in the low nibble; the last
+// dimension counts bytes), which carry their group scales (block_scales(): F8E4M3 one per 16 values =
+// NVFP4, whose per-matrix weight_scale_2 are global_scales(); F8E8M0 one per 32 values = MXFP4).
+// F8E8M0: OCP MX's power-of-two scales (2^(code - 127)).
+enum class ScalarType { F32, BF16, I32, I64, U8, F8E4M3, E2M1x2, F8E8M0 };
 
 const char* device_name(Device device);    // "cpu", "cuda"
 Device parse_device(const std::string& name);  // "cpu" | "cuda"; anything else is an error
 int64_t scalar_size(ScalarType type);
-const char* scalar_name(ScalarType type);  // "float32", "bfloat16", "int32", "int64", "uint8", "float8_e4m3fn"
+// "float32", "bfloat16", "int32", "int64", "uint8", "float8_e4m3fn", "float4_e2m1fn_x2", "float8_e8m0fnu"
+const char* scalar_name(ScalarType type);
 
 class Tensor {
  public:
@@ -84,6 +89,12 @@ class Tensor {
   // along.
   const Tensor& block_scales() const;
   Tensor with_block_scales(Tensor scales) const;
+  // FP4 weights (E2M1x2): their group scales, F8E4M3 [..., rows, 2 cols / 16] (NVFP4) or F8E8M0
+  // [..., rows, 2 cols / 32] (MXFP4) for codes [..., rows, cols] bytes, and (NVFP4) fp32 `global` scales,
+  // one per stored matrix (stacked experts: kernels/cuda/moe/moe.h says which); undefined for MXFP4.
+  Tensor with_fp4_scales(Tensor groups, Tensor global) const;
+  const Tensor& global_scales() const;
+  bool quantized() const { return type_ == ScalarType::F8E4M3 || type_ == ScalarType::E2M1x2; }
 
  private:
   void* data_ = nullptr;
@@ -92,6 +103,7 @@ class Tensor {
   Device device_ = Device::Cpu;
   std::shared_ptr<void> storage_;
   std::shared_ptr<const Tensor> block_scales_;
+  std::shared_ptr<const Tensor> global_scales_;
 };
 
 }  // namespace sparrow

@@ -260,6 +260,25 @@ Tensor to_float32(const TensorInfo& info, std::shared_ptr<void> keep_alive) {
   return out;
 }
 
+namespace {
+
+// The safetensors dtype a tensor is written as (FP4 codes as the releases store them: U8 pairs).
+const char* stored_dtype(ScalarType type) {
+  switch (type) {
+    case ScalarType::F32: return "F32";
+    case ScalarType::BF16: return "BF16";
+    case ScalarType::I32: return "I32";
+    case ScalarType::I64: return "I64";
+    case ScalarType::U8: return "U8";
+    case ScalarType::E2M1x2: return "U8";
+    case ScalarType::F8E4M3: return "F8_E4M3";
+    case ScalarType::F8E8M0: return "F8_E8M0";
+  }
+  return "?";
+}
+
+}  // namespace
+
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors) {
   // Keys keep the order given, and the data follows in that same order.
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
@@ -268,9 +287,10 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   for (const auto& [name, tensor] : tensors) {
     SPARROW_CHECK(name != "__metadata__" && names.insert(name).second, path, ": cannot write tensor name '", name,
                   "' twice (or the reserved name __metadata__)");
-    SPARROW_CHECK(tensor.defined(), path, ": tensor '", name, "' has no data");
-    int64_t nbytes = tensor.numel() * static_cast<int64_t>(sizeof(float));
-    header[name] = {{"dtype", "F32"}, {"shape", tensor.shape()}, {"data_offsets", {offset, offset + nbytes}}};
+    SPARROW_CHECK(tensor.defined() && tensor.on_cpu(), path, ": tensor '", name, "' has no host data");
+    const int64_t nbytes = tensor.nbytes();
+    header[name] = {{"dtype", stored_dtype(tensor.type())}, {"shape", tensor.shape()},
+                    {"data_offsets", {offset, offset + nbytes}}};
     offset += nbytes;
   }
   std::string text = header.dump();
@@ -283,8 +303,7 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   out.write(reinterpret_cast<const char*>(&header_length), 8);
   out.write(text.data(), static_cast<std::streamsize>(text.size()));
   for (const auto& [name, tensor] : tensors)
-    out.write(reinterpret_cast<const char*>(tensor.data()),
-              static_cast<std::streamsize>(tensor.numel() * sizeof(float)));
+    out.write(static_cast<const char*>(tensor.raw()), static_cast<std::streamsize>(tensor.nbytes()));
   out.close();
   SPARROW_CHECK(out, path, ": write failed");
 }

@@ -48,7 +48,8 @@ class SafetensorsFile {
 // in place. Other types are converted into a new buffer; any other dtype is a one-line error.
 Tensor to_float32(const TensorInfo& info, std::shared_ptr<void> keep_alive);
 
-// Writes float32 tensors as a safetensors file (used by `sparrow score` and by tests).
+// Writes host tensors as a safetensors file, each in its own dtype (FP4 codes as U8, E8M0 scales as
+// F8_E8M0; used by `sparrow score` and by tests).
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors);
 
 }  // namespace sparrow
