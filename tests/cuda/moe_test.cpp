@@ -11,6 +11,7 @@
 #include "core/bfloat16.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "kernels/cpu/fp4_codec.h"
 #include "kernels/cpu/fp8_codec.h"
 #include "kernels/cpu/moe_reference.h"
 #include "kernels/cuda/moe/moe.h"
@@ -506,6 +507,110 @@ Routing random_routing(std::mt19937_64& rng, int64_t tokens, int64_t experts, in
       routing.weights.push_back(std::uniform_real_distribution<float>(0.1f, 1.0f)(rng));
   }
   return routing;
+}
+
+// FP4 experts as released (moe.h moe_experts_fp4), NVFP4 and MXFP4: every code (all 256 bytes are
+// finite pairs), scales spread over 16 E4M3 codes (NVFP4, with a per-matrix global scale) or 4 E8M0 powers
+// of two (MXFP4). The kernel turns each code into bf16 times its group scale (exact) and applies NVFP4's
+// global scale to each fp32 sum: the decode path's bound around the double reference on the exact
+// dequantised weights, at decode sizes and at a prefill size (FP4 takes the decode kernel at every size,
+// tiles of up to 8 rows), run to run bit for bit. A wrong nibble order, pair order, group or half moves
+// results by O(|ref|), far outside the bound.
+TEST(CudaMoe, Fp4ExpertsMatchTheirDequantisedWeights) {
+  SPARROW_REQUIRE_GPU();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  struct Shape {
+    int64_t hidden, inter, experts, top_k;
+  };
+  const Shape shapes[] = {
+      {256, 64, 8, 2},     // one 64-byte slab per row at K = 64 (down)
+      {544, 96, 16, 4},    // K not a multiple of 128: a partial last slab; hidden % 16 == 0, a whole last group
+      {1024, 256, 32, 8},  // DeepSeek-V3's shape scaled down
+  };
+  const float alpha = 1.702f, limit = 7.0f;
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (const cuda::Fp4Weights format : {cuda::Fp4Weights::Nvfp4, cuda::Fp4Weights::Mxfp4})
+    for (const Shape& c : shapes)
+      for (int64_t tokens : {1, 7, 300})
+        for (auto kind : {Glu::SiluGlu, Glu::ClampedSwiglu}) {
+          const bool nvfp4 = format == cuda::Fp4Weights::Nvfp4;
+          const int64_t group = nvfp4 ? 16 : 32, E = c.experts, H = c.hidden, I = c.inter;
+          SCOPED_TRACE(testing::Message() << (nvfp4 ? "nvfp4" : "mxfp4") << " tokens=" << tokens << " hidden=" << H
+                                          << " inter=" << I << " experts=" << E << " top_k=" << c.top_k
+                                          << " kind=" << int(kind));
+          std::vector<float> x = test::random_vector(rng, tokens * H, -1.0f, 1.0f);
+          for (float& v : x) v = test::round_bf16(v);
+          auto codes = [&](int64_t n) {
+            std::vector<uint8_t> v(n);
+            for (uint8_t& b : v) b = uint8_t(byte(rng));
+            return v;
+          };
+          // E2M1 codes have an RMS near 2.9: NVFP4 scales 0.5-0.94 times global ~1 / (2 sqrt(K)), MXFP4
+          // scales 2^-6 .. 2^-3, keep the sums O(1).
+          auto scales = [&](int64_t n) {
+            std::vector<uint8_t> v(n);
+            for (uint8_t& b : v) b = uint8_t(nvfp4 ? 0x30 + byte(rng) % 16 : 121 + byte(rng) % 4);
+            return v;
+          };
+          const std::vector<uint8_t> gu = codes(E * 2 * I * H / 2), dn = codes(E * H * I / 2);
+          const std::vector<uint8_t> gu_s = scales(E * 2 * I * H / group), dn_s = scales(E * H * I / group);
+          std::vector<float> gu_global(2 * E), dn_global(E);
+          for (float& g : gu_global) g = float(std::uniform_real_distribution<double>(0.5, 2.0)(rng) / (2 * std::sqrt(H)));
+          for (float& g : dn_global) g = float(std::uniform_real_distribution<double>(0.5, 2.0)(rng) / (2 * std::sqrt(I)));
+          // The exact weights: e2m1 * scale (* global), the sum of K products in double.
+          auto scale_value = [&](uint8_t code) {
+            return nvfp4 ? double(cpu::e4m3_to_float(code)) : std::ldexp(1.0, int(code) - 127);
+          };
+          std::vector<float> gu_w(E * 2 * I * H), dn_w(E * H * I);
+          auto dequantise = [&](const std::vector<uint8_t>& q, const std::vector<uint8_t>& s, int64_t rows,
+                                int64_t K, const float* global, int64_t rows_per_global, std::vector<float>& out) {
+            for (int64_t r = 0; r < rows; ++r)
+              for (int64_t k = 0; k < K; ++k) {
+                const uint8_t pair = q[(r * K + k) / 2];
+                const double v = double(cpu::e2m1_to_float(k % 2 ? uint8_t(pair >> 4) : pair)) *
+                                 scale_value(s[r * (K / group) + k / group]) *
+                                 (nvfp4 ? double(global[r / rows_per_global]) : 1.0);
+                out[r * K + k] = float(v);
+              }
+          };
+          dequantise(gu, gu_s, E * 2 * I, H, gu_global.data(), I, gu_w);
+          dequantise(dn, dn_s, E * H, I, dn_global.data(), H, dn_w);
+          const Routing routing = random_routing(rng, tokens, E, c.top_k, Skew::Uniform);
+
+          const size_t ws_bytes = cuda::moe_workspace_bytes(tokens, c.top_k, E, H, I);
+          DeviceBuffer dx(test::to_bf16(x)), de(routing.experts), dw(routing.weights), dgu(gu), dgus(gu_s), ddn(dn),
+              ddns(dn_s), dgg(gu_global), ddg(dn_global), out(tokens * H * 2), ws(ws_bytes);
+          auto run = [&] {
+            out.poison();
+            ws.poison();
+            cuda::moe_experts_fp4(dx.get(), tokens, H, de.get<int32_t>(), dw.get<float>(), c.top_k, format,
+                                  dgu.get<uint8_t>(), dgus.get<uint8_t>(), nvfp4 ? dgg.get<float>() : nullptr,
+                                  ddn.get<uint8_t>(), ddns.get<uint8_t>(), nvfp4 ? ddg.get<float>() : nullptr, E, I,
+                                  kind, alpha, limit, out.get(), ws.get(), cuda::stream());
+            return out.download<uint16_t>(tokens * H);
+          };
+          const std::vector<uint16_t> got = run();
+          const BoundedReference ref = experts_reference(x, routing, gu_w, dn_w, tokens, H, I, kind, alpha, limit);
+          EXPECT_TRUE(within_bound(test::from_bf16(got), ref));
+          double max_ref = 0;
+          for (float v : ref.out) max_ref = std::max(max_ref, double(std::fabs(v)));
+          EXPECT_GT(max_ref, 0.1);
+          EXPECT_EQ(run(), got);  // deterministic
+        }
+}
+
+TEST(CudaMoe, Fp4ExpertsRejectBadArguments) {
+  SPARROW_REQUIRE_GPU();
+  DeviceBuffer buf(size_t(1) << 20);
+  auto call = [&](int64_t hidden, int64_t inter, const float* gu_global, const float* dn_global) {
+    cuda::moe_experts_fp4(buf.get(), 1, hidden, buf.get<int32_t>(), buf.get<float>(), 1, cuda::Fp4Weights::Nvfp4,
+                          buf.get<uint8_t>(), buf.get<uint8_t>(), gu_global, buf.get<uint8_t>(), buf.get<uint8_t>(),
+                          dn_global, 1, inter, Glu::SiluGlu, 1.0f, 7.0f, buf.get(), buf.get(), cuda::stream());
+  };
+  EXPECT_THROW(call(48, 64, buf.get<float>(), buf.get<float>()), Error);  // hidden % 32 != 0
+  EXPECT_THROW(call(64, 64, nullptr, nullptr), Error);                    // NVFP4 without its global scales
 }
 
 // The decode path (moe_experts_path == Decode: tokens * top_k <= 8 * experts) on both weight formats,

@@ -60,7 +60,7 @@ struct DenseJob {
     return true;
   }
   __device__ LaneRows lane_rows(const Slice&, int64_t group, int g) const {
-    return skinny::matrix_lane_rows<FP8>(w, w_scales, N, K, group, g);
+    return skinny::matrix_lane_rows<FP8 ? skinny::Codes::Fp8 : skinny::Codes::Bf16>(w, w_scales, N, K, group, g);
   }
   __device__ const bf16* act_row(const Slice&, int64_t row) const { return x + row * ldx; }
   __device__ void put(int64_t row, int64_t col, float v) const {
@@ -121,7 +121,7 @@ DensePlan dense_plan(int64_t m, int64_t n, int64_t k, bool fp8) {
   chunk = std::min(max_chunk, (chunk + 1) / 2 * 2);
   p.chunk_slabs = int(chunk);
   p.splits = int((nslabs + chunk - 1) / chunk);
-  p.cta = skinny::make_plan(rows, chunk * skinny::SLAB / es, fp8);
+  p.cta = skinny::make_plan(rows, chunk * skinny::SLAB / es, fp8 ? skinny::Codes::Fp8 : skinny::Codes::Bf16);
   return p;
 }
 
@@ -158,7 +158,7 @@ void run(const char* what, int64_t m, int64_t n, int64_t k, const void* x, int64
                 partial};
   const dim3 grid(1, unsigned((plan.groups + plan.cta.warps - 1) / plan.cta.warps), unsigned(plan.splits));
   SPARROW_CHECK(grid.y <= 65535 && grid.z <= 65535, what, ": n=", n, " k=", k, " too large for the grid");
-  skinny::launch<Job, FP8>(job, grid, plan.cta, stream);
+  skinny::launch<Job, FP8 ? skinny::Codes::Fp8 : skinny::Codes::Bf16>(job, grid, plan.cta, stream);
   if (partial != nullptr) {
     const int blocks = int(std::min<int64_t>((m * n + 255) / 256, 4 * int64_t(sm_count())));
     reduce_kernel<<<blocks, 256, 0, stream>>>(partial, plan.splits, int(m), n, y, ldy, f32);

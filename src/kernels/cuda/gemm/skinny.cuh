@@ -1,5 +1,5 @@
 // Skinny products: few activation rows (<= 8 per pass) against a big weight matrix, streamed from HBM.
-// One kernel template (skinny::kernel<Job, FP8>) serves the MoE decode path (moe/moe.cu: gate/up with the
+// One kernel template (skinny::kernel<Job, Codes>) serves the MoE decode path (moe/moe.cu: gate/up with the
 // activation fused, down with the pair weight; rows gathered per expert) and the dense decode-sized
 // products (gemm/gemm_skinny.cu, ops::linear at m <= 8). Device code only: include from .cu files.
 //
@@ -32,6 +32,11 @@
 //     each 128-column block (two slabs) accumulates on the raw codes, and the block partial is then
 //     multiplied by its scale into the fp32 accumulator (a K range starts at an even slab, so a block never
 //     straddles two ranges);
+//     FP4 (NVFP4 / MXFP4, as released, read in place): a lane's 16 bytes are 32 columns; each 32-bit word
+//     (8 codes) becomes four bf16 pairs by shifts and masks, pair i = codes i and i + 4 of the word (so one
+//     pair of shifts serves both halves), each pair times its group's scale, exactly (fp4_to_bf16x2); the
+//     activations are staged in that column order (fp4_pair_order), so A and B still meet column by column;
+//     NVFP4's per-matrix weight_scale_2 is the Job's (applied in its store);
 //   - epilogue from the accumulators (job.store): lane (g, t) holds rows g, g + 8 for pass rows 2t, 2t + 1.
 // Why the tensor cores and not FMAs: at 1.9 GHz an SM must take ~17 weight bytes per clock for 4.3 TB/s
 // (32.6 GB/s per SM), i.e. a warp's 512-byte load instruction buys at most ~30 clocks x 4 schedulers =
@@ -66,6 +71,18 @@ namespace sparrow::cuda::skinny {
 
 using bf16 = __nv_bfloat16;
 
+// How the weight rows are stored: bf16; e4m3 with DeepSeek's 128x128 block scales (fp32); or FP4 as
+// released, two E2M1 codes a byte (element 2i in the low nibble) with one scale per 16 values (NVFP4:
+// E4M3 scales) or per 32 (MXFP4: E8M0 scales), row-major [rows, K / group] beside the codes.
+enum class Codes { Bf16, Fp8, Nvfp4, Mxfp4 };
+__host__ __device__ constexpr bool is_fp4(Codes c) { return c == Codes::Nvfp4 || c == Codes::Mxfp4; }
+// Weight columns in a lane's 16-byte piece: 8 bf16, 16 e4m3, 32 e2m1.
+__host__ __device__ constexpr int piece_cols(Codes c) { return c == Codes::Bf16 ? 8 : c == Codes::Fp8 ? 16 : 32; }
+// Columns per FP4 scale.
+__host__ __device__ constexpr int fp4_group(Codes c) { return c == Codes::Nvfp4 ? 16 : 32; }
+// Bytes of one weight row of K columns.
+__host__ __device__ constexpr int64_t row_bytes_of(Codes c, int64_t K) { return K * 16 / piece_cols(c); }
+
 constexpr int MAX_ROWS = 8;             // rows per pass: the n of mma.m16n8k16
 constexpr int U = 4;                    // slabs in flight per lane
 constexpr int SLAB = 64;                // weight bytes per row and slab
@@ -79,23 +96,27 @@ struct Slice {
 };
 
 // The two weight rows of a lane (row starts; they need not exist: lo_ok / hi_ok), their block scales
-// (FP8: one fp32 per 128 columns, s_lo[kb] for column block kb), and the output columns they feed.
+// (FP8: one fp32 per 128 columns, s_lo[kb] for column block kb; FP4: the rows' group scales, q_lo[kg]
+// for column group kg), and the output columns they feed.
 struct LaneRows {
   const uint8_t* lo;
   const uint8_t* hi;
   const float* s_lo;
   const float* s_hi;
+  const uint8_t* q_lo;
+  const uint8_t* q_hi;
   int64_t lo_col, hi_col;
   bool active, lo_ok, hi_ok;  // active: the warp's group exists (uniform over the warp)
 };
 
 // The rows of one plain [N, K] weight matrix (a dense product's, or one expert's down projection) that
 // lane g of 16-row group `group` streams: rows 16 group + g and + 8, inside one 128-row scale block, the
-// last group possibly partial. `scales`: the matrix's [ceil(N/128), ceil(K/128)] block scales (FP8).
-template <bool FP8>
-__device__ __forceinline__ LaneRows matrix_lane_rows(const uint8_t* w, const float* scales, int64_t N, int64_t K,
+// last group possibly partial. `scales`: the matrix's [ceil(N/128), ceil(K/128)] block scales (FP8, fp32)
+// or [N, K / group] group scales (FP4, one byte each).
+template <Codes C>
+__device__ __forceinline__ LaneRows matrix_lane_rows(const uint8_t* w, const void* scales, int64_t N, int64_t K,
                                                      int64_t group, int g) {
-  const int64_t row_bytes = K * (FP8 ? 1 : 2);
+  const int64_t row_bytes = row_bytes_of(C, K);
   LaneRows r{};
   r.lo_col = 16 * group + g;
   r.hi_col = r.lo_col + 8;
@@ -104,7 +125,12 @@ __device__ __forceinline__ LaneRows matrix_lane_rows(const uint8_t* w, const flo
   r.active = 16 * group < N;
   r.lo_ok = r.lo_col < N;
   r.hi_ok = r.hi_col < N;
-  if constexpr (FP8) r.s_lo = r.s_hi = scales + ((16 * group) / 128) * ((K + 127) / 128);
+  if constexpr (C == Codes::Fp8)
+    r.s_lo = r.s_hi = static_cast<const float*>(scales) + ((16 * group) / 128) * ((K + 127) / 128);
+  if constexpr (is_fp4(C)) {
+    r.q_lo = static_cast<const uint8_t*>(scales) + r.lo_col * (K / fp4_group(C));
+    r.q_hi = static_cast<const uint8_t*>(scales) + r.hi_col * (K / fp4_group(C));
+  }
   return r;
 }
 
@@ -132,12 +158,71 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two) {
   return bits;
 }
 
+// a * b in bf16 pairs, rounded once (fma.rn.bf16x2 with -0: exact whenever the product is, subnormals
+// included; PTX ISA "Half Precision Floating Point Instructions: fma").
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+// Eight E2M1 codes (one 32-bit word, code k in bits 4k..4k+3: sign, two exponent bits, one mantissa bit;
+// OCP MX v1.0 5.3.3) -> four bf16 pairs times the group scale pair `scale` (fp4_scale_pairs: the scale
+// times 2^110): pair i = codes i and i + 4, so the same two shifts place both halves. A code's magnitude
+// bits at bf16 bits 8..6 read as its value times 2^-126 (code 1 = 0.5 as the subnormal 2^-127), its sign
+// at bit 15; one product with the scale pair gives e2m1 * scale * 2^-16, exact in bf16 (E2M1 values have 2
+// significant bits, an E4M3 scale 4, an E8M0 scale is a power of two; every E4M3 scale and the E8M0
+// scales 2^-110 .. 2^17 stay in bf16's normal range: weights' MX scales sit far inside it). The Job
+// multiplies its fp32 sums by 2^16 (FP4_UNSCALE).
+// Per pair: two shifts, two logic operations and one bf16x2 product.
+constexpr float FP4_UNSCALE = 65536.0f;
+__device__ __forceinline__ void fp4_to_bf16x2(uint32_t w, uint32_t scale, uint32_t out[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t mag = (i < 2 ? w << (6 - 4 * i) : w >> (4 * i - 6)) & 0x01C001C0u;
+    const uint32_t sign = (w << (12 - 4 * i)) & 0x80008000u;
+    out[i] = bf16x2_mul(mag | sign, scale);
+  }
+}
+
+// A lane's group scales (load: the raw bytes of its 16-byte piece) as bf16 pairs of scale * 2^110 for the
+// piece's two 16-column halves: NVFP4 two E4M3 codes (2^-9 .. 448: exact in bf16 after the shift),
+// MXFP4 one E8M0 code for both (2^(e - 127 + 110): exponent field e + 110; a scale above 2^17, e > 144,
+// and the NaN code 255 read as infinity, one below 2^-110 loses bits to bf16's subnormals).
+template <Codes C>
+__device__ __forceinline__ void fp4_scale_pairs(uint32_t raw, uint32_t pairs[2]) {
+  if constexpr (C == Codes::Nvfp4) {
+    // 0x7680 = 2^110 in bf16; the e4m3 values are exact in bf16 and so are their products with it.
+    const uint32_t two = bf16x2_mul(e4m3x2_to_bf16x2(raw), 0x76807680u);
+    pairs[0] = __byte_perm(two, 0, 0x1010);
+    pairs[1] = __byte_perm(two, 0, 0x3232);
+  } else {
+    const uint32_t e = (raw & 0xffu) + 110u;
+    const uint32_t bits = e >= 255u ? 0x7F80u : e << 7;
+    pairs[0] = pairs[1] = bits | (bits << 16);
+  }
+}
+
+// Eight bf16 activations (a0..a7, lowest address first) in the FP4 pair order: (a0, a4), (a1, a5),
+// (a2, a6), (a3, a7), the columns fp4_to_bf16x2's pairs hold.
+__device__ __forceinline__ uint4 fp4_pair_order(uint4 v) {
+  return make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632), __byte_perm(v.y, v.w, 0x5410),
+                    __byte_perm(v.y, v.w, 0x7632));
+}
+
 // The staged activation row pitch (bytes) for `cols` columns. Lanes 0-7 of a fragment read (one
 // shared-memory phase of a 16-byte load) are rows g = 0, 1 at the same 4 column pieces, so the second
 // row must land on the other banks: FP8: pieces of 32 bytes at stride 32 (row bytes 0-15 of each, then
 // 16-31): a pitch = 16 (mod 32) interleaves them; bf16: 64 contiguous bytes per row: a pitch = 64
-// (mod 128) puts the second row's 64 bytes on the other half of the banks.
-inline int64_t pitch_bytes(int64_t cols, bool fp8) { return fp8 ? 2 * cols + 16 : (2 * cols + 63) / 128 * 128 + 64; }
+// (mod 128) puts the second row's 64 bytes on the other half of the banks. FP4: lane t reads 64 bytes
+// at 64 t, its 16-byte chunk v at chunk v ^ (t & 2) (the staging swizzles chunk c to c ^ 2 when c's bit 3
+// is set), so lanes 0-3 of a row hit 4 distinct chunk positions mod 8 and a pitch = 16 (mod 128) puts row
+// 1 on the other 4.
+inline int64_t pitch_bytes(int64_t cols, Codes c) {
+  if (c == Codes::Fp8) return 2 * cols + 16;
+  if (is_fp4(c)) return (2 * cols + 127) / 128 * 128 + 16;
+  return (2 * cols + 63) / 128 * 128 + 64;
+}
 
 // Rows per pass, shared memory and CTA size for a K range of `cols` columns and up to `max_rows` rows
 // per slice: up to 8 rows (never more than a slice can have), within SMEM_CAP. 4 warps per CTA while >= 4
@@ -148,9 +233,9 @@ struct Plan {
   int rows, pitch, warps;
   size_t smem;
 };
-inline Plan make_plan(int64_t max_rows, int64_t cols, bool fp8) {
+inline Plan make_plan(int64_t max_rows, int64_t cols, Codes codes) {
   Plan d{};
-  d.pitch = int(pitch_bytes(cols, fp8));
+  d.pitch = int(pitch_bytes(cols, codes));
   d.rows = int(std::min<int64_t>({MAX_ROWS, max_rows, SMEM_CAP / d.pitch}));
   d.smem = size_t(d.rows) * size_t(d.pitch);
   const size_t per_sm = (228 * 1024) / (d.smem + 1024);
@@ -174,17 +259,18 @@ inline Plan make_plan(int64_t max_rows, int64_t cols, bool fp8) {
 //   void store(const Slice&, int64_t row, int64_t group, int g, float lo, float hi) const;
 //                    the two sums of pass row `row` (columns lo_col, hi_col of lane_rows(slice, group, g);
 //                    recomputed there rather than kept live across the K loop: registers)
-template <class Job, bool FP8>
+template <class Job, Codes C>
 __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
+  constexpr bool FP8 = C == Codes::Fp8, FP4 = is_fp4(C);
   extern __shared__ __align__(16) uint8_t act_smem[];  // [rows][pitch] bf16 activation rows (the K range)
   Slice slice;
   if (!job.slice(slice)) return;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, t = lane % 4;
   const int64_t group = int64_t(blockIdx.y) * (blockDim.x / 32) + warp;
   const int64_t K = job.K;
-  constexpr int64_t ES = FP8 ? 1 : 2;        // bytes per weight
+  constexpr int64_t CPB = piece_cols(C);     // columns per 16 weight bytes
   constexpr bool TWO_SCALE_ROWS = Job::TWO_SCALE_ROWS;
-  const int64_t row_bytes = K * ES;           // a multiple of 16 (K % 16 (FP8) / K % 8 (bf16))
+  const int64_t row_bytes = row_bytes_of(C, K);  // a multiple of 16 (K % 8 bf16, % 16 FP8, % 32 FP4)
   const int nslabs = int((row_bytes + SLAB - 1) / SLAB);
   // This CTA's K range: slabs [s_begin, s_end), columns [s_begin * SLAB / ES, ...).
   // (Compile-time off for the MoE jobs: the run-time range cost them 6-29 registers per thread, up to a
@@ -195,7 +281,7 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
     s_end = min(nslabs, s_begin + job.chunk_slabs);
   }
   const int64_t byte_begin = int64_t(s_begin) * SLAB;  // staged activations start at this weight byte's column
-  const int64_t col_begin = byte_begin / ES, col_end = min(K, int64_t(s_end) * SLAB / ES);
+  const int64_t col_begin = byte_begin * CPB / 16, col_end = min(K, int64_t(s_end) * SLAB * CPB / 16);
 
   const LaneRows lr = job.lane_rows(slice, group, g);
   const uint8_t* w_lo = lr.lo + t * 16;
@@ -203,7 +289,8 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
 
   // The ring: slab s lives in slot (s - s_begin) % U (u below is always a compile-time index after unrolling).
   uint4 r_lo[U], r_hi[U];
-  float c_lo[U], c_hi[U];
+  float c_lo[U], c_hi[U];     // FP8: the slab's block scales
+  uint32_t q_lo[U], q_hi[U];  // FP4: the raw group scales of the lane's piece
   auto load = [&](int u, int s) {
     const int64_t off = int64_t(s) * SLAB;
     const bool in = off + t * 16 < row_bytes;  // the lane's 16 bytes are all in or all out of the row
@@ -212,6 +299,15 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
     if constexpr (FP8) {
       c_lo[u] = __ldg(lr.s_lo + s / 2);  // slab s (64 columns) lies in block s / 2
       c_hi[u] = TWO_SCALE_ROWS ? __ldg(lr.s_hi + s / 2) : c_lo[u];
+    }
+    if constexpr (FP4) {  // the piece's columns 128 s + 32 t ..+ 32: groups 8 s + 2 t, + 1 (NVFP4), 4 s + t (MX)
+      if constexpr (C == Codes::Nvfp4) {
+        q_lo[u] = in && lr.lo_ok ? __ldg(reinterpret_cast<const unsigned short*>(lr.q_lo + 8 * s + 2 * t)) : 0u;
+        q_hi[u] = in && lr.hi_ok ? __ldg(reinterpret_cast<const unsigned short*>(lr.q_hi + 8 * s + 2 * t)) : 0u;
+      } else {
+        q_lo[u] = in && lr.lo_ok ? __ldg(lr.q_lo + 4 * s + t) : 0u;
+        q_hi[u] = in && lr.hi_ok ? __ldg(lr.q_hi + 4 * s + t) : 0u;
+      }
     }
   };
 
@@ -228,8 +324,14 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
     // 16-byte pieces of 16-byte aligned rows.
     for (int r = warp; r < rows; r += int(blockDim.x / 32)) {
       const bf16* src = job.act_row(slice, first + r) + col_begin;
-      for (int64_t c = lane; c < (col_end - col_begin) / 8; c += 32)
-        ptx::cp_async16(act_smem + r * pitch + c * 16, src + c * 8, true);
+      for (int64_t c = lane; c < (col_end - col_begin) / 8; c += 32) {
+        if constexpr (FP4) {  // in fp4_pair_order, chunk c at c ^ 2 when its bit 3 is set (pitch_bytes)
+          const uint4 v = fp4_pair_order(*reinterpret_cast<const uint4*>(src + c * 8));
+          *reinterpret_cast<uint4*>(act_smem + r * pitch + (c ^ (((c >> 3) & 1) << 1)) * 16) = v;
+        } else {
+          ptx::cp_async16(act_smem + r * pitch + c * 16, src + c * 8, true);
+        }
+      }
     }
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
@@ -238,6 +340,9 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
     if (lr.active) {
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // FP8: the current 128-column block's raw sums
+      // FP4: the odd mmas' sums (two chains of 4 dependent mmas a slab instead of one of 8: the chain, ~30
+      // clocks an mma, would otherwise outlast the slab's loads), added to acc after the K loop.
+      float odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const uint8_t* a_row = act_smem + g * pitch;
       const bool has_row = g < rows;  // row g of the pass exists (B column g)
 #pragma unroll 1
@@ -247,28 +352,38 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
           const int s = s0 + u;
           if (s >= s_end) break;
           const int64_t off = int64_t(s) * SLAB + t * 16;  // the lane's byte offset in its weight rows
-          constexpr int J = FP8 ? 4 : 2;                   // mmas per slab: 4 columns of the lane's piece each
+          constexpr int J = CPB / 4;                       // mmas per slab: 4 columns of the lane's piece each
           // B: the lane's columns of row g, as bf16 pairs (zero past the pass's rows or past K, so that
           // garbage never meets the zero weights there).
           uint32_t b[2 * J];
           if (has_row && off < row_bytes) {
-            const uint8_t* src = a_row + (off - byte_begin) * (2 / ES);  // bf16: 2 / ES bytes per weight byte
-            const uint4 v0 = *reinterpret_cast<const uint4*>(src);
-            b[0] = v0.x, b[1] = v0.y, b[2] = v0.z, b[3] = v0.w;
-            if constexpr (FP8) {
-              const uint4 v1 = *reinterpret_cast<const uint4*>(src + 16);
-              b[4] = v1.x, b[5] = v1.y, b[6] = v1.z, b[7] = v1.w;
+            const uint8_t* src = a_row + (off - byte_begin) * CPB / 8;  // 2 bytes per column
+#pragma unroll
+            for (int v = 0; v < J / 2; ++v) {  // FP4: chunk v staged at v ^ (t & 2) (pitch_bytes)
+              const uint4 x = *reinterpret_cast<const uint4*>(src + 16 * (FP4 ? v ^ (t & 2) : v));
+              b[4 * v] = x.x, b[4 * v + 1] = x.y, b[4 * v + 2] = x.z, b[4 * v + 3] = x.w;
             }
           } else {
 #pragma unroll
             for (int i = 0; i < 2 * J; ++i) b[i] = 0;
           }
-          // A: the weight pieces of rows lo and hi as bf16 pairs (pair i = the piece's columns 2i, 2i + 1).
+          // A: the weight pieces of rows lo and hi as bf16 pairs (pair i = the piece's columns 2i, 2i + 1;
+          // FP4: word i / 4's columns i % 4 and i % 4 + 4, the order its activations were staged in).
           uint32_t a_lo[2 * J], a_hi[2 * J];
           const uint32_t w_lo4[4] = {r_lo[u].x, r_lo[u].y, r_lo[u].z, r_lo[u].w};
           const uint32_t w_hi4[4] = {r_hi[u].x, r_hi[u].y, r_hi[u].z, r_hi[u].w};
+          if constexpr (FP4) {
+            uint32_t sc_lo[2], sc_hi[2];  // the two 16-column halves' scales as bf16 pairs
+            fp4_scale_pairs<C>(q_lo[u], sc_lo);
+            fp4_scale_pairs<C>(q_hi[u], sc_hi);
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
+            for (int i = 0; i < 4; ++i) {
+              fp4_to_bf16x2(w_lo4[i], sc_lo[i / 2], &a_lo[4 * i]);
+              fp4_to_bf16x2(w_hi4[i], sc_hi[i / 2], &a_hi[4 * i]);
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < 4 && !FP4; ++i) {
             if constexpr (FP8) {
               a_lo[2 * i] = e4m3x2_to_bf16x2(w_lo4[i]);
               a_lo[2 * i + 1] = e4m3x2_to_bf16x2(w_lo4[i] >> 16);
@@ -284,7 +399,7 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
 #pragma unroll
           for (int j = 0; j < J; ++j) {
             const uint32_t a[4] = {a_lo[2 * j], a_hi[2 * j], a_lo[2 * j + 1], a_hi[2 * j + 1]};
-            ptx::mma_bf16(FP8 ? part : acc, a, b[2 * j], b[2 * j + 1]);
+            ptx::mma_bf16(FP8 ? part : FP4 && (j & 1) ? odd : acc, a, b[2 * j], b[2 * j + 1]);
           }
           if constexpr (FP8) {
             if ((s & 1) || s == s_end - 1) {  // the block's last slab: scale its partial into acc
@@ -299,6 +414,10 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
           if (s + U < s_end) load(u, s + U);
         }
       }
+      if constexpr (FP4) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] += odd[i];
+      }
       // acc: {row lo, pass row 2t}, {row lo, pass row 2t+1}, {row hi, pass row 2t}, {row hi, pass row 2t+1}.
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
@@ -310,19 +429,19 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
   }
 }
 
-// Launches kernel<Job, FP8> with `plan`'s CTA size and shared memory (the kernel's attributes set on first
+// Launches kernel<Job, C> with `plan`'s CTA size and shared memory (the kernel's attributes set on first
 // use: up to SMEM_CAP of dynamic shared memory, and all of the SM's 228 KB as shared memory so that two
 // 113 KB CTAs fit; the weights bypass L1).
-template <class Job, bool FP8>
+template <class Job, Codes C>
 void launch(const Job& job, dim3 grid, const Plan& plan, cudaStream_t stream) {
   static const bool configured = [] {
-    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel<Job, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_CAP));
-    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel<Job, FP8>, cudaFuncAttributePreferredSharedMemoryCarveout,
+    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel<Job, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_CAP));
+    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel<Job, C>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                             int(cudaSharedmemCarveoutMaxShared)));
     return true;
   }();
   (void)configured;
-  kernel<Job, FP8><<<grid, plan.warps * 32, plan.smem, stream>>>(job);
+  kernel<Job, C><<<grid, plan.warps * 32, plan.smem, stream>>>(job);
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 

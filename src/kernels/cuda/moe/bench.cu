@@ -1,12 +1,15 @@
 // bench_moe: the routed experts of one MoE layer (moe.h: moe_experts with bf16 weights, moe_experts_fp8 with
-// e4m3 weights and 128x128 block scales) at the real models' shapes, the whole call timed (sort by expert,
-// the two grouped products, the combine):
+// e4m3 weights and 128x128 block scales, moe_experts_nvfp4 / moe_experts_mxfp4: moe_experts_fp4 with the
+// released 4-bit formats) at the real models' shapes, the whole call timed (sort by expert, the two grouped
+// products, the combine):
 //   deepseek_v3.2  hidden 7168, moe_intermediate 2048, 256 experts, top-8, SiLU GLU
-//   kimi_k3.1_pro  hidden 7168, moe_intermediate 2048, 896 experts, top-8, SiLU GLU (bench/shapes/kimi_k3.1_pro.json)
-//   minimax_m3.1   hidden 6144, intermediate 3072, 128 experts, top-4, clamped SwiGLU (bench/shapes/minimax_m3.1.json)
-// Every expert of the layer is in memory (Kimi's bf16 experts are 79 GB: the model is skipped with a message
+//   kimi_k3.1_pro  the latent experts: width 3584 (routed_expert_hidden_size), moe_intermediate 3072, 896
+//                  experts, top-16, SiLU GLU (bench/shapes/kimi_k3.1_pro.json; released as MXFP4)
+//   minimax_m3.1   hidden 6144, intermediate 3072, 128 experts, top-4, clamped SwiGLU (bench/shapes/minimax_m3.1.json;
+//                  M3.1-Flash releases its experts as NVFP4)
+// Every expert of the layer is in memory (Kimi's bf16 experts are 59 GB: a model is skipped with a message
 // when the device has not that much free), so the experts a step touches and the rows each gets are those of
-// the real layer.
+// the real layer. FP4 weights are random codes (every E2M1 code is finite) with positive scales.
 //
 // Tokens: decode batches 1, 4, 8, 16, 64, 128, 256 (one token per sequence) and prefill chunks 4096 and
 // 16384. The routing is fixed per token count (a host generator with a fixed seed): top_k distinct experts
@@ -52,7 +55,7 @@ struct Model {
 
 const Model kModels[] = {
     {"deepseek_v3.2", 7168, 2048, 256, 8, Glu::SiluGlu},
-    {"kimi_k3.1_pro", 7168, 2048, 896, 8, Glu::SiluGlu},
+    {"kimi_k3.1_pro", 3584, 3072, 896, 16, Glu::SiluGlu},
     {"minimax_m3.1", 6144, 3072, 128, 4, Glu::ClampedSwiglu},
 };
 constexpr float kAlpha = 1.702f, kLimit = 7.0f;  // MiniMax's swiglu_alpha / swiglu_limit defaults
@@ -69,6 +72,18 @@ __global__ void fill_e4m3(uint8_t* p, int64_t n, uint64_t seed) {
     const uint8_t c = uint8_t(hash32(seed << 40 ^ uint64_t(i)));
     p[i] = (c & 0x7F) == 0x7F ? uint8_t(c ^ 1) : c;
   }
+}
+
+// Random bytes (FP4: two E2M1 codes each, all finite).
+__global__ void fill_bytes(uint8_t* p, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = uint8_t(hash32(seed << 40 ^ uint64_t(i)));
+}
+
+// Random scale codes in [lo, lo + span): E4M3 (NVFP4) or E8M0 (MXFP4) near the products' O(1) range.
+__global__ void fill_scale_codes(uint8_t* p, int64_t n, uint64_t seed, int lo, int span) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = uint8_t(lo + int(hash32(seed << 40 ^ uint64_t(i)) % uint32_t(span)));
 }
 
 // Positive block scales in [0.5, 2.5) * base.
@@ -124,8 +139,8 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
   auto wanted = [&](const char* kernel) {
     return options.filter.empty() || std::string(kernel).find(options.filter) != std::string::npos;
   };
-  const bool want_bf16 = wanted("moe_experts"), want_fp8 = wanted("moe_experts_fp8");
-  if (!want_bf16 && !want_fp8) return;
+  enum class W { Bf16, Fp8, Nvfp4, Mxfp4 };
+  const char* const names[] = {"moe_experts", "moe_experts_fp8", "moe_experts_nvfp4", "moe_experts_mxfp4"};
   std::vector<Model> models(std::begin(kModels), std::end(kModels));
   std::vector<int64_t> token_counts = {1, 4, 8, 16, 64, 128, 256, 4096, 16384};
   if (options.quick) {
@@ -138,14 +153,20 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
   cudaStream_t st = stream();
 
   for (const Model& m : models)
-    for (const bool fp8 : {false, true}) {
-      if (fp8 ? !want_fp8 : !want_bf16) continue;
-      const char* kernel = fp8 ? "moe_experts_fp8" : "moe_experts";
+    for (const W w : {W::Bf16, W::Fp8, W::Nvfp4, W::Mxfp4}) {
+      const char* kernel = names[int(w)];
+      if (!wanted(kernel)) continue;
+      const bool fp8 = w == W::Fp8, fp4 = w == W::Nvfp4 || w == W::Mxfp4;
       const int64_t H = m.hidden, I = m.inter, E = m.experts, k = m.top_k;
       const int64_t per_expert = 3 * H * I;  // gate, up and down weights
-      const int64_t gu_scales = E * 2 * (I / 128) * (H / 128), dn_scales = E * (H / 128) * (I / 128);
-      const size_t weight_bytes = size_t(E * per_expert) * (fp8 ? 1 : 2);
-      const size_t scale_bytes = fp8 ? size_t(gu_scales + dn_scales) * 4 : 0;
+      const int64_t group = w == W::Nvfp4 ? 16 : 32;
+      // FP8: fp32 block scales; FP4: one-byte group scales (gate/up's, down's) plus NVFP4's fp32 global ones.
+      const int64_t gu_scales = fp4 ? E * 2 * I * (H / group) : E * 2 * (I / 128) * (H / 128);
+      const int64_t dn_scales = fp4 ? E * H * (I / group) : E * (H / 128) * (I / 128);
+      const int64_t scale_size = fp4 ? 1 : 4;
+      const double bytes_per_weight = fp4 ? 0.5 : fp8 ? 1.0 : 2.0;
+      const size_t weight_bytes = size_t(double(E * per_expert) * bytes_per_weight);
+      const size_t scale_bytes = (fp8 || fp4) ? size_t(gu_scales + dn_scales) * scale_size + E * 3 * 4 : 0;
       const size_t ws_bytes = moe_workspace_bytes(max_tokens, k, E, H, I);
       const size_t io_bytes = size_t(max_tokens) * H * 2 * 2 + size_t(max_tokens) * k * 8;
       const size_t need = weight_bytes + scale_bytes + ws_bytes + io_bytes + (size_t(512) << 20);  // + L2 flush, slack
@@ -156,21 +177,23 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
                      free_bytes / 1e9);
         continue;
       }
-      void* gate_up = try_alloc(size_t(E * 2 * I * H) * (fp8 ? 1 : 2));
-      void* down = try_alloc(size_t(E * H * I) * (fp8 ? 1 : 2));
-      float* gu_s = fp8 ? static_cast<float*>(try_alloc(size_t(gu_scales) * 4)) : nullptr;
-      float* dn_s = fp8 ? static_cast<float*>(try_alloc(size_t(dn_scales) * 4)) : nullptr;
+      void* gate_up = try_alloc(size_t(double(E * 2 * I * H) * bytes_per_weight));
+      void* down = try_alloc(size_t(double(E * H * I) * bytes_per_weight));
+      void* gu_s = (fp8 || fp4) ? try_alloc(size_t(gu_scales * scale_size)) : nullptr;
+      void* dn_s = (fp8 || fp4) ? try_alloc(size_t(dn_scales * scale_size)) : nullptr;
+      auto* global = static_cast<float*>(try_alloc(size_t(E) * 3 * 4));  // NVFP4: gate_up [E, 2], down [E]
       void* x = try_alloc(size_t(max_tokens) * H * 2);
       void* out = try_alloc(size_t(max_tokens) * H * 2);
       void* ws = try_alloc(ws_bytes);
       auto* d_experts = static_cast<int32_t*>(try_alloc(size_t(max_tokens) * k * 4));
       auto* d_weights = static_cast<float*>(try_alloc(size_t(max_tokens) * k * 4));
       auto release = [&] {
-        for (void* p : {gate_up, down, static_cast<void*>(gu_s), static_cast<void*>(dn_s), x, out, ws,
+        for (void* p : {gate_up, down, gu_s, dn_s, static_cast<void*>(global), x, out, ws,
                         static_cast<void*>(d_experts), static_cast<void*>(d_weights)})
           if (p) cudaFree(p);
       };
-      if (!gate_up || !down || (fp8 && (!gu_s || !dn_s)) || !x || !out || !ws || !d_experts || !d_weights) {
+      if (!gate_up || !down || ((fp8 || fp4) && (!gu_s || !dn_s)) || !global || !x || !out || !ws || !d_experts ||
+          !d_weights) {
         std::fprintf(stderr, "# bench_moe: %s %s skipped: out of device memory\n", m.name, kernel);
         release();
         continue;
@@ -179,8 +202,20 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
         fill_e4m3<<<4096, 256, 0, st>>>(static_cast<uint8_t*>(gate_up), E * 2 * I * H, 1);
         fill_e4m3<<<4096, 256, 0, st>>>(static_cast<uint8_t*>(down), E * H * I, 2);
         // Uniform e4m3 codes have an RMS near 100: these scales keep the products O(1).
-        fill_scales<<<256, 256, 0, st>>>(gu_s, gu_scales, 3, 1.0f / (100.0f * std::sqrt(float(H))));
-        fill_scales<<<256, 256, 0, st>>>(dn_s, dn_scales, 4, 1.0f / (100.0f * std::sqrt(float(I))));
+        fill_scales<<<256, 256, 0, st>>>(static_cast<float*>(gu_s), gu_scales, 3, 1.0f / (100.0f * std::sqrt(float(H))));
+        fill_scales<<<256, 256, 0, st>>>(static_cast<float*>(dn_s), dn_scales, 4, 1.0f / (100.0f * std::sqrt(float(I))));
+      } else if (fp4) {
+        fill_bytes<<<4096, 256, 0, st>>>(static_cast<uint8_t*>(gate_up), E * 2 * I * H / 2, 1);
+        fill_bytes<<<4096, 256, 0, st>>>(static_cast<uint8_t*>(down), E * H * I / 2, 2);
+        // E2M1 codes have an RMS near 3: NVFP4 scales E4M3 0x20-0x2F (2^-3 .. 2^-2 * 1.875) with global
+        // 1 / sqrt(K); MXFP4 scales 2^-8 .. 2^-5 (E8M0 119-122).
+        const int lo = w == W::Nvfp4 ? 0x20 : 119, span = w == W::Nvfp4 ? 16 : 4;
+        fill_scale_codes<<<1024, 256, 0, st>>>(static_cast<uint8_t*>(gu_s), gu_scales, 3, lo, span);
+        fill_scale_codes<<<1024, 256, 0, st>>>(static_cast<uint8_t*>(dn_s), dn_scales, 4, lo, span);
+        std::vector<float> g(size_t(E) * 3);
+        for (int64_t e = 0; e < E; ++e)
+          g[2 * e] = g[2 * e + 1] = 1.0f / std::sqrt(float(H)), g[2 * E + e] = 1.0f / std::sqrt(float(I));
+        SPARROW_CUDA_CHECK(cudaMemcpy(global, g.data(), g.size() * 4, cudaMemcpyHostToDevice));
       } else {
         fill_bf16<<<4096, 256, 0, st>>>(static_cast<__nv_bfloat16*>(gate_up), E * 2 * I * H, 1,
                                         1.0f / std::sqrt(float(H)));
@@ -195,9 +230,16 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
         SPARROW_CUDA_CHECK(cudaMemcpy(d_experts, r.experts.data(), r.experts.size() * 4, cudaMemcpyHostToDevice));
         SPARROW_CUDA_CHECK(cudaMemcpy(d_weights, r.weights.data(), r.weights.size() * 4, cudaMemcpyHostToDevice));
         auto launch = [&](cudaStream_t s) {
+          const auto* gu8 = static_cast<const uint8_t*>(gate_up);
+          const auto* dn8 = static_cast<const uint8_t*>(down);
           if (fp8)
-            moe_experts_fp8(x, tokens, H, d_experts, d_weights, k, static_cast<const uint8_t*>(gate_up), gu_s,
-                            static_cast<const uint8_t*>(down), dn_s, E, I, m.glu, kAlpha, kLimit, out, ws, s);
+            moe_experts_fp8(x, tokens, H, d_experts, d_weights, k, gu8, static_cast<const float*>(gu_s), dn8,
+                            static_cast<const float*>(dn_s), E, I, m.glu, kAlpha, kLimit, out, ws, s);
+          else if (fp4)
+            moe_experts_fp4(x, tokens, H, d_experts, d_weights, k, w == W::Nvfp4 ? Fp4Weights::Nvfp4 : Fp4Weights::Mxfp4,
+                            gu8, static_cast<const uint8_t*>(gu_s), w == W::Nvfp4 ? global : nullptr, dn8,
+                            static_cast<const uint8_t*>(dn_s), w == W::Nvfp4 ? global + 2 * E : nullptr, E, I, m.glu,
+                            kAlpha, kLimit, out, ws, s);
           else
             moe_experts(x, tokens, H, d_experts, d_weights, k, gate_up, down, E, I, m.glu, kAlpha, kLimit, out, ws, s);
         };
@@ -208,14 +250,20 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
                     " tokens=" + std::to_string(tokens);
         row.median_us = median_launch_us(launch, st, options.iterations);
         const double pairs = double(tokens) * k;
-        const double touched_scales = fp8 ? double(r.distinct) * double(gu_scales + dn_scales) / double(E) * 4 : 0.0;
-        row.bytes = double(r.distinct) * double(per_expert) * (fp8 ? 1 : 2) + touched_scales + 2.0 * tokens * H * 2 +
-                    pairs * 8;
+        const double touched_scales =
+            (fp8 || fp4) ? double(r.distinct) * double(gu_scales + dn_scales) / double(E) * double(scale_size) : 0.0;
+        row.bytes = double(r.distinct) * double(per_expert) * bytes_per_weight + touched_scales +
+                    2.0 * tokens * H * 2 + pairs * 8;
         row.flops = 2.0 * pairs * 3 * double(H) * double(I) + 4.0 * pairs * double(I) + 2.0 * pairs * double(H);
         const double seconds = row.median_us * 1e-6;
-        const MoePath path = moe_experts_path(tokens, k, E, H, I);
+        const MoePath path = fp4 ? MoePath::Decode : moe_experts_path(tokens, k, E, H, I);
         std::string how;
-        if (path == MoePath::Decode)
+        if (fp4)
+          how = std::string("decode kernel at every size: packed e2m1 experts read in place, each code turned into "
+                            "bf16 times its ") +
+                (w == W::Nvfp4 ? "E4M3 scale per 16 (global scale on the sums)" : "E8M0 scale per 32") +
+                " in registers, mma.sync m16n8k16; ";
+        else if (path == MoePath::Decode)
           how = std::string("decode path: weights streamed by warps, mma.sync m16n8k16, ") +
                 (fp8 ? "e4m3 experts converted exactly to bf16, 128x128 fp32 block scales applied per block sum; "
                      : "bf16 experts; ");

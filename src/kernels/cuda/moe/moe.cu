@@ -44,6 +44,11 @@
 // so the two functions stay bit-identical there too (both take the same path for a shape). The Decode
 // path converts e4m3 to bf16 exactly (no scale) and scales each 128-column block's fp32 partial: within
 // rounding of moe_experts on the dequantised weights, not bit-identical.
+//
+// moe_experts_fp4 (NVFP4 / MXFP4 as released) takes the Decode path's kernel at every size (the tiled
+// products stage bf16 or e4m3 tiles only): the codes are read in place and turned into bf16 times their
+// group scale in registers (skinny.cuh fp4_to_bf16x2, exact); a prefill-sized step streams each touched
+// expert once per tile of up to 8 of its rows (its weights then mostly from the L2).
 #include "kernels/cuda/moe/moe.h"
 
 #include <cuda_bf16.h>
@@ -836,8 +841,10 @@ struct Base {
   int top_k;
   const bf16* a;               // gate/up: x [tokens, K] (rows gathered); down: h [pairs, K] (sorted rows)
   int64_t K;
-  const void* w;               // [E, (gate/up ? 2 : 1) * N, K], bf16 or e4m3
+  const void* w;               // [E, (gate/up ? 2 : 1) * N, K], bf16, e4m3 or packed e2m1
   const float* w_scales;       // FP8: moe.h's block scales
+  const uint8_t* w_groups;     // FP4: the group scales, [E, (gate/up ? 2 : 1) * N, K / group]
+  const float* w_global;       // NVFP4: weight_scale_2 per matrix, [E, 2] (gate, up) or [E] (down)
   int64_t N;                   // outputs per row: gate/up: inter; down: hidden
   const float* pair_weight;
   bf16* out;                   // h or y, [pairs, N] in sorted order
@@ -855,14 +862,15 @@ struct Base {
 };
 
 // h[row] = act(x[token(row)] · gate[e]ᵀ, x[token(row)] · up[e]ᵀ)   (K = hidden, N = inter).
-template <bool FP8>
+template <skinny::Codes C>
 struct GateUp : Base {
+  static constexpr bool FP8 = C == skinny::Codes::Fp8;
   static constexpr bool SPLIT_K = false, TWO_SCALE_ROWS = true;
   // Row lo is gate row i and row hi up row i, i = 8 group + g; N % 8 == 0, so a group either lies inside
   // [0, N) or past it. FP8: each half has its own [ceil(N/128), ceil(K/128)] scales; i in [8 group,
   // 8 group + 8), inside one 128-row block.
   __device__ LaneRows lane_rows(const Slice& s, int64_t group, int g) const {
-    const int64_t row_bytes = K * (FP8 ? 1 : 2);
+    const int64_t row_bytes = skinny::row_bytes_of(C, K);
     const uint8_t* w_exp = static_cast<const uint8_t*>(w) + int64_t(s.index) * 2 * N * row_bytes;
     LaneRows r{};
     r.lo_col = 8 * group + g;
@@ -875,32 +883,55 @@ struct GateUp : Base {
       r.s_lo = w_scales + ((int64_t(s.index) * 2 + 0) * nb + (8 * group) / 128) * kb;
       r.s_hi = w_scales + ((int64_t(s.index) * 2 + 1) * nb + (8 * group) / 128) * kb;
     }
+    if constexpr (skinny::is_fp4(C)) {
+      const int64_t kg = K / skinny::fp4_group(C);
+      r.q_lo = w_groups + (int64_t(s.index) * 2 * N + r.lo_col) * kg;
+      r.q_hi = w_groups + (int64_t(s.index) * 2 * N + N + r.lo_col) * kg;
+    }
     return r;
   }
   __device__ const bf16* act_row(const Slice&, int64_t row) const {
     return a + int64_t(sorted_pair[row] / top_k) * K;
   }
-  __device__ void store(const Slice&, int64_t row, int64_t group, int g, float gate, float up) const {
+  __device__ void store(const Slice& s, int64_t row, int64_t group, int g, float gate, float up) const {
+    if constexpr (skinny::is_fp4(C)) {  // the 2^-16 of the register dequantisation, NVFP4's global scales
+      gate *= skinny::FP4_UNSCALE, up *= skinny::FP4_UNSCALE;
+      if constexpr (C == skinny::Codes::Nvfp4) {
+        gate = __fmul_rn(gate, w_global[2 * int64_t(s.index)]);
+        up = __fmul_rn(up, w_global[2 * int64_t(s.index) + 1]);
+      }
+    }
     out[row * N + 8 * group + g] = __float2bfloat16_rn(glu_value(gate, up, kind, alpha, limit));
   }
 };
 
 // y[row] = bf16(weight[pair(row)] · (h[row] · down[e]ᵀ))   (K = inter, N = hidden).
-template <bool FP8>
+template <skinny::Codes C>
 struct Down : Base {
+  static constexpr bool FP8 = C == skinny::Codes::Fp8;
   static constexpr bool SPLIT_K = false, TWO_SCALE_ROWS = false;
   // Rows 16 group + g and + 8 (inside one 128-row scale block); the last group may be partial (bf16 with
   // hidden % 16 == 8).
   __device__ LaneRows lane_rows(const Slice& s, int64_t group, int g) const {
-    // Expert s.index's [N, K] matrix and its [ceil(N/128), ceil(K/128)] scales.
-    const int64_t row_bytes = K * (FP8 ? 1 : 2);
-    const float* scales = FP8 ? w_scales + int64_t(s.index) * ((N + 127) / 128) * ((K + 127) / 128) : nullptr;
+    // Expert s.index's [N, K] matrix and its [ceil(N/128), ceil(K/128)] scales (FP8) or [N, K / group]
+    // group scales (FP4).
+    const int64_t row_bytes = skinny::row_bytes_of(C, K);
+    const void* scales = nullptr;
+    if constexpr (FP8) scales = w_scales + int64_t(s.index) * ((N + 127) / 128) * ((K + 127) / 128);
+    if constexpr (skinny::is_fp4(C)) scales = w_groups + int64_t(s.index) * N * (K / skinny::fp4_group(C));
     const uint8_t* w_exp = static_cast<const uint8_t*>(w) + int64_t(s.index) * N * row_bytes;
-    return skinny::matrix_lane_rows<FP8>(w_exp, scales, N, K, group, g);
+    return skinny::matrix_lane_rows<C>(w_exp, scales, N, K, group, g);
   }
   __device__ const bf16* act_row(const Slice&, int64_t row) const { return a + row * K; }
-  __device__ void store(const Slice&, int64_t row, int64_t group, int g, float lo, float hi) const {
+  __device__ void store(const Slice& s, int64_t row, int64_t group, int g, float lo, float hi) const {
     const float wgt = pair_weight[sorted_pair[row]];
+    if constexpr (skinny::is_fp4(C)) {
+      lo *= skinny::FP4_UNSCALE, hi *= skinny::FP4_UNSCALE;
+      if constexpr (C == skinny::Codes::Nvfp4) {
+        lo = __fmul_rn(lo, w_global[s.index]);
+        hi = __fmul_rn(hi, w_global[s.index]);
+      }
+    }
     const int64_t lo_col = 16 * group + g, hi_col = lo_col + 8;
     if (lo_col < N) out[row * N + lo_col] = __float2bfloat16_rn(__fmul_rn(wgt, lo));
     if (hi_col < N) out[row * N + hi_col] = __float2bfloat16_rn(__fmul_rn(wgt, hi));
@@ -1021,11 +1052,13 @@ bool use_wgmma(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidde
 // rows), 41% of the experts have two tiles, whose CTAs run side by side so that the second read can come
 // from the L2 (dec:: above); beyond that the tiles of 8 multiply and the 64-row tiles take over. Activation rows
 // of both products must fit the shared-memory budget (K up to ~57K).
+bool decode_fits(int64_t hidden, int64_t inter, skinny::Codes codes) {
+  return skinny::pitch_bytes(hidden, codes) <= skinny::SMEM_CAP && skinny::pitch_bytes(inter, codes) <= skinny::SMEM_CAP;
+}
 bool use_decode(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden, int64_t inter) {
   const int64_t pairs = tokens * top_k;
   return pairs <= skinny::MAX_ROWS * num_experts && pairs <= (int64_t(1) << 30) &&
-         std::max(skinny::pitch_bytes(hidden, false), skinny::pitch_bytes(hidden, true)) <= skinny::SMEM_CAP &&
-         std::max(skinny::pitch_bytes(inter, false), skinny::pitch_bytes(inter, true)) <= skinny::SMEM_CAP;
+         decode_fits(hidden, inter, skinny::Codes::Bf16) && decode_fits(hidden, inter, skinny::Codes::Fp8);
 }
 
 }  // namespace
@@ -1042,19 +1075,19 @@ namespace {
 // router gives a token distinct experts, so an expert has at most `tokens` rows; other routings just take
 // more passes -- and 4 or 8 warps per CTA by shared memory). groups: 16-row weight groups per expert
 // (gate/up: inter / 8; down: ceil(hidden / 16)); slots: the bound on touched experts (min(pairs, experts)).
-template <class Job, bool FP8>
+template <class Job, skinny::Codes C>
 void launch_decode(const char* what, Job job, int64_t slots, int64_t groups, int64_t tokens, cudaStream_t stream) {
-  const skinny::Plan plan = skinny::make_plan(tokens, job.K, FP8);
+  const skinny::Plan plan = skinny::make_plan(tokens, job.K, C);
   job.rows = plan.rows;
   job.pitch = plan.pitch;
   const dim3 grid(unsigned(slots), unsigned((groups + plan.warps - 1) / plan.warps));
   SPARROW_CHECK(slots <= 0x7fffffff && grid.y <= 65535, what, ": decode grid too large");
-  skinny::launch<Job, FP8>(job, grid, plan, stream);
+  skinny::launch<Job, C>(job, grid, plan, stream);
 }
 
 // The decode tiles' rows: one pass of both products (the fewer of their plans' rows), so no CTA loops.
-int decode_tile_rows(int64_t tokens, int64_t hidden, int64_t inter, bool fp8) {
-  return std::min(skinny::make_plan(tokens, hidden, fp8).rows, skinny::make_plan(tokens, inter, fp8).rows);
+int decode_tile_rows(int64_t tokens, int64_t hidden, int64_t inter, skinny::Codes codes) {
+  return std::min(skinny::make_plan(tokens, hidden, codes).rows, skinny::make_plan(tokens, inter, codes).rows);
 }
 
 // The decode grid's bound on tiles: a touched expert (at most min(pairs, experts) of them) with c rows has
@@ -1078,21 +1111,42 @@ void launch_wgmma(const char* what, const wg::Args& args, int64_t max_tiles, cud
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
-// moe_experts and moe_experts_fp8; scales are null for bf16 weights.
-template <bool FP8>
+// The scales of moe_experts (none), moe_experts_fp8 (block scales) and moe_experts_fp4 (group scales and,
+// NVFP4, the per-matrix global scales).
+struct ExpertScales {
+  const float* gate_up_blocks = nullptr;
+  const float* down_blocks = nullptr;
+  const uint8_t* gate_up_groups = nullptr;
+  const uint8_t* down_groups = nullptr;
+  const float* gate_up_global = nullptr;
+  const float* down_global = nullptr;
+};
+
+template <skinny::Codes C>
 void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hidden, const int32_t* experts,
-                     const float* weights, int64_t top_k, const void* gate_up, const float* gate_up_scales,
-                     const void* down, const float* down_scales, int64_t num_experts, int64_t inter,
-                     Glu glu_kind, float alpha, float limit, void* out, void* workspace, cudaStream_t stream) {
+                     const float* weights, int64_t top_k, const void* gate_up, const void* down,
+                     const ExpertScales& sc, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
+                     float limit, void* out, void* workspace, cudaStream_t stream) {
+  constexpr bool FP8 = C == skinny::Codes::Fp8, FP4 = skinny::is_fp4(C);
+  const float* gate_up_scales = sc.gate_up_blocks;
+  const float* down_scales = sc.down_blocks;
   SPARROW_CHECK(tokens >= 0 && top_k >= 1 && num_experts >= 1 && hidden > 0 && inter > 0, what,
                 ": bad sizes tokens=", tokens, " top_k=", top_k, " experts=", num_experts);
-  const int64_t mult = FP8 ? 16 : 8;  // 16-byte chunks: 8 bf16, or 16 e4m3 codes
+  const int64_t mult = skinny::piece_cols(C);  // 16-byte chunks: 8 bf16, 16 e4m3 codes or 32 e2m1 codes
   SPARROW_CHECK(hidden % mult == 0 && inter % mult == 0, what, ": hidden (", hidden, ") and intermediate (", inter,
                 ") must be multiples of ", mult);
   SPARROW_CHECK(tokens * top_k <= 0x7fffffff, what, ": too many (token, expert) pairs");
   const void* operands[] = {x, gate_up, down, out, workspace};
   for (const void* p : operands)
     SPARROW_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, what, ": operands must be 16-byte aligned");
+  if constexpr (FP4) {
+    SPARROW_CHECK(sc.gate_up_groups != nullptr && sc.down_groups != nullptr, what, ": null weight scales");
+    SPARROW_CHECK((C != skinny::Codes::Nvfp4) == (sc.gate_up_global == nullptr && sc.down_global == nullptr), what,
+                  ": NVFP4 weights take global scales (weight_scale_2), MXFP4 weights none");
+    SPARROW_CHECK(decode_fits(hidden, inter, C), what, ": hidden (", hidden, ") or intermediate (", inter,
+                  ") too wide for the FP4 kernel's staged activation rows");
+    SPARROW_CHECK(tokens * top_k <= (int64_t(1) << 30), what, ": too many (token, expert) pairs");
+  }
   if constexpr (FP8) {
     SPARROW_CHECK(gate_up_scales != nullptr && down_scales != nullptr, what, ": null weight scales");
     SPARROW_CHECK(reinterpret_cast<uintptr_t>(gate_up_scales) % 4 == 0 &&
@@ -1113,8 +1167,10 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
   auto* h = reinterpret_cast<bf16*>(ws + l.h);
   auto* y = reinterpret_cast<bf16*>(ws + l.y);
 
-  const MoePath path = moe_experts_path(tokens, top_k, num_experts, hidden, inter);
-  const int tile_rows = path == MoePath::Decode ? decode_tile_rows(tokens, hidden, inter, FP8) : 0;
+  // FP4 weights take the decode kernel at every size (the tiled products read bf16 or e4m3 tiles): a
+  // prefill-sized step streams each touched expert once per tile of up to 8 of its rows.
+  const MoePath path = FP4 ? MoePath::Decode : moe_experts_path(tokens, top_k, num_experts, hidden, inter);
+  const int tile_rows = path == MoePath::Decode ? decode_tile_rows(tokens, hidden, inter, C) : 0;
   if (path == MoePath::Decode && num_experts <= DECODE_SORT_EXPERTS && pairs <= DECODE_SORT_PAIRS) {
     decode_sort_kernel<<<1, DECODE_SORT_THREADS, 0, stream>>>(experts, int(pairs), int(num_experts), tile_rows, tiles,
                                                              num_tiles, sorted_pair, pos_of_pair);
@@ -1136,17 +1192,19 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
 
   if (path == MoePath::Decode) {
     const int64_t slots = decode_slots(pairs, num_experts, tile_rows);  // the tile list has room for pairs
-    const dec::GateUp<FP8> up{{tiles, num_tiles, sorted_pair, int(top_k), static_cast<const bf16*>(x), hidden,
-                               gate_up, gate_up_scales, inter, nullptr, h, 0, 0, glu_kind, alpha, limit}};
-    launch_decode<dec::GateUp<FP8>, FP8>(what, up, slots, inter / 8, tokens, stream);
-    const dec::Down<FP8> dn{{tiles, num_tiles, sorted_pair, int(top_k), h, inter, down, down_scales, hidden, weights,
-                             y, 0, 0, glu_kind, alpha, limit}};
-    launch_decode<dec::Down<FP8>, FP8>(what, dn, slots, (hidden + 15) / 16, tokens, stream);
+    const dec::GateUp<C> up{{tiles, num_tiles, sorted_pair, int(top_k), static_cast<const bf16*>(x), hidden,
+                             gate_up, gate_up_scales, sc.gate_up_groups, sc.gate_up_global, inter, nullptr, h, 0, 0,
+                             glu_kind, alpha, limit}};
+    launch_decode<dec::GateUp<C>, C>(what, up, slots, inter / 8, tokens, stream);
+    const dec::Down<C> dn{{tiles, num_tiles, sorted_pair, int(top_k), h, inter, down, down_scales, sc.down_groups,
+                           sc.down_global, hidden, weights, y, 0, 0, glu_kind, alpha, limit}};
+    launch_decode<dec::Down<C>, C>(what, dn, slots, (hidden + 15) / 16, tokens, stream);
     combine_kernel<<<unsigned(tokens), 256, 0, stream>>>(y, pos_of_pair, int(top_k), hidden, static_cast<bf16*>(out));
     SPARROW_CUDA_CHECK_LAUNCH();
     return;
   }
 
+  if constexpr (!FP4) {
   if (wide) {
     // At most pairs / wg::BM full tiles plus one partial tile per expert, and never more tiles than rows.
     const int64_t max_tiles = std::min<int64_t>(pairs, (pairs + wg::BM - 1) / wg::BM + num_experts);
@@ -1175,6 +1233,7 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
   SPARROW_CUDA_CHECK_LAUNCH();
   combine_kernel<<<unsigned(tokens), 256, 0, stream>>>(y, pos_of_pair, int(top_k), hidden, static_cast<bf16*>(out));
   SPARROW_CUDA_CHECK_LAUNCH();
+  }  // !FP4
 }
 
 }  // namespace
@@ -1182,16 +1241,37 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
 void moe_experts(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
                  int64_t top_k, const void* gate_up, const void* down, int64_t num_experts, int64_t inter,
                  Glu glu_kind, float alpha, float limit, void* out, void* workspace, cudaStream_t stream) {
-  run_moe_experts<false>("moe_experts", x, tokens, hidden, experts, weights, top_k, gate_up, nullptr, down, nullptr,
-                         num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
+  run_moe_experts<skinny::Codes::Bf16>("moe_experts", x, tokens, hidden, experts, weights, top_k, gate_up, down, {},
+                                       num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
 }
 
 void moe_experts_fp8(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
                      int64_t top_k, const uint8_t* gate_up, const float* gate_up_scales, const uint8_t* down,
                      const float* down_scales, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
                      float limit, void* out, void* workspace, cudaStream_t stream) {
-  run_moe_experts<true>("moe_experts_fp8", x, tokens, hidden, experts, weights, top_k, gate_up, gate_up_scales, down,
-                        down_scales, num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
+  ExpertScales sc;
+  sc.gate_up_blocks = gate_up_scales;
+  sc.down_blocks = down_scales;
+  run_moe_experts<skinny::Codes::Fp8>("moe_experts_fp8", x, tokens, hidden, experts, weights, top_k, gate_up, down, sc,
+                                      num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
+}
+
+void moe_experts_fp4(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
+                     int64_t top_k, Fp4Weights kind, const uint8_t* gate_up, const uint8_t* gate_up_scales,
+                     const float* gate_up_global, const uint8_t* down, const uint8_t* down_scales,
+                     const float* down_global, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
+                     float limit, void* out, void* workspace, cudaStream_t stream) {
+  ExpertScales sc;
+  sc.gate_up_groups = gate_up_scales;
+  sc.down_groups = down_scales;
+  sc.gate_up_global = gate_up_global;
+  sc.down_global = down_global;
+  if (kind == Fp4Weights::Nvfp4)
+    run_moe_experts<skinny::Codes::Nvfp4>("moe_experts_fp4", x, tokens, hidden, experts, weights, top_k, gate_up, down,
+                                          sc, num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
+  else
+    run_moe_experts<skinny::Codes::Mxfp4>("moe_experts_fp4", x, tokens, hidden, experts, weights, top_k, gate_up, down,
+                                          sc, num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
 }
 
 }  // namespace sparrow::cuda

@@ -82,4 +82,22 @@ void moe_experts_fp8(const void* x, int64_t tokens, int64_t hidden, const int32_
                      const float* down_scales, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
                      float limit, void* out, void* workspace, cudaStream_t stream);
 
+// The same with FP4 expert weights as released, read in place (half the bytes of FP8):
+//   Nvfp4 (ModelOpt): gate_up [E, 2*inter, hidden / 2] bytes, two E2M1 codes each (element 2i in the low
+//     nibble); gate_up_scales E4M3 [E, 2*inter, hidden / 16]; gate_up_global fp32 [E, 2], the gate's and
+//     the up's weight_scale_2; down [E, hidden, inter / 2], down_scales [E, hidden, inter / 16],
+//     down_global [E]:  W[e][i][j] = e2m1 * e4m3(scale[e][i][j / 16]) * global[e](half of i)
+//   Mxfp4 (compressed-tensors / OCP MX): the same codes, scales E8M0 per 32 values ([.., hidden / 32],
+//     [.., inter / 32]), no global scales (null):  W = e2m1 * 2^(e8m0 - 127).
+// Every size takes the decode kernel (gemm/skinny.cuh), which turns each code into bf16 times its group
+// scale in registers (exact) and, NVFP4, multiplies each fp32 sum by the global scale before the
+// activation / the pair weight: within rounding of moe_experts on the dequantised weights (the decode
+// path's bound, with no bf16 rounding of the weights at all). hidden and inter must be multiples of 32.
+enum class Fp4Weights { Nvfp4, Mxfp4 };
+void moe_experts_fp4(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
+                     int64_t top_k, Fp4Weights kind, const uint8_t* gate_up, const uint8_t* gate_up_scales,
+                     const float* gate_up_global, const uint8_t* down, const uint8_t* down_scales,
+                     const float* down_global, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
+                     float limit, void* out, void* workspace, cudaStream_t stream);
+
 }  // namespace sparrow::cuda
