@@ -1,5 +1,7 @@
 #include "formats/checkpoint.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -116,6 +118,10 @@ std::unique_ptr<Checkpoint> Checkpoint::open_dummy(const std::string& dir, uint6
   const QuantizationConfig quantization = read_quantization(dir, config);
   checkpoint->dummy_fp8_ = quantization.method == "fp8" && quantization.block_rows == 128 &&
                            quantization.block_cols == 128;
+  // FP4 in the config (the releases' routed experts): dummy experts are FP4 codes read in place.
+  checkpoint->dummy_fp4_ = quantization.declares(WeightFormat::Mxfp4)   ? WeightFormat::Mxfp4
+                           : quantization.declares(WeightFormat::Nvfp4) ? WeightFormat::Nvfp4
+                                                                        : WeightFormat::Dense;
   return checkpoint;
 }
 
@@ -134,6 +140,32 @@ Tensor Checkpoint::dummy_fp8(const std::string& name, const Shape& shape, const 
   Tensor scales = Tensor::empty(scale_shape);
   std::fill(scales.data(), scales.data() + scales.numel(), init.scale / 448.0f);
   return codes.with_block_scales(scales.to(device_));
+}
+
+Checkpoint::Experts Checkpoint::dummy_fp4_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H) {
+  const bool nvfp4 = dummy_fp4_ == WeightFormat::Nvfp4;
+  const int64_t group = nvfp4 ? cpu::kNvfp4Block : cpu::kMxfp4Block;
+  auto matrix = [&](const std::string& name, int64_t rows, int64_t cols, int64_t halves) {
+    const Shape shape{E, rows, cols};
+    const DummyInit init = dummy_init(name, shape, dummy_unit_norms_);
+    dummy_params_ += shape_numel(shape);
+    Tensor codes = dummy_tensor(init, dummy_key(dummy_seed_, name), {E, rows, cols / 2}, ScalarType::E2M1x2, device_);
+    // Uniform codes have an RMS of ~2.93, u * a one of a / sqrt(3): one factor a / (sqrt(3) 2.93) for all.
+    const float factor = init.scale / (std::sqrt(3.0f) * 2.926f);
+    Tensor scales = Tensor::empty({E, rows, cols / group}, nvfp4 ? ScalarType::F8E4M3 : ScalarType::F8E8M0);
+    Tensor global;
+    if (nvfp4) {  // scales 1.0 (E4M3 0x38), the factor in weight_scale_2
+      std::fill_n(scales.as<uint8_t>(), scales.numel(), uint8_t(0x38));
+      global = halves == 2 ? Tensor::empty({E, 2}) : Tensor::empty({E});
+      std::fill_n(global.data(), global.numel(), factor);
+      global = global.to(device_);
+    } else {  // the nearest power of two
+      const int code = std::clamp(127 + int(std::lround(std::log2(factor))), 1, 254);
+      std::fill_n(scales.as<uint8_t>(), scales.numel(), uint8_t(code));
+    }
+    return codes.with_fp4_scales(scales.to(device_), global);
+  };
+  return {matrix(prefix + ".gate_up_proj", 2 * I, H, 2), matrix(prefix + ".down_proj", H, I, 1)};
 }
 
 void Checkpoint::add_file(std::shared_ptr<SafetensorsFile> file) {
@@ -314,7 +346,7 @@ Tensor Checkpoint::take_host(const std::string& name, const Shape& expected) {
 
 // MXFP8, NVFP4 and MXFP4 (formats/quantization.h), row by row: each row of the weight has its own row of
 // block scales, so leading dimensions (stacked experts) need nothing special.
-Tensor Checkpoint::dequantize_packed(const Stored& weight, const Shape& expected) {
+float Checkpoint::take_packed(const Stored& weight, const Shape& expected) {
   const TensorInfo& data = *weight.data;
   const std::string& name = data.name;
   const char* format = weight_format_name(weight.format);
@@ -343,12 +375,20 @@ Tensor Checkpoint::dequantize_packed(const Stored& weight, const Shape& expected
   if (weight.input_scale) mark_taken(weight.input_scale->name);
   mark_taken(name);
   mark_taken(scale.name);
+  return scale_2;
+}
 
+Tensor Checkpoint::dequantize_packed(const Stored& weight, const Shape& expected) {
+  const float scale_2 = take_packed(weight, expected);
+  const TensorInfo& data = *weight.data;
+  const TensorInfo& scale = *weight.scale;
+  const int64_t cols = expected.back();
+  const int64_t group = weight.format == WeightFormat::Nvfp4 ? cpu::kNvfp4Block : cpu::kMxfp4Block;
   Tensor out = Tensor::empty(expected);
   const auto* codes = static_cast<const uint8_t*>(data.data);
   const auto* scales = static_cast<const uint8_t*>(scale.data);
   const int64_t rows = shape_numel(expected) / std::max<int64_t>(cols, 1);
-  const int64_t row_bytes = data_shape.back(), scale_cols = scale_shape.back();
+  const int64_t row_bytes = data.shape.back(), scale_cols = ceil_div(cols, group);
   parallel_for(rows, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* row_codes = codes + r * row_bytes;
@@ -398,6 +438,8 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
                                              int64_t hidden) {
   const int64_t E = num_experts, I = intermediate, H = hidden;
   if (dummy_) {  // transformers' fused layout, FP8 as take_fp8_experts lays it out when the config asks
+    if (device_ != Device::Cpu && dummy_fp4_ != WeightFormat::Dense && I % 32 == 0 && H % 32 == 0)
+      return dummy_fp4_experts(prefix, E, I, H);
     if (device_ != Device::Cpu && dummy_fp8_ && I % 16 == 0 && H % 16 == 0) {
       const int64_t ib = ceil_div(I, 128), hb = ceil_div(H, 128);
       return {dummy_fp8(prefix + ".gate_up_proj", {E, 2 * I, H}, {E, 2, ib, hb}),
@@ -420,9 +462,14 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
                 ".0.gate_proj.weight' (or '.0.w1.weight') in ", dir_);
   const std::string first = cat(prefix, ".0.", names->gate, ".weight");
   // (The FP8 expert kernel reads rows in 16-byte pieces: I and H multiples of 16.)
-  if (device_ != Device::Cpu && stored(first).format == WeightFormat::Fp8Block && quantization_.block_rows == 128 &&
+  const WeightFormat format = stored(first).format;
+  if (device_ != Device::Cpu && format == WeightFormat::Fp8Block && quantization_.block_rows == 128 &&
       quantization_.block_cols == 128 && I % 16 == 0 && H % 16 == 0)
     return take_fp8_experts(prefix, E, I, H, names->gate, names->up, names->down);
+  // (The FP4 expert kernel reads 32 codes a lane: I and H multiples of 32.)
+  if (device_ != Device::Cpu && (format == WeightFormat::Nvfp4 || format == WeightFormat::Mxfp4) && I % 32 == 0 &&
+      H % 32 == 0)
+    return take_fp4_experts(prefix, E, I, H, names->gate, names->up, names->down, format);
   if (device_ != Device::Cpu && index_.at(first)->dtype == DType::BF16) {
     // bf16 experts are stacked on the device straight from the mapped files, one copy per matrix.
     Experts experts{Tensor::empty({E, 2 * I, H}, ScalarType::BF16, device_),
@@ -479,6 +526,43 @@ Checkpoint::Experts Checkpoint::take_fp8_experts(const std::string& prefix, int6
     std::memcpy(down_scales.data() + e * hb * ib, scales.data(), size_t(hb * ib) * sizeof(float));
   }
   return {gate_up.with_block_scales(gate_up_scales).to(device_), down.with_block_scales(down_scales).to(device_)};
+}
+
+// On a GPU, FP4 experts stay FP4 (kernels/cuda/moe/moe.h moe_experts_fp4), as stored: codes stacked as
+// gate_up [E, 2I, H/2] and down [E, H, I/2] bytes, their group scales as [E, 2I, H/g] and [E, H, I/g]
+// (g = 16 NVFP4, 32 MXFP4) and NVFP4's weight_scale_2 as [E, 2] (gate, up) and [E].
+Checkpoint::Experts Checkpoint::take_fp4_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H,
+                                                 const char* gate_name, const char* up_name, const char* down_name,
+                                                 WeightFormat format) {
+  const bool nvfp4 = format == WeightFormat::Nvfp4;
+  const int64_t group = nvfp4 ? cpu::kNvfp4Block : cpu::kMxfp4Block;
+  const ScalarType scale_type = nvfp4 ? ScalarType::F8E4M3 : ScalarType::F8E8M0;
+  Tensor gate_up = Tensor::empty({E, 2 * I, H / 2}, ScalarType::E2M1x2);
+  Tensor down = Tensor::empty({E, H, I / 2}, ScalarType::E2M1x2);
+  Tensor gate_up_scales = Tensor::empty({E, 2 * I, H / group}, scale_type);
+  Tensor down_scales = Tensor::empty({E, H, I / group}, scale_type);
+  Tensor gate_up_global = nvfp4 ? Tensor::empty({E, 2}) : Tensor();
+  Tensor down_global = nvfp4 ? Tensor::empty({E}) : Tensor();
+  // One matrix [rows, cols] into the stacks at row `at` (its codes, its scales, its global scale).
+  auto stack = [&](const std::string& name, int64_t rows, int64_t cols, Tensor& codes, Tensor& scales, int64_t at,
+                   float* global) {
+    const Stored weight = stored(name);
+    SPARROW_CHECK(weight.format == format, "tensor '", name, "': stored as ", weight_format_name(weight.format),
+                  ", the other experts as ", weight_format_name(format));
+    const float scale_2 = take_packed(weight, {rows, cols});
+    std::memcpy(codes.as<uint8_t>() + at * (cols / 2), weight.data->data, size_t(rows * cols / 2));
+    std::memcpy(scales.as<uint8_t>() + at * (cols / group), weight.scale->data, size_t(rows * cols / group));
+    if (global) *global = scale_2;
+  };
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string expert = cat(prefix, ".", e, ".");
+    float* g = nvfp4 ? gate_up_global.data() + 2 * e : nullptr;
+    stack(expert + gate_name + ".weight", I, H, gate_up, gate_up_scales, 2 * e * I, g);
+    stack(expert + up_name + ".weight", I, H, gate_up, gate_up_scales, (2 * e + 1) * I, g ? g + 1 : nullptr);
+    stack(expert + down_name + ".weight", H, I, down, down_scales, e * H, nvfp4 ? down_global.data() + e : nullptr);
+  }
+  return {gate_up.with_fp4_scales(gate_up_scales, gate_up_global).to(device_),
+          down.with_fp4_scales(down_scales, down_global).to(device_)};
 }
 
 void Checkpoint::finish(const std::vector<std::string>& ignore_prefixes) {

@@ -81,7 +81,8 @@ class Checkpoint {
     Tensor gate_up;  // [E, 2I, H]: rows [0, I) gate, [I, 2I) up
     Tensor down;     // [E, H, I]
   };
-  // On a GPU, FP8 experts (per-expert tensors with 128x128 scales) stay FP8 with their scales attached.
+  // On a GPU, FP8 experts (per-expert tensors with 128x128 scales) stay FP8 with their scales attached,
+  // NVFP4 and MXFP4 experts FP4 (Tensor::with_fp4_scales).
   Experts take_experts(const std::string& prefix, int64_t num_experts, int64_t intermediate, int64_t hidden);
 
   // Loading at the disk's speed: reads the shard files ahead of the takes, `threads` files at once and at
@@ -114,6 +115,7 @@ class Checkpoint {
   // --load-format dummy (open_dummy)
   bool dummy_ = false;
   bool dummy_fp8_ = false;          // quantization_config asks for FP8 block-scaled weights
+  WeightFormat dummy_fp4_ = WeightFormat::Dense;  // the config declares FP4 (experts): Mxfp4 or Nvfp4
   bool dummy_unit_norms_ = false;   // Gemma-style norms (x̂ · (1 + w)): identity weight 0
   uint64_t dummy_seed_ = 0;
   int64_t dummy_params_ = 0;
@@ -122,6 +124,9 @@ class Checkpoint {
   // FP8 codes of `shape` ([..., rows, cols]) with one scale per 128x128 block, on the device; `scales`
   // is the shape of the block-scale tensor the kernels expect.
   Tensor dummy_fp8(const std::string& name, const Shape& shape, const Shape& scales);
+  // Stacked FP4 experts (gate_up [E, 2I, H], down [E, H, I] as codes and scales, dummy_fp4_'s format):
+  // random codes whose values have the RMS dummy_init gives bf16 weights.
+  Experts dummy_fp4_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H);
 
   void add_file(std::shared_ptr<SafetensorsFile> file);
   void mark_taken(const std::string& name);  // and count its bytes
@@ -142,10 +147,15 @@ class Checkpoint {
   Stored stored(const std::string& name) const;
   Tensor dequantize_fp8(const TensorInfo& weight, const std::string& scale_name);
   Tensor dequantize_packed(const Stored& weight, const Shape& expected);  // MXFP8, NVFP4, MXFP4
+  // A packed weight's shapes checked against `expected` and it and its siblings marked taken; returns
+  // NVFP4's weight_scale_2 (1 for the other formats).
+  float take_packed(const Stored& weight, const Shape& expected);
   // An F8_E4M3 tensor's codes as they are (host) and its block scales; marks both taken.
   Tensor take_fp8_codes(const std::string& name, const Shape& expected, Tensor& scales);
   Experts take_fp8_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H, const char* gate_name,
                            const char* up_name, const char* down_name);
+  Experts take_fp4_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H, const char* gate_name,
+                           const char* up_name, const char* down_name, WeightFormat format);
 };
 
 }  // namespace sparrow

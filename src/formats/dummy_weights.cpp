@@ -102,16 +102,22 @@ void dummy_fill_e4m3(uint64_t key, int64_t begin, int64_t count, uint8_t* out) {
   fill(begin, count, out, [&](int64_t i) { return cpu::float_to_e4m3(draw(key, i) * cpu::kE4m3Max); });
 }
 
+void dummy_fill_e2m1x2(uint64_t key, int64_t begin, int64_t count, uint8_t* out) {
+  fill(begin, count, out, [&](int64_t i) { return uint8_t(mix64(key + uint64_t(i + 1) * kGolden) >> 56); });
+}
+
 Tensor dummy_tensor(const DummyInit& init, uint64_t key, const Shape& shape, ScalarType type, Device device) {
-  SPARROW_CHECK(type == ScalarType::F32 || type == ScalarType::BF16 || type == ScalarType::F8E4M3,
+  SPARROW_CHECK(type == ScalarType::F32 || type == ScalarType::BF16 || type == ScalarType::F8E4M3 ||
+                    type == ScalarType::E2M1x2,
                 "dummy weights: no generator for ", scalar_name(type));
-  SPARROW_CHECK(type != ScalarType::F8E4M3 || init.kind == DummyInit::Uniform,
-                "dummy weights: FP8 codes only for uniform matrices");
+  SPARROW_CHECK((type != ScalarType::F8E4M3 && type != ScalarType::E2M1x2) || init.kind == DummyInit::Uniform,
+                "dummy weights: FP8 and FP4 codes only for uniform matrices");
   auto fill_host = [&](Tensor& t, int64_t begin) {
     const int64_t n = t.numel();
     if (type == ScalarType::F32) dummy_fill_f32(init, key, begin, n, t.as<float>());
     else if (type == ScalarType::BF16) dummy_fill_bf16(init, key, begin, n, t.as<uint16_t>());
-    else dummy_fill_e4m3(key, begin, n, t.as<uint8_t>());
+    else if (type == ScalarType::F8E4M3) dummy_fill_e4m3(key, begin, n, t.as<uint8_t>());
+    else dummy_fill_e2m1x2(key, begin, n, t.as<uint8_t>());
   };
   Tensor out = Tensor::empty(shape, type, device);
   if (device == Device::Cpu) {

@@ -51,11 +51,13 @@ uint64_t dummy_key(uint64_t seed, const std::string& name);
 void dummy_fill_f32(const DummyInit& init, uint64_t key, int64_t begin, int64_t count, float* out);
 void dummy_fill_bf16(const DummyInit& init, uint64_t key, int64_t begin, int64_t count, uint16_t* out);
 void dummy_fill_e4m3(uint64_t key, int64_t begin, int64_t count, uint8_t* out);
+// Uniform random bytes: two E2M1 codes each, every code equally likely (values of RMS ~2.93).
+void dummy_fill_e2m1x2(uint64_t key, int64_t begin, int64_t count, uint8_t* out);
 
-// A tensor of `shape` and `type` (F32, BF16 or F8E4M3) on `device` holding elements [0, numel) of the
-// generator. Device tensors are filled from host chunks of at most a few tens of MB, so no host copy
-// of the whole tensor (let alone of the model) ever exists. F8E4M3 needs a Uniform init; its block
-// scales are left to the caller.
+// A tensor of `shape` and `type` (F32, BF16, F8E4M3 or E2M1x2) on `device` holding elements [0, numel)
+// of the generator. Device tensors are filled from host chunks of at most a few tens of MB, so no host
+// copy of the whole tensor (let alone of the model) ever exists. F8E4M3 and E2M1x2 need a Uniform init;
+// their scales are left to the caller.
 Tensor dummy_tensor(const DummyInit& init, uint64_t key, const Shape& shape, ScalarType type, Device device);
 
 }  // namespace sparrow

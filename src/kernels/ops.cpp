@@ -547,17 +547,28 @@ Tensor moe_experts(const Tensor& x, const Routing& routing, const Tensor& gate_u
                             gate_up, down, kind, alpha, limit);
   }
 #if SPARROW_HAVE_CUDA
-  const bool fp8 = gate_up.type() == ScalarType::F8E4M3;
-  SPARROW_CHECK(x.type() == ScalarType::BF16 && (fp8 ? down.type() == ScalarType::F8E4M3 && gate_up.block_scales().defined() &&
-                                                           down.block_scales().defined()
-                                                     : gate_up.type() == ScalarType::BF16 && down.type() == ScalarType::BF16),
-                "GPU experts take bf16 activations and bf16 weights, or FP8 weights with their block scales");
+  const bool fp8 = gate_up.type() == ScalarType::F8E4M3, fp4 = gate_up.type() == ScalarType::E2M1x2;
+  const bool scaled = gate_up.block_scales().defined() && down.block_scales().defined();
+  SPARROW_CHECK(x.type() == ScalarType::BF16 && down.type() == gate_up.type() &&
+                    (fp8 || fp4 ? scaled : gate_up.type() == ScalarType::BF16),
+                "GPU experts take bf16 activations and bf16 weights, or FP8 / FP4 weights with their scales");
   const int64_t tokens = x.dim(0), hidden = x.dim(1), top_k = routing.experts.dim(1);
-  const int64_t num_experts = gate_up.dim(0), inter = down.dim(2);
+  // FP4 codes: two a byte along the last dimension.
+  const int64_t num_experts = gate_up.dim(0), inter = down.dim(2) * (fp4 ? 2 : 1);
   Tensor out = Tensor::empty({tokens, hidden}, ScalarType::BF16, x.device());
   Tensor workspace = Tensor::empty(
       {int64_t(cuda::moe_workspace_bytes(tokens, top_k, num_experts, hidden, inter))}, ScalarType::U8, x.device());
-  if (fp8) {
+  if (fp4) {
+    const bool nvfp4 = gate_up.block_scales().type() == ScalarType::F8E4M3;
+    SPARROW_CHECK(down.block_scales().type() == gate_up.block_scales().type(),
+                  "FP4 experts: gate_up and down in different formats");
+    cuda::moe_experts_fp4(x.raw(), tokens, hidden, routing.experts.as<int32_t>(), routing.weights.as<float>(), top_k,
+                          nvfp4 ? cuda::Fp4Weights::Nvfp4 : cuda::Fp4Weights::Mxfp4, gate_up.as<uint8_t>(),
+                          gate_up.block_scales().as<uint8_t>(), nvfp4 ? gate_up.global_scales().as<float>() : nullptr,
+                          down.as<uint8_t>(), down.block_scales().as<uint8_t>(),
+                          nvfp4 ? down.global_scales().as<float>() : nullptr, num_experts, inter, kind, alpha, limit,
+                          out.raw(), workspace.raw(), cuda::stream());
+  } else if (fp8) {
     cuda::moe_experts_fp8(x.raw(), tokens, hidden, routing.experts.as<int32_t>(), routing.weights.as<float>(), top_k,
                           gate_up.as<uint8_t>(), gate_up.block_scales().as<float>(), down.as<uint8_t>(),
                           down.block_scales().as<float>(), num_experts, inter, kind, alpha, limit, out.raw(),
