@@ -316,7 +316,8 @@ TEST(Roofline, RefusesWhatTheFamiliesRefuse) {
 TEST(Roofline, ServeShapesFitOneH200) {
   // Kimi-Linear-48B is whole and bf16 (98 GB); the others are cut to 40-80 GB of FP8.
   const std::pair<const char*, double> shapes[] = {
-      {"deepseek_v3.2", 80e9}, {"kimi_k3.1_pro", 80e9}, {"minimax_m3.1_flash", 80e9}, {"kimi_linear_48b", 110e9}};
+      {"deepseek_v3.2", 80e9}, {"kimi_k3.1_pro", 80e9}, {"kimi_k3.1_pro_mxfp4", 80e9}, {"minimax_m3.1_flash", 80e9},
+      {"kimi_linear_48b", 110e9}};
   for (const auto& [name, max_weight_bytes] : shapes) {
     const fs::path path = kSource / "bench/shapes/serve" / (std::string(name) + ".json");
     const Config config = Config::load(path.string());
@@ -345,6 +346,13 @@ TEST(Roofline, ServeShapesFitOneH200) {
   EXPECT_EQ(ds.mixers[0].kv_bytes_per_token, 1152);
   EXPECT_EQ(ds.mixers[0].index_bytes_per_token, 132);
   EXPECT_EQ(ds.mixers[0].attended_limit, 2048);
+  // Kimi K3.1 Pro as released: MXFP4 latent experts (3 x 3072 x 3584), half a byte a weight and one E8M0
+  // scale a 32, every other weight bf16.
+  const bench::ModelCost k3 =
+      bench::model_cost(Config::load((kSource / "bench/shapes/serve/kimi_k3.1_pro_mxfp4.json").string()));
+  EXPECT_EQ(k3.num_experts, 896);
+  EXPECT_EQ(k3.expert_params, 3.0 * 3072 * 3584);
+  EXPECT_NEAR(k3.expert_bytes, 3.0 * 3072 * 3584 * (0.5 + 1.0 / 32), 1);
 }
 
 // ---------------------------------------------------------------------------------------------------

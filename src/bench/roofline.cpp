@@ -6,6 +6,7 @@
 
 #include "cache/planner.h"
 #include "core/error.h"
+#include "formats/quantization.h"
 #include "model/families.h"
 #include "model/model.h"
 
@@ -82,6 +83,7 @@ void count_mlp(Counter& c, int64_t hidden, int64_t intermediate) {
 struct Families {
   Counter dense, embedding;
   double tied_params = 0, tied_bytes = 0;  // a tied head: in `dense` (read every step) and stored once
+  int64_t expert_fp4_group = 0;            // FP4 routed experts: 16 (NVFP4) or 32 (MXFP4)
   ModelCost cost;
 };
 
@@ -104,6 +106,10 @@ void add_moe_layer(Families& f, int64_t hidden, int64_t experts, int64_t top_k, 
     one.add(Store::Linear, hidden, intermediate);
     f.cost.expert_params = one.params;
     f.cost.expert_bytes = one.bytes;
+    // FP4 experts (take_fp4_experts: I and H multiples of 32): half a byte a weight, one scale byte per
+    // group, NVFP4's three fp32 global scales.
+    if (f.expert_fp4_group > 0 && intermediate % 32 == 0 && hidden % 32 == 0)
+      f.cost.expert_bytes = one.params * (0.5 + 1.0 / double(f.expert_fp4_group)) + (f.expert_fp4_group == 16 ? 12 : 0);
     f.cost.num_experts = experts;
     f.cost.experts_per_token = top_k;
   }
@@ -340,6 +346,10 @@ ModelCost model_cost(const Config& config, const std::string& kv_cache_dtype) {
     std::vector<int64_t> block = {128, 128};
     if (q.has("weight_block_size")) block = q.get_int_list("weight_block_size");
     f.dense.fp8 = q.get_string("quant_method", "") == "fp8" && block == std::vector<int64_t>{128, 128};
+    const QuantizationConfig quantization = quantization_from_config(config);
+    f.expert_fp4_group = quantization.declares(WeightFormat::Mxfp4)   ? 32
+                         : quantization.declares(WeightFormat::Nvfp4) ? 16
+                                                                      : 0;
   }
   // The cost model of the registry's family (model/families.h), over the config of its text fields.
   const ModelFamily& family = model_family(config);

@@ -105,6 +105,11 @@ QuantizationConfig read_quantization(const std::string& dir, const Config& confi
     read_modelopt(q, file.get_object("quantization"));
     return q;
   }
+  return quantization_from_config(config);
+}
+
+QuantizationConfig quantization_from_config(const Config& config) {
+  QuantizationConfig q;
   if (!config.has("quantization_config")) return q;
   const Config c = config.get_object("quantization_config");
   q.method = c.get_string("quant_method");

@@ -55,6 +55,9 @@ struct QuantizationConfig {
 // Anything else (another method, another algo or group size) is a one-line error naming the field and what
 // sparrow reads.
 QuantizationConfig read_quantization(const std::string& dir, const Config& config);
+// The same from config.json's quantization_config alone (no hf_quant_config.json: e.g. the roofline's
+// shape files).
+QuantizationConfig quantization_from_config(const Config& config);
 
 // Dequantization of one matrix row, exact as the header says; n values each call. (MXFP4 is the codec's own
 // cpu::mxfp4_dequantize, kernels/cpu/fp4_codec.h; NVFP4 weights multiply in vLLM's order, which differs from
