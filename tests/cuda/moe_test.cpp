@@ -513,8 +513,8 @@ Routing random_routing(std::mt19937_64& rng, int64_t tokens, int64_t experts, in
 // finite pairs), scales spread over 16 E4M3 codes (NVFP4, with a per-matrix global scale) or 4 E8M0 powers
 // of two (MXFP4). The kernel turns each code into bf16 times its group scale (exact) and applies NVFP4's
 // global scale to each fp32 sum: the decode path's bound around the double reference on the exact
-// dequantised weights, at decode sizes and at a prefill size (FP4 takes the decode kernel at every size,
-// tiles of up to 8 rows), run to run bit for bit. A wrong nibble order, pair order, group or half moves
+// dequantised weights, at decode sizes (the skinny kernel) and at a prefill size (the WMMA tiles, which
+// convert each staged code tile), run to run bit for bit. A wrong nibble order, pair order, group or half moves
 // results by O(|ref|), far outside the bound.
 TEST(CudaMoe, Fp4ExpertsMatchTheirDequantisedWeights) {
   SPARROW_REQUIRE_GPU();

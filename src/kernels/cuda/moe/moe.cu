@@ -45,10 +45,10 @@
 // path converts e4m3 to bf16 exactly (no scale) and scales each 128-column block's fp32 partial: within
 // rounding of moe_experts on the dequantised weights, not bit-identical.
 //
-// moe_experts_fp4 (NVFP4 / MXFP4 as released) takes the Decode path's kernel at every size (the tiled
-// products stage bf16 or e4m3 tiles only): the codes are read in place and turned into bf16 times their
-// group scale in registers (skinny.cuh fp4_to_bf16x2, exact); a prefill-sized step streams each touched
-// expert once per tile of up to 8 of its rows (its weights then mostly from the L2).
+// moe_experts_fp4 (NVFP4 / MXFP4 as released) reads the codes in place: the Decode path turns them into
+// bf16 times their group scale in registers (skinny.cuh fp4_to_bf16x2, exact); larger steps take the WMMA
+// tiles, which stage the raw code tiles by cp.async and convert each stage into the bf16 tile the same
+// way (fp4_to_bf16x8), as the FP8 tiles do. No wgmma product reads FP4 yet.
 #include "kernels/cuda/moe/moe.h"
 
 #include <cuda_bf16.h>
@@ -59,6 +59,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cuda/gemm/skinny.cuh"
 #include "kernels/cuda/glu.cuh"
@@ -301,6 +302,7 @@ __global__ void __launch_bounds__(DECODE_SORT_THREADS)
 
 using ptx::cp_async16;  // zero-filled when !valid
 using ptx::cp_async4;
+using ptx::cp_async8;
 using ptx::cp_async_commit;
 using ptx::cp_async_wait;
 
@@ -338,24 +340,45 @@ struct SmemTiles<NB, true> {
   uint8_t q[STAGES_FP8][NB][BN][BK];
   float scale[STAGES_FP8][NB];
 };
-template <int NB, bool FP8>
+// FP4 weights: the raw code tiles (16 bytes a row and stage) land by cp.async; each k step converts its
+// stage into the bf16 tile b as the FP8 path does (the group scales are read from global memory one step
+// ahead, into registers).
+template <int NB>
+struct SmemTilesFp4 {
+  bf16 a[STAGES_FP8][BM][LDS];
+  bf16 b[NB][BN][LDS];
+  uint8_t q[STAGES_FP8][NB][BN][BK / 2];
+};
+template <int NB, skinny::Codes C>
 union GemmSmem {
-  SmemTiles<NB, FP8> tiles;
+  std::conditional_t<skinny::is_fp4(C), SmemTilesFp4<NB>, SmemTiles<NB, C == skinny::Codes::Fp8>> tiles;
   float c[NB][BM][LDC];
 };
+
+// Eight E2M1 codes (one word, code k in bits 4k..4k+3) -> eight bf16 times the scale pair, in column order
+// (skinny::fp4_to_bf16x2 pairs codes k and k + 4; the WMMA tile wants them in place). Values carry the
+// 2^-16 of fp4_scale_pairs' scale, which the epilogue takes back.
+__device__ __forceinline__ uint4 fp4_to_bf16x8(uint32_t w, uint32_t scale) {
+  uint32_t p[4];
+  skinny::fp4_to_bf16x2(w, scale, p);  // (0, 4), (1, 5), (2, 6), (3, 7)
+  return make_uint4(__byte_perm(p[0], p[1], 0x5410), __byte_perm(p[2], p[3], 0x5410), __byte_perm(p[0], p[1], 0x7632),
+                    __byte_perm(p[2], p[3], 0x7632));
+}
 
 // IS_GATE_UP: h = act(A·gateᵀ, A·upᵀ) (A = gathered x, K = hidden, N = inter);
 // else:        y = weight · (A·downᵀ) (A = h, K = inter, N = hidden).
 // FP8: w_base is e4m3 [E, NB*N, K] with fp32 scales w_scales [E, NB, ceil(N/128), ceil(K/128)] (moe.h);
-// else w_base is bf16 [E, NB*N, K] and w_scales unused.
-template <bool IS_GATE_UP, bool FP8>
+// FP4: w_base is packed e2m1 [E, NB*N, K/2] with group scales w_groups [E, NB*N, K/group] and (NVFP4)
+// w_global [E, NB]; else w_base is bf16 [E, NB*N, K] and the scales unused.
+template <bool IS_GATE_UP, skinny::Codes C>
 __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
     const Tile* tiles, const int32_t* num_tiles, const int32_t* sorted_pair, int top_k, const bf16* a_base,
-    const void* w_base, const float* w_scales, const float* pair_weight, int64_t K, int64_t N, bf16* out,
-    Glu kind, float alpha, float limit) {
+    const void* w_base, const float* w_scales, const uint8_t* w_groups, const float* w_global,
+    const float* pair_weight, int64_t K, int64_t N, bf16* out, Glu kind, float alpha, float limit) {
   constexpr int NB = IS_GATE_UP ? 2 : 1;
+  constexpr bool FP8 = C == skinny::Codes::Fp8, FP4 = skinny::is_fp4(C);
   using namespace nvcuda;
-  __shared__ __align__(128) GemmSmem<NB, FP8> sm;
+  __shared__ __align__(128) GemmSmem<NB, C> sm;
   if (int(blockIdx.x) >= *num_tiles) return;
   const Tile tile = tiles[blockIdx.x];
   const int64_t n0 = int64_t(blockIdx.y) * BN;
@@ -400,7 +423,57 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
   };
 
   const int64_t ktiles = (K + BK - 1) / BK;
-  if constexpr (!FP8) {
+  if constexpr (FP4) {
+    // Each thread copies 8 code bytes (16 columns) of row tid / 2, half tid % 2, per weight operand per
+    // stage; K % 32 == 0, so a stage's 32 columns are all in or all out. Its group scale (one byte: NVFP4's
+    // 16 columns are one group, MXFP4's 32 one group) comes from global memory a step ahead.
+    const uint8_t* wq = static_cast<const uint8_t*>(w_base);
+    const int qrow = tid / 2, qhalf = tid % 2;
+    constexpr int G = skinny::fp4_group(C);
+    const uint8_t* w_row[NB];
+    const uint8_t* g_row[NB];
+    for (int b = 0; b < NB; ++b) {
+      const int64_t n = n0 + qrow;
+      const int64_t row = int64_t(tile.expert) * (NB * N) + b * N + n;
+      w_row[b] = n < N ? wq + row * (K / 2) : nullptr;
+      g_row[b] = n < N ? w_groups + row * (K / G) : nullptr;
+    }
+    auto load_stage = [&](int stage, int64_t k0) {
+      load_a(sm.tiles.a[stage], k0);
+      const bool kv = k0 < K;
+      for (int b = 0; b < NB; ++b)
+        cp_async8(&sm.tiles.q[stage][b][qrow][qhalf * 8], kv && w_row[b] ? w_row[b] + k0 / 2 + qhalf * 8 : wq,
+                  kv && w_row[b] != nullptr);
+    };
+    auto scale_of = [&](int b, int64_t kt) -> uint32_t {
+      return g_row[b] && kt < ktiles ? __ldg(g_row[b] + (kt * BK + qhalf * 16) / G) : 0u;
+    };
+    uint32_t sc[NB], sc_next[NB];
+    for (int b = 0; b < NB; ++b) sc[b] = scale_of(b, 0);
+    for (int s = 0; s < STAGES_FP8 - 1; ++s) {
+      if (s < ktiles) load_stage(s, s * BK);
+      cp_async_commit();
+    }
+    for (int64_t kt = 0; kt < ktiles; ++kt) {
+      for (int b = 0; b < NB; ++b) sc_next[b] = scale_of(b, kt + 1);
+      cp_async_wait<STAGES_FP8 - 2>();
+      __syncthreads();
+      const int64_t next = kt + STAGES_FP8 - 1;
+      if (next < ktiles) load_stage(int(next % STAGES_FP8), next * BK);
+      cp_async_commit();
+      const int st = int(kt % STAGES_FP8);
+      for (int b = 0; b < NB; ++b) {
+        const uint2 raw = *reinterpret_cast<const uint2*>(&sm.tiles.q[st][b][qrow][qhalf * 8]);
+        uint32_t pair[2];
+        skinny::fp4_scale_pairs<C>(sc[b], pair);
+        *reinterpret_cast<uint4*>(&sm.tiles.b[b][qrow][qhalf * 16]) = fp4_to_bf16x8(raw.x, pair[0]);
+        *reinterpret_cast<uint4*>(&sm.tiles.b[b][qrow][qhalf * 16 + 8]) = fp4_to_bf16x8(raw.y, pair[0]);
+        sc[b] = sc_next[b];
+      }
+      __syncthreads();
+      mma_step(&sm.tiles.a[st][0][0], &sm.tiles.b[0][0][0]);
+    }
+  } else if constexpr (!FP8) {
     // Each thread copies 2 chunks per weight operand per stage, at the A chunks' rows and column.
     const bf16* wb = static_cast<const bf16*>(w_base);
     const bf16* w_row[NB][2];
@@ -493,10 +566,18 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
     const int64_t col = n0 + c;
     if (row >= tile.end || col >= N) continue;
     float v;
+    float sums[NB];
+    for (int b = 0; b < NB; ++b) {
+      sums[b] = sm.c[b][r][c];
+      if constexpr (FP4) {  // the tiles' 2^-16 (skinny::FP4_UNSCALE) and NVFP4's global scale
+        sums[b] *= skinny::FP4_UNSCALE;
+        if constexpr (C == skinny::Codes::Nvfp4) sums[b] = __fmul_rn(sums[b], w_global[int64_t(tile.expert) * NB + b]);
+      }
+    }
     if constexpr (IS_GATE_UP) {
-      v = glu_value(sm.c[0][r][c], sm.c[1][r][c], kind, alpha, limit);
+      v = glu_value(sums[0], sums[1], kind, alpha, limit);
     } else {
-      v = __fmul_rn(pair_weight[sorted_pair[row]], sm.c[0][r][c]);
+      v = __fmul_rn(pair_weight[sorted_pair[row]], sums[0]);
     }
     out[int64_t(row) * N + col] = __float2bfloat16_rn(v);
   }
@@ -1167,9 +1248,10 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
   auto* h = reinterpret_cast<bf16*>(ws + l.h);
   auto* y = reinterpret_cast<bf16*>(ws + l.y);
 
-  // FP4 weights take the decode kernel at every size (the tiled products read bf16 or e4m3 tiles): a
-  // prefill-sized step streams each touched expert once per tile of up to 8 of its rows.
-  const MoePath path = FP4 ? MoePath::Decode : moe_experts_path(tokens, top_k, num_experts, hidden, inter);
+  // FP4 weights: the decode kernel, or above its sizes the WMMA tiles (no wgmma product reads FP4 yet).
+  const MoePath path = !FP4 ? moe_experts_path(tokens, top_k, num_experts, hidden, inter)
+                       : use_decode(tokens, top_k, num_experts, hidden, inter) ? MoePath::Decode
+                                                                                : MoePath::Tiled;
   const int tile_rows = path == MoePath::Decode ? decode_tile_rows(tokens, hidden, inter, C) : 0;
   if (path == MoePath::Decode && num_experts <= DECODE_SORT_EXPERTS && pairs <= DECODE_SORT_PAIRS) {
     decode_sort_kernel<<<1, DECODE_SORT_THREADS, 0, stream>>>(experts, int(pairs), int(num_experts), tile_rows, tiles,
@@ -1204,8 +1286,8 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
     return;
   }
 
-  if constexpr (!FP4) {
   if (wide) {
+    if constexpr (!FP4) {
     // At most pairs / wg::BM full tiles plus one partial tile per expert, and never more tiles than rows.
     const int64_t max_tiles = std::min<int64_t>(pairs, (pairs + wg::BM - 1) / wg::BM + num_experts);
     wg::Args up{tiles, num_tiles, tile_start, counts, sorted_pair, int(top_k), static_cast<const bf16*>(x), hidden,
@@ -1217,23 +1299,23 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
     combine_kernel<<<unsigned(tokens), 256, 0, stream>>>(y, pos_of_pair, int(top_k), hidden, static_cast<bf16*>(out));
     SPARROW_CUDA_CHECK_LAUNCH();
     return;
+    }
   }
 
   const dim3 grid1(unsigned(l.max_tiles), unsigned((inter + BN - 1) / BN));
   SPARROW_CHECK(grid1.y <= 65535, what, ": intermediate size too large");
-  grouped_gemm_kernel<true, FP8><<<grid1, THREADS, 0, stream>>>(tiles, num_tiles, sorted_pair, int(top_k),
-                                                                static_cast<const bf16*>(x), gate_up, gate_up_scales,
-                                                                nullptr, hidden, inter, h, glu_kind, alpha, limit);
+  grouped_gemm_kernel<true, C><<<grid1, THREADS, 0, stream>>>(
+      tiles, num_tiles, sorted_pair, int(top_k), static_cast<const bf16*>(x), gate_up, gate_up_scales, sc.gate_up_groups,
+      sc.gate_up_global, nullptr, hidden, inter, h, glu_kind, alpha, limit);
   SPARROW_CUDA_CHECK_LAUNCH();
   const dim3 grid2(unsigned(l.max_tiles), unsigned((hidden + BN - 1) / BN));
   SPARROW_CHECK(grid2.y <= 65535, what, ": hidden size too large");
-  grouped_gemm_kernel<false, FP8><<<grid2, THREADS, 0, stream>>>(tiles, num_tiles, sorted_pair, int(top_k), h, down,
-                                                                 down_scales, weights, inter, hidden, y, glu_kind,
-                                                                 alpha, limit);
+  grouped_gemm_kernel<false, C><<<grid2, THREADS, 0, stream>>>(tiles, num_tiles, sorted_pair, int(top_k), h, down,
+                                                               down_scales, sc.down_groups, sc.down_global, weights,
+                                                               inter, hidden, y, glu_kind, alpha, limit);
   SPARROW_CUDA_CHECK_LAUNCH();
   combine_kernel<<<unsigned(tokens), 256, 0, stream>>>(y, pos_of_pair, int(top_k), hidden, static_cast<bf16*>(out));
   SPARROW_CUDA_CHECK_LAUNCH();
-  }  // !FP4
 }
 
 }  // namespace

@@ -89,10 +89,11 @@ void moe_experts_fp8(const void* x, int64_t tokens, int64_t hidden, const int32_
 //     down_global [E]:  W[e][i][j] = e2m1 * e4m3(scale[e][i][j / 16]) * global[e](half of i)
 //   Mxfp4 (compressed-tensors / OCP MX): the same codes, scales E8M0 per 32 values ([.., hidden / 32],
 //     [.., inter / 32]), no global scales (null):  W = e2m1 * 2^(e8m0 - 127).
-// Every size takes the decode kernel (gemm/skinny.cuh), which turns each code into bf16 times its group
-// scale in registers (exact) and, NVFP4, multiplies each fp32 sum by the global scale before the
-// activation / the pair weight: within rounding of moe_experts on the dequantised weights (the decode
-// path's bound, with no bf16 rounding of the weights at all). hidden and inter must be multiples of 32.
+// Decode sizes take the decode kernel (gemm/skinny.cuh), which turns each code into bf16 times its group
+// scale in registers (exact); larger steps the WMMA tiles, which convert each staged code tile the same
+// way into a bf16 tile (no wgmma product reads FP4 yet). NVFP4's global scale multiplies each fp32 sum
+// before the activation / the pair weight. Within rounding of moe_experts on the dequantised weights (the
+// decode path's bound; no bf16 rounding of the weights at all). hidden and inter must be multiples of 32.
 enum class Fp4Weights { Nvfp4, Mxfp4 };
 void moe_experts_fp4(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
                      int64_t top_k, Fp4Weights kind, const uint8_t* gate_up, const uint8_t* gate_up_scales,
