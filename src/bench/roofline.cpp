@@ -83,7 +83,7 @@ void count_mlp(Counter& c, int64_t hidden, int64_t intermediate) {
 struct Families {
   Counter dense, embedding;
   double tied_params = 0, tied_bytes = 0;  // a tied head: in `dense` (read every step) and stored once
-  int64_t expert_fp4_group = 0;            // FP4 routed experts: 16 (NVFP4) or 32 (MXFP4)
+  WeightFormat expert_fp4 = WeightFormat::Dense;  // FP4 routed experts: Nvfp4 or Mxfp4
   ModelCost cost;
 };
 
@@ -108,8 +108,9 @@ void add_moe_layer(Families& f, int64_t hidden, int64_t experts, int64_t top_k, 
     f.cost.expert_bytes = one.bytes;
     // FP4 experts (take_fp4_experts: I and H multiples of 32): half a byte a weight, one scale byte per
     // group, NVFP4's three fp32 global scales.
-    if (f.expert_fp4_group > 0 && intermediate % 32 == 0 && hidden % 32 == 0)
-      f.cost.expert_bytes = one.params * (0.5 + 1.0 / double(f.expert_fp4_group)) + (f.expert_fp4_group == 16 ? 12 : 0);
+    if (f.expert_fp4 != WeightFormat::Dense && intermediate % 32 == 0 && hidden % 32 == 0)
+      f.cost.expert_bytes = one.params * (0.5 + 1.0 / double(scale_group(f.expert_fp4))) +
+                            (f.expert_fp4 == WeightFormat::Nvfp4 ? 3 * 4 : 0);
     f.cost.num_experts = experts;
     f.cost.experts_per_token = top_k;
   }
@@ -341,16 +342,10 @@ ModelCost model_cost(const Config& config, const std::string& kv_cache_dtype) {
   cache_spec_from_config(config);
   Families f;
   const std::string type = config.get_string("model_type");
-  if (config.has("quantization_config")) {
-    const Config q = config.get_object("quantization_config");
-    std::vector<int64_t> block = {128, 128};
-    if (q.has("weight_block_size")) block = q.get_int_list("weight_block_size");
-    f.dense.fp8 = q.get_string("quant_method", "") == "fp8" && block == std::vector<int64_t>{128, 128};
-    const QuantizationConfig quantization = quantization_from_config(config);
-    f.expert_fp4_group = quantization.declares(WeightFormat::Mxfp4)   ? 32
-                         : quantization.declares(WeightFormat::Nvfp4) ? 16
-                                                                      : 0;
-  }
+  // The GPU's storage rules (Checkpoint::open_dummy): FP8 for DeepSeek's 128x128 blocks, FP4 experts.
+  const QuantizationConfig quantization = quantization_from_config(config);
+  f.dense.fp8 = quantization.fp8_128x128();
+  f.expert_fp4 = quantization.expert_fp4();
   // The cost model of the registry's family (model/families.h), over the config of its text fields.
   const ModelFamily& family = model_family(config);
   const std::string name = family.family;

@@ -94,7 +94,6 @@ class Tensor {
   // one per stored matrix (stacked experts: kernels/cuda/moe/moe.h says which); undefined for MXFP4.
   Tensor with_fp4_scales(Tensor groups, Tensor global) const;
   const Tensor& global_scales() const;
-  bool quantized() const { return type_ == ScalarType::F8E4M3 || type_ == ScalarType::E2M1x2; }
 
  private:
   void* data_ = nullptr;

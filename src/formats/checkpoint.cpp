@@ -116,12 +116,9 @@ std::unique_ptr<Checkpoint> Checkpoint::open_dummy(const std::string& dir, uint6
   checkpoint->dummy_unit_norms_ = config.get_string("model_type", "").starts_with("minimax_m3");
   // The FP8 kernels take DeepSeek's 128x128 blocks only; other quantizations load as bf16 dummies.
   const QuantizationConfig quantization = read_quantization(dir, config);
-  checkpoint->dummy_fp8_ = quantization.method == "fp8" && quantization.block_rows == 128 &&
-                           quantization.block_cols == 128;
+  checkpoint->dummy_fp8_ = quantization.fp8_128x128();
   // FP4 in the config (the releases' routed experts): dummy experts are FP4 codes read in place.
-  checkpoint->dummy_fp4_ = quantization.declares(WeightFormat::Mxfp4)   ? WeightFormat::Mxfp4
-                           : quantization.declares(WeightFormat::Nvfp4) ? WeightFormat::Nvfp4
-                                                                        : WeightFormat::Dense;
+  checkpoint->dummy_fp4_ = quantization.expert_fp4();
   return checkpoint;
 }
 
@@ -144,7 +141,7 @@ Tensor Checkpoint::dummy_fp8(const std::string& name, const Shape& shape, const 
 
 Checkpoint::Experts Checkpoint::dummy_fp4_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H) {
   const bool nvfp4 = dummy_fp4_ == WeightFormat::Nvfp4;
-  const int64_t group = nvfp4 ? cpu::kNvfp4Block : cpu::kMxfp4Block;
+  const int64_t group = scale_group(dummy_fp4_);
   auto matrix = [&](const std::string& name, int64_t rows, int64_t cols, int64_t halves) {
     const Shape shape{E, rows, cols};
     const DummyInit init = dummy_init(name, shape, dummy_unit_norms_);
@@ -354,7 +351,7 @@ float Checkpoint::take_packed(const Stored& weight, const Shape& expected) {
                 shape_str(expected));
   const int64_t cols = expected.back();
   const bool four_bit = weight.format != WeightFormat::Mxfp8;
-  const int64_t group = weight.format == WeightFormat::Nvfp4 ? cpu::kNvfp4Block : cpu::kMxfp4Block;
+  const int64_t group = scale_group(weight.format);
   Shape data_shape = expected, scale_shape = expected;
   if (four_bit) data_shape.back() = cpu::fp4_packed_bytes(cols);
   scale_shape.back() = ceil_div(cols, group);
@@ -383,7 +380,7 @@ Tensor Checkpoint::dequantize_packed(const Stored& weight, const Shape& expected
   const TensorInfo& data = *weight.data;
   const TensorInfo& scale = *weight.scale;
   const int64_t cols = expected.back();
-  const int64_t group = weight.format == WeightFormat::Nvfp4 ? cpu::kNvfp4Block : cpu::kMxfp4Block;
+  const int64_t group = scale_group(weight.format);
   Tensor out = Tensor::empty(expected);
   const auto* codes = static_cast<const uint8_t*>(data.data);
   const auto* scales = static_cast<const uint8_t*>(scale.data);
@@ -535,7 +532,7 @@ Checkpoint::Experts Checkpoint::take_fp4_experts(const std::string& prefix, int6
                                                  const char* gate_name, const char* up_name, const char* down_name,
                                                  WeightFormat format) {
   const bool nvfp4 = format == WeightFormat::Nvfp4;
-  const int64_t group = nvfp4 ? cpu::kNvfp4Block : cpu::kMxfp4Block;
+  const int64_t group = scale_group(format);
   const ScalarType scale_type = nvfp4 ? ScalarType::F8E4M3 : ScalarType::F8E8M0;
   Tensor gate_up = Tensor::empty({E, 2 * I, H / 2}, ScalarType::E2M1x2);
   Tensor down = Tensor::empty({E, H, I / 2}, ScalarType::E2M1x2);

@@ -95,6 +95,10 @@ void read_compressed_tensors(QuantizationConfig& q, const Config& c) {
 
 }  // namespace
 
+int64_t scale_group(WeightFormat format) {
+  return format == WeightFormat::Nvfp4 ? cpu::kNvfp4Block : cpu::kMxfp4Block;
+}
+
 QuantizationConfig read_quantization(const std::string& dir, const Config& config) {
   QuantizationConfig q;
   const fs::path hf_quant = fs::path(dir) / "hf_quant_config.json";

@@ -32,6 +32,8 @@ namespace sparrow {
 
 enum class WeightFormat { Dense, Fp8Block, Mxfp8, Nvfp4, Mxfp4 };
 const char* weight_format_name(WeightFormat format);
+// Values per scale of the MX and NVFP4 formats: 16 for NVFP4, 32 for MXFP8 and MXFP4 (OCP MX v1.0).
+int64_t scale_group(WeightFormat format);
 
 struct QuantizationConfig {
   std::string method;               // "" (none), "fp8", "modelopt" or "compressed-tensors"
@@ -40,6 +42,15 @@ struct QuantizationConfig {
   int64_t block_rows = 128, block_cols = 128;  // Fp8Block's scale block
 
   bool declares(WeightFormat format) const { return format == WeightFormat::Dense || formats.count(format) > 0; }
+  // DeepSeek's FP8 with 128x128 blocks: the only block FP8 the GPU kernels (and dummy weights) take.
+  bool fp8_128x128() const { return method == "fp8" && block_rows == 128 && block_cols == 128; }
+  // The FP4 format the routed experts are stored in when the config declares one (MXFP4 first: Kimi K3;
+  // NVFP4: MiniMax-M3.1-Flash), Dense otherwise.
+  WeightFormat expert_fp4() const {
+    return declares(WeightFormat::Mxfp4) ? WeightFormat::Mxfp4
+           : declares(WeightFormat::Nvfp4) ? WeightFormat::Nvfp4
+                                           : WeightFormat::Dense;
+  }
   // The formats this config declares, e.g. "modelopt (hf_quant_config.json): NVFP4, MXFP8".
   std::string describe() const;
 };
