@@ -78,7 +78,8 @@ void write_folder(const TempDir& dir, const std::vector<Raw>& tensors, const std
   nlohmann::json header = nlohmann::json::object();
   std::string data;
   for (const Raw& t : tensors) {
-    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {data.size(), data.size() + t.bytes.size()}}};
+    header[t.name] = {
+        {"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {data.size(), data.size() + t.bytes.size()}}};
     data += t.bytes;
   }
   const std::string text = header.dump();
@@ -99,8 +100,10 @@ TEST(QuantizedWeights, HandComputedValues) {
     TempDir dir;
     std::string codes(64, char(0x38));
     codes[0] = char(0x40), codes[33] = char(0xB8);
-    write_folder(dir, {{"w.weight", "F8_E4M3", {1, 64}, codes}, {"w.weight_scale_inv", "U8", {1, 2}, bytes_of<uint8_t>({130, 124})}},
-                 kMxfp8Config);
+    write_folder(
+        dir,
+        {{"w.weight", "F8_E4M3", {1, 64}, codes}, {"w.weight_scale_inv", "U8", {1, 2}, bytes_of<uint8_t>({130, 124})}},
+        kMxfp8Config);
     auto c = Checkpoint::open(dir.path());
     const Tensor w = c->take("w.weight", {1, 64});
     EXPECT_EQ(w.data()[0], 16.0f);      // 2 * 2^3
@@ -115,8 +118,9 @@ TEST(QuantizedWeights, HandComputedValues) {
     packed[0] = char(0x71), packed[15] = char(0xA0);
     const std::string config = R"({"quantization_config": {"quant_method": "compressed-tensors", "config_groups":
         {"g": {"weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}}}}})";
-    write_folder(dir, {{"e.weight_packed", "U8", {1, 16}, packed}, {"e.weight_scale", "U8", {1, 1}, bytes_of<uint8_t>({128})}},
-                 config);
+    write_folder(
+        dir, {{"e.weight_packed", "U8", {1, 16}, packed}, {"e.weight_scale", "U8", {1, 1}, bytes_of<uint8_t>({128})}},
+        config);
     auto c = Checkpoint::open(dir.path());
     ASSERT_TRUE(c->has("e.weight"));
     const Tensor w = c->take("e.weight", {1, 32});
@@ -130,9 +134,13 @@ TEST(QuantizedWeights, HandComputedValues) {
     TempDir dir;
     std::string packed(8, char(0));
     packed[0] = char(0x27);  // element 0: code 7 = 6; element 1: code 2 = 1
-    const std::string config = R"({"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}})";
-    write_folder(dir, {{"x.weight", "U8", {1, 8}, packed}, {"x.weight_scale", "F8_E4M3", {1, 1}, bytes_of<uint8_t>({0x40})},
-                       {"x.weight_scale_2", "F32", {}, bytes_of<float>({0.1f})}, {"x.input_scale", "F32", {1}, bytes_of<float>({1.0f})}},
+    const std::string config =
+        R"({"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}})";
+    write_folder(dir,
+                 {{"x.weight", "U8", {1, 8}, packed},
+                  {"x.weight_scale", "F8_E4M3", {1, 1}, bytes_of<uint8_t>({0x40})},
+                  {"x.weight_scale_2", "F32", {}, bytes_of<float>({0.1f})},
+                  {"x.input_scale", "F32", {1}, bytes_of<float>({1.0f})}},
                  config);
     auto c = Checkpoint::open(dir.path());
     const Tensor w = c->take("x.weight", {1, 16});
@@ -147,7 +155,8 @@ TEST(QuantizedWeights, ConfigsAreReadOnceAndCheckedAgainstTheTensors) {
   dir.write("config.json", R"({"quantization_config": {"quant_method": "awq", "bits": 4}})");
   EXPECT_TRUE(mentions(error_message([&] { read_quantization(dir.path(), Config::load(dir.file("config.json"))); }),
                        {"quant_method", "'awq'", "fp8, modelopt, compressed-tensors"}));
-  dir.write("config.json", R"({"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}})");
+  dir.write("config.json",
+            R"({"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}})");
   EXPECT_TRUE(mentions(error_message([&] { read_quantization(dir.path(), Config::load(dir.file("config.json"))); }),
                        {"group_size 16"}));
   dir.write("config.json", R"({"quantization_config": {"quant_method": "compressed-tensors", "config_groups":
@@ -163,6 +172,41 @@ TEST(QuantizedWeights, ConfigsAreReadOnceAndCheckedAgainstTheTensors) {
   EXPECT_TRUE(q.declares(WeightFormat::Nvfp4) && q.declares(WeightFormat::Fp8Block));
   EXPECT_FALSE(q.declares(WeightFormat::Mxfp8) || q.declares(WeightFormat::Mxfp4));
   EXPECT_EQ(q.describe(), "modelopt (hf_quant_config.json): FP8 block-scaled, NVFP4");
+
+  // How the GPU stores what a config declares when no tensor says (dummy weights, the roofline): the
+  // releases' layouts.
+  auto storage = [&](const char* hf_quant_config) {
+    dir.write("hf_quant_config.json", hf_quant_config);
+    const QuantizationConfig r = read_quantization(dir.path(), Config::load(dir.file("config.json")));
+    return std::pair{r.expert_packed(), r.linear_packed()};
+  };
+  // MiniMax-M3.1-Flash: NVFP4 experts, MXFP8 projections.
+  EXPECT_EQ(storage(R"({"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": {
+      "e": {"quant_algo": "NVFP4"}, "p": {"quant_algo": "MXFP8"}}}})"),
+            std::pair(WeightFormat::Nvfp4, WeightFormat::Mxfp8));
+  // MiniMax-M3: MXFP8 everywhere; an NVFP4-only recipe: the experts only.
+  EXPECT_EQ(storage(R"({"quantization": {"quant_algo": "MXFP8"}})"),
+            std::pair(WeightFormat::Mxfp8, WeightFormat::Mxfp8));
+  EXPECT_EQ(storage(R"({"quantization": {"quant_algo": "NVFP4"}})"),
+            std::pair(WeightFormat::Nvfp4, WeightFormat::Dense));
+  EXPECT_EQ(storage(R"({"quantization": {"quant_algo": "FP8_PB_WO"}})"),
+            std::pair(WeightFormat::Dense, WeightFormat::Dense));
+}
+
+// MXFP8 codes carry E8M0 scales per 32 values as FP4 codes do (Tensor::with_group_scales); a scale grid of
+// another shape or type is refused where it is attached.
+TEST(QuantizedWeights, GroupScalesAreCheckedWhereAttached) {
+  const Tensor mx8 = Tensor::empty({4, 64}, ScalarType::F8E4M3), fp4 = Tensor::empty({4, 32}, ScalarType::E2M1x2);
+  const Tensor e8m0 = Tensor::empty({4, 2}, ScalarType::F8E8M0), e4m3 = Tensor::empty({4, 4}, ScalarType::F8E4M3);
+  const Tensor scaled = mx8.with_group_scales(e8m0, Tensor());
+  EXPECT_EQ(scaled.block_scales().type(), ScalarType::F8E8M0);
+  EXPECT_FALSE(scaled.global_scales().defined());
+  EXPECT_NO_THROW(fp4.with_group_scales(e8m0, Tensor()));                        // MXFP4
+  EXPECT_NO_THROW(fp4.with_group_scales(e4m3, Tensor::empty({1})));             // NVFP4
+  EXPECT_THROW(mx8.with_group_scales(e4m3, Tensor::empty({1})), Error);         // MXFP8 has E8M0 scales only
+  EXPECT_THROW(mx8.with_group_scales(Tensor::empty({4, 4}, ScalarType::F8E8M0), Tensor()), Error);  // per 16
+  EXPECT_THROW(fp4.with_group_scales(e4m3, Tensor()), Error);                   // NVFP4 without its global scale
+  EXPECT_THROW(Tensor::empty({4, 64}, ScalarType::BF16).with_group_scales(e8m0, Tensor()), Error);
 }
 
 TEST(QuantizedWeights, BadTensorsAreOneLineErrors) {

@@ -16,16 +16,18 @@ namespace {
 
 // How a weight is stored on the GPU (formats/checkpoint.h): matrices bfloat16; vectors float32; with an
 // FP8 config, the projections read through take_linear (and the routed experts) as E4M3 codes with one
-// fp32 scale per 128x128 block, when the FP8 product takes their shape (in % 16, out % 8).
+// fp32 scale per 128x128 block, when the FP8 product takes their shape (in % 16, out % 8); with an MXFP8
+// config, those projections as E4M3 codes with an E8M0 scale per 32 values (in % 32).
 enum class Store { Matrix, Vector, Linear };
 
 struct Counter {
-  bool fp8 = false;
+  bool fp8 = false, mxfp8 = false;
   double params = 0, bytes = 0;
 
   double bytes_of(Store store, double n, int64_t out, int64_t in) const {
     if (store == Store::Vector) return 4 * n;
     if (store == Store::Linear && fp8 && in % 16 == 0 && out % 8 == 0) return n * (1.0 + 4.0 / (128.0 * 128.0));
+    if (store == Store::Linear && mxfp8 && in % 32 == 0) return n * (1.0 + 1.0 / 32.0);
     return 2 * n;
   }
   void add(Store store, int64_t out, int64_t in = 1) {
@@ -83,7 +85,7 @@ void count_mlp(Counter& c, int64_t hidden, int64_t intermediate) {
 struct Families {
   Counter dense, embedding;
   double tied_params = 0, tied_bytes = 0;  // a tied head: in `dense` (read every step) and stored once
-  WeightFormat expert_fp4 = WeightFormat::Dense;  // FP4 routed experts: Nvfp4 or Mxfp4
+  WeightFormat expert_packed = WeightFormat::Dense;  // group-scaled routed experts: Nvfp4, Mxfp4 or Mxfp8
   ModelCost cost;
 };
 
@@ -100,17 +102,20 @@ void add_moe_layer(Families& f, int64_t hidden, int64_t experts, int64_t top_k, 
   if (f.cost.moe_layers == 0) {
     Counter one;
     one.fp8 = f.dense.fp8;
+    one.mxfp8 = f.dense.mxfp8;
     // Routed experts follow take_experts' FP8 rule (I and H multiples of 16), which the product rule
     // above also gives for a [2I, H] and an [H, I] matrix with these sizes.
     one.add(Store::Linear, 2 * intermediate, hidden);
     one.add(Store::Linear, hidden, intermediate);
     f.cost.expert_params = one.params;
     f.cost.expert_bytes = one.bytes;
-    // FP4 experts (take_fp4_experts: I and H multiples of 32): half a byte a weight, one scale byte per
-    // group, NVFP4's three fp32 global scales.
-    if (f.expert_fp4 != WeightFormat::Dense && intermediate % 32 == 0 && hidden % 32 == 0)
-      f.cost.expert_bytes = one.params * (0.5 + 1.0 / double(scale_group(f.expert_fp4))) +
-                            (f.expert_fp4 == WeightFormat::Nvfp4 ? 3 * 4 : 0);
+    // Group-scaled experts (take_grouped_experts: I and H multiples of 32): half a byte a weight (FP4) or
+    // one (MXFP8), one scale byte per group, NVFP4's three fp32 global scales.
+    const WeightFormat packed = f.expert_packed;
+    if (packed != WeightFormat::Dense && intermediate % 32 == 0 && hidden % 32 == 0)
+      f.cost.expert_bytes =
+          one.params * ((packed == WeightFormat::Mxfp8 ? 1.0 : 0.5) + 1.0 / double(scale_group(packed))) +
+          (packed == WeightFormat::Nvfp4 ? 3 * 4 : 0);
     f.cost.num_experts = experts;
     f.cost.experts_per_token = top_k;
   }
@@ -190,13 +195,15 @@ std::vector<std::string> kimi_layer_types(const Config& c, const Config& linear,
 
 // Kimi Linear (transformers' defaults) or Kimi K3 (vLLM's defaults and K3's fields), model/kimi_linear.cpp.
 void kimi_linear(Families& f, const Config& c, bool k3) {
-  const int64_t hidden = c.get_int("hidden_size", k3 ? 4096 : 2304), layers = c.get_int("num_hidden_layers", k3 ? 32 : 27);
+  const int64_t hidden = c.get_int("hidden_size", k3 ? 4096 : 2304),
+                layers = c.get_int("num_hidden_layers", k3 ? 32 : 27);
   const Config linear =
       c.has("linear_attn_config") ? c.get_object("linear_attn_config") : Config(nlohmann::json::object(), c.where());
   auto linear_size = [&](const std::string& sub, const std::string& key, int64_t def) {
     return linear.has(sub) ? linear.get_int(sub) : c.get_int(key, def);
   };
-  const int64_t D = linear_size("head_dim", "linear_head_dim", 128), H = linear_size("num_heads", "linear_num_heads", 32);
+  const int64_t D = linear_size("head_dim", "linear_head_dim", 128),
+                H = linear_size("num_heads", "linear_num_heads", 32);
   const int64_t kernel = linear_size("short_conv_kernel_size", "linear_conv_kernel_dim", 4), P = H * D;
   const Mla mla{hidden,
                 c.get_int("num_attention_heads", 32),
@@ -342,10 +349,12 @@ ModelCost model_cost(const Config& config, const std::string& kv_cache_dtype) {
   cache_spec_from_config(config);
   Families f;
   const std::string type = config.get_string("model_type");
-  // The GPU's storage rules (Checkpoint::open_dummy): FP8 for DeepSeek's 128x128 blocks, FP4 experts.
+  // The GPU's storage rules (Checkpoint::open_dummy): FP8 for DeepSeek's 128x128 blocks, MXFP8
+  // projections, group-scaled experts.
   const QuantizationConfig quantization = quantization_from_config(config);
   f.dense.fp8 = quantization.fp8_128x128();
-  f.expert_fp4 = quantization.expert_fp4();
+  f.dense.mxfp8 = quantization.linear_packed() == WeightFormat::Mxfp8;
+  f.expert_packed = quantization.expert_packed();
   // The cost model of the registry's family (model/families.h), over the config of its text fields.
   const ModelFamily& family = model_family(config);
   const std::string name = family.family;
@@ -397,7 +406,8 @@ DecodeStep decode_roofline(const ModelCost& model, int64_t batch, double context
   const double B = double(batch);
   s.distinct_experts = expected_distinct_experts(model.num_experts, model.experts_per_token, B);
   s.weight_bytes = model.dense_bytes + double(model.moe_layers) * s.distinct_experts * model.expert_bytes;
-  double per_token_flops = 2.0 * (model.dense_params + double(model.moe_layers * model.experts_per_token) * model.expert_params);
+  double per_token_flops =
+      2.0 * (model.dense_params + double(model.moe_layers * model.experts_per_token) * model.expert_params);
   double per_sequence_bytes = 0;
   for (const MixerCost& m : model.mixers) {
     const double attended = m.attended_limit > 0 ? std::min(context, double(m.attended_limit)) : context;
@@ -419,7 +429,8 @@ DecodeStep decode_roofline(const ModelCost& model, int64_t batch, double context
 double prefill_flops(const ModelCost& model, double tokens) {
   SPARROW_CHECK(tokens >= 0, "roofline: the prompt length must be non-negative");
   const double I = tokens;
-  double flops = I * 2.0 * (model.dense_params + double(model.moe_layers * model.experts_per_token) * model.expert_params);
+  double flops =
+      I * 2.0 * (model.dense_params + double(model.moe_layers * model.experts_per_token) * model.expert_params);
   for (const MixerCost& m : model.mixers) {
     // Σ_{p=1..I} min(p, A): every earlier key until A of them, then A a query.
     const double A = m.attended_limit > 0 ? std::min(I, double(m.attended_limit)) : I;

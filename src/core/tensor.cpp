@@ -197,18 +197,18 @@ Tensor Tensor::with_block_scales(Tensor scales) const {
   return t;
 }
 
-Tensor Tensor::with_fp4_scales(Tensor groups, Tensor global) const {
-  const bool nvfp4 = groups.type() == ScalarType::F8E4M3;
+Tensor Tensor::with_group_scales(Tensor groups, Tensor global) const {
+  const bool fp4 = type_ == ScalarType::E2M1x2, nvfp4 = fp4 && groups.type() == ScalarType::F8E4M3;
   const int64_t group = nvfp4 ? 16 : 32;
-  bool shape_ok = type_ == ScalarType::E2M1x2 && ndim() >= 2 && groups.ndim() == ndim() &&
-                  (nvfp4 || groups.type() == ScalarType::F8E8M0) && (2 * dim(-1)) % group == 0 &&
-                  groups.dim(-1) == 2 * dim(-1) / group;
+  const int64_t cols = ndim() >= 1 ? (fp4 ? 2 * dim(-1) : dim(-1)) : 0;
+  bool shape_ok = (fp4 || type_ == ScalarType::F8E4M3) && ndim() >= 2 && groups.ndim() == ndim() &&
+                  (nvfp4 || groups.type() == ScalarType::F8E8M0) && cols % group == 0 && groups.dim(-1) == cols / group;
   for (int i = 0; shape_ok && i + 1 < ndim(); ++i) shape_ok = groups.dim(i) == dim(i);
-  SPARROW_CHECK(shape_ok, "with_fp4_scales: FP4 codes ", scalar_name(type_), " ", shape_str(shape_),
-                " take F8E4M3 scales per 16 values or F8E8M0 scales per 32, got ", scalar_name(groups.type()), " ",
-                shape_str(groups.shape()));
+  SPARROW_CHECK(shape_ok, "with_group_scales: codes ", scalar_name(type_), " ", shape_str(shape_),
+                " take F8E4M3 scales per 16 values (NVFP4) or F8E8M0 scales per 32 (MXFP4 and MXFP8), got ",
+                scalar_name(groups.type()), " ", shape_str(groups.shape()));
   SPARROW_CHECK(nvfp4 == global.defined() && (!global.defined() || global.type() == ScalarType::F32),
-                "with_fp4_scales: NVFP4 weights take fp32 global scales, MXFP4 weights none");
+                "with_group_scales: NVFP4 weights take fp32 global scales, MXFP4 and MXFP8 weights none");
   Tensor t = *this;
   t.block_scales_ = std::make_shared<const Tensor>(std::move(groups));
   t.global_scales_ = global.defined() ? std::make_shared<const Tensor>(std::move(global)) : nullptr;

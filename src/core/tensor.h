@@ -22,6 +22,7 @@ int64_t shape_numel(const Shape& shape);
 enum class Device { Cpu, Cuda };
 // U8: raw bytes (workspaces, cache pools). F8E4M3: FP8 weights (OCP E4M3 "fn"), which carry their
 // block scales (block_scales(): fp32, one per 128x128 block, DeepSeek's weight_scale_inv).
+// F8E4M3 weights may instead carry E8M0 group scales (MXFP8, with_group_scales).
 // E2M1x2: FP4 weights as released, two OCP E2M1 codes a byte (element 2i in the low nibble; the last
 // dimension counts bytes), which carry their group scales (block_scales(): F8E4M3 one per 16 values =
 // NVFP4, whose per-matrix weight_scale_2 are global_scales(); F8E8M0 one per 32 values = MXFP4).
@@ -89,10 +90,13 @@ class Tensor {
   // along.
   const Tensor& block_scales() const;
   Tensor with_block_scales(Tensor scales) const;
-  // FP4 weights (E2M1x2): their group scales, F8E4M3 [..., rows, 2 cols / 16] (NVFP4) or F8E8M0
-  // [..., rows, 2 cols / 32] (MXFP4) for codes [..., rows, cols] bytes, and (NVFP4) fp32 `global` scales,
-  // one per stored matrix (stacked experts: kernels/cuda/moe/moe.h says which); undefined for MXFP4.
-  Tensor with_fp4_scales(Tensor groups, Tensor global) const;
+  // Group-scaled weights (the MX / NV formats as released), one scale per group of a row's values, the
+  // scales row-major beside the codes: FP4 codes (E2M1x2 [..., rows, cols] bytes) with F8E4M3 scales
+  // [..., rows, 2 cols / 16] (NVFP4) and fp32 `global` scales, one per stored matrix (stacked experts:
+  // kernels/cuda/moe/moe.h says which), or F8E8M0 scales [..., rows, 2 cols / 32] (MXFP4); MXFP8 codes
+  // (F8E4M3 [..., rows, cols]) with F8E8M0 scales [..., rows, cols / 32]. `global` is undefined but for
+  // NVFP4. block_scales() then returns the group scales.
+  Tensor with_group_scales(Tensor groups, Tensor global) const;
   const Tensor& global_scales() const;
 
  private:

@@ -117,8 +117,9 @@ std::unique_ptr<Checkpoint> Checkpoint::open_dummy(const std::string& dir, uint6
   // The FP8 kernels take DeepSeek's 128x128 blocks only; other quantizations load as bf16 dummies.
   const QuantizationConfig quantization = read_quantization(dir, config);
   checkpoint->dummy_fp8_ = quantization.fp8_128x128();
-  // FP4 in the config (the releases' routed experts): dummy experts are FP4 codes read in place.
-  checkpoint->dummy_fp4_ = quantization.expert_fp4();
+  // MX / NV formats in the config (as released): dummy experts and projections in them, read in place.
+  checkpoint->dummy_experts_ = quantization.expert_packed();
+  checkpoint->dummy_linear_ = quantization.linear_packed();
   return checkpoint;
 }
 
@@ -139,30 +140,32 @@ Tensor Checkpoint::dummy_fp8(const std::string& name, const Shape& shape, const 
   return codes.with_block_scales(scales.to(device_));
 }
 
-Checkpoint::Experts Checkpoint::dummy_fp4_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H) {
-  const bool nvfp4 = dummy_fp4_ == WeightFormat::Nvfp4;
-  const int64_t group = scale_group(dummy_fp4_);
-  auto matrix = [&](const std::string& name, int64_t rows, int64_t cols, int64_t halves) {
-    const Shape shape{E, rows, cols};
-    const DummyInit init = dummy_init(name, shape, dummy_unit_norms_);
-    dummy_params_ += shape_numel(shape);
-    Tensor codes = dummy_tensor(init, dummy_key(dummy_seed_, name), {E, rows, cols / 2}, ScalarType::E2M1x2, device_);
-    // Uniform codes have an RMS of ~2.93, u * a one of a / sqrt(3): one factor a / (sqrt(3) 2.93) for all.
-    const float factor = init.scale / (std::sqrt(3.0f) * 2.926f);
-    Tensor scales = Tensor::empty({E, rows, cols / group}, nvfp4 ? ScalarType::F8E4M3 : ScalarType::F8E8M0);
-    Tensor global;
-    if (nvfp4) {  // scales 1.0 (E4M3 0x38), the factor in weight_scale_2
-      std::fill_n(scales.as<uint8_t>(), scales.numel(), uint8_t(0x38));
-      global = halves == 2 ? Tensor::empty({E, 2}) : Tensor::empty({E});
-      std::fill_n(global.data(), global.numel(), factor);
-      global = global.to(device_);
-    } else {  // the nearest power of two
-      const int code = std::clamp(127 + int(std::lround(std::log2(factor))), 1, 254);
-      std::fill_n(scales.as<uint8_t>(), scales.numel(), uint8_t(code));
-    }
-    return codes.with_fp4_scales(scales.to(device_), global);
-  };
-  return {matrix(prefix + ".gate_up_proj", 2 * I, H, 2), matrix(prefix + ".down_proj", H, I, 1)};
+Tensor Checkpoint::dummy_grouped(const std::string& name, const Shape& shape, WeightFormat format,
+                                 const Shape& global_shape) {
+  const bool nvfp4 = format == WeightFormat::Nvfp4, fp4 = format != WeightFormat::Mxfp8;
+  const int64_t group = scale_group(format), cols = shape.back();
+  const DummyInit init = dummy_init(name, shape, dummy_unit_norms_);
+  dummy_params_ += shape_numel(shape);
+  Shape code_shape = shape, scale_shape = shape;
+  code_shape.back() = fp4 ? cols / 2 : cols;
+  scale_shape.back() = cols / group;
+  Tensor codes = dummy_tensor(init, dummy_key(dummy_seed_, name), code_shape,
+                              fp4 ? ScalarType::E2M1x2 : ScalarType::F8E4M3, device_);
+  // Uniform E2M1 codes have an RMS of ~2.93 and e4m3 codes are e4m3(448 u), u * a one of a / sqrt(3):
+  // one factor for all, a / (sqrt(3) 2.93) or a / 448.
+  const float factor = fp4 ? init.scale / (std::sqrt(3.0f) * 2.926f) : init.scale / 448.0f;
+  Tensor scales = Tensor::empty(scale_shape, nvfp4 ? ScalarType::F8E4M3 : ScalarType::F8E8M0);
+  Tensor global;
+  if (nvfp4) {  // scales 1.0 (E4M3 0x38), the factor in weight_scale_2
+    std::fill_n(scales.as<uint8_t>(), scales.numel(), uint8_t(0x38));
+    global = Tensor::empty(global_shape);
+    std::fill_n(global.data(), global.numel(), factor);
+    global = global.to(device_);
+  } else {  // the nearest power of two
+    const int code = std::clamp(127 + int(std::lround(std::log2(factor))), 1, 254);
+    std::fill_n(scales.as<uint8_t>(), scales.numel(), uint8_t(code));
+  }
+  return codes.with_group_scales(scales.to(device_), global);
 }
 
 void Checkpoint::add_file(std::shared_ptr<SafetensorsFile> file) {
@@ -288,9 +291,15 @@ Tensor Checkpoint::take_fp32(const std::string& name, const Shape& expected) {
 
 Tensor Checkpoint::take_linear(const std::string& name, const Shape& expected) {
   if (dummy_) {
+    if (device_ != Device::Cpu && dummy_linear_ != WeightFormat::Dense && expected.size() == 2 && expected[1] % 32 == 0)
+      return dummy_grouped(name, expected, dummy_linear_, {1});
     if (device_ != Device::Cpu && dummy_fp8_ && expected.size() == 2 && expected[1] % 16 == 0 && expected[0] % 8 == 0)
       return dummy_fp8(name, expected, {ceil_div(expected[0], 128), ceil_div(expected[1], 128)});
     return take(name, expected);
+  }
+  if (device_ != Device::Cpu && expected.size() == 2 && expected[1] % 32 == 0) {
+    const Stored weight = stored(name);
+    if (group_scaled(weight.format)) return take_grouped(weight, expected);
   }
   auto it = index_.find(name);
   const bool fp8 = device_ != Device::Cpu && it != index_.end() && it->second->dtype == DType::F8_E4M3 &&
@@ -301,6 +310,25 @@ Tensor Checkpoint::take_linear(const std::string& name, const Shape& expected) {
   Tensor scales;
   Tensor codes = take_fp8_codes(name, expected, scales);
   return codes.with_block_scales(scales.clone()).to(device_);
+}
+
+// On a GPU, an MX / NV weight stays as stored: its codes and group scales (and NVFP4's global scale) go
+// to the device as they are mapped, read in place by the products (kernels/ops.h linear).
+Tensor Checkpoint::take_grouped(const Stored& weight, const Shape& expected) {
+  const float scale_2 = take_packed(weight, expected);
+  const int64_t rows = expected[0], cols = expected[1], group = scale_group(weight.format);
+  const bool fp4 = weight.format != WeightFormat::Mxfp8, nvfp4 = weight.format == WeightFormat::Nvfp4;
+  const auto& owner = owner_.at(weight.data->name);
+  Tensor codes = Tensor::view(const_cast<uint8_t*>(weight.data->data), {rows, fp4 ? cols / 2 : cols},
+                              fp4 ? ScalarType::E2M1x2 : ScalarType::F8E4M3, owner);
+  Tensor scales = Tensor::view(const_cast<uint8_t*>(weight.scale->data), {rows, cols / group},
+                               nvfp4 ? ScalarType::F8E4M3 : ScalarType::F8E8M0, owner_.at(weight.scale->name));
+  Tensor global;
+  if (nvfp4) {
+    global = Tensor::empty({1});
+    global.data()[0] = scale_2;
+  }
+  return codes.with_group_scales(scales, global).to(device_);
 }
 
 Tensor Checkpoint::take_fp8_codes(const std::string& name, const Shape& expected, Tensor& scales) {
@@ -435,8 +463,9 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
                                              int64_t hidden) {
   const int64_t E = num_experts, I = intermediate, H = hidden;
   if (dummy_) {  // transformers' fused layout, FP8 as take_fp8_experts lays it out when the config asks
-    if (device_ != Device::Cpu && dummy_fp4_ != WeightFormat::Dense && I % 32 == 0 && H % 32 == 0)
-      return dummy_fp4_experts(prefix, E, I, H);
+    if (device_ != Device::Cpu && dummy_experts_ != WeightFormat::Dense && I % 32 == 0 && H % 32 == 0)
+      return {dummy_grouped(prefix + ".gate_up_proj", {E, 2 * I, H}, dummy_experts_, {E, 2}),
+              dummy_grouped(prefix + ".down_proj", {E, H, I}, dummy_experts_, {E})};
     if (device_ != Device::Cpu && dummy_fp8_ && I % 16 == 0 && H % 16 == 0) {
       const int64_t ib = ceil_div(I, 128), hb = ceil_div(H, 128);
       return {dummy_fp8(prefix + ".gate_up_proj", {E, 2 * I, H}, {E, 2, ib, hb}),
@@ -463,10 +492,9 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
   if (device_ != Device::Cpu && format == WeightFormat::Fp8Block && quantization_.block_rows == 128 &&
       quantization_.block_cols == 128 && I % 16 == 0 && H % 16 == 0)
     return take_fp8_experts(prefix, E, I, H, names->gate, names->up, names->down);
-  // (The FP4 expert kernel reads 32 codes a lane: I and H multiples of 32.)
-  if (device_ != Device::Cpu && (format == WeightFormat::Nvfp4 || format == WeightFormat::Mxfp4) && I % 32 == 0 &&
-      H % 32 == 0)
-    return take_fp4_experts(prefix, E, I, H, names->gate, names->up, names->down, format);
+  // (The MX / NV expert kernels read whole 32-value groups: I and H multiples of 32.)
+  if (device_ != Device::Cpu && group_scaled(format) && I % 32 == 0 && H % 32 == 0)
+    return take_grouped_experts(prefix, E, I, H, names->gate, names->up, names->down, format);
   if (device_ != Device::Cpu && index_.at(first)->dtype == DType::BF16) {
     // bf16 experts are stacked on the device straight from the mapped files, one copy per matrix.
     Experts experts{Tensor::empty({E, 2 * I, H}, ScalarType::BF16, device_),
@@ -525,17 +553,19 @@ Checkpoint::Experts Checkpoint::take_fp8_experts(const std::string& prefix, int6
   return {gate_up.with_block_scales(gate_up_scales).to(device_), down.with_block_scales(down_scales).to(device_)};
 }
 
-// On a GPU, FP4 experts stay FP4 (kernels/cuda/moe/moe.h moe_experts_fp4), as stored: codes stacked as
-// gate_up [E, 2I, H/2] and down [E, H, I/2] bytes, their group scales as [E, 2I, H/g] and [E, H, I/g]
-// (g = 16 NVFP4, 32 MXFP4) and NVFP4's weight_scale_2 as [E, 2] (gate, up) and [E].
-Checkpoint::Experts Checkpoint::take_fp4_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H,
-                                                 const char* gate_name, const char* up_name, const char* down_name,
-                                                 WeightFormat format) {
-  const bool nvfp4 = format == WeightFormat::Nvfp4;
-  const int64_t group = scale_group(format);
+// On a GPU, MX / NV experts stay as stored (kernels/cuda/moe/moe.h moe_experts_packed): codes stacked as
+// gate_up [E, 2I, H] and down [E, H, I] (FP4: H / 2 and I / 2 bytes, two codes each), their group scales
+// as [E, 2I, H/g] and [E, H, I/g] (g = 16 NVFP4, 32 MXFP4 and MXFP8) and NVFP4's weight_scale_2 as [E, 2]
+// (gate, up) and [E].
+Checkpoint::Experts Checkpoint::take_grouped_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H,
+                                                     const char* gate_name, const char* up_name,
+                                                     const char* down_name, WeightFormat format) {
+  const bool nvfp4 = format == WeightFormat::Nvfp4, fp4 = format != WeightFormat::Mxfp8;
+  const int64_t group = scale_group(format), per_byte = fp4 ? 2 : 1;
+  const ScalarType code_type = fp4 ? ScalarType::E2M1x2 : ScalarType::F8E4M3;
   const ScalarType scale_type = nvfp4 ? ScalarType::F8E4M3 : ScalarType::F8E8M0;
-  Tensor gate_up = Tensor::empty({E, 2 * I, H / 2}, ScalarType::E2M1x2);
-  Tensor down = Tensor::empty({E, H, I / 2}, ScalarType::E2M1x2);
+  Tensor gate_up = Tensor::empty({E, 2 * I, H / per_byte}, code_type);
+  Tensor down = Tensor::empty({E, H, I / per_byte}, code_type);
   Tensor gate_up_scales = Tensor::empty({E, 2 * I, H / group}, scale_type);
   Tensor down_scales = Tensor::empty({E, H, I / group}, scale_type);
   Tensor gate_up_global = nvfp4 ? Tensor::empty({E, 2}) : Tensor();
@@ -547,7 +577,7 @@ Checkpoint::Experts Checkpoint::take_fp4_experts(const std::string& prefix, int6
     SPARROW_CHECK(weight.format == format, "tensor '", name, "': stored as ", weight_format_name(weight.format),
                   ", the other experts as ", weight_format_name(format));
     const float scale_2 = take_packed(weight, {rows, cols});
-    std::memcpy(codes.as<uint8_t>() + at * (cols / 2), weight.data->data, size_t(rows * cols / 2));
+    std::memcpy(codes.as<uint8_t>() + at * (cols / per_byte), weight.data->data, size_t(rows * cols / per_byte));
     std::memcpy(scales.as<uint8_t>() + at * (cols / group), weight.scale->data, size_t(rows * cols / group));
     if (global) *global = scale_2;
   };
@@ -558,8 +588,8 @@ Checkpoint::Experts Checkpoint::take_fp4_experts(const std::string& prefix, int6
     stack(expert + up_name + ".weight", I, H, gate_up, gate_up_scales, (2 * e + 1) * I, g ? g + 1 : nullptr);
     stack(expert + down_name + ".weight", H, I, down, down_scales, e * H, nvfp4 ? down_global.data() + e : nullptr);
   }
-  return {gate_up.with_fp4_scales(gate_up_scales, gate_up_global).to(device_),
-          down.with_fp4_scales(down_scales, down_global).to(device_)};
+  return {gate_up.with_group_scales(gate_up_scales, gate_up_global).to(device_),
+          down.with_group_scales(down_scales, down_global).to(device_)};
 }
 
 void Checkpoint::finish(const std::vector<std::string>& ignore_prefixes) {

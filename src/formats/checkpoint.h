@@ -36,7 +36,9 @@ class Checkpoint {
   // correction biases, a tied head's copy); finish() finds nothing left over. On a GPU each tensor is
   // generated in host chunks and uploaded, matrices in bfloat16, vectors in float32; with an FP8
   // quantization_config (quant_method "fp8", 128x128 blocks) the weights a real checkpoint would keep in
-  // FP8 there (take_linear's projections, routed experts) are FP8 codes with block scales.
+  // FP8 there (take_linear's projections, routed experts) are FP8 codes with block scales; with MX / NV
+  // formats declared, those weights are codes and group scales as QuantizationConfig::expert_packed and
+  // linear_packed say.
   static std::unique_ptr<Checkpoint> open_dummy(const std::string& dir, uint64_t seed = 0);
 
   const std::string& dir() const { return dir_; }
@@ -67,7 +69,8 @@ class Checkpoint {
   // A weight matrix only `ops::linear` reads ([out, in]). On a GPU, an FP8 tensor with 128x128 block
   // scales stays FP8 (its scales attached, Tensor::block_scales) and the product runs on the FP8 tensor
   // cores (kernels/cuda/gemm/gemm_fp8.h), when its shape suits that product: in % 16 == 0 and
-  // out % 8 == 0. Anything else is take().
+  // out % 8 == 0; an MXFP8, NVFP4 or MXFP4 tensor stays as stored (codes with their group scales,
+  // Tensor::with_group_scales, read in place by ops::linear) when in % 32 == 0. Anything else is take().
   Tensor take_linear(const std::string& name, const Shape& expected);
   // A tensor that stays float32 wherever it is placed (weights a kernel reads in fp32 whatever their
   // rank, e.g. KDA's convolution taps and decay rates).
@@ -82,7 +85,7 @@ class Checkpoint {
     Tensor down;     // [E, H, I]
   };
   // On a GPU, FP8 experts (per-expert tensors with 128x128 scales) stay FP8 with their scales attached,
-  // NVFP4 and MXFP4 experts FP4 (Tensor::with_fp4_scales).
+  // NVFP4, MXFP4 and MXFP8 experts as stored (Tensor::with_group_scales).
   Experts take_experts(const std::string& prefix, int64_t num_experts, int64_t intermediate, int64_t hidden);
 
   // Loading at the disk's speed: reads the shard files ahead of the takes, `threads` files at once and at
@@ -115,7 +118,8 @@ class Checkpoint {
   // --load-format dummy (open_dummy)
   bool dummy_ = false;
   bool dummy_fp8_ = false;          // quantization_config asks for FP8 block-scaled weights
-  WeightFormat dummy_fp4_ = WeightFormat::Dense;  // the config declares FP4 (experts): Mxfp4 or Nvfp4
+  WeightFormat dummy_experts_ = WeightFormat::Dense;  // QuantizationConfig::expert_packed()
+  WeightFormat dummy_linear_ = WeightFormat::Dense;   // QuantizationConfig::linear_packed()
   bool dummy_unit_norms_ = false;   // Gemma-style norms (x̂ · (1 + w)): identity weight 0
   uint64_t dummy_seed_ = 0;
   int64_t dummy_params_ = 0;
@@ -124,9 +128,9 @@ class Checkpoint {
   // FP8 codes of `shape` ([..., rows, cols]) with one scale per 128x128 block, on the device; `scales`
   // is the shape of the block-scale tensor the kernels expect.
   Tensor dummy_fp8(const std::string& name, const Shape& shape, const Shape& scales);
-  // Stacked FP4 experts (gate_up [E, 2I, H], down [E, H, I] as codes and scales, dummy_fp4_'s format):
-  // random codes whose values have the RMS dummy_init gives bf16 weights.
-  Experts dummy_fp4_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H);
+  // An MX / NV matrix or stack of `shape` [..., rows, cols] in `format` (codes, group scales, NVFP4's
+  // global scales of `global_shape`): random codes whose values have the RMS dummy_init gives bf16 weights.
+  Tensor dummy_grouped(const std::string& name, const Shape& shape, WeightFormat format, const Shape& global_shape);
 
   void add_file(std::shared_ptr<SafetensorsFile> file);
   void mark_taken(const std::string& name);  // and count its bytes
@@ -154,8 +158,10 @@ class Checkpoint {
   Tensor take_fp8_codes(const std::string& name, const Shape& expected, Tensor& scales);
   Experts take_fp8_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H, const char* gate_name,
                            const char* up_name, const char* down_name);
-  Experts take_fp4_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H, const char* gate_name,
-                           const char* up_name, const char* down_name, WeightFormat format);
+  Experts take_grouped_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H, const char* gate_name,
+                               const char* up_name, const char* down_name, WeightFormat format);
+  // An MX / NV matrix as stored, codes and group scales (and NVFP4's global scale), on the device.
+  Tensor take_grouped(const Stored& weight, const Shape& expected);
 };
 
 }  // namespace sparrow

@@ -34,6 +34,10 @@ enum class WeightFormat { Dense, Fp8Block, Mxfp8, Nvfp4, Mxfp4 };
 const char* weight_format_name(WeightFormat format);
 // Values per scale of the MX and NVFP4 formats: 16 for NVFP4, 32 for MXFP8 and MXFP4 (OCP MX v1.0).
 int64_t scale_group(WeightFormat format);
+// The formats with one scale per group of a row's values (MXFP8, NVFP4, MXFP4).
+inline bool group_scaled(WeightFormat format) {
+  return format == WeightFormat::Mxfp8 || format == WeightFormat::Nvfp4 || format == WeightFormat::Mxfp4;
+}
 
 struct QuantizationConfig {
   std::string method;               // "" (none), "fp8", "modelopt" or "compressed-tensors"
@@ -44,12 +48,18 @@ struct QuantizationConfig {
   bool declares(WeightFormat format) const { return format == WeightFormat::Dense || formats.count(format) > 0; }
   // DeepSeek's FP8 with 128x128 blocks: the only block FP8 the GPU kernels (and dummy weights) take.
   bool fp8_128x128() const { return method == "fp8" && block_rows == 128 && block_cols == 128; }
-  // The FP4 format the routed experts are stored in when the config declares one (MXFP4 first: Kimi K3;
-  // NVFP4: MiniMax-M3.1-Flash), Dense otherwise.
-  WeightFormat expert_fp4() const {
-    return declares(WeightFormat::Mxfp4) ? WeightFormat::Mxfp4
+  // How the GPU stores what this config quantizes, when no checkpoint says it per tensor (dummy weights,
+  // the roofline): the routed experts in the FP4 format declared (MXFP4 first: Kimi K3; NVFP4:
+  // MiniMax-M3.1-Flash), else MXFP8 if declared (MiniMax-M3), else Dense; the other projections MXFP8
+  // when declared (MiniMax-M3 and M3.1-Flash), else Dense (an FP4-only config quantizes experts only).
+  WeightFormat expert_packed() const {
+    return declares(WeightFormat::Mxfp4)   ? WeightFormat::Mxfp4
            : declares(WeightFormat::Nvfp4) ? WeightFormat::Nvfp4
+           : declares(WeightFormat::Mxfp8) ? WeightFormat::Mxfp8
                                            : WeightFormat::Dense;
+  }
+  WeightFormat linear_packed() const {
+    return declares(WeightFormat::Mxfp8) ? WeightFormat::Mxfp8 : WeightFormat::Dense;
   }
   // The formats this config declares, e.g. "modelopt (hf_quant_config.json): NVFP4, MXFP8".
   std::string describe() const;

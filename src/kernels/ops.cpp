@@ -15,6 +15,7 @@
 
 #if SPARROW_HAVE_CUDA
 #include "kernels/cuda/elementwise/elementwise.h"
+#include "kernels/cuda/gemm/dequantize.h"
 #include "kernels/cuda/gemm/gemm.h"
 #include "kernels/cuda/gemm/gemm_fp8.h"
 #include "kernels/cuda/gemm/gemm_skinny.h"
@@ -46,6 +47,35 @@ cuda::ElemType elem(const Tensor& x) {
 }
 #endif
 
+// How a weight is stored (the kernels' WeightCodes, kernels/cuda/gemm/gemm.h), from its type and its
+// scales' type (core/tensor.h): e4m3 codes carry fp32 128x128 block scales (FP8) or E8M0 group scales
+// (MXFP8); E2M1 codes E4M3 group scales and a global scale (NVFP4) or E8M0 group scales (MXFP4).
+enum class Stored { Plain, Fp8, Nvfp4, Mxfp4, Mxfp8 };
+Stored stored_as(const Tensor& w) {
+  if (!w.block_scales().defined()) return Stored::Plain;
+  const bool e8m0 = w.block_scales().type() == ScalarType::F8E8M0;
+  if (w.type() == ScalarType::E2M1x2) return e8m0 ? Stored::Mxfp4 : Stored::Nvfp4;
+  if (w.type() == ScalarType::F8E4M3) return e8m0 ? Stored::Mxfp8 : Stored::Fp8;
+  return Stored::Plain;
+}
+[[maybe_unused]] bool group_scaled(Stored s) { return s == Stored::Nvfp4 || s == Stored::Mxfp4 || s == Stored::Mxfp8; }
+// Columns of a weight matrix [rows, cols] (FP4: two codes a byte).
+int64_t weight_cols(const Tensor& w) {
+  return w.type() == ScalarType::E2M1x2 ? 2 * w.dim(w.ndim() - 1) : w.dim(w.ndim() - 1);
+}
+#if SPARROW_HAVE_CUDA
+cuda::WeightCodes codes_of(Stored s) {
+  switch (s) {
+    case Stored::Fp8: return cuda::WeightCodes::Fp8;
+    case Stored::Nvfp4: return cuda::WeightCodes::Nvfp4;
+    case Stored::Mxfp4: return cuda::WeightCodes::Mxfp4;
+    case Stored::Mxfp8: return cuda::WeightCodes::Mxfp8;
+    case Stored::Plain: break;
+  }
+  return cuda::WeightCodes::Bf16;
+}
+#endif
+
 }  // namespace
 
 ScalarType act_type(Device device) { return device == Device::Cpu ? ScalarType::F32 : ScalarType::BF16; }
@@ -54,7 +84,7 @@ Tensor linear(const Tensor& x, const Tensor& w) { return linear(x, w, x.type());
 
 Tensor linear(const Tensor& x, const Tensor& w, ScalarType out_type) {
   same_device(x, w, "linear");
-  const int64_t in = w.dim(1);
+  const int64_t in = weight_cols(w);
   [[maybe_unused]] const int64_t out = w.dim(0);
   SPARROW_CHECK(x.numel() % in == 0, "linear: input ", shape_str(x.shape()), " does not match weight ",
                 shape_str(w.shape()));
@@ -66,30 +96,41 @@ Tensor linear(const Tensor& x, const Tensor& w, ScalarType out_type) {
   const int64_t rows = x.numel() / in;
   Tensor y = Tensor::empty({rows, out}, out_type, x.device());
   if (rows == 0) return y;
-  const bool fp8 = w.type() == ScalarType::F8E4M3;
-  // Decode-sized products with FP8 weights (at most 8 rows: the n of the kernel's mma.m16n8k16) stream the
-  // weights through the skinny kernel (gemm_skinny.h), without a separate launch quantising the activations:
-  // up to 2x cuBLASLt's FP8 path there (bench/results/kernels.md, "Skinny products"). bf16 weights stay on
-  // cuBLASLt, which reached 16-100% of HBM against the skinny kernel's 12-79% in the same run.
-  if (fp8 && rows <= cuda::kSkinnyMaxRows && x.type() == ScalarType::BF16 && w.block_scales().defined()) {
-    const float* scales = w.block_scales().as<float>();
-    if (cuda::gemm_skinny_unsupported(rows, out, in, fp8, x.raw(), in, w.raw(), scales, y.raw(), elem(y), out) ==
-        nullptr) {
-      const size_t ws_bytes = cuda::gemm_skinny_workspace_bytes(rows, out, in, fp8);
-      Tensor ws = ws_bytes > 0 ? Tensor::empty({int64_t(ws_bytes)}, ScalarType::U8, x.device()) : Tensor();
-      void* ws_ptr = ws_bytes > 0 ? ws.raw() : nullptr;
-      cuda::gemm_skinny_fp8(rows, out, in, x.raw(), in, w.as<uint8_t>(), scales, y.raw(), elem(y), out, ws_ptr,
-                            ws_bytes, cuda::stream());
-      return y;
-    }
+  const Stored stored = stored_as(w);
+  const cuda::WeightCodes codes = codes_of(stored);
+  SPARROW_CHECK(stored == Stored::Plain || (x.type() == ScalarType::BF16 && w.block_scales().defined()),
+                "linear: a quantized weight needs bf16 activations and its scales");
+  const void* scales = stored == Stored::Plain ? nullptr : w.block_scales().raw();
+  const float* global = stored == Stored::Nvfp4 ? w.global_scales().as<float>() : nullptr;
+  // Decode-sized products with FP8 or MX / NV weights (at most 8 rows: the n of the kernel's mma.m16n8k16)
+  // stream the weights through the skinny kernel (gemm_skinny.h), reading the codes in place, without a
+  // launch quantising the activations: up to 2x cuBLASLt's FP8 path there (bench/results/kernels.md,
+  // "Skinny products"). bf16 weights stay on cuBLASLt, which reached 16-100% of HBM against the skinny
+  // kernel's 12-79% in the same run.
+  if (stored != Stored::Plain && rows <= cuda::kSkinnyMaxRows &&
+      cuda::gemm_skinny_unsupported(rows, out, in, codes, x.raw(), in, w.raw(), scales, global, y.raw(), elem(y),
+                                    out) == nullptr) {
+    const size_t ws_bytes = cuda::gemm_skinny_workspace_bytes(rows, out, in, codes);
+    Tensor ws = ws_bytes > 0 ? Tensor::empty({int64_t(ws_bytes)}, ScalarType::U8, x.device()) : Tensor();
+    cuda::gemm_skinny(rows, out, in, codes, x.raw(), in, w.raw(), scales, global, y.raw(), elem(y), out,
+                      ws_bytes > 0 ? ws.raw() : nullptr, ws_bytes, cuda::stream());
+    return y;
   }
-  if (fp8) {
+  if (stored == Stored::Fp8) {
     // An FP8 checkpoint's weight (Checkpoint::take_linear): the activations are quantised per 128
     // columns and the product runs on the FP8 tensor cores with both block scales.
-    SPARROW_CHECK(x.type() == ScalarType::BF16 && w.block_scales().defined(),
-                  "linear: an FP8 weight needs bf16 activations and its block scales");
-    cuda::gemm_fp8_block_scaled(rows, out, in, x.raw(), in, w.as<uint8_t>(), w.block_scales().as<float>(), y.raw(),
-                                elem(y), out, cuda::stream());
+    cuda::gemm_fp8_block_scaled(rows, out, in, x.raw(), in, w.as<uint8_t>(), static_cast<const float*>(scales),
+                                y.raw(), elem(y), out, cuda::stream());
+    return y;
+  }
+  if (group_scaled(stored)) {
+    // Above decode sizes an MX / NV weight is widened to a bf16 scratch and multiplied by cuBLASLt
+    // (gemm/dequantize.h says why and what it costs).
+    Tensor wide = Tensor::empty({out, in}, ScalarType::BF16, x.device());
+    cuda::dequantize_grouped(codes, out, in, w.as<uint8_t>(), static_cast<const uint8_t*>(scales), global,
+                             wide.raw(), cuda::stream());
+    cuda::gemm_nt(rows, out, in, {x.raw(), elem(x), in, 0}, {wide.raw(), cuda::ElemType::BF16, in, 0},
+                  {y.raw(), elem(y), out, 0}, 1.0f, 0.0f, 1, cuda::stream());
     return y;
   }
   cuda::gemm_nt(rows, out, in, {x.raw(), elem(x), in, 0}, {w.raw(), elem(w), in, 0}, {y.raw(), elem(y), out, 0},
@@ -302,17 +343,38 @@ Tensor select_rows(const Tensor& x, const Tensor& rows) {
 
 Tensor concat_rows(const Tensor& a, const Tensor& b) {
   same_device(a, b, "concat_rows");
-  SPARROW_CHECK(a.type() == b.type() && a.row_size() == b.row_size(), "concat_rows: ", shape_str(a.shape()), " and ",
-                shape_str(b.shape()), " differ in row width or type");
+  const Stored stored = stored_as(a);
+  // Matrices stored differently (e.g. a bf16 stack of NVFP4 projections and a third NVFP4 one) stack as
+  // bf16 on a GPU.
+  if (stored_as(b) != stored && !a.on_cpu() && a.ndim() == 2 && b.ndim() == 2)
+    return concat_rows(stored == Stored::Plain ? a : dequantize_weight(a),
+                       stored_as(b) == Stored::Plain ? b : dequantize_weight(b));
+  SPARROW_CHECK(a.type() == b.type() && a.row_size() == b.row_size() && stored_as(b) == stored, "concat_rows: ",
+                shape_str(a.shape()), " and ", shape_str(b.shape()), " differ in row width, type or format");
   Shape shape = a.shape();
   shape[0] += b.dim(0);
-  if (a.type() == ScalarType::F8E4M3) {
+  auto bytes = [](const Tensor& t) { return t.view_bytes(0, t.shape(), ScalarType::U8); };
+  if (stored == Stored::Fp8) {
     // FP8 weights: the block scales stack too, which needs a's rows to end on a scale block.
-    SPARROW_CHECK(a.dim(0) % 128 == 0 && a.block_scales().defined() && b.block_scales().defined(),
-                  "concat_rows: FP8 matrices stack when the first has a multiple of 128 rows and both carry scales");
+    SPARROW_CHECK(a.dim(0) % 128 == 0, "concat_rows: FP8 matrices stack when the first has a multiple of 128 rows");
     Tensor scales = concat_rows(a.block_scales(), b.block_scales());
-    Tensor codes = concat_rows(a.view_bytes(0, a.shape(), ScalarType::U8), b.view_bytes(0, b.shape(), ScalarType::U8));
-    return codes.view_bytes(0, shape, ScalarType::F8E4M3).with_block_scales(scales);
+    return concat_rows(bytes(a), bytes(b)).view_bytes(0, shape, ScalarType::F8E4M3).with_block_scales(scales);
+  }
+  if (group_scaled(stored)) {
+    // MX / NV weights: every row has its own group scales, so codes and scales stack row by row. NVFP4's
+    // global scale is one per matrix: two matrices with different ones stack only as bf16.
+    Tensor global;
+    if (stored == Stored::Nvfp4) {
+      const Tensor ga = a.global_scales().to(Device::Cpu), gb = b.global_scales().to(Device::Cpu);
+      if (ga.numel() != 1 || gb.numel() != 1 || ga.data()[0] != gb.data()[0])
+        return concat_rows(dequantize_weight(a), dequantize_weight(b));
+      global = a.global_scales();
+    }
+    const Tensor& sa = a.block_scales();
+    Shape scale_shape = sa.shape();
+    scale_shape[0] += b.block_scales().dim(0);
+    Tensor scales = concat_rows(bytes(sa), bytes(b.block_scales())).view_bytes(0, scale_shape, sa.type());
+    return concat_rows(bytes(a), bytes(b)).view_bytes(0, shape, a.type()).with_group_scales(scales, global);
   }
   Tensor out = Tensor::empty(shape, a.type(), a.device());
   if (a.on_cpu()) {
@@ -323,6 +385,26 @@ Tensor concat_rows(const Tensor& a, const Tensor& b) {
 #if SPARROW_HAVE_CUDA
   device::copy_device(out.raw(), a.raw(), a.nbytes());
   device::copy_device(out.as<char>() + a.nbytes(), b.raw(), b.nbytes());
+  return out;
+#else
+  no_cuda();
+#endif
+}
+
+Tensor dequantize_weight(const Tensor& w) {
+  const Stored stored = stored_as(w);
+  SPARROW_CHECK(w.ndim() == 2 && stored != Stored::Plain, "dequantize_weight: expects a quantized matrix, got ",
+                scalar_name(w.type()), " ", shape_str(w.shape()));
+  SPARROW_CHECK(!w.on_cpu(), "dequantize_weight: CPU weights are dequantized as they load (formats/checkpoint.h)");
+#if SPARROW_HAVE_CUDA
+  const int64_t rows = w.dim(0), cols = weight_cols(w);
+  Tensor out = Tensor::empty({rows, cols}, ScalarType::BF16, w.device());
+  if (stored == Stored::Fp8)
+    cuda::dequantize_fp8_blocks(rows, cols, w.as<uint8_t>(), w.block_scales().as<float>(), out.raw(), cuda::stream());
+  else
+    cuda::dequantize_grouped(codes_of(stored), rows, cols, w.as<uint8_t>(), w.block_scales().as<uint8_t>(),
+                             stored == Stored::Nvfp4 ? w.global_scales().as<float>() : nullptr, out.raw(),
+                             cuda::stream());
   return out;
 #else
   no_cuda();
@@ -547,28 +629,25 @@ Tensor moe_experts(const Tensor& x, const Routing& routing, const Tensor& gate_u
                             gate_up, down, kind, alpha, limit);
   }
 #if SPARROW_HAVE_CUDA
-  const bool fp8 = gate_up.type() == ScalarType::F8E4M3, fp4 = gate_up.type() == ScalarType::E2M1x2;
+  const Stored stored = stored_as(gate_up);
   const bool scaled = gate_up.block_scales().defined() && down.block_scales().defined();
-  SPARROW_CHECK(x.type() == ScalarType::BF16 && down.type() == gate_up.type() &&
-                    (fp8 || fp4 ? scaled : gate_up.type() == ScalarType::BF16),
-                "GPU experts take bf16 activations and bf16 weights, or FP8 / FP4 weights with their scales");
+  SPARROW_CHECK(x.type() == ScalarType::BF16 && down.type() == gate_up.type() && stored_as(down) == stored &&
+                    (stored != Stored::Plain ? scaled : gate_up.type() == ScalarType::BF16),
+                "GPU experts take bf16 activations and bf16 weights, or quantized weights with their scales (gate_up "
+                "and down in the same format)");
   const int64_t tokens = x.dim(0), hidden = x.dim(1), top_k = routing.experts.dim(1);
-  // FP4 codes: two a byte along the last dimension.
-  const int64_t num_experts = gate_up.dim(0), inter = down.dim(2) * (fp4 ? 2 : 1);
+  const int64_t num_experts = gate_up.dim(0), inter = weight_cols(down);
   Tensor out = Tensor::empty({tokens, hidden}, ScalarType::BF16, x.device());
   Tensor workspace = Tensor::empty(
       {int64_t(cuda::moe_workspace_bytes(tokens, top_k, num_experts, hidden, inter))}, ScalarType::U8, x.device());
-  if (fp4) {
-    const bool nvfp4 = gate_up.block_scales().type() == ScalarType::F8E4M3;
-    SPARROW_CHECK(down.block_scales().type() == gate_up.block_scales().type(),
-                  "FP4 experts: gate_up and down in different formats");
-    cuda::moe_experts_fp4(x.raw(), tokens, hidden, routing.experts.as<int32_t>(), routing.weights.as<float>(), top_k,
-                          nvfp4 ? cuda::Fp4Weights::Nvfp4 : cuda::Fp4Weights::Mxfp4, gate_up.as<uint8_t>(),
-                          gate_up.block_scales().as<uint8_t>(), nvfp4 ? gate_up.global_scales().as<float>() : nullptr,
-                          down.as<uint8_t>(), down.block_scales().as<uint8_t>(),
-                          nvfp4 ? down.global_scales().as<float>() : nullptr, num_experts, inter, kind, alpha, limit,
-                          out.raw(), workspace.raw(), cuda::stream());
-  } else if (fp8) {
+  if (group_scaled(stored)) {
+    const bool nvfp4 = stored == Stored::Nvfp4;
+    cuda::moe_experts_packed(x.raw(), tokens, hidden, routing.experts.as<int32_t>(), routing.weights.as<float>(),
+                             top_k, codes_of(stored), gate_up.as<uint8_t>(), gate_up.block_scales().as<uint8_t>(),
+                             nvfp4 ? gate_up.global_scales().as<float>() : nullptr, down.as<uint8_t>(),
+                             down.block_scales().as<uint8_t>(), nvfp4 ? down.global_scales().as<float>() : nullptr,
+                             num_experts, inter, kind, alpha, limit, out.raw(), workspace.raw(), cuda::stream());
+  } else if (stored == Stored::Fp8) {
     cuda::moe_experts_fp8(x.raw(), tokens, hidden, routing.experts.as<int32_t>(), routing.weights.as<float>(), top_k,
                           gate_up.as<uint8_t>(), gate_up.block_scales().as<float>(), down.as<uint8_t>(),
                           down.block_scales().as<float>(), num_experts, inter, kind, alpha, limit, out.raw(),

@@ -52,6 +52,9 @@ Tensor embedding(const Tensor& table, const Tensor& ids);
 Tensor select_rows(const Tensor& x, const Tensor& rows);
 // [a; b] along the first dimension (load time).
 Tensor concat_rows(const Tensor& a, const Tensor& b);
+// A quantized GPU weight matrix (FP8 with block scales, or MX / NV codes with group scales) as bf16:
+// each value the exact dequantization rounded once (kernels/cuda/gemm/dequantize.h, gemm_fp8.h).
+Tensor dequantize_weight(const Tensor& w);
 
 // Rotary embedding in place: per row r and head h < heads, the `rot` values at column
 // first_col + h * head_stride, at position positions[r] (int64 tensor on x's device); inv_freq is fp32
@@ -99,7 +102,7 @@ Routing route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, int64_t 
 void simulate_uniform_routing(const Tensor& x, Routing& routing, int64_t num_experts, uint32_t salt, float weight);
 // sum_j weights[t, j] * down[e] · glu(gate_up[e] · x[t]) over the routed experts e = experts[t, j].
 // On a GPU the experts are bf16, FP8 with block scales, or FP4 (E2M1x2 codes [E, 2I, H / 2] and [E, H, I / 2]
-// with their group and global scales attached: Tensor::with_fp4_scales, kernels/cuda/moe/moe.h).
+// with their group and global scales attached: Tensor::with_group_scales, kernels/cuda/moe/moe.h).
 Tensor moe_experts(const Tensor& x, const Routing& routing, const Tensor& gate_up, const Tensor& down, Glu kind,
                    float alpha, float limit);
 

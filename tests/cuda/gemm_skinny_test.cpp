@@ -3,8 +3,8 @@
 // or K split over the grid), k from 8 to 7168 (partial 128-column scale blocks), bf16 and e4m3 weights,
 // bf16 and fp32 outputs, padded row strides; outputs poisoned, a guard row and the padding columns must
 // stay untouched; every case launched twice and the two results compared bit for bit (the split-K partial
-// sums are added in a fixed order). Then ops::linear: m <= 8 with FP8 weights takes this path (its result is bit-identical
-// to a direct launch) and matches the CPU op.
+// sums are added in a fixed order). Then ops::linear: m <= 8 with FP8 weights takes this path (its result is
+// bit-identical to a direct launch) and matches the CPU op.
 //
 // The bound, per output (i, o), with S = Σ_j |x[i][j] W[o][j]| and ref the exact product (double):
 //   |got - ref| <= acc + r_out * (|ref| + acc),   acc = (k / 16 + 64) * 2^-22 * S,
@@ -25,6 +25,7 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "gpu_test_util.h"
+#include "kernels/cpu/fp4_codec.h"
 #include "kernels/cpu/fp8_codec.h"
 #include "kernels/cuda/gemm/gemm_skinny.h"
 #include "core/device/device.h"
@@ -124,16 +125,17 @@ Operands random_operands(const Case& c, std::mt19937_64& rng) {
 std::vector<uint8_t> launch(const Case& c, const DeviceBuffer& dx, const DeviceBuffer& dw, const float* scales,
                             DeviceBuffer& dy) {
   const int64_t ldx = c.k + c.x_pad, ldy = c.n + c.y_pad;
-  const size_t ws_bytes = cuda::gemm_skinny_workspace_bytes(c.m, c.n, c.k, c.fp8);
+  const cuda::WeightCodes codes = c.fp8 ? cuda::WeightCodes::Fp8 : cuda::WeightCodes::Bf16;
+  const size_t ws_bytes = cuda::gemm_skinny_workspace_bytes(c.m, c.n, c.k, codes);
   DeviceBuffer ws(std::max<size_t>(ws_bytes, 1));
   ws.poison();  // partial sums must all be written before they are read
   dy.poison();
   if (c.fp8)
-    cuda::gemm_skinny_fp8(c.m, c.n, c.k, dx.get(), ldx, dw.get<uint8_t>(), scales, dy.get(), c.out, ldy,
-                          ws_bytes ? ws.get() : nullptr, ws_bytes, nullptr);
+    cuda::gemm_skinny(c.m, c.n, c.k, cuda::WeightCodes::Fp8, dx.get(), ldx, dw.get<uint8_t>(), scales, nullptr,
+                      dy.get(), c.out, ldy, ws_bytes ? ws.get() : nullptr, ws_bytes, nullptr);
   else
-    cuda::gemm_skinny_bf16(c.m, c.n, c.k, dx.get(), ldx, dw.get(), dy.get(), c.out, ldy,
-                           ws_bytes ? ws.get() : nullptr, ws_bytes, nullptr);
+    cuda::gemm_skinny(c.m, c.n, c.k, cuda::WeightCodes::Bf16, dx.get(), ldx, dw.get(), nullptr, nullptr, dy.get(),
+                      c.out, ldy, ws_bytes ? ws.get() : nullptr, ws_bytes, nullptr);
   device::synchronize();
   return dy.download<uint8_t>(dy.bytes());
 }
@@ -251,7 +253,10 @@ TEST(CudaGemmSkinny, RejectsBadArguments) {
   };
   auto fp8 = [&](int64_t m, int64_t n, int64_t k, const void* xx, int64_t ldx, const uint8_t* ww, const float* ss,
                  void* yy, ElemType t, int64_t ldy) {
-    return [=, &ws] { cuda::gemm_skinny_fp8(m, n, k, xx, ldx, ww, ss, yy, t, ldy, ws.get(), ws.bytes(), nullptr); };
+    return [=, &ws] {
+      cuda::gemm_skinny(m, n, k, cuda::WeightCodes::Fp8, xx, ldx, ww, ss, nullptr, yy, t, ldy, ws.get(), ws.bytes(),
+                        nullptr);
+    };
   };
   expect_error(fp8(9, 64, 128, xp, 128, wp, sp, yp, ElemType::BF16, 64), "m must be");
   expect_error(fp8(2, 64, 120, xp, 120, wp, sp, yp, ElemType::BF16, 64), "multiple of 16");
@@ -264,14 +269,23 @@ TEST(CudaGemmSkinny, RejectsBadArguments) {
   expect_error(fp8(2, 64, 128, xp, 128, wp, nullptr, yp, ElemType::BF16, 64), "null weight scales");
   expect_error(fp8(2, 64, 128, nullptr, 128, wp, sp, yp, ElemType::BF16, 64), "null");
   expect_error(fp8(2, 0, 128, xp, 128, wp, sp, yp, ElemType::BF16, 64), "positive");
-  expect_error([&] { cuda::gemm_skinny_bf16(2, 64, 100, xp, 104, wp, yp, ElemType::BF16, 64, nullptr, 0, nullptr); },
-               "multiple of 8");
+  expect_error(
+      [&] {
+        cuda::gemm_skinny(2, 64, 100, cuda::WeightCodes::Bf16, xp, 104, wp, nullptr, nullptr, yp, ElemType::BF16, 64,
+                          nullptr, 0, nullptr);
+      },
+      "multiple of 8");
   // A split-K shape without its workspace.
-  ASSERT_GT(cuda::gemm_skinny_workspace_bytes(1, 64, 4096, false), 0u);
-  expect_error([&] { cuda::gemm_skinny_bf16(1, 64, 4096, xp, 4096, wp, yp, ElemType::BF16, 64, nullptr, 0, nullptr); },
-               "workspace");
+  ASSERT_GT(cuda::gemm_skinny_workspace_bytes(1, 64, 4096, cuda::WeightCodes::Bf16), 0u);
+  expect_error(
+      [&] {
+        cuda::gemm_skinny(1, 64, 4096, cuda::WeightCodes::Bf16, xp, 4096, wp, nullptr, nullptr, yp, ElemType::BF16, 64,
+                          nullptr, 0, nullptr);
+      },
+      "workspace");
   // m = 0: nothing to do.
-  EXPECT_NO_THROW(cuda::gemm_skinny_bf16(0, 64, 128, xp, 128, wp, yp, ElemType::BF16, 64, nullptr, 0, nullptr));
+  EXPECT_NO_THROW(cuda::gemm_skinny(0, 64, 128, cuda::WeightCodes::Bf16, xp, 128, wp, nullptr, nullptr, yp,
+                                    ElemType::BF16, 64, nullptr, 0, nullptr));
   EXPECT_NO_THROW(device::synchronize());
 }
 
@@ -302,7 +316,8 @@ TEST(CudaGemmSkinny, LinearTakesTheSkinnyPathForSmallFp8M) {
   Tensor wd = Tensor::empty({n, k});
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < k; ++j)
-      wd.data()[i * k + j] = cpu::e4m3_to_float(codes.as<uint8_t>()[i * k + j]) * scales.data()[(i / 128) * kb + j / 128];
+      wd.data()[i * k + j] =
+          cpu::e4m3_to_float(codes.as<uint8_t>()[i * k + j]) * scales.data()[(i / 128) * kb + j / 128];
   const Tensor w8 = codes.with_block_scales(scales).to(Device::Cuda);
   for (int64_t m : {1, 3, 8, 9}) {
     SCOPED_TRACE(testing::Message() << "m=" << m);
@@ -321,16 +336,86 @@ TEST(CudaGemmSkinny, LinearTakesTheSkinnyPathForSmallFp8M) {
       // The same launch by hand: ops::linear must have taken this path (bit-identical results).
       const ElemType et = out == ScalarType::F32 ? ElemType::F32 : ElemType::BF16;
       const int64_t es = out == ScalarType::F32 ? 4 : 2;
-      const size_t ws_bytes = cuda::gemm_skinny_workspace_bytes(m, n, k, true);
+      const size_t ws_bytes = cuda::gemm_skinny_workspace_bytes(m, n, k, cuda::WeightCodes::Fp8);
       DeviceBuffer ws(std::max<size_t>(ws_bytes, 1)), dy(m * n * es);
       dy.poison();
-      cuda::gemm_skinny_fp8(m, n, k, xg.raw(), k, w8.as<uint8_t>(), w8.block_scales().as<float>(), dy.get(), et, n,
-                            ws.get(), ws_bytes, nullptr);
+      cuda::gemm_skinny(m, n, k, cuda::WeightCodes::Fp8, xg.raw(), k, w8.as<uint8_t>(), w8.block_scales().as<float>(),
+                        nullptr, dy.get(), et, n, ws.get(), ws_bytes, nullptr);
       std::vector<uint8_t> mine = dy.download<uint8_t>(m * n * es), theirs(m * n * es);
       device::copy_to_host_sync(theirs.data(), y8.raw(), theirs.size());
       EXPECT_TRUE(mine == theirs) << "ops::linear did not take the skinny path for FP8 weights";
     }
   }
+}
+
+
+// The MX / NV weights as released (gemm_skinny with Mxfp8, Mxfp4, Nvfp4 codes; ops::linear above decode
+// sizes: dequantize_grouped + cuBLASLt), against a double reference on the exact dequantised weights, at
+// shapes with a split K (576 x 7168), a partial last 16-row group (1000 rows) and K not a multiple of the
+// 64-byte slab (k = 1056: MXFP8 16.5 slabs, FP4 8.25). Each element within the output's bf16 rounding plus
+// fp32 accumulation error; a wrong group, nibble or scale moves elements by O(|ref|).
+TEST(CudaGemmSkinny, GroupScaledWeightsMatchTheirDequantisedWeights) {
+  SPARROW_REQUIRE_GPU();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  struct Shape {
+    int64_t n, k;
+  };
+  for (const cuda::WeightCodes codes : {cuda::WeightCodes::Mxfp8, cuda::WeightCodes::Mxfp4, cuda::WeightCodes::Nvfp4})
+    for (const Shape shape : {Shape{576, 7168}, Shape{1000, 1056}, Shape{64, 64}}) {
+      const bool mx8 = codes == cuda::WeightCodes::Mxfp8, nvfp4 = codes == cuda::WeightCodes::Nvfp4;
+      const int64_t n = shape.n, k = shape.k, group = nvfp4 ? 16 : 32, per_byte = mx8 ? 1 : 2;
+      SCOPED_TRACE(testing::Message() << (mx8 ? "mxfp8" : nvfp4 ? "nvfp4" : "mxfp4") << " n=" << n << " k=" << k);
+      Tensor w = Tensor::empty({n, k / per_byte}, mx8 ? ScalarType::F8E4M3 : ScalarType::E2M1x2);
+      Tensor scales = Tensor::empty({n, k / group}, nvfp4 ? ScalarType::F8E4M3 : ScalarType::F8E8M0);
+      for (int64_t i = 0; i < w.numel(); ++i) w.as<uint8_t>()[i] = mx8 ? random_code(rng) : uint8_t(rng() & 0xFF);
+      // Sums O(1): e4m3 codes (RMS ~100) times 2^-14 .. 2^-11, e2m1 (RMS ~3) times 2^-8 .. 2^-5 (MXFP4) or
+      // E4M3 0.5-0.94 times global 1 / (4 sqrt(k)) (NVFP4).
+      for (int64_t i = 0; i < scales.numel(); ++i)
+        scales.as<uint8_t>()[i] = uint8_t(nvfp4 ? 0x30 + rng() % 16 : (mx8 ? 113 : 119) + rng() % 4);
+      const float global_value = float(0.25 / std::sqrt(double(k)));
+      std::vector<double> wd(size_t(n * k));
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < k; ++j) {
+          const uint8_t b = w.as<uint8_t>()[(i * k + j) / per_byte],
+                        sc = scales.as<uint8_t>()[i * (k / group) + j / group];
+          const double code =
+              mx8 ? double(cpu::e4m3_to_float(b)) : double(cpu::e2m1_to_float(j % 2 ? uint8_t(b >> 4) : b));
+          const double scale = nvfp4 ? double(cpu::e4m3_to_float(sc)) * global_value : std::ldexp(1.0, int(sc) - 127);
+          wd[size_t(i * k + j)] = code * scale;
+        }
+      Tensor global;
+      if (nvfp4) {
+        global = Tensor::empty({1});
+        global.data()[0] = global_value;
+      }
+      const Tensor wg = w.with_group_scales(scales, global).to(Device::Cuda);
+      for (int64_t m : {1, 3, 8, 24}) {
+        SCOPED_TRACE(testing::Message() << "m=" << m);
+        Tensor x = Tensor::empty({m, k});
+        for (int64_t i = 0; i < x.numel(); ++i) x.data()[i] = test::round_bf16(normal(rng));
+        const Tensor y = ops::linear(x.to(Device::Cuda, ScalarType::BF16), wg, ScalarType::F32).to(Device::Cpu);
+        int64_t bad = 0;
+        double worst = 0;
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t c = 0; c < n; ++c) {
+            double ref = 0, mag = 0;
+            for (int64_t j = 0; j < k; ++j) {
+              const double p = double(x.data()[r * k + j]) * wd[size_t(c * k + j)];
+              ref += p, mag += std::fabs(p);
+            }
+            // fp32 accumulation (~k 2^-24 |terms|, generously 2^-12), and above decode sizes the weights'
+            // bf16 rounding (2^-9 |terms|).
+            const double bound = (m > cuda::kSkinnyMaxRows ? 4e-3 : 2.5e-4) * mag + 1e-6;
+            const double err = std::fabs(double(y.data()[r * n + c]) - ref);
+            worst = std::max(worst, err / bound);
+            bad += err > bound;
+          }
+        EXPECT_EQ(bad, 0) << "worst error / bound " << worst;
+      }
+    }
 }
 
 }  // namespace

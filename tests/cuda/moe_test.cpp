@@ -1,9 +1,9 @@
 // The GPU mixture of experts against the CPU model code: route_grouped_sigmoid against
 // SigmoidRouter::route on the CPU (the router's weight set to the identity so the logits pass through
-// unchanged), moe_experts against the CPU experts (kernels/cpu/moe_reference.h) on bf16-representable weights; moe_experts_fp8 (e4m3 weights, 128x128
-// block scales) against moe_experts on the same weights dequantised on the host (bit for bit on the tiled
-// paths), and against a double reference; the decode path (moe_experts_path == Decode) against the double
-// reference within a bound derived from its roundings, for both weight formats.
+// unchanged), moe_experts against the CPU experts (kernels/cpu/moe_reference.h) on bf16-representable weights;
+// moe_experts_fp8 (e4m3 weights, 128x128 block scales) against moe_experts on the same weights dequantised on the host
+// (bit for bit on the tiled paths), and against a double reference; the decode path (moe_experts_path == Decode)
+// against the double reference within a bound derived from its roundings, for both weight formats.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -509,14 +509,14 @@ Routing random_routing(std::mt19937_64& rng, int64_t tokens, int64_t experts, in
   return routing;
 }
 
-// FP4 experts as released (moe.h moe_experts_fp4), NVFP4 and MXFP4: every code (all 256 bytes are
-// finite pairs), scales spread over 16 E4M3 codes (NVFP4, with a per-matrix global scale) or 4 E8M0 powers
-// of two (MXFP4). The kernel turns each code into bf16 times its group scale (exact) and applies NVFP4's
-// global scale to each fp32 sum: the decode path's bound around the double reference on the exact
-// dequantised weights, at decode sizes (the skinny kernel) and at a prefill size (the WMMA tiles, which
-// convert each staged code tile), run to run bit for bit. A wrong nibble order, pair order, group or half moves
-// results by O(|ref|), far outside the bound.
-TEST(CudaMoe, Fp4ExpertsMatchTheirDequantisedWeights) {
+// Experts as released in the MX / NV formats (moe.h moe_experts_packed), NVFP4, MXFP4 and MXFP8: every
+// FP4 code (all 256 bytes are finite pairs) or every finite e4m3 code, scales spread over 16 E4M3 codes
+// (NVFP4, with a per-matrix global scale) or 4 E8M0 powers of two (MX). The kernel turns each code into bf16 times its
+// group scale (exact) and applies NVFP4's global scale to each fp32 sum: the decode path's bound around the double
+// reference on the exact dequantised weights, at decode sizes (the skinny kernel) and at a prefill size (the WMMA
+// tiles, which convert each staged code tile), run to run bit for bit. A wrong nibble order, pair order, group or half
+// moves results by O(|ref|), far outside the bound.
+TEST(CudaMoe, GroupScaledExpertsMatchTheirDequantisedWeights) {
   SPARROW_REQUIRE_GPU();
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -531,35 +531,42 @@ TEST(CudaMoe, Fp4ExpertsMatchTheirDequantisedWeights) {
   };
   const float alpha = 1.702f, limit = 7.0f;
   std::uniform_int_distribution<int> byte(0, 255);
-  for (const cuda::Fp4Weights format : {cuda::Fp4Weights::Nvfp4, cuda::Fp4Weights::Mxfp4})
+  for (const cuda::WeightCodes format : {cuda::WeightCodes::Nvfp4, cuda::WeightCodes::Mxfp4, cuda::WeightCodes::Mxfp8})
     for (const Shape& c : shapes)
       for (int64_t tokens : {1, 7, 300})
         for (auto kind : {Glu::SiluGlu, Glu::ClampedSwiglu}) {
-          const bool nvfp4 = format == cuda::Fp4Weights::Nvfp4;
-          const int64_t group = nvfp4 ? 16 : 32, E = c.experts, H = c.hidden, I = c.inter;
-          SCOPED_TRACE(testing::Message() << (nvfp4 ? "nvfp4" : "mxfp4") << " tokens=" << tokens << " hidden=" << H
-                                          << " inter=" << I << " experts=" << E << " top_k=" << c.top_k
-                                          << " kind=" << int(kind));
+          const bool nvfp4 = format == cuda::WeightCodes::Nvfp4, mx8 = format == cuda::WeightCodes::Mxfp8;
+          const int64_t group = nvfp4 ? 16 : 32, E = c.experts, H = c.hidden, I = c.inter, per_byte = mx8 ? 1 : 2;
+          SCOPED_TRACE(testing::Message() << (nvfp4 ? "nvfp4"
+                                              : mx8 ? "mxfp8"
+                                                    : "mxfp4")
+                                          << " tokens=" << tokens << " hidden=" << H << " inter=" << I
+                                          << " experts=" << E << " top_k=" << c.top_k << " kind=" << int(kind));
           std::vector<float> x = test::random_vector(rng, tokens * H, -1.0f, 1.0f);
           for (float& v : x) v = test::round_bf16(v);
           auto codes = [&](int64_t n) {
             std::vector<uint8_t> v(n);
-            for (uint8_t& b : v) b = uint8_t(byte(rng));
+            for (uint8_t& b : v) {
+              b = uint8_t(byte(rng));
+              if (mx8 && (b & 0x7F) == 0x7F) b ^= 1;  // e4m3's NaN codes
+            }
             return v;
           };
-          // E2M1 codes have an RMS near 2.9: NVFP4 scales 0.5-0.94 times global ~1 / (2 sqrt(K)), MXFP4
-          // scales 2^-6 .. 2^-3, keep the sums O(1).
+          // E2M1 codes have an RMS near 2.9, e4m3 ones near 100: NVFP4 scales 0.5-0.94 times global
+          // ~1 / (2 sqrt(K)), MXFP4 scales 2^-6 .. 2^-3, MXFP8 2^-12 .. 2^-9, keep the sums O(1).
           auto scales = [&](int64_t n) {
             std::vector<uint8_t> v(n);
-            for (uint8_t& b : v) b = uint8_t(nvfp4 ? 0x30 + byte(rng) % 16 : 121 + byte(rng) % 4);
+            for (uint8_t& b : v) b = uint8_t(nvfp4 ? 0x30 + byte(rng) % 16 : (mx8 ? 115 : 121) + byte(rng) % 4);
             return v;
           };
-          const std::vector<uint8_t> gu = codes(E * 2 * I * H / 2), dn = codes(E * H * I / 2);
+          const std::vector<uint8_t> gu = codes(E * 2 * I * H / per_byte), dn = codes(E * H * I / per_byte);
           const std::vector<uint8_t> gu_s = scales(E * 2 * I * H / group), dn_s = scales(E * H * I / group);
           std::vector<float> gu_global(2 * E), dn_global(E);
-          for (float& g : gu_global) g = float(std::uniform_real_distribution<double>(0.5, 2.0)(rng) / (2 * std::sqrt(H)));
-          for (float& g : dn_global) g = float(std::uniform_real_distribution<double>(0.5, 2.0)(rng) / (2 * std::sqrt(I)));
-          // The exact weights: e2m1 * scale (* global), the sum of K products in double.
+          for (float& g : gu_global)
+            g = float(std::uniform_real_distribution<double>(0.5, 2.0)(rng) / (2 * std::sqrt(H)));
+          for (float& g : dn_global)
+            g = float(std::uniform_real_distribution<double>(0.5, 2.0)(rng) / (2 * std::sqrt(I)));
+          // The exact weights: code * scale (* global), the sum of K products in double.
           auto scale_value = [&](uint8_t code) {
             return nvfp4 ? double(cpu::e4m3_to_float(code)) : std::ldexp(1.0, int(code) - 127);
           };
@@ -568,8 +575,10 @@ TEST(CudaMoe, Fp4ExpertsMatchTheirDequantisedWeights) {
                                 int64_t K, const float* global, int64_t rows_per_global, std::vector<float>& out) {
             for (int64_t r = 0; r < rows; ++r)
               for (int64_t k = 0; k < K; ++k) {
-                const uint8_t pair = q[(r * K + k) / 2];
-                const double v = double(cpu::e2m1_to_float(k % 2 ? uint8_t(pair >> 4) : pair)) *
+                const uint8_t byte = q[(r * K + k) / per_byte];
+                const double code = mx8 ? double(cpu::e4m3_to_float(byte))
+                                        : double(cpu::e2m1_to_float(k % 2 ? uint8_t(byte >> 4) : byte));
+                const double v = code *
                                  scale_value(s[r * (K / group) + k / group]) *
                                  (nvfp4 ? double(global[r / rows_per_global]) : 1.0);
                 out[r * K + k] = float(v);
@@ -585,10 +594,10 @@ TEST(CudaMoe, Fp4ExpertsMatchTheirDequantisedWeights) {
           auto run = [&] {
             out.poison();
             ws.poison();
-            cuda::moe_experts_fp4(dx.get(), tokens, H, de.get<int32_t>(), dw.get<float>(), c.top_k, format,
-                                  dgu.get<uint8_t>(), dgus.get<uint8_t>(), nvfp4 ? dgg.get<float>() : nullptr,
-                                  ddn.get<uint8_t>(), ddns.get<uint8_t>(), nvfp4 ? ddg.get<float>() : nullptr, E, I,
-                                  kind, alpha, limit, out.get(), ws.get(), cuda::stream());
+            cuda::moe_experts_packed(dx.get(), tokens, H, de.get<int32_t>(), dw.get<float>(), c.top_k, format,
+                                     dgu.get<uint8_t>(), dgus.get<uint8_t>(), nvfp4 ? dgg.get<float>() : nullptr,
+                                     ddn.get<uint8_t>(), ddns.get<uint8_t>(), nvfp4 ? ddg.get<float>() : nullptr, E,
+                                     I, kind, alpha, limit, out.get(), ws.get(), cuda::stream());
             return out.download<uint16_t>(tokens * H);
           };
           const std::vector<uint16_t> got = run();
@@ -601,16 +610,23 @@ TEST(CudaMoe, Fp4ExpertsMatchTheirDequantisedWeights) {
         }
 }
 
-TEST(CudaMoe, Fp4ExpertsRejectBadArguments) {
+TEST(CudaMoe, GroupScaledExpertsRejectBadArguments) {
   SPARROW_REQUIRE_GPU();
   DeviceBuffer buf(size_t(1) << 20);
   auto call = [&](int64_t hidden, int64_t inter, const float* gu_global, const float* dn_global) {
-    cuda::moe_experts_fp4(buf.get(), 1, hidden, buf.get<int32_t>(), buf.get<float>(), 1, cuda::Fp4Weights::Nvfp4,
-                          buf.get<uint8_t>(), buf.get<uint8_t>(), gu_global, buf.get<uint8_t>(), buf.get<uint8_t>(),
-                          dn_global, 1, inter, Glu::SiluGlu, 1.0f, 7.0f, buf.get(), buf.get(), cuda::stream());
+    cuda::moe_experts_packed(buf.get(), 1, hidden, buf.get<int32_t>(), buf.get<float>(), 1, cuda::WeightCodes::Nvfp4,
+                             buf.get<uint8_t>(), buf.get<uint8_t>(), gu_global, buf.get<uint8_t>(),
+                             buf.get<uint8_t>(), dn_global, 1, inter, Glu::SiluGlu, 1.0f, 7.0f, buf.get(), buf.get(),
+                             cuda::stream());
   };
   EXPECT_THROW(call(48, 64, buf.get<float>(), buf.get<float>()), Error);  // hidden % 32 != 0
   EXPECT_THROW(call(64, 64, nullptr, nullptr), Error);                    // NVFP4 without its global scales
+  // Not a group-scaled format.
+  EXPECT_THROW(cuda::moe_experts_packed(buf.get(), 1, 64, buf.get<int32_t>(), buf.get<float>(), 1,
+                                        cuda::WeightCodes::Fp8, buf.get<uint8_t>(), buf.get<uint8_t>(), nullptr,
+                                        buf.get<uint8_t>(), buf.get<uint8_t>(), nullptr, 1, 64, Glu::SiluGlu, 1.0f,
+                                        7.0f, buf.get(), buf.get(), cuda::stream()),
+               Error);
 }
 
 // The decode path (moe_experts_path == Decode: tokens * top_k <= 8 * experts) on both weight formats,

@@ -5,12 +5,15 @@
 // gemm_skinny: the decode-sized products (m = 1, 4, 8) of gemm_skinny.h at DeepSeek-V3.2's, MiniMax-M3.1's
 // and the lm_heads' shapes, bf16 and FP8, each beside cuBLASLt on the same operands in the same run
 // (rows cublaslt_bf16 / cublaslt_fp8: gemm_nt, gemm_fp8_block_scaled), the limit bytes / 4.3 TB/s.
+// gemm_mx: the MX / NV weights as released (MXFP8, MXFP4, NVFP4) on the skinny kernel beside FP8 at the same
+// shapes, and MXFP8 above decode sizes (widened per call, then cuBLASLt) beside FP8 and bf16.
 #include <cuda_bf16.h>
 
 #include <string>
 #include <vector>
 
 #include "kernels/cuda/bench_random.cuh"
+#include "kernels/cuda/gemm/dequantize.h"
 #include "kernels/cuda/gemm/gemm.h"
 #include "kernels/cuda/gemm/gemm_fp8.h"
 #include "kernels/cuda/gemm/gemm_skinny.h"
@@ -100,69 +103,155 @@ KernelBenchRow fp8_row(const std::string& shape, int64_t m, int64_t n, int64_t k
   return row;
 }
 
-// The skinny product and cuBLASLt on the same operands: y[m, n] = x[m, k] · W[n, k]ᵀ, W bf16 or e4m3 with
-// 128x128 fp32 block scales, x and y bf16. Minimum traffic: W (and its scales), x in, y out; the skinny
-// path's split-K partial sums and cuBLASLt's quantised copy of x are overheads, not counted.
-void skinny_rows(const std::string& shape, int64_t m, int64_t n, int64_t k, bool fp8, int iterations,
+// Random scale bytes for group-scaled weights: E8M0 codes 2^-10 .. 2^-7 (MX), or positive finite E4M3
+// codes 2^-3 .. ~2 (NVFP4, whose global scale is then 1e-3).
+__global__ void fill_group_scales(uint8_t* p, int64_t n, bool e4m3, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint32_t h = hash32(uint64_t(seed) << 40 ^ uint64_t(i));
+    p[i] = e4m3 ? uint8_t(0x28 + h % 0x18) : uint8_t(117 + h % 4);
+  }
+}
+
+const char* codes_name(WeightCodes codes) {
+  switch (codes) {
+    case WeightCodes::Bf16: return "bf16";
+    case WeightCodes::Fp8: return "fp8";
+    case WeightCodes::Nvfp4: return "nvfp4";
+    case WeightCodes::Mxfp4: return "mxfp4";
+    case WeightCodes::Mxfp8: return "mxfp8";
+  }
+  return "?";
+}
+
+// A weight matrix [n, k] stored as `codes`, with random codes and scales, on the device.
+struct BenchWeight {
+  WeightCodes codes;
+  void* w = nullptr;
+  void* scales = nullptr;
+  float* global = nullptr;
+  double bytes = 0;  // codes + scales
+  BenchWeight(WeightCodes c, int64_t n, int64_t k) : codes(c) {
+    const bool fp4 = c == WeightCodes::Nvfp4 || c == WeightCodes::Mxfp4;
+    const int64_t code_bytes = c == WeightCodes::Bf16 ? 2 * n * k : fp4 ? n * k / 2 : n * k;
+    w = device::alloc(code_bytes);
+    if (c == WeightCodes::Bf16) fill_bf16<<<1024, 256, 0, stream()>>>(static_cast<__nv_bfloat16*>(w), n * k, 2);
+    else fill_e4m3<<<1024, 256, 0, stream()>>>(static_cast<uint8_t*>(w), code_bytes, 2);  // FP4: any byte is valid
+    int64_t scale_bytes = 0;
+    if (c == WeightCodes::Fp8) {
+      const int64_t count = ((n + 127) / 128) * ((k + 127) / 128);
+      scale_bytes = 4 * count;
+      scales = device::alloc(scale_bytes);
+      fill_scales<<<64, 256, 0, stream()>>>(static_cast<float*>(scales), count, 3);
+    } else if (c != WeightCodes::Bf16) {
+      scale_bytes = n * (k / (c == WeightCodes::Nvfp4 ? 16 : 32));
+      scales = device::alloc(scale_bytes);
+      fill_group_scales<<<256, 256, 0, stream()>>>(static_cast<uint8_t*>(scales), scale_bytes, c == WeightCodes::Nvfp4,
+                                                   3);
+    }
+    if (c == WeightCodes::Nvfp4) {
+      const float one_thousandth = 1e-3f;
+      global = static_cast<float*>(device::alloc(4));
+      device::copy_to_device(global, &one_thousandth, 4);
+    }
+    SPARROW_CUDA_CHECK_LAUNCH();
+    bytes = double(code_bytes) + double(scale_bytes);
+  }
+  ~BenchWeight() {
+    device::free(w);
+    device::free(scales);
+    device::free(global);
+  }
+};
+
+// The skinny product and cuBLASLt on the same shape: y[m, n] = x[m, k] · W[n, k]ᵀ, W stored as `codes`,
+// x and y bf16. Minimum traffic: W (and its scales), x in, y out; the skinny path's split-K partial sums
+// and cuBLASLt's quantised copy of x are overheads, not counted. cuBLASLt rows: bf16 for bf16 W, the FP8
+// block-scaled product for FP8 W; the MX / NV formats (no cuBLASLt form on Hopper) are compared with the
+// FP8 rows of the same shape.
+void skinny_rows(const std::string& shape, int64_t m, int64_t n, int64_t k, WeightCodes codes, int iterations,
                  std::vector<KernelBenchRow>& rows) {
-  const int64_t scale_count = fp8 ? ((n + 127) / 128) * ((k + 127) / 128) : 0;
+  const BenchWeight weight(codes, n, k);
   void* x = device::alloc(m * k * 2);
-  void* w = device::alloc(n * k * (fp8 ? 1 : 2));
-  auto* s = fp8 ? static_cast<float*>(device::alloc(scale_count * 4)) : nullptr;
   void* y = device::alloc(m * n * 2);
-  const size_t ws_bytes = gemm_skinny_workspace_bytes(m, n, k, fp8);
+  const size_t ws_bytes = gemm_skinny_workspace_bytes(m, n, k, codes);
   void* ws = ws_bytes ? device::alloc(ws_bytes) : nullptr;
   fill_bf16<<<1024, 256, 0, stream()>>>(static_cast<__nv_bfloat16*>(x), m * k, 1);
-  if (fp8) {
-    fill_e4m3<<<1024, 256, 0, stream()>>>(static_cast<uint8_t*>(w), n * k, 2);
-    fill_scales<<<64, 256, 0, stream()>>>(s, scale_count, 3);
-  } else {
-    fill_bf16<<<1024, 256, 0, stream()>>>(static_cast<__nv_bfloat16*>(w), n * k, 2);
-  }
   SPARROW_CUDA_CHECK_LAUNCH();
   const std::string dims = " m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k);
-  const double bytes = double(n * k) * (fp8 ? 1 : 2) + 4.0 * scale_count + 2.0 * m * k + 2.0 * m * n;
+  const double bytes = weight.bytes + 2.0 * m * k + 2.0 * m * n;
   KernelBenchRow skinny;
-  skinny.kernel = fp8 ? "gemm_skinny_fp8" : "gemm_skinny_bf16";
+  skinny.kernel = std::string("gemm_skinny_") + codes_name(codes);
   skinny.shape = shape + dims;
   skinny.median_us = median_launch_us(
       [&](cudaStream_t st) {
-        if (fp8)
-          gemm_skinny_fp8(m, n, k, x, k, static_cast<const uint8_t*>(w), s, y, ElemType::BF16, n, ws, ws_bytes, st);
-        else
-          gemm_skinny_bf16(m, n, k, x, k, w, y, ElemType::BF16, n, ws, ws_bytes, st);
+        gemm_skinny(m, n, k, codes, x, k, weight.w, weight.scales, weight.global, y, ElemType::BF16, n, ws, ws_bytes,
+                    st);
       },
       stream(), iterations);
   skinny.bytes = bytes;
   skinny.flops = 2.0 * m * n * k;
   skinny.note = std::string("weights streamed once, mma.sync from registers, fp32 accumulation") +
-                (fp8 ? ", bf16 x (not quantised), e4m3 W with 128x128 scales" : ", bf16") +
+                (codes == WeightCodes::Bf16  ? ", bf16"
+                 : codes == WeightCodes::Fp8 ? ", bf16 x (not quantised), e4m3 W with 128x128 scales"
+                                             : ", bf16 x, codes times their group scale in registers") +
                 (ws_bytes ? ", K split over the grid + fixed-order reduction" : "");
   rows.push_back(skinny);
-  KernelBenchRow lt;
-  lt.kernel = fp8 ? "cublaslt_fp8" : "cublaslt_bf16";
-  lt.shape = shape + dims;
-  lt.median_us = median_launch_us(
-      [&](cudaStream_t st) {
-        if (fp8) {
-          gemm_fp8_block_scaled(m, n, k, x, k, static_cast<const uint8_t*>(w), s, y, ElemType::BF16, n, st);
-        } else {
-          const GemmOperand gx{x, ElemType::BF16, k, 0}, gw{w, ElemType::BF16, k, 0};
-          gemm_nt(m, n, k, gx, gw, GemmOutput{y, ElemType::BF16, n, 0}, 1.0f, 0.0f, 1, st);
-        }
-      },
-      stream(), iterations);
-  lt.bytes = bytes;
-  lt.flops = skinny.flops;
-  lt.fp8_products = fp8;  // cuBLASLt quantises x and multiplies e4m3 x e4m3
-  lt.note = fp8 ? "cuBLASLt beside gemm_skinny_fp8: x quantised per 1x128 in the call, FP8 tensor cores"
-                : "cuBLASLt beside gemm_skinny_bf16";
-  rows.push_back(lt);
+  if (codes == WeightCodes::Bf16 || codes == WeightCodes::Fp8) {
+    const bool fp8 = codes == WeightCodes::Fp8;
+    KernelBenchRow lt;
+    lt.kernel = fp8 ? "cublaslt_fp8" : "cublaslt_bf16";
+    lt.shape = shape + dims;
+    lt.median_us = median_launch_us(
+        [&](cudaStream_t st) {
+          if (fp8) {
+            gemm_fp8_block_scaled(m, n, k, x, k, static_cast<const uint8_t*>(weight.w),
+                                  static_cast<const float*>(weight.scales), y, ElemType::BF16, n, st);
+          } else {
+            const GemmOperand gx{x, ElemType::BF16, k, 0}, gw{weight.w, ElemType::BF16, k, 0};
+            gemm_nt(m, n, k, gx, gw, GemmOutput{y, ElemType::BF16, n, 0}, 1.0f, 0.0f, 1, st);
+          }
+        },
+        stream(), iterations);
+    lt.bytes = bytes;
+    lt.flops = skinny.flops;
+    lt.fp8_products = fp8;  // cuBLASLt quantises x and multiplies e4m3 x e4m3
+    lt.note = fp8 ? "cuBLASLt beside gemm_skinny_fp8: x quantised per 1x128 in the call, FP8 tensor cores"
+                  : "cuBLASLt beside gemm_skinny_bf16";
+    rows.push_back(lt);
+  }
   device::free(x);
-  device::free(w);
-  device::free(s);
   device::free(y);
   device::free(ws);
+}
+
+// Above decode sizes an MX / NV weight is widened to bf16 per call and multiplied by cuBLASLt
+// (gemm/dequantize.h; ops::linear): that pair timed together, beside the bf16 and FP8 rows of the shape.
+KernelBenchRow grouped_prefill_row(const std::string& shape, int64_t m, int64_t n, int64_t k, WeightCodes codes,
+                                   int iterations) {
+  const BenchWeight weight(codes, n, k);
+  void* x = device::alloc(m * k * 2);
+  void* wide = device::alloc(n * k * 2);
+  void* y = device::alloc(m * n * 2);
+  fill_bf16<<<1024, 256, 0, stream()>>>(static_cast<__nv_bfloat16*>(x), m * k, 1);
+  SPARROW_CUDA_CHECK_LAUNCH();
+  KernelBenchRow row;
+  row.kernel = std::string("gemm_") + codes_name(codes);
+  row.shape = shape + " m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k);
+  row.median_us = median_launch_us(
+      [&](cudaStream_t st) {
+        dequantize_grouped(codes, n, k, static_cast<const uint8_t*>(weight.w),
+                           static_cast<const uint8_t*>(weight.scales), weight.global, wide, st);
+        const GemmOperand gx{x, ElemType::BF16, k, 0}, gw{wide, ElemType::BF16, k, 0};
+        gemm_nt(m, n, k, gx, gw, GemmOutput{y, ElemType::BF16, n, 0}, 1.0f, 0.0f, 1, st);
+      },
+      stream(), iterations);
+  row.bytes = weight.bytes + 2.0 * m * k + 2.0 * m * n;
+  row.flops = 2.0 * m * n * k;
+  row.note = "dequantize_grouped to a bf16 scratch + cuBLASLt bf16 (the widening's 4 bytes a weight not counted)";
+  device::free(x);
+  device::free(wide);
+  device::free(y);
+  return row;
 }
 
 }  // namespace
@@ -195,9 +284,35 @@ void bench_gemm(const KernelBenchOptions& options, std::vector<KernelBenchRow>& 
     }
     for (const Proj& p : projs)
       for (int64_t m : ms) {
-        if (p.fp8_too) skinny_rows(p.name, m, p.n, p.k, true, options.iterations, rows);
-        skinny_rows(p.name, m, p.n, p.k, false, options.iterations, rows);
+        if (p.fp8_too) skinny_rows(p.name, m, p.n, p.k, WeightCodes::Fp8, options.iterations, rows);
+        skinny_rows(p.name, m, p.n, p.k, WeightCodes::Bf16, options.iterations, rows);
       }
+  }
+  if (wanted(options, "gemm_mx")) {  // --filter gemm_mx: the MX / NV weights as released, beside FP8
+    // MiniMax-M3.1's projections (MXFP8 as released) and DeepSeek-V3.2's largest ones, every format.
+    struct Proj {
+      const char* name;
+      int64_t n, k;
+    };
+    std::vector<Proj> projs = {{"minimax_m3.1 q_proj", 8192, 6144},
+                               {"minimax_m3.1 k_proj / v_proj", 512, 6144},
+                               {"minimax_m3.1 o_proj", 6144, 8192},
+                               {"deepseek_v3.2 q_b_proj", 24576, 1536},
+                               {"deepseek_v3.2 o_proj", 7168, 16384}};
+    std::vector<int64_t> ms = {1, 8};
+    if (options.quick) {
+      projs.resize(1);
+      ms = {1};
+    }
+    for (const Proj& p : projs) {
+      for (int64_t m : ms)
+        for (WeightCodes c : {WeightCodes::Fp8, WeightCodes::Mxfp8, WeightCodes::Mxfp4, WeightCodes::Nvfp4})
+          skinny_rows(p.name, m, p.n, p.k, c, options.iterations, rows);
+      if (options.quick) continue;
+      rows.push_back(grouped_prefill_row(p.name, 4096, p.n, p.k, WeightCodes::Mxfp8, options.iterations));
+      rows.push_back(fp8_row(p.name, 4096, p.n, p.k, options.iterations));
+      rows.push_back(bf16_row(p.name, 4096, p.n, p.k, options.iterations));
+    }
   }
   if (wanted(options, "gemm_fp8")) {
     struct Proj {
@@ -228,8 +343,10 @@ void bench_gemm(const KernelBenchOptions& options, std::vector<KernelBenchRow>& 
     int64_t m, n, k;
   };
   // DeepSeek-V3.2 (hidden 7168): q_a (7168 -> 1536), MoE expert up (7168 -> 2048) and down; m = tokens.
-  std::vector<Shape> shapes = {{"deepseek_v3.2 q_a_proj", 4096, 1536, 7168}, {"deepseek_v3.2 expert gate_up", 4096, 4096, 7168},
-                               {"deepseek_v3.2 expert down", 4096, 7168, 2048}, {"square", 8192, 8192, 8192},
+  std::vector<Shape> shapes = {{"deepseek_v3.2 q_a_proj", 4096, 1536, 7168},
+                               {"deepseek_v3.2 expert gate_up", 4096, 4096, 7168},
+                               {"deepseek_v3.2 expert down", 4096, 7168, 2048},
+                               {"square", 8192, 8192, 8192},
                                {"deepseek_v3.2 expert gate_up decode", 128, 4096, 7168}};
   if (options.quick) shapes.resize(2);
   for (const Shape& s : shapes) rows.push_back(bf16_row(s.name, s.m, s.n, s.k, options.iterations));

@@ -1,5 +1,9 @@
 // Decode-sized dense products (1..8 activation rows) streamed from HBM:
-//   y[m, n] = x[m, k] · W[n, k]ᵀ,   W bf16, or W[i][j] = e4m3(w[i][j]) * w_scales[i / 128][j / 128]
+//   y[m, n] = x[m, k] · W[n, k]ᵀ,   W stored as gemm.h's WeightCodes say: bf16;
+//   FP8:   W[i][j] = e4m3(w[i][j]) * w_scales[i / 128][j / 128]           (fp32 block scales)
+//   MXFP8: W[i][j] = e4m3(w[i][j]) * 2^(w_scales[i][j / 32] - 127)          (E8M0 group scales)
+//   MXFP4: W[i][j] = e2m1(w[i][j])  * 2^(w_scales[i][j / 32] - 127)          (two codes a byte)
+//   NVFP4: W[i][j] = e2m1(w[i][j])  * e4m3(w_scales[i][j / 16]) * w_global[0]
 // At m <= 8 a product is bound by reading W once (kv_a_proj 576x7168 e4m3: 4 MB, ~1 us at 4.3 TB/s;
 // the bf16 lm_head 129280x7168: 1.85 GB, 0.43 ms); cuBLASLt reaches 5-57% of HBM there
 // (bench/results/kernels.md). These run skinny::kernel (skinny.cuh), the kernel of the MoE decode path:
@@ -17,14 +21,18 @@
 //     block scale and added into the fp32 accumulator. The result is therefore within fp32-accumulation
 //     rounding of x · (dequantised W)ᵀ computed exactly (the dequantised W being e4m3 * scale in exact
 //     arithmetic), i.e. slightly closer to it than the cuBLASLt path, not bit-identical to it.
+//   * MX / NV W (as released, read in place): each code times its group scale is formed exactly in bf16 in
+//     registers (skinny.cuh), then as bf16 W; NVFP4's global scale multiplies the fp32 sums. Within
+//     fp32-accumulation rounding of x · (dequantised W)ᵀ.
 //   * y: bf16 (rounded to nearest even once) or fp32.
 //
-// Requirements (gemm_skinny_unsupported names the first one broken; the launchers throw sparrow::Error
+// Requirements (gemm_skinny_unsupported names the first one broken; gemm_skinny throws sparrow::Error
 // with that text; callers such as ops::linear test first and fall back to cuBLASLt):
-//   0 <= m <= 8; n >= 1; k >= 1 and k % 16 == 0 (FP8) / k % 8 == 0 (bf16): whole 16-byte pieces;
+//   0 <= m <= 8; n >= 1; k >= 1 and k a multiple of 8 (bf16), 16 (FP8) or 32 (MX / NV: whole groups);
 //   x and w 16-byte aligned, ldx >= k and ldx % 8 == 0 (16-byte aligned x rows);
-//   FP8: w_scales non-null and 4-byte aligned (row-major [ceil(n/128), ceil(k/128)], gemm_fp8.h);
-//   y non-null and aligned to its element, ldy >= n; workspace of gemm_skinny_workspace_bytes(m, n, k, fp8)
+//   w_scales non-null except for bf16 (FP8: 4-byte aligned fp32, row-major [ceil(n/128), ceil(k/128)],
+//   gemm_fp8.h; MX / NV: bytes [n, k / group]); NVFP4: w_global one fp32 on the device;
+//   y non-null and aligned to its element, ldy >= n; workspace of gemm_skinny_workspace_bytes(m, n, k, codes)
 //   bytes (0: none needed; else 256-byte aligned device memory, used only by the work enqueued on `stream`).
 // A null stream means the engine's stream.
 #pragma once
@@ -40,19 +48,15 @@ namespace sparrow::cuda {
 constexpr int64_t kSkinnyMaxRows = 8;
 
 // Null when the skinny product can run these operands; else the requirement they break.
-const char* gemm_skinny_unsupported(int64_t m, int64_t n, int64_t k, bool fp8, const void* x, int64_t ldx,
-                                    const void* w, const float* w_scales, const void* y, ElemType y_type,
-                                    int64_t ldy);
+const char* gemm_skinny_unsupported(int64_t m, int64_t n, int64_t k, WeightCodes codes, const void* x, int64_t ldx,
+                                    const void* w, const void* w_scales, const float* w_global, const void* y,
+                                    ElemType y_type, int64_t ldy);
 
 // Bytes of fp32 partial sums the product needs (0 when K is not split).
-size_t gemm_skinny_workspace_bytes(int64_t m, int64_t n, int64_t k, bool fp8);
+size_t gemm_skinny_workspace_bytes(int64_t m, int64_t n, int64_t k, WeightCodes codes);
 
-void gemm_skinny_bf16(int64_t m, int64_t n, int64_t k, const void* x_bf16, int64_t ldx, const void* w_bf16,
-                      void* y, ElemType y_type, int64_t ldy, void* workspace, size_t workspace_bytes,
-                      cudaStream_t stream);
-
-void gemm_skinny_fp8(int64_t m, int64_t n, int64_t k, const void* x_bf16, int64_t ldx, const uint8_t* w,
-                     const float* w_scales, void* y, ElemType y_type, int64_t ldy, void* workspace,
-                     size_t workspace_bytes, cudaStream_t stream);
+void gemm_skinny(int64_t m, int64_t n, int64_t k, WeightCodes codes, const void* x_bf16, int64_t ldx, const void* w,
+                 const void* w_scales, const float* w_global, void* y, ElemType y_type, int64_t ldy, void* workspace,
+                 size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace sparrow::cuda

@@ -37,6 +37,8 @@
 //     pair of shifts serves both halves), each pair times its group's scale, exactly (fp4_to_bf16x2); the
 //     activations are staged in that column order (fp4_pair_order), so A and B still meet column by column;
 //     NVFP4's per-matrix weight_scale_2 is the Job's (applied in its store);
+//     MXFP8 (as released, read in place): e4m3 pairs -> bf16 pairs as FP8's, each times its row's E8M0
+//     group scale (a lane's 16 columns lie in one group of 32) in one bf16x2 product, exact;
 //   - epilogue from the accumulators (job.store): lane (g, t) holds rows g, g + 8 for pass rows 2t, 2t + 1.
 // Why the tensor cores and not FMAs: at 1.9 GHz an SM must take ~17 weight bytes per clock for 4.3 TB/s
 // (32.6 GB/s per SM), i.e. a warp's 512-byte load instruction buys at most ~30 clocks x 4 schedulers =
@@ -64,6 +66,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/cuda/gemm/gemm.h"
 #include "kernels/cuda/ptx.cuh"
 #include "core/device/cuda_check.h"
 
@@ -71,15 +74,19 @@ namespace sparrow::cuda::skinny {
 
 using bf16 = __nv_bfloat16;
 
-// How the weight rows are stored: bf16; e4m3 with DeepSeek's 128x128 block scales (fp32); or FP4 as
-// released, two E2M1 codes a byte (element 2i in the low nibble) with one scale per 16 values (NVFP4:
-// E4M3 scales) or per 32 (MXFP4: E8M0 scales), row-major [rows, K / group] beside the codes.
-enum class Codes { Bf16, Fp8, Nvfp4, Mxfp4 };
+// How the weight rows are stored: bf16; e4m3 with DeepSeek's 128x128 block scales (fp32, Fp8); or as the
+// MX / NV formats are released, with one scale per group of consecutive values along a row (OCP MX v1.0;
+// ModelOpt NVFP4), row-major [rows, K / group] beside the codes: FP4 two E2M1 codes a byte (element 2i in
+// the low nibble) with an E4M3 scale per 16 values (NVFP4, and a per-matrix global scale) or an E8M0 scale
+// per 32 (MXFP4); MXFP8 one e4m3 code a byte with an E8M0 scale per 32.
+using Codes = WeightCodes;  // gemm.h
 __host__ __device__ constexpr bool is_fp4(Codes c) { return c == Codes::Nvfp4 || c == Codes::Mxfp4; }
+// Group-scaled codes (the scales read per row and group, not per 128x128 block).
+__host__ __device__ constexpr bool has_groups(Codes c) { return is_fp4(c) || c == Codes::Mxfp8; }
 // Weight columns in a lane's 16-byte piece: 8 bf16, 16 e4m3, 32 e2m1.
-__host__ __device__ constexpr int piece_cols(Codes c) { return c == Codes::Bf16 ? 8 : c == Codes::Fp8 ? 16 : 32; }
-// Columns per FP4 scale.
-__host__ __device__ constexpr int fp4_group(Codes c) { return c == Codes::Nvfp4 ? 16 : 32; }
+__host__ __device__ constexpr int piece_cols(Codes c) { return c == Codes::Bf16 ? 8 : is_fp4(c) ? 32 : 16; }
+// Columns per group scale.
+__host__ __device__ constexpr int group_size(Codes c) { return c == Codes::Nvfp4 ? 16 : 32; }
 // Bytes of one weight row of K columns.
 __host__ __device__ constexpr int64_t row_bytes_of(Codes c, int64_t K) { return K * 16 / piece_cols(c); }
 
@@ -112,7 +119,7 @@ struct LaneRows {
 // The rows of one plain [N, K] weight matrix (a dense product's, or one expert's down projection) that
 // lane g of 16-row group `group` streams: rows 16 group + g and + 8, inside one 128-row scale block, the
 // last group possibly partial. `scales`: the matrix's [ceil(N/128), ceil(K/128)] block scales (FP8, fp32)
-// or [N, K / group] group scales (FP4, one byte each).
+// or [N, K / group] group scales (one byte each).
 template <Codes C>
 __device__ __forceinline__ LaneRows matrix_lane_rows(const uint8_t* w, const void* scales, int64_t N, int64_t K,
                                                      int64_t group, int g) {
@@ -127,9 +134,9 @@ __device__ __forceinline__ LaneRows matrix_lane_rows(const uint8_t* w, const voi
   r.hi_ok = r.hi_col < N;
   if constexpr (C == Codes::Fp8)
     r.s_lo = r.s_hi = static_cast<const float*>(scales) + ((16 * group) / 128) * ((K + 127) / 128);
-  if constexpr (is_fp4(C)) {
-    r.q_lo = static_cast<const uint8_t*>(scales) + r.lo_col * (K / fp4_group(C));
-    r.q_hi = static_cast<const uint8_t*>(scales) + r.hi_col * (K / fp4_group(C));
+  if constexpr (has_groups(C)) {
+    r.q_lo = static_cast<const uint8_t*>(scales) + r.lo_col * (K / group_size(C));
+    r.q_hi = static_cast<const uint8_t*>(scales) + r.hi_col * (K / group_size(C));
   }
   return r;
 }
@@ -203,6 +210,16 @@ __device__ __forceinline__ void fp4_scale_pairs(uint32_t raw, uint32_t pairs[2])
   }
 }
 
+// An E8M0 scale (2^(e - 127); OCP MX v1.0 5.4.1) as a bf16 pair: bf16's exponent has the same bias, so
+// the code is the exponent field (e = 0, 2^-127, is bf16's subnormal 0x0040; the NaN code 255 reads as
+// NaN). Times an e4m3 value (4 significant bits) the product is exact while it stays in bf16's normal
+// range, which weights' scales do.
+__device__ __forceinline__ uint32_t e8m0_bf16x2(uint32_t e) {
+  e &= 0xffu;
+  const uint32_t bits = e == 0u ? 0x0040u : e == 255u ? 0x7FC0u : e << 7;
+  return bits | (bits << 16);
+}
+
 // Eight bf16 activations (a0..a7, lowest address first) in the FP4 pair order: (a0, a4), (a1, a5),
 // (a2, a6), (a3, a7), the columns fp4_to_bf16x2's pairs hold.
 __device__ __forceinline__ uint4 fp4_pair_order(uint4 v) {
@@ -219,7 +236,7 @@ __device__ __forceinline__ uint4 fp4_pair_order(uint4 v) {
 // is set), so lanes 0-3 of a row hit 4 distinct chunk positions mod 8 and a pitch = 16 (mod 128) puts row
 // 1 on the other 4.
 inline int64_t pitch_bytes(int64_t cols, Codes c) {
-  if (c == Codes::Fp8) return 2 * cols + 16;
+  if (c == Codes::Fp8 || c == Codes::Mxfp8) return 2 * cols + 16;
   if (is_fp4(c)) return (2 * cols + 127) / 128 * 128 + 16;
   return (2 * cols + 63) / 128 * 128 + 64;
 }
@@ -261,7 +278,9 @@ inline Plan make_plan(int64_t max_rows, int64_t cols, Codes codes) {
 //                    recomputed there rather than kept live across the K loop: registers)
 template <class Job, Codes C>
 __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
-  constexpr bool FP8 = C == Codes::Fp8, FP4 = is_fp4(C);
+  // FP8: 128x128 block scales on the block partials; MX8: e4m3 codes times their group scale in bf16;
+  // GROUPED: the group-scaled codes (FP4 and MX8), scaled in registers before the products.
+  constexpr bool FP8 = C == Codes::Fp8, FP4 = is_fp4(C), MX8 = C == Codes::Mxfp8, GROUPED = has_groups(C);
   extern __shared__ __align__(16) uint8_t act_smem[];  // [rows][pitch] bf16 activation rows (the K range)
   Slice slice;
   if (!job.slice(slice)) return;
@@ -290,7 +309,7 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
   // The ring: slab s lives in slot (s - s_begin) % U (u below is always a compile-time index after unrolling).
   uint4 r_lo[U], r_hi[U];
   float c_lo[U], c_hi[U];     // FP8: the slab's block scales
-  uint32_t q_lo[U], q_hi[U];  // FP4: the raw group scales of the lane's piece
+  uint32_t q_lo[U], q_hi[U];  // GROUPED: the raw group scales of the lane's piece
   auto load = [&](int u, int s) {
     const int64_t off = int64_t(s) * SLAB;
     const bool in = off + t * 16 < row_bytes;  // the lane's 16 bytes are all in or all out of the row
@@ -308,6 +327,10 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
         q_lo[u] = in && lr.lo_ok ? __ldg(lr.q_lo + 4 * s + t) : 0u;
         q_hi[u] = in && lr.hi_ok ? __ldg(lr.q_hi + 4 * s + t) : 0u;
       }
+    }
+    if constexpr (MX8) {  // the piece's columns 64 s + 16 t ..+ 16: group 2 s + t / 2
+      q_lo[u] = in && lr.lo_ok ? __ldg(lr.q_lo + 2 * s + t / 2) : 0u;
+      q_hi[u] = in && lr.hi_ok ? __ldg(lr.q_hi + 2 * s + t / 2) : 0u;
     }
   };
 
@@ -340,7 +363,7 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
     if (lr.active) {
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // FP8: the current 128-column block's raw sums
-      // FP4: the odd mmas' sums (two chains of 4 dependent mmas a slab instead of one of 8: the chain, ~30
+      // GROUPED: the odd mmas' sums (two chains of 4 dependent mmas a slab instead of one of 8: the chain, ~30
       // clocks an mma, would otherwise outlast the slab's loads), added to acc after the K loop.
       float odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const uint8_t* a_row = act_smem + g * pitch;
@@ -382,8 +405,18 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
               fp4_to_bf16x2(w_hi4[i], sc_hi[i / 2], &a_hi[4 * i]);
             }
           }
+          if constexpr (MX8) {  // e4m3 pairs to bf16, each times the group scale (exact)
+            const uint32_t sc_lo = e8m0_bf16x2(q_lo[u]), sc_hi = e8m0_bf16x2(q_hi[u]);
 #pragma unroll
-          for (int i = 0; i < 4 && !FP4; ++i) {
+            for (int i = 0; i < 4; ++i) {
+              a_lo[2 * i] = bf16x2_mul(e4m3x2_to_bf16x2(w_lo4[i]), sc_lo);
+              a_lo[2 * i + 1] = bf16x2_mul(e4m3x2_to_bf16x2(w_lo4[i] >> 16), sc_lo);
+              a_hi[2 * i] = bf16x2_mul(e4m3x2_to_bf16x2(w_hi4[i]), sc_hi);
+              a_hi[2 * i + 1] = bf16x2_mul(e4m3x2_to_bf16x2(w_hi4[i] >> 16), sc_hi);
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < 4 && !GROUPED; ++i) {
             if constexpr (FP8) {
               a_lo[2 * i] = e4m3x2_to_bf16x2(w_lo4[i]);
               a_lo[2 * i + 1] = e4m3x2_to_bf16x2(w_lo4[i] >> 16);
@@ -399,7 +432,7 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
 #pragma unroll
           for (int j = 0; j < J; ++j) {
             const uint32_t a[4] = {a_lo[2 * j], a_hi[2 * j], a_lo[2 * j + 1], a_hi[2 * j + 1]};
-            ptx::mma_bf16(FP8 ? part : FP4 && (j & 1) ? odd : acc, a, b[2 * j], b[2 * j + 1]);
+            ptx::mma_bf16(FP8 ? part : GROUPED && (j & 1) ? odd : acc, a, b[2 * j], b[2 * j + 1]);
           }
           if constexpr (FP8) {
             if ((s & 1) || s == s_end - 1) {  // the block's last slab: scale its partial into acc
@@ -414,7 +447,7 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
           if (s + U < s_end) load(u, s + U);
         }
       }
-      if constexpr (FP4) {
+      if constexpr (GROUPED) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[i] += odd[i];
       }

@@ -1,6 +1,6 @@
 // bench_moe: the routed experts of one MoE layer (moe.h: moe_experts with bf16 weights, moe_experts_fp8 with
-// e4m3 weights and 128x128 block scales, moe_experts_nvfp4 / moe_experts_mxfp4: moe_experts_fp4 with the
-// released 4-bit formats) at the real models' shapes, the whole call timed (sort by expert, the two grouped
+// e4m3 weights and 128x128 block scales, moe_experts_nvfp4 / _mxfp4 / _mxfp8: moe_experts_packed with the
+// released MX / NV formats) at the real models' shapes, the whole call timed (sort by expert, the two grouped
 // products, the combine):
 //   deepseek_v3.2  hidden 7168, moe_intermediate 2048, 256 experts, top-8, SiLU GLU
 //   kimi_k3.1_pro  the latent experts: width 3584 (routed_expert_hidden_size), moe_intermediate 3072, 896
@@ -139,8 +139,9 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
   auto wanted = [&](const char* kernel) {
     return options.filter.empty() || std::string(kernel).find(options.filter) != std::string::npos;
   };
-  enum class W { Bf16, Fp8, Nvfp4, Mxfp4 };
-  const char* const names[] = {"moe_experts", "moe_experts_fp8", "moe_experts_nvfp4", "moe_experts_mxfp4"};
+  enum class W { Bf16, Fp8, Nvfp4, Mxfp4, Mxfp8 };
+  const char* const names[] = {"moe_experts", "moe_experts_fp8", "moe_experts_nvfp4", "moe_experts_mxfp4",
+                               "moe_experts_mxfp8"};
   std::vector<Model> models(std::begin(kModels), std::end(kModels));
   std::vector<int64_t> token_counts = {1, 4, 8, 16, 64, 128, 256, 4096, 16384};
   if (options.quick) {
@@ -153,10 +154,11 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
   cudaStream_t st = stream();
 
   for (const Model& m : models)
-    for (const W w : {W::Bf16, W::Fp8, W::Nvfp4, W::Mxfp4}) {
+    for (const W w : {W::Bf16, W::Fp8, W::Nvfp4, W::Mxfp4, W::Mxfp8}) {
       const char* kernel = names[int(w)];
       if (!wanted(kernel)) continue;
-      const bool fp8 = w == W::Fp8, fp4 = w == W::Nvfp4 || w == W::Mxfp4;
+      // fp4 below: the group-scaled formats (MXFP8's codes a byte each, like FP8's).
+      const bool fp8 = w == W::Fp8, mx8 = w == W::Mxfp8, fp4 = w == W::Nvfp4 || w == W::Mxfp4 || mx8;
       const int64_t H = m.hidden, I = m.inter, E = m.experts, k = m.top_k;
       const int64_t per_expert = 3 * H * I;  // gate, up and down weights
       const int64_t group = w == W::Nvfp4 ? 16 : 32;
@@ -164,7 +166,7 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
       const int64_t gu_scales = fp4 ? E * 2 * I * (H / group) : E * 2 * (I / 128) * (H / 128);
       const int64_t dn_scales = fp4 ? E * H * (I / group) : E * (H / 128) * (I / 128);
       const int64_t scale_size = fp4 ? 1 : 4;
-      const double bytes_per_weight = fp4 ? 0.5 : fp8 ? 1.0 : 2.0;
+      const double bytes_per_weight = mx8 || fp8 ? 1.0 : fp4 ? 0.5 : 2.0;
       const size_t weight_bytes = size_t(double(E * per_expert) * bytes_per_weight);
       const size_t scale_bytes = (fp8 || fp4) ? size_t(gu_scales + dn_scales) * scale_size + E * 3 * 4 : 0;
       const size_t ws_bytes = moe_workspace_bytes(max_tokens, k, E, H, I);
@@ -205,11 +207,16 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
         fill_scales<<<256, 256, 0, st>>>(static_cast<float*>(gu_s), gu_scales, 3, 1.0f / (100.0f * std::sqrt(float(H))));
         fill_scales<<<256, 256, 0, st>>>(static_cast<float*>(dn_s), dn_scales, 4, 1.0f / (100.0f * std::sqrt(float(I))));
       } else if (fp4) {
-        fill_bytes<<<4096, 256, 0, st>>>(static_cast<uint8_t*>(gate_up), E * 2 * I * H / 2, 1);
-        fill_bytes<<<4096, 256, 0, st>>>(static_cast<uint8_t*>(down), E * H * I / 2, 2);
+        if (mx8) {
+          fill_e4m3<<<4096, 256, 0, st>>>(static_cast<uint8_t*>(gate_up), E * 2 * I * H, 1);
+          fill_e4m3<<<4096, 256, 0, st>>>(static_cast<uint8_t*>(down), E * H * I, 2);
+        } else {
+          fill_bytes<<<4096, 256, 0, st>>>(static_cast<uint8_t*>(gate_up), E * 2 * I * H / 2, 1);
+          fill_bytes<<<4096, 256, 0, st>>>(static_cast<uint8_t*>(down), E * H * I / 2, 2);
+        }
         // E2M1 codes have an RMS near 3: NVFP4 scales E4M3 0x20-0x2F (2^-3 .. 2^-2 * 1.875) with global
-        // 1 / sqrt(K); MXFP4 scales 2^-8 .. 2^-5 (E8M0 119-122).
-        const int lo = w == W::Nvfp4 ? 0x20 : 119, span = w == W::Nvfp4 ? 16 : 4;
+        // 1 / sqrt(K); MXFP4 scales 2^-8 .. 2^-5 (E8M0 119-122); e4m3 codes (RMS near 100) 2^-14 .. 2^-11.
+        const int lo = w == W::Nvfp4 ? 0x20 : mx8 ? 113 : 119, span = w == W::Nvfp4 ? 16 : 4;
         fill_scale_codes<<<1024, 256, 0, st>>>(static_cast<uint8_t*>(gu_s), gu_scales, 3, lo, span);
         fill_scale_codes<<<1024, 256, 0, st>>>(static_cast<uint8_t*>(dn_s), dn_scales, 4, lo, span);
         std::vector<float> g(size_t(E) * 3);
@@ -236,10 +243,13 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
             moe_experts_fp8(x, tokens, H, d_experts, d_weights, k, gu8, static_cast<const float*>(gu_s), dn8,
                             static_cast<const float*>(dn_s), E, I, m.glu, kAlpha, kLimit, out, ws, s);
           else if (fp4)
-            moe_experts_fp4(x, tokens, H, d_experts, d_weights, k, w == W::Nvfp4 ? Fp4Weights::Nvfp4 : Fp4Weights::Mxfp4,
-                            gu8, static_cast<const uint8_t*>(gu_s), w == W::Nvfp4 ? global : nullptr, dn8,
-                            static_cast<const uint8_t*>(dn_s), w == W::Nvfp4 ? global + 2 * E : nullptr, E, I, m.glu,
-                            kAlpha, kLimit, out, ws, s);
+            moe_experts_packed(x, tokens, H, d_experts, d_weights, k,
+                               w == W::Nvfp4   ? WeightCodes::Nvfp4
+                               : w == W::Mxfp4 ? WeightCodes::Mxfp4
+                                               : WeightCodes::Mxfp8,
+                               gu8, static_cast<const uint8_t*>(gu_s), w == W::Nvfp4 ? global : nullptr, dn8,
+                               static_cast<const uint8_t*>(dn_s), w == W::Nvfp4 ? global + 2 * E : nullptr, E, I,
+                               m.glu, kAlpha, kLimit, out, ws, s);
           else
             moe_experts(x, tokens, H, d_experts, d_weights, k, gate_up, down, E, I, m.glu, kAlpha, kLimit, out, ws, s);
         };
@@ -256,13 +266,14 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
                     2.0 * tokens * H * 2 + pairs * 8;
         row.flops = 2.0 * pairs * 3 * double(H) * double(I) + 4.0 * pairs * double(I) + 2.0 * pairs * double(H);
         const double seconds = row.median_us * 1e-6;
-        // FP4: the decode kernel where the others take it, else the WMMA tiles (moe.h).
+        // FP4, MXFP8: the decode kernel where the others take it, else the WMMA tiles (moe.h).
         MoePath path = moe_experts_path(tokens, k, E, H, I);
         if (fp4 && path == MoePath::Wgmma) path = MoePath::Tiled;
         std::string how;
         if (fp4)
           how = std::string(path == MoePath::Decode ? "decode path" : "tiled path (WMMA)") +
-                ": packed e2m1 experts read in place, each code turned into bf16 times its " +
+                (mx8 ? ": e4m3 experts read in place, each code turned into bf16 times its "
+                     : ": packed e2m1 experts read in place, each code turned into bf16 times its ") +
                 (w == W::Nvfp4 ? "E4M3 scale per 16 (global scale on the sums)" : "E8M0 scale per 32") +
                 (path == MoePath::Decode ? " in registers, mma.sync m16n8k16; " : " per staged tile; ");
         else if (path == MoePath::Decode)

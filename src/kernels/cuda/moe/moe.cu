@@ -45,10 +45,11 @@
 // path converts e4m3 to bf16 exactly (no scale) and scales each 128-column block's fp32 partial: within
 // rounding of moe_experts on the dequantised weights, not bit-identical.
 //
-// moe_experts_fp4 (NVFP4 / MXFP4 as released) reads the codes in place: the Decode path turns them into
-// bf16 times their group scale in registers (skinny.cuh fp4_to_bf16x2, exact); larger steps take the WMMA
-// tiles, which stage the raw code tiles by cp.async and convert each stage into the bf16 tile the same
-// way (fp4_to_bf16x8), as the FP8 tiles do. No wgmma product reads FP4 yet.
+// moe_experts_packed (NVFP4 / MXFP4 / MXFP8 as released) reads the codes in place: the Decode path turns
+// them into bf16 times their group scale in registers (skinny.cuh fp4_to_bf16x2 and e8m0_bf16x2, exact);
+// larger steps take the WMMA tiles, which stage the raw code tiles by cp.async and convert each stage into
+// the bf16 tile (fp4_to_bf16x8; MXFP8 as the FP8 tiles, with the row's group scale). No wgmma product
+// reads the group-scaled formats yet.
 #include "kernels/cuda/moe/moe.h"
 
 #include <cuda_bf16.h>
@@ -351,7 +352,8 @@ struct SmemTilesFp4 {
 };
 template <int NB, skinny::Codes C>
 union GemmSmem {
-  std::conditional_t<skinny::is_fp4(C), SmemTilesFp4<NB>, SmemTiles<NB, C == skinny::Codes::Fp8>> tiles;
+  std::conditional_t<skinny::is_fp4(C), SmemTilesFp4<NB>,
+                     SmemTiles<NB, C == skinny::Codes::Fp8 || C == skinny::Codes::Mxfp8>> tiles;
   float c[NB][BM][LDC];
 };
 
@@ -368,6 +370,7 @@ __device__ __forceinline__ uint4 fp4_to_bf16x8(uint32_t w, uint32_t scale) {
 // IS_GATE_UP: h = act(A·gateᵀ, A·upᵀ) (A = gathered x, K = hidden, N = inter);
 // else:        y = weight · (A·downᵀ) (A = h, K = inter, N = hidden).
 // FP8: w_base is e4m3 [E, NB*N, K] with fp32 scales w_scales [E, NB, ceil(N/128), ceil(K/128)] (moe.h);
+// MXFP8: w_base is e4m3 [E, NB*N, K] with E8M0 group scales w_groups [E, NB*N, K/32];
 // FP4: w_base is packed e2m1 [E, NB*N, K/2] with group scales w_groups [E, NB*N, K/group] and (NVFP4)
 // w_global [E, NB]; else w_base is bf16 [E, NB*N, K] and the scales unused.
 template <bool IS_GATE_UP, skinny::Codes C>
@@ -376,7 +379,8 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
     const void* w_base, const float* w_scales, const uint8_t* w_groups, const float* w_global,
     const float* pair_weight, int64_t K, int64_t N, bf16* out, Glu kind, float alpha, float limit) {
   constexpr int NB = IS_GATE_UP ? 2 : 1;
-  constexpr bool FP8 = C == skinny::Codes::Fp8, FP4 = skinny::is_fp4(C);
+  // FP8 here: e4m3 code tiles, with a 128x128 block scale (Fp8) or a per-row E8M0 group scale (MX8).
+  constexpr bool MX8 = C == skinny::Codes::Mxfp8, FP8 = C == skinny::Codes::Fp8 || MX8, FP4 = skinny::is_fp4(C);
   using namespace nvcuda;
   __shared__ __align__(128) GemmSmem<NB, C> sm;
   if (int(blockIdx.x) >= *num_tiles) return;
@@ -429,7 +433,7 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
     // 16 columns are one group, MXFP4's 32 one group) comes from global memory a step ahead.
     const uint8_t* wq = static_cast<const uint8_t*>(w_base);
     const int qrow = tid / 2, qhalf = tid % 2;
-    constexpr int G = skinny::fp4_group(C);
+    constexpr int G = skinny::group_size(C);
     const uint8_t* w_row[NB];
     const uint8_t* g_row[NB];
     for (int b = 0; b < NB; ++b) {
@@ -509,7 +513,8 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
     // Each thread copies one 16-byte chunk (16 codes) per weight operand per stage: row tid/2, column
     // (tid % 2) * 16 of the 64 x 32 tile; K % 16 == 0, so a chunk is all in or all out. Thread b < NB also
     // copies operand b's block scale for the stage: BK divides 128 and a 64-row tile (n0 % 64 == 0) lies
-    // inside one 128-row block, so one scale covers an operand's whole stage.
+    // inside one 128-row block, so one scale covers an operand's whole stage. MX8: a stage's 32 columns
+    // are one group of each row; the thread's row scale comes from global memory a step ahead (as FP4's).
     const uint8_t* wq = static_cast<const uint8_t*>(w_base);
     const int qrow = tid / 2, qcol = (tid % 2) * 16;
     const uint8_t* w_row[NB];
@@ -520,7 +525,12 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
     }
     const int64_t kblocks = (K + 127) / 128, nblocks = (N + 127) / 128;
     const float* s_row =
-        w_scales + ((int64_t(tile.expert) * NB + min(tid, NB - 1)) * nblocks + n0 / 128) * kblocks;
+        MX8 ? nullptr : w_scales + ((int64_t(tile.expert) * NB + min(tid, NB - 1)) * nblocks + n0 / 128) * kblocks;
+    const uint8_t* g_row[NB];  // MX8: the thread's row of group scales per operand
+    for (int b = 0; b < NB; ++b) {
+      const int64_t n = n0 + qrow;
+      g_row[b] = MX8 && n < N ? w_groups + (int64_t(tile.expert) * (NB * N) + b * N + n) * (K / 32) : nullptr;
+    }
     auto load_stage = [&](int stage, int64_t k0) {
       load_a(sm.tiles.a[stage], k0);
       const int64_t k = k0 + qcol;
@@ -528,13 +538,21 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
       for (int b = 0; b < NB; ++b)
         cp_async16(&sm.tiles.q[stage][b][qrow][qcol], kv && w_row[b] ? w_row[b] + k : wq,
                    kv && w_row[b] != nullptr);
-      if (tid < NB) cp_async4(&sm.tiles.scale[stage][tid], s_row + k0 / 128, true);
+      if (!MX8 && tid < NB) cp_async4(&sm.tiles.scale[stage][tid], s_row + k0 / 128, true);
     };
+    auto group_scale = [&](int b, int64_t kt) -> float {  // MX8: 2^(e - 127) (e = 0: fp32's subnormal 2^-127)
+      const uint32_t e = g_row[b] && kt < ktiles ? __ldg(g_row[b] + kt * BK / 32) : 127u;
+      return __uint_as_float(e == 0u ? 0x00400000u : e == 255u ? 0x7FC00000u : e << 23);
+    };
+    float gsc[NB], gsc_next[NB];
+    for (int b = 0; b < NB; ++b) gsc[b] = MX8 ? group_scale(b, 0) : 0.0f;
     for (int s = 0; s < STAGES_FP8 - 1; ++s) {
       if (s < ktiles) load_stage(s, s * BK);
       cp_async_commit();
     }
     for (int64_t kt = 0; kt < ktiles; ++kt) {
+      if constexpr (MX8)
+        for (int b = 0; b < NB; ++b) gsc_next[b] = group_scale(b, kt + 1);
       // Stage kt is in for every thread, and every warp is done with step kt - 1 (its A stage, which the
       // load below refills, and the bf16 tile b, which the conversion below rewrites).
       cp_async_wait<STAGES_FP8 - 2>();
@@ -545,9 +563,10 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
       const int st = int(kt % STAGES_FP8);
       for (int b = 0; b < NB; ++b) {
         const uint4 raw = *reinterpret_cast<const uint4*>(&sm.tiles.q[st][b][qrow][qcol]);
-        const float sc = sm.tiles.scale[st][b];
+        const float sc = MX8 ? gsc[b] : sm.tiles.scale[st][b];
         *reinterpret_cast<uint4*>(&sm.tiles.b[b][qrow][qcol]) = dequant8(raw.x, raw.y, sc);
         *reinterpret_cast<uint4*>(&sm.tiles.b[b][qrow][qcol + 8]) = dequant8(raw.z, raw.w, sc);
+        if constexpr (MX8) gsc[b] = gsc_next[b];
       }
       __syncthreads();
       mma_step(&sm.tiles.a[st][0][0], &sm.tiles.b[0][0][0]);
@@ -924,7 +943,7 @@ struct Base {
   int64_t K;
   const void* w;               // [E, (gate/up ? 2 : 1) * N, K], bf16, e4m3 or packed e2m1
   const float* w_scales;       // FP8: moe.h's block scales
-  const uint8_t* w_groups;     // FP4: the group scales, [E, (gate/up ? 2 : 1) * N, K / group]
+  const uint8_t* w_groups;     // FP4, MXFP8: the group scales, [E, (gate/up ? 2 : 1) * N, K / group]
   const float* w_global;       // NVFP4: weight_scale_2 per matrix, [E, 2] (gate, up) or [E] (down)
   int64_t N;                   // outputs per row: gate/up: inter; down: hidden
   const float* pair_weight;
@@ -964,8 +983,8 @@ struct GateUp : Base {
       r.s_lo = w_scales + ((int64_t(s.index) * 2 + 0) * nb + (8 * group) / 128) * kb;
       r.s_hi = w_scales + ((int64_t(s.index) * 2 + 1) * nb + (8 * group) / 128) * kb;
     }
-    if constexpr (skinny::is_fp4(C)) {
-      const int64_t kg = K / skinny::fp4_group(C);
+    if constexpr (skinny::has_groups(C)) {
+      const int64_t kg = K / skinny::group_size(C);
       r.q_lo = w_groups + (int64_t(s.index) * 2 * N + r.lo_col) * kg;
       r.q_hi = w_groups + (int64_t(s.index) * 2 * N + N + r.lo_col) * kg;
     }
@@ -995,11 +1014,11 @@ struct Down : Base {
   // hidden % 16 == 8).
   __device__ LaneRows lane_rows(const Slice& s, int64_t group, int g) const {
     // Expert s.index's [N, K] matrix and its [ceil(N/128), ceil(K/128)] scales (FP8) or [N, K / group]
-    // group scales (FP4).
+    // group scales (FP4, MXFP8).
     const int64_t row_bytes = skinny::row_bytes_of(C, K);
     const void* scales = nullptr;
     if constexpr (FP8) scales = w_scales + int64_t(s.index) * ((N + 127) / 128) * ((K + 127) / 128);
-    if constexpr (skinny::is_fp4(C)) scales = w_groups + int64_t(s.index) * N * (K / skinny::fp4_group(C));
+    if constexpr (skinny::has_groups(C)) scales = w_groups + int64_t(s.index) * N * (K / skinny::group_size(C));
     const uint8_t* w_exp = static_cast<const uint8_t*>(w) + int64_t(s.index) * N * row_bytes;
     return skinny::matrix_lane_rows<C>(w_exp, scales, N, K, group, g);
   }
@@ -1192,7 +1211,7 @@ void launch_wgmma(const char* what, const wg::Args& args, int64_t max_tiles, cud
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
-// The scales of moe_experts (none), moe_experts_fp8 (block scales) and moe_experts_fp4 (group scales and,
+// The scales of moe_experts (none), moe_experts_fp8 (block scales) and moe_experts_packed (group scales and,
 // NVFP4, the per-matrix global scales).
 struct ExpertScales {
   const float* gate_up_blocks = nullptr;
@@ -1208,7 +1227,7 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
                      const float* weights, int64_t top_k, const void* gate_up, const void* down,
                      const ExpertScales& sc, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
                      float limit, void* out, void* workspace, cudaStream_t stream) {
-  constexpr bool FP8 = C == skinny::Codes::Fp8, FP4 = skinny::is_fp4(C);
+  constexpr bool FP8 = C == skinny::Codes::Fp8, GROUPED = skinny::has_groups(C);
   const float* gate_up_scales = sc.gate_up_blocks;
   const float* down_scales = sc.down_blocks;
   SPARROW_CHECK(tokens >= 0 && top_k >= 1 && num_experts >= 1 && hidden > 0 && inter > 0, what,
@@ -1220,12 +1239,14 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
   const void* operands[] = {x, gate_up, down, out, workspace};
   for (const void* p : operands)
     SPARROW_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, what, ": operands must be 16-byte aligned");
-  if constexpr (FP4) {
+  if constexpr (GROUPED) {
     SPARROW_CHECK(sc.gate_up_groups != nullptr && sc.down_groups != nullptr, what, ": null weight scales");
     SPARROW_CHECK((C != skinny::Codes::Nvfp4) == (sc.gate_up_global == nullptr && sc.down_global == nullptr), what,
-                  ": NVFP4 weights take global scales (weight_scale_2), MXFP4 weights none");
+                  ": NVFP4 weights take global scales (weight_scale_2), MXFP4 and MXFP8 weights none");
     SPARROW_CHECK(decode_fits(hidden, inter, C), what, ": hidden (", hidden, ") or intermediate (", inter,
-                  ") too wide for the FP4 kernel's staged activation rows");
+                  ") too wide for the decode kernel's staged activation rows");
+    SPARROW_CHECK(hidden % 32 == 0 && inter % 32 == 0, what, ": hidden (", hidden, ") and intermediate (", inter,
+                  ") must be multiples of the 32-value scale groups");
     SPARROW_CHECK(tokens * top_k <= (int64_t(1) << 30), what, ": too many (token, expert) pairs");
   }
   if constexpr (FP8) {
@@ -1248,8 +1269,9 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
   auto* h = reinterpret_cast<bf16*>(ws + l.h);
   auto* y = reinterpret_cast<bf16*>(ws + l.y);
 
-  // FP4 weights: the decode kernel, or above its sizes the WMMA tiles (no wgmma product reads FP4 yet).
-  const MoePath path = !FP4 ? moe_experts_path(tokens, top_k, num_experts, hidden, inter)
+  // Group-scaled weights: the decode kernel, or above its sizes the WMMA tiles (no wgmma product reads them
+  // yet).
+  const MoePath path = !GROUPED ? moe_experts_path(tokens, top_k, num_experts, hidden, inter)
                        : use_decode(tokens, top_k, num_experts, hidden, inter) ? MoePath::Decode
                                                                                 : MoePath::Tiled;
   const int tile_rows = path == MoePath::Decode ? decode_tile_rows(tokens, hidden, inter, C) : 0;
@@ -1287,7 +1309,7 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
   }
 
   if (wide) {
-    if constexpr (!FP4) {
+    if constexpr (!GROUPED) {
     // At most pairs / wg::BM full tiles plus one partial tile per expert, and never more tiles than rows.
     const int64_t max_tiles = std::min<int64_t>(pairs, (pairs + wg::BM - 1) / wg::BM + num_experts);
     wg::Args up{tiles, num_tiles, tile_start, counts, sorted_pair, int(top_k), static_cast<const bf16*>(x), hidden,
@@ -1338,22 +1360,30 @@ void moe_experts_fp8(const void* x, int64_t tokens, int64_t hidden, const int32_
                                       num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
 }
 
-void moe_experts_fp4(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
-                     int64_t top_k, Fp4Weights kind, const uint8_t* gate_up, const uint8_t* gate_up_scales,
-                     const float* gate_up_global, const uint8_t* down, const uint8_t* down_scales,
-                     const float* down_global, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
-                     float limit, void* out, void* workspace, cudaStream_t stream) {
+void moe_experts_packed(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
+                        int64_t top_k, WeightCodes kind, const uint8_t* gate_up, const uint8_t* gate_up_scales,
+                        const float* gate_up_global, const uint8_t* down, const uint8_t* down_scales,
+                        const float* down_global, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
+                        float limit, void* out, void* workspace, cudaStream_t stream) {
   ExpertScales sc;
   sc.gate_up_groups = gate_up_scales;
   sc.down_groups = down_scales;
   sc.gate_up_global = gate_up_global;
   sc.down_global = down_global;
-  if (kind == Fp4Weights::Nvfp4)
-    run_moe_experts<skinny::Codes::Nvfp4>("moe_experts_fp4", x, tokens, hidden, experts, weights, top_k, gate_up, down,
-                                          sc, num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
-  else
-    run_moe_experts<skinny::Codes::Mxfp4>("moe_experts_fp4", x, tokens, hidden, experts, weights, top_k, gate_up, down,
-                                          sc, num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
+  const char* what = "moe_experts_packed";
+  switch (kind) {
+    case WeightCodes::Nvfp4:
+      return run_moe_experts<skinny::Codes::Nvfp4>(what, x, tokens, hidden, experts, weights, top_k, gate_up, down, sc,
+                                                   num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
+    case WeightCodes::Mxfp4:
+      return run_moe_experts<skinny::Codes::Mxfp4>(what, x, tokens, hidden, experts, weights, top_k, gate_up, down, sc,
+                                                   num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
+    case WeightCodes::Mxfp8:
+      return run_moe_experts<skinny::Codes::Mxfp8>(what, x, tokens, hidden, experts, weights, top_k, gate_up, down, sc,
+                                                   num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
+    default: break;
+  }
+  fail(what, ": the weights must be NVFP4, MXFP4 or MXFP8");
 }
 
 }  // namespace sparrow::cuda

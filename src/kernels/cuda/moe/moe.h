@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/elementwise/elementwise.h"
+#include "kernels/cuda/gemm/gemm.h"
 
 namespace sparrow::cuda {
 
@@ -82,23 +83,27 @@ void moe_experts_fp8(const void* x, int64_t tokens, int64_t hidden, const int32_
                      const float* down_scales, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
                      float limit, void* out, void* workspace, cudaStream_t stream);
 
-// The same with FP4 expert weights as released, read in place (half the bytes of FP8):
+// The same with expert weights as the MX / NV formats are released, read in place (FP4: half the bytes of
+// FP8), each row with one scale per group of consecutive values:
 //   Nvfp4 (ModelOpt): gate_up [E, 2*inter, hidden / 2] bytes, two E2M1 codes each (element 2i in the low
 //     nibble); gate_up_scales E4M3 [E, 2*inter, hidden / 16]; gate_up_global fp32 [E, 2], the gate's and
 //     the up's weight_scale_2; down [E, hidden, inter / 2], down_scales [E, hidden, inter / 16],
 //     down_global [E]:  W[e][i][j] = e2m1 * e4m3(scale[e][i][j / 16]) * global[e](half of i)
 //   Mxfp4 (compressed-tensors / OCP MX): the same codes, scales E8M0 per 32 values ([.., hidden / 32],
 //     [.., inter / 32]), no global scales (null):  W = e2m1 * 2^(e8m0 - 127).
+//   Mxfp8 (ModelOpt / OCP MX, MiniMax-M3's experts): e4m3 codes, one a byte (gate_up [E, 2*inter, hidden],
+//     down [E, hidden, inter]), scales E8M0 per 32 as Mxfp4's, no global scales:  W = e4m3 * 2^(e8m0 - 127).
 // Decode sizes take the decode kernel (gemm/skinny.cuh), which turns each code into bf16 times its group
 // scale in registers (exact); larger steps the WMMA tiles, which convert each staged code tile the same
-// way into a bf16 tile (no wgmma product reads FP4 yet). NVFP4's global scale multiplies each fp32 sum
-// before the activation / the pair weight. Within rounding of moe_experts on the dequantised weights (the
-// decode path's bound; no bf16 rounding of the weights at all). hidden and inter must be multiples of 32.
-enum class Fp4Weights { Nvfp4, Mxfp4 };
-void moe_experts_fp4(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
-                     int64_t top_k, Fp4Weights kind, const uint8_t* gate_up, const uint8_t* gate_up_scales,
-                     const float* gate_up_global, const uint8_t* down, const uint8_t* down_scales,
-                     const float* down_global, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
-                     float limit, void* out, void* workspace, cudaStream_t stream);
+// way into a bf16 tile (no wgmma product reads these formats yet). NVFP4's global scale multiplies each
+// fp32 sum before the activation / the pair weight. Within rounding of moe_experts on the dequantised
+// weights (the decode path's bound; no bf16 rounding of the weights at all). hidden and inter must be
+// multiples of 32.
+// `kind` is one of WeightCodes' Nvfp4, Mxfp4, Mxfp8 (gemm.h).
+void moe_experts_packed(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
+                        int64_t top_k, WeightCodes kind, const uint8_t* gate_up, const uint8_t* gate_up_scales,
+                        const float* gate_up_global, const uint8_t* down, const uint8_t* down_scales,
+                        const float* down_global, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
+                        float limit, void* out, void* workspace, cudaStream_t stream);
 
 }  // namespace sparrow::cuda
