@@ -13,6 +13,7 @@
 #include "formats/checkpoint.h"
 #include "formats/quantization.h"
 #include "formats/safetensors.h"
+#include "kernels/ops.h"
 #include "model/model.h"
 #include "test_util.h"
 
@@ -46,6 +47,29 @@ TEST_P(QuantizedFixture, EveryWeightDequantizesToTheTwinBitForBit) {
   EXPECT_GT(quantized_weights, 10);
   EXPECT_GT(compared, 20);
   quantized->finish();  // every scale, second-level scale and input scale went with its weight
+}
+
+// On the CPU the projections stay as stored (kernels/cpu/stored_weights.h widens one per product), so a
+// model needs its checkpoint's size in memory, not 2-4x it: take_linear hands out bf16 views, or the codes
+// with their scales (MXFP8 in minimax_m3_nvfp4), and their exact widening is the twin's value bit for bit.
+TEST_P(QuantizedFixture, TheCpuKeepsProjectionsAsStored) {
+  auto quantized = Checkpoint::open(fixture(GetParam()).string());
+  auto twin_file = SafetensorsFile::open((fixture(GetParam()) / "twin/model.safetensors").string());
+  int64_t kept = 0, codes = 0;
+  for (const auto& [name, info] : twin_file->tensors()) {
+    if (info.shape.size() != 2 || name.find(".experts.") != std::string::npos) continue;
+    SCOPED_TRACE(name);
+    const Tensor got = quantized->take_linear(name, info.shape);
+    const Tensor want = to_float32(info, nullptr);
+    if (got.type() == ScalarType::F32) continue;  // stored in fp32, or in a shape the codes do not cover
+    const Tensor widened = ops::dequantize_weight(got);
+    ASSERT_EQ(widened.shape(), want.shape());
+    EXPECT_EQ(std::memcmp(widened.data(), want.data(), sizeof(float) * size_t(want.numel())), 0);
+    ++kept;
+    codes += got.type() == ScalarType::F8E4M3 || got.type() == ScalarType::E2M1x2;
+  }
+  EXPECT_GT(kept, 3);
+  if (GetParam() == "minimax_m3_nvfp4") EXPECT_GT(codes, 3);  // its MXFP8 projections
 }
 
 TEST_P(QuantizedFixture, LogitsEqualTheDequantizedTwins) {
@@ -95,6 +119,25 @@ const char* kMxfp8Config = R"({"quantization_config": {"quant_method": "modelopt
 
 // Hand-computed values: E4M3 0x38 = 1.0, 0x40 = 2.0, 0xB8 = -1.0; E8M0 127 + k = 2^k; E2M1 codes 1 = 0.5,
 // 7 = 6, 0xA = -1; NVFP4's w = e2m1 * (e4m3(scale) * scale_2).
+// bf16 checkpoints (the bundled models) stay bf16 views of the mapped file on the CPU: the projections
+// and the experts (stacked) hold 2 bytes a weight, widened exactly per product; a bf16 tensor's elements
+// are not fp32 and Tensor::data() says so rather than reinterpret them.
+TEST(QuantizedWeights, TheCpuKeepsBf16WeightsAsStored) {
+  const fs::path dir = fs::path(SPARROW_SOURCE_DIR) / "models/deepseek_v32";
+  auto stored = Checkpoint::open(dir.string());
+  auto widened = Checkpoint::open(dir.string());
+  const std::string name = "model.layers.1.self_attn.o_proj.weight";
+  const Tensor b = stored->take_linear(name, {192, 4 * 32});
+  ASSERT_EQ(b.type(), ScalarType::BF16);
+  EXPECT_THROW(b.data(), Error);
+  const Tensor f = widened->take(name, {192, 4 * 32});
+  const Tensor w = ops::dequantize_weight(b);
+  EXPECT_EQ(std::memcmp(w.data(), f.data(), sizeof(float) * size_t(f.numel())), 0);
+  const Checkpoint::Experts experts = stored->take_experts("model.layers.1.mlp.experts", 8, 32, 192);
+  EXPECT_EQ(experts.gate_up.type(), ScalarType::BF16);
+  EXPECT_EQ(experts.down.type(), ScalarType::BF16);
+}
+
 TEST(QuantizedWeights, HandComputedValues) {
   {
     TempDir dir;

@@ -179,6 +179,10 @@ Tensor convert_on_host(const Tensor& x, ScalarType type) {
 
 }  // namespace
 
+void Tensor::fail_not_f32() const {
+  fail("data(): the elements of a ", scalar_name(type_), " tensor ", shape_str(shape_), " are not fp32");
+}
+
 const Tensor& Tensor::block_scales() const {
   static const Tensor none;
   return block_scales_ ? *block_scales_ : none;

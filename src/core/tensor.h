@@ -46,8 +46,15 @@ class Tensor {
   // The same of any type (e.g. the bf16 bytes of a memory-mapped checkpoint, read-only by contract).
   static Tensor view(void* data, Shape shape, ScalarType type, std::shared_ptr<void> keep_alive = nullptr);
 
-  float* data() { return static_cast<float*>(data_); }
-  const float* data() const { return static_cast<const float*>(data_); }
+  // The elements of an fp32 tensor (any other type is an error: its bytes are not floats; use as<T>()).
+  float* data() {
+    check_f32();
+    return static_cast<float*>(data_);
+  }
+  const float* data() const {
+    check_f32();
+    return static_cast<const float*>(data_);
+  }
   void* raw() { return data_; }
   const void* raw() const { return data_; }
   template <typename T>
@@ -100,6 +107,10 @@ class Tensor {
   const Tensor& global_scales() const;
 
  private:
+  void check_f32() const {
+    if (type_ != ScalarType::F32 && data_ != nullptr) fail_not_f32();
+  }
+  [[noreturn]] void fail_not_f32() const;
   void* data_ = nullptr;
   Shape shape_;
   ScalarType type_ = ScalarType::F32;

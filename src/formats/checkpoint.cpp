@@ -297,16 +297,22 @@ Tensor Checkpoint::take_linear(const std::string& name, const Shape& expected) {
       return dummy_fp8(name, expected, {ceil_div(expected[0], 128), ceil_div(expected[1], 128)});
     return take(name, expected);
   }
-  if (device_ != Device::Cpu && expected.size() == 2 && expected[1] % 32 == 0) {
+  const bool gpu = device_ != Device::Cpu;
+  if (expected.size() == 2 && expected[1] % 32 == 0) {
     const Stored weight = stored(name);
     if (group_scaled(weight.format)) return take_grouped(weight, expected);
   }
   auto it = index_.find(name);
-  const bool fp8 = device_ != Device::Cpu && it != index_.end() && it->second->dtype == DType::F8_E4M3 &&
-                   expected.size() == 2 && it->second->shape == expected && quantization_.block_rows == 128 &&
-                   quantization_.block_cols == 128;
-  if (!fp8 || expected[1] % 16 != 0 || expected[0] % 8 != 0 || stored(name).format != WeightFormat::Fp8Block)
-    return take(name, expected);
+  // On the CPU a bf16 matrix stays a view of the mapped file, read when a product first needs it
+  // (kernels/cpu/stored_weights.h widens it per product).
+  if (!gpu && expected.size() == 2) {
+    Tensor mapped = take_mapped(name, expected, ScalarType::BF16);
+    if (mapped.defined()) return mapped;
+  }
+  const bool fp8 = it != index_.end() && it->second->dtype == DType::F8_E4M3 && expected.size() == 2 &&
+                   it->second->shape == expected && quantization_.block_rows == 128 &&
+                   quantization_.block_cols == 128 && (!gpu || (expected[1] % 16 == 0 && expected[0] % 8 == 0));
+  if (!fp8 || stored(name).format != WeightFormat::Fp8Block) return take(name, expected);
   Tensor scales;
   Tensor codes = take_fp8_codes(name, expected, scales);
   return codes.with_block_scales(scales.clone()).to(device_);
@@ -473,9 +479,15 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
     }
     return {take(prefix + ".gate_up_proj", {E, 2 * I, H}), take(prefix + ".down_proj", {E, H, I})};
   }
+  const bool gpu = device_ != Device::Cpu;
   if (has(prefix + ".gate_up_proj")) {
-    // transformers' fused layout (e.g. DeepseekV32NaiveMoe.gate_up_proj): gate rows first, then up.
-    return {take(prefix + ".gate_up_proj", {E, 2 * I, H}), take(prefix + ".down_proj", {E, H, I})};
+    // transformers' fused layout (e.g. DeepseekV32NaiveMoe.gate_up_proj): gate rows first, then up. On the
+    // CPU bf16 stays a view of the mapped file.
+    auto fused = [&](const std::string& name, const Shape& shape) {
+      Tensor mapped = gpu ? Tensor() : take_mapped(name, shape, ScalarType::BF16);
+      return mapped.defined() ? mapped : take(name, shape);
+    };
+    return {fused(prefix + ".gate_up_proj", {E, 2 * I, H}), fused(prefix + ".down_proj", {E, H, I})};
   }
   // Per-expert tensors, under transformers' names (gate_proj / up_proj / down_proj) or the names
   // DeepSeek / MiniMax releases use (w1 = gate, w3 = up, w2 = down).
@@ -487,23 +499,27 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
   SPARROW_CHECK(names, "missing experts '", prefix, "': neither '", prefix, ".gate_up_proj' nor '", prefix,
                 ".0.gate_proj.weight' (or '.0.w1.weight') in ", dir_);
   const std::string first = cat(prefix, ".0.", names->gate, ".weight");
-  // (The FP8 expert kernel reads rows in 16-byte pieces: I and H multiples of 16.)
+  // Experts stay as stored (the CPU widens one expert per product, kernels/cpu/stored_weights.h). On a GPU
+  // the FP8 expert kernel reads rows in 16-byte pieces (I and H multiples of 16) and the MX / NV ones whole
+  // 32-value groups (multiples of 32).
   const WeightFormat format = stored(first).format;
-  if (device_ != Device::Cpu && format == WeightFormat::Fp8Block && quantization_.block_rows == 128 &&
-      quantization_.block_cols == 128 && I % 16 == 0 && H % 16 == 0)
+  if (format == WeightFormat::Fp8Block && quantization_.block_rows == 128 && quantization_.block_cols == 128 &&
+      (!gpu || (I % 16 == 0 && H % 16 == 0)))
     return take_fp8_experts(prefix, E, I, H, names->gate, names->up, names->down);
-  // (The MX / NV expert kernels read whole 32-value groups: I and H multiples of 32.)
-  if (device_ != Device::Cpu && group_scaled(format) && I % 32 == 0 && H % 32 == 0)
+  const int64_t whole = gpu ? 32 : group_scaled(format) ? scale_group(format) : 1;  // whole scale groups
+  if (group_scaled(format) && I % whole == 0 && H % whole == 0)
     return take_grouped_experts(prefix, E, I, H, names->gate, names->up, names->down, format);
-  if (device_ != Device::Cpu && index_.at(first)->dtype == DType::BF16) {
-    // bf16 experts are stacked on the device straight from the mapped files, one copy per matrix.
+  if (format == WeightFormat::Dense && index_.at(first)->dtype == DType::BF16) {
+    // bf16 experts are stacked where they are placed straight from the mapped files, one copy per matrix.
     Experts experts{Tensor::empty({E, 2 * I, H}, ScalarType::BF16, device_),
                     Tensor::empty({E, H, I}, ScalarType::BF16, device_)};
     const size_t bytes = static_cast<size_t>(I * H) * 2;
     auto upload = [&](const std::string& name, const Shape& shape, Tensor& stack, int64_t at) {
       Tensor mapped = take_mapped(name, shape, ScalarType::BF16);
       if (!mapped.defined()) mapped = take_host(name, shape).to(Device::Cpu, ScalarType::BF16);  // another layout
-      device::copy_to_device(static_cast<uint8_t*>(stack.raw()) + at * bytes, mapped.raw(), bytes);
+      uint8_t* to = static_cast<uint8_t*>(stack.raw()) + at * bytes;
+      if (gpu) device::copy_to_device(to, mapped.raw(), bytes);
+      else std::memcpy(to, mapped.raw(), bytes);
     };
     for (int64_t e = 0; e < E; ++e) {
       const std::string expert = cat(prefix, ".", e, ".");

@@ -69,7 +69,9 @@ class Checkpoint {
   // A weight matrix only `ops::linear` reads ([out, in]). On a GPU, an FP8 tensor with 128x128 block
   // scales stays FP8 (its scales attached, Tensor::block_scales) and the product runs on the FP8 tensor
   // cores (kernels/cuda/gemm/gemm_fp8.h), when its shape suits that product: in % 16 == 0 and
-  // out % 8 == 0; an MXFP8, NVFP4 or MXFP4 tensor stays as stored (codes with their group scales,
+  // out % 8 == 0; on the CPU a bf16 matrix stays a view of the mapped file and an FP8 one its codes with
+  // their scales (kernels/cpu/stored_weights.h widens them per product); an MXFP8, NVFP4 or MXFP4 tensor
+  // stays as stored (codes with their group scales,
   // Tensor::with_group_scales, read in place by ops::linear) when in % 32 == 0. Anything else is take().
   Tensor take_linear(const std::string& name, const Shape& expected);
   // A tensor that stays float32 wherever it is placed (weights a kernel reads in fp32 whatever their

@@ -10,6 +10,7 @@
 #include "kernels/cpu/moe_reference.h"
 #include "kernels/cpu/reference_ops.h"
 #include "kernels/cpu/reference_sampling.h"
+#include "kernels/cpu/stored_weights.h"
 #include "kernels/uniform_routing.h"
 #include "core/device/device.h"
 
@@ -344,19 +345,23 @@ Tensor select_rows(const Tensor& x, const Tensor& rows) {
 Tensor concat_rows(const Tensor& a, const Tensor& b) {
   same_device(a, b, "concat_rows");
   const Stored stored = stored_as(a);
-  // Matrices stored differently (e.g. a bf16 stack of NVFP4 projections and a third NVFP4 one) stack as
-  // bf16 on a GPU.
-  if (stored_as(b) != stored && !a.on_cpu() && a.ndim() == 2 && b.ndim() == 2)
+  // Matrices that cannot stack as stored (stored differently, e.g. a bf16 stack of NVFP4 projections and a
+  // third NVFP4 one; FP8 whose first rows do not end on a 128-row scale block) stack dequantized: bf16 on a
+  // GPU, fp32 on the CPU.
+  const bool fp8_misaligned = stored == Stored::Fp8 && a.dim(0) % 128 != 0;
+  if ((stored_as(b) != stored || a.type() != b.type() || fp8_misaligned) && a.ndim() == 2 && b.ndim() == 2 &&
+      (stored != Stored::Plain || stored_as(b) != Stored::Plain))
     return concat_rows(stored == Stored::Plain ? a : dequantize_weight(a),
                        stored_as(b) == Stored::Plain ? b : dequantize_weight(b));
+  if (a.on_cpu() && a.type() != b.type() && a.ndim() == 2 && b.ndim() == 2)  // bf16 beside fp32 (CPU)
+    return concat_rows(dequantize_weight(a), dequantize_weight(b));
   SPARROW_CHECK(a.type() == b.type() && a.row_size() == b.row_size() && stored_as(b) == stored, "concat_rows: ",
                 shape_str(a.shape()), " and ", shape_str(b.shape()), " differ in row width, type or format");
   Shape shape = a.shape();
   shape[0] += b.dim(0);
   auto bytes = [](const Tensor& t) { return t.view_bytes(0, t.shape(), ScalarType::U8); };
   if (stored == Stored::Fp8) {
-    // FP8 weights: the block scales stack too, which needs a's rows to end on a scale block.
-    SPARROW_CHECK(a.dim(0) % 128 == 0, "concat_rows: FP8 matrices stack when the first has a multiple of 128 rows");
+    // FP8 weights: the block scales stack too (a's rows end on a scale block: above).
     Tensor scales = concat_rows(a.block_scales(), b.block_scales());
     return concat_rows(bytes(a), bytes(b)).view_bytes(0, shape, ScalarType::F8E4M3).with_block_scales(scales);
   }
@@ -393,11 +398,19 @@ Tensor concat_rows(const Tensor& a, const Tensor& b) {
 
 Tensor dequantize_weight(const Tensor& w) {
   const Stored stored = stored_as(w);
-  SPARROW_CHECK(w.ndim() == 2 && stored != Stored::Plain, "dequantize_weight: expects a quantized matrix, got ",
-                scalar_name(w.type()), " ", shape_str(w.shape()));
-  SPARROW_CHECK(!w.on_cpu(), "dequantize_weight: CPU weights are dequantized as they load (formats/checkpoint.h)");
-#if SPARROW_HAVE_CUDA
+  SPARROW_CHECK(w.ndim() == 2, "dequantize_weight: expects a matrix, got ", scalar_name(w.type()), " ",
+                shape_str(w.shape()));
   const int64_t rows = w.dim(0), cols = weight_cols(w);
+  if (w.on_cpu()) {
+    std::vector<float> scratch;
+    const float* values = cpu::widened_matrix(w, 0, scratch);
+    Tensor out = Tensor::empty({rows, cols});
+    std::memcpy(out.data(), values, size_t(rows * cols) * sizeof(float));
+    return out;
+  }
+  SPARROW_CHECK(stored != Stored::Plain, "dequantize_weight: expects a quantized matrix on a GPU, got ",
+                scalar_name(w.type()));
+#if SPARROW_HAVE_CUDA
   Tensor out = Tensor::empty({rows, cols}, ScalarType::BF16, w.device());
   if (stored == Stored::Fp8)
     cuda::dequantize_fp8_blocks(rows, cols, w.as<uint8_t>(), w.block_scales().as<float>(), out.raw(), cuda::stream());

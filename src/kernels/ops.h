@@ -52,8 +52,10 @@ Tensor embedding(const Tensor& table, const Tensor& ids);
 Tensor select_rows(const Tensor& x, const Tensor& rows);
 // [a; b] along the first dimension (load time).
 Tensor concat_rows(const Tensor& a, const Tensor& b);
-// A quantized GPU weight matrix (FP8 with block scales, or MX / NV codes with group scales) as bf16:
-// each value the exact dequantization rounded once (kernels/cuda/gemm/dequantize.h, gemm_fp8.h).
+// A weight matrix in its stored form (bf16, FP8 with block scales, or MX / NV codes with group scales) in
+// the compute type of its device: on a GPU, a quantized matrix as bf16, each value the exact dequantization
+// rounded once (kernels/cuda/gemm/dequantize.h, gemm_fp8.h); on the CPU, fp32, exactly
+// (kernels/cpu/stored_weights.h).
 Tensor dequantize_weight(const Tensor& w);
 
 // Rotary embedding in place: per row r and head h < heads, the `rot` values at column

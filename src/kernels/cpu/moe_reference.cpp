@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "kernels/cpu/reference_ops.h"
+#include "kernels/cpu/stored_weights.h"
 
 namespace sparrow::cpu {
 
@@ -51,7 +52,8 @@ void route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, int64_t n_g
 Tensor moe_experts(const Tensor& x, const int32_t* experts, const float* weights, int64_t top_k,
                    const Tensor& gate_up, const Tensor& down, Glu kind, float alpha, float limit) {
   const int64_t t = x.dim(0), hidden = x.dim(1);
-  const int64_t num_experts = gate_up.dim(0), inter = down.dim(2);
+  const int64_t num_experts = gate_up.dim(0), inter = stored_cols(down);
+  std::vector<float> gate_up_f32, down_f32;  // one expert's weights in fp32 when stored otherwise
   // Group the (token, slot) pairs by expert so each expert runs one matrix product over its tokens.
   std::vector<std::vector<int64_t>> assigned(num_experts);
   for (int64_t i = 0; i < t * top_k; ++i) {
@@ -66,14 +68,15 @@ Tensor moe_experts(const Tensor& x, const int32_t* experts, const float* weights
     Tensor in = Tensor::empty({n, hidden});
     for (int64_t j = 0; j < n; ++j) std::memcpy(in.row(j), x.row(slots[j] / top_k), sizeof(float) * hidden);
     Tensor projected = Tensor::empty({n, 2 * inter});
-    gemm_nt(n, 2 * inter, hidden, in.data(), hidden, gate_up.row(ex), hidden, projected.data(), 2 * inter);
+    gemm_nt(n, 2 * inter, hidden, in.data(), hidden, widened_matrix(gate_up, ex, gate_up_f32), hidden,
+            projected.data(), 2 * inter);
     Tensor act_out = Tensor::empty({n, inter});
     for (int64_t j = 0; j < n; ++j) {
       const float* gate = projected.row(j);
       cpu::glu(kind, gate, gate + inter, act_out.row(j), inter, alpha, limit);
     }
     Tensor y = Tensor::empty({n, hidden});
-    gemm_nt(n, hidden, inter, act_out.data(), inter, down.row(ex), inter, y.data(), hidden);
+    gemm_nt(n, hidden, inter, act_out.data(), inter, widened_matrix(down, ex, down_f32), inter, y.data(), hidden);
     for (int64_t j = 0; j < n; ++j) {
       float w = weights[slots[j]];
       float* o = out.row(slots[j] / top_k);

@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/parallel.h"
+#include "kernels/cpu/stored_weights.h"
 
 namespace sparrow::cpu {
 
@@ -27,16 +28,17 @@ void gemm_nn(int64_t m, int64_t n, int64_t k, const float* x, int64_t ldx, const
 
 void linear_into(const Tensor& x, const Tensor& w, Tensor& y) {
   SPARROW_CHECK(w.ndim() == 2, "linear: weight must be 2-D, got ", shape_str(w.shape()));
-  int64_t in = w.dim(1), out = w.dim(0);
+  int64_t in = stored_cols(w), out = w.dim(0);
   SPARROW_CHECK(x.numel() % in == 0, "linear: input ", shape_str(x.shape()), " does not match weight ",
                 shape_str(w.shape()));
   int64_t m = x.numel() / in;
   SPARROW_CHECK(y.numel() == m * out, "linear: output size mismatch");
-  gemm_nt(m, out, in, x.data(), in, w.data(), in, y.data(), out);
+  std::vector<float> widened;  // the weight in fp32 when it is stored otherwise (stored_weights.h)
+  gemm_nt(m, out, in, x.data(), in, widened_matrix(w, 0, widened), in, y.data(), out);
 }
 
 Tensor linear(const Tensor& x, const Tensor& w) {
-  int64_t in = w.dim(1);
+  int64_t in = stored_cols(w);
   Tensor y = Tensor::empty({x.numel() / in, w.dim(0)});
   linear_into(x, w, y);
   return y;
