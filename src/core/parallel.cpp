@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <mutex>
+#include <pthread.h>
 #include <thread>
 #include <vector>
 
@@ -86,13 +87,22 @@ class Pool {
 
 thread_local bool Pool::in_pool_ = false;
 
+// A process forked after the pool started (a tensor-parallel test's ranks) has none of its threads:
+// there every parallel_for runs serially.
+bool forked_child = false;
+
 Pool& pool() {
+  static const bool registered = pthread_atfork(nullptr, nullptr, [] { forked_child = true; }) == 0;
+  (void)registered;
   static Pool p([] {
     if (const char* env = std::getenv("SPARROW_NUM_THREADS")) {
       int n = std::atoi(env);
       if (n > 0) return n;
     }
-    return int(std::max(1u, std::thread::hardware_concurrency()));
+    // Ranks of a tensor-parallel run on one machine share its cores (LOCAL_WORLD_SIZE: docs/parallel.md).
+    int ranks_here = 1;
+    if (const char* env = std::getenv("LOCAL_WORLD_SIZE")) ranks_here = std::max(1, std::atoi(env));
+    return std::max(1, int(std::thread::hardware_concurrency()) / ranks_here);
   }());
   return p;
 }
@@ -103,7 +113,7 @@ int num_threads() { return pool().size(); }
 
 void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;
-  if (n == 1 || Pool::in_pool_ || pool().size() == 1) {
+  if (n == 1 || Pool::in_pool_ || forked_child || pool().size() == 1) {
     fn(0, n);
     return;
   }

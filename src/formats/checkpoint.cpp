@@ -32,6 +32,22 @@ bool starts_with_any(const std::string& name, const std::vector<std::string>& pr
   return false;
 }
 
+// The part `split` names of a host tensor of a plain type (fp32, bf16): a copy holding only that part.
+Tensor slice_host(const Tensor& t, const Split& split) {
+  const Shape& shape = t.shape();
+  int64_t outer = 1, inner = scalar_size(t.type());
+  for (int d = 0; d < split.dim; ++d) outer *= shape[d];
+  for (size_t d = split.dim + 1; d < shape.size(); ++d) inner *= shape[d];
+  const int64_t piece = shape[split.dim] / split.chunks, part_bytes = (split.end - split.begin) * inner;
+  Tensor out = Tensor::empty(split.of(shape), t.type());
+  const uint8_t* from = t.as<uint8_t>();
+  uint8_t* to = out.as<uint8_t>();
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t c = 0; c < split.chunks; ++c, to += part_bytes)
+      std::memcpy(to, from + (o * shape[split.dim] + c * piece + split.begin) * inner, size_t(part_bytes));
+  return out;
+}
+
 // model.safetensors.index.json: {"metadata": {...}, "weight_map": {tensor name: shard file name}}.
 std::map<std::string, std::string> read_weight_map(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -318,6 +334,46 @@ Tensor Checkpoint::take_linear(const std::string& name, const Shape& expected) {
   return codes.with_block_scales(scales.clone()).to(device_);
 }
 
+Shape Split::of(const Shape& expected) const {
+  if (whole()) return expected;
+  SPARROW_CHECK(dim >= 0 && size_t(dim) < expected.size() && chunks >= 1 && expected[dim] % chunks == 0 &&
+                    0 <= begin && begin < end && end <= expected[dim] / chunks,
+                "split [", begin, ", ", end, ") of ", chunks, " piece(s) along dimension ", dim, " does not fit ",
+                shape_str(expected));
+  Shape part = expected;
+  part[dim] = (end - begin) * chunks;
+  return part;
+}
+
+Tensor Checkpoint::take_stored_host(const std::string& name, const Shape& expected) {
+  for (ScalarType type : {ScalarType::BF16, ScalarType::F32}) {
+    Tensor mapped = take_mapped(name, expected, type);
+    if (mapped.defined()) return mapped;
+  }
+  return take_host(name, expected);
+}
+
+Tensor Checkpoint::take(const std::string& name, const Shape& expected, const Split& split) {
+  if (split.whole()) return take(name, expected);
+  if (dummy_) return dummy_take(name, split.of(expected), /*fp32_everywhere=*/false);
+  Tensor part = slice_host(take_stored_host(name, expected), split);
+  return device_ == Device::Cpu ? part.to(Device::Cpu, ScalarType::F32) : place(part);
+}
+
+Tensor Checkpoint::take_fp32(const std::string& name, const Shape& expected, const Split& split) {
+  if (split.whole()) return take_fp32(name, expected);
+  if (dummy_) return dummy_take(name, split.of(expected), /*fp32_everywhere=*/true);
+  return slice_host(take_stored_host(name, expected), split).to(device_, ScalarType::F32);
+}
+
+Tensor Checkpoint::take_linear(const std::string& name, const Shape& expected, const Split& split) {
+  if (split.whole()) return take_linear(name, expected);
+  if (dummy_) return take(name, expected, split);
+  Tensor part = slice_host(take_stored_host(name, expected), split);
+  // On the CPU a bf16 part stays bf16, widened per product as a whole stored matrix is.
+  return device_ == Device::Cpu ? part : place(part);
+}
+
 // On a GPU, an MX / NV weight stays as stored: its codes and group scales (and NVFP4's global scale) go
 // to the device as they are mapped, read in place by the products (kernels/ops.h linear).
 Tensor Checkpoint::take_grouped(const Stored& weight, const Shape& expected) {
@@ -465,6 +521,42 @@ Tensor Checkpoint::dequantize_fp8(const TensorInfo& weight, const std::string& s
   return out;
 }
 
+const Checkpoint::ExpertNames* Checkpoint::expert_names(const std::string& prefix) const {
+  // Per-expert tensors, under transformers' names (gate_proj / up_proj / down_proj) or the names
+  // DeepSeek / MiniMax releases use (w1 = gate, w3 = up, w2 = down).
+  static const ExpertNames hf{"gate_proj", "up_proj", "down_proj"}, release{"w1", "w3", "w2"};
+  const ExpertNames* names =
+      has(prefix + ".0.gate_proj.weight") ? &hf : has(prefix + ".0.w1.weight") ? &release : nullptr;
+  SPARROW_CHECK(names, "missing experts '", prefix, "': neither '", prefix, ".gate_up_proj' nor '", prefix,
+                ".0.gate_proj.weight' (or '.0.w1.weight') in ", dir_);
+  return names;
+}
+
+Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H,
+                                             const Split& intermediate_split) {
+  if (intermediate_split.whole()) return take_experts(prefix, E, I, H);
+  const int64_t begin = intermediate_split.begin, end = intermediate_split.end;
+  if (dummy_ || has(prefix + ".gate_up_proj"))
+    return {take(prefix + ".gate_up_proj", {E, 2 * I, H}, Split{1, begin, end, 2}),
+            take(prefix + ".down_proj", {E, H, I}, Split{2, begin, end, 1})};
+  // Per-expert tensors: each expert's part, stacked in fp32 on the host, then placed.
+  const ExpertNames* names = expert_names(prefix);
+  const int64_t part = end - begin;
+  Experts experts{Tensor::empty({E, 2 * part, H}), Tensor::empty({E, H, part})};
+  auto stack = [&](const std::string& name, const Shape& shape, const Split& split, float* to) {
+    Tensor rows = slice_host(take_stored_host(name, shape), split).to(Device::Cpu, ScalarType::F32);
+    std::memcpy(to, rows.data(), size_t(rows.numel()) * sizeof(float));
+  };
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string expert = cat(prefix, ".", e, ".");
+    float* gate_up = experts.gate_up.row(e);
+    stack(expert + names->gate + ".weight", {I, H}, Split{0, begin, end}, gate_up);
+    stack(expert + names->up + ".weight", {I, H}, Split{0, begin, end}, gate_up + part * H);
+    stack(expert + names->down + ".weight", {H, I}, Split{1, begin, end}, experts.down.row(e));
+  }
+  return {place(experts.gate_up), place(experts.down)};
+}
+
 Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t num_experts, int64_t intermediate,
                                              int64_t hidden) {
   const int64_t E = num_experts, I = intermediate, H = hidden;
@@ -489,15 +581,7 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
     };
     return {fused(prefix + ".gate_up_proj", {E, 2 * I, H}), fused(prefix + ".down_proj", {E, H, I})};
   }
-  // Per-expert tensors, under transformers' names (gate_proj / up_proj / down_proj) or the names
-  // DeepSeek / MiniMax releases use (w1 = gate, w3 = up, w2 = down).
-  struct Names {
-    const char *gate, *up, *down;
-  };
-  const Names hf{"gate_proj", "up_proj", "down_proj"}, release{"w1", "w3", "w2"};
-  const Names* names = has(prefix + ".0.gate_proj.weight") ? &hf : has(prefix + ".0.w1.weight") ? &release : nullptr;
-  SPARROW_CHECK(names, "missing experts '", prefix, "': neither '", prefix, ".gate_up_proj' nor '", prefix,
-                ".0.gate_proj.weight' (or '.0.w1.weight') in ", dir_);
+  const ExpertNames* names = expert_names(prefix);
   const std::string first = cat(prefix, ".0.", names->gate, ".weight");
   // Experts stay as stored (the CPU widens one expert per product, kernels/cpu/stored_weights.h). On a GPU
   // the FP8 expert kernel reads rows in 16-byte pieces (I and H multiples of 16) and the MX / NV ones whole

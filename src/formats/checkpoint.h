@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/communicator.h"
 #include "core/tensor.h"
 #include "formats/config.h"
 #include "formats/quantization.h"
@@ -23,6 +24,22 @@
 #include "formats/shard_prefetch.h"
 
 namespace sparrow {
+
+// Tensor parallelism: the part of a stored tensor one rank takes (docs/parallel.md). Along `dim`, the
+// tensor is `chunks` equal consecutive pieces (a fused gate_up_proj is two: gate rows, then up rows) and the
+// rank takes indices [begin, end) of each piece, concatenated in order; chunks 1 is a plain range.
+struct Split {
+  int dim = 0;
+  int64_t begin = 0, end = -1;  // end -1 (the default): the whole tensor
+  int64_t chunks = 1;
+  bool whole() const { return end < 0; }
+  // The equal part `rank` of `size` of `n` indices (n % size == 0 is the caller's check).
+  static Split part(int dim, int64_t n, int rank, int size, int64_t chunks = 1) {
+    return {dim, n / size * rank, n / size * (rank + 1), chunks};
+  }
+  // `expected` with this split applied.
+  Shape of(const Shape& expected) const;
+};
 
 class Checkpoint {
  public:
@@ -53,6 +70,10 @@ class Checkpoint {
   // matrices (2 or more dimensions) become bfloat16 and vectors (norm weights, biases) stay float32.
   void place_on(Device device) { device_ = device; }
   Device device() const { return device_; }
+  // The tensor-parallel group the model being loaded belongs to: the family loaders take this rank's part
+  // of each split weight (model/tensor_parallel.h) and keep the group to reduce over. Unsharded by default.
+  void set_tensor_parallel(const TensorParallel& tp) { tensor_parallel_ = tp; }
+  const TensorParallel& tensor_parallel() const { return tensor_parallel_; }
 
   // Whether the weight `name` is stored, in any format (an MXFP4 `<base>.weight` is `<base>.weight_packed`).
   bool has(const std::string& name) const;
@@ -77,6 +98,13 @@ class Checkpoint {
   // A tensor that stays float32 wherever it is placed (weights a kernel reads in fp32 whatever their
   // rank, e.g. KDA's convolution taps and decay rates).
   Tensor take_fp32(const std::string& name, const Shape& expected);
+  // This rank's part of a split tensor (tensor parallelism), `expected` being the stored (whole) shape;
+  // placed as take() / take_linear() place them. Only the part is converted and placed: a bf16 or fp32
+  // tensor is read from the mapped file, a quantized one dequantized on the host first (the part then
+  // placed as bf16 on a GPU, fp32 on the CPU; kept as stored: issue 23).
+  Tensor take(const std::string& name, const Shape& expected, const Split& split);
+  Tensor take_linear(const std::string& name, const Shape& expected, const Split& split);
+  Tensor take_fp32(const std::string& name, const Shape& expected, const Split& split);
 
   // Expert weights in either layout transformers writes:
   //   fused:      <prefix>.gate_up_proj [E, 2I, H] and <prefix>.down_proj [E, H, I]
@@ -89,6 +117,11 @@ class Checkpoint {
   // On a GPU, FP8 experts (per-expert tensors with 128x128 scales) stay FP8 with their scales attached,
   // NVFP4, MXFP4 and MXFP8 experts as stored (Tensor::with_group_scales).
   Experts take_experts(const std::string& prefix, int64_t num_experts, int64_t intermediate, int64_t hidden);
+  // Tensor parallel inside each expert: the intermediate indices [split.begin, split.end) of every expert
+  // (gate and up rows, down columns); `split.dim` and `chunks` are ignored. Dequantized on the host, placed
+  // as bf16 on a GPU and fp32 on the CPU.
+  Experts take_experts(const std::string& prefix, int64_t num_experts, int64_t intermediate, int64_t hidden,
+                       const Split& intermediate_split);
 
   // Loading at the disk's speed: reads the shard files ahead of the takes, `threads` files at once and at
   // most `window_bytes` ahead of the bytes taken so far (formats/shard_prefetch.h). Nothing for a dummy.
@@ -116,6 +149,7 @@ class Checkpoint {
   QuantizationConfig quantization_;  // FP8 scale block: one scale per block_rows x block_cols weights
 
   Device device_ = Device::Cpu;
+  TensorParallel tensor_parallel_;
 
   // --load-format dummy (open_dummy)
   bool dummy_ = false;
@@ -141,6 +175,14 @@ class Checkpoint {
   // that it reaches a GPU in one copy with no conversion; an undefined tensor otherwise.
   Tensor take_mapped(const std::string& name, const Shape& expected, ScalarType type);
   Tensor place(const Tensor& t) const;
+  // The names of per-expert tensors under `prefix` (transformers' or the releases'); an error when neither.
+  struct ExpertNames {
+    const char *gate, *up, *down;
+  };
+  const ExpertNames* expert_names(const std::string& prefix) const;
+  // The tensor as stored when plain (a view of the mapped bf16 / fp32 bytes), else converted to fp32 on the
+  // host (F16, quantized formats); marks it taken.
+  Tensor take_stored_host(const std::string& name, const Shape& expected);
   // How the weight `name` is stored: its format and tensors; "missing tensor" and inconsistent siblings
   // are one-line errors.
   struct Stored {

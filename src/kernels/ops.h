@@ -13,6 +13,7 @@
 #include <span>
 #include <vector>
 
+#include "core/communicator.h"
 #include "core/tensor.h"
 #include "kernels/glu.h"
 #include "kernels/sampling_rule.h"
@@ -50,6 +51,16 @@ Tensor select_rows(const Tensor& x, const std::vector<int64_t>& rows);
 // (the engine validates prompts; sampled ids are in range).
 Tensor embedding(const Tensor& table, const Tensor& ids);
 Tensor select_rows(const Tensor& x, const Tensor& rows);
+// Tensor parallelism (core/communicator.h, docs/parallel.md). Unsharded, each is a no-op or the identity.
+// x summed over the group in place: the output of a row-parallel projection, or a vocab-parallel embedding.
+void all_reduce_(const TensorParallel& tp, Tensor& x);
+// The ranks' column parts side by side: rank r's x [T, c_r] lands at column r * part, where part is every
+// rank's width but the last ones' (model/tensor_parallel.h vocab_share); [T, total] (the logits).
+Tensor all_gather_columns(const TensorParallel& tp, const Tensor& x, int64_t part, int64_t total);
+// A vocab-parallel embedding: rows of `table_part`, the vocabulary's rows [first, first + rows), for the
+// ids it holds and zeros for the others (whose rows another rank adds); every id is checked against
+// `vocab`.
+Tensor embedding_part(const Tensor& table_part, int64_t first, int64_t vocab, const std::vector<int32_t>& ids);
 // [a; b] along the first dimension (load time).
 Tensor concat_rows(const Tensor& a, const Tensor& b);
 // A weight matrix in its stored form (bf16, FP8 with block scales, or MX / NV codes with group scales) in

@@ -6,6 +6,7 @@
 #include "formats/checkpoint.h"
 #include "kernels/ops.h"
 #include "model/device_step.h"
+#include "model/tensor_parallel.h"
 
 namespace sparrow {
 
@@ -18,14 +19,20 @@ std::vector<LayerCacheSpec> DecoderModel::cache_spec() const {
 void DecoderModel::take_embeddings(Checkpoint& ckpt, const std::string& decoder_prefix, const std::string& head_name,
                                    bool tied) {
   placed_on = ckpt.device();
-  embed = ckpt.take(decoder_prefix + "embed_tokens.weight", {vocab, hidden});
+  tp = ckpt.tensor_parallel();
+  // Vocab-parallel (vLLM's VocabParallelEmbedding / ParallelLMHead): each rank keeps its rows of the
+  // embedding and of the head; embedded rows are summed over the group, logits gathered.
+  const Split rows = tp.sharded() ? vocab_share(tp, vocab).split(0) : Split{};
+  vocab_first = rows.whole() ? 0 : rows.begin;
+  vocab_part = rows.whole() ? vocab : (vocab + tp.size - 1) / tp.size;
+  embed = ckpt.take(decoder_prefix + "embed_tokens.weight", {vocab, hidden}, rows);
   final_norm = ckpt.take(decoder_prefix + "norm.weight", {hidden});
   if (!tied) {
-    lm_head = ckpt.take(head_name, {vocab, hidden});
+    lm_head = ckpt.take(head_name, {vocab, hidden}, rows);
     return;
   }
   lm_head = embed;
-  if (ckpt.has(head_name)) ckpt.take(head_name, {vocab, hidden});
+  if (ckpt.has(head_name)) ckpt.take(head_name, {vocab, hidden}, rows);
 }
 
 Tensor DecoderModel::residual_layers(Tensor x, const Batch& batch, StepMarks* marks) {
@@ -76,7 +83,13 @@ Tensor DecoderModel::forward(const Batch& batch, StepMarks* marks) {
   auto mark = [&](const std::string& part) {
     if (marks) marks->mark(part);
   };
-  Tensor x = on_gpu ? ops::embedding(embed, device_step(batch).token_ids) : ops::embedding(embed, batch.tokens);
+  Tensor x;
+  if (tp.sharded()) {
+    x = ops::embedding_part(embed, vocab_first, vocab, batch.tokens);
+    ops::all_reduce_(tp, x);
+  } else {
+    x = on_gpu ? ops::embedding(embed, device_step(batch).token_ids) : ops::embedding(embed, batch.tokens);
+  }
   mark("embedding");
   x = attn_res_block > 0 ? attn_res_layers(std::move(x), batch, marks) : residual_layers(std::move(x), batch, marks);
   if (!batch.all_logits) {
@@ -91,7 +104,7 @@ Tensor DecoderModel::forward(const Batch& batch, StepMarks* marks) {
   ops::rms_norm_(x, final_norm, norm_eps, norm_unit_offset);
   mark("final norm");
   // fp32 logits where the model runs: on a GPU the sampler draws there and only token ids cross.
-  Tensor logits = ops::linear(x, lm_head, ScalarType::F32);
+  Tensor logits = ops::all_gather_columns(tp, ops::linear(x, lm_head, ScalarType::F32), vocab_part, vocab);
   mark("lm_head");
   return logits;
 }

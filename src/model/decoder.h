@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "core/communicator.h"
 #include "core/tensor.h"
 #include "model/model.h"
 
@@ -72,20 +73,25 @@ class DecoderModel : public Model {
   int64_t hidden = 0;
   float norm_eps = 1e-6f;
   bool norm_unit_offset = false;  // Gemma-style RMSNorm (x̂ * (1 + w)), as MiniMax-M3 uses
-  Tensor embed;                   // [vocab, hidden]
+  Tensor embed;                   // [vocab, hidden]; sharded: this rank's rows (model/tensor_parallel.h)
   Tensor final_norm;              // [hidden]
-  Tensor lm_head;                 // [vocab, hidden] (may share storage with embed when tied)
+  Tensor lm_head;                 // [vocab, hidden] (may share storage with embed when tied); sharded: its rows
+  TensorParallel tp;              // the tensor-parallel group (Checkpoint::tensor_parallel)
+  int64_t vocab_first = 0;        // sharded: the first vocabulary row of embed and lm_head here
+  int64_t vocab_part = 0;         // sharded: the rows each rank holds (the last ones may hold fewer)
   std::vector<DecoderLayer> layers;
   int64_t attn_res_block = 0;     // layers per AttnRes block; 0: the residual stream
   AttnResQuery output_attn_res;   // AttnRes only: the mix before the final norm
 
-  // Takes embed_tokens and norm under `decoder_prefix` (e.g. "model.") and the output head `head_name`.
+  // Takes embed_tokens and norm under `decoder_prefix` (e.g. "model.") and the output head `head_name`
+  // (this rank's vocabulary rows of both when the checkpoint is sharded).
   // With tied embeddings the head is the embedding; transformers ties it even when the file also holds
   // a head, which is then taken and dropped.
   void take_embeddings(Checkpoint& ckpt, const std::string& decoder_prefix, const std::string& head_name, bool tied);
 
   const std::string& model_type() const override { return type; }
   Device device() const override { return placed_on; }
+  bool capturable() const override { return !tp.sharded() || tp.comm->device() == placed_on; }
   int64_t vocab_size() const override { return vocab; }
   int64_t num_layers() const override { return int64_t(layers.size()); }
   std::vector<LayerCacheSpec> cache_spec() const override;

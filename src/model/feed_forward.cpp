@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "kernels/ops.h"
+#include "model/tensor_parallel.h"
 
 namespace sparrow {
 
@@ -11,6 +12,18 @@ DenseMlp DenseMlp::load(Checkpoint& ckpt, const std::string& prefix, int64_t hid
                         Activation act) {
   DenseMlp mlp;
   mlp.act = act;
+  mlp.tp = ckpt.tensor_parallel();
+  if (mlp.tp.sharded()) {
+    const IndexRange mine = even_share(mlp.tp, intermediate, (prefix + " intermediate size").c_str());
+    if (ckpt.has(prefix + "gate_up_proj.weight")) {
+      mlp.gate_up = ckpt.take_linear(prefix + "gate_up_proj.weight", {2 * intermediate, hidden}, mine.split(0, 1, 2));
+    } else {
+      mlp.gate_up = ops::concat_rows(ckpt.take_linear(prefix + "gate_proj.weight", {intermediate, hidden}, mine.split(0)),
+                                     ckpt.take_linear(prefix + "up_proj.weight", {intermediate, hidden}, mine.split(0)));
+    }
+    mlp.down = ckpt.take_linear(prefix + "down_proj.weight", {hidden, intermediate}, mine.split(1));
+    return mlp;
+  }
   if (ckpt.has(prefix + "gate_up_proj.weight")) {
     mlp.gate_up = ckpt.take_linear(prefix + "gate_up_proj.weight", {2 * intermediate, hidden});
   } else {
@@ -24,9 +37,15 @@ DenseMlp DenseMlp::load(Checkpoint& ckpt, const std::string& prefix, int64_t hid
   return mlp;
 }
 
-Tensor DenseMlp::forward(const Tensor& x) const {
+Tensor DenseMlp::partial(const Tensor& x) const {
   Tensor gate_up_out = ops::linear(x, gate_up);  // [T, 2I]
   return ops::linear(ops::glu(gate_up_out, act.kind, act.alpha, act.limit), down);
+}
+
+Tensor DenseMlp::forward(const Tensor& x) const {
+  Tensor out = partial(x);
+  ops::all_reduce_(tp, out);
+  return out;
 }
 
 Tensor SigmoidRouter::load_bias(Checkpoint& ckpt, const std::string& name, int64_t num_experts) {
@@ -51,11 +70,20 @@ std::unique_ptr<MoeBlock> MoeBlock::load_grouped(Checkpoint& ckpt, const std::st
     moe->latent_up = ckpt.take_linear(prefix + "routed_expert_up_proj.weight", {shape.hidden, shape.latent});
     moe->latent_norm_eps = shape.latent_norm_eps;
   }
-  moe->experts = ckpt.take_experts(prefix + "experts", shape.num_experts, shape.intermediate, expert_width);
+  moe->experts = take_experts(ckpt, prefix + "experts", shape.num_experts, shape.intermediate, expert_width);
+  moe->tp = ckpt.tensor_parallel();
   if (shape.n_shared > 0)
     moe->shared.push_back(DenseMlp::load(ckpt, prefix + "shared_experts.", shape.hidden,
                                          shape.intermediate * shape.n_shared, moe->act));
   return moe;
+}
+
+Checkpoint::Experts MoeBlock::take_experts(Checkpoint& ckpt, const std::string& prefix, int64_t num_experts,
+                                           int64_t intermediate, int64_t width) {
+  const TensorParallel& tp = ckpt.tensor_parallel();
+  if (!tp.sharded()) return ckpt.take_experts(prefix, num_experts, intermediate, width);
+  const IndexRange mine = even_share(tp, intermediate, "moe_intermediate_size");
+  return ckpt.take_experts(prefix, num_experts, intermediate, width, mine.split(0));
 }
 
 // Routing and experts through kernels/ops.h on either device: the CPU reference
@@ -76,12 +104,19 @@ Tensor MoeBlock::forward(const Tensor& x) const {
   if (latent_down.defined()) {
     Tensor routed = ops::moe_experts(ops::linear(x, latent_down), routing, experts.gate_up, experts.down, act.kind,
                                      act.alpha, act.limit);
+    ops::all_reduce_(tp, routed);  // the whole routed latent before its norm
     if (latent_norm.defined()) ops::rms_norm_(routed, latent_norm, latent_norm_eps);
     out = ops::linear(routed, latent_up);
-  } else {
-    out = ops::moe_experts(x, routing, experts.gate_up, experts.down, act.kind, act.alpha, act.limit);
+    if (shared.empty()) return out;
+    Tensor shared_out = shared[0].partial(x);
+    for (size_t i = 1; i < shared.size(); ++i) ops::add_(shared_out, shared[i].partial(x));
+    ops::all_reduce_(tp, shared_out);
+    ops::add_(out, shared_out);
+    return out;
   }
-  for (const DenseMlp& s : shared) ops::add_(out, s.forward(x));
+  out = ops::moe_experts(x, routing, experts.gate_up, experts.down, act.kind, act.alpha, act.limit);
+  for (const DenseMlp& s : shared) ops::add_(out, s.partial(x));
+  ops::all_reduce_(tp, out);
   return out;
 }
 

@@ -29,16 +29,22 @@ struct Activation {
   float limit = 0.0f;
 };
 
-// gate/up/down MLP. gate_up is [2I, H] (gate rows first), down is [H, I].
+// gate/up/down MLP. gate_up is [2I, H] (gate rows first), down is [H, I]. Tensor parallel (vLLM's
+// MergedColumnParallelLinear + RowParallelLinear): each rank keeps I / size of the intermediate width, the
+// gate's and the up's rows of it and down's columns, and the output is summed over the group.
 struct DenseMlp : FeedForward {
   Tensor gate_up;
   Tensor down;
   Activation act;
+  TensorParallel tp;
 
-  // Loads either <prefix>.gate_proj/.up_proj/.down_proj or a fused <prefix>.gate_up_proj.
+  // Loads either <prefix>.gate_proj/.up_proj/.down_proj or a fused <prefix>.gate_up_proj (this rank's part
+  // of them when the checkpoint is sharded).
   static DenseMlp load(Checkpoint& ckpt, const std::string& prefix, int64_t hidden, int64_t intermediate,
                        Activation act);
   Tensor forward(const Tensor& x) const override;  // [T, H] -> [T, H]
+  // This rank's term of the output, before the sum over the group (the whole output unsharded).
+  Tensor partial(const Tensor& x) const;
   std::string name() const override { return "mlp"; }
 };
 
@@ -79,7 +85,10 @@ struct GroupedMoeShape {
   float latent_norm_eps = 1e-6f;
 };
 
-// Routed experts (weighted by the router) plus the shared experts. Kimi K3's latent MoE (vLLM 0.33
+// Routed experts (weighted by the router) plus the shared experts. Tensor parallel inside each expert (vLLM's
+// default without --enable-expert-parallel): every rank routes the same way (the router is replicated) and
+// runs every expert on its part of the intermediate width; the partial sums meet in one all-reduce (a latent
+// MoE reduces its routed latent before the norm, then the shared experts' terms). Kimi K3's latent MoE (vLLM 0.33
 // models/kimi_k3/nvidia/model.py KimiMoE.forward, latent_moe_runner.py): the router reads x, the routed
 // experts read z = latent_down x (width Z); their weighted sum is RMS-normalised (latent_norm) and
 // projected back (latent_up) before the shared experts, which read x, are added.
@@ -89,6 +98,9 @@ struct MoeBlock : FeedForward {
   // a latent MoE routed_expert_down_proj, routed_expert_norm, routed_expert_up_proj.
   static std::unique_ptr<MoeBlock> load_grouped(Checkpoint& ckpt, const std::string& prefix,
                                                 const GroupedMoeShape& shape);
+  // The routed experts under `prefix` (Checkpoint::take_experts), this rank's part of each when sharded.
+  static Checkpoint::Experts take_experts(Checkpoint& ckpt, const std::string& prefix, int64_t num_experts,
+                                          int64_t intermediate, int64_t width);
 
   SigmoidRouter router;
   Checkpoint::Experts experts;    // gate_up [E, 2I, H or Z], down [E, H or Z, I]
@@ -98,6 +110,7 @@ struct MoeBlock : FeedForward {
   Tensor latent_norm;             // [Z]          latent MoE with latent_moe_use_norm
   Tensor latent_up;               // [hidden, Z]  latent MoE only
   float latent_norm_eps = 1e-6f;
+  TensorParallel tp;
 
   Tensor forward(const Tensor& x) const override;  // routed experts (weighted) + shared experts
   std::string name() const override { return "moe"; }

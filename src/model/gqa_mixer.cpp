@@ -46,7 +46,9 @@ Tensor GqaAttention::forward(const Tensor& x, const Batch& batch, int layer) {
     indexer->project(x, positions, rope, index_q, index_k);
     kept = indexer->select(index_q, index_k, batch, layer);
   }
-  return ops::linear(attend(q, k, v, kept, batch, layer), o_proj);
+  Tensor out = ops::linear(attend(q, k, v, kept, batch, layer), o_proj);
+  ops::all_reduce_(tp, out);
+  return out;
 }
 
 // This step's K/V rows go into the layer's pages, then every row attends over its causal prefix or its

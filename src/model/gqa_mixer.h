@@ -5,6 +5,9 @@
 // every head (rot_dim = head_dim · rope_parameters.partial_rotary_factor; the rest pass through).
 // Softmax scale head_dim^-0.5, causal, no sliding window. Query head h reads kv head h / (H / H_kv).
 // On MSA layers an MsaIndexer restricts each query to the key blocks it selects.
+// Tensor parallel: each rank keeps its query heads, the kv heads and index heads they read (replicated when
+// the group outnumbers them; model/tensor_parallel.h) and o_proj's matching columns; the counts below are
+// this rank's, and forward() sums the output over the group.
 //
 // Cache (pages of this layer in the sequence's SequenceCache, one row per token):
 //   GqaKeyValue: [K of kv head 0 .. H_kv-1 | V of kv head 0 .. H_kv-1], 2 · H_kv · head_dim floats;
@@ -37,6 +40,7 @@ class GqaAttention : public Mixer {
   Tensor k_norm;  // [head_dim]
   Rope rope;
   std::optional<MsaIndexer> indexer;  // set on MSA ("minimax_m3_sparse") layers
+  TensorParallel tp;
 
   Tensor forward(const Tensor& x, const Batch& batch, int layer) override;
   LayerCacheSpec cache_spec() const override;

@@ -10,6 +10,7 @@
 #include "kernels/cpu/kda_reference.h"
 #include "kernels/ops.h"
 #include "model/device_step.h"
+#include "model/tensor_parallel.h"
 
 #if SPARROW_HAVE_CUDA
 #include "kernels/cuda/kda/kda.h"
@@ -35,36 +36,50 @@ std::unique_ptr<KdaMixer> KdaMixer::load(Checkpoint& ckpt, const std::string& pr
                 "the GPU KDA kernels take linear_head_dim 16, 32, 64 or 128; this model has ", D, " (use --device cpu)");
   SPARROW_CHECK(ckpt.device() == Device::Cpu || (kernel >= 2 && kernel <= 8), "the GPU KDA kernels take "
                 "linear_conv_kernel_dim 2 to 8; this model has ", kernel, " (use --device cpu)");
+  // Tensor parallel: each rank keeps its heads (their rows of q/k/v, their convolution channels, gates and
+  // decay rates, their recurrent state) and o_proj's matching columns; the low-rank gates' first
+  // projections and the norm weight are replicated.
+  const TensorParallel& tp = ckpt.tensor_parallel();
+  const IndexRange mine = even_share(tp, H, "linear_attn_config.num_heads");
+  const Split rows = split_for(tp, mine, 0, D);  // a head's D rows of a [P, ...] tensor
   KdaWeights w;
   // One statement per tensor: errors then name the first one wrong (argument order is unspecified).
-  const Tensor q_proj = ckpt.take_linear(prefix + "q_proj.weight", {P, hidden});
-  const Tensor k_proj = ckpt.take_linear(prefix + "k_proj.weight", {P, hidden});
-  w.qkv_proj = stack_rows(q_proj, k_proj, ckpt.take_linear(prefix + "v_proj.weight", {P, hidden}));
+  const Tensor q_proj = ckpt.take_linear(prefix + "q_proj.weight", {P, hidden}, rows);
+  const Tensor k_proj = ckpt.take_linear(prefix + "k_proj.weight", {P, hidden}, rows);
+  w.qkv_proj = stack_rows(q_proj, k_proj, ckpt.take_linear(prefix + "v_proj.weight", {P, hidden}, rows));
   // The conv taps and decay rates stay fp32 on every device: the GPU kernels read them so.
   if (ckpt.has(prefix + "conv1d.weight")) {
-    w.conv = ckpt.take_fp32(prefix + "conv1d.weight", {3 * P, 1, kernel}).reshape({3 * P, kernel});
+    // Fused: q, k and v channels one after the other, each split by heads.
+    const Split channels = tp.sharded() ? Split{0, rows.begin, rows.end, 3} : Split{};
+    w.conv = ckpt.take_fp32(prefix + "conv1d.weight", {3 * P, 1, kernel}, channels).reshape({3 * mine.count() * D, kernel});
   } else {  // Kimi's original checkpoint: one convolution per projection (transformers concatenates them)
-    const Tensor q_conv = ckpt.take_fp32(prefix + "q_conv1d.weight", {P, 1, kernel}).reshape({P, kernel});
-    const Tensor k_conv = ckpt.take_fp32(prefix + "k_conv1d.weight", {P, 1, kernel}).reshape({P, kernel});
-    w.conv = stack_rows(q_conv, k_conv, ckpt.take_fp32(prefix + "v_conv1d.weight", {P, 1, kernel}).reshape({P, kernel}));
+    const int64_t p = mine.count() * D;
+    const Tensor q_conv = ckpt.take_fp32(prefix + "q_conv1d.weight", {P, 1, kernel}, rows).reshape({p, kernel});
+    const Tensor k_conv = ckpt.take_fp32(prefix + "k_conv1d.weight", {P, 1, kernel}, rows).reshape({p, kernel});
+    w.conv = stack_rows(q_conv, k_conv, ckpt.take_fp32(prefix + "v_conv1d.weight", {P, 1, kernel}, rows).reshape({p, kernel}));
   }
   // transformers moves these under forget_gate.; the original checkpoint keeps them on self_attn.
   const std::string gate = ckpt.has(prefix + "forget_gate.A_log") ? prefix + "forget_gate." : prefix;
   w.f_a_proj = ckpt.take_linear(gate + "f_a_proj.weight", {D, hidden});
-  w.f_b_proj = ckpt.take_linear(gate + "f_b_proj.weight", {P, D});
-  w.dt_bias = ckpt.take_fp32(gate + "dt_bias", {P});
+  w.f_b_proj = ckpt.take_linear(gate + "f_b_proj.weight", {P, D}, rows);
+  w.dt_bias = ckpt.take_fp32(gate + "dt_bias", {P}, rows);
   const bool flat_A_log = ckpt.has(gate + "A_log") && ckpt.stored_shape(gate + "A_log").size() == 1;
-  w.A_log = ckpt.take_fp32(gate + "A_log", flat_A_log ? Shape{H} : Shape{1, 1, H, 1}).reshape({H});
-  w.b_proj = ckpt.take_linear(prefix + "b_proj.weight", {H, hidden});
+  w.A_log = ckpt.take_fp32(gate + "A_log", flat_A_log ? Shape{H} : Shape{1, 1, H, 1},
+                           split_for(tp, mine, flat_A_log ? 0 : 2)).reshape({mine.count()});
+  w.b_proj = ckpt.take_linear(prefix + "b_proj.weight", {H, hidden}, split_for(tp, mine, 0));
   if (config.full_rank_gate) {
-    w.g_proj = ckpt.take_linear(prefix + "g_proj.weight", {P, hidden});
+    w.g_proj = ckpt.take_linear(prefix + "g_proj.weight", {P, hidden}, rows);
   } else {
     w.g_a_proj = ckpt.take_linear(prefix + "g_a_proj.weight", {D, hidden});
-    w.g_b_proj = ckpt.take_linear(prefix + "g_b_proj.weight", {P, D});
+    w.g_b_proj = ckpt.take_linear(prefix + "g_b_proj.weight", {P, D}, rows);
   }
   w.o_norm = ckpt.take_fp32(prefix + "o_norm.weight", {D});
-  w.o_proj = ckpt.take_linear(prefix + "o_proj.weight", {hidden, P});
-  return std::make_unique<KdaMixer>(config, std::move(w));
+  w.o_proj = ckpt.take_linear(prefix + "o_proj.weight", {hidden, P}, split_for(tp, mine, 1, D));
+  KdaConfig mine_config = config;
+  mine_config.num_heads = mine.count();
+  auto kda = std::make_unique<KdaMixer>(mine_config, std::move(w));
+  kda->tp_ = tp;
+  return kda;
 }
 
 LayerCacheSpec KdaMixer::cache_spec_for(const KdaConfig& config) {
@@ -87,7 +102,9 @@ Tensor KdaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
                               : ops::linear(ops::linear(x, w_.g_a_proj), w_.g_b_proj, ScalarType::F32);
   gates_(log_decay, beta);
   Tensor core = mix(qkv, log_decay, beta, batch, layer);
-  return ops::linear(gated_norm(core, out_gate), w_.o_proj);
+  Tensor out = ops::linear(gated_norm(core, out_gate), w_.o_proj);
+  ops::all_reduce_(tp_, out);
+  return out;
 }
 
 void KdaMixer::gates_(Tensor& log_decay, Tensor& beta) const {

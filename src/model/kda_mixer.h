@@ -89,8 +89,9 @@ class KdaMixer : public Mixer {
   Tensor mix(const Tensor& qkv, const Tensor& log_decay, const Tensor& beta, const Batch& batch, int layer) const;
   Tensor gated_norm(Tensor& core, const Tensor& out_gate) const;
 
-  KdaConfig config_;
+  KdaConfig config_;  // sharded: num_heads is this rank's (model/tensor_parallel.h)
   KdaWeights w_;
+  TensorParallel tp_;  // forward() sums o_proj's output over the group
 };
 
 }  // namespace sparrow

@@ -30,6 +30,7 @@
 #include "model/gqa_mixer.h"
 #include "model/feed_forward.h"
 #include "model/msa_indexer.h"
+#include "model/tensor_parallel.h"
 
 namespace sparrow {
 
@@ -189,27 +190,35 @@ std::unique_ptr<Mixer> load_attention(Checkpoint& ckpt, const TextConfig& cfg, c
                                       int64_t i) {
   auto attn = std::make_unique<GqaAttention>();
   const std::string p = names.layer(i) + "self_attn.";
-  attn->heads = cfg.heads;
-  attn->kv_heads = cfg.kv_heads;
-  attn->head_dim = cfg.head_dim;
+  const TensorParallel& tp = attn->tp = ckpt.tensor_parallel();
+  const int64_t d = cfg.head_dim;
+  const IndexRange heads = even_share(tp, cfg.heads, "num_attention_heads");
+  const IndexRange kv = grouped_share(tp, cfg.heads, cfg.kv_heads, "num_key_value_heads");
+  attn->heads = heads.count();
+  attn->kv_heads = kv.count();
+  attn->head_dim = d;
   attn->norm_eps = cfg.norm_eps;
-  attn->q_proj = ckpt.take_linear(p + "q_proj.weight", {cfg.heads * cfg.head_dim, cfg.hidden});
-  attn->k_proj = ckpt.take_linear(p + "k_proj.weight", {cfg.kv_heads * cfg.head_dim, cfg.hidden});
-  attn->v_proj = ckpt.take_linear(p + "v_proj.weight", {cfg.kv_heads * cfg.head_dim, cfg.hidden});
-  attn->o_proj = ckpt.take_linear(p + "o_proj.weight", {cfg.hidden, cfg.heads * cfg.head_dim});
-  attn->q_norm = ckpt.take(p + "q_norm.weight", {cfg.head_dim});
-  attn->k_norm = ckpt.take(p + "k_norm.weight", {cfg.head_dim});
+  attn->q_proj = ckpt.take_linear(p + "q_proj.weight", {cfg.heads * d, cfg.hidden}, split_for(tp, heads, 0, d));
+  attn->k_proj = ckpt.take_linear(p + "k_proj.weight", {cfg.kv_heads * d, cfg.hidden}, split_for(tp, kv, 0, d));
+  attn->v_proj = ckpt.take_linear(p + "v_proj.weight", {cfg.kv_heads * d, cfg.hidden}, split_for(tp, kv, 0, d));
+  attn->o_proj = ckpt.take_linear(p + "o_proj.weight", {cfg.hidden, cfg.heads * d}, split_for(tp, heads, 1, d));
+  attn->q_norm = ckpt.take(p + "q_norm.weight", {d});
+  attn->k_norm = ckpt.take(p + "k_norm.weight", {d});
   attn->rope = cfg.rope;
   if (cfg.layer_types[i] == kSparseAttention) {
+    // Each index head serves a group of query heads: a rank keeps the ones its heads read; the index key
+    // is shared by all of them and replicated.
+    const IndexRange index = grouped_share(tp, cfg.heads, cfg.index_heads, "index_n_heads");
     MsaIndexer& idx = attn->indexer.emplace();
-    idx.heads = cfg.index_heads;
+    idx.heads = index.count();
     idx.head_dim = cfg.index_head_dim;
     idx.block_size = cfg.index_block_size;
     idx.topk_blocks = cfg.index_topk_blocks;
     idx.local_blocks = cfg.index_local_blocks;
     idx.init_blocks = cfg.index_init_blocks;
     idx.norm_eps = cfg.norm_eps;
-    idx.q_proj = ckpt.take(names.indexer(i, "q_proj"), {cfg.index_heads * cfg.index_head_dim, cfg.hidden});
+    idx.q_proj = ckpt.take(names.indexer(i, "q_proj"), {cfg.index_heads * cfg.index_head_dim, cfg.hidden},
+                           split_for(tp, index, 0, cfg.index_head_dim));
     idx.k_proj = ckpt.take(names.indexer(i, "k_proj"), {cfg.index_head_dim, cfg.hidden});
     idx.q_norm = ckpt.take(names.indexer(i, "q_norm"), {cfg.index_head_dim});
     idx.k_norm = ckpt.take(names.indexer(i, "k_norm"), {cfg.index_head_dim});
@@ -237,7 +246,8 @@ std::unique_ptr<FeedForward> load_feed_forward(Checkpoint& ckpt, const TextConfi
   router.normalize = true;
   router.normalize_eps = 0.0f;
   router.routed_scaling_factor = cfg.routed_scaling_factor;
-  moe->experts = ckpt.take_experts(p + "experts", cfg.num_experts, cfg.intermediate, cfg.hidden);
+  moe->experts = MoeBlock::take_experts(ckpt, p + "experts", cfg.num_experts, cfg.intermediate, cfg.hidden);
+  moe->tp = ckpt.tensor_parallel();
   moe->shared.push_back(DenseMlp::load(ckpt, p + "shared_experts.", cfg.hidden, cfg.shared_intermediate, act));
   return moe;
 }

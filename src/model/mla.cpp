@@ -9,6 +9,7 @@
 #include "kernels/cpu/mla_reference.h"
 #include "kernels/ops.h"
 #include "model/device_step.h"
+#include "model/tensor_parallel.h"
 
 #if SPARROW_HAVE_CUDA
 #include "kernels/cuda/mla/mla_attention.h"
@@ -56,22 +57,33 @@ std::unique_ptr<MlaMixer> MlaMixer::load(Checkpoint& ckpt, const std::string& pr
   }
   auto mla = std::make_unique<MlaMixer>();
   mla->options_ = options;
+  // Tensor parallel (vLLM's MLA under TP): each rank keeps its query heads, their rows of the query and
+  // kv_b projections and their columns of o_proj; the latent projection, its cache and the indexer are
+  // replicated, so every rank caches the same rows and selects the same keys.
+  const TensorParallel& tp = mla->tp = ckpt.tensor_parallel();
   const int64_t heads = o.num_heads;
+  const IndexRange mine = even_share(tp, heads, "num_attention_heads");
+  mla->options_.num_heads = mine.count();
   if (o.q_lora_rank > 0) {
     mla->q_a_proj = ckpt.take_linear(prefix + "q_a_proj.weight", {o.q_lora_rank, o.hidden});
     if (o.attention_bias) mla->q_a_bias = ckpt.take(prefix + "q_a_proj.bias", {o.q_lora_rank});
     mla->q_a_norm = ckpt.take(prefix + "q_a_layernorm.weight", {o.q_lora_rank});
-    mla->q_b_proj = ckpt.take_linear(prefix + "q_b_proj.weight", {heads * o.qk_head_dim(), o.q_lora_rank});
+    mla->q_b_proj = ckpt.take_linear(prefix + "q_b_proj.weight", {heads * o.qk_head_dim(), o.q_lora_rank},
+                                     split_for(tp, mine, 0, o.qk_head_dim()));
   } else {
-    mla->q_proj = ckpt.take_linear(prefix + "q_proj.weight", {heads * o.qk_head_dim(), o.hidden});
+    mla->q_proj = ckpt.take_linear(prefix + "q_proj.weight", {heads * o.qk_head_dim(), o.hidden},
+                                   split_for(tp, mine, 0, o.qk_head_dim()));
   }
   mla->kv_a_proj = ckpt.take_linear(prefix + "kv_a_proj_with_mqa.weight", {o.cache_row(), o.hidden});
   if (o.attention_bias) mla->kv_a_bias = ckpt.take(prefix + "kv_a_proj_with_mqa.bias", {o.cache_row()});
   mla->kv_a_norm = ckpt.take(prefix + "kv_a_layernorm.weight", {o.kv_lora_rank});
-  mla->kv_b_proj =
-      ckpt.take(prefix + "kv_b_proj.weight", {heads * (o.qk_nope_head_dim + o.v_head_dim), o.kv_lora_rank});
-  if (o.output_gate) mla->g_proj = ckpt.take_linear(prefix + "g_proj.weight", {heads * o.v_head_dim, o.hidden});
-  mla->o_proj = ckpt.take_linear(prefix + "o_proj.weight", {o.hidden, heads * o.v_head_dim});
+  mla->kv_b_proj = ckpt.take(prefix + "kv_b_proj.weight", {heads * (o.qk_nope_head_dim + o.v_head_dim), o.kv_lora_rank},
+                             split_for(tp, mine, 0, o.qk_nope_head_dim + o.v_head_dim));
+  if (o.output_gate)
+    mla->g_proj = ckpt.take_linear(prefix + "g_proj.weight", {heads * o.v_head_dim, o.hidden},
+                                   split_for(tp, mine, 0, o.v_head_dim));
+  mla->o_proj = ckpt.take_linear(prefix + "o_proj.weight", {o.hidden, heads * o.v_head_dim},
+                                 split_for(tp, mine, 1, o.v_head_dim));
   if (o.attention_bias) mla->o_bias = ckpt.take(prefix + "o_proj.bias", {o.hidden});
   mla->indexer_ = std::move(indexer);
   return mla;
@@ -139,6 +151,7 @@ Tensor MlaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
                          heads * o.v_head_dim, o.v_head_dim);
   if (o.output_gate) ops::mul_sigmoid_(attended, ops::linear(x, g_proj));
   Tensor out = ops::linear(attended, o_proj);
+  ops::all_reduce_(tp, out);
   if (o.attention_bias) ops::add_bias_(out, o_bias);
   return out;
 }

@@ -102,6 +102,9 @@ class MlaMixer : public Mixer {
   Tensor o_proj;          // [hidden, H * v_head_dim]
   Tensor o_bias;          // [hidden]                         (attention_bias)
   std::unique_ptr<DsaIndexer> indexer_;
+  // Sharded: H above and options_.num_heads are this rank's heads (model/tensor_parallel.h), and forward()
+  // sums o_proj's output over the group before the bias.
+  TensorParallel tp;
 };
 
 }  // namespace sparrow

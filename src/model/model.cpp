@@ -76,6 +76,11 @@ std::unique_ptr<Model> load_model(const std::string& dir, Device device, const L
   std::unique_ptr<Checkpoint> ckpt =
       options.load_format == "dummy" ? Checkpoint::open_dummy(dir, options.dummy_seed) : Checkpoint::open(dir);
   if (device != Device::Cpu) ckpt->place_on(device);
+  if (options.tensor_parallel.sharded()) {
+    SPARROW_CHECK(options.tensor_parallel.comm && options.tensor_parallel.comm->size() == options.tensor_parallel.size,
+                  "load_model: a tensor-parallel group of ", options.tensor_parallel.size, " needs its communicator");
+    ckpt->set_tensor_parallel(options.tensor_parallel);
+  }
   const int64_t total_bytes = ckpt->total_bytes();
   const bool report = !ckpt->dummy() && options.progress && total_bytes >= options.progress_min_bytes;
   LoadProgress progress(total_bytes, report ? options.progress : nullptr, options.progress_live);

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "core/communicator.h"
 #include "core/tensor.h"
 #include "formats/config.h"
 #include "core/sequence_cache.h"
@@ -79,6 +80,9 @@ class Model {
 
   // Where the weights live and the forward pass runs.
   virtual Device device() const { return Device::Cpu; }
+  // Whether a CUDA graph may capture its decode steps: not when its collectives go through the host
+  // (a tensor-parallel model on a host communicator: kernels/collective_ops.cpp).
+  virtual bool capturable() const { return true; }
 
   // The forward pass over a checked batch whose caches have room for its tokens (and, on a GPU, whose
   // step's inputs are attached: model/device_step.h). Returns fp32 logits on the model's device:
@@ -111,6 +115,9 @@ struct LoadOptions {
   // "uniform_random": every MoE layer routes each token to uniformly drawn experts (SigmoidRouter, for
   // benchmarks: vLLM's VLLM_MOE_ROUTING_SIMULATION_STRATEGY); empty: the model's own routing.
   std::string moe_routing_simulation;
+  // Tensor parallelism (docs/parallel.md): this process's rank in the group it loads its part of the model
+  // for, and the group's communicator (which must outlive the model). Unsharded by default.
+  TensorParallel tensor_parallel;
 };
 // Throw a one-line error for an unknown load format / routing simulation.
 void check_load_format(const std::string& load_format);

@@ -13,16 +13,26 @@
 #include "kernels/cpu/stored_weights.h"
 
 namespace sparrow::cpu {
+namespace {
+// OpenBLAS takes every core unless told otherwise; it gets the pool's threads (SPARROW_NUM_THREADS, or a
+// share of the cores for each rank of a tensor-parallel run on one machine), so that ranks do not contend.
+void size_blas_threads() {
+  static const bool sized = (openblas_set_num_threads(num_threads()), true);
+  (void)sized;
+}
+}  // namespace
 
 void gemm_nt(int64_t m, int64_t n, int64_t k, const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
              int64_t ldy, float beta) {
   if (m == 0 || n == 0) return;
+  size_blas_threads();
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x, ldx, w, ldw, beta, y, ldy);
 }
 
 void gemm_nn(int64_t m, int64_t n, int64_t k, const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
              int64_t ldy, float beta) {
   if (m == 0 || n == 0) return;
+  size_blas_threads();
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, x, ldx, w, ldw, beta, y, ldy);
 }
 

@@ -1,0 +1,79 @@
+// The tensor-parallel ops of kernels/ops.h: the collectives a sharded model calls, over the group's
+// communicator (core/communicator.h) on the tensors' device.
+#include <cstring>
+
+#include "core/error.h"
+#include "kernels/ops.h"
+
+namespace sparrow::ops {
+
+namespace {
+
+void check_group(const TensorParallel& tp, const Tensor& x, const char* op) {
+  SPARROW_CHECK(tp.comm, op, ": a sharded model without a communicator");
+  SPARROW_CHECK(tp.comm->device() == x.device() || tp.comm->device() == Device::Cpu, op, ": a ",
+                device_name(x.device()), " tensor on a ", tp.comm->backend(), " communicator");
+}
+
+// A host communicator serves a device tensor through a host copy of it (the copy back waits for the
+// collective): the path of GPU ranks until the NCCL backend, and of ranks that share one GPU. A CUDA graph
+// cannot capture it, so such a model runs its steps eagerly (Model::capturable).
+bool staged(const TensorParallel& tp, const Tensor& x) { return tp.comm->device() != x.device(); }
+
+}  // namespace
+
+void all_reduce_(const TensorParallel& tp, Tensor& x) {
+  if (!tp.sharded()) return;
+  check_group(tp, x, "all_reduce_");
+  if (staged(tp, x)) {
+    Tensor host = x.to(Device::Cpu);
+    tp.comm->all_reduce(host.raw(), host.numel(), host.type());
+    x.copy_from(host);
+    return;
+  }
+  tp.comm->all_reduce(x.raw(), x.numel(), x.type());
+}
+
+Tensor all_gather_columns(const TensorParallel& tp, const Tensor& x, int64_t part, int64_t total) {
+  if (!tp.sharded()) return x;
+  check_group(tp, x, "all_gather_columns");
+  if (staged(tp, x)) return all_gather_columns(tp, x.to(Device::Cpu), part, total).to(x.device());
+  SPARROW_CHECK(x.on_cpu(), "all_gather_columns: host tensors only so far (issue 23)");
+  const int64_t rows = x.dim(0), width = x.dim(1), elem = scalar_size(x.type());
+  SPARROW_CHECK(width <= part && int64_t(tp.size) * part >= total, "all_gather_columns: part ", width,
+                " of at most ", part, " columns cannot make ", total);
+  // Every rank sends `part` columns (the shorter last parts padded), then the parts are laid side by side.
+  Tensor padded = Tensor::zeros({rows, part}, x.type());
+  for (int64_t t = 0; t < rows; ++t)
+    std::memcpy(padded.as<uint8_t>() + t * part * elem, x.as<uint8_t>() + t * width * elem, size_t(width * elem));
+  Tensor gathered = Tensor::empty({int64_t(tp.size), rows, part}, x.type());
+  tp.comm->all_gather(padded.raw(), gathered.raw(), rows * part, x.type());
+  Tensor out = Tensor::empty({rows, total}, x.type());
+  for (int64_t r = 0; r < tp.size; ++r) {
+    const int64_t first = r * part, count = std::min(part, total - first);
+    if (count <= 0) break;
+    for (int64_t t = 0; t < rows; ++t)
+      std::memcpy(out.as<uint8_t>() + (t * total + first) * elem,
+                  gathered.as<uint8_t>() + ((r * rows + t) * part) * elem, size_t(count * elem));
+  }
+  return out;
+}
+
+Tensor embedding_part(const Tensor& table_part, int64_t first, int64_t vocab, const std::vector<int32_t>& ids) {
+  const int64_t rows = table_part.dim(0), width = table_part.dim(1), n = int64_t(ids.size());
+  // The rows this part holds, then one zero row that every other id picks (on either device, with the
+  // plain embedding and row selection).
+  std::vector<int32_t> local(ids.size());
+  std::vector<int64_t> pick(ids.size());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t id = ids[size_t(i)];
+    SPARROW_CHECK(id >= 0 && id < vocab, "token id ", id, " out of range [0, ", vocab, ")");
+    const bool held = id >= first && id < first + rows;
+    local[size_t(i)] = held ? int32_t(id - first) : 0;
+    pick[size_t(i)] = held ? i : n;
+  }
+  const Tensor embedded = embedding(table_part, local);
+  return select_rows(concat_rows(embedded, Tensor::zeros({1, width}, embedded.type(), embedded.device())), pick);
+}
+
+}  // namespace sparrow::ops

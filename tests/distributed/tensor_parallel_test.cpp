@@ -1,0 +1,204 @@
+// Tensor parallelism against the unsharded model, with real processes: each rank is a forked process that
+// joins a gloo group on localhost (src/distributed), loads its part of a fixture (tests/fixtures, every
+// family) and runs the fixture's prompts (longer than the sparse budgets: DSA's top-k, MSA's kept blocks)
+// as one batched prefill, then greedy decoding against its cache. Every rank also runs the unsharded model
+// and checks, per position, logits within 1e-5 (relative L2: the sharded sums only reorder fp32 additions)
+// and the same greedy tokens.
+#include <gtest/gtest.h>
+
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "distributed/gloo_communicator.h"
+#include "model/model.h"
+#include "runner/model_runner.h"
+
+using namespace sparrow;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A free localhost port for the group's rendezvous (bound, read, released; nothing else here races for it).
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
+    throw std::runtime_error("no free port");
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// Forks `size` ranks running body(tp); each exits 0 when the body returns and 1 (its error on stderr) when it
+// throws. Returns "" when all exited 0 within the deadline, else what went wrong.
+std::string run_ranks(int size, const std::function<void(const TensorParallel&)>& body) {
+  const int port = free_port();
+  std::fflush(nullptr);
+  std::vector<pid_t> children;
+  for (int rank = 0; rank < size; ++rank) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      int status = 0;
+      try {
+        GroupOptions options;
+        options.rank = rank;
+        options.size = size;
+        options.master_port = port;
+        options.timeout = std::chrono::seconds(60);
+        std::unique_ptr<Communicator> comm = connect_gloo(options);
+        body(TensorParallel{rank, size, comm.get()});
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
+        status = 1;
+      }
+      std::fflush(nullptr);
+      _exit(status);
+    }
+    children.push_back(pid);
+  }
+  std::string failures;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(240);
+  for (size_t rank = 0; rank < children.size(); ++rank) {
+    int status = 0;
+    while (waitpid(children[rank], &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        for (pid_t pid : children) kill(pid, SIGKILL);
+        waitpid(children[rank], &status, 0);
+        failures += "rank " + std::to_string(rank) + " timed out; ";
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+      failures += "rank " + std::to_string(rank) + " failed (see stderr); ";
+  }
+  return failures;
+}
+
+using Tokens = std::vector<int32_t>;
+
+std::vector<Tokens> fixture_prompts(const fs::path& dir) {
+  std::ifstream in(dir / "prompts.json");
+  const nlohmann::json json = nlohmann::json::parse(in);
+  std::vector<Tokens> prompts;
+  for (const auto& prompt : json.at("prompts")) prompts.push_back(prompt.get<Tokens>());
+  return prompts;
+}
+
+double relative_l2(const float* ours, const float* ref, int64_t n) {
+  double diff = 0, norm = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    diff += (double(ours[i]) - ref[i]) * (double(ours[i]) - ref[i]);
+    norm += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-300));
+}
+
+int32_t argmax(const float* row, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (row[i] > row[best]) best = i;
+  return int32_t(best);
+}
+
+void expect_rows_match(const Tensor& sharded, const Tensor& whole, const std::string& what) {
+  SPARROW_CHECK(sharded.shape() == whole.shape(), what, ": logits ", shape_str(sharded.shape()), " vs ",
+                shape_str(whole.shape()));
+  for (int64_t t = 0; t < whole.dim(0); ++t) {
+    const double error = relative_l2(sharded.row(t), whole.row(t), whole.dim(1));
+    SPARROW_CHECK(error <= 1e-5, what, ": row ", t, " relative L2 ", error, " > 1e-5");
+  }
+}
+
+constexpr int kDecodeSteps = 8;
+
+// The body every rank runs: sharded and whole models side by side, prefill then greedy decode.
+void compare_with_whole(const fs::path& dir, const TensorParallel& tp) {
+  LoadOptions sharded_options;
+  sharded_options.tensor_parallel = tp;
+  std::unique_ptr<Model> sharded = load_model(dir.string(), Device::Cpu, sharded_options);
+  std::unique_ptr<Model> whole = load_model(dir.string(), Device::Cpu);
+  ModelRunner sharded_runner(*sharded), whole_runner(*whole);
+  const std::vector<Tokens> prompts = fixture_prompts(dir);
+  std::vector<SequenceState> sharded_seqs, whole_seqs;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    sharded_seqs.push_back(sharded_runner.new_sequence());
+    whole_seqs.push_back(whole_runner.new_sequence());
+  }
+  auto step = [&](const std::vector<Tokens>& parts, bool all_logits, const std::string& what) {
+    std::vector<std::pair<SequenceState*, Tokens>> sharded_parts, whole_parts;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      sharded_parts.emplace_back(&sharded_seqs[i], parts[i]);
+      whole_parts.emplace_back(&whole_seqs[i], parts[i]);
+    }
+    Batch sharded_batch = make_batch(sharded_parts), whole_batch = make_batch(whole_parts);
+    sharded_batch.all_logits = whole_batch.all_logits = all_logits;
+    const Tensor ours = sharded_runner.run(sharded_batch), reference = whole_runner.run(whole_batch);
+    expect_rows_match(ours, reference, what);
+    return ours;
+  };
+  Tensor logits = step(prompts, /*all_logits=*/false, "prefill");
+  for (int s = 0; s < kDecodeSteps; ++s) {
+    std::vector<Tokens> next;
+    for (int64_t i = 0; i < logits.dim(0); ++i) next.push_back({argmax(logits.row(i), logits.dim(1))});
+    logits = step(next, /*all_logits=*/false, "decode step " + std::to_string(s));
+  }
+}
+
+struct Case {
+  std::string fixture;
+  int size;
+};
+void PrintTo(const Case& c, std::ostream* os) { *os << c.fixture << " at TP " << c.size; }
+
+class TensorParallelCpu : public ::testing::TestWithParam<Case> {};
+
+TEST_P(TensorParallelCpu, MatchesTheUnshardedModel) {
+  const fs::path dir = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / GetParam().fixture;
+  EXPECT_EQ(run_ranks(GetParam().size, [&](const TensorParallel& tp) { compare_with_whole(dir, tp); }), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallelCpu,
+                         ::testing::Values(Case{"minimax_m3", 2}, Case{"minimax_m3", 4}, Case{"deepseek_v32", 2},
+                                           Case{"kimi_linear", 2}, Case{"kimi_k3", 2}, Case{"kimi_k3_1_pro", 4}),
+                         [](const auto& info) { return info.param.fixture + "_tp" + std::to_string(info.param.size); });
+
+// A group whose size does not divide the heads is refused at load with the flag to change.
+TEST(TensorParallelCpu, SizeThatDoesNotDivideTheHeadsIsAnError) {
+  const fs::path dir = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/minimax_m3";
+  EXPECT_EQ(run_ranks(3,
+                      [&](const TensorParallel& tp) {
+                        LoadOptions options;
+                        options.tensor_parallel = tp;
+                        try {
+                          load_model(dir.string(), Device::Cpu, options);
+                        } catch (const Error& e) {
+                          if (std::string(e.what()).find("--tensor-parallel-size") != std::string::npos) return;
+                          throw;
+                        }
+                        throw std::runtime_error("loaded with 4 heads over 3 ranks");
+                      }),
+            "");
+}
+
+}  // namespace
