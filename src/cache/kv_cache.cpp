@@ -1,6 +1,7 @@
 #include "cache/kv_cache.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -45,6 +46,11 @@ class KvCache::View : public SequenceCache {
   const PagedStorage* paged() const override { return &cache_; }
   const std::vector<int32_t>& block_table() const override { return seq_.blocks; }
   void reserve(int64_t tokens) override {
+    if (seq_.mirrored) {  // rank 0 allocated: its table must cover the step
+      SPARROW_CHECK(tokens <= int64_t(seq_.blocks.size()) * cache_.plan_.block_size, "kv cache: a mirrored table of ",
+                    seq_.blocks.size(), " blocks for ", tokens, " tokens");
+      return;
+    }
     SPARROW_CHECK(cache_.allocate(id_, tokens), "kv cache: no room for ", tokens, " tokens (",
                   cache_.num_free_blocks(), " free blocks of ", cache_.plan_.block_size, " tokens)");
   }
@@ -56,8 +62,8 @@ class KvCache::View : public SequenceCache {
     for (int64_t done = 0; done < count;) {
       const int64_t at = pos + done, i = at % block_size, n = std::min(count - done, block_size - i);
       const int32_t block = seq_.blocks[at / block_size];
-      SPARROW_CHECK(!cache_.blocks_[block].cached && cache_.blocks_[block].refs == 1, "kv cache: layer ", layer,
-                    " writes position ", at, " into shared block ", block);
+      SPARROW_CHECK(seq_.mirrored || (!cache_.blocks_[block].cached && cache_.blocks_[block].refs == 1),
+                    "kv cache: layer ", layer, " writes position ", at, " into shared block ", block);
       with_host_page(block, page, /*write_back=*/true, [&](std::byte* bytes) {
         page.codec->encode(page.spec, block_size, rows + done * page.spec.width, i, n, bytes);
       });
@@ -82,9 +88,14 @@ class KvCache::View : public SequenceCache {
     return cache_.state_address(cache_.state_slot(seq_.state_slot), state_placement(layer, kind));
   }
   std::byte* state_slot() override { return seq_.state_slot >= 0 ? cache_.state_slot(seq_.state_slot) : nullptr; }
+  int32_t state_slot_index() const override { return seq_.state_slot; }
+  int32_t snapshot_slot_index() const override { return seq_.snapshot_slot; }
 
-  // The last block boundary this step reaches, if a snapshot slot can be had for it.
+  // The last block boundary this step reaches, if a snapshot slot can be had for it (a mirror: rank 0's).
   int64_t snapshot_position(int64_t begin, int64_t end) override {
+    if (seq_.mirrored)
+      return seq_.snapshot_slot >= 0 && seq_.snapshot_position > begin && seq_.snapshot_position <= end
+                 ? seq_.snapshot_position : -1;
     if (!cache_.config_.enable_prefix_caching || !cache_.has_recurrent_state()) return -1;
     const int64_t position = end / cache_.plan_.block_size * cache_.plan_.block_size;
     if (position <= begin) return -1;
@@ -141,6 +152,8 @@ class KvCache::View : public SequenceCache {
 // ---------------------------------------------------------------------------------------------
 KvCache::KvCache(std::vector<LayerCacheSpec> spec, CacheConfig config)
     : config_(std::move(config)), plan_(plan_cache(spec, config_)) {
+  static std::atomic<uint64_t> next_uid{1};
+  uid_ = next_uid++;
   // Host rows are left uninitialised (the OS commits pages on first touch, so a large budget costs
   // nothing until used); GPU rows come from the device pool.
   rows_ = Tensor::empty({plan_.num_blocks * plan_.row_bytes}, ScalarType::U8, plan_.device);
@@ -155,7 +168,9 @@ KvCache::KvCache(std::vector<LayerCacheSpec> spec, CacheConfig config)
   for (int64_t s = plan_.num_snapshot_slots - 1; s >= 0; --s) free_snapshots_.push_back(int32_t(s));
 }
 
-KvCache::~KvCache() = default;
+KvCache::~KvCache() {
+  if (on_destroy_) on_destroy_();
+}
 
 int64_t KvCache::num_free_blocks() const { return int64_t(free_blocks_.size() + evictable_.size()); }
 
@@ -219,9 +234,42 @@ SeqId KvCache::create_sequence() {
     s.state_slot = free_state_slots_.back();
     free_state_slots_.pop_back();
     zero_bytes(plan_.device, state_slot(s.state_slot), plan_.state_slot_bytes);
+    if (record_state_ops_) state_ops_.push_back({s.state_slot, -1});
   }
   s.view = std::make_unique<View>(*this, s, id);
   return id;
+}
+
+void KvCache::apply(const StateOp& op) {
+  SPARROW_CHECK(op.state_slot >= 0 && op.state_slot < plan_.num_state_slots && op.from_snapshot < plan_.num_snapshot_slots,
+                "kv cache: state op on slot ", op.state_slot, " / snapshot ", op.from_snapshot, " of ",
+                plan_.num_state_slots, " / ", plan_.num_snapshot_slots);
+  if (op.from_snapshot < 0) zero_bytes(plan_.device, state_slot(op.state_slot), plan_.state_slot_bytes);
+  else copy_bytes(plan_.device, state_slot(op.state_slot), snapshot_slot(op.from_snapshot), plan_.state_slot_bytes);
+}
+
+SeqId KvCache::mirror(std::vector<int32_t> blocks, int32_t state_slot, int32_t snapshot_slot,
+                      int64_t snapshot_position) {
+  for (int32_t block : blocks)
+    SPARROW_CHECK(block >= 0 && block < plan_.num_blocks, "kv cache: mirrored block ", block, " of ", plan_.num_blocks);
+  SPARROW_CHECK(state_slot < plan_.num_state_slots && snapshot_slot < plan_.num_snapshot_slots &&
+                    (state_slot >= 0 || !has_recurrent_state()),
+                "kv cache: mirrored state slot ", state_slot, " / snapshot slot ", snapshot_slot, " of ",
+                plan_.num_state_slots, " / ", plan_.num_snapshot_slots);
+  const SeqId id = next_id_++;
+  Sequence& s = sequences_[id];
+  s.mirrored = true;
+  s.blocks = std::move(blocks);
+  s.state_slot = state_slot;
+  s.snapshot_slot = snapshot_slot;
+  s.snapshot_position = snapshot_position;
+  s.view = std::make_unique<View>(*this, s, id);
+  return id;
+}
+
+void KvCache::drop_mirror(SeqId seq) {
+  SPARROW_CHECK(sequence(seq).mirrored, "kv cache: drop_mirror on sequence ", seq, ", which is not a mirror");
+  sequences_.erase(seq);
 }
 
 SequenceCache* KvCache::view(SeqId seq) { return sequence(seq).view.get(); }
@@ -326,6 +374,7 @@ int64_t KvCache::match_prefix(SeqId seq, const std::vector<int32_t>& prompt) {
   if (has_recurrent_state()) {
     const int32_t slot = blocks_[matched.back()].snapshot;
     copy_bytes(plan_.device, state_slot(s.state_slot), snapshot_slot(slot), plan_.state_slot_bytes);
+    if (record_state_ops_) state_ops_.push_back({s.state_slot, slot});
     snapshot_lru_.splice(snapshot_lru_.end(), snapshot_lru_, snapshots_[slot].lru_at);  // most recently used
   }
   prefix_hits_ += s.committed;

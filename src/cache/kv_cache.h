@@ -32,9 +32,11 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <memory>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "cache/planner.h"
@@ -79,6 +81,28 @@ class KvCache final : public PagedStorage {
   // What the model reads and writes through; stays valid until free_sequence(seq).
   SequenceCache* view(SeqId seq);
 
+  // Tensor parallelism (runner/step_plan.h). Rank 0's cache decides; a worker's cache, of as many block rows
+  // and slots, mirrors it: the state writes rank 0's cache makes outside a forward pass (a new sequence's
+  // zeroed state, a prefix hit's restored snapshot) are recorded while `record_state_ops` is on and handed
+  // over by take_state_ops(); a worker applies them (apply) and runs each step on sequences whose blocks and
+  // slots are rank 0's (mirror), allocating nothing itself.
+  struct StateOp {
+    int32_t state_slot = -1;
+    int32_t from_snapshot = -1;  // -1: zero the state slot; else copy this snapshot slot into it
+  };
+  void record_state_ops(bool on) { record_state_ops_ = on; }
+  std::vector<StateOp> take_state_ops() { return std::exchange(state_ops_, {}); }
+  void apply(const StateOp& op);
+  // A sequence for one step of a worker: rank 0's block table, state slot and pending snapshot (slot and
+  // position, -1 when none). drop_mirror() lets it go without touching any block's bookkeeping.
+  SeqId mirror(std::vector<int32_t> blocks, int32_t state_slot, int32_t snapshot_slot, int64_t snapshot_position);
+  void drop_mirror(SeqId seq);
+  const CacheConfig& config() const { return config_; }
+  // Unique in the process (never reused, unlike an address), and a hook the destructor calls: a tensor-
+  // parallel rank 0 names its caches to its workers by uid and tells them when one is gone.
+  uint64_t uid() const { return uid_; }
+  void on_destroy(std::function<void()> hook) { on_destroy_ = std::move(hook); }
+
   // Prefix-cache statistics: prompt tokens looked up, and tokens reused.
   int64_t prefix_queries() const { return prefix_queries_; }
   int64_t prefix_hits() const { return prefix_hits_; }
@@ -118,6 +142,7 @@ class KvCache final : public PagedStorage {
     int32_t state_slot = -1;
     int64_t snapshot_position = -1;  // this step's pending snapshot: position and slot (-1: none)
     int32_t snapshot_slot = -1;
+    bool mirrored = false;  // a worker's mirror of rank 0's sequence (mirror())
     std::unique_ptr<View> view;
   };
 
@@ -152,6 +177,10 @@ class KvCache final : public PagedStorage {
   std::list<int32_t> snapshot_lru_;   // attached snapshots, least recently used first
   std::unordered_map<SeqId, Sequence> sequences_;
   SeqId next_id_ = 0;
+  uint64_t uid_;
+  std::function<void()> on_destroy_;
+  bool record_state_ops_ = false;
+  std::vector<StateOp> state_ops_;
   int64_t prefix_queries_ = 0, prefix_hits_ = 0;
 };
 

@@ -164,8 +164,8 @@ CachePlan plan_cache(const std::vector<LayerCacheSpec>& spec, const CacheConfig&
   }
 
   // What is left of the budget after the state slots becomes block rows.
-  plan.memory_bytes = cache_memory_budget(config);
   const int64_t state_bytes = (plan.num_state_slots + plan.num_snapshot_slots) * plan.state_slot_bytes;
+  plan.memory_bytes = config.num_blocks > 0 ? config.num_blocks * plan.row_bytes + state_bytes : cache_memory_budget(config);
   plan.num_blocks = (plan.memory_bytes - state_bytes) / plan.row_bytes;
   SPARROW_CHECK(plan.num_blocks >= 1, "kv cache memory ", grouped_digits(plan.memory_bytes), " bytes is too small: ",
                 state_bytes > 0 ? cat(grouped_digits(state_bytes), " bytes of recurrent state slots and ") : std::string(),

@@ -40,6 +40,9 @@ struct CacheConfig {
   double memory_fraction = 0.25;        // when memory_bytes is 0: this fraction of the RAM (of the free GPU memory)
   int64_t max_num_seqs = 64;            // state slots for running sequences (models with recurrent layers)
   bool enable_prefix_caching = true;
+  // When > 0: exactly this many block rows, whatever the budget: vLLM's --num-gpu-blocks-override, and a
+  // tensor-parallel worker's twin of rank 0's cache, whose block tables it is given (runner/step_plan.h).
+  int64_t num_blocks = 0;
 };
 
 // Where one layer's page of one kind sits in every block row.

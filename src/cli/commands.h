@@ -55,10 +55,18 @@ int64_t model_context_length(const std::string& model);
 // --device cpu|cuda (vLLM's flag): where the model runs; vLLM's --enforce-eager (no CUDA graphs) and
 // --load-format auto|safetensors|fastsafetensors|dummy (dummy: random weights from config.json alone).
 void add_device_option(CLI::App* sub, std::string& device);
-// load_model on `device` ("cpu" | "cuda") with the --load-format choices applied.
+// load_model on `device` ("cpu" | "cuda") with the --load-format choices applied. With
+// --tensor-parallel-size N (or under a launcher) this process joins or starts the run first and loads its
+// part of the model; on a worker rank the call never returns (it runs rank 0's steps, then exits).
 std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device);
-// How the command's model runners run steps: --enforce-eager.
+// How the command's model runners run steps: --enforce-eager; on rank 0 of a tensor-parallel run, the
+// workers they drive.
 RunnerOptions cli_runner_options();
+// main() records its arguments (what the workers a tensor-parallel run starts are given). On an error it
+// calls report_failure: the message goes to stderr ("error: ...", with the rank on a worker) and a tensor-parallel run
+// is abandoned: its workers are killed rather than told to stop.
+void set_program_arguments(char** argv);
+void report_failure(const char* message);
 
 // vLLM's --kv-cache-dtype and --attention-config (JSON; sparrow takes "indexer_kv_dtype"): the cache
 // formats of docs/cache.md. serve, perplexity and bench kv-quality share them.

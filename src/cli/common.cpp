@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -9,7 +10,10 @@
 
 #include "cache/kv_cache.h"
 #include "cli/commands.h"
+#include "core/device/device.h"
 #include "core/error.h"
+#include "distributed/process_group.h"
+#include "runner/step_plan.h"
 
 namespace sparrow::cli {
 namespace {
@@ -23,7 +27,27 @@ namespace {
 bool enforce_eager = false;  // one command runs per process
 std::string load_format = "auto";
 std::string moe_routing_simulation;
+ParallelConfig parallel_config;
+char** program_arguments = nullptr;
+
+// This process's place in a tensor-parallel run (docs/parallel.md), once its model is loaded: rank 0 keeps
+// the plan channel its runners drive the workers through. The channel goes before the group (it says Stop
+// over the group's plan communicator).
+struct ParallelRun {
+  std::unique_ptr<ProcessGroup> group;
+  std::unique_ptr<WorkerChannel> workers;
+  ~ParallelRun() {
+    workers.reset();
+    group.reset();
+  }
+};
+ParallelRun& parallel_run() {
+  static ParallelRun run;
+  return run;
+}
 }  // namespace
+
+void set_program_arguments(char** argv) { program_arguments = argv; }
 
 void add_device_option(CLI::App* sub, std::string& device) {
   sub->add_option("--device", device, "where the model runs: cpu or cuda (an NVIDIA Hopper GPU)")
@@ -37,6 +61,18 @@ void add_device_option(CLI::App* sub, std::string& device) {
   sub->add_option("--moe-routing-simulation", moe_routing_simulation,
                   "uniform_random: route each token to uniformly drawn experts, as the roofline assumes (benchmarks "
                   "only: outputs are no longer the model's; vLLM's VLLM_MOE_ROUTING_SIMULATION_STRATEGY)");
+  sub->add_option("--tensor-parallel-size", parallel_config.tensor_parallel_size,
+                  "processes the model is split over (also -tp; docs/parallel.md): without a launcher this process starts and "
+                  "supervises the other ranks on this machine; under torchrun-style variables, mpirun or srun it is "
+                  "the rank they say")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--master-addr", parallel_config.master_addr,
+                  "rank 0's address, where the ranks meet (default MASTER_ADDR, else 127.0.0.1)");
+  sub->add_option("--master-port", parallel_config.master_port,
+                  "the port rank 0 listens on for them (default MASTER_PORT, else a free port on one machine and "
+                  "29500 under a launcher)")
+      ->check(CLI::Range(1, 65535));
 }
 
 std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device) {
@@ -46,12 +82,45 @@ std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string&
   // A checkpoint of 1 GB or more shows its progress and load rate on stderr.
   options.progress = stderr;
   options.progress_live = ::isatty(STDERR_FILENO) != 0;
-  return load_model(dir, parse_device(device), options);
+  const LaunchEnv env = read_launch_env();
+  if (parallel_config.tensor_parallel_size == 1 && env.launcher.empty()) return load_model(dir, parse_device(device), options);
+
+  // Tensor parallel: join (or start) the run, load this rank's part; a worker then only runs steps.
+  ParallelRun& run = parallel_run();
+  SPARROW_CHECK(!run.group, "a command loads its model once");
+  SPARROW_CHECK(program_arguments, "the program's arguments were not recorded (set_program_arguments)");
+  run.group = ProcessGroup::start(parallel_config, env, program_arguments);
+  options.tensor_parallel = run.group->tensor_parallel();
+  if (parse_device(device) != Device::Cpu) sparrow::device::select_for_local_rank(env.local_rank);
+  if (run.group->rank() != 0) options.progress = nullptr;
+  std::unique_ptr<Model> model = load_model(dir, parse_device(device), options);
+  if (run.group->rank() != 0) {
+    run_worker(*model, run.group->plans(), cli_runner_options());
+    model.reset();
+    run.group.reset();
+    std::fflush(nullptr);
+    std::_Exit(0);
+  }
+  run.workers = std::make_unique<WorkerChannel>(run.group->plans());
+  return model;
+}
+
+void report_failure(const char* message) {
+  ParallelRun& run = parallel_run();
+  if (run.group && run.group->rank() != 0)
+    std::fprintf(stderr, "error: tensor-parallel rank %d of %d: %s\n", run.group->rank(), run.group->size(), message);
+  else
+    std::fprintf(stderr, "error: %s\n", message);
+  // The workers may be inside a collective rank 0 will never join: the supervisor's kill, not a Stop.
+  run.workers.release();  // NOLINT: deliberately not destroyed (its destructor would send Stop)
+  if (run.group) run.group->kill_workers();
+  run.group.reset();
 }
 
 RunnerOptions cli_runner_options() {
   RunnerOptions options;
   options.enforce_eager = enforce_eager;
+  options.workers = parallel_run().workers.get();
   return options;
 }
 

@@ -21,9 +21,10 @@ namespace {
 
 // Streams the continuation of `prompt_text` (the end token itself is not written).
 void generate_text(const std::string& model_dir, const std::string& device, const std::string& prompt_text,
-                   const GenerateOptions& options) {
+                   GenerateOptions options) {
   auto tokenizer = load_tokenizer(model_dir);
   auto model = load_cli_model(model_dir, device);
+  options.runner = cli_runner_options();  // after the load: on rank 0 of a tensor-parallel run, its workers
   std::vector<int32_t> prompt = tokenizer->encode_with_special_tokens(prompt_text);
   IncrementalDetokenizer detokenizer(*tokenizer);
   generate_streaming(*model, prompt, options, model_context_length(model_dir), [&](int32_t token) {
@@ -59,11 +60,11 @@ void add_generate(CLI::App& app) {
     validate(options.sampling);
     SPARROW_CHECK(options.max_tokens >= 0, "--max-tokens must be >= 0");
     if (!ignore_eos) options.stop_token_ids = eos_token_ids(model_dir);
-    options.runner = cli_runner_options();
     if (text->count()) return generate_text(model_dir, device, prompt_text, options);
 
     auto prompts = read_prompt_ids(prompts_path);
     auto model = load_cli_model(model_dir, device);
+    options.runner = cli_runner_options();
     for (size_t i = 0; i < prompts.size(); ++i)
       for (int32_t id : prompts[i])
         SPARROW_CHECK(id < model->vocab_size(), prompts_path, ": prompt ", i, " holds id ", id,

@@ -3,8 +3,11 @@
 // stderr and exit code 1.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <exception>
+#include <string>
+#include <vector>
 
 #include "cli/commands.h"
 #include "core/error.h"
@@ -22,18 +25,24 @@ int main(int argc, char** argv) {
   sparrow::cli::add_chat(app);
   sparrow::cli::add_perplexity(app);
   sparrow::cli::add_kv_plan(app);
+  // vLLM's short spelling of --tensor-parallel-size, -tp, which CLI11 cannot name (one dash, two letters).
+  std::vector<std::string> args(argv + 1, argv + argc);
+  for (std::string& arg : args) {
+    if (arg == "-tp") arg = "--tensor-parallel-size";
+    else if (arg.starts_with("-tp=")) arg = "--tensor-parallel-size=" + arg.substr(4);
+  }
+  std::reverse(args.begin(), args.end());  // CLI11's parse(vector) takes the arguments last first
+  app.name(argv[0]);
   try {
-    app.parse(argc, argv);
+    app.parse(args);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  sparrow::cli::set_program_arguments(argv);
   try {
     sparrow::cli::run_selected();
-  } catch (const sparrow::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    sparrow::cli::report_failure(e.what());
     return 1;
   }
   return 0;

@@ -98,7 +98,7 @@ struct ServeFlags {
   std::vector<std::string> served_model_names;
   int64_t port = 8000;
   int64_t max_model_len = 0, block_size = 64, max_num_seqs = 64, max_num_batched_tokens = 2048;
-  int64_t max_logprobs = kMaxLogprobs, max_queued_requests = 1024;
+  int64_t max_logprobs = kMaxLogprobs, max_queued_requests = 1024, num_gpu_blocks_override = 0;
   // The HTTP layer's limits (server/http/http_server.h).
   double http_header_timeout = 10, http_request_timeout = 60, http_keep_alive_timeout = 5;
   int64_t http_max_connections = 1024;
@@ -167,6 +167,7 @@ void serve(const ServeFlags& flags) {
   config.cache.max_num_seqs = flags.max_num_seqs;
   config.cache.enable_prefix_caching = flags.prefix_caching;
   if (!flags.kv_cache_memory.empty()) config.cache.memory_bytes = parse_byte_size("--kv-cache-memory", flags.kv_cache_memory);
+  config.cache.num_blocks = flags.num_gpu_blocks_override;
   const bool on_gpu = parse_device(flags.device) != Device::Cpu;
   if (flags.gpu_memory_utilization > 0 && !on_gpu) config.cache.memory_fraction = flags.gpu_memory_utilization;
   config.max_num_seqs = flags.max_num_seqs;
@@ -229,15 +230,15 @@ void serve(const ServeFlags& flags) {
   server::ServingContext context(engine, tokenizer, chat_template, options, seed);
   server::Server server(context, server_config);
   int port = server.bind();
-  std::printf("sparrow serve: %s as '%s' on http://%s:%d (max_model_len %lld)\n", model_dir.c_str(),
-              context.model_name().c_str(), flags.host.c_str(), port, (long long)engine.max_model_len());
-  std::fflush(stdout);
-
+  // The handlers go in before the start-up line: whoever reads it may send SIGTERM at once.
   SPARROW_CHECK(pipe(stop_pipe) == 0, "cannot create a pipe");
   struct sigaction action = {};
   action.sa_handler = on_stop_signal;
   sigaction(SIGTERM, &action, nullptr);
   sigaction(SIGINT, &action, nullptr);
+  std::printf("sparrow serve: %s as '%s' on http://%s:%d (max_model_len %lld)\n", model_dir.c_str(),
+              context.model_name().c_str(), flags.host.c_str(), port, (long long)engine.max_model_len());
+  std::fflush(stdout);
   std::thread signal_waiter([&] {
     char signal = 0;
     if (read(stop_pipe[0], &signal, 1) != 1 || signal == 0) return;  // 0: the server stopped by itself
@@ -277,6 +278,10 @@ void add_serve(CLI::App& app) {
   add_cache_format_options(sub, f.kv_cache_dtype, f.attention_config);
   sub->add_option("--kv-cache-memory", f.kv_cache_memory,
                   "KV-cache budget in bytes, e.g. 4GiB or 512MiB (default: --gpu-memory-utilization)");
+  sub->add_option("--num-gpu-blocks-override", f.num_gpu_blocks_override,
+                  "exactly this many KV-cache block rows, whatever the memory budget says (vLLM's flag; for tests "
+                  "and for comparing runs block for block, on the CPU backend too)")
+      ->check(CLI::PositiveNumber);
   sub->add_option("--gpu-memory-utilization", f.gpu_memory_utilization,
                   "on a GPU (vLLM's meaning): the fraction of the GPU's memory sparrow may hold, the KV cache getting "
                   "what the weights and a full step's measured scratch leave of it (default 0.9); on the CPU backend: "

@@ -48,6 +48,10 @@ class SequenceCache {
   // layer's state lies paged()->state_offset(layer, kind) bytes in. Kernels update states through them.
   virtual std::byte* state_slot() { return nullptr; }
   virtual std::byte* snapshot_slot() { return nullptr; }
+  // The same slots by index in the storage (-1: none), for a tensor-parallel worker that mirrors this
+  // sequence in its own cache (runner/step_plan.h).
+  virtual int32_t state_slot_index() const { return -1; }
+  virtual int32_t snapshot_slot_index() const { return -1; }
   // Makes room for tokens 0 .. tokens-1 where the cache allocates on demand (standalone sequences
   // of a paged cache); the serving engine allocates ahead of each step and this is then a check.
   virtual void reserve(int64_t tokens) {}

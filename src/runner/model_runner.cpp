@@ -3,6 +3,7 @@
 #include "cache/kv_cache.h"
 #include "core/error.h"
 #include "runner/dense_sequence_cache.h"
+#include "runner/step_plan.h"
 #include "runner/step_inputs.h"
 #include "runner/step_profile.h"
 
@@ -28,6 +29,8 @@ class OfflineSequence final : public SequenceCache {
   float* snapshot(int layer, StateKind kind) override { return view_->snapshot(layer, kind); }
   std::byte* state_slot() override { return view_->state_slot(); }
   std::byte* snapshot_slot() override { return view_->snapshot_slot(); }
+  int32_t state_slot_index() const override { return view_->state_slot_index(); }
+  int32_t snapshot_slot_index() const override { return view_->snapshot_slot_index(); }
   const PagedStorage* paged() const override { return view_->paged(); }
   const std::vector<int32_t>& block_table() const override { return view_->block_table(); }
   void reserve(int64_t tokens) override { view_->reserve(tokens); }
@@ -49,13 +52,14 @@ Tensor ModelRunner::run(const Batch& batch) {
   for (int32_t id : batch.tokens)  // checked here for both devices: the GPU embedding reads ids unchecked
     SPARROW_CHECK(id >= 0 && id < vocab, "token id ", id, " out of range [0, ", vocab, ")");
   for (const SeqSlice& s : batch.seqs) s.cache().reserve(s.start() + s.count);
+  if (options_.workers) options_.workers->send_step(batch);
 
   const Device device = model_.device();
   Tensor logits;
   if (profile_) profile_->start(device);
   if (device == Device::Cpu) {
     logits = model_.forward(batch, profile_);
-  } else if (!options_.enforce_eager && !profile_ && DecodeGraphs::eligible(batch)) {
+  } else if (!options_.enforce_eager && !profile_ && model_.capturable() && DecodeGraphs::eligible(batch)) {
     logits = graphs_.run(batch, device, [&] { return model_.forward(batch, nullptr); });
   } else {
     attach_device_step(batch, device);  // the step's inputs, uploaded once for every layer
@@ -68,12 +72,13 @@ Tensor ModelRunner::run(const Batch& batch) {
 }
 
 SequenceState ModelRunner::new_sequence() {
-  if (model_.device() == Device::Cpu) return standalone_sequence(model_.cache_spec());
+  if (model_.device() == Device::Cpu && !options_.workers) return standalone_sequence(model_.cache_spec());
   if (!offline_cache_) {
     CacheConfig config;
     config.device = model_.device();
     config.enable_prefix_caching = false;
-    config.memory_fraction = 0.3;  // of the free GPU memory, once the weights are in
+    config.memory_fraction = 0.3;  // of the free GPU memory once the weights are in (of the RAM: reserved, not
+                                   // touched until used)
     offline_cache_ = std::make_shared<KvCache>(model_.cache_spec(), config);
   }
   SequenceState s;

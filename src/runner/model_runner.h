@@ -20,9 +20,14 @@ namespace sparrow {
 class KvCache;
 class StepProfile;
 
+class WorkerChannel;
+
 struct RunnerOptions {
   // vLLM's --enforce-eager: no CUDA graphs (decode steps launch their kernels one by one).
   bool enforce_eager = false;
+  // Tensor parallel, on rank 0: each step's plan goes to the workers before it runs (runner/step_plan.h),
+  // and offline sequences live in a paged cache the workers can mirror. Must outlive the runner.
+  WorkerChannel* workers = nullptr;
 };
 
 class ModelRunner {
@@ -38,8 +43,9 @@ class ModelRunner {
   // last token. Throws sparrow::Error for an empty batch or a token id outside the vocabulary.
   Tensor run(const Batch& batch);
 
-  // A fresh sequence for offline use: on the CPU with its own growable cache, on a GPU in a paged cache
-  // on the device that the runner keeps for such sequences (its blocks go back when the state goes).
+  // A fresh sequence for offline use: on the CPU with its own growable cache, on a GPU (or with workers) in a
+  // paged cache on the model's device that the runner keeps for such sequences (its blocks go back when the
+  // state goes).
   SequenceState new_sequence();
 
   Model& model() const { return model_; }

@@ -101,6 +101,13 @@ void require() {
   fail("no CUDA device found (use --device cpu)");
 }
 
+void select_for_local_rank(int local_rank) {
+  require();
+  int count = 0;
+  cudaGetDeviceCount(&count);
+  const cudaError_t status = cudaSetDevice(local_rank % count);
+  if (status != cudaSuccess) fail("cannot use CUDA device ", local_rank % count, ": ", cudaGetErrorString(status));
+}
 
 void* alloc(size_t bytes) {
   const size_t cls = pool_size_class(bytes);

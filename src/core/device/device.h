@@ -14,6 +14,9 @@ namespace sparrow::device {
 
 bool available();  // a CUDA device exists and can be used (false in a build without the CUDA backend)
 void require();    // throws sparrow::Error with a clear message when none does
+// One process per GPU (docs/parallel.md): the process's GPU is the local rank's, local_rank % the visible
+// devices (ranks share GPUs round-robin when there are fewer); called before the first allocation.
+void select_for_local_rank(int local_rank);
 
 void* alloc(size_t bytes);  // from the pool; 256-byte aligned; throws on out-of-memory
 void free(void* p);         // back to the pool (nullptr is ignored)

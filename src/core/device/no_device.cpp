@@ -15,6 +15,7 @@ namespace {
 
 bool available() { return false; }
 void require() { no_backend(); }
+void select_for_local_rank(int) { no_backend(); }
 void* alloc(size_t) { no_backend(); }
 void free(void* p) {
   if (p != nullptr) no_backend();

@@ -1,0 +1,166 @@
+#include "distributed/process_group.h"
+
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "core/error.h"
+#include "distributed/gloo_communicator.h"
+#include "distributed/tcp_store.h"
+
+extern char** environ;
+
+namespace sparrow {
+
+namespace {
+
+constexpr int kDefaultPort = 29500;  // torchrun's
+constexpr auto kTimeout = std::chrono::seconds(300);
+
+std::string exit_description(int status) {
+  if (WIFEXITED(status)) return cat("exited with status ", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return cat("was killed by signal ", WTERMSIG(status), " (", strsignal(WTERMSIG(status)), ")");
+  return "stopped";
+}
+
+}  // namespace
+
+std::unique_ptr<ProcessGroup> ProcessGroup::start(const ParallelConfig& config, const LaunchEnv& env, char** argv) {
+  SPARROW_CHECK(config.tensor_parallel_size >= 1, "--tensor-parallel-size must be at least 1, got ",
+                config.tensor_parallel_size);
+  std::unique_ptr<ProcessGroup> group(new ProcessGroup());
+  const bool launched = !env.launcher.empty();
+  if (launched) {
+    SPARROW_CHECK(env.world_size == config.tensor_parallel_size, describe(env), ": the launcher started ",
+                  env.world_size, " processes for --tensor-parallel-size ", config.tensor_parallel_size,
+                  " (one process per rank)");
+    group->rank_ = env.rank;
+  }
+  group->size_ = config.tensor_parallel_size;
+  std::string addr = !config.master_addr.empty() ? config.master_addr
+                     : !env.master_addr.empty()  ? env.master_addr
+                                                 : "127.0.0.1";
+  int port = config.master_port > 0 ? config.master_port : env.master_port > 0 ? env.master_port : 0;
+  if (port == 0 && launched) port = kDefaultPort;
+  // Rank 0 serves the rendezvous (on every interface when the others come from elsewhere); a run this
+  // process starts itself takes a free port unless one was given.
+  const bool serve = group->rank_ == 0;
+  group->store_ = std::make_shared<TcpStore>(serve && launched ? "0.0.0.0" : addr, port, serve,
+                                             std::chrono::duration_cast<std::chrono::milliseconds>(kTimeout));
+  port = group->store_->port();
+  if (!launched) group->spawn_workers(argv, addr, port);
+
+  GroupOptions options;
+  options.rank = group->rank_;
+  options.size = group->size_;
+  options.master_addr = addr;
+  options.master_port = port;
+  options.timeout = kTimeout;
+  options.prefix = "model";
+  group->model_ = connect_gloo(options, group->store_);
+  options.prefix = "plans";
+  group->plans_ = connect_gloo(options, group->store_);
+  return group;
+}
+
+void ProcessGroup::spawn_workers(char** argv, const std::string& addr, int port) {
+  std::vector<std::string> base;
+  for (char** e = environ; *e; ++e) {
+    const std::string var = *e;
+    bool launcher_var = false;
+    for (const char* name : {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=", "MASTER_ADDR=", "MASTER_PORT="})
+      launcher_var = launcher_var || var.starts_with(name);
+    if (!launcher_var) base.push_back(var);
+  }
+  // The workers run this very program: its path now, so that they show under its name (ps, pgrep) rather
+  // than as "exe".
+  char self[4096];
+  const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  SPARROW_CHECK(length > 0, "could not find this program's path (/proc/self/exe): ", std::strerror(errno));
+  self[length] = '\0';
+  // Rank 0 too is one of the ranks on this machine: its thread pool, made at its first parallel step, takes
+  // its share of the cores (core/parallel.cpp) as the workers' do.
+  setenv("LOCAL_WORLD_SIZE", cat(size_).c_str(), 1);
+  const pid_t parent = getpid();
+  std::fflush(nullptr);
+  for (int rank = 1; rank < size_; ++rank) {
+    std::vector<std::string> env = base;
+    env.push_back(cat("RANK=", rank));
+    env.push_back(cat("WORLD_SIZE=", size_));
+    env.push_back(cat("LOCAL_RANK=", rank));
+    env.push_back(cat("LOCAL_WORLD_SIZE=", size_));
+    env.push_back("MASTER_ADDR=" + addr);
+    env.push_back(cat("MASTER_PORT=", port));
+    std::vector<char*> envp;
+    for (std::string& var : env) envp.push_back(var.data());
+    envp.push_back(nullptr);
+    const pid_t pid = fork();
+    SPARROW_CHECK(pid >= 0, "could not start tensor-parallel rank ", rank, ": ", std::strerror(errno));
+    if (pid == 0) {
+      // A worker never outlives the rank that started it.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(1);
+      execve(self, argv, envp.data());
+      std::fprintf(stderr, "error: could not start tensor-parallel rank %d: %s\n", rank, std::strerror(errno));
+      _exit(127);
+    }
+    workers_.push_back(pid);
+  }
+  watcher_ = std::thread([this] { watch_workers(); });
+}
+
+// A worker that ends before the run does (a crash, a kill, an error) ends rank 0 too, with its reason: the
+// run cannot go on without it, and rank 0 may be idle (a server between requests) with no collective to
+// notice. Workers leave with status 0 only when rank 0 tells them the run is over.
+void ProcessGroup::watch_workers() {
+  std::vector<bool> done(workers_.size(), false);
+  while (!stopping_) {
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      int status = 0;
+      if (done[i] || waitpid(workers_[i], &status, WNOHANG) != workers_[i]) continue;
+      done[i] = true;
+      if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
+      if (stopping_) return;
+      std::fprintf(stderr, "error: tensor-parallel rank %zu (pid %d) %s; stopping the run\n", i + 1, int(workers_[i]),
+                   exit_description(status).c_str());
+      std::fflush(stderr);
+      for (pid_t pid : workers_) kill(pid, SIGKILL);
+      _exit(1);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+void ProcessGroup::kill_workers() {
+  stopping_ = true;
+  for (pid_t pid : workers_) kill(pid, SIGKILL);
+}
+
+ProcessGroup::~ProcessGroup() {
+  stopping_ = true;
+  if (watcher_.joinable()) watcher_.join();
+  plans_.reset();
+  model_.reset();
+  // The workers leave once told the run is over (runner/step_plan.h); whatever is still there after a
+  // grace period is killed.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (pid_t pid : workers_) {
+    int status = 0;
+    while (waitpid(pid, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+}
+
+}  // namespace sparrow

@@ -1,0 +1,63 @@
+// The processes of one tensor-parallel run, from inside one of them (docs/parallel.md, "Launching").
+//
+// Ranks find each other at rank 0's rendezvous (TcpStore at master_addr:master_port) and form two host
+// groups there: the model's collectives ("model") and the plan channel rank 0 drives its workers through
+// ("plans", runner/step_plan.h). The ranks come from an existing launcher — torchrun-style variables,
+// Open MPI's mpirun, Slurm's srun (launch_env.h) — or, on one node without one, from this process itself:
+// `sparrow <command> -tp N` is rank 0 and starts ranks 1 .. N-1 as copies of itself (the same executable and
+// arguments, torchrun's variables set), then supervises them: a worker that dies ends rank 0 with a message
+// naming it, and every worker dies with rank 0 (PR_SET_PDEATHSIG) or leaves when told the run is over.
+#pragma once
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <sys/types.h>
+
+#include "core/communicator.h"
+#include "distributed/launch_env.h"
+
+namespace sparrow {
+
+class TcpStore;
+
+// vLLM's flags for where the ranks meet.
+struct ParallelConfig {
+  int tensor_parallel_size = 1;
+  std::string master_addr;  // empty: MASTER_ADDR, else 127.0.0.1
+  int master_port = 0;      // 0: MASTER_PORT, else a free port (single node) or 29500
+};
+
+class ProcessGroup {
+ public:
+  // Joins the run this process is part of (`env`: read_launch_env()), or starts one on this node when no
+  // launcher set the environment; `argv` (null-terminated) is what the workers it starts run. Errors: a
+  // launcher's world size other than tensor_parallel_size, a rendezvous nobody answers.
+  static std::unique_ptr<ProcessGroup> start(const ParallelConfig& config, const LaunchEnv& env, char** argv);
+  ~ProcessGroup();  // rank 0 of a run it started: waits for the workers to leave (then kills what is left)
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  Communicator& model() { return *model_; }
+  Communicator& plans() { return *plans_; }
+  TensorParallel tensor_parallel() { return {rank_, size_, model_.get()}; }
+  // Rank 0 giving up on a run it started (an error mid-step: the workers may wait in a collective it will
+  // never join): kills them now.
+  void kill_workers();
+
+ private:
+  ProcessGroup() = default;
+  void spawn_workers(char** argv, const std::string& addr, int port);
+  void watch_workers();
+
+  int rank_ = 0, size_ = 1;
+  std::shared_ptr<TcpStore> store_;
+  std::unique_ptr<Communicator> model_, plans_;
+  std::vector<pid_t> workers_;    // the ranks this process started
+  std::atomic<bool> stopping_{false};
+  std::thread watcher_;
+};
+
+}  // namespace sparrow

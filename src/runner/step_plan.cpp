@@ -1,0 +1,321 @@
+#include "runner/step_plan.h"
+
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "core/error.h"
+
+namespace sparrow {
+
+namespace {
+
+// Little-endian fixed-width fields (both ends are the same build); strings and vectors prefixed by a count.
+class Writer {
+ public:
+  template <typename T>
+  void put(T value) {
+    const size_t at = bytes.size();
+    bytes.resize(at + sizeof(T));
+    std::memcpy(bytes.data() + at, &value, sizeof(T));
+  }
+  void put(const std::string& text) {
+    put<uint64_t>(text.size());
+    bytes.insert(bytes.end(), text.begin(), text.end());
+  }
+  template <typename T>
+  void put(const std::vector<T>& values) {
+    put<uint64_t>(values.size());
+    for (const T& v : values) put<T>(v);
+  }
+  std::vector<uint8_t> bytes;
+};
+
+class Reader {
+ public:
+  explicit Reader(const std::vector<uint8_t>& bytes) : bytes_(bytes) {}
+  template <typename T>
+  T get() {
+    need(sizeof(T));
+    T value;
+    std::memcpy(&value, bytes_.data() + at_, sizeof(T));
+    at_ += sizeof(T);
+    return value;
+  }
+  std::string get_string() {
+    const uint64_t n = get<uint64_t>();
+    need(n);
+    std::string text(reinterpret_cast<const char*>(bytes_.data() + at_), n);
+    at_ += n;
+    return text;
+  }
+  template <typename T>
+  std::vector<T> get_vector() {
+    const uint64_t n = get<uint64_t>();
+    need(n * sizeof(T));  // a count no message could hold fails here, before allocating
+    std::vector<T> values(n);
+    for (T& v : values) v = get<T>();
+    return values;
+  }
+  void finish() const { SPARROW_CHECK(at_ == bytes_.size(), "step plan: ", bytes_.size() - at_, " bytes left over"); }
+
+ private:
+  void need(uint64_t n) const {
+    SPARROW_CHECK(n <= bytes_.size() - at_, "step plan: truncated (", bytes_.size(), " bytes)");
+  }
+  const std::vector<uint8_t>& bytes_;
+  size_t at_ = 0;
+};
+
+}  // namespace
+
+std::vector<uint8_t> encode_plan(const StepPlan& plan) {
+  Writer w;
+  w.put<uint8_t>(uint8_t(plan.kind));
+  switch (plan.kind) {
+    case StepPlan::Kind::Cache:
+      w.put<int32_t>(plan.cache);
+      w.put<int64_t>(plan.config.block_size);
+      w.put(plan.config.kv_cache_dtype);
+      w.put(plan.config.indexer_kv_dtype);
+      w.put<int64_t>(plan.config.max_num_seqs);
+      w.put<uint8_t>(plan.config.enable_prefix_caching);
+      w.put<int64_t>(plan.config.num_blocks);
+      break;
+    case StepPlan::Kind::DropCache:
+      w.put<int32_t>(plan.cache);
+      break;
+    case StepPlan::Kind::Step:
+      w.put<uint64_t>(plan.state_ops.size());
+      for (const StepPlan::StateOp& op : plan.state_ops) {
+        w.put<int32_t>(op.cache);
+        w.put<int32_t>(op.op.state_slot);
+        w.put<int32_t>(op.op.from_snapshot);
+      }
+      w.put(plan.tokens);
+      w.put<uint64_t>(plan.seqs.size());
+      for (const StepPlan::Sequence& s : plan.seqs) {
+        w.put<int32_t>(s.cache);
+        w.put<int64_t>(s.start);
+        w.put<int64_t>(s.count);
+        w.put(s.blocks);
+        w.put<int32_t>(s.state_slot);
+        w.put<int32_t>(s.snapshot_slot);
+        w.put<int64_t>(s.snapshot_position);
+      }
+      w.put<uint8_t>(plan.all_logits);
+      break;
+    case StepPlan::Kind::Stop:
+      break;
+  }
+  return std::move(w.bytes);
+}
+
+StepPlan decode_plan(const std::vector<uint8_t>& bytes) {
+  Reader r(bytes);
+  StepPlan plan;
+  const uint8_t kind = r.get<uint8_t>();
+  SPARROW_CHECK(kind >= uint8_t(StepPlan::Kind::Cache) && kind <= uint8_t(StepPlan::Kind::Stop),
+                "step plan: unknown kind ", int(kind));
+  plan.kind = StepPlan::Kind(kind);
+  switch (plan.kind) {
+    case StepPlan::Kind::Cache:
+      plan.cache = r.get<int32_t>();
+      plan.config.block_size = r.get<int64_t>();
+      plan.config.kv_cache_dtype = r.get_string();
+      plan.config.indexer_kv_dtype = r.get_string();
+      plan.config.max_num_seqs = r.get<int64_t>();
+      plan.config.enable_prefix_caching = r.get<uint8_t>() != 0;
+      plan.config.num_blocks = r.get<int64_t>();
+      break;
+    case StepPlan::Kind::DropCache:
+      plan.cache = r.get<int32_t>();
+      break;
+    case StepPlan::Kind::Step: {
+      const uint64_t ops = r.get<uint64_t>();
+      for (uint64_t i = 0; i < ops; ++i) {
+        StepPlan::StateOp op;
+        op.cache = r.get<int32_t>();
+        op.op.state_slot = r.get<int32_t>();
+        op.op.from_snapshot = r.get<int32_t>();
+        plan.state_ops.push_back(op);
+      }
+      plan.tokens = r.get_vector<int32_t>();
+      const uint64_t seqs = r.get<uint64_t>();
+      int64_t rows = 0;
+      for (uint64_t i = 0; i < seqs; ++i) {
+        StepPlan::Sequence s;
+        s.cache = r.get<int32_t>();
+        s.start = r.get<int64_t>();
+        s.count = r.get<int64_t>();
+        s.blocks = r.get_vector<int32_t>();
+        s.state_slot = r.get<int32_t>();
+        s.snapshot_slot = r.get<int32_t>();
+        s.snapshot_position = r.get<int64_t>();
+        SPARROW_CHECK(s.start >= 0 && s.count > 0, "step plan: sequence ", i, " runs ", s.count, " tokens from ", s.start);
+        rows += s.count;
+        plan.seqs.push_back(std::move(s));
+      }
+      SPARROW_CHECK(rows == int64_t(plan.tokens.size()), "step plan: ", plan.tokens.size(), " tokens for ", rows,
+                    " sequence rows");
+      plan.all_logits = r.get<uint8_t>() != 0;
+      break;
+    }
+    case StepPlan::Kind::Stop:
+      break;
+  }
+  r.finish();
+  return plan;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rank 0.
+
+WorkerChannel::WorkerChannel(Communicator& channel) : channel_(channel), alive_(std::make_shared<bool>(true)) {
+  SPARROW_CHECK(channel.rank() == 0, "the plan channel's sender is rank 0, not ", channel.rank());
+}
+
+WorkerChannel::~WorkerChannel() {
+  *alive_ = false;
+  try {
+    StepPlan stop;
+    stop.kind = StepPlan::Kind::Stop;
+    send(stop);
+  } catch (const Error&) {
+    // The workers are gone already: nothing is left to stop.
+  }
+}
+
+void WorkerChannel::send(const StepPlan& plan) {
+  std::vector<uint8_t> bytes = encode_plan(plan);
+  int64_t size = int64_t(bytes.size());
+  channel_.broadcast(&size, sizeof(size), 0);
+  channel_.broadcast(bytes.data(), size, 0);
+}
+
+int32_t WorkerChannel::cache_id(KvCache& cache) {
+  auto it = caches_.find(cache.uid());
+  if (it != caches_.end()) return it->second;
+  const int32_t id = next_cache_++;
+  caches_[cache.uid()] = id;
+  StepPlan plan;
+  plan.kind = StepPlan::Kind::Cache;
+  plan.cache = id;
+  plan.config = cache.config();
+  plan.config.num_blocks = cache.plan().num_blocks;
+  send(plan);
+  // From now on the workers see every state write this cache makes outside a step. Those made before (the
+  // zeroed slots of sequences made before its first step) the twin starts with: its slots begin zeroed.
+  cache.record_state_ops(true);
+  const uint64_t uid = cache.uid();
+  cache.on_destroy([this, alive = alive_, uid, id] {
+    if (!*alive) return;
+    caches_.erase(uid);
+    try {
+      StepPlan drop;
+      drop.kind = StepPlan::Kind::DropCache;
+      drop.cache = id;
+      send(drop);
+    } catch (const Error&) {
+      // A dead worker is reported by the next step's collectives (or the supervisor), not from a destructor.
+    }
+  });
+  return id;
+}
+
+void WorkerChannel::send_step(const Batch& batch) {
+  StepPlan plan;
+  plan.tokens = batch.tokens;
+  plan.all_logits = batch.all_logits;
+  std::map<int32_t, KvCache*> stepped;
+  for (const SeqSlice& s : batch.seqs) {
+    SequenceCache& cache = s.cache();
+    KvCache* kv = dynamic_cast<KvCache*>(const_cast<PagedStorage*>(cache.paged()));
+    SPARROW_CHECK(kv, "a tensor-parallel model runs sequences in paged caches (KvCache) only");
+    StepPlan::Sequence seq;
+    seq.cache = cache_id(*kv);
+    stepped[seq.cache] = kv;
+    seq.start = s.start();
+    seq.count = s.count;
+    seq.blocks = cache.block_table();
+    seq.state_slot = cache.state_slot_index();
+    // The snapshot the step will take (asked now, as the layers will ask: the answer is the same).
+    seq.snapshot_position = cache.snapshot_position(s.start(), s.start() + s.count);
+    seq.snapshot_slot = seq.snapshot_position >= 0 ? cache.snapshot_slot_index() : -1;
+    plan.seqs.push_back(std::move(seq));
+  }
+  for (auto& [id, kv] : stepped)
+    for (const KvCache::StateOp& op : kv->take_state_ops()) plan.state_ops.push_back({id, op});
+  send(plan);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Workers.
+
+namespace {
+
+StepPlan receive_plan(Communicator& channel) {
+  int64_t size = 0;
+  channel.broadcast(&size, sizeof(size), 0);
+  SPARROW_CHECK(size > 0 && size < (int64_t(1) << 34), "step plan: a message of ", size, " bytes");
+  std::vector<uint8_t> bytes(size);
+  channel.broadcast(bytes.data(), size, 0);
+  return decode_plan(bytes);
+}
+
+}  // namespace
+
+void run_worker(Model& model, Communicator& channel, RunnerOptions options) {
+  options.workers = nullptr;
+  ModelRunner runner(model, options);
+  std::map<int32_t, std::unique_ptr<KvCache>> twins;
+  auto twin = [&](int32_t id) -> KvCache& {
+    auto it = twins.find(id);
+    SPARROW_CHECK(it != twins.end(), "step plan: unknown cache ", id);
+    return *it->second;
+  };
+  for (;;) {
+    StepPlan plan = receive_plan(channel);
+    switch (plan.kind) {
+      case StepPlan::Kind::Stop:
+        return;
+      case StepPlan::Kind::Cache: {
+        SPARROW_CHECK(plan.config.num_blocks > 0, "step plan: cache ", plan.cache, " without a block count");
+        plan.config.device = model.device();
+        auto cache = std::make_unique<KvCache>(model.cache_spec(), plan.config);
+        for (int32_t slot = 0; slot < cache->plan().num_state_slots; ++slot) cache->apply({slot, -1});
+        twins[plan.cache] = std::move(cache);
+        break;
+      }
+      case StepPlan::Kind::DropCache:
+        twins.erase(plan.cache);
+        break;
+      case StepPlan::Kind::Step: {
+        for (const StepPlan::StateOp& op : plan.state_ops) twin(op.cache).apply(op.op);
+        std::vector<SequenceState> states(plan.seqs.size());
+        std::vector<std::pair<KvCache*, SeqId>> mirrors;
+        std::vector<std::pair<SequenceState*, std::vector<int32_t>>> parts;
+        int64_t row = 0;
+        for (size_t i = 0; i < plan.seqs.size(); ++i) {
+          const StepPlan::Sequence& s = plan.seqs[i];
+          KvCache& cache = twin(s.cache);
+          SPARROW_CHECK(int64_t(s.blocks.size()) * cache.config().block_size >= s.start + s.count, "step plan: ",
+                        s.blocks.size(), " blocks for positions up to ", s.start + s.count);
+          const SeqId id = cache.mirror(s.blocks, s.state_slot, s.snapshot_slot, s.snapshot_position);
+          mirrors.emplace_back(&cache, id);
+          states[i].length = s.start;
+          states[i].cache = cache.view(id);
+          parts.emplace_back(&states[i], std::vector<int32_t>(plan.tokens.begin() + row, plan.tokens.begin() + row + s.count));
+          row += s.count;
+        }
+        Batch batch = make_batch(parts);
+        batch.all_logits = plan.all_logits;
+        runner.run(batch);
+        for (auto& [cache, id] : mirrors) cache->drop_mirror(id);
+        break;
+      }
+    }
+  }
+}
+
+}  // namespace sparrow

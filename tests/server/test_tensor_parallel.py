@@ -1,0 +1,192 @@
+"""`sparrow serve --tensor-parallel-size 2` (docs/parallel.md) against the single-process server, with real
+processes: every family, under the concurrency test's squeeze (chunked prefill, preemption, cancelled
+streams, prefix caching, KDA state slots and snapshots), must give each request the tokens the
+single-process server gives it alone (greedy). Then the ways a run ends: SIGTERM stops the workers too; a
+worker that dies ends the server with its reason; ranks started by a launcher's variables (torchrun-style
+RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) serve the same tokens, and a worker whose rank 0 dies exits
+with an error rather than waiting."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from sparrow_server import SparrowServer, wait_until
+from test_concurrency import KV_CACHE_MEMORY, MAX_MODEL_LEN, make_requests, run_alone, run_streaming
+
+REQUESTS = 64  # as many as the concurrency test: enough to make the squeezed cache preempt
+
+
+def squeezed(kv_cache_memory: str) -> tuple[str, ...]:
+    return ("--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--max-model-len", str(MAX_MODEL_LEN),
+            "--kv-cache-memory", kv_cache_memory)
+
+
+def children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by a parent that is gone or busy) is not alive either.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("family", sorted(KV_CACHE_MEMORY))
+def test_two_ranks_serve_what_one_process_serves(start_server, test_model, family):
+    model = test_model(family)
+    single = start_server(*squeezed(KV_CACHE_MEMORY[family]), model=model)
+    requests = make_requests(seed=2023)[:REQUESTS]
+    expected = [run_alone(single.client(timeout=120), r) for r in requests]
+    blocks = single.metrics()["sparrow:kv_cache_blocks_total"]
+
+    # --kv-cache-memory is each rank's (vLLM's is each GPU's) and a rank caches only its heads: the sharded
+    # server gets as many block rows as the single one has, so that it is squeezed alike.
+    sharded = start_server(*squeezed(KV_CACHE_MEMORY[family]), "--num-gpu-blocks-override", str(int(blocks)),
+                           "--tensor-parallel-size", "2", model=model)
+    assert sharded.metrics()["sparrow:kv_cache_blocks_total"] == blocks
+    assert len(children(sharded.process.pid)) == 1, "rank 0 should have started one worker"
+    client = sharded.client(timeout=180)
+    results: dict[int, tuple] = {}
+    threads = [threading.Thread(target=run_streaming, args=(client, r, results, i)) for i, r in enumerate(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(results) == REQUESTS, "some requests did not finish"
+    mismatches = []
+    for i, (state, tokens, _) in sorted(results.items()):
+        want = expected[i] if state == "done" else expected[i][:len(tokens)]
+        if tokens != want:
+            mismatches.append((i, state, tokens, want))
+    assert not mismatches, f"{len(mismatches)} requests differ from the single-process server: {mismatches[:3]}"
+    # The same prompts again: prefix-cache hits on rank 0 must find the same cached rows on the worker.
+    again = [run_alone(client, r) for r in requests[:4]]
+    assert again == expected[:4]
+    assert sharded.metrics()["vllm:num_preemptions_total"] > 0, "nothing was preempted: the squeeze lost its point"
+
+
+def test_sigterm_stops_the_workers_too(sparrow_binary, test_model):
+    server = SparrowServer(sparrow_binary, test_model("minimax_m3"), "--kv-cache-memory", "64MiB",
+                           "--tensor-parallel-size", "2")
+    workers = children(server.process.pid)
+    assert len(workers) == 1
+    assert server.stop() == 0, server.output()
+    assert wait_until(lambda: not alive(workers[0]), timeout_s=10), "the worker outlived the server"
+
+
+def test_a_dead_worker_ends_the_server_with_its_reason(sparrow_binary, test_model):
+    server = SparrowServer(sparrow_binary, test_model("kimi_linear"), "--kv-cache-memory", "64MiB", "--max-model-len", "256",
+                           "--tensor-parallel-size", "2")
+    worker = children(server.process.pid)[0]
+    os.kill(worker, signal.SIGKILL)
+    try:
+        code = server.process.wait(30)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        pytest.fail("the server kept running without its worker\n" + server.output())
+    assert code != 0
+    wait_until(lambda: "tensor-parallel rank 1" in server.output(), timeout_s=5)
+    assert f"tensor-parallel rank 1 (pid {worker}) was killed by signal 9" in server.output(), server.output()
+
+
+def test_too_many_ranks_for_the_heads_is_refused(sparrow_binary, test_model):
+    run = subprocess.run([sparrow_binary, "serve", str(test_model("minimax_m3")), "--port", "0",
+                          "--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1
+    assert "not divisible by the tensor-parallel size 3" in run.stderr, run.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launched(binary: str, args: list[str], rank: int, port: int) -> subprocess.Popen:
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return subprocess.Popen([binary, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_ranks_from_launcher_variables(sparrow_binary, test_model, start_server):
+    model = test_model("deepseek_v32")
+    requests = make_requests(seed=7)[:6]
+    single = start_server("--kv-cache-memory", "64MiB", model=model)
+    expected = [run_alone(single.client(timeout=120), r) for r in requests]
+
+    # Rank 1 first: a worker waits for rank 0's rendezvous rather than failing.
+    port = free_port()
+    worker = launched(sparrow_binary, ["serve", str(model), "--tensor-parallel-size", "2"], 1, port)
+    time.sleep(0.5)
+    env_backup = dict(os.environ)
+    os.environ.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    try:
+        server = SparrowServer(sparrow_binary, model, "--kv-cache-memory", "64MiB", "--tensor-parallel-size", "2")
+    finally:
+        os.environ.clear()
+        os.environ.update(env_backup)
+    try:
+        assert children(server.process.pid) == [], "under a launcher rank 0 starts no workers"
+        got = [run_alone(server.client(timeout=120), r) for r in requests]
+        assert got == expected
+        assert server.stop() == 0, server.output()
+        assert worker.wait(30) == 0, worker.stderr.read()
+        assert worker.stdout.read() == "", "a worker prints nothing"
+    finally:
+        for p in (server.process, worker):
+            if p.poll() is None:
+                p.kill()
+
+
+def test_a_launched_worker_whose_rank_0_dies_exits_with_an_error(sparrow_binary, test_model):
+    model = test_model("minimax_m3")
+    port = free_port()
+    args = ["serve", str(model), "--port", "0", "--kv-cache-memory", "64MiB", "--tensor-parallel-size", "2"]
+    worker = launched(sparrow_binary, args, 1, port)
+    rank0 = launched(sparrow_binary, args, 0, port)
+    try:
+        started = wait_until(lambda: rank0.poll() is not None or "on http://" in (rank0.stdout.readline() or ""),
+                             timeout_s=120)
+        assert started and rank0.poll() is None, rank0.stderr.read()
+        rank0.kill()
+        rank0.wait()
+        code = worker.wait(60)
+        assert code != 0
+        assert "tensor-parallel rank 1 of 2" in worker.stderr.read()
+    finally:
+        for p in (rank0, worker):
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (Debian's openmpi-bin)")
+def test_mpirun_starts_the_ranks(sparrow_binary, test_model):
+    model = test_model("kimi_k3")
+    text = Path(__file__).resolve().parents[1] / "data" / "perplexity" / "imghdr.py.txt"
+    command = [sparrow_binary, "perplexity", "--model", str(model), "--file", str(text), "--context", "256"]
+    single = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr
+    # Open MPI sets the rank and the size (OMPI_COMM_WORLD_*), not the rendezvous: --master-addr.
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    launched = subprocess.run(["mpirun", "--oversubscribe", "-np", "2", *command, "--tensor-parallel-size", "2",
+                               "--master-addr", "127.0.0.1", "--master-port", str(free_port())],
+                              capture_output=True, text=True, timeout=300, env=env)
+    assert launched.returncode == 0, launched.stderr
+    want, got = json.loads(single.stdout), json.loads(launched.stdout)  # rank 1 prints nothing
+    assert got["tokens"] == want["tokens"]
+    assert got["perplexity"] == pytest.approx(want["perplexity"], rel=1e-6)
