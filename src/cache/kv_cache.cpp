@@ -233,8 +233,7 @@ SeqId KvCache::create_sequence() {
   if (has_recurrent_state()) {
     s.state_slot = free_state_slots_.back();
     free_state_slots_.pop_back();
-    zero_bytes(plan_.device, state_slot(s.state_slot), plan_.state_slot_bytes);
-    if (record_state_ops_) state_ops_.push_back({s.state_slot, -1});
+    write_state({s.state_slot, -1});
   }
   s.view = std::make_unique<View>(*this, s, id);
   return id;
@@ -244,8 +243,13 @@ void KvCache::apply(const StateOp& op) {
   SPARROW_CHECK(op.state_slot >= 0 && op.state_slot < plan_.num_state_slots && op.from_snapshot < plan_.num_snapshot_slots,
                 "kv cache: state op on slot ", op.state_slot, " / snapshot ", op.from_snapshot, " of ",
                 plan_.num_state_slots, " / ", plan_.num_snapshot_slots);
+  write_state(op);
+}
+
+void KvCache::write_state(const StateOp& op) {
   if (op.from_snapshot < 0) zero_bytes(plan_.device, state_slot(op.state_slot), plan_.state_slot_bytes);
   else copy_bytes(plan_.device, state_slot(op.state_slot), snapshot_slot(op.from_snapshot), plan_.state_slot_bytes);
+  if (record_state_ops_) state_ops_.push_back(op);
 }
 
 SeqId KvCache::mirror(std::vector<int32_t> blocks, int32_t state_slot, int32_t snapshot_slot,
@@ -373,8 +377,7 @@ int64_t KvCache::match_prefix(SeqId seq, const std::vector<int32_t>& prompt) {
   s.committed = int64_t(matched.size()) * block_size;
   if (has_recurrent_state()) {
     const int32_t slot = blocks_[matched.back()].snapshot;
-    copy_bytes(plan_.device, state_slot(s.state_slot), snapshot_slot(slot), plan_.state_slot_bytes);
-    if (record_state_ops_) state_ops_.push_back({s.state_slot, slot});
+    write_state({s.state_slot, slot});
     snapshot_lru_.splice(snapshot_lru_.end(), snapshot_lru_, snapshots_[slot].lru_at);  // most recently used
   }
   prefix_hits_ += s.committed;

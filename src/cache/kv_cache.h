@@ -123,6 +123,9 @@ class KvCache final : public PagedStorage {
 
  private:
   class View;
+  // Does `op` on the slots, and records it while record_state_ops is on: every state write outside a
+  // forward pass goes through here.
+  void write_state(const StateOp& op);
 
   struct Block {
     int32_t refs = 0;

@@ -1,5 +1,5 @@
-// What the whole-model GPU tests share: reading a fixture's token lists, comparing logits row by row, and
-// the greedy choice with its margin.
+// What the whole-model GPU tests share (and the CPU's tensor-parallel test: nothing here needs a device):
+// reading a fixture's token lists, comparing logits row by row, and the greedy choice with its margin.
 #pragma once
 #include <gtest/gtest.h>
 

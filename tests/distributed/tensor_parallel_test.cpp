@@ -24,6 +24,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../cuda/model_test_util.h"  // device-free: fixtures' token lists, row errors, argmax
 #include "core/error.h"
 #include "distributed/gloo_communicator.h"
 #include "model/model.h"
@@ -95,31 +96,9 @@ std::string run_ranks(int size, const std::function<void(const TensorParallel&)>
   return failures;
 }
 
-using Tokens = std::vector<int32_t>;
-
-std::vector<Tokens> fixture_prompts(const fs::path& dir) {
-  std::ifstream in(dir / "prompts.json");
-  const nlohmann::json json = nlohmann::json::parse(in);
-  std::vector<Tokens> prompts;
-  for (const auto& prompt : json.at("prompts")) prompts.push_back(prompt.get<Tokens>());
-  return prompts;
-}
-
-double relative_l2(const float* ours, const float* ref, int64_t n) {
-  double diff = 0, norm = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    diff += (double(ours[i]) - ref[i]) * (double(ours[i]) - ref[i]);
-    norm += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(diff / std::max(norm, 1e-300));
-}
-
-int32_t argmax(const float* row, int64_t n) {
-  int64_t best = 0;
-  for (int64_t i = 1; i < n; ++i)
-    if (row[i] > row[best]) best = i;
-  return int32_t(best);
-}
+using model_test::argmax;
+using model_test::relative_l2;
+using model_test::Tokens;
 
 void expect_rows_match(const Tensor& sharded, const Tensor& whole, const std::string& what) {
   SPARROW_CHECK(sharded.shape() == whole.shape(), what, ": logits ", shape_str(sharded.shape()), " vs ",
@@ -139,7 +118,7 @@ void compare_with_whole(const fs::path& dir, const TensorParallel& tp) {
   std::unique_ptr<Model> sharded = load_model(dir.string(), Device::Cpu, sharded_options);
   std::unique_ptr<Model> whole = load_model(dir.string(), Device::Cpu);
   ModelRunner sharded_runner(*sharded), whole_runner(*whole);
-  const std::vector<Tokens> prompts = fixture_prompts(dir);
+  const std::vector<Tokens> prompts = model_test::token_lists(dir / "prompts.json", "prompts");
   std::vector<SequenceState> sharded_seqs, whole_seqs;
   for (size_t i = 0; i < prompts.size(); ++i) {
     sharded_seqs.push_back(sharded_runner.new_sequence());
