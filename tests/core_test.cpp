@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstring>
 #include <vector>
 
 #include "core/error.h"
@@ -82,6 +83,37 @@ TEST(CpuOps, LinearMatchesLoop) {
       for (int i = 0; i < 5; ++i) ref += double(x.row(t)[i]) * w.row(o)[i];
       EXPECT_NEAR(y.row(t)[o], ref, 1e-6);
     }
+}
+
+// A row's product is bit-identical whether it runs alone or among others, at any offset in the batch:
+// what lets a request's greedy tokens be the same alone and in a batch (reference_ops.cpp, kRowTile).
+TEST(CpuOps, ProductsAreBatchInvariant) {
+  const int64_t rows = 37, n = 67, k = 131;  // nothing a multiple of a BLAS kernel's blocking
+  std::vector<float> x(rows * k), w(n * k), w_kn(k * n), base(rows * n);
+  uint32_t state = 12345;
+  auto next = [&] { state = state * 1664525u + 1013904223u; return float(int(state >> 9) % 2001 - 1000) / 997.0f; };
+  for (float& v : x) v = next();
+  for (float& v : w) v = next();
+  for (float& v : w_kn) v = next();
+  for (float& v : base) v = next();
+  for (bool transposed : {true, false}) {
+    for (float beta : {0.0f, 1.0f}) {
+      auto product = [&](int64_t first, int64_t count) {
+        std::vector<float> y(base.begin() + first * n, base.begin() + (first + count) * n);
+        if (transposed) cpu::gemm_nt(count, n, k, x.data() + first * k, k, w.data(), k, y.data(), n, beta);
+        else cpu::gemm_nn(count, n, k, x.data() + first * k, k, w_kn.data(), n, y.data(), n, beta);
+        return y;
+      };
+      std::vector<float> all = product(0, rows);
+      for (int64_t count : {1, 2, 3, 7, 8, 9, 16, 20})
+        for (int64_t first = 0; first + count <= rows; first += 5) {
+          std::vector<float> part = product(first, count);
+          ASSERT_EQ(0, std::memcmp(part.data(), all.data() + first * n, part.size() * sizeof(float)))
+              << (transposed ? "gemm_nt" : "gemm_nn") << " beta " << beta << ": rows " << first << ".."
+              << first + count << " differ from the same rows in one call of " << rows;
+        }
+    }
+  }
 }
 
 TEST(CpuOps, RmsNormPerHeadAndUnitOffset) {

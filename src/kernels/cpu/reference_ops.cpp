@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <vector>
 
 #include "core/error.h"
 #include "core/parallel.h"
@@ -20,20 +21,49 @@ void size_blas_threads() {
   static const bool sized = (openblas_set_num_threads(num_threads()), true);
   (void)sized;
 }
+
+// Products are batch-invariant by construction: a row's result must not depend on how many rows share
+// its call (a request's tokens are the same alone or in a batch of 64: tests/server/test_concurrency.py).
+// BLAS libraries do not promise that: OpenBLAS picks its kernels, remainder paths and small-matrix code
+// by the call's shape and by the CPU. So every call here has exactly kRowTile rows; a last partial tile
+// runs on a zero-padded copy. Each row then meets the same kernel in every batch, on any CPU.
+constexpr int64_t kRowTile = 8;
+
+using Sgemm = void (*)(int64_t m, int64_t n, int64_t k, const float* x, int64_t ldx, const float* w, int64_t ldw,
+                       float* y, int64_t ldy, float beta);
+
+void in_row_tiles(Sgemm tile_product, int64_t m, int64_t n, int64_t k, const float* x, int64_t ldx, const float* w,
+                  int64_t ldw, float* y, int64_t ldy, float beta) {
+  if (m == 0 || n == 0) return;
+  size_blas_threads();
+  int64_t full = m / kRowTile * kRowTile;
+  for (int64_t r = 0; r < full; r += kRowTile) tile_product(kRowTile, n, k, x + r * ldx, ldx, w, ldw, y + r * ldy, ldy, beta);
+  if (full == m) return;
+  int64_t rest = m - full;
+  std::vector<float> x_tile(kRowTile * k, 0.0f), y_tile(kRowTile * n, 0.0f);
+  for (int64_t r = 0; r < rest; ++r) {
+    std::copy_n(x + (full + r) * ldx, k, x_tile.data() + r * k);
+    if (beta != 0.0f) std::copy_n(y + (full + r) * ldy, n, y_tile.data() + r * n);
+  }
+  tile_product(kRowTile, n, k, x_tile.data(), k, w, ldw, y_tile.data(), n, beta);
+  for (int64_t r = 0; r < rest; ++r) std::copy_n(y_tile.data() + r * n, n, y + (full + r) * ldy);
+}
 }  // namespace
 
 void gemm_nt(int64_t m, int64_t n, int64_t k, const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
              int64_t ldy, float beta) {
-  if (m == 0 || n == 0) return;
-  size_blas_threads();
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x, ldx, w, ldw, beta, y, ldy);
+  in_row_tiles([](int64_t m, int64_t n, int64_t k, const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+                  int64_t ldy, float beta) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x, ldx, w, ldw, beta, y, ldy);
+  }, m, n, k, x, ldx, w, ldw, y, ldy, beta);
 }
 
 void gemm_nn(int64_t m, int64_t n, int64_t k, const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
              int64_t ldy, float beta) {
-  if (m == 0 || n == 0) return;
-  size_blas_threads();
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, x, ldx, w, ldw, beta, y, ldy);
+  in_row_tiles([](int64_t m, int64_t n, int64_t k, const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+                  int64_t ldy, float beta) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, x, ldx, w, ldw, beta, y, ldy);
+  }, m, n, k, x, ldx, w, ldw, y, ldy, beta);
 }
 
 void linear_into(const Tensor& x, const Tensor& w, Tensor& y) {
