@@ -67,6 +67,9 @@ void add_device_option(CLI::App* sub, std::string& device) {
                   "the rank they say")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  sub->add_flag("--enable-expert-parallel", parallel_config.enable_expert_parallel,
+               "deal the routed experts out whole over the tensor-parallel ranks instead of splitting each one "
+               "(vLLM's expert parallelism; attention and shared experts stay tensor parallel)");
   sub->add_option("--master-addr", parallel_config.master_addr,
                   "rank 0's address, where the ranks meet (default MASTER_ADDR, else 127.0.0.1)");
   sub->add_option("--master-port", parallel_config.master_port,
@@ -91,6 +94,7 @@ std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string&
   SPARROW_CHECK(program_arguments, "the program's arguments were not recorded (set_program_arguments)");
   run.group = ProcessGroup::start(parallel_config, env, program_arguments);
   options.tensor_parallel = run.group->tensor_parallel();
+  options.tensor_parallel.expert_parallel = parallel_config.enable_expert_parallel;
   if (parse_device(device) != Device::Cpu) sparrow::device::select_for_local_rank(env.local_rank);
   if (run.group->rank() != 0) options.progress = nullptr;
   std::unique_ptr<Model> model = load_model(dir, parse_device(device), options);

@@ -55,6 +55,9 @@ class Communicator {
 struct TensorParallel {
   int rank = 0, size = 1;
   Communicator* comm = nullptr;
+  // --enable-expert-parallel: the routed experts are not split inside but dealt out whole, size / num_experts
+  // to a rank (vLLM's EP over the TP group); attention and the shared experts stay tensor parallel.
+  bool expert_parallel = false;
   bool sharded() const { return size > 1; }
 };
 

@@ -26,6 +26,7 @@ class TcpStore;
 // vLLM's flags for where the ranks meet.
 struct ParallelConfig {
   int tensor_parallel_size = 1;
+  bool enable_expert_parallel = false;  // routed experts dealt out whole (TensorParallel::expert_parallel)
   std::string master_addr;  // empty: MASTER_ADDR, else 127.0.0.1
   int master_port = 0;      // 0: MASTER_PORT, else a free port (single node) or 29500
 };

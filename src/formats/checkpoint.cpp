@@ -559,7 +559,22 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
 
 Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t num_experts, int64_t intermediate,
                                              int64_t hidden) {
-  const int64_t E = num_experts, I = intermediate, H = hidden;
+  return take_whole_experts(prefix, num_experts, intermediate, hidden, 0, num_experts);
+}
+
+Checkpoint::Experts Checkpoint::take_expert_range(const std::string& prefix, int64_t num_experts, int64_t intermediate,
+                                                  int64_t hidden, const Split& experts) {
+  if (experts.whole()) return take_experts(prefix, num_experts, intermediate, hidden);
+  SPARROW_CHECK(experts.begin >= 0 && experts.begin < experts.end && experts.end <= num_experts, prefix,
+                ": experts [", experts.begin, ", ", experts.end, ") of ", num_experts);
+  return take_whole_experts(prefix, num_experts, intermediate, hidden, experts.begin, experts.end - experts.begin);
+}
+
+Checkpoint::Experts Checkpoint::take_whole_experts(const std::string& prefix, int64_t num_experts, int64_t intermediate,
+                                                   int64_t hidden, int64_t first, int64_t count) {
+  const int64_t E = count, I = intermediate, H = hidden;
+  const bool all = first == 0 && count == num_experts;
+  const Split mine{0, first, first + count};  // of a fused [num_experts, ...] tensor
   if (dummy_) {  // transformers' fused layout, FP8 as take_fp8_experts lays it out when the config asks
     if (device_ != Device::Cpu && dummy_experts_ != WeightFormat::Dense && I % 32 == 0 && H % 32 == 0)
       return {dummy_grouped(prefix + ".gate_up_proj", {E, 2 * I, H}, dummy_experts_, {E, 2}),
@@ -576,24 +591,27 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
     // transformers' fused layout (e.g. DeepseekV32NaiveMoe.gate_up_proj): gate rows first, then up. On the
     // CPU bf16 stays a view of the mapped file.
     auto fused = [&](const std::string& name, const Shape& shape) {
+      if (!all) return take(name, shape, mine);
       Tensor mapped = gpu ? Tensor() : take_mapped(name, shape, ScalarType::BF16);
       return mapped.defined() ? mapped : take(name, shape);
     };
-    return {fused(prefix + ".gate_up_proj", {E, 2 * I, H}), fused(prefix + ".down_proj", {E, H, I})};
+    return {fused(prefix + ".gate_up_proj", {num_experts, 2 * I, H}), fused(prefix + ".down_proj", {num_experts, H, I})};
   }
   const ExpertNames* names = expert_names(prefix);
-  const std::string first = cat(prefix, ".0.", names->gate, ".weight");
+  for (int64_t e = 0; e < num_experts; ++e)  // another rank's: never read, and not unexpected
+    if (e < first || e >= first + count) left_prefixes_.push_back(cat(prefix, ".", e, "."));
+  const std::string first_gate = cat(prefix, ".", first, ".", names->gate, ".weight");
   // Experts stay as stored (the CPU widens one expert per product, kernels/cpu/stored_weights.h). On a GPU
   // the FP8 expert kernel reads rows in 16-byte pieces (I and H multiples of 16) and the MX / NV ones whole
   // 32-value groups (multiples of 32).
-  const WeightFormat format = stored(first).format;
+  const WeightFormat format = stored(first_gate).format;
   if (format == WeightFormat::Fp8Block && quantization_.block_rows == 128 && quantization_.block_cols == 128 &&
       (!gpu || (I % 16 == 0 && H % 16 == 0)))
-    return take_fp8_experts(prefix, E, I, H, names->gate, names->up, names->down);
+    return take_fp8_experts(prefix, first, E, I, H, names->gate, names->up, names->down);
   const int64_t whole = gpu ? 32 : group_scaled(format) ? scale_group(format) : 1;  // whole scale groups
   if (group_scaled(format) && I % whole == 0 && H % whole == 0)
-    return take_grouped_experts(prefix, E, I, H, names->gate, names->up, names->down, format);
-  if (format == WeightFormat::Dense && index_.at(first)->dtype == DType::BF16) {
+    return take_grouped_experts(prefix, first, E, I, H, names->gate, names->up, names->down, format);
+  if (format == WeightFormat::Dense && index_.at(first_gate)->dtype == DType::BF16) {
     // bf16 experts are stacked where they are placed straight from the mapped files, one copy per matrix.
     Experts experts{Tensor::empty({E, 2 * I, H}, ScalarType::BF16, device_),
                     Tensor::empty({E, H, I}, ScalarType::BF16, device_)};
@@ -606,7 +624,7 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
       else std::memcpy(to, mapped.raw(), bytes);
     };
     for (int64_t e = 0; e < E; ++e) {
-      const std::string expert = cat(prefix, ".", e, ".");
+      const std::string expert = cat(prefix, ".", first + e, ".");
       upload(expert + names->gate + ".weight", {I, H}, experts.gate_up, 2 * e);
       upload(expert + names->up + ".weight", {I, H}, experts.gate_up, 2 * e + 1);
       upload(expert + names->down + ".weight", {H, I}, experts.down, e);
@@ -616,7 +634,7 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
   Experts experts{Tensor::empty({E, 2 * I, H}), Tensor::empty({E, H, I})};
   const size_t matrix_bytes = static_cast<size_t>(I * H) * sizeof(float);
   for (int64_t e = 0; e < E; ++e) {
-    const std::string expert = cat(prefix, ".", e, ".");
+    const std::string expert = cat(prefix, ".", first + e, ".");
     Tensor gate = take_host(expert + names->gate + ".weight", {I, H});
     Tensor up = take_host(expert + names->up + ".weight", {I, H});
     Tensor down = take_host(expert + names->down + ".weight", {H, I});
@@ -632,13 +650,14 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
 // gate_up [E, 2I, H] and down [E, H, I]; the gate's and the up's block scales kept apart as
 // [E, 2, ceil(I/128), ceil(H/128)] (their 128-row blocks need not line up once stacked), down's as
 // [E, ceil(H/128), ceil(I/128)].
-Checkpoint::Experts Checkpoint::take_fp8_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H,
-                                                 const char* gate_name, const char* up_name, const char* down_name) {
+Checkpoint::Experts Checkpoint::take_fp8_experts(const std::string& prefix, int64_t first, int64_t E, int64_t I,
+                                                 int64_t H, const char* gate_name, const char* up_name,
+                                                 const char* down_name) {
   const int64_t ib = ceil_div(I, 128), hb = ceil_div(H, 128);
   Tensor gate_up = Tensor::empty({E, 2 * I, H}, ScalarType::F8E4M3), down = Tensor::empty({E, H, I}, ScalarType::F8E4M3);
   Tensor gate_up_scales = Tensor::empty({E, 2, ib, hb}), down_scales = Tensor::empty({E, hb, ib});
   for (int64_t e = 0; e < E; ++e) {
-    const std::string expert = cat(prefix, ".", e, ".");
+    const std::string expert = cat(prefix, ".", first + e, ".");
     Tensor scales;
     Tensor codes = take_fp8_codes(expert + gate_name + ".weight", {I, H}, scales);
     std::memcpy(gate_up.as<uint8_t>() + e * 2 * I * H, codes.raw(), size_t(I * H));
@@ -657,8 +676,8 @@ Checkpoint::Experts Checkpoint::take_fp8_experts(const std::string& prefix, int6
 // gate_up [E, 2I, H] and down [E, H, I] (FP4: H / 2 and I / 2 bytes, two codes each), their group scales
 // as [E, 2I, H/g] and [E, H, I/g] (g = 16 NVFP4, 32 MXFP4 and MXFP8) and NVFP4's weight_scale_2 as [E, 2]
 // (gate, up) and [E].
-Checkpoint::Experts Checkpoint::take_grouped_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H,
-                                                     const char* gate_name, const char* up_name,
+Checkpoint::Experts Checkpoint::take_grouped_experts(const std::string& prefix, int64_t first, int64_t E, int64_t I,
+                                                     int64_t H, const char* gate_name, const char* up_name,
                                                      const char* down_name, WeightFormat format) {
   const bool nvfp4 = format == WeightFormat::Nvfp4, fp4 = format != WeightFormat::Mxfp8;
   const int64_t group = scale_group(format), per_byte = fp4 ? 2 : 1;
@@ -682,7 +701,7 @@ Checkpoint::Experts Checkpoint::take_grouped_experts(const std::string& prefix, 
     if (global) *global = scale_2;
   };
   for (int64_t e = 0; e < E; ++e) {
-    const std::string expert = cat(prefix, ".", e, ".");
+    const std::string expert = cat(prefix, ".", first + e, ".");
     float* g = nvfp4 ? gate_up_global.data() + 2 * e : nullptr;
     stack(expert + gate_name + ".weight", I, H, gate_up, gate_up_scales, 2 * e * I, g);
     stack(expert + up_name + ".weight", I, H, gate_up, gate_up_scales, (2 * e + 1) * I, g ? g + 1 : nullptr);
@@ -696,7 +715,7 @@ void Checkpoint::finish(const std::vector<std::string>& ignore_prefixes) {
   if (dummy_) return;  // it held exactly what was taken
   std::vector<std::string> unexpected;
   for (const auto& [name, info] : index_) {
-    if (taken_.count(name) || starts_with_any(name, ignore_prefixes)) continue;
+    if (taken_.count(name) || starts_with_any(name, ignore_prefixes) || starts_with_any(name, left_prefixes_)) continue;
     // A weight's block scales belong to it even when the weight itself needed none.
     if (name.ends_with(kScaleSuffix) && taken_.count(name.substr(0, name.size() - std::strlen(kScaleSuffix)))) continue;
     unexpected.push_back(name);

@@ -122,6 +122,11 @@ class Checkpoint {
   // as bf16 on a GPU and fp32 on the CPU.
   Experts take_experts(const std::string& prefix, int64_t num_experts, int64_t intermediate, int64_t hidden,
                        const Split& intermediate_split);
+  // Expert parallel: the whole experts [experts.begin, experts.end) of the num_experts (`experts.dim` and
+  // `chunks` are ignored), stacked from 0 and placed as take_experts() places them all. The other experts'
+  // tensors are left unread, and finish() does not count them as unexpected.
+  Experts take_expert_range(const std::string& prefix, int64_t num_experts, int64_t intermediate, int64_t hidden,
+                            const Split& experts);
 
   // Loading at the disk's speed: reads the shard files ahead of the takes, `threads` files at once and at
   // most `window_bytes` ahead of the bytes taken so far (formats/shard_prefetch.h). Nothing for a dummy.
@@ -143,6 +148,7 @@ class Checkpoint {
   std::map<std::string, const TensorInfo*> index_;
   std::map<std::string, std::shared_ptr<SafetensorsFile>> owner_;
   std::set<std::string> taken_;
+  std::vector<std::string> left_prefixes_;  // other ranks' experts (take_expert_range)
   std::atomic<int64_t> bytes_taken_{0};
   LoadProgress* progress_ = nullptr;
   std::unique_ptr<ShardPrefetcher> prefetcher_;
@@ -200,10 +206,14 @@ class Checkpoint {
   float take_packed(const Stored& weight, const Shape& expected);
   // An F8_E4M3 tensor's codes as they are (host) and its block scales; marks both taken.
   Tensor take_fp8_codes(const std::string& name, const Shape& expected, Tensor& scales);
-  Experts take_fp8_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H, const char* gate_name,
-                           const char* up_name, const char* down_name);
-  Experts take_grouped_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H, const char* gate_name,
-                               const char* up_name, const char* down_name, WeightFormat format);
+  // Whole experts first .. first + count - 1 of num_experts (take_experts: all of them).
+  Experts take_whole_experts(const std::string& prefix, int64_t num_experts, int64_t I, int64_t H, int64_t first,
+                             int64_t count);
+  // Experts first .. first + E - 1 of the per-expert tensors, stacked from 0.
+  Experts take_fp8_experts(const std::string& prefix, int64_t first, int64_t E, int64_t I, int64_t H,
+                           const char* gate_name, const char* up_name, const char* down_name);
+  Experts take_grouped_experts(const std::string& prefix, int64_t first, int64_t E, int64_t I, int64_t H,
+                               const char* gate_name, const char* up_name, const char* down_name, WeightFormat format);
   // An MX / NV matrix as stored, codes and group scales (and NVFP4's global scale), on the device.
   Tensor take_grouped(const Stored& weight, const Shape& expected);
 };

@@ -634,6 +634,21 @@ void simulate_uniform_routing(const Tensor& x, Routing& routing, int64_t num_exp
 #endif
 }
 
+void keep_local_experts_(Routing& routing, int64_t first, int64_t count) {
+  const int64_t slots = routing.experts.numel();
+  if (routing.experts.on_cpu()) {
+    int32_t* ids = routing.experts.as<int32_t>();
+    for (int64_t i = 0; i < slots; ++i) ids[i] = ids[i] >= first && ids[i] < first + count ? int32_t(ids[i] - first) : -1;
+    return;
+  }
+#if SPARROW_HAVE_CUDA
+  cuda::keep_local_experts(routing.experts.as<int32_t>(), slots, int(first), int(count), cuda::stream());
+#else
+  (void)first, (void)count;
+  no_cuda();
+#endif
+}
+
 Tensor moe_experts(const Tensor& x, const Routing& routing, const Tensor& gate_up, const Tensor& down, Glu kind,
                    float alpha, float limit) {
   if (x.on_cpu()) {

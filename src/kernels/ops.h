@@ -113,7 +113,11 @@ Routing route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, int64_t 
 // Benchmarks' simulated routing (kernels/uniform_routing.h): overwrites `routing` with top_k distinct
 // uniform experts per token, keyed by x's bf16 rows and `salt`, each weighted `weight`.
 void simulate_uniform_routing(const Tensor& x, Routing& routing, int64_t num_experts, uint32_t salt, float weight);
-// sum_j weights[t, j] * down[e] · glu(gate_up[e] · x[t]) over the routed experts e = experts[t, j].
+// Expert parallel: the slots routed to experts [first, first + count) renumbered from 0 (this rank's stack),
+// every other slot -1, which moe_experts skips.
+void keep_local_experts_(Routing& routing, int64_t first, int64_t count);
+// sum_j weights[t, j] * down[e] · glu(gate_up[e] · x[t]) over the routed experts e = experts[t, j] (slots
+// with e = -1 skipped).
 // On a GPU the experts are bf16, FP8 with block scales, or FP4 (E2M1x2 codes [E, 2I, H / 2] and [E, H, I / 2]
 // with their group and global scales attached: Tensor::with_group_scales, kernels/cuda/moe/moe.h).
 Tensor moe_experts(const Tensor& x, const Routing& routing, const Tensor& gate_up, const Tensor& down, Glu kind,

@@ -70,20 +70,27 @@ std::unique_ptr<MoeBlock> MoeBlock::load_grouped(Checkpoint& ckpt, const std::st
     moe->latent_up = ckpt.take_linear(prefix + "routed_expert_up_proj.weight", {shape.hidden, shape.latent});
     moe->latent_norm_eps = shape.latent_norm_eps;
   }
-  moe->experts = take_experts(ckpt, prefix + "experts", shape.num_experts, shape.intermediate, expert_width);
-  moe->tp = ckpt.tensor_parallel();
+  moe->load_experts(ckpt, prefix + "experts", shape.num_experts, shape.intermediate, expert_width);
   if (shape.n_shared > 0)
     moe->shared.push_back(DenseMlp::load(ckpt, prefix + "shared_experts.", shape.hidden,
                                          shape.intermediate * shape.n_shared, moe->act));
   return moe;
 }
 
-Checkpoint::Experts MoeBlock::take_experts(Checkpoint& ckpt, const std::string& prefix, int64_t num_experts,
-                                           int64_t intermediate, int64_t width) {
-  const TensorParallel& tp = ckpt.tensor_parallel();
-  if (!tp.sharded()) return ckpt.take_experts(prefix, num_experts, intermediate, width);
-  const IndexRange mine = even_share(tp, intermediate, "moe_intermediate_size");
-  return ckpt.take_experts(prefix, num_experts, intermediate, width, mine.split(0));
+void MoeBlock::load_experts(Checkpoint& ckpt, const std::string& prefix, int64_t num_experts, int64_t intermediate,
+                            int64_t width) {
+  tp = ckpt.tensor_parallel();
+  this->num_experts = num_experts;
+  if (!tp.sharded()) {
+    experts = ckpt.take_experts(prefix, num_experts, intermediate, width);
+  } else if (tp.expert_parallel) {
+    const IndexRange mine = expert_share(tp, num_experts);
+    first_expert = mine.begin;
+    experts = ckpt.take_expert_range(prefix, num_experts, intermediate, width, mine.split(0));
+  } else {
+    const IndexRange mine = even_share(tp, intermediate, "moe_intermediate_size");
+    experts = ckpt.take_experts(prefix, num_experts, intermediate, width, mine.split(0));
+  }
 }
 
 // Routing and experts through kernels/ops.h on either device: the CPU reference
@@ -99,7 +106,9 @@ ops::Routing SigmoidRouter::route(const Tensor& x) const {
 }
 
 Tensor MoeBlock::forward(const Tensor& x) const {
-  const ops::Routing routing = router.route(x);
+  ops::Routing routing = router.route(x);
+  // Expert parallel: the slots routed to this rank's experts, renumbered from 0; the others become -1 (skipped).
+  if (experts.gate_up.dim(0) < num_experts) ops::keep_local_experts_(routing, first_expert, experts.gate_up.dim(0));
   Tensor out;
   if (latent_down.defined()) {
     Tensor routed = ops::moe_experts(ops::linear(x, latent_down), routing, experts.gate_up, experts.down, act.kind,

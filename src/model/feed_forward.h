@@ -88,7 +88,11 @@ struct GroupedMoeShape {
 // Routed experts (weighted by the router) plus the shared experts. Tensor parallel inside each expert (vLLM's
 // default without --enable-expert-parallel): every rank routes the same way (the router is replicated) and
 // runs every expert on its part of the intermediate width; the partial sums meet in one all-reduce (a latent
-// MoE reduces its routed latent before the norm, then the shared experts' terms). Kimi K3's latent MoE (vLLM 0.33
+// MoE reduces its routed latent before the norm, then the shared experts' terms). Expert parallel
+// (TensorParallel::expert_parallel): a rank holds experts [first_expert, first_expert + E / size) whole and
+// runs, for every token (the group's ranks all hold the whole step), only the slots routed to them; the
+// same all-reduce then sums each token's slots from the ranks that own them (vLLM's EP without data
+// parallelism: its all-gather / reduce-scatter dispatch over replicated tokens). Kimi K3's latent MoE (vLLM 0.33
 // models/kimi_k3/nvidia/model.py KimiMoE.forward, latent_moe_runner.py): the router reads x, the routed
 // experts read z = latent_down x (width Z); their weighted sum is RMS-normalised (latent_norm) and
 // projected back (latent_up) before the shared experts, which read x, are added.
@@ -98,12 +102,15 @@ struct MoeBlock : FeedForward {
   // a latent MoE routed_expert_down_proj, routed_expert_norm, routed_expert_up_proj.
   static std::unique_ptr<MoeBlock> load_grouped(Checkpoint& ckpt, const std::string& prefix,
                                                 const GroupedMoeShape& shape);
-  // The routed experts under `prefix` (Checkpoint::take_experts), this rank's part of each when sharded.
-  static Checkpoint::Experts take_experts(Checkpoint& ckpt, const std::string& prefix, int64_t num_experts,
-                                          int64_t intermediate, int64_t width);
+  // The routed experts under `prefix` (Checkpoint::take_experts) and the group to reduce over: this rank's
+  // part of each expert, or under expert parallelism its share of whole experts.
+  void load_experts(Checkpoint& ckpt, const std::string& prefix, int64_t num_experts, int64_t intermediate,
+                    int64_t width);
 
   SigmoidRouter router;
-  Checkpoint::Experts experts;    // gate_up [E, 2I, H or Z], down [E, H or Z, I]
+  Checkpoint::Experts experts;    // gate_up [E, 2I, H or Z], down [E, H or Z, I] (E: this rank's under EP)
+  int64_t first_expert = 0;       // the router's id of experts[0] (expert parallel)
+  int64_t num_experts = 0;        // the router's
   std::vector<DenseMlp> shared;   // zero or one shared-expert MLP
   Activation act;
   Tensor latent_down;             // [Z, hidden]  latent MoE only

@@ -246,8 +246,7 @@ std::unique_ptr<FeedForward> load_feed_forward(Checkpoint& ckpt, const TextConfi
   router.normalize = true;
   router.normalize_eps = 0.0f;
   router.routed_scaling_factor = cfg.routed_scaling_factor;
-  moe->experts = MoeBlock::take_experts(ckpt, p + "experts", cfg.num_experts, cfg.intermediate, cfg.hidden);
-  moe->tp = ckpt.tensor_parallel();
+  moe->load_experts(ckpt, p + "experts", cfg.num_experts, cfg.intermediate, cfg.hidden);
   moe->shared.push_back(DenseMlp::load(ckpt, p + "shared_experts.", cfg.hidden, cfg.shared_intermediate, act));
   return moe;
 }

@@ -13,6 +13,16 @@ IndexRange even_share(const TensorParallel& tp, int64_t n, const char* what) {
   return {n / tp.size * tp.rank, n / tp.size * (tp.rank + 1)};
 }
 
+IndexRange expert_share(const TensorParallel& tp, int64_t num_experts) {
+  if (!tp.sharded()) return {0, num_experts};
+  SPARROW_CHECK(num_experts >= tp.size, "expert parallel over ", tp.size, " ranks needs at least as many routed experts, "
+                "the model has ", num_experts, ": leave out --enable-expert-parallel or choose a smaller "
+                "--tensor-parallel-size");
+  const int64_t base = num_experts / tp.size, extra = num_experts % tp.size;
+  const int64_t begin = base * tp.rank + std::min<int64_t>(tp.rank, extra);
+  return {begin, begin + base + (tp.rank < extra ? 1 : 0)};
+}
+
 IndexRange grouped_share(const TensorParallel& tp, int64_t heads, int64_t groups, const char* what) {
   if (!tp.sharded()) return {0, groups};
   if (groups % tp.size == 0) return even_share(tp, groups, what);

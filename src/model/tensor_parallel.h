@@ -29,6 +29,10 @@ inline Split split_for(const TensorParallel& tp, const IndexRange& range, int di
 // and the config field when size does not divide n.
 IndexRange even_share(const TensorParallel& tp, int64_t n, const char* what);  // [0, n) unsharded
 
+// This rank's whole experts under expert parallelism, as vLLM deals them (fused_moe/layer.py
+// determine_expert_map): E / size each, the first E % size ranks one more.
+IndexRange expert_share(const TensorParallel& tp, int64_t num_experts);
+
 // Grouped heads (GQA's kv heads, MSA's index heads): `groups` of them serve `heads` query heads,
 // heads / groups each. The ones this rank's query heads read: its equal share when the group size divides
 // `groups`, else the single group all its query heads sit in (replicated on the ranks that share it, as

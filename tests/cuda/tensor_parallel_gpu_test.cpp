@@ -21,6 +21,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -80,28 +81,32 @@ void write_determined_fixture(const fs::path& from, const fs::path& to) {
   write_safetensors((to / "model.safetensors").string(), tensors);
 }
 
-class TensorParallelGpu : public ::testing::TestWithParam<std::string> {};
+// A fixture, and whether the experts are dealt out whole (--enable-expert-parallel) rather than split.
+class TensorParallelGpu : public ::testing::TestWithParam<std::tuple<std::string, bool>> {};
 
 }  // namespace
 
 TEST_P(TensorParallelGpu, TwoRanksMatchOne) {
   SPARROW_REQUIRE_GPU();
-  const fs::path scratch = fs::temp_directory_path() / ("sparrow_tp_gpu_" + GetParam());
+  const auto& [fixture, expert_parallel] = GetParam();
+  const std::string name = fixture + (expert_parallel ? " EP" : "");
+  const std::string sharding = expert_parallel ? " -tp 2 --enable-expert-parallel" : " -tp 2";
+  const fs::path scratch = fs::temp_directory_path() / ("sparrow_tp_gpu_" + fixture + (expert_parallel ? "_ep" : ""));
   const fs::path dir = scratch / "model";
-  write_determined_fixture(fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / GetParam(), dir);
+  write_determined_fixture(fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / fixture, dir);
   const std::string common = "--model " + dir.string() + " --device cuda --prompt-ids " + (dir / "prompts.json").string();
 
   // Prefill: every position's logits.
   const CommandRun one = sparrow_run("score " + common + " --out " + (scratch / "tp1.safetensors").string(), scratch);
   ASSERT_EQ(one.status, 0) << one.err;
   const CommandRun two =
-      sparrow_run("score " + common + " -tp 2 --out " + (scratch / "tp2.safetensors").string(), scratch);
+      sparrow_run("score " + common + sharding + " --out " + (scratch / "tp2.safetensors").string(), scratch);
   ASSERT_EQ(two.status, 0) << two.err;
   const nlohmann::json prompts = nlohmann::json::parse(slurp(dir / "prompts.json"))["prompts"];
   for (size_t i = 0; i < prompts.size(); ++i) {
     const Tensor single = logits_of(scratch / "tp1.safetensors", i), sharded = logits_of(scratch / "tp2.safetensors", i);
     const double error = model_test::worst_row_error(sharded, single);
-    std::printf("[ %s ] prompt %zu (%lld tokens): worst relative L2, TP 2 vs TP 1, %.3g\n", GetParam().c_str(), i,
+    std::printf("[ %s ] prompt %zu (%lld tokens): worst relative L2, TP 2 vs TP 1, %.3g\n", name.c_str(), i,
                 (long long)single.dim(0), error);
     EXPECT_LE(error, kBf16Tolerance) << "prompt " << i;
   }
@@ -110,7 +115,7 @@ TEST_P(TensorParallelGpu, TwoRanksMatchOne) {
   const std::string gen = "generate " + common + " --max-tokens 12 --temperature 0 --ignore-eos";
   const CommandRun gen_one = sparrow_run(gen, scratch);
   ASSERT_EQ(gen_one.status, 0) << gen_one.err;
-  const CommandRun gen_two = sparrow_run(gen + " -tp 2", scratch);
+  const CommandRun gen_two = sparrow_run(gen + sharding, scratch);
   ASSERT_EQ(gen_two.status, 0) << gen_two.err;
   const auto a = nlohmann::json::parse(gen_one.out)["completions"], b = nlohmann::json::parse(gen_two.out)["completions"];
   ASSERT_EQ(a.size(), b.size());
@@ -146,7 +151,7 @@ TEST_P(TensorParallelGpu, TwoRanksMatchOne) {
   }
   std::printf("[ %s ] TP 2 greedy tokens: %d of %d the TP 1 model's argmax, the rest within bf16 noise of it; "
               "continuations equal to TP 1's: %d of %zu\n",
-              GetParam().c_str(), equal, total, int(std::count_if(a.begin(), a.end(), [&, i = 0](const auto& c) mutable {
+              name.c_str(), equal, total, int(std::count_if(a.begin(), a.end(), [&, i = 0](const auto& c) mutable {
                 return c == b[i++];
               })),
               a.size());
@@ -154,5 +159,9 @@ TEST_P(TensorParallelGpu, TwoRanksMatchOne) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallelGpu,
-                         ::testing::Values("minimax_m3", "deepseek_v32_gpu", "kimi_linear_gpu", "kimi_k3_1_pro_gpu"),
-                         [](const auto& info) { return info.param; });
+                         ::testing::Combine(::testing::Values("minimax_m3", "deepseek_v32_gpu", "kimi_linear_gpu",
+                                                              "kimi_k3_1_pro_gpu"),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + (std::get<1>(info.param) ? "_ep" : "");
+                         });

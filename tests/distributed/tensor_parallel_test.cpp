@@ -28,6 +28,7 @@
 #include "core/error.h"
 #include "distributed/gloo_communicator.h"
 #include "model/model.h"
+#include "model/tensor_parallel.h"
 #include "runner/model_runner.h"
 
 using namespace sparrow;
@@ -52,7 +53,7 @@ int free_port() {
 
 // Forks `size` ranks running body(tp); each exits 0 when the body returns and 1 (its error on stderr) when it
 // throws. Returns "" when all exited 0 within the deadline, else what went wrong.
-std::string run_ranks(int size, const std::function<void(const TensorParallel&)>& body) {
+std::string run_ranks(int size, const std::function<void(const TensorParallel&)>& body, bool expert_parallel = false) {
   const int port = free_port();
   std::fflush(nullptr);
   std::vector<pid_t> children;
@@ -67,7 +68,7 @@ std::string run_ranks(int size, const std::function<void(const TensorParallel&)>
         options.master_port = port;
         options.timeout = std::chrono::seconds(60);
         std::unique_ptr<Communicator> comm = connect_gloo(options);
-        body(TensorParallel{rank, size, comm.get()});
+        body(TensorParallel{rank, size, comm.get(), expert_parallel});
       } catch (const std::exception& e) {
         std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
         status = 1;
@@ -112,13 +113,13 @@ void expect_rows_match(const Tensor& sharded, const Tensor& whole, const std::st
 constexpr int kDecodeSteps = 8;
 
 // The body every rank runs: sharded and whole models side by side, prefill then greedy decode.
-void compare_with_whole(const fs::path& dir, const TensorParallel& tp) {
+void compare_with_whole(const fs::path& dir, const fs::path& prompts_file, const TensorParallel& tp) {
   LoadOptions sharded_options;
   sharded_options.tensor_parallel = tp;
   std::unique_ptr<Model> sharded = load_model(dir.string(), Device::Cpu, sharded_options);
   std::unique_ptr<Model> whole = load_model(dir.string(), Device::Cpu);
   ModelRunner sharded_runner(*sharded), whole_runner(*whole);
-  const std::vector<Tokens> prompts = model_test::token_lists(dir / "prompts.json", "prompts");
+  const std::vector<Tokens> prompts = model_test::token_lists(prompts_file, "prompts");
   std::vector<SequenceState> sharded_seqs, whole_seqs;
   for (size_t i = 0; i < prompts.size(); ++i) {
     sharded_seqs.push_back(sharded_runner.new_sequence());
@@ -147,20 +148,55 @@ void compare_with_whole(const fs::path& dir, const TensorParallel& tp) {
 struct Case {
   std::string fixture;
   int size;
+  bool expert_parallel = false;
+  std::string prompts_of = "";  // the fixture whose prompts.json to run (default: its own)
 };
-void PrintTo(const Case& c, std::ostream* os) { *os << c.fixture << " at TP " << c.size; }
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.fixture << " at TP " << c.size << (c.expert_parallel ? " with expert parallelism" : "");
+}
 
 class TensorParallelCpu : public ::testing::TestWithParam<Case> {};
 
 TEST_P(TensorParallelCpu, MatchesTheUnshardedModel) {
   const fs::path dir = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / GetParam().fixture;
-  EXPECT_EQ(run_ranks(GetParam().size, [&](const TensorParallel& tp) { compare_with_whole(dir, tp); }), "");
+  const fs::path prompts = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" /
+                           (GetParam().prompts_of.empty() ? GetParam().fixture : GetParam().prompts_of) / "prompts.json";
+  EXPECT_EQ(run_ranks(GetParam().size, [&](const TensorParallel& tp) { compare_with_whole(dir, prompts, tp); },
+                      GetParam().expert_parallel),
+            "");
 }
 
+// Expert parallelism (--enable-expert-parallel) for every family, the latent MoE (kimi_k3_1_pro) and experts
+// stored as FP8 blocks and NVFP4 included: whole experts per rank, the slots of the others skipped.
 INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallelCpu,
                          ::testing::Values(Case{"minimax_m3", 2}, Case{"minimax_m3", 4}, Case{"deepseek_v32", 2},
-                                           Case{"kimi_linear", 2}, Case{"kimi_k3", 2}, Case{"kimi_k3_1_pro", 4}),
-                         [](const auto& info) { return info.param.fixture + "_tp" + std::to_string(info.param.size); });
+                                           Case{"kimi_linear", 2}, Case{"kimi_k3", 2}, Case{"kimi_k3_1_pro", 4},
+                                           Case{"deepseek_v32", 2, true}, Case{"minimax_m3", 4, true},
+                                           Case{"kimi_linear", 2, true}, Case{"kimi_k3", 2, true},
+                                           Case{"kimi_k3_1_pro", 4, true}, Case{"deepseek_v32_fp8", 2, true},
+                                           Case{"minimax_m3_nvfp4", 2, true, "minimax_m3"},
+                                           Case{"deepseek_v32_mxfp4", 2, true, "deepseek_v32"}),
+                         [](const auto& info) {
+                           return info.param.fixture + (info.param.expert_parallel ? "_ep" : "_tp") +
+                                  std::to_string(info.param.size);
+                         });
+
+// vLLM's deal of whole experts (fused_moe/layer.py determine_expert_map): E / size each, the first E % size
+// ranks one more, contiguous and covering every expert once.
+TEST(TensorParallelCpu, ExpertShareDealsEveryExpertOnce) {
+  for (int size : {1, 2, 3, 4, 8})
+    for (int64_t experts : {8, 16, 10, 61}) {
+      int64_t next = 0;
+      for (int rank = 0; rank < size; ++rank) {
+        const IndexRange mine = expert_share(TensorParallel{rank, size, nullptr, true}, experts);
+        EXPECT_EQ(mine.begin, next);
+        EXPECT_EQ(mine.count(), experts / size + (rank < experts % size ? 1 : 0)) << experts << " over " << size;
+        next = mine.end;
+      }
+      EXPECT_EQ(next, experts);
+    }
+  EXPECT_THROW(expert_share(TensorParallel{0, 16, nullptr, true}, 8), Error);
+}
 
 // A group whose size does not divide the heads is refused at load with the flag to change.
 TEST(TensorParallelCpu, SizeThatDoesNotDivideTheHeadsIsAnError) {

@@ -1,5 +1,5 @@
 """`sparrow serve --tensor-parallel-size 2` (docs/parallel.md) against the single-process server, with real
-processes: every family, under the concurrency test's squeeze (chunked prefill, preemption, cancelled
+processes: every family (two with --enable-expert-parallel too), under the concurrency test's squeeze (chunked prefill, preemption, cancelled
 streams, prefix caching, KDA state slots and snapshots), must give each request the tokens the
 single-process server gives it alone (greedy). Then the ways a run ends: SIGTERM stops the workers too; a
 worker that dies ends the server with its reason; ranks started by a launcher's variables (torchrun-style
@@ -45,8 +45,11 @@ def alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-@pytest.mark.parametrize("family", sorted(KV_CACHE_MEMORY))
-def test_two_ranks_serve_what_one_process_serves(start_server, test_model, family):
+# Every family split inside its experts; two (a DeepSeek MoE, Kimi K3.1's latent MoE) also with the experts
+# dealt out whole (--enable-expert-parallel).
+@pytest.mark.parametrize("family,expert_parallel", [(f, False) for f in sorted(KV_CACHE_MEMORY)] +
+                         [("deepseek_v32", True), ("kimi_k3_1_pro", True)])
+def test_two_ranks_serve_what_one_process_serves(start_server, test_model, family, expert_parallel):
     model = test_model(family)
     single = start_server(*squeezed(KV_CACHE_MEMORY[family]), model=model)
     requests = make_requests(seed=2023)[:REQUESTS]
@@ -56,7 +59,8 @@ def test_two_ranks_serve_what_one_process_serves(start_server, test_model, famil
     # --kv-cache-memory is each rank's (vLLM's is each GPU's) and a rank caches only its heads: the sharded
     # server gets as many block rows as the single one has, so that it is squeezed alike.
     sharded = start_server(*squeezed(KV_CACHE_MEMORY[family]), "--num-gpu-blocks-override", str(int(blocks)),
-                           "--tensor-parallel-size", "2", model=model)
+                           "--tensor-parallel-size", "2", *(["--enable-expert-parallel"] if expert_parallel else []),
+                           model=model)
     assert sharded.metrics()["sparrow:kv_cache_blocks_total"] == blocks
     assert len(children(sharded.process.pid)) == 1, "rank 0 should have started one worker"
     client = sharded.client(timeout=180)

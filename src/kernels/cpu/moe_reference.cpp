@@ -57,6 +57,7 @@ Tensor moe_experts(const Tensor& x, const int32_t* experts, const float* weights
   // Group the (token, slot) pairs by expert so each expert runs one matrix product over its tokens.
   std::vector<std::vector<int64_t>> assigned(num_experts);
   for (int64_t i = 0; i < t * top_k; ++i) {
+    if (experts[i] == -1) continue;  // another rank's expert (ops::keep_local_experts_)
     SPARROW_CHECK(experts[i] >= 0 && experts[i] < num_experts, "moe: expert ", experts[i], " of ", num_experts);
     assigned[experts[i]].push_back(i);
   }

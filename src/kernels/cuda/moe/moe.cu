@@ -247,6 +247,13 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) schedule_kernel(const int32_
   }
 }
 
+__global__ void keep_local_experts_kernel(int32_t* experts, int64_t slots, int first, int count) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < slots; i += int64_t(gridDim.x) * blockDim.x) {
+    const int e = experts[i];
+    experts[i] = e >= first && e < first + count ? e - first : -1;
+  }
+}
+
 __global__ void place_kernel(const int32_t* experts, int64_t pairs, int num_experts, int32_t* cursor,
                              int32_t* sorted_pair, int32_t* pos_of_pair) {
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < pairs; p += int64_t(gridDim.x) * blockDim.x) {
@@ -1384,6 +1391,13 @@ void moe_experts_packed(const void* x, int64_t tokens, int64_t hidden, const int
     default: break;
   }
   fail(what, ": the weights must be NVFP4, MXFP4 or MXFP8");
+}
+
+void keep_local_experts(int32_t* experts, int64_t slots, int first, int count, cudaStream_t stream) {
+  if (slots == 0) return;
+  const unsigned blocks = unsigned(std::min<int64_t>((slots + 255) / 256, 1024));
+  keep_local_experts_kernel<<<blocks, 256, 0, stream>>>(experts, slots, first, count);
+  SPARROW_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace sparrow::cuda

@@ -30,6 +30,10 @@ void simulate_uniform_routing(const void* x, int64_t tokens, int64_t hidden, int
                               int64_t top_k, uint32_t salt, float weight, int32_t* experts, float* weights,
                               cudaStream_t stream);
 
+// Expert parallel (ops::keep_local_experts_): ids in [first, first + count) become id - first, the
+// others -1, which the expert kernels skip. experts: int32 [slots], in place.
+void keep_local_experts(int32_t* experts, int64_t slots, int first, int count, cudaStream_t stream);
+
 // Routed experts over all tokens of a step:
 //   out[t] = sum_j weights[t, j] * down[e] · act(gate_up[e] · x[t]),  e = experts[t, j]
 // x bf16 [tokens, hidden]; gate_up bf16 [E, 2*inter, hidden]; down bf16 [E, hidden, inter]; out bf16
