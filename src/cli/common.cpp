@@ -70,6 +70,17 @@ void add_device_option(CLI::App* sub, std::string& device) {
   sub->add_flag("--enable-expert-parallel", parallel_config.enable_expert_parallel,
                "deal the routed experts out whole over the tensor-parallel ranks instead of splitting each one "
                "(vLLM's expert parallelism; attention and shared experts stay tensor parallel)");
+  sub->add_option("--nnodes", parallel_config.nnodes,
+                  "machines the ranks run on, without a launcher: each starts --tensor-parallel-size / nnodes of them "
+                  "(the same command on each, with its --node-rank and --master-addr)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--node-rank", parallel_config.node_rank,
+                  "which of the --nnodes machines this is: 0 serves, the others run with --headless")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  sub->add_flag("--headless", parallel_config.headless,
+                "run this node's ranks only, no server (the nodes after the first, --node-rank 1 and up)");
   sub->add_option("--master-addr", parallel_config.master_addr,
                   "rank 0's address, where the ranks meet (default MASTER_ADDR, else 127.0.0.1)");
   sub->add_option("--master-port", parallel_config.master_port,
@@ -86,7 +97,7 @@ std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string&
   options.progress = stderr;
   options.progress_live = ::isatty(STDERR_FILENO) != 0;
   const LaunchEnv env = read_launch_env();
-  if (parallel_config.tensor_parallel_size == 1 && env.launcher.empty()) return load_model(dir, parse_device(device), options);
+  if (!parallel_config.multi_process() && env.launcher.empty()) return load_model(dir, parse_device(device), options);
 
   // Tensor parallel: join (or start) the run, load this rank's part; a worker then only runs steps.
   ParallelRun& run = parallel_run();

@@ -36,25 +36,49 @@ std::unique_ptr<ProcessGroup> ProcessGroup::start(const ParallelConfig& config, 
                 config.tensor_parallel_size);
   std::unique_ptr<ProcessGroup> group(new ProcessGroup());
   const bool launched = !env.launcher.empty();
+  const int nodes = config.nnodes;
   if (launched) {
+    // The launcher says where every rank runs; node flags, when given (as the workers a node starts inherit
+    // them), must say the same.
+    SPARROW_CHECK(nodes == 1 || (nodes * env.local_world_size == env.world_size &&
+                                 config.node_rank == env.rank / env.local_world_size),
+                  describe(env), ": --nnodes ", nodes, " --node-rank ", config.node_rank,
+                  " disagree with the launcher's placement of the ranks; leave them out under a launcher");
     SPARROW_CHECK(env.world_size == config.tensor_parallel_size, describe(env), ": the launcher started ",
                   env.world_size, " processes for --tensor-parallel-size ", config.tensor_parallel_size,
                   " (one process per rank)");
     group->rank_ = env.rank;
   }
   group->size_ = config.tensor_parallel_size;
+  SPARROW_CHECK(nodes >= 1, "--nnodes must be at least 1, got ", nodes);
+  SPARROW_CHECK(config.node_rank >= 0 && config.node_rank < nodes, "--node-rank ", config.node_rank,
+                " is not one of the ", nodes, " nodes (0 .. ", nodes - 1, ")");
+  SPARROW_CHECK(group->size_ % nodes == 0, "--tensor-parallel-size ", group->size_, " does not split evenly over --nnodes ",
+                nodes, " (every node runs the same number of ranks)");
+  if (!launched) {  // (under a launcher every process runs the same command: rank 0 serves)
+    SPARROW_CHECK(!config.headless || config.node_rank > 0,
+                  "--headless is for the nodes after the first (--node-rank 1 and up): node 0 serves");
+    SPARROW_CHECK(config.headless || config.node_rank == 0, "node ", config.node_rank, " of ", nodes,
+                  " runs ranks only: add --headless (node 0 runs the server)");
+  }
+  const int local_size = group->size_ / nodes;
+  if (!launched) group->rank_ = config.node_rank * local_size;
+  const bool remote_ranks = launched || nodes > 1;  // ranks on other machines meet at rank 0's address
+  SPARROW_CHECK(nodes == 1 || !config.master_addr.empty() || !env.master_addr.empty(),
+                "the ", nodes, " nodes meet at rank 0's address: give --master-addr (node 0's address, the same on "
+                "every node)");
   std::string addr = !config.master_addr.empty() ? config.master_addr
                      : !env.master_addr.empty()  ? env.master_addr
                                                  : "127.0.0.1";
   int port = config.master_port > 0 ? config.master_port : env.master_port > 0 ? env.master_port : 0;
-  if (port == 0 && launched) port = kDefaultPort;
+  if (port == 0 && remote_ranks) port = kDefaultPort;
   // Rank 0 serves the rendezvous (on every interface when the others come from elsewhere); a run this
   // process starts itself takes a free port unless one was given.
   const bool serve = group->rank_ == 0;
-  group->store_ = std::make_shared<TcpStore>(serve && launched ? "0.0.0.0" : addr, port, serve,
+  group->store_ = std::make_shared<TcpStore>(serve && remote_ranks ? "0.0.0.0" : addr, port, serve,
                                              std::chrono::duration_cast<std::chrono::milliseconds>(kTimeout));
   port = group->store_->port();
-  if (!launched) group->spawn_workers(argv, addr, port);
+  if (!launched) group->spawn_workers(argv, addr, port, local_size);
 
   GroupOptions options;
   options.rank = group->rank_;
@@ -69,7 +93,7 @@ std::unique_ptr<ProcessGroup> ProcessGroup::start(const ParallelConfig& config, 
   return group;
 }
 
-void ProcessGroup::spawn_workers(char** argv, const std::string& addr, int port) {
+void ProcessGroup::spawn_workers(char** argv, const std::string& addr, int port, int local_size) {
   std::vector<std::string> base;
   for (char** e = environ; *e; ++e) {
     const std::string var = *e;
@@ -84,17 +108,18 @@ void ProcessGroup::spawn_workers(char** argv, const std::string& addr, int port)
   const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
   SPARROW_CHECK(length > 0, "could not find this program's path (/proc/self/exe): ", std::strerror(errno));
   self[length] = '\0';
-  // Rank 0 too is one of the ranks on this machine: its thread pool, made at its first parallel step, takes
-  // its share of the cores (core/parallel.cpp) as the workers' do.
-  setenv("LOCAL_WORLD_SIZE", cat(size_).c_str(), 1);
+  // This process too is one of the ranks on this machine: its thread pool, made at its first parallel step,
+  // takes its share of the cores (core/parallel.cpp) as the workers' do.
+  setenv("LOCAL_WORLD_SIZE", cat(local_size).c_str(), 1);
   const pid_t parent = getpid();
   std::fflush(nullptr);
-  for (int rank = 1; rank < size_; ++rank) {
+  for (int local = 1; local < local_size; ++local) {
+    const int rank = rank_ + local;
     std::vector<std::string> env = base;
     env.push_back(cat("RANK=", rank));
     env.push_back(cat("WORLD_SIZE=", size_));
-    env.push_back(cat("LOCAL_RANK=", rank));
-    env.push_back(cat("LOCAL_WORLD_SIZE=", size_));
+    env.push_back(cat("LOCAL_RANK=", local));
+    env.push_back(cat("LOCAL_WORLD_SIZE=", local_size));
     env.push_back("MASTER_ADDR=" + addr);
     env.push_back(cat("MASTER_PORT=", port));
     std::vector<char*> envp;
@@ -112,7 +137,7 @@ void ProcessGroup::spawn_workers(char** argv, const std::string& addr, int port)
     }
     workers_.push_back(pid);
   }
-  watcher_ = std::thread([this] { watch_workers(); });
+  if (!workers_.empty()) watcher_ = std::thread([this] { watch_workers(); });
 }
 
 // A worker that ends before the run does (a crash, a kill, an error) ends rank 0 too, with its reason: the
@@ -127,7 +152,7 @@ void ProcessGroup::watch_workers() {
       done[i] = true;
       if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
       if (stopping_) return;
-      std::fprintf(stderr, "error: tensor-parallel rank %zu (pid %d) %s; stopping the run\n", i + 1, int(workers_[i]),
+      std::fprintf(stderr, "error: tensor-parallel rank %zu (pid %d) %s; stopping the run\n", rank_ + i + 1, int(workers_[i]),
                    exit_description(status).c_str());
       std::fflush(stderr);
       for (pid_t pid : workers_) kill(pid, SIGKILL);

@@ -29,13 +29,20 @@ struct ParallelConfig {
   bool enable_expert_parallel = false;  // routed experts dealt out whole (TensorParallel::expert_parallel)
   std::string master_addr;  // empty: MASTER_ADDR, else 127.0.0.1
   int master_port = 0;      // 0: MASTER_PORT, else a free port (single node) or 29500
+  // Several machines without a launcher (vLLM's flags): each node starts its own size / nnodes ranks, node
+  // r ranks r * size / nnodes and up; node 0 serves, the others run with --headless (ranks only).
+  int nnodes = 1;
+  int node_rank = 0;
+  bool headless = false;
+  bool multi_process() const { return tensor_parallel_size > 1 || nnodes > 1 || node_rank != 0 || headless; }
 };
 
 class ProcessGroup {
  public:
-  // Joins the run this process is part of (`env`: read_launch_env()), or starts one on this node when no
-  // launcher set the environment; `argv` (null-terminated) is what the workers it starts run. Errors: a
-  // launcher's world size other than tensor_parallel_size, a rendezvous nobody answers.
+  // Joins the run this process is part of (`env`: read_launch_env()), or starts this node's ranks of it when
+  // no launcher set the environment (this process is the node's first rank); `argv` (null-terminated) is what
+  // the workers it starts run. Errors: a launcher's world size other than tensor_parallel_size, --nnodes /
+  // --node-rank / --headless that do not fit together (or with a launcher), a rendezvous nobody answers.
   static std::unique_ptr<ProcessGroup> start(const ParallelConfig& config, const LaunchEnv& env, char** argv);
   ~ProcessGroup();  // rank 0 of a run it started: waits for the workers to leave (then kills what is left)
 
@@ -50,13 +57,13 @@ class ProcessGroup {
 
  private:
   ProcessGroup() = default;
-  void spawn_workers(char** argv, const std::string& addr, int port);
+  void spawn_workers(char** argv, const std::string& addr, int port, int local_size);
   void watch_workers();
 
   int rank_ = 0, size_ = 1;
   std::shared_ptr<TcpStore> store_;
   std::unique_ptr<Communicator> model_, plans_;
-  std::vector<pid_t> workers_;    // the ranks this process started
+  std::vector<pid_t> workers_;    // the ranks this process started: rank_ + 1, rank_ + 2, ...
   std::atomic<bool> stopping_{false};
   std::thread watcher_;
 };

@@ -4,7 +4,8 @@ streams, prefix caching, KDA state slots and snapshots), must give each request 
 single-process server gives it alone (greedy). Then the ways a run ends: SIGTERM stops the workers too; a
 worker that dies ends the server with its reason; ranks started by a launcher's variables (torchrun-style
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) serve the same tokens, and a worker whose rank 0 dies exits
-with an error rather than waiting."""
+with an error rather than waiting; two nodes started with vLLM's --nnodes / --node-rank / --headless serve them
+too, and node flags that do not fit are refused."""
 from __future__ import annotations
 
 import json
@@ -194,3 +195,47 @@ def test_mpirun_starts_the_ranks(sparrow_binary, test_model):
     want, got = json.loads(single.stdout), json.loads(launched.stdout)  # rank 1 prints nothing
     assert got["tokens"] == want["tokens"]
     assert got["perplexity"] == pytest.approx(want["perplexity"], rel=1e-6)
+
+
+def test_two_nodes_without_a_launcher(sparrow_binary, test_model, start_server):
+    """vLLM's --nnodes / --node-rank / --headless: each "node" (here two process trees on one machine) starts its
+    own two ranks of four; node 0 serves, node 1 runs ranks only and prints nothing."""
+    model = test_model("minimax_m3")
+    requests = make_requests(seed=11)[:6]
+    single = start_server("--kv-cache-memory", "64MiB", model=model)
+    expected = [run_alone(single.client(timeout=120), r) for r in requests]
+
+    common = ["--tensor-parallel-size", "4", "--nnodes", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(free_port())]
+    node1 = subprocess.Popen([sparrow_binary, "serve", str(model), "--kv-cache-memory", "64MiB", *common,
+                              "--node-rank", "1", "--headless"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = None
+    try:
+        server = SparrowServer(sparrow_binary, model, "--kv-cache-memory", "64MiB", *common)
+        assert len(children(server.process.pid)) == 1, "node 0 starts its second rank"
+        assert len(children(node1.pid)) == 1, "node 1 starts its second rank"
+        got = [run_alone(server.client(timeout=120), r) for r in requests]
+        assert got == expected
+        assert server.stop() == 0, server.output()
+        assert node1.wait(30) == 0, node1.stderr.read()
+        assert node1.stdout.read() == "", "a headless node prints nothing"
+    finally:
+        for p in ([server.process] if server else []) + [node1]:
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["-tp", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1"], "add --headless"),
+    (["-tp", "2", "--headless", "--master-addr", "127.0.0.1"], "--headless is for the nodes after the first"),
+    (["-tp", "3", "--nnodes", "2", "--master-addr", "127.0.0.1"], "does not split evenly over --nnodes 2"),
+    (["-tp", "2", "--nnodes", "2"], "give --master-addr"),
+    (["-tp", "2", "--nnodes", "2", "--node-rank", "2", "--headless", "--master-addr", "127.0.0.1"],
+     "--node-rank 2 is not one of the 2 nodes"),
+])
+def test_node_flags_that_do_not_fit_are_refused(sparrow_binary, test_model, flags, message):
+    run = subprocess.run([sparrow_binary, "serve", str(test_model("minimax_m3")), "--port", "0", *flags],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1, run.stderr
+    assert message in run.stderr, run.stderr
