@@ -2,8 +2,8 @@
 // joins a gloo group on localhost (src/distributed), loads its part of a fixture (tests/fixtures, every
 // family) and runs the fixture's prompts (longer than the sparse budgets: DSA's top-k, MSA's kept blocks)
 // as one batched prefill, then greedy decoding against its cache. Every rank also runs the unsharded model
-// and checks, per position, logits within 1e-5 (relative L2: the sharded sums only reorder fp32 additions)
-// and the same greedy tokens.
+// and checks that its cache rows are what kv-plan's per-rank rules say, and, per position, logits within
+// 1e-5 (relative L2: the sharded sums only reorder fp32 additions) and the same greedy tokens.
 #include <gtest/gtest.h>
 
 #include <sys/socket.h>
@@ -25,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../cuda/model_test_util.h"  // device-free: fixtures' token lists, row errors, argmax
+#include "cache/kv_plan.h"
 #include "core/error.h"
 #include "distributed/gloo_communicator.h"
 #include "model/model.h"
@@ -118,6 +119,9 @@ void compare_with_whole(const fs::path& dir, const fs::path& prompts_file, const
   sharded_options.tensor_parallel = tp;
   std::unique_ptr<Model> sharded = load_model(dir.string(), Device::Cpu, sharded_options);
   std::unique_ptr<Model> whole = load_model(dir.string(), Device::Cpu);
+  // The KV planner's per-rank rules (cache/kv_plan.h spec_per_rank) are the sharded model's own cache.
+  SPARROW_CHECK(sharded->cache_spec() == spec_per_rank(whole->cache_spec(), tp.size),
+                "the sharded model caches other rows than kv-plan's spec_per_rank says");
   ModelRunner sharded_runner(*sharded), whole_runner(*whole);
   const std::vector<Tokens> prompts = model_test::token_lists(prompts_file, "prompts");
   std::vector<SequenceState> sharded_seqs, whole_seqs;
