@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -103,10 +104,18 @@ std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string&
   ParallelRun& run = parallel_run();
   SPARROW_CHECK(!run.group, "a command loads its model once");
   SPARROW_CHECK(program_arguments, "the program's arguments were not recorded (set_program_arguments)");
-  run.group = ProcessGroup::start(parallel_config, env, program_arguments);
+  // A GPU rank takes its GPU first (NCCL joins on the current device). NCCL when every rank on this machine has
+  // a GPU of its own; ranks that share one stage their collectives through the host (docs/parallel.md).
+  ParallelConfig config = parallel_config;
+  if (parse_device(device) != Device::Cpu) {
+    sparrow::device::select_for_local_rank(env.local_rank);
+    const int ranks_here = env.launcher.empty() ? config.tensor_parallel_size / std::max(1, config.nnodes)
+                                                : env.local_world_size;
+    config.device_collectives = ranks_here <= sparrow::device::count() && !std::getenv("SPARROW_HOST_COLLECTIVES");
+  }
+  run.group = ProcessGroup::start(config, env, program_arguments);
   options.tensor_parallel = run.group->tensor_parallel();
   options.tensor_parallel.expert_parallel = parallel_config.enable_expert_parallel;
-  if (parse_device(device) != Device::Cpu) sparrow::device::select_for_local_rank(env.local_rank);
   if (run.group->rank() != 0) options.progress = nullptr;
   std::unique_ptr<Model> model = load_model(dir, parse_device(device), options);
   if (run.group->rank() != 0) {

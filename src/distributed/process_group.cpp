@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "distributed/gloo_communicator.h"
+#include "distributed/nccl_communicator.h"
 #include "distributed/tcp_store.h"
 
 extern char** environ;
@@ -87,7 +88,8 @@ std::unique_ptr<ProcessGroup> ProcessGroup::start(const ParallelConfig& config, 
   options.master_port = port;
   options.timeout = kTimeout;
   options.prefix = "model";
-  group->model_ = connect_gloo(options, group->store_);
+  group->model_ = config.device_collectives ? connect_nccl(group->rank_, group->size_, group->store_, "model")
+                                            : connect_gloo(options, group->store_);
   options.prefix = "plans";
   group->plans_ = connect_gloo(options, group->store_);
   return group;

@@ -34,6 +34,9 @@ struct ParallelConfig {
   int nnodes = 1;
   int node_rank = 0;
   bool headless = false;
+  // The model's collectives on NCCL (device memory, captured in CUDA graphs) rather than gloo through the
+  // host: a CUDA run whose ranks each have a GPU of their own (the caller selected it already).
+  bool device_collectives = false;
   bool multi_process() const { return tensor_parallel_size > 1 || nnodes > 1 || node_rank != 0 || headless; }
 };
 

@@ -2,6 +2,7 @@
 // communicator (core/communicator.h) on the tensors' device.
 #include <cstring>
 
+#include "core/device/device.h"
 #include "core/error.h"
 #include "kernels/ops.h"
 
@@ -38,23 +39,29 @@ Tensor all_gather_columns(const TensorParallel& tp, const Tensor& x, int64_t par
   if (!tp.sharded()) return x;
   check_group(tp, x, "all_gather_columns");
   if (staged(tp, x)) return all_gather_columns(tp, x.to(Device::Cpu), part, total).to(x.device());
-  SPARROW_CHECK(x.on_cpu(), "all_gather_columns: host tensors only so far (issue 23)");
   const int64_t rows = x.dim(0), width = x.dim(1), elem = scalar_size(x.type());
   SPARROW_CHECK(width <= part && int64_t(tp.size) * part >= total, "all_gather_columns: part ", width,
                 " of at most ", part, " columns cannot make ", total);
+  // A block of `cols` columns of every row, from rows `src_ld` elements apart to rows `dst_ld` apart.
+  auto copy_columns = [&](void* dst, int64_t dst_ld, const void* src, int64_t src_ld, int64_t cols) {
+    if (x.on_cpu()) {
+      for (int64_t t = 0; t < rows; ++t)
+        std::memcpy(static_cast<uint8_t*>(dst) + t * dst_ld * elem, static_cast<const uint8_t*>(src) + t * src_ld * elem,
+                    size_t(cols * elem));
+    } else {
+      device::copy_device_2d(dst, size_t(dst_ld * elem), src, size_t(src_ld * elem), size_t(cols * elem), size_t(rows));
+    }
+  };
   // Every rank sends `part` columns (the shorter last parts padded), then the parts are laid side by side.
-  Tensor padded = Tensor::zeros({rows, part}, x.type());
-  for (int64_t t = 0; t < rows; ++t)
-    std::memcpy(padded.as<uint8_t>() + t * part * elem, x.as<uint8_t>() + t * width * elem, size_t(width * elem));
-  Tensor gathered = Tensor::empty({int64_t(tp.size), rows, part}, x.type());
+  Tensor padded = Tensor::zeros({rows, part}, x.type(), x.device());
+  copy_columns(padded.raw(), part, x.raw(), width, width);
+  Tensor gathered = Tensor::empty({int64_t(tp.size), rows, part}, x.type(), x.device());
   tp.comm->all_gather(padded.raw(), gathered.raw(), rows * part, x.type());
-  Tensor out = Tensor::empty({rows, total}, x.type());
+  Tensor out = Tensor::empty({rows, total}, x.type(), x.device());
   for (int64_t r = 0; r < tp.size; ++r) {
     const int64_t first = r * part, count = std::min(part, total - first);
     if (count <= 0) break;
-    for (int64_t t = 0; t < rows; ++t)
-      std::memcpy(out.as<uint8_t>() + (t * total + first) * elem,
-                  gathered.as<uint8_t>() + ((r * rows + t) * part) * elem, size_t(count * elem));
+    copy_columns(out.as<uint8_t>() + first * elem, total, gathered.as<uint8_t>() + r * rows * part * elem, part, count);
   }
   return out;
 }

@@ -109,6 +109,12 @@ void select_for_local_rank(int local_rank) {
   if (status != cudaSuccess) fail("cannot use CUDA device ", local_rank % count, ": ", cudaGetErrorString(status));
 }
 
+int count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+  return n;
+}
+
 void* alloc(size_t bytes) {
   const size_t cls = pool_size_class(bytes);
   Pool& p = pool();
@@ -221,6 +227,12 @@ void copy_to_host_sync(void* dst, const void* src, size_t bytes) {
 void copy_device(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
   SPARROW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cuda::stream()));
+}
+
+void copy_device_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t rows) {
+  if (width == 0 || rows == 0) return;
+  SPARROW_CUDA_CHECK(
+      cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDeviceToDevice, cuda::stream()));
 }
 
 void zero(void* dst, size_t bytes) {

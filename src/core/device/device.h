@@ -17,6 +17,7 @@ void require();    // throws sparrow::Error with a clear message when none does
 // One process per GPU (docs/parallel.md): the process's GPU is the local rank's, local_rank % the visible
 // devices (ranks share GPUs round-robin when there are fewer); called before the first allocation.
 void select_for_local_rank(int local_rank);
+int count();  // the visible CUDA devices (0 without the CUDA backend or a driver)
 
 void* alloc(size_t bytes);  // from the pool; 256-byte aligned; throws on out-of-memory
 void free(void* p);         // back to the pool (nullptr is ignored)
@@ -36,6 +37,8 @@ void end_graph_pool();
 void copy_to_device(void* dst, const void* src, size_t bytes);
 void copy_to_host_sync(void* dst, const void* src, size_t bytes);
 void copy_device(void* dst, const void* src, size_t bytes);
+// `rows` rows of `width` bytes, `src_pitch` bytes apart, to `dst_pitch` bytes apart (a block of columns).
+void copy_device_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t rows);
 void zero(void* dst, size_t bytes);
 void synchronize();
 

@@ -16,6 +16,7 @@ namespace {
 bool available() { return false; }
 void require() { no_backend(); }
 void select_for_local_rank(int) { no_backend(); }
+int count() { return 0; }
 void* alloc(size_t) { no_backend(); }
 void free(void* p) {
   if (p != nullptr) no_backend();
@@ -31,6 +32,7 @@ void end_graph_pool() {}
 void copy_to_device(void*, const void*, size_t) { no_backend(); }
 void copy_to_host_sync(void*, const void*, size_t) { no_backend(); }
 void copy_device(void*, const void*, size_t) { no_backend(); }
+void copy_device_2d(void*, size_t, const void*, size_t, size_t, size_t) { no_backend(); }
 void zero(void*, size_t) { no_backend(); }
 void synchronize() { no_backend(); }
 Event record_event() { no_backend(); }
