@@ -12,12 +12,13 @@
 #include "gpu_test_util.h"
 #include "kernels/cpu/reference_ops.h"
 #include "kernels/cuda/topk/topk.h"
+#include "kernels/cuda/topk/topk_sampled.cuh"
 
 namespace {
 
 using namespace sparrow;
 
-enum class Fill { Normal, FewValues, AllEqual, Specials, Sorted, Narrow, Ascending, Descending, KthTies };
+enum class Fill { Normal, FewValues, AllEqual, Specials, Sorted, Narrow, Ascending, Descending, KthTies, SampleTrap };
 
 void run_case(int64_t rows, int64_t max_len, int k, Fill fill, bool vary_len, std::mt19937& rng, unsigned seed) {
   const int64_t ld = max_len + int64_t(rng() % 4);  // rows start at every alignment mod 16 B
@@ -40,6 +41,9 @@ void run_case(int64_t rows, int64_t max_len, int k, Fill fill, bool vary_len, st
         // Every step raises the running threshold (worst case for the streaming filter) or never does.
         case Fill::Ascending: v = float(i) * 0.25f; break;
         case Fill::Descending: v = -float(i) * 0.25f; break;
+        // Large values exactly where the sampled threshold samples a row of 2^17 (every 128th score from
+        // the 64th): its bound L then admits fewer than k scores and the exact fallback must run.
+        case Fill::SampleTrap: v = i % 128 == 64 ? 100.0f + nd(rng) : nd(rng); break;
         // A few large values, then a huge tie that holds the k-th element.
         case Fill::KthTies: v = rng() % 997 == 0 ? 2.0f + float(rng() % 8) : (rng() % 3 ? 1.0f : -1.0f); break;
         default: {
@@ -57,10 +61,14 @@ void run_case(int64_t rows, int64_t max_len, int k, Fill fill, bool vary_len, st
   ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&dout), rows * k * 4), cudaSuccess);
   cudaMemcpy(ds, s.data(), s.size() * 4, cudaMemcpyHostToDevice);
   cudaMemcpy(dl, len.data(), rows * 4, cudaMemcpyHostToDevice);
-  // Both implementations on every case (Auto picks one of them by size).
-  for (cuda::TopkMethod method : {cuda::TopkMethod::RadixPasses, cuda::TopkMethod::StreamingFilter}) {
+  // Every implementation on every case it takes (Auto picks one of them by size).
+  for (cuda::TopkMethod method : {cuda::TopkMethod::RadixPasses, cuda::TopkMethod::StreamingFilter,
+                                  cuda::TopkMethod::SampledThreshold}) {
     if (method == cuda::TopkMethod::StreamingFilter && k > cuda::kTopkStreamingMaxK) continue;
-    const char* name = method == cuda::TopkMethod::RadixPasses ? "radix passes" : "streaming filter";
+    if (method == cuda::TopkMethod::SampledThreshold && !cuda::topk_sampled::supports(max_len)) continue;
+    const char* name = method == cuda::TopkMethod::RadixPasses       ? "radix passes"
+                       : method == cuda::TopkMethod::StreamingFilter ? "streaming filter"
+                                                                     : "sampled threshold";
     const size_t wsb = cuda::topk_workspace_bytes(rows, max_len, k, method);
     void* ws = nullptr;
     if (wsb) ASSERT_EQ(cudaMalloc(&ws, wsb), cudaSuccess);
@@ -138,6 +146,26 @@ TEST(CudaTopk, StreamingFilterEdges) {
   run_case(3, 60000, 4097, Fill::Normal, true, rng, seed);     // legacy path
   run_case(2, 100000, 5000, Fill::KthTies, false, rng, seed);  // legacy path, ties
   run_case(3, 3000, 4097, Fill::Normal, true, rng, seed);      // legacy path, shorter rows
+}
+
+// Shapes aimed at the sampled threshold: clusters of 1 to 8 CTAs per row (rows x slices), a sample that
+// misleads (the exact fallback), ties at the bound and at the k-th key, buffers that overflow, slices
+// past the end of short rows.
+TEST(CudaTopk, SampledThresholdEdges) {
+  SPARROW_REQUIRE_GPU();
+  const unsigned seed = std::random_device{}();
+  std::mt19937 rng(seed);
+  run_case(1, 131072, 2048, Fill::SampleTrap, false, rng, seed);
+  run_case(64, 131072, 2048, Fill::SampleTrap, false, rng, seed);
+  run_case(64, 131072, 2048, Fill::Normal, true, rng, seed);   // two CTAs a row
+  run_case(140, 131072, 2048, Fill::Narrow, true, rng, seed);  // one CTA a row
+  run_case(140, 140000, 2048, Fill::Normal, false, rng, seed); // two CTAs a row, more rows than SMs
+  run_case(2, 1 << 20, 2048, Fill::Specials, true, rng, seed); // eight
+  run_case(9, 262147, 1000, Fill::KthTies, true, rng, seed);
+  run_case(5, 40000, 3000, Fill::FewValues, false, rng, seed);
+  run_case(3, 50000, 5000, Fill::Normal, true, rng, seed);
+  run_case(4, 8192, 100, Fill::Descending, false, rng, seed);
+  run_case(33, 32768, 2048, Fill::AllEqual, false, rng, seed);
 }
 
 }  // namespace

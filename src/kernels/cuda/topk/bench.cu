@@ -1,11 +1,13 @@
 // bench_topk (kernel_bench.h): top-2048 of rows of 8K .. 1M fp32 scores, batch 1 .. 128, scores drawn
 // from a normal-like distribution. Bytes: the scores read once + the indices written.
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda/kernel_bench.h"
 #include "core/device/cuda_check.h"
 #include "kernels/cuda/topk/topk.h"
+#include "kernels/cuda/topk/topk_sampled.cuh"
 
 namespace sparrow::cuda {
 namespace {
@@ -49,19 +51,27 @@ void bench_topk(const KernelBenchOptions& options, std::vector<KernelBenchRow>& 
     for (int64_t b : batches) {
       fill_lengths<<<1, 128, 0, stream>>>(lengths, b, int32_t(len));
       SPARROW_CUDA_CHECK_LAUNCH();
-      const size_t wsb = topk_workspace_bytes(b, len, k);
-      void* ws = nullptr;
-      if (wsb) SPARROW_CUDA_CHECK(cudaMalloc(&ws, wsb));
-      auto launch = [&](cudaStream_t s) { topk_rows(scores, len, lengths, b, len, k, out, ws, wsb, s); };
-      KernelBenchRow row;
-      row.kernel = "topk";
-      row.shape = "rows=" + std::to_string(b) + " len=" + std::to_string(len) + " k=" + std::to_string(k);
-      row.impl = "sparrow";
-      row.median_us = median_launch_us(launch, stream, options.iterations);
-      row.bytes = double(b) * len * 4 + double(b) * k * 4;
-      row.note = "exact streaming filter + radix select, ties to the smaller index, indices ascending";
-      rows.push_back(row);
-      if (ws) SPARROW_CUDA_CHECK(cudaFree(ws));
+      // Auto ("sparrow") and each method on its own ("sparrow-<method>": a variant in kernels.md).
+      const std::pair<TopkMethod, const char*> methods[] = {{TopkMethod::Auto, "sparrow"},
+                                                            {TopkMethod::RadixPasses, "sparrow-radix"},
+                                                            {TopkMethod::StreamingFilter, "sparrow-stream"},
+                                                            {TopkMethod::SampledThreshold, "sparrow-sampled"}};
+      for (const auto& [method, impl] : methods) {
+        if (method == TopkMethod::SampledThreshold && !topk_sampled::supports(len)) continue;
+        const size_t wsb = topk_workspace_bytes(b, len, k, method);
+        void* ws = nullptr;
+        if (wsb) SPARROW_CUDA_CHECK(cudaMalloc(&ws, wsb));
+        auto launch = [&](cudaStream_t s) { topk_rows(scores, len, lengths, b, len, k, out, ws, wsb, s, method); };
+        KernelBenchRow row;
+        row.kernel = "topk";
+        row.shape = "rows=" + std::to_string(b) + " len=" + std::to_string(len) + " k=" + std::to_string(k);
+        row.impl = impl;
+        row.median_us = median_launch_us(launch, stream, options.iterations);
+        row.bytes = double(b) * len * 4 + double(b) * k * 4;
+        row.note = "exact, ties to the smaller index, indices ascending";
+        rows.push_back(row);
+        if (ws) SPARROW_CUDA_CHECK(cudaFree(ws));
+      }
     }
   SPARROW_CUDA_CHECK(cudaFree(scores));
   SPARROW_CUDA_CHECK(cudaFree(lengths));

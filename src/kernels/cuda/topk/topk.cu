@@ -19,9 +19,12 @@
 //
 // Per-row radix passes (`legacy::topk_legacy_kernel`, the first implementation): three histogram passes
 // over slices kept in shared memory, long rows split over CTAs meeting at per-row barriers under a
-// cooperative launch. It runs below 8M scores per launch (faster there: few rows, short rows) and for
-// k > kMaxK, where the buffer cannot hold k plus one step; use_streaming_filter() chooses.
+// cooperative launch. It runs below 2M scores per launch (faster there: few rows) and for k > kMaxK, where
+// the buffer cannot hold k plus one step. The third method, the sampled threshold, is topk_sampled.cu;
+// choose() below picks among the three.
 #include "kernels/cuda/topk/topk.h"
+
+#include "kernels/cuda/topk/topk_sampled.cuh"
 
 #include <algorithm>
 #include <climits>
@@ -792,23 +795,39 @@ void launch(const float* scores, int64_t ld, const int32_t* lengths, int64_t row
 
 namespace {
 
-// Which of the two exact implementations runs. Measured on the H200 (bench/results/kernels.md, k = 2048):
-// the streaming filter wins once there are >= 8M scores to read (64 x 128K: 67 vs 91 µs; 128 x 1M: 299 vs
-// 918), the per-row radix passes below that (1 x 128K: 20 vs 51 µs; 1 x 1M: 28 vs 101), where the filter's
-// split-and-merge of a few long rows costs more than it saves.
-bool use_streaming_filter(int64_t rows, int64_t max_len, int k, TopkMethod method) {
+// Which of the three exact implementations runs, from `sparrow bench kernels --filter topk` on the H200
+// (bench/results/kernels.md, 2026-12-03, k = 2048; µs for radix passes / streaming filter / sampled):
+//   rows of <= 16K scores: the streaming filter (1-128 x 8K: 17.6-18.9 against 19.2-25.9 and 22.8-32.9);
+//   fewer than 2M scores a launch: the radix passes (1 x 128K: 19.8 / 50.6 / 33.5; 8 x 128K: 26.6 / 52.0 /
+//     34.5; 1 x 1M: 27.9 / 100.8 / 53.0), where the others' fixed costs (a cluster's selection rounds, the
+//     filter's merges) outweigh what they save;
+//   2M to 16M scores: the sampled threshold (64 x 128K: 89.4 / 67.7 / 38.1; 128 x 128K: 130.3 / 71.1 / 51.4;
+//     8 x 1M: 91.8 / 94.8 / 55.9; 64 x 32K: 31.1 / 41.8 / 24.5);
+//   above: the streaming filter (64 x 1M: 464 / 190 / 273; 128 x 1M: 918 / 299 / 485), whose one CTA per row
+//     part streams with fewer fixed rounds than the sampled threshold's many waves of clusters.
+TopkMethod choose(int64_t rows, int64_t max_len, int k, TopkMethod method) {
   static_assert(stream_topk::kMaxK == kTopkStreamingMaxK);
   SPARROW_CHECK(method != TopkMethod::StreamingFilter || k <= stream_topk::kMaxK, "topk: the streaming filter takes k <= ",
                 stream_topk::kMaxK, ", got ", k);
-  if (method != TopkMethod::Auto) return method == TopkMethod::StreamingFilter;
-  return k <= stream_topk::kMaxK && rows * max_len >= (int64_t(8) << 20);
+  if (method != TopkMethod::Auto) return method;
+  const bool streaming = k <= stream_topk::kMaxK;
+  const int64_t scores = rows * max_len;
+  if (streaming && max_len <= 16384) return TopkMethod::StreamingFilter;
+  if (scores < (int64_t(2) << 20)) return TopkMethod::RadixPasses;
+  // (the sampled threshold's buffers hold about 2k candidates a row: rows of at least 16k scores)
+  if (scores <= (int64_t(16) << 20) && topk_sampled::supports(max_len) && max_len >= 16 * int64_t(k))
+    return TopkMethod::SampledThreshold;
+  return streaming ? TopkMethod::StreamingFilter : TopkMethod::RadixPasses;
 }
 
 }  // namespace
 
 size_t topk_workspace_bytes(int64_t rows, int64_t max_len, int k, TopkMethod method) {
-  return use_streaming_filter(rows, max_len, k, method) ? stream_topk::workspace_bytes(rows, max_len, k)
-                                                : legacy::workspace_bytes(rows, max_len, k);
+  switch (choose(rows, max_len, k, method)) {
+    case TopkMethod::StreamingFilter: return stream_topk::workspace_bytes(rows, max_len, k);
+    case TopkMethod::RadixPasses: return legacy::workspace_bytes(rows, max_len, k);
+    default: return 0;
+  }
 }
 
 void topk_rows(const float* scores, int64_t ld, const int32_t* lengths, int64_t rows, int64_t max_len, int k,
@@ -816,10 +835,15 @@ void topk_rows(const float* scores, int64_t ld, const int32_t* lengths, int64_t 
   SPARROW_CHECK(k > 0 && rows >= 0 && max_len >= 0 && ld >= max_len, "topk_rows: bad arguments (k ", k, ", rows ",
                 rows, ", max_len ", max_len, ", ld ", ld, ")");
   if (rows == 0) return;
-  if (use_streaming_filter(rows, max_len, k, method))
-    stream_topk::launch(scores, ld, lengths, rows, max_len, k, out, workspace, workspace_bytes, stream);
-  else
-    legacy::launch(scores, ld, lengths, rows, max_len, k, out, workspace, workspace_bytes, stream);
+  switch (choose(rows, max_len, k, method)) {
+    case TopkMethod::StreamingFilter:
+      stream_topk::launch(scores, ld, lengths, rows, max_len, k, out, workspace, workspace_bytes, stream);
+      break;
+    case TopkMethod::SampledThreshold:
+      topk_sampled::launch(scores, ld, lengths, rows, max_len, k, out, stream);
+      break;
+    default: legacy::launch(scores, ld, lengths, rows, max_len, k, out, workspace, workspace_bytes, stream);
+  }
 }
 
 }  // namespace sparrow::cuda

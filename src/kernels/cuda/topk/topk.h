@@ -10,9 +10,9 @@
 
 namespace sparrow::cuda {
 
-// Two exact implementations (topk.cu says how each works); Auto picks the faster for the size, and
-// tests run both on every case.
-enum class TopkMethod { Auto, RadixPasses, StreamingFilter };
+// Three exact implementations (topk.cu and topk_sampled.cu say how each works); Auto picks the fastest
+// for the size, and tests run each on every case. SampledThreshold takes rows of up to 1M scores.
+enum class TopkMethod { Auto, RadixPasses, StreamingFilter, SampledThreshold };
 inline constexpr int kTopkStreamingMaxK = 4096;  // StreamingFilter takes k up to this
 
 // Device scratch the launch needs for rows x max_len (0 when every row fits one CTA).
