@@ -16,23 +16,15 @@
 #include <nlohmann/json.hpp>
 
 #include "formats/safetensors.h"
+#include "test_util.h"
 
 namespace fs = std::filesystem;
 using namespace sparrow;
 
 namespace {
 
-struct CommandResult {
-  int status = -1;  // exit status, or -1 when killed by a signal
-  std::string out, err;
-};
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using CommandResult = sparrow::testing::CliRun;
+using sparrow::testing::slurp;
 
 fs::path scratch_dir() {
   fs::path dir = fs::temp_directory_path() / ("sparrow_cli_test_" + std::to_string(::getpid()));
@@ -41,17 +33,7 @@ fs::path scratch_dir() {
 }
 
 // `within_s` > 0: killed after that many seconds (a server that should have refused to start).
-CommandResult run(const std::string& args, int within_s = 0) {
-  fs::path dir = scratch_dir();
-  std::string cmd = (within_s > 0 ? "timeout " + std::to_string(within_s) + " " : std::string()) + SPARROW_BINARY +
-                    " " + args + " >" + (dir / "out").string() + " 2>" + (dir / "err").string();
-  int rc = std::system(cmd.c_str());
-  CommandResult r;
-  r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-  r.out = slurp(dir / "out");
-  r.err = slurp(dir / "err");
-  return r;
-}
+CommandResult run(const std::string& args, int within_s = 0) { return sparrow::testing::run_sparrow(args, "", within_s); }
 
 const fs::path kFixture = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/deepseek_v32";
 

@@ -21,16 +21,8 @@ const fs::path kSource = SPARROW_SOURCE_DIR;
 
 // `sparrow ARGS`: exit status and stdout (stderr appended to the message on failure).
 std::pair<int, std::string> run(const std::string& args) {
-  sparrow::testing::TempDir dir;
-  const std::string command =
-      std::string(SPARROW_BINARY) + " " + args + " >" + dir.file("out") + " 2>" + dir.file("err");
-  const int rc = std::system(command.c_str());
-  std::string text;
-  for (const char* name : {"out", "err"}) {  // (streaming an empty rdbuf would fail the stream)
-    std::ifstream in(dir.file(name), std::ios::binary);
-    text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  }
-  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, text};
+  const sparrow::testing::CliRun r = sparrow::testing::run_sparrow(args);
+  return {r.status, r.out + r.err};
 }
 
 std::vector<nlohmann::json> json_lines(const std::string& text) {

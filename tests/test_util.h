@@ -3,11 +3,13 @@
 #pragma once
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/wait.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
+#include <iterator>
 #include <memory>
 #include <string>
 
@@ -93,5 +95,29 @@ class FailingModel : public Model {
   std::unique_ptr<Model> inner_;
   int32_t poison_;
 };
+
+// A file's bytes ("" when it cannot be read).
+inline std::string slurp(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// `sparrow ARGS` (the binary under test) from a fresh scratch directory, so that nothing is found relative
+// to the current one (the bundled models must be found from the executable); `input` on its stdin; killed
+// after `within_s` seconds when positive (a server that should have refused to start).
+struct CliRun {
+  int status = -1;  // the exit status; -1 when killed by a signal
+  std::string out, err;
+};
+inline CliRun run_sparrow(const std::string& args, const std::string& input = "", int within_s = 0) {
+  TempDir dir;
+  const std::string stdin_path = dir.write("stdin", input);
+  const std::string command = "cd " + dir.path() + " && " +
+                              (within_s > 0 ? "timeout " + std::to_string(within_s) + " " : std::string()) +
+                              SPARROW_BINARY + " " + args + " <" + stdin_path + " >" + dir.file("out") + " 2>" +
+                              dir.file("err");
+  const int rc = std::system(command.c_str());
+  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, slurp(dir.file("out")), slurp(dir.file("err"))};
+}
 
 }  // namespace sparrow::testing

@@ -24,31 +24,13 @@ namespace {
 const fs::path kSource = SPARROW_SOURCE_DIR;
 const fs::path kPerplexityData = kSource / "tests/data/perplexity";
 
-struct CommandResult {
-  int status = -1;  // exit status, or -1 when killed by a signal
-  std::string out, err;
-};
-
-std::string slurp(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
+using CommandResult = sparrow::testing::CliRun;
+using sparrow::testing::slurp;
 
 // Runs `sparrow ARGS` with `input` on its stdin, from a scratch directory (so that the bundled model
 // must be found from the executable, not the current directory).
 CommandResult run(const std::string& args, const std::string& input = "") {
-  sparrow::testing::TempDir dir;
-  const std::string stdin_path = dir.write("stdin", input);
-  const std::string command = "cd " + dir.path() + " && " + SPARROW_BINARY + " " + args + " <" + stdin_path + " >" +
-                              dir.file("out") + " 2>" + dir.file("err");
-  const int rc = std::system(command.c_str());
-  CommandResult result;
-  result.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-  result.out = slurp(dir.file("out"));
-  result.err = slurp(dir.file("err"));
-  return result;
+  return sparrow::testing::run_sparrow(args, input);
 }
 
 // The OpenAI tools list of the calculator the bundled models were trained to call.

@@ -28,6 +28,7 @@
 #include "formats/safetensors.h"
 #include "gpu_test_util.h"
 #include "model_test_util.h"
+#include "../test_util.h"
 
 namespace fs = std::filesystem;
 using namespace sparrow;
@@ -36,24 +37,10 @@ namespace {
 
 constexpr double kBf16Tolerance = 4e-2;  // tests/cuda/minimax_m3_gpu_test.cpp's
 
-struct CommandRun {
-  int status = -1;
-  std::string out, err;
-};
+using CommandRun = sparrow::testing::CliRun;
+using sparrow::testing::slurp;
 
-std::string slurp(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-CommandRun sparrow_run(const std::string& args, const fs::path& scratch) {
-  const std::string command = std::string(SPARROW_BINARY) + " " + args + " >" + (scratch / "out").string() + " 2>" +
-                              (scratch / "err").string();
-  const int rc = std::system(command.c_str());
-  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, slurp(scratch / "out"), slurp(scratch / "err")};
-}
+CommandRun sparrow_run(const std::string& args) { return sparrow::testing::run_sparrow(args); }
 
 Tensor logits_of(const fs::path& file, size_t prompt) {
   auto st = SafetensorsFile::open(file.string());
@@ -97,10 +84,10 @@ TEST_P(TensorParallelGpu, TwoRanksMatchOne) {
   const std::string common = "--model " + dir.string() + " --device cuda --prompt-ids " + (dir / "prompts.json").string();
 
   // Prefill: every position's logits.
-  const CommandRun one = sparrow_run("score " + common + " --out " + (scratch / "tp1.safetensors").string(), scratch);
+  const CommandRun one = sparrow_run("score " + common + " --out " + (scratch / "tp1.safetensors").string());
   ASSERT_EQ(one.status, 0) << one.err;
   const CommandRun two =
-      sparrow_run("score " + common + sharding + " --out " + (scratch / "tp2.safetensors").string(), scratch);
+      sparrow_run("score " + common + sharding + " --out " + (scratch / "tp2.safetensors").string());
   ASSERT_EQ(two.status, 0) << two.err;
   const nlohmann::json prompts = nlohmann::json::parse(slurp(dir / "prompts.json"))["prompts"];
   for (size_t i = 0; i < prompts.size(); ++i) {
@@ -113,9 +100,9 @@ TEST_P(TensorParallelGpu, TwoRanksMatchOne) {
 
   // Decode: greedy continuations through the engine's loop.
   const std::string gen = "generate " + common + " --max-tokens 12 --temperature 0 --ignore-eos";
-  const CommandRun gen_one = sparrow_run(gen, scratch);
+  const CommandRun gen_one = sparrow_run(gen);
   ASSERT_EQ(gen_one.status, 0) << gen_one.err;
-  const CommandRun gen_two = sparrow_run(gen + sharding, scratch);
+  const CommandRun gen_two = sparrow_run(gen + sharding);
   ASSERT_EQ(gen_two.status, 0) << gen_two.err;
   const auto a = nlohmann::json::parse(gen_one.out)["completions"], b = nlohmann::json::parse(gen_two.out)["completions"];
   ASSERT_EQ(a.size(), b.size());
@@ -131,8 +118,7 @@ TEST_P(TensorParallelGpu, TwoRanksMatchOne) {
   std::ofstream(scratch / "extended.json") << extended.dump();
   const CommandRun check = sparrow_run("score --model " + dir.string() + " --device cuda --prompt-ids " +
                                            (scratch / "extended.json").string() + " --out " +
-                                           (scratch / "check.safetensors").string(),
-                                       scratch);
+                                           (scratch / "check.safetensors").string());
   ASSERT_EQ(check.status, 0) << check.err;
   int equal = 0, total = 0;
   for (size_t i = 0; i < b.size(); ++i) {
