@@ -50,6 +50,19 @@ def run_streaming(client, request, results: dict, index: int):
     results[index] = ("done", tokens, finish)
 
 
+def differences_from_solo(results: dict[int, tuple], alone: list[list[int]]) -> list[tuple]:
+    """The streams whose tokens are not their solo run's: all of them for a finished stream (which must have
+    stopped or hit its length), a prefix of them for a cancelled one."""
+    mismatches = []
+    for i, (state, tokens, finish) in sorted(results.items()):
+        if state == "done":
+            if tokens != alone[i] or finish not in ("stop", "length"):
+                mismatches.append((i, tokens, alone[i], finish))
+        elif tokens != alone[i][:len(tokens)]:
+            mismatches.append((i, tokens, alone[i], "cancelled"))
+    return mismatches
+
+
 # Every family, the hybrid ones (KDA recurrent state slots and prefix-cache snapshots) included. The
 # budgets leave 10 block rows of 64 tokens: 16 sequences of ~2 blocks each cannot fit at once, so the
 # scheduler must preempt however the requests happen to interleave.
@@ -73,14 +86,7 @@ def test_concurrent_streams_match_solo_runs_and_free_every_block(start_server, t
         t.join(180)
     assert len(results) == REQUESTS, "some requests did not finish"
 
-    mismatches = []
-    for i, (state, tokens, finish) in sorted(results.items()):
-        if state == "done":
-            if tokens != alone[i] or finish not in ("stop", "length"):
-                mismatches.append((i, len(requests[i]["prompt"]), tokens, alone[i], finish))
-        else:  # a cancelled request saw a prefix of its solo output
-            if tokens != alone[i][:len(tokens)]:
-                mismatches.append((i, len(requests[i]["prompt"]), tokens, alone[i], "cancelled"))
+    mismatches = differences_from_solo(results, alone)
     assert not mismatches, f"{len(mismatches)} requests differ from their solo runs: {mismatches[:3]}"
     assert sum(state == "cancelled" for state, _, _ in results.values()) >= 8
 

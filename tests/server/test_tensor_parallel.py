@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from sparrow_server import SparrowServer, wait_until
-from test_concurrency import KV_CACHE_MEMORY, MAX_MODEL_LEN, make_requests, run_alone, run_streaming
+from test_concurrency import (KV_CACHE_MEMORY, MAX_MODEL_LEN, differences_from_solo, make_requests, run_alone,
+                              run_streaming)
 
 REQUESTS = 64  # as many as the concurrency test: enough to make the squeezed cache preempt
 
@@ -72,11 +73,7 @@ def test_two_ranks_serve_what_one_process_serves(start_server, test_model, famil
     for t in threads:
         t.join(300)
     assert len(results) == REQUESTS, "some requests did not finish"
-    mismatches = []
-    for i, (state, tokens, _) in sorted(results.items()):
-        want = expected[i] if state == "done" else expected[i][:len(tokens)]
-        if tokens != want:
-            mismatches.append((i, state, tokens, want))
+    mismatches = differences_from_solo(results, expected)
     assert not mismatches, f"{len(mismatches)} requests differ from the single-process server: {mismatches[:3]}"
     # The same prompts again: prefix-cache hits on rank 0 must find the same cached rows on the worker.
     again = [run_alone(client, r) for r in requests[:4]]
