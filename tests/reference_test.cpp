@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "cuda/model_test_util.h"  // device-free: row errors, argmax
 #include "formats/safetensors.h"
 #include "model/model.h"
 #include "test_util.h"
@@ -91,23 +92,8 @@ Fixture read_fixture(const fs::path& dir) {
   return f;
 }
 
-// ||ours - ref|| / ||ref|| over one row, in double.
-double relative_l2(const float* ours, const float* ref, int64_t n) {
-  double diff = 0, norm = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    diff += (double(ours[i]) - ref[i]) * (double(ours[i]) - ref[i]);
-    norm += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(diff / std::max(norm, 1e-300));
-}
-
-// Greedy choice: the largest logit, ties to the smaller id.
-int32_t argmax(const float* row, int64_t n) {
-  int64_t best = 0;
-  for (int64_t i = 1; i < n; ++i)
-    if (row[i] > row[best]) best = i;
-  return int32_t(best);
-}
+using model_test::argmax;       // the largest logit, ties to the smaller id
+using model_test::relative_l2;  // ||ours - ref|| / ||ref|| over one row, in double
 
 // Passes when every row of `ours` is within `tolerance` (relative L2) of the same row of `ref`;
 // otherwise names the worst position, its error and both argmaxes.
