@@ -363,6 +363,7 @@ std::unique_ptr<Communicator> connect_gloo(const GroupOptions& options,
   } catch (const std::exception& e) {  // the store's errors, gloo's, and the system's
     fail("rank ", options.rank, ": connecting group '", options.prefix, "' of ", options.size, " failed: ", e.what());
   }
+  if (options.collective_timeout.count() > 0) context->setTimeout(options.collective_timeout);
   return std::make_unique<GlooCommunicator>(std::move(store), std::move(context));
 }
 

@@ -21,6 +21,9 @@ struct GroupOptions {
   int master_port = 0;
   // How long connecting waits for the other ranks, and each collective for its peers.
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  // Once connected, how long a collective waits instead (0: `timeout`): the step plans' group waits as long
+  // as its server stays idle (a peer that dies still fails it at once: its connections close).
+  std::chrono::milliseconds collective_timeout{0};
   // The group's namespace in the store: several groups can share one store, each under its own prefix,
   // and a prefix names one group once.
   std::string prefix = "world";

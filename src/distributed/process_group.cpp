@@ -22,7 +22,19 @@ namespace sparrow {
 namespace {
 
 constexpr int kDefaultPort = 29500;  // torchrun's
-constexpr auto kTimeout = std::chrono::seconds(300);
+// How long ranks wait for each other when meeting and inside a step: SPARROW_DISTRIBUTED_TIMEOUT_S, else 300 s.
+std::chrono::milliseconds distributed_timeout() {
+  if (const char* env = std::getenv("SPARROW_DISTRIBUTED_TIMEOUT_S")) {
+    char* end = nullptr;
+    const double seconds = std::strtod(env, &end);
+    SPARROW_CHECK(end != env && *end == '\0' && seconds > 0, "SPARROW_DISTRIBUTED_TIMEOUT_S=", env,
+                  ": not a positive number of seconds");
+    return std::chrono::milliseconds(int64_t(seconds * 1000));
+  }
+  return std::chrono::seconds(300);
+}
+// A worker waits for its next step plan for as long as rank 0 has nothing to run (an idle server): ten years.
+constexpr auto kIdleWait = std::chrono::hours(24 * 3650);
 
 std::string exit_description(int status) {
   if (WIFEXITED(status)) return cat("exited with status ", WEXITSTATUS(status));
@@ -77,7 +89,7 @@ std::unique_ptr<ProcessGroup> ProcessGroup::start(const ParallelConfig& config, 
   // process starts itself takes a free port unless one was given.
   const bool serve = group->rank_ == 0;
   group->store_ = std::make_shared<TcpStore>(serve && remote_ranks ? "0.0.0.0" : addr, port, serve,
-                                             std::chrono::duration_cast<std::chrono::milliseconds>(kTimeout));
+                                             distributed_timeout());
   port = group->store_->port();
   if (!launched) group->spawn_workers(argv, addr, port, local_size);
 
@@ -86,11 +98,12 @@ std::unique_ptr<ProcessGroup> ProcessGroup::start(const ParallelConfig& config, 
   options.size = group->size_;
   options.master_addr = addr;
   options.master_port = port;
-  options.timeout = kTimeout;
+  options.timeout = distributed_timeout();
   options.prefix = "model";
   group->model_ = config.device_collectives ? connect_nccl(group->rank_, group->size_, group->store_, "model")
                                             : connect_gloo(options, group->store_);
   options.prefix = "plans";
+  options.collective_timeout = kIdleWait;
   group->plans_ = connect_gloo(options, group->store_);
   return group;
 }

@@ -236,3 +236,22 @@ def test_node_flags_that_do_not_fit_are_refused(sparrow_binary, test_model, flag
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 1, run.stderr
     assert message in run.stderr, run.stderr
+
+
+def test_an_idle_server_outlives_the_collective_timeout(sparrow_binary, test_model, monkeypatch):
+    """A worker waits for its next step plan as long as the server is idle: only a step's collectives time out
+    (SPARROW_DISTRIBUTED_TIMEOUT_S, here 2 s instead of 300)."""
+    monkeypatch.setenv("SPARROW_DISTRIBUTED_TIMEOUT_S", "2")
+    model = test_model("kimi_linear")
+    server = SparrowServer(sparrow_binary, model, "--kv-cache-memory", "64MiB", "--max-model-len", "256",
+                           "--tensor-parallel-size", "2")
+    request = make_requests(seed=5)[0]
+    try:
+        first = run_alone(server.client(timeout=60), request)
+        time.sleep(5)  # idle for longer than the timeout
+        assert server.process.poll() is None, server.output()
+        assert run_alone(server.client(timeout=60), request) == first
+        assert server.stop() == 0, server.output()
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
