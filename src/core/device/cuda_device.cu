@@ -18,6 +18,7 @@
 //     anyone else. They are shared by all graphs (vLLM shares one graph pool the same way): graphs run
 //     one at a time on the one stream, and none keeps data in its scratch from one replay to the next.
 #include "core/device/device.h"
+#include "core/device/sm_count.h"
 #include "core/device/stream.h"
 
 #include <algorithm>
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "core/device/cuda_check.h"
+#include "core/device/sm_count.h"
 
 namespace sparrow::device {
 
@@ -272,6 +274,16 @@ cudaStream_t stream() {
     return created;
   }();
   return s;
+}
+
+int sm_count() {
+  static const int count = [] {
+    int device = 0, sms = 0;
+    SPARROW_CUDA_CHECK(cudaGetDevice(&device));
+    SPARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return std::max(sms, 1);
+  }();
+  return count;
 }
 
 }  // namespace sparrow::cuda

@@ -31,6 +31,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/device/sm_count.h"
 #include "kernels/cuda/paged.cuh"
 #include "core/device/cuda_check.h"
 
@@ -422,12 +423,7 @@ void dsa_index_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows,
   SPARROW_CHECK(ld >= max_visible && ld % 2 == 0, "dsa_index_scores: ld ", ld, " must be even and >= max_visible ",
                 max_visible);
   if (rows <= 0 || max_visible <= 0) return;
-  static int sms = 0;
-  if (sms == 0) {
-    int dev = 0;
-    SPARROW_CUDA_CHECK(cudaGetDevice(&dev));
-    SPARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  }
+  const int sms = sm_count();
   const bool fp4 = format != PageFormat::Fp8IndexKey;
   SPARROW_CHECK(!(kernel == DsaScoreKernel::Tiles && format == PageFormat::Nvfp4Rows),
                 "dsa_index_scores: the tiled kernel reads fp8 and mxfp4 keys; nvfp4 keys take the wgmma kernel");

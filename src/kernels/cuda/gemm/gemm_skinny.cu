@@ -26,6 +26,7 @@
 #include "core/error.h"
 #include "kernels/cuda/gemm/skinny.cuh"
 #include "core/device/cuda_check.h"
+#include "core/device/sm_count.h"
 #include "core/device/device.h"
 #include "core/device/stream.h"
 
@@ -95,15 +96,6 @@ __global__ void reduce_kernel(const float* partial, int splits, int m, int64_t n
   }
 }
 
-int sm_count() {
-  static const int count = [] {
-    int device = 0, v = 0;
-    SPARROW_CUDA_CHECK(cudaGetDevice(&device));
-    SPARROW_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
-    return std::max(v, 1);
-  }();
-  return count;
-}
 
 constexpr int kWarpsPerSmTarget = 16;  // FP8's register-limited residency; ~64 KB of loads in flight per SM
 

@@ -59,6 +59,7 @@
 #include "kernels/cuda/kda/kda.h"
 #include "kernels/cuda/ptx.cuh"
 #include "core/device/cuda_check.h"
+#include "core/device/sm_count.h"
 
 namespace sparrow::cuda {
 
@@ -842,9 +843,7 @@ int scan_blocks_per_sm() {
 template <int D>
 void launch_scan_for(float* out, int heads, const KdaSequences& seqs, int64_t state_offset, const Workspace& ws,
                      cudaStream_t stream) {
-  int device = 0, sms = 132;
-  SPARROW_CUDA_CHECK(cudaGetDevice(&device));
-  SPARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = sm_count();
   const int64_t pairs = int64_t(seqs.num_seqs) * heads;
   struct Option {
     int vt;

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "kernels/cuda/kda/kda.h"
 #include "core/device/cuda_check.h"
+#include "core/device/sm_count.h"
 
 namespace sparrow::cuda {
 
@@ -508,9 +509,7 @@ void kda_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_
   }
   // Value slices of 32 columns; when the (sequence, head) pairs alone leave most of the 132 SMs idle,
   // slices of 16 (twice the blocks, half the state per thread: a shorter per-token chain).
-  int device = 0, sms = 132;
-  SPARROW_CUDA_CHECK(cudaGetDevice(&device));
-  SPARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = sm_count();
   const bool narrow = int64_t(num_seqs) * heads * (head_dim / 32) < 2 * sms;
 #define SPARROW_KDA_DELTA(D, VS, W, TT)                                                                       \
   launch_delta_rule<D, VS, W, TT>(q, k, v, qkv_stride, log_decay, beta, out, heads, normalize_qk, seqs, \

@@ -2,6 +2,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/mla/attention_kernel.cuh"
+#include "core/device/sm_count.h"
 
 namespace sparrow::cuda::mla_detail {
 
@@ -31,13 +32,6 @@ __global__ void __launch_bounds__(128) mla_combine_kernel(const float* ws_o, con
   dst[0] = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
   dst[1] = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
   if (lse && threadIdx.x == 0) lse[rh] = total > 0.f ? m + logf(total) : -INFINITY;
-}
-
-static int sm_count() {
-  int device = 0, sms = 0;
-  SPARROW_CUDA_CHECK(cudaGetDevice(&device));
-  SPARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
 }
 
 AttnPlan plan_mla_attention(int64_t rows, int heads, int64_t max_keys) {

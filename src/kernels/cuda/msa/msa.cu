@@ -53,6 +53,7 @@
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/quant/fp4.cuh"
 #include "core/device/cuda_check.h"
+#include "core/device/sm_count.h"
 
 namespace sparrow::cuda {
 namespace {
@@ -79,16 +80,6 @@ __host__ __device__ constexpr bool is_fp4(PageFormat f) {
 }
 __host__ __device__ constexpr int fp4_block(PageFormat f) {
   return f == PageFormat::Nvfp4Rows ? quant::kNvfp4Block : quant::kMxfp4Block;
-}
-
-int sm_count() {
-  static int sms = 0;
-  if (sms == 0) {
-    int dev = 0;
-    SPARROW_CUDA_CHECK(cudaGetDevice(&dev));
-    SPARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  }
-  return sms;
 }
 
 // ---------------------------------------------------------------------------------------------------

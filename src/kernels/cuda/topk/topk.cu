@@ -31,19 +31,10 @@
 
 #include "core/error.h"
 #include "core/device/cuda_check.h"
+#include "core/device/sm_count.h"
 
 namespace sparrow::cuda {
 namespace {
-
-int sm_count() {
-  static int sms = 0;
-  if (sms == 0) {
-    int dev = 0;
-    SPARROW_CUDA_CHECK(cudaGetDevice(&dev));
-    SPARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  }
-  return sms;
-}
 
 // ---------------------------------------------------------------------------------------------------
 // legacy: the first radix-select implementation (TopkMethod::RadixPasses).

@@ -28,6 +28,7 @@
 #include <cmath>
 
 #include "core/device/cuda_check.h"
+#include "core/device/sm_count.h"
 #include "core/error.h"
 
 namespace sparrow::cuda::topk_sampled {
@@ -363,16 +364,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_sampled_kernel(Params p) {
     }
   }
   cluster.sync();  // the other CTAs have read this one's counts
-}
-
-int sm_count() {
-  static int sms = 0;
-  if (sms == 0) {
-    int dev = 0;
-    SPARROW_CUDA_CHECK(cudaGetDevice(&dev));
-    SPARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  }
-  return sms;
 }
 
 int floor_pow2(int64_t v) {
