@@ -50,6 +50,18 @@ def run_streaming(client, request, results: dict, index: int):
     results[index] = ("done", tokens, finish)
 
 
+def stream_all(client, requests: list[dict], join_s: float) -> dict[int, tuple]:
+    """Every request streamed at once, a thread each (run_streaming); the results of those that finished
+    within join_s of their turn to be waited for."""
+    results: dict[int, tuple] = {}
+    threads = [threading.Thread(target=run_streaming, args=(client, r, results, i)) for i, r in enumerate(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
+    return results
+
+
 def differences_from_solo(results: dict[int, tuple], alone: list[list[int]]) -> list[tuple]:
     """The streams whose tokens are not their solo run's: all of them for a finished stream (which must have
     stopped or hit its length), a prefix of them for a cancelled one."""
@@ -78,12 +90,7 @@ def test_concurrent_streams_match_solo_runs_and_free_every_block(start_server, t
     requests = make_requests()
     alone = [run_alone(client, r) for r in requests]
 
-    results: dict[int, tuple] = {}
-    threads = [threading.Thread(target=run_streaming, args=(client, r, results, i)) for i, r in enumerate(requests)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
+    results = stream_all(client, requests, join_s=180)
     assert len(results) == REQUESTS, "some requests did not finish"
 
     mismatches = differences_from_solo(results, alone)

@@ -14,7 +14,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 
 from sparrow_server import SparrowServer, wait_until
 from test_concurrency import (KV_CACHE_MEMORY, MAX_MODEL_LEN, differences_from_solo, make_requests, run_alone,
-                              run_streaming)
+                              stream_all)
 
 REQUESTS = 64  # as many as the concurrency test: enough to make the squeezed cache preempt
 
@@ -66,12 +65,7 @@ def test_two_ranks_serve_what_one_process_serves(start_server, test_model, famil
     assert sharded.metrics()["sparrow:kv_cache_blocks_total"] == blocks
     assert len(children(sharded.process.pid)) == 1, "rank 0 should have started one worker"
     client = sharded.client(timeout=180)
-    results: dict[int, tuple] = {}
-    threads = [threading.Thread(target=run_streaming, args=(client, r, results, i)) for i, r in enumerate(requests)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    results = stream_all(client, requests, join_s=300)
     assert len(results) == REQUESTS, "some requests did not finish"
     mismatches = differences_from_solo(results, expected)
     assert not mismatches, f"{len(mismatches)} requests differ from the single-process server: {mismatches[:3]}"
