@@ -247,7 +247,7 @@ struct GpuResult {
 };
 GpuResult run_gpu(const TestCache& cache, const Shape& c, const std::vector<uint16_t>& q_bits,
                   const std::vector<int>& row_seq, const std::vector<int>& row_len, const std::vector<int32_t>& indices,
-                  float scale) {
+                  float scale, MlaKernel kernel = MlaKernel::Auto) {
   const int64_t rows = int64_t(row_seq.size());
   test::DeviceArray<uint8_t> d_pool(cache.pool);
   test::DeviceArray<int64_t> d_pages(cache.page_offsets);
@@ -266,7 +266,7 @@ GpuResult run_gpu(const TestCache& cache, const Shape& c, const std::vector<uint
   d_ws.poison();
   if (c.sparse)
     mla_sparse_attention(pc, d_q.ptr, d_seq.ptr, d_idx.ptr, rows, c.heads, c.topk, scale, d_out.ptr, d_lse.ptr,
-                         d_ws.ptr, result.workspace, nullptr);
+                         d_ws.ptr, result.workspace, nullptr, kernel);
   else
     mla_dense_attention(pc, d_q.ptr, d_seq.ptr, d_len.ptr, rows, c.heads, max_len, scale, d_out.ptr, d_lse.ptr,
                         d_ws.ptr, result.workspace, nullptr);
@@ -310,6 +310,15 @@ void make_rows(const Shape& c, std::mt19937_64& rng, std::vector<int>& row_seq, 
   }
 }
 
+// Sparse attention has two kernels (Auto picks one by the head count): every sparse case runs both.
+std::vector<MlaKernel> sparse_kernels(const Shape& c) {
+  if (!c.sparse) return {MlaKernel::Auto};
+  return {MlaKernel::Wgmma, MlaKernel::MmaSync};
+}
+std::string kernel_name(MlaKernel kernel) {
+  return kernel == MlaKernel::MmaSync ? " [mma.sync kernel]" : kernel == MlaKernel::Wgmma ? " [wgmma kernel]" : "";
+}
+
 void run_case(const Shape& c, PageFormat format, std::mt19937_64& rng) {
   const int64_t rows = int64_t(c.lens.size()) * c.q_per_seq;
   const std::string what = describe(c, format);
@@ -325,7 +334,6 @@ void run_case(const Shape& c, PageFormat format, std::mt19937_64& rng) {
     q[i] = bf16_to_float(q_bits[i]);
   }
   const float scale = 1.0f / std::sqrt(192.0f);
-  const GpuResult got = run_gpu(cache, c, q_bits, row_seq, row_len, indices, scale);
   const Reference ref = reference(cache, q, row_seq, c.heads, scale, [&](int64_t r) {
     std::vector<int> ks;
     if (c.sparse) {
@@ -336,8 +344,11 @@ void run_case(const Shape& c, PageFormat format, std::mt19937_64& rng) {
     }
     return ks;
   });
-  expect_close(ref, got.out, got.lse, rows, c.heads, tolerance(format),
-               what + " (ws " + std::to_string(got.workspace) + " B)");
+  for (const MlaKernel kernel : sparse_kernels(c)) {
+    const GpuResult got = run_gpu(cache, c, q_bits, row_seq, row_len, indices, scale, kernel);
+    expect_close(ref, got.out, got.lse, rows, c.heads, tolerance(format),
+                 what + kernel_name(kernel) + " (ws " + std::to_string(got.workspace) + " B)");
+  }
 }
 
 std::vector<int> random_lens(std::mt19937_64& rng, int n, int lo, int hi) {
@@ -422,25 +433,27 @@ TEST(CudaMlaAttention, OneKeyReadsTheDecodedRowExactly) {
       std::vector<uint16_t> q_bits(size_t(rows * c.heads * kMlaRow), 0);
       for (int64_t r = 0; r < rows; ++r)
         for (int h = 0; h < c.heads; ++h) q_bits[(r * c.heads + h) * kMlaRow + kMlaLatent + h % kMlaRope] = 0x3f80;
-      const GpuResult got = run_gpu(cache, c, q_bits, row_seq, row_len, indices, scale);
-      int bad = 0;
-      for (int64_t r = 0; r < rows && bad < 5; ++r) {
-        const float* v = cache.values[row_seq[r]].data() + size_t(key[r]) * kMlaRow;
-        for (int h = 0; h < c.heads && bad < 5; ++h) {
-          const int64_t rh = r * c.heads + h;
-          for (int k = 0; k < kMlaLatent; ++k) {
-            const float want = bf16_to_float(float_to_bf16(v[k])), have = bf16_to_float(got.out[rh * kMlaLatent + k]);
-            if (!(have == want) && bad++ < 5)  // == : the kernel's fp32 accumulation turns -0 into +0
-              ADD_FAILURE() << what << ": row " << r << " head " << h << " key " << key[r] << " value " << k
-                            << ": gpu " << have << " want " << want << " (decoded " << v[k] << ")";
+      for (const MlaKernel kernel : sparse_kernels(c)) {
+        const GpuResult got = run_gpu(cache, c, q_bits, row_seq, row_len, indices, scale, kernel);
+        int bad = 0;
+        for (int64_t r = 0; r < rows && bad < 5; ++r) {
+          const float* v = cache.values[row_seq[r]].data() + size_t(key[r]) * kMlaRow;
+          for (int h = 0; h < c.heads && bad < 5; ++h) {
+            const int64_t rh = r * c.heads + h;
+            for (int k = 0; k < kMlaLatent; ++k) {
+              const float want = bf16_to_float(float_to_bf16(v[k])), have = bf16_to_float(got.out[rh * kMlaLatent + k]);
+              if (!(have == want) && bad++ < 5)  // == : the kernel's fp32 accumulation turns -0 into +0
+                ADD_FAILURE() << what << ": row " << r << " head " << h << " key " << key[r] << " value " << k
+                              << ": gpu " << have << " want " << want << " (decoded " << v[k] << ")";
+            }
+            const double logit = double(v[kMlaLatent + h % kMlaRope]) * scale;
+            if (!(std::fabs(got.lse[rh] - logit) <= 1e-5 * std::fabs(logit) + 1e-30) && bad++ < 5)
+              ADD_FAILURE() << what << ": row " << r << " head " << h << " lse " << got.lse[rh] << " want " << logit
+                            << " (rope value " << v[kMlaLatent + h % kMlaRope] << ")";
           }
-          const double logit = double(v[kMlaLatent + h % kMlaRope]) * scale;
-          if (!(std::fabs(got.lse[rh] - logit) <= 1e-5 * std::fabs(logit) + 1e-30) && bad++ < 5)
-            ADD_FAILURE() << what << ": row " << r << " head " << h << " lse " << got.lse[rh] << " want " << logit
-                          << " (rope value " << v[kMlaLatent + h % kMlaRope] << ")";
         }
+        EXPECT_EQ(bad, 0) << what << kernel_name(kernel);
       }
-      EXPECT_EQ(bad, 0) << what;
     }
   }
 }

@@ -1,12 +1,13 @@
 // Hopper's warpgroup matrix products (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"):
 // D[64 x N] (+)= A[64 x K] · B[N x K]ᵀ by the 128 threads of a warpgroup, each holding R = N / 2 fp32
 // accumulators d[R] in the ISA's fragment layout. Written once for the kernels that use them (the DSA
-// indexer's FP8 and FP4 decode scores, the MoE prefill kernel); the group discipline (fence, commit, wait)
+// indexer's FP8 and FP4 decode scores, the MoE prefill kernel, sparse MLA); the group discipline (fence, commit, wait)
 // is in ptx.cuh. Device code only: include from .cu files.
 //   ss_*: A and B in shared memory, given by descriptors (sw128_descriptor);
 //   rs_*: A in 4 registers per thread (the A fragment of a k step), B in shared memory;
 //   e4m3 products are m64nNk32 (K-major operands only); f16 / bf16 ones m64nNk16, K-major (the transpose
-//   immediates 0). `accumulate` 0 writes D = A·Bᵀ, 1 adds to it. Specialised for the widths in use:
+//   immediates 0), except ss_bf16_bn, whose B is N-major (sw128_descriptor_mn). `accumulate` 0 writes
+//   D = A·Bᵀ, 1 adds to it. Specialised for the widths in use:
 //   wgmma::ss_e4m3<64>(acc, sw128_descriptor(a), sw128_descriptor(b), k > 0).
 #pragma once
 #include <cstdint>
@@ -19,9 +20,18 @@ namespace sparrow::cuda::wgmma {
 // 128-byte swizzle, rows of 128 bytes: start address >> 4, leading byte offset 1 (unused when a row is one
 // swizzle atom wide), stride byte offset 1024 (8-row core groups), swizzle mode 1 (128 bytes) in bits 62-63.
 // A k step starts 32 bytes further along the rows (k32 of 8-bit, k16 of 16-bit values).
-__device__ __forceinline__ uint64_t sw128_descriptor(const void* p) {
-  const uint32_t addr = ptx::smem_u32(p);
+__device__ __forceinline__ uint64_t sw128_descriptor_u32(uint32_t addr) {
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+__device__ __forceinline__ uint64_t sw128_descriptor(const void* p) { return sw128_descriptor_u32(ptx::smem_u32(p)); }
+
+// The same for an operand stored MN-major (the transposed B of ss_bf16_bn): each swizzled 128-byte row holds
+// 64 consecutive N values of one k, k rows 128 bytes apart in 8-row groups 1024 bytes apart (stride byte
+// offset), and the next 64 N values `block_bytes` further on (leading byte offset: for MN-major layouts it
+// steps along M / N, PTX ISA "Strides"; CUTLASS's GmmaDescriptor Major::MN). A k16 step starts 2048 bytes on.
+__device__ __forceinline__ uint64_t sw128_descriptor_mn_u32(uint32_t addr, uint32_t block_bytes) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t((block_bytes >> 4) & 0x3FFF) << 16) |
+         (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
 // cp.async (generic proxy) and st.shared writes become visible to wgmma's (async proxy) reads.
@@ -75,6 +85,8 @@ template <int N>
 __device__ void rs_f16(float* d, const uint32_t (&a)[4], uint64_t b, int accumulate);
 template <int N>
 __device__ void ss_bf16(float* d, uint64_t a, uint64_t b, int accumulate);
+template <int N>
+__device__ void ss_bf16_bn(float* d, uint64_t a, uint64_t b, int accumulate);  // B N-major (sw128_descriptor_mn)
 
 #define SPARROW_WGMMA_SS(NAME, R, INSTR, TAIL, A, B, P)                                              \
   template <>                                                                                         \
@@ -105,8 +117,12 @@ SPARROW_WGMMA_RS(rs_f16, 16, "m64n32k16.f32.f16.f16", "1, 1, 0", 16, 17, 18, 19,
 SPARROW_WGMMA_RS(rs_f16, 32, "m64n64k16.f32.f16.f16", "1, 1, 0", 32, 33, 34, 35, 36, 37)
 SPARROW_WGMMA_RS(rs_f16, 64, "m64n128k16.f32.f16.f16", "1, 1, 0", 64, 65, 66, 67, 68, 69)
 // bf16 x bf16, k16, A and B K-major.
+SPARROW_WGMMA_SS(ss_bf16, 32, "m64n64k16.f32.bf16.bf16", "1, 1, 0, 0", 32, 33, 34)
 SPARROW_WGMMA_SS(ss_bf16, 64, "m64n128k16.f32.bf16.bf16", "1, 1, 0, 0", 64, 65, 66)
 SPARROW_WGMMA_SS(ss_bf16, 128, "m64n256k16.f32.bf16.bf16", "1, 1, 0, 0", 128, 129, 130)
+// bf16 x bf16, k16, A K-major, B N-major (tnsp-b = 1): a tile stored key-major read as the right operand of
+// P V, where V's rows are the keys.
+SPARROW_WGMMA_SS(ss_bf16_bn, 128, "m64n256k16.f32.bf16.bf16", "1, 1, 0, 1", 128, 129, 130)
 
 #undef SPARROW_WGMMA_SS
 #undef SPARROW_WGMMA_RS

@@ -490,7 +490,7 @@ __global__ void __launch_bounds__(128) mla_combine_kernel(const float* ws_o, con
 void launch_mla_attention(const MlaPagedCache& cache, const uint16_t* q, const int32_t* row_seq,
                           const int32_t* indices, const int32_t* row_lens, int64_t rows, int heads,
                           int64_t max_keys, int topk, float softmax_scale, uint16_t* out, float* lse,
-                          void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                          void* workspace, size_t workspace_bytes, cudaStream_t stream, bool wgmma);
 
 // How launch_mla_attention tiles a problem.
 struct AttnPlan {

@@ -2,6 +2,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/mla/attention_kernel.cuh"
+#include "kernels/cuda/mla/wgmma_kernel.cuh"
 #include "core/device/sm_count.h"
 
 namespace sparrow::cuda::mla_detail {
@@ -59,17 +60,38 @@ AttnPlan plan_mla_attention(int64_t rows, int heads, int64_t max_keys) {
   return plan;
 }
 
+namespace wg {
+AttnPlan plan_mla_wgmma(int64_t rows, int heads, int64_t max_keys) {
+  AttnPlan plan;
+  plan.head_tiles = (heads + kHeads - 1) / kHeads;
+  const int64_t total_tiles = std::max<int64_t>(1, (max_keys + kKeys - 1) / kKeys);
+  const int64_t base = rows * plan.head_tiles;
+  // One CTA per SM (shared memory): split the keys until about one wave of CTAs runs, so that decode with
+  // few rows still spreads its keys over every SM.
+  const int64_t target = int64_t(sm_count());
+  int64_t splits = base >= target ? 1 : (target + base - 1) / base;
+  splits = std::min(splits, total_tiles);
+  const int64_t tps = (total_tiles + splits - 1) / splits;
+  splits = (total_tiles + tps - 1) / tps;
+  plan.tiles_per_split = int(tps);
+  plan.splits = int(splits);
+  plan.workspace = splits > 1 ? size_t(splits) * size_t(rows) * size_t(heads) * (kMlaLatent + 1) * sizeof(float) : 0;
+  return plan;
+}
+}  // namespace wg
+
 void launch_mla_attention(const MlaPagedCache& cache, const uint16_t* q, const int32_t* row_seq,
                           const int32_t* indices, const int32_t* row_lens, int64_t rows, int heads,
                           int64_t max_keys, int topk, float softmax_scale, uint16_t* out, float* lse,
-                          void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                          void* workspace, size_t workspace_bytes, cudaStream_t stream, bool wgmma) {
   SPARROW_CHECK(rows >= 0 && heads > 0 && max_keys >= 0, "mla attention: bad sizes rows=", rows,
                 " heads=", heads, " keys=", max_keys);
   SPARROW_CHECK(max_keys < (int64_t(1) << 31), "mla attention: too many keys per row: ", max_keys);
   SPARROW_CHECK(cache.block_size > 0 && cache.pool && cache.page_offsets, "mla attention: cache not set");
   if (rows == 0) return;
   SPARROW_CHECK(q && row_seq && out, "mla attention: null q, row_seq or out");
-  const AttnPlan plan = plan_mla_attention(rows, heads, max_keys);
+  wgmma = wgmma && indices != nullptr;  // the warpgroup kernel is instantiated for sparse attention only
+  const AttnPlan plan = wgmma ? wg::plan_mla_wgmma(rows, heads, max_keys) : plan_mla_attention(rows, heads, max_keys);
   SPARROW_CHECK(plan.workspace <= workspace_bytes && (plan.workspace == 0 || workspace),
                 "mla attention: workspace of ", workspace_bytes, " bytes, needs ", plan.workspace,
                 " (mla_attention_workspace_bytes)");
@@ -97,7 +119,8 @@ void launch_mla_attention(const MlaPagedCache& cache, const uint16_t* q, const i
     p.ws_o = static_cast<float*>(workspace);
     p.ws_lse = p.ws_o + size_t(plan.splits) * size_t(rows) * size_t(heads) * kMlaLatent;
   }
-  if (indices) dispatch_sparse(plan, cache.format, p, stream);
+  if (wgmma) wg::dispatch_sparse_wgmma(cache.format, p, stream);
+  else if (indices) dispatch_sparse(plan, cache.format, p, stream);
   else dispatch_dense(plan, cache.format, p, stream);
   if (plan.splits > 1) {
     mla_combine_kernel<<<unsigned(rows * heads), 128, 0, stream>>>(p.ws_o, p.ws_lse, plan.splits, rows * heads,
@@ -111,7 +134,8 @@ void launch_mla_attention(const MlaPagedCache& cache, const uint16_t* q, const i
 namespace sparrow::cuda {
 
 size_t mla_attention_workspace_bytes(int64_t rows, int heads, int64_t max_keys) {
-  return mla_detail::plan_mla_attention(rows, heads, max_keys).workspace;
+  return std::max(mla_detail::plan_mla_attention(rows, heads, max_keys).workspace,
+                  mla_detail::wg::plan_mla_wgmma(rows, heads, max_keys).workspace);
 }
 
 }  // namespace sparrow::cuda

@@ -9,6 +9,8 @@
 // values, p·c over 512), the same for every format: the quantised ones are dequantised to bf16 in shared
 // memory first. The fp8_per_tensor and nvfp4 rows also give their time relative to fp8 (656 B) on the
 // same shape: issue 7 asks that NVFP4 latents not make decode slower than FP8 at long context.
+// Sparse decode runs both kernels (mla_attention.h, MlaKernel): the one mla_sparse_kernel_for picks is
+// "sparrow", the other "sparrow-wgmma" or "sparrow-mma", on the same inputs.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -189,25 +191,32 @@ void bench_mla_decode(const KernelBenchOptions& options, std::vector<KernelBench
                          versus_fp8("dense " + std::string(m.name) + " heads=" + std::to_string(m.heads) + tail, dense_us);
               rows.push_back(row);
             }
-            if (want_sparse) {
+            // Both kernels: the one Auto takes as "sparrow", the other beside it ("sparrow-wgmma" / "-mma").
+            for (const MlaKernel kernel : {MlaKernel::Wgmma, MlaKernel::MmaSync}) {
+              if (!want_sparse) break;
+              const bool mma = kernel == MlaKernel::MmaSync;
+              const bool chosen = kernel == mla_sparse_kernel_for(m.heads);
               const size_t need = mla_attention_workspace_bytes(nrows, m.heads, topk);
               ws.ensure(std::max<size_t>(need, 1));
               auto launch = [&](cudaStream_t st) {
                 mla_sparse_attention(cache, static_cast<const uint16_t*>(q.p), static_cast<const int32_t*>(seqs.p),
                                      static_cast<const int32_t*>(idx.p), nrows, m.heads, topk, scale,
-                                     static_cast<uint16_t*>(out.p), static_cast<float*>(lse.p), ws.p, ws.bytes, st);
+                                     static_cast<uint16_t*>(out.p), static_cast<float*>(lse.p), ws.p, ws.bytes, st,
+                                     kernel);
               };
               KernelBenchRow row;
               row.kernel = "sparse_mla_decode";
               row.shape = std::string(m.name) + " heads=" + std::to_string(m.heads) + tail +
                           " topk=" + std::to_string(topk) + fmt;
-              row.impl = "sparrow";
+              row.impl = chosen ? "sparrow" : mma ? "sparrow-mma" : "sparrow-wgmma";
               row.median_us = median_launch_us(launch, stream, options.iterations);
               row.bytes = double(distinct) * row_bytes + io + double(nrows) * topk * 4;
               row.flops = 2.0 * m.heads * double(nrows) * topk * (kMlaRow + kMlaLatent);
-              row.note = std::string(f.note) + ", " + std::to_string(distinct) + " distinct rows" +
-                         versus_fp8("sparse " + std::string(m.name) + " heads=" + std::to_string(m.heads) + tail,
-                                    row.median_us);
+              row.note = std::string(f.note) + (mma ? ", mma.sync kernel" : ", wgmma kernel (64 heads a CTA)") + ", " +
+                         std::to_string(distinct) + " distinct rows" +
+                         (!chosen ? std::string()
+                                  : versus_fp8("sparse " + std::string(m.name) + " heads=" + std::to_string(m.heads) + tail,
+                                           row.median_us));
               if (dense_us > 0) {
                 char buf[160];
                 std::snprintf(buf, sizeof buf, "; dense MLA on this cache: %.1f us, %.1fx the time, %.1fx the bytes",

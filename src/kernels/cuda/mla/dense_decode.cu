@@ -16,7 +16,7 @@ void mla_dense_attention(const MlaPagedCache& cache, const uint16_t* q, const in
                          uint16_t* out, float* lse, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   SPARROW_CHECK(rows == 0 || row_lens, "mla dense attention: null row_lens");
   mla_detail::launch_mla_attention(cache, q, row_seq, nullptr, row_lens, rows, heads, max_len, 0, softmax_scale, out,
-                                   lse, workspace, workspace_bytes, stream);
+                                   lse, workspace, workspace_bytes, stream, /*wgmma=*/false);
 }
 
 }  // namespace sparrow::cuda

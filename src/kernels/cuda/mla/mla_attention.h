@@ -89,6 +89,17 @@ void mla_cache_write(const MlaPagedCache& cache, const void* src, MlaSourceType 
 // Depends only on these sizes and the device, so it may be queried once per shape.
 size_t mla_attention_workspace_bytes(int64_t rows, int heads, int64_t max_keys);
 
+// The kernels sparse attention can run: Wgmma, the warpgroup kernel (mla/wgmma_kernel.cuh: wgmma, a
+// producer warpgroup gathering and dequantising, 64 heads a CTA), and MmaSync, the tiled mma.sync kernel
+// (mla/attention_kernel.cuh, 16-64 heads a CTA), which dense attention uses. Auto takes the one
+// mla_sparse_kernel_for(heads) names; the others are there so tests and `bench kernels` run both.
+enum class MlaKernel { Auto, Wgmma, MmaSync };
+
+// Auto's choice: the warpgroup kernel from 33 heads up. Below, most of its 64-row products would be
+// padding: at Kimi K3.1 Pro's 12 heads a GPU the mma.sync kernel was faster at 11 of the 12 batch and
+// query shapes measured at 32K (bench/results/kernels.md, "Sparse MLA decode on wgmma").
+inline constexpr MlaKernel mla_sparse_kernel_for(int heads) { return heads > 32 ? MlaKernel::Wgmma : MlaKernel::MmaSync; }
+
 // Sparse MLA attention over DSA-selected keys.
 //   q        [rows, heads, 576] bf16 (q_abs)      row_seq [rows] int32: the row's sequence
 //   indices  [rows, topk] int32 token positions in the row's sequence; -1 = unused
@@ -98,7 +109,7 @@ size_t mla_attention_workspace_bytes(int64_t rows, int heads, int64_t max_keys);
 void mla_sparse_attention(const MlaPagedCache& cache, const uint16_t* q, const int32_t* row_seq,
                           const int32_t* indices, int64_t rows, int heads, int topk, float softmax_scale,
                           uint16_t* out, float* lse, void* workspace, size_t workspace_bytes,
-                          cudaStream_t stream);
+                          cudaStream_t stream, MlaKernel kernel = MlaKernel::Auto);
 
 // Dense MLA attention: row t attends to tokens 0..row_lens[t]-1 of sequence row_seq[t]
 // (row_lens[t] <= max_len; max_len sizes the split of the keys).
