@@ -221,3 +221,41 @@ TEST(Cli, ServeStartUpErrorsAreOneLine) {
   expect_one_line_error(run(model + " --generation-config " + defaults.string(), within_s),
                         "\"temperature\" is out of range (1e+39)");
 }
+
+// A vLLM command line starts sparrow (issue 27): the `vllm serve` flags sparrow has no setting for
+// (src/cli/vllm_flags.h) are refused with the reason before anything loads, or accepted with a notice;
+// those meaning what sparrow does anyway pass silently. tests/server/test_vllm_command_line.py serves
+// with a whole vLLM command line.
+TEST(Cli, VllmFlagsWithoutASparrowSettingAreRefusedWithTheReason) {
+  const int within_s = 120;
+  auto serve = [&](const std::string& flags) { return run("serve /nonexistent/model --port 0 " + flags, within_s); };
+  expect_one_line_error(serve("--ssl-keyfile key.pem"),
+                        "--ssl-keyfile key.pem: not supported: sparrow serves plain HTTP");
+  expect_one_line_error(serve("-pp 2"), "--pipeline-parallel-size 2: not supported: pipeline parallelism");
+  expect_one_line_error(serve("-dp=2"), "--data-parallel-size 2: not supported: data parallelism");
+  expect_one_line_error(serve("--enable-lora"), "--enable-lora: not supported: LoRA adapters are not supported yet");
+  expect_one_line_error(serve(R"(--speculative-config '{"method":"ngram"}')"),
+                        "--speculative-config {\"method\":\"ngram\"}: not supported: speculative decoding");
+  // What sparrow does anyway passes silently: the model-folder error is the only line.
+  expect_one_line_error(serve("-dp 1 -pp 1 --dtype auto --enable-chunked-prefill --scheduling-policy fcfs"),
+                        "/nonexistent/model: not a directory");
+  // Ignored flags print one notice each, then the start-up goes on (here to the model-folder error).
+  const CommandResult r = serve("--trust-remote-code --swap-space 4 --no-enable-chunked-prefill");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("sparrow serve: --trust-remote-code: ignored: sparrow's model code is built in"),
+            std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("sparrow serve: --swap-space 4: ignored: "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("sparrow serve: --no-enable-chunked-prefill: ignored: chunked prefill is always on"),
+            std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("error: /nonexistent/model: not a directory"), std::string::npos) << r.err;
+  if (!fs::exists(kFixture / "config.json")) return;
+  expect_one_line_error(run("serve " + kFixture.string() + " --port 0 --block-size 16", within_s),
+                        "--block-size must be 64, 128 or 256: the block sizes sparrow's packed cache rows and their "
+                        "kernels are built for (docs/cache.md); vLLM's default of 16 is not one of them");
+}
+
+TEST(Cli, VersionFlagPrintsTheVersion) {
+  const CommandResult r = run("--version");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out, std::string(SPARROW_VERSION) + "\n");
+}

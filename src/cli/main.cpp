@@ -10,11 +10,13 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "cli/vllm_flags.h"
 #include "core/error.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"sparrow: an inference engine for sparse-attention language models"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", SPARROW_VERSION);
   sparrow::cli::add_score(app);
   sparrow::cli::add_generate(app);
   sparrow::cli::add_bench(app);
@@ -25,12 +27,9 @@ int main(int argc, char** argv) {
   sparrow::cli::add_chat(app);
   sparrow::cli::add_perplexity(app);
   sparrow::cli::add_kv_plan(app);
-  // vLLM's short spelling of --tensor-parallel-size, -tp, which CLI11 cannot name (one dash, two letters).
+  // vLLM's short spellings such as -tp, which CLI11 cannot name (one dash, two letters).
   std::vector<std::string> args(argv + 1, argv + argc);
-  for (std::string& arg : args) {
-    if (arg == "-tp") arg = "--tensor-parallel-size";
-    else if (arg.starts_with("-tp=")) arg = "--tensor-parallel-size=" + arg.substr(4);
-  }
+  for (std::string& arg : args) arg = sparrow::cli::expand_vllm_short_flag(arg);
   std::reverse(args.begin(), args.end());  // CLI11's parse(vector) takes the arguments last first
   app.name(argv[0]);
   try {

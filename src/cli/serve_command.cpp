@@ -19,6 +19,7 @@
 
 #include "cache/planner.h"
 #include "cli/commands.h"
+#include "cli/vllm_flags.h"
 #include "core/error.h"
 #include "engine/engine.h"
 #include "engine/generate.h"
@@ -157,7 +158,8 @@ void serve(const ServeFlags& flags) {
     fail("--max-model-len ", flags.max_model_len, " is more than the model's ", positions->tokens, " positions (",
          positions->key, " in ", model_config_path(model_dir), ")");
   SPARROW_CHECK(flags.block_size == 64 || flags.block_size == 128 || flags.block_size == 256,
-                "--block-size must be 64, 128 or 256");
+                "--block-size must be 64, 128 or 256: the block sizes sparrow's packed cache rows and their kernels "
+                "are built for (docs/cache.md); vLLM's default of 16 is not one of them");
   SPARROW_CHECK(flags.gpu_memory_utilization >= 0 && flags.gpu_memory_utilization <= 1,
                 "--gpu-memory-utilization must be in (0, 1]");
 
@@ -321,7 +323,11 @@ void add_serve(CLI::App& app) {
   sub->add_option("--shutdown-timeout", f.shutdown_timeout,
                   "seconds running requests may take to finish after SIGTERM before they are aborted")
       ->capture_default_str();
-  on_selected(sub, [] { serve(f); });
+  const std::function<void()> check_vllm_flags = add_vllm_only_flags(sub);
+  on_selected(sub, [check_vllm_flags] {
+    check_vllm_flags();
+    serve(f);
+  });
 }
 
 }  // namespace sparrow::cli

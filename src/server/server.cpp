@@ -208,7 +208,10 @@ http::Handler Server::guarded(std::function<void(const http::Request&, const htt
 }
 
 void Server::check_api_key(const http::Request& request) const {
-  if (!config_.api_key || request.path == "/health" || request.path == "/metrics") return;
+  // The probes load balancers and orchestrators send without credentials stay open, as in vLLM.
+  if (!config_.api_key || request.path == "/health" || request.path == "/ping" || request.path == "/version" ||
+      request.path == "/metrics")
+    return;
   // The field exactly as sent: "Bearer KEY " with a trailing space is not the key (http_message.h).
   std::optional<std::string> given = request.verbatim_field("Authorization");
   if (!given || !same_secret(*given, "Bearer " + *config_.api_key))
@@ -228,10 +231,15 @@ void Server::add_routes() {
   http_->route("POST", "/tokenize", json_route([this](const auto& request) { return tokenize(request); }));
   http_->route("POST", "/detokenize", json_route([this](const auto& request) { return detokenize(request); }));
   http_->route("GET", "/v1/models", json_route([this](const auto&) { return models(); }));
-  http_->route("GET", "/health", [this](const http::Request&, const http::Responder& responder) {
+  // /health, and vLLM's /ping (GET or POST, the SageMaker probe): 200 while serving, 503 while draining.
+  auto health = [this](const http::Request&, const http::Responder& responder) {
     std::lock_guard<std::mutex> lock(active_mutex_);
     responder.send({draining_ ? 503 : 200, "", {}, ""});
-  });
+  };
+  http_->route("GET", "/health", health);
+  http_->route("GET", "/ping", health);
+  http_->route("POST", "/ping", health);
+  http_->route("GET", "/version", json_route([](const auto&) { return Json{{"version", SPARROW_VERSION}}; }));
   http_->route("GET", "/metrics", [this](const http::Request&, const http::Responder& responder) {
     responder.send({200, "text/plain; version=0.0.4; charset=utf-8", {}, metrics()});
   });
