@@ -9,12 +9,14 @@
 
 #include <cmath>
 #include <map>
+#include <set>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 
+#include "cli/vllm_flags.h"
 #include "formats/safetensors.h"
 #include "test_util.h"
 
@@ -240,12 +242,12 @@ TEST(Cli, VllmFlagsWithoutASparrowSettingAreRefusedWithTheReason) {
   expect_one_line_error(serve("-dp 1 -pp 1 --dtype auto --enable-chunked-prefill --scheduling-policy fcfs"),
                         "/nonexistent/model: not a directory");
   // Ignored flags print one notice each, then the start-up goes on (here to the model-folder error).
-  const CommandResult r = serve("--trust-remote-code --swap-space 4 --no-enable-chunked-prefill");
+  const CommandResult r = serve("--trust-remote-code --swap-space 4 --disable-chunked-prefill");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.err.find("sparrow serve: --trust-remote-code: ignored: sparrow's model code is built in"),
             std::string::npos) << r.err;
   EXPECT_NE(r.err.find("sparrow serve: --swap-space 4: ignored: "), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("sparrow serve: --no-enable-chunked-prefill: ignored: chunked prefill is always on"),
+  EXPECT_NE(r.err.find("sparrow serve: --disable-chunked-prefill: ignored: chunked prefill is always on"),
             std::string::npos) << r.err;
   EXPECT_NE(r.err.find("error: /nonexistent/model: not a directory"), std::string::npos) << r.err;
   if (!fs::exists(kFixture / "config.json")) return;
@@ -258,4 +260,28 @@ TEST(Cli, VersionFlagPrintsTheVersion) {
   const CommandResult r = run("--version");
   EXPECT_EQ(r.status, 0) << r.err;
   EXPECT_EQ(r.out, std::string(SPARROW_VERSION) + "\n");
+}
+
+// Every flag of vLLM 0.33.0's `vllm serve` (tests/data/vllm_0.33.0_serve_flags.txt) is one of serve's own
+// (its --help lists it) or in the table of vllm_flags.h, so none makes a vLLM command line fail to parse.
+TEST(Cli, ServeTakesEveryFlagOfVllmServe) {
+  const CommandResult help = run("serve --help");
+  ASSERT_EQ(help.status, 0) << help.err;
+  std::set<std::string> known;
+  for (const sparrow::cli::VllmFlag& flag : sparrow::cli::vllm_only_flags()) {
+    std::stringstream names(flag.names);
+    for (std::string name; std::getline(names, name, ',');) known.insert(name[0] == '!' ? name.substr(1) : name);
+  }
+  std::ifstream list(fs::path(SPARROW_SOURCE_DIR) / "tests/data/vllm_0.33.0_serve_flags.txt");
+  ASSERT_TRUE(list) << "tests/data/vllm_0.33.0_serve_flags.txt";
+  int checked = 0;
+  for (std::string name; std::getline(list, name);) {
+    if (name.empty() || name[0] == '#') continue;
+    ++checked;
+    const std::string expanded = sparrow::cli::expand_vllm_short_flag(name);
+    const bool own = help.out.find(expanded + " ") != std::string::npos || help.out.find(expanded + ",") != std::string::npos ||
+                     help.out.find(expanded + "{") != std::string::npos || help.out.find(expanded + "\n") != std::string::npos;
+    EXPECT_TRUE(own || known.count(expanded)) << name << ": neither a serve flag nor in src/cli/vllm_flags.cpp";
+  }
+  EXPECT_GT(checked, 300);
 }

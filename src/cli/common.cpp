@@ -53,7 +53,7 @@ void set_program_arguments(char** argv) { program_arguments = argv; }
 void add_device_option(CLI::App* sub, std::string& device) {
   sub->add_option("--device", device, "where the model runs: cpu or cuda (an NVIDIA Hopper GPU)")
       ->capture_default_str();
-  sub->add_flag("--enforce-eager", enforce_eager, "launch every kernel of a decode step directly (no CUDA graphs)");
+  sub->add_flag("--enforce-eager,!--no-enforce-eager", enforce_eager, "launch every kernel of a decode step directly (no CUDA graphs)");
   sub->add_option("--load-format", load_format,
                   "auto, safetensors or fastsafetensors: the folder's weights, read ahead in parallel (one fast "
                   "path, whatever the name); dummy: random weights from config.json alone (benchmarks at real "
@@ -68,15 +68,16 @@ void add_device_option(CLI::App* sub, std::string& device) {
                   "the rank they say")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  sub->add_flag("--enable-expert-parallel", parallel_config.enable_expert_parallel,
+  sub->add_flag("--enable-expert-parallel,!--disable-expert-parallel,!--no-enable-expert-parallel",
+                parallel_config.enable_expert_parallel,
                "deal the routed experts out whole over the tensor-parallel ranks instead of splitting each one "
                "(vLLM's expert parallelism; attention and shared experts stay tensor parallel)");
-  sub->add_option("--nnodes", parallel_config.nnodes,
+  sub->add_option("--nnodes,-n", parallel_config.nnodes,
                   "machines the ranks run on, without a launcher: each starts --tensor-parallel-size / nnodes of them "
                   "(the same command on each, with its --node-rank and --master-addr)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  sub->add_option("--node-rank", parallel_config.node_rank,
+  sub->add_option("--node-rank,-r", parallel_config.node_rank,
                   "which of the --nnodes machines this is: 0 serves, the others run with --headless")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);

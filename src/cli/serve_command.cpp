@@ -273,18 +273,18 @@ void add_serve(CLI::App& app) {
                   "tool-call format: kimi_k3, kimi_k2, minimax_m3, minimax_m2, deepseek_v32");
   sub->add_option("--reasoning-parser", f.reasoning_parser,
                   "reasoning format: kimi_k3, kimi_k2, minimax_m3, minimax_m2, deepseek_v32");
-  sub->add_flag("--enable-auto-tool-choice", f.enable_auto_tool_choice,
+  sub->add_flag("--enable-auto-tool-choice,!--disable-auto-tool-choice,!--no-enable-auto-tool-choice", f.enable_auto_tool_choice,
                 "let the model decide when to call tools (tool_choice \"auto\"); needs --tool-call-parser");
   sub->add_option("--chat-template", f.chat_template, "Jinja chat template file to use instead of the model's");
   sub->add_option("--block-size", f.block_size, "KV-cache block size in tokens: 64, 128 or 256")->capture_default_str();
   add_cache_format_options(sub, f.kv_cache_dtype, f.attention_config);
-  sub->add_option("--kv-cache-memory", f.kv_cache_memory,
+  sub->add_option("--kv-cache-memory,--kv-cache-memory-bytes", f.kv_cache_memory,
                   "KV-cache budget in bytes, e.g. 4GiB or 512MiB (default: --gpu-memory-utilization)");
   sub->add_option("--num-gpu-blocks-override", f.num_gpu_blocks_override,
                   "exactly this many KV-cache block rows, whatever the memory budget says (vLLM's flag; for tests "
                   "and for comparing runs block for block, on the CPU backend too)")
       ->check(CLI::PositiveNumber);
-  sub->add_option("--gpu-memory-utilization", f.gpu_memory_utilization,
+  sub->add_option("--gpu-memory-utilization,--device-memory-utilization", f.gpu_memory_utilization,
                   "on a GPU (vLLM's meaning): the fraction of the GPU's memory sparrow may hold, the KV cache getting "
                   "what the weights and a full step's measured scratch leave of it (default 0.9); on the CPU backend: "
                   "the fraction of the machine's RAM for the KV cache (default 0.25). Ignored with --kv-cache-memory");
@@ -292,7 +292,7 @@ void add_serve(CLI::App& app) {
   sub->add_option("--max-num-batched-tokens", f.max_num_batched_tokens,
                   "tokens per engine step (chunked prefill budget)")
       ->capture_default_str();
-  sub->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", f.prefix_caching,
+  sub->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching,!--disable-prefix-caching", f.prefix_caching,
                 "reuse the KV cache of shared prompt prefixes (default: on)");
   sub->add_option("--generation-config", f.generation_config,
                   "request defaults: auto (the model's generation_config.json), vllm (none), or a folder")
@@ -317,7 +317,8 @@ void add_serve(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--http-max-body-size", f.http_max_body_size, "largest request body (e.g. 32MiB); larger get 413")
       ->capture_default_str();
-  sub->add_flag("--enable-prompt-tokens-details", f.enable_prompt_tokens_details,
+  sub->add_flag("--enable-prompt-tokens-details,!--disable-prompt-tokens-details,!--no-enable-prompt-tokens-details",
+                f.enable_prompt_tokens_details,
                 "report usage.prompt_tokens_details.cached_tokens");
   sub->add_flag("--disable-log-requests", f.disable_log_requests, "do not log each request on stderr");
   sub->add_option("--shutdown-timeout", f.shutdown_timeout,

@@ -18,7 +18,8 @@ enum class VllmFlagAction {
 };
 
 struct VllmFlag {
-  std::string names;     // CLI11 names: "--dtype" or "--enable-chunked-prefill,--no-enable-chunked-prefill"
+  std::string names;     // "--dtype", "--pipeline-parallel-size,-pp", or a switch with its negations marked
+                         // "!" as CLI11 writes them: "--enable-chunked-prefill,!--disable-chunked-prefill"
   bool takes_value;      // false: a switch
   VllmFlagAction action;
   std::string why;       // the notice or the refusal
