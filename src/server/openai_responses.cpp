@@ -105,9 +105,9 @@ Json prompt_logprobs_json(const Tokenizer& tokenizer, const std::vector<std::opt
                                          {"decoded_token", token_text(tokenizer, token)}};
     }
     std::string key = std::to_string(entry->token);
-    if (!position.contains(key))  // the prompt token itself, outside the top k (its rank is not known)
+    if (!position.contains(key))  // the prompt token itself, outside the top k: its rank over the vocabulary
       position[key] = {{"logprob", finite_logprob(entry->logprob)},
-                       {"rank", nullptr},
+                       {"rank", entry->rank},
                        {"decoded_token", token_text(tokenizer, entry->token)}};
     out.push_back(std::move(position));
   }

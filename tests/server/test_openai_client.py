@@ -194,6 +194,26 @@ def test_completions_logprobs(server):
     assert logprobs.token_logprobs[0] == pytest.approx(max(logprobs.top_logprobs[0].values()))  # greedy
 
 
+def test_prompt_logprobs_rank_every_prompt_token(server):
+    """prompt_logprobs as vLLM gives them: per position the top k with ranks 1..k, and the prompt's own token
+    with its integer rank over the whole vocabulary (1 + how many tokens are more likely) when not among them."""
+    response = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 1,
+                                                "temperature": 0, "prompt_logprobs": 1})
+    assert response.status_code == 200, response.text
+    positions = response.json()["choices"][0]["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == 6
+    outside = 0
+    for token, position in zip([5, 6, 7, 8, 9, 10][1:], positions[1:]):
+        best = min(position.values(), key=lambda e: e["rank"])
+        assert best["rank"] == 1
+        own = position[str(token)]
+        assert isinstance(own["rank"], int) and own["rank"] >= 1
+        if own is not best:
+            outside += 1
+            assert own["rank"] > 1 and own["logprob"] <= best["logprob"]
+    assert outside > 0  # the tiny model does not predict this prompt: some ranks come from the whole vocabulary
+
+
 def test_completion_seeds_reproduce(server):
     client = server.client()
     runs = [client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=12, temperature=1.0, seed=42,
