@@ -40,6 +40,7 @@ class Engine {
 
   const CachePlan& cache_plan() const { return core_.cache().plan(); }
   int64_t max_model_len() const { return core_.max_model_len(); }
+  const EngineConfig& config() const { return core_.config(); }
   const Model& model() const { return *model_; }
 
  private:

@@ -105,7 +105,15 @@ EngineStats EngineCore::stats() const {
   s.generation_tokens_total = generation_tokens_total_;
   s.decode_steps = decode_steps_;
   s.prefill_steps = prefill_steps_;
+  s.iteration_tokens = iteration_tokens_;
   return s;
+}
+
+void IterationTokens::observe(int64_t step_tokens) {
+  int k = 0;
+  while (k + 1 < kBuckets && (int64_t(1) << k) < step_tokens) ++k;
+  ++steps_by_log2[size_t(k)];
+  tokens += step_tokens;
 }
 
 namespace {
@@ -154,13 +162,18 @@ bool EngineCore::step() {
 
   std::vector<std::pair<SequenceState*, std::vector<int32_t>>> parts;
   bool all_logits = false;
+  int64_t step_tokens = 0;
+  const auto scheduled_at = std::chrono::steady_clock::now();
   for (const ScheduledChunk& chunk : chunks) {
     Sequence& seq = *chunk.seq;
+    if (!seq.first_scheduled) seq.first_scheduled = scheduled_at;
+    step_tokens += chunk.num_tokens;
     auto first = seq.tokens.begin() + seq.num_computed();
     parts.push_back({&seq.state, std::vector<int32_t>(first, first + chunk.num_tokens)});
     // A row at position p predicts prompt token p + 1.
     all_logits |= seq.wants_prompt_logprobs && seq.num_computed() < seq.prompt_length - 1;
   }
+  iteration_tokens_.observe(step_tokens);
   Batch batch = make_batch(parts);
   batch.all_logits = all_logits;
   const bool decode = std::all_of(chunks.begin(), chunks.end(), [](const ScheduledChunk& c) {
@@ -238,6 +251,7 @@ RequestOutput EngineCore::new_event(const Sequence& seq) const {
   event.prompt_tokens = seq.prompt_length;
   event.completion_tokens = seq.num_output();
   event.cached_tokens = seq.cached_tokens;
+  event.first_scheduled = seq.first_scheduled;
   return event;
 }
 

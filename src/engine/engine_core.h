@@ -11,6 +11,7 @@
 //      the logits are: on a GPU only the ids cross), which is detokenized, checked against the stop
 //      conditions and sent as a RequestOutput event.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -55,6 +56,16 @@ struct StepCounters {
   double seconds = 0, forward_seconds = 0;
 };
 
+// How many tokens the steps carried (vLLM's vllm:iteration_tokens_total): steps_by_log2[k] counts the steps
+// of more than 2^(k-1) and at most 2^k tokens (k = 0: one token), so the counts at or below any power of
+// two are exact.
+struct IterationTokens {
+  static constexpr int kBuckets = 32;
+  std::array<int64_t, kBuckets> steps_by_log2{};
+  int64_t tokens = 0;  // summed over all steps
+  void observe(int64_t step_tokens);
+};
+
 struct EngineStats {
   int64_t running = 0, waiting = 0;  // sequences (a request with n choices counts n)
   int64_t kv_blocks_used = 0, kv_blocks_total = 0;
@@ -63,6 +74,7 @@ struct EngineStats {
   int64_t prompt_tokens_total = 0, generation_tokens_total = 0;
   StepCounters decode_steps;   // steps in which every sequence brings one token
   StepCounters prefill_steps;  // steps with prompt chunks (mixed with decode tokens or not)
+  IterationTokens iteration_tokens;
 };
 
 class EngineCore {
@@ -97,6 +109,7 @@ class EngineCore {
   EngineStats stats() const;
   const KvCache& cache() const { return cache_; }
   int64_t max_model_len() const { return config_.max_model_len; }
+  const EngineConfig& config() const { return config_; }
 
  private:
   struct ActiveRequest {
@@ -129,6 +142,7 @@ class EngineCore {
   std::unordered_map<std::string, std::unique_ptr<ActiveRequest>> requests_;
   int64_t prompt_tokens_total_ = 0, generation_tokens_total_ = 0;
   StepCounters decode_steps_, prefill_steps_;
+  IterationTokens iteration_tokens_;
 };
 
 }  // namespace sparrow

@@ -1,6 +1,7 @@
 // What the engine is asked for and what it answers: a Request (prompt ids and sampling parameters)
 // in, a stream of RequestOutput events out, one event per step per choice that produced something.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -36,6 +37,9 @@ struct RequestOutput {
   std::optional<std::variant<std::string, int32_t>> stop_reason;
   int64_t prompt_tokens = 0, completion_tokens = 0;  // completion_tokens: generated so far
   int64_t cached_tokens = 0;                         // prompt tokens served by the prefix cache
+  // When the engine first scheduled this choice (its wait in the queue ends there; a preemption does not
+  // move it): the server's queue, prefill and decode time metrics.
+  std::optional<std::chrono::steady_clock::time_point> first_scheduled;
 };
 
 }  // namespace sparrow

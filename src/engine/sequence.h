@@ -2,6 +2,7 @@
 // waiting when preempted (its cache is dropped; its tokens, prompt and generated, are recomputed when it
 // runs again, and its sampler and detokenizer carry on where they were).
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -41,6 +42,7 @@ struct Sequence {
   std::vector<std::optional<TokenLogprob>> prompt_logprobs;
   bool wants_prompt_logprobs = false;
   int64_t cached_tokens = 0;  // prompt tokens the prefix cache served at first admission
+  std::optional<std::chrono::steady_clock::time_point> first_scheduled;  // RequestOutput::first_scheduled
   bool admitted_before = false;
 
   const SamplingParams& params() const { return request.params; }

@@ -1,5 +1,7 @@
 #include "server/generation.h"
 
+#include <algorithm>
+
 namespace sparrow::server {
 
 Generation::Generation(Engine& engine, ServerMetrics& metrics, const std::string& id,
@@ -12,6 +14,7 @@ Generation::Generation(Engine& engine, ServerMetrics& metrics, const std::string
       choices_(prompts.size() * size_t(params.n)) {
   for (size_t c = 0; c < choices_.size(); ++c)
     choices_[c].prompt_tokens = int64_t(prompts[c / size_t(params.n)].size());
+  for (size_t p = 0; p < prompts.size(); ++p) metrics_.observe_request(params.n, params.max_tokens);
   for (size_t p = 0; p < prompts.size(); ++p)
     engine_ids_.push_back(prompts.size() == 1 ? id : id + "-" + std::to_string(p));
   try {
@@ -60,6 +63,7 @@ void Generation::record(const Event& event) {
   const RequestOutput& out = event.output;
   auto now = Clock::now();
   auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+  if (out.first_scheduled && !choice.first_scheduled) choice.first_scheduled = out.first_scheduled;
   if (!out.new_tokens.empty()) {
     if (!choice.first_token) {
       choice.first_token = now;
@@ -75,6 +79,14 @@ void Generation::record(const Event& event) {
     ++finished_choices_;
     double first = choice.first_token ? seconds(*choice.first_token - arrival_) : seconds(now - arrival_);
     metrics_.observe_finished(seconds(now - arrival_), first, choice.prompt_tokens, choice.tokens, out.finish_reason);
+    if (choice.first_scheduled && choice.first_token)
+      metrics_.observe_phases(seconds(*choice.first_scheduled - arrival_), seconds(*choice.first_token - *choice.first_scheduled),
+                              seconds(now - *choice.first_token), seconds(now - *choice.first_scheduled));
+    if (finished()) {
+      int64_t most = 0;
+      for (const ChoiceTiming& c : choices_) most = std::max(most, c.tokens);
+      metrics_.observe_max_generation_tokens(most);
+    }
   }
 }
 

@@ -51,7 +51,7 @@ class Generation {
 
  private:
   struct ChoiceTiming {
-    std::optional<Clock::time_point> first_token, last_token;
+    std::optional<Clock::time_point> first_token, last_token, first_scheduled;
     int64_t prompt_tokens = 0, tokens = 0;
     bool finished = false;
   };

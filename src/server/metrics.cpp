@@ -15,6 +15,10 @@ const std::vector<double> kInterTokenBuckets = {0.001, 0.005, 0.01, 0.025, 0.05,
 const std::vector<double> kRequestBuckets = {0.01, 0.05, 0.1,  0.3,  0.5,  0.8,  1.0,  1.5,   2.0,   2.5,   5.0,
                                              10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 1920.0};
 
+// vLLM's buckets for vllm:request_params_n and vllm:iteration_tokens_total.
+const std::vector<double> kParamsNBuckets = {1, 2, 5, 10, 20};
+const std::vector<int> kIterationTokensLog2 = {0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14};  // 1, 8, ..., 16384
+
 // 1, 2, 5, 10, 20, 50, ... up to `limit` (how vLLM sizes its token-count histograms).
 std::vector<double> one_two_five_buckets(int64_t limit) {
   std::vector<double> out;
@@ -84,14 +88,34 @@ std::string escape_label_value(const std::string& value) {
   return out;
 }
 
-ServerMetrics::ServerMetrics(std::string model_name, int64_t max_model_len)
+ServerMetrics::ServerMetrics(std::string model_name, int64_t max_model_len, CacheInfo cache)
     : labels_("model_name=\"" + escape_label_value(model_name) + "\""),
+      cache_(std::move(cache)),
       ttft_(kFirstTokenBuckets),
       itl_(kInterTokenBuckets),
       e2e_(kRequestBuckets),
       tpot_(kInterTokenBuckets),
       prompt_tokens_(one_two_five_buckets(max_model_len)),
-      generation_tokens_(one_two_five_buckets(max_model_len)) {}
+      generation_tokens_(one_two_five_buckets(max_model_len)),
+      queue_(kRequestBuckets),
+      prefill_(kRequestBuckets),
+      decode_(kRequestBuckets),
+      inference_(kRequestBuckets),
+      params_n_(kParamsNBuckets),
+      params_max_tokens_(one_two_five_buckets(max_model_len)),
+      max_generation_tokens_(one_two_five_buckets(max_model_len)) {}
+
+void ServerMetrics::observe_phases(double queue, double prefill, double decode, double inference) {
+  queue_.observe(queue);
+  prefill_.observe(prefill);
+  decode_.observe(decode);
+  inference_.observe(inference);
+}
+
+void ServerMetrics::observe_request(int64_t n, int64_t max_tokens) {
+  params_n_.observe(double(n));
+  params_max_tokens_.observe(double(max_tokens));
+}
 
 void ServerMetrics::observe_finished(double e2e_seconds, double time_to_first_token_seconds, int64_t prompt_tokens,
                                      int64_t generation_tokens, const std::string& finish_reason) {
@@ -155,6 +179,40 @@ std::string ServerMetrics::render(const EngineGauges& engine) const {
   histogram(tpot_, "vllm:request_time_per_output_token_seconds", "Per request: decode time per output token.");
   histogram(prompt_tokens_, "vllm:request_prompt_tokens", "Prompt length of finished requests, in tokens.");
   histogram(generation_tokens_, "vllm:request_generation_tokens", "Generated tokens of finished requests.");
+  histogram(queue_, "vllm:request_queue_time_seconds", "Time from arrival to first being scheduled.");
+  histogram(prefill_, "vllm:request_prefill_time_seconds", "Time from first being scheduled to the first token.");
+  histogram(decode_, "vllm:request_decode_time_seconds", "Time from the first token to the last.");
+  histogram(inference_, "vllm:request_inference_time_seconds", "Time from first being scheduled to the last token.");
+  histogram(params_n_, "vllm:request_params_n", "The n of each request.");
+  histogram(params_max_tokens_, "vllm:request_params_max_tokens", "The max_tokens of each request.");
+  histogram(max_generation_tokens_, "vllm:request_max_num_generation_tokens",
+            "Per request: the most tokens one of its choices generated.");
+
+  // vllm:iteration_tokens_total, a histogram over engine steps (the engine counts them by powers of two,
+  // and every bound here is one, so each cumulative count is exact).
+  header(out, "vllm:iteration_tokens_total", "histogram", "Tokens per engine step.");
+  {
+    int64_t steps = 0;
+    for (int64_t n : engine.iteration_steps_by_log2) steps += n;
+    for (int k : kIterationTokensLog2) {
+      int64_t at_most = 0;
+      for (int i = 0; i <= k; ++i) at_most += engine.iteration_steps_by_log2[size_t(i)];
+      sample(out, "vllm:iteration_tokens_total_bucket", labels_ + ",le=\"" + number(double(int64_t(1) << k)) + "\"",
+             double(at_most));
+    }
+    sample(out, "vllm:iteration_tokens_total_bucket", labels_ + ",le=\"+Inf\"", double(steps));
+    sample(out, "vllm:iteration_tokens_total_sum", labels_, double(engine.iteration_tokens));
+    sample(out, "vllm:iteration_tokens_total_count", labels_, double(steps));
+  }
+
+  header(out, "vllm:cache_config_info", "gauge", "The KV cache's settings, as labels.");
+  sample(out, "vllm:cache_config_info",
+         labels_ + ",block_size=\"" + std::to_string(cache_.block_size) + "\",cache_dtype=\"" +
+             escape_label_value(cache_.cache_dtype) + "\",enable_prefix_caching=\"" +
+             (cache_.enable_prefix_caching ? "True" : "False") + "\",indexer_kv_dtype=\"" +
+             escape_label_value(cache_.indexer_kv_dtype) + "\",num_gpu_blocks=\"" +
+             std::to_string(engine.kv_blocks_total) + "\"",
+         1.0);
   return out;
 }
 

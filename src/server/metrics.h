@@ -10,11 +10,18 @@
 // Histograms (measured by the server): vllm:time_to_first_token_seconds (arrival to first token),
 //   vllm:inter_token_latency_seconds (between tokens of one request), vllm:e2e_request_latency_seconds,
 //   vllm:request_time_per_output_token_seconds (per request: decode time / (tokens - 1)),
-//   vllm:request_prompt_tokens, vllm:request_generation_tokens.
+//   vllm:request_prompt_tokens, vllm:request_generation_tokens; per finished choice the phases
+//   vllm:request_queue_time_seconds (arrival to first scheduled), vllm:request_prefill_time_seconds (first
+//   scheduled to first token), vllm:request_decode_time_seconds (first to last token),
+//   vllm:request_inference_time_seconds (first scheduled to last token); per request
+//   vllm:request_params_n, vllm:request_params_max_tokens and, once all its choices finished,
+//   vllm:request_max_num_generation_tokens; per engine step vllm:iteration_tokens_total (from the engine).
+// Info: vllm:cache_config_info (value 1; the cache settings as labels).
 // sparrow's engine-loop counters (EngineStats' StepCounters), for the serving benchmark's account of where
 //   time goes: sparrow:{decode,prefill}_steps_total, sparrow:{decode,prefill}_step_seconds_total (whole
 //   steps) and sparrow:{decode,prefill}_forward_seconds_total (batch ready to tokens sampled).
 #pragma once
+#include <array>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -51,11 +58,20 @@ struct EngineGauges {
   int64_t prefix_queries = 0, prefix_hits = 0, preemptions = 0;
   int64_t prompt_tokens_total = 0, generation_tokens_total = 0;
   Steps decode, prefill;  // EngineStats' step counters
+  std::array<int64_t, 32> iteration_steps_by_log2{};  // EngineStats' IterationTokens
+  int64_t iteration_tokens = 0;
+};
+
+// The cache settings vllm:cache_config_info reports.
+struct CacheInfo {
+  int64_t block_size = 0;
+  std::string cache_dtype, indexer_kv_dtype;
+  bool enable_prefix_caching = true;
 };
 
 class ServerMetrics {
  public:
-  ServerMetrics(std::string model_name, int64_t max_model_len);
+  ServerMetrics(std::string model_name, int64_t max_model_len, CacheInfo cache = {});
 
   void observe_time_to_first_token(double seconds) { ttft_.observe(seconds); }
   void observe_inter_token_latency(double seconds) { itl_.observe(seconds); }
@@ -63,12 +79,20 @@ class ServerMetrics {
   // when it produced fewer than 2 tokens), its token counts and finish reason.
   void observe_finished(double e2e_seconds, double time_to_first_token_seconds, int64_t prompt_tokens,
                         int64_t generation_tokens, const std::string& finish_reason);
+  // A finished choice's phases, in seconds (see above).
+  void observe_phases(double queue, double prefill, double decode, double inference);
+  // A request at arrival: its choices per prompt and its max_tokens.
+  void observe_request(int64_t n, int64_t max_tokens);
+  // A request whose choices all finished: the most tokens one of them generated.
+  void observe_max_generation_tokens(int64_t tokens) { max_generation_tokens_.observe(double(tokens)); }
 
   std::string render(const EngineGauges& engine) const;
 
  private:
   std::string labels_;  // model_name="..."
+  CacheInfo cache_;
   Histogram ttft_, itl_, e2e_, tpot_, prompt_tokens_, generation_tokens_;
+  Histogram queue_, prefill_, decode_, inference_, params_n_, params_max_tokens_, max_generation_tokens_;
   mutable std::mutex mutex_;
   std::map<std::string, uint64_t> finished_by_reason_;
 };

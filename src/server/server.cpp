@@ -337,7 +337,9 @@ std::string Server::metrics() const {
                       s.prompt_tokens_total,
                       s.generation_tokens_total,
                       {s.decode_steps.steps, s.decode_steps.seconds, s.decode_steps.forward_seconds},
-                      {s.prefill_steps.steps, s.prefill_steps.seconds, s.prefill_steps.forward_seconds}};
+                      {s.prefill_steps.steps, s.prefill_steps.seconds, s.prefill_steps.forward_seconds},
+                      s.iteration_tokens.steps_by_log2,
+                      s.iteration_tokens.tokens};
   return context_.metrics.render(gauges);
 }
 

@@ -12,7 +12,9 @@ ServingContext::ServingContext(Engine& engine, std::shared_ptr<const Tokenizer> 
       tokenizer(std::move(tokenizer)),
       chat_template(std::move(chat_template)),
       options(std::move(options)),
-      metrics(this->options.served_model_names.front(), engine.max_model_len()) {
+      metrics(this->options.served_model_names.front(), engine.max_model_len(),
+              CacheInfo{engine.config().cache.block_size, engine.config().cache.kv_cache_dtype,
+                        engine.config().cache.indexer_kv_dtype, engine.config().cache.enable_prefix_caching}) {
   if (seed) seeds_.emplace(*seed);
 }
 

@@ -327,10 +327,17 @@ TEST(ServerMetrics, PrometheusText) {
   EXPECT_NE(out.find("x_bucket{model_name=\"m\",le=\"+Inf\"} 3\n"), std::string::npos) << out;
   EXPECT_NE(out.find("x_count{model_name=\"m\"} 3\n"), std::string::npos) << out;
 
-  ServerMetrics metrics("my \"model\"", 100);
+  ServerMetrics metrics("my \"model\"", 100, CacheInfo{64, "fp8", "auto", true});
   metrics.observe_time_to_first_token(0.2);
   metrics.observe_finished(1.0, 0.2, 7, 5, "length");
+  metrics.observe_phases(0.05, 0.15, 0.8, 0.95);
+  metrics.observe_request(2, 16);
+  metrics.observe_max_generation_tokens(5);
   EngineGauges gauges;
+  gauges.iteration_steps_by_log2[0] = 3;  // 3 steps of 1 token, 2 of 5-8, 1 of 9-16
+  gauges.iteration_steps_by_log2[3] = 2;
+  gauges.iteration_steps_by_log2[4] = 1;
+  gauges.iteration_tokens = 3 + 14 + 12;
   gauges.running = 2;
   gauges.kv_blocks_used = 3;
   gauges.kv_blocks_total = 12;
@@ -346,7 +353,23 @@ TEST(ServerMetrics, PrometheusText) {
            "vllm:request_success_total{model_name=\"my \\\"model\\\"\",finished_reason=\"length\"} 1",
            "vllm:request_time_per_output_token_seconds_sum" + labels + " 0.2",
            "sparrow:decode_steps_total" + labels + " 12", "sparrow:decode_step_seconds_total" + labels + " 0.5",
-           "sparrow:decode_forward_seconds_total" + labels + " 0.25", "sparrow:prefill_steps_total" + labels + " 0"})
+           "sparrow:decode_forward_seconds_total" + labels + " 0.25", "sparrow:prefill_steps_total" + labels + " 0",
+           "vllm:request_queue_time_seconds_sum" + labels + " 0.05",
+           "vllm:request_prefill_time_seconds_sum" + labels + " 0.15",
+           "vllm:request_decode_time_seconds_sum" + labels + " 0.8",
+           "vllm:request_inference_time_seconds_sum" + labels + " 0.95",
+           "vllm:request_params_n_bucket{model_name=\"my \\\"model\\\"\",le=\"1\"} 0",
+           "vllm:request_params_n_bucket{model_name=\"my \\\"model\\\"\",le=\"2\"} 1",
+           "vllm:request_params_max_tokens_sum" + labels + " 16",
+           "vllm:request_max_num_generation_tokens_sum" + labels + " 5",
+           "# TYPE vllm:iteration_tokens_total histogram",
+           "vllm:iteration_tokens_total_bucket{model_name=\"my \\\"model\\\"\",le=\"1\"} 3",
+           "vllm:iteration_tokens_total_bucket{model_name=\"my \\\"model\\\"\",le=\"8\"} 5",
+           "vllm:iteration_tokens_total_bucket{model_name=\"my \\\"model\\\"\",le=\"16\"} 6",
+           "vllm:iteration_tokens_total_bucket{model_name=\"my \\\"model\\\"\",le=\"+Inf\"} 6",
+           "vllm:iteration_tokens_total_sum" + labels + " 29",
+           "vllm:cache_config_info{model_name=\"my \\\"model\\\"\",block_size=\"64\",cache_dtype=\"fp8\","
+           "enable_prefix_caching=\"True\",indexer_kv_dtype=\"auto\",num_gpu_blocks=\"12\"} 1"})
     EXPECT_NE(text.find(line + "\n"), std::string::npos) << line << "\n" << text;
 }
 

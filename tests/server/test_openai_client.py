@@ -291,6 +291,16 @@ def test_metrics(server):
     assert metrics["vllm:e2e_request_latency_seconds_count"] >= 1
     assert metrics['vllm:e2e_request_latency_seconds_bucket{le="+Inf"}'] == metrics["vllm:e2e_request_latency_seconds_count"]
     assert metrics['vllm:request_success_total{finished_reason="length"}'] >= 1
+    # vLLM's request phases, request parameters and per-step token counts.
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert metrics[f"vllm:request_{phase}_time_seconds_count"] >= 1, phase
+    assert metrics["vllm:request_inference_time_seconds_sum"] >= metrics["vllm:request_decode_time_seconds_sum"]
+    assert metrics["vllm:request_params_max_tokens_count"] >= 1 and metrics["vllm:request_params_n_count"] >= 1
+    assert metrics["vllm:request_max_num_generation_tokens_count"] >= 1
+    # The request above: a prefill step of 3 tokens and 3 decode steps of 1 (other tests add more).
+    assert metrics['vllm:iteration_tokens_total_bucket{le="1"}'] >= 3
+    assert metrics['vllm:iteration_tokens_total_bucket{le="+Inf"}'] == metrics["vllm:iteration_tokens_total_count"] >= 4
+    assert any(key.startswith("vllm:cache_config_info{") and 'block_size="64"' in key for key in metrics)
 
 
 def test_prefix_cache_hits_are_counted(server):
