@@ -35,6 +35,23 @@ __global__ void __launch_bounds__(128) mla_combine_kernel(const float* ws_o, con
   if (lse && threadIdx.x == 0) lse[rh] = total > 0.f ? m + logf(total) : -INFINITY;
 }
 
+namespace {
+// Both kernels' key split (flash-decoding): each row's `key_tiles` tiles go to as many CTAs as bring the
+// grid (rows x plan.head_tiles x splits) to about `target_ctas`, evenly, and the combine kernel's
+// workspace is sized for them.
+void split_keys(AttnPlan& plan, int64_t rows, int heads, int64_t key_tiles, int64_t target_ctas) {
+  const int64_t total_tiles = std::max<int64_t>(1, key_tiles);
+  const int64_t base = rows * plan.head_tiles;
+  int64_t splits = base >= target_ctas ? 1 : (target_ctas + base - 1) / base;
+  splits = std::min(splits, total_tiles);
+  const int64_t tps = (total_tiles + splits - 1) / splits;
+  splits = (total_tiles + tps - 1) / tps;
+  plan.tiles_per_split = int(tps);
+  plan.splits = int(splits);
+  plan.workspace = splits > 1 ? size_t(splits) * size_t(rows) * size_t(heads) * (kMlaLatent + 1) * sizeof(float) : 0;
+}
+}  // namespace
+
 AttnPlan plan_mla_attention(int64_t rows, int heads, int64_t max_keys) {
   AttnPlan plan;
   // 16 heads per mma row tile; a 64-head block shares each gathered key tile among 4 head groups.
@@ -45,18 +62,9 @@ AttnPlan plan_mla_attention(int64_t rows, int heads, int64_t max_keys) {
   plan.nsplit = plan.hg == 1 ? 4 : 2;
   plan.head_tiles = (heads + 16 * plan.hg - 1) / (16 * plan.hg);
   const int n = 16 * plan.nsplit;
-  const int64_t total_tiles = std::max<int64_t>(1, (max_keys + n - 1) / n);
-  const int64_t base = rows * plan.head_tiles;
   // One block per SM is resident (the tiles take most of shared memory): aim for about two waves, so
   // that decode with few rows still spreads its keys over every SM (flash-decoding).
-  const int64_t target = 2 * int64_t(sm_count());
-  int64_t splits = base >= target ? 1 : (target + base - 1) / base;
-  splits = std::min(splits, total_tiles);
-  const int64_t tps = (total_tiles + splits - 1) / splits;
-  splits = (total_tiles + tps - 1) / tps;
-  plan.tiles_per_split = int(tps);
-  plan.splits = int(splits);
-  plan.workspace = splits > 1 ? size_t(splits) * size_t(rows) * size_t(heads) * (kMlaLatent + 1) * sizeof(float) : 0;
+  split_keys(plan, rows, heads, (max_keys + n - 1) / n, 2 * int64_t(sm_count()));
   return plan;
 }
 
@@ -64,18 +72,9 @@ namespace wg {
 AttnPlan plan_mla_wgmma(int64_t rows, int heads, int64_t max_keys) {
   AttnPlan plan;
   plan.head_tiles = (heads + kHeads - 1) / kHeads;
-  const int64_t total_tiles = std::max<int64_t>(1, (max_keys + kKeys - 1) / kKeys);
-  const int64_t base = rows * plan.head_tiles;
   // One CTA per SM (shared memory): split the keys until about one wave of CTAs runs, so that decode with
   // few rows still spreads its keys over every SM.
-  const int64_t target = int64_t(sm_count());
-  int64_t splits = base >= target ? 1 : (target + base - 1) / base;
-  splits = std::min(splits, total_tiles);
-  const int64_t tps = (total_tiles + splits - 1) / splits;
-  splits = (total_tiles + tps - 1) / tps;
-  plan.tiles_per_split = int(tps);
-  plan.splits = int(splits);
-  plan.workspace = splits > 1 ? size_t(splits) * size_t(rows) * size_t(heads) * (kMlaLatent + 1) * sizeof(float) : 0;
+  split_keys(plan, rows, heads, (max_keys + kKeys - 1) / kKeys, int64_t(sm_count()));
   return plan;
 }
 }  // namespace wg
