@@ -17,7 +17,7 @@
 // both consumers wait), EMPTY[b] (the reverse), P (warpgroup 0 -> 1: P and the factors written), P_FREE
 // (1 -> 0: read), SUMS (0 -> 1: the row sums, at the end).
 // Measured against FlashMLA in bench/results/kernels.md ("Sparse MLA decode on wgmma"): the producer is
-// the bottleneck there (one warpgroup, two round trips to memory a tile).
+// the bottleneck there (one warpgroup gathering and widening every row).
 #pragma once
 #include "kernels/cuda/mla/attention_kernel.cuh"
 #include "kernels/cuda/wgmma.cuh"
@@ -37,7 +37,9 @@ constexpr int kMaskOff = kRedOff + 2 * 64 * 4;  // [2 buffers][4 producer warps]
 constexpr int kSmem = kMaskOff + 16 + 1024;     // + the alignment slack
 static_assert(kSmem <= 232448, "over Hopper's 227 KB of shared memory per CTA");
 constexpr int kThreads = 384;                   // warpgroups 0 and 1 compute, warpgroup 2 produces
-constexpr int kScoreRegs = 232, kProducerRegs = 96;  // setmaxnreg: 128 x (232 + 168 + 96) <= 384 x 168
+// setmaxnreg: 128 x (208 + 160 + 128) <= 384 x 168. The producer's 128 hold a warp's 16 rows in flight at
+// once (below); warpgroup 1 gives 8 of its 168 back, warpgroup 0 then takes 208.
+constexpr int kScoreRegs = 208, kProductRegs = 160, kProducerRegs = 128;
 enum : int { kBarFull = 1, kBarEmpty = 3, kBarP = 5, kBarPFree = 6, kBarSums = 7 };  // FULL / EMPTY: + buffer
 
 __device__ __forceinline__ void bar_sync(int id, int threads) {
@@ -140,17 +142,16 @@ struct Codec<PageFormat::Nvfp4Latent> {  // [256 B e2m1][64 B rope e4m3][32 B e4
   }
 };
 
-// One pass of the producer's share of a tile: warp pw (0..3) fills rows 16pw .. 16pw+15, whose pool offsets
-// lanes 0..15 hold in `off_lane` (-1: an unused slot, written as zeros so P V never meets garbage).
-// Quantised formats: pass p covers rows 8p .. 8p+7 of the warp's 16: lane j loads latent unit j of each
-// (512 contiguous bytes a warp), then widens and stores them; lanes 4..7 of every 8 store their second
-// chunk first, so each quarter-warp's stores hit 8 distinct bank groups. bf16: pass 0 issues every chunk by
-// cp.async (zero-filled for unused slots), pass 1 nothing.
+// The producer's share of a tile: warp pw (0..3) fills rows 16pw .. 16pw+15, whose pool offsets lanes
+// 0..15 hold in `off_lane` (-1: an unused slot, written as zeros so P V never meets garbage).
+// Quantised formats: lane j loads latent unit j of all 16 rows (512 contiguous bytes a warp and row) and
+// their rope parts before widening any, so a tile costs one round trip to memory (two passes of 8 rows took
+// two: 0.93x the FP8 time with one, bench/results/kernels.md); then widens and stores them; lanes 4..7 of
+// every 8 store their second chunk first, so each quarter-warp's stores hit 8 distinct bank groups. bf16:
+// every chunk by cp.async (zero-filled for unused slots).
 template <PageFormat F>
-__device__ __forceinline__ void produce_pass(const uint8_t* pool, uint32_t tile, int pw, int lane, int64_t off_lane,
-                                             int pass) {
+__device__ __forceinline__ void produce_tile(const uint8_t* pool, uint32_t tile, int pw, int lane, int64_t off_lane) {
   if constexpr (F == PageFormat::BFloat16) {
-    if (pass != 0) return;
 #pragma unroll 4
     for (int i = 0; i < 16; ++i) {
       const int64_t off = __shfl_sync(0xffffffffu, off_lane, i);
@@ -163,24 +164,24 @@ __device__ __forceinline__ void produce_pass(const uint8_t* pool, uint32_t tile,
   } else {
     using C = Codec<F>;
     const int first = (lane >> 2) & 1;
-    typename C::Unit unit[8];
-    constexpr int kRope = 8 * C::kRopeUnits / 32;  // rope loads per lane per pass
+    typename C::Unit unit[16];
+    constexpr int kRope = 16 * C::kRopeUnits / 32;  // rope loads per lane
     uint4 rope[kRope];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int64_t off = __shfl_sync(0xffffffffu, off_lane, pass * 8 + i);
+    for (int i = 0; i < 16; ++i) {
+      const int64_t off = __shfl_sync(0xffffffffu, off_lane, i);
       if (off >= 0) unit[i] = C::load(pool + off, lane);
       else unit[i] = {};
     }
 #pragma unroll
     for (int k = 0; k < kRope; ++k) {
       const int idx = lane + 32 * k, i = idx / C::kRopeUnits, u = idx % C::kRopeUnits;
-      const int64_t off = __shfl_sync(0xffffffffu, off_lane, pass * 8 + i);
+      const int64_t off = __shfl_sync(0xffffffffu, off_lane, i);
       rope[k] = off >= 0 ? C::load_rope(pool + off, u) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int r = pw * 16 + pass * 8 + i;
+    for (int i = 0; i < 16; ++i) {
+      const int r = pw * 16 + i;
       uint4 lo, hi;
       C::widen(unit[i], lo, hi);
       st_shared16(tile + chunk_offset(r, 2 * lane + first), first ? hi : lo);
@@ -189,7 +190,7 @@ __device__ __forceinline__ void produce_pass(const uint8_t* pool, uint32_t tile,
 #pragma unroll
     for (int k = 0; k < kRope; ++k) {
       const int idx = lane + 32 * k, i = idx / C::kRopeUnits, u = idx % C::kRopeUnits;
-      const int r = pw * 16 + pass * 8 + i;
+      const int r = pw * 16 + i;
       uint4 out[C::kRopeChunks];
       C::widen_rope(rope[k], out);
 #pragma unroll
@@ -268,10 +269,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(const AttnParams
       if (t >= 2) bar_sync(kBarEmpty + b, kThreads);  // the consumers are done with tile t-2
       const uint32_t valid = __ballot_sync(0xffffffffu, off >= 0) & 0xffffu;
       if (lane == 0) masks[b * 4 + pw] = uint16_t(valid);
-      produce_pass<F>(p.pool, tile, pw, lane, off, 0);
+      produce_tile<F>(p.pool, tile, pw, lane, off);
       const int64_t off_n2 = token_n2 >= 0 ? page_n2 + int64_t(token_n2 % p.block_size) * R : -1;
       if (off_n2 >= 0) prefetch_l2(p.pool + off_n2, R);
-      produce_pass<F>(p.pool, tile, pw, lane, off, 1);
       ptx::cp_async_commit();
       ptx::cp_async_wait<0>();
       wgmma::fence_proxy_async();  // generic-proxy writes -> wgmma's async-proxy reads
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(const AttnParams
 
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
   if (w == 0) {
-    setmaxnreg_inc<kScoreRegs>();  // warpgroup 1 keeps the 168 it was launched with
+    setmaxnreg_inc<kScoreRegs>();  // after warpgroup 1 and the producer gave theirs back
     float s[32];
     auto qk = [&](uint32_t k_s) {
       ptx::wgmma_fence();
@@ -395,6 +395,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(const AttnParams
     }
     bar_arrive(kBarSums, 256);
   } else {
+    setmaxnreg_dec<kProductRegs>();
     for (int t = 0; t < ntiles; ++t) {
       const int b = t & 1;
       bar_sync(kBarFull + b, kThreads);
