@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "core/error.h"
+#include "core/parallel.h"
 #include "kernels/ops.h"
 #include "runner/memory_profile.h"
 
@@ -277,22 +278,25 @@ bool EngineCore::step() {
 void EngineCore::fill_token_masks(const std::vector<Sequence*>& sampled, std::vector<int32_t>& rows,
                                   std::vector<uint32_t>& words) const {
   // Filled on this thread after the step's forward pass was launched: on a GPU the masks are computed while
-  // it runs (vLLM overlaps them the same way).
-  const size_t width = size_t((model_.vocab_size() + 31) / 32);
-  for (size_t i = 0; i < sampled.size(); ++i) {
-    const Sequence& seq = *sampled[i];
-    if (!seq.matcher && !seq.allowed_tokens) continue;
-    rows.push_back(int32_t(i));
-    words.resize(words.size() + width);
-    uint32_t* row = words.data() + words.size() - width;
-    if (seq.matcher) {
-      seq.matcher->fill_next_token_bitmask(row);
-      if (seq.allowed_tokens)
-        for (size_t w = 0; w < width; ++w) row[w] &= (*seq.allowed_tokens)[w];
-    } else {
-      std::copy(seq.allowed_tokens->begin(), seq.allowed_tokens->end(), row);
+  // it runs (vLLM overlaps them the same way). Rows in parallel: each matcher is its own, and what they
+  // share (the compiled grammar's caches) is locked.
+  const int64_t width = (model_.vocab_size() + 31) / 32;
+  for (size_t i = 0; i < sampled.size(); ++i)
+    if (sampled[i]->matcher || sampled[i]->allowed_tokens) rows.push_back(int32_t(i));
+  words.assign(rows.size() * size_t(width), 0u);
+  parallel_for(int64_t(rows.size()), [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const Sequence& seq = *sampled[size_t(rows[size_t(k)])];
+      uint32_t* row = words.data() + k * width;
+      if (seq.matcher) {
+        seq.matcher->fill_next_token_bitmask(row);
+        if (seq.allowed_tokens)
+          for (int64_t w = 0; w < width; ++w) row[w] &= (*seq.allowed_tokens)[size_t(w)];
+      } else {
+        std::copy(seq.allowed_tokens->begin(), seq.allowed_tokens->end(), row);
+      }
     }
-  }
+  });
 }
 
 void EngineCore::finish_unmatched(Sequence& seq) {

@@ -26,6 +26,8 @@ constexpr uint32_t partial_length(uint32_t p) { return p & 7; }
 constexpr uint32_t kMinCodePointOfLength[5] = {0, 0, 0x80, 0x800, 0x10000};
 constexpr uint32_t kMaxCodePointOfLength[5] = {0, 0x7F, 0x7FF, 0xFFFF, 0x10FFFF};
 
+bool token_allowed_in(const uint32_t* words, int32_t t) { return (words[t >> 5] >> (t & 31)) & 1u; }
+
 uint64_t mix(uint64_t z) {
   z += 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -319,6 +321,17 @@ CompiledGrammar::CompiledGrammar(Grammar grammar, std::shared_ptr<const TokenVoc
       if (f[b]) words[b >> 6] |= uint64_t(1) << (b & 63);
     follow_.push_back(words);
   }
+  only_reference_.assign(num_rules, -1);
+  std::vector<int32_t> references(num_rules, 0);
+  for (size_t p = 0; p < positions_.size(); ++p)
+    if (positions_[p].kind == Position::Kind::Ref) {
+      const size_t r = size_t(positions_[p].arg);
+      // A rule's tail reference to itself (a repetition loop) returns where the rule returns: no new place.
+      if (int32_t(r) == positions_[p].rule && positions_[p + 1].kind == Position::Kind::End) continue;
+      if (++references[r] == 1) only_reference_[r] = int32_t(p);
+    }
+  for (size_t r = 0; r < num_rules; ++r)
+    if (references[r] != 1 || r == 0) only_reference_[r] = -1;
 }
 
 size_t CompiledGrammar::num_cached_splits() const {
@@ -339,9 +352,20 @@ std::shared_ptr<const TokenSplit> CompiledGrammar::token_split(int32_t position,
   split->accepted.assign(size_t(vocab.mask_words()), 0);
   StackArena arena;
   Recognizer recognizer(*this, arena);
-  const int32_t rule = positions_[size_t(position)].rule;
+  // The frame's parents, as far as they are fixed: while the rule is referenced from one place only, its
+  // frame returns to the position after that reference (or, for a tail reference, to where that rule's
+  // frame returns). The rule whose end leaves the known part is the one whose FOLLOW filters the exits.
+  std::vector<int32_t> returns;  // positions to return to, innermost first
+  int32_t rule = positions_[size_t(position)].rule;
+  for (int hops = 0; only_reference_[size_t(rule)] >= 0 && hops < 64; ++hops) {
+    const int32_t site = only_reference_[size_t(rule)];
+    if (positions_[size_t(site + 1)].kind != Position::Kind::End) returns.push_back(site + 1);
+    rule = positions_[size_t(site)].rule;
+  }
+  int32_t parent = kExitFrame;
+  for (size_t i = returns.size(); i-- > 0;) parent = arena.intern(returns[i], parent, 0);
   std::vector<State> states(1);
-  states[0].tops.push_back(arena.intern(position, kExitFrame, partial));
+  states[0].tops.push_back(arena.intern(position, parent, partial));
   auto accept_node = [&](int32_t node) {
     for (int32_t id : vocab.tokens_at(node)) split->accepted[size_t(id) >> 5] |= 1u << (id & 31);
   };
@@ -371,6 +395,28 @@ std::shared_ptr<const TokenSplit> CompiledGrammar::token_split(int32_t position,
   });
   std::lock_guard lock(mutex_);
   return splits_.emplace(key, std::move(split)).first->second;
+}
+
+std::shared_ptr<const CompiledGrammar::CachedMask> CompiledGrammar::cached_mask(const std::string& key) const {
+  if (!mask_cache_enabled_) return nullptr;
+  std::lock_guard lock(mutex_);
+  auto it = mask_index_.find(key);
+  if (it == mask_index_.end()) return nullptr;
+  masks_.splice(masks_.begin(), masks_, it->second);
+  return it->second->second;
+}
+
+void CompiledGrammar::keep_mask(const std::string& key, std::shared_ptr<const CachedMask> mask) const {
+  if (!mask_cache_enabled_) return;
+  const size_t capacity = size_t(std::max<int64_t>(16, kMaskCacheBytes / (vocabulary_->mask_words() * 4 + 64)));
+  std::lock_guard lock(mutex_);
+  if (mask_index_.count(key)) return;
+  masks_.emplace_front(key, std::move(mask));
+  mask_index_[key] = masks_.begin();
+  while (masks_.size() > capacity) {
+    mask_index_.erase(masks_.back().first);
+    masks_.pop_back();
+  }
 }
 
 // --- GrammarMatcher ------------------------------------------------------------------------------------
@@ -436,6 +482,32 @@ int64_t GrammarMatcher::fill_next_token_bitmask(uint32_t* words) {
   std::fill(words, words + num_words, 0u);
   const ParserState& now = history_.back();
   if (now.completed) return 0;
+  auto end_tokens = [&](int64_t allowed) {
+    if (now.can_end)
+      for (int32_t id : end_tokens_)
+        if (id >= 0 && id < vocab.mask_size() && !token_allowed_in(words, id)) {
+          words[id >> 5] |= 1u << (id & 31);
+          ++allowed;
+        }
+    return allowed;
+  };
+  // The state's content: each stack as its frames' (position, partial) from the top down, sorted.
+  std::vector<std::string> stacks;
+  for (int32_t id = 0; size_t(id) < now.tops.size(); ++id) {
+    std::string chain;
+    for (int32_t f = now.tops[size_t(id)]; f >= 0; f = (*arena_)[f].parent) {
+      const int32_t frame[2] = {(*arena_)[f].position, int32_t((*arena_)[f].partial)};
+      chain.append(reinterpret_cast<const char*>(frame), sizeof frame);
+    }
+    stacks.push_back(std::move(chain));
+  }
+  std::sort(stacks.begin(), stacks.end());
+  std::string key;
+  for (const std::string& chain : stacks) key += std::to_string(chain.size()) + ":" + chain;
+  if (auto cached = grammar_->cached_mask(key)) {
+    std::copy(cached->words.begin(), cached->words.end(), words);
+    return end_tokens(cached->allowed);
+  }
   // The tops' splits: accepted tokens at once, the uncertain ones gathered for the walk below.
   std::vector<std::pair<int32_t, uint32_t>> keys;
   for (int32_t id : now.tops) keys.push_back({(*arena_)[id].position, (*arena_)[id].partial});
@@ -481,12 +553,12 @@ int64_t GrammarMatcher::fill_next_token_bitmask(uint32_t* words) {
     };
     walk(walk, 0, 0);
   }
-  if (now.can_end)
-    for (int32_t id : end_tokens_)
-      if (id >= 0 && id < vocab.mask_size()) words[id >> 5] |= 1u << (id & 31);
-  int64_t allowed = 0;
-  for (int64_t w = 0; w < num_words; ++w) allowed += std::popcount(words[w]);
-  return allowed;
+  auto mask = std::make_shared<CompiledGrammar::CachedMask>();
+  mask->words.assign(words, words + num_words);
+  for (int64_t w = 0; w < num_words; ++w) mask->allowed += std::popcount(words[w]);
+  const int64_t allowed = mask->allowed;
+  grammar_->keep_mask(key, std::move(mask));
+  return end_tokens(allowed);
 }
 
 // --- GrammarCompiler -----------------------------------------------------------------------------------

@@ -10,9 +10,15 @@
 //   - The adaptive token cache (xgrammar's idea): for a stack's top position alone, most tokens are
 //     accepted or rejected whatever lies below it; only tokens that finish the top rule and read on
 //     into whatever follows it are "uncertain". Each position's split is computed once per compiled
-//     grammar (on first use) and kept; a mask is then the union of the accepted sets of the tops, plus
+//     grammar (on first use) and kept. A rule referenced from one place only always returns there, so the
+//     split follows it out into that place (xgrammar's context expansion) and stops at the first rule
+//     used in several places. A mask is then the union of the accepted sets of the tops, plus
 //     a trie walk of the real stacks restricted to the uncertain tokens. Tokens leaving the rule with a
 //     byte that cannot follow it anywhere in the grammar (its FOLLOW set) are rejected outright.
+//   - Whole masks are kept too, keyed by the content of the state's stacks (positions and partial
+//     characters, not arena ids), so a state met again — the next character of a long string, the same
+//     field of the same schema in another request — costs a copy (Outlines caches masks per automaton
+//     state the same way; here the stacks make the state). Bounded per grammar (kMaskCacheBytes, LRU).
 #pragma once
 #include <array>
 #include <cstdint>
@@ -30,6 +36,9 @@
 #include "structured/vocabulary.h"
 
 namespace sparrow::structured {
+
+// The memory a compiled grammar may keep in whole masks (least recently used dropped first).
+inline constexpr int64_t kMaskCacheBytes = int64_t(8) << 20;
 
 // Per position of a stack top: which tokens it settles alone.
 struct TokenSplit {
@@ -60,6 +69,15 @@ class CompiledGrammar {
   std::shared_ptr<const TokenSplit> token_split(int32_t position, uint32_t partial) const;
   size_t num_cached_splits() const;
 
+  // Whole masks by state content (GrammarMatcher builds the key); none kept when disabled (benchmarks).
+  struct CachedMask {
+    std::vector<uint32_t> words;
+    int64_t allowed = 0;
+  };
+  std::shared_ptr<const CachedMask> cached_mask(const std::string& key) const;
+  void keep_mask(const std::string& key, std::shared_ptr<const CachedMask> mask) const;
+  void set_mask_cache(bool enabled) { mask_cache_enabled_ = enabled; }
+
  private:
   Grammar grammar_;
   std::shared_ptr<const TokenVocabulary> vocabulary_;
@@ -67,8 +85,14 @@ class CompiledGrammar {
   std::vector<std::vector<int32_t>> alternative_starts_;
   std::vector<std::array<uint64_t, 2>> ascii_;   // per class: its ASCII members
   std::vector<std::array<uint64_t, 4>> follow_;  // per rule: the bytes that may come right after it
+  // per rule: the one position referencing it, when it is referenced exactly once (and is not the start
+  // rule), else -1: its frames' parents are then known without the stack (context expansion).
+  std::vector<int32_t> only_reference_;
   mutable std::mutex mutex_;
   mutable std::unordered_map<uint64_t, std::shared_ptr<const TokenSplit>> splits_;
+  bool mask_cache_enabled_ = true;
+  mutable std::list<std::pair<std::string, std::shared_ptr<const CachedMask>>> masks_;  // most recent first
+  mutable std::unordered_map<std::string, decltype(masks_)::iterator> mask_index_;
 };
 
 // Interned stack frames and the parser's state (matcher.cpp).
@@ -116,7 +140,7 @@ class GrammarMatcher {
 // Thread-safe.
 class GrammarCompiler {
  public:
-  explicit GrammarCompiler(std::shared_ptr<const TokenVocabulary> vocabulary, size_t capacity = 64);
+  explicit GrammarCompiler(std::shared_ptr<const TokenVocabulary> vocabulary, size_t capacity = 32);
   std::shared_ptr<const CompiledGrammar> compile(const StructuredOutputSpec& spec);
   const TokenVocabulary& vocabulary() const { return *vocabulary_; }
 
