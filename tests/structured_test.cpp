@@ -319,6 +319,9 @@ std::vector<StructuredOutputSpec> sample_specs() {
   specs.push_back({Kind::JsonObject, "", {}, true});
   specs.push_back({Kind::Regex, R"((\d{1,3}\.){3}\d{1,3}|[a-z]+@[a-z]+\.com)", {}, true});
   specs.push_back({Kind::Choice, "", {"positive", "negative", "neutral \xC3\xA9"}, true});
+  // Long counted repetitions: chain positions far from their bound share splits and masks (canonical).
+  specs.push_back({Kind::Regex, R"(([a-z]+ ){2,300}[0-9]{0,80}\.)", {}, true});
+  specs.push_back({Kind::JsonSchema, R"({"type": "array", "items": {"type": "string", "maxLength": 150}, "maxItems": 40})", {}, true});
   specs.push_back({Kind::Grammar, R"(root ::= "def " name "(" (name ("," " "? name)*)? "):" [\n] body
       name ::= [a-z_] [a-z_0-9]*
       body ::= ("    return " name [\n])+)", {}, true});
@@ -390,6 +393,25 @@ TEST(StructuredMatcher, RollbackRestoresEarlierStates) {
   EXPECT_ERROR_HAS(m.rollback(1), "rollback");
   // Token splits are computed once per compiled grammar and kept.
   EXPECT_GT(m.grammar().num_cached_splits(), 0u);
+}
+
+TEST(StructuredMatcher, CountedRepetitionsKeepTheirBound) {
+  // With one-byte tokens, chain positions allowing more than 2 copies share one split and mask key; the
+  // bound itself must still hold exactly.
+  auto grammar = std::make_shared<const CompiledGrammar>(grammar_from_regex("(ab|c){0,100}d"), byte_vocabulary());
+  GrammarMatcher m(grammar, {});
+  std::vector<uint32_t> words(8);
+  for (int k = 0; k <= 100; ++k) {
+    m.fill_next_token_bitmask(words.data());
+    EXPECT_EQ(bit(words, 'a'), k < 100) << k;
+    EXPECT_EQ(bit(words, 'c'), k < 100) << k;
+    EXPECT_TRUE(bit(words, 'd')) << k;
+    EXPECT_FALSE(bit(words, 'b')) << k;
+    if (k < 100) ASSERT_TRUE(m.accept_bytes(k % 2 ? "ab" : "c"));
+  }
+  EXPECT_FALSE(m.accept_bytes("c"));
+  EXPECT_TRUE(m.accept_bytes("d"));
+  EXPECT_TRUE(m.is_terminated());
 }
 
 TEST(StructuredMatcher, CompilerCachesByCanonicalText) {

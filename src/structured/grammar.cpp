@@ -307,6 +307,7 @@ class Lowering {
       return;
     }
     int32_t next = -1;  // built from the last optional copy back to the first
+    const int32_t chain = chains_++;
     for (int64_t i = e.max - e.min; i >= 1; --i) {
       std::vector<Grammar::Alternative> alts;
       for (const auto& a : body) {
@@ -316,6 +317,8 @@ class Lowering {
       alts.push_back({});
       count(body_size + int64_t(body.size()));
       next = new_rule("optional", std::move(alts));
+      out_.rules[size_t(next)].chain = chain;
+      out_.rules[size_t(next)].chain_remaining = int32_t(e.max - e.min - i + 1);
     }
     count(1);
     alt.push_back({Grammar::Element::Kind::Ref, next});
@@ -325,6 +328,7 @@ class Lowering {
   std::unordered_map<std::string, int32_t> ids_;
   std::string current_;
   int64_t elements_ = 0;
+  int32_t chains_ = 0;
 };
 
 void check(const Grammar& g) {

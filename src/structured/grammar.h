@@ -88,6 +88,12 @@ struct Grammar {
   struct Rule {
     std::string name;
     std::vector<Alternative> alternatives;
+    // The optional copies of a counted repetition X{m,n} form a chain of rules (copy k: X then copy k+1,
+    // or nothing); `chain` numbers the chain (-1: not in one) and `chain_remaining` is how many copies
+    // this rule and those after it allow. Rules of one chain differ only in their link to the next, so
+    // the matcher treats all that allow more copies than a token can fill as one (matcher.cpp).
+    int32_t chain = -1;
+    int32_t chain_remaining = 0;
   };
   std::vector<Rule> rules;  // rules[0] is the start rule
   std::vector<CharClass> classes;

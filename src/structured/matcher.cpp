@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <bitset>
+#include <map>
 
 #include "core/error.h"
 
@@ -332,6 +333,26 @@ CompiledGrammar::CompiledGrammar(Grammar grammar, std::shared_ptr<const TokenVoc
     }
   for (size_t r = 0; r < num_rules; ++r)
     if (references[r] != 1 || r == 0) only_reference_[r] = -1;
+  // Canonical positions (matcher.h): chain rules allowing more than `enough` copies map onto the one
+  // allowing exactly `enough`, position by position (same alternative, same offset).
+  int64_t longest = 1;
+  for (int32_t id = 0; id < vocabulary_->mask_size(); ++id)
+    if (!vocabulary_->excluded(id)) longest = std::max<int64_t>(longest, int64_t(vocabulary_->bytes(id).size()));
+  const int64_t enough = longest + 1;
+  std::map<std::pair<int32_t, int64_t>, int32_t> chain_rule;  // (chain, remaining) -> rule
+  for (size_t r = 0; r < num_rules; ++r)
+    if (grammar_.rules[r].chain >= 0) chain_rule[{grammar_.rules[r].chain, grammar_.rules[r].chain_remaining}] = int32_t(r);
+  canonical_.resize(positions_.size());
+  for (size_t r = 0; r < num_rules; ++r) {
+    const Grammar::Rule& rule = grammar_.rules[r];
+    int32_t target = int32_t(r);
+    if (rule.chain >= 0 && rule.chain_remaining > enough) target = chain_rule.at({rule.chain, enough});
+    for (size_t a = 0; a < alternative_starts_[r].size(); ++a) {
+      const int32_t from = alternative_starts_[r][a], to = alternative_starts_[size_t(target)][a];
+      const size_t length = rule.alternatives[a].size() + 1;  // the End too
+      for (size_t k = 0; k < length; ++k) canonical_[size_t(from) + k] = to + int32_t(k);
+    }
+  }
 }
 
 size_t CompiledGrammar::num_cached_splits() const {
@@ -340,6 +361,7 @@ size_t CompiledGrammar::num_cached_splits() const {
 }
 
 std::shared_ptr<const TokenSplit> CompiledGrammar::token_split(int32_t position, uint32_t partial) const {
+  position = canonical_[size_t(position)];
   const uint64_t key = (uint64_t(uint32_t(position)) << 32) | partial;
   {
     std::lock_guard lock(mutex_);
@@ -496,7 +518,7 @@ int64_t GrammarMatcher::fill_next_token_bitmask(uint32_t* words) {
   for (int32_t id = 0; size_t(id) < now.tops.size(); ++id) {
     std::string chain;
     for (int32_t f = now.tops[size_t(id)]; f >= 0; f = (*arena_)[f].parent) {
-      const int32_t frame[2] = {(*arena_)[f].position, int32_t((*arena_)[f].partial)};
+      const int32_t frame[2] = {grammar_->canonical((*arena_)[f].position), int32_t((*arena_)[f].partial)};
       chain.append(reinterpret_cast<const char*>(frame), sizeof frame);
     }
     stacks.push_back(std::move(chain));
@@ -510,7 +532,7 @@ int64_t GrammarMatcher::fill_next_token_bitmask(uint32_t* words) {
   }
   // The tops' splits: accepted tokens at once, the uncertain ones gathered for the walk below.
   std::vector<std::pair<int32_t, uint32_t>> keys;
-  for (int32_t id : now.tops) keys.push_back({(*arena_)[id].position, (*arena_)[id].partial});
+  for (int32_t id : now.tops) keys.push_back({grammar_->canonical((*arena_)[id].position), (*arena_)[id].partial});
   std::sort(keys.begin(), keys.end());
   keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
   std::vector<std::shared_ptr<const TokenSplit>> splits;

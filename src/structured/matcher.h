@@ -88,6 +88,16 @@ class CompiledGrammar {
   // per rule: the one position referencing it, when it is referenced exactly once (and is not the start
   // rule), else -1: its frames' parents are then known without the stack (context expansion).
   std::vector<int32_t> only_reference_;
+  // per position: the position standing for it in token splits and mask keys. A position in a counted
+  // repetition's chain allowing more copies than the longest token has bytes behaves, for any token, as
+  // the same place in the chain's rule allowing just that many (every copy reads at least one byte): all
+  // of them share that rule's splits and masks, so X{0,2000} costs as many splits as the longest token.
+  std::vector<int32_t> canonical_;
+
+ public:
+  int32_t canonical(int32_t position) const { return canonical_[size_t(position)]; }
+
+ private:
   mutable std::mutex mutex_;
   mutable std::unordered_map<uint64_t, std::shared_ptr<const TokenSplit>> splits_;
   bool mask_cache_enabled_ = true;
