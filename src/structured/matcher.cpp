@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <bitset>
+#include <climits>
 #include <map>
 
 #include "core/error.h"
@@ -322,17 +323,28 @@ CompiledGrammar::CompiledGrammar(Grammar grammar, std::shared_ptr<const TokenVoc
       if (f[b]) words[b >> 6] |= uint64_t(1) << (b & 63);
     follow_.push_back(words);
   }
+  // Where each rule's frames return: a non-tail reference at p returns to p + 1; a tail reference from
+  // rule S returns where S's frames return (one place, however many tail references S makes). A rule with
+  // one such place gets the reference standing for it (any of S's tail references will do).
   only_reference_.assign(num_rules, -1);
-  std::vector<int32_t> references(num_rules, 0);
+  std::vector<int64_t> return_target(num_rules, INT64_MIN);  // p + 1, or -(S + 1) for a tail from S
+  std::vector<char> several(num_rules, 0);
   for (size_t p = 0; p < positions_.size(); ++p)
     if (positions_[p].kind == Position::Kind::Ref) {
       const size_t r = size_t(positions_[p].arg);
+      const bool tail = positions_[p + 1].kind == Position::Kind::End;
       // A rule's tail reference to itself (a repetition loop) returns where the rule returns: no new place.
-      if (int32_t(r) == positions_[p].rule && positions_[p + 1].kind == Position::Kind::End) continue;
-      if (++references[r] == 1) only_reference_[r] = int32_t(p);
+      if (tail && int32_t(r) == positions_[p].rule) continue;
+      const int64_t target = tail ? -int64_t(positions_[p].rule) - 1 : int64_t(p) + 1;
+      if (return_target[r] == INT64_MIN) {
+        return_target[r] = target;
+        only_reference_[r] = int32_t(p);
+      } else if (return_target[r] != target) {
+        several[r] = 1;
+      }
     }
   for (size_t r = 0; r < num_rules; ++r)
-    if (references[r] != 1 || r == 0) only_reference_[r] = -1;
+    if (several[r] || r == 0) only_reference_[r] = -1;
   // Canonical positions (matcher.h): chain rules allowing more than `enough` copies map onto the one
   // allowing exactly `enough`, position by position (same alternative, same offset).
   int64_t longest = 1;
