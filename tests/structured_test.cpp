@@ -27,6 +27,8 @@ std::shared_ptr<const TokenVocabulary> byte_vocabulary() {
   return vocab;
 }
 
+bool bit(const std::vector<uint32_t>& words, int32_t t) { return (words[size_t(t) >> 5] >> (t & 31)) & 1; }
+
 bool matches(const Grammar& grammar, std::string_view text) {
   GrammarMatcher m(std::make_shared<const CompiledGrammar>(grammar, byte_vocabulary()), {});
   return m.accept_bytes(text) && m.is_terminated();
@@ -270,6 +272,55 @@ TEST(StructuredJsonSchema, RefusesWhatItCannotEnforce) {
   EXPECT_ERROR_HAS(schema(deep.c_str()), "deeper than");
 }
 
+TEST(StructuredFrontEnds, MutatedInputsAreErrorsOrGrammarsNeverCrashes) {
+  // Random edits of valid inputs: each front end either returns a grammar the matcher then runs on, or
+  // throws sparrow::Error; nothing else (a crash, another exception, a hang) may happen.
+  const std::vector<std::pair<int, std::string>> seeds = {
+      {0, R"(root ::= "a" b* ("c" | [d-f]{1,3})+ # x
+             b ::= [^\n"] "\u00e9" .?)"},
+      {1, R"(^(?:[A-Z]\w{2,5}|\d+\.\d*)+[^\s\]]{0,3}(a|b)?$)"},
+      {2, R"({"type": "object", "properties": {"a": {"type": "array", "items": {"$ref": "#/$defs/x"}, "maxItems": 3},
+             "b": {"anyOf": [{"type": "string", "pattern": "[a-z]+"}, {"enum": [1, null]}]}}, "required": ["a"],
+             "$defs": {"x": {"type": ["integer", "null"], "minimum": 0}}, "additionalProperties": {"type": "boolean"}})"},
+  };
+  const std::string alphabet = "()[]{}|*+?.^$\\\"'#:=,-0123456789abcxyz \n\t{}<>!/u";
+  std::mt19937 rng(2024);
+  auto byte_grammar_runs = [&](const Grammar& g) {
+    GrammarMatcher m(std::make_shared<const CompiledGrammar>(g, byte_vocabulary()), {});
+    std::vector<uint32_t> words(8);
+    for (int step = 0; step < 8; ++step) {
+      if (m.fill_next_token_bitmask(words.data()) == 0) break;
+      std::vector<int32_t> allowed;
+      for (int32_t t = 0; t < 256; ++t)
+        if (bit(words, t)) allowed.push_back(t);
+      ASSERT_TRUE(m.accept_token(allowed[rng() % allowed.size()]));
+    }
+  };
+  int grammars = 0, errors = 0;
+  for (int i = 0; i < 3000; ++i) {
+    const auto& [kind, seed] = seeds[size_t(i) % seeds.size()];
+    std::string text = seed;
+    for (int edits = 1 + int(rng() % 4); edits > 0 && !text.empty(); --edits) {
+      const size_t at = rng() % text.size();
+      switch (rng() % 3) {
+        case 0: text.erase(at, 1 + rng() % 3); break;
+        case 1: text.insert(at, 1, alphabet[rng() % alphabet.size()]); break;
+        default: text[at] = alphabet[rng() % alphabet.size()]; break;
+      }
+    }
+    try {
+      Grammar g = kind == 0 ? grammar_from_ebnf(text) : kind == 1 ? grammar_from_regex(text) : grammar_from_json_schema(text);
+      ++grammars;
+      byte_grammar_runs(g);
+    } catch (const Error& e) {
+      ++errors;
+      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "a one-line error: " << e.what();
+    }
+  }
+  EXPECT_GT(grammars, 100);
+  EXPECT_GT(errors, 100);
+}
+
 // --- the matcher over a real vocabulary ---------------------------------------------------------------
 
 struct RealVocabulary {
@@ -289,7 +340,6 @@ const RealVocabulary& real_vocabulary() {
   return v;
 }
 
-bool bit(const std::vector<uint32_t>& words, int32_t t) { return (words[size_t(t) >> 5] >> (t & 31)) & 1; }
 
 // The mask equals accepting each token on its own.
 void expect_mask_is_brute_force(GrammarMatcher& m, const std::string& where) {
