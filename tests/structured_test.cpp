@@ -464,6 +464,20 @@ TEST(StructuredMatcher, CountedRepetitionsKeepTheirBound) {
   EXPECT_TRUE(m.is_terminated());
 }
 
+TEST(StructuredMatcher, ManyTopsAreMaskedByOneWalk) {
+  // 500 choices: the first state has 500 distinct tops (past kMaxSplitTops), masked by a walk of the real
+  // stacks; the mask still equals brute force.
+  const auto& real = real_vocabulary();
+  std::vector<std::string> choices;
+  for (int i = 0; i < 500; ++i) choices.push_back("item" + std::to_string(i * 7919 % 100000) + (i % 3 ? " x" : ""));
+  GrammarCompiler compiler(real.vocab);
+  StructuredOutputSpec spec{StructuredOutputSpec::Kind::Choice, "", choices, true};
+  GrammarMatcher m(compiler.compile(spec), {real.eos});
+  ASSERT_TRUE(m.accept_bytes("ite"));
+  expect_mask_is_brute_force(m, "500 choices");
+  EXPECT_EQ(m.grammar().num_cached_splits(), 0u);  // none computed for a state of many tops
+}
+
 TEST(StructuredMatcher, CompilerCachesByCanonicalText) {
   const auto& real = real_vocabulary();
   GrammarCompiler compiler(real.vocab, 2);

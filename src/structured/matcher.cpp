@@ -428,6 +428,13 @@ std::shared_ptr<const TokenSplit> CompiledGrammar::token_split(int32_t position,
     return (split->accepted[size_t(id) >> 5] >> (id & 31)) & 1;
   });
   std::lock_guard lock(mutex_);
+  // Bounded: past kSplitCacheBytes the splits start over (those in use stay alive with their users).
+  const size_t bytes = size_t(vocab.mask_words()) * 4 + split->uncertain_nodes.size() * 4 + 64;
+  if (split_bytes_ + bytes > size_t(kSplitCacheBytes)) {
+    splits_.clear();
+    split_bytes_ = 0;
+  }
+  split_bytes_ += bytes;
   return splits_.emplace(key, std::move(split)).first->second;
 }
 
@@ -547,6 +554,11 @@ int64_t GrammarMatcher::fill_next_token_bitmask(uint32_t* words) {
   for (int32_t id : now.tops) keys.push_back({grammar_->canonical((*arena_)[id].position), (*arena_)[id].partial});
   std::sort(keys.begin(), keys.end());
   keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+  // A state of many distinct tops (a long list of choices, a wide alternation) would compute and keep a
+  // split per top, each a walk of the whole trie: then one walk of the real stacks over every token is
+  // cheaper, and keeps nothing but the whole mask.
+  const bool walk_everything = int64_t(keys.size()) > kMaxSplitTops;
+  if (walk_everything) keys.clear();
   std::vector<std::shared_ptr<const TokenSplit>> splits;
   for (auto [position, partial] : keys) {
     splits.push_back(grammar_->token_split(position, partial));
@@ -563,7 +575,7 @@ int64_t GrammarMatcher::fill_next_token_bitmask(uint32_t* words) {
     merged.erase(std::unique(merged.begin(), merged.end()), merged.end());
     uncertain = merged;
   }
-  if (!uncertain.empty()) {
+  if (!uncertain.empty() || walk_everything) {
     // The uncertain tokens against the real stacks: a trie walk entering only subtrees that hold one.
     const auto& trie = vocab.trie();
     Recognizer recognizer(*grammar_, *arena_);
@@ -574,11 +586,11 @@ int64_t GrammarMatcher::fill_next_token_bitmask(uint32_t* words) {
       for (int32_t c = node + 1; c < trie[size_t(node)].subtree_end; c = trie[size_t(c)].subtree_end) {
         const int32_t end = trie[size_t(c)].subtree_end;
         auto it = std::lower_bound(uncertain.begin(), uncertain.end(), c);
-        if (it == uncertain.end() || *it >= end) continue;
+        if (!walk_everything && (it == uncertain.end() || *it >= end)) continue;
         const int32_t mark = arena_->size();
         recognizer.step(states[depth], trie[size_t(c)].byte, states[depth + 1]);
         if (!states[depth + 1].tops.empty() || states[depth + 1].can_end) {
-          if (*it == c)
+          if (walk_everything || *it == c)
             for (int32_t id : vocab.tokens_at(c)) words[id >> 5] |= 1u << (id & 31);
           if (end > c + 1) self(self, c, depth + 1);
         }

@@ -37,8 +37,13 @@
 
 namespace sparrow::structured {
 
-// The memory a compiled grammar may keep in whole masks (least recently used dropped first).
+// The memory a compiled grammar may keep in whole masks (least recently used dropped first) and in token
+// splits (all dropped when full, then computed again as needed).
 inline constexpr int64_t kMaskCacheBytes = int64_t(8) << 20;
+inline constexpr int64_t kSplitCacheBytes = int64_t(64) << 20;
+// A state with more distinct stack tops than this is masked by one walk of its real stacks over the whole
+// trie instead of a split per top.
+inline constexpr int64_t kMaxSplitTops = 32;
 
 // Per position of a stack top: which tokens it settles alone.
 struct TokenSplit {
@@ -100,6 +105,7 @@ class CompiledGrammar {
  private:
   mutable std::mutex mutex_;
   mutable std::unordered_map<uint64_t, std::shared_ptr<const TokenSplit>> splits_;
+  mutable size_t split_bytes_ = 0;
   bool mask_cache_enabled_ = true;
   mutable std::list<std::pair<std::string, std::shared_ptr<const CachedMask>>> masks_;  // most recent first
   mutable std::unordered_map<std::string, decltype(masks_)::iterator> mask_index_;
