@@ -10,9 +10,9 @@
 //   - The adaptive token cache (xgrammar's idea): for a stack's top position alone, most tokens are
 //     accepted or rejected whatever lies below it; only tokens that finish the top rule and read on
 //     into whatever follows it are "uncertain". Each position's split is computed once per compiled
-//     grammar (on first use) and kept. A rule referenced from one place only always returns there, so the
-//     split follows it out into that place (xgrammar's context expansion) and stops at the first rule
-//     used in several places. A mask is then the union of the accepted sets of the tops, plus
+//     grammar (on first use) and kept. A rule whose frames always return to one place (one non-tail
+//     reference, or tail references from one rule) is followed out into that place by the split
+//     (xgrammar's context expansion), up to the first rule that returns to several places. A mask is then the union of the accepted sets of the tops, plus
 //     a trie walk of the real stacks restricted to the uncertain tokens. Tokens leaving the rule with a
 //     byte that cannot follow it anywhere in the grammar (its FOLLOW set) are rejected outright.
 //   - Whole masks are kept too, keyed by the content of the state's stacks (positions and partial
@@ -90,8 +90,8 @@ class CompiledGrammar {
   std::vector<std::vector<int32_t>> alternative_starts_;
   std::vector<std::array<uint64_t, 2>> ascii_;   // per class: its ASCII members
   std::vector<std::array<uint64_t, 4>> follow_;  // per rule: the bytes that may come right after it
-  // per rule: the one position referencing it, when it is referenced exactly once (and is not the start
-  // rule), else -1: its frames' parents are then known without the stack (context expansion).
+  // per rule: a position referencing it, when all its references return to one place (and it is not the
+  // start rule), else -1: its frames' parents are then known without the stack (context expansion).
   std::vector<int32_t> only_reference_;
   // per position: the position standing for it in token splits and mask keys. A position in a counted
   // repetition's chain allowing more copies than the longest token has bytes behaves, for any token, as
