@@ -27,7 +27,8 @@ const char* const kNoCors = "sparrow sends no CORS headers: browsers on other or
 const char* const kNoLora = "LoRA adapters are not supported yet (issue 29)";
 const char* const kNoSpec = "speculative decoding is not supported yet (issue 26)";
 const char* const kNoImages = "sparrow serves text only: the vision towers are not loaded yet (issue 30)";
-const char* const kNoStructured = "constrained decoding is not supported yet (issue 27): requests asking for it get a 400";
+const char* const kNoStructured =
+    "sparrow has one structured-output backend of its own (src/structured; see Structured outputs)";
 const char* const kNoDisagg = "prefill/decode disaggregation is not supported yet (issue 31)";
 const char* const kOneScheduler =
     "sparrow's scheduler is vLLM's default policy (first come, first served; chunked prefill; preemption by "

@@ -1,10 +1,12 @@
 #include "engine/engine_core.h"
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cstdio>
 
 #include "core/error.h"
+#include "core/parallel.h"
 #include "kernels/ops.h"
 #include "runner/memory_profile.h"
 
@@ -36,6 +38,9 @@ EngineCore::EngineCore(Model& model, const Tokenizer* tokenizer, EngineConfig co
                 "): give it more memory or lower max_model_len");
   end_of_sequence_ = config_.eos_token_ids;
   if (end_of_sequence_.empty() && tokenizer_ && tokenizer_->eos_id()) end_of_sequence_.push_back(*tokenizer_->eos_id());
+  if (tokenizer_)
+    grammars_ = std::make_unique<structured::GrammarCompiler>(
+        structured::TokenVocabulary::from_tokenizer(*tokenizer_, int32_t(model_.vocab_size())));
   if (config_.warm_up) warm_up();
 }
 
@@ -52,6 +57,17 @@ void EngineCore::validate(const Request& request) const {
                 config_.max_model_len, " tokens, but ", prompt + p.max_tokens, " were requested (", prompt,
                 " in the prompt, ", p.max_tokens, " in the completion)");
   SPARROW_CHECK(p.stop.empty() || tokenizer_ != nullptr, "stop strings need a tokenizer");
+  for (auto [id, bias] : p.logit_bias)
+    SPARROW_CHECK(id < model_.vocab_size(), "logit_bias token id ", id, " is outside the vocabulary [0, ",
+                  model_.vocab_size(), ")");
+  if (p.allowed_token_ids)
+    for (int32_t id : *p.allowed_token_ids)
+      SPARROW_CHECK(id < model_.vocab_size(), "allowed_token_ids: token id ", id, " is outside the vocabulary [0, ",
+                    model_.vocab_size(), ")");
+  if (p.structured.active()) {
+    SPARROW_CHECK(grammars_ != nullptr, "structured outputs need a tokenizer");
+    grammars_->compile(p.structured);
+  }
 }
 
 void EngineCore::add(Request request, OutputCallback on_output) {
@@ -63,8 +79,17 @@ void EngineCore::add(Request request, OutputCallback on_output) {
   const SamplingParams& p = active->request.params;
   std::vector<int32_t> end_tokens = p.stop_token_ids;
   if (!p.ignore_eos) end_tokens.insert(end_tokens.end(), end_of_sequence_.begin(), end_of_sequence_.end());
+  std::shared_ptr<const structured::CompiledGrammar> grammar;
+  if (p.structured.active()) grammar = grammars_->compile(p.structured);  // validate() compiled it: a cache hit
+  std::shared_ptr<std::vector<uint32_t>> allowed;
+  if (p.allowed_token_ids) {
+    allowed = std::make_shared<std::vector<uint32_t>>(size_t((model_.vocab_size() + 31) / 32), 0u);
+    for (int32_t id : *p.allowed_token_ids) (*allowed)[size_t(id) >> 5] |= 1u << (id & 31);
+  }
   for (int64_t i = 0; i < p.n; ++i) {
     active->choices.push_back(std::make_unique<Sequence>(active->request, i, end_tokens, tokenizer_));
+    if (grammar) active->choices.back()->matcher = std::make_unique<structured::GrammarMatcher>(grammar, end_tokens);
+    active->choices.back()->allowed_tokens = allowed;
     scheduler_.add(active->choices.back().get());
   }
   active->unfinished = p.n;
@@ -222,17 +247,70 @@ bool EngineCore::step() {
   std::vector<LogitAdjustment> adjustments;
   for (size_t i = 0; i < sampled.size(); ++i)
     sampled[i]->sampler.prepare(int32_t(i), sampled[i]->prompt(), sampled[i]->output(), draws, adjustments);
+  std::vector<int32_t> mask_rows;
+  std::vector<uint32_t> mask_words;
+  fill_token_masks(sampled, mask_rows, mask_words);
+  const int64_t mask_width = (logits.dim(1) + 31) / 32;
   const bool every_row = int64_t(sampled.size()) == logits.dim(0);  // decode: the rows are the sequences
   std::vector<int32_t> tokens =
-      ops::sample_tokens(every_row ? logits : ops::select_rows(logits, sampled_rows), draws, adjustments);
+      ops::sample_tokens(every_row ? logits : ops::select_rows(logits, sampled_rows), draws, adjustments,
+                         {mask_rows, mask_words, mask_width});
   timer.tokens_sampled();
   const size_t vocab = size_t(logits.dim(1));
+  size_t masked = 0;  // mask_rows is ascending
   for (size_t i = 0; i < sampled.size(); ++i) {
+    Sequence& seq = *sampled[i];
+    if (masked < mask_rows.size() && mask_rows[masked] == int32_t(i)) {
+      // A token outside the mask is drawn only when every allowed token has logit -inf (or none is left).
+      const uint32_t* words = mask_words.data() + int64_t(masked++) * mask_width;
+      if (!token_allowed(words, tokens[i]) || (seq.matcher && !seq.matcher->accept_token(tokens[i]))) {
+        finish_unmatched(seq);
+        continue;
+      }
+    }
     std::span<const float> raw;
     if (host_logits.defined() && host_logits.numel() > 0) raw = {host_logits.row(sampled_rows[i]), vocab};
-    emit(*sampled[i], tokens[i], raw);
+    emit(seq, tokens[i], raw);
   }
   return true;
+}
+
+void EngineCore::fill_token_masks(const std::vector<Sequence*>& sampled, std::vector<int32_t>& rows,
+                                  std::vector<uint32_t>& words) const {
+  // Filled on this thread after the step's forward pass was launched: on a GPU the masks are computed while
+  // it runs (vLLM overlaps them the same way). Rows in parallel: each matcher is its own, and what they
+  // share (the compiled grammar's caches) is locked.
+  const int64_t width = (model_.vocab_size() + 31) / 32;
+  for (size_t i = 0; i < sampled.size(); ++i)
+    if (sampled[i]->matcher || sampled[i]->allowed_tokens) rows.push_back(int32_t(i));
+  words.assign(rows.size() * size_t(width), 0u);
+  parallel_for(int64_t(rows.size()), [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const Sequence& seq = *sampled[size_t(rows[size_t(k)])];
+      uint32_t* row = words.data() + k * width;
+      if (seq.matcher) {
+        seq.matcher->fill_next_token_bitmask(row);
+        if (seq.allowed_tokens)
+          for (int64_t w = 0; w < width; ++w) row[w] &= (*seq.allowed_tokens)[size_t(w)];
+      } else {
+        std::copy(seq.allowed_tokens->begin(), seq.allowed_tokens->end(), row);
+      }
+    }
+  });
+}
+
+void EngineCore::finish_unmatched(Sequence& seq) {
+  RequestOutput event = new_event(seq);
+  // The grammar complete (an end token it allowed was held back, e.g. by ignore_eos or min_tokens): the
+  // output is whole, "stop"; otherwise no allowed token could be drawn: "abort".
+  const bool complete = seq.matcher && seq.matcher->is_terminated();
+  event.finish_reason = complete ? "stop" : "abort";
+  if (!complete)
+    std::fprintf(stderr, "sparrow: request %s choice %lld: no token is allowed by its structured output or "
+                 "allowed_token_ids here; the choice ends with finish_reason \"abort\"\n",
+                 seq.request.id.c_str(), (long long)seq.index);
+  if (seq.detokenizer && !seq.detokenizer->stopped()) event.new_text += seq.detokenizer->finish().text;
+  finish(seq, event);
 }
 
 void EngineCore::record_prompt_logprobs(Sequence& seq, const Tensor& logits, const SeqSlice& slice) {

@@ -85,7 +85,9 @@ class EngineCore {
   EngineCore(Model& model, const Tokenizer* tokenizer, EngineConfig config);
 
   // Throws sparrow::Error naming what is wrong: empty prompt, ids outside the vocabulary, prompt +
-  // max_tokens beyond max_model_len, bad sampling parameters, stop strings without a tokenizer.
+  // max_tokens beyond max_model_len, bad sampling parameters, stop strings without a tokenizer, a
+  // structured output spec that does not compile (it is compiled here, on the caller's thread, and kept
+  // in the grammar cache for add()).
   void validate(const Request& request) const;
   // Validates and queues. `on_output` gets every event of the request, last the one with finished set
   // for each choice; it must not call back into the core.
@@ -129,6 +131,12 @@ class EngineCore {
   void add_text(Sequence& seq, int32_t token, bool stop_token, RequestOutput& event) const;
   RequestOutput new_event(const Sequence& seq) const;
   ActiveRequest& active_request(const Sequence& seq);
+  // The step's token bitmasks (structured outputs, allowed_token_ids) of the sampled sequences; rows
+  // index `sampled`.
+  void fill_token_masks(const std::vector<Sequence*>& sampled, std::vector<int32_t>& rows,
+                        std::vector<uint32_t>& words) const;
+  // Ends a choice whose mask allowed no token (or whose grammar refused the one drawn).
+  void finish_unmatched(Sequence& seq);
   // Sends the choice's last event (`event` has finished set) and lets go of the choice.
   void finish(Sequence& seq, RequestOutput& event);
 
@@ -137,6 +145,8 @@ class EngineCore {
   const Tokenizer* tokenizer_;
   EngineConfig config_;
   std::vector<int32_t> end_of_sequence_;
+  // Structured outputs' compiled grammars over the tokenizer's vocabulary (null without a tokenizer).
+  std::unique_ptr<structured::GrammarCompiler> grammars_;
   KvCache cache_;
   Scheduler scheduler_;
   std::unordered_map<std::string, std::unique_ptr<ActiveRequest>> requests_;

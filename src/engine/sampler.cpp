@@ -35,6 +35,15 @@ void validate(const SamplingParams& p) {
   SPARROW_CHECK(p.n >= 1, "n must be at least 1, got ", p.n);
   for (const std::string& s : p.stop) SPARROW_CHECK(!s.empty(), "stop strings must not be empty");
   for (int32_t id : p.stop_token_ids) SPARROW_CHECK(id >= 0, "stop_token_ids must be >= 0, got ", id);
+  for (auto [id, bias] : p.logit_bias) {
+    SPARROW_CHECK(id >= 0, "logit_bias token ids must be >= 0, got ", id);
+    SPARROW_CHECK(std::isfinite(bias) && std::fabs(bias) <= kMaxLogitBias, "logit_bias values must be in [-",
+                  kMaxLogitBias, ", ", kMaxLogitBias, "], got ", bias, " for token ", id);
+  }
+  if (p.allowed_token_ids) {
+    SPARROW_CHECK(!p.allowed_token_ids->empty(), "allowed_token_ids must not be empty");
+    for (int32_t id : *p.allowed_token_ids) SPARROW_CHECK(id >= 0, "allowed_token_ids must be >= 0, got ", id);
+  }
 }
 
 void penalty_adjustments(int32_t row, const SamplingParams& p, std::span<const int32_t> prompt,
@@ -56,6 +65,7 @@ void penalty_adjustments(int32_t row, const SamplingParams& p, std::span<const i
     for (int32_t id : output) ++counts[id];
     for (auto [id, count] : counts) at(id).subtract = p.frequency_penalty * float(count) + p.presence_penalty;
   }
+  for (auto [id, bias] : p.logit_bias) at(id).bias += bias;
   for (int32_t id : masked) at(id).mask = 1;
   for (const auto& [id, a] : by_token) adjustments.push_back(a);
 }
@@ -88,7 +98,7 @@ void Sampler::prepare(int32_t row, std::span<const int32_t> prompt, std::span<co
   const bool penalised = params_.repetition_penalty != 1 || params_.frequency_penalty != 0 ||
                          params_.presence_penalty != 0;
   const bool masked = int64_t(output.size()) < params_.min_tokens && !end_tokens_.empty();
-  if (penalised || masked)
+  if (penalised || masked || !params_.logit_bias.empty())
     penalty_adjustments(row, params_, penalised ? prompt : std::span<const int32_t>{},
                         penalised ? output : std::span<const int32_t>{},
                         masked ? std::span<const int32_t>(end_tokens_) : std::span<const int32_t>{}, adjustments);

@@ -6,6 +6,9 @@
 //      probability, keep the smallest set whose probability reaches top_p, and draw one token with a
 //      key from the sequence's own generator (seeded: the same seed gives the same tokens alone or in a
 //      batch).
+// Before step 1, logit_bias is added (vLLM's LogitBiasLogitsProcessor, also before the penalties); after
+// step 2 a structured output's grammar and allowed_token_ids leave only their tokens (a token bitmask: the
+// engine's sequences hold the grammar matcher, structured/matcher.h).
 // Steps 1-2 become LogitAdjustments and 3-4 a TokenDraw (kernels/sampling_rule.h, which defines them
 // exactly); ops::sample_tokens carries them out for a whole batch on the CPU or the GPU.
 // Logprobs are not computed here: vLLM returns those of the raw model logits (logprobs.h).
@@ -18,6 +21,7 @@
 #include <vector>
 
 #include "kernels/sampling_rule.h"
+#include "structured/spec.h"
 
 namespace sparrow {
 
@@ -40,7 +44,14 @@ struct SamplingParams {
   int64_t prompt_logprobs = -1;  // -1: none; k >= 0: each prompt token's logprob and the top k
   int64_t n = 1;                 // independent choices
   bool skip_special_tokens = true;
+  // What the output must be (JSON schema, regex, choice, grammar): structured/spec.h.
+  structured::StructuredOutputSpec structured;
+  std::vector<std::pair<int32_t, float>> logit_bias;       // token, added to its logit ([-100, 100])
+  std::optional<std::vector<int32_t>> allowed_token_ids;  // only these may be drawn (non-empty)
 };
+
+// OpenAI's range of a logit_bias value.
+inline constexpr float kMaxLogitBias = 100.0f;
 
 // vLLM's default --max-logprobs: the largest logprobs / prompt_logprobs accepted.
 inline constexpr int64_t kMaxLogprobs = 20;

@@ -13,6 +13,7 @@
 #include "engine/request.h"
 #include "engine/sampler.h"
 #include "model/model.h"
+#include "structured/matcher.h"
 #include "tokenizer/detokenizer.h"
 
 namespace sparrow {
@@ -38,6 +39,11 @@ struct Sequence {
 
   Sampler sampler;
   std::optional<IncrementalDetokenizer> detokenizer;
+  // Structured output: the grammar's state after the generated tokens (advanced only when a token is
+  // sampled, so a preempted sequence's recompute does not feed it again). Null without one.
+  std::unique_ptr<structured::GrammarMatcher> matcher;
+  // allowed_token_ids as token bitmask words (ops::TokenBitmask); null without them.
+  std::shared_ptr<const std::vector<uint32_t>> allowed_tokens;
   // Filled as prefill chunks run (choice 0 only, when asked for); sent with the first token.
   std::vector<std::optional<TokenLogprob>> prompt_logprobs;
   bool wants_prompt_logprobs = false;

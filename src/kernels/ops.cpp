@@ -692,23 +692,34 @@ Tensor moe_experts(const Tensor& x, const Routing& routing, const Tensor& gate_u
 }
 
 std::vector<int32_t> sample_tokens(const Tensor& logits, std::span<const TokenDraw> draws,
-                                   std::span<const LogitAdjustment> adjustments) {
+                                   std::span<const LogitAdjustment> adjustments, const TokenBitmask& mask) {
   SPARROW_CHECK(logits.ndim() == 2 && logits.type() == ScalarType::F32, "sample_tokens: logits must be fp32 [rows, vocab]");
   const int64_t rows = logits.dim(0), vocab = logits.dim(1);
   SPARROW_CHECK(int64_t(draws.size()) == rows, "sample_tokens: ", draws.size(), " draws for ", rows, " rows");
   for (const LogitAdjustment& a : adjustments)
     SPARROW_CHECK(a.row >= 0 && a.row < rows, "sample_tokens: adjustment for row ", a.row, " of ", rows);
+  if (!mask.rows.empty()) {
+    SPARROW_CHECK(mask.words_per_row * 32 >= vocab &&
+                      int64_t(mask.words.size()) == int64_t(mask.rows.size()) * mask.words_per_row,
+                  "sample_tokens: token bitmask of ", mask.words.size(), " words for ", mask.rows.size(),
+                  " rows of ", vocab, " tokens");
+    for (int32_t r : mask.rows) SPARROW_CHECK(r >= 0 && r < rows, "sample_tokens: bitmask for row ", r, " of ", rows);
+  }
   std::vector<int32_t> tokens(rows);
   if (rows == 0) return tokens;
   if (logits.on_cpu()) {
+    std::vector<const uint32_t*> row_mask(size_t(rows), nullptr);
+    for (size_t k = 0; k < mask.rows.size(); ++k)
+      row_mask[size_t(mask.rows[k])] = mask.words.data() + int64_t(k) * mask.words_per_row;
     std::vector<float> adjusted;
     for (int64_t r = 0; r < rows; ++r) {
       const float* row = logits.row(r);
-      bool touched = false;
+      bool touched = row_mask[size_t(r)] != nullptr;
       for (const LogitAdjustment& a : adjustments) touched |= a.row == r;
       if (touched) {
         adjusted.assign(row, row + vocab);
         cpu::adjust_logits(adjusted.data(), vocab, int32_t(r), adjustments);
+        if (row_mask[size_t(r)]) cpu::apply_token_bitmask(adjusted.data(), vocab, row_mask[size_t(r)]);
         row = adjusted.data();
       }
       tokens[r] = cpu::draw_token(row, vocab, draws[r]);
@@ -722,11 +733,17 @@ std::vector<int32_t> sample_tokens(const Tensor& logits, std::span<const TokenDr
     return host.to(logits.device());
   };
   Tensor source = logits;
+  if (!adjustments.empty() || !mask.rows.empty()) source = logits.clone();
   if (!adjustments.empty()) {
-    source = logits.clone();
     Tensor dev_adjustments = upload(adjustments.data(), adjustments.size_bytes());
     cuda::adjust_logits(source.as<float>(), vocab, dev_adjustments.as<LogitAdjustment>(), int64_t(adjustments.size()),
                         vocab, cuda::stream());
+  }
+  if (!mask.rows.empty()) {
+    Tensor dev_rows = upload(mask.rows.data(), mask.rows.size_bytes());
+    Tensor dev_words = upload(mask.words.data(), mask.words.size_bytes());
+    cuda::apply_token_bitmask(source.as<float>(), vocab, vocab, dev_rows.as<int32_t>(), int64_t(mask.rows.size()),
+                              dev_words.as<uint32_t>(), mask.words_per_row, cuda::stream());
   }
   Tensor dev_draws = upload(draws.data(), draws.size_bytes());
   Tensor dev_tokens = Tensor::empty({rows}, ScalarType::I32, logits.device());

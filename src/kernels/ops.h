@@ -123,11 +123,20 @@ void keep_local_experts_(Routing& routing, int64_t first, int64_t count);
 Tensor moe_experts(const Tensor& x, const Routing& routing, const Tensor& gate_up, const Tensor& down, Glu kind,
                    float alpha, float limit);
 
-// Sampling (kernels/sampling_rule.h): applies `adjustments` to a copy of `logits` (fp32 [rows, vocab], left
-// as it is: log-probabilities read the raw logits), then draws one token per row with draws[row].
-// Returns the tokens on the host; from a GPU only the ids cross.
+// The token bitmasks of some rows of a step (structured outputs, allowed_token_ids): rows[k]'s mask is
+// words[k * words_per_row, (k + 1) * words_per_row), bit t set when token t may be drawn
+// (kernels/sampling_rule.h's token_allowed). Rows not listed are not masked.
+struct TokenBitmask {
+  std::span<const int32_t> rows;  // each at most once
+  std::span<const uint32_t> words;
+  int64_t words_per_row = 0;  // at least ceil(vocab / 32)
+};
+
+// Sampling (kernels/sampling_rule.h): applies `adjustments`, then `mask`, to a copy of `logits` (fp32
+// [rows, vocab], left as it is: log-probabilities read the raw logits), then draws one token per row with
+// draws[row]. Returns the tokens on the host; from a GPU only the ids cross (and the masks' words go up).
 std::vector<int32_t> sample_tokens(const Tensor& logits, std::span<const TokenDraw> draws,
-                                   std::span<const LogitAdjustment> adjustments);
+                                   std::span<const LogitAdjustment> adjustments, const TokenBitmask& mask = {});
 
 // A point on a device's timeline, for profiling (runner/step_profile.h): on the CPU, whose ops return when
 // their work is done, the clock; on a GPU an event recorded after the work queued so far.

@@ -2,9 +2,12 @@
 // (kernels/cpu/reference_sampling.h) and the GPU (kernels/cuda/sampling), so that both choose the same token
 // from the same logits and the same random key. Plain structs, no dependencies: both sides include it.
 //
-// Before the draw, a row's logits may be adjusted in place at a few tokens (LogitAdjustment: the
-// repetition / frequency / presence penalties and the end-token mask of min_tokens, vLLM's
-// apply_all_penalties and MinTokensLogitsProcessor). The engine computes which tokens and by how much.
+// Before the draw, a row's logits may be adjusted in place at a few tokens (LogitAdjustment: logit_bias,
+// the repetition / frequency / presence penalties and the end-token mask of min_tokens, vLLM's
+// LogitBiasLogitsProcessor, apply_all_penalties and MinTokensLogitsProcessor). The engine computes which
+// tokens and by how much.
+// Then a row may have a token bitmask (structured outputs, allowed_token_ids; ops::TokenBitmask): every
+// token whose bit is clear gets logit -inf, so it is never drawn (vLLM's apply_grammar_bitmask).
 //
 // The draw (TokenDraw), in vLLM's order (vllm/v1/sample/sampler.py, ops/topk_topp_sampler.py):
 //   1. temperature < 1e-5: greedy, the largest logit, ties to the smaller id, NaN last.
@@ -36,6 +39,7 @@ struct TokenDraw {
   uint64_t key = 0;     // the row's random key for this step (from the sequence's seeded generator)
 };
 
+// logit += bias (logit_bias, first as in vLLM; 0 = none, skipped), then
 // logit = logit > 0 ? logit / divide_positive : logit * divide_positive  (repetition penalty; 1 = none)
 // then logit -= subtract (frequency * count + presence), then -inf when `mask` (an end token held back).
 struct LogitAdjustment {
@@ -44,7 +48,11 @@ struct LogitAdjustment {
   float divide_positive = 1.0f;
   float subtract = 0.0f;
   int32_t mask = 0;
+  float bias = 0.0f;  // last: the aggregate initialisations written before it keep their meaning
 };
+
+// Bit t of a token bitmask row (32 tokens per word, token t at bit t % 32 of word t / 32): token t allowed.
+inline constexpr bool token_allowed(const uint32_t* words, int64_t t) { return (words[t >> 5] >> (t & 31)) & 1u; }
 
 // SplitMix64's finaliser (Steele, Lea, Flood 2014): a bijective 64-bit mix with full avalanche.
 inline constexpr uint64_t mix64(uint64_t z) {

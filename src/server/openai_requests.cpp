@@ -3,7 +3,9 @@
 #include <cmath>
 #include <limits>
 
+#include "core/error.h"
 #include "server/api_error.h"
+#include "structured/spec.h"
 
 namespace sparrow::server {
 namespace {
@@ -20,6 +22,125 @@ float float_field(const Fields& f, const std::string& name, float def, double lo
   if (std::fabs(*v) > std::numeric_limits<float>::max())
     f.invalid(name, "is too large for a 32-bit float" + given);
   return float(*v);
+}
+
+// logit_bias (OpenAI: {"token id": bias in [-100, 100]}) and allowed_token_ids (vLLM: a non-empty list of
+// ids). The ids are checked against the vocabulary by the engine (EngineCore::validate).
+void parse_logit_fields(const Fields& f, SamplingParams& s) {
+  if (const Json* bias = f.get("logit_bias")) {
+    if (!bias->is_object()) f.invalid("logit_bias", "must be an object of token ids to biases");
+    for (auto it = bias->begin(); it != bias->end(); ++it) {
+      const std::string& key = it.key();
+      int64_t id = -1;
+      if (!key.empty() && key.size() <= 10 && key.find_first_not_of("0123456789") == std::string::npos)
+        id = std::stoll(key);
+      if (id < 0 || id > std::numeric_limits<int32_t>::max())
+        f.invalid("logit_bias", "keys must be token ids (non-negative integers as strings), got '" + key + "'");
+      if (!it->is_number() || !std::isfinite(it->get<double>()) || std::fabs(it->get<double>()) > kMaxLogitBias)
+        f.invalid("logit_bias", "values must be numbers in [-100, 100], got " + it->dump() + " for token " + key);
+      s.logit_bias.push_back({int32_t(id), float(it->get<double>())});
+    }
+  }
+  if (auto ids = f.integers("allowed_token_ids")) {
+    if (ids->empty()) f.invalid("allowed_token_ids", "must not be empty");
+    for (int64_t id : *ids)
+      if (id < 0 || id > std::numeric_limits<int32_t>::max()) f.invalid("allowed_token_ids", "must be token ids");
+    s.allowed_token_ids = std::vector<int32_t>(ids->begin(), ids->end());
+  }
+}
+
+// A JSON schema given as an object or as its JSON text (vLLM takes both).
+std::string schema_text(const Fields& f, const std::string& name) {
+  const Json* v = f.get(name);
+  if (v->is_string()) return v->get<std::string>();
+  if (!v->is_object() && !v->is_boolean()) f.invalid(name, "must be a JSON schema (an object, or its JSON text)");
+  return v->dump();
+}
+
+// What the output must be: vLLM 0.33's structured_outputs {json, regex, choice, grammar, json_object,
+// disable_any_whitespace, ...}, the older guided_json / guided_regex / guided_choice / guided_grammar
+// (guided_decoding_backend ignored), and response_format json_object / json_schema. At most one
+// constraint (vLLM refuses several the same way). The spec is compiled here once so that a bad schema,
+// regex or grammar is a 400 naming its field.
+void parse_structured_outputs(const Fields& f, SamplingParams& s) {
+  using Kind = structured::StructuredOutputSpec::Kind;
+  struct Given {
+    structured::StructuredOutputSpec spec;
+    std::string param;
+  };
+  std::vector<Given> given;
+  auto add = [&](Kind kind, std::string text, std::string param) {
+    Given g;
+    g.spec.kind = kind;
+    g.spec.text = std::move(text);
+    g.param = std::move(param);
+    given.push_back(std::move(g));
+  };
+  auto choices_of = [](const Fields& fields, const std::string& name) {
+    auto list = fields.strings(name);
+    if (!list || fields.get(name)->is_string()) fields.invalid(name, "must be a list of strings");
+    if (list->empty()) fields.invalid(name, "must not be empty");
+    return *list;
+  };
+  bool any_whitespace = true;
+  if (const Json* so = f.get("structured_outputs")) {
+    if (!so->is_object()) f.invalid("structured_outputs", "must be an object");
+    Fields o(*so, "structured_outputs");
+    if (o.has("json")) add(Kind::JsonSchema, schema_text(o, "json"), o.param("json"));
+    if (auto regex = o.string("regex")) add(Kind::Regex, *regex, o.param("regex"));
+    if (o.has("choice")) {
+      add(Kind::Choice, "", o.param("choice"));
+      given.back().spec.choices = choices_of(o, "choice");
+    }
+    if (auto grammar = o.string("grammar")) add(Kind::Grammar, *grammar, o.param("grammar"));
+    if (o.boolean("json_object").value_or(false)) add(Kind::JsonObject, "", o.param("json_object"));
+    if (o.has("structural_tag")) o.invalid("structural_tag", "is not supported");
+    if (auto pattern = o.string("whitespace_pattern")) o.invalid("whitespace_pattern", "is not supported");
+    any_whitespace = !o.boolean("disable_any_whitespace").value_or(false);
+    o.boolean("disable_fallback");
+    o.boolean("disable_additional_properties");
+  }
+  if (f.has("guided_json")) add(Kind::JsonSchema, schema_text(f, "guided_json"), "guided_json");
+  if (auto regex = f.string("guided_regex")) add(Kind::Regex, *regex, "guided_regex");
+  if (const Json* c = f.get("guided_choice"); c && !(c->is_array() && c->empty())) {
+    add(Kind::Choice, "", "guided_choice");
+    given.back().spec.choices = choices_of(f, "guided_choice");
+  }
+  if (auto grammar = f.string("guided_grammar")) add(Kind::Grammar, *grammar, "guided_grammar");
+  if (f.string("guided_whitespace_pattern")) f.invalid("guided_whitespace_pattern", "is not supported");
+  f.string("guided_decoding_backend");  // accepted and ignored: sparrow has one backend
+  if (const Json* format = f.object("response_format")) {
+    Fields rf(*format, "response_format");
+    auto type = rf.string("type");
+    if (type == "json_object") {
+      add(Kind::JsonObject, "", "response_format");
+    } else if (type == "json_schema") {
+      const Json* js = rf.object("json_schema");
+      if (!js) rf.invalid("json_schema", "is required when type is \"json_schema\"");
+      Fields j(*js, "response_format.json_schema");
+      j.string("name");
+      j.string("description");
+      j.boolean("strict");  // sparrow is always strict: the output follows the schema
+      if (!j.has("schema")) j.invalid("schema", "is required");
+      add(Kind::JsonSchema, schema_text(j, "schema"), j.param("schema"));
+    } else if (type != "text") {
+      bad_request("response_format type must be 'text', 'json_object' or 'json_schema', got '" + type.value_or("") + "'",
+                  "response_format.type");
+    }
+  }
+  if (given.empty()) return;
+  if (given.size() > 1)
+    bad_request("You can only use one kind of structured outputs constraint but multiple are specified: " +
+                    given[0].param + " and " + given[1].param,
+                given[1].param);
+  structured::StructuredOutputSpec& spec = given[0].spec;
+  spec.any_whitespace = any_whitespace;
+  try {
+    structured::build_grammar(spec);
+  } catch (const Error& e) {
+    bad_request("`" + given[0].param + "` is invalid: " + e.what(), given[0].param);
+  }
+  s.structured = std::move(spec);
 }
 
 // The fields both endpoints share, in vLLM's ranges (vllm SamplingParams._verify_args).
@@ -100,20 +221,10 @@ void parse_generation_fields(const Fields& f, GenerationFields& out, const Sampl
   out.request_id = f.string("request_id").value_or("");
   f.string("user");  // accepted and ignored, as vLLM does
 
+  parse_logit_fields(f, s);
+  parse_structured_outputs(f, s);
   // What we cannot honour is refused rather than silently ignored.
-  if (const Json* bias = f.get("logit_bias"); bias && !(bias->is_object() && bias->empty()))
-    f.invalid("logit_bias", "is not supported");
-  for (const char* name : {"allowed_token_ids", "bad_words", "structured_outputs", "guided_json", "guided_regex",
-                           "guided_choice", "guided_grammar"})
-    if (const Json* v = f.get(name); v && !(v->is_array() && v->empty()))
-      f.invalid(name, "is not supported (sparrow has no constrained decoding)");
-  if (const Json* format = f.object("response_format")) {
-    auto type = Fields(*format, "response_format").string("type");
-    if (type != "text")
-      bad_request("response_format of type '" + type.value_or("") +
-                      "' is not supported (sparrow has no constrained decoding); use 'text'",
-                  "response_format");
-  }
+  if (const Json* v = f.get("bad_words"); v && !(v->is_array() && v->empty())) f.invalid("bad_words", "is not supported");
 }
 
 ToolChoice parse_tool_choice(const Json* value) {

@@ -179,8 +179,23 @@ TEST(CudaOps, SampleTokensMatchesTheCpu) {
   std::vector<LogitAdjustment> adjustments;
   for (int32_t token : {3, 17, 999}) adjustments.push_back({1, token, 1.3f, 0.5f, 0});
   adjustments.push_back({5, 42, 1.0f, 0.0f, 1});
+  adjustments.push_back({2, 7, 1.0f, 0.0f, 0, 25.0f});  // logit_bias
   const Tensor on_gpu = logits.to(Device::Cuda);
   EXPECT_EQ(ops::sample_tokens(on_gpu, draws, adjustments), ops::sample_tokens(logits, draws, adjustments));
+  // Token bitmasks (structured outputs) on rows 0, 3 and 4: a few allowed tokens each.
+  const int64_t words_per_row = (vocab + 31) / 32;
+  const std::vector<int32_t> mask_rows = {0, 3, 4};
+  std::vector<uint32_t> words(mask_rows.size() * size_t(words_per_row), 0);
+  for (size_t k = 0; k < mask_rows.size(); ++k)
+    for (int i = 0; i < 5 + int(k) * 40; ++i) {
+      const uint32_t t = rng() % uint32_t(vocab);
+      words[k * size_t(words_per_row) + t / 32] |= 1u << (t % 32);
+    }
+  const ops::TokenBitmask mask{mask_rows, words, words_per_row};
+  const std::vector<int32_t> want = ops::sample_tokens(logits, draws, adjustments, mask);
+  EXPECT_EQ(ops::sample_tokens(on_gpu, draws, adjustments, mask), want);
+  for (size_t k = 0; k < mask_rows.size(); ++k)
+    EXPECT_TRUE(token_allowed(words.data() + k * size_t(words_per_row), want[size_t(mask_rows[k])]));
   EXPECT_EQ(host(on_gpu).data()[17 + vocab], logits.data()[17 + vocab]) << "the caller's logits must stay raw";
 }
 

@@ -265,12 +265,44 @@ TEST(CudaSampling, AdjustLogitsMatchesCpuBitForBit) {
       a.divide_positive = divs[rng() % 4];
       a.subtract = rng() % 2 ? 0.0f : float(rng() % 1000) / 997.0f;
       a.mask = rng() % 10 == 0;
+      a.bias = rng() % 3 ? 0.0f : float(int(rng() % 20001) - 10000) / 100.0f;  // logit_bias in [-100, 100]
       adj.push_back(a);
     }
     std::vector<float> want = logits;
     for (int64_t r = 0; r < rows; ++r) cpu::adjust_logits(want.data() + r * ld, vocab, int32_t(r), adj);
     DeviceBuffer dl(logits), da(adj);
     cuda::adjust_logits(dl.get<float>(), ld, da.get<LogitAdjustment>(), int64_t(adj.size()), vocab, cuda::stream());
+    const std::vector<float> got = dl.download<float>(rows * ld);
+    for (int64_t i = 0; i < rows * ld; ++i)
+      ASSERT_EQ(std::memcmp(&got[i], &want[i], sizeof(float)), 0)
+          << "vocab " << vocab << " element " << i << ": got " << got[i] << ", expected " << want[i];
+  }
+}
+
+// Structured outputs' token bitmasks (token_bitmask.cu) against cpu::apply_token_bitmask, bit for bit, on some
+// rows of a batch (rows not listed untouched), and sample_tokens with masks draws what the CPU draws.
+TEST(CudaSampling, TokenBitmaskMatchesCpu) {
+  SPARROW_REQUIRE_GPU();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (int64_t vocab : {1, 31, 32, 33, 1000, 151936, 163840}) {
+    const int64_t rows = 7, ld = vocab + 5, words_per_row = (vocab + 31) / 32 + 1;
+    std::vector<float> logits = test::random_vector(rng, rows * ld, -8.0f, 8.0f);
+    const std::vector<int32_t> masked = {1, 4, 6};
+    std::vector<uint32_t> words(masked.size() * size_t(words_per_row));
+    for (size_t k = 0; k < masked.size(); ++k)
+      for (int64_t w = 0; w < words_per_row; ++w) {
+        const int kind = int(rng() % 4);  // all allowed, none, sparse, random
+        words[k * size_t(words_per_row) + size_t(w)] =
+            kind == 0 ? 0xFFFFFFFFu : kind == 1 ? 0u : kind == 2 ? uint32_t(1u << (rng() % 32)) : uint32_t(rng());
+      }
+    std::vector<float> want = logits;
+    for (size_t k = 0; k < masked.size(); ++k)
+      cpu::apply_token_bitmask(want.data() + masked[k] * ld, vocab, words.data() + k * size_t(words_per_row));
+    DeviceBuffer dl(logits), dr(masked), dw(words);
+    cuda::apply_token_bitmask(dl.get<float>(), ld, vocab, dr.get<int32_t>(), int64_t(masked.size()), dw.get<uint32_t>(),
+                              words_per_row, cuda::stream());
     const std::vector<float> got = dl.download<float>(rows * ld);
     for (int64_t i = 0; i < rows * ld; ++i)
       ASSERT_EQ(std::memcmp(&got[i], &want[i], sizeof(float)), 0)
@@ -294,6 +326,9 @@ TEST(CudaSampling, RejectsBadArguments) {
   EXPECT_THROW(cuda::adjust_logits(dl.get<float>(), 16, nullptr, 1, 16, cuda::stream()), Error);
   EXPECT_NO_THROW(cuda::adjust_logits(dl.get<float>(), 16, nullptr, 0, 16, cuda::stream()));
   EXPECT_NO_THROW(cuda::draw_tokens(nullptr, 0, 16, 16, nullptr, nullptr, cuda::stream()));  // no rows: no work
+  EXPECT_THROW(cuda::apply_token_bitmask(dl.get<float>(), 16, 40, nullptr, 1, nullptr, 2, cuda::stream()), Error);  // ld < vocab
+  EXPECT_THROW(cuda::apply_token_bitmask(dl.get<float>(), 64, 64, nullptr, 1, nullptr, 1, cuda::stream()), Error);  // too few words
+  EXPECT_NO_THROW(cuda::apply_token_bitmask(dl.get<float>(), 64, 64, nullptr, 0, nullptr, 2, cuda::stream()));
 }
 
 }  // namespace

@@ -80,9 +80,26 @@ TEST(ServerRequests, ChatValidationErrors) {
   EXPECT_EQ(status_param(R"("top_p": 0)"), std::make_pair(400, std::string("top_p")));
   EXPECT_EQ(status_param(R"("n": 0)"), std::make_pair(400, std::string("n")));
   EXPECT_EQ(status_param(R"("stop": [1])"), std::make_pair(400, std::string("stop")));
-  EXPECT_EQ(status_param(R"("response_format": {"type": "json_object"})"),
-            std::make_pair(400, std::string("response_format")));
-  EXPECT_EQ(status_param(R"("logit_bias": {"1": 5})"), std::make_pair(400, std::string("logit_bias")));
+  // Structured outputs and logit controls: bad values are 400s naming the field (docs/server.md).
+  EXPECT_EQ(status_param(R"("response_format": {"type": "xml"})"), std::make_pair(400, std::string("response_format.type")));
+  EXPECT_EQ(status_param(R"("response_format": {"type": "json_schema"})"),
+            std::make_pair(400, std::string("response_format.json_schema")));
+  EXPECT_EQ(status_param(R"("response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}})"),
+            std::make_pair(400, std::string("response_format.json_schema.schema")));
+  EXPECT_EQ(status_param(R"("logit_bias": {"x": 5})"), std::make_pair(400, std::string("logit_bias")));
+  EXPECT_EQ(status_param(R"("logit_bias": {"1": 500})"), std::make_pair(400, std::string("logit_bias")));
+  EXPECT_EQ(status_param(R"("allowed_token_ids": [])"), std::make_pair(400, std::string("allowed_token_ids")));
+  EXPECT_EQ(status_param(R"("structured_outputs": {"regex": "(a"})"), std::make_pair(400, std::string("structured_outputs.regex")));
+  EXPECT_EQ(status_param(R"("structured_outputs": {"grammar": "start ::= \"a\""})"),
+            std::make_pair(400, std::string("structured_outputs.grammar")));
+  EXPECT_EQ(status_param(R"("structured_outputs": {"choice": []})"), std::make_pair(400, std::string("structured_outputs.choice")));
+  EXPECT_EQ(status_param(R"("structured_outputs": {"structural_tag": "{}"})"),
+            std::make_pair(400, std::string("structured_outputs.structural_tag")));
+  EXPECT_EQ(status_param(R"("guided_json": {"not": {}})"), std::make_pair(400, std::string("guided_json")));
+  EXPECT_EQ(status_param(R"("guided_choice": "yes")"), std::make_pair(400, std::string("guided_choice")));
+  EXPECT_EQ(status_param(R"("guided_regex": "a+", "guided_choice": ["a"])"), std::make_pair(400, std::string("guided_choice")));
+  EXPECT_EQ(status_param(R"("guided_regex": "a{0,99999}")"), std::make_pair(400, std::string("guided_regex")));
+  EXPECT_EQ(status_param(R"("bad_words": ["x"])"), std::make_pair(400, std::string("bad_words")));
   EXPECT_EQ(status_param(R"("stream": true, "prompt_logprobs": 1)"),
             std::make_pair(400, std::string("prompt_logprobs")));
   EXPECT_EQ(rejection([&] { chat(R"({"messages": []})"); }), std::make_pair(400, std::string("messages")));
@@ -102,6 +119,32 @@ std::string rejection_message(Fn fn) {
     return e.what();
   }
   return "(accepted)";
+}
+
+TEST(ServerRequests, StructuredOutputFieldsReachTheSamplingParams) {
+  using Kind = structured::StructuredOutputSpec::Kind;
+  const std::string messages = R"({"messages": [{"role": "user", "content": "hi"}], )";
+  ChatRequest r = chat(messages + R"("structured_outputs": {"json": {"type": "object", "properties": {"b": {}, "a": {}}},
+                                     "disable_any_whitespace": true}})");
+  EXPECT_EQ(r.sampling.structured.kind, Kind::JsonSchema);
+  EXPECT_EQ(r.sampling.structured.text, R"({"type":"object","properties":{"b":{},"a":{}}})");  // order kept
+  EXPECT_FALSE(r.sampling.structured.any_whitespace);
+  r = chat(messages + R"("guided_json": "{\"type\": \"string\"}", "guided_decoding_backend": "xgrammar"})");
+  EXPECT_EQ(r.sampling.structured.text, R"({"type": "string"})");
+  r = chat(messages + R"("guided_choice": ["a", "b"]})");
+  EXPECT_EQ(r.sampling.structured.kind, Kind::Choice);
+  EXPECT_EQ(r.sampling.structured.choices, (std::vector<std::string>{"a", "b"}));
+  r = chat(messages + R"("response_format": {"type": "json_object"}})");
+  EXPECT_EQ(r.sampling.structured.kind, Kind::JsonObject);
+  r = chat(messages + R"("response_format": {"type": "json_schema", "json_schema": {"name": "n", "strict": true, "schema": {"type": "integer"}}}})");
+  EXPECT_EQ(r.sampling.structured.kind, Kind::JsonSchema);
+  r = chat(messages + R"("response_format": {"type": "text"}, "guided_regex": "a+", "logit_bias": {"7": -3.5}, "allowed_token_ids": [1, 2]})");
+  EXPECT_EQ(r.sampling.structured.kind, Kind::Regex);
+  EXPECT_EQ(r.sampling.logit_bias, (std::vector<std::pair<int32_t, float>>{{7, -3.5f}}));
+  EXPECT_EQ(*r.sampling.allowed_token_ids, (std::vector<int32_t>{1, 2}));
+  CompletionRequest c = parse_completion_request(parse(R"({"prompt": "x", "structured_outputs": {"grammar": "root ::= [a-z]+"}})"),
+                                                 SamplingParams{}, kMaxLogprobs, 16);
+  EXPECT_EQ(c.sampling.structured.kind, Kind::Grammar);
 }
 
 TEST(ServerRequests, BodiesNestedTooDeepAreRefusedBeforeParsing) {

@@ -13,10 +13,16 @@ void adjust_logits(float* logits, int64_t vocab, int32_t row, std::span<const Lo
   for (const LogitAdjustment& a : adjustments) {
     if (a.row != row || a.token < 0 || a.token >= vocab) continue;
     float& x = logits[a.token];
+    if (a.bias != 0.0f) x += a.bias;
     if (a.divide_positive != 1.0f) x = x > 0 ? x / a.divide_positive : x * a.divide_positive;
     x -= a.subtract;
     if (a.mask) x = -std::numeric_limits<float>::infinity();
   }
+}
+
+void apply_token_bitmask(float* logits, int64_t vocab, const uint32_t* words) {
+  for (int64_t t = 0; t < vocab; ++t)
+    if (!token_allowed(words, t)) logits[t] = -std::numeric_limits<float>::infinity();
 }
 
 int32_t draw_token(const float* logits, int64_t vocab, const TokenDraw& draw) {

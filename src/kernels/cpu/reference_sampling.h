@@ -11,6 +11,9 @@ namespace sparrow::cpu {
 // Applies the adjustments whose row is `row` to that row's logits.
 void adjust_logits(float* logits, int64_t vocab, int32_t row, std::span<const LogitAdjustment> adjustments);
 
+// Sets the logit of every token whose bit in `words` (ceil(vocab / 32) words) is clear to -inf.
+void apply_token_bitmask(float* logits, int64_t vocab, const uint32_t* words);
+
 // The token drawn from one row of logits (kernels/sampling_rule.h, steps 1-6).
 int32_t draw_token(const float* logits, int64_t vocab, const TokenDraw& draw);
 

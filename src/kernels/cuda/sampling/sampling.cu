@@ -120,6 +120,7 @@ __global__ void adjust_kernel(float* logits, int64_t ld, const LogitAdjustment* 
     if (a.row < 0 || a.token < 0 || a.token >= vocab) continue;
     float* p = logits + int64_t(a.row) * ld + a.token;
     float x = *p;
+    if (a.bias != 0.0f) x = __fadd_rn(x, a.bias);
     if (a.divide_positive != 1.0f) x = x > 0 ? __fdiv_rn(x, a.divide_positive) : __fmul_rn(x, a.divide_positive);
     x = __fsub_rn(x, a.subtract);
     if (a.mask) x = -INFINITY;

@@ -20,6 +20,12 @@ void argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_t* ids,
 void adjust_logits(float* logits, int64_t ld, const LogitAdjustment* adjustments, int64_t count, int64_t vocab,
                    cudaStream_t stream);
 
+// Token bitmasks (kernels/sampling_rule.h): for k < num_rows, every token t < vocab of row rows[k] whose bit
+// in words[k * words_per_row ..] is clear gets logit -inf. rows, words: device arrays; words_per_row >=
+// ceil(vocab / 32). token_bitmask.cu.
+void apply_token_bitmask(float* logits, int64_t ld, int64_t vocab, const int32_t* rows, int64_t num_rows,
+                         const uint32_t* words, int64_t words_per_row, cudaStream_t stream);
+
 // tokens[r] = the token drawn from row r of logits ([rows, ld] fp32, the first `vocab` of each row) with
 // draws[r] (device arrays), exactly as cpu::draw_token: the same fp32 scaling, the same double weights
 // and Gumbel keys, the same order and ties. Only where a cumulative weight of the top-p step lands

@@ -1,0 +1,419 @@
+// JSON Schema -> grammar, the subset vLLM's xgrammar backend accepts (xgrammar's
+// json_schema_converter; vLLM calls it with any_whitespace = !disable_any_whitespace and xgrammar's
+// default strict_mode = true). What each keyword becomes:
+//   type (a name or a list of names: a choice), enum and const (the values' compact JSON text),
+//   anyOf / oneOf (a choice: oneOf's "exactly one" is not checked), allOf with one member,
+//   $ref to "#", "#/$defs/..." and "#/definitions/..." (any JSON pointer into the document; recursion
+//   allowed: each target is one rule);
+//   objects: properties in the schema's order, `required` ones present, optional ones may be left out;
+//     additionalProperties absent or false: no other properties (xgrammar's strict_mode, vLLM's
+//     default), true or a schema: more properties after the listed ones; minProperties / maxProperties
+//     ignored;
+//   arrays: items, prefixItems, minItems / maxItems (a maxItems above kMaxRepetition is unbounded,
+//     a larger minItems refused);
+//   strings: minLength / maxLength (the same limits), pattern (a regex, front_ends.h, matched against
+//     the whole string, as xgrammar does; characters JSON must escape are left out of its classes),
+//     format date, time, date-time, uuid, email, ipv4 (other formats are ignored: any string);
+//   integer / number: JSON's number syntax; minimum, maximum, exclusive bounds and multipleOf are not
+//     enforced, except that an integer or number with minimum >= 0 (or exclusiveMinimum >= 0) has no
+//     minus sign.
+// Refused (they would need the output checked beyond a grammar): not, if / then / else,
+// patternProperties, dependentRequired, dependentSchemas, propertyNames, contains, $dynamicRef, a
+// `false` schema, allOf with several members. Annotations (title, description, default, examples, ...)
+// and other unknown keywords are ignored.
+#include <unordered_map>
+
+#include "core/error.h"
+#include "core/json_input.h"
+#include "structured/front_ends.h"
+
+namespace sparrow::structured {
+namespace {
+
+using Json = nlohmann::ordered_json;
+using E = GrammarExpr;
+
+E lit(std::string_view s) { return E::literal(s); }
+E seq(std::vector<E> items) { return E::sequence(std::move(items)); }
+E alt(std::vector<E> items) { return E::choice(std::move(items)); }
+E opt(E e) { return E::repeat(std::move(e), 0, 1); }
+E rule_ref(const std::string& name) { return E::ref(name); }
+
+CharClass json_unescaped_class() {
+  // RFC 8259: any character but '"', '\' and the controls U+0000..U+001F.
+  CharClass c = CharClass::range(0x20, kMaxCodePoint);
+  return c.minus(CharClass::of('"')).minus(CharClass::of('\\'));
+}
+
+E json_char() {
+  CharClass hex = CharClass::range('0', '9');
+  hex.add('a', 'f');
+  hex.add('A', 'F');
+  CharClass simple_escape;
+  for (char c : std::string("\"\\/bfnrt")) simple_escape.add(uint32_t(uint8_t(c)), uint32_t(uint8_t(c)));
+  return alt({E::chars_of(json_unescaped_class()),
+              seq({lit("\\"), alt({E::chars_of(simple_escape), seq({lit("u"), E::repeat(E::chars_of(hex), 4, 4)})})})});
+}
+
+const char* format_regex(const std::string& format) {
+  if (format == "date") return R"([0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01]))";
+  if (format == "time") return R"(([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9]))";
+  if (format == "date-time")
+    return R"([0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9]))";
+  if (format == "uuid") return R"([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})";
+  if (format == "email") return R"([a-zA-Z0-9._%+-]+@[a-zA-Z0-9-]+(\.[a-zA-Z0-9-]+)*\.[a-zA-Z]{2,63})";
+  if (format == "ipv4") return R"(((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9]))";
+  return nullptr;
+}
+
+// Keeps a pattern's output inside a JSON string without escapes.
+void restrict_to_json_string(E& e) {
+  if (e.kind == E::Kind::Chars) e.chars = e.chars.minus(json_unescaped_class().complement());
+  for (E& item : e.items) restrict_to_json_string(item);
+}
+
+class SchemaConverter {
+ public:
+  SchemaConverter(const Json& root, const JsonSchemaOptions& options) : root_(root), options_(options) {}
+
+  Grammar convert() {
+    rules_.push_back({"root", {}});
+    rules_.push_back({"json_ws", options_.any_whitespace
+                                     ? E::repeat(E::chars_of(whitespace()), 0, kMaxJsonWhitespace)
+                                     : E::empty()});
+    rules_[0].body = value(root_, "root", 0);
+    return lower_rules(rules_);
+  }
+
+  Grammar convert_any_object() {
+    rules_.push_back({"root", {}});
+    rules_.push_back({"json_ws", options_.any_whitespace
+                                     ? E::repeat(E::chars_of(whitespace()), 0, kMaxJsonWhitespace)
+                                     : E::empty()});
+    any_value();
+    rules_[0].body = rule_ref("json_object");
+    return lower_rules(rules_);
+  }
+
+ private:
+  static CharClass whitespace() {
+    CharClass c = CharClass::of(' ');
+    c.add('\n', '\n');
+    c.add('\t', '\t');
+    return c;
+  }
+  E ws() { return rule_ref("json_ws"); }
+  E comma() { return options_.any_whitespace ? seq({ws(), lit(","), ws()}) : lit(", "); }
+  E colon() { return options_.any_whitespace ? seq({ws(), lit(":"), ws()}) : lit(": "); }
+  E open(const char* c) { return options_.any_whitespace ? seq({lit(c), ws()}) : lit(c); }
+  E close(const char* c) { return options_.any_whitespace ? seq({ws(), lit(c)}) : lit(c); }
+
+  [[noreturn]] static void error(const std::string& path, const std::string& message) {
+    fail("json schema: at ", path, ": ", message);
+  }
+
+  // The generic rules for any JSON value (added once).
+  void any_value() {
+    if (have_any_) return;
+    have_any_ = true;
+    rules_.push_back({"json_string", seq({lit("\""), E::repeat(json_char(), 0, -1), lit("\"")})});
+    rules_.push_back({"json_number", number(false, false)});
+    E member = seq({rule_ref("json_string"), colon(), rule_ref("json_value")});
+    rules_.push_back({"json_object", seq({open("{"), opt(seq({member, E::repeat(seq({comma(), member}), 0, -1)})), close("}")})});
+    rules_.push_back({"json_array", seq({open("["), opt(seq({rule_ref("json_value"), E::repeat(seq({comma(), rule_ref("json_value")}), 0, -1)})),
+                                         close("]")})});
+    rules_.push_back({"json_value", alt({rule_ref("json_object"), rule_ref("json_array"), rule_ref("json_string"), rule_ref("json_number"),
+                                         lit("true"), lit("false"), lit("null")})});
+  }
+
+  static E number(bool integer, bool non_negative) {
+    E digits = E::repeat(E::chars_of(CharClass::range('0', '9')), 0, -1);
+    E whole = alt({lit("0"), seq({E::chars_of(CharClass::range('1', '9')), digits})});
+    std::vector<E> parts;
+    if (!non_negative) parts.push_back(opt(lit("-")));
+    parts.push_back(whole);
+    if (!integer) {
+      E some_digits = E::repeat(E::chars_of(CharClass::range('0', '9')), 1, -1);
+      CharClass e = CharClass::of('e');
+      e.add('E', 'E');
+      CharClass sign = CharClass::of('+');
+      sign.add('-', '-');
+      parts.push_back(opt(seq({lit("."), some_digits})));
+      parts.push_back(opt(seq({E::chars_of(e), opt(E::chars_of(sign)), some_digits})));
+    }
+    return seq(std::move(parts));
+  }
+
+  const Json& resolve(const std::string& pointer, const std::string& path) {
+    if (!pointer.starts_with("#")) error(path, "$ref '" + pointer + "' is not supported (only references into this schema, \"#...\")");
+    const Json* at = &root_;
+    std::string rest = pointer.substr(1);
+    if (!rest.empty() && rest[0] != '/') error(path, "$ref '" + pointer + "' is not a JSON pointer");
+    size_t i = 0;
+    while (i < rest.size()) {
+      size_t next = rest.find('/', i + 1);
+      std::string token = rest.substr(i + 1, next == std::string::npos ? std::string::npos : next - i - 1);
+      std::string key;
+      for (size_t k = 0; k < token.size(); ++k) {
+        if (token[k] == '~' && k + 1 < token.size()) {
+          key += token[k + 1] == '1' ? '/' : '~';
+          ++k;
+        } else {
+          key += token[k];
+        }
+      }
+      if (at->is_object() && at->contains(key)) {
+        at = &(*at)[key];
+      } else if (at->is_array() && !key.empty() && key.find_first_not_of("0123456789") == std::string::npos &&
+                 std::stoull(key) < at->size()) {
+        at = &(*at)[std::stoull(key)];
+      } else {
+        error(path, "$ref '" + pointer + "' points at nothing");
+      }
+      if (next == std::string::npos) break;
+      i = next;
+    }
+    return *at;
+  }
+
+  E reference(const std::string& pointer, const std::string& path, int depth) {
+    auto it = ref_rules_.find(pointer);
+    if (it != ref_rules_.end()) return rule_ref(it->second);
+    const std::string name = "ref" + std::to_string(ref_rules_.size()) + ":" + pointer;
+    ref_rules_[pointer] = name;
+    const size_t index = rules_.size();
+    rules_.push_back({name, {}});
+    E body = value(resolve(pointer, path), pointer, depth + 1);
+    rules_[index].body = std::move(body);
+    return rule_ref(name);
+  }
+
+  E value(const Json& schema, const std::string& path, int depth) {
+    if (depth > kMaxNesting) error(path, "the schema nests deeper than " + std::to_string(kMaxNesting) + " levels");
+    if (schema.is_boolean()) {
+      if (!schema.get<bool>()) error(path, "the schema `false` matches nothing");
+      any_value();
+      return rule_ref("json_value");
+    }
+    if (!schema.is_object()) error(path, "a schema must be an object or a boolean, not " + std::string(schema.type_name()));
+    for (const char* refused : {"not", "if", "then", "else", "patternProperties", "dependentRequired",
+                                "dependentSchemas", "propertyNames", "contains", "$dynamicRef"})
+      if (schema.contains(refused)) error(path, std::string("the keyword '") + refused + "' is not supported");
+    if (auto it = schema.find("$ref"); it != schema.end()) {
+      if (!it->is_string()) error(path, "$ref must be a string");
+      return reference(it->get<std::string>(), path, depth);
+    }
+    if (auto it = schema.find("const"); it != schema.end()) return lit(it->dump());
+    if (auto it = schema.find("enum"); it != schema.end()) {
+      if (!it->is_array() || it->empty()) error(path, "enum must be a non-empty array");
+      std::vector<E> alts;
+      for (const Json& v : *it) alts.push_back(lit(v.dump()));
+      return alt(std::move(alts));
+    }
+    for (const char* key : {"anyOf", "oneOf"})
+      if (auto it = schema.find(key); it != schema.end()) {
+        if (!it->is_array() || it->empty()) error(path, std::string(key) + " must be a non-empty array");
+        std::vector<E> alts;
+        for (size_t i = 0; i < it->size(); ++i)
+          alts.push_back(value((*it)[i], path + "/" + key + "/" + std::to_string(i), depth + 1));
+        return alt(std::move(alts));
+      }
+    if (auto it = schema.find("allOf"); it != schema.end()) {
+      if (!it->is_array() || it->size() != 1)
+        error(path, "allOf is supported with exactly one member (merging schemas is not)");
+      return value((*it)[0], path + "/allOf/0", depth + 1);
+    }
+    if (auto it = schema.find("type"); it != schema.end()) {
+      if (it->is_string()) return typed(schema, it->get<std::string>(), path, depth);
+      if (!it->is_array() || it->empty()) error(path, "type must be a string or a non-empty array of strings");
+      std::vector<E> alts;
+      for (const Json& t : *it) {
+        if (!t.is_string()) error(path, "type must be a string or a non-empty array of strings");
+        alts.push_back(typed(schema, t.get<std::string>(), path, depth));
+      }
+      return alt(std::move(alts));
+    }
+    // No type: inferred from the keywords present, else any value.
+    for (const char* key : {"properties", "required", "additionalProperties"})
+      if (schema.contains(key)) return typed(schema, "object", path, depth);
+    for (const char* key : {"items", "prefixItems", "minItems", "maxItems"})
+      if (schema.contains(key)) return typed(schema, "array", path, depth);
+    for (const char* key : {"pattern", "format", "minLength", "maxLength"})
+      if (schema.contains(key)) return typed(schema, "string", path, depth);
+    any_value();
+    return rule_ref("json_value");
+  }
+
+  static int64_t count(const Json& schema, const char* key, int64_t def, const std::string& path) {
+    auto it = schema.find(key);
+    if (it == schema.end()) return def;
+    if (!it->is_number_integer() || it->get<int64_t>() < 0) error(path, std::string(key) + " must be a non-negative integer");
+    return it->get<int64_t>();
+  }
+
+  // {min, max} with a max beyond the limit read as unbounded and a min beyond it refused.
+  static std::pair<int64_t, int64_t> bounds(const Json& schema, const char* min_key, const char* max_key,
+                                            const std::string& path) {
+    int64_t min = count(schema, min_key, 0, path), max = count(schema, max_key, -1, path);
+    if (min > kMaxRepetition) error(path, std::string(min_key) + " above " + std::to_string(kMaxRepetition) + " is not supported");
+    if (max > kMaxRepetition) max = -1;
+    if (max != -1 && max < min) error(path, std::string(max_key) + " is below " + min_key);
+    return {min, max};
+  }
+
+  static bool non_negative(const Json& schema) {
+    for (const char* key : {"minimum", "exclusiveMinimum"})
+      if (auto it = schema.find(key); it != schema.end() && it->is_number() && it->get<double>() >= 0) return true;
+    return false;
+  }
+
+  E typed(const Json& schema, const std::string& type, const std::string& path, int depth) {
+    if (type == "string") return string(schema, path);
+    if (type == "integer") return number(true, non_negative(schema));
+    if (type == "number") return number(false, non_negative(schema));
+    if (type == "boolean") return alt({lit("true"), lit("false")});
+    if (type == "null") return lit("null");
+    if (type == "object") return object(schema, path, depth);
+    if (type == "array") return array(schema, path, depth);
+    error(path, "unknown type '" + type + "'");
+  }
+
+  E string(const Json& schema, const std::string& path) {
+    if (auto it = schema.find("pattern"); it != schema.end()) {
+      if (!it->is_string()) error(path, "pattern must be a string");
+      E body = regex_expr(it->get<std::string>(), "json schema: at " + path + ": pattern");
+      restrict_to_json_string(body);
+      return seq({lit("\""), std::move(body), lit("\"")});
+    }
+    if (auto it = schema.find("format"); it != schema.end() && it->is_string())
+      if (const char* regex = format_regex(it->get<std::string>())) return seq({lit("\""), regex_expr(regex), lit("\"")});
+    auto [min, max] = bounds(schema, "minLength", "maxLength", path);
+    if (min == 0 && max == -1) {
+      any_value();
+      return rule_ref("json_string");
+    }
+    return seq({lit("\""), E::repeat(json_char(), min, max), lit("\"")});
+  }
+
+  E object(const Json& schema, const std::string& path, int depth) {
+    struct Property {
+      std::string key;
+      const Json* schema;
+      bool required;
+    };
+    std::vector<Property> props;
+    static const Json kAny = true;
+    if (auto it = schema.find("properties"); it != schema.end()) {
+      if (!it->is_object()) error(path, "properties must be an object");
+      for (auto p = it->begin(); p != it->end(); ++p) props.push_back({p.key(), &p.value(), false});
+    }
+    const Json* additional = nullptr;  // absent or false: none (xgrammar's strict mode)
+    if (auto it = schema.find("additionalProperties"); it != schema.end()) {
+      if (!(it->is_boolean() || it->is_object())) error(path, "additionalProperties must be a boolean or a schema");
+      if (!(it->is_boolean() && !it->get<bool>())) additional = &*it;
+    }
+    if (auto it = schema.find("required"); it != schema.end()) {
+      if (!it->is_array()) error(path, "required must be an array of names");
+      for (const Json& name : *it) {
+        if (!name.is_string()) error(path, "required must be an array of names");
+        bool found = false;
+        for (Property& p : props)
+          if (p.key == name.get<std::string>()) found = p.required = true;
+        // A required property the schema does not describe: any value (or additionalProperties' schema).
+        if (!found) props.push_back({name.get<std::string>(), additional ? additional : &kAny, true});
+      }
+    }
+    std::vector<E> members;
+    for (const Property& p : props)
+      members.push_back(seq({lit(Json(p.key).dump()), colon(),
+                             value(*p.schema, path + "/properties/" + p.key, depth + 1)}));
+    std::optional<E> extra;
+    if (additional) {
+      any_value();
+      extra = seq({rule_ref("json_string"), colon(), value(*additional, path + "/additionalProperties", depth + 1)});
+    }
+    // first[k]: properties k.. when none was written yet; more[k]: the same after one (a comma first).
+    // Rules, since an optional property makes both continuations possible.
+    const std::string base = "object" + std::to_string(objects_++) + ":" + path;
+    auto name = [&](const char* kind, size_t k) { return base + "/" + kind + std::to_string(k); };
+    const size_t n = props.size();
+    rules_.push_back({name("more", n), extra ? E::repeat(seq({comma(), *extra}), 0, -1) : E::empty()});
+    rules_.push_back({name("first", n), extra ? opt(seq({*extra, E::repeat(seq({comma(), *extra}), 0, -1)})) : E::empty()});
+    for (size_t k = n; k-- > 0;) {
+      E more_k = seq({comma(), members[k], rule_ref(name("more", k + 1))});
+      E first_k = seq({members[k], rule_ref(name("more", k + 1))});
+      if (!props[k].required) {
+        more_k = alt({std::move(more_k), rule_ref(name("more", k + 1))});
+        first_k = alt({std::move(first_k), rule_ref(name("first", k + 1))});
+      }
+      rules_.push_back({name("more", k), std::move(more_k)});
+      rules_.push_back({name("first", k), std::move(first_k)});
+    }
+    return seq({open("{"), rule_ref(name("first", 0)), close("}")});
+  }
+
+  E array(const Json& schema, const std::string& path, int depth) {
+    std::vector<E> prefix;
+    if (auto it = schema.find("prefixItems"); it != schema.end()) {
+      if (!it->is_array()) error(path, "prefixItems must be an array of schemas");
+      for (size_t i = 0; i < it->size(); ++i)
+        prefix.push_back(value((*it)[i], path + "/prefixItems/" + std::to_string(i), depth + 1));
+    }
+    std::optional<E> item;
+    if (auto it = schema.find("items"); it != schema.end()) {
+      if (!(it->is_boolean() && !it->get<bool>())) item = value(*it, path + "/items", depth + 1);
+    } else {
+      any_value();
+      item = rule_ref("json_value");
+    }
+    auto [min, max] = bounds(schema, "minItems", "maxItems", path);
+    const int64_t p = int64_t(prefix.size());
+    const int64_t min_extra = std::max<int64_t>(0, min - p);
+    const int64_t max_extra = !item ? 0 : max == -1 ? -1 : std::max<int64_t>(0, max - p);
+    if (!item && min > p) error(path, "minItems is more than the prefixItems allowed when items is false");
+    // Items after the prefix; `after` when at least one item came before (a comma first).
+    auto extras = [&](bool after) -> E {
+      if (max_extra == 0) return E::empty();
+      if (after) return E::repeat(seq({comma(), *item}), min_extra, max_extra);
+      E rest = E::repeat(seq({comma(), *item}), std::max<int64_t>(0, min_extra - 1), max_extra == -1 ? -1 : max_extra - 1);
+      E some = seq({*item, std::move(rest)});
+      return min_extra > 0 ? some : opt(std::move(some));
+    };
+    E tail = extras(p > 0);
+    for (int64_t i = p; i-- > 0;) {
+      E part = i > 0 ? seq({comma(), prefix[size_t(i)], std::move(tail)}) : seq({prefix[size_t(i)], std::move(tail)});
+      tail = i < std::min(min, p) ? std::move(part) : opt(std::move(part));
+    }
+    return seq({open("["), std::move(tail), close("]")});
+  }
+
+  const Json& root_;
+  JsonSchemaOptions options_;
+  std::vector<NamedRule> rules_;
+  std::unordered_map<std::string, std::string> ref_rules_;
+  bool have_any_ = false;
+  int64_t objects_ = 0;
+};
+
+}  // namespace
+
+Grammar grammar_from_json_schema(std::string_view schema_json, const JsonSchemaOptions& options) {
+  SPARROW_CHECK(int64_t(schema_json.size()) <= kMaxSpecBytes, "json schema: longer than ", kMaxSpecBytes, " bytes");
+  JsonInput<Json> parsed = parse_json_input<Json>(schema_json);
+  SPARROW_CHECK(parsed.ok(), "json schema: not valid JSON",
+                parsed.status == JsonInput<Json>::Status::TooDeep ? " (nested too deeply)" : "");
+  try {
+    return SchemaConverter(parsed.value, options).convert();
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    if (message.starts_with("json schema:")) throw;
+    fail("json schema: ", message);
+  }
+}
+
+Grammar json_object_grammar(const JsonSchemaOptions& options) {
+  static const Json kEmpty = Json::object();
+  return SchemaConverter(kEmpty, options).convert_any_object();
+}
+
+}  // namespace sparrow::structured
