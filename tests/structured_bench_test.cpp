@@ -157,19 +157,19 @@ void bench(const char* vocab_name, std::shared_ptr<const TokenVocabulary> vocab,
   // what a state never met before costs), then with both caches (states met again).
   GrammarMatcher cold_matcher(grammar, {0});
   const double cold = walk(cold_matcher, tokens, words);
+  auto best_of_three_walks = [&] {
+    double best = 1e9;
+    for (int rep = 0; rep < 3; ++rep) {
+      GrammarMatcher m(grammar, {0});
+      best = std::min(best, walk(m, tokens, words));
+    }
+    return best;
+  };
   grammar->set_mask_cache(false);
-  double splits_only = 1e9;
-  for (int rep = 0; rep < 3; ++rep) {
-    GrammarMatcher m(grammar, {0});
-    splits_only = std::min(splits_only, walk(m, tokens, words));
-  }
+  const double splits_only = best_of_three_walks();
   const double batch_splits_only = batch_step(grammar, tokens, vocab->mask_words(), false);
   grammar->set_mask_cache(true);
-  double warm = 1e9;
-  for (int rep = 0; rep < 3; ++rep) {
-    GrammarMatcher m(grammar, {0});
-    warm = std::min(warm, walk(m, tokens, words));
-  }
+  const double warm = best_of_three_walks();
   const double batch_warm = batch_step(grammar, tokens, vocab->mask_words(), false);
   grammar->set_mask_cache(false);
   const double batch_parallel = batch_step(grammar, tokens, vocab->mask_words(), true);

@@ -29,6 +29,7 @@ constexpr uint32_t kMinCodePointOfLength[5] = {0, 0, 0x80, 0x800, 0x10000};
 constexpr uint32_t kMaxCodePointOfLength[5] = {0, 0x7F, 0x7FF, 0xFFFF, 0x10FFFF};
 
 bool token_allowed_in(const uint32_t* words, int32_t t) { return (words[t >> 5] >> (t & 31)) & 1u; }
+void allow_token(uint32_t* words, int32_t t) { words[t >> 5] |= 1u << (t & 31); }
 
 uint64_t mix(uint64_t z) {
   z += 0x9E3779B97F4A7C15ull;
@@ -401,7 +402,7 @@ std::shared_ptr<const TokenSplit> CompiledGrammar::token_split(int32_t position,
   std::vector<State> states(1);
   states[0].tops.push_back(arena.intern(position, parent, partial));
   auto accept_node = [&](int32_t node) {
-    for (int32_t id : vocab.tokens_at(node)) split->accepted[size_t(id) >> 5] |= 1u << (id & 31);
+    for (int32_t id : vocab.tokens_at(node)) allow_token(split->accepted.data(), id);
   };
   auto walk = [&](auto&& self, int32_t node, size_t depth, bool uncertain_below) -> void {
     if (states.size() <= depth + 1) states.resize(depth + 2);
@@ -425,7 +426,7 @@ std::shared_ptr<const TokenSplit> CompiledGrammar::token_split(int32_t position,
   // Tokens consumed on one path and uncertain on another are accepted: drop them from the uncertain.
   std::erase_if(split->uncertain_nodes, [&](int32_t n) {
     const int32_t id = vocab.tokens_at(n)[0];
-    return (split->accepted[size_t(id) >> 5] >> (id & 31)) & 1;
+    return token_allowed_in(split->accepted.data(), id);
   });
   std::lock_guard lock(mutex_);
   // Bounded: past kSplitCacheBytes the splits start over (those in use stay alive with their users).
@@ -527,7 +528,7 @@ int64_t GrammarMatcher::fill_next_token_bitmask(uint32_t* words) {
     if (now.can_end)
       for (int32_t id : end_tokens_)
         if (id >= 0 && id < vocab.mask_size() && !token_allowed_in(words, id)) {
-          words[id >> 5] |= 1u << (id & 31);
+          allow_token(words, id);
           ++allowed;
         }
     return allowed;
@@ -591,7 +592,7 @@ int64_t GrammarMatcher::fill_next_token_bitmask(uint32_t* words) {
         recognizer.step(states[depth], trie[size_t(c)].byte, states[depth + 1]);
         if (!states[depth + 1].tops.empty() || states[depth + 1].can_end) {
           if (walk_everything || *it == c)
-            for (int32_t id : vocab.tokens_at(c)) words[id >> 5] |= 1u << (id & 31);
+            for (int32_t id : vocab.tokens_at(c)) allow_token(words, id);
           if (end > c + 1) self(self, c, depth + 1);
         }
         arena_->release(mark);

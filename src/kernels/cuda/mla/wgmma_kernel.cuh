@@ -37,11 +37,11 @@ constexpr int kMaskOff = kRedOff + 2 * 64 * 4;  // [2 buffers][4 producer warps]
 constexpr int kSmem = kMaskOff + 16 + 1024;     // + the alignment slack
 static_assert(kSmem <= 232448, "over Hopper's 227 KB of shared memory per CTA");
 constexpr int kThreads = 384;                   // warpgroups 0 and 1 compute, warpgroup 2 produces
-// setmaxnreg: 128 x (208 + 160 + 128) <= 384 x 168. The producer's 128 hold a warp's 16 rows in flight at
-// once (below); warpgroup 1 gives 8 of its 168 back, warpgroup 0 then takes 208.
+// setmaxnreg: the producer's 128 hold a warp's 16 rows in flight at once (below); warpgroup 1 gives 8 of its
+// 168 back, warpgroup 0 then takes 208. setmaxnreg only moves registers within the CTA's launch allocation,
+// 384 x 168: setmaxnreg.inc waits for registers to come free, so a larger sum would never return (a hang, as
+// a 144-register producer showed).
 constexpr int kScoreRegs = 208, kProductRegs = 160, kProducerRegs = 128;
-// setmaxnreg only moves registers within the CTA's launch allocation: setmaxnreg.inc waits for registers to
-// come free, so a larger sum would never return (a hang, as a 144-register producer showed).
 static_assert(128 * (kScoreRegs + kProductRegs + kProducerRegs) <= kThreads * 168, "setmaxnreg would wait forever");
 enum : int { kBarFull = 1, kBarEmpty = 3, kBarP = 5, kBarPFree = 6, kBarSums = 7 };  // FULL / EMPTY: + buffer
 
