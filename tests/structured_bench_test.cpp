@@ -191,7 +191,7 @@ TEST(StructuredBench, MaskTimes) {
           "required": ["name", "age", "address"]})", {}, true},
        R"({"name": "Alice Johnson", "age": 42, "email": "alice.johnson@example.com", "address": {"street": "1234 Elm Street, Apartment 5", "city": "Springfield", "zip": "62704"}, "tags": ["engineer", "runner", "coffee lover", "open source"], "active": true})"},
       {"string, maxLength 64", {Kind::JsonSchema, R"({"type": "string", "maxLength": 64})", {}, true},
-       R"("The quick brown fox jumps over the lazy dog, then naps in the sun.")"},
+       R"("The quick brown fox jumps over the lazy dog, then naps in a sun.")"},
       {"regex", {Kind::Regex, R"((\+1 )?\(\d{3}\) \d{3}-\d{4}|[a-z][a-z0-9._]*@[a-z]+\.(com|org|net)( and [a-z]+)*)", {}, true},
        "alice.johnson_42@example.org and bob and carol and dave and eve"},
   };
