@@ -38,9 +38,6 @@ EngineCore::EngineCore(Model& model, const Tokenizer* tokenizer, EngineConfig co
                 "): give it more memory or lower max_model_len");
   end_of_sequence_ = config_.eos_token_ids;
   if (end_of_sequence_.empty() && tokenizer_ && tokenizer_->eos_id()) end_of_sequence_.push_back(*tokenizer_->eos_id());
-  if (tokenizer_)
-    grammars_ = std::make_unique<structured::GrammarCompiler>(
-        structured::TokenVocabulary::from_tokenizer(*tokenizer_, int32_t(model_.vocab_size())));
   if (config_.warm_up) warm_up();
 }
 
@@ -65,8 +62,8 @@ void EngineCore::validate(const Request& request) const {
       SPARROW_CHECK(id < model_.vocab_size(), "allowed_token_ids: token id ", id, " is outside the vocabulary [0, ",
                     model_.vocab_size(), ")");
   if (p.structured.active()) {
-    SPARROW_CHECK(grammars_ != nullptr, "structured outputs need a tokenizer");
-    grammars_->compile(p.structured);
+    SPARROW_CHECK(tokenizer_ != nullptr, "structured outputs need a tokenizer");
+    grammars().compile(p.structured);
   }
 }
 
@@ -80,7 +77,7 @@ void EngineCore::add(Request request, OutputCallback on_output) {
   std::vector<int32_t> end_tokens = p.stop_token_ids;
   if (!p.ignore_eos) end_tokens.insert(end_tokens.end(), end_of_sequence_.begin(), end_of_sequence_.end());
   std::shared_ptr<const structured::CompiledGrammar> grammar;
-  if (p.structured.active()) grammar = grammars_->compile(p.structured);  // validate() compiled it: a cache hit
+  if (p.structured.active()) grammar = grammars().compile(p.structured);  // validate() compiled it: a cache hit
   std::shared_ptr<std::vector<uint32_t>> allowed;
   if (p.allowed_token_ids) {
     allowed = std::make_shared<std::vector<uint32_t>>(size_t((model_.vocab_size() + 31) / 32), 0u);
@@ -273,6 +270,17 @@ bool EngineCore::step() {
     emit(seq, tokens[i], raw);
   }
   return true;
+}
+
+structured::GrammarCompiler& EngineCore::grammars() const {
+  // The vocabulary's byte trie is built for the first request with a structured output, on that request's
+  // thread (validate), not when every engine starts: most runs never need it (0.84 s for a 160K
+  // vocabulary, bench/results/structured.md).
+  std::call_once(grammars_made_, [&] {
+    grammars_ = std::make_unique<structured::GrammarCompiler>(
+        structured::TokenVocabulary::from_tokenizer(*tokenizer_, int32_t(model_.vocab_size())));
+  });
+  return *grammars_;
 }
 
 void EngineCore::fill_token_masks(const std::vector<Sequence*>& sampled, std::vector<int32_t>& rows,

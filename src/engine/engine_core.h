@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -145,8 +146,11 @@ class EngineCore {
   const Tokenizer* tokenizer_;
   EngineConfig config_;
   std::vector<int32_t> end_of_sequence_;
-  // Structured outputs' compiled grammars over the tokenizer's vocabulary (null without a tokenizer).
-  std::unique_ptr<structured::GrammarCompiler> grammars_;
+  // Structured outputs' compiled grammars over the tokenizer's vocabulary, made by grammars() when a request
+  // first asks for one (needs a tokenizer).
+  structured::GrammarCompiler& grammars() const;
+  mutable std::once_flag grammars_made_;
+  mutable std::unique_ptr<structured::GrammarCompiler> grammars_;
   KvCache cache_;
   Scheduler scheduler_;
   std::unordered_map<std::string, std::unique_ptr<ActiveRequest>> requests_;
