@@ -189,32 +189,35 @@ class GlooCommunicator : public Communicator {
       const size_t n = size_t(count), ranks = size_t(size());
       if (n * sizeof(T) <= kDirectAllReduceBytes || n < ranks) {
         // Small (a decode step's activations): every rank's whole buffer to every rank.
-        std::vector<T> copies(n * ranks), all(n * ranks);
-        for (size_t r = 0; r < ranks; ++r) std::copy(values, values + n, copies.data() + r * n);
-        exchange("all_reduce", copies.data(), all.data(), n * sizeof(T));
-        sum_in_rank_order(sum, all.data(), n, values);
+        T* copies = scratch<T>(0, n * ranks);
+        T* all = scratch<T>(1, n * ranks);
+        for (size_t r = 0; r < ranks; ++r) std::copy(values, values + n, copies + r * n);
+        exchange("all_reduce", copies, all, n * sizeof(T));
+        sum_in_rank_order(sum, all, n, values);
         return;
       }
       // Large (a prefill's): each rank sums one share of every rank's buffer (a reduce-scatter), then the
       // shares go to every rank (an all-gather): 2 (size - 1) / size of the buffer each way, as a ring's.
       const size_t share = (n + ranks - 1) / ranks;
-      std::vector<T> padded(share * ranks, T{}), parts(share * ranks);
-      std::copy(values, values + n, padded.begin());
-      exchange("all_reduce", padded.data(), parts.data(), share * sizeof(T));
-      std::vector<T> mine(share);
-      sum_in_rank_order(sum, parts.data(), share, mine.data());
-      for (size_t r = 0; r < ranks; ++r) std::copy(mine.begin(), mine.end(), parts.begin() + r * share);
-      exchange("all_reduce", parts.data(), padded.data(), share * sizeof(T));
-      std::copy(padded.begin(), padded.begin() + n, values);
+      T* padded = scratch<T>(0, share * ranks);
+      T* parts = scratch<T>(1, share * ranks);
+      T* mine = scratch<T>(2, share);
+      std::copy(values, values + n, padded);
+      std::fill(padded + n, padded + share * ranks, T{});
+      exchange("all_reduce", padded, parts, share * sizeof(T));
+      sum_in_rank_order(sum, parts, share, mine);
+      for (size_t r = 0; r < ranks; ++r) std::copy(mine, mine + share, parts + r * share);
+      exchange("all_reduce", parts, padded, share * sizeof(T));
+      std::copy(padded, padded + n, values);
     });
   }
 
   void all_gather(const void* send, void* recv, int64_t count, ScalarType type) override {
     if (!check_count("all_gather", count)) return;
     const size_t bytes = size_t(count * scalar_size(type));
-    std::vector<uint8_t> copies(bytes * size());
-    for (int r = 0; r < size(); ++r) std::memcpy(copies.data() + r * bytes, send, bytes);
-    exchange("all_gather", copies.data(), recv, bytes);
+    uint8_t* copies = scratch<uint8_t>(0, bytes * size());
+    for (int r = 0; r < size(); ++r) std::memcpy(copies + r * bytes, send, bytes);
+    exchange("all_gather", copies, recv, bytes);
   }
 
   void reduce_scatter(const void* send, void* recv, int64_t count, ScalarType type) override {
@@ -222,9 +225,9 @@ class GlooCommunicator : public Communicator {
     with_element_type(type, "reduce_scatter", [&](auto element) {
       using T = decltype(element);
       if (!check_count("reduce_scatter", count)) return;
-      std::vector<T> parts(size_t(count) * size());
-      exchange("reduce_scatter", send, parts.data(), size_t(count) * sizeof(T));
-      sum_in_rank_order(sum_function(type), parts.data(), size_t(count), static_cast<T*>(recv));
+      T* parts = scratch<T>(0, size_t(count) * size());
+      exchange("reduce_scatter", send, parts, size_t(count) * sizeof(T));
+      sum_in_rank_order(sum_function(type), parts, size_t(count), static_cast<T*>(recv));
     });
   }
 
@@ -277,6 +280,17 @@ class GlooCommunicator : public Communicator {
   }
 
  private:
+  // Staging buffers reused from call to call (grown, never shrunk): a fresh vector of a prefill's
+  // activations on every call cost a page fault per 4 KB first touched, which made a 1 MB all-reduce 5x
+  // its two exchanges (bench/results/collectives.md).
+  std::vector<uint8_t> scratch_[3];
+  template <typename T>
+  T* scratch(int slot, size_t count) {
+    std::vector<uint8_t>& buffer = scratch_[slot];
+    if (buffer.size() < count * sizeof(T)) buffer.resize(count * sizeof(T));
+    return reinterpret_cast<T*>(buffer.data());
+  }
+
   // gloo's buffers are not const, but it only reads those it sends from.
   static uint8_t* readable(const void* data) { return const_cast<uint8_t*>(static_cast<const uint8_t*>(data)); }
 
