@@ -15,6 +15,9 @@
 // sparrow bench sweep [bench serve's flags] [--concurrencies 1,2,...,256] [--launch 'SERVE ARGS'] ...
 //   bench serve at each concurrency, one sweep JSON with the decode roofline beside every point
 //   (src/bench/sweep.h; tools/plot_sweep.py draws it).
+// sparrow bench collectives -tp N [--device cpu|cuda] [--min-bytes B] [--max-bytes B] [--op NAME,...] [--json FILE]
+//   Each collective of an N-rank group timed from min to max bytes (src/bench/collectives.h): the median
+//   call time of the slowest rank, algorithm and bus bandwidth (nccl-tests' definitions).
 // sparrow bench roofline --model-config DIR --batch B --input-len I --output-len O [--kv-cache-dtype D]
 //   The limits a sweep point records, without a server: the decode step and the serving cycle
 //   (src/bench/roofline.h), as one JSON line.
@@ -26,6 +29,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/collectives.h"
 #include "bench/roofline.h"
 #include "bench/serve_bench.h"
 #include "bench/sweep.h"
@@ -303,6 +307,74 @@ void print_profile(const char* title, const StepProfile& p) {
                  1e3 * part.seconds / steps, total > 0 ? 100 * part.seconds / total : 0.0);
 }
 
+// Sizes as "64K", "16M", "1G" or plain bytes.
+int64_t parse_bytes(const std::string& text) {
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    fail("not a size: '", text, "' (bytes, or a number with K, M or G)");
+  }
+  const std::string unit = text.substr(used);
+  const double scale = unit.empty() ? 1 : unit == "K" || unit == "KB" || unit == "KiB" ? 1024.0
+                       : unit == "M" || unit == "MB" || unit == "MiB"                 ? 1024.0 * 1024
+                       : unit == "G" || unit == "GB" || unit == "GiB"                 ? 1024.0 * 1024 * 1024
+                                                                                       : -1;
+  SPARROW_CHECK(scale > 0 && value > 0 && value * scale < 1e15, "not a size: '", text,
+                "' (bytes, or a number with K, M or G)");
+  return int64_t(value * scale);
+}
+
+void add_bench_collectives(CLI::App* parent) {
+  auto* sub = parent->add_subcommand(
+      "collectives", "Each collective of a tensor-parallel group timed over sizes (nccl-tests' bus bandwidth)");
+  static std::string device = "cpu", min_bytes = "1K", max_bytes, ops, json_path;
+  static int iterations = 20, warmup = 3;
+  sub->add_option("--min-bytes", min_bytes, "smallest size (bytes, or with K, M, G)")->capture_default_str();
+  sub->add_option("--max-bytes", max_bytes, "largest size (default 256M on a GPU, 16M on the CPU); sizes double");
+  sub->add_option("--op", ops, "comma-separated: all_reduce, all_gather, reduce_scatter, all_to_all, broadcast "
+                               "(default all)");
+  sub->add_option("--iterations", iterations, "timed calls per size (the median is reported)")->capture_default_str();
+  sub->add_option("--warmup", warmup, "untimed calls per size first")->capture_default_str();
+  sub->add_option("--json", json_path, "rank 0 also writes one JSON line per size and operation to this file");
+  add_device_option(sub, device);
+  on_selected(sub, [] {
+    bench::CollectiveBenchOptions options;
+    options.min_bytes = parse_bytes(min_bytes);
+    options.max_bytes = parse_bytes(max_bytes.empty() ? (parse_device(device) == Device::Cpu ? "16M" : "256M")
+                                                      : max_bytes);
+    options.iterations = iterations;
+    options.warmup = warmup;
+    for (size_t at = 0; !ops.empty() && at <= ops.size();) {
+      const size_t comma = std::min(ops.find(',', at), ops.size());
+      options.ops.push_back(ops.substr(at, comma - at));
+      at = comma + 1;
+    }
+    bench::check_options(options);
+    Communicator& comm = join_cli_group(device);
+    const std::vector<bench::CollectiveBenchRow> rows = bench::bench_collectives(comm, options);
+    if (comm.rank() != 0) return;
+    std::FILE* json = json_path.empty() ? nullptr : std::fopen(json_path.c_str(), "w");
+    SPARROW_CHECK(json_path.empty() || json, "cannot write ", json_path);
+    std::printf("%-15s %12s %12s %12s %12s   (%d ranks, %s on %s)\n", "op", "bytes", "time_us", "algbw_GB/s",
+                "busbw_GB/s", rows.empty() ? 0 : rows[0].ranks, comm.backend().c_str(),
+                comm.device() == Device::Cpu ? "cpu" : "cuda");
+    for (const bench::CollectiveBenchRow& r : rows) {
+      std::printf("%-15s %12lld %12.1f %12.3f %12.3f\n", r.op.c_str(), static_cast<long long>(r.bytes), r.median_us,
+                  r.algbw_gbps, r.busbw_gbps);
+      if (json)
+        std::fprintf(json, "%s\n",
+                     nlohmann::json{{"op", r.op},         {"bytes", r.bytes},           {"ranks", r.ranks},
+                                    {"backend", r.backend}, {"device", r.device},         {"median_us", r.median_us},
+                                    {"algbw_gbps", r.algbw_gbps}, {"busbw_gbps", r.busbw_gbps}}
+                         .dump()
+                         .c_str());
+    }
+    if (json) std::fclose(json);
+  });
+}
+
 }  // namespace
 
 void add_bench(CLI::App& app) {
@@ -401,6 +473,7 @@ void add_bench(CLI::App& app) {
   add_bench_serve(bench);
   add_bench_sweep(bench);
   add_bench_roofline(bench);
+  add_bench_collectives(bench);
   add_bench_kv_quality(bench);
 }
 

@@ -59,6 +59,9 @@ void add_device_option(CLI::App* sub, std::string& device);
 // --tensor-parallel-size N (or under a launcher) this process joins or starts the run first and loads its
 // part of the model; on a worker rank the call never returns (it runs rank 0's steps, then exits).
 std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device);
+// The same run without a model (bench collectives): joins or starts it and returns the group's model
+// communicator; every rank returns and runs the command itself. Errors without -tp N > 1 or a launcher.
+Communicator& join_cli_group(const std::string& device);
 // How the command's model runners run steps: --enforce-eager; on rank 0 of a tensor-parallel run, the
 // workers they drive.
 RunnerOptions cli_runner_options();

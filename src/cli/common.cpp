@@ -91,19 +91,11 @@ void add_device_option(CLI::App* sub, std::string& device) {
       ->check(CLI::Range(1, 65535));
 }
 
-std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device) {
-  LoadOptions options;
-  options.load_format = load_format;
-  options.moe_routing_simulation = moe_routing_simulation;
-  // A checkpoint of 1 GB or more shows its progress and load rate on stderr.
-  options.progress = stderr;
-  options.progress_live = ::isatty(STDERR_FILENO) != 0;
-  const LaunchEnv env = read_launch_env();
-  if (!parallel_config.multi_process() && env.launcher.empty()) return load_model(dir, parse_device(device), options);
-
-  // Tensor parallel: join (or start) the run, load this rank's part; a worker then only runs steps.
+namespace {
+// Joins (or starts) the tensor-parallel run this process is part of.
+ParallelRun& start_run(const std::string& device, const LaunchEnv& env) {
   ParallelRun& run = parallel_run();
-  SPARROW_CHECK(!run.group, "a command loads its model once");
+  SPARROW_CHECK(!run.group, "a command joins its tensor-parallel run once");
   SPARROW_CHECK(program_arguments, "the program's arguments were not recorded (set_program_arguments)");
   // A GPU rank takes its GPU first (NCCL joins on the current device). NCCL when every rank on this machine has
   // a GPU of its own; ranks that share one stage their collectives through the host (docs/parallel.md).
@@ -115,6 +107,30 @@ std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string&
     config.device_collectives = ranks_here <= sparrow::device::count() && !std::getenv("SPARROW_HOST_COLLECTIVES");
   }
   run.group = ProcessGroup::start(config, env, program_arguments);
+  return run;
+}
+}  // namespace
+
+Communicator& join_cli_group(const std::string& device) {
+  const LaunchEnv env = read_launch_env();
+  SPARROW_CHECK(parallel_config.multi_process() || !env.launcher.empty(),
+                "this command needs a group of processes: give --tensor-parallel-size N (N >= 2) or start it "
+                "under a launcher (docs/parallel.md)");
+  return start_run(device, env).group->model();
+}
+
+std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device) {
+  LoadOptions options;
+  options.load_format = load_format;
+  options.moe_routing_simulation = moe_routing_simulation;
+  // A checkpoint of 1 GB or more shows its progress and load rate on stderr.
+  options.progress = stderr;
+  options.progress_live = ::isatty(STDERR_FILENO) != 0;
+  const LaunchEnv env = read_launch_env();
+  if (!parallel_config.multi_process() && env.launcher.empty()) return load_model(dir, parse_device(device), options);
+
+  // Tensor parallel: join (or start) the run, load this rank's part; a worker then only runs steps.
+  ParallelRun& run = start_run(device, env);
   options.tensor_parallel = run.group->tensor_parallel();
   options.tensor_parallel.expert_parallel = parallel_config.enable_expert_parallel;
   if (run.group->rank() != 0) options.progress = nullptr;
