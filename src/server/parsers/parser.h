@@ -125,6 +125,10 @@ struct ToolGrammar {
 ToolGrammar tool_call_grammar(std::string_view parser_name, const nlohmann::ordered_json& tools,
                               const ToolGrammarOptions& options);
 
+// The special tokens of parser `parser_name`'s format that only ever write tool-call markup (tool_choice
+// "none" keeps the model from sampling them); none for Kimi K3, whose tokens also frame its channels.
+std::vector<std::string> tool_call_tokens(std::string_view parser_name);
+
 // ---------------------------------------------------------------------------------------------------
 // Both together, as the server runs them: the reasoning parser first, its content through the tool
 // parser. Either may be absent.

@@ -325,6 +325,18 @@ std::string kimi_k3_grammar(Builder& b, const std::vector<Tool>& tools) {
 
 }  // namespace
 
+std::vector<std::string> tool_call_tokens(std::string_view parser_name) {
+  std::vector<std::string_view> tokens;
+  if (parser_name == "kimi_k2")
+    tokens = {kimi_k2::kSectionBegin, kimi_k2::kSectionEnd, kimi_k2::kSectionBeginSingular, kimi_k2::kSectionEndSingular,
+              kimi_k2::kCallBegin, kimi_k2::kArgumentBegin, kimi_k2::kCallEnd};
+  else if (parser_name == "deepseek_v32") tokens = {deepseek_v32::kDsml};
+  else if (parser_name == "minimax_m2") tokens = {minimax_m2::kSectionBegin, minimax_m2::kSectionEnd};
+  else if (parser_name == "minimax_m3") tokens = {minimax_m3::kNamespace};
+  // kimi_k3: <|open|>, <|close|> and <|sep|> frame the response channel too.
+  return {tokens.begin(), tokens.end()};
+}
+
 ToolGrammar tool_call_grammar(std::string_view parser_name, const nlohmann::ordered_json& tools,
                               const ToolGrammarOptions& options) {
   const std::vector<Tool> offered = offered_tools(tools, options);
