@@ -160,6 +160,24 @@ TEST(ToolGrammar, AcceptsTheFormatsCallAndRefusesBadOnes) {
     EXPECT_FALSE(accepts(g.ebnf, fill(f.call, "get_time", "Paris", "3"))) << "an unknown tool";
     EXPECT_FALSE(accepts(g.ebnf, fill(f.call, "get_weather", "Paris", "three"))) << "a string for an integer";
     EXPECT_FALSE(accepts(g.ebnf, fill(f.call, "get_weather", "Paris", "3.5"))) << "a number for an integer";
+    {  // a string enum: only its values (the unit argument, optional, after days)
+      const std::string days = fill(f.days_element, "get_weather", "Paris", "3");
+      std::string unit = f.days_element;
+      auto replace_all = [&](const std::string& from, const std::string& to) {
+        for (size_t at = unit.find(from); at != std::string::npos; at = unit.find(from, at + to.size()))
+          unit.replace(at, from.size(), to);
+      };
+      replace_all("days", "unit");
+      if (f.parser == "kimi_k2") replace_all("{DAYS}", "\"{DAYS}\"");
+      if (f.parser == "kimi_k3") replace_all("integer", "string");
+      if (f.parser == "deepseek_v32") replace_all("false", "true");
+      std::string with_unit = good, bad_unit = good;
+      with_unit.insert(good.find(days) + days.size(), fill(unit, "", "", "c"));
+      bad_unit.insert(good.find(days) + days.size(), fill(unit, "", "", "k"));
+      EXPECT_TRUE(accepts(g.ebnf, with_unit)) << with_unit;
+      EXPECT_FALSE(accepts(g.ebnf, bad_unit)) << bad_unit;
+      EXPECT_EQ(json::parse(parse(f.parser, with_unit).tool_calls.at(0).arguments)["unit"], "c") << with_unit;
+    }
     EXPECT_FALSE(accepts(g.ebnf, fill(f.call, "get_weather", "Pa<ris", "3"))) << "'<' in raw text or a JSON string";
     // A missing required argument: the call without its days element, which the parser still reads.
     std::string without_days = good;
@@ -247,7 +265,7 @@ TEST(ToolGrammar, RandomWalksParseIntoValidCalls) {
       auto compiled = compiler.compile(spec);
       ASSERT_FALSE(compiled->special_tokens().empty());
       std::mt19937 rng(5);
-      int finished = 0, specials_drawn = 0;
+      int finished = 0, specials_drawn = 0, several = 0;
       for (int walk = 0; walk < 25; ++walk) {
         GrammarMatcher m(compiled, {w.eos});
         std::string text;
@@ -282,11 +300,13 @@ TEST(ToolGrammar, RandomWalksParseIntoValidCalls) {
         ParsedOutput parsed = parse(f.parser, text);
         ASSERT_GE(parsed.tool_calls.size(), 1u) << text;
         if (!parallel) EXPECT_EQ(parsed.tool_calls.size(), 1u) << text;
+        several += parsed.tool_calls.size() > 1;
         for (const ToolCall& call : parsed.tool_calls) expect_valid_call(call, text);
         EXPECT_EQ(parsed.content.find_first_not_of(" \n"), std::string::npos) << "content: " << parsed.content;
       }
       EXPECT_GE(finished, 8);
       EXPECT_GT(specials_drawn, 0);
+      if (parallel) EXPECT_GE(several, 1) << "parallel_tool_calls: no walk made two calls";
     }
   }
 }

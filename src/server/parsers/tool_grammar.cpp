@@ -120,10 +120,15 @@ class Builder {
       fail("tool '", tool.name, "': its parameters schema is not supported for a forced call: ", e.what());
     }
     const Json& schema = tool.parameters["properties"][key];
-    if (schema.contains("enum") && schema["enum"].is_array() && !schema["enum"].empty()) {
+    Json values;
+    if (schema.contains("const")) values = Json::array({schema["const"]});
+    else if (schema.contains("enum") && schema["enum"].is_array()) values = schema["enum"];
+    // A string enum (or const) is a choice of its raw values. One mixing types is not enforced on raw
+    // text: the formats' raw text cannot say which type a value such as 3 or "3" is.
+    if (!values.empty()) {
       std::string body;
       bool all_plain = true;
-      for (const Json& v : schema["enum"]) {
+      for (const Json& v : values) {
         if (!v.is_string() || v.get<std::string>().find('<') != std::string::npos) all_plain = false;
         else body += (body.empty() ? "" : " | ") + lit(v.get<std::string>());
       }
