@@ -22,9 +22,9 @@
 #include "server/chat_output.h"
 #include "server/openai_requests.h"
 #include "server/openai_responses.h"
+#include "server/parsers/markers.h"
 #include "server/parsers/parser.h"
 #include "server/serving.h"
-#include "server/parsers/markers.h"
 #include "structured/spec.h"
 
 namespace sparrow::server {
@@ -204,7 +204,8 @@ class ChatCompletion : public CompletionJob {
       parsers::ToolGrammarOptions options;
       if (mode == Mode::Named) options.only_function = request_.tool_choice.function_name;
       options.parallel_tool_calls = request_.parallel_tool_calls;
-      options.output_opens_response = trimmed(prompt_text).ends_with(kimi_k3_response_begin());
+      // Kimi K3 without thinking: the prompt opened the response channel (markers.h), the grammar closes it.
+      options.output_opens_response = trimmed(prompt_text).ends_with(parsers::kimi_k3::kResponseBegin);
       parsers::ToolGrammar grammar;
       try {
         grammar = parsers::tool_call_grammar(context_.options.tool_call_parser, request_.tools, options);
@@ -234,7 +235,6 @@ class ChatCompletion : public CompletionJob {
       text.remove_suffix(1);
     return text;
   }
-  static std::string_view kimi_k3_response_begin() { return parsers::kimi_k3::kResponseBegin; }
 
   ChatChoice make_choice(const std::string& prompt_text) {
     std::unique_ptr<parsers::ReasoningParser> reasoning;

@@ -138,3 +138,13 @@ def test_unsupported_tool_schema_is_a_400_naming_the_tool(tool_server):
         tool_server.client().chat.completions.create(model=MODEL_NAME, messages=messages, tools=bad,
                                                      tool_choice="required", max_tokens=20)
     assert "odd" in str(error.value)
+
+
+def test_forced_call_with_response_format_is_a_400(tool_server):
+    import openai
+    messages, tools = question()
+    with pytest.raises(openai.BadRequestError) as error:
+        tool_server.client().chat.completions.create(model=MODEL_NAME, messages=messages, tools=tools,
+                                                     tool_choice="required", max_tokens=20,
+                                                     response_format={"type": "json_object"})
+    assert "tool_choice" in str(error.value)
