@@ -2,7 +2,8 @@
 with their own tool-call parsers: "required" and a named function force a call in the model's markup
 (src/server/parsers/tool_grammar.cpp), so over several seeds every answer is a call to an offered tool
 whose arguments validate against its schema (jsonschema), streamed and not alike; "none" shows no markup
-and no call; with reasoning on, the reasoning comes first, then the call."""
+and no call; with reasoning on, the reasoning comes first, then the call (or a response_format's JSON),
+for every answer that closed its reasoning with the end tag the grammar waits for."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from sparrow_server import MODEL_NAME
+import httpx
+
+from sparrow_server import API_KEY, MODEL_NAME
 from test_trained_models import MARKUP, PARSERS, join_stream, trained_models
 
 try:
@@ -36,6 +39,20 @@ def thinking(on: bool) -> dict:
     return {"thinking": on, "enable_thinking": on, "thinking_mode": "enabled" if on else "disabled"}
 
 
+# Each reasoning parser's end tag: the grammar starts after it (docs/server.md, "Reasoning first").
+END_OF_REASONING = {"deepseek_v32": "</think>", "minimax_m3": "</mm:think>", "kimi_k3": "<|close|>think<|sep|>"}
+
+
+def closed_reasoning(server, token_ids: list[int]) -> bool:
+    """The output holds the reasoning's end tag as the tokens the grammar waits for. An answer without it
+    never started its grammar (the model may end, or open a tool section, inside its reasoning: vLLM's
+    reasoning-aware structured outputs leave such output unconstrained too), so it gives no verdict."""
+    marker = httpx.post(server.url + "/tokenize", headers={"Authorization": f"Bearer {API_KEY}"},
+                        json={"model": MODEL_NAME, "prompt": END_OF_REASONING[server.parser],
+                              "add_special_tokens": False}).json()["tokens"]
+    return any(token_ids[i:i + len(marker)] == marker for i in range(len(token_ids)))
+
+
 def check_call(call, tools, only: str | None = None) -> None:
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     assert call.function.name in by_name, call.function.name
@@ -55,8 +72,9 @@ def tool_server(request, start_server):
     if model is None:
         pytest.skip("no trained model in models/")
     parser = PARSERS[json.loads((model / "config.json").read_text())["model_type"]]
-    server = start_server("--tool-call-parser", parser, "--reasoning-parser", parser, "--enable-auto-tool-choice",
-                          "--kv-cache-memory", "512MiB", model=model)
+    server = start_server("--api-key", API_KEY, "--tool-call-parser", parser, "--reasoning-parser", parser,
+                          "--enable-auto-tool-choice", "--kv-cache-memory", "512MiB", model=model)
+    server.parser = parser
     return server
 
 
@@ -116,10 +134,11 @@ def test_reasoning_comes_before_the_forced_call(tool_server):
     for seed in SEEDS:
         full = client.chat.completions.create(
             model=MODEL_NAME, messages=messages, tools=tools, tool_choice="required", max_tokens=230,
-            temperature=0.7, seed=seed, extra_body={"chat_template_kwargs": thinking(True)})
+            temperature=0.7, seed=seed,
+            extra_body={"chat_template_kwargs": thinking(True), "return_token_ids": True})
         choice = full.choices[0]
-        if choice.finish_reason == "length":
-            continue  # still reasoning at the limit: the grammar had not started
+        if not closed_reasoning(tool_server, choice.model_extra["token_ids"]):
+            continue
         assert choice.finish_reason == "tool_calls", choice
         for call in choice.message.tool_calls:
             check_call(call, tools)
@@ -148,3 +167,26 @@ def test_forced_call_with_response_format_is_a_400(tool_server):
                                                      tool_choice="required", max_tokens=20,
                                                      response_format={"type": "json_object"})
     assert "tool_choice" in str(error.value)
+
+
+def test_response_format_starts_after_the_reasoning(tool_server):
+    # The structured output's grammar waits for the reasoning's end tag: the reasoning is free text and
+    # the content is the JSON (before, the grammar covered the reasoning too and none came back).
+    messages, _ = question()
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}}, "required": ["answer"]}
+    client = tool_server.client(timeout=300)
+    reasoned = 0
+    for seed in SEEDS:
+        full = client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=230, temperature=0.7, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+            extra_body={"chat_template_kwargs": thinking(True), "return_token_ids": True})
+        choice = full.choices[0]
+        if choice.finish_reason == "length" or not closed_reasoning(tool_server, choice.model_extra["token_ids"]):
+            continue
+        value = json.loads(choice.message.content)
+        if jsonschema:
+            jsonschema.validate(value, schema)
+        reasoned += bool((choice.message.model_extra.get("reasoning") or "").strip())
+        assert choice.finish_reason == "stop"
+    assert reasoned >= 1, "no answer reasoned before its JSON"
