@@ -28,7 +28,9 @@ namespace {
 const nlohmann::ordered_json& tools() {
   static const nlohmann::ordered_json t = nlohmann::ordered_json::parse(R"([
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
-      "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"enum": ["c", "f"], "type": "string"}},
+      "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"enum": ["c", "f"], "type": "string"},
+                     "where": {"type": "object", "properties": {"lat": {"type": "number"}, "name": {"type": "string"}}, "required": ["lat"]},
+                     "hours": {"type": "array", "items": {"type": "integer"}}},
       "required": ["city", "days"]}}},
     {"type": "function", "function": {"name": "add", "parameters": {"type": "object",
       "properties": {"a": {"type": "number"}, "b": {"type": "number"}, "exact": {"type": "boolean"},
@@ -129,6 +131,15 @@ void expect_valid_call(const ToolCall& call, const std::string& text) {
     ASSERT_TRUE(args.contains("city") && args["city"].is_string()) << text;
     ASSERT_TRUE(args.contains("days") && integral(args["days"])) << text;
     if (args.contains("unit")) EXPECT_TRUE(args["unit"] == "c" || args["unit"] == "f") << text;
+    if (args.contains("where")) {
+      ASSERT_TRUE(args["where"].is_object()) << text;
+      EXPECT_TRUE(args["where"].contains("lat") && numeric(args["where"]["lat"])) << text;
+      if (args["where"].contains("name")) EXPECT_TRUE(args["where"]["name"].is_string()) << text;
+    }
+    if (args.contains("hours")) {
+      ASSERT_TRUE(args["hours"].is_array()) << text;
+      for (const json& h : args["hours"]) EXPECT_TRUE(integral(h)) << text;
+    }
   } else {
     ASSERT_EQ(call.name, "add") << text;
     ASSERT_TRUE(args.contains("a") && numeric(args["a"])) << text;
@@ -139,7 +150,7 @@ void expect_valid_call(const ToolCall& call, const std::string& text) {
       for (const json& t : args["tags"]) EXPECT_TRUE(integral(t)) << text;
     }
   }
-  const std::set<std::string> declared = call.name == "get_weather" ? std::set<std::string>{"city", "days", "unit"}
+  const std::set<std::string> declared = call.name == "get_weather" ? std::set<std::string>{"city", "days", "unit", "where", "hours"}
                                                                     : std::set<std::string>{"a", "b", "exact", "tags"};
   for (auto it = args.begin(); it != args.end(); ++it)
     EXPECT_TRUE(declared.count(it.key())) << "undeclared argument " << it.key() << " in " << text;
@@ -192,6 +203,30 @@ TEST(ToolGrammar, AcceptsTheFormatsCallAndRefusesBadOnes) {
     EXPECT_FALSE(accepts(named.ebnf, good));
     EXPECT_THROW(tool_call_grammar(f.parser, tools(), {.only_function = "nope"}), Error);
   }
+}
+
+TEST(ToolGrammar, MinimaxM3NestedTagsAsTheTemplateRendersThem) {
+  // minimax-m3.jinja's to_xml: an object argument as one tag per key, an array as <item> tags; JSON text
+  // is accepted too. The parser reads both into the same arguments.
+  const ToolGrammar g = tool_call_grammar("minimax_m3", tools(), {});
+  const std::string ns = "]<]minimax[>[";
+  const std::string head = ns + "<tool_call>\n" + ns + "<invoke name=\"get_weather\">" + ns + "<city>Oslo" + ns + "</city>" +
+                           ns + "<days>2" + ns + "</days>";
+  const std::string tail = ns + "</invoke>\n" + ns + "</tool_call>";
+  const std::string nested = head + ns + "<where>" + ns + "<lat>59.9" + ns + "</lat>" + ns + "<name>x" + ns + "</name>" + ns +
+                             "</where>" + ns + "<hours>" + ns + "<item>1" + ns + "</item>" + ns + "<item>2" + ns + "</item>" + ns +
+                             "</hours>" + tail;
+  const std::string as_json = head + ns + "<where>{\"lat\": 59.9, \"name\": \"x\"}" + ns + "</where>" + ns + "<hours>[1, 2]" + ns +
+                              "</hours>" + tail;
+  const json expected = {{"city", "Oslo"}, {"days", 2}, {"where", {{"lat", 59.9}, {"name", "x"}}}, {"hours", {1, 2}}};
+  for (const std::string& text : {nested, as_json}) {
+    EXPECT_TRUE(accepts(g.ebnf, text)) << text;
+    EXPECT_EQ(json::parse(parse("minimax_m3", text).tool_calls.at(0).arguments), expected) << text;
+  }
+  const std::string no_lat = head + ns + "<where>" + ns + "<name>x" + ns + "</name>" + ns + "</where>" + tail;
+  EXPECT_FALSE(accepts(g.ebnf, no_lat)) << "a required nested key missing";
+  const std::string empty_hours = head + ns + "<hours>" + ns + "</hours>" + tail;
+  EXPECT_FALSE(accepts(g.ebnf, empty_hours)) << "empty nested text cannot be typed";
 }
 
 TEST(ToolGrammar, UnsupportedSchemasAndNamesAreErrorsNamingTheTool) {

@@ -100,26 +100,41 @@ class Builder {
   // The JSON text of property `key` of the tool's parameters, resolved against the whole parameters
   // schema (so its $refs into "#/$defs/..." still point where they did).
   std::string json_property(const Tool& tool, const std::string& key) {
+    return json_at(tool, "#/properties/" + pointer_token(key));
+  }
+  // The JSON text of the schema at `pointer` inside the tool's parameters.
+  std::string json_at(const Tool& tool, const std::string& pointer) {
     Json schema = tool.parameters;
     schema.erase("anyOf");
-    schema["$ref"] = "#/properties/" + pointer_token(key);
+    schema["$ref"] = pointer;
     return json_value(tool, schema);
+  }
+  static std::string pointer_token(const std::string& key) {
+    std::string out;
+    for (char c : key) {
+      if (c == '~') out += "~0";
+      else if (c == '/') out += "~1";
+      else out += c;
+    }
+    return out;
   }
 
   // Raw text of a string value: no '<' (the closing tag starts with one), or one of a string enum's values.
   // The property's schema must still be one the JSON Schema front end takes (the same refusals as
   // response_format), though only its enum is enforced on raw text.
   std::string raw_string(const Tool& tool, const std::string& key) {
+    return raw_string_at(tool, "#/properties/" + pointer_token(key), tool.parameters["properties"][key]);
+  }
+  std::string raw_string_at(const Tool& tool, const std::string& pointer, const Json& schema) {
     structured::Grammar unused;
     try {
       Json check = tool.parameters;
       check.erase("anyOf");
-      check["$ref"] = "#/properties/" + pointer_token(key);
+      check["$ref"] = pointer;
       unused = structured::grammar_from_json_schema(check.dump(), {.any_whitespace = false});
     } catch (const Error& e) {
       fail("tool '", tool.name, "': its parameters schema is not supported for a forced call: ", e.what());
     }
-    const Json& schema = tool.parameters["properties"][key];
     Json values;
     if (schema.contains("const")) values = Json::array({schema["const"]});
     else if (schema.contains("enum") && schema["enum"].is_array()) values = schema["enum"];
@@ -146,16 +161,6 @@ class Builder {
   const ToolGrammarOptions& options() const { return options_; }
 
  private:
-  static std::string pointer_token(const std::string& key) {
-    std::string out;
-    for (char c : key) {
-      if (c == '~') out += "~0";
-      else if (c == '/') out += "~1";
-      else out += c;
-    }
-    return out;
-  }
-
   const ToolGrammarOptions& options_;
   std::string rules_;
   std::vector<std::string> specials_;
@@ -257,9 +262,52 @@ std::string xml_grammar(Builder& b, const std::vector<Tool>& tools, bool dsml) {
   return lit(std::string(section_begin) + "\n") + " " + calls(b, "invoke") + " " + lit(section_end);
 }
 
+bool m3_tag_name(const std::string& key) {
+  return !key.empty() && key.find_first_of(" /\t\n\"<>&") == std::string::npos && key != "item";
+}
+
+// A MiniMax-M3 value of the schema at `pointer`: raw text for strings, JSON text for other scalars, and
+// for an object with required properties, or an array of unbounded length, either JSON text or the nested
+// tags the template renders (to_xml in minimax-m3.jinja: NS<key>value NS</key> per property, in order;
+// NS<item>value NS</item> per element), which the parser reads by the schema (tool_minimax_m3.cpp
+// to_json). An object with no required property and an empty array stay JSON: their nested form would be
+// empty text, which the parser cannot type.
+std::string m3_value(Builder& b, const Tool& tool, const Json& schema, const std::string& pointer, int depth) {
+  if (string_valued(schema)) return b.raw_string_at(tool, pointer, schema);
+  const std::string json = b.json_at(tool, pointer);
+  const std::string ns(minimax_m3::kNamespace);
+  const auto types = schema_types(nlohmann::json::parse(schema.dump()));
+  if (depth >= 8 || !schema.is_object() || schema.contains("$ref") || types.size() != 1) return json;
+  if (*types.begin() == "object" && schema.contains("properties") && schema["properties"].is_object()) {
+    std::set<std::string> required;
+    if (schema.contains("required") && schema["required"].is_array())
+      for (const Json& r : schema["required"])
+        if (r.is_string() && schema["properties"].contains(r.get<std::string>())) required.insert(r.get<std::string>());
+    if (required.empty()) return json;
+    std::string nested;
+    for (auto it = schema["properties"].begin(); it != schema["properties"].end(); ++it) {
+      if (!m3_tag_name(it.key())) return json;
+      const std::string element = b.fresh("m3-field");
+      b.rule(element, lit(ns + "<" + it.key() + ">") + " " +
+                          m3_value(b, tool, it.value(), pointer + "/properties/" + Builder::pointer_token(it.key()), depth + 1) +
+                          " " + lit(ns + "</" + it.key() + ">"));
+      nested += " " + element + (required.count(it.key()) ? "" : "?");
+    }
+    return "(" + json + " |" + nested + ")";
+  }
+  if (*types.begin() == "array" && schema.contains("items") && schema["items"].is_object() &&
+      !schema.contains("minItems") && !schema.contains("maxItems") && !schema.contains("prefixItems")) {
+    const std::string item = b.fresh("m3-item");
+    b.rule(item, lit(ns + "<item>") + " " + m3_value(b, tool, schema["items"], pointer + "/items", depth + 1) + " " +
+                     lit(ns + "</item>"));
+    return "(" + json + " | " + item + "+)";
+  }
+  return json;
+}
+
 // MiniMax-M3 (markers.h minimax_m3; tool_minimax_m3.cpp): every tag after the namespace token NS, a
 // parameter is a tag named after its key. Values are text typed by the schema as MiniMax-M2's; objects
-// and arrays are written as JSON text (which the parser reads: coerce_value), not as nested tags.
+// and arrays as JSON text or nested tags (m3_value).
 std::string minimax_m3_grammar(Builder& b, const std::vector<Tool>& tools) {
   using namespace minimax_m3;
   b.special(kNamespace);
@@ -274,7 +322,7 @@ std::string minimax_m3_grammar(Builder& b, const std::vector<Tool>& tools) {
       if (key.find_first_of(" /\t\n") != std::string::npos)
         fail("tool '", tool.name, "': parameter name '", key, "' cannot be a MiniMax-M3 tag name");
       const Json& schema = tool.parameters["properties"][key];
-      const std::string value = string_valued(schema) ? b.raw_string(tool, key) : b.json_property(tool, key);
+      const std::string value = m3_value(b, tool, schema, "#/properties/" + Builder::pointer_token(key), 0);
       elements.push_back({key, lit(ns + "<" + key + ">") + " " + value + " " + lit(ns + "</" + key + ">")});
     }
     const std::string invoke = b.fresh("invoke");
