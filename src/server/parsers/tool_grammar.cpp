@@ -78,12 +78,7 @@ class Builder {
 
   // The rule of the JSON text of `schema` (compact), embedded from the JSON Schema front end.
   std::string json_value(const Tool& tool, const Json& schema) {
-    structured::Grammar g;
-    try {
-      g = structured::grammar_from_json_schema(schema.dump(), {.any_whitespace = false});
-    } catch (const Error& e) {
-      fail("tool '", tool.name, "': its parameters schema is not supported for a forced call: ", e.what());
-    }
+    structured::Grammar g = compile(tool, schema);
     // Every closing tag and marker of the formats begins with '<' (markers.h), and the parsers end a value
     // at the first one, also inside a JSON string: JSON text here holds no raw '<' (a string can still
     // carry one as the escape \u003c). JSON's own syntax has none, so only string characters lose it.
@@ -103,12 +98,7 @@ class Builder {
     return json_at(tool, "#/properties/" + pointer_token(key));
   }
   // The JSON text of the schema at `pointer` inside the tool's parameters.
-  std::string json_at(const Tool& tool, const std::string& pointer) {
-    Json schema = tool.parameters;
-    schema.erase("anyOf");
-    schema["$ref"] = pointer;
-    return json_value(tool, schema);
-  }
+  std::string json_at(const Tool& tool, const std::string& pointer) { return json_value(tool, schema_at(tool, pointer)); }
   static std::string pointer_token(const std::string& key) {
     std::string out;
     for (char c : key) {
@@ -126,15 +116,7 @@ class Builder {
     return raw_string_at(tool, "#/properties/" + pointer_token(key), tool.parameters["properties"][key]);
   }
   std::string raw_string_at(const Tool& tool, const std::string& pointer, const Json& schema) {
-    structured::Grammar unused;
-    try {
-      Json check = tool.parameters;
-      check.erase("anyOf");
-      check["$ref"] = pointer;
-      unused = structured::grammar_from_json_schema(check.dump(), {.any_whitespace = false});
-    } catch (const Error& e) {
-      fail("tool '", tool.name, "': its parameters schema is not supported for a forced call: ", e.what());
-    }
+    compile(tool, schema_at(tool, pointer));  // refused keywords are refused here too
     Json values;
     if (schema.contains("const")) values = Json::array({schema["const"]});
     else if (schema.contains("enum") && schema["enum"].is_array()) values = schema["enum"];
@@ -161,6 +143,21 @@ class Builder {
   const ToolGrammarOptions& options() const { return options_; }
 
  private:
+  // The tool's parameters schema entered at `pointer` (a $ref the JSON Schema front end follows first), so
+  // the $refs inside the part still resolve against the whole schema.
+  static Json schema_at(const Tool& tool, const std::string& pointer) {
+    Json schema = tool.parameters;
+    schema["$ref"] = pointer;
+    return schema;
+  }
+  static structured::Grammar compile(const Tool& tool, const Json& schema) {
+    try {
+      return structured::grammar_from_json_schema(schema.dump(), {.any_whitespace = false});
+    } catch (const Error& e) {
+      fail("tool '", tool.name, "': its parameters schema is not supported for a forced call: ", e.what());
+    }
+  }
+
   const ToolGrammarOptions& options_;
   std::string rules_;
   std::vector<std::string> specials_;
