@@ -6,12 +6,14 @@
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
+#include <algorithm>
 #include <regex>
 
 #include "cache/planner.h"
 #include "engine/engine_core.h"
 #include "kernels/ops.h"
 #include "model/model.h"
+#include "server/parsers/parser.h"
 #include "tokenizer/tokenizer.h"
 
 namespace sparrow {
@@ -172,6 +174,51 @@ TEST(StructuredEngine, BadSpecsAndIdsAreRefusedAtValidation) {
   auto out = run({done}, config_with_blocks(*l.model, 20, 2));
   EXPECT_EQ(out.at("done/0").text, "ab");
   EXPECT_EQ(out.at("done/0").finish_reason, "stop");
+}
+
+TEST(StructuredEngine, ForcedToolCallsAlwaysParse) {
+  // tool_choice "required" as the server builds it (parsers/tool_grammar.cpp): the deepseek_v32 model's own
+  // DSML markup, its ｜DSML｜ special token allowed; every finished sample parses into a valid call, and
+  // the model writes the special token, as it was trained to, rather than spelling it out.
+  const auto tools = nlohmann::ordered_json::parse(R"([
+    {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object",
+      "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}},
+    {"type": "function", "function": {"name": "convert_units", "parameters": {"type": "object",
+      "properties": {"value": {"type": "number"}, "from_unit": {"type": "string", "enum": ["km", "mi"]},
+                     "to_unit": {"type": "string", "enum": ["km", "mi"]}}, "required": ["value", "from_unit", "to_unit"]}}}])");
+  const parsers::ToolGrammar grammar = parsers::tool_call_grammar("deepseek_v32", tools, {});
+  structured::StructuredOutputSpec spec;
+  spec.kind = structured::StructuredOutputSpec::Kind::Grammar;
+  spec.text = grammar.ebnf;
+  spec.special_tokens = grammar.special_tokens;
+  Request r = request("call", "<｜User｜>What is 12 * 7?<｜Assistant｜></think>", spec, 5);
+  r.params.n = 6;
+  r.params.max_tokens = 160;
+  r.params.skip_special_tokens = false;
+  const std::optional<int32_t> dsml = loaded().tokenizer->token_to_id("｜DSML｜");
+  ASSERT_TRUE(dsml);
+  auto out = run({r}, config_with_blocks(*loaded().model, 200, 8));
+  int parsed = 0, special = 0;
+  for (int i = 0; i < 6; ++i) {
+    const Output& o = out.at("call/" + std::to_string(i));
+    std::printf("[ output ] call/%d (%s): %s\n", i, o.finish_reason.c_str(), o.text.c_str());
+    if (o.finish_reason == "length") continue;  // wandered in a raw string for 160 tokens: no verdict
+    EXPECT_EQ(o.finish_reason, "stop");
+    parsers::OutputParser parser(nullptr, parsers::make_tool_parser("deepseek_v32", nlohmann::json::parse(tools.dump()), 1));
+    const parsers::ParsedOutput result = parsers::parse_output(parser, o.text);
+    ASSERT_EQ(result.tool_calls.size(), 1u) << o.text;
+    const auto args = nlohmann::json::parse(result.tool_calls[0].arguments);
+    if (result.tool_calls[0].name == "calculator") {
+      EXPECT_TRUE(args["expression"].is_string()) << o.text;
+    } else {
+      ASSERT_EQ(result.tool_calls[0].name, "convert_units");
+      EXPECT_TRUE(args["value"].is_number() && args["from_unit"].is_string() && args["to_unit"].is_string()) << o.text;
+    }
+    ++parsed;
+    special += std::count(o.tokens.begin(), o.tokens.end(), *dsml) > 0;
+  }
+  EXPECT_GE(parsed, 3);
+  EXPECT_GE(special, 1) << "the model never wrote its ｜DSML｜ token";
 }
 
 TEST(StructuredSampling, BitmaskAndBiasOnTheCpu) {

@@ -196,7 +196,7 @@ const std::vector<VllmFlag>& vllm_only_flags() {
       {"--trust-request-mm-kwargs,!--no-trust-request-mm-kwargs", false, kIgnore, kNoImages},
       {"--default-chat-template-kwargs", true, kRefuse, "not supported: pass chat_template_kwargs in each request"},
       {"--reasoning-effort-map", true, kRefuse, "not supported: reasoning_effort reaches the template as the request gives it"},
-      {"--exclude-tools-when-tool-choice-none,!--no-exclude-tools-when-tool-choice-none", false, kRefuse, "not supported: the tools of a request are always rendered"},
+      {"--exclude-tools-when-tool-choice-none,!--no-exclude-tools-when-tool-choice-none", false, kIgnore, "sparrow always leaves a request's tools out of the prompt when its tool_choice is \"none\" (see Tool calling)"},
       {"--tool-strict-level", true, kIgnore, kNoStructured},
       {"--tool-server", true, kRefuse, "built-in tool servers are not supported"},
       {"--enable-per-request-metrics,!--disable-per-request-metrics,!--no-enable-per-request-metrics", false, kIgnore, "responses carry no timing metrics; /metrics has them"},

@@ -8,17 +8,24 @@
 //   finish_reason is "tool_calls" when tool calls were returned for tool_choice auto or required
 //   ("stop" for a named tool_choice, as vLLM).
 //
-// tool_choice "required" and named: vLLM forces a call with guided decoding, which sparrow does not
-// have. Here the tools are rendered into the prompt as for "auto" and the output goes through the tool
-// parser; for a named choice only calls to that function are kept. If the model calls no tool, the
-// answer is its text, with finish_reason "stop" (docs/server.md, "Tool calling").
+// tool_choice "required" and named: vLLM forces a call with guided decoding; here the call is forced in
+// the model's own tool-call markup (the --tool-call-parser's format): a grammar of one call (or, with
+// parallel_tool_calls, one or more) to the offered tools (named: that tool), arguments valid for the
+// tool's JSON schema (parsers/tool_grammar.cpp), compiled by the structured-output path. With reasoning
+// the grammar starts after the reasoning's end tag (also for response_format / structured_outputs), as
+// vLLM's reasoning-aware structured outputs do.
+// tool_choice "none": the tools are not rendered (vLLM's --exclude-tools-when-tool-choice-none), the
+// format's call-only special tokens get logit_bias -100, and the tool parser still runs, dropping every
+// call, so tool markup never reaches content.
 #include "core/error.h"
 #include "server/api_error.h"
 #include "server/chat_output.h"
 #include "server/openai_requests.h"
 #include "server/openai_responses.h"
+#include "server/parsers/markers.h"
 #include "server/parsers/parser.h"
 #include "server/serving.h"
+#include "structured/spec.h"
 
 namespace sparrow::server {
 namespace {
@@ -45,6 +52,8 @@ class ChatCompletion : public CompletionJob {
   ChatCompletion(const Json& body, ServingContext& context, Clock::time_point arrival)
       : context_(context), id_(random_id("chatcmpl-")), created_(unix_time()) {
     request_ = parse_chat_request(body, context.options.default_sampling, context.options.max_logprobs);
+    // tool_choice "none": the model is not told about the tools (vLLM's --exclude-tools-when-tool-choice-none).
+    if (request_.tool_choice.mode == ToolChoice::Mode::None) request_.template_input.erase("tools");
     context.check_model(request_.model);
     if (!request_.request_id.empty()) id_ = "chatcmpl-" + request_.request_id;
     check_tool_choice();
@@ -67,8 +76,9 @@ class ChatCompletion : public CompletionJob {
     SamplingParams params = request_.sampling;
     fit_to_context(prompt_tokens_, request_.max_tokens, "messages", context, params);
     context.assign_seed(params);
-    parse_tools_ = request_.tool_choice.mode != ToolChoice::Mode::None && !context.options.tool_call_parser.empty();
+    parse_tools_ = !context.options.tool_call_parser.empty() && !request_.tools.is_null();
     parse_reasoning_ = !context.options.reasoning_parser.empty();
+    constrain_output(params, prompt_text, tokenizer);
     // The parsers read the markup, which is made of special tokens (vLLM's adjust_request does the same).
     if (parse_tools_ || parse_reasoning_) params.skip_special_tokens = false;
 
@@ -157,8 +167,8 @@ class ChatCompletion : public CompletionJob {
   }
 
  private:
-  // vLLM serving.py: "auto" needs --enable-auto-tool-choice and a tool parser; without guided
-  // decoding, "required" and named choices need the tool parser too.
+  // vLLM serving.py: "auto" needs --enable-auto-tool-choice and a tool parser; "required" and named
+  // choices need the tool parser too: its format is the one the call is forced in.
   void check_tool_choice() const {
     using Mode = ToolChoice::Mode;
     Mode mode = request_.tool_choice.mode;
@@ -169,8 +179,61 @@ class ChatCompletion : public CompletionJob {
     if ((mode == Mode::Required || mode == Mode::Named) && !have_parser)
       bad_request(
           "tool_choice \"required\" or a named function requires --tool-call-parser to be set "
-          "(sparrow has no guided decoding)",
+          "(the call is forced in the model's own tool-call format)",
           "tool_choice");
+  }
+
+  // The request's grammar: a forced tool call (tool_choice "required" / named) in the tool parser's
+  // markup, or the response_format / structured_outputs already in `params`; either starts after the
+  // reasoning when the output begins inside it.
+  void constrain_output(SamplingParams& params, const std::string& prompt_text, const Tokenizer& tokenizer) {
+    using Mode = ToolChoice::Mode;
+    const Mode mode = request_.tool_choice.mode;
+    if (mode == Mode::None && parse_tools_) {
+      // The parser drops any call; the format's call-only special tokens are not sampled at all, so markup
+      // that is not a whole call (a tool declaration the model imitates) cannot reach content either.
+      for (const std::string& text : parsers::tool_call_tokens(context_.options.tool_call_parser))
+        if (std::optional<int32_t> id = tokenizer.token_to_id(text); id && tokenizer.is_special(*id))
+          params.logit_bias.push_back({*id, -100.0f});
+    }
+    if (mode == Mode::Required || mode == Mode::Named) {
+      if (params.structured.active())
+        bad_request("tool_choice \"required\" or a named function cannot be combined with response_format or "
+                    "structured_outputs: the call's arguments are already constrained by the tool's schema",
+                    "tool_choice");
+      parsers::ToolGrammarOptions options;
+      if (mode == Mode::Named) options.only_function = request_.tool_choice.function_name;
+      options.parallel_tool_calls = request_.parallel_tool_calls;
+      // Kimi K3 without thinking: the prompt opened the response channel (markers.h), the grammar closes it.
+      options.output_opens_response = trimmed(prompt_text).ends_with(parsers::kimi_k3::kResponseBegin);
+      parsers::ToolGrammar grammar;
+      try {
+        grammar = parsers::tool_call_grammar(context_.options.tool_call_parser, request_.tools, options);
+      } catch (const Error& e) {
+        bad_request(e.what(), "tools");
+      }
+      params.structured = {};
+      params.structured.kind = structured::StructuredOutputSpec::Kind::Grammar;
+      params.structured.text = std::move(grammar.ebnf);
+      params.structured.special_tokens = std::move(grammar.special_tokens);
+    }
+    if (!params.structured.active() || context_.options.reasoning_parser.empty()) return;
+    const std::string& name = context_.options.reasoning_parser;
+    auto kwargs = nlohmann::json::parse(request_.template_input["chat_template_kwargs"].dump());
+    std::optional<std::string> end = parsers::reasoning_end_marker(name, parsers::reasoning_options(name, kwargs, prompt_text));
+    if (!end) return;
+    // The end tag as the model writes it: one token, or (Kimi K3's <|close|>think<|sep|>) a sequence that
+    // begins and ends with special tokens. Text the tokenizer splits otherwise could be written in other
+    // tokens, so the grammar then starts at once (docs/server.md, "Structured outputs").
+    std::vector<int32_t> ids = tokenizer.encode(*end);
+    if (ids.size() == 1 || (ids.size() > 1 && tokenizer.is_special(ids.front()) && tokenizer.is_special(ids.back())))
+      params.structured.start_after = std::move(ids);
+  }
+
+  static std::string_view trimmed(std::string_view text) {
+    while (!text.empty() && (text.back() == ' ' || text.back() == '\n' || text.back() == '\r' || text.back() == '\t'))
+      text.remove_suffix(1);
+    return text;
   }
 
   ChatChoice make_choice(const std::string& prompt_text) {
@@ -188,6 +251,7 @@ class ChatCompletion : public CompletionJob {
     using Mode = ToolChoice::Mode;
     ChatOutputRules rules;
     if (request_.tool_choice.mode == Mode::Named) rules.only_function = request_.tool_choice.function_name;
+    rules.drop_tool_calls = request_.tool_choice.mode == Mode::None;
     rules.parallel_tool_calls = request_.parallel_tool_calls;
     rules.include_reasoning = request_.include_reasoning;
     rules.tool_calls_finish = request_.tool_choice.mode == Mode::Auto || request_.tool_choice.mode == Mode::Required;

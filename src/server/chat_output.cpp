@@ -39,7 +39,7 @@ std::vector<ToolCallDelta> ChatChoiceOutput::filter(std::vector<ToolCallDelta> p
   for (ToolCallDelta& piece : pieces) {
     auto known = client_index_.find(piece.index);
     if (known == client_index_.end()) {  // a call's first piece: it carries the name
-      bool keep = (rules_.only_function.empty() || piece.name == rules_.only_function) &&
+      bool keep = !rules_.drop_tool_calls && (rules_.only_function.empty() || piece.name == rules_.only_function) &&
                   (rules_.parallel_tool_calls || kept_calls_ == 0);
       known = client_index_.emplace(piece.index, keep ? kept_calls_++ : -1).first;
     }

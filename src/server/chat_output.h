@@ -15,6 +15,7 @@ namespace sparrow::server {
 struct ChatOutputRules {
   std::string only_function;        // named tool_choice: keep only calls to this function
   bool parallel_tool_calls = true;  // false: keep only the first call
+  bool drop_tool_calls = false;     // tool_choice "none": the markup is parsed out and every call dropped
   bool include_reasoning = true;    // false: parse the reasoning out and drop it
   bool tool_calls_finish = true;    // finish_reason "tool_calls" when calls were made (auto / required)
 };

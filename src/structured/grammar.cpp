@@ -1,6 +1,7 @@
 #include "structured/grammar.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <functional>
 #include <unordered_map>
 
@@ -183,6 +184,41 @@ std::string Grammar::to_string() const {
     out += "\n";
   }
   return out;
+}
+
+std::string to_gbnf(const Grammar& grammar, std::string_view rule_prefix) {
+  const std::string prefix(rule_prefix);
+  std::string out;
+  for (size_t r = 0; r < grammar.rules.size(); ++r) {
+    out += prefix + std::to_string(r) + " ::=";
+    const auto& alternatives = grammar.rules[r].alternatives;
+    for (size_t a = 0; a < alternatives.size(); ++a) {
+      if (a) out += " |";
+      if (alternatives[a].empty()) out += " \"\"";
+      for (const Grammar::Element& e : alternatives[a])
+        out += " " + (e.kind == Grammar::Element::Kind::Chars ? grammar.classes[size_t(e.index)].to_string()
+                                                               : prefix + std::to_string(e.index));
+    }
+    out += "\n";
+  }
+  return out;
+}
+
+std::string gbnf_literal(std::string_view text) {
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (uint8_t(c) < 0x20 || c == 0x7F) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02X", unsigned(uint8_t(c)));
+      out += buf;
+    } else {
+      out += c;  // UTF-8 bytes pass as they are: the GBNF reader takes UTF-8 characters in literals
+    }
+  }
+  return out + "\"";
 }
 
 namespace {

@@ -102,6 +102,14 @@ struct Grammar {
   std::string to_string() const;  // one line per rule, GBNF-like (tests, debugging)
 };
 
+// The grammar as GBNF text that grammar_from_ebnf (front_ends.h) reads back into the same language: rule i
+// is named `rule_prefix` + i (rule_prefix + "0" starts), so several grammars (a JSON schema per tool
+// argument, say) can be pasted into one EBNF grammar that references them. rule_prefix must be a GBNF
+// name (letters, digits, '-', '_', '.').
+std::string to_gbnf(const Grammar& grammar, std::string_view rule_prefix);
+// `text` as a GBNF "literal" (quotes included; backslash, quote and control characters escaped).
+std::string gbnf_literal(std::string_view text);
+
 // Lowers named rules (the first is the start rule) into the IR and checks it: every reference names a
 // rule, repetitions within kMaxRepetition, the size within kMaxGrammarElements, no left recursion, no
 // repetition of something that can match the empty string, every rule able to finish. Errors name the

@@ -250,8 +250,12 @@ ByteSet first_bytes(const CharClass& c) {
 
 // --- CompiledGrammar -----------------------------------------------------------------------------------
 
-CompiledGrammar::CompiledGrammar(Grammar grammar, std::shared_ptr<const TokenVocabulary> vocabulary)
-    : grammar_(std::move(grammar)), vocabulary_(std::move(vocabulary)) {
+CompiledGrammar::CompiledGrammar(Grammar grammar, std::shared_ptr<const TokenVocabulary> vocabulary,
+                                 std::vector<int32_t> special_tokens, std::vector<int32_t> start_after)
+    : grammar_(std::move(grammar)),
+      vocabulary_(std::move(vocabulary)),
+      special_tokens_(std::move(special_tokens)),
+      start_after_(std::move(start_after)) {
   using Kind = Grammar::Element::Kind;
   const size_t num_rules = grammar_.rules.size();
   alternative_starts_.resize(num_rules);
@@ -470,15 +474,23 @@ GrammarMatcher::GrammarMatcher(std::shared_ptr<const CompiledGrammar> grammar, s
   for (int32_t s : grammar_->alternative_starts(0)) recognizer.seed(arena_->intern(s, kNoParent, 0));
   recognizer.closure(start);
   history_.push_back(std::move(start));
+  started_ = grammar_->start_after().empty();
 }
 
 GrammarMatcher::~GrammarMatcher() = default;
 
-int64_t GrammarMatcher::num_accepted() const { return int64_t(history_.size()) - 1; }
-bool GrammarMatcher::is_terminated() const { return history_.back().can_end; }
+int64_t GrammarMatcher::num_accepted() const { return int64_t(before_start_.size() + history_.size()) - 1; }
+bool GrammarMatcher::is_terminated() const { return started_ && history_.back().can_end; }
 bool GrammarMatcher::is_completed() const { return history_.back().completed; }
 
 bool GrammarMatcher::accept_token(int32_t token) {
+  if (!started_) {
+    before_start_.push_back(token);
+    const std::vector<int32_t>& trigger = grammar_->start_after();
+    started_ = before_start_.size() >= trigger.size() &&
+               std::equal(trigger.rbegin(), trigger.rend(), before_start_.rbegin());
+    return true;
+  }
   const ParserState& now = history_.back();
   if (now.completed) return false;
   if (std::find(end_tokens_.begin(), end_tokens_.end(), token) != end_tokens_.end() && now.can_end) {
@@ -488,8 +500,25 @@ bool GrammarMatcher::accept_token(int32_t token) {
     history_.push_back(std::move(done));
     return true;
   }
-  if (grammar_->vocabulary().excluded(token)) return false;
+  if (grammar_->vocabulary().excluded(token) && !grammar_->is_special_token(token)) return false;
   return accept_bytes(grammar_->vocabulary().bytes(token));
+}
+
+bool GrammarMatcher::bytes_fit(std::string_view bytes) {
+  const int32_t mark = arena_->size();
+  Recognizer recognizer(*grammar_, *arena_);
+  ParserState a = history_.back(), b;
+  bool fits = true;
+  for (char c : bytes) {
+    recognizer.step(a, uint8_t(c), b);
+    if (b.tops.empty() && !b.can_end) {
+      fits = false;
+      break;
+    }
+    std::swap(a, b);
+  }
+  arena_->release(mark);
+  return fits;
 }
 
 bool GrammarMatcher::accept_bytes(std::string_view bytes) {
@@ -513,17 +542,29 @@ bool GrammarMatcher::accept_bytes(std::string_view bytes) {
 void GrammarMatcher::rollback(int64_t n) {
   SPARROW_CHECK(n >= 0 && n <= num_accepted(), "rollback of ", n, " tokens, but only ", num_accepted(), " were accepted");
   for (int64_t i = 0; i < n; ++i) {
-    arena_->release(history_.back().arena_mark);
-    history_.pop_back();
+    if (history_.size() > 1) {
+      arena_->release(history_.back().arena_mark);
+      history_.pop_back();
+    } else {  // back before the grammar started
+      before_start_.pop_back();
+      started_ = false;
+    }
   }
 }
 
 int64_t GrammarMatcher::fill_next_token_bitmask(uint32_t* words) {
   const TokenVocabulary& vocab = grammar_->vocabulary();
   const int64_t num_words = vocab.mask_words();
+  if (!started_) {  // still reasoning: nothing is constrained
+    std::fill(words, words + num_words, ~0u);
+    if (vocab.mask_size() % 32) words[num_words - 1] = (1u << (vocab.mask_size() % 32)) - 1;
+    return vocab.mask_size();
+  }
   std::fill(words, words + num_words, 0u);
   const ParserState& now = history_.back();
   if (now.completed) return 0;
+  // End tokens where the grammar can end, and the grammar's special tokens where their text fits: added
+  // to the mask after the cache, which holds only what the vocabulary's trie gives.
   auto end_tokens = [&](int64_t allowed) {
     if (now.can_end)
       for (int32_t id : end_tokens_)
@@ -531,6 +572,11 @@ int64_t GrammarMatcher::fill_next_token_bitmask(uint32_t* words) {
           allow_token(words, id);
           ++allowed;
         }
+    for (int32_t id : grammar_->special_tokens())
+      if (id < vocab.mask_size() && !token_allowed_in(words, id) && bytes_fit(vocab.bytes(id))) {
+        allow_token(words, id);
+        ++allowed;
+      }
     return allowed;
   };
   // The state's content: each stack as its frames' (position, partial) from the top down, sorted.
@@ -622,7 +668,21 @@ std::shared_ptr<const CompiledGrammar> GrammarCompiler::compile(const Structured
       return it->second->second;
     }
   }
-  auto compiled = std::make_shared<const CompiledGrammar>(build_grammar(spec), vocabulary_);
+  // The spec's special tokens by their text: the vocabulary's excluded tokens with exactly those bytes.
+  std::vector<int32_t> special;
+  if (!spec.special_tokens.empty())
+    for (int32_t id = 0; id < vocabulary_->mask_size(); ++id) {
+      if (!vocabulary_->excluded(id) || id >= vocabulary_->size()) continue;
+      const std::string& bytes = vocabulary_->bytes(id);
+      if (!bytes.empty() && std::find(spec.special_tokens.begin(), spec.special_tokens.end(), bytes) !=
+                                spec.special_tokens.end())
+        special.push_back(id);
+    }
+  for (int32_t id : spec.start_after)
+    SPARROW_CHECK(id >= 0 && id < vocabulary_->mask_size(), "structured output: start_after token id ", id,
+                  " is outside the vocabulary");
+  auto compiled = std::make_shared<const CompiledGrammar>(build_grammar(spec), vocabulary_, std::move(special),
+                                                          spec.start_after);
   std::lock_guard lock(mutex_);
   if (auto it = index_.find(key); it != index_.end()) return it->second->second;  // compiled meanwhile
   lru_.emplace_front(key, compiled);

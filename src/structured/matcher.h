@@ -20,6 +20,7 @@
 //     field of the same schema in another request — costs a copy (Outlines caches masks per automaton
 //     state the same way; here the stacks make the state). Bounded per grammar (kMaskCacheBytes, LRU).
 #pragma once
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <list>
@@ -53,10 +54,19 @@ struct TokenSplit {
 
 class CompiledGrammar {
  public:
-  CompiledGrammar(Grammar grammar, std::shared_ptr<const TokenVocabulary> vocabulary);
+  // `special_tokens`: ids of tokens the vocabulary excludes that this grammar may still produce, as their
+  // bytes (StructuredOutputSpec::special_tokens); `start_after`: the token sequence after which the
+  // grammar starts (StructuredOutputSpec::start_after).
+  CompiledGrammar(Grammar grammar, std::shared_ptr<const TokenVocabulary> vocabulary,
+                  std::vector<int32_t> special_tokens = {}, std::vector<int32_t> start_after = {});
 
   const Grammar& grammar() const { return grammar_; }
   const TokenVocabulary& vocabulary() const { return *vocabulary_; }
+  const std::vector<int32_t>& special_tokens() const { return special_tokens_; }
+  bool is_special_token(int32_t id) const {
+    return std::find(special_tokens_.begin(), special_tokens_.end(), id) != special_tokens_.end();
+  }
+  const std::vector<int32_t>& start_after() const { return start_after_; }
 
   // The flattened IR: one position per element of each alternative plus one End per alternative.
   struct Position {
@@ -86,6 +96,7 @@ class CompiledGrammar {
  private:
   Grammar grammar_;
   std::shared_ptr<const TokenVocabulary> vocabulary_;
+  std::vector<int32_t> special_tokens_, start_after_;
   std::vector<Position> positions_;
   std::vector<std::vector<int32_t>> alternative_starts_;
   std::vector<std::array<uint64_t, 2>> ascii_;   // per class: its ASCII members
@@ -125,7 +136,8 @@ class GrammarMatcher {
   GrammarMatcher& operator=(const GrammarMatcher&) = delete;
 
   // Advances by one token; false (and no change) when the grammar does not allow it. An end token is
-  // allowed when the grammar can end; afterwards the matcher is completed and allows nothing.
+  // allowed when the grammar can end; afterwards the matcher is completed and allows nothing. Before the
+  // grammar's start_after sequence has been accepted every token is (the model is still reasoning).
   bool accept_token(int32_t token);
   // Advances by raw bytes (tests, jump-forward); false and no change when they do not fit.
   bool accept_bytes(std::string_view bytes);
@@ -139,8 +151,10 @@ class GrammarMatcher {
   bool is_completed() const;
 
   // words[0 .. mask_words): bit t of words[t / 32] set when token t may come next. Returns how many
-  // tokens are allowed.
+  // tokens are allowed. Before start_after has been seen: every token of the mask.
   int64_t fill_next_token_bitmask(uint32_t* words);
+  // The grammar constrains the next token (start_after has been seen, or there is none).
+  bool started() const { return started_; }
 
   const CompiledGrammar& grammar() const { return *grammar_; }
 
@@ -149,6 +163,11 @@ class GrammarMatcher {
   std::vector<int32_t> end_tokens_;
   std::unique_ptr<StackArena> arena_;
   std::vector<ParserState> history_;  // history_.back(): now
+  // Before the grammar starts: the tokens accepted so far (their last ones are matched against
+  // start_after); they stay, for rollback, once it has started.
+  std::vector<int32_t> before_start_;
+  bool started_ = true;
+  bool bytes_fit(std::string_view bytes);  // accept_bytes would take them (nothing changes)
 };
 
 // Compiles specs against one vocabulary and keeps the most recently used compiled grammars (LRU, keyed by

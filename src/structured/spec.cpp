@@ -7,6 +7,12 @@ namespace sparrow::structured {
 
 std::string StructuredOutputSpec::cache_key() const {
   std::string key = std::to_string(int(kind)) + (any_whitespace ? "w" : "n") + ":";
+  // Length-prefixed lists first: no two specs share a key.
+  key += std::to_string(special_tokens.size()) + "s";
+  for (const std::string& t : special_tokens) key += std::to_string(t.size()) + ":" + t;
+  key += std::to_string(start_after.size()) + "a";
+  for (int32_t id : start_after) key += std::to_string(id) + ",";
+  key += ":";
   if (kind == Kind::Choice) {
     for (const std::string& c : choices) key += std::to_string(c.size()) + ":" + c;  // length-prefixed: no collisions
     return key;

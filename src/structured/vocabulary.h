@@ -35,6 +35,7 @@ class TokenVocabulary {
   static std::shared_ptr<const TokenVocabulary> from_tokenizer(const Tokenizer& tokenizer, int32_t mask_size);
 
   int32_t mask_size() const { return mask_size_; }
+  int32_t size() const { return int32_t(bytes_.size()); }  // tokens with bytes (excluded ones too)
   int64_t mask_words() const { return (int64_t(mask_size_) + 31) / 32; }
   bool excluded(int32_t id) const { return id < 0 || id >= int32_t(bytes_.size()) || excluded_[size_t(id)]; }
   const std::string& bytes(int32_t id) const { return bytes_.at(size_t(id)); }

@@ -353,7 +353,7 @@ def test_client_raises_the_matching_errors(server):
         client.chat.completions.create(model="no-such-model", messages=HELLO, max_tokens=2)
     with pytest.raises(openai.AuthenticationError):
         server.client(api_key="wrong").chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=2)
-    with pytest.raises(openai.BadRequestError):  # "required" needs a tool parser (guided decoding substitute)
+    with pytest.raises(openai.BadRequestError):  # "required" needs a tool parser: the call is forced in its format
         client.chat.completions.create(model=MODEL_NAME, messages=HELLO, tools=[WEATHER_TOOL], tool_choice="required",
                                        max_tokens=2)
 

@@ -65,6 +65,8 @@ constexpr std::string_view kSectionBegin = "]<]minimax[>[<tool_call>", kSectionE
 //   <｜DSML｜parameter name="K" string="true">raw text</｜DSML｜parameter>\n
 //   <｜DSML｜parameter name="K2" string="false">JSON</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>
 namespace deepseek_v32 {
+// The tokenizer's special token inside every DSML tag (the tags themselves are not tokens).
+constexpr std::string_view kDsml = "｜DSML｜";
 constexpr std::string_view kThinkBegin = "<think>", kThinkEnd = "</think>";
 constexpr std::string_view kSectionBegin = "<｜DSML｜function_calls>", kSectionEnd = "</｜DSML｜function_calls>";
 constexpr std::string_view kInvokeBegin = "<｜DSML｜invoke", kInvokeEnd = "</｜DSML｜invoke>";

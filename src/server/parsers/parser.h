@@ -56,6 +56,11 @@ struct ReasoningOptions {
 ReasoningOptions reasoning_options(std::string_view parser_name, const nlohmann::json& chat_template_kwargs,
                                    std::string_view prompt);
 
+// The tag that ends the reasoning when the output of a request with these options begins inside it
+// (the same rule make_reasoning_parser starts by), or nullopt when the output begins as content: a
+// structured output starts after it (structured/spec.h start_after).
+std::optional<std::string> reasoning_end_marker(std::string_view name, const ReasoningOptions& options);
+
 // Throws sparrow::Error for an unknown name, listing the valid ones.
 std::unique_ptr<ReasoningParser> make_reasoning_parser(std::string_view name, const ReasoningOptions& options = {});
 
@@ -94,6 +99,35 @@ class ToolParser {
 // Throws sparrow::Error for an unknown name, listing the valid ones.
 std::unique_ptr<ToolParser> make_tool_parser(std::string_view name, const nlohmann::json& tools,
                                              std::optional<uint64_t> id_seed = std::nullopt);
+
+// ---------------------------------------------------------------------------------------------------
+// Forced tool calls (tool_choice "required" or a named function): a grammar of the format's own markup
+// (tool_grammar.cpp) that the structured-output path compiles (structured/spec.h, Kind::Grammar).
+
+struct ToolGrammarOptions {
+  std::string only_function;         // a named tool_choice: only this tool
+  bool parallel_tool_calls = false;  // one or more calls (every format here allows several)
+  // Kimi K3: the output begins inside the response channel (the prompt opened it: thinking off), so the
+  // grammar closes it rather than opening it after the reasoning.
+  bool output_opens_response = false;
+};
+
+struct ToolGrammar {
+  std::string ebnf;                         // GBNF (structured/front_ends.h grammar_from_ebnf), root starts
+  std::vector<std::string> special_tokens;  // the markup's special-token texts (StructuredOutputSpec)
+};
+
+// The grammar of one or more calls (options) to the offered tools (`tools`: the request's list, in its
+// order; JSON schemas in their property order) in the markup of tool parser `parser_name`, whose
+// ToolParser reads every output it admits as calls to those tools with arguments valid for the schema's
+// types and required properties. sparrow::Error naming the tool when its schema or names cannot be forced,
+// or for an unknown parser.
+ToolGrammar tool_call_grammar(std::string_view parser_name, const nlohmann::ordered_json& tools,
+                              const ToolGrammarOptions& options);
+
+// The special tokens of parser `parser_name`'s format that only ever write tool-call markup (tool_choice
+// "none" keeps the model from sampling them); none for Kimi K3, whose tokens also frame its channels.
+std::vector<std::string> tool_call_tokens(std::string_view parser_name);
 
 // ---------------------------------------------------------------------------------------------------
 // Both together, as the server runs them: the reasoning parser first, its content through the tool

@@ -183,6 +183,12 @@ ReasoningOptions reasoning_options(std::string_view parser_name, const nlohmann:
   return options;
 }
 
+std::optional<std::string> reasoning_end_marker(std::string_view name, const ReasoningOptions& options) {
+  const ReasoningFormat& format = reasoning_format(name);
+  if (!(options.prompt_opens_reasoning || (options.thinking && format.reasoning_first))) return std::nullopt;
+  return std::string(format.end_tag);
+}
+
 std::unique_ptr<ReasoningParser> make_reasoning_parser(std::string_view name, const ReasoningOptions& options) {
   const ReasoningFormat& format = reasoning_format(name);
   bool starts_in_reasoning = options.prompt_opens_reasoning || (options.thinking && format.reasoning_first);
