@@ -646,6 +646,7 @@ TEST(CudaMoe, DecodePathMatchesReference) {
     int64_t tokens, hidden, inter, experts, top_k;
     Skew skew;
     bool both_kinds;
+    bool wrong_scale_controls = true;  // also check that misplaced scales fall outside the bound
   };
   const Case cases[] = {
       {1, 256, 128, 8, 1, Skew::Uniform, true},
@@ -664,12 +665,16 @@ TEST(CudaMoe, DecodePathMatchesReference) {
       {64, 144, 272, 256, 8, Skew::FirstSame, true}, // one expert with 64 rows among ~220 with ~2
       {5, 200, 72, 16, 4, Skew::Uniform, true},      // bf16 only: hidden, inter % 16 == 8
       {9, 200, 72, 16, 2, Skew::AllSame, false},     // bf16 only: tiles of 8 and 1
+      // DeepSeek's width: 8 staged rows of 14 KB, too many for the rings beside them (skinny.cuh's make_plan),
+      // then 2 rows with the rings. The misplaced-scale controls run on the narrow cases above.
+      {8, 7168, 128, 4, 2, Skew::AllSame, true, false},
+      {2, 7168, 128, 4, 2, Skew::AllSame, true, false},
   };
   const float alpha = 1.702f, limit = 7.0f;
   for (const Case& c : cases) {
     ASSERT_EQ(cuda::moe_experts_path(c.tokens, c.top_k, c.experts, c.hidden, c.inter), cuda::MoePath::Decode);
     const bool fp8 = c.hidden % 16 == 0 && c.inter % 16 == 0;
-    bool wrong_checked = false;
+    bool wrong_checked = !c.wrong_scale_controls;
     for (auto kind : {Glu::SiluGlu, Glu::ClampedSwiglu}) {
       if (!c.both_kinds && kind != (c.top_k == 4 ? Glu::ClampedSwiglu : Glu::SiluGlu)) continue;
       SCOPED_TRACE(testing::Message() << "tokens=" << c.tokens << " hidden=" << c.hidden << " inter=" << c.inter

@@ -17,6 +17,12 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
   const int bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
 }
+// The same, with the L2 asked to fetch the aligned 256 bytes around the source (streamed weights: the
+// next stages' bytes).
+__device__ __forceinline__ void cp_async16_l2(void* dst, const void* src, bool valid) {
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
+}
 // 8 bytes (.ca: the .cg form takes 16 bytes only, PTX ISA cp.async), e.g. NVFP4 code groups that are not
 // 16-byte aligned.
 __device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid) {

@@ -12,10 +12,14 @@
 //   - a warp owns one group of 16 weight rows (the Job maps group and lane to the two rows it reads: MoE
 //     gate/up: gate rows i and up rows i of 8 outputs i = 8 group + g, so each lane holds the gate and the
 //     up sum of the same (row, output) and the activation is fused; down and dense: 16 rows of out = 16
-//     outputs). It walks its K range in slabs of 64 bytes per row: lane (g = lane / 4, t = lane % 4) reads
-//     16 bytes (16 e4m3 codes or 8 bf16) at byte 64 s + 16 t of weight rows g and g + 8 (one instruction:
-//     8 rows x 64 contiguous bytes, whole 32-byte sectors), streamed past L1 (ld.global.nc.L1::no_allocate),
-//     U = 4 slabs in flight per lane (a register ring: slab s + U is requested when slab s is used);
+//     outputs). It walks its K range in slabs of 64 bytes per row: lane (g = lane / 4, t = lane % 4) uses
+//     16 bytes (16 e4m3 codes or 8 bf16) at byte 64 s + 16 t of weight rows g and g + 8. The bytes come
+//     through a ring in shared memory (make_plan's `rings`): the warp copies two slabs of its 16 rows at a
+//     time with cp.async, whole 128-byte lines an instruction (4 rows x 128 bytes), STAGES = 3 stages
+//     deep, and each lane reads its pieces back; read straight into registers instead (8 rows x 64 bytes
+//     an instruction, half lines, U = 4 slabs ahead), the same bytes came 1.17-1.27x slower
+//     (bench/probes/stream_probe.cu). Where the rings would cost an SM one of its CTAs (8 staged rows of
+//     6-7K columns beyond 64 tokens, or with FP4 codes), the warps read straight into registers;
 //   - the slice's activation rows (job.act_row: gathered through sorted_pair for MoE gate/up, contiguous
 //     for down and dense), up to `rows` of them (<= 8) per pass and only the columns of the CTA's K range,
 //     are staged once per pass into shared memory (bf16, cp.async, issued after the first weight slabs are
@@ -44,7 +48,8 @@
 // (32.6 GB/s per SM), i.e. a warp's 512-byte load instruction buys at most ~30 clocks x 4 schedulers =
 // ~120 issue slots, ~120 instructions per lane per 16 bytes (7.5 per byte). With FMAs, 16 e4m3 codes x 8
 // rows are 128 FFMA per 16 bytes (H200 fp32 peak ~67 TFLOP/s vs 2 x 8 x 4.3e12 = 69 TFLOP/s needed):
-// compute-bound at 8 rows. Here, per slab (32 weight bytes per lane), FP8: 2 LDG.128, 16 e4m3x2 -> f16x2,
+// compute-bound at 8 rows. Here, per slab (32 weight bytes per lane), FP8: 2 weight loads (LDG.128, or
+// LDS.128 from the ring and its share of the cp.async), 16 e4m3x2 -> f16x2,
 // 32 f16 -> f32 and 16 f32x2 -> bf16x2 conversions, 4 mma, 2 LDS.128 of activations, 2 scale loads, ~2
 // FFMA (the block scale, every other slab), address and loop arithmetic: ~110 instructions in the SASS
 // (sm_90a, nvcc 13.0), ~55 per 16 bytes = 3.4 per byte whatever the rows, ~45% of the issue budget.
@@ -52,11 +57,11 @@
 // per 256 bytes of e4m3 = 16 FLOP/B, 69 TFLOP/s at 4.3 TB/s, a small fraction of mma.sync's rate (the 4
 // dependent mma per slab and warp, ~30 clocks each, are covered by the other warps). Shared memory: per
 // slab a lane reads 32 (FP8) or 16 (bf16) bytes of activations for 32 weight bytes, well under 128
-// B/clock per SM. Bytes in flight: U = 4 slabs x 2 rows x 512 B = 4 KB per warp; registers (MoE FP8:
-// 109-116 per thread, bf16: 74-76; dense, with its K range: 116 and 86) leave 16 (FP8) or 20-24 (bf16)
-// warps per SM: 64-96 KB, twice or more the ~30 KB
-// per SM that 4.3 TB/s x ~1 us of loaded latency needs -- provided the grid has that many warps, which is
-// why the dense launcher splits K when the matrix has few 16-row groups (gemm_skinny.cu).
+// B/clock per SM. Bytes in flight: 2-3 stages of 2 KB a warp with the rings (4 KB with U = 4 slabs in
+// registers); registers (MoE FP8: 92-99 per thread with the rings, 115-117 without) leave 16 warps per SM:
+// 64-96 KB, twice or more the ~30 KB per SM that 4.3 TB/s x ~1 us of loaded latency needs -- provided the
+// grid has that many warps, which is why the dense launcher splits K when the matrix has few 16-row groups
+// (gemm_skinny.cu).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -91,10 +96,20 @@ __host__ __device__ constexpr int group_size(Codes c) { return c == Codes::Nvfp4
 __host__ __device__ constexpr int64_t row_bytes_of(Codes c, int64_t K) { return K * 16 / piece_cols(c); }
 
 constexpr int MAX_ROWS = 8;             // rows per pass: the n of mma.m16n8k16
-constexpr int U = 4;                    // slabs in flight per lane
 constexpr int SLAB = 64;                // weight bytes per row and slab
+// The weights reach registers through shared memory: a warp copies its 16 rows a stage of two slabs at a
+// time (16 x 128 bytes, whole 128-byte lines an instruction: 1.17-1.27x the bandwidth of the half lines a
+// direct load of the fragments asks for, bench/probes/stream_probe.cu), STAGES stages deep.
+// When the rings would cost an SM one of its CTAs (8 staged rows of 6-7K columns: two CTAs of ~100-115 KB
+// fit, not with 48 KB of rings each), the warps load their fragments straight from global memory instead, U
+// slabs ahead in registers (make_plan decides; kernels.md has both measured).
+constexpr int STAGE_BYTES = 16 * 2 * SLAB;
+constexpr int STAGES = 3;
+constexpr int RING_BYTES = STAGES * STAGE_BYTES;  // per warp
+constexpr int U = 4;                    // slabs in flight per lane without rings
 constexpr int MAX_THREADS = 256;        // 4 or 8 warps per CTA (make_plan)
-constexpr int SMEM_CAP = 113 * 1024;    // two CTAs per SM fit (228 KB per SM, 1 KB reserved per CTA)
+constexpr int SMEM_CAP = 113 * 1024;    // staged activations: two CTAs per SM fit (228 KB per SM, 1 KB reserved per CTA)
+constexpr int MAX_SMEM = 227 * 1024;    // a CTA's limit: the staged rows and the warps' rings
 
 // What a CTA works on: rows [begin, end) of its slice's activations (MoE: the expert's sorted rows; dense:
 // all m rows) against the slice's weights (MoE: expert `index`; dense: index 0).
@@ -242,21 +257,36 @@ inline int64_t pitch_bytes(int64_t cols, Codes c) {
 }
 
 // Rows per pass, shared memory and CTA size for a K range of `cols` columns and up to `max_rows` rows
-// per slice: up to 8 rows (never more than a slice can have), within SMEM_CAP. 4 warps per CTA while >= 4
-// CTAs fit an SM by shared memory (registers then allow 4 FP8 or 6 bf16 CTAs: 16-24 warps per SM), else
-// 8 warps (two CTAs of 112 KB at 8 rows x 7168 columns: 16 warps per SM, one CTA's staging overlapped by
-// the other's streaming).
+// per slice: up to 8 rows (never more than a slice can have), their staging within SMEM_CAP. 4 warps per
+// CTA while >= 4 CTAs fit an SM by shared memory (registers then allow 4 FP8 or 6 bf16 CTAs: 16-24 warps
+// per SM), else 8 warps. Shared memory: the staged rows, then each warp's ring.
 struct Plan {
   int rows, pitch, warps;
+  bool rings;  // the weights through shared memory (else straight into registers)
   size_t smem;
 };
+__host__ __device__ constexpr size_t ring_offset(int rows, int pitch) { return (size_t(rows) * pitch + 127) / 128 * 128; }
 inline Plan make_plan(int64_t max_rows, int64_t cols, Codes codes) {
   Plan d{};
   d.pitch = int(pitch_bytes(cols, codes));
   d.rows = int(std::min<int64_t>({MAX_ROWS, max_rows, SMEM_CAP / d.pitch}));
-  d.smem = size_t(d.rows) * size_t(d.pitch);
-  const size_t per_sm = (228 * 1024) / (d.smem + 1024);
-  d.warps = per_sm >= 4 ? 4 : 8;
+  // Warps an SM holds by shared memory (at most 16: the registers' limit), with and without the rings.
+  auto warps_per_sm = [&](bool rings, int& warps) {
+    const size_t staged = ring_offset(d.rows, d.pitch);
+    warps = (228 * 1024) / (staged + (rings ? 4 * RING_BYTES : 0) + 1024) >= 4 ? 4 : 8;
+    const size_t cta = staged + (rings ? size_t(warps) * RING_BYTES : 0) + 1024;
+    return std::min<size_t>(16, (228 * 1024) / cta * warps);
+  };
+  // Where the rings cost warps (8 staged rows of 6-7K columns: 8 warps an SM with them, 16 without), they
+  // still win up to 64 rows in all (a decode step of up to 64 tokens) for bf16 and e4m3 weights (FP8
+  // experts of DeepSeek-V3.2 at 8-64 tokens 1.13-1.19x, MXFP8 1.35-1.39x), not for FP4 codes, whose
+  // registers are the tighter (MXFP4 0.90-0.93x), nor beyond 64 tokens (bench/results/kernels.md, "Whole
+  // lines through shared memory").
+  int ring_warps = 0, direct_warps = 0;
+  const int with_rings = warps_per_sm(true, ring_warps), without = warps_per_sm(false, direct_warps);
+  d.rings = with_rings >= without || (max_rows <= 64 && !is_fp4(codes));
+  d.warps = d.rings ? ring_warps : direct_warps;
+  d.smem = ring_offset(d.rows, d.pitch) + (d.rings ? size_t(d.warps) * RING_BYTES : 0);
   return d;
 }
 
@@ -276,12 +306,13 @@ inline Plan make_plan(int64_t max_rows, int64_t cols, Codes codes) {
 //   void store(const Slice&, int64_t row, int64_t group, int g, float lo, float hi) const;
 //                    the two sums of pass row `row` (columns lo_col, hi_col of lane_rows(slice, group, g);
 //                    recomputed there rather than kept live across the K loop: registers)
-template <class Job, Codes C>
+template <class Job, Codes C, bool RINGS>
 __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
   // FP8: 128x128 block scales on the block partials; MX8: e4m3 codes times their group scale in bf16;
   // GROUPED: the group-scaled codes (FP4 and MX8), scaled in registers before the products.
   constexpr bool FP8 = C == Codes::Fp8, FP4 = is_fp4(C), MX8 = C == Codes::Mxfp8, GROUPED = has_groups(C);
-  extern __shared__ __align__(16) uint8_t act_smem[];  // [rows][pitch] bf16 activation rows (the K range)
+  extern __shared__ __align__(128) uint8_t act_smem[];  // [rows][pitch] bf16 activation rows (the K range),
+                                                        // then each warp's ring (ring_offset)
   Slice slice;
   if (!job.slice(slice)) return;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, t = lane % 4;
@@ -303,18 +334,34 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
   const int64_t col_begin = byte_begin * CPB / 16, col_end = min(K, int64_t(s_end) * SLAB * CPB / 16);
 
   const LaneRows lr = job.lane_rows(slice, group, g);
-  const uint8_t* w_lo = lr.lo + t * 16;
-  const uint8_t* w_hi = lr.hi + t * 16;
+  // The copies: lane l moves chunk l % 8 (16 bytes) of the warp's rows 4 i + l / 8, i = 0..3, a stage's 128
+  // bytes of each row (rows 0..7 are the lanes' lo rows, 8..15 their hi rows). Chunk c of row r sits at
+  // chunk c ^ 4 (r & 1) of the row's 128 bytes in the ring, so that the fragment reads below (lanes of rows
+  // g, g + 1 at the same chunks) hit all 32 banks.
+  const int copy_chunk = lane % 8;
+  const uint8_t* copy_row[4];
+  bool copy_ok[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = 4 * i + lane / 8, owner = 4 * (r % 8);
+    const uint8_t* lo = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(lr.lo), owner));
+    const uint8_t* hi = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(lr.hi), owner));
+    const bool lo_ok = __shfl_sync(0xffffffffu, lr.lo_ok, owner), hi_ok = __shfl_sync(0xffffffffu, lr.hi_ok, owner);
+    copy_row[i] = r < 8 ? lo : hi;
+    copy_ok[i] = r < 8 ? lo_ok : hi_ok;
+  }
+  uint8_t* const ring = act_smem + ring_offset(job.rows, job.pitch) + warp * RING_BYTES;
+  auto ring_chunk = [&](int buffer, int r, int c) { return ring + buffer * STAGE_BYTES + r * 128 + ((c ^ ((r & 1) << 2)) << 4); };
 
-  // The ring: slab s lives in slot (s - s_begin) % U (u below is always a compile-time index after unrolling).
-  uint4 r_lo[U], r_hi[U];
-  float c_lo[U], c_hi[U];     // FP8: the slab's block scales
-  uint32_t q_lo[U], q_hi[U];  // GROUPED: the raw group scales of the lane's piece
-  auto load = [&](int u, int s) {
+  // Scales ride beside the bytes, as far ahead: slot u (compile-time after unrolling) is slab s's, with
+  // rings slab h of buffer b in slot 2 b + h, without the slab (s - s_begin) % U.
+  constexpr int SLOTS = RINGS ? 2 * STAGES : U;
+  float c_lo[SLOTS], c_hi[SLOTS];     // FP8: the slab's block scales
+  uint32_t q_lo[SLOTS], q_hi[SLOTS];  // GROUPED: the raw group scales of the lane's piece
+  uint4 r_lo[RINGS ? 1 : U], r_hi[RINGS ? 1 : U];  // without rings: the slabs' weight pieces
+  auto load_scales = [&](int u, int s) {
     const int64_t off = int64_t(s) * SLAB;
     const bool in = off + t * 16 < row_bytes;  // the lane's 16 bytes are all in or all out of the row
-    r_lo[u] = in && lr.lo_ok ? ldg_stream(w_lo + off) : make_uint4(0, 0, 0, 0);
-    r_hi[u] = in && lr.hi_ok ? ldg_stream(w_hi + off) : make_uint4(0, 0, 0, 0);
     if constexpr (FP8) {
       c_lo[u] = __ldg(lr.s_lo + s / 2);  // slab s (64 columns) lies in block s / 2
       c_hi[u] = TWO_SCALE_ROWS ? __ldg(lr.s_hi + s / 2) : c_lo[u];
@@ -333,14 +380,46 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
       q_hi[u] = in && lr.hi_ok ? __ldg(lr.q_hi + 2 * s + t / 2) : 0u;
     }
   };
+  // Stage p (slabs s_begin + 2p, + 1) into ring buffer `buffer`: its copies and its slabs' scales.
+  auto issue = [&](int buffer, int p) {
+    const int64_t at = int64_t(s_begin + 2 * p) * SLAB + copy_chunk * 16;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const bool in = copy_ok[i] && at < row_bytes;
+      ptx::cp_async16_l2(ring_chunk(buffer, 4 * i + lane / 8, copy_chunk), copy_row[i] + (in ? at : 0), in);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int s = s_begin + 2 * p + h;
+      if (s < s_end) load_scales(2 * buffer + h, s);
+    }
+  };
+  // Without rings: slab s's pieces of rows lo and hi straight from global memory (half lines: 8 rows x 64
+  // bytes an instruction), into slot u.
+  auto load_direct = [&](int u, int s) {
+    const int64_t off = int64_t(s) * SLAB + t * 16;
+    const bool in = off < row_bytes;  // the lane's 16 bytes are all in or all out of the row
+    r_lo[u] = in && lr.lo_ok ? ldg_stream(lr.lo + off) : make_uint4(0, 0, 0, 0);
+    r_hi[u] = in && lr.hi_ok ? ldg_stream(lr.hi + off) : make_uint4(0, 0, 0, 0);
+    load_scales(u, s);
+  };
 
   const int R = job.rows, pitch = job.pitch;
   for (int first = slice.begin; first < slice.end; first += R) {  // one pass per `R` rows of the slice
     const int rows = min(R, slice.end - first);
-    if (lr.active) {
+    const int nstages = (s_end - s_begin + 1) / 2;
+    if (lr.active) {  // the first loads go out before the activations are staged
+      if constexpr (RINGS) {
 #pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (s_begin + u < s_end) load(u, s_begin + u);
+        for (int b = 0; b < STAGES - 1; ++b) {
+          if (b < nstages) issue(b, b);
+          ptx::cp_async_commit();
+        }
+      } else {
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (s_begin + u < s_end) load_direct(u, s_begin + u);
+      }
     }
     // Stage the pass's activation rows (the K range's columns), warp w rows w, w + warps, ... (the rows'
     // indices are read in parallel); K % 8 == 0 and the range starts at a multiple of 32 columns: whole
@@ -368,12 +447,8 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
       float odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const uint8_t* a_row = act_smem + g * pitch;
       const bool has_row = g < rows;  // row g of the pass exists (B column g)
-#pragma unroll 1
-      for (int s0 = s_begin; s0 < s_end; s0 += U) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int s = s0 + u;
-          if (s >= s_end) break;
+      // Slab s's products, its weight pieces in hand and its scales in slot u.
+      auto product = [&](int u, int s, const uint4& r_lo_u, const uint4& r_hi_u) {
           const int64_t off = int64_t(s) * SLAB + t * 16;  // the lane's byte offset in its weight rows
           constexpr int J = CPB / 4;                       // mmas per slab: 4 columns of the lane's piece each
           // B: the lane's columns of row g, as bf16 pairs (zero past the pass's rows or past K, so that
@@ -393,8 +468,8 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
           // A: the weight pieces of rows lo and hi as bf16 pairs (pair i = the piece's columns 2i, 2i + 1;
           // FP4: word i / 4's columns i % 4 and i % 4 + 4, the order its activations were staged in).
           uint32_t a_lo[2 * J], a_hi[2 * J];
-          const uint32_t w_lo4[4] = {r_lo[u].x, r_lo[u].y, r_lo[u].z, r_lo[u].w};
-          const uint32_t w_hi4[4] = {r_hi[u].x, r_hi[u].y, r_hi[u].z, r_hi[u].w};
+          const uint32_t w_lo4[4] = {r_lo_u.x, r_lo_u.y, r_lo_u.z, r_lo_u.w};
+          const uint32_t w_hi4[4] = {r_hi_u.x, r_hi_u.y, r_hi_u.z, r_hi_u.w};
           if constexpr (FP4) {
             uint32_t sc_lo[2], sc_hi[2];  // the two 16-column halves' scales as bf16 pairs
             fp4_scale_pairs<C>(q_lo[u], sc_lo);
@@ -444,7 +519,38 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
               for (int i = 0; i < 4; ++i) part[i] = 0.0f;
             }
           }
-          if (s + U < s_end) load(u, s + U);
+      };
+      if constexpr (RINGS) {
+#pragma unroll 1
+        for (int p0 = 0; p0 < nstages; p0 += STAGES) {
+#pragma unroll
+          for (int buf = 0; buf < STAGES; ++buf) {  // stage p in ring buffer buf
+            const int p = p0 + buf;
+            if (p >= nstages) break;
+            __syncwarp();  // every lane is done with the buffer the next issue refills (stage p - 1's)
+            if (p + STAGES - 1 < nstages) issue((buf + STAGES - 1) % STAGES, p + STAGES - 1);
+            ptx::cp_async_commit();
+            ptx::cp_async_wait<STAGES - 1>();  // this lane's copies of stage p have landed
+            __syncwarp();                      // and every other lane's
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int s = s_begin + 2 * p + h;
+              if (s >= s_end) break;
+              product(2 * buf + h, s, *reinterpret_cast<const uint4*>(ring_chunk(buf, g, 4 * h + t)),
+                      *reinterpret_cast<const uint4*>(ring_chunk(buf, g + 8, 4 * h + t)));
+            }
+          }
+        }
+      } else {
+#pragma unroll 1
+        for (int s0 = s_begin; s0 < s_end; s0 += U) {
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int s = s0 + u;
+            if (s >= s_end) break;
+            product(u, s, r_lo[u], r_hi[u]);
+            if (s + U < s_end) load_direct(u, s + U);
+          }
         }
       }
       if constexpr (GROUPED) {
@@ -463,19 +569,25 @@ __global__ void __launch_bounds__(MAX_THREADS) kernel(const Job job) {
 }
 
 // Launches kernel<Job, C> with `plan`'s CTA size and shared memory (the kernel's attributes set on first
-// use: up to SMEM_CAP of dynamic shared memory, and all of the SM's 228 KB as shared memory so that two
-// 113 KB CTAs fit; the weights bypass L1).
-template <class Job, Codes C>
-void launch(const Job& job, dim3 grid, const Plan& plan, cudaStream_t stream) {
+// use: up to MAX_SMEM of dynamic shared memory, and all of the SM's 228 KB as shared memory, none as L1:
+// the weights bypass it).
+template <class Job, Codes C, bool RINGS>
+void launch_with(const Job& job, dim3 grid, const Plan& plan, cudaStream_t stream) {
   static const bool configured = [] {
-    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel<Job, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_CAP));
-    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel<Job, C>, cudaFuncAttributePreferredSharedMemoryCarveout,
+    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel<Job, C, RINGS>, cudaFuncAttributeMaxDynamicSharedMemorySize, MAX_SMEM));
+    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel<Job, C, RINGS>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                             int(cudaSharedmemCarveoutMaxShared)));
     return true;
   }();
   (void)configured;
-  kernel<Job, C><<<grid, plan.warps * 32, plan.smem, stream>>>(job);
+  kernel<Job, C, RINGS><<<grid, plan.warps * 32, plan.smem, stream>>>(job);
   SPARROW_CUDA_CHECK_LAUNCH();
+}
+template <class Job, Codes C>
+void launch(const Job& job, dim3 grid, const Plan& plan, cudaStream_t stream) {
+  SPARROW_CHECK(plan.smem <= size_t(MAX_SMEM), "skinny product: ", plan.smem, " bytes of shared memory a CTA");
+  if (plan.rings) launch_with<Job, C, true>(job, grid, plan, stream);
+  else launch_with<Job, C, false>(job, grid, plan, stream);
 }
 
 }  // namespace sparrow::cuda::skinny
