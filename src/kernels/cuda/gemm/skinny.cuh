@@ -58,7 +58,7 @@
 // dependent mma per slab and warp, ~30 clocks each, are covered by the other warps). Shared memory: per
 // slab a lane reads 32 (FP8) or 16 (bf16) bytes of activations for 32 weight bytes, well under 128
 // B/clock per SM. Bytes in flight: 2-3 stages of 2 KB a warp with the rings (4 KB with U = 4 slabs in
-// registers); registers (MoE FP8: 92-99 per thread with the rings, 115-117 without) leave 16 warps per SM:
+// registers); registers (MoE FP8: 92-99 per thread with the rings, 115-117 without) leave 16-20 warps per SM:
 // 64-96 KB, twice or more the ~30 KB per SM that 4.3 TB/s x ~1 us of loaded latency needs -- provided the
 // grid has that many warps, which is why the dense launcher splits K when the matrix has few 16-row groups
 // (gemm_skinny.cu).
