@@ -107,7 +107,7 @@ struct ServeFlags {
   std::string kv_cache_dtype = "auto", attention_config, kv_cache_memory, generation_config = "auto", device = "cpu";
   double gpu_memory_utilization = 0;
   bool enable_auto_tool_choice = false, prefix_caching = true;
-  bool disable_log_requests = false, enable_prompt_tokens_details = false;
+  bool disable_log_requests = false, enable_prompt_tokens_details = false, enable_request_id_headers = false;
   int64_t seed = -1;
   double shutdown_timeout = 30;
 };
@@ -139,6 +139,7 @@ server::ServerConfig server_config_from(const ServeFlags& flags) {
   config.http.max_connections = size_t(flags.http_max_connections);
   config.http.max_body_bytes = size_t(parse_byte_size("--http-max-body-size", flags.http_max_body_size));
   config.http.log_requests = !flags.disable_log_requests;
+  config.http.request_id_headers = flags.enable_request_id_headers;
   if (!flags.api_key.empty())
     config.api_key = flags.api_key;
   else if (const char* key = std::getenv("SPARROW_API_KEY"); key && *key)
@@ -321,6 +322,9 @@ void add_serve(CLI::App& app) {
                 f.enable_prompt_tokens_details,
                 "report usage.prompt_tokens_details.cached_tokens");
   sub->add_flag("--disable-log-requests", f.disable_log_requests, "do not log each request on stderr");
+  sub->add_flag("--enable-request-id-headers,!--disable-request-id-headers,!--no-enable-request-id-headers",
+                f.enable_request_id_headers,
+                "every response carries X-Request-Id: the client's own, else a generated one (as the access log names it)");
   sub->add_option("--shutdown-timeout", f.shutdown_timeout,
                   "seconds running requests may take to finish after SIGTERM before they are aborted")
       ->capture_default_str();

@@ -113,7 +113,7 @@ class Server::Completion : public std::enable_shared_from_this<Completion> {
     Generation& generation = job.generation();
     if (!started_) {
       started_ = true;
-      if (job.streaming()) responder_.start_stream({200, "text/event-stream", {}, job.stream_start()});
+      if (job.streaming()) responder_.start_stream({200, "text/event-stream", {}, job.stream_start(), job.id()});
     }
     std::string out;
     while (std::optional<Generation::Event> event = generation.next()) out += job.on_event(*event);
@@ -125,7 +125,9 @@ class Server::Completion : public std::enable_shared_from_this<Completion> {
       } else {
         Json body = job.response();
         int status = body.contains("error") ? body["error"]["code"].get<int>() : 200;
-        responder_.send(json_response(body, status));
+        http::Response response = json_response(body, status);
+        response.log_id = job.id();
+        responder_.send(std::move(response));
       }
     } else if (job.streaming()) {
       responder_.write(std::move(out));
@@ -265,6 +267,10 @@ void Server::completion(const http::Request& request, const http::Responder& res
     return;
   }
   Json body = json_body(request);
+  // vLLM's base request id (serving_engine.py _base_request_id): the client's X-Request-Id header, before
+  // the body's request_id; the response id is then "chatcmpl-" / "cmpl-" and it.
+  if (std::string given = request.field("X-Request-Id"); !given.empty() && given == request.id)
+    body["request_id"] = given;
   completion->start(chat ? start_chat_completion(body, context_, request.received)
                          : start_text_completion(body, context_, request.received));
 }

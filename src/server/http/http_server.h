@@ -73,7 +73,12 @@ struct HttpConfig {
   size_t max_connections = 1024;
   int io_threads = 2;
   int worker_threads = 0;  // 0: one per core, at least 4 and at most 16
-  bool log_requests = true;  // a line per request on stderr: address, method, target, status
+  // A line per request on stderr when its answer ends: address, method, path, status, milliseconds from
+  // the request's arrival to its last byte handed to the socket (a stream's too), and its id
+  // (Response::log_id, else Request::id). An answer cut short by the client ends in "(client gone)".
+  bool log_requests = true;
+  // vLLM's --enable-request-id-headers: every response carries X-Request-Id, the request's id.
+  bool request_id_headers = false;
   // The response to the errors this layer answers by itself (400, 404, 405, 408, 413, 431, 503, 505,
   // and 500 when a handler throws), from the status and a one-line message. Default: plain text.
   std::function<Response(int status, const std::string& message)> error_response;
