@@ -82,6 +82,7 @@ struct HttpServer::Impl {
   const HttpConfig config;
   ConnectionTable table;
   std::map<std::string, std::map<std::string, Handler>> routes;  // path -> method -> handler
+  std::vector<HttpServer::RouteInfo> route_infos;  // the same routes described, in the order added
   std::mutex live_mutex;
   std::unordered_map<uint64_t, std::shared_ptr<Connection>> live;  // every open connection, which it keeps alive
   std::atomic<uint64_t> next_id{1};
@@ -693,8 +694,20 @@ HttpServer::~HttpServer() {
   for (auto& [id, connection] : live) connection->close();
 }
 
-void HttpServer::route(const std::string& method, const std::string& path, Handler handler) {
+void HttpServer::route(const std::string& method, const std::string& path, Handler handler, std::string summary,
+                       std::string body_type) {
+  auto& infos = impl_->route_infos;
+  std::erase_if(infos, [&](const RouteInfo& info) { return info.method == method && info.path == path; });
+  infos.push_back({method, path, std::move(summary), std::move(body_type)});
   impl_->routes[path][method] = std::move(handler);
+}
+
+std::vector<HttpServer::RouteInfo> HttpServer::routes() const {
+  std::vector<RouteInfo> out = impl_->route_infos;
+  std::stable_sort(out.begin(), out.end(), [](const RouteInfo& a, const RouteInfo& b) {
+    return std::tie(a.path, a.method) < std::tie(b.path, b.method);
+  });
+  return out;
 }
 
 int HttpServer::bind() {

@@ -30,6 +30,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "server/http/http_message.h"
 
@@ -98,9 +99,19 @@ class HttpServer {
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
 
+  // What a route says of itself, for a document of the routes (the server's /openapi.json).
+  struct RouteInfo {
+    std::string method, path;
+    std::string summary;    // one line
+    std::string body_type;  // the media type of the request body it reads; "" for none
+  };
+
   // Routes match the path exactly. A GET route answers HEAD too (without the body). Add every route
   // before run().
-  void route(const std::string& method, const std::string& path, Handler handler);
+  void route(const std::string& method, const std::string& path, Handler handler, std::string summary = "",
+             std::string body_type = "");
+  // Every route added, by path then method.
+  std::vector<RouteInfo> routes() const;
   // Binds the listening socket; returns its port. Throws sparrow::Error if it cannot.
   int bind();
   // Serves on the calling thread and the other io threads until stop().
