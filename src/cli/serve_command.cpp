@@ -23,6 +23,10 @@
 #include "core/error.h"
 #include "engine/engine.h"
 #include "engine/generate.h"
+#include "formats/config.h"
+#include "formats/quantization.h"
+#include "model/model.h"
+#include "runner/decode_graphs.h"
 #include "server/parsers/parser.h"
 #include "server/server.h"
 #include "tokenizer/tokenizer.h"
@@ -149,6 +153,46 @@ server::ServerConfig server_config_from(const ServeFlags& flags) {
   return config;
 }
 
+// The start-up summary, one block on stderr once the model is loaded and the cache planned: what is
+// served and how (issue 27; vLLM logs the same facts across its start-up).
+void print_start_summary(const std::string& model_dir, const server::ServingOptions& options, const Engine& engine,
+                         bool on_gpu) {
+  std::string out = "sparrow serve: model " + model_dir + ", served as '" + options.served_model_names.front() + "'";
+  for (size_t i = 1; i < options.served_model_names.size(); ++i) out += ", '" + options.served_model_names[i] + "'";
+  out += "\n";
+  const Model& model = engine.model();
+  std::string architecture;
+  std::string quantization = "none (weights as stored)";
+  try {
+    Config config = Config::load(model_config_path(model_dir));
+    if (config.has("architectures") && !config.json()["architectures"].empty())
+      architecture = " (" + config.json()["architectures"][0].get<std::string>() + ")";
+    QuantizationConfig q = read_quantization(std::filesystem::is_directory(model_dir) ? model_dir : ".", config);
+    if (!q.method.empty())
+      quantization = q.describe() + "; routed experts as " + weight_format_name(q.expert_packed()) +
+                     ", other projections as " + weight_format_name(q.linear_packed());
+  } catch (const std::exception& e) {
+    quantization = std::string("unknown (") + e.what() + ")";
+  }
+  out += "sparrow serve: architecture " + model.model_type() + architecture + ", " + std::to_string(model.num_layers()) +
+         " layers, vocabulary " + std::to_string(model.vocab_size()) + "\n";
+  out += std::string("sparrow serve: weights computed in ") + (on_gpu ? "bfloat16 on the GPU" : "float32 on the CPU") +
+         "; checkpoint quantization: " + quantization + "\n";
+  out += "sparrow serve: parallel layout: " + cli_parallel_layout() + "\n";
+  out += engine.cache_plan().summary(engine.max_model_len());
+  if (out.back() != '\n') out += "\n";
+  out += "sparrow serve: max_model_len " + std::to_string(engine.max_model_len()) + "\n";
+  // Decode graphs are captured per step shape the second time it is seen (runner/decode_graphs.h), so none
+  // exists yet at start.
+  std::string graphs = !on_gpu                      ? "off (the CPU backend)"
+                       : cli_runner_options().enforce_eager ? "off (--enforce-eager)"
+                                                    : "decode steps of 1-" + std::to_string(DecodeGraphs::kMaxRows) +
+                                                          " sequences, each step shape captured the second time it "
+                                                          "is seen (none yet)";
+  out += "sparrow serve: CUDA graphs: " + graphs + "\n";
+  std::fputs(out.c_str(), stderr);
+}
+
 void serve(const ServeFlags& flags) {
   server::ServerConfig server_config = server_config_from(flags);
   std::string model_dir = flags.model.empty() ? default_model_dir() : flags.model;
@@ -225,8 +269,7 @@ void serve(const ServeFlags& flags) {
   // leaves no room for a step's activations is refused here rather than failing requests.
   config.warm_up = on_gpu;
   Engine engine(std::move(model), tokenizer, config);
-  std::string summary = engine.cache_plan().summary(engine.max_model_len());
-  std::printf("%s%s", summary.c_str(), summary.empty() || summary.back() != '\n' ? "\n" : "");
+  print_start_summary(model_dir, options, engine, on_gpu);
 
   std::optional<uint64_t> seed;
   if (flags.seed >= 0) seed = uint64_t(flags.seed);
