@@ -65,6 +65,9 @@ Communicator& join_cli_group(const std::string& device);
 // How the command's model runners run steps: --enforce-eager; on rank 0 of a tensor-parallel run, the
 // workers they drive.
 RunnerOptions cli_runner_options();
+// The parallel layout load_cli_model made, in words: "one process (tensor parallel 1)" or "tensor parallel 4
+// (4 processes, expert parallel)".
+std::string cli_parallel_layout();
 // main() records its arguments (what the workers a tensor-parallel run starts are given). On an error it
 // calls report_failure: the message goes to stderr ("error: ...", with the rank on a worker) and a tensor-parallel run
 // is abandoned: its workers are killed rather than told to stop.

@@ -146,6 +146,14 @@ std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string&
   return model;
 }
 
+std::string cli_parallel_layout() {
+  const ParallelRun& run = parallel_run();
+  if (!run.group) return "one process (tensor parallel 1)";
+  int size = run.group->size();
+  return "tensor parallel " + std::to_string(size) + " (" + std::to_string(size) + " processes" +
+         (parallel_config.enable_expert_parallel ? ", expert parallel)" : ")");
+}
+
 void report_failure(const char* message) {
   ParallelRun& run = parallel_run();
   if (run.group && run.group->rank() != 0)

@@ -23,6 +23,10 @@
 #include "core/error.h"
 #include "engine/engine.h"
 #include "engine/generate.h"
+#include "formats/config.h"
+#include "formats/quantization.h"
+#include "model/model.h"
+#include "runner/decode_graphs.h"
 #include "server/parsers/parser.h"
 #include "server/server.h"
 #include "tokenizer/tokenizer.h"
@@ -107,7 +111,7 @@ struct ServeFlags {
   std::string kv_cache_dtype = "auto", attention_config, kv_cache_memory, generation_config = "auto", device = "cpu";
   double gpu_memory_utilization = 0;
   bool enable_auto_tool_choice = false, prefix_caching = true;
-  bool disable_log_requests = false, enable_prompt_tokens_details = false;
+  bool disable_log_requests = false, enable_prompt_tokens_details = false, enable_request_id_headers = false;
   int64_t seed = -1;
   double shutdown_timeout = 30;
 };
@@ -139,6 +143,7 @@ server::ServerConfig server_config_from(const ServeFlags& flags) {
   config.http.max_connections = size_t(flags.http_max_connections);
   config.http.max_body_bytes = size_t(parse_byte_size("--http-max-body-size", flags.http_max_body_size));
   config.http.log_requests = !flags.disable_log_requests;
+  config.http.request_id_headers = flags.enable_request_id_headers;
   if (!flags.api_key.empty())
     config.api_key = flags.api_key;
   else if (const char* key = std::getenv("SPARROW_API_KEY"); key && *key)
@@ -146,6 +151,46 @@ server::ServerConfig server_config_from(const ServeFlags& flags) {
   config.max_num_seqs = flags.max_num_seqs;
   config.max_queued_requests = flags.max_queued_requests;
   return config;
+}
+
+// The start-up summary, one block on stderr once the model is loaded and the cache planned: what is
+// served and how (issue 27; vLLM logs the same facts across its start-up).
+void print_start_summary(const std::string& model_dir, const server::ServingOptions& options, const Engine& engine,
+                         bool on_gpu) {
+  std::string out = "sparrow serve: model " + model_dir + ", served as '" + options.served_model_names.front() + "'";
+  for (size_t i = 1; i < options.served_model_names.size(); ++i) out += ", '" + options.served_model_names[i] + "'";
+  out += "\n";
+  const Model& model = engine.model();
+  std::string architecture;
+  std::string quantization = "none (weights as stored)";
+  try {
+    Config config = Config::load(model_config_path(model_dir));
+    if (config.has("architectures") && !config.json()["architectures"].empty())
+      architecture = " (" + config.json()["architectures"][0].get<std::string>() + ")";
+    QuantizationConfig q = read_quantization(std::filesystem::is_directory(model_dir) ? model_dir : ".", config);
+    if (!q.method.empty())
+      quantization = q.describe() + "; routed experts as " + weight_format_name(q.expert_packed()) +
+                     ", other projections as " + weight_format_name(q.linear_packed());
+  } catch (const std::exception& e) {
+    quantization = std::string("unknown (") + e.what() + ")";
+  }
+  out += "sparrow serve: architecture " + model.model_type() + architecture + ", " + std::to_string(model.num_layers()) +
+         " layers, vocabulary " + std::to_string(model.vocab_size()) + "\n";
+  out += std::string("sparrow serve: weights computed in ") + (on_gpu ? "bfloat16 on the GPU" : "float32 on the CPU") +
+         "; checkpoint quantization: " + quantization + "\n";
+  out += "sparrow serve: parallel layout: " + cli_parallel_layout() + "\n";
+  out += engine.cache_plan().summary(engine.max_model_len());
+  if (out.back() != '\n') out += "\n";
+  out += "sparrow serve: max_model_len " + std::to_string(engine.max_model_len()) + "\n";
+  // Decode graphs are captured per step shape the second time it is seen (runner/decode_graphs.h), so none
+  // exists yet at start.
+  std::string graphs = !on_gpu                      ? "off (the CPU backend)"
+                       : cli_runner_options().enforce_eager ? "off (--enforce-eager)"
+                                                    : "decode steps of 1-" + std::to_string(DecodeGraphs::kMaxRows) +
+                                                          " sequences, each step shape captured the second time it "
+                                                          "is seen (none yet)";
+  out += "sparrow serve: CUDA graphs: " + graphs + "\n";
+  std::fputs(out.c_str(), stderr);
 }
 
 void serve(const ServeFlags& flags) {
@@ -224,8 +269,7 @@ void serve(const ServeFlags& flags) {
   // leaves no room for a step's activations is refused here rather than failing requests.
   config.warm_up = on_gpu;
   Engine engine(std::move(model), tokenizer, config);
-  std::string summary = engine.cache_plan().summary(engine.max_model_len());
-  std::printf("%s%s", summary.c_str(), summary.empty() || summary.back() != '\n' ? "\n" : "");
+  print_start_summary(model_dir, options, engine, on_gpu);
 
   std::optional<uint64_t> seed;
   if (flags.seed >= 0) seed = uint64_t(flags.seed);
@@ -321,6 +365,9 @@ void add_serve(CLI::App& app) {
                 f.enable_prompt_tokens_details,
                 "report usage.prompt_tokens_details.cached_tokens");
   sub->add_flag("--disable-log-requests", f.disable_log_requests, "do not log each request on stderr");
+  sub->add_flag("--enable-request-id-headers,!--disable-request-id-headers,!--no-enable-request-id-headers",
+                f.enable_request_id_headers,
+                "every response carries X-Request-Id: the client's own, else a generated one (as the access log names it)");
   sub->add_option("--shutdown-timeout", f.shutdown_timeout,
                   "seconds running requests may take to finish after SIGTERM before they are aborted")
       ->capture_default_str();

@@ -88,7 +88,6 @@ const std::vector<VllmFlag>& vllm_only_flags() {
       {"--chat-template-content-format", true, kIgnore,
        "sparrow renders string and list message contents as the model's template expects", {"auto"}},
       {"--return-tokens-as-token-ids,!--no-return-tokens-as-token-ids", false, kRefuse, "token-id logprob strings are not supported"},
-      {"--enable-request-id-headers,!--disable-request-id-headers,!--no-enable-request-id-headers", false, kIgnore, "sparrow's responses carry their id in the body"},
       {"--enable-server-load-tracking,!--disable-server-load-tracking,!--no-enable-server-load-tracking", false, kIgnore, "/metrics reports the running and waiting requests"},
       {"--enable-force-include-usage,!--disable-force-include-usage,!--no-enable-force-include-usage", false, kIgnore,
        "streamed responses include usage when the request asks (stream_options.include_usage)"},

@@ -1,10 +1,13 @@
 // POST /v1/chat/completions: render the messages with the model's chat template, generate, and split
 // the output into reasoning, content and tool calls with the configured parsers
 // (server/parsers/parser.h). Response and chunk shapes follow vLLM's chat_completion/serving.py:
-//   stream:  a role chunk per choice ({"role": "assistant", "content": ""}), then chunks whose delta
+//   stream:  a role chunk per choice ({"role": "assistant", "content": ""}), with `echo` a chunk per
+//            choice with the echoed final assistant message ({"content": ...}), then chunks whose delta
 //            holds only what changed (content / reasoning / tool_calls), the last one per choice with
 //            finish_reason and stop_reason, then (stream_options.include_usage) a chunk with
 //            "choices": [] and the usage, then [DONE].
+//   echo: the last message, when it is the assistant's (continue_final_message), is put in front of
+//   each choice's content (openai_requests.cpp parse_chat_request).
 //   finish_reason is "tool_calls" when tool calls were returned for tool_choice auto or required
 //   ("stop" for a named tool_choice, as vLLM).
 //
@@ -89,6 +92,7 @@ class ChatCompletion : public CompletionJob {
 
   Generation& generation() override { return *generation_; }
   bool streaming() const override { return request_.stream; }
+  const std::string& id() const override { return id_; }
 
   std::string stream_start() override {
     std::string out;
@@ -99,6 +103,15 @@ class ChatCompletion : public CompletionJob {
                      {"finish_reason", nullptr}};
       Json chunk = chunk_json(std::move(choice));
       if (request_.return_token_ids && i == 0) chunk["prompt_token_ids"] = prompt_ids_;
+      if (request_.stream_options.continuous_usage_stats) chunk["usage"] = usage_json(Usage(prompt_tokens_, 0));
+      out += sse_event(chunk);
+    }
+    // echo: then a chunk per choice with the echoed text, as vLLM streams it.
+    for (size_t i = 0; i < choices_.size() && !request_.echo_text.empty(); ++i) {
+      Json chunk = chunk_json({{"index", i},
+                               {"delta", {{"content", request_.echo_text}}},
+                               {"logprobs", nullptr},
+                               {"finish_reason", nullptr}});
       if (request_.stream_options.continuous_usage_stats) chunk["usage"] = usage_json(Usage(prompt_tokens_, 0));
       out += sse_event(chunk);
     }
@@ -147,7 +160,10 @@ class ChatCompletion : public CompletionJob {
     Json choices = Json::array();
     for (size_t i = 0; i < choices_.size(); ++i) {
       const ChatChoice& c = choices_[i];
-      Json choice = {{"index", i}, {"message", message_json(c.output.joined(), parse_reasoning_)}};
+      Json message = message_json(c.output.joined(), parse_reasoning_);
+      if (!request_.echo_text.empty())
+        message["content"] = request_.echo_text + (message["content"].is_string() ? message["content"].get<std::string>() : "");
+      Json choice = {{"index", i}, {"message", std::move(message)}};
       choice["logprobs"] =
           request_.logprobs ? Json{{"content", chat_logprob_entries(*context_.tokenizer, c.logprobs)}} : Json(nullptr);
       choice["finish_reason"] = c.finish_reason;

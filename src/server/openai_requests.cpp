@@ -351,6 +351,22 @@ ChatRequest parse_chat_request(const Json& body, const SamplingParams& defaults,
                 "tool_choice.function.name");
   out.parallel_tool_calls = f.boolean("parallel_tool_calls").value_or(true);
   out.include_reasoning = f.boolean("include_reasoning").value_or(true);
+  // vLLM chat_completion/serving.py: with echo, a last message in the response's role (a message the
+  // model continues, continue_final_message) is put in front of the content; text parts are joined by
+  // newlines. vLLM's response role is the last message's when add_generation_prompt is false; sparrow's
+  // is always "assistant", so only an assistant message is echoed.
+  if (f.boolean("echo").value_or(false)) {
+    const Json& last = messages->back();
+    auto content = last.find("content");
+    if (last["role"] == "assistant" && content != last.end()) {
+      if (content->is_string()) {
+        out.echo_text = content->get<std::string>();
+      } else if (content->is_array()) {
+        for (size_t i = 0; i < content->size(); ++i)
+          out.echo_text += (i ? "\n" : "") + (*content)[i]["text"].get<std::string>();
+      }
+    }
+  }
 
   // What the chat template sees (template/chat_template.h reads these keys).
   bool add_generation_prompt = f.boolean("add_generation_prompt").value_or(true);

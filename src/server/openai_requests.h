@@ -47,6 +47,9 @@ struct ChatRequest : GenerationFields {
   int64_t top_logprobs = 0;
   bool parallel_tool_calls = true;  // false: only the first tool call is returned
   bool include_reasoning = true;    // false: the reasoning is parsed out and dropped
+  // `echo` (vLLM): the last message's text when its role is the response's ("assistant"), put in front
+  // of each choice's content; else empty.
+  std::string echo_text;
 };
 
 // One prompt: text, or token ids.

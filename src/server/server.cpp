@@ -1,5 +1,7 @@
 #include "server/server.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cstdio>
 
 #include "core/error.h"
@@ -113,7 +115,7 @@ class Server::Completion : public std::enable_shared_from_this<Completion> {
     Generation& generation = job.generation();
     if (!started_) {
       started_ = true;
-      if (job.streaming()) responder_.start_stream({200, "text/event-stream", {}, job.stream_start()});
+      if (job.streaming()) responder_.start_stream({200, "text/event-stream", {}, job.stream_start(), job.id()});
     }
     std::string out;
     while (std::optional<Generation::Event> event = generation.next()) out += job.on_event(*event);
@@ -125,7 +127,9 @@ class Server::Completion : public std::enable_shared_from_this<Completion> {
       } else {
         Json body = job.response();
         int status = body.contains("error") ? body["error"]["code"].get<int>() : 200;
-        responder_.send(json_response(body, status));
+        http::Response response = json_response(body, status);
+        response.log_id = job.id();
+        responder_.send(std::move(response));
       }
     } else if (job.streaming()) {
       responder_.write(std::move(out));
@@ -224,25 +228,54 @@ void Server::add_routes() {
       responder.send(json_response(handler(request)));
     });
   };
+  const std::string json = "application/json";  // the media type of the bodies the POST routes read
   http_->route("POST", "/v1/chat/completions",
-               guarded([this](const auto& request, const auto& responder) { completion(request, responder, true); }));
+               guarded([this](const auto& request, const auto& responder) { completion(request, responder, true); }),
+               "Create a chat completion (streamed as server-sent events with \"stream\": true)", json);
   http_->route("POST", "/v1/completions",
-               guarded([this](const auto& request, const auto& responder) { completion(request, responder, false); }));
-  http_->route("POST", "/tokenize", json_route([this](const auto& request) { return tokenize(request); }));
-  http_->route("POST", "/detokenize", json_route([this](const auto& request) { return detokenize(request); }));
-  http_->route("GET", "/v1/models", json_route([this](const auto&) { return models(); }));
+               guarded([this](const auto& request, const auto& responder) { completion(request, responder, false); }),
+               "Create a text completion (streamed as server-sent events with \"stream\": true)", json);
+  http_->route("POST", "/tokenize", json_route([this](const auto& request) { return tokenize(request); }),
+               "Tokenize a prompt or chat messages", json);
+  http_->route("POST", "/detokenize", json_route([this](const auto& request) { return detokenize(request); }),
+               "Turn token ids back into text", json);
+  http_->route("GET", "/v1/models", json_route([this](const auto&) { return models(); }), "List the served model");
   // /health, and vLLM's /ping (GET or POST, the SageMaker probe): 200 while serving, 503 while draining.
   auto health = [this](const http::Request&, const http::Responder& responder) {
     std::lock_guard<std::mutex> lock(active_mutex_);
     responder.send({draining_ ? 503 : 200, "", {}, ""});
   };
-  http_->route("GET", "/health", health);
-  http_->route("GET", "/ping", health);
-  http_->route("POST", "/ping", health);
-  http_->route("GET", "/version", json_route([](const auto&) { return Json{{"version", SPARROW_VERSION}}; }));
+  http_->route("GET", "/health", health, "Health check: 200 while serving, 503 while draining");
+  http_->route("GET", "/ping", health, "Health check (SageMaker's probe): the same as /health");
+  http_->route("POST", "/ping", health, "Health check (SageMaker's probe): the same as /health");
+  http_->route("GET", "/version", json_route([](const auto&) { return Json{{"version", SPARROW_VERSION}}; }),
+               "The server's version");
   http_->route("GET", "/metrics", [this](const http::Request&, const http::Responder& responder) {
     responder.send({200, "text/plain; version=0.0.4; charset=utf-8", {}, metrics()});
-  });
+  }, "Prometheus metrics");
+  // Open, as FastAPI's is in vLLM (its API key guards /v1 only). Built from the HTTP layer's own table
+  // on each request, so that it lists exactly what is served.
+  http_->route("GET", "/openapi.json", [this](const http::Request&, const http::Responder& responder) {
+    responder.send(json_response(openapi()));
+  }, "This OpenAPI document");
+}
+
+// An OpenAPI 3.1 document of the routes the HTTP layer serves (HttpServer::routes): each path's
+// methods with their one-line summary, and the POST routes' request bodies as JSON objects.
+Json Server::openapi() const {
+  Json paths = Json::object();
+  for (const http::HttpServer::RouteInfo& route : http_->routes()) {
+    std::string method = route.method;
+    std::transform(method.begin(), method.end(), method.begin(), [](unsigned char c) { return std::tolower(c); });
+    Json operation = {{"summary", route.summary},
+                      {"responses", {{"200", {{"description", "Successful Response"}}}}}};
+    if (!route.body_type.empty())
+      operation["requestBody"] = {{"required", true}, {"content", {{route.body_type, {{"schema", {{"type", "object"}}}}}}}};
+    paths[route.path][method] = std::move(operation);
+  }
+  return {{"openapi", "3.1.0"},
+          {"info", {{"title", "sparrow"}, {"version", SPARROW_VERSION}}},
+          {"paths", std::move(paths)}};
 }
 
 std::shared_ptr<Server::Completion> Server::admit(const http::Responder& responder) {
@@ -265,6 +298,10 @@ void Server::completion(const http::Request& request, const http::Responder& res
     return;
   }
   Json body = json_body(request);
+  // vLLM's base request id (serving_engine.py _base_request_id): the client's X-Request-Id header, before
+  // the body's request_id; the response id is then "chatcmpl-" / "cmpl-" and it.
+  if (std::string given = request.field("X-Request-Id"); !given.empty() && given == request.id)
+    body["request_id"] = given;
   completion->start(chat ? start_chat_completion(body, context_, request.received)
                          : start_text_completion(body, context_, request.received));
 }

@@ -1,8 +1,9 @@
 // The OpenAI-compatible API of sparrow serve, on the HTTP layer of http/http_server.h:
 //
 //   POST /v1/chat/completions, /v1/completions   (JSON, or server-sent events with "stream": true)
-//   GET  /v1/models, /health, /metrics
+//   GET  /v1/models, /health, /ping, /version, /metrics (POST /ping too)
 //   POST /tokenize, /detokenize                   (at the root, as vLLM)
+//   GET  /openapi.json                            (built from the routes above: add_routes)
 //
 // Handlers run on the HTTP layer's worker pool: they parse, validate, render and tokenize, submit to
 // the engine, and return. A completion then lives on events (Server::Completion): each engine event
@@ -64,6 +65,7 @@ class Server {
   Json detokenize(const http::Request& request) const;
   Json models() const;
   std::string metrics() const;
+  Json openapi() const;
   // Runs `task` on a worker, unless the server is being destroyed.
   void post(std::function<void()> task);
 

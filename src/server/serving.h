@@ -64,6 +64,8 @@ class CompletionJob {
   virtual ~CompletionJob() = default;
   virtual Generation& generation() = 0;
   virtual bool streaming() const = 0;
+  // The response's id ("chatcmpl-…", "cmpl-…"): the access log names the request by it.
+  virtual const std::string& id() const = 0;
   // Streaming: what goes out before any output (chat: each choice's role chunk).
   virtual std::string stream_start() = 0;
   // Streaming: the chunks for one event; empty when nothing can be said yet. Non-streaming: only

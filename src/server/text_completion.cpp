@@ -70,6 +70,7 @@ class TextCompletion : public CompletionJob {
 
   Generation& generation() override { return *generation_; }
   bool streaming() const override { return request_.stream; }
+  const std::string& id() const override { return id_; }
 
   std::string stream_start() override {
     std::string out;

@@ -52,13 +52,14 @@ def model_dir(request, test_model) -> Path:
 
 @pytest.fixture(scope="session")
 def start_server(sparrow_binary, model_dir):
-    """start_server(*flags, model=None) -> a running SparrowServer (of model_dir unless `model` is given),
-    stopped (and checked to exit 0) at the end of the session."""
+    """start_server(*flags, model=None, log_requests=False) -> a running SparrowServer (of model_dir unless
+    `model` is given; with the access log on stderr when log_requests), stopped (and checked to exit 0)
+    at the end of the session."""
     servers = []
 
-    def start(*flags: str, model: Path | None = None) -> SparrowServer:
+    def start(*flags: str, model: Path | None = None, log_requests: bool = False) -> SparrowServer:
         defaults = [] if "--kv-cache-memory" in flags else ["--kv-cache-memory", "64MiB"]
-        server = SparrowServer(sparrow_binary, model or model_dir, *defaults, *flags)
+        server = SparrowServer(sparrow_binary, model or model_dir, *defaults, *flags, log_requests=log_requests)
         servers.append(server)
         return server
 

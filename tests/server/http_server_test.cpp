@@ -113,6 +113,21 @@ TEST(HttpConnectionTable, NeverShedsAConnectionBeingAnswered) {
   EXPECT_EQ(table.size(), 3u);
 }
 
+// routes() lists what route() added, by path then method, a route added again once (the last wins).
+TEST(HttpServerRoutes, ListsEveryRouteOnce) {
+  HttpServer server(HttpConfig{});
+  Handler nothing = [](const Request&, const Responder&) {};
+  server.route("POST", "/b", nothing, "b", "application/json");
+  server.route("GET", "/a", nothing, "first");
+  server.route("GET", "/b", nothing);
+  server.route("GET", "/a", nothing, "second");
+  std::vector<HttpServer::RouteInfo> routes = server.routes();
+  ASSERT_EQ(routes.size(), 3u);
+  EXPECT_EQ(routes[0].path + " " + routes[0].method + " " + routes[0].summary, "/a GET second");
+  EXPECT_EQ(routes[1].path + " " + routes[1].method, "/b GET");
+  EXPECT_EQ(routes[2].path + " " + routes[2].method + " " + routes[2].body_type, "/b POST application/json");
+}
+
 // --- a live server -----------------------------------------------------------------------------------
 
 // An HttpServer on a free loopback port, served by a thread for the test's duration.

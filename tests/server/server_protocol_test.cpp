@@ -242,6 +242,22 @@ TEST(ServerRequests, ModelDefaultsApplyUnlessGiven) {
   EXPECT_EQ(r.sampling.top_k, 5);
 }
 
+// vLLM's chat echo: the last message's text when it is the assistant's (the response's role), content
+// parts joined by newlines; nothing for another role or without echo.
+TEST(ServerRequests, ChatEcho) {
+  const std::string user = R"({"role": "user", "content": "hi"})";
+  auto echo_of = [&](const std::string& last, const std::string& echo = "true") {
+    return chat(R"({"messages": [)" + user + ", " + last + R"(], "echo": )" + echo + "}").echo_text;
+  };
+  EXPECT_EQ(echo_of(R"({"role": "assistant", "content": "I am"})"), "I am");
+  EXPECT_EQ(echo_of(R"({"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]})"),
+            "a\nb");
+  EXPECT_EQ(echo_of(R"({"role": "assistant", "content": null})"), "");
+  EXPECT_EQ(echo_of(R"({"role": "user", "content": "again"})"), "");
+  EXPECT_EQ(echo_of(R"({"role": "assistant", "content": "I am"})", "false"), "");
+  EXPECT_EQ(chat(R"({"messages": [{"role": "assistant", "content": "x"}]})").echo_text, "");
+}
+
 TEST(ServerErrors, OpenAiErrorObject) {
   Json body = error_body(400, "bad", "tools");
   EXPECT_EQ(body, parse(R"({"error": {"message": "bad", "type": "BadRequestError", "param": "tools", "code": 400}})"));

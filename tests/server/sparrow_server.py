@@ -19,9 +19,10 @@ STOP_TIMEOUT_S = 60
 class SparrowServer:
     """One `sparrow serve` process."""
 
-    def __init__(self, binary: str, model_dir: Path, *flags: str):
+    def __init__(self, binary: str, model_dir: Path, *flags: str, log_requests: bool = False):
+        quiet = [] if log_requests else ["--disable-log-requests"]
         self.command = [binary, "serve", str(model_dir), "--host", "127.0.0.1", "--port", "0",
-                        "--served-model-name", MODEL_NAME, "--disable-log-requests", *flags]
+                        "--served-model-name", MODEL_NAME, *quiet, *flags]
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stdout: list[str] = []
         self.stderr: list[str] = []

@@ -313,6 +313,42 @@ def test_prefix_cache_hits_are_counted(server):
     assert server.metrics()["vllm:prefix_cache_hits_total"] - before >= 128
 
 
+# --- chat echo ----------------------------------------------------------------------------------------
+
+CONTINUE = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "I am a"}]
+CONTINUE_ARGS = dict(add_generation_prompt=False, continue_final_message=True)
+
+
+def test_chat_echo_puts_the_final_assistant_message_first(server):
+    client = server.client()
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=CONTINUE, max_tokens=6, n=2,
+                                           extra_body=CONTINUE_ARGS, **GREEDY)
+    echoed = client.chat.completions.create(model=MODEL_NAME, messages=CONTINUE, max_tokens=6, n=2,
+                                            extra_body={**CONTINUE_ARGS, "echo": True}, **GREEDY)
+    assert [c.message.content for c in echoed.choices] == ["I am a" + c.message.content for c in plain.choices]
+    assert echoed.usage == plain.usage  # the echoed text is not counted as generated
+
+    # Streamed: the role chunk, then the echoed text as the first content delta of each choice.
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=CONTINUE, max_tokens=6, n=2, stream=True,
+                                                 extra_body={**CONTINUE_ARGS, "echo": True}, **GREEDY))
+    for index in range(2):
+        deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].index == index]
+        assert deltas[0].role == "assistant" and deltas[0].content == ""
+        assert deltas[1].content == "I am a"
+        assert "".join(d.content or "" for d in deltas) == echoed.choices[index].message.content
+
+
+def test_chat_echo_of_another_role_is_nothing(server):
+    # The last message is not the response's role (assistant): nothing is echoed, as in vLLM. (Content
+    # parts joined by newlines: ServerRequests.ChatEcho; the test template renders no parts of a final
+    # assistant message it continues.)
+    client = server.client()
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=3, **GREEDY)
+    not_echoed = client.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=3,
+                                                extra_body={"echo": True}, **GREEDY)
+    assert not_echoed.choices[0].message.content == plain.choices[0].message.content
+
+
 # --- errors -----------------------------------------------------------------------------------------
 
 def error_of(response: httpx.Response) -> dict:
@@ -330,6 +366,7 @@ def error_of(response: httpx.Response) -> dict:
     ({"messages": HELLO, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": HELLO, "top_logprobs": 3}, "top_logprobs"),
     ({"messages": HELLO, "n": 0}, "n"),
+    ({"messages": HELLO, "echo": "yes"}, "echo"),
     ({"messages": "hello"}, "messages"),
     ({"messages": [{"role": "user", "content": "x" * 400}]}, "messages"),  # longer than max_model_len
     ({"messages": HELLO, "max_tokens": 1000}, "max_tokens"),                 # prompt + max_tokens too long

@@ -27,6 +27,7 @@ struct Request {
   std::string body;            // chunked bodies arrive joined
   std::string remote_address;  // the client's IP address
   std::chrono::steady_clock::time_point received;  // when the whole request had arrived
+  std::string id;  // the client's X-Request-Id when it gave a usable one, else 32 random hex digits
 
   // The first field of this name; "" when there is none.
   std::string field(std::string_view name) const;
@@ -42,6 +43,9 @@ struct Response {
   std::string content_type;  // empty: no Content-Type field
   Fields fields;             // more fields, e.g. Allow, Retry-After
   std::string body;          // a whole response's body; a stream's first bytes
+  // Not sent: what the access log calls this answer (the server layer puts its completion id here);
+  // empty: the request's id.
+  std::string log_id = {};
 };
 
 // How the end of a response body is found (RFC 9112 section 6.3).

@@ -25,7 +25,9 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 
 #include "core/error.h"
@@ -49,6 +51,21 @@ Response plain_text_error(int status, const std::string& message) {
   return Response{status, "text/plain; charset=utf-8", {}, message + "\n"};
 }
 
+// The request's id: the client's X-Request-Id (as vLLM's RequestId middleware takes it) when it is
+// 1-128 visible ASCII characters, so that it is one word in the log; else 32 random hex digits.
+std::string request_id(const Request& request) {
+  std::string given = request.field("X-Request-Id");
+  if (!given.empty() && given.size() <= 128 &&
+      std::all_of(given.begin(), given.end(), [](char c) { return c > 0x20 && c < 0x7f; }))
+    return given;
+  thread_local std::mt19937_64 random{std::random_device{}()};
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string id(32, '0');
+  for (size_t i = 0; i < id.size(); i += 16)
+    for (uint64_t bits = random(), j = 0; j < 16; ++j, bits >>= 4) id[i + j] = kHex[bits & 15];
+  return id;
+}
+
 }  // namespace
 
 class Connection;
@@ -65,6 +82,7 @@ struct HttpServer::Impl {
   const HttpConfig config;
   ConnectionTable table;
   std::map<std::string, std::map<std::string, Handler>> routes;  // path -> method -> handler
+  std::vector<HttpServer::RouteInfo> route_infos;  // the same routes described, in the order added
   std::mutex live_mutex;
   std::unordered_map<uint64_t, std::shared_ptr<Connection>> live;  // every open connection, which it keeps alive
   std::atomic<uint64_t> next_id{1};
@@ -84,9 +102,16 @@ struct HttpServer::Impl {
   }
   // The route for a request, or nullptr; then `allowed` lists the path's methods ("" for an unknown path).
   const Handler* find_route(const std::string& method, const std::string& path, std::string& allowed) const;
-  void log(const std::string& remote, const std::string& method, const std::string& path, int status) const {
-    if (config.log_requests)
-      std::fprintf(stderr, "%s %s %s %d\n", remote.c_str(), method.c_str(), path.c_str(), status);
+  // One access-log line. `status` 0: no answer was begun; `latency_ms` < 0: not timed (a request
+  // refused before it was read), as is an empty `id`.
+  void log(const std::string& remote, const std::string& method, const std::string& path, int status,
+           double latency_ms = -1, const std::string& id = "", const char* note = "") const {
+    if (!config.log_requests) return;
+    std::string status_text = status > 0 ? std::to_string(status) : "-";
+    char latency[32] = "-";
+    if (latency_ms >= 0) std::snprintf(latency, sizeof latency, "%.1fms", latency_ms);
+    std::fprintf(stderr, "%s %s %s %s %s %s%s\n", remote.c_str(), method.c_str(), path.c_str(), status_text.c_str(),
+                 latency, id.empty() ? "-" : id.c_str(), note);
   }
 };
 
@@ -172,6 +197,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Ends the connection now (the server is stopping, or the client or a deadline said so).
   void close() {
     if (phase_ == Phase::Closed) return;
+    if (phase_ == Phase::Answering && exchange_) log_answer(" (client gone)");
     phase_ = Phase::Closed;
     disarm();
     error_code ec;
@@ -186,7 +212,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void answer(uint64_t number, Response response) {
     if (!answering(number) || answer_ != Answer::None) return;
     answer_ = Answer::Whole;
-    server_.log(remote_address_, method_, path_, response.status);
+    note_head(response);
     queue(response_head(response, version_, Framing::ContentLength, keep_alive_, response.body.size()));
     if (!head_only_) queue(response.body);
     answer_complete_ = true;
@@ -198,7 +224,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     // HTTP/1.0 has no chunks: the body ends with the connection (RFC 9112 section 6.3).
     framing_ = version_ == 10 ? Framing::UntilClose : Framing::Chunked;
     if (framing_ == Framing::UntilClose) keep_alive_ = false;
-    server_.log(remote_address_, method_, path_, head.status);
+    note_head(head);
     queue(response_head(head, version_, framing_, keep_alive_, 0));
     queue_body(head.body);
     flush();
@@ -220,6 +246,18 @@ class Connection : public std::enable_shared_from_this<Connection> {
   enum class Answer { None, Whole, Stream };
 
   bool answering(uint64_t number) const { return phase_ == Phase::Answering && exchange_ && exchange_->number == number; }
+
+  // What the access log says of the answer begun with `head`; the id header when asked for.
+  void note_head(Response& head) {
+    status_ = head.status;
+    if (!head.log_id.empty()) log_id_ = head.log_id;
+    if (server_.config.request_id_headers && !request_id_.empty()) head.fields.emplace_back("X-Request-Id", request_id_);
+  }
+  // The access-log line of the answer in progress, once it has ended.
+  void log_answer(const char* note = "") {
+    double ms = std::chrono::duration<double, std::milli>(Clock::now() - received_).count();
+    server_.log(remote_address_, method_, path_, status_, ms, log_id_.empty() ? request_id_ : log_id_, note);
+  }
 
   void enter(Phase phase, State state, Clock::time_point since) {
     phase_ = phase;
@@ -385,6 +423,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
     answer_complete_ = false;
     method_ = std::move(method);
     path_ = std::move(path);
+    received_ = Clock::now();
+    status_ = 0;
+    request_id_.clear();
+    log_id_.clear();
   }
 
   void dispatch() {
@@ -400,9 +442,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
     request.body = std::move(message.body());
     request.remote_address = remote_address_;
     request.received = Clock::now();
+    request.id = request_id(request);
     keep_alive_ = message.keep_alive() && server_.config.keep_alive_timeout.count() > 0;
     head_only_ = request.method == "HEAD";
     begin_answer(request.method, request.path);
+    received_ = request.received;
+    request_id_ = request.id;
 
     std::string allowed;
     const Handler* handler = server_.find_route(request.method, request.path, allowed);
@@ -438,6 +483,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   }
 
   void finish_answer() {
+    log_answer();
     std::exchange(exchange_, nullptr)->finish(true);
     answer_ = Answer::None;
     if (!keep_alive_) {
@@ -534,7 +580,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Framing framing_ = Framing::ContentLength;
   int version_ = 11;
   bool keep_alive_ = true, head_only_ = false;
-  std::string method_, path_;  // for the access log
+  // For the access log.
+  std::string method_, path_;
+  Clock::time_point received_;     // the request's arrival
+  int status_ = 0;                 // the answer's status; 0 until it is begun
+  std::string request_id_, log_id_;  // Request::id ("" for a request refused unread); Response::log_id
 
   // Writing.
   std::string outbox_, sending_;
@@ -644,8 +694,20 @@ HttpServer::~HttpServer() {
   for (auto& [id, connection] : live) connection->close();
 }
 
-void HttpServer::route(const std::string& method, const std::string& path, Handler handler) {
+void HttpServer::route(const std::string& method, const std::string& path, Handler handler, std::string summary,
+                       std::string body_type) {
+  auto& infos = impl_->route_infos;
+  std::erase_if(infos, [&](const RouteInfo& info) { return info.method == method && info.path == path; });
+  infos.push_back({method, path, std::move(summary), std::move(body_type)});
   impl_->routes[path][method] = std::move(handler);
+}
+
+std::vector<HttpServer::RouteInfo> HttpServer::routes() const {
+  std::vector<RouteInfo> out = impl_->route_infos;
+  std::stable_sort(out.begin(), out.end(), [](const RouteInfo& a, const RouteInfo& b) {
+    return std::tie(a.path, a.method) < std::tie(b.path, b.method);
+  });
+  return out;
 }
 
 int HttpServer::bind() {

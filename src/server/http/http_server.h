@@ -30,6 +30,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "server/http/http_message.h"
 
@@ -73,7 +74,12 @@ struct HttpConfig {
   size_t max_connections = 1024;
   int io_threads = 2;
   int worker_threads = 0;  // 0: one per core, at least 4 and at most 16
-  bool log_requests = true;  // a line per request on stderr: address, method, target, status
+  // A line per request on stderr when its answer ends: address, method, path, status, milliseconds from
+  // the request's arrival to its last byte handed to the socket (a stream's too), and its id
+  // (Response::log_id, else Request::id). An answer cut short by the client ends in "(client gone)".
+  bool log_requests = true;
+  // vLLM's --enable-request-id-headers: every response carries X-Request-Id, the request's id.
+  bool request_id_headers = false;
   // The response to the errors this layer answers by itself (400, 404, 405, 408, 413, 431, 503, 505,
   // and 500 when a handler throws), from the status and a one-line message. Default: plain text.
   std::function<Response(int status, const std::string& message)> error_response;
@@ -93,9 +99,19 @@ class HttpServer {
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
 
+  // What a route says of itself, for a document of the routes (the server's /openapi.json).
+  struct RouteInfo {
+    std::string method, path;
+    std::string summary;    // one line
+    std::string body_type;  // the media type of the request body it reads; "" for none
+  };
+
   // Routes match the path exactly. A GET route answers HEAD too (without the body). Add every route
   // before run().
-  void route(const std::string& method, const std::string& path, Handler handler);
+  void route(const std::string& method, const std::string& path, Handler handler, std::string summary = "",
+             std::string body_type = "");
+  // Every route added, by path then method.
+  std::vector<RouteInfo> routes() const;
   // Binds the listening socket; returns its port. Throws sparrow::Error if it cannot.
   int bind();
   // Serves on the calling thread and the other io threads until stop().
