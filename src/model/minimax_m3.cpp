@@ -30,6 +30,10 @@
 #include "model/gqa_mixer.h"
 #include "model/feed_forward.h"
 #include "model/msa_indexer.h"
+
+#if SPARROW_HAVE_CUDA
+#include "kernels/cuda/gqa/gqa_attention.h"
+#endif
 #include "model/tensor_parallel.h"
 
 namespace sparrow {
@@ -192,6 +196,12 @@ std::unique_ptr<Mixer> load_attention(Checkpoint& ckpt, const TextConfig& cfg, c
   const std::string p = names.layer(i) + "self_attn.";
   const TensorParallel& tp = attn->tp = ckpt.tensor_parallel();
   const int64_t d = cfg.head_dim;
+#if SPARROW_HAVE_CUDA
+  // Refused here, not at the first step (where it read as a KV-cache sizing failure).
+  SPARROW_CHECK(ckpt.device() == Device::Cpu || cuda::gqa_takes_head_dim(d),
+                "the GPU attention kernel takes head_dim a multiple of 16 from 16 to 256; this model has head_dim ", d,
+                " (use --device cpu)");
+#endif
   const IndexRange heads = even_share(tp, cfg.heads, "num_attention_heads");
   const IndexRange kv = grouped_share(tp, cfg.heads, cfg.kv_heads, "num_key_value_heads");
   attn->heads = heads.count();

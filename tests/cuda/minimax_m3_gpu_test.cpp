@@ -295,5 +295,20 @@ TEST(CudaMiniMaxM3NarrowIndex, RefusedAtLoadWithAClearError) {
   EXPECT_NE(message.find("--device cpu"), std::string::npos) << message;
 }
 
+// The bundled CPU model's heads are 40 wide, which the GPU attention kernel does not take: refused at load
+// with the reason (it used to fail at the KV-cache sizing step, advising a smaller batch).
+TEST(CudaMiniMaxM3NarrowHeads, RefusedAtLoadWithAClearError) {
+  SPARROW_REQUIRE_GPU();
+  const fs::path bundled = fs::path(SPARROW_SOURCE_DIR) / "models/minimax_m3";
+  std::string message;
+  try {
+    load_model(bundled.string(), Device::Cuda);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("this model has head_dim 40"), std::string::npos) << message;
+  EXPECT_NE(message.find("--device cpu"), std::string::npos) << message;
+}
+
 }  // namespace
 

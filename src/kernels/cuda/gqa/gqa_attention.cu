@@ -195,7 +195,7 @@ Plan make_plan(int64_t rows, int heads, int kv_heads, int head_dim, int64_t max_
   check_format(format, "gqa attention");
   SPARROW_CHECK(rows >= 0 && heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "gqa attention: bad heads ", heads,
                 " / kv heads ", kv_heads, " (rows ", rows, ")");
-  SPARROW_CHECK(head_dim >= 16 && head_dim <= 256 && head_dim % 16 == 0,
+  SPARROW_CHECK(gqa_takes_head_dim(head_dim),
                 "gqa attention: head_dim must be a multiple of 16 in [16, 256], got ", head_dim);
   SPARROW_CHECK(max_visible >= 0 && max_visible < (int64_t(1) << 31), "gqa attention: bad max_visible ", max_visible);
   Plan plan;

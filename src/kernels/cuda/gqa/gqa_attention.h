@@ -45,6 +45,11 @@ inline constexpr float kGqaKvTensorScale = 1.0f;
 //   BFloat16   2 bytes a value (4 kv heads x 128: 2,048 B a token)
 //   Fp8Rows    1 byte a value (1,024 B a token)
 //   Nvfp4Rows  half a byte a value + 1 byte per 16 (576 B a token)
+// The head widths the kernel takes (its tiles are 16 wide, its registers hold up to 256 a head).
+inline constexpr bool gqa_takes_head_dim(int64_t head_dim) {
+  return head_dim >= 16 && head_dim <= 256 && head_dim % 16 == 0;
+}
+
 inline constexpr bool gqa_reads_kv_format(PageFormat format) {
   return format == PageFormat::BFloat16 || format == PageFormat::Fp8Rows || format == PageFormat::Nvfp4Rows;
 }
