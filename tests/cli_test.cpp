@@ -234,7 +234,7 @@ TEST(Cli, VllmFlagsWithoutASparrowSettingAreRefusedWithTheReason) {
   expect_one_line_error(serve("--ssl-keyfile key.pem"),
                         "--ssl-keyfile key.pem: not supported: sparrow serves plain HTTP");
   expect_one_line_error(serve("-pp 2"), "--pipeline-parallel-size 2: not supported: pipeline parallelism");
-  expect_one_line_error(serve("-dp=2"), "--data-parallel-size 2: not supported: data parallelism");
+  expect_one_line_error(serve("-dpl=2"), "--data-parallel-size-local 2: not supported: sparrow places the data-parallel ranks");
   expect_one_line_error(serve("--enable-lora"), "--enable-lora: not supported: LoRA adapters are not supported yet");
   expect_one_line_error(serve(R"(--speculative-config '{"method":"ngram"}')"),
                         "--speculative-config {\"method\":\"ngram\"}: not supported: speculative decoding");

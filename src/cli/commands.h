@@ -57,8 +57,14 @@ int64_t model_context_length(const std::string& model);
 void add_device_option(CLI::App* sub, std::string& device);
 // load_model on `device` ("cpu" | "cuda") with the --load-format choices applied. With
 // --tensor-parallel-size N (or under a launcher) this process joins or starts the run first and loads its
-// part of the model; on a worker rank the call never returns (it runs rank 0's steps, then exits).
-std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device);
+// part of the model; on a worker rank the call never returns (it runs rank 0's steps, then exits). With
+// --data-parallel-size D the run is D groups of N ranks: unless `every_group_serves` (serve: each group's
+// leader runs an engine of its own), the first group runs the command and the call never returns on the
+// other groups' leaders either (they step along with it, their experts serving its tokens, then exit).
+std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device,
+                                      bool every_group_serves = false);
+// This process's data-parallel group (0 without data parallelism).
+int cli_data_parallel_rank();
 // The same run without a model (bench collectives): joins or starts it and returns the group's model
 // communicator; every rank returns and runs the command itself. Errors without -tp N > 1 or a launcher.
 Communicator& join_cli_group(const std::string& device);

@@ -14,6 +14,7 @@
 #include "core/device/device.h"
 #include "core/error.h"
 #include "distributed/process_group.h"
+#include "runner/data_parallel.h"
 #include "runner/step_plan.h"
 
 namespace sparrow::cli {
@@ -34,10 +35,23 @@ char** program_arguments = nullptr;
 // This process's place in a tensor-parallel run (docs/parallel.md), once its model is loaded: rank 0 keeps
 // the plan channel its runners drive the workers through. The channel goes before the group (it says Stop
 // over the group's plan communicator).
+// With data parallelism each group's leader keeps the meeting of the leaders (runner/data_parallel.h); in
+// a command other than serve the first group runs the command and the other groups follow its steps
+// (follow_first_group), so rank 0 tells them when the command is over.
 struct ParallelRun {
   std::unique_ptr<ProcessGroup> group;
   std::unique_ptr<WorkerChannel> workers;
+  std::unique_ptr<DataParallelSync> data_parallel;
+  bool groups_follow = false;  // the other groups follow rank 0's steps (not serve)
   ~ParallelRun() {
+    if (data_parallel && groups_follow && group->data_parallel_rank() == 0) {
+      try {
+        data_parallel->exchange(0, /*stop=*/true);
+      } catch (const Error&) {
+        // A group already gone: the supervisor reports it.
+      }
+    }
+    data_parallel.reset();
     workers.reset();
     group.reset();
   }
@@ -66,6 +80,11 @@ void add_device_option(CLI::App* sub, std::string& device) {
                   "processes the model is split over (also -tp; docs/parallel.md): without a launcher this process starts and "
                   "supervises the other ranks on this machine; under torchrun-style variables, mpirun or srun it is "
                   "the rank they say")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--data-parallel-size", parallel_config.data_parallel_size,
+                  "groups of --tensor-parallel-size processes that each run their own requests, attention and KV "
+                  "cache, the routed experts split over all of them (also -dp; docs/parallel.md)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   sub->add_flag("--enable-expert-parallel,!--disable-expert-parallel,!--no-enable-expert-parallel",
@@ -102,7 +121,7 @@ ParallelRun& start_run(const std::string& device, const LaunchEnv& env) {
   ParallelConfig config = parallel_config;
   if (parse_device(device) != Device::Cpu) {
     sparrow::device::select_for_local_rank(env.local_rank);
-    const int ranks_here = env.launcher.empty() ? config.tensor_parallel_size / std::max(1, config.nnodes)
+    const int ranks_here = env.launcher.empty() ? config.world_size() / std::max(1, config.nnodes)
                                                 : env.local_world_size;
     config.device_collectives = ranks_here <= sparrow::device::count() && !std::getenv("SPARROW_HOST_COLLECTIVES");
   }
@@ -116,10 +135,32 @@ Communicator& join_cli_group(const std::string& device) {
   SPARROW_CHECK(parallel_config.multi_process() || !env.launcher.empty(),
                 "this command needs a group of processes: give --tensor-parallel-size N (N >= 2) or start it "
                 "under a launcher (docs/parallel.md)");
-  return start_run(device, env).group->model();
+  Communicator* model = start_run(device, env).group->model();
+  SPARROW_CHECK(model, "this command measures a tensor-parallel group: give --tensor-parallel-size N (N >= 2)");
+  return *model;
 }
 
-std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device) {
+namespace {
+// A data-parallel group after the first, in a command other than serve: its steps are the first group's
+// (each on no rows of its own: the experts it holds serve the first group's tokens) until that group's
+// command ends.
+[[noreturn]] void follow_first_group(std::unique_ptr<Model> model) {
+  ParallelRun& run = parallel_run();
+  {
+    ModelRunner runner(*model, cli_runner_options());
+    while (runner.run_idle() != IdleStep::Stopped) {
+    }
+  }
+  run.data_parallel.reset();
+  run.workers.reset();  // the group's workers leave
+  model.reset();
+  run.group.reset();
+  std::fflush(nullptr);
+  std::_Exit(0);
+}
+}  // namespace
+
+std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device, bool every_group_serves) {
   LoadOptions options;
   options.load_format = load_format;
   options.moe_routing_simulation = moe_routing_simulation;
@@ -135,22 +176,33 @@ std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string&
   options.tensor_parallel.expert_parallel = parallel_config.enable_expert_parallel;
   if (run.group->rank() != 0) options.progress = nullptr;
   std::unique_ptr<Model> model = load_model(dir, parse_device(device), options);
-  if (run.group->rank() != 0) {
-    run_worker(*model, run.group->plans(), cli_runner_options());
+  if (!run.group->leader()) {
+    run_worker(*model, *run.group->plans(), cli_runner_options());
     model.reset();
     run.group.reset();
     std::fflush(nullptr);
     std::_Exit(0);
   }
-  run.workers = std::make_unique<WorkerChannel>(run.group->plans());
+  if (run.group->plans()) run.workers = std::make_unique<WorkerChannel>(*run.group->plans());
+  if (run.group->leaders()) {
+    run.data_parallel = std::make_unique<DataParallelSync>(*run.group->leaders());
+    run.groups_follow = !every_group_serves;
+    if (run.groups_follow && run.group->data_parallel_rank() != 0) follow_first_group(std::move(model));
+  }
   return model;
+}
+
+int cli_data_parallel_rank() {
+  const ParallelRun& run = parallel_run();
+  return run.group ? run.group->data_parallel_rank() : 0;
 }
 
 std::string cli_parallel_layout() {
   const ParallelRun& run = parallel_run();
   if (!run.group) return "one process (tensor parallel 1)";
-  int size = run.group->size();
-  return "tensor parallel " + std::to_string(size) + " (" + std::to_string(size) + " processes" +
+  const int tp = run.group->tensor_parallel_size(), dp = run.group->data_parallel_size();
+  return "tensor parallel " + std::to_string(tp) + (dp > 1 ? " x data parallel " + std::to_string(dp) : "") + " (" +
+         std::to_string(run.group->size()) + " processes" +
          (parallel_config.enable_expert_parallel ? ", expert parallel)" : ")");
 }
 
@@ -170,6 +222,7 @@ RunnerOptions cli_runner_options() {
   RunnerOptions options;
   options.enforce_eager = enforce_eager;
   options.workers = parallel_run().workers.get();
+  options.data_parallel = parallel_run().data_parallel.get();
   return options;
 }
 

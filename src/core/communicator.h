@@ -58,7 +58,20 @@ struct TensorParallel {
   // --enable-expert-parallel: the routed experts are not split inside but dealt out whole, size / num_experts
   // to a rank (vLLM's EP over the TP group); attention and the shared experts stay tensor parallel.
   bool expert_parallel = false;
+  // --data-parallel-size (docs/parallel.md, "Data parallelism"): `dp_size` groups of `size` ranks, each
+  // group running its own requests with its own attention and cache, while the routed experts are shared
+  // by all of them: split over all dp_size * size ranks (whole under expert_parallel, else inside each
+  // expert, as vLLM flattens the experts' tensor parallelism over DP x TP). `dp_comm` joins this rank
+  // with the ranks of the same tensor-parallel rank in the other groups: a MoE layer gathers their tokens
+  // through it and scatters the sums back (ops::all_gather_rows, ops::reduce_scatter_rows).
+  int dp_rank = 0, dp_size = 1;
+  Communicator* dp_comm = nullptr;
   bool sharded() const { return size > 1; }
+  bool data_parallel() const { return dp_size > 1; }
+  // This rank's place among the routed experts' ranks (every rank of every data-parallel group).
+  TensorParallel experts_group() const {
+    return {dp_rank * size + rank, dp_size * size, nullptr, expert_parallel};
+  }
 };
 
 }  // namespace sparrow

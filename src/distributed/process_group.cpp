@@ -47,6 +47,14 @@ std::string exit_description(int status) {
 std::unique_ptr<ProcessGroup> ProcessGroup::start(const ParallelConfig& config, const LaunchEnv& env, char** argv) {
   SPARROW_CHECK(config.tensor_parallel_size >= 1, "--tensor-parallel-size must be at least 1, got ",
                 config.tensor_parallel_size);
+  SPARROW_CHECK(config.data_parallel_size >= 1, "--data-parallel-size must be at least 1, got ",
+                config.data_parallel_size);
+  const int world = config.world_size();
+  // How the flags name the run's size in messages.
+  const std::string sizes = config.data_parallel_size == 1
+                                ? cat("--tensor-parallel-size ", world)
+                                : cat("--tensor-parallel-size ", config.tensor_parallel_size, " x --data-parallel-size ",
+                                      config.data_parallel_size, " = ", world, " ranks");
   std::unique_ptr<ProcessGroup> group(new ProcessGroup());
   const bool launched = !env.launcher.empty();
   const int nodes = config.nnodes;
@@ -57,17 +65,17 @@ std::unique_ptr<ProcessGroup> ProcessGroup::start(const ParallelConfig& config, 
                                  config.node_rank == env.rank / env.local_world_size),
                   describe(env), ": --nnodes ", nodes, " --node-rank ", config.node_rank,
                   " disagree with the launcher's placement of the ranks; leave them out under a launcher");
-    SPARROW_CHECK(env.world_size == config.tensor_parallel_size, describe(env), ": the launcher started ",
-                  env.world_size, " processes for --tensor-parallel-size ", config.tensor_parallel_size,
-                  " (one process per rank)");
+    SPARROW_CHECK(env.world_size == world, describe(env), ": the launcher started ", env.world_size,
+                  " processes for ", sizes, " (one process per rank)");
     group->rank_ = env.rank;
   }
-  group->size_ = config.tensor_parallel_size;
+  group->size_ = world;
+  group->tp_size_ = config.tensor_parallel_size;
   SPARROW_CHECK(nodes >= 1, "--nnodes must be at least 1, got ", nodes);
   SPARROW_CHECK(config.node_rank >= 0 && config.node_rank < nodes, "--node-rank ", config.node_rank,
                 " is not one of the ", nodes, " nodes (0 .. ", nodes - 1, ")");
-  SPARROW_CHECK(group->size_ % nodes == 0, "--tensor-parallel-size ", group->size_, " does not split evenly over --nnodes ",
-                nodes, " (every node runs the same number of ranks)");
+  SPARROW_CHECK(group->size_ % nodes == 0, sizes, " does not split evenly over --nnodes ", nodes,
+                " (every node runs the same number of ranks)");
   if (!launched) {  // (under a launcher every process runs the same command: rank 0 serves)
     SPARROW_CHECK(!config.headless || config.node_rank > 0,
                   "--headless is for the nodes after the first (--node-rank 1 and up): node 0 serves");
@@ -93,18 +101,33 @@ std::unique_ptr<ProcessGroup> ProcessGroup::start(const ParallelConfig& config, 
   port = group->store_->port();
   if (!launched) group->spawn_workers(argv, addr, port, local_size);
 
-  GroupOptions options;
-  options.rank = group->rank_;
-  options.size = group->size_;
-  options.master_addr = addr;
-  options.master_port = port;
-  options.timeout = distributed_timeout();
-  options.prefix = "model";
-  group->model_ = config.device_collectives ? connect_nccl(group->rank_, group->size_, group->store_, "model")
-                                            : connect_gloo(options, group->store_);
-  options.prefix = "plans";
-  options.collective_timeout = kIdleWait;
-  group->plans_ = connect_gloo(options, group->store_);
+  // The groups, each under its own prefix in the store: a group's ranks (model, plans), the same
+  // tensor-parallel rank across the groups (the shared experts), the groups' leaders (the steps' meeting).
+  const int tp_rank = group->tensor_parallel_rank(), dp_rank = group->data_parallel_rank();
+  const int tp_size = group->tp_size_, dp_size = group->data_parallel_size();
+  auto connect = [&](const std::string& prefix, int rank, int size, bool device, bool idle_wait) {
+    if (device) return connect_nccl(rank, size, group->store_, prefix);
+    GroupOptions options;
+    options.rank = rank;
+    options.size = size;
+    options.master_addr = addr;
+    options.master_port = port;
+    options.timeout = distributed_timeout();
+    options.prefix = prefix;
+    if (idle_wait) options.collective_timeout = kIdleWait;
+    return connect_gloo(options, group->store_);
+  };
+  // (One group keeps the names a tensor-parallel run always had.)
+  const std::string in_group = dp_size == 1 ? "" : cat(".group", dp_rank);
+  if (tp_size > 1) {
+    group->model_ = connect("model" + in_group, tp_rank, tp_size, config.device_collectives, false);
+    group->plans_ = connect("plans" + in_group, tp_rank, tp_size, false, true);
+  }
+  if (dp_size > 1) {
+    group->experts_ = connect(cat("experts.rank", tp_rank), dp_rank, dp_size, config.device_collectives, false);
+    // A leader waits here for the others as long as the server is idle (runner/data_parallel.h).
+    if (tp_rank == 0) group->leaders_ = connect("leaders", dp_rank, dp_size, false, true);
+  }
   return group;
 }
 
@@ -185,6 +208,8 @@ void ProcessGroup::kill_workers() {
 ProcessGroup::~ProcessGroup() {
   stopping_ = true;
   if (watcher_.joinable()) watcher_.join();
+  leaders_.reset();
+  experts_.reset();
   plans_.reset();
   model_.reset();
   // The workers leave once told the run is over (runner/step_plan.h); whatever is still there after a

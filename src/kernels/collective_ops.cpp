@@ -1,6 +1,8 @@
 // The tensor-parallel ops of kernels/ops.h: the collectives a sharded model calls, over the group's
 // communicator (core/communicator.h) on the tensors' device.
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "core/device/device.h"
 #include "core/error.h"
@@ -64,6 +66,64 @@ Tensor all_gather_columns(const TensorParallel& tp, const Tensor& x, int64_t par
     copy_columns(out.as<uint8_t>() + first * elem, total, gathered.as<uint8_t>() + r * rows * part * elem, part, count);
   }
   return out;
+}
+
+namespace {
+
+// The data-parallel groups' row counts, checked against this group's rows: the largest one (every
+// group's part is padded to it) and where each group's rows start.
+struct RowParts {
+  int64_t largest = 0, total = 0;
+  std::vector<int64_t> first;
+};
+RowParts row_parts(const TensorParallel& tp, const std::vector<int64_t>& counts, int64_t mine, const char* op) {
+  SPARROW_CHECK(tp.dp_comm, op, ": a data-parallel model without its communicator");
+  SPARROW_CHECK(int64_t(counts.size()) == tp.dp_size, op, ": ", counts.size(), " row counts for ", tp.dp_size,
+                " data-parallel groups");
+  SPARROW_CHECK(counts[size_t(tp.dp_rank)] == mine, op, ": this group holds ", mine, " rows, its count says ",
+                counts[size_t(tp.dp_rank)]);
+  RowParts parts;
+  for (int64_t count : counts) {
+    SPARROW_CHECK(count >= 0, op, ": a negative row count");
+    parts.first.push_back(parts.total);
+    parts.total += count;
+    parts.largest = std::max(parts.largest, count);
+  }
+  return parts;
+}
+
+}  // namespace
+
+Tensor all_gather_rows(const TensorParallel& tp, const Tensor& x, const std::vector<int64_t>& counts) {
+  const RowParts parts = row_parts(tp, counts, x.dim(0), "all_gather_rows");
+  const int64_t width = x.dim(1);
+  if (tp.dp_comm->device() != x.device()) return all_gather_rows(tp, x.to(Device::Cpu), counts).to(x.device());
+  Tensor padded = Tensor::zeros({parts.largest, width}, x.type(), x.device());
+  if (x.dim(0) > 0) padded.rows(0, x.dim(0)).copy_from(x);
+  Tensor gathered = Tensor::empty({int64_t(tp.dp_size) * parts.largest, width}, x.type(), x.device());
+  tp.dp_comm->all_gather(padded.raw(), gathered.raw(), parts.largest * width, x.type());
+  Tensor out = Tensor::empty({parts.total, width}, x.type(), x.device());
+  for (size_t d = 0; d < counts.size(); ++d)
+    if (counts[d] > 0)
+      out.rows(parts.first[d], parts.first[d] + counts[d])
+          .copy_from(gathered.rows(int64_t(d) * parts.largest, int64_t(d) * parts.largest + counts[d]));
+  return out;
+}
+
+Tensor reduce_scatter_rows(const TensorParallel& tp, const Tensor& x, const std::vector<int64_t>& counts) {
+  const int64_t mine = counts.empty() || tp.dp_rank >= int64_t(counts.size()) ? -1 : counts[size_t(tp.dp_rank)];
+  const RowParts parts = row_parts(tp, counts, mine, "reduce_scatter_rows");
+  SPARROW_CHECK(x.dim(0) == parts.total, "reduce_scatter_rows: ", x.dim(0), " rows for groups of ", parts.total);
+  const int64_t width = x.dim(1);
+  if (tp.dp_comm->device() != x.device()) return reduce_scatter_rows(tp, x.to(Device::Cpu), counts).to(x.device());
+  Tensor padded = Tensor::zeros({int64_t(tp.dp_size) * parts.largest, width}, x.type(), x.device());
+  for (size_t d = 0; d < counts.size(); ++d)
+    if (counts[d] > 0)
+      padded.rows(int64_t(d) * parts.largest, int64_t(d) * parts.largest + counts[d])
+          .copy_from(x.rows(parts.first[d], parts.first[d] + counts[d]));
+  Tensor summed = Tensor::empty({parts.largest, width}, x.type(), x.device());
+  tp.dp_comm->reduce_scatter(padded.raw(), summed.raw(), parts.largest * width, x.type());
+  return mine == parts.largest ? summed : summed.rows(0, mine).clone();
 }
 
 Tensor embedding_part(const Tensor& table_part, int64_t first, int64_t vocab, const std::vector<int32_t>& ids) {

@@ -57,6 +57,13 @@ void all_reduce_(const TensorParallel& tp, Tensor& x);
 // The ranks' column parts side by side: rank r's x [T, c_r] lands at column r * part, where part is every
 // rank's width but the last ones' (model/tensor_parallel.h vocab_share); [T, total] (the logits).
 Tensor all_gather_columns(const TensorParallel& tp, const Tensor& x, int64_t part, int64_t total);
+// Data parallelism (TensorParallel::data_parallel): the rows of every data-parallel group side by side,
+// group d's counts[d] rows (x holds this group's counts[dp_rank]) at row counts[0] + ... + counts[d - 1];
+// [sum of counts, width]. Over tp.dp_comm (an all-gather of parts padded to the largest count).
+Tensor all_gather_rows(const TensorParallel& tp, const Tensor& x, const std::vector<int64_t>& counts);
+// Its transpose: x [sum of counts, width] holds a term for every group's rows; returns this group's
+// counts[dp_rank] rows summed over the data-parallel ranks (a reduce-scatter of padded parts).
+Tensor reduce_scatter_rows(const TensorParallel& tp, const Tensor& x, const std::vector<int64_t>& counts);
 // A vocab-parallel embedding: rows of `table_part`, the vocabulary's rows [first, first + rows), for the
 // ids it holds and zeros for the others (whose rows another rank adds); every id is checked against
 // `vocab`.

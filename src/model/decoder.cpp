@@ -40,7 +40,7 @@ Tensor DecoderModel::residual_layers(Tensor x, const Batch& batch, StepMarks* ma
     DecoderLayer& layer = layers[i];
     ops::add_(x, layer.mixer->forward(ops::rms_norm(x, layer.input_norm, norm_eps, norm_unit_offset), batch, int(i)));
     if (marks) marks->mark("mixer " + layer.mixer->name());
-    ops::add_(x, layer.ffn->forward(ops::rms_norm(x, layer.post_norm, norm_eps, norm_unit_offset)));
+    ops::add_(x, layer.ffn->forward(ops::rms_norm(x, layer.post_norm, norm_eps, norm_unit_offset), batch));
     if (marks) marks->mark("ffn " + layer.ffn->name());
   }
   return x;
@@ -70,11 +70,18 @@ Tensor DecoderModel::attn_res_layers(Tensor embedded, const Batch& batch, StepMa
     else
       ops::add_(partial, a);
     if (marks) marks->mark("mixer " + layer.mixer->name());
-    pending = layer.ffn->forward(ops::rms_norm(mix(layer.before_ffn, true), layer.post_norm, norm_eps, norm_unit_offset));
+    pending = layer.ffn->forward(
+        ops::rms_norm(mix(layer.before_ffn, true), layer.post_norm, norm_eps, norm_unit_offset), batch);
     if (marks) marks->mark("ffn " + layer.ffn->name());
   }
   if (pending.defined()) ops::add_(partial, pending);
   return mix(output_attn_res, true);
+}
+
+void DecoderModel::step_idle(const Batch& batch) {
+  const Tensor none = Tensor::empty({0, hidden}, embed.type(), placed_on);
+  for (DecoderLayer& layer : layers)
+    if (layer.ffn->spans_groups()) layer.ffn->forward(none, batch);
 }
 
 Tensor DecoderModel::forward(const Batch& batch, StepMarks* marks) {

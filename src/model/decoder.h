@@ -47,8 +47,13 @@ class Mixer {
 class FeedForward {
  public:
   virtual ~FeedForward() = default;
-  virtual Tensor forward(const Tensor& x) const = 0;  // [T, hidden] -> [T, hidden]
-  virtual std::string name() const = 0;                // its kind, for step profiles: "mlp", "moe"
+  // [T, hidden] -> [T, hidden]. `batch` is the step x belongs to: a data-parallel MoE reads every group's
+  // token count from it (Batch::group_tokens).
+  virtual Tensor forward(const Tensor& x, const Batch& batch) const = 0;
+  virtual std::string name() const = 0;  // its kind, for step profiles: "mlp", "moe"
+  // Whether it meets the other data-parallel groups inside (a MoE whose experts every group shares): a
+  // group without tokens in a step still runs it, on no rows (Model::step_idle).
+  virtual bool spans_groups() const { return false; }
 };
 
 // One AttnRes mix point: the learned query is norm * proj (fp32 [hidden] each).
@@ -91,13 +96,17 @@ class DecoderModel : public Model {
 
   const std::string& model_type() const override { return type; }
   Device device() const override { return placed_on; }
-  bool capturable() const override { return !tp.sharded() || tp.comm->device() == placed_on; }
+  // Not data parallel: a decode graph would fix every group's token count (its collectives' sizes).
+  bool capturable() const override {
+    return !tp.data_parallel() && (!tp.sharded() || tp.comm->device() == placed_on);
+  }
   int64_t vocab_size() const override { return vocab; }
   int64_t num_layers() const override { return int64_t(layers.size()); }
   std::vector<LayerCacheSpec> cache_spec() const override;
   // The stack itself, from the batch's tokens to its logits on the model's device (on a GPU, from the
   // step's inputs in batch.device_step).
   Tensor forward(const Batch& batch, StepMarks* marks) override;
+  void step_idle(const Batch& batch) override;
 
  private:
   // The layers, from the embedded tokens to the hidden states before the final norm.

@@ -42,7 +42,7 @@ Tensor DenseMlp::partial(const Tensor& x) const {
   return ops::linear(ops::glu(gate_up_out, act.kind, act.alpha, act.limit), down);
 }
 
-Tensor DenseMlp::forward(const Tensor& x) const {
+Tensor DenseMlp::forward(const Tensor& x, const Batch&) const {
   Tensor out = partial(x);
   ops::all_reduce_(tp, out);
   return out;
@@ -81,14 +81,16 @@ void MoeBlock::load_experts(Checkpoint& ckpt, const std::string& prefix, int64_t
                             int64_t width) {
   tp = ckpt.tensor_parallel();
   this->num_experts = num_experts;
-  if (!tp.sharded()) {
+  // The experts' ranks: the group's, or under data parallelism every group's (TensorParallel::experts_group).
+  const TensorParallel experts_group = tp.experts_group();
+  if (!experts_group.sharded()) {
     experts = ckpt.take_experts(prefix, num_experts, intermediate, width);
   } else if (tp.expert_parallel) {
-    const IndexRange mine = expert_share(tp, num_experts);
+    const IndexRange mine = expert_share(experts_group, num_experts);
     first_expert = mine.begin;
     experts = ckpt.take_expert_range(prefix, num_experts, intermediate, width, mine.split(0));
   } else {
-    const IndexRange mine = even_share(tp, intermediate, "moe_intermediate_size");
+    const IndexRange mine = even_share(experts_group, intermediate, "moe_intermediate_size");
     experts = ckpt.take_experts(prefix, num_experts, intermediate, width, mine.split(0));
   }
 }
@@ -105,17 +107,30 @@ ops::Routing SigmoidRouter::route(const Tensor& x) const {
   return routing;
 }
 
-Tensor MoeBlock::forward(const Tensor& x) const {
+Tensor MoeBlock::routed(const Tensor& x) const {
   ops::Routing routing = router.route(x);
   // Expert parallel: the slots routed to this rank's experts, renumbered from 0; the others become -1 (skipped).
   if (experts.gate_up.dim(0) < num_experts) ops::keep_local_experts_(routing, first_expert, experts.gate_up.dim(0));
+  return ops::moe_experts(latent_down.defined() ? ops::linear(x, latent_down) : x, routing, experts.gate_up,
+                          experts.down, act.kind, act.alpha, act.limit);
+}
+
+Tensor MoeBlock::forward(const Tensor& x, const Batch& batch) const {
   Tensor out;
+  if (tp.data_parallel()) {
+    // Every group's tokens through this rank's experts, this group's rows summed back over the groups; a
+    // group without tokens (x has no rows) takes part for the others' sake and is done.
+    const std::vector<int64_t>& counts = batch.group_tokens;
+    out = ops::reduce_scatter_rows(tp, routed(ops::all_gather_rows(tp, x, counts)), counts);
+    if (x.dim(0) == 0) return out;
+  } else {
+    out = routed(x);
+  }
   if (latent_down.defined()) {
-    Tensor routed = ops::moe_experts(ops::linear(x, latent_down), routing, experts.gate_up, experts.down, act.kind,
-                                     act.alpha, act.limit);
-    ops::all_reduce_(tp, routed);  // the whole routed latent before its norm
-    if (latent_norm.defined()) ops::rms_norm_(routed, latent_norm, latent_norm_eps);
-    out = ops::linear(routed, latent_up);
+    Tensor latent = std::move(out);
+    ops::all_reduce_(tp, latent);  // the whole routed latent before its norm
+    if (latent_norm.defined()) ops::rms_norm_(latent, latent_norm, latent_norm_eps);
+    out = ops::linear(latent, latent_up);
     if (shared.empty()) return out;
     Tensor shared_out = shared[0].partial(x);
     for (size_t i = 1; i < shared.size(); ++i) ops::add_(shared_out, shared[i].partial(x));
@@ -123,7 +138,6 @@ Tensor MoeBlock::forward(const Tensor& x) const {
     ops::add_(out, shared_out);
     return out;
   }
-  out = ops::moe_experts(x, routing, experts.gate_up, experts.down, act.kind, act.alpha, act.limit);
   for (const DenseMlp& s : shared) ops::add_(out, s.partial(x));
   ops::all_reduce_(tp, out);
   return out;

@@ -42,7 +42,7 @@ struct DenseMlp : FeedForward {
   // of them when the checkpoint is sharded).
   static DenseMlp load(Checkpoint& ckpt, const std::string& prefix, int64_t hidden, int64_t intermediate,
                        Activation act);
-  Tensor forward(const Tensor& x) const override;  // [T, H] -> [T, H]
+  Tensor forward(const Tensor& x, const Batch& batch) const override;  // [T, H] -> [T, H]
   // This rank's term of the output, before the sum over the group (the whole output unsharded).
   Tensor partial(const Tensor& x) const;
   std::string name() const override { return "mlp"; }
@@ -92,7 +92,12 @@ struct GroupedMoeShape {
 // (TensorParallel::expert_parallel): a rank holds experts [first_expert, first_expert + E / size) whole and
 // runs, for every token (the group's ranks all hold the whole step), only the slots routed to them; the
 // same all-reduce then sums each token's slots from the ranks that own them (vLLM's EP without data
-// parallelism: its all-gather / reduce-scatter dispatch over replicated tokens). Kimi K3's latent MoE (vLLM 0.33
+// parallelism: its all-gather / reduce-scatter dispatch over replicated tokens). Data parallel
+// (TensorParallel::data_parallel): the experts are split over every rank of every group, and each group
+// holds its own tokens; the groups' tokens are gathered (ops::all_gather_rows, over the ranks of the same
+// tensor-parallel rank), routed and run through this rank's experts, and each group's rows are summed back
+// to it (ops::reduce_scatter_rows) before the group's all-reduce (vLLM's naive all-gather / reduce-scatter
+// dispatch, vllm/distributed/device_communicators/all2all.py). Kimi K3's latent MoE (vLLM 0.33
 // models/kimi_k3/nvidia/model.py KimiMoE.forward, latent_moe_runner.py): the router reads x, the routed
 // experts read z = latent_down x (width Z); their weighted sum is RMS-normalised (latent_norm) and
 // projected back (latent_up) before the shared experts, which read x, are added.
@@ -119,8 +124,12 @@ struct MoeBlock : FeedForward {
   float latent_norm_eps = 1e-6f;
   TensorParallel tp;
 
-  Tensor forward(const Tensor& x) const override;  // routed experts (weighted) + shared experts
+  Tensor forward(const Tensor& x, const Batch& batch) const override;  // routed (weighted) + shared experts
   std::string name() const override { return "moe"; }
+  bool spans_groups() const override { return tp.data_parallel(); }
+  // This rank's routed experts' weighted sum over x's tokens ([T, H], or the latent [T, Z]), before any
+  // reduction over ranks.
+  Tensor routed(const Tensor& x) const;
 };
 
 }  // namespace sparrow

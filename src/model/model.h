@@ -54,6 +54,9 @@ struct Batch {
   const Tensor& positions_on(Device device) const;
   mutable Tensor positions_tensor;
   mutable std::shared_ptr<const DeviceStep> device_step;  // model/device_step.h (attached by the runner)
+  // Data parallelism (TensorParallel::data_parallel): every group's token count in this step, this group's
+  // among them (attached by the runner: runner/data_parallel.h); empty otherwise.
+  mutable std::vector<int64_t> group_tokens;
 };
 
 // Builds a batch from (state, new tokens) pairs.
@@ -90,6 +93,10 @@ class Model {
   // last token. Writes the new tokens' rows and state into the caches but leaves each state's length
   // alone (the runner advances it). `marks`, when given, gets the end of each part.
   virtual Tensor forward(const Batch& batch, StepMarks* marks) = 0;
+  // A data-parallel group's step without tokens of its own while other groups run theirs
+  // (batch.group_tokens set, this group's count 0): the parts that meet the other groups (the shared
+  // experts' layers) run on no rows, in the forward pass's order, so that their collectives meet.
+  virtual void step_idle(const Batch& batch) { (void)batch; }
 };
 
 // Loads a Hugging Face model folder onto `device`; dispatches on config.json's model_type. One-line

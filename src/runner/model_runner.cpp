@@ -1,7 +1,10 @@
 #include "runner/model_runner.h"
 
+#include <algorithm>
+
 #include "cache/kv_cache.h"
 #include "core/error.h"
+#include "runner/data_parallel.h"
 #include "runner/dense_sequence_cache.h"
 #include "runner/step_plan.h"
 #include "runner/step_inputs.h"
@@ -52,6 +55,11 @@ Tensor ModelRunner::run(const Batch& batch) {
   for (int32_t id : batch.tokens)  // checked here for both devices: the GPU embedding reads ids unchecked
     SPARROW_CHECK(id >= 0 && id < vocab, "token id ", id, " out of range [0, ", vocab, ")");
   for (const SeqSlice& s : batch.seqs) s.cache().reserve(s.start() + s.count);
+  if (options_.data_parallel) {
+    const std::vector<GroupStatus> statuses = options_.data_parallel->exchange(batch.size());
+    SPARROW_CHECK(!any_stopped(statuses), "a data-parallel group left the run while this one had a step to run");
+    batch.group_tokens = group_tokens(statuses);
+  }
   if (options_.workers) options_.workers->send_step(batch);
 
   const Device device = model_.device();
@@ -69,6 +77,24 @@ Tensor ModelRunner::run(const Batch& batch) {
   if (profile_) profile_->end_step();
   for (const SeqSlice& s : batch.seqs) s.state->length += s.count;
   return logits;
+}
+
+IdleStep ModelRunner::run_idle() {
+  SPARROW_CHECK(options_.data_parallel, "run_idle: not a data-parallel run");
+  const std::vector<GroupStatus> statuses = options_.data_parallel->exchange(0);
+  if (any_stopped(statuses)) return IdleStep::Stopped;
+  Batch idle;
+  idle.group_tokens = group_tokens(statuses);
+  if (std::all_of(idle.group_tokens.begin(), idle.group_tokens.end(), [](int64_t n) { return n == 0; }))
+    return groups_settled(statuses) ? IdleStep::Settled : IdleStep::Unsettled;
+  if (options_.workers) options_.workers->send_idle(idle);
+  model_.step_idle(idle);
+  return IdleStep::Ran;
+}
+
+void ModelRunner::stop_groups() {
+  SPARROW_CHECK(options_.data_parallel, "stop_groups: not a data-parallel run");
+  options_.data_parallel->exchange(0, /*stop=*/true);
 }
 
 SequenceState ModelRunner::new_sequence() {

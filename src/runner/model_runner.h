@@ -21,6 +21,7 @@ class KvCache;
 class StepProfile;
 
 class WorkerChannel;
+class DataParallelSync;
 
 struct RunnerOptions {
   // vLLM's --enforce-eager: no CUDA graphs (decode steps launch their kernels one by one).
@@ -28,7 +29,14 @@ struct RunnerOptions {
   // Tensor parallel, on rank 0: each step's plan goes to the workers before it runs (runner/step_plan.h),
   // and offline sequences live in a paged cache the workers can mirror. Must outlive the runner.
   WorkerChannel* workers = nullptr;
+  // Data parallel, on a group's leader: every step (and every step this group sits out: run_idle) meets the
+  // other groups' leaders first (runner/data_parallel.h). Must outlive the runner.
+  DataParallelSync* data_parallel = nullptr;
 };
+
+// What run_idle found: every group idle (or one waiting on a newer wave), a step run without tokens of this
+// group, or a group that left for good.
+enum class IdleStep { Settled, Unsettled, Ran, Stopped };
 
 class ModelRunner {
  public:
@@ -42,6 +50,11 @@ class ModelRunner {
   // [batch.size(), vocab] when batch.all_logits, else [batch.seqs.size(), vocab] for each sequence's
   // last token. Throws sparrow::Error for an empty batch or a token id outside the vocabulary.
   Tensor run(const Batch& batch);
+  // Data parallel: this group has no tokens this step. Meets the other groups' leaders and, when any has
+  // tokens, runs the step's shared parts on no rows (Model::step_idle) with this group's workers.
+  IdleStep run_idle();
+  // Data parallel, a command's end on the group that ran it: the other groups leave their idle loops.
+  void stop_groups();
 
   // A fresh sequence for offline use: on the CPU with its own growable cache, on a GPU (or with workers) in a
   // paged cache on the model's device that the runner keeps for such sequences (its blocks go back when the

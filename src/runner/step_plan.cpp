@@ -104,6 +104,10 @@ std::vector<uint8_t> encode_plan(const StepPlan& plan) {
         w.put<int64_t>(s.snapshot_position);
       }
       w.put<uint8_t>(plan.all_logits);
+      w.put(plan.group_tokens);
+      break;
+    case StepPlan::Kind::Idle:
+      w.put(plan.group_tokens);
       break;
     case StepPlan::Kind::Stop:
       break;
@@ -115,7 +119,7 @@ StepPlan decode_plan(const std::vector<uint8_t>& bytes) {
   Reader r(bytes);
   StepPlan plan;
   const uint8_t kind = r.get<uint8_t>();
-  SPARROW_CHECK(kind >= uint8_t(StepPlan::Kind::Cache) && kind <= uint8_t(StepPlan::Kind::Stop),
+  SPARROW_CHECK(kind >= uint8_t(StepPlan::Kind::Cache) && kind <= uint8_t(StepPlan::Kind::Idle),
                 "step plan: unknown kind ", int(kind));
   plan.kind = StepPlan::Kind(kind);
   switch (plan.kind) {
@@ -159,8 +163,13 @@ StepPlan decode_plan(const std::vector<uint8_t>& bytes) {
       SPARROW_CHECK(rows == int64_t(plan.tokens.size()), "step plan: ", plan.tokens.size(), " tokens for ", rows,
                     " sequence rows");
       plan.all_logits = r.get<uint8_t>() != 0;
+      plan.group_tokens = r.get_vector<int64_t>();
       break;
     }
+    case StepPlan::Kind::Idle:
+      plan.group_tokens = r.get_vector<int64_t>();
+      SPARROW_CHECK(!plan.group_tokens.empty(), "step plan: an idle step without the groups' token counts");
+      break;
     case StepPlan::Kind::Stop:
       break;
   }
@@ -246,6 +255,14 @@ void WorkerChannel::send_step(const Batch& batch) {
   }
   for (auto& [id, kv] : stepped)
     for (const KvCache::StateOp& op : kv->take_state_ops()) plan.state_ops.push_back({id, op});
+  plan.group_tokens = batch.group_tokens;
+  send(plan);
+}
+
+void WorkerChannel::send_idle(const Batch& batch) {
+  StepPlan plan;
+  plan.kind = StepPlan::Kind::Idle;
+  plan.group_tokens = batch.group_tokens;
   send(plan);
 }
 
@@ -290,6 +307,12 @@ void run_worker(Model& model, Communicator& channel, RunnerOptions options) {
       case StepPlan::Kind::DropCache:
         twins.erase(plan.cache);
         break;
+      case StepPlan::Kind::Idle: {
+        Batch idle;
+        idle.group_tokens = plan.group_tokens;
+        model.step_idle(idle);
+        break;
+      }
       case StepPlan::Kind::Step: {
         for (const StepPlan::StateOp& op : plan.state_ops) twin(op.cache).apply(op.op);
         std::vector<SequenceState> states(plan.seqs.size());
@@ -308,6 +331,7 @@ void run_worker(Model& model, Communicator& channel, RunnerOptions options) {
         }
         Batch batch = make_batch(parts);
         batch.all_logits = plan.all_logits;
+        batch.group_tokens = plan.group_tokens;
         runner.run(batch);
         for (auto& [cache, id] : mirrors) cache->drop_mirror(id);
         break;

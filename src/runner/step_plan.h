@@ -24,6 +24,7 @@ struct StepPlan {
     DropCache = 2,  // rank 0's cache `cache` is gone
     Step = 3,       // run a step
     Stop = 4,       // the run is over: leave the worker loop
+    Idle = 5,       // data parallel: this group has no tokens while others run theirs (Model::step_idle)
   };
   struct Sequence {
     int32_t cache = 0;  // the cache it lives in
@@ -46,6 +47,8 @@ struct StepPlan {
   std::vector<int32_t> tokens;
   std::vector<Sequence> seqs;
   bool all_logits = false;
+  // Step, Idle: every data-parallel group's token count (Batch::group_tokens); empty without data parallelism.
+  std::vector<int64_t> group_tokens;
 };
 
 // Bytes on the channel; decode_plan throws a one-line error for anything truncated or malformed.
@@ -64,6 +67,8 @@ class WorkerChannel {
   // Broadcasts the plan of `batch` (its caches reserved for the step), after the twin of any cache the
   // workers have not seen yet. Every sequence's cache must be a KvCache view.
   void send_step(const Batch& batch);
+  // Data parallel: the step this group sits out while others run (batch.group_tokens, no sequences).
+  void send_idle(const Batch& batch);
   void send(const StepPlan& plan);
 
  private:

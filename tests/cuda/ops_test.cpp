@@ -226,8 +226,8 @@ TEST(CudaOps, DeepseekBlocksMatchTheCpu) {
       // and a few selections differ from the fp32 CPU's, which moves the output by a few percent.
       EXPECT_LE(e, tokens <= 64 ? 3e-2 : 1.5e-1) << "mixer of layer " << layer << ", " << tokens << " tokens (seed "
                                                  << seed << ")";
-      const Tensor ffn_cpu = cpu.layers[layer].ffn->forward(xr);
-      const Tensor ffn_gpu = gpu_.layers[layer].ffn->forward(gpu(x));
+      const Tensor ffn_cpu = cpu.layers[layer].ffn->forward(xr, Batch{});
+      const Tensor ffn_gpu = gpu_.layers[layer].ffn->forward(gpu(x), Batch{});
       const double f = relative_l2(host(ffn_gpu), ffn_cpu);
       std::printf("layer %zu, %lld tokens: feed-forward relative L2 %.3g\n", layer, (long long)tokens, f);
       EXPECT_LE(f, 3e-2) << "feed-forward of layer " << layer << " (seed " << seed << ")";
@@ -296,8 +296,8 @@ TEST_P(CudaOpsStack, DeepseekStackMatchesTheCpuStageByStage) {
     ops::add_(xc, mc);
     ops::add_(xg, mg);
     stage("residual after mixer", xg, xc);
-    const Tensor fc = cpu.layers[i].ffn->forward(ops::rms_norm(xc, cpu.layers[i].post_norm, cpu.norm_eps));
-    const Tensor fg = dev.layers[i].ffn->forward(ops::rms_norm(xg, dev.layers[i].post_norm, dev.norm_eps));
+    const Tensor fc = cpu.layers[i].ffn->forward(ops::rms_norm(xc, cpu.layers[i].post_norm, cpu.norm_eps), Batch{});
+    const Tensor fg = dev.layers[i].ffn->forward(ops::rms_norm(xg, dev.layers[i].post_norm, dev.norm_eps), Batch{});
     stage("feed-forward", fg, fc);
     ops::add_(xc, fc);
     ops::add_(xg, fg);

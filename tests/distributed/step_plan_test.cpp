@@ -20,6 +20,7 @@ StepPlan a_step() {
   StepPlan::Sequence decode{.cache = 0, .start = 9, .count = 1, .blocks = {4}};
   plan.seqs = {prefill, decode};
   plan.all_logits = true;
+  plan.group_tokens = {5, 0, 2};  // data parallel: this group's 5 tokens among the groups'
   return plan;
 }
 
@@ -43,6 +44,7 @@ TEST(StepPlan, EveryKindSurvivesEncoding) {
   EXPECT_EQ(step.seqs[0].snapshot_position, 64);
   EXPECT_EQ(step.seqs[1].state_slot, -1);
   EXPECT_TRUE(step.all_logits);
+  EXPECT_EQ(step.group_tokens, want.group_tokens);
 
   StepPlan cache;
   cache.kind = StepPlan::Kind::Cache;
@@ -70,6 +72,12 @@ TEST(StepPlan, EveryKindSurvivesEncoding) {
   StepPlan stop;
   stop.kind = StepPlan::Kind::Stop;
   EXPECT_EQ(decode_plan(encode_plan(stop)).kind, StepPlan::Kind::Stop);
+  StepPlan idle;
+  idle.kind = StepPlan::Kind::Idle;
+  idle.group_tokens = {0, 7};
+  const StepPlan idle_got = decode_plan(encode_plan(idle));
+  EXPECT_EQ(idle_got.kind, StepPlan::Kind::Idle);
+  EXPECT_EQ(idle_got.group_tokens, idle.group_tokens);
 }
 
 TEST(StepPlan, DamagedMessagesAreRefused) {
@@ -84,6 +92,10 @@ TEST(StepPlan, DamagedMessagesAreRefused) {
   std::vector<uint8_t> unknown = bytes;
   unknown[0] = 0x7f;
   EXPECT_THROW(decode_plan(unknown), Error);
+
+  StepPlan idle;  // an idle step says what the groups run
+  idle.kind = StepPlan::Kind::Idle;
+  EXPECT_THROW(decode_plan(encode_plan(idle)), Error);
 
   StepPlan short_of_tokens = a_step();
   short_of_tokens.tokens.pop_back();

@@ -1,0 +1,241 @@
+// Data parallelism (--data-parallel-size, docs/parallel.md) against one process, with real processes:
+//   - the row collectives a data-parallel MoE layer runs (ops::all_gather_rows / reduce_scatter_rows)
+//     between three forked ranks with uneven counts, one of them empty;
+//   - when the groups' leaders stop stepping together (runner/data_parallel.h);
+//   - `sparrow score` and `sparrow generate` run as a user runs them, for every family (the fixtures'
+//     prompts are longer than the sparse budgets), at -dp 2 with the experts dealt out whole (-ep), split
+//     inside over both groups, and with tensor parallelism inside each group (-dp 2 -tp 2): every row of
+//     logits within 1e-5 of one process (relative L2) and the same greedy tokens. In these commands the
+//     first group runs the prompts and the second steps along on no rows of its own, its experts serving
+//     the first group's tokens (the serving test runs both groups' own requests:
+//     tests/server/test_tensor_parallel.py).
+#include <gtest/gtest.h>
+
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../test_util.h"
+#include "core/error.h"
+#include "distributed/gloo_communicator.h"
+#include "formats/safetensors.h"
+#include "kernels/ops.h"
+#include "runner/data_parallel.h"
+
+using namespace sparrow;
+namespace fs = std::filesystem;
+
+namespace {
+
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
+    throw std::runtime_error("no free port");
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// Forks `size` ranks of one gloo group, each running body(comm); "" when all exited 0 in time.
+std::string run_ranks(int size, const std::function<void(Communicator&)>& body) {
+  const int port = free_port();
+  std::fflush(nullptr);
+  std::vector<pid_t> children;
+  for (int rank = 0; rank < size; ++rank) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      int status = 0;
+      try {
+        GroupOptions options;
+        options.rank = rank;
+        options.size = size;
+        options.master_port = port;
+        options.timeout = std::chrono::seconds(60);
+        std::unique_ptr<Communicator> comm = connect_gloo(options);
+        body(*comm);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
+        status = 1;
+      }
+      std::fflush(nullptr);
+      _exit(status);
+    }
+    children.push_back(pid);
+  }
+  std::string failures;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  for (size_t rank = 0; rank < children.size(); ++rank) {
+    int status = 0;
+    while (waitpid(children[rank], &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        for (pid_t pid : children) kill(pid, SIGKILL);
+        waitpid(children[rank], &status, 0);
+        failures += "rank " + std::to_string(rank) + " timed out; ";
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+      failures += "rank " + std::to_string(rank) + " failed (see stderr); ";
+  }
+  return failures;
+}
+
+const fs::path kFixtures = fs::path(SPARROW_SOURCE_DIR) / "tests" / "fixtures";
+
+sparrow::testing::CliRun run(const std::string& args) { return sparrow::testing::run_sparrow(args, "", 240); }
+
+// The logits `score` wrote, one tensor per prompt.
+std::vector<Tensor> read_logits(const fs::path& path) {
+  auto file = SafetensorsFile::open(path.string());
+  std::vector<Tensor> out;
+  for (size_t i = 0; file->tensors().count("logits." + std::to_string(i)); ++i)
+    out.push_back(to_float32(file->tensors().at("logits." + std::to_string(i)), file));
+  return out;
+}
+
+double row_error(const Tensor& ours, const Tensor& ref, int64_t row) {
+  const int64_t n = ref.dim(1);
+  double diff = 0, norm = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    diff += std::pow(double(ours.data()[row * n + i]) - ref.data()[row * n + i], 2);
+    norm += std::pow(double(ref.data()[row * n + i]), 2);
+  }
+  return std::sqrt(diff / std::max(norm, 1e-30));
+}
+
+}  // namespace
+
+// Group d's rows land after the earlier groups' (all_gather_rows), and each group gets back its own rows
+// summed over the groups (reduce_scatter_rows), whatever the counts, an empty group included.
+TEST(DataParallel, RowCollectivesBetweenProcesses) {
+  const std::vector<int64_t> counts = {2, 0, 3};
+  const int64_t width = 5;
+  const std::string failures = run_ranks(3, [&](Communicator& comm) {
+    TensorParallel tp;
+    tp.dp_rank = comm.rank();
+    tp.dp_size = comm.size();
+    tp.dp_comm = &comm;
+    const int64_t mine = counts[size_t(comm.rank())];
+    auto value = [](int64_t group, int64_t row, int64_t col) { return float(100 * group + 10 * row + col); };
+    Tensor x = Tensor::zeros({mine, width});
+    for (int64_t r = 0; r < mine; ++r)
+      for (int64_t c = 0; c < width; ++c) x.data()[r * width + c] = value(comm.rank(), r, c);
+    const Tensor all = ops::all_gather_rows(tp, x, counts);
+    SPARROW_CHECK(all.dim(0) == 5 && all.dim(1) == width, "gathered ", shape_str(all.shape()));
+    int64_t row = 0;
+    for (int64_t g = 0; g < 3; ++g)
+      for (int64_t r = 0; r < counts[size_t(g)]; ++r, ++row)
+        for (int64_t c = 0; c < width; ++c)
+          SPARROW_CHECK(all.data()[row * width + c] == value(g, r, c), "gathered row ", row, " column ", c);
+    // Every group adds (rank + 1) x its gathered copy: each group's rows come back times 1 + 2 + 3.
+    Tensor term = all.clone();
+    for (int64_t i = 0; i < term.numel(); ++i) term.data()[i] *= float(comm.rank() + 1);
+    const Tensor back = ops::reduce_scatter_rows(tp, term, counts);
+    SPARROW_CHECK(back.dim(0) == mine, "scattered ", back.dim(0), " rows for ", mine);
+    for (int64_t i = 0; i < back.numel(); ++i)
+      SPARROW_CHECK(back.data()[i] == 6 * x.data()[i], "scattered element ", i, ": ", back.data()[i]);
+    // A count that is not this group's rows is refused.
+    bool refused = false;
+    try {
+      ops::all_gather_rows(tp, Tensor::zeros({mine + 1, width}), counts);
+    } catch (const Error&) {
+      refused = true;
+    }
+    SPARROW_CHECK(refused, "a wrong row count was not refused");
+  });
+  EXPECT_EQ(failures, "");
+}
+
+// The leaders stop stepping only on an exchange that shows no tokens and the same wave everywhere (a group
+// that has not seen the newest wave yet keeps the others meeting), or a group that left.
+TEST(DataParallel, GroupsSettleTogether) {
+  EXPECT_TRUE(groups_settled({{0, 3, 0}, {0, 3, 0}}));
+  EXPECT_FALSE(groups_settled({{0, 3, 0}, {0, 4, 0}}));
+  EXPECT_FALSE(groups_settled({{1, 3, 0}, {0, 3, 0}}));
+  EXPECT_TRUE(groups_settled({{0, 3, 0}, {2, 4, 1}}));
+  EXPECT_TRUE(any_stopped({{0, 0, 0}, {0, 0, 1}}));
+  EXPECT_EQ(group_tokens({{4, 0, 0}, {0, 0, 0}, {9, 1, 0}}), (std::vector<int64_t>{4, 0, 9}));
+}
+
+// Every family scores as one process does at -dp 2, whichever way the experts are split.
+TEST(DataParallel, EveryFamilyScoresAsOneProcess) {
+  struct Case {
+    const char* fixture;
+    std::vector<std::string> layouts;
+  };
+  const std::vector<Case> cases = {
+      {"minimax_m3", {"-dp 2 -ep", "-dp 2", "-dp 2 -tp 2 -ep"}},
+      {"deepseek_v32", {"-dp 2 -ep", "-dp 2 -tp 2"}},
+      {"kimi_linear", {"-dp 2 -ep", "-dp 2 -tp 2"}},
+      {"kimi_k3", {"-dp 2 -ep"}},
+      {"kimi_k3_1_pro", {"-dp 2 -ep", "-dp 2"}},
+  };
+  sparrow::testing::TempDir dir;
+  for (const Case& c : cases) {
+    const fs::path fixture = kFixtures / c.fixture;
+    if (!fs::exists(fixture / "config.json")) GTEST_SKIP() << "fixture missing: " << fixture;
+    const std::string base = "score --model " + fixture.string() + " --prompt-ids " + (fixture / "prompts.json").string();
+    const std::string whole_path = dir.file(std::string(c.fixture) + ".whole.safetensors");
+    const auto whole_run = run(base + " --out " + whole_path);
+    ASSERT_EQ(whole_run.status, 0) << whole_run.err;
+    const std::vector<Tensor> whole = read_logits(whole_path);
+    ASSERT_FALSE(whole.empty());
+    for (const std::string& layout : c.layouts) {
+      const std::string path = dir.file(std::string(c.fixture) + ".dp.safetensors");
+      const auto r = run(base + " " + layout + " --out " + path);
+      ASSERT_EQ(r.status, 0) << c.fixture << " " << layout << ": " << r.err;
+      const std::vector<Tensor> ours = read_logits(path);
+      ASSERT_EQ(ours.size(), whole.size()) << c.fixture << " " << layout;
+      for (size_t p = 0; p < whole.size(); ++p) {
+        ASSERT_EQ(ours[p].shape(), whole[p].shape());
+        for (int64_t t = 0; t < whole[p].dim(0); ++t)
+          ASSERT_LE(row_error(ours[p], whole[p], t), 1e-5)
+              << c.fixture << " " << layout << ": prompt " << p << " row " << t;
+      }
+    }
+  }
+}
+
+// Greedy generation (the engine's loop: batched prefill, then decode steps) gives one process's tokens.
+TEST(DataParallel, GreedyGenerationAsOneProcess) {
+  for (const char* name : {"deepseek_v32", "kimi_k3_1_pro", "minimax_m3"}) {
+    const fs::path fixture = kFixtures / name;
+    if (!fs::exists(fixture / "config.json")) GTEST_SKIP() << "fixture missing: " << fixture;
+    const std::string base = "generate --model " + fixture.string() + " --prompt-ids " +
+                             (fixture / "prompts.json").string() + " --max-tokens 8 --temperature 0";
+    const auto whole = run(base);
+    ASSERT_EQ(whole.status, 0) << whole.err;
+    const auto ours = run(base + " -dp 2 -ep");
+    ASSERT_EQ(ours.status, 0) << name << ": " << ours.err;
+    EXPECT_EQ(ours.out, whole.out) << name;
+  }
+}
+
+// Sizes that do not fit are refused in one line before anything runs.
+TEST(DataParallel, BadLayoutsAreRefused) {
+  const fs::path fixture = kFixtures / "minimax_m3";
+  const std::string base = "score --model " + fixture.string() + " --prompt-ids " + (fixture / "prompts.json").string() +
+                           " --out x.safetensors ";
+  auto r = run(base + "-dp 0");
+  EXPECT_NE(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("--data-parallel-size"), std::string::npos) << r.err;
+  r = run(base + "-dp 2 --nnodes 3 --master-addr 127.0.0.1");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("does not split evenly over --nnodes 3"), std::string::npos) << r.err;
+}
