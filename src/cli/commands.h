@@ -65,6 +65,9 @@ std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string&
                                       bool every_group_serves = false);
 // This process's data-parallel group (0 without data parallelism).
 int cli_data_parallel_rank();
+// Serving with --data-parallel-size, on a group's leader (engine/remote_groups.h): rank 0's links to the
+// other leaders, or another leader's link to rank 0 (ProcessGroup::connect_engine_links).
+std::vector<Communicator*> cli_engine_links();
 // The same run without a model (bench collectives): joins or starts it and returns the group's model
 // communicator; every rank returns and runs the command itself. Errors without -tp N > 1 or a launcher.
 Communicator& join_cli_group(const std::string& device);

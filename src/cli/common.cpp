@@ -192,6 +192,13 @@ std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string&
   return model;
 }
 
+std::vector<Communicator*> cli_engine_links() {
+  ParallelRun& run = parallel_run();
+  SPARROW_CHECK(run.group && run.data_parallel && !run.groups_follow,
+                "the engines' links are for serving with --data-parallel-size");
+  return run.group->connect_engine_links();
+}
+
 int cli_data_parallel_rank() {
   const ParallelRun& run = parallel_run();
   return run.group ? run.group->data_parallel_rank() : 0;

@@ -256,7 +256,8 @@ void serve(const ServeFlags& flags) {
     }
   }
 
-  std::unique_ptr<Model> model = load_cli_model(model_dir, flags.device);
+  // With --data-parallel-size every group's leader gets here and runs an engine (engine/remote_groups.h).
+  std::unique_ptr<Model> model = load_cli_model(model_dir, flags.device, /*every_group_serves=*/true);
   // On a GPU without --kv-cache-memory, vLLM's meaning of --gpu-memory-utilization (default 0.9): the cache
   // gets what the weights and two measured steps leave of that share of the GPU (gpu_kv_cache_bytes).
   config.runner = cli_runner_options();
@@ -268,7 +269,14 @@ void serve(const ServeFlags& flags) {
   // On a GPU one full step runs before the server listens (EngineCore::warm_up): a --kv-cache-memory that
   // leaves no room for a step's activations is refused here rather than failing requests.
   config.warm_up = on_gpu;
+  if (cli_data_parallel_rank() != 0) {
+    // Another group's leader: its engine serves the requests rank 0's server hands it, until rank 0 stops.
+    Engine engine(std::move(model), tokenizer, config);
+    serve_remote_group(engine, *cli_engine_links().at(0));
+    return;
+  }
   Engine engine(std::move(model), tokenizer, config);
+  if (config.runner.data_parallel) engine.serve_groups(cli_engine_links());
   print_start_summary(model_dir, options, engine, on_gpu);
 
   std::optional<uint64_t> seed;

@@ -128,7 +128,27 @@ std::unique_ptr<ProcessGroup> ProcessGroup::start(const ParallelConfig& config, 
     // A leader waits here for the others as long as the server is idle (runner/data_parallel.h).
     if (tp_rank == 0) group->leaders_ = connect("leaders", dp_rank, dp_size, false, true);
   }
+  group->link_options_.master_addr = addr;
+  group->link_options_.master_port = port;
+  group->link_options_.timeout = distributed_timeout();
+  group->link_options_.collective_timeout = kIdleWait;  // a link waits as long as the server is idle
   return group;
+}
+
+std::vector<Communicator*> ProcessGroup::connect_engine_links() {
+  SPARROW_CHECK(leader() && data_parallel_size() > 1 && engine_links_.empty(),
+                "connect_engine_links: once, on a leader of a data-parallel run");
+  GroupOptions options = link_options_;
+  options.size = 2;
+  std::vector<Communicator*> links;
+  for (int d = 1; d < data_parallel_size(); ++d) {
+    if (data_parallel_rank() != 0 && d != data_parallel_rank()) continue;
+    options.rank = data_parallel_rank() == 0 ? 0 : 1;
+    options.prefix = cat("engines.group", d);
+    engine_links_.push_back(connect_gloo(options, store_));
+    links.push_back(engine_links_.back().get());
+  }
+  return links;
 }
 
 void ProcessGroup::spawn_workers(char** argv, const std::string& addr, int port, int local_size) {
@@ -208,6 +228,7 @@ void ProcessGroup::kill_workers() {
 ProcessGroup::~ProcessGroup() {
   stopping_ = true;
   if (watcher_.joinable()) watcher_.join();
+  engine_links_.clear();
   leaders_.reset();
   experts_.reset();
   plans_.reset();

@@ -22,6 +22,7 @@
 #include <sys/types.h>
 
 #include "core/communicator.h"
+#include "distributed/gloo_communicator.h"
 #include "distributed/launch_env.h"
 
 namespace sparrow {
@@ -68,6 +69,10 @@ class ProcessGroup {
   Communicator* plans() { return plans_.get(); }
   // Data parallel: the leaders' meeting (leaders only; else null).
   Communicator* leaders() { return leaders_.get(); }
+  // Data parallel, serving (engine/remote_groups.h): connects rank 0 with every other group's leader, a
+  // host group of two each (rank 0 there is rank 0). Every leader calls it once; on rank 0 it returns the
+  // links to groups 1 .. D-1 in order, on another leader its one link.
+  std::vector<Communicator*> connect_engine_links();
   TensorParallel tensor_parallel() {
     return {tensor_parallel_rank(), tp_size_, model_.get(), false, data_parallel_rank(), data_parallel_size(),
             experts_.get()};
@@ -84,6 +89,8 @@ class ProcessGroup {
   int rank_ = 0, size_ = 1, tp_size_ = 1;
   std::shared_ptr<TcpStore> store_;
   std::unique_ptr<Communicator> model_, plans_, experts_, leaders_;
+  std::vector<std::unique_ptr<Communicator>> engine_links_;
+  GroupOptions link_options_;  // how the links meet (the rendezvous, the timeouts)
   std::vector<pid_t> workers_;    // the ranks this process started: rank_ + 1, rank_ + 2, ...
   std::atomic<bool> stopping_{false};
   std::thread watcher_;

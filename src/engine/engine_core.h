@@ -76,6 +76,8 @@ struct EngineStats {
   StepCounters decode_steps;   // steps in which every sequence brings one token
   StepCounters prefill_steps;  // steps with prompt chunks (mixed with decode tokens or not)
   IterationTokens iteration_tokens;
+  // Data parallel, rank 0's engine: the requests handed to each group so far (empty otherwise).
+  std::vector<int64_t> requests_by_group;
 };
 
 class EngineCore {
@@ -108,6 +110,9 @@ class EngineCore {
   // Runs one step; false when there was nothing to run.
   bool step();
   bool has_work() const { return scheduler_.has_work(); }
+  // Data parallel: this group's part of a step other groups run while it has nothing to run
+  // (ModelRunner::run_idle).
+  IdleStep step_idle() { return runner_.run_idle(); }
 
   EngineStats stats() const;
   const KvCache& cache() const { return cache_; }

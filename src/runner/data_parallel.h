@@ -39,10 +39,16 @@ class DataParallelSync {
   std::vector<GroupStatus> exchange(int64_t tokens, bool stop = false);
   void set_wave(int64_t wave) { wave_ = wave; }
   int64_t wave() const { return wave_; }
+  // Exchanges so far: whether a step met the others (EngineCore::step may end before its forward pass).
+  int64_t exchanges() const { return exchanges_; }
+  // Some group left for good (an exchange said so): the groups do not meet again, and exchange throws.
+  bool stopped() const { return stopped_; }
 
  private:
   Communicator& leaders_;
   int64_t wave_ = 0;
+  int64_t exchanges_ = 0;
+  bool stopped_ = false;
 };
 
 // Whether `statuses` ends the groups' steps together: no tokens anywhere and every group on the same wave

@@ -5,69 +5,12 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/wire.h"
 
 namespace sparrow {
 
-namespace {
-
-// Little-endian fixed-width fields (both ends are the same build); strings and vectors prefixed by a count.
-class Writer {
- public:
-  template <typename T>
-  void put(T value) {
-    const size_t at = bytes.size();
-    bytes.resize(at + sizeof(T));
-    std::memcpy(bytes.data() + at, &value, sizeof(T));
-  }
-  void put(const std::string& text) {
-    put<uint64_t>(text.size());
-    bytes.insert(bytes.end(), text.begin(), text.end());
-  }
-  template <typename T>
-  void put(const std::vector<T>& values) {
-    put<uint64_t>(values.size());
-    for (const T& v : values) put<T>(v);
-  }
-  std::vector<uint8_t> bytes;
-};
-
-class Reader {
- public:
-  explicit Reader(const std::vector<uint8_t>& bytes) : bytes_(bytes) {}
-  template <typename T>
-  T get() {
-    need(sizeof(T));
-    T value;
-    std::memcpy(&value, bytes_.data() + at_, sizeof(T));
-    at_ += sizeof(T);
-    return value;
-  }
-  std::string get_string() {
-    const uint64_t n = get<uint64_t>();
-    need(n);
-    std::string text(reinterpret_cast<const char*>(bytes_.data() + at_), n);
-    at_ += n;
-    return text;
-  }
-  template <typename T>
-  std::vector<T> get_vector() {
-    const uint64_t n = get<uint64_t>();
-    need(n * sizeof(T));  // a count no message could hold fails here, before allocating
-    std::vector<T> values(n);
-    for (T& v : values) v = get<T>();
-    return values;
-  }
-  void finish() const { SPARROW_CHECK(at_ == bytes_.size(), "step plan: ", bytes_.size() - at_, " bytes left over"); }
-
- private:
-  void need(uint64_t n) const {
-    SPARROW_CHECK(n <= bytes_.size() - at_, "step plan: truncated (", bytes_.size(), " bytes)");
-  }
-  const std::vector<uint8_t>& bytes_;
-  size_t at_ = 0;
-};
-
-}  // namespace
+using wire::Reader;
+using wire::Writer;
 
 std::vector<uint8_t> encode_plan(const StepPlan& plan) {
   Writer w;
@@ -116,7 +59,7 @@ std::vector<uint8_t> encode_plan(const StepPlan& plan) {
 }
 
 StepPlan decode_plan(const std::vector<uint8_t>& bytes) {
-  Reader r(bytes);
+  Reader r(bytes, "step plan");
   StepPlan plan;
   const uint8_t kind = r.get<uint8_t>();
   SPARROW_CHECK(kind >= uint8_t(StepPlan::Kind::Cache) && kind <= uint8_t(StepPlan::Kind::Idle),

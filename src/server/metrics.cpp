@@ -151,6 +151,13 @@ std::string ServerMetrics::render(const EngineGauges& engine) const {
           double(engine.preemptions));
   counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", double(engine.prefix_queries));
   counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", double(engine.prefix_hits));
+  if (!engine.requests_by_group.empty()) {
+    // Data parallel (docs/parallel.md): how the server balanced the requests over the groups' engines.
+    header(out, "sparrow:data_parallel_requests", "counter", "Requests handed to each data-parallel group's engine.");
+    for (size_t g = 0; g < engine.requests_by_group.size(); ++g)
+      sample(out, "sparrow:data_parallel_requests_total", labels_ + ",group=\"" + std::to_string(g) + "\"",
+             double(engine.requests_by_group[g]));
+  }
   for (const auto& [kind, steps] : {std::pair{"decode", engine.decode}, std::pair{"prefill", engine.prefill}}) {
     const std::string base = std::string("sparrow:") + kind;
     counter(base + "_steps", "Engine steps of this kind.", double(steps.steps));

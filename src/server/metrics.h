@@ -60,6 +60,7 @@ struct EngineGauges {
   Steps decode, prefill;  // EngineStats' step counters
   std::array<int64_t, 32> iteration_steps_by_log2{};  // EngineStats' IterationTokens
   int64_t iteration_tokens = 0;
+  std::vector<int64_t> requests_by_group;  // data parallel: EngineStats' (empty otherwise)
 };
 
 // The cache settings vllm:cache_config_info reports.

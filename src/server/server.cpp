@@ -376,7 +376,8 @@ std::string Server::metrics() const {
                       {s.decode_steps.steps, s.decode_steps.seconds, s.decode_steps.forward_seconds},
                       {s.prefill_steps.steps, s.prefill_steps.seconds, s.prefill_steps.forward_seconds},
                       s.iteration_tokens.steps_by_log2,
-                      s.iteration_tokens.tokens};
+                      s.iteration_tokens.tokens,
+                      s.requests_by_group};
   return context_.metrics.render(gauges);
 }
 

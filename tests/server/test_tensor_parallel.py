@@ -249,3 +249,73 @@ def test_an_idle_server_outlives_the_collective_timeout(sparrow_binary, test_mod
     finally:
         if server.process.poll() is None:
             server.process.kill()
+
+
+# --data-parallel-size (docs/parallel.md, "Data parallelism"): two groups, each an engine with its own requests,
+# cache and steps, the routed experts split over both (dealt out whole with -ep, else inside each expert), and
+# with tensor parallelism inside each group (-dp 2 -tp 2: four processes). Rank 0's server hands each request to
+# the group with the fewest unfinished sequences.
+@pytest.mark.parametrize("family,layout", [(f, ("-dp", "2", "-ep")) for f in sorted(KV_CACHE_MEMORY)] +
+                         [("deepseek_v32", ("-dp", "2")), ("kimi_k3_1_pro", ("-dp", "2", "-tp", "2", "-ep"))])
+def test_data_parallel_groups_serve_what_one_process_serves(start_server, test_model, family, layout):
+    model = test_model(family)
+    single = start_server(*squeezed(KV_CACHE_MEMORY[family]), model=model)
+    requests = make_requests(seed=2023)[:REQUESTS]
+    expected = [run_alone(single.client(timeout=120), r) for r in requests]
+    blocks = int(single.metrics()["sparrow:kv_cache_blocks_total"])
+
+    # Each group holds about half the requests in half the rows: squeezed alike.
+    groups = start_server(*squeezed(KV_CACHE_MEMORY[family]), "--num-gpu-blocks-override", str(blocks // 2), *layout,
+                          model=model)
+    processes = 2 * (2 if "-tp" in layout else 1)
+    assert len(children(groups.process.pid)) == processes - 1, "rank 0 starts every other rank"
+    client = groups.client(timeout=180)
+    results = stream_all(client, requests, join_s=300)
+    assert len(results) == REQUESTS, "some requests did not finish"
+    mismatches = differences_from_solo(results, expected)
+    assert not mismatches, f"{len(mismatches)} requests differ from the single-process server: {mismatches[:3]}"
+    again = [run_alone(client, r) for r in requests[:4]]
+    assert again == expected[:4]
+    # Both groups' engines report (their caches add up), both took requests, and nothing is left held.
+    metrics = groups.metrics()
+    handed = [metrics[f'sparrow:data_parallel_requests_total{{group="{g}"}}'] for g in (0, 1)]
+    assert sum(handed) == REQUESTS + 4 and min(handed) >= REQUESTS // 4, handed
+    assert metrics["sparrow:kv_cache_blocks_total"] == 2 * (blocks // 2)
+    assert metrics["vllm:num_preemptions_total"] > 0, "nothing was preempted: the squeeze lost its point"
+    assert wait_until(lambda: groups.metrics()["sparrow:kv_cache_blocks_used"] == 0, timeout_s=10), groups.metrics()
+    assert groups.stop() == 0, groups.output()
+
+
+def test_a_dead_data_parallel_group_ends_the_server(sparrow_binary, test_model):
+    server = SparrowServer(sparrow_binary, test_model("minimax_m3"), "--kv-cache-memory", "64MiB", "-dp", "2")
+    leader = children(server.process.pid)[0]
+    request = make_requests(seed=3)[0]
+    run_alone(server.client(timeout=60), request)
+    os.kill(leader, signal.SIGKILL)
+    try:
+        code = server.process.wait(30)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        pytest.fail("the server kept running without its second group\n" + server.output())
+    assert code != 0
+    wait_until(lambda: "was killed by signal 9" in server.output() or "is gone" in server.output(), timeout_s=5)
+    assert "was killed by signal 9" in server.output() or "group 1's leader is gone" in server.output(), server.output()
+
+
+def test_an_idle_data_parallel_server_waits_and_stops(sparrow_binary, test_model, monkeypatch):
+    """Idle groups stop meeting (no step timeout while nobody asks), then a request wakes every group; SIGTERM
+    stops every rank."""
+    monkeypatch.setenv("SPARROW_DISTRIBUTED_TIMEOUT_S", "2")
+    server = SparrowServer(sparrow_binary, test_model("deepseek_v32"), "--kv-cache-memory", "64MiB", "-dp", "2", "-ep")
+    ranks = children(server.process.pid)
+    request = make_requests(seed=5)[0]
+    try:
+        first = run_alone(server.client(timeout=60), request)
+        time.sleep(5)  # idle for longer than the timeout
+        assert server.process.poll() is None, server.output()
+        assert [run_alone(server.client(timeout=60), request) for _ in range(3)] == [first] * 3
+        assert server.stop() == 0, server.output()
+        assert wait_until(lambda: not any(alive(p) for p in ranks), timeout_s=10), "a group outlived the server"
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
