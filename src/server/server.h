@@ -1,7 +1,7 @@
 // The OpenAI-compatible API of sparrow serve, on the HTTP layer of http/http_server.h:
 //
-//   POST /v1/chat/completions, /v1/completions, /v1/responses   (JSON, or server-sent events with
-//                                                               "stream": true)
+//   POST /v1/chat/completions, /v1/completions   (JSON, or server-sent events with "stream": true)
+//   POST /v1/responses                            (the same; OpenAI's Responses API, responses_api.cpp)
 //   GET  /v1/models, /health, /ping, /version, /metrics (POST /ping too)
 //   POST /tokenize, /detokenize                   (at the root, as vLLM)
 //   GET  /openapi.json                            (built from the routes above: add_routes)

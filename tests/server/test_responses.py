@@ -208,6 +208,11 @@ def test_logprobs_go_with_the_text(server):
         assert len(entry.top_logprobs) == 2 and entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
 
 
+def test_listed_in_openapi(server):
+    operation = httpx.get(server.url + "/openapi.json").json()["paths"]["/v1/responses"]["post"]
+    assert "Responses API" in operation["summary"] and "application/json" in operation["requestBody"]["content"]
+
+
 # --- errors -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body, param, words", [
