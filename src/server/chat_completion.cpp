@@ -10,25 +10,15 @@
 //   each choice's content (openai_requests.cpp parse_chat_request).
 //   finish_reason is "tool_calls" when tool calls were returned for tool_choice auto or required
 //   ("stop" for a named tool_choice, as vLLM).
-//
-// tool_choice "required" and named: vLLM forces a call with guided decoding; here the call is forced in
-// the model's own tool-call markup (the --tool-call-parser's format): a grammar of one call (or, with
-// parallel_tool_calls, one or more) to the offered tools (named: that tool), arguments valid for the
-// tool's JSON schema (parsers/tool_grammar.cpp), compiled by the structured-output path. With reasoning
-// the grammar starts after the reasoning's end tag (also for response_format / structured_outputs), as
-// vLLM's reasoning-aware structured outputs do.
-// tool_choice "none": the tools are not rendered (vLLM's --exclude-tools-when-tool-choice-none), the
-// format's call-only special tokens get logit_bias -100, and the tool parser still runs, dropping every
-// call, so tool markup never reaches content.
+// The prompt, the sampling parameters (a forced tool call, a structured output after the reasoning)
+// and the parsers come from ChatPrompt (chat_prompt.h), which /v1/responses shares.
 #include "core/error.h"
 #include "server/api_error.h"
 #include "server/chat_output.h"
+#include "server/chat_prompt.h"
 #include "server/openai_requests.h"
 #include "server/openai_responses.h"
-#include "server/parsers/markers.h"
-#include "server/parsers/parser.h"
 #include "server/serving.h"
-#include "structured/spec.h"
 
 namespace sparrow::server {
 namespace {
@@ -55,39 +45,16 @@ class ChatCompletion : public CompletionJob {
   ChatCompletion(const Json& body, ServingContext& context, Clock::time_point arrival)
       : context_(context), id_(random_id("chatcmpl-")), created_(unix_time()) {
     request_ = parse_chat_request(body, context.options.default_sampling, context.options.max_logprobs);
-    // tool_choice "none": the model is not told about the tools (vLLM's --exclude-tools-when-tool-choice-none).
-    if (request_.tool_choice.mode == ToolChoice::Mode::None) request_.template_input.erase("tools");
     context.check_model(request_.model);
     if (!request_.request_id.empty()) id_ = "chatcmpl-" + request_.request_id;
-    check_tool_choice();
-    if (!context.chat_template)
-      bad_request("the served model has no chat template; pass --chat-template or use /v1/completions");
-    const Tokenizer& tokenizer = context.require_tokenizer();
-
-    std::string prompt_text;
-    try {
-      prompt_text = context.chat_template->render(request_.template_input);
-    } catch (const Error& e) {
-      bad_request(e.what(), "messages");
-    }
-    std::vector<int32_t> prompt = tokenizer.encode(prompt_text);  // the template wrote any BOS itself
-    if (request_.truncate_prompt_tokens && int64_t(prompt.size()) > *request_.truncate_prompt_tokens)
-      prompt.erase(prompt.begin(), prompt.end() - *request_.truncate_prompt_tokens);
-    prompt_tokens_ = int64_t(prompt.size());
-    prompt_ids_ = prompt;
-
-    SamplingParams params = request_.sampling;
-    fit_to_context(prompt_tokens_, request_.max_tokens, "messages", context, params);
-    context.assign_seed(params);
-    parse_tools_ = !context.options.tool_call_parser.empty() && !request_.tools.is_null();
-    parse_reasoning_ = !context.options.reasoning_parser.empty();
-    constrain_output(params, prompt_text, tokenizer);
-    // The parsers read the markup, which is made of special tokens (vLLM's adjust_request does the same).
-    if (parse_tools_ || parse_reasoning_) params.skip_special_tokens = false;
-
-    for (int64_t i = 0; i < params.n; ++i) choices_.push_back(make_choice(prompt_text));
-    generation_.emplace(context.engine, context.metrics, engine_request_id(request_.request_id, id_), std::vector<std::vector<int32_t>>{prompt},
-                        params, arrival);
+    prompt_.emplace(request_, context);
+    prompt_tokens_ = int64_t(prompt_->ids().size());
+    parse_tools_ = prompt_->parses_tools();
+    parse_reasoning_ = prompt_->parses_reasoning();
+    const SamplingParams& params = prompt_->params();
+    for (int64_t i = 0; i < params.n; ++i) choices_.push_back(ChatChoice(prompt_->new_output()));
+    generation_.emplace(context.engine, context.metrics, engine_request_id(request_.request_id, id_),
+                        std::vector<std::vector<int32_t>>{prompt_->ids()}, params, arrival);
   }
 
   Generation& generation() override { return *generation_; }
@@ -102,7 +69,7 @@ class ChatCompletion : public CompletionJob {
                      {"logprobs", nullptr},
                      {"finish_reason", nullptr}};
       Json chunk = chunk_json(std::move(choice));
-      if (request_.return_token_ids && i == 0) chunk["prompt_token_ids"] = prompt_ids_;
+      if (request_.return_token_ids && i == 0) chunk["prompt_token_ids"] = prompt_->ids();
       if (request_.stream_options.continuous_usage_stats) chunk["usage"] = usage_json(Usage(prompt_tokens_, 0));
       out += sse_event(chunk);
     }
@@ -178,103 +145,11 @@ class ChatCompletion : public CompletionJob {
                  {"choices", std::move(choices)},
                  {"usage", usage_json(usage())}};
     if (!prompt_logprobs_.is_null()) body["prompt_logprobs"] = prompt_logprobs_;
-    if (request_.return_token_ids) body["prompt_token_ids"] = prompt_ids_;
+    if (request_.return_token_ids) body["prompt_token_ids"] = prompt_->ids();
     return body;
   }
 
  private:
-  // vLLM serving.py: "auto" needs --enable-auto-tool-choice and a tool parser; "required" and named
-  // choices need the tool parser too: its format is the one the call is forced in.
-  void check_tool_choice() const {
-    using Mode = ToolChoice::Mode;
-    Mode mode = request_.tool_choice.mode;
-    bool have_parser = !context_.options.tool_call_parser.empty();
-    if (mode == Mode::Auto && !(context_.options.enable_auto_tool_choice && have_parser))
-      bad_request("\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set",
-                  "tool_choice");
-    if ((mode == Mode::Required || mode == Mode::Named) && !have_parser)
-      bad_request(
-          "tool_choice \"required\" or a named function requires --tool-call-parser to be set "
-          "(the call is forced in the model's own tool-call format)",
-          "tool_choice");
-  }
-
-  // The request's grammar: a forced tool call (tool_choice "required" / named) in the tool parser's
-  // markup, or the response_format / structured_outputs already in `params`; either starts after the
-  // reasoning when the output begins inside it.
-  void constrain_output(SamplingParams& params, const std::string& prompt_text, const Tokenizer& tokenizer) {
-    using Mode = ToolChoice::Mode;
-    const Mode mode = request_.tool_choice.mode;
-    if (mode == Mode::None && parse_tools_) {
-      // The parser drops any call; the format's call-only special tokens are not sampled at all, so markup
-      // that is not a whole call (a tool declaration the model imitates) cannot reach content either.
-      for (const std::string& text : parsers::tool_call_tokens(context_.options.tool_call_parser))
-        if (std::optional<int32_t> id = tokenizer.token_to_id(text); id && tokenizer.is_special(*id))
-          params.logit_bias.push_back({*id, -100.0f});
-    }
-    if (mode == Mode::Required || mode == Mode::Named) {
-      if (params.structured.active())
-        bad_request("tool_choice \"required\" or a named function cannot be combined with response_format or "
-                    "structured_outputs: the call's arguments are already constrained by the tool's schema",
-                    "tool_choice");
-      parsers::ToolGrammarOptions options;
-      if (mode == Mode::Named) options.only_function = request_.tool_choice.function_name;
-      options.parallel_tool_calls = request_.parallel_tool_calls;
-      // Kimi K3 without thinking: the prompt opened the response channel (markers.h), the grammar closes it.
-      options.output_opens_response = trimmed(prompt_text).ends_with(parsers::kimi_k3::kResponseBegin);
-      parsers::ToolGrammar grammar;
-      try {
-        grammar = parsers::tool_call_grammar(context_.options.tool_call_parser, request_.tools, options);
-      } catch (const Error& e) {
-        bad_request(e.what(), "tools");
-      }
-      params.structured = {};
-      params.structured.kind = structured::StructuredOutputSpec::Kind::Grammar;
-      params.structured.text = std::move(grammar.ebnf);
-      params.structured.special_tokens = std::move(grammar.special_tokens);
-    }
-    if (!params.structured.active() || context_.options.reasoning_parser.empty()) return;
-    const std::string& name = context_.options.reasoning_parser;
-    auto kwargs = nlohmann::json::parse(request_.template_input["chat_template_kwargs"].dump());
-    std::optional<std::string> end = parsers::reasoning_end_marker(name, parsers::reasoning_options(name, kwargs, prompt_text));
-    if (!end) return;
-    // The end tag as the model writes it: one token, or (Kimi K3's <|close|>think<|sep|>) a sequence that
-    // begins and ends with special tokens. Text the tokenizer splits otherwise could be written in other
-    // tokens, so the grammar then starts at once (docs/server.md, "Structured outputs").
-    std::vector<int32_t> ids = tokenizer.encode(*end);
-    if (ids.size() == 1 || (ids.size() > 1 && tokenizer.is_special(ids.front()) && tokenizer.is_special(ids.back())))
-      params.structured.start_after = std::move(ids);
-  }
-
-  static std::string_view trimmed(std::string_view text) {
-    while (!text.empty() && (text.back() == ' ' || text.back() == '\n' || text.back() == '\r' || text.back() == '\t'))
-      text.remove_suffix(1);
-    return text;
-  }
-
-  ChatChoice make_choice(const std::string& prompt_text) {
-    std::unique_ptr<parsers::ReasoningParser> reasoning;
-    std::unique_ptr<parsers::ToolParser> tools;
-    const std::string& reasoning_name = context_.options.reasoning_parser;
-    if (!reasoning_name.empty()) {
-      auto kwargs = nlohmann::json::parse(request_.template_input["chat_template_kwargs"].dump());
-      reasoning = parsers::make_reasoning_parser(reasoning_name,
-                                                 parsers::reasoning_options(reasoning_name, kwargs, prompt_text));
-    }
-    if (parse_tools_)
-      tools =
-          parsers::make_tool_parser(context_.options.tool_call_parser, nlohmann::json::parse(request_.tools.dump()));
-    using Mode = ToolChoice::Mode;
-    ChatOutputRules rules;
-    if (request_.tool_choice.mode == Mode::Named) rules.only_function = request_.tool_choice.function_name;
-    rules.drop_tool_calls = request_.tool_choice.mode == Mode::None;
-    rules.parallel_tool_calls = request_.parallel_tool_calls;
-    rules.include_reasoning = request_.include_reasoning;
-    rules.tool_calls_finish = request_.tool_choice.mode == Mode::Auto || request_.tool_choice.mode == Mode::Required;
-    return ChatChoice(
-        ChatChoiceOutput(std::make_unique<parsers::OutputParser>(std::move(reasoning), std::move(tools)), rules));
-  }
-
   // Token counts, logprobs and ids of one event; the finish reason of the last.
   void record(ChatChoice& choice, const RequestOutput& out) {
     choice.completion_tokens += int64_t(out.new_tokens.size());
@@ -320,8 +195,8 @@ class ChatCompletion : public CompletionJob {
   int64_t created_;
   ChatRequest request_;
   bool parse_tools_ = false, parse_reasoning_ = false;
+  std::optional<ChatPrompt> prompt_;  // holds a reference to request_
   int64_t prompt_tokens_ = 0, cached_tokens_ = 0;
-  std::vector<int32_t> prompt_ids_;
   Json prompt_logprobs_;
   std::vector<ChatChoice> choices_;
   std::optional<Generation> generation_;  // last: destroyed first, aborting what still runs

@@ -133,22 +133,13 @@ void parse_structured_outputs(const Fields& f, SamplingParams& s) {
     bad_request("You can only use one kind of structured outputs constraint but multiple are specified: " +
                     given[0].param + " and " + given[1].param,
                 given[1].param);
-  structured::StructuredOutputSpec& spec = given[0].spec;
-  spec.any_whitespace = any_whitespace;
-  try {
-    structured::build_grammar(spec);
-  } catch (const Error& e) {
-    bad_request("`" + given[0].param + "` is invalid: " + e.what(), given[0].param);
-  }
-  s.structured = std::move(spec);
+  given[0].spec.any_whitespace = any_whitespace;
+  set_structured_output(s, std::move(given[0].spec), given[0].param);
 }
 
-// The fields both endpoints share, in vLLM's ranges (vllm SamplingParams._verify_args).
-void parse_generation_fields(const Fields& f, GenerationFields& out, const SamplingParams& defaults,
-                             int64_t max_logprobs) {
-  out.model = f.string("model").value_or("");
-  SamplingParams& s = out.sampling;
-  s = defaults;
+}  // namespace
+
+void parse_sampling_fields(const Fields& f, SamplingParams& s) {
   s.temperature = float_field(f, "temperature", s.temperature, 0, std::numeric_limits<double>::max(), ">= 0");
   s.top_p = float_field(f, "top_p", s.top_p, 0, 1, "in (0, 1]");
   if (f.has("top_p") && s.top_p <= 0) f.invalid("top_p", "must be in (0, 1]");
@@ -163,6 +154,46 @@ void parse_generation_fields(const Fields& f, GenerationFields& out, const Sampl
     s.top_k = *k;
   }
   if (auto seed = f.integer("seed")) s.seed = uint64_t(*seed);  // any int64, as OpenAI's
+
+  if (auto stop = f.strings("stop")) {
+    for (const auto& str : *stop)
+      if (str.empty()) f.invalid("stop", "may not contain an empty string");
+    s.stop = *stop;
+  }
+  if (auto ids = f.integers("stop_token_ids")) {
+    for (int64_t id : *ids)
+      if (id < 0 || id > std::numeric_limits<int32_t>::max()) f.invalid("stop_token_ids", "must be token ids");
+    s.stop_token_ids.assign(ids->begin(), ids->end());
+  }
+  s.include_stop_str_in_output = f.boolean("include_stop_str_in_output").value_or(false);
+  s.ignore_eos = f.boolean("ignore_eos").value_or(false);
+  s.skip_special_tokens = f.boolean("skip_special_tokens").value_or(true);
+  f.boolean("spaces_between_special_tokens");  // accepted; our detokenizer never inserts spaces
+
+  parse_logit_fields(f, s);
+  parse_structured_outputs(f, s);
+  // What we cannot honour is refused rather than silently ignored.
+  if (const Json* v = f.get("bad_words"); v && !(v->is_array() && v->empty())) f.invalid("bad_words", "is not supported");
+}
+
+void set_structured_output(SamplingParams& s, structured::StructuredOutputSpec spec, const std::string& param) {
+  try {
+    structured::build_grammar(spec);
+  } catch (const Error& e) {
+    bad_request("`" + param + "` is invalid: " + e.what(), param);
+  }
+  s.structured = std::move(spec);
+}
+
+namespace {
+
+// The fields both endpoints share, in vLLM's ranges (vllm SamplingParams._verify_args).
+void parse_generation_fields(const Fields& f, GenerationFields& out, const SamplingParams& defaults,
+                             int64_t max_logprobs) {
+  out.model = f.string("model").value_or("");
+  SamplingParams& s = out.sampling;
+  s = defaults;
+  parse_sampling_fields(f, s);
   if (auto n = f.integer("n")) {
     if (*n < 1 || *n > kMaxChoices) f.invalid("n", "must be in [1, " + std::to_string(kMaxChoices) + "]");
     s.n = *n;
@@ -181,21 +212,6 @@ void parse_generation_fields(const Fields& f, GenerationFields& out, const Sampl
     if (out.max_tokens && *m > *out.max_tokens) f.invalid("min_tokens", "must be <= max_tokens");
     s.min_tokens = *m;
   }
-
-  if (auto stop = f.strings("stop")) {
-    for (const auto& str : *stop)
-      if (str.empty()) f.invalid("stop", "may not contain an empty string");
-    s.stop = *stop;
-  }
-  if (auto ids = f.integers("stop_token_ids")) {
-    for (int64_t id : *ids)
-      if (id < 0 || id > std::numeric_limits<int32_t>::max()) f.invalid("stop_token_ids", "must be token ids");
-    s.stop_token_ids.assign(ids->begin(), ids->end());
-  }
-  s.include_stop_str_in_output = f.boolean("include_stop_str_in_output").value_or(false);
-  s.ignore_eos = f.boolean("ignore_eos").value_or(false);
-  s.skip_special_tokens = f.boolean("skip_special_tokens").value_or(true);
-  f.boolean("spaces_between_special_tokens");  // accepted; our detokenizer never inserts spaces
 
   if (auto k = f.integer("prompt_logprobs")) {
     if (*k < 0 || *k > max_logprobs)
@@ -220,11 +236,6 @@ void parse_generation_fields(const Fields& f, GenerationFields& out, const Sampl
   out.return_token_ids = f.boolean("return_token_ids").value_or(false);
   out.request_id = f.string("request_id").value_or("");
   f.string("user");  // accepted and ignored, as vLLM does
-
-  parse_logit_fields(f, s);
-  parse_structured_outputs(f, s);
-  // What we cannot honour is refused rather than silently ignored.
-  if (const Json* v = f.get("bad_words"); v && !(v->is_array() && v->empty())) f.invalid("bad_words", "is not supported");
 }
 
 ToolChoice parse_tool_choice(const Json* value) {

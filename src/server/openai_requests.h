@@ -13,6 +13,7 @@
 
 #include "engine/sampler.h"
 #include "server/json_fields.h"
+#include "structured/spec.h"
 
 namespace sparrow::server {
 
@@ -61,6 +62,14 @@ struct CompletionRequest : GenerationFields {
   bool echo = false;                // the prompt is prepended to each choice's text
   bool add_special_tokens = true;   // a text prompt gets the tokenizer's BOS
 };
+
+// The sampling fields every generating endpoint reads into `s` (which holds the defaults), in vLLM's
+// ranges (vllm SamplingParams._verify_args): temperature, top_p, top_k, min_p, the penalties, seed, stop,
+// stop_token_ids, include_stop_str_in_output, ignore_eos, skip_special_tokens, logit_bias,
+// allowed_token_ids, and the structured output (structured_outputs, guided_*, response_format).
+void parse_sampling_fields(const Fields& f, SamplingParams& s);
+// Compiles `spec` once, so that a bad schema, regex or grammar is a 400 naming `param`, and sets it.
+void set_structured_output(SamplingParams& s, structured::StructuredOutputSpec spec, const std::string& param);
 
 // `defaults` holds the sampling defaults of the served model (generation_config.json), which the
 // request's fields override.

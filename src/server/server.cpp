@@ -120,15 +120,20 @@ class Server::Completion : public std::enable_shared_from_this<Completion> {
     std::string out;
     while (std::optional<Generation::Event> event = generation.next()) out += job.on_event(*event);
     if (generation.finished()) {
-      answered_ = true;
+      // answered_ is set once the job has made its last bytes: if making them throws, fail() answers.
       if (job.streaming()) {
-        responder_.write(out + job.stream_end());
+        out += job.stream_end();
+        answered_ = true;
+        responder_.write(std::move(out));
         responder_.end();
       } else {
         Json body = job.response();
-        int status = body.contains("error") ? body["error"]["code"].get<int>() : 200;
+        // An error object's code is its status (a Responses object's "error" is null when it succeeded).
+        const bool error = body.contains("error") && body["error"].is_object();
+        int status = error ? body["error"]["code"].get<int>() : 200;
         http::Response response = json_response(body, status);
         response.log_id = job.id();
+        answered_ = true;
         responder_.send(std::move(response));
       }
     } else if (job.streaming()) {
@@ -229,12 +234,16 @@ void Server::add_routes() {
     });
   };
   const std::string json = "application/json";  // the media type of the bodies the POST routes read
-  http_->route("POST", "/v1/chat/completions",
-               guarded([this](const auto& request, const auto& responder) { completion(request, responder, true); }),
+  auto completion_route = [this](JobStart start) {
+    return guarded([this, start](const auto& request, const auto& responder) { completion(request, responder, start); });
+  };
+  http_->route("POST", "/v1/chat/completions", completion_route(start_chat_completion),
                "Create a chat completion (streamed as server-sent events with \"stream\": true)", json);
-  http_->route("POST", "/v1/completions",
-               guarded([this](const auto& request, const auto& responder) { completion(request, responder, false); }),
+  http_->route("POST", "/v1/completions", completion_route(start_text_completion),
                "Create a text completion (streamed as server-sent events with \"stream\": true)", json);
+  http_->route("POST", "/v1/responses", completion_route(start_responses),
+               "Create a model response (OpenAI's Responses API; streamed as server-sent events with \"stream\": true)",
+               json);
   http_->route("POST", "/tokenize", json_route([this](const auto& request) { return tokenize(request); }),
                "Tokenize a prompt or chat messages", json);
   http_->route("POST", "/detokenize", json_route([this](const auto& request) { return detokenize(request); }),
@@ -287,7 +296,7 @@ std::shared_ptr<Server::Completion> Server::admit(const http::Responder& respond
   return completion;
 }
 
-void Server::completion(const http::Request& request, const http::Responder& responder, bool chat) {
+void Server::completion(const http::Request& request, const http::Responder& responder, JobStart start) {
   std::shared_ptr<Completion> completion = admit(responder);
   if (!completion) {
     http::Response busy =
@@ -299,11 +308,10 @@ void Server::completion(const http::Request& request, const http::Responder& res
   }
   Json body = json_body(request);
   // vLLM's base request id (serving_engine.py _base_request_id): the client's X-Request-Id header, before
-  // the body's request_id; the response id is then "chatcmpl-" / "cmpl-" and it.
+  // the body's request_id; the response id is then "chatcmpl-" / "cmpl-" / "resp_" and it.
   if (std::string given = request.field("X-Request-Id"); !given.empty() && given == request.id)
     body["request_id"] = given;
-  completion->start(chat ? start_chat_completion(body, context_, request.received)
-                         : start_text_completion(body, context_, request.received));
+  completion->start(start(body, context_, request.received));
 }
 
 Json Server::tokenize(const http::Request& request) const {

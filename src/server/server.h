@@ -1,6 +1,7 @@
 // The OpenAI-compatible API of sparrow serve, on the HTTP layer of http/http_server.h:
 //
 //   POST /v1/chat/completions, /v1/completions   (JSON, or server-sent events with "stream": true)
+//   POST /v1/responses                            (the same; OpenAI's Responses API, responses_api.cpp)
 //   GET  /v1/models, /health, /ping, /version, /metrics (POST /ping too)
 //   POST /tokenize, /detokenize                   (at the root, as vLLM)
 //   GET  /openapi.json                            (built from the routes above: add_routes)
@@ -60,7 +61,10 @@ class Server {
   void check_api_key(const http::Request& request) const;
   // A place among the completions in flight; nullptr when the queue is full. 503 while draining.
   std::shared_ptr<Completion> admit(const http::Responder& responder);
-  void completion(const http::Request& request, const http::Responder& responder, bool chat);
+  // A completion of any endpoint: `start` parses, validates and submits the body (start_chat_completion, ...).
+  using JobStart = std::unique_ptr<CompletionJob> (*)(const Json& body, ServingContext& context,
+                                                      Clock::time_point arrival);
+  void completion(const http::Request& request, const http::Responder& responder, JobStart start);
   Json tokenize(const http::Request& request) const;
   Json detokenize(const http::Request& request) const;
   Json models() const;

@@ -64,14 +64,16 @@ class CompletionJob {
   virtual ~CompletionJob() = default;
   virtual Generation& generation() = 0;
   virtual bool streaming() const = 0;
-  // The response's id ("chatcmpl-…", "cmpl-…"): the access log names the request by it.
+  // The response's id ("chatcmpl-…", "cmpl-…", "resp_…"): the access log names the request by it.
   virtual const std::string& id() const = 0;
-  // Streaming: what goes out before any output (chat: each choice's role chunk).
+  // Streaming: what goes out before any output (chat: each choice's role chunk; responses:
+  // response.created and response.in_progress).
   virtual std::string stream_start() = 0;
   // Streaming: the chunks for one event; empty when nothing can be said yet. Non-streaming: only
   // accumulates, returns "".
   virtual std::string on_event(const Generation::Event& event) = 0;
-  // Streaming, once every choice has finished: the usage chunk if asked for, then [DONE].
+  // Streaming, once every choice has finished: the stream's last events (chat: the usage chunk if asked
+  // for, then [DONE]; responses: response.completed).
   virtual std::string stream_end() = 0;
   // Non-streaming, once every choice has finished: the response body; an error object (its `code` the
   // HTTP status) when the engine failed.
@@ -93,6 +95,7 @@ std::unique_ptr<CompletionJob> start_chat_completion(const Json& body, ServingCo
                                                      Clock::time_point arrival);
 std::unique_ptr<CompletionJob> start_text_completion(const Json& body, ServingContext& context,
                                                      Clock::time_point arrival);
+std::unique_ptr<CompletionJob> start_responses(const Json& body, ServingContext& context, Clock::time_point arrival);
 
 // Prompt length against the context (vLLM's messages): 400 when the prompt leaves no room, or when
 // max_tokens does not fit; fills in max_tokens when the request left it unset.
