@@ -1,5 +1,5 @@
-// Tensor parallelism on the GPU (docs/parallel.md) against the single-process GPU run, through the
-// `sparrow` binary: `score --device cuda -tp 2` starts its worker as a new process (so no CUDA context
+// Tensor and data parallelism on the GPU (docs/parallel.md) against the single-process GPU run, through the
+// `sparrow` binary: `score --device cuda -tp 2` (or `-dp 2 -ep`) starts its worker as a new process (so no CUDA context
 // crosses a fork), both ranks on this machine's GPUs (sharing one when there is one), their collectives
 // staged through the host. Every row of logits of the fixtures' prompts (longer than the sparse budgets)
 // must match the unsharded run's within bf16 noise, and greedy generation (decode steps, eager) the same
@@ -68,17 +68,24 @@ void write_determined_fixture(const fs::path& from, const fs::path& to) {
   write_safetensors((to / "model.safetensors").string(), tensors);
 }
 
-// A fixture, and whether the experts are dealt out whole (--enable-expert-parallel) rather than split.
-class TensorParallelGpu : public ::testing::TestWithParam<std::tuple<std::string, bool>> {};
+// A fixture, and the layout: tensor parallel 2 with the experts split or dealt out whole
+// (--enable-expert-parallel), or two data-parallel groups sharing the experts (docs/parallel.md).
+struct Layout {
+  const char* name;   // in the test's name
+  const char* flags;  // on the command line
+};
+const Layout kLayouts[] = {{"tp2", " -tp 2"}, {"tp2_ep", " -tp 2 --enable-expert-parallel"},
+                           {"dp2_ep", " -dp 2 --enable-expert-parallel"}};
+class TensorParallelGpu : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 
 }  // namespace
 
 TEST_P(TensorParallelGpu, TwoRanksMatchOne) {
   SPARROW_REQUIRE_GPU();
-  const auto& [fixture, expert_parallel] = GetParam();
-  const std::string name = fixture + (expert_parallel ? " EP" : "");
-  const std::string sharding = expert_parallel ? " -tp 2 --enable-expert-parallel" : " -tp 2";
-  const fs::path scratch = fs::temp_directory_path() / ("sparrow_tp_gpu_" + fixture + (expert_parallel ? "_ep" : ""));
+  const auto& [fixture, layout] = GetParam();
+  const std::string name = fixture + " " + kLayouts[layout].name;
+  const std::string sharding = kLayouts[layout].flags;
+  const fs::path scratch = fs::temp_directory_path() / ("sparrow_tp_gpu_" + fixture + "_" + kLayouts[layout].name);
   const fs::path dir = scratch / "model";
   write_determined_fixture(fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / fixture, dir);
   const std::string common = "--model " + dir.string() + " --device cuda --prompt-ids " + (dir / "prompts.json").string();
@@ -93,7 +100,7 @@ TEST_P(TensorParallelGpu, TwoRanksMatchOne) {
   for (size_t i = 0; i < prompts.size(); ++i) {
     const Tensor single = logits_of(scratch / "tp1.safetensors", i), sharded = logits_of(scratch / "tp2.safetensors", i);
     const double error = model_test::worst_row_error(sharded, single);
-    std::printf("[ %s ] prompt %zu (%lld tokens): worst relative L2, TP 2 vs TP 1, %.3g\n", name.c_str(), i,
+    std::printf("[ %s ] prompt %zu (%lld tokens): worst relative L2 against one process, %.3g\n", name.c_str(), i,
                 (long long)single.dim(0), error);
     EXPECT_LE(error, kBf16Tolerance) << "prompt " << i;
   }
@@ -135,8 +142,8 @@ TEST_P(TensorParallelGpu, TwoRanksMatchOne) {
       ++total;
     }
   }
-  std::printf("[ %s ] TP 2 greedy tokens: %d of %d the TP 1 model's argmax, the rest within bf16 noise of it; "
-              "continuations equal to TP 1's: %d of %zu\n",
+  std::printf("[ %s ] greedy tokens: %d of %d one process's argmax, the rest within bf16 noise of it; "
+              "continuations equal to one process's: %d of %zu\n",
               name.c_str(), equal, total, int(std::count_if(a.begin(), a.end(), [&, i = 0](const auto& c) mutable {
                 return c == b[i++];
               })),
@@ -147,7 +154,7 @@ TEST_P(TensorParallelGpu, TwoRanksMatchOne) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallelGpu,
                          ::testing::Combine(::testing::Values("minimax_m3", "deepseek_v32_gpu", "kimi_linear_gpu",
                                                               "kimi_k3_1_pro_gpu"),
-                                            ::testing::Bool()),
+                                            ::testing::Range(0, int(std::size(kLayouts)))),
                          [](const auto& info) {
-                           return std::get<0>(info.param) + (std::get<1>(info.param) ? "_ep" : "");
+                           return std::get<0>(info.param) + "_" + kLayouts[std::get<1>(info.param)].name;
                          });
