@@ -291,6 +291,77 @@ TEST(Roofline, DecodeStepByHand) {
   EXPECT_TRUE(mentions(error_message([&] { bench::serving_roofline(m, 2, I, 0, hw); }), {"output length"}));
 }
 
+// Over several GPUs (roofline.h, ParallelLayout): each GPU's share of the weights, cache reads and FLOPs,
+// and the collectives' time on the link, by hand for T = 2 inside one group and for two groups of one.
+TEST(Roofline, ParallelLayoutsByHand) {
+  bench::ModelCost m;
+  m.dense_params = 5e8;
+  m.dense_bytes = 1e9;
+  m.replicated_params = 1e8;  // kept whole by every tensor-parallel rank
+  m.replicated_bytes = 2e8;
+  m.moe_layers = 2;
+  m.num_experts = 4;
+  m.experts_per_token = 1;
+  m.expert_params = 5e7;
+  m.expert_bytes = 1e8;
+  m.hidden = 1000;
+  m.vocab = 5000;
+  bench::MixerCost gqa;  // 4 K/V heads: split by min(T, 4)
+  gqa.kind = "gqa";
+  gqa.heads = 8;
+  gqa.kv_heads = 4;
+  gqa.kv_bytes_per_token = 1000;
+  gqa.flops_per_key = 100;
+  bench::MixerCost mla;  // the latent and the DSA keys read whole by every rank; the heads split
+  mla.kind = "mla_dsa";
+  mla.heads = 8;
+  mla.kv_bytes_per_token = 656;
+  mla.index_bytes_per_token = 132;
+  mla.attended_limit = 2048;
+  mla.flops_per_key = 10;
+  mla.index_flops_per_key = 1;
+  m.mixers = {gqa, mla};
+  bench::HardwareLimits hw;
+  hw.hbm_bytes_per_s = 1e12;
+  hw.flops_per_s = 1e14;
+  hw.link_bytes_per_s = 1e11;
+  hw.collective_latency_s = 1e-5;
+  const double C = 8192, experts = 4 * (1 - 0.75 * 0.75);  // D(2) = 1.75
+
+  const bench::DecodeStep one = bench::decode_roofline(m, 2, C, hw);
+  const bench::DecodeStep tp = bench::decode_roofline(m, 2, C, hw, {2, 1});
+  EXPECT_DOUBLE_EQ(tp.weight_bytes, 2e8 + (1e9 - 2e8) / 2 + 2 * experts * 1e8 / 2);
+  EXPECT_DOUBLE_EQ(tp.kv_bytes, 2 * (C * 1000.0 / 2 + 2048 * 656.0 + C * 132.0));
+  EXPECT_DOUBLE_EQ(tp.flops, 2 * (2 * (1e8 + 4e8 / 2) + C * 100.0 / 2 + 2048 * 10.0 / 2 + C * 1.0) +
+                                 2 * 2 * 2 * 1 * 5e7 / 2);
+  // Two layers: two all-reduces each and the embedding's, [2, 1000] bf16 (a ring moves 2 (T-1)/T of it),
+  // and the head's fp32 logits gathered ((T-1)/T of [2, 5000] x 4 bytes).
+  EXPECT_EQ(tp.collectives, 2 * 2 + 1 + 1);
+  EXPECT_DOUBLE_EQ(tp.collective_bytes, 5 * (2.0 * 1 / 2 * 2 * 2000) + 1.0 / 2 * 2 * 4 * 5000);
+  EXPECT_DOUBLE_EQ(tp.collective_seconds, tp.collective_bytes / 1e11 + 6 * 1e-5);
+  EXPECT_DOUBLE_EQ(tp.seconds, tp.bytes / 1e12 + tp.collective_seconds);
+  EXPECT_DOUBLE_EQ(tp.tokens_per_s_per_gpu, 2 / tp.seconds / 2);
+  EXPECT_LT(tp.bytes, one.bytes);
+
+  // Two groups of one GPU: each holds one sequence and every weight but the experts, which it halves; each
+  // MoE layer gathers both groups' rows and scatters them back.
+  const bench::DecodeStep dp = bench::decode_roofline(m, 2, C, hw, {1, 2});
+  EXPECT_DOUBLE_EQ(dp.weight_bytes, 1e9 + 2 * experts * 1e8 / 2);
+  EXPECT_DOUBLE_EQ(dp.kv_bytes, 1 * (C * 1000.0 + 2048 * 656.0 + C * 132.0));
+  EXPECT_DOUBLE_EQ(dp.flops, 1 * (2 * 5e8 + C * 100.0 + 2048 * 10.0 + C * 1.0) + 2 * 2 * 2 * 1 * 5e7 / 2);
+  EXPECT_EQ(dp.collectives, 2 * 2);
+  EXPECT_DOUBLE_EQ(dp.collective_bytes, 2 * 2.0 * 1 / 2 * 2 * 2000);
+  EXPECT_DOUBLE_EQ(dp.tokens_per_s_per_gpu, 2 / dp.seconds / 2);
+
+  // The serving limit over the layout: the prompts' FLOPs spread over both GPUs, the decode steps' collectives
+  // added to the cycle.
+  const bench::ServingCycle cycle = bench::serving_roofline(m, 2, 3000, 100, hw, {2, 1});
+  EXPECT_DOUBLE_EQ(cycle.prefill_flops, 2 * bench::prefill_flops(m, 3000) / 2);
+  EXPECT_DOUBLE_EQ(cycle.collective_seconds, 100 * bench::decode_roofline(m, 2, 3050, hw, {2, 1}).collective_seconds);
+  EXPECT_DOUBLE_EQ(cycle.total_tokens_per_s_per_gpu, 2 * 3100 / cycle.seconds / 2);
+  EXPECT_TRUE(mentions(error_message([&] { bench::decode_roofline(m, 2, C, hw, {0, 1}); }), {"tensor"}));
+}
+
 // The serving shapes: real widths, weights that leave room for the KV cache on one H200 (141 GB).
 // The roofline reads a config only once the family's own reader accepted it, and its per-layer lists
 // must have one entry per layer: one-line errors, not std::out_of_range (found by tests/fuzz/fuzz_config).
@@ -382,6 +453,13 @@ TEST(BenchSweep, ArgumentsAndPoints) {
   EXPECT_EQ(bench::split_arguments(" dir --served-model-name 'a b'  --x=\"c d\" "),
             (std::vector<std::string>{"dir", "--served-model-name", "a b", "--x=c d"}));
   EXPECT_TRUE(mentions(error_message([] { bench::split_arguments("a 'b"); }), {"quote"}));
+  // The roofline's layout must be the GPUs the throughput divides by (before anything is launched).
+  bench::SweepOptions layout;
+  layout.concurrencies = {1};
+  layout.launch = "dir -tp 2 -dp 2";
+  layout.num_gpus = 3;
+  EXPECT_TRUE(mentions(error_message([&] { bench::run_sweep(layout); }),
+                       {"--num-gpus 3", "tensor parallel 2 x data parallel 2"}));
 
   // A `vllm bench serve --save-result` file is a point too.
   const bench::Json vllm = {{"max_concurrency", 8},  {"completed", 10},          {"total_input_tokens", 10000},

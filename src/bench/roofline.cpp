@@ -20,9 +20,13 @@ namespace {
 // config, those projections as E4M3 codes with an E8M0 scale per 32 values (in % 32).
 enum class Store { Matrix, Vector, Linear };
 
+// Under tensor parallelism (docs/parallel.md, "What is split"), `replicated` counts what every rank keeps
+// whole: norms and other vectors (vector()), and the projections added with add_replicated(); the rest is
+// split T ways.
 struct Counter {
   bool fp8 = false, mxfp8 = false;
   double params = 0, bytes = 0;
+  double replicated_params = 0, replicated_bytes = 0;
 
   double bytes_of(Store store, double n, int64_t out, int64_t in) const {
     if (store == Store::Vector) return 4 * n;
@@ -35,7 +39,14 @@ struct Counter {
     params += n;
     bytes += bytes_of(store, n, out, in);
   }
-  void vector(int64_t n) { add(Store::Vector, n); }
+  void add_replicated(Store store, int64_t out, int64_t in = 1) {
+    const double before_params = params, before_bytes = bytes;
+    add(store, out, in);
+    replicated_params += params - before_params;
+    replicated_bytes += bytes - before_bytes;
+  }
+  void vector(int64_t n) { add_replicated(Store::Vector, n); }
+  void split_vector(int64_t n) { add(Store::Vector, n); }  // a vector split with its heads
 };
 
 // The fields the families read, with their defaults (model/deepseek_v32.cpp, kimi_linear.cpp,
@@ -46,14 +57,14 @@ struct Mla {
   bool bias;
   void count(Counter& c) const {
     if (q_lora > 0) {
-      c.add(Store::Linear, q_lora, hidden);
+      c.add_replicated(Store::Linear, q_lora, hidden);  // q_a_proj: every rank's query heads read it
       if (bias) c.vector(q_lora);
       c.vector(q_lora);  // q_a_layernorm
       c.add(Store::Linear, heads * (nope + rope), q_lora);
     } else {
       c.add(Store::Linear, heads * (nope + rope), hidden);
     }
-    c.add(Store::Linear, kv_lora + rope, hidden);
+    c.add_replicated(Store::Linear, kv_lora + rope, hidden);  // kv_a_proj_with_mqa: the replicated latent
     if (bias) c.vector(kv_lora + rope);
     c.vector(kv_lora);                                     // kv_a_layernorm
     c.add(Store::Matrix, heads * (nope + v), kv_lora);     // kv_b_proj (take: bf16 even when FP8)
@@ -66,11 +77,11 @@ struct Mla {
 
 struct Dsa {
   int64_t hidden, query_input, heads, dim, topk;
-  void count(Counter& c) const {
-    c.add(Store::Linear, heads * dim, query_input);
-    c.add(Store::Linear, dim, hidden);
+  void count(Counter& c) const {  // computed whole on every rank, so that all select the same top-k
+    c.add_replicated(Store::Linear, heads * dim, query_input);
+    c.add_replicated(Store::Linear, dim, hidden);
     c.vector(2 * dim);  // k_norm weight and bias
-    c.add(Store::Linear, heads, hidden);
+    c.add_replicated(Store::Linear, heads, hidden);
   }
 };
 
@@ -92,11 +103,13 @@ struct Families {
 // `latent` > 0: Kimi K3's latent MoE, whose experts work at that width between a down and an up projection.
 void add_moe_layer(Families& f, int64_t hidden, int64_t experts, int64_t top_k, int64_t intermediate,
                    int64_t shared_intermediate, int64_t latent = 0, bool latent_norm = false) {
-  f.dense.add(Store::Matrix, experts, hidden);  // router
+  f.dense.add_replicated(Store::Matrix, experts, hidden);  // router
   if (shared_intermediate > 0) count_mlp(f.dense, hidden, shared_intermediate);
   if (latent > 0) {
-    f.dense.add(Store::Linear, latent, hidden), f.dense.add(Store::Linear, hidden, latent);
+    f.dense.add_replicated(Store::Linear, latent, hidden), f.dense.add_replicated(Store::Linear, hidden, latent);
     if (latent_norm) f.dense.vector(latent);
+    f.cost.latent_moe_layers += 1;
+    f.cost.moe_latent = latent;
     hidden = latent;
   }
   if (f.cost.moe_layers == 0) {
@@ -141,6 +154,8 @@ std::vector<std::string> dense_first(const Config& c, int64_t layers, int64_t de
 // The embedding table (a step gathers B rows of it), the final norm, and the head, which every step's
 // logits read whole (when tied, the head is the embedding table: read every step, stored once).
 void embeddings(Families& f, int64_t vocab, int64_t hidden, bool tied) {
+  f.cost.hidden = hidden;
+  f.cost.vocab = vocab;
   f.embedding.add(Store::Matrix, vocab, hidden);
   f.dense.vector(hidden);
   f.dense.add(Store::Matrix, vocab, hidden);
@@ -168,6 +183,7 @@ void deepseek_v32(Families& f, const Config& c) {
     dsa.count(f.dense);
     MixerCost m;
     m.kind = "mla_dsa";
+    m.heads = mla.heads;
     m.attended_limit = dsa.topk;
     m.flops_per_key = mla.flops_per_key();
     m.index_flops_per_key = 2.0 * double(dsa.heads * dsa.dim);
@@ -240,23 +256,25 @@ void kimi_linear(Families& f, const Config& c, bool k3) {
     if (types.at(size_t(i)) == "linear_attention") {
       Counter& d = f.dense;
       d.add(Store::Linear, P, hidden), d.add(Store::Linear, P, hidden), d.add(Store::Linear, P, hidden);
-      d.vector(3 * P * kernel);  // q/k/v short convolutions, fp32
-      d.add(Store::Linear, D, hidden), d.add(Store::Linear, P, D);  // forget gate f_a, f_b
-      d.vector(P + H);                                              // dt_bias, A_log
-      d.add(Store::Linear, H, hidden);                              // b_proj
+      d.split_vector(3 * P * kernel);  // q/k/v short convolutions, fp32
+      d.add_replicated(Store::Linear, D, hidden), d.add(Store::Linear, P, D);  // forget gate f_a, f_b
+      d.split_vector(P + H);                                                  // dt_bias, A_log
+      d.add(Store::Linear, H, hidden);                                        // b_proj
       if (full_rank_gate)
-        d.add(Store::Linear, P, hidden);                            // output gate g_proj (K3)
+        d.add(Store::Linear, P, hidden);  // output gate g_proj (K3)
       else
-        d.add(Store::Linear, D, hidden), d.add(Store::Linear, P, D);  // output gate g_a, g_b
+        d.add_replicated(Store::Linear, D, hidden), d.add(Store::Linear, P, D);  // output gate g_a, g_b
       d.vector(D);                                                  // o_norm
       d.add(Store::Linear, hidden, P);
       m.kind = "kda";
+      m.heads = H;
       // Decay, k^T S, the rank-one update and S^T q: four D x D passes per head, 2 FLOPs each.
       m.state_flops = 8.0 * double(H) * double(D) * double(D);
     } else {
       mla.count(f.dense);
       if (mla_gate) f.dense.add(Store::Linear, mla.heads * mla.v, hidden);  // g_proj
       m.kind = "mla";
+      m.heads = mla.heads;
       m.flops_per_key = mla.flops_per_key();
       if (indexer) {
         dsa.count(f.dense);
@@ -316,12 +334,15 @@ void minimax_m3(Families& f, const Config& c, bool tied_outside) {
     d.vector(2 * head_dim);
     MixerCost m;
     m.kind = "gqa";
+    m.heads = heads;
+    m.kv_heads = kv_heads;
     m.flops_per_key = 2.0 * double(heads) * double(head_dim) * 2.0;
     if (types.at(size_t(i)) == "minimax_m3_sparse") {
       d.add(Store::Matrix, index_heads * index_dim, hidden);
-      d.add(Store::Matrix, index_dim, hidden);
+      d.add_replicated(Store::Matrix, index_dim, hidden);  // one index key per token serves every index head
       d.vector(2 * index_dim);
       m.kind = "gqa_msa";
+      m.index_heads = index_heads;
       m.attended_limit = topk_blocks * block;
       m.index_flops_per_key = 2.0 * double(index_heads * index_dim);
     }
@@ -368,6 +389,8 @@ ModelCost model_cost(const Config& config, const std::string& kv_cache_dtype) {
   cost.embedding_params = f.embedding.params;
   cost.dense_params = f.dense.params;
   cost.dense_bytes = f.dense.bytes;
+  cost.replicated_params = f.dense.replicated_params;
+  cost.replicated_bytes = f.dense.replicated_bytes;
   const double experts = double(cost.moe_layers * cost.num_experts);
   cost.total_params = f.dense.params + f.embedding.params - f.tied_params + experts * cost.expert_params;
   cost.weight_bytes = f.dense.bytes + f.embedding.bytes - f.tied_bytes + experts * cost.expert_bytes;
@@ -397,32 +420,67 @@ ModelCost model_cost_from_path(const std::string& path, const std::string& kv_ca
   return model_cost(Config::load(file.string()), kv_cache_dtype);
 }
 
-DecodeStep decode_roofline(const ModelCost& model, int64_t batch, double context, const HardwareLimits& hw) {
+DecodeStep decode_roofline(const ModelCost& model, int64_t batch, double context, const HardwareLimits& hw,
+                           const ParallelLayout& layout) {
   SPARROW_CHECK(batch > 0 && context >= 0, "roofline: batch must be positive and context non-negative");
   SPARROW_CHECK(hw.hbm_bytes_per_s > 0 && hw.flops_per_s > 0, "roofline: bandwidth and FLOP/s must be positive");
+  SPARROW_CHECK(layout.tensor_parallel >= 1 && layout.data_parallel >= 1,
+                "roofline: the tensor- and data-parallel sizes must be at least 1");
   DecodeStep s;
   s.batch = batch;
   s.context = context;
-  const double B = double(batch);
+  s.layout = layout;
+  const double B = double(batch), T = double(layout.tensor_parallel), D = double(layout.data_parallel);
+  const double group_batch = B / D;  // each group's sequences
+  // One GPU's share: what every rank keeps whole, 1 / T of the rest; the experts over all T·D GPUs.
+  auto per_rank = [&](double whole, double replicated) { return replicated + (whole - replicated) / T; };
   s.distinct_experts = expected_distinct_experts(model.num_experts, model.experts_per_token, B);
-  s.weight_bytes = model.dense_bytes + double(model.moe_layers) * s.distinct_experts * model.expert_bytes;
-  double per_token_flops =
-      2.0 * (model.dense_params + double(model.moe_layers * model.experts_per_token) * model.expert_params);
+  s.weight_bytes = per_rank(model.dense_bytes, model.replicated_bytes) +
+                   double(model.moe_layers) * s.distinct_experts * model.expert_bytes / (T * D);
+  double token_flops = 2.0 * per_rank(model.dense_params, model.replicated_params);
+  const double expert_flops = 2.0 * double(model.moe_layers * model.experts_per_token) * model.expert_params;
   double per_sequence_bytes = 0;
   for (const MixerCost& m : model.mixers) {
     const double attended = m.attended_limit > 0 ? std::min(context, double(m.attended_limit)) : context;
-    per_sequence_bytes += attended * m.kv_bytes_per_token + context * m.index_bytes_per_token + m.state_bytes;
-    per_token_flops += attended * m.flops_per_key + context * m.index_flops_per_key + m.state_flops;
+    // MLA latents and index keys are read whole by every rank of the group; GQA K/V by kv heads, KDA by heads.
+    const double kv_split = m.kv_heads > 0 ? std::min(T, double(m.kv_heads)) : 1.0;
+    const double state_split = m.kind == "kda" ? T : 1.0;
+    const double heads_split = m.heads > 0 ? std::min(T, double(m.heads)) : 1.0;
+    const double index_split = m.index_heads > 0 ? std::min(T, double(m.index_heads)) : 1.0;
+    per_sequence_bytes += attended * m.kv_bytes_per_token / kv_split + context * m.index_bytes_per_token +
+                          m.state_bytes / state_split;
+    token_flops += attended * m.flops_per_key / heads_split + context * m.index_flops_per_key / index_split +
+                   m.state_flops / state_split;
   }
-  s.kv_bytes = B * per_sequence_bytes;
+  s.kv_bytes = group_batch * per_sequence_bytes;
   s.bytes = s.weight_bytes + s.kv_bytes;
-  s.flops = B * per_token_flops;
+  s.flops = group_batch * token_flops + B * expert_flops / (T * D);
   s.memory_seconds = s.bytes / hw.hbm_bytes_per_s;
   s.compute_seconds = s.flops / hw.flops_per_s;
+
+  // The collectives (docs/parallel.md): a ring moves 2 (n-1)/n of an all-reduce's bytes over each GPU's link,
+  // (n-1)/n of an all-gather's or reduce-scatter's (the whole result's) bytes.
+  auto collective = [&](double bus_bytes, int64_t calls) {
+    s.collective_bytes += bus_bytes;
+    s.collectives += calls;
+  };
+  const double rows = group_batch, hidden_bytes = 2.0 * double(model.hidden);
+  if (layout.tensor_parallel > 1) {
+    const int64_t layers = int64_t(model.mixers.size());
+    const double all_reduce = 2.0 * (T - 1) / T * rows * hidden_bytes;
+    collective(double(2 * layers + 1) * all_reduce, 2 * layers + 1);  // each layer's two, the embedding's
+    collective(double(model.latent_moe_layers) * 2.0 * (T - 1) / T * rows * 2.0 * double(model.moe_latent),
+               model.latent_moe_layers);
+    collective((T - 1) / T * rows * 4.0 * double(model.vocab), 1);  // the head's fp32 logits, gathered
+  }
+  if (layout.data_parallel > 1)  // every group's rows gathered, and their sums scattered back
+    collective(double(model.moe_layers) * 2.0 * (D - 1) / D * B * hidden_bytes, 2 * model.moe_layers);
+  s.collective_seconds = s.collective_bytes / hw.link_bytes_per_s + double(s.collectives) * hw.collective_latency_s;
+
   s.compute_bound = s.compute_seconds > s.memory_seconds;
-  s.seconds = std::max(s.memory_seconds, s.compute_seconds);
+  s.seconds = std::max(s.memory_seconds, s.compute_seconds) + s.collective_seconds;
   s.tokens_per_s_per_user = 1.0 / s.seconds;
-  s.tokens_per_s_per_gpu = B / s.seconds;
+  s.tokens_per_s_per_gpu = B / s.seconds / double(layout.gpus());
   return s;
 }
 
@@ -441,24 +499,26 @@ double prefill_flops(const ModelCost& model, double tokens) {
 }
 
 ServingCycle serving_roofline(const ModelCost& model, int64_t batch, double input_len, double output_len,
-                              const HardwareLimits& hw) {
+                              const HardwareLimits& hw, const ParallelLayout& layout) {
   SPARROW_CHECK(output_len > 0 && input_len >= 0, "roofline: the output length must be positive");
   ServingCycle c;
   c.batch = batch;
   c.input_len = input_len;
   c.output_len = output_len;
   c.context = input_len + output_len / 2;  // what an average decode step attends over
-  const DecodeStep step = decode_roofline(model, batch, c.context, hw);
+  const DecodeStep step = decode_roofline(model, batch, c.context, hw, layout);
+  const double gpus = double(layout.gpus());
   c.decode_bytes = output_len * step.bytes;
   c.decode_flops = output_len * step.flops;
-  c.prefill_flops = double(batch) * prefill_flops(model, input_len);
+  c.prefill_flops = double(batch) * prefill_flops(model, input_len) / gpus;
   c.memory_seconds = c.decode_bytes / hw.hbm_bytes_per_s;
   c.compute_seconds = (c.decode_flops + c.prefill_flops) / hw.flops_per_s;
+  c.collective_seconds = output_len * step.collective_seconds;
   c.compute_bound = c.compute_seconds > c.memory_seconds;
-  c.seconds = std::max(c.memory_seconds, c.compute_seconds);
+  c.seconds = std::max(c.memory_seconds, c.compute_seconds) + c.collective_seconds;
   c.tokens_per_s_per_user = output_len / c.seconds;
-  c.total_tokens_per_s_per_gpu = double(batch) * (input_len + output_len) / c.seconds;
-  c.output_tokens_per_s_per_gpu = double(batch) * output_len / c.seconds;
+  c.total_tokens_per_s_per_gpu = double(batch) * (input_len + output_len) / c.seconds / gpus;
+  c.output_tokens_per_s_per_gpu = double(batch) * output_len / c.seconds / gpus;
   return c;
 }
 
@@ -472,6 +532,7 @@ Json to_json(const ServingCycle& c) {
               {"prefill_flops", c.prefill_flops},
               {"memory_seconds", c.memory_seconds},
               {"compute_seconds", c.compute_seconds},
+              {"collective_seconds", c.collective_seconds},
               {"seconds", c.seconds},
               {"bound", c.compute_bound ? "compute" : "memory"},
               {"tokens_per_s_per_user", c.tokens_per_s_per_user},
@@ -487,8 +548,13 @@ Json to_json(const DecodeStep& s) {
               {"bytes", s.bytes},
               {"flops", s.flops},
               {"distinct_experts", s.distinct_experts},
+              {"tensor_parallel", s.layout.tensor_parallel},
+              {"data_parallel", s.layout.data_parallel},
+              {"collectives", s.collectives},
+              {"collective_bytes", s.collective_bytes},
               {"memory_seconds", s.memory_seconds},
               {"compute_seconds", s.compute_seconds},
+              {"collective_seconds", s.collective_seconds},
               {"seconds", s.seconds},
               {"bound", s.compute_bound ? "compute" : "memory"},
               {"tokens_per_s_per_user", s.tokens_per_s_per_user},
@@ -505,6 +571,7 @@ Json to_json(const ModelCost& m) {
               {"embedding_params", m.embedding_params},
               {"dense_params", m.dense_params},
               {"dense_bytes", m.dense_bytes},
+              {"replicated_bytes", m.replicated_bytes},
               {"moe_layers", m.moe_layers},
               {"num_experts", m.num_experts},
               {"experts_per_token", m.experts_per_token},

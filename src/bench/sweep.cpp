@@ -145,32 +145,42 @@ Json copy_numbers(const Json& from, std::initializer_list<const char*> keys) {
   return out;
 }
 
-// `gpus` GPUs sharing the model perfectly: their bandwidth and FLOP/s add up.
-HardwareLimits all_gpus(HardwareLimits hw, int64_t gpus) {
-  hw.hbm_bytes_per_s *= double(gpus);
-  hw.flops_per_s *= double(gpus);
-  return hw;
-}
-
-// A roofline step for `gpus` GPUs, per GPU.
+// A roofline step over the server's layout, per GPU.
 Json roofline_json(const ModelCost& cost, int64_t batch, double context, double total_over_output,
-                   const HardwareLimits& hw, int64_t gpus) {
-  const DecodeStep step = decode_roofline(cost, batch, context, all_gpus(hw, gpus));
+                   const HardwareLimits& hw, const ParallelLayout& layout) {
+  const DecodeStep step = decode_roofline(cost, batch, context, hw, layout);
   Json j = to_json(step);
-  j["tokens_per_s_per_gpu"] = step.tokens_per_s_per_gpu / double(gpus);
   // Prefill counted free: each output token brings its share of the input along.
-  j["total_tokens_per_s_per_gpu"] = step.tokens_per_s_per_gpu / double(gpus) * total_over_output;
+  j["total_tokens_per_s_per_gpu"] = step.tokens_per_s_per_gpu * total_over_output;
   return j;
 }
 
-// The serving limit (prefill + decode over a request cycle, roofline.h) for `gpus` GPUs, per GPU.
+// The serving limit (prefill + decode over a request cycle, roofline.h) over the layout, per GPU.
 Json serving_json(const ModelCost& cost, int64_t batch, double input_len, double output_len, const HardwareLimits& hw,
-                  int64_t gpus) {
-  const ServingCycle cycle = serving_roofline(cost, batch, input_len, output_len, all_gpus(hw, gpus));
-  Json j = to_json(cycle);
-  j["total_tokens_per_s_per_gpu"] = cycle.total_tokens_per_s_per_gpu / double(gpus);
-  j["output_tokens_per_s_per_gpu"] = cycle.output_tokens_per_s_per_gpu / double(gpus);
-  return j;
+                  const ParallelLayout& layout) {
+  return to_json(serving_roofline(cost, batch, input_len, output_len, hw, layout));
+}
+
+// The roofline's layout: the options', else the launched server's -tp / -dp, else num_gpus-way TP.
+ParallelLayout sweep_layout(const SweepOptions& o, const std::vector<std::string>& launch_args) {
+  auto launched = [&](const char* long_flag, const char* short_flag) -> int64_t {
+    std::string v = flag_value(launch_args, long_flag);
+    if (v.empty()) v = flag_value(launch_args, short_flag);
+    if (v.empty()) return 0;
+    char* end = nullptr;
+    const long long n = std::strtoll(v.c_str(), &end, 10);
+    SPARROW_CHECK(*end == '\0' && n > 0, "--launch: ", long_flag, " '", v, "' is not a positive integer");
+    return n;
+  };
+  ParallelLayout layout;
+  layout.data_parallel = o.data_parallel > 0 ? o.data_parallel : launched("--data-parallel-size", "-dp");
+  if (layout.data_parallel == 0) layout.data_parallel = 1;
+  layout.tensor_parallel = o.tensor_parallel > 0 ? o.tensor_parallel : launched("--tensor-parallel-size", "-tp");
+  if (layout.tensor_parallel == 0)
+    layout.tensor_parallel = o.num_gpus > 0 ? std::max<int64_t>(1, o.num_gpus / layout.data_parallel) : 1;
+  SPARROW_CHECK(o.num_gpus == 0 || o.num_gpus == layout.gpus(), "--num-gpus ", o.num_gpus, " is not tensor parallel ",
+                layout.tensor_parallel, " x data parallel ", layout.data_parallel, " (", layout.gpus(), " GPUs)");
+  return layout;
 }
 
 }  // namespace
@@ -237,7 +247,8 @@ Json sweep_point(const Json& result, int64_t concurrency, int64_t num_gpus) {
 
 Json run_sweep(const SweepOptions& o) {
   SPARROW_CHECK(!o.concurrencies.empty(), "--concurrencies: no concurrency given");
-  SPARROW_CHECK(o.num_gpus > 0, "--num-gpus must be positive");
+  SPARROW_CHECK(o.num_gpus >= 0 && o.tensor_parallel >= 0 && o.data_parallel >= 0,
+                "--num-gpus, --tensor-parallel-size and --data-parallel-size must be positive");
   SPARROW_CHECK(o.prompts_per_concurrency > 0 && o.sessions_per_concurrency > 0,
                 "--prompts-per-concurrency and --sessions-per-concurrency must be positive");
   const std::string date = now_stamp();
@@ -250,6 +261,8 @@ Json run_sweep(const SweepOptions& o) {
 
   // The roofline's model: --model-config, else the launched model folder.
   const std::vector<std::string> launch_args = split_arguments(o.launch);
+  const ParallelLayout layout = sweep_layout(o, launch_args);
+  const int64_t num_gpus = layout.gpus();
   std::string model_config = o.model_config;
   if (model_config.empty() && !launch_args.empty()) {
     std::string dir = !launch_args[0].starts_with("-") ? launch_args[0] : flag_value(launch_args, "--model");
@@ -290,17 +303,17 @@ Json run_sweep(const SweepOptions& o) {
     try {
       const Json result = run_serve_benchmark(s);
       if (result.contains("model_id") && result["model_id"].is_string()) model_id = result["model_id"];
-      point = sweep_point(result, c, o.num_gpus);
+      point = sweep_point(result, c, num_gpus);
       point["seed"] = s.seed;
       const double out = number(result, "total_output_tokens"), in = number(result, "total_input_tokens");
       if (cost && out > 0) {
         point["roofline"] = roofline_json(*cost, c, point["mean_context"].get<double>(), (in + out) / out,
-                                          o.hardware, o.num_gpus);
+                                          o.hardware, layout);
         roofline.push_back(point["roofline"]);
         // Every prompt prefilled whole: the random workload's (agentic sessions reuse their prefix).
         if (s.dataset_name == "random")
           point["serving_limit"] = serving_json(*cost, c, point["mean_input_len"].get<double>(),
-                                                point["mean_output_len"].get<double>(), o.hardware, o.num_gpus);
+                                                point["mean_output_len"].get<double>(), o.hardware, layout);
       }
       if (number(result, "failed") > 0 && result.contains("errors"))
         for (const Json& e : result["errors"])
@@ -324,8 +337,12 @@ Json run_sweep(const SweepOptions& o) {
                 {"launch", o.launch},
                 {"model_id", model_id},
                 {"dataset_name", o.serve.dataset_name},
-                {"num_gpus", o.num_gpus},
-                {"hardware", {{"hbm_bytes_per_s", o.hardware.hbm_bytes_per_s}, {"flops_per_s", o.hardware.flops_per_s}}},
+                {"num_gpus", num_gpus},
+                {"tensor_parallel", layout.tensor_parallel},
+                {"data_parallel", layout.data_parallel},
+                {"hardware", {{"hbm_bytes_per_s", o.hardware.hbm_bytes_per_s}, {"flops_per_s", o.hardware.flops_per_s},
+                              {"link_bytes_per_s", o.hardware.link_bytes_per_s},
+                              {"collective_latency_s", o.hardware.collective_latency_s}}},
                 {"axes",
                  {{"x", "tokens_per_s_per_user = 1000 / median TPOT (ms)"},
                   {"y", "tokens_per_s_per_gpu = total (input + output) token throughput / num_gpus"}}},

@@ -38,7 +38,10 @@ struct SweepOptions {
   std::string model_config;
   std::string kv_cache_dtype = "auto";  // the server's --kv-cache-dtype (the roofline's KV bytes)
   HardwareLimits hardware;
-  int64_t num_gpus = 1;
+  // The server's layout (docs/parallel.md), for the roofline's shares and collectives: 0 takes --launch's
+  // -tp / -dp flags, else tensor parallel over num_gpus. num_gpus 0: tensor x data parallel.
+  int64_t tensor_parallel = 0, data_parallel = 0;
+  int64_t num_gpus = 0;
 
   std::string label = "sparrow";  // the curve's name (the engine)
   std::string output;             // the sweep JSON (default: <result-dir>/sweep-<label>-<date>.json)

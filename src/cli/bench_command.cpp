@@ -208,15 +208,28 @@ void add_bench_serve(CLI::App* parent) {
   on_selected(sub, [] { bench::run_serve_benchmark(f.options()); });
 }
 
+// The roofline's link between GPUs (bench sweep, bench roofline): NVLink's bandwidth and a collective's
+// fixed cost (roofline.h HardwareLimits).
+void add_link_options(CLI::App* sub, double& link_gbps, double& latency_us) {
+  sub->add_option("--link-bandwidth", link_gbps, "the roofline's GPU-to-GPU bandwidth each way, GB/s (NVLink 4)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--collective-latency", latency_us, "the roofline's fixed cost of one collective, microseconds")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+}
+
 // sparrow bench sweep: bench serve's workload over a list of concurrencies, with the decode roofline
 // (src/bench/sweep.h, src/bench/roofline.h, docs/bench.md).
+
 void add_bench_sweep(CLI::App* parent) {
   auto* sub = parent->add_subcommand(
       "sweep", "bench serve over concurrencies 1..256 with the decode roofline: the Pareto front's points (sweep JSON)");
   static ServeFlags f;
   static bench::SweepOptions s;
   static std::string concurrencies = "1,2,4,8,16,32,64,128,256";
-  static double hbm_tbps = 4.3, peak_tflops = 790;
+  static double hbm_tbps = 4.3, peak_tflops = 790, link_gbps = bench::HardwareLimits{}.link_bytes_per_s / 1e9,
+                latency_us = bench::HardwareLimits{}.collective_latency_s * 1e6;
   add_serve_flags(sub, f, /*sweep=*/true);
   sub->add_option("--concurrencies", concurrencies, "the points: --max-concurrency of each run")->capture_default_str();
   sub->add_option("--prompts-per-concurrency", s.prompts_per_concurrency,
@@ -240,8 +253,13 @@ void add_bench_sweep(CLI::App* parent) {
       ->capture_default_str();
   sub->add_option("--peak-tflops", peak_tflops, "the roofline's dense bf16 peak per GPU, TFLOP/s (H200 cuBLASLt)")
       ->capture_default_str();
-  sub->add_option("--num-gpus", s.num_gpus, "GPUs the server uses (throughput per GPU divides by it)")
-      ->capture_default_str();
+  sub->add_option("--num-gpus", s.num_gpus,
+                  "GPUs the server uses (throughput per GPU divides by it; default: tensor x data parallel)");
+  sub->add_option("--tensor-parallel-size", s.tensor_parallel,
+                  "the server's tensor-parallel size, for the roofline (default: --launch's -tp, else --num-gpus)");
+  sub->add_option("--data-parallel-size", s.data_parallel,
+                  "the server's data-parallel groups, for the roofline (default: --launch's -dp, else 1)");
+  add_link_options(sub, link_gbps, latency_us);
   sub->add_option("--label", s.label, "the curve's name in the sweep JSON and plots")->capture_default_str();
   sub->add_option("--output", s.output, "the sweep JSON (default: <result-dir>/sweep-<label>-<date>.json)");
   on_selected(sub, [sub] {
@@ -253,6 +271,8 @@ void add_bench_sweep(CLI::App* parent) {
     SPARROW_CHECK(hbm_tbps > 0 && peak_tflops > 0, "--hbm-bandwidth and --peak-tflops must be positive");
     s.hardware.hbm_bytes_per_s = hbm_tbps * 1e12;
     s.hardware.flops_per_s = peak_tflops * 1e12;
+    s.hardware.link_bytes_per_s = link_gbps * 1e9;
+    s.hardware.collective_latency_s = latency_us * 1e-6;
     bench::run_sweep(s);
   });
 }
@@ -263,6 +283,9 @@ void add_bench_roofline(CLI::App* parent) {
   static std::string model_config, kv_cache_dtype = "auto";
   static int64_t batch = 1;
   static double input_len = 8192, output_len = 1024, hbm_tbps = 4.3, peak_tflops = 790;
+  static bench::ParallelLayout layout;
+  static double link_gbps = bench::HardwareLimits{}.link_bytes_per_s / 1e9,
+                latency_us = bench::HardwareLimits{}.collective_latency_s * 1e6;
   sub->add_option("--model-config", model_config, "the model's folder or config.json")->required();
   sub->add_option("--batch", batch, "concurrent sequences (the sweep's concurrency)")->capture_default_str();
   sub->add_option("--input-len", input_len, "prompt tokens per request")->capture_default_str();
@@ -270,15 +293,23 @@ void add_bench_roofline(CLI::App* parent) {
   sub->add_option("--kv-cache-dtype", kv_cache_dtype, "as bench sweep's")->capture_default_str();
   sub->add_option("--hbm-bandwidth", hbm_tbps, "HBM bandwidth, TB/s (H200 measured)")->capture_default_str();
   sub->add_option("--peak-tflops", peak_tflops, "dense bf16 peak, TFLOP/s (H200 cuBLASLt)")->capture_default_str();
+  sub->add_option("--tensor-parallel-size", layout.tensor_parallel, "GPUs of a tensor-parallel group (also -tp)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--data-parallel-size", layout.data_parallel,
+                  "data-parallel groups, the experts over all of them (also -dp; docs/parallel.md)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  add_link_options(sub, link_gbps, latency_us);
   on_selected(sub, [] {
     SPARROW_CHECK(batch > 0 && input_len >= 0 && output_len > 0,
                   "--batch and --output-len must be positive, --input-len non-negative");
     SPARROW_CHECK(hbm_tbps > 0 && peak_tflops > 0, "--hbm-bandwidth and --peak-tflops must be positive");
-    const bench::HardwareLimits hw{hbm_tbps * 1e12, peak_tflops * 1e12};
+    const bench::HardwareLimits hw{hbm_tbps * 1e12, peak_tflops * 1e12, link_gbps * 1e9, latency_us * 1e-6};
     const bench::ModelCost cost = bench::model_cost_from_path(model_config, kv_cache_dtype);
-    const bench::ServingCycle serving = bench::serving_roofline(cost, batch, input_len, output_len, hw);
+    const bench::ServingCycle serving = bench::serving_roofline(cost, batch, input_len, output_len, hw, layout);
     const nlohmann::json out = {{"model", to_json(cost)},
-                                {"decode", to_json(bench::decode_roofline(cost, batch, serving.context, hw))},
+                                {"decode", to_json(bench::decode_roofline(cost, batch, serving.context, hw, layout))},
                                 {"serving", to_json(serving)}};
     std::printf("%s\n", out.dump().c_str());
   });
