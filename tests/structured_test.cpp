@@ -254,6 +254,55 @@ TEST(StructuredJsonSchema, StringConstraints) {
   EXPECT_FALSE(matches(g, with("T10:00:00Z", "T25:00:00Z")));
 }
 
+// Integer bounds (minimum, maximum and both exclusive forms) hold digit by digit: every integer of a window
+// around the bounds is accepted exactly when it lies within them, written as JSON writes it (no leading
+// zeros, no "-0"); the bounds that take nothing are refused.
+TEST(StructuredJsonSchema, IntegerBounds) {
+  struct Case {
+    std::string bounds;
+    int64_t lo, hi;  // the accepted range; INT64_MIN / INT64_MAX: open
+  };
+  const int64_t open_lo = INT64_MIN, open_hi = INT64_MAX;
+  const std::vector<Case> cases = {
+      {R"("minimum": 0, "maximum": 100)", 0, 100},
+      {R"("minimum": 7, "maximum": 7)", 7, 7},
+      {R"("minimum": -250, "maximum": -3)", -250, -3},
+      {R"("minimum": -19, "maximum": 1042)", -19, 1042},
+      {R"("minimum": 95)", 95, open_hi},
+      {R"("maximum": -95)", open_lo, -95},
+      {R"("maximum": 230)", open_lo, 230},
+      {R"("minimum": -8)", -8, open_hi},
+      {R"("exclusiveMinimum": 9, "exclusiveMaximum": 101)", 10, 100},
+      {R"("minimum": 9, "exclusiveMinimum": true, "maximum": 1.5)", open_hi, open_hi},  // nothing: refused
+      {R"("minimum": 2.5, "maximum": 99.9)", 3, 99},
+      {R"("minimum": 10, "exclusiveMaximum": 10.5)", 10, 10},
+      {R"("minimum": -1e30, "maximum": 1e30)", open_lo, open_hi},
+      {R"("minimum": 250)", 250, open_hi},
+      {R"("minimum": 137, "maximum": 863)", 137, 863},
+      {R"("minimum": -863, "maximum": -137)", -863, -137},
+      {R"("minimum": -1073, "maximum": 38)", -1073, 38},
+      {R"("maximum": 1049)", open_lo, 1049},
+  };
+  for (const Case& c : cases) {
+    const std::string text = R"({"type": "integer", )" + c.bounds + "}";
+    if (c.lo == open_hi) {
+      EXPECT_ERROR_HAS(schema(text.c_str()), "no integer lies between");
+      continue;
+    }
+    const Grammar g = schema(text.c_str());
+    for (int64_t v = -1200; v <= 1200; ++v) {
+      const bool inside = (c.lo == open_lo || v >= c.lo) && (c.hi == open_hi || v <= c.hi);
+      EXPECT_EQ(matches(g, std::to_string(v)), inside) << c.bounds << ": " << v;
+    }
+    EXPECT_EQ(matches(g, "123456789012"), c.hi == open_hi) << c.bounds;
+    EXPECT_EQ(matches(g, "-123456789012"), c.lo == open_lo) << c.bounds;
+    EXPECT_FALSE(matches(g, "007")) << c.bounds;
+    EXPECT_FALSE(matches(g, "-0")) << c.bounds;
+    EXPECT_FALSE(matches(g, "1.0")) << c.bounds;
+  }
+  EXPECT_ERROR_HAS(schema(R"({"type": "integer", "minimum": "3"})"), "minimum must be a number");
+}
+
 TEST(StructuredJsonSchema, RefusesWhatItCannotEnforce) {
   EXPECT_ERROR_HAS(schema(R"({"not": {"type": "string"}})"), "'not' is not supported");
   EXPECT_ERROR_HAS(schema(R"({"allOf": [{"type": "string"}, {"minLength": 1}]})"), "allOf");

@@ -14,13 +14,18 @@
 //   strings: minLength / maxLength (the same limits), pattern (a regex, front_ends.h, matched against
 //     the whole string, as xgrammar does; characters JSON must escape are left out of its classes),
 //     format date, time, date-time, uuid, email, ipv4 (other formats are ignored: any string);
-//   integer / number: JSON's number syntax; minimum, maximum, exclusive bounds and multipleOf are not
-//     enforced, except that an integer or number with minimum >= 0 (or exclusiveMinimum >= 0) has no
-//     minus sign.
+//   integer: JSON's integer syntax within minimum / maximum / exclusiveMinimum / exclusiveMaximum (either
+//     form: a number, or draft 4's boolean beside minimum / maximum), digit by digit as xgrammar's
+//     GenerateRangeRegex bounds them (integer_range below); bounds beyond +-9e18 count as open;
+//   number: JSON's number syntax; its minimum, maximum and exclusive bounds are not enforced, except that
+//     a number with minimum >= 0 (or exclusiveMinimum >= 0) has no minus sign; multipleOf is not enforced.
 // Refused (they would need the output checked beyond a grammar): not, if / then / else,
 // patternProperties, dependentRequired, dependentSchemas, propertyNames, contains, $dynamicRef, a
 // `false` schema, allOf with several members. Annotations (title, description, default, examples, ...)
 // and other unknown keywords are ignored.
+#include <algorithm>
+#include <cmath>
+#include <optional>
 #include <unordered_map>
 
 #include "core/error.h"
@@ -124,6 +129,95 @@ class SchemaConverter {
                                          close("]")})});
     rules_.push_back({"json_value", alt({rule_ref("json_object"), rule_ref("json_array"), rule_ref("json_string"), rule_ref("json_number"),
                                          lit("true"), lit("false"), lit("null")})});
+  }
+
+  // Decimal digit strings of one length, as grammars (integer_range's pieces): any digits; those >= s;
+  // those <= s; those in [x, y] (x <= y, both of y's length).
+  static E any_digits(size_t n) {
+    return E::repeat(E::chars_of(CharClass::range('0', '9')), int64_t(n), int64_t(n));
+  }
+  static E at_least(std::string_view s) {
+    if (s.empty()) return E::empty();
+    std::vector<E> ways = {seq({lit(s.substr(0, 1)), at_least(s.substr(1))})};
+    if (s[0] < '9') ways.push_back(seq({E::chars_of(CharClass::range(char(s[0] + 1), '9')), any_digits(s.size() - 1)}));
+    return alt(std::move(ways));
+  }
+  static E at_most(std::string_view s) {
+    if (s.empty()) return E::empty();
+    std::vector<E> ways = {seq({lit(s.substr(0, 1)), at_most(s.substr(1))})};
+    if (s[0] > '0') ways.push_back(seq({E::chars_of(CharClass::range('0', char(s[0] - 1))), any_digits(s.size() - 1)}));
+    return alt(std::move(ways));
+  }
+  static E between(std::string_view x, std::string_view y) {
+    if (x.empty()) return E::empty();
+    if (x[0] == y[0]) return seq({lit(x.substr(0, 1)), between(x.substr(1), y.substr(1))});
+    std::vector<E> ways = {seq({lit(x.substr(0, 1)), at_least(x.substr(1))})};
+    if (x[0] + 1 <= y[0] - 1)
+      ways.push_back(seq({E::chars_of(CharClass::range(char(x[0] + 1), char(y[0] - 1))), any_digits(x.size() - 1)}));
+    ways.push_back(seq({lit(y.substr(0, 1)), at_most(y.substr(1))}));
+    return alt(std::move(ways));
+  }
+  // Non-negative integers in [a, b] without leading zeros; b < 0: no upper bound.
+  static E magnitudes(int64_t a, int64_t b) {
+    const std::string lo = std::to_string(a);
+    std::vector<E> ways;
+    if (b < 0) {  // lo's length from lo up, then every longer number
+      ways.push_back(lo.size() == 1 ? E::chars_of(CharClass::range(lo[0], '9')) : at_least(lo));
+      ways.push_back(seq({E::chars_of(CharClass::range('1', '9')),
+                          E::repeat(E::chars_of(CharClass::range('0', '9')), int64_t(lo.size()), -1)}));
+      return alt(std::move(ways));
+    }
+    const std::string hi = std::to_string(b);
+    for (size_t length = lo.size(); length <= hi.size(); ++length) {
+      const std::string from = length == lo.size() ? lo : "1" + std::string(length - 1, '0');
+      const std::string to = length == hi.size() ? hi : std::string(length, '9');
+      ways.push_back(between(from, to));
+    }
+    return alt(std::move(ways));
+  }
+  // Integers in [lo, hi] as JSON writes them (no leading zeros, no "-0"); an open end is nullopt.
+  static E integer_range(std::optional<int64_t> lo, std::optional<int64_t> hi, const std::string& path) {
+    if (lo && hi && *lo > *hi) error(path, "no integer lies between its minimum and maximum");
+    std::vector<E> ways;
+    if (!lo || *lo < 0) {  // negatives: "-" and a magnitude in [max(1, -hi), -lo]
+      const int64_t smallest = hi && *hi < 0 ? -*hi : 1;
+      ways.push_back(seq({lit("-"), magnitudes(smallest, lo ? -*lo : -1)}));
+    }
+    if (!hi || *hi >= 0) ways.push_back(magnitudes(lo ? std::max<int64_t>(*lo, 0) : 0, hi ? *hi : -1));
+    return alt(std::move(ways));
+  }
+  // An integer's bounds from minimum / maximum and their exclusive forms; beyond +-9e18: open.
+  static E bounded_integer(const Json& schema, const std::string& path) {
+    constexpr double kOpen = 9e18;
+    std::optional<int64_t> lo, hi;
+    auto bound = [&](const char* key, const char* exclusive_key, bool lower) {
+      auto it = schema.find(key);
+      if (it == schema.end()) return;
+      if (!it->is_number()) error(path, std::string(key) + " must be a number");
+      const double v = it->get<double>();
+      if (std::abs(v) >= kOpen) return;
+      // Draft 4: "exclusiveMinimum": true beside "minimum".
+      auto ex = schema.find(exclusive_key);
+      const bool exclusive = ex != schema.end() && ex->is_boolean() && ex->get<bool>();
+      int64_t n = int64_t(lower ? std::ceil(v) : std::floor(v));
+      if (exclusive && double(n) == v) n += lower ? 1 : -1;
+      std::optional<int64_t>& slot = lower ? lo : hi;
+      slot = slot ? (lower ? std::max(*slot, n) : std::min(*slot, n)) : n;
+    };
+    bound("minimum", "exclusiveMinimum", true);
+    bound("maximum", "exclusiveMaximum", false);
+    // Draft 6 and later: the exclusive bounds as numbers of their own.
+    for (const auto& [key, lower] : {std::pair{"exclusiveMinimum", true}, std::pair{"exclusiveMaximum", false}}) {
+      auto it = schema.find(key);
+      if (it == schema.end() || it->is_boolean()) continue;
+      if (!it->is_number()) error(path, std::string(key) + " must be a number or a boolean");
+      const double v = it->get<double>();
+      if (std::abs(v) >= kOpen) continue;
+      int64_t n = int64_t(lower ? std::floor(v) + 1 : std::ceil(v) - 1);
+      std::optional<int64_t>& slot = lower ? lo : hi;
+      slot = slot ? (lower ? std::max(*slot, n) : std::min(*slot, n)) : n;
+    }
+    return integer_range(lo, hi, path);
   }
 
   static E number(bool integer, bool non_negative) {
@@ -269,7 +363,11 @@ class SchemaConverter {
 
   E typed(const Json& schema, const std::string& type, const std::string& path, int depth) {
     if (type == "string") return string(schema, path);
-    if (type == "integer") return number(true, non_negative(schema));
+    if (type == "integer") {
+      for (const char* key : {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+        if (schema.contains(key)) return bounded_integer(schema, path);
+      return number(true, false);
+    }
     if (type == "number") return number(false, non_negative(schema));
     if (type == "boolean") return alt({lit("true"), lit("false")});
     if (type == "null") return lit("null");
