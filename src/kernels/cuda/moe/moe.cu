@@ -646,9 +646,9 @@ __global__ void combine_kernel(const bf16* y, const int32_t* pos_of_pair, int to
 //     stage into a bf16 tile (double-buffered) with the same bf16(e4m3 * scale) as the WMMA path, so
 //     moe_experts_fp8 stays bit-identical to moe_experts on the dequantised weights on this path too;
 //   - group-scaled weights (moe_experts_packed, the Codes parameter): the raw stage of codes (NVFP4 / MXFP4:
-//     E2M1 pairs, 32 bytes a row, a quarter of the bf16 stage; MXFP8: e4m3, 64 bytes a row) and one 4-byte
-//     word of group scales per weight row land by cp.async (NVFP4: the stage's four E4M3 scales; MXFP4 /
-//     MXFP8: the aligned word holding its two E8M0 scales, so each word is copied by two stages), and the
+//     E2M1 pairs, 32 bytes a row, a quarter of the bf16 stage; MXFP8: e4m3, 64 bytes a row) lands by
+//     cp.async, and every other stage the group scales of two stages per weight row (NVFP4: eight E4M3
+//     bytes; MXFP4 / MXFP8: four E8M0 bytes) into one of two scale buffers; the
 //     same inline step converts them into the bf16 tile: FP4 with fp4_to_bf16x8 (e2m1 * scale * 2^-16,
 //     exact: the WMMA and decode paths' values; the epilogue multiplies the fp32 sums by 2^16 and NVFP4's
 //     weight_scale_2), MXFP8 e4m3 * 2^(e - 127) in one bf16x2 product (exact, the values of the WMMA
@@ -671,17 +671,23 @@ constexpr int A_BYTES = BM * BK * 2;  // 16 KB: 128 rows of one 128-byte swizzle
 constexpr int B_BYTES = BN * BK * 2;  // 32 KB
 // A weight row's codes in one stage: 64 bytes of e4m3 (FP8, MXFP8) or 32 of E2M1 pairs (NVFP4, MXFP4).
 __host__ __device__ constexpr int q_row_bytes(Codes c) { return skinny::is_fp4(c) ? BK / 2 : BK; }
-// A stage's raw codes, plain [BN][q_row_bytes], and its scales: FP8 the two fp32 block scales of the tile's
-// rows, group-scaled codes one 4-byte word per weight row ([BN][4] bytes).
+// A stage's raw codes, plain [BN][q_row_bytes].
 __host__ __device__ constexpr int q_bytes(Codes c) { return BN * q_row_bytes(c); }
-__host__ __device__ constexpr int s_bytes(Codes c) { return c == Codes::Fp8 ? 2 * 4 : BN * 4; }
+// Group scales: a weight row's scales of two stages (128 columns) are one copy, NVFP4's eight E4M3 bytes or
+// MX's four E8M0 bytes, copied with the even stage into one of two buffers [BN][g_word_bytes] (a copy per
+// stage and row, 4 bytes from a different line each, added half as many L2 requests as the FP4 codes).
+__host__ __device__ constexpr int g_word_bytes(Codes c) { return c == Codes::Nvfp4 ? 8 : 4; }
+// The scale area: FP8 the two fp32 block scales of each stage's rows, group-scaled codes the two buffers.
+__host__ __device__ constexpr int s_area_bytes(Codes c) {
+  return c == Codes::Fp8 ? STAGES * 2 * 4 : 2 * BN * g_word_bytes(c);
+}
 // Shared memory, from a 1024-byte aligned base:
 //   bf16 weights:  [STAGES x A][STAGES x B]
-//   coded weights: [STAGES x A][2 x B (converted)][STAGES x Q][STAGES x scales]
-// (MXFP8, the largest: 197 KB.) The epilogue reuses the start as a bf16 [BM][OUT_COLS + 8] tile.
+//   coded weights: [STAGES x A][2 x B (converted)][STAGES x Q][scales]
+// (MXFP8, the largest: 194 KB.) The epilogue reuses the start as a bf16 [BM][OUT_COLS + 8] tile.
 constexpr int smem_bytes(Codes c) {
   return 1024 + STAGES * A_BYTES +
-         (c == Codes::Bf16 ? STAGES * B_BYTES : 2 * B_BYTES + STAGES * (q_bytes(c) + s_bytes(c)));
+         (c == Codes::Bf16 ? STAGES * B_BYTES : 2 * B_BYTES + STAGES * q_bytes(c) + s_area_bytes(c));
 }
 static_assert(smem_bytes(Codes::Bf16) <= 227 * 1024 && smem_bytes(Codes::Fp8) <= 227 * 1024 &&
                   smem_bytes(Codes::Mxfp8) <= 227 * 1024 && smem_bytes(Codes::Nvfp4) <= 227 * 1024,
@@ -699,7 +705,7 @@ struct Args {
   int64_t K;
   const void* w;               // [E, (gate/up ? 2 : 1) * N, K]: bf16, e4m3 or E2M1 pairs (K / 2 bytes a row)
   const float* w_scales;       // FP8: moe.h's block scales
-  const uint8_t* w_groups;     // group-scaled codes: [E, (gate/up ? 2 : 1) * N, K / group], 4-byte aligned
+  const uint8_t* w_groups;     // group-scaled codes: [E, (gate/up ? 2 : 1) * N, K / group], 8 / 4-byte aligned
   const float* w_global;       // NVFP4: weight_scale_2, [E, 2] (gate, up) or [E] (down)
   int64_t N;                   // output columns: gate/up: inter; down: hidden
   int n_tiles;                 // N / 128 (gate/up) or N / 256 (down)
@@ -729,13 +735,13 @@ template <bool GATE_UP, Codes C>
 __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
   constexpr bool RAW = C != Codes::Bf16, FP8 = C == Codes::Fp8, FP4 = skinny::is_fp4(C);
   constexpr bool GROUPED = skinny::has_groups(C);
-  constexpr int Q_ROW = q_row_bytes(C), Q_BYTES = q_bytes(C), S_BYTES = s_bytes(C);
+  constexpr int Q_ROW = q_row_bytes(C), Q_BYTES = q_bytes(C), G_WORD = g_word_bytes(C);
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* a_smem = smem;                          // STAGES x A_BYTES
   uint8_t* b_smem = smem + STAGES * A_BYTES;       // bf16: STAGES x B_BYTES; coded: 2 converted tiles
   uint8_t* q_smem = b_smem + 2 * B_BYTES;          // coded only: STAGES x Q_BYTES
-  uint8_t* s_smem = q_smem + STAGES * Q_BYTES;     // coded only: STAGES x S_BYTES
+  uint8_t* s_smem = q_smem + STAGES * Q_BYTES;     // coded only: s_area_bytes(C)
 
   // CTA -> (expert, weight tile, row tile): the expert's CTAs are [first * n_tiles, (first + count) *
   // n_tiles), weight tile outer, row tile inner. CTAs past the last tile (the grid is a host-side bound)
@@ -807,10 +813,11 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
     s_src = GATE_UP ? p.w_scales + ((int64_t(expert) * 2 + slot) * (N / 128) + n_tile) * kb
                     : p.w_scales + (int64_t(expert) * (N / 128) + 2 * n_tile + slot) * kb;
   }
-  // Group-scaled: thread t copies the scale word of tile row t (BN == THREADS): byte k0 / 16 of the row's
-  // scales for NVFP4 (a stage's 64 columns are its four groups), the aligned word k0 / 128 for MX (groups
-  // 2 kt and 2 kt + 1 are its bytes 2 (kt % 2) and 2 (kt % 2) + 1). K % 128 == 0 (use_wgmma) keeps every
-  // row's scales 4-byte aligned given an aligned base (checked on the host).
+  // Group-scaled: thread t copies the scales of tile row t (BN == THREADS) for stages 2j and 2j + 1 (columns
+  // [128 j, 128 j + 128)) with stage 2j: bytes [8 j, 8 j + 8) of the row's NVFP4 scales (stage kt's four
+  // groups at 4 (kt % 2)), the word [4 j, 4 j + 4) of its MX scales (stage kt's two at 2 (kt % 2)). K % 128
+  // == 0 (use_wgmma) keeps every row's copies 8-byte (NVFP4: K / 16 bytes a row) or 4-byte (MX: K / 32)
+  // aligned, given a 8- or 4-byte aligned base (checked on the host).
   const uint8_t* g_src = nullptr;
   if constexpr (GROUPED) {
     static_assert(BN == THREADS, "one scale row a thread");
@@ -832,9 +839,13 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
       for (int i = 0; i < B_PER_THREAD; ++i)
         cp_async16(q_dst + (crow0 + Q_RPP * i) * Q_ROW + cchunk * 16, static_cast<const uint8_t*>(b_src[i]) + q0, true);
       if constexpr (FP8) {
-        if (tid < 2) cp_async4(reinterpret_cast<float*>(s_smem + slot * S_BYTES) + tid, s_src + k0 / 128, true);
-      } else {
-        cp_async4(s_smem + slot * S_BYTES + tid * 4, g_src + (C == Codes::Nvfp4 ? k0 / 16 : k0 / 128 * 4), true);
+        if (tid < 2) cp_async4(reinterpret_cast<float*>(s_smem) + slot * 2 + tid, s_src + k0 / 128, true);
+      } else if (k0 % (2 * BK) == 0) {  // the scales of this stage and the next, into buffer (k0 / 128) % 2
+        uint8_t* g_dst = s_smem + (k0 / (2 * BK)) % 2 * (BN * G_WORD) + tid * G_WORD;
+        if constexpr (C == Codes::Nvfp4)
+          cp_async8(g_dst, g_src + k0 / 16, true);
+        else
+          cp_async4(g_dst, g_src + k0 / 32, true);
       }
     } else {
       uint8_t* b_dst = b_smem + slot * B_BYTES;
@@ -874,7 +885,10 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
       const int piece = tid % 4, prow0 = tid / 4;
       uint8_t* bc = b_smem + (kt & 1) * B_BYTES;
       const uint8_t* q = q_smem + slot * Q_BYTES;
-      const uint8_t* sg = s_smem + slot * S_BYTES;
+      // Scales: FP8 the stage's two block scales; group-scaled the buffer of stages 2 (kt / 2), + 1, written
+      // with stage kt - kt % 2 and rewritten with stage kt - kt % 2 + 4, whose copy is issued after this
+      // conversion (at the earliest in iteration kt + 1, behind its barrier).
+      const uint8_t* sg = FP8 ? s_smem + slot * 8 : s_smem + (kt / 2) % 2 * (BN * G_WORD);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int r = prow0 + 64 * i;
@@ -886,12 +900,13 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
           hi = dequant8(raw.z, raw.w, sc);
         } else if constexpr (FP4) {
           uint32_t pair[2];
-          skinny::fp4_scale_pairs<C>(sg[r * 4 + (C == Codes::Nvfp4 ? piece : 2 * (kt & 1) + piece / 2)], pair);
+          skinny::fp4_scale_pairs<C>(
+              sg[r * G_WORD + (C == Codes::Nvfp4 ? 4 * (kt & 1) + piece : 2 * (kt & 1) + piece / 2)], pair);
           const uint2 raw = *reinterpret_cast<const uint2*>(q + r * Q_ROW + piece * 8);
           lo = fp4_to_bf16x8(raw.x, pair[0]);
           hi = fp4_to_bf16x8(raw.y, pair[0]);
         } else {  // MXFP8
-          const uint32_t sc = skinny::e8m0_bf16x2(sg[r * 4 + 2 * (kt & 1) + piece / 2]);
+          const uint32_t sc = skinny::e8m0_bf16x2(sg[r * G_WORD + 2 * (kt & 1) + piece / 2]);
           const uint4 raw = *reinterpret_cast<const uint4*>(q + r * Q_ROW + piece * 16);
           lo = mx8_to_bf16x8(raw.x, raw.y, sc);
           hi = mx8_to_bf16x8(raw.z, raw.w, sc);
@@ -1364,10 +1379,13 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
   auto* y = reinterpret_cast<bf16*>(ws + l.y);
 
   // Every format takes the same path for a shape (moe_experts_path), except that the wgmma kernel copies
-  // group scales in 4-byte words: scale arrays not 4-byte aligned take the WMMA tiles instead.
+  // group scales in 8-byte (NVFP4) or 4-byte (MX) pieces: scale arrays not aligned to them take the WMMA
+  // tiles instead.
   MoePath path = moe_experts_path(tokens, top_k, num_experts, hidden, inter);
+  const uintptr_t scale_align = C == skinny::Codes::Nvfp4 ? 8 : 4;
   if (GROUPED && path == MoePath::Wgmma &&
-      (reinterpret_cast<uintptr_t>(sc.gate_up_groups) % 4 != 0 || reinterpret_cast<uintptr_t>(sc.down_groups) % 4 != 0))
+      (reinterpret_cast<uintptr_t>(sc.gate_up_groups) % scale_align != 0 ||
+       reinterpret_cast<uintptr_t>(sc.down_groups) % scale_align != 0))
     path = MoePath::Tiled;
   const int tile_rows = path == MoePath::Decode ? decode_tile_rows(tokens, hidden, inter, C) : 0;
   if (path == MoePath::Decode && num_experts <= DECODE_SORT_EXPERTS && pairs <= DECODE_SORT_PAIRS) {

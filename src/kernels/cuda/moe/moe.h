@@ -97,8 +97,8 @@ void moe_experts_fp8(const void* x, int64_t tokens, int64_t hidden, const int32_
 //     [.., inter / 32]), no global scales (null):  W = e2m1 * 2^(e8m0 - 127).
 //   Mxfp8 (ModelOpt / OCP MX, MiniMax-M3's experts): e4m3 codes, one a byte (gate_up [E, 2*inter, hidden],
 //     down [E, hidden, inter]), scales E8M0 per 32 as Mxfp4's, no global scales:  W = e4m3 * 2^(e8m0 - 127).
-// Every format takes the path moe_experts_path names, as moe_experts does (group scales that are not
-// 4-byte aligned keep the Tiled path instead of Wgmma). Decode: the decode kernel (gemm/skinny.cuh) turns
+// Every format takes the path moe_experts_path names, as moe_experts does (group scales not 8-byte (NVFP4)
+// or 4-byte (MX) aligned keep the Tiled path instead of Wgmma). Decode: the decode kernel (gemm/skinny.cuh) turns
 // each code into bf16 times its group scale in registers (exact: code * scale fits bf16). Tiled (WMMA) and
 // Wgmma: the raw codes and scales are staged by cp.async and each staged tile is converted into a bf16 tile
 // with the same exact values. NVFP4's global scale multiplies each fp32 sum before the activation / the pair
