@@ -2,8 +2,10 @@
 // SigmoidRouter::route on the CPU (the router's weight set to the identity so the logits pass through
 // unchanged), moe_experts against the CPU experts (kernels/cpu/moe_reference.h) on bf16-representable weights;
 // moe_experts_fp8 (e4m3 weights, 128x128 block scales) against moe_experts on the same weights dequantised on the host
-// (bit for bit on the tiled paths), and against a double reference; the decode path (moe_experts_path == Decode)
-// against the double reference within a bound derived from its roundings, for both weight formats.
+// (bit for bit on the tiled paths), and against a double reference; moe_experts_packed (NVFP4, MXFP4, MXFP8) against
+// the double reference on its dequantised weights on every path, and above decode sizes bit for bit against
+// moe_experts on them; the decode path (moe_experts_path == Decode) against the double reference within a bound
+// derived from its roundings, for both weight formats.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -513,9 +515,14 @@ Routing random_routing(std::mt19937_64& rng, int64_t tokens, int64_t experts, in
 // FP4 code (all 256 bytes are finite pairs) or every finite e4m3 code, scales spread over 16 E4M3 codes
 // (NVFP4, with a per-matrix global scale) or 4 E8M0 powers of two (MX). The kernel turns each code into bf16 times its
 // group scale (exact) and applies NVFP4's global scale to each fp32 sum: the decode path's bound around the double
-// reference on the exact dequantised weights, at decode sizes (the skinny kernel) and at a prefill size (the WMMA
-// tiles, which convert each staged code tile), run to run bit for bit. A wrong nibble order, pair order, group or half
-// moves results by O(|ref|), far outside the bound.
+// reference on the exact dequantised weights, at decode sizes (the skinny kernel) and at prefill sizes (the WMMA
+// tiles, or the wgmma kernel where moe_experts_path says Wgmma: both convert each staged code tile), run to run bit
+// for bit. A wrong nibble order, pair order, group or half moves results by O(|ref|), far outside the bound. Above
+// decode sizes the products see exactly the dequantised weights (code * group scale, exact in bf16; FP4's tiles
+// carry a power of two that the epilogue takes back), so with NVFP4's global scales set to 1 the result is
+// bit-identical to moe_experts on those weights as bf16, on the same path. The wgmma shapes cover gate/up and
+// down with several weight tiles, tiles of more and of at most 64 rows, and experts with no rows (a routing
+// over the first half of the experts only).
 TEST(CudaMoe, GroupScaledExpertsMatchTheirDequantisedWeights) {
   SPARROW_REQUIRE_GPU();
   const uint64_t seed = test::fresh_seed();
@@ -523,11 +530,17 @@ TEST(CudaMoe, GroupScaledExpertsMatchTheirDequantisedWeights) {
   std::mt19937_64 rng(seed);
   struct Shape {
     int64_t hidden, inter, experts, top_k;
+    bool half_routed;  // tokens pick among the first half of the experts only: the others get no rows
   };
+  // At 300 tokens the last four take the wgmma path (hidden % 256 == 0, inter % 128 == 0, >= 32 rows per
+  // expert on average), the second the WMMA tiles; 1 and 7 tokens the decode path.
   const Shape shapes[] = {
-      {256, 64, 8, 2},     // one 64-byte slab per row at K = 64 (down)
-      {544, 96, 16, 4},    // K not a multiple of 128: a partial last slab; hidden % 16 == 0, a whole last group
-      {1024, 256, 32, 8},  // DeepSeek-V3's shape scaled down
+      {256, 64, 8, 2, false},     // one 64-byte slab per row at K = 64 (down)
+      {544, 96, 16, 4, false},    // K not a multiple of 128: a partial last slab; hidden % 16 == 0, a whole last group
+      {1024, 256, 32, 8, false},  // DeepSeek-V3's shape scaled down: ~75 rows per expert, tiles of > and <= 64 rows
+      {256, 128, 4, 2, false},    // ~150 rows per expert: a 128-row tile and a remainder tile of ~22
+      {512, 256, 8, 2, false},    // 2 weight tiles in gate/up and in down, ~75 rows per expert
+      {512, 128, 16, 4, true},    // experts 8-15 have no rows, 0-7 ~150 each
   };
   const float alpha = 1.702f, limit = 7.0f;
   std::uniform_int_distribution<int> byte(0, 255);
@@ -537,11 +550,14 @@ TEST(CudaMoe, GroupScaledExpertsMatchTheirDequantisedWeights) {
         for (auto kind : {Glu::SiluGlu, Glu::ClampedSwiglu}) {
           const bool nvfp4 = format == cuda::WeightCodes::Nvfp4, mx8 = format == cuda::WeightCodes::Mxfp8;
           const int64_t group = nvfp4 ? 16 : 32, E = c.experts, H = c.hidden, I = c.inter, per_byte = mx8 ? 1 : 2;
-          SCOPED_TRACE(testing::Message() << (nvfp4 ? "nvfp4"
-                                              : mx8 ? "mxfp8"
-                                                    : "mxfp4")
-                                          << " tokens=" << tokens << " hidden=" << H << " inter=" << I
-                                          << " experts=" << E << " top_k=" << c.top_k << " kind=" << int(kind));
+          const cuda::MoePath path = cuda::moe_experts_path(tokens, c.top_k, E, H, I);
+          SCOPED_TRACE(testing::Message()
+                       << (nvfp4 ? "nvfp4"
+                           : mx8 ? "mxfp8"
+                                 : "mxfp4")
+                       << " tokens=" << tokens << " hidden=" << H << " inter=" << I << " experts=" << E
+                       << " top_k=" << c.top_k << " kind=" << int(kind) << " half_routed=" << c.half_routed
+                       << " path=" << path_name(tokens, c.top_k, E, H, I));
           std::vector<float> x = test::random_vector(rng, tokens * H, -1.0f, 1.0f);
           for (float& v : x) v = test::round_bf16(v);
           auto codes = [&](int64_t n) {
@@ -586,27 +602,49 @@ TEST(CudaMoe, GroupScaledExpertsMatchTheirDequantisedWeights) {
           };
           dequantise(gu, gu_s, E * 2 * I, H, gu_global.data(), I, gu_w);
           dequantise(dn, dn_s, E * H, I, dn_global.data(), H, dn_w);
-          const Routing routing = random_routing(rng, tokens, E, c.top_k, Skew::Uniform);
+          const Routing routing = random_routing(rng, tokens, c.half_routed ? E / 2 : E, c.top_k, Skew::Uniform);
 
           const size_t ws_bytes = cuda::moe_workspace_bytes(tokens, c.top_k, E, H, I);
           DeviceBuffer dx(test::to_bf16(x)), de(routing.experts), dw(routing.weights), dgu(gu), dgus(gu_s), ddn(dn),
               ddns(dn_s), dgg(gu_global), ddg(dn_global), out(tokens * H * 2), ws(ws_bytes);
-          auto run = [&] {
+          auto run = [&](const float* gu_g, const float* dn_g) {
             out.poison();
             ws.poison();
             cuda::moe_experts_packed(dx.get(), tokens, H, de.get<int32_t>(), dw.get<float>(), c.top_k, format,
-                                     dgu.get<uint8_t>(), dgus.get<uint8_t>(), nvfp4 ? dgg.get<float>() : nullptr,
-                                     ddn.get<uint8_t>(), ddns.get<uint8_t>(), nvfp4 ? ddg.get<float>() : nullptr, E,
-                                     I, kind, alpha, limit, out.get(), ws.get(), cuda::stream());
+                                     dgu.get<uint8_t>(), dgus.get<uint8_t>(), nvfp4 ? gu_g : nullptr,
+                                     ddn.get<uint8_t>(), ddns.get<uint8_t>(), nvfp4 ? dn_g : nullptr, E, I, kind, alpha,
+                                     limit, out.get(), ws.get(), cuda::stream());
             return out.download<uint16_t>(tokens * H);
           };
-          const std::vector<uint16_t> got = run();
+          const std::vector<uint16_t> got = run(dgg.get<float>(), ddg.get<float>());
           const BoundedReference ref = experts_reference(x, routing, gu_w, dn_w, tokens, H, I, kind, alpha, limit);
           EXPECT_TRUE(within_bound(test::from_bf16(got), ref));
           double max_ref = 0;
           for (float v : ref.out) max_ref = std::max(max_ref, double(std::fabs(v)));
           EXPECT_GT(max_ref, 0.1);
-          EXPECT_EQ(run(), got);  // deterministic
+          EXPECT_EQ(run(dgg.get<float>(), ddg.get<float>()), got);  // deterministic
+
+          if (path != cuda::MoePath::Decode) {
+            // The tiled paths against moe_experts on the dequantised weights as bf16 (code * group scale, exact),
+            // NVFP4's global scales 1: the same bits.
+            const std::vector<float> ones_gu(2 * E, 1.0f), ones_dn(E, 1.0f);
+            std::vector<float> gu_b(E * 2 * I * H), dn_b(E * H * I);
+            dequantise(gu, gu_s, E * 2 * I, H, ones_gu.data(), I, gu_b);
+            dequantise(dn, dn_s, E * H, I, ones_dn.data(), H, dn_b);
+            DeviceBuffer d1gu(ones_gu), d1dn(ones_dn), dgu16(test::to_bf16(gu_b)), ddn16(test::to_bf16(dn_b)),
+                out16(tokens * H * 2);
+            const std::vector<uint16_t> got1 = run(d1gu.get<float>(), d1dn.get<float>());
+            out16.poison();
+            ws.poison();
+            cuda::moe_experts(dx.get(), tokens, H, de.get<int32_t>(), dw.get<float>(), c.top_k, dgu16.get(),
+                              ddn16.get(), E, I, kind, alpha, limit, out16.get(), ws.get(), cuda::stream());
+            const std::vector<uint16_t> got16 = out16.download<uint16_t>(tokens * H);
+            size_t differ = 0, first = 0;
+            for (size_t i = got1.size(); i-- > 0;)
+              if (got1[i] != got16[i]) ++differ, first = i;
+            EXPECT_EQ(differ, 0u) << "first at " << first << ": packed " << test::bf2f(got1[first]) << ", bf16 "
+                                  << test::bf2f(got16[first]);
+          }
         }
 }
 

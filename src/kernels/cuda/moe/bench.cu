@@ -266,16 +266,19 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
                     2.0 * tokens * H * 2 + pairs * 8;
         row.flops = 2.0 * pairs * 3 * double(H) * double(I) + 4.0 * pairs * double(I) + 2.0 * pairs * double(H);
         const double seconds = row.median_us * 1e-6;
-        // FP4, MXFP8: the decode kernel where the others take it, else the WMMA tiles (moe.h).
-        MoePath path = moe_experts_path(tokens, k, E, H, I);
-        if (fp4 && path == MoePath::Wgmma) path = MoePath::Tiled;
+        // Every format takes the path moe_experts_path names (moe.h).
+        const MoePath path = moe_experts_path(tokens, k, E, H, I);
         std::string how;
         if (fp4)
-          how = std::string(path == MoePath::Decode ? "decode path" : "tiled path (WMMA)") +
+          how = std::string(path == MoePath::Decode  ? "decode path"
+                            : path == MoePath::Wgmma ? "wgmma path"
+                                                     : "tiled path (WMMA)") +
                 (mx8 ? ": e4m3 experts read in place, each code turned into bf16 times its "
                      : ": packed e2m1 experts read in place, each code turned into bf16 times its ") +
                 (w == W::Nvfp4 ? "E4M3 scale per 16 (global scale on the sums)" : "E8M0 scale per 32") +
-                (path == MoePath::Decode ? " in registers, mma.sync m16n8k16; " : " per staged tile; ");
+                (path == MoePath::Decode  ? " in registers, mma.sync m16n8k16; "
+                 : path == MoePath::Wgmma ? " per staged tile (codes and scales by cp.async), bf16 wgmma m64nNk16; "
+                                          : " per staged tile; ");
         else if (path == MoePath::Decode)
           how = std::string("decode path: weights streamed by warps, mma.sync m16n8k16, ") +
                 (fp8 ? "e4m3 experts converted exactly to bf16, 128x128 fp32 block scales applied per block sum; "

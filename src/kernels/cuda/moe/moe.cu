@@ -17,7 +17,7 @@
 //   3. one grouped product for down: y[pair] = bf16(weight[pair] · (h[pair] · down[e]ᵀ));
 //   4. out[t] = bf16(Σ_j y[pair(t, j)]) in fp32, slots in order.
 // Steps 1 and 4 are shared; steps 2 and 3 take one of three paths, chosen on the host from the sizes
-// alone (moe_experts_path in moe.h; the same for bf16 and FP8 weights):
+// alone (moe_experts_path in moe.h; the same for bf16, FP8 and packed weights):
 //   - Decode (use_decode: at most 8 rows per expert on average, i.e. tokens·top_k <= 8·experts: decode
 //     steps, DeepSeek-V3.2 and MiniMax-M3.1 up to 256 tokens, Kimi K3.1 Pro up to 896): skinny::kernel
 //     (kernels/cuda/gemm/skinny.cuh, shared with the dense decode-sized products of gemm_skinny.h) with
@@ -45,11 +45,12 @@
 // path converts e4m3 to bf16 exactly (no scale) and scales each 128-column block's fp32 partial: within
 // rounding of moe_experts on the dequantised weights, not bit-identical.
 //
-// moe_experts_packed (NVFP4 / MXFP4 / MXFP8 as released) reads the codes in place: the Decode path turns
-// them into bf16 times their group scale in registers (skinny.cuh fp4_to_bf16x2 and e8m0_bf16x2, exact);
-// larger steps take the WMMA tiles, which stage the raw code tiles by cp.async and convert each stage into
-// the bf16 tile (fp4_to_bf16x8; MXFP8 as the FP8 tiles, with the row's group scale). No wgmma product
-// reads the group-scaled formats yet.
+// moe_experts_packed (NVFP4 / MXFP4 / MXFP8 as released) reads the codes in place, on the same three paths
+// for the same shapes: the Decode path turns them into bf16 times their group scale in registers
+// (skinny.cuh fp4_to_bf16x2 and e8m0_bf16x2, exact); the Tiled (WMMA) and Wgmma kernels stage the raw code
+// tiles and their group scales by cp.async and convert each stage into the bf16 tile (fp4_to_bf16x8; MXFP8
+// e4m3 times the row's E8M0 scale), the exact dequantised values, so there too the products match
+// moe_experts on the dequantised weights bit for bit (NVFP4 with global scales of 1; moe.h).
 #include "kernels/cuda/moe/moe.h"
 
 #include <cuda_bf16.h>
@@ -365,7 +366,7 @@ union GemmSmem {
 };
 
 // Eight E2M1 codes (one word, code k in bits 4k..4k+3) -> eight bf16 times the scale pair, in column order
-// (skinny::fp4_to_bf16x2 pairs codes k and k + 4; the WMMA tile wants them in place). Values carry the
+// (skinny::fp4_to_bf16x2 pairs codes k and k + 4; the WMMA and wgmma tiles want them in place). Values carry the
 // 2^-16 of fp4_scale_pairs' scale, which the epilogue takes back.
 __device__ __forceinline__ uint4 fp4_to_bf16x8(uint32_t w, uint32_t scale) {
   uint32_t p[4];
@@ -644,6 +645,15 @@ __global__ void combine_kernel(const bf16* y, const int32_t* pos_of_pair, int to
 //   - FP8 weights: the raw e4m3 stage and its two block scales land by cp.async, and each step converts the
 //     stage into a bf16 tile (double-buffered) with the same bf16(e4m3 * scale) as the WMMA path, so
 //     moe_experts_fp8 stays bit-identical to moe_experts on the dequantised weights on this path too;
+//   - group-scaled weights (moe_experts_packed, the Codes parameter): the raw stage of codes (NVFP4 / MXFP4:
+//     E2M1 pairs, 32 bytes a row, a quarter of the bf16 stage; MXFP8: e4m3, 64 bytes a row) lands by
+//     cp.async, and every other stage the group scales of two stages per weight row (NVFP4: eight E4M3
+//     bytes; MXFP4 / MXFP8: four E8M0 bytes) into one of two scale buffers; the
+//     same inline step converts them into the bf16 tile: FP4 with fp4_to_bf16x8 (e2m1 * scale * 2^-16,
+//     exact: the WMMA and decode paths' values; the epilogue multiplies the fp32 sums by 2^16 and NVFP4's
+//     weight_scale_2), MXFP8 e4m3 * 2^(e - 127) in one bf16x2 product (exact, the values of the WMMA
+//     path's fp32 product). With a scale of 1 for NVFP4's global, every path's weights are then the exact
+//     dequantised values (a power of two apart for FP4), so the products match moe_experts on them;
 //   - CTAs are numbered expert by expert, and inside an expert weight tile by weight tile with the expert's
 //     row tiles innermost: the row tiles reading one weight tile run side by side (the weights come from
 //     HBM about once: at 4K tokens DeepSeek's experts are 22.5 GB, more time than their FLOPs), and an
@@ -654,18 +664,34 @@ __global__ void combine_kernel(const bf16* y, const int32_t* pos_of_pair, int to
 // Shapes: hidden % 256 == 0 and inter % 128 == 0 (every tile full in N and K); see use_wgmma.
 namespace wg {
 
+using skinny::Codes;
+
 constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4, THREADS = 256;
 constexpr int A_BYTES = BM * BK * 2;  // 16 KB: 128 rows of one 128-byte swizzle row
 constexpr int B_BYTES = BN * BK * 2;  // 32 KB
-constexpr int Q_BYTES = BN * BK;      // 16 KB of e4m3 codes, plain [BN][BK]
-// Shared memory, from a 1024-byte aligned base:
-//   bf16 weights: [STAGES x A][STAGES x B]
-//   FP8 weights:  [STAGES x A][2 x B (converted)][STAGES x Q][STAGES x 2 scales]
-// The epilogue reuses the start as a bf16 [BM][OUT_COLS + 8] tile.
-constexpr int smem_bytes(bool fp8) {
-  return 1024 + STAGES * A_BYTES + (fp8 ? 2 * B_BYTES + STAGES * Q_BYTES + STAGES * 2 * 4 : STAGES * B_BYTES);
+// A weight row's codes in one stage: 64 bytes of e4m3 (FP8, MXFP8) or 32 of E2M1 pairs (NVFP4, MXFP4).
+__host__ __device__ constexpr int q_row_bytes(Codes c) { return skinny::is_fp4(c) ? BK / 2 : BK; }
+// A stage's raw codes, plain [BN][q_row_bytes].
+__host__ __device__ constexpr int q_bytes(Codes c) { return BN * q_row_bytes(c); }
+// Group scales: a weight row's scales of two stages (128 columns) are one copy, NVFP4's eight E4M3 bytes or
+// MX's four E8M0 bytes, copied with the even stage into one of two buffers [BN][g_word_bytes] (a copy per
+// stage and row, 4 bytes from a different line each, added half as many L2 requests as the FP4 codes).
+__host__ __device__ constexpr int g_word_bytes(Codes c) { return c == Codes::Nvfp4 ? 8 : 4; }
+// The scale area: FP8 the two fp32 block scales of each stage's rows, group-scaled codes the two buffers.
+__host__ __device__ constexpr int s_area_bytes(Codes c) {
+  return c == Codes::Fp8 ? STAGES * 2 * 4 : 2 * BN * g_word_bytes(c);
 }
-static_assert(smem_bytes(false) <= 227 * 1024 && smem_bytes(true) <= 227 * 1024, "shared memory per block");
+// Shared memory, from a 1024-byte aligned base:
+//   bf16 weights:  [STAGES x A][STAGES x B]
+//   coded weights: [STAGES x A][2 x B (converted)][STAGES x Q][scales]
+// (MXFP8, the largest: 194 KB.) The epilogue reuses the start as a bf16 [BM][OUT_COLS + 8] tile.
+constexpr int smem_bytes(Codes c) {
+  return 1024 + STAGES * A_BYTES +
+         (c == Codes::Bf16 ? STAGES * B_BYTES : 2 * B_BYTES + STAGES * q_bytes(c) + s_area_bytes(c));
+}
+static_assert(smem_bytes(Codes::Bf16) <= 227 * 1024 && smem_bytes(Codes::Fp8) <= 227 * 1024 &&
+                  smem_bytes(Codes::Mxfp8) <= 227 * 1024 && smem_bytes(Codes::Nvfp4) <= 227 * 1024,
+              "shared memory per block");
 static_assert(BM * (BN + 8) * 2 <= STAGES * A_BYTES + 2 * B_BYTES, "epilogue tile fits in the pipeline's space");
 
 struct Args {
@@ -677,8 +703,10 @@ struct Args {
   int top_k;
   const bf16* a;               // gate/up: x [tokens, K] (rows gathered); down: h [pairs, K] (sorted rows)
   int64_t K;
-  const void* w;               // [E, (gate/up ? 2 : 1) * N, K], bf16 or e4m3
+  const void* w;               // [E, (gate/up ? 2 : 1) * N, K]: bf16, e4m3 or E2M1 pairs (K / 2 bytes a row)
   const float* w_scales;       // FP8: moe.h's block scales
+  const uint8_t* w_groups;     // group-scaled codes: [E, (gate/up ? 2 : 1) * N, K / group], 8 / 4-byte aligned
+  const float* w_global;       // NVFP4: weight_scale_2, [E, 2] (gate, up) or [E] (down)
   int64_t N;                   // output columns: gate/up: inter; down: hidden
   int n_tiles;                 // N / 128 (gate/up) or N / 256 (down)
   const float* pair_weight;
@@ -693,14 +721,27 @@ using ptx::wgmma_wait;
 using wgmma::fence_proxy_async;
 using wgmma::sw128_descriptor;
 
-template <bool GATE_UP, bool FP8>
+// Eight e4m3 codes (w0 then w1, lowest byte first) times an E8M0 scale pair (skinny::e8m0_bf16x2) -> eight
+// bf16, lowest address first: exact, the same values as the WMMA path's fp32 product (skinny.cuh's MXFP8).
+__device__ __forceinline__ uint4 mx8_to_bf16x8(uint32_t w0, uint32_t w1, uint32_t sc) {
+  using skinny::bf16x2_mul;
+  using skinny::e4m3x2_to_bf16x2;
+  return make_uint4(bf16x2_mul(e4m3x2_to_bf16x2(w0), sc), bf16x2_mul(e4m3x2_to_bf16x2(w0 >> 16), sc),
+                    bf16x2_mul(e4m3x2_to_bf16x2(w1), sc), bf16x2_mul(e4m3x2_to_bf16x2(w1 >> 16), sc));
+}
+
+// C: the weights' codes. Bf16 is read as is; every other format is staged raw and converted (see above).
+template <bool GATE_UP, Codes C>
 __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
+  constexpr bool RAW = C != Codes::Bf16, FP8 = C == Codes::Fp8, FP4 = skinny::is_fp4(C);
+  constexpr bool GROUPED = skinny::has_groups(C);
+  constexpr int Q_ROW = q_row_bytes(C), Q_BYTES = q_bytes(C), G_WORD = g_word_bytes(C);
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* a_smem = smem;                          // STAGES x A_BYTES
-  uint8_t* b_smem = smem + STAGES * A_BYTES;       // bf16: STAGES x B_BYTES; FP8: 2 converted tiles
-  uint8_t* q_smem = b_smem + 2 * B_BYTES;          // FP8 only: STAGES x Q_BYTES
-  float* s_smem = reinterpret_cast<float*>(q_smem + STAGES * Q_BYTES);  // FP8 only: STAGES x 2
+  uint8_t* b_smem = smem + STAGES * A_BYTES;       // bf16: STAGES x B_BYTES; coded: 2 converted tiles
+  uint8_t* q_smem = b_smem + 2 * B_BYTES;          // coded only: STAGES x Q_BYTES
+  uint8_t* s_smem = q_smem + STAGES * Q_BYTES;     // coded only: s_area_bytes(C)
 
   // CTA -> (expert, weight tile, row tile): the expert's CTAs are [first * n_tiles, (first + count) *
   // n_tiles), weight tile outer, row tile inner. CTAs past the last tile (the grid is a host-side bound)
@@ -722,7 +763,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
   const int ktiles = int(K / BK);
 
   // Copy assignments. bf16 A and B: 16-byte chunk `chunk` of rows row0 + 32 i (8 threads per 128-byte
-  // row). e4m3 B: chunk `qchunk` (16 codes) of rows qrow0 + 64 i (4 threads per 64-byte row).
+  // row). Raw codes: chunk `cchunk` of rows crow0 + Q_RPP i (e4m3: 4 threads per 64-byte row, 4 rows a
+  // thread; E2M1: 2 per 32-byte row, 2 rows a thread).
   const int chunk = tid % 8, row0 = tid / 8;
   const int swz = (chunk ^ (row0 % 8)) * 16;  // (row0 + 32 i) % 8 == row0 % 8
   const bf16* a_src[4];
@@ -745,14 +787,17 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
     }
   };
   const int64_t expert_rows = (GATE_UP ? 2 : 1) * N;
-  constexpr int B_PER_THREAD = FP8 ? 4 : 8;
-  const int qchunk = tid % 4, qrow0 = tid / 4;
+  constexpr int Q_CPR = Q_ROW / 16, Q_RPP = THREADS / Q_CPR;  // raw: chunks per row, rows per copy pass
+  constexpr int B_PER_THREAD = RAW ? BN / Q_RPP : 8;
+  const int cchunk = tid % Q_CPR, crow0 = tid / Q_CPR;
+  const int64_t q_row_stride = K / BK * Q_ROW;  // bytes of a raw weight row
   const void* b_src[B_PER_THREAD];
 #pragma unroll
   for (int i = 0; i < B_PER_THREAD; ++i) {
-    if constexpr (FP8) {
-      const int r = qrow0 + 64 * i;
-      b_src[i] = static_cast<const uint8_t*>(p.w) + (int64_t(expert) * expert_rows + weight_row(r)) * K + qchunk * 16;
+    if constexpr (RAW) {
+      const int r = crow0 + Q_RPP * i;
+      b_src[i] = static_cast<const uint8_t*>(p.w) + (int64_t(expert) * expert_rows + weight_row(r)) * q_row_stride +
+                 cchunk * 16;
     } else {
       const int r = row0 + 32 * i;
       b_src[i] = static_cast<const bf16*>(p.w) + (int64_t(expert) * expert_rows + weight_row(r)) * K + chunk * 8;
@@ -768,6 +813,16 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
     s_src = GATE_UP ? p.w_scales + ((int64_t(expert) * 2 + slot) * (N / 128) + n_tile) * kb
                     : p.w_scales + (int64_t(expert) * (N / 128) + 2 * n_tile + slot) * kb;
   }
+  // Group-scaled: thread t copies the scales of tile row t (BN == THREADS) for stages 2j and 2j + 1 (columns
+  // [128 j, 128 j + 128)) with stage 2j: bytes [8 j, 8 j + 8) of the row's NVFP4 scales (stage kt's four
+  // groups at 4 (kt % 2)), the word [4 j, 4 j + 4) of its MX scales (stage kt's two at 2 (kt % 2)). K % 128
+  // == 0 (use_wgmma) keeps every row's copies 8-byte (NVFP4: K / 16 bytes a row) or 4-byte (MX: K / 32)
+  // aligned, given a 8- or 4-byte aligned base (checked on the host).
+  const uint8_t* g_src = nullptr;
+  if constexpr (GROUPED) {
+    static_assert(BN == THREADS, "one scale row a thread");
+    g_src = p.w_groups + (int64_t(expert) * expert_rows + weight_row(tid)) * (K / skinny::group_size(C));
+  }
 
   auto load_stage = [&](int slot, int64_t k0) {
     uint8_t* a_dst = a_smem + slot * A_BYTES;
@@ -777,12 +832,21 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
       const int r = row0 + 32 * i;
       cp_async16(a_dst + r * 128 + swz, a_src[i] != nullptr ? a_src[i] + k0 : p.a, a_src[i] != nullptr);
     }
-    if constexpr (FP8) {
+    if constexpr (RAW) {
       uint8_t* q_dst = q_smem + slot * Q_BYTES;
+      const int64_t q0 = k0 / BK * Q_ROW;
 #pragma unroll
       for (int i = 0; i < B_PER_THREAD; ++i)
-        cp_async16(q_dst + (qrow0 + 64 * i) * BK + qchunk * 16, static_cast<const uint8_t*>(b_src[i]) + k0, true);
-      if (tid < 2) cp_async4(s_smem + slot * 2 + tid, s_src + k0 / 128, true);
+        cp_async16(q_dst + (crow0 + Q_RPP * i) * Q_ROW + cchunk * 16, static_cast<const uint8_t*>(b_src[i]) + q0, true);
+      if constexpr (FP8) {
+        if (tid < 2) cp_async4(reinterpret_cast<float*>(s_smem) + slot * 2 + tid, s_src + k0 / 128, true);
+      } else if (k0 % (2 * BK) == 0) {  // the scales of this stage and the next, into buffer (k0 / 128) % 2
+        uint8_t* g_dst = s_smem + (k0 / (2 * BK)) % 2 * (BN * G_WORD) + tid * G_WORD;
+        if constexpr (C == Codes::Nvfp4)
+          cp_async8(g_dst, g_src + k0 / 16, true);
+        else
+          cp_async4(g_dst, g_src + k0 / 32, true);
+      }
     } else {
       uint8_t* b_dst = b_smem + slot * B_BYTES;
 #pragma unroll
@@ -813,18 +877,42 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
     cp_async_commit();  // an empty group past the end keeps the group count uniform
     const int slot = kt % STAGES;
     const uint8_t* b_tile;
-    if constexpr (FP8) {
-      // Convert the stage's e4m3 codes into the bf16 tile of parity kt (its last reader, the products
-      // of kt - 2, is done): each thread its own 4 chunks of 16 codes -> 2 swizzled 16-byte bf16 chunks.
+    if constexpr (RAW) {
+      // Convert the stage's codes into the bf16 tile of parity kt (its last reader, the products of kt - 2,
+      // is done): thread (row tid / 4 + 64 i, piece tid % 4) turns the piece's 16 columns (16 e4m3 codes or
+      // 8 bytes of E2M1 pairs) into the 2 swizzled 16-byte bf16 chunks 2 piece and 2 piece + 1. A piece lies
+      // in one group (16 or 32 columns): NVFP4's group `piece` of the stage, MX's group piece / 2.
+      const int piece = tid % 4, prow0 = tid / 4;
       uint8_t* bc = b_smem + (kt & 1) * B_BYTES;
       const uint8_t* q = q_smem + slot * Q_BYTES;
+      // Scales: FP8 the stage's two block scales; group-scaled the buffer of stages 2 (kt / 2), + 1, written
+      // with stage kt - kt % 2 and rewritten with stage kt - kt % 2 + 4, whose copy is issued after this
+      // conversion (at the earliest in iteration kt + 1, behind its barrier).
+      const uint8_t* sg = FP8 ? s_smem + slot * 8 : s_smem + (kt / 2) % 2 * (BN * G_WORD);
 #pragma unroll
-      for (int i = 0; i < B_PER_THREAD; ++i) {
-        const int r = qrow0 + 64 * i;
-        const float sc = s_smem[slot * 2 + (GATE_UP ? i % 2 : i / 2)];  // scale slot of row r (see s_src)
-        const uint4 raw = *reinterpret_cast<const uint4*>(q + r * BK + qchunk * 16);
-        *reinterpret_cast<uint4*>(bc + r * 128 + (((2 * qchunk) ^ (r % 8)) * 16)) = dequant8(raw.x, raw.y, sc);
-        *reinterpret_cast<uint4*>(bc + r * 128 + (((2 * qchunk + 1) ^ (r % 8)) * 16)) = dequant8(raw.z, raw.w, sc);
+      for (int i = 0; i < 4; ++i) {
+        const int r = prow0 + 64 * i;
+        uint4 lo, hi;  // bf16 columns [16 piece, 16 piece + 8) and [16 piece + 8, 16 piece + 16)
+        if constexpr (FP8) {
+          const float sc = reinterpret_cast<const float*>(sg)[GATE_UP ? i % 2 : i / 2];  // row r's (see s_src)
+          const uint4 raw = *reinterpret_cast<const uint4*>(q + r * Q_ROW + piece * 16);
+          lo = dequant8(raw.x, raw.y, sc);
+          hi = dequant8(raw.z, raw.w, sc);
+        } else if constexpr (FP4) {
+          uint32_t pair[2];
+          skinny::fp4_scale_pairs<C>(
+              sg[r * G_WORD + (C == Codes::Nvfp4 ? 4 * (kt & 1) + piece : 2 * (kt & 1) + piece / 2)], pair);
+          const uint2 raw = *reinterpret_cast<const uint2*>(q + r * Q_ROW + piece * 8);
+          lo = fp4_to_bf16x8(raw.x, pair[0]);
+          hi = fp4_to_bf16x8(raw.y, pair[0]);
+        } else {  // MXFP8
+          const uint32_t sc = skinny::e8m0_bf16x2(sg[r * G_WORD + 2 * (kt & 1) + piece / 2]);
+          const uint4 raw = *reinterpret_cast<const uint4*>(q + r * Q_ROW + piece * 16);
+          lo = mx8_to_bf16x8(raw.x, raw.y, sc);
+          hi = mx8_to_bf16x8(raw.z, raw.w, sc);
+        }
+        *reinterpret_cast<uint4*>(bc + r * 128 + (((2 * piece) ^ (r % 8)) * 16)) = lo;
+        *reinterpret_cast<uint4*>(bc + r * 128 + (((2 * piece + 1) ^ (r % 8)) * 16)) = hi;
       }
       fence_proxy_async();
       __syncthreads();
@@ -864,6 +952,19 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
   const int lane = tid % 32, v = (tid / 32) % 4;
   const int frag_row = (half ? 0 : 64 * wgi) + 16 * v + lane / 4;
   const int frag_col = 2 * (lane % 4);
+  // FP4: the tiles' 2^-16 (skinny::FP4_UNSCALE) back, then NVFP4's weight_scale_2 of the matrix (gate, up
+  // or down: operand b), as the WMMA path's epilogue does.
+  float global[GATE_UP ? 2 : 1];
+#pragma unroll
+  for (int b = 0; b < (GATE_UP ? 2 : 1); ++b)
+    global[b] = C == Codes::Nvfp4 ? p.w_global[int64_t(expert) * (GATE_UP ? 2 : 1) + b] : 1.0f;
+  auto sum = [&](float v, int b) {
+    if constexpr (FP4) {
+      v *= skinny::FP4_UNSCALE;
+      if constexpr (C == Codes::Nvfp4) v = __fmul_rn(v, global[b]);
+    }
+    return v;
+  };
   if constexpr (GATE_UP) {
     // Full tile: column groups jj = 0..15 (8 output columns each): the gate at j = 16 (jj / 8) + jj % 8,
     // the up 8 groups later. Half tile: the warpgroup's 128 weight rows are [gate 64 | up 64] of output
@@ -871,8 +972,9 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
     auto put = [&](int jg, int ju, int col) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float v0 = glu_value(acc[4 * jg + 2 * h], acc[4 * ju + 2 * h], p.kind, p.alpha, p.limit);
-        const float v1 = glu_value(acc[4 * jg + 2 * h + 1], acc[4 * ju + 2 * h + 1], p.kind, p.alpha, p.limit);
+        const float v0 = glu_value(sum(acc[4 * jg + 2 * h], 0), sum(acc[4 * ju + 2 * h], 1), p.kind, p.alpha, p.limit);
+        const float v1 =
+            glu_value(sum(acc[4 * jg + 2 * h + 1], 0), sum(acc[4 * ju + 2 * h + 1], 1), p.kind, p.alpha, p.limit);
         *reinterpret_cast<__nv_bfloat162*>(&c_tile[(frag_row + 8 * h) * PITCH + col]) = __floats2bfloat162_rn(v0, v1);
       }
     };
@@ -893,8 +995,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
     auto put = [&](int j, int col) {
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<__nv_bfloat162*>(&c_tile[(frag_row + 8 * h) * PITCH + col]) =
-            __floats2bfloat162_rn(__fmul_rn(wr[h], acc[4 * j + 2 * h]), __fmul_rn(wr[h], acc[4 * j + 2 * h + 1]));
+        *reinterpret_cast<__nv_bfloat162*>(&c_tile[(frag_row + 8 * h) * PITCH + col]) = __floats2bfloat162_rn(
+            __fmul_rn(wr[h], sum(acc[4 * j + 2 * h], 0)), __fmul_rn(wr[h], sum(acc[4 * j + 2 * h + 1], 0)));
     };
     if (!half) {
 #pragma unroll
@@ -1203,18 +1305,18 @@ int64_t decode_slots(int64_t pairs, int64_t num_experts, int tile_rows) {
   return std::min(pairs, std::min(pairs, num_experts) + (pairs + tile_rows - 1) / tile_rows);
 }
 
-template <bool GATE_UP, bool FP8>
+template <bool GATE_UP, skinny::Codes C>
 void launch_wgmma(const char* what, const wg::Args& args, int64_t max_tiles, cudaStream_t stream) {
-  constexpr int smem = wg::smem_bytes(FP8);
+  constexpr int smem = wg::smem_bytes(C);
   static const bool configured = [] {
-    SPARROW_CUDA_CHECK(cudaFuncSetAttribute(wg::grouped_kernel<GATE_UP, FP8>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    SPARROW_CUDA_CHECK(
+        cudaFuncSetAttribute(wg::grouped_kernel<GATE_UP, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return true;
   }();
   (void)configured;
   const int64_t ctas = max_tiles * args.n_tiles;
   SPARROW_CHECK(ctas <= 0x7fffffff, what, ": too many tiles (", ctas, ")");
-  wg::grouped_kernel<GATE_UP, FP8><<<unsigned(ctas), wg::THREADS, smem, stream>>>(args);
+  wg::grouped_kernel<GATE_UP, C><<<unsigned(ctas), wg::THREADS, smem, stream>>>(args);
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -1276,11 +1378,15 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
   auto* h = reinterpret_cast<bf16*>(ws + l.h);
   auto* y = reinterpret_cast<bf16*>(ws + l.y);
 
-  // Group-scaled weights: the decode kernel, or above its sizes the WMMA tiles (no wgmma product reads them
-  // yet).
-  const MoePath path = !GROUPED ? moe_experts_path(tokens, top_k, num_experts, hidden, inter)
-                       : use_decode(tokens, top_k, num_experts, hidden, inter) ? MoePath::Decode
-                                                                                : MoePath::Tiled;
+  // Every format takes the same path for a shape (moe_experts_path), except that the wgmma kernel copies
+  // group scales in 8-byte (NVFP4) or 4-byte (MX) pieces: scale arrays not aligned to them take the WMMA
+  // tiles instead.
+  MoePath path = moe_experts_path(tokens, top_k, num_experts, hidden, inter);
+  const uintptr_t scale_align = C == skinny::Codes::Nvfp4 ? 8 : 4;
+  if (GROUPED && path == MoePath::Wgmma &&
+      (reinterpret_cast<uintptr_t>(sc.gate_up_groups) % scale_align != 0 ||
+       reinterpret_cast<uintptr_t>(sc.down_groups) % scale_align != 0))
+    path = MoePath::Tiled;
   const int tile_rows = path == MoePath::Decode ? decode_tile_rows(tokens, hidden, inter, C) : 0;
   if (path == MoePath::Decode && num_experts <= DECODE_SORT_EXPERTS && pairs <= DECODE_SORT_PAIRS) {
     decode_sort_kernel<<<1, DECODE_SORT_THREADS, 0, stream>>>(experts, int(pairs), int(num_experts), tile_rows, tiles,
@@ -1316,19 +1422,21 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
   }
 
   if (wide) {
-    if constexpr (!GROUPED) {
     // At most pairs / wg::BM full tiles plus one partial tile per expert, and never more tiles than rows.
     const int64_t max_tiles = std::min<int64_t>(pairs, (pairs + wg::BM - 1) / wg::BM + num_experts);
-    wg::Args up{tiles, num_tiles, tile_start, counts, sorted_pair, int(top_k), static_cast<const bf16*>(x), hidden,
-                gate_up, gate_up_scales, inter, int(inter / 128), nullptr, h, glu_kind, alpha, limit};
-    launch_wgmma<true, FP8>(what, up, max_tiles, stream);
-    wg::Args dn{tiles, num_tiles, tile_start, counts, sorted_pair, int(top_k), h, inter,
-                down, down_scales, hidden, int(hidden / wg::BN), weights, y, glu_kind, alpha, limit};
-    launch_wgmma<false, FP8>(what, dn, max_tiles, stream);
+    wg::Args up{};  // the fields both products share, then gate/up's
+    up.tiles = tiles, up.num_tiles = num_tiles, up.tile_start = tile_start, up.counts = counts;
+    up.sorted_pair = sorted_pair, up.top_k = int(top_k), up.kind = glu_kind, up.alpha = alpha, up.limit = limit;
+    wg::Args dn = up;
+    up.a = static_cast<const bf16*>(x), up.K = hidden, up.N = inter, up.n_tiles = int(inter / 128), up.out = h;
+    up.w = gate_up, up.w_scales = gate_up_scales, up.w_groups = sc.gate_up_groups, up.w_global = sc.gate_up_global;
+    launch_wgmma<true, C>(what, up, max_tiles, stream);
+    dn.a = h, dn.K = inter, dn.N = hidden, dn.n_tiles = int(hidden / wg::BN), dn.out = y, dn.pair_weight = weights;
+    dn.w = down, dn.w_scales = down_scales, dn.w_groups = sc.down_groups, dn.w_global = sc.down_global;
+    launch_wgmma<false, C>(what, dn, max_tiles, stream);
     combine_kernel<<<unsigned(tokens), 256, 0, stream>>>(y, pos_of_pair, int(top_k), hidden, static_cast<bf16*>(out));
     SPARROW_CUDA_CHECK_LAUNCH();
     return;
-    }
   }
 
   const dim3 grid1(unsigned(l.max_tiles), unsigned((inter + BN - 1) / BN));

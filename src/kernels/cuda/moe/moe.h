@@ -43,7 +43,7 @@ void keep_local_experts(int32_t* experts, int64_t slots, int first, int count, c
 // Every path rounds the intermediate h = act(·) and each slot's weighted output to bf16 and sums a
 // token's slots in slot order in fp32 (one final bf16 rounding), and every path is deterministic: the
 // same inputs give the same bits run to run, whatever the routing. Which path runs is decided on the
-// host from the sizes alone (moe_experts_path), the same for the bf16 and the FP8 form:
+// host from the sizes alone (moe_experts_path), the same for the bf16, FP8 and packed forms:
 //   Decode when tokens * top_k <= 8 * num_experts (at most 8 rows per expert on average: decode steps)
 //     and hidden, inter <= ~57K: each output element is one fp32 accumulation over k (bf16 tensor-core
 //     products of the bf16 weights and activations). A different summation order from the other paths:
@@ -97,12 +97,17 @@ void moe_experts_fp8(const void* x, int64_t tokens, int64_t hidden, const int32_
 //     [.., inter / 32]), no global scales (null):  W = e2m1 * 2^(e8m0 - 127).
 //   Mxfp8 (ModelOpt / OCP MX, MiniMax-M3's experts): e4m3 codes, one a byte (gate_up [E, 2*inter, hidden],
 //     down [E, hidden, inter]), scales E8M0 per 32 as Mxfp4's, no global scales:  W = e4m3 * 2^(e8m0 - 127).
-// Decode sizes take the decode kernel (gemm/skinny.cuh), which turns each code into bf16 times its group
-// scale in registers (exact); larger steps the WMMA tiles, which convert each staged code tile the same
-// way into a bf16 tile (no wgmma product reads these formats yet). NVFP4's global scale multiplies each
-// fp32 sum before the activation / the pair weight. Within rounding of moe_experts on the dequantised
-// weights (the decode path's bound; no bf16 rounding of the weights at all). hidden and inter must be
-// multiples of 32.
+// Every format takes the path moe_experts_path names, as moe_experts does (group scales not 8-byte (NVFP4)
+// or 4-byte (MX) aligned keep the Tiled path instead of Wgmma). Decode: the decode kernel (gemm/skinny.cuh) turns
+// each code into bf16 times its group scale in registers (exact: code * scale fits bf16). Tiled (WMMA) and
+// Wgmma: the raw codes and scales are staged by cp.async and each staged tile is converted into a bf16 tile
+// with the same exact values. NVFP4's global scale multiplies each fp32 sum before the activation / the pair
+// weight. Rounding: Decode is within rounding of moe_experts on the dequantised weights (the decode path's
+// bound). Tiled and Wgmma read exactly the weights code * group scale (FP4's tiles carry a factor 2^-16 that
+// the epilogue multiplies back, exactly), so with NVFP4's global scales 1 (MXFP4, MXFP8: always) the result
+// is bit-identical to moe_experts on those weights as bf16, on the same path; other NVFP4 global scales
+// scale the sums instead of the weights, within rounding of moe_experts on bf16(code * scale * global).
+// hidden and inter must be multiples of 32.
 // `kind` is one of WeightCodes' Nvfp4, Mxfp4, Mxfp8 (gemm.h).
 void moe_experts_packed(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
                         int64_t top_k, WeightCodes kind, const uint8_t* gate_up, const uint8_t* gate_up_scales,
