@@ -41,12 +41,7 @@ std::string default_model_dir();
 // such as bench/shapes/*.json). A MODEL that is neither (a typo, a Hugging Face hub id) is a one-line
 // "not a directory" error saying how to get a local folder.
 std::string model_config_path(const std::string& model);
-// The model's context length as vLLM derives max_model_len: the smallest of the length keys config.json
-// has (in text_config for vision-language configs), and which key that was; nullopt when it has none.
-struct ModelPositions {
-  int64_t tokens = 0;
-  std::string key;  // "max_position_embeddings", "model_max_length", ...
-};
+// The model folder's context length (formats/config.h model_positions); nullopt when it has none.
 std::optional<ModelPositions> model_positions(const std::string& model);
 // The same, a one-line error when config.json has none: the one context-length rule, used by every
 // command (serve and kv-plan unless --max-model-len is given; generate, chat, perplexity, kv-quality).

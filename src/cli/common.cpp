@@ -309,14 +309,7 @@ std::optional<ModelPositions> model_positions(const std::string& model) {
     config = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
     SPARROW_CHECK(!config.is_discarded() && config.is_object(), path, ": not a JSON object");
   }
-  const nlohmann::json& text = config.contains("text_config") ? config["text_config"] : config;
-  std::optional<ModelPositions> smallest;
-  for (const char* key : {"max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
-                          "max_sequence_length", "max_seq_length", "seq_len"})
-    if (text.contains(key) && text[key].is_number_integer() && text[key].get<int64_t>() > 0 &&
-        (!smallest || text[key].get<int64_t>() < smallest->tokens))
-      smallest = ModelPositions{text[key].get<int64_t>(), key};
-  return smallest;
+  return sparrow::model_positions(config);
 }
 
 int64_t model_context_length(const std::string& model) {

@@ -172,4 +172,15 @@ void Config::require(bool ok, const std::string& key, const std::string& require
   fail(where_, ": field '", key, "' must be ", requirement);
 }
 
+std::optional<ModelPositions> model_positions(const nlohmann::json& config) {
+  const nlohmann::json& text = config.contains("text_config") ? config["text_config"] : config;
+  std::optional<ModelPositions> smallest;
+  for (const char* key : {"max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                          "max_sequence_length", "max_seq_length", "seq_len"})
+    if (text.contains(key) && text[key].is_number_integer() && text[key].get<int64_t>() > 0 &&
+        (!smallest || text[key].get<int64_t>() < smallest->tokens))
+      smallest = ModelPositions{text[key].get<int64_t>(), key};
+  return smallest;
+}
+
 }  // namespace sparrow

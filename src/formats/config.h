@@ -3,6 +3,7 @@
 //   config.json: field 'hidden_size' must be an integer, found "abc"
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -54,5 +55,14 @@ class Config {
   nlohmann::json json_;
   std::string where_;
 };
+
+// The model's context length as vLLM derives max_model_len: the smallest of the length keys a config.json
+// has (in text_config for vision-language configs), and which key that was; nullopt when it has none. The
+// one context-length rule (the commands' model_context_length, the Python API's LLM).
+struct ModelPositions {
+  int64_t tokens = 0;
+  std::string key;  // "max_position_embeddings", "model_max_length", ...
+};
+std::optional<ModelPositions> model_positions(const nlohmann::json& config);
 
 }  // namespace sparrow
