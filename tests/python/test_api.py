@@ -1,0 +1,164 @@
+"""sparrow's Python API (python/sparrow, docs/python.md) against the engine as the `sparrow` binary runs it:
+greedy tokens equal `sparrow generate`'s for every family's fixture (prompts longer than the sparse
+budgets); text prompts, n choices and seeds, logprobs and prompt_logprobs in vLLM's shapes, stop strings
+and finish reasons, JSON-schema structured outputs, chat through the model's template; update_weights
+takes effect on the next call and refuses another architecture; bad parameters are errors naming the
+field, never a crash."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import sparrow
+
+REPO = Path(__file__).resolve().parents[2]
+BUNDLED = REPO / "models" / "minimax_m3"
+FIXTURES = REPO / "tests" / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def llm() -> sparrow.LLM:
+    return sparrow.LLM(str(BUNDLED), kv_cache_memory_bytes=64 << 20)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "kimi_linear", "kimi_k3_1_pro", "minimax_m3"])
+def test_greedy_tokens_are_the_cli_generates(sparrow_binary, family):
+    fixture = FIXTURES / family
+    prompts = json.loads((fixture / "prompts.json").read_text())["prompts"]
+    cli = subprocess.run([sparrow_binary, "generate", "--model", str(fixture), "--prompt-ids",
+                          str(fixture / "prompts.json"), "--max-tokens", "10", "--temperature", "0", "--ignore-eos"],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    expected = json.loads(cli.stdout)["completions"]
+    llm = sparrow.LLM(str(fixture), kv_cache_memory_bytes=64 << 20, max_model_len=4096)
+    outputs = llm.generate(prompts, sparrow.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+
+
+def test_text_prompts_choices_seeds_and_logprobs(llm):
+    params = sparrow.SamplingParams(temperature=0.8, n=3, seed=11, max_tokens=8, logprobs=2, prompt_logprobs=1)
+    first = llm.generate("def fibonacci(n):", params)
+    again = llm.generate(["def fibonacci(n):"], params)
+    assert len(first) == 1 and len(first[0].outputs) == 3
+    assert [c.token_ids for c in first[0].outputs] == [c.token_ids for c in again[0].outputs], "a seed repeats"
+    out = first[0]
+    assert out.prompt == "def fibonacci(n):" and out.prompt_token_ids == llm.encode("def fibonacci(n):")
+    # vLLM's shapes: prompt_logprobs[0] is None (nothing predicts the first token), then one dict a token.
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    for token, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert token in entry and entry[token].rank >= 1
+    for choice in out.outputs:
+        assert len(choice.token_ids) == 8 and choice.finish_reason == "length"
+        assert choice.text == llm.decode(choice.token_ids)
+        assert len(choice.logprobs) == 8
+        total = 0.0
+        for token, entry in zip(choice.token_ids, choice.logprobs):
+            assert token in entry and 2 <= len(entry) <= 3
+            lp = entry[token]
+            assert lp.logprob <= 0 and lp.rank >= 1 and lp.decoded_token == llm.decode([token])
+            best = max(entry.values(), key=lambda e: e.logprob)
+            assert best.rank == 1
+            total += lp.logprob
+        assert math.isclose(choice.cumulative_logprob, total, rel_tol=1e-5, abs_tol=1e-5)
+
+
+def test_stops_and_finish_reasons(llm):
+    greedy = sparrow.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    text = llm.generate("def fibonacci(n):", greedy)[0].outputs[0].text
+    stop = text[5:8]
+    stopped = llm.generate("def fibonacci(n):", greedy.clone(stop=[stop]))[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stopped.text == text[:text.index(stop)]
+    token = llm.generate("def fibonacci(n):", greedy)[0].outputs[0].token_ids[3]
+    by_id = llm.generate("def fibonacci(n):", greedy.clone(stop_token_ids=[token]))[0].outputs[0]
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == token and by_id.token_ids[-1] == token
+    # One set of parameters per prompt.
+    two = llm.generate(["a", "b"], [greedy.clone(max_tokens=2), greedy.clone(max_tokens=5)])
+    assert [len(o.outputs[0].token_ids) for o in two] == [2, 5]
+
+
+def test_structured_outputs_follow_the_schema(llm):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"]}
+    for seed in range(3):
+        params = sparrow.SamplingParams(temperature=1.0, seed=seed, max_tokens=80,
+                                        structured_outputs={"json": schema})
+        text = llm.generate("Describe a person as JSON:", params)[0].outputs[0].text
+        value = json.loads(text)
+        assert set(value) == {"name", "age"} and isinstance(value["age"], int) and 0 <= value["age"] <= 120
+        assert len(value["name"]) <= 8
+
+
+def test_chat_renders_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "What is 2 + 2?"}],
+                   sparrow.SamplingParams(temperature=0, max_tokens=12))
+    assert len(out) == 1 and out[0].outputs[0].token_ids
+    two = llm.chat([[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Hello"}]],
+                   sparrow.SamplingParams(temperature=0, max_tokens=4))
+    assert len(two) == 2 and two[0].prompt_token_ids != two[1].prompt_token_ids
+
+
+def negate_tensor(folder: Path, name: str) -> None:
+    """Flips the sign of every element of one tensor of model.safetensors (bf16 or fp32), in place."""
+    path = folder / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + header_len])
+    info = header[name]
+    begin, end = (8 + header_len + o for o in info["data_offsets"])
+    width = {"BF16": 2, "F16": 2, "F32": 4}[info["dtype"]]
+    for i in range(begin + width - 1, end, width):
+        data[i] ^= 0x80
+    path.write_bytes(bytes(data))
+
+
+def test_update_weights_takes_effect_on_the_next_call(tmp_path):
+    changed = tmp_path / "changed"
+    shutil.copytree(BUNDLED, changed)
+    negate_tensor(changed, "lm_head.weight")
+    llm = sparrow.LLM(str(BUNDLED), kv_cache_memory_bytes=64 << 20)
+    params = sparrow.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    before = llm.generate("def fibonacci(n):", params)[0].outputs[0]
+    llm.update_weights(str(changed))
+    after = llm.generate("def fibonacci(n):", params)[0].outputs[0]
+    assert after.token_ids != before.token_ids, "the negated head picks other tokens"
+    llm.update_weights(str(BUNDLED))
+    back = llm.generate("def fibonacci(n):", params)[0].outputs[0]
+    assert back.token_ids == before.token_ids and back.cumulative_logprob == before.cumulative_logprob
+    with pytest.raises(ValueError, match="not the architecture being served"):
+        llm.update_weights(str(FIXTURES / "deepseek_v32"))
+    assert llm.generate("def fibonacci(n):", params)[0].outputs[0].token_ids == before.token_ids
+
+
+def test_bad_input_is_an_error_naming_it(llm):
+    with pytest.raises(ValueError, match="temperature"):
+        sparrow.SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        sparrow.SamplingParams(top_p=0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'"):
+        sparrow.SamplingParams(temprature=0.5)
+    with pytest.raises(ValueError, match="best_of"):
+        sparrow.SamplingParams(best_of=2)
+    with pytest.raises(ValueError, match="structured_outputs"):
+        sparrow.SamplingParams(structured_outputs={"json": "{not json"})
+    with pytest.raises(ValueError, match="maximum context length|max_model_len"):
+        llm.generate([1] * (llm.max_model_len + 1), sparrow.SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="out of range|vocabulary"):
+        llm.generate([[10 ** 7]], sparrow.SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="one set of sampling parameters"):
+        llm.generate(["a", "b", "c"], [sparrow.SamplingParams(), sparrow.SamplingParams()])
+    with pytest.raises(ValueError, match="not a model folder"):
+        sparrow.LLM("/nonexistent/model")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        sparrow.LLM(str(BUNDLED), tensor_parallel_size=2)
+    # The engine is still fine after every refusal.
+    assert llm.generate("ok", sparrow.SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
