@@ -44,7 +44,7 @@ struct ParallelRun {
   std::unique_ptr<DataParallelSync> data_parallel;
   bool groups_follow = false;  // the other groups follow rank 0's steps (not serve)
   ~ParallelRun() {
-    if (data_parallel && groups_follow && group->data_parallel_rank() == 0) {
+    if (data_parallel && groups_follow && group && group->data_parallel_rank() == 0) {
       try {
         data_parallel->exchange(0, /*stop=*/true);
       } catch (const Error&) {
@@ -221,6 +221,7 @@ void report_failure(const char* message) {
     std::fprintf(stderr, "error: %s\n", message);
   // The workers may be inside a collective rank 0 will never join: the supervisor's kill, not a Stop.
   run.workers.release();  // NOLINT: deliberately not destroyed (its destructor would send Stop)
+  run.data_parallel.reset();  // the other groups are killed or see their peer gone: no stop to send
   if (run.group) run.group->kill_workers();
   run.group.reset();
 }

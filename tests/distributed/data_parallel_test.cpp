@@ -238,4 +238,9 @@ TEST(DataParallel, BadLayoutsAreRefused) {
   r = run(base + "-dp 2 --nnodes 3 --master-addr 127.0.0.1");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("does not split evenly over --nnodes 3"), std::string::npos) << r.err;
+  // A command that fails once the groups have met ends every rank with its error, not a crash.
+  r = run("score --model " + fixture.string() + " --prompt-ids " + (fixture / "prompts.json").string() +
+          " --out /nonexistent/dir/x.safetensors -dp 2 -ep");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(r.err.find("/nonexistent/dir/x.safetensors: cannot open for writing"), std::string::npos) << r.err;
 }
