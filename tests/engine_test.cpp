@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -29,6 +30,7 @@
 #include "engine/engine.h"
 #include "engine/engine_core.h"
 #include "model/model.h"
+#include "runner/data_parallel.h"
 #include "test_util.h"
 
 using namespace sparrow;
@@ -646,6 +648,48 @@ TEST(EngineErrors, AFailedStepEndsItsRequestsAndTheEngineGoesOn) {
   EXPECT_EQ(got("fine").finish_reason, "length");
   EXPECT_EQ(got("fine").tokens.size(), 4u);
   expect_everything_free(engine);
+}
+
+namespace {
+// The host group of one data-parallel group: the leaders' meeting is a copy (runner/data_parallel.h).
+class AloneGroup : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  Device device() const override { return Device::Cpu; }
+  std::string backend() const override { return "test"; }
+  void all_reduce(void*, int64_t, ScalarType) override {}
+  void all_gather(const void* send, void* recv, int64_t count, ScalarType type) override {
+    std::memcpy(recv, send, size_t(count) * scalar_size(type));
+  }
+  void reduce_scatter(const void* send, void* recv, int64_t count, ScalarType type) override {
+    std::memcpy(recv, send, size_t(count) * scalar_size(type));
+  }
+  void all_to_all(const void* send, void* recv, int64_t count, ScalarType type) override {
+    std::memcpy(recv, send, size_t(count) * scalar_size(type));
+  }
+  void broadcast(void*, int64_t, int) override {}
+  void send(const void*, int64_t, int) override {}
+  void recv(void*, int64_t, int) override {}
+  void barrier() override {}
+};
+}  // namespace
+
+// Under data parallelism a failed step is not one request's error: the other groups were in its collectives,
+// so the core says so (and the serving Engine ends the run) instead of going on out of step with them.
+TEST(EngineErrors, AFailedDataParallelStepIsTheRunsEnd) {
+  sparrow::testing::FailingModel model(load_model(fixture("deepseek_v32").string()), /*poison=*/0);
+  AloneGroup leaders;
+  DataParallelSync groups(leaders);
+  EngineConfig config = roomy_config(model);
+  config.runner.data_parallel = &groups;
+  EngineCore engine(model, nullptr, config);
+  Recorder got;
+  engine.add(greedy_request("poisoned", {5, 0, 7}, 4), got.callback());
+  const std::string error = sparrow::testing::error_message([&] { run_until_idle(engine); });
+  EXPECT_NE(error.find("a data-parallel step failed"), std::string::npos) << error;
+  EXPECT_NE(error.find("poisoned batch"), std::string::npos) << error;
+  EXPECT_EQ(groups.exchanges(), 1);  // it met the other groups before failing
 }
 
 // A warm-up that fails (as a GPU out of memory would: the warm-up's first token is 0) stops the start with

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 
 #include "core/error.h"
 
@@ -181,13 +182,16 @@ void Engine::loop() {
       else
         core_.step();
     } catch (const std::exception& e) {
+      // Data parallel: the groups' steps cannot line up again, and the others would wait for this one's;
+      // as a dead worker does, this ends the run (the other groups see it gone and end too).
+      if (groups_) {
+        std::fprintf(stderr, "error: data-parallel group %d: %s; stopping the run\n", groups_->group(), e.what());
+        std::fflush(stderr);
+        std::_Exit(1);
+      }
       // A broken invariant, not a bad request: end everything cleanly rather than hang the clients.
       std::fprintf(stderr, "sparrow: engine step failed, aborting all requests: %s\n", e.what());
       core_.abort_all();
-      if (groups_) {  // the groups' steps cannot be trusted to line up again
-        std::lock_guard lock(mutex_);
-        groups_stopped_ = true;
-      }
     }
     Stats stats = core_.stats();
     std::function<void(const Stats&)> hook;

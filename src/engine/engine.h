@@ -10,6 +10,8 @@
 // of all (runner/data_parallel.h: the loop steps while any group has work, on no tokens of its own when it
 // has none); rank 0's Engine also hands requests to the other groups (serve_groups, engine/remote_groups.h),
 // each to the group with the fewest unfinished sequences, and starts a wave of steps everywhere with each.
+// A step that fails under data parallelism ends the process with its reason (the groups can no longer step
+// together; the others then end too), as a dead tensor-parallel worker ends the run.
 #pragma once
 #include <condition_variable>
 #include <functional>

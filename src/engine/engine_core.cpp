@@ -206,6 +206,10 @@ bool EngineCore::step() {
   try {
     logits = runner_.run(batch);
   } catch (const std::exception& e) {
+    // Data parallel: the other groups were in this step's collectives too, and no later step can line up
+    // with theirs again; the run cannot go on (Engine ends it).
+    if (config_.runner.data_parallel)
+      fail("a data-parallel step failed, so the groups cannot step together again: ", e.what());
     // Nothing the user sends can cause this (requests are validated): end the step's choices with
     // "error" rather than take the engine down.
     std::fprintf(stderr, "sparrow: engine step failed: %s\n", e.what());
