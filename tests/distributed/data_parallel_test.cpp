@@ -11,22 +11,16 @@
 //     tests/server/test_tensor_parallel.py).
 #include <gtest/gtest.h>
 
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <netinet/in.h>
-#include <signal.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "../test_util.h"
+#include "forked_ranks.h"
 #include "core/error.h"
 #include "distributed/gloo_communicator.h"
 #include "formats/safetensors.h"
@@ -38,29 +32,12 @@ namespace fs = std::filesystem;
 
 namespace {
 
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
-    throw std::runtime_error("no free port");
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
-// Forks `size` ranks of one gloo group, each running body(comm); "" when all exited 0 in time.
+// Forks `size` ranks of one gloo group on localhost, each running body(comm); "" when all exited 0.
 std::string run_ranks(int size, const std::function<void(Communicator&)>& body) {
-  const int port = free_port();
-  std::fflush(nullptr);
-  std::vector<pid_t> children;
-  for (int rank = 0; rank < size; ++rank) {
-    const pid_t pid = fork();
-    if (pid == 0) {
-      int status = 0;
-      try {
+  const int port = sparrow::testing::free_port();
+  return sparrow::testing::run_ranks(
+      size,
+      [&](int rank) {
         GroupOptions options;
         options.rank = rank;
         options.size = size;
@@ -68,32 +45,8 @@ std::string run_ranks(int size, const std::function<void(Communicator&)>& body) 
         options.timeout = std::chrono::seconds(60);
         std::unique_ptr<Communicator> comm = connect_gloo(options);
         body(*comm);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
-        status = 1;
-      }
-      std::fflush(nullptr);
-      _exit(status);
-    }
-    children.push_back(pid);
-  }
-  std::string failures;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  for (size_t rank = 0; rank < children.size(); ++rank) {
-    int status = 0;
-    while (waitpid(children[rank], &status, WNOHANG) == 0) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        for (pid_t pid : children) kill(pid, SIGKILL);
-        waitpid(children[rank], &status, 0);
-        failures += "rank " + std::to_string(rank) + " timed out; ";
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-      failures += "rank " + std::to_string(rank) + " failed (see stderr); ";
-  }
-  return failures;
+      },
+      std::chrono::seconds(120));
 }
 
 const fs::path kFixtures = fs::path(SPARROW_SOURCE_DIR) / "tests" / "fixtures";

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "../test_util.h"
+#include "forked_ranks.h"
 #include "core/bfloat16.h"
 #include "core/error.h"
 #include "distributed/gloo_communicator.h"
@@ -41,79 +42,10 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
+using sparrow::testing::free_port;
+using sparrow::testing::run_ranks;
+
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-
-// A free port below the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range): the
-// connections the ranks open while rank 0 starts can never be given it.
-int free_port() {
-  int ephemeral_low = 32768;
-  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> ephemeral_low;
-  std::mt19937 pick(std::random_device{}());
-  std::uniform_int_distribution<int> ports(10000, std::max(10001, ephemeral_low - 1));
-  for (int attempt = 0; attempt < 100; ++attempt) {
-    const int port = ports(pick);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = htons(uint16_t(port));
-    const bool free = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
-    close(fd);
-    if (free) return port;
-  }
-  fail("no free port found");
-}
-
-// Runs body(rank) in `size` forked processes and waits for them, at most `deadline` (then kills them).
-// Returns what went wrong, one clause per failed rank; empty when every rank exited 0.
-std::string run_ranks(int size, const std::function<void(int rank)>& body, std::chrono::seconds deadline = 60s) {
-  std::fflush(nullptr);  // what this process buffered must not be written again by the children
-  std::vector<pid_t> pids;
-  for (int rank = 0; rank < size; ++rank) {
-    const pid_t pid = fork();
-    if (pid == 0) {
-      int code = 0;
-      try {
-        body(rank);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
-        code = 1;
-      }
-      _exit(code);
-    }
-    if (pid < 0) {
-      for (pid_t started : pids) kill(started, SIGKILL);
-      for (pid_t started : pids) waitpid(started, nullptr, 0);
-      return "fork failed";
-    }
-    pids.push_back(pid);
-  }
-  std::vector<std::optional<int>> status(size);
-  const Clock::time_point until = Clock::now() + deadline;
-  for (int running = size; running > 0 && Clock::now() < until;) {
-    for (int rank = 0; rank < size; ++rank) {
-      int s = 0;
-      if (!status[rank] && waitpid(pids[rank], &s, WNOHANG) == pids[rank]) {
-        status[rank] = s;
-        --running;
-      }
-    }
-    std::this_thread::sleep_for(5ms);
-  }
-  std::string failures;
-  for (int rank = 0; rank < size; ++rank) {
-    if (!status[rank]) {
-      kill(pids[rank], SIGKILL);
-      waitpid(pids[rank], nullptr, 0);
-      failures += cat("rank ", rank, " still ran after ", deadline.count(), " s; ");
-    } else if (WIFSIGNALED(*status[rank])) {
-      failures += cat("rank ", rank, " was killed by signal ", WTERMSIG(*status[rank]), "; ");
-    } else if (WEXITSTATUS(*status[rank]) != 0) {
-      failures += cat("rank ", rank, " exited with ", WEXITSTATUS(*status[rank]), "; ");
-    }
-  }
-  return failures;
-}
 
 std::unique_ptr<Communicator> connect(int rank, int size, int port, std::chrono::milliseconds timeout = 30s,
                                       const std::string& master_addr = "127.0.0.1") {

@@ -6,12 +6,6 @@
 // 1e-5 (relative L2: the sharded sums only reorder fp32 additions) and the same greedy tokens.
 #include <gtest/gtest.h>
 
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <netinet/in.h>
-#include <signal.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -19,12 +13,12 @@
 #include <fstream>
 #include <functional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "../cuda/model_test_util.h"  // device-free: fixtures' token lists, row errors, argmax
+#include "forked_ranks.h"
 #include "cache/kv_plan.h"
 #include "core/error.h"
 #include "distributed/gloo_communicator.h"
@@ -37,32 +31,12 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A free localhost port for the group's rendezvous (bound, read, released; nothing else here races for it).
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
-    throw std::runtime_error("no free port");
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
-// Forks `size` ranks running body(tp); each exits 0 when the body returns and 1 (its error on stderr) when it
-// throws. Returns "" when all exited 0 within the deadline, else what went wrong.
+// Forks `size` ranks, each joining a gloo group on localhost and running body(tp); "" when all exited 0.
 std::string run_ranks(int size, const std::function<void(const TensorParallel&)>& body, bool expert_parallel = false) {
-  const int port = free_port();
-  std::fflush(nullptr);
-  std::vector<pid_t> children;
-  for (int rank = 0; rank < size; ++rank) {
-    const pid_t pid = fork();
-    if (pid == 0) {
-      int status = 0;
-      try {
+  const int port = sparrow::testing::free_port();
+  return sparrow::testing::run_ranks(
+      size,
+      [&](int rank) {
         GroupOptions options;
         options.rank = rank;
         options.size = size;
@@ -70,32 +44,8 @@ std::string run_ranks(int size, const std::function<void(const TensorParallel&)>
         options.timeout = std::chrono::seconds(60);
         std::unique_ptr<Communicator> comm = connect_gloo(options);
         body(TensorParallel{rank, size, comm.get(), expert_parallel});
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
-        status = 1;
-      }
-      std::fflush(nullptr);
-      _exit(status);
-    }
-    children.push_back(pid);
-  }
-  std::string failures;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(240);
-  for (size_t rank = 0; rank < children.size(); ++rank) {
-    int status = 0;
-    while (waitpid(children[rank], &status, WNOHANG) == 0) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        for (pid_t pid : children) kill(pid, SIGKILL);
-        waitpid(children[rank], &status, 0);
-        failures += "rank " + std::to_string(rank) + " timed out; ";
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-      failures += "rank " + std::to_string(rank) + " failed (see stderr); ";
-  }
-  return failures;
+      },
+      std::chrono::seconds(240));
 }
 
 using model_test::argmax;
