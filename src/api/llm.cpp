@@ -168,12 +168,11 @@ std::vector<RequestResult> Llm::chat(const std::vector<nlohmann::ordered_json>& 
                   "a conversation is a list of messages ({\"role\": ..., \"content\": ...})");
     prompts.emplace_back(tokenizer_->encode(chat_template_->render(conversation)));
   }
-  std::vector<RequestResult> results = generate(prompts, params);
-  return results;
+  return generate(prompts, params);
 }
 
 void Llm::update_weights(const std::string& folder) {
-  const nlohmann::json config = read_config(folder);
+  read_config(folder);  // "not a model folder" before anything loads
   std::unique_ptr<Model> next = load(folder);
   SPARROW_CHECK(next->model_type() == model_->model_type() && next->vocab_size() == model_->vocab_size() &&
                     next->cache_spec() == model_->cache_spec(),
