@@ -5,6 +5,8 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <optional>
+#include <random>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -81,19 +83,33 @@ int32_t argmax(std::span<const float> logits) {
   return cpu::top_k(logits.data(), int64_t(logits.size()), 1)[0];
 }
 
+namespace {
+uint64_t seed_stream(const std::optional<uint64_t>& seed) {
+  if (seed) return mix64(*seed);
+  std::random_device device;
+  return (uint64_t(device()) << 32) ^ device();
+}
+}  // namespace
+
 Sampler::Sampler(const SamplingParams& params, std::vector<int32_t> end_tokens)
-    : params_(params), end_tokens_(std::move(end_tokens)), rng_(params.seed.value_or(std::random_device{}())) {
+    : params_(params), end_tokens_(std::move(end_tokens)), stream_(seed_stream(params.seed)) {
   validate(params);
 }
 
 void Sampler::prepare(int32_t row, std::span<const int32_t> prompt, std::span<const int32_t> output,
                       std::vector<TokenDraw>& draws, std::vector<LogitAdjustment>& adjustments) {
+  prepare_at(output.size(), row, prompt, output, draws, adjustments);
+}
+
+void Sampler::prepare_at(uint64_t key_index, int32_t row, std::span<const int32_t> prompt,
+                         std::span<const int32_t> output, std::vector<TokenDraw>& draws,
+                         std::vector<LogitAdjustment>& adjustments) const {
   TokenDraw draw;
   draw.temperature = params_.temperature;
   draw.top_p = params_.top_p;
   draw.min_p = params_.min_p;
   draw.top_k = int32_t(std::min<int64_t>(params_.top_k, INT32_MAX));
-  draw.key = rng_();  // one key per step, also when greedy: a sequence's keys do not depend on its params
+  draw.key = key_at(key_index);  // also when greedy: a sequence's keys do not depend on its params
   draws.push_back(draw);
   const bool penalised = params_.repetition_penalty != 1 || params_.frequency_penalty != 0 ||
                          params_.presence_penalty != 0;
@@ -108,7 +124,7 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
                         std::span<const int32_t> output) {
   std::vector<TokenDraw> draws;
   std::vector<LogitAdjustment> adjustments;
-  prepare(0, prompt, output, draws, adjustments);
+  prepare_at(calls_++, 0, prompt, output, draws, adjustments);
   if (adjustments.empty()) return cpu::draw_token(logits.data(), int64_t(logits.size()), draws[0]);
   std::vector<float> adjusted(logits.begin(), logits.end());
   cpu::adjust_logits(adjusted.data(), int64_t(adjusted.size()), 0, adjustments);

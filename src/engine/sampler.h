@@ -15,7 +15,6 @@
 #pragma once
 #include <cstdint>
 #include <optional>
-#include <random>
 #include <span>
 #include <string>
 #include <vector>
@@ -76,20 +75,32 @@ class Sampler {
   // masked until min_tokens tokens were generated. Without a seed the generator starts at random.
   explicit Sampler(const SamplingParams& params, std::vector<int32_t> end_tokens = {});
 
-  // This step's sampling of a sequence whose tokens so far are prompt + output, as row `row` of a batch:
-  // appends its draw (with the next key of the generator) and its adjustments.
+  // The draw of a sequence's output token number output.size(), whose tokens so far are prompt + output, as
+  // row `row` of a batch: appends its draw and its adjustments. The draw's key depends only on the
+  // generator's seed and the output position, never on how many draws came before: a token is drawn with
+  // the same key whether it is sampled alone, in a batch, after a preemption's recompute, or while
+  // verifying speculative draft tokens (where rejected drafts must not use up keys); so a seeded request
+  // gives the same text with speculation as without (engine/speculative.h).
   void prepare(int32_t row, std::span<const int32_t> prompt, std::span<const int32_t> output,
                std::vector<TokenDraw>& draws, std::vector<LogitAdjustment>& adjustments);
 
-  // The next token from one row of host logits (prepare + the CPU reference).
+  // The key output token `output_index` is drawn with (what prepare puts in its draw).
+  uint64_t key(int64_t output_index) const { return key_at(uint64_t(output_index)); }
+
+  // A token from one row of host logits (prepare + the CPU reference); each call draws with the next key.
   int32_t sample(std::span<const float> logits, std::span<const int32_t> prompt = {},
                  std::span<const int32_t> output = {});
 
  private:
+  void prepare_at(uint64_t key_index, int32_t row, std::span<const int32_t> prompt, std::span<const int32_t> output,
+                  std::vector<TokenDraw>& draws, std::vector<LogitAdjustment>& adjustments) const;
+  // SplitMix64's stream from the seed: the key of draw `index`.
+  uint64_t key_at(uint64_t index) const { return mix64(stream_ + index * 0x9E3779B97F4A7C15ull); }
 
   SamplingParams params_;
   std::vector<int32_t> end_tokens_;
-  std::mt19937_64 rng_;
+  uint64_t stream_;
+  uint64_t calls_ = 0;  // sample()'s draws so far
 };
 
 int32_t argmax(std::span<const float> logits);

@@ -15,7 +15,7 @@ import pytest
 import httpx
 
 from sparrow_server import API_KEY, MODEL_NAME
-from test_trained_models import MARKUP, PARSERS, join_stream, trained_models
+from test_trained_models import PARSERS, join_stream, trained_models
 
 try:
     import jsonschema
@@ -23,6 +23,8 @@ except ImportError:
     jsonschema = None
 
 REPO = Path(__file__).resolve().parents[2]
+# The tool-call formats' markers (test_trained_models.MARKUP also lists the chat templates' and reasoning's).
+TOOL_CALL_MARKUP = ("tool▁call", "tool_call", "<minimax:", "<invoke", "]<]")
 sys.path.insert(0, str(REPO / "tools"))
 SEEDS = [1, 2, 3, 4]
 
@@ -121,7 +123,9 @@ def test_none_shows_no_markup_and_no_call(tool_server):
         message = full.choices[0].message
         assert not message.tool_calls
         assert full.choices[0].finish_reason in ("stop", "length")
-        assert not any(marker in (message.content or "") for marker in MARKUP), message.content
+        # No tool-call markup: its special tokens are never sampled. (A tiny model sampled at temperature 1 may
+        # still emit the chat template's other special tokens, which the parsers leave in content.)
+        assert not any(marker in (message.content or "") for marker in TOOL_CALL_MARKUP), message.content
         streamed = join_stream(client.chat.completions.create(**request, stream=True))
         assert streamed["message"]["tool_calls"] == []
         assert streamed["message"]["content"] == (message.content or "")
