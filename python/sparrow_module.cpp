@@ -89,7 +89,8 @@ PYBIND11_MODULE(_engine, m) {
       .def(py::init([](const std::string& model, const std::string& device, const std::string& load_format,
                        int64_t max_model_len, int64_t max_num_seqs, int64_t max_num_batched_tokens,
                        int64_t kv_cache_memory, double gpu_memory_utilization, const std::string& kv_cache_dtype,
-                       int64_t block_size, bool enable_prefix_caching, bool enforce_eager, std::optional<uint64_t> seed) {
+                       int64_t block_size, bool enable_prefix_caching, bool enforce_eager, std::optional<uint64_t> seed,
+                       const std::string& speculative_config) {
              LlmOptions o;
              o.model = model;
              o.device = device;
@@ -104,13 +105,15 @@ PYBIND11_MODULE(_engine, m) {
              o.enable_prefix_caching = enable_prefix_caching;
              o.enforce_eager = enforce_eager;
              o.seed = seed;
+             o.speculative_config = speculative_config;
              py::gil_scoped_release release;
              return std::make_unique<Llm>(o);
            }),
            py::arg("model"), py::arg("device"), py::arg("load_format"), py::arg("max_model_len"),
            py::arg("max_num_seqs"), py::arg("max_num_batched_tokens"), py::arg("kv_cache_memory"),
            py::arg("gpu_memory_utilization"), py::arg("kv_cache_dtype"), py::arg("block_size"),
-           py::arg("enable_prefix_caching"), py::arg("enforce_eager"), py::arg("seed"))
+           py::arg("enable_prefix_caching"), py::arg("enforce_eager"), py::arg("seed"),
+           py::arg("speculative_config"))
       .def("generate",
            [](Llm& llm, const std::vector<sparrow::api::Prompt>& prompts, const std::vector<std::string>& params) {
              const std::vector<nlohmann::json> parsed = parse_params(params);

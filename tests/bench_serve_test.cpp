@@ -166,6 +166,32 @@ TEST(BenchServeStats, EngineStepCountersFromPrometheus) {
   EXPECT_FALSE(parse_engine_step_counters("vllm:prefix_cache_hits_total 3\n"));  // not a sparrow server
 }
 
+TEST(BenchServeStats, SpecDecodeCountersFromPrometheus) {
+  const std::string page =
+      "vllm:spec_decode_num_drafts_total{model_name=\"m\"} 50\n"
+      "vllm:spec_decode_num_draft_tokens_total{model_name=\"m\"} 200\n"
+      "vllm:spec_decode_num_accepted_tokens_total{model_name=\"m\"} 90\n"
+      "vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name=\"m\",position=\"0\"} 40\n"
+      "vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name=\"m\",position=\"1\"} 30\n"
+      "vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name=\"m\",position=\"3\"} 5\n";
+  auto after = parse_spec_decode_counters(page);
+  ASSERT_TRUE(after);
+  EXPECT_EQ(after->drafts, 50);
+  EXPECT_EQ(after->accepted_tokens, 90);
+  EXPECT_EQ(after->accepted_by_position, (std::vector<double>{40, 30, 0, 5}));
+  SpecDecodeCounters before{10, 40, 10, {8, 2}};
+  const SpecDecodeCounters run = *after - before;
+  EXPECT_EQ(run.drafts, 40);
+  EXPECT_EQ(run.accepted_by_position, (std::vector<double>{32, 28, 0, 5}));
+  RunInfo info;
+  info.spec_decode = run;
+  const Json j = result_json(info, {});
+  EXPECT_DOUBLE_EQ(j["spec_decode_acceptance_length"].get<double>(), 1 + 80.0 / 40);
+  EXPECT_DOUBLE_EQ(j["spec_decode_acceptance_rate"].get<double>(), 100 * 80.0 / 160);
+  EXPECT_NE(summary_text(info, j).find("Acceptance length:"), std::string::npos);
+  EXPECT_FALSE(parse_spec_decode_counters("vllm:prefix_cache_hits_total 3\n"));
+}
+
 TEST(BenchServeSse, EventsAcrossArbitraryReads) {
   const std::string stream =
       ": keep-alive comment\r\n"

@@ -236,8 +236,9 @@ TEST(Cli, VllmFlagsWithoutASparrowSettingAreRefusedWithTheReason) {
   expect_one_line_error(serve("-pp 2"), "--pipeline-parallel-size 2: not supported: pipeline parallelism");
   expect_one_line_error(serve("-dpl=2"), "--data-parallel-size-local 2: not supported: sparrow places the data-parallel ranks");
   expect_one_line_error(serve("--enable-lora"), "--enable-lora: not supported: LoRA adapters are not supported yet");
+  expect_one_line_error(serve("--spec-model m"), "--spec-model m: not supported: give speculative decoding as --speculative-config");
   expect_one_line_error(serve(R"(--speculative-config '{"method":"ngram"}')"),
-                        "--speculative-config {\"method\":\"ngram\"}: not supported: speculative decoding");
+                        "--speculative-config needs \"num_speculative_tokens\"");
   // What sparrow does anyway passes silently: the model-folder error is the only line.
   expect_one_line_error(serve("-dp 1 -pp 1 --dtype auto --enable-chunked-prefill --scheduling-policy fcfs"),
                         "/nonexistent/model: not a directory");

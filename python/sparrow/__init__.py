@@ -130,7 +130,7 @@ class LLM:
                  kv_cache_dtype: str = "auto", block_size: int = 64, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, seed: Optional[int] = None, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, tokenizer: Optional[str] = None, trust_remote_code: bool = False,
-                 dtype: str = "auto"):
+                 dtype: str = "auto", speculative_config: Optional[dict] = None):
         if tensor_parallel_size != 1 or data_parallel_size != 1:
             raise ValueError("the Python API runs one process: tensor_parallel_size and data_parallel_size must be 1 "
                              "(for several GPUs serve with `sparrow serve -tp N` and use its OpenAI API)")
@@ -140,7 +140,8 @@ class LLM:
             raise ValueError("sparrow computes in bfloat16 on a GPU and float32 on the CPU: dtype must be 'auto'")
         self._engine = _engine.Engine(str(model), device, load_format, max_model_len or 0, max_num_seqs,
                                       max_num_batched_tokens, kv_cache_memory_bytes or 0, gpu_memory_utilization,
-                                      kv_cache_dtype, block_size, enable_prefix_caching, enforce_eager, seed)
+                                      kv_cache_dtype, block_size, enable_prefix_caching, enforce_eager, seed,
+                                      json.dumps(speculative_config) if speculative_config else "")
         self.model = str(model)
 
     @property

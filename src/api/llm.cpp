@@ -74,6 +74,13 @@ Llm::Llm(LlmOptions options) : options_(std::move(options)) {
   config_.cache.enable_prefix_caching = options_.enable_prefix_caching;
   config_.runner.enforce_eager = options_.enforce_eager;
   for (int32_t id : eos_token_ids(model_path_)) config_.eos_token_ids.push_back(id);
+  if (!options_.speculative_config.empty()) {
+    config_.speculative = parse_speculative_config(options_.speculative_config);
+    if (config_.speculative.method == "draft_model") {
+      draft_model_ = load(config_.speculative.model);
+      config_.draft_model = draft_model_.get();
+    }
+  }
   model_ = load(model_path_);
   const bool on_gpu = model_->device() != Device::Cpu;
   if (options_.kv_cache_memory > 0) {

@@ -40,6 +40,7 @@ struct LlmOptions {
   bool enable_prefix_caching = true;
   bool enforce_eager = false;
   std::optional<uint64_t> seed;  // requests without a seed of their own draw from seed + their index
+  std::string speculative_config;  // vLLM's speculative_config as JSON text (docs/speculative.md); empty: none
 };
 
 // One prompt: text (tokenized with the tokenizer's special tokens, as /v1/completions does) or token ids.
@@ -97,6 +98,7 @@ class Llm {
   std::shared_ptr<const Tokenizer> tokenizer_;
   std::unique_ptr<ChatTemplate> chat_template_;
   std::unique_ptr<Model> model_;
+  std::unique_ptr<Model> draft_model_;  // speculative decoding's method draft_model
   EngineConfig config_;
   std::unique_ptr<EngineCore> engine_;
   int64_t next_request_ = 0;

@@ -54,12 +54,13 @@ std::vector<std::string> parse_metric_names(const std::string& text) {
 struct ServerCounters {
   std::optional<PrefixCacheCounters> prefix_cache;
   std::optional<EngineStepCounters> engine_steps;
+  std::optional<SpecDecodeCounters> spec_decode;
 };
 
 ServerCounters scrape_counters(ServeConnection& metrics, const std::string& path) {
   std::optional<std::string> page = metrics.get(path);
   if (!page) return {};
-  return {parse_prefix_cache_counters(*page), parse_engine_step_counters(*page)};
+  return {parse_prefix_cache_counters(*page), parse_engine_step_counters(*page), parse_spec_decode_counters(*page)};
 }
 
 // vLLM's default result name: <label>-<rate>qps[-concurrency<N>]-<model>-<date>.json.
@@ -287,6 +288,7 @@ Json run_serve_benchmark(const ServeBenchOptions& o) {
     info.prefix_cache = PrefixCacheCounters{after.prefix_cache->queries - before.prefix_cache->queries,
                                             after.prefix_cache->hits - before.prefix_cache->hits};
   if (before.engine_steps && after.engine_steps) info.engine_steps = *after.engine_steps - *before.engine_steps;
+  if (before.spec_decode && after.spec_decode) info.spec_decode = *after.spec_decode - *before.spec_decode;
   info.backend = backend;
   info.base_url = o.base_url;
   info.endpoint = endpoint;

@@ -70,17 +70,19 @@ int64_t peak_concurrency(const std::vector<RequestResult>& done) {
 }
 
 // One "name{labels} value" sample line: its name and value; false for comments and other lines.
-bool parse_sample(const std::string& line, std::string& name, double& value) {
+bool parse_sample(const std::string& line, std::string& name, double& value, std::string* labels = nullptr) {
   if (line.empty() || line[0] == '#') return false;
   size_t i = 0;
   while (i < line.size() && line[i] != '{' && line[i] != ' ' && line[i] != '\t') ++i;
   name = line.substr(0, i);
   if (i < line.size() && line[i] == '{') {  // skip the labels; their values may hold '}' inside quotes
+    const size_t open = i;
     bool quoted = false;
     for (++i; i < line.size() && (quoted || line[i] != '}'); ++i) {
       if (line[i] == '\\' && quoted) ++i;
       else if (line[i] == '"') quoted = !quoted;
     }
+    if (labels) *labels = line.substr(open + 1, i - open - 1);
     ++i;
   }
   const char* start = line.c_str() + std::min(i, line.size());
@@ -89,17 +91,24 @@ bool parse_sample(const std::string& line, std::string& name, double& value) {
   return end != start;
 }
 
-// Calls `sample(name, value)` for every sample line of a Prometheus text page (labels skipped).
-void for_each_sample(const std::string& text, const std::function<void(const std::string&, double)>& sample) {
+// Calls `sample(name, labels, value)` for every sample line of a Prometheus text page (`labels`: the text
+// between the braces, empty without).
+void for_each_labelled_sample(const std::string& text,
+                              const std::function<void(const std::string&, const std::string&, double)>& sample) {
   size_t begin = 0;
   while (begin < text.size()) {
     size_t end = text.find('\n', begin);
     if (end == std::string::npos) end = text.size();
-    std::string name;
+    std::string name, labels;
     double value = 0;
-    if (parse_sample(text.substr(begin, end - begin), name, value)) sample(name, value);
+    if (parse_sample(text.substr(begin, end - begin), name, value, &labels)) sample(name, labels, value);
     begin = end + 1;
   }
+}
+
+// The same, labels skipped.
+void for_each_sample(const std::string& text, const std::function<void(const std::string&, double)>& sample) {
+  for_each_labelled_sample(text, [&](const std::string& name, const std::string&, double value) { sample(name, value); });
 }
 
 void line(std::string& out, const std::string& label, const std::string& value) {
@@ -191,6 +200,49 @@ std::optional<PrefixCacheCounters> parse_prefix_cache_counters(const std::string
   return std::nullopt;
 }
 
+SpecDecodeCounters SpecDecodeCounters::operator-(const SpecDecodeCounters& o) const {
+  SpecDecodeCounters d{drafts - o.drafts, draft_tokens - o.draft_tokens, accepted_tokens - o.accepted_tokens,
+                       accepted_by_position};
+  for (size_t i = 0; i < d.accepted_by_position.size() && i < o.accepted_by_position.size(); ++i)
+    d.accepted_by_position[i] -= o.accepted_by_position[i];
+  return d;
+}
+
+std::optional<SpecDecodeCounters> parse_spec_decode_counters(const std::string& text) {
+  SpecDecodeCounters c;
+  bool any = false;
+  for_each_labelled_sample(text, [&](const std::string& name, const std::string& labels, double value) {
+    if (name == "vllm:spec_decode_num_drafts_total") c.drafts += value, any = true;
+    if (name == "vllm:spec_decode_num_draft_tokens_total") c.draft_tokens += value;
+    if (name == "vllm:spec_decode_num_accepted_tokens_total") c.accepted_tokens += value;
+    if (name == "vllm:spec_decode_num_accepted_tokens_per_pos_total") {
+      const size_t at = labels.find("position=\"");
+      if (at == std::string::npos) return;
+      const size_t position = size_t(std::strtoul(labels.c_str() + at + 10, nullptr, 10));
+      if (position >= 1024) return;
+      if (c.accepted_by_position.size() <= position) c.accepted_by_position.resize(position + 1);
+      c.accepted_by_position[position] += value;
+    }
+  });
+  if (!any) return std::nullopt;
+  return c;
+}
+
+Json spec_decode_json(const SpecDecodeCounters& c) {
+  // vLLM's bench serve keys (vllm/benchmarks/serve.py): acceptance rate in percent, the mean acceptance length
+  // 1 + accepted / drafts, and each position's rate among the drafts.
+  Json j;
+  j["spec_decode_num_drafts"] = c.drafts;
+  j["spec_decode_draft_tokens"] = c.draft_tokens;
+  j["spec_decode_accepted_tokens"] = c.accepted_tokens;
+  j["spec_decode_acceptance_rate"] = c.draft_tokens > 0 ? Json(100 * c.accepted_tokens / c.draft_tokens) : Json(nullptr);
+  j["spec_decode_acceptance_length"] = c.drafts > 0 ? Json(1 + c.accepted_tokens / c.drafts) : Json(nullptr);
+  Json per_position = Json::array();
+  for (double accepted : c.accepted_by_position) per_position.push_back(c.drafts > 0 ? accepted / c.drafts : 0.0);
+  j["spec_decode_per_position_acceptance_rates"] = per_position;
+  return j;
+}
+
 EngineStepCounters EngineStepCounters::operator-(const EngineStepCounters& o) const {
   return {decode_steps - o.decode_steps,   decode_seconds - o.decode_seconds,   decode_forward_seconds - o.decode_forward_seconds,
           prefill_steps - o.prefill_steps, prefill_seconds - o.prefill_seconds, prefill_forward_seconds - o.prefill_forward_seconds};
@@ -274,6 +326,7 @@ Json result_json(const RunInfo& info, const std::vector<RequestResult>& results)
   j["prefix_cache_hits"] = prefix ? Json(prefix->hits) : Json(nullptr);
   j["prefix_cache_hit_rate"] = prefix && prefix->queries > 0 ? Json(prefix->hits / prefix->queries) : Json(nullptr);
   j["engine_steps"] = info.engine_steps ? engine_steps_json(*info.engine_steps) : Json(nullptr);
+  if (info.spec_decode) j.update(spec_decode_json(*info.spec_decode));
   if (info.slos.any()) {
     Json slos = Json::object();
     if (info.slos.ttft_ms) slos["ttft"] = *info.slos.ttft_ms;
@@ -344,6 +397,14 @@ std::string summary_text(const RunInfo& info, const Json& j) {
   line(out, "Total token throughput (tok/s):", fixed2(j["total_token_throughput"]));
   if (!j["prefix_cache_hit_rate"].is_null())
     line(out, "Prefix cache hit rate (%):", fixed2(100 * j["prefix_cache_hit_rate"].get<double>()));
+  if (j.contains("spec_decode_acceptance_length") && !j["spec_decode_acceptance_length"].is_null()) {
+    out += "---------------Speculative Decoding---------------\n";
+    line(out, "Acceptance rate (%):", fixed2(j["spec_decode_acceptance_rate"].get<double>()));
+    line(out, "Acceptance length:", fixed2(j["spec_decode_acceptance_length"].get<double>()));
+    line(out, "Drafts:", std::to_string(int64_t(j["spec_decode_num_drafts"].get<double>())));
+    line(out, "Draft tokens:", std::to_string(int64_t(j["spec_decode_draft_tokens"].get<double>())));
+    line(out, "Accepted tokens:", std::to_string(int64_t(j["spec_decode_accepted_tokens"].get<double>())));
+  }
   const std::vector<double> percentiles = reported_percentiles(info.metric_percentiles);
   for (const Metric& m : kMetrics) {
     const std::string key = m.key;

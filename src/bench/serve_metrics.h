@@ -69,6 +69,15 @@ struct EngineStepCounters {
 };
 std::optional<EngineStepCounters> parse_engine_step_counters(const std::string& prometheus_text);
 
+// Speculative decoding's counters (vLLM's vllm:spec_decode_*, sparrow's the same): summed over label sets,
+// accepted tokens by draft position. Empty when the server reports none.
+struct SpecDecodeCounters {
+  double drafts = 0, draft_tokens = 0, accepted_tokens = 0;
+  std::vector<double> accepted_by_position;
+  SpecDecodeCounters operator-(const SpecDecodeCounters& o) const;
+};
+std::optional<SpecDecodeCounters> parse_spec_decode_counters(const std::string& prometheus_text);
+
 // What the run was, for the result file and the summary.
 struct RunInfo {
   std::string backend, base_url, endpoint, model_id, tokenizer_id, dataset_name, date;
@@ -78,6 +87,7 @@ struct RunInfo {
   double duration = 0;          // seconds
   std::optional<PrefixCacheCounters> prefix_cache;  // the change over the run
   std::optional<EngineStepCounters> engine_steps;   // the change over the run (sparrow servers)
+  std::optional<SpecDecodeCounters> spec_decode;    // the change over the run (servers that speculate)
   std::vector<std::string> percentile_metrics;      // printed in the summary
   std::vector<double> metric_percentiles;           // besides p90 and p99, which are always reported
   Slos slos;
@@ -86,7 +96,7 @@ struct RunInfo {
 // The result JSON: vLLM's save-result fields (completed, failed, total_input_tokens, ...,
 // mean_ttft_ms, median_ttft_ms, std_ttft_ms, p99_ttft_ms, ..., input_lens, output_lens, ttfts, itls,
 // latencies, start_times, errors) plus input_throughput, p90 of every metric, the prefix-cache
-// counters and hit rate, and for agentic runs the session and turn of every request.
+// counters and hit rate, vLLM's spec_decode_* keys when the server speculates, and for agentic runs the session and turn of every request.
 Json result_json(const RunInfo& info, const std::vector<RequestResult>& results);
 // The one-screen summary, in vLLM's layout, from a result_json.
 std::string summary_text(const RunInfo& info, const Json& result);

@@ -96,6 +96,8 @@ class KvCache::View : public SequenceCache {
     if (seq_.mirrored)
       return seq_.snapshot_slot >= 0 && seq_.snapshot_position > begin && seq_.snapshot_position <= end
                  ? seq_.snapshot_position : -1;
+    if (seq_.rollback)  // speculative decoding's rollback point wins over a block boundary
+      return seq_.snapshot_position > begin && seq_.snapshot_position <= end ? seq_.snapshot_position : -1;
     if (!cache_.config_.enable_prefix_caching || !cache_.has_recurrent_state()) return -1;
     const int64_t position = end / cache_.plan_.block_size * cache_.plan_.block_size;
     if (position <= begin) return -1;
@@ -384,6 +386,24 @@ int64_t KvCache::match_prefix(SeqId seq, const std::vector<int32_t>& prompt) {
   return s.committed;
 }
 
+bool KvCache::mark_rollback(SeqId seq, int64_t position) {
+  Sequence& s = sequence(seq);
+  SPARROW_CHECK(has_recurrent_state() && !s.mirrored && position > s.committed, "kv cache: rollback point ", position,
+                " for sequence ", seq, " (", s.committed, " tokens committed)");
+  drop_pending_snapshot(s);
+  s.snapshot_slot = take_snapshot_slot();
+  if (s.snapshot_slot < 0) return false;
+  s.snapshot_position = position;
+  s.rollback = true;
+  return true;
+}
+
+void KvCache::roll_back(SeqId seq) {
+  Sequence& s = sequence(seq);
+  SPARROW_CHECK(s.rollback && s.snapshot_slot >= 0, "kv cache: sequence ", seq, " has no rollback snapshot");
+  write_state({s.state_slot, s.snapshot_slot});
+}
+
 void KvCache::commit_tokens(SeqId seq, const std::vector<int32_t>& tokens, int64_t cached_length) {
   Sequence& s = sequence(seq);
   const int64_t block_size = plan_.block_size;
@@ -392,6 +412,12 @@ void KvCache::commit_tokens(SeqId seq, const std::vector<int32_t>& tokens, int64
                 "kv cache: sequence ", seq, " commits ", cached_length, " tokens (", tokens.size(),
                 " given, ", s.committed, " committed, room for ", s.blocks.size() * block_size, ")");
   s.committed = cached_length;
+  if (s.rollback) {
+    // A rollback snapshot serves the prefix cache only where it falls on a block boundary.
+    s.rollback = false;
+    if (!config_.enable_prefix_caching || s.snapshot_position % block_size != 0 || s.snapshot_position > cached_length)
+      drop_pending_snapshot(s);
+  }
   if (!config_.enable_prefix_caching) return;
 
   // Register the newly full blocks, unless an equal block already is.
@@ -448,6 +474,7 @@ void KvCache::drop_pending_snapshot(Sequence& s) {
   if (s.snapshot_slot >= 0) free_snapshot_slot(s.snapshot_slot);
   s.snapshot_slot = -1;
   s.snapshot_position = -1;
+  s.rollback = false;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -28,6 +28,12 @@
 // longest matched block that has a snapshot. Snapshots live in their own slots (as many as state slots)
 // and are evicted least recently used first, or with their block.
 //
+// Speculative decoding rolls recurrent layers back the same way: before a step that verifies draft
+// tokens, mark_rollback(seq, p) makes the step's snapshot the state after position p - 1 (the last token
+// known to be right) instead of a block boundary's; when a draft is rejected, roll_back(seq) copies it
+// back into the state slot and the engine runs the accepted tokens again in the next step. A rollback
+// snapshot that falls on a block boundary still serves the prefix cache when its block is committed.
+//
 // Not thread-safe: the engine loop owns it.
 #pragma once
 #include <cstddef>
@@ -78,6 +84,13 @@ class KvCache final : public PagedStorage {
   void commit_tokens(SeqId seq, const std::vector<int32_t>& tokens, int64_t cached_length);
   // Returns the sequence's blocks and slots. Its view is invalid afterwards.
   void free_sequence(SeqId seq);
+  // Speculative decoding, models with recurrent layers: the next step's snapshot is the state after
+  // position - 1 (the step must run past it). False when no snapshot slot can be had (the step must then
+  // not run draft tokens for the sequence).
+  bool mark_rollback(SeqId seq, int64_t position);
+  // After that step: the state slot goes back to the state at the marked position (a draft was rejected).
+  // commit_tokens then lets the snapshot go (or keeps it for the prefix cache at a block boundary).
+  void roll_back(SeqId seq);
   // What the model reads and writes through; stays valid until free_sequence(seq).
   SequenceCache* view(SeqId seq);
 
@@ -145,6 +158,7 @@ class KvCache final : public PagedStorage {
     int32_t state_slot = -1;
     int64_t snapshot_position = -1;  // this step's pending snapshot: position and slot (-1: none)
     int32_t snapshot_slot = -1;
+    bool rollback = false;           // the pending snapshot is mark_rollback's
     bool mirrored = false;  // a worker's mirror of rank 0's sequence (mirror())
     std::unique_ptr<View> view;
   };

@@ -160,7 +160,7 @@ CachePlan plan_cache(const std::vector<LayerCacheSpec>& spec, const CacheConfig&
   if (!plan.state_bytes_per_sequence.empty()) append_total(plan.state_bytes_per_sequence);
   if (plan.state_slot_bytes > 0) {
     plan.num_state_slots = config.max_num_seqs;
-    plan.num_snapshot_slots = config.enable_prefix_caching ? config.max_num_seqs : 0;
+    plan.num_snapshot_slots = config.enable_prefix_caching || config.rollback_snapshots ? config.max_num_seqs : 0;
   }
 
   // What is left of the budget after the state slots becomes block rows.

@@ -40,6 +40,9 @@ struct CacheConfig {
   double memory_fraction = 0.25;        // when memory_bytes is 0: this fraction of the RAM (of the free GPU memory)
   int64_t max_num_seqs = 64;            // state slots for running sequences (models with recurrent layers)
   bool enable_prefix_caching = true;
+  // Speculative decoding on a model with recurrent layers: every running sequence may hold a rollback
+  // snapshot (KvCache::mark_rollback), so the snapshot slots exist without prefix caching too.
+  bool rollback_snapshots = false;
   // When > 0: exactly this many block rows, whatever the budget: vLLM's --num-gpu-blocks-override, and a
   // tensor-parallel worker's twin of rank 0's cache, whose block tables it is given (runner/step_plan.h).
   int64_t num_blocks = 0;

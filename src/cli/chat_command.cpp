@@ -28,7 +28,7 @@ namespace {
 using nlohmann::ordered_json;
 
 struct ChatFlags {
-  std::string model_dir, system, tools_path, reasoning_parser, tool_call_parser, device = "cpu";
+  std::string model_dir, system, tools_path, reasoning_parser, tool_call_parser, device = "cpu", speculative_config;
   int64_t max_tokens = 512;
   int64_t seed = -1;
   SamplingParams sampling;
@@ -107,6 +107,7 @@ void run_chat(ChatFlags& flags) {
   validate(flags.sampling);
   SPARROW_CHECK(flags.max_tokens >= 1, "--max-tokens must be >= 1");
   const ordered_json tools = flags.tools_path.empty() ? ordered_json() : read_tools(flags.tools_path);
+  const SpeculativeConfig speculative = read_speculative_config(flags.speculative_config);
 
   auto tokenizer = load_tokenizer(flags.model_dir);
   auto model = load_cli_model(flags.model_dir, flags.device);
@@ -118,6 +119,9 @@ void run_chat(ChatFlags& flags) {
   options.sampling = flags.sampling;
   options.max_tokens = flags.max_tokens;
   options.runner = cli_runner_options();
+  options.speculative = speculative;
+  auto draft = load_draft_model(speculative, flags.device);
+  options.draft_model = draft.get();
   options.stop_token_ids = eos_token_ids(flags.model_dir);
   if (tokenizer->eos_id()) options.stop_token_ids.insert(*tokenizer->eos_id());
   const std::set<int32_t>& end_tokens = options.stop_token_ids;
@@ -197,6 +201,7 @@ void add_chat(CLI::App& app) {
   flags.sampling.temperature = 0.0f;  // greedy by default: small models answer most reliably so
   sub->add_option("--model", flags.model_dir, "Hugging Face model folder (default: the bundled model)");
   add_device_option(sub, flags.device);
+  add_speculative_option(sub, flags.speculative_config);
   sub->add_option("--system", flags.system, "system message that opens the conversation");
   sub->add_option("--tools", flags.tools_path, "JSON file with an OpenAI tools list the model may call");
   sub->add_option("--reasoning-parser", flags.reasoning_parser, "default: from the model type");

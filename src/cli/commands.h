@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cache/planner.h"
+#include "engine/speculative.h"
 #include "model/model.h"
 #include "runner/model_runner.h"
 
@@ -93,6 +94,14 @@ Tensor forward_in_kv_cache(ModelRunner& runner, const std::vector<int32_t>& ids,
 // its first given its logits.
 std::vector<std::vector<int32_t>> perplexity_windows(const std::vector<int32_t>& ids, int64_t window);
 double window_nll(const Tensor& logits, const std::vector<int32_t>& chunk);
+
+// vLLM's --speculative-config (engine/speculative.h, docs/speculative.md): serve, generate and chat.
+void add_speculative_option(CLI::App* sub, std::string& json);
+// The flag's config, checked at once (empty text: no speculation); one notice for the vLLM keys it ignores.
+SpeculativeConfig read_speculative_config(const std::string& json);
+// Method draft_model: its draft model (config.model) loaded on `device` in this process, unsharded; null for
+// the other methods.
+std::unique_ptr<Model> load_draft_model(const SpeculativeConfig& config, const std::string& device);
 
 // Registers the action of a subcommand (called from add_X).
 void on_selected(CLI::App* sub, std::function<void()> action);

@@ -245,6 +245,33 @@ void add_cache_format_options(CLI::App* sub, std::string& kv_cache_dtype, std::s
                   "the index keys' format (auto: fp8 DSA keys on a GPU, else the kv dtype)");
 }
 
+void add_speculative_option(CLI::App* sub, std::string& json) {
+  sub->add_option("--speculative-config", json,
+                  "speculative decoding as vLLM's JSON (also -sc), e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' or "
+                  "'{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 3}' (docs/speculative.md)");
+}
+
+SpeculativeConfig read_speculative_config(const std::string& json) {
+  if (json.empty()) return {};
+  SpeculativeConfig config = parse_speculative_config(json);
+  if (!config.ignored_keys.empty()) {
+    std::string keys;
+    for (const std::string& key : config.ignored_keys) keys += (keys.empty() ? "" : ", ") + key;
+    std::fprintf(stderr, "sparrow: --speculative-config: ignoring %s (docs/speculative.md says why)\n", keys.c_str());
+  }
+  return config;
+}
+
+std::unique_ptr<Model> load_draft_model(const SpeculativeConfig& config, const std::string& device) {
+  if (config.method != "draft_model") return nullptr;
+  model_config_path(config.model);  // "not a directory" with the hint, as for --model
+  try {
+    return load_model(config.model, parse_device(device));
+  } catch (const Error& e) {
+    fail("--speculative-config: the draft model ", config.model, ": ", e.what());
+  }
+}
+
 void apply_cache_format_flags(const std::string& kv_cache_dtype, const std::string& attention_config,
                               CacheConfig& config) {
   config.kv_cache_dtype = kv_cache_dtype;

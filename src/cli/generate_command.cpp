@@ -1,5 +1,5 @@
 // sparrow generate [--model DIR] (--prompt TEXT | --prompt-ids FILE.json) [--max-tokens N] [--temperature T]
-//                  [--top-p P] [--top-k K] [--seed S] [--ignore-eos]
+//                  [--top-p P] [--top-k K] [--seed S] [--ignore-eos] [--speculative-config JSON]
 //   --prompt      continues raw text (no chat template; no BOS unless tokenizer_config.json's
 //                 add_bos_token) and streams the continuation's text to stdout as it is decoded.
 //   --prompt-ids  continues each id list of {"prompts": [[id, ...], ...]} and prints
@@ -25,6 +25,8 @@ void generate_text(const std::string& model_dir, const std::string& device, cons
   auto tokenizer = load_tokenizer(model_dir);
   auto model = load_cli_model(model_dir, device);
   options.runner = cli_runner_options();  // after the load: on rank 0 of a tensor-parallel run, its workers
+  auto draft = load_draft_model(options.speculative, device);
+  options.draft_model = draft.get();
   std::vector<int32_t> prompt = tokenizer->encode_with_special_tokens(prompt_text);
   IncrementalDetokenizer detokenizer(*tokenizer);
   generate_streaming(*model, prompt, options, model_context_length(model_dir), [&](int32_t token) {
@@ -37,7 +39,7 @@ void generate_text(const std::string& model_dir, const std::string& device, cons
 
 void add_generate(CLI::App& app) {
   auto* sub = app.add_subcommand("generate", "Continue a text prompt (streamed) or token-id prompts (JSON)");
-  static std::string model_dir, prompt_text, prompts_path, device = "cpu";
+  static std::string model_dir, prompt_text, prompts_path, device = "cpu", speculative_config;
   static GenerateOptions options;
   static int64_t seed = -1;
   static bool ignore_eos = false;
@@ -53,6 +55,7 @@ void add_generate(CLI::App& app) {
   sub->add_option("--seed", seed, "random seed (prompt i uses seed + i)");
   sub->add_flag("--ignore-eos", ignore_eos, "do not stop at the end-of-sequence token");
   add_device_option(sub, device);
+  add_speculative_option(sub, speculative_config);
   on_selected(sub, [text, ids] {
     SPARROW_CHECK(text->count() + ids->count() == 1, "generate needs exactly one of --prompt TEXT and --prompt-ids FILE");
     if (model_dir.empty()) model_dir = default_model_dir();
@@ -60,11 +63,14 @@ void add_generate(CLI::App& app) {
     validate(options.sampling);
     SPARROW_CHECK(options.max_tokens >= 0, "--max-tokens must be >= 0");
     if (!ignore_eos) options.stop_token_ids = eos_token_ids(model_dir);
+    options.speculative = read_speculative_config(speculative_config);
     if (text->count()) return generate_text(model_dir, device, prompt_text, options);
 
     auto prompts = read_prompt_ids(prompts_path);
     auto model = load_cli_model(model_dir, device);
     options.runner = cli_runner_options();
+    auto draft = load_draft_model(options.speculative, device);
+    options.draft_model = draft.get();
     for (size_t i = 0; i < prompts.size(); ++i)
       for (int32_t id : prompts[i])
         SPARROW_CHECK(id < model->vocab_size(), prompts_path, ": prompt ", i, " holds id ", id,

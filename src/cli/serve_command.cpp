@@ -99,7 +99,7 @@ void apply_generation_config(const std::string& mode, const std::string& model_d
 }
 
 struct ServeFlags {
-  std::string model, host = "127.0.0.1", api_key, tool_call_parser, reasoning_parser, chat_template;
+  std::string model, host = "127.0.0.1", api_key, tool_call_parser, reasoning_parser, chat_template, speculative_config;
   std::vector<std::string> served_model_names;
   int64_t port = 8000;
   int64_t max_model_len = 0, block_size = 64, max_num_seqs = 64, max_num_batched_tokens = 2048;
@@ -190,11 +190,17 @@ void print_start_summary(const std::string& model_dir, const server::ServingOpti
                                                           " sequences, each step shape captured the second time it "
                                                           "is seen (none yet)";
   out += "sparrow serve: CUDA graphs: " + graphs + "\n";
+  const SpeculativeConfig& speculative = engine.config().speculative;
+  if (speculative.enabled())
+    out += "sparrow serve: speculative decoding: " + speculative.method +
+           (speculative.model.empty() ? "" : " (" + speculative.model + ")") + ", " +
+           std::to_string(speculative.num_speculative_tokens) + " draft tokens a step, lossless verification\n";
   std::fputs(out.c_str(), stderr);
 }
 
 void serve(const ServeFlags& flags) {
   server::ServerConfig server_config = server_config_from(flags);
+  const SpeculativeConfig speculative = read_speculative_config(flags.speculative_config);
   std::string model_dir = flags.model.empty() ? default_model_dir() : flags.model;
   // A --max-model-len beyond the positions the model was trained for is refused before anything loads,
   // as vLLM refuses it (its VLLM_ALLOW_LONG_MAX_MODEL_LEN override has no sparrow equivalent).
@@ -258,6 +264,10 @@ void serve(const ServeFlags& flags) {
 
   // With --data-parallel-size every group's leader gets here and runs an engine (engine/remote_groups.h).
   std::unique_ptr<Model> model = load_cli_model(model_dir, flags.device, /*every_group_serves=*/true);
+  // Declared before the engine, which drafts with it.
+  const std::unique_ptr<Model> draft_model = load_draft_model(speculative, flags.device);
+  config.speculative = speculative;
+  config.draft_model = draft_model.get();
   // On a GPU without --kv-cache-memory, vLLM's meaning of --gpu-memory-utilization (default 0.9): the cache
   // gets what the weights and two measured steps leave of that share of the GPU (gpu_kv_cache_bytes).
   config.runner = cli_runner_options();
@@ -313,6 +323,7 @@ void add_serve(CLI::App& app) {
   sub->add_option("model", f.model, "Hugging Face model folder (default: the bundled model)");
   sub->add_option("--model", f.model, "the model folder, as a flag");
   add_device_option(sub, f.device);
+  add_speculative_option(sub, f.speculative_config);
   sub->add_option("--host", f.host, "address to listen on")->capture_default_str();
   sub->add_option("--port", f.port, "port to listen on (0: any free port)")->capture_default_str();
   sub->add_option("--api-key", f.api_key,

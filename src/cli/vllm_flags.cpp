@@ -25,7 +25,7 @@ const char* const kGraphs =
 const char* const kNoTls = "sparrow serves plain HTTP: put a TLS-terminating proxy in front of it";
 const char* const kNoCors = "sparrow sends no CORS headers: browsers on other origins need a proxy that adds them";
 const char* const kNoLora = "LoRA adapters are not supported yet (issue 29)";
-const char* const kNoSpec = "speculative decoding is not supported yet (issue 26)";
+const char* const kSpecConfig = "give speculative decoding as --speculative-config JSON (docs/speculative.md)";
 const char* const kNoImages = "sparrow serves text only: the vision towers are not loaded yet (issue 30)";
 const char* const kNoStructured =
     "sparrow has one structured-output backend of its own (src/structured; see Structured outputs)";
@@ -163,7 +163,6 @@ const std::vector<VllmFlag>& vllm_only_flags() {
        "sparrow's expert parallelism has each rank run its own experts and sums them with the layer's all-reduce"},
       {"--ray-workers-use-nsight,!--no-ray-workers-use-nsight", false, kRefuse, "sparrow does not run on Ray"},
       // Features not built yet.
-      {"--speculative-config,-sc", true, kRefuse, kNoSpec},
       {"--enable-lora,!--disable-lora,!--no-enable-lora", false, kRefuse, kNoLora},
       {"--lora-modules", true, kRefuse, kNoLora},
       {"--max-loras", true, kRefuse, kNoLora},
@@ -339,7 +338,7 @@ const std::vector<VllmFlag>& vllm_only_flags() {
       {"--logging-config", true, kIgnore, "sparrow logs one line per event on stderr"},
       {"--log-level", true, kIgnore, "sparrow logs one line per event on stderr"},
       // ObservabilityConfig.
-      {"--per-request-spec-decode-metrics", true, kIgnore, kNoSpec},
+      {"--per-request-spec-decode-metrics", true, kIgnore, "/metrics has the speculative decoding counters of the whole server (docs/speculative.md)"},
       {"--kv-cache-metrics,!--no-kv-cache-metrics", false, kIgnore, "not collected: /metrics has sparrow's metrics (docs/server.md)"},
       {"--kv-cache-metrics-sample", true, kIgnore, "not collected: /metrics has sparrow's metrics (docs/server.md)"},
       {"--custom-histogram-buckets", true, kIgnore, "not collected: /metrics has sparrow's metrics (docs/server.md)"},
@@ -370,9 +369,9 @@ const std::vector<VllmFlag>& vllm_only_flags() {
       {"--linear-backend", true, kIgnore, "sparrow has one kernel for each operation, chosen by shape (docs/gpu.md)"},
       {"--sparse-indexer-topk-backend", true, kIgnore, "sparrow has one kernel for each operation, chosen by shape (docs/gpu.md)"},
       // VllmConfig.
-      {"--spec-method", true, kRefuse, kNoSpec},
-      {"--spec-model", true, kRefuse, kNoSpec},
-      {"--spec-tokens", true, kRefuse, kNoSpec},
+      {"--spec-method", true, kRefuse, kSpecConfig},
+      {"--spec-model", true, kRefuse, kSpecConfig},
+      {"--spec-tokens", true, kRefuse, kSpecConfig},
       {"--watermark-config", true, kRefuse, "text watermarking is not supported"},
       {"--diffusion-config,-dc", true, kRefuse, "diffusion language models are not served"},
       {"--ec-transfer-config", true, kRefuse, kNoDisagg},
@@ -414,7 +413,7 @@ std::string expand_vllm_short_flag(const std::string& arg) {
     // Sparrow's own flags' spellings first, then the table's.
     std::vector<std::pair<std::string, std::string>> out = {
         {"-tp", "--tensor-parallel-size"}, {"-dp", "--data-parallel-size"}, {"-ep", "--enable-expert-parallel"},
-        {"-ac", "--attention-config"}};
+        {"-ac", "--attention-config"}, {"-sc", "--speculative-config"}};
     for (const VllmFlag& flag : vllm_only_flags())
       for (const std::string& name : split_names(flag.names))
         if (is_multi_letter_short(name)) out.emplace_back(name, split_names(flag.names).front());

@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/parallel.h"
+#include "kernels/cpu/reference_sampling.h"
 #include "kernels/ops.h"
 #include "runner/memory_profile.h"
 
@@ -15,13 +16,19 @@ namespace sparrow {
 namespace {
 
 // The cache the engine runs on: one state slot per running sequence, on the model's device.
-CacheConfig engine_cache_config(CacheConfig cache, int64_t max_num_seqs, Device device) {
+// With speculative decoding, recurrent layers need a rollback snapshot per running sequence.
+CacheConfig engine_cache_config(CacheConfig cache, int64_t max_num_seqs, Device device, bool speculative) {
   cache.max_num_seqs = max_num_seqs;
   cache.device = device;
+  cache.rollback_snapshots = speculative;
   return cache;
 }
 
 bool contains(const std::vector<int32_t>& ids, int32_t id) { return std::find(ids.begin(), ids.end(), id) != ids.end(); }
+
+// Salts that give speculative decoding's coins keys of their own, apart from the draws' (Sampler::key).
+constexpr uint64_t kSyntheticCoins = 0x5EC0'0001'C01D'5EEDull;
+constexpr uint64_t kVerifyCoins = 0x5EC0'0002'C01D'5EEDull;
 
 }  // namespace
 
@@ -30,7 +37,8 @@ EngineCore::EngineCore(Model& model, const Tokenizer* tokenizer, EngineConfig co
       runner_(model, config.runner),
       tokenizer_(tokenizer),
       config_(std::move(config)),
-      cache_(model.cache_spec(), engine_cache_config(config_.cache, config_.max_num_seqs, model.device())),
+      cache_(model.cache_spec(),
+             engine_cache_config(config_.cache, config_.max_num_seqs, model.device(), config_.speculative.enabled())),
       scheduler_(cache_, SchedulerConfig{config_.max_num_seqs, config_.max_num_batched_tokens}) {
   SPARROW_CHECK(config_.max_model_len > 0, "max_model_len must be set, got ", config_.max_model_len);
   SPARROW_CHECK(config_.max_model_len <= cache_.plan().max_tokens(), "the KV cache holds ",
@@ -38,6 +46,15 @@ EngineCore::EngineCore(Model& model, const Tokenizer* tokenizer, EngineConfig co
                 "): give it more memory or lower max_model_len");
   end_of_sequence_ = config_.eos_token_ids;
   if (end_of_sequence_.empty() && tokenizer_ && tokenizer_->eos_id()) end_of_sequence_.push_back(*tokenizer_->eos_id());
+  if (config_.speculative.enabled()) {
+    if (config_.draft_model)
+      SPARROW_CHECK(config_.draft_model->vocab_size() == model_.vocab_size(), "speculative decoding: the draft model's "
+                    "vocabulary (", config_.draft_model->vocab_size(), " tokens) differs from the target's (",
+                    model_.vocab_size(), "); a draft model must share the target's tokenizer");
+    proposer_ = make_draft_proposer(config_.speculative, config_.draft_model);
+    SPARROW_CHECK(!config_.speculative.synthetic || !config_.draft_model || config_.speculative.draft_sample_method == "greedy",
+                  "speculative decoding: synthetic acceptance verifies no distribution: draft_sample_method must be greedy");
+  }
   if (config_.warm_up) warm_up();
 }
 
@@ -128,6 +145,7 @@ EngineStats EngineCore::stats() const {
   s.decode_steps = decode_steps_;
   s.prefill_steps = prefill_steps_;
   s.iteration_tokens = iteration_tokens_;
+  s.spec_decode = spec_decode_;
   return s;
 }
 
@@ -182,24 +200,36 @@ bool EngineCore::step() {
   const std::vector<ScheduledChunk> chunks = scheduler_.schedule();
   if (chunks.empty()) return false;
 
+  const bool recurrent = cache_.plan().state_slot_bytes > 0;
   std::vector<std::pair<SequenceState*, std::vector<int32_t>>> parts;
+  std::vector<int64_t> drafted(chunks.size(), 0);  // draft tokens each chunk runs after its pending ones
   bool all_logits = false;
   int64_t step_tokens = 0;
   const auto scheduled_at = std::chrono::steady_clock::now();
-  for (const ScheduledChunk& chunk : chunks) {
-    Sequence& seq = *chunk.seq;
+  for (size_t j = 0; j < chunks.size(); ++j) {
+    Sequence& seq = *chunks[j].seq;
     if (!seq.first_scheduled) seq.first_scheduled = scheduled_at;
-    step_tokens += chunk.num_tokens;
+    // The scheduler cut the drafts to what the step holds: they follow all of the pending tokens.
+    const int64_t known = std::min(chunks[j].num_tokens, seq.num_pending());
+    int64_t drafts = chunks[j].num_tokens - known;
+    // A recurrent layer's state is snapshotted after the pending tokens, to go back to on a rejection.
+    if (drafts > 0 && recurrent && !cache_.mark_rollback(seq.cache_id, seq.num_computed() + known)) drafts = 0;
+    seq.truncate_draft(size_t(drafts));
     auto first = seq.tokens.begin() + seq.num_computed();
-    parts.push_back({&seq.state, std::vector<int32_t>(first, first + chunk.num_tokens)});
+    std::vector<int32_t> run(first, first + known);
+    run.insert(run.end(), seq.draft.begin(), seq.draft.end());
+    parts.push_back({&seq.state, std::move(run)});
+    drafted[j] = drafts;
+    step_tokens += known + drafts;
     // A row at position p predicts prompt token p + 1.
     all_logits |= seq.wants_prompt_logprobs && seq.num_computed() < seq.prompt_length - 1;
   }
   iteration_tokens_.observe(step_tokens);
   Batch batch = make_batch(parts);
   batch.all_logits = all_logits;
+  for (size_t j = 0; j < chunks.size(); ++j) batch.seqs[j].logits = drafted[j] + 1;
   const bool decode = std::all_of(chunks.begin(), chunks.end(), [](const ScheduledChunk& c) {
-    return c.num_tokens == 1 && c.seq->num_computed() >= c.seq->prompt_length;
+    return c.seq->num_computed() >= c.seq->prompt_length;
   });
   timer.batch_ready(decode ? decode_steps_ : prefill_steps_);
   Tensor logits;
@@ -222,21 +252,31 @@ bool EngineCore::step() {
     return true;
   }
 
-  // Commit every chunk; the sequences whose tokens are now all computed draw their next token. The
-  // draws of the whole step run at once where the logits are (ops::sample_tokens); the logits come to
-  // the host only when someone asks for log-probabilities.
+  // Commit every chunk without drafts (those with drafts commit what verification keeps); the sequences
+  // whose tokens are now all computed draw their next token, one draw per row of logits (a sequence with k
+  // drafts has k + 1). The draws of the whole step run at once where the logits are (ops::sample_tokens);
+  // the logits come to the host only when someone asks for log-probabilities.
   std::vector<Sequence*> sampled;
-  std::vector<int64_t> sampled_rows;
-  bool wants_logprobs = false;
+  std::vector<int64_t> sampled_drafts;  // each sampled sequence's drafts in this step
+  std::vector<Sequence*> row_seqs;      // each draw's sequence
+  std::vector<int64_t> rows;            // each draw's row of `logits`
+  bool wants_logprobs = false;          // (or the rows of probabilistic drafts, verified on the host)
+  int64_t next_logit_row = 0;
   for (size_t j = 0; j < chunks.size(); ++j) {
     Sequence& seq = *chunks[j].seq;
     const SeqSlice& slice = batch.seqs[j];
-    cache_.commit_tokens(seq.cache_id, seq.tokens, seq.num_computed());
+    const int64_t first_row = all_logits ? slice.offset + slice.count - slice.logits : next_logit_row;
+    next_logit_row += slice.logits;
+    if (drafted[j] == 0) cache_.commit_tokens(seq.cache_id, seq.tokens, seq.num_computed());
     wants_logprobs |= all_logits && seq.wants_prompt_logprobs;
-    if (seq.num_pending() > 0) continue;  // a prefill chunk that does not reach the end yet
+    if (seq.num_computed() < int64_t(seq.tokens.size())) continue;  // a prefill chunk that does not reach the end
     sampled.push_back(&seq);
-    sampled_rows.push_back(all_logits ? slice.offset + slice.count - 1 : int64_t(j));
-    wants_logprobs |= seq.params().logprobs >= 0;
+    sampled_drafts.push_back(drafted[j]);
+    for (int64_t i = 0; i <= drafted[j]; ++i) {
+      row_seqs.push_back(&seq);
+      rows.push_back(first_row + i);
+    }
+    wants_logprobs |= seq.params().logprobs >= 0 || (drafted[j] > 0 && !seq.draft_probs.empty());
   }
   const Tensor host_logits = wants_logprobs ? logits.to(Device::Cpu) : Tensor();
   if (all_logits)
@@ -246,34 +286,140 @@ bool EngineCore::step() {
 
   std::vector<TokenDraw> draws;
   std::vector<LogitAdjustment> adjustments;
-  for (size_t i = 0; i < sampled.size(); ++i)
-    sampled[i]->sampler.prepare(int32_t(i), sampled[i]->prompt(), sampled[i]->output(), draws, adjustments);
+  for (size_t i = 0, row = 0; i < sampled.size(); ++i) {
+    Sequence& seq = *sampled[i];
+    // Row k draws output token num_output + k, after the first k drafts (its penalties count them).
+    const size_t before = seq.tokens.size();
+    seq.tokens.insert(seq.tokens.end(), seq.draft.begin(), seq.draft.end());
+    const std::span<const int32_t> all(seq.tokens);
+    for (int64_t k = 0; k <= sampled_drafts[i]; ++k, ++row)
+      seq.sampler.prepare(int32_t(row), seq.prompt(),
+                          all.subspan(size_t(seq.prompt_length), before - size_t(seq.prompt_length) + size_t(k)), draws,
+                          adjustments);
+    seq.tokens.resize(before);
+  }
   std::vector<int32_t> mask_rows;
   std::vector<uint32_t> mask_words;
-  fill_token_masks(sampled, mask_rows, mask_words);
+  fill_token_masks(row_seqs, mask_rows, mask_words);
   const int64_t mask_width = (logits.dim(1) + 31) / 32;
-  const bool every_row = int64_t(sampled.size()) == logits.dim(0);  // decode: the rows are the sequences
+  const bool every_row = int64_t(rows.size()) == logits.dim(0);  // rows is ascending
   std::vector<int32_t> tokens =
-      ops::sample_tokens(every_row ? logits : ops::select_rows(logits, sampled_rows), draws, adjustments,
+      ops::sample_tokens(every_row ? logits : ops::select_rows(logits, rows), draws, adjustments,
                          {mask_rows, mask_words, mask_width});
   timer.tokens_sampled();
+
   const size_t vocab = size_t(logits.dim(1));
+  std::vector<Sequence*> decoding;  // the sampled sequences that go on
   size_t masked = 0;  // mask_rows is ascending
-  for (size_t i = 0; i < sampled.size(); ++i) {
+  for (size_t i = 0, row = 0; i < sampled.size(); ++i) {
     Sequence& seq = *sampled[i];
-    if (masked < mask_rows.size() && mask_rows[masked] == int32_t(i)) {
-      // A token outside the mask is drawn only when every allowed token has logit -inf (or none is left).
-      const uint32_t* words = mask_words.data() + int64_t(masked++) * mask_width;
-      if (!token_allowed(words, tokens[i]) || (seq.matcher && !seq.matcher->accept_token(tokens[i]))) {
-        finish_unmatched(seq);
-        continue;
+    const int64_t drafts = sampled_drafts[i];
+    const size_t first = row;
+    row += size_t(drafts + 1);
+    const std::span<const int32_t> target(tokens.data() + first, size_t(drafts + 1));
+    int64_t accepted = 0;
+    int32_t last = -1;  // the step's last token when not the target's draw at its row (a rejected probabilistic draft)
+    if (drafts > 0) {
+      if (config_.speculative.synthetic) {
+        accepted = synthetic_accepted(drafts, config_.speculative.synthetic_acceptance_rate,
+                                      mix64(seq.sampler.key(seq.num_output()) ^ kSyntheticCoins));
+      } else if (!seq.draft_probs.empty()) {
+        for (; accepted < drafts; ++accepted) {
+          const size_t draw = first + size_t(accepted);
+          std::vector<float> row(host_logits.row(rows[draw]), host_logits.row(rows[draw]) + vocab);
+          cpu::adjust_logits(row.data(), int64_t(vocab), int32_t(draw), adjustments);
+          auto mask = std::lower_bound(mask_rows.begin(), mask_rows.end(), int32_t(draw));
+          if (mask != mask_rows.end() && *mask == int32_t(draw))
+            cpu::apply_token_bitmask(row.data(), int64_t(vocab), mask_words.data() + (mask - mask_rows.begin()) * mask_width);
+          const std::vector<double> p = cpu::token_probabilities(row.data(), int64_t(vocab), draws[draw]);
+          last = verify_draft_token(p, {seq.draft_probs.data() + size_t(accepted) * vocab, vocab},
+                                    seq.draft[size_t(accepted)], mix64(draws[draw].key ^ kVerifyCoins));
+          if (last >= 0) break;
+        }
+      } else {
+        accepted = accepted_draft_tokens(seq.draft, target);
       }
+      ++spec_decode_.drafts;
+      spec_decode_.draft_tokens += drafts;
+      spec_decode_.accepted_tokens += accepted;
+      if (spec_decode_.accepted_by_position.size() < size_t(drafts)) spec_decode_.accepted_by_position.resize(size_t(drafts));
+      for (int64_t k = 0; k < accepted; ++k) ++spec_decode_.accepted_by_position[size_t(k)];
+      // Keep the rows of the accepted drafts; a recurrent state goes back to before the first draft, and the
+      // accepted ones run again next step.
+      const int64_t first_draft_at = seq.num_computed() - drafts;
+      int64_t keep = first_draft_at + accepted;
+      if (recurrent && accepted < drafts) {
+        cache_.roll_back(seq.cache_id);
+        keep = first_draft_at;
+      }
+      seq.state.length = keep;
+      const size_t before = seq.tokens.size();
+      seq.tokens.insert(seq.tokens.end(), seq.draft.begin(), seq.draft.begin() + accepted);
+      cache_.commit_tokens(seq.cache_id, seq.tokens, keep);
+      seq.tokens.resize(before);
     }
-    std::span<const float> raw;
-    if (host_logits.defined() && host_logits.numel() > 0) raw = {host_logits.row(sampled_rows[i]), vocab};
-    emit(seq, tokens[i], raw);
+    std::vector<int32_t> emitted(seq.draft.begin(), seq.draft.begin() + accepted);
+    emitted.push_back(last >= 0 ? last : target[size_t(accepted)]);
+    seq.truncate_draft(0);
+    bool goes_on = true;
+    for (size_t e = 0; e < emitted.size() && goes_on; ++e) {
+      const int32_t token = emitted[e];
+      const int32_t draw = int32_t(first + e);
+      while (masked < mask_rows.size() && mask_rows[masked] < draw) ++masked;
+      if (masked < mask_rows.size() && mask_rows[masked] == draw) {
+        // A token outside the mask is drawn only when every allowed token has logit -inf (or none is left).
+        const uint32_t* words = mask_words.data() + int64_t(masked) * mask_width;
+        if (!token_allowed(words, token) || (seq.matcher && !seq.matcher->accept_token(token))) {
+          finish_unmatched(seq);
+          goes_on = false;
+          break;
+        }
+      }
+      std::span<const float> raw;
+      if (host_logits.defined() && host_logits.numel() > 0) raw = {host_logits.row(rows[first + e]), vocab};
+      goes_on = emit(seq, token, raw);
+    }
+    if (goes_on) decoding.push_back(&seq);
   }
+  propose_drafts(decoding);
   return true;
+}
+
+void EngineCore::propose_drafts(const std::vector<Sequence*>& sampled) {
+  if (!proposer_) return;
+  const int64_t k = config_.speculative.num_speculative_tokens;
+  std::vector<Sequence*> seqs;
+  std::vector<int64_t> room;
+  for (Sequence* seq : sampled) {
+    // A step with d drafts yields up to d + 1 tokens: no more than max_tokens allows, and every position
+    // inside max_model_len.
+    const int64_t most = std::min({k, seq->params().max_tokens - seq->num_output() - 1,
+                                   config_.max_model_len - int64_t(seq->tokens.size())});
+    if (most <= 0) continue;
+    seqs.push_back(seq);
+    room.push_back(most);
+  }
+  if (seqs.empty()) return;
+  proposer_->propose(seqs, room);
+  // Synthetic acceptance measures verify steps of k drafts: a proposal cut short is filled up.
+  if (config_.speculative.synthetic)
+    for (size_t i = 0; i < seqs.size(); ++i)
+      while (int64_t(seqs[i]->draft.size()) < room[i])
+        seqs[i]->draft.push_back(seqs[i]->draft.empty() ? seqs[i]->tokens.back() : seqs[i]->draft.back());
+  // Drafts a structured output (or allowed_token_ids) forbids cannot be accepted: keep those before the first.
+  for (Sequence* seq : seqs) {
+    if (seq->allowed_tokens) {
+      auto refused = std::find_if(seq->draft.begin(), seq->draft.end(),
+                                  [&](int32_t t) { return !token_allowed(seq->allowed_tokens->data(), t); });
+      seq->truncate_draft(size_t(refused - seq->draft.begin()));
+    }
+    if (seq->matcher) {
+      size_t fits = 0;
+      while (fits < seq->draft.size() && seq->matcher->accept_token(seq->draft[fits])) ++fits;
+      if (fits) seq->matcher->rollback(int64_t(fits));
+      seq->truncate_draft(fits);
+    }
+  }
 }
 
 structured::GrammarCompiler& EngineCore::grammars() const {
@@ -287,26 +433,42 @@ structured::GrammarCompiler& EngineCore::grammars() const {
   return *grammars_;
 }
 
-void EngineCore::fill_token_masks(const std::vector<Sequence*>& sampled, std::vector<int32_t>& rows,
+void EngineCore::fill_token_masks(const std::vector<Sequence*>& row_seqs, std::vector<int32_t>& rows,
                                   std::vector<uint32_t>& words) const {
   // Filled on this thread after the step's forward pass was launched: on a GPU the masks are computed while
-  // it runs (vLLM overlaps them the same way). Rows in parallel: each matcher is its own, and what they
-  // share (the compiled grammar's caches) is locked.
+  // it runs (vLLM overlaps them the same way). Sequences in parallel: each matcher is its own, and what they
+  // share (the compiled grammar's caches) is locked. A sequence's rows in order: between two, its matcher
+  // takes the draft token the first verifies, and afterwards gives them all back.
   const int64_t width = (model_.vocab_size() + 31) / 32;
-  for (size_t i = 0; i < sampled.size(); ++i)
-    if (sampled[i]->matcher || sampled[i]->allowed_tokens) rows.push_back(int32_t(i));
+  std::vector<size_t> seq_begin;  // where each masked sequence's rows begin in `rows`
+  for (size_t r = 0; r < row_seqs.size(); ++r) {
+    if (!row_seqs[r]->matcher && !row_seqs[r]->allowed_tokens) continue;
+    if (rows.empty() || row_seqs[size_t(rows.back())] != row_seqs[r]) seq_begin.push_back(rows.size());
+    rows.push_back(int32_t(r));
+  }
+  seq_begin.push_back(rows.size());
   words.assign(rows.size() * size_t(width), 0u);
-  parallel_for(int64_t(rows.size()), [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const Sequence& seq = *sampled[size_t(rows[size_t(k)])];
-      uint32_t* row = words.data() + k * width;
-      if (seq.matcher) {
-        seq.matcher->fill_next_token_bitmask(row);
-        if (seq.allowed_tokens)
-          for (int64_t w = 0; w < width; ++w) row[w] &= (*seq.allowed_tokens)[size_t(w)];
-      } else {
-        std::copy(seq.allowed_tokens->begin(), seq.allowed_tokens->end(), row);
+  parallel_for(int64_t(seq_begin.size()) - 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      Sequence& seq = *row_seqs[size_t(rows[seq_begin[size_t(s)]])];
+      int64_t advanced = 0;
+      for (size_t k = seq_begin[size_t(s)]; k < seq_begin[size_t(s) + 1]; ++k) {
+        uint32_t* row = words.data() + k * size_t(width);
+        if (seq.matcher) {
+          // The proposer kept only drafts the grammar takes; should one not be, the rows after it are never
+          // read (its own row cannot draw it), and stay empty.
+          if (k > seq_begin[size_t(s)]) {
+            if (!seq.matcher->accept_token(seq.draft[k - seq_begin[size_t(s)] - 1])) break;
+            ++advanced;
+          }
+          seq.matcher->fill_next_token_bitmask(row);
+          if (seq.allowed_tokens)
+            for (int64_t w = 0; w < width; ++w) row[w] &= (*seq.allowed_tokens)[size_t(w)];
+        } else {
+          std::copy(seq.allowed_tokens->begin(), seq.allowed_tokens->end(), row);
+        }
       }
+      if (advanced) seq.matcher->rollback(advanced);
     }
   });
 }
@@ -345,7 +507,7 @@ RequestOutput EngineCore::new_event(const Sequence& seq) const {
   return event;
 }
 
-void EngineCore::emit(Sequence& seq, int32_t token, std::span<const float> logits) {
+bool EngineCore::emit(Sequence& seq, int32_t token, std::span<const float> logits) {
   const SamplingParams& p = seq.params();
   if (seq.num_output() == 0) prompt_tokens_total_ += seq.prompt_length;
   ++generation_tokens_total_;
@@ -368,11 +530,12 @@ void EngineCore::emit(Sequence& seq, int32_t token, std::span<const float> logit
 
   if (event.finish_reason.empty()) {
     active_request(seq).on_output(event);
-    return;
+    return true;
   }
   // Text held back as a possible stop string start, or bytes of an unfinished character, come out now.
   if (seq.detokenizer && !seq.detokenizer->stopped()) event.new_text += seq.detokenizer->finish().text;
   finish(seq, event);
+  return false;
 }
 
 bool EngineCore::check_stop_token(const Sequence& seq, int32_t token, RequestOutput& event) const {
@@ -409,6 +572,7 @@ EngineCore::ActiveRequest& EngineCore::active_request(const Sequence& seq) { ret
 void EngineCore::finish(Sequence& seq, RequestOutput& event) {
   ActiveRequest& active = active_request(seq);
   scheduler_.remove(&seq);
+  if (proposer_) proposer_->forget(seq);
   event.finished = true;
   active.on_output(event);
   if (--active.unfinished == 0) {

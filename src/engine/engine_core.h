@@ -5,11 +5,14 @@
 // One step:
 //   1. the scheduler picks the sequences and how many tokens of each (scheduler.h);
 //   2. their tokens form one Batch, run by the core's ModelRunner against the paged KV cache; logits come back
-//      for each sequence's last token, or for every token when a prefill needs prompt logprobs;
-//   3. the computed tokens are committed to the cache (full blocks enter the prefix cache);
-//   4. each sequence whose tokens are now all computed draws its next token (all of them at once, where
-//      the logits are: on a GPU only the ids cross), which is detokenized, checked against the stop
-//      conditions and sent as a RequestOutput event.
+//      for each sequence's last token (and the rows before its speculative draft tokens), or for every
+//      token when a prefill needs prompt logprobs;
+//   3. each sequence whose tokens are now all computed draws its next token (all of them at once, where
+//      the logits are: on a GPU only the ids cross); with drafts, one token per row, and the drafts the
+//      target drew itself are kept (engine/speculative.h);
+//   4. the computed tokens the step keeps are committed to the cache (full blocks enter the prefix cache);
+//   5. each new token is detokenized, checked against the stop conditions and sent as a RequestOutput
+//      event; with speculative decoding, the proposer guesses the next step's drafts.
 #pragma once
 #include <array>
 #include <cstdint>
@@ -24,6 +27,7 @@
 #include "engine/request.h"
 #include "engine/scheduler.h"
 #include "engine/sequence.h"
+#include "engine/speculative.h"
 #include "model/model.h"
 #include "runner/memory_profile.h"
 #include "runner/model_runner.h"
@@ -43,6 +47,10 @@ struct EngineConfig {
   // then fails at start.
   bool warm_up = false;
   RunnerOptions runner;  // how the core's model runner runs steps (--enforce-eager)
+  // Speculative decoding (--speculative-config, engine/speculative.h); for method "draft_model", the draft
+  // model loaded from speculative.model (it must outlive the core).
+  SpeculativeConfig speculative;
+  Model* draft_model = nullptr;
 
   StepLimits step_limits() const { return {max_num_seqs, max_num_batched_tokens, max_model_len}; }
 };
@@ -73,7 +81,8 @@ struct EngineStats {
   int64_t prefix_queries = 0, prefix_hits = 0;  // prompt tokens looked up / reused
   int64_t preemptions = 0;
   int64_t prompt_tokens_total = 0, generation_tokens_total = 0;
-  StepCounters decode_steps;   // steps in which every sequence brings one token
+  SpecDecodeStats spec_decode;  // speculative decoding's drafts and acceptances
+  StepCounters decode_steps;   // steps without prompt tokens (one token a sequence, or verifying its drafts)
   StepCounters prefill_steps;  // steps with prompt chunks (mixed with decode tokens or not)
   IterationTokens iteration_tokens;
   // Data parallel, rank 0's engine: the requests handed to each group so far (empty otherwise).
@@ -129,8 +138,9 @@ class EngineCore {
 
   void record_prompt_logprobs(Sequence& seq, const Tensor& logits, const SeqSlice& slice);
   // Appends the sequence's next token and sends its event; `logits` (its raw row on the host) is only
-  // read for log-probabilities and may be empty when none were asked.
-  void emit(Sequence& seq, int32_t token, std::span<const float> logits);
+  // read for log-probabilities and may be empty when none were asked. False when the token ended the
+  // sequence (it is gone then).
+  bool emit(Sequence& seq, int32_t token, std::span<const float> logits);
   // Sets the event's finish reason when `token` ends the sequence (end of sequence, stop token id).
   bool check_stop_token(const Sequence& seq, int32_t token, RequestOutput& event) const;
   // The token's text; a stop string it completes ends the sequence.
@@ -139,10 +149,14 @@ class EngineCore {
   ActiveRequest& active_request(const Sequence& seq);
   // The step's token bitmasks (structured outputs, allowed_token_ids) of the sampled sequences; rows
   // index `sampled`.
-  void fill_token_masks(const std::vector<Sequence*>& sampled, std::vector<int32_t>& rows,
+  // A sequence with k draft tokens has k + 1 consecutive rows: row i's mask is its grammar's after the
+  // first i drafts.
+  void fill_token_masks(const std::vector<Sequence*>& row_seqs, std::vector<int32_t>& rows,
                         std::vector<uint32_t>& words) const;
   // Ends a choice whose mask allowed no token (or whose grammar refused the one drawn).
   void finish_unmatched(Sequence& seq);
+  // Speculative decoding, after a step's events: the next step's drafts of the sequences that decode on.
+  void propose_drafts(const std::vector<Sequence*>& sampled);
   // Sends the choice's last event (`event` has finished set) and lets go of the choice.
   void finish(Sequence& seq, RequestOutput& event);
 
@@ -162,6 +176,8 @@ class EngineCore {
   int64_t prompt_tokens_total_ = 0, generation_tokens_total_ = 0;
   StepCounters decode_steps_, prefill_steps_;
   IterationTokens iteration_tokens_;
+  std::unique_ptr<DraftProposer> proposer_;  // with --speculative-config
+  SpecDecodeStats spec_decode_;
 };
 
 }  // namespace sparrow

@@ -18,11 +18,12 @@ namespace {
 // together after it, with a cache just big enough for every sequence at its full length (prompt +
 // max_tokens) and no prefix caching (nothing is shared or reused offline).
 EngineConfig offline_engine_config(const Model& model, const std::vector<std::vector<int32_t>>& prompts,
-                                   int64_t max_tokens) {
+                                   int64_t max_tokens, int64_t speculative_tokens) {
   EngineConfig config;
   config.max_num_seqs = int64_t(prompts.size());
   config.max_num_batched_tokens = 0;
   config.cache.enable_prefix_caching = false;
+  config.cache.rollback_snapshots = speculative_tokens > 0;  // as the engine will plan it (engine_core.cpp)
   config.cache.max_num_seqs = config.max_num_seqs;
   config.cache.memory_bytes = int64_t(1) << 50;  // only to learn the row and slot sizes
   const CachePlan plan = plan_cache(model.cache_spec(), config.cache);
@@ -33,8 +34,10 @@ EngineConfig offline_engine_config(const Model& model, const std::vector<std::ve
     config.max_model_len = std::max(config.max_model_len, length);
     blocks += (length + plan.block_size - 1) / plan.block_size;
   }
-  config.cache.memory_bytes = blocks * plan.row_bytes + plan.num_state_slots * plan.state_slot_bytes;
-  config.max_num_batched_tokens = std::max<int64_t>(config.max_num_batched_tokens, 1);
+  config.cache.memory_bytes = blocks * plan.row_bytes + (plan.num_state_slots + plan.num_snapshot_slots) * plan.state_slot_bytes;
+  // A decode step holds every sequence with all of its draft tokens.
+  config.max_num_batched_tokens =
+      std::max<int64_t>(config.max_num_batched_tokens, int64_t(prompts.size()) * (1 + speculative_tokens));
   return config;
 }
 
@@ -45,7 +48,10 @@ void generate(Model& model, const std::vector<std::vector<int32_t>>& prompts, co
   SPARROW_CHECK(options.max_tokens >= 0, "max_tokens must be >= 0, got ", options.max_tokens);
   if (options.max_tokens == 0 || prompts.empty()) return;
 
-  EngineConfig config = offline_engine_config(model, prompts, options.max_tokens);
+  EngineConfig config = offline_engine_config(model, prompts, options.max_tokens,
+                                              options.speculative.num_speculative_tokens);
+  config.speculative = options.speculative;
+  config.draft_model = options.draft_model;
   // The stop ids become the engine's end-of-sequence ids and, with no tokenizer, its only ones: a sequence
   // ends right after one of them (kept in its tokens) and nowhere else, and they are masked until
   // min_tokens exist, as SamplingParams::stop_token_ids would be. The two differ only in the event's

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine/sampler.h"
+#include "engine/speculative.h"
 #include "model/model.h"
 #include "runner/model_runner.h"
 
@@ -21,6 +22,9 @@ struct GenerateOptions {
   SamplingParams sampling;
   std::set<int32_t> stop_token_ids;  // generation ends after emitting one of these (it is kept)
   RunnerOptions runner;              // how the engine's runner runs steps (--enforce-eager)
+  // Speculative decoding (--speculative-config); the draft model of method draft_model must outlive the call.
+  SpeculativeConfig speculative;
+  Model* draft_model = nullptr;
 };
 
 // Calls on_token(i, id) for each token generated after prompts[i] as soon as it is sampled (a stop token

@@ -253,6 +253,8 @@ std::vector<uint8_t> encode_stats(const EngineStats& s) {
   put_counters(w, s.prefill_steps);
   for (int64_t n : s.iteration_tokens.steps_by_log2) w.put<int64_t>(n);
   w.put<int64_t>(s.iteration_tokens.tokens);
+  for (int64_t v : {s.spec_decode.drafts, s.spec_decode.draft_tokens, s.spec_decode.accepted_tokens}) w.put<int64_t>(v);
+  w.put(s.spec_decode.accepted_by_position);
   return std::move(w.bytes);
 }
 
@@ -266,6 +268,9 @@ EngineStats decode_stats(const std::vector<uint8_t>& bytes) {
   s.prefill_steps = get_counters(r);
   for (int64_t& n : s.iteration_tokens.steps_by_log2) n = r.get<int64_t>();
   s.iteration_tokens.tokens = r.get<int64_t>();
+  for (int64_t* v : {&s.spec_decode.drafts, &s.spec_decode.draft_tokens, &s.spec_decode.accepted_tokens})
+    *v = r.get<int64_t>();
+  s.spec_decode.accepted_by_position = r.get_vector<int64_t>();
   r.finish();
   return s;
 }
@@ -288,6 +293,13 @@ void add_stats(EngineStats& a, const EngineStats& b) {
   for (size_t k = 0; k < a.iteration_tokens.steps_by_log2.size(); ++k)
     a.iteration_tokens.steps_by_log2[k] += b.iteration_tokens.steps_by_log2[k];
   a.iteration_tokens.tokens += b.iteration_tokens.tokens;
+  a.spec_decode.drafts += b.spec_decode.drafts;
+  a.spec_decode.draft_tokens += b.spec_decode.draft_tokens;
+  a.spec_decode.accepted_tokens += b.spec_decode.accepted_tokens;
+  std::vector<int64_t>& by_position = a.spec_decode.accepted_by_position;
+  if (by_position.size() < b.spec_decode.accepted_by_position.size())
+    by_position.resize(b.spec_decode.accepted_by_position.size());
+  for (size_t i = 0; i < b.spec_decode.accepted_by_position.size(); ++i) by_position[i] += b.spec_decode.accepted_by_position[i];
 }
 
 // ---------------------------------------------------------------------------------------------

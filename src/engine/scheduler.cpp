@@ -42,7 +42,9 @@ std::vector<ScheduledChunk> Scheduler::schedule() {
   for (Sequence* seq : order) {
     if (budget == 0) break;
     if (seq->status != SequenceStatus::Running) continue;  // preempted earlier in this step
-    const int64_t n = std::min(seq->num_pending(), budget);
+    const int64_t wanted = seq->num_pending() + int64_t(seq->draft.size());
+    const int64_t n = std::min(wanted, budget);
+    seq->truncate_draft(size_t(std::clamp<int64_t>(n - seq->num_pending(), 0, int64_t(seq->draft.size()))));
     if (!reserve(seq, seq->num_computed() + n, scheduled)) continue;
     scheduled.push_back({seq, n});
     budget -= n;
@@ -71,6 +73,7 @@ bool Scheduler::reserve(Sequence* seq, int64_t total_tokens, const std::vector<S
 void Scheduler::preempt(Sequence* seq) {
   std::erase(running_, seq);
   release_cache(seq);
+  seq->truncate_draft(0);
   seq->status = SequenceStatus::Waiting;
   waiting_.push_front(seq);
   ++num_preemptions_;

@@ -2,8 +2,9 @@
 //
 // Policy (continuous batching with chunked prefill, as vLLM's v1 scheduler):
 //   - a step runs at most max_num_batched_tokens tokens and holds at most max_num_seqs sequences;
-//   - running sequences go first: decodes (one token each), then unfinished prefills, oldest first,
-//     each taking as much of the remaining budget as it needs (a prefill may get a chunk);
+//   - running sequences go first: decodes (one token each, and its speculative draft tokens, which are
+//     cut short when the budget runs out), then unfinished prefills, oldest first, each taking as much of
+//     the remaining budget as it needs (a prefill may get a chunk);
 //   - then waiting sequences are admitted in arrival order while budget, sequence slots and blocks
 //     last (a new sequence first reuses the longest cached prefix of its tokens); admission stops at
 //     the first one that does not fit, so arrival order is kept; nothing is admitted in a step that
@@ -28,7 +29,8 @@ struct SchedulerConfig {
   int64_t max_num_batched_tokens = 2048;
 };
 
-// One sequence's share of a step: its tokens [num_computed, num_computed + num_tokens).
+// One sequence's share of a step: its tokens [num_computed, num_computed + num_tokens), the draft tokens
+// (Sequence::draft) after its pending ones included.
 struct ScheduledChunk {
   Sequence* seq;
   int64_t num_tokens;

@@ -30,6 +30,18 @@ struct Sequence {
   const int64_t index;
   const int64_t prompt_length;
   std::vector<int32_t> tokens;  // the prompt, then the generated tokens
+  // Speculative decoding (engine/speculative.h): tokens guessed to follow `tokens`, run and verified in the
+  // sequence's next step after its pending tokens; never part of `tokens` until the target confirms them.
+  std::vector<int32_t> draft;
+  // Probabilistic drafts: the distribution each was drawn from (draft.size() rows of vocabulary size, flat);
+  // empty for deterministic ones.
+  std::vector<float> draft_probs;
+  // Keeps the first n draft tokens (and their distributions).
+  void truncate_draft(size_t n) {
+    if (n >= draft.size()) return;
+    if (!draft_probs.empty()) draft_probs.resize(draft_probs.size() / draft.size() * n);
+    draft.resize(n);
+  }
 
   SequenceStatus status = SequenceStatus::Waiting;
   // While running: the KvCache sequence and the model's handle on it. state.length counts the tokens

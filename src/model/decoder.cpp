@@ -101,11 +101,12 @@ Tensor DecoderModel::forward(const Batch& batch, StepMarks* marks) {
   x = attn_res_block > 0 ? attn_res_layers(std::move(x), batch, marks) : residual_layers(std::move(x), batch, marks);
   if (!batch.all_logits) {
     if (on_gpu) {
-      x = ops::select_rows(x, device_step(batch).last_rows);
+      x = ops::select_rows(x, device_step(batch).logit_rows);
     } else {
-      std::vector<int64_t> last;
-      for (const SeqSlice& s : batch.seqs) last.push_back(s.offset + s.count - 1);
-      x = ops::select_rows(x, last);
+      std::vector<int64_t> rows;
+      for (const SeqSlice& s : batch.seqs)
+        for (int64_t r = s.offset + s.count - s.logits; r < s.offset + s.count; ++r) rows.push_back(r);
+      x = ops::select_rows(x, rows);
     }
   }
   ops::rms_norm_(x, final_norm, norm_eps, norm_unit_offset);

@@ -24,7 +24,7 @@ struct DeviceStep {
   const PagedStorage* storage = nullptr;  // every sequence of the batch lives in this paged cache
   Tensor token_ids;         // int32 [T]
   Tensor positions;         // int64 [T]
-  Tensor last_rows;         // int32 [S]: each sequence's last row
+  Tensor logit_rows;        // int32 [R]: the rows that get logits (each sequence's last SeqSlice::logits)
   Tensor page_table;        // int64 [num_seqs, table_stride]: block_table[i] * row_bytes, 0 beyond
   Tensor row_seq;           // int32 [T]: the row's sequence (index into batch.seqs)
   Tensor row_pos;           // int32 [T]: its position

@@ -25,6 +25,13 @@ Batch make_batch(const std::vector<std::pair<SequenceState*, std::vector<int32_t
   return batch;
 }
 
+int64_t Batch::logit_rows() const {
+  if (all_logits) return size();
+  int64_t rows = 0;
+  for (const SeqSlice& s : seqs) rows += s.logits;
+  return rows;
+}
+
 const Tensor& Batch::positions_on(Device device) const {
   if (device != Device::Cpu && device_step) return device_step->positions;  // uploaded with the step's inputs
   if (!positions_tensor.defined() || positions_tensor.device() != device || positions_tensor.numel() != size()) {

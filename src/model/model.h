@@ -31,11 +31,14 @@ struct SequenceState {
 
 
 // One sequence's share of a batch: rows [offset, offset + count) of the batch, at positions
-// state->length ... state->length + count - 1.
+// state->length ... state->length + count - 1. Unless the batch wants every row's logits, its last
+// `logits` rows get them: 1 to sample the next token, more to verify speculative draft tokens (the row
+// before each draft token and the last).
 struct SeqSlice {
   SequenceState* state;
   int64_t offset;
   int64_t count;
+  int64_t logits = 1;
   int64_t start() const { return state->length; }
   SequenceCache& cache() const { return *state->cache; }
 };
@@ -46,9 +49,12 @@ struct Batch {
   std::vector<int32_t> tokens;     // all new tokens, sequence after sequence
   std::vector<int64_t> positions;  // their absolute positions
   std::vector<SeqSlice> seqs;
-  // true: logits for every token; false: only for each sequence's last token (decode, sampling).
+  // true: logits for every token; false: only for each sequence's last SeqSlice::logits rows (decode,
+  // sampling, speculative verification).
   bool all_logits = true;
   int64_t size() const { return int64_t(tokens.size()); }
+  // Rows of the logits forward() returns: the batch's size, or the sequences' logits rows summed.
+  int64_t logit_rows() const;
 
   // The positions as an int64 tensor on `device`, made on first use and shared by every layer.
   const Tensor& positions_on(Device device) const;
@@ -89,8 +95,8 @@ class Model {
 
   // The forward pass over a checked batch whose caches have room for its tokens (and, on a GPU, whose
   // step's inputs are attached: model/device_step.h). Returns fp32 logits on the model's device:
-  // [batch.size(), vocab] when batch.all_logits, else [batch.seqs.size(), vocab] for each sequence's
-  // last token. Writes the new tokens' rows and state into the caches but leaves each state's length
+  // [batch.logit_rows(), vocab]: every row when batch.all_logits, else each sequence's last
+  // SeqSlice::logits rows, sequence after sequence. Writes the new tokens' rows and state into the caches but leaves each state's length
   // alone (the runner advances it). `marks`, when given, gets the end of each part.
   virtual Tensor forward(const Batch& batch, StepMarks* marks) = 0;
   // A data-parallel group's step without tokens of its own while other groups run theirs

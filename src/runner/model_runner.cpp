@@ -54,7 +54,11 @@ Tensor ModelRunner::run(const Batch& batch) {
   const int64_t vocab = model_.vocab_size();
   for (int32_t id : batch.tokens)  // checked here for both devices: the GPU embedding reads ids unchecked
     SPARROW_CHECK(id >= 0 && id < vocab, "token id ", id, " out of range [0, ", vocab, ")");
-  for (const SeqSlice& s : batch.seqs) s.cache().reserve(s.start() + s.count);
+  for (const SeqSlice& s : batch.seqs) {
+    SPARROW_CHECK(s.logits >= 1 && s.logits <= s.count, "a sequence of ", s.count, " rows in the batch asks for ",
+                  s.logits, " rows of logits");
+    s.cache().reserve(s.start() + s.count);
+  }
   if (options_.data_parallel) {
     const std::vector<GroupStatus> statuses = options_.data_parallel->exchange(batch.size());
     SPARROW_CHECK(!any_stopped(statuses), "a data-parallel group left the run while this one had a step to run");

@@ -47,8 +47,7 @@ class ModelRunner {
   ModelRunner& operator=(const ModelRunner&) = delete;
 
   // Runs the batch and advances each state's length. Returns fp32 logits on the model's device:
-  // [batch.size(), vocab] when batch.all_logits, else [batch.seqs.size(), vocab] for each sequence's
-  // last token. Throws sparrow::Error for an empty batch or a token id outside the vocabulary.
+  // [batch.logit_rows(), vocab] (Model::forward). Throws sparrow::Error for an empty batch or a token id outside the vocabulary.
   Tensor run(const Batch& batch);
   // Data parallel: this group has no tokens this step. Meets the other groups' leaders and, when any has
   // tokens, runs the step's shared parts on no rows (Model::step_idle) with this group's workers.

@@ -12,7 +12,7 @@ namespace {
 
 // The buffer's arrays in order, each 256-byte aligned (the kernels' vector loads need 16).
 struct StepLayout {
-  int64_t token_ids, positions, last_rows, page_table, row_seq, row_pos, row_visible, seq_rows, seq_split,
+  int64_t token_ids, positions, logit_rows, page_table, row_seq, row_pos, row_visible, seq_rows, seq_split,
       state_slots, snapshot_slots, bytes;
   StepLayout(int64_t rows, int64_t seqs, const StepShape& shape) {
     int64_t at = 0;
@@ -23,7 +23,7 @@ struct StepLayout {
     };
     token_ids = take(rows * 4);
     positions = take(rows * 8);
-    last_rows = take(seqs * 4);
+    logit_rows = take(rows * 4);  // at most one a row
     page_table = take(seqs * shape.table_stride * 8);
     row_seq = take(rows * 4);
     row_pos = take(rows * 4);
@@ -72,7 +72,8 @@ std::shared_ptr<const DeviceStep> upload_device_step(const Batch& batch, const S
   auto at = [&](int64_t offset) { return host.as<uint8_t>() + offset; };
   auto* ids = reinterpret_cast<int32_t*>(at(layout.token_ids));
   auto* positions = reinterpret_cast<int64_t*>(at(layout.positions));
-  auto* last = reinterpret_cast<int32_t*>(at(layout.last_rows));
+  auto* logit_rows = reinterpret_cast<int32_t*>(at(layout.logit_rows));
+  int64_t num_logit_rows = 0;
   auto* table = reinterpret_cast<int64_t*>(at(layout.page_table));
   auto* row_seq = reinterpret_cast<int32_t*>(at(layout.row_seq));
   auto* row_pos = reinterpret_cast<int32_t*>(at(layout.row_pos));
@@ -88,7 +89,8 @@ std::shared_ptr<const DeviceStep> upload_device_step(const Batch& batch, const S
   std::copy(batch.positions.begin(), batch.positions.end(), positions);
   for (int64_t s = 0; s < seqs; ++s) {
     const SeqSlice& seq = batch.seqs[s];
-    last[s] = int32_t(seq.offset + seq.count - 1);
+    for (int64_t r = seq.offset + seq.count - seq.logits; r < seq.offset + seq.count; ++r)
+      logit_rows[num_logit_rows++] = int32_t(r);
     const std::vector<int32_t>& blocks = seq.cache().block_table();
     for (size_t i = 0; i < blocks.size(); ++i)
       table[s * shape.table_stride + int64_t(i)] = int64_t(blocks[i]) * storage->row_bytes();
@@ -125,7 +127,7 @@ std::shared_ptr<const DeviceStep> upload_device_step(const Batch& batch, const S
   step->max_visible = shape.max_visible;
   step->token_ids = buffer.view_bytes(layout.token_ids, {rows}, ScalarType::I32);
   step->positions = buffer.view_bytes(layout.positions, {rows}, ScalarType::I64);
-  step->last_rows = buffer.view_bytes(layout.last_rows, {seqs}, ScalarType::I32);
+  step->logit_rows = buffer.view_bytes(layout.logit_rows, {num_logit_rows}, ScalarType::I32);
   step->page_table = buffer.view_bytes(layout.page_table, {seqs, shape.table_stride}, ScalarType::I64);
   step->row_seq = buffer.view_bytes(layout.row_seq, {rows}, ScalarType::I32);
   step->row_pos = buffer.view_bytes(layout.row_pos, {rows}, ScalarType::I32);

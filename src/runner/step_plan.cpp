@@ -23,6 +23,7 @@ std::vector<uint8_t> encode_plan(const StepPlan& plan) {
       w.put(plan.config.indexer_kv_dtype);
       w.put<int64_t>(plan.config.max_num_seqs);
       w.put<uint8_t>(plan.config.enable_prefix_caching);
+      w.put<uint8_t>(plan.config.rollback_snapshots);
       w.put<int64_t>(plan.config.num_blocks);
       break;
     case StepPlan::Kind::DropCache:
@@ -41,6 +42,7 @@ std::vector<uint8_t> encode_plan(const StepPlan& plan) {
         w.put<int32_t>(s.cache);
         w.put<int64_t>(s.start);
         w.put<int64_t>(s.count);
+        w.put<int64_t>(s.logits);
         w.put(s.blocks);
         w.put<int32_t>(s.state_slot);
         w.put<int32_t>(s.snapshot_slot);
@@ -73,6 +75,7 @@ StepPlan decode_plan(const std::vector<uint8_t>& bytes) {
       plan.config.indexer_kv_dtype = r.get_string();
       plan.config.max_num_seqs = r.get<int64_t>();
       plan.config.enable_prefix_caching = r.get<uint8_t>() != 0;
+      plan.config.rollback_snapshots = r.get<uint8_t>() != 0;
       plan.config.num_blocks = r.get<int64_t>();
       break;
     case StepPlan::Kind::DropCache:
@@ -95,11 +98,14 @@ StepPlan decode_plan(const std::vector<uint8_t>& bytes) {
         s.cache = r.get<int32_t>();
         s.start = r.get<int64_t>();
         s.count = r.get<int64_t>();
+        s.logits = r.get<int64_t>();
         s.blocks = r.get_vector<int32_t>();
         s.state_slot = r.get<int32_t>();
         s.snapshot_slot = r.get<int32_t>();
         s.snapshot_position = r.get<int64_t>();
         SPARROW_CHECK(s.start >= 0 && s.count > 0, "step plan: sequence ", i, " runs ", s.count, " tokens from ", s.start);
+        SPARROW_CHECK(s.logits >= 1 && s.logits <= s.count, "step plan: sequence ", i, " asks for ", s.logits,
+                      " rows of logits of ", s.count);
         rows += s.count;
         plan.seqs.push_back(std::move(s));
       }
@@ -189,6 +195,7 @@ void WorkerChannel::send_step(const Batch& batch) {
     stepped[seq.cache] = kv;
     seq.start = s.start();
     seq.count = s.count;
+    seq.logits = s.logits;
     seq.blocks = cache.block_table();
     seq.state_slot = cache.state_slot_index();
     // The snapshot the step will take (asked now, as the layers will ask: the answer is the same).
@@ -273,6 +280,7 @@ void run_worker(Model& model, Communicator& channel, RunnerOptions options) {
           row += s.count;
         }
         Batch batch = make_batch(parts);
+        for (size_t i = 0; i < plan.seqs.size(); ++i) batch.seqs[i].logits = plan.seqs[i].logits;
         batch.all_logits = plan.all_logits;
         batch.group_tokens = plan.group_tokens;
         runner.run(batch);

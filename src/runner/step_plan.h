@@ -29,6 +29,7 @@ struct StepPlan {
   struct Sequence {
     int32_t cache = 0;  // the cache it lives in
     int64_t start = 0, count = 0;  // positions start .. start + count - 1, rows in the step's order
+    int64_t logits = 1;            // SeqSlice::logits
     std::vector<int32_t> blocks;   // rank 0's block table
     int32_t state_slot = -1, snapshot_slot = -1;
     int64_t snapshot_position = -1;

@@ -158,6 +158,18 @@ std::string ServerMetrics::render(const EngineGauges& engine) const {
       sample(out, "sparrow:data_parallel_requests_total", labels_ + ",group=\"" + std::to_string(g) + "\"",
              double(engine.requests_by_group[g]));
   }
+  if (engine.speculative) {
+    // vLLM's spec_decode counters (vllm/v1/spec_decode/metrics.py): the mean acceptance length is
+    // 1 + accepted_tokens / drafts, the acceptance rate accepted_tokens / draft_tokens.
+    counter("vllm:spec_decode_num_drafts", "Verify steps of a request with at least one draft token.",
+            double(engine.spec_drafts));
+    counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", double(engine.spec_draft_tokens));
+    counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", double(engine.spec_accepted_tokens));
+    header(out, "vllm:spec_decode_num_accepted_tokens_per_pos", "counter", "Draft tokens accepted, by draft position.");
+    for (size_t i = 0; i < engine.spec_accepted_by_position.size(); ++i)
+      sample(out, "vllm:spec_decode_num_accepted_tokens_per_pos_total", labels_ + ",position=\"" + std::to_string(i) + "\"",
+             double(engine.spec_accepted_by_position[i]));
+  }
   for (const auto& [kind, steps] : {std::pair{"decode", engine.decode}, std::pair{"prefill", engine.prefill}}) {
     const std::string base = std::string("sparrow:") + kind;
     counter(base + "_steps", "Engine steps of this kind.", double(steps.steps));

@@ -61,6 +61,10 @@ struct EngineGauges {
   std::array<int64_t, 32> iteration_steps_by_log2{};  // EngineStats' IterationTokens
   int64_t iteration_tokens = 0;
   std::vector<int64_t> requests_by_group;  // data parallel: EngineStats' (empty otherwise)
+  // Speculative decoding (EngineStats' SpecDecodeStats); reported when the server speculates.
+  bool speculative = false;
+  int64_t spec_drafts = 0, spec_draft_tokens = 0, spec_accepted_tokens = 0;
+  std::vector<int64_t> spec_accepted_by_position;
 };
 
 // The cache settings vllm:cache_config_info reports.

@@ -386,6 +386,13 @@ std::string Server::metrics() const {
                       s.iteration_tokens.steps_by_log2,
                       s.iteration_tokens.tokens,
                       s.requests_by_group};
+  const int64_t k = context_.engine.config().speculative.num_speculative_tokens;
+  gauges.speculative = context_.engine.config().speculative.enabled();
+  gauges.spec_drafts = s.spec_decode.drafts;
+  gauges.spec_draft_tokens = s.spec_decode.draft_tokens;
+  gauges.spec_accepted_tokens = s.spec_decode.accepted_tokens;
+  gauges.spec_accepted_by_position = s.spec_decode.accepted_by_position;
+  gauges.spec_accepted_by_position.resize(size_t(std::max<int64_t>(k, int64_t(s.spec_decode.accepted_by_position.size()))));
   return context_.metrics.render(gauges);
 }
 

@@ -162,3 +162,18 @@ def test_bad_input_is_an_error_naming_it(llm):
         sparrow.LLM(str(BUNDLED), tensor_parallel_size=2)
     # The engine is still fine after every refusal.
     assert llm.generate("ok", sparrow.SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
+
+
+def test_speculative_config_gives_the_same_outputs(llm):
+    """vLLM's speculative_config: ngram prompt lookup and a draft model (the bundled model drafting for itself)
+    give the tokens decoding without speculation gives, greedy and seeded (docs/speculative.md)."""
+    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+    params = [sparrow.SamplingParams(temperature=0, max_tokens=40),
+              sparrow.SamplingParams(temperature=0.7, seed=3, max_tokens=40)]
+    want = [llm.generate(prompt, p)[0].outputs[0].token_ids for p in params]
+    for config in ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
+                   {"method": "draft_model", "model": str(BUNDLED), "num_speculative_tokens": 3}):
+        spec = sparrow.LLM(str(BUNDLED), kv_cache_memory_bytes=64 << 20, speculative_config=config)
+        assert [spec.generate(prompt, p)[0].outputs[0].token_ids for p in params] == want, config
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        sparrow.LLM(str(BUNDLED), kv_cache_memory_bytes=64 << 20, speculative_config={"method": "ngram"})

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "kernels/sampling_rule.h"
 
@@ -16,5 +17,8 @@ void apply_token_bitmask(float* logits, int64_t vocab, const uint32_t* words);
 
 // The token drawn from one row of logits (kernels/sampling_rule.h, steps 1-6).
 int32_t draw_token(const float* logits, int64_t vocab, const TokenDraw& draw);
+// The distribution draw_token samples from: each token's probability (0 outside the kept candidates; greedy:
+// one at the argmax). Speculative decoding's verification of probabilistic drafts reads it.
+std::vector<double> token_probabilities(const float* logits, int64_t vocab, const TokenDraw& draw);
 
 }  // namespace sparrow::cpu

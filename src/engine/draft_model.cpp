@@ -1,0 +1,140 @@
+#include "engine/draft_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <unordered_map>
+
+#include "core/error.h"
+#include "engine/sequence.h"
+#include "kernels/ops.h"
+#include "model/model.h"
+#include "runner/model_runner.h"
+
+namespace sparrow {
+
+namespace {
+
+// Each target sequence has a draft sequence whose cache holds rows for `seen[0 .. state.length)`. A step
+// first sets the length back to where `seen` and the target's tokens still agree (the drafts the target
+// rejected drop out; rows are overwritten in place), runs the tokens it has not seen (in one batch over
+// all sequences), then decodes k - 1 more tokens one at a time. Drafts are the draft model's argmax.
+class DraftModelProposer final : public DraftProposer {
+ public:
+  DraftModelProposer(Model& draft, bool probabilistic) : runner_(draft), probabilistic_(probabilistic) {
+    for (const LayerCacheSpec& layer : draft.cache_spec())
+      SPARROW_CHECK(layer.states.empty(), "speculative decoding: the draft model (", draft.model_type(),
+                    ") has recurrent layers, whose state cannot be set back to the tokens the target accepts; use a "
+                    "draft model of attention layers only");
+  }
+
+  void propose(std::span<Sequence* const> seqs, std::span<const int64_t> max_tokens) override {
+    std::vector<Drafting> active;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      seqs[i]->truncate_draft(0);
+      if (max_tokens[i] <= 0) continue;
+      auto [it, fresh] = drafts_.try_emplace(seqs[i]);
+      if (fresh) it->second.state = runner_.new_sequence();
+      DraftSequence& d = it->second;
+      const std::vector<int32_t>& tokens = seqs[i]->tokens;
+      // Where the draft's rows stop matching the target's tokens.
+      int64_t agree = std::min<int64_t>(d.state.length, int64_t(tokens.size()) - 1);
+      for (int64_t p = d.checked; p < agree; ++p)
+        if (d.seen[size_t(p)] != tokens[size_t(p)]) {
+          agree = p;
+          break;
+        }
+      d.state.length = agree;
+      d.seen.assign(tokens.begin(), tokens.end());
+      d.checked = int64_t(tokens.size());
+      active.push_back({seqs[i], &d, max_tokens[i]});
+    }
+    if (active.empty()) return;
+
+    // The unseen tokens of every sequence in one batch, then one token each until each has its drafts.
+    std::vector<Drafting*> running;
+    std::vector<std::pair<SequenceState*, std::vector<int32_t>>> parts;
+    for (Drafting& a : active) {
+      running.push_back(&a);
+      parts.push_back({&a.d->state, std::vector<int32_t>(a.d->seen.begin() + a.d->state.length, a.d->seen.end())});
+    }
+    while (!running.empty()) {
+      Batch batch = make_batch(parts);
+      batch.all_logits = false;
+      const Tensor logits = runner_.run(batch);
+      std::vector<TokenDraw> greedy(running.size());
+      for (TokenDraw& draw : greedy) draw.temperature = 0;
+      std::vector<int32_t> next = ops::sample_tokens(logits, greedy, {});
+      if (probabilistic_) draw_from_distributions(logits, running, next);
+      std::vector<Drafting*> still;
+      parts.clear();
+      for (size_t i = 0; i < running.size(); ++i) {
+        Drafting& a = *running[i];
+        a.seq->draft.push_back(next[i]);
+        if (int64_t(a.seq->draft.size()) == a.wanted) continue;
+        a.d->seen.push_back(next[i]);
+        still.push_back(&a);
+        parts.push_back({&a.d->state, {next[i]}});
+      }
+      running = std::move(still);
+    }
+  }
+
+  void forget(const Sequence& seq) override { drafts_.erase(&seq); }
+
+ private:
+  struct Drafting;
+  // The sequences that sample (temperature above greedy) draw their next draft from q = softmax(logits / T),
+  // with a key of their own for that output position, and keep q for verification.
+  void draw_from_distributions(const Tensor& logits, const std::vector<Drafting*>& running, std::vector<int32_t>& next) {
+    Tensor host;
+    for (size_t i = 0; i < running.size(); ++i) {
+      Sequence& seq = *running[i]->seq;
+      const float temperature = seq.params().temperature;
+      if (temperature < kGreedyTemperature) continue;
+      if (!host.defined()) host = logits.to(Device::Cpu);
+      const int64_t vocab = host.dim(1);
+      const float* row = host.row(int64_t(i));
+      double top = -std::numeric_limits<double>::infinity();
+      for (int64_t t = 0; t < vocab; ++t) top = std::max(top, double(row[t]) / temperature);
+      std::vector<double> weight(static_cast<size_t>(vocab));
+      double total = 0;
+      for (int64_t t = 0; t < vocab; ++t) total += weight[size_t(t)] = std::exp(double(row[t]) / temperature - top);
+      const uint64_t key = mix64(seq.sampler.key(seq.num_output() + int64_t(seq.draft.size())) ^ kDraftDraws);
+      int32_t best = 0;
+      double best_key = -std::numeric_limits<double>::infinity();
+      for (int64_t t = 0; t < vocab; ++t) {
+        const double q = weight[size_t(t)] / total;
+        seq.draft_probs.push_back(float(q));
+        if (q <= 0) continue;
+        const double gumbel_key = std::log(q) - std::log(-std::log(uniform_at(key, t)));
+        if (gumbel_key > best_key) best_key = gumbel_key, best = int32_t(t);
+      }
+      next[i] = best;
+    }
+  }
+
+  struct DraftSequence {
+    SequenceState state;
+    std::vector<int32_t> seen;  // the tokens its rows were computed from (its first state.length)
+    int64_t checked = 0;        // seen[0 .. checked) equals the target's tokens (they never change)
+  };
+  struct Drafting {
+    Sequence* seq;
+    DraftSequence* d;
+    int64_t wanted;
+  };
+  // A salt that gives the drafts' draws keys apart from the target's (Sampler::key).
+  static constexpr uint64_t kDraftDraws = 0x5EC0'0003'C01D'5EEDull;
+  ModelRunner runner_;
+  bool probabilistic_;
+  std::unordered_map<const Sequence*, DraftSequence> drafts_;
+};
+
+}  // namespace
+
+std::unique_ptr<DraftProposer> make_draft_model_proposer(Model& draft, bool probabilistic) {
+  return std::make_unique<DraftModelProposer>(draft, probabilistic);
+}
+
+}  // namespace sparrow
