@@ -75,6 +75,25 @@ def test_two_ranks_serve_what_one_process_serves(start_server, test_model, famil
     assert sharded.metrics()["vllm:num_preemptions_total"] > 0, "nothing was preempted: the squeeze lost its point"
 
 
+# Speculative decoding under tensor parallelism: the verify steps' logits rows go to the workers in the step
+# plan, and a KDA rollback reaches them as a state op of the next step (kimi_linear); the answers are still
+# the single process's.
+@pytest.mark.parametrize("family", ["kimi_linear", "minimax_m3"])
+def test_two_ranks_speculating_serve_what_one_process_serves(start_server, test_model, family):
+    model = test_model(family)
+    single = start_server(*squeezed(KV_CACHE_MEMORY[family]), model=model)
+    requests = make_requests(seed=2024)[:REQUESTS // 2]
+    expected = [run_alone(single.client(timeout=120), r) for r in requests]
+    sharded = start_server(*squeezed(KV_CACHE_MEMORY[family]), "--tensor-parallel-size", "2", "--speculative-config",
+                           '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}', model=model)
+    results = stream_all(sharded.client(timeout=180), requests, join_s=300)
+    assert len(results) == len(requests), "some requests did not finish"
+    mismatches = differences_from_solo(results, expected)
+    assert not mismatches, f"{len(mismatches)} requests differ from the single-process server: {mismatches[:3]}"
+    metrics = sharded.metrics()
+    assert 0 < metrics["vllm:spec_decode_num_accepted_tokens_total"] < metrics["vllm:spec_decode_num_draft_tokens_total"]
+
+
 def test_sigterm_stops_the_workers_too(sparrow_binary, test_model):
     server = SparrowServer(sparrow_binary, test_model("minimax_m3"), "--kv-cache-memory", "64MiB",
                            "--tensor-parallel-size", "2")
