@@ -3,6 +3,8 @@
 // random walks through the masks always end in output that parses and fits the schema.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -301,6 +303,61 @@ TEST(StructuredJsonSchema, IntegerBounds) {
     EXPECT_FALSE(matches(g, "1.0")) << c.bounds;
   }
   EXPECT_ERROR_HAS(schema(R"({"type": "integer", "minimum": "3"})"), "minimum must be a number");
+}
+
+// Number bounds hold digit by digit on plain decimals: every number of a grid around the bounds (whole
+// numbers, one to four fraction digits, trailing zeros) is accepted exactly when it lies within them; no
+// exponent, no "-0"; the bounds that take nothing are refused.
+TEST(StructuredJsonSchema, NumberBounds) {
+  struct Case {
+    std::string bounds;
+    double lo, hi;
+    bool lo_exclusive, hi_exclusive;
+  };
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<Case> cases = {
+      {R"("minimum": 0, "maximum": 1)", 0, 1, false, false},
+      {R"("minimum": 0.5, "maximum": 2.25)", 0.5, 2.25, false, false},
+      {R"("exclusiveMinimum": 0.5, "exclusiveMaximum": 2.25)", 0.5, 2.25, true, true},
+      {R"("minimum": -1.75, "maximum": 3.1)", -1.75, 3.1, false, false},
+      {R"("minimum": -2.5, "exclusiveMaximum": -0.125)", -2.5, -0.125, false, true},
+      {R"("exclusiveMinimum": 0)", 0, inf, true, false},
+      {R"("minimum": 1.05)", 1.05, inf, false, false},
+      {R"("maximum": -0.3)", -inf, -0.3, false, false},
+      {R"("exclusiveMaximum": 0)", -inf, 0, false, true},
+      {R"("maximum": 0)", -inf, 0, false, false},
+      {R"("minimum": 1.5, "maximum": 1.5)", 1.5, 1.5, false, false},
+      {R"("minimum": 2, "exclusiveMaximum": 2.001)", 2, 2.001, false, true},
+      {R"("minimum": 3, "exclusiveMinimum": true, "maximum": 12)", 3, 12, true, false},  // draft 4
+      {R"("minimum": 0.1, "maximum": 0.3)", 0.1, 0.3, false, false},
+  };
+  std::vector<std::string> grid;
+  for (int whole = -14; whole <= 14; ++whole)
+    for (const char* fraction : {"", ".0", ".00", ".001", ".05", ".1", ".125", ".1001", ".25", ".2999", ".3", ".3001",
+                                 ".5", ".75", ".7501", ".9", ".99", ".9999"}) {
+      grid.push_back(std::to_string(whole) + fraction);
+      if (whole == 0) grid.push_back(std::string("-0") + fraction);
+    }
+  for (const Case& c : cases) {
+    const Grammar g = schema((R"({"type": "number", )" + c.bounds + "}").c_str());
+    for (const std::string& text : grid) {
+      const double v = std::strtod(text.c_str(), nullptr);
+      const bool inside = (c.lo_exclusive ? v > c.lo : v >= c.lo) && (c.hi_exclusive ? v < c.hi : v <= c.hi);
+      const bool minus_zero = text[0] == '-' && v == 0;  // "-0.0" is never written
+      EXPECT_EQ(matches(g, text), inside && !minus_zero) << c.bounds << ": " << text;
+    }
+    EXPECT_FALSE(matches(g, "1e0")) << c.bounds;
+    EXPECT_FALSE(matches(g, "01.5")) << c.bounds;
+    EXPECT_FALSE(matches(g, "1.")) << c.bounds;
+    EXPECT_EQ(matches(g, "123456789.5"), c.hi == inf) << c.bounds;
+    EXPECT_EQ(matches(g, "-123456789.5"), c.lo == -inf) << c.bounds;
+  }
+  EXPECT_ERROR_HAS(schema(R"({"type": "number", "minimum": 2.5, "maximum": 2.4})"), "no number lies between");
+  EXPECT_ERROR_HAS(schema(R"({"type": "number", "exclusiveMinimum": 2.5, "maximum": 2.5})"), "no number lies between");
+  EXPECT_ERROR_HAS(schema(R"({"type": "number", "maximum": "3"})"), "maximum must be a number");
+  // Unbounded numbers keep JSON's whole syntax.
+  const Grammar open = schema(R"({"type": "number"})");
+  EXPECT_TRUE(matches(open, "-1.5e-3"));
 }
 
 TEST(StructuredJsonSchema, RefusesWhatItCannotEnforce) {

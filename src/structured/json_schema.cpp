@@ -17,14 +17,17 @@
 //   integer: JSON's integer syntax within minimum / maximum / exclusiveMinimum / exclusiveMaximum (either
 //     form: a number, or draft 4's boolean beside minimum / maximum), digit by digit as xgrammar's
 //     GenerateRangeRegex bounds them (integer_range below); bounds beyond +-9e18 count as open;
-//   number: JSON's number syntax; its minimum, maximum and exclusive bounds are not enforced, except that
-//     a number with minimum >= 0 (or exclusiveMinimum >= 0) has no minus sign; multipleOf is not enforced.
+//   number: JSON's number syntax; with minimum / maximum / exclusiveMinimum / exclusiveMaximum (either form),
+//     a plain decimal (no exponent) within them, compared digit by digit with the bounds' shortest decimal
+//     forms (bounded_number below); bounds beyond +-9e18 count as open; multipleOf is not enforced.
 // Refused (they would need the output checked beyond a grammar): not, if / then / else,
 // patternProperties, dependentRequired, dependentSchemas, propertyNames, contains, $dynamicRef, a
 // `false` schema, allOf with several members. Annotations (title, description, default, examples, ...)
 // and other unknown keywords are ignored.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <optional>
 #include <unordered_map>
 
@@ -122,7 +125,7 @@ class SchemaConverter {
     if (have_any_) return;
     have_any_ = true;
     rules_.push_back({"json_string", seq({lit("\""), E::repeat(json_char(), 0, -1), lit("\"")})});
-    rules_.push_back({"json_number", number(false, false)});
+    rules_.push_back({"json_number", number(false)});
     E member = seq({rule_ref("json_string"), colon(), rule_ref("json_value")});
     rules_.push_back({"json_object", seq({open("{"), opt(seq({member, E::repeat(seq({comma(), member}), 0, -1)})), close("}")})});
     rules_.push_back({"json_array", seq({open("["), opt(seq({rule_ref("json_value"), E::repeat(seq({comma(), rule_ref("json_value")}), 0, -1)})),
@@ -220,11 +223,146 @@ class SchemaConverter {
     return integer_range(lo, hi, path);
   }
 
-  static E number(bool integer, bool non_negative) {
+  // A bound of a number as decimal digits: its shortest round-trip form, split at the point (the fraction
+  // without trailing zeros). Magnitudes from 9e18 on count as open, as for integers.
+  struct Decimal {
+    int64_t whole = 0;
+    std::string fraction;
+    bool exclusive = false;
+  };
+  static std::optional<Decimal> decimal(double magnitude, bool exclusive) {
+    if (!(magnitude < 9e18)) return std::nullopt;
+    // The fewest fraction digits that read back as the same double: 0.1 is "0.1", not its binary expansion.
+    char text[80];
+    for (int digits = 0; digits <= 40; ++digits) {
+      std::snprintf(text, sizeof text, "%.*f", digits, magnitude);
+      if (std::strtod(text, nullptr) == magnitude) break;
+    }
+    const std::string fixed = text;
+    const size_t point = fixed.find('.');
+    Decimal d;
+    d.whole = std::strtoll(fixed.substr(0, point).c_str(), nullptr, 10);
+    d.fraction = point == std::string::npos ? "" : fixed.substr(point + 1);
+    while (!d.fraction.empty() && d.fraction.back() == '0') d.fraction.pop_back();
+    d.exclusive = exclusive;
+    return d;
+  }
+  // The fraction digits F from digit i on such that 0.F lies above lo's fraction and below hi's (inclusive or
+  // not, as each says) while the digits so far equal the bound's (`lo_tight`, `hi_tight`; a bound's fraction
+  // is read with zeros after its last digit); nullopt when no digits do. `need`: at least one digit.
+  static std::optional<E> fraction_digits(const Decimal* lo, bool lo_tight, const Decimal* hi, bool hi_tight, size_t i,
+                                          bool need) {
+    const int64_t min = need ? 1 : 0;
+    if (!lo_tight && !hi_tight) return any_digits_from(min);
+    const bool lo_past = lo_tight && i >= lo->fraction.size(), hi_past = hi_tight && i >= hi->fraction.size();
+    // Past a bound's digits, 0.F equals it while only zeros follow; the tails in closed form.
+    if (lo_past && !hi_tight)  // any digits; exclusive: some digit must not be 0
+      return lo->exclusive ? seq({E::repeat(lit("0"), 0, -1), E::chars_of(CharClass::range('1', '9')), any_digits_from(0)})
+                           : any_digits_from(min);
+    if (hi_past && (!lo_tight || lo_past)) {  // only zeros, which keep 0.F equal to hi (and lo, when tight)
+      if (hi->exclusive || (lo_past && lo->exclusive)) return std::nullopt;
+      return E::repeat(lit("0"), min, -1);
+    }
+    // Ending here: below lo while its digits remain (its last is not 0), equal to it when past them.
+    const bool may_end = !need && (!lo_tight || (lo_past && !lo->exclusive)) && (!hi_tight || !(hi_past && hi->exclusive));
+    const char lo_digit = lo_tight && !lo_past ? lo->fraction[i] : '0';
+    const char hi_digit = !hi_tight ? '9' : hi_past ? '0' : hi->fraction[i];
+    std::vector<E> ways;
+    if (may_end) ways.push_back(E::empty());
+    auto next = [&](char c, bool lo_next, bool hi_next) {
+      if (std::optional<E> rest = fraction_digits(lo, lo_next, hi, hi_next, i + 1, false))
+        ways.push_back(seq({lit(std::string(1, c)), *rest}));
+    };
+    if (lo_digit == hi_digit) {
+      next(lo_digit, lo_tight, hi_tight);
+    } else if (lo_digit < hi_digit) {
+      next(lo_digit, lo_tight, false);
+      if (lo_digit + 1 <= hi_digit - 1)
+        ways.push_back(seq({E::chars_of(CharClass::range(char(lo_digit + 1), char(hi_digit - 1))), any_digits_from(0)}));
+      next(hi_digit, false, hi_tight);
+    }
+    if (ways.empty()) return std::nullopt;
+    return alt(std::move(ways));
+  }
+  static E any_digits_from(int64_t min) { return E::repeat(E::chars_of(CharClass::range('0', '9')), min, -1); }
+  // What follows a number's whole digits: nothing, or a point and digits, within the bounds' fractions (a
+  // null bound: open).
+  static std::optional<E> fraction_part(const Decimal* lo, const Decimal* hi) {
+    std::vector<E> ways;
+    const bool bare = (!lo || (lo->fraction.empty() && !lo->exclusive)) && (!hi || !(hi->fraction.empty() && hi->exclusive));
+    if (bare) ways.push_back(E::empty());
+    if (std::optional<E> digits = fraction_digits(lo, lo != nullptr, hi, hi != nullptr, 0, true))
+      ways.push_back(seq({lit("."), *digits}));
+    if (ways.empty()) return std::nullopt;
+    return alt(std::move(ways));
+  }
+  // Non-negative magnitudes m (digits, a point, digits: no exponent) with lo < m < hi or <= as each says; a
+  // missing bound is open. nullopt when none lies between.
+  static std::optional<E> bounded_magnitude(const Decimal& lo, const std::optional<Decimal>& hi) {
+    std::vector<E> ways;
+    auto add = [&](E whole, std::optional<E> fraction) {
+      if (fraction) ways.push_back(seq({std::move(whole), std::move(*fraction)}));
+    };
+    const Decimal* upper = hi ? &*hi : nullptr;
+    if (upper && upper->whole < lo.whole) return std::nullopt;
+    if (upper && upper->whole == lo.whole) {
+      add(lit(std::to_string(lo.whole)), fraction_part(&lo, upper));
+    } else {
+      add(lit(std::to_string(lo.whole)), fraction_part(&lo, nullptr));
+      if (!upper) add(magnitudes(lo.whole + 1, -1), fraction_part(nullptr, nullptr));
+      else if (lo.whole + 1 <= upper->whole - 1) add(magnitudes(lo.whole + 1, upper->whole - 1), fraction_part(nullptr, nullptr));
+      if (upper) add(lit(std::to_string(upper->whole)), fraction_part(nullptr, upper));
+    }
+    if (ways.empty()) return std::nullopt;
+    return alt(std::move(ways));
+  }
+  // A number within minimum / maximum / exclusiveMinimum / exclusiveMaximum (draft 4's boolean forms too),
+  // compared digit by digit on plain decimals (no exponent); beyond +-9e18: open.
+  static E bounded_number(const Json& schema, const std::string& path) {
+    std::optional<double> lo, hi;
+    bool lo_exclusive = false, hi_exclusive = false;
+    auto tighten = [&](const char* key, bool lower, bool exclusive) {
+      auto it = schema.find(key);
+      if (it == schema.end() || it->is_boolean()) return;
+      if (!it->is_number()) error(path, std::string(key) + " must be a number");
+      const double v = it->get<double>();
+      if (std::abs(v) >= 9e18) return;
+      std::optional<double>& bound = lower ? lo : hi;
+      bool& ex = lower ? lo_exclusive : hi_exclusive;
+      if (!bound || (lower ? v > *bound : v < *bound) || (v == *bound && exclusive)) {
+        bound = v;
+        ex = exclusive;
+      }
+    };
+    auto draft4 = [&](const char* key) {
+      auto it = schema.find(key);
+      return it != schema.end() && it->is_boolean() && it->get<bool>();
+    };
+    tighten("minimum", true, draft4("exclusiveMinimum"));
+    tighten("maximum", false, draft4("exclusiveMaximum"));
+    tighten("exclusiveMinimum", true, true);
+    tighten("exclusiveMaximum", false, true);
+    std::vector<E> ways;
+    // x >= 0: magnitudes from max(lo, 0) up to hi.
+    if (!hi || *hi > 0 || (*hi == 0 && !hi_exclusive)) {
+      const Decimal from = lo && *lo >= 0 ? *decimal(*lo, lo_exclusive) : Decimal{};
+      if (std::optional<E> m = bounded_magnitude(from, hi ? decimal(*hi, hi_exclusive) : std::nullopt)) ways.push_back(*m);
+    }
+    // x < 0: "-" and a magnitude above max(-hi, 0) (above 0 strictly: no "-0") up to -lo.
+    if (!lo || *lo < 0) {
+      const Decimal from = hi && *hi < 0 ? *decimal(-*hi, hi_exclusive) : Decimal{0, "", true};
+      if (std::optional<E> m = bounded_magnitude(from, lo ? decimal(-*lo, lo_exclusive) : std::nullopt))
+        ways.push_back(seq({lit("-"), *m}));
+    }
+    if (ways.empty()) error(path, "no number lies between its minimum and maximum");
+    return alt(std::move(ways));
+  }
+
+  static E number(bool integer) {
     E digits = E::repeat(E::chars_of(CharClass::range('0', '9')), 0, -1);
     E whole = alt({lit("0"), seq({E::chars_of(CharClass::range('1', '9')), digits})});
     std::vector<E> parts;
-    if (!non_negative) parts.push_back(opt(lit("-")));
+    parts.push_back(opt(lit("-")));
     parts.push_back(whole);
     if (!integer) {
       E some_digits = E::repeat(E::chars_of(CharClass::range('0', '9')), 1, -1);
@@ -355,20 +493,19 @@ class SchemaConverter {
     return {min, max};
   }
 
-  static bool non_negative(const Json& schema) {
-    for (const char* key : {"minimum", "exclusiveMinimum"})
-      if (auto it = schema.find(key); it != schema.end() && it->is_number() && it->get<double>() >= 0) return true;
-    return false;
-  }
 
   E typed(const Json& schema, const std::string& type, const std::string& path, int depth) {
     if (type == "string") return string(schema, path);
     if (type == "integer") {
       for (const char* key : {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
         if (schema.contains(key)) return bounded_integer(schema, path);
-      return number(true, false);
+      return number(true);
     }
-    if (type == "number") return number(false, non_negative(schema));
+    if (type == "number") {
+      for (const char* key : {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+        if (schema.contains(key)) return bounded_number(schema, path);
+      return number(false);
+    }
     if (type == "boolean") return alt({lit("true"), lit("false")});
     if (type == "null") return lit("null");
     if (type == "object") return object(schema, path, depth);
