@@ -47,6 +47,28 @@ def check_person(text: str) -> None:
         assert set(value) <= {"name", "age", "pets"}
 
 
+def test_number_bounds_hold(structured_server):
+    """Bounded numbers and integers, exclusive bounds too: every complete answer lies within them."""
+    schema = {"type": "object",
+              "properties": {"score": {"type": "number", "minimum": -0.5, "exclusiveMaximum": 2.75},
+                             "ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                             "count": {"type": "integer", "minimum": 3, "maximum": 40}},
+              "required": ["score", "ratio", "count"]}
+    client = structured_server.client(timeout=300)
+    complete = 0
+    for seed in range(6):
+        choice = client.completions.create(model=MODEL_NAME, prompt="Scores as JSON: ", max_tokens=120, seed=seed,
+                                           temperature=1.0, extra_body={"structured_outputs": {"json": schema}}).choices[0]
+        if choice.finish_reason != "stop":
+            continue
+        complete += 1
+        value = json.loads(choice.text)
+        assert -0.5 <= value["score"] < 2.75 and 0 < value["ratio"] <= 1 and 3 <= value["count"] <= 40, value
+        if jsonschema:
+            jsonschema.validate(value, schema)
+    assert complete > 0
+
+
 def test_chat_json_schema(structured_server):
     response = structured_server.client().chat.completions.create(
         model=MODEL_NAME, messages=ASK, max_tokens=200, n=3, seed=1, temperature=0.8,
