@@ -187,7 +187,13 @@ class StepTimer {
 int64_t EngineCore::warm_up() {
   const int64_t per_sequence = std::min(config_.max_model_len, config_.max_num_batched_tokens);
   try {
-    return run_dummy_step(runner_, cache_, per_sequence, config_.max_num_batched_tokens, config_.max_num_seqs);
+    const int64_t tokens =
+        run_dummy_step(runner_, cache_, per_sequence, config_.max_num_batched_tokens, config_.max_num_seqs);
+    // With speculation, also the widest verify step: k + 1 tokens and rows of logits for every sequence.
+    if (const int64_t rows = 1 + config_.speculative.num_speculative_tokens; rows > 1)
+      run_dummy_step(runner_, cache_, rows, std::min(config_.max_num_seqs * rows, config_.max_num_batched_tokens),
+                     config_.max_num_seqs, rows);
+    return tokens;
   } catch (const std::exception& e) {
     fail("a full engine step (", config_.max_num_batched_tokens, " tokens in sequences of at most ", per_sequence,
          ") does not run beside the KV cache: ", e.what(), "; give the cache less memory (--kv-cache-memory, "

@@ -52,7 +52,9 @@ struct EngineConfig {
   SpeculativeConfig speculative;
   Model* draft_model = nullptr;
 
-  StepLimits step_limits() const { return {max_num_seqs, max_num_batched_tokens, max_model_len}; }
+  StepLimits step_limits() const {
+    return {max_num_seqs, max_num_batched_tokens, max_model_len, speculative.num_speculative_tokens};
+  }
 };
 
 // Where the engine loop's time goes, summed over steps of one kind: `seconds` from scheduling to the last
@@ -114,7 +116,9 @@ class EngineCore {
   // sequence's next token, so that a step's largest scratch is allocated now and kept by the device pool.
   // A KV cache that leaves too little memory for it fails here, naming the flags to change, instead of
   // failing requests later. Nothing of it stays: its blocks go back unshared (no prefix-cache entries) and
-  // no counter moves. Returns the tokens it ran.
+  // no counter moves. With speculative decoding a second step follows: the widest verify step (k + 1 tokens
+  // and rows of logits for each of max_num_seqs sequences, within the token budget). Returns the tokens the
+  // first ran.
   int64_t warm_up();
   // Runs one step; false when there was nothing to run.
   bool step();

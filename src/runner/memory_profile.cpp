@@ -13,7 +13,8 @@
 
 namespace sparrow {
 
-int64_t run_dummy_step(ModelRunner& runner, KvCache& cache, int64_t per_sequence, int64_t total, int64_t max_seqs) {
+int64_t run_dummy_step(ModelRunner& runner, KvCache& cache, int64_t per_sequence, int64_t total, int64_t max_seqs,
+                       int64_t logits_per_sequence) {
   std::vector<SeqId> ids;
   std::vector<SequenceState> states;
   states.reserve(size_t(std::max<int64_t>(max_seqs, 0)));  // `parts` points into it
@@ -35,8 +36,9 @@ int64_t run_dummy_step(ModelRunner& runner, KvCache& cache, int64_t per_sequence
     if (!parts.empty()) {
       Batch batch = make_batch(parts);
       batch.all_logits = false;
+      for (SeqSlice& s : batch.seqs) s.logits = std::clamp<int64_t>(logits_per_sequence, 1, s.count);
       const Tensor logits = runner.run(batch);
-      std::vector<TokenDraw> draws(parts.size());
+      std::vector<TokenDraw> draws(size_t(batch.logit_rows()));
       ops::sample_tokens(logits, draws, {});
     }
   } catch (...) {
@@ -83,18 +85,21 @@ int64_t gpu_kv_cache_bytes(ModelRunner& runner, const CacheConfig& cache, const 
   const Model& model = runner.model();
   SPARROW_CHECK(model.device() != Device::Cpu, "gpu_kv_cache_bytes: the model is on the CPU");
   // A step's scratch: the pool's peak while it runs in a cache just large enough, less what was live before.
-  const auto scratch_of = [&](int64_t per_sequence, int64_t total) {
+  const auto scratch_of = [&](int64_t per_sequence, int64_t total, int64_t logits_per_sequence) {
     KvCache step_cache(model.cache_spec(),
                        dummy_step_cache_config(model, cache, limits.max_num_seqs, per_sequence, total));
     const int64_t with_cache = int64_t(device::bytes_in_use());
     device::reset_peak();
-    run_dummy_step(runner, step_cache, per_sequence, total, limits.max_num_seqs);
+    run_dummy_step(runner, step_cache, per_sequence, total, limits.max_num_seqs, logits_per_sequence);
     return int64_t(device::peak_bytes()) - with_cache;
   };
   int64_t step = 0, graph_step = 0;
   try {
-    step = scratch_of(std::min(limits.max_model_len, limits.max_num_batched_tokens), limits.max_num_batched_tokens);
-    graph_step = scratch_of(1, std::min(limits.max_num_seqs, limits.max_num_batched_tokens));
+    step = scratch_of(std::min(limits.max_model_len, limits.max_num_batched_tokens), limits.max_num_batched_tokens, 1);
+    // A decode step: one token a sequence, or with speculation k + 1 and as many rows of logits.
+    const int64_t decode_rows = 1 + limits.speculative_tokens;
+    graph_step = scratch_of(decode_rows, std::min(limits.max_num_seqs * decode_rows, limits.max_num_batched_tokens),
+                            decode_rows);
   } catch (const std::exception& e) {
     fail("sizing the KV cache (--gpu-memory-utilization): a full engine step does not run beside the weights: ", e.what(),
          "; lower --max-num-batched-tokens");

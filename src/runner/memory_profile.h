@@ -17,6 +17,8 @@ struct StepLimits {
   int64_t max_num_seqs = 64;
   int64_t max_num_batched_tokens = 2048;
   int64_t max_model_len = 0;  // prompt + generated tokens of one sequence
+  // Speculative decoding's k: a decode step verifies up to k drafts a sequence, k + 1 rows with logits each.
+  int64_t speculative_tokens = 0;
 };
 
 // The KV cache's bytes on the runner's GPU under `cache` (its format; its memory fields are ignored).
@@ -32,9 +34,11 @@ CacheConfig dummy_step_cache_config(const Model& model, CacheConfig cache, int64
                                     int64_t total);
 
 // One forward pass of `total` prompt tokens in sequences of at most `per_sequence` (and at most `max_seqs`
-// of them), then the draw of each sequence's next token, on `cache`; every sequence is freed again without
-// committing its tokens (no prefix-cache entries). Returns the tokens run; rethrows the forward's error
-// after freeing. (The engine's warm-up is one such step in its own cache.)
-int64_t run_dummy_step(ModelRunner& runner, KvCache& cache, int64_t per_sequence, int64_t total, int64_t max_seqs);
+// of them), then the draw of a token for each of each sequence's last `logits_per_sequence` rows (a verify
+// step of speculative decoding has k + 1), on `cache`; every sequence is freed again without committing its
+// tokens (no prefix-cache entries). Returns the tokens run; rethrows the forward's error after freeing. (The
+// engine's warm-up is one such step in its own cache.)
+int64_t run_dummy_step(ModelRunner& runner, KvCache& cache, int64_t per_sequence, int64_t total, int64_t max_seqs,
+                       int64_t logits_per_sequence = 1);
 
 }  // namespace sparrow
