@@ -362,6 +362,47 @@ TEST_P(SpeculativeFamily, GreedyOutputEqualsDecodingWithoutSpeculation) {
 INSTANTIATE_TEST_SUITE_P(Families, SpeculativeFamily,
                          ::testing::Values("deepseek_v32", "kimi_linear", "kimi_k3", "kimi_k3_1_pro", "minimax_m3"));
 
+// Verify steps that share their batch with a prefill asking for prompt logprobs (every row then gets logits),
+// with logprobs, n > 1 and stop tokens: the same events as without speculation.
+TEST(SpeculativeSampling, MixedWithPromptLogprobsChoicesAndStops) {
+  auto model = load_model(fixture("deepseek_v32").string());
+  std::vector<Request> requests = repetitive_requests(model->vocab_size(), 30);
+  requests[1].params.logprobs = 3;
+  requests[2].params.n = 2;
+  requests[3].params.prompt_logprobs = 2;  // arrives while the first wave decodes with drafts
+  requests[4].params.stop_token_ids = {requests[4].prompt[5]};
+  requests[4].params.ignore_eos = false;
+  requests[5].params.max_tokens = 1;
+  auto events = [&](EngineConfig config) {
+    EngineCore engine(*model, nullptr, config);
+    std::map<std::string, std::vector<std::string>> log;
+    auto callback = [&](const RequestOutput& e) {
+      std::string line;
+      for (int32_t t : e.new_tokens) line += std::to_string(t) + " ";
+      for (const TokenLogprob& l : e.logprobs) line += "lp" + std::to_string(l.logprob) + " ";
+      for (const auto& p : e.prompt_logprobs)
+        if (p) line += "plp" + std::to_string(p->logprob) + " ";
+      line += e.finish_reason;
+      log[e.request_id + "/" + std::to_string(e.index)].push_back(line);
+    };
+    for (size_t i = 0; i < requests.size(); ++i) {
+      if (i == 3)
+        for (int s = 0; s < 4; ++s) engine.step();
+      engine.add(requests[i], callback);
+    }
+    while (engine.step()) {
+    }
+    EXPECT_EQ(engine.cache().num_free_blocks(), engine.cache().plan().num_blocks);
+    return std::make_pair(log, engine.stats());
+  };
+  EngineConfig spec = roomy(*model, true);
+  spec.speculative = ngram(3);
+  const auto [want, plain_stats] = events(roomy(*model, false));
+  const auto [got, stats] = events(spec);
+  EXPECT_EQ(got, want);
+  EXPECT_GT(stats.spec_decode.accepted_tokens, 0);
+}
+
 // Seeded sampling draws each output position with its own key, so the drafts change nothing: the same
 // tokens with and without speculation, penalties (which count the drafts before a row) and min_tokens too.
 TEST(SpeculativeSampling, SeededRequestsGiveTheSameTokens) {
