@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "engine/generate.h"
 #include "formats/config.h"
+#include "model/mtp.h"
 #include "runner/memory_profile.h"
 #include "server/api_error.h"
 #include "server/openai_requests.h"
@@ -76,10 +77,9 @@ Llm::Llm(LlmOptions options) : options_(std::move(options)) {
   for (int32_t id : eos_token_ids(model_path_)) config_.eos_token_ids.push_back(id);
   if (!options_.speculative_config.empty()) {
     config_.speculative = parse_speculative_config(options_.speculative_config);
-    if (config_.speculative.method == "draft_model") {
-      draft_model_ = load(config_.speculative.model);
-      config_.draft_model = draft_model_.get();
-    }
+    if (config_.speculative.method == "draft_model") draft_model_ = load(config_.speculative.model);
+    if (config_.speculative.method == "mtp") draft_model_ = load_mtp_drafter(model_path_, parse_device(options_.device));
+    config_.draft_model = draft_model_.get();
   }
   model_ = load(model_path_);
   const bool on_gpu = model_->device() != Device::Cpu;

@@ -99,9 +99,11 @@ double window_nll(const Tensor& logits, const std::vector<int32_t>& chunk);
 void add_speculative_option(CLI::App* sub, std::string& json);
 // The flag's config, checked at once (empty text: no speculation); one notice for the vLLM keys it ignores.
 SpeculativeConfig read_speculative_config(const std::string& json);
-// Method draft_model: its draft model (config.model) loaded on `device` in this process, unsharded; null for
-// the other methods.
-std::unique_ptr<Model> load_draft_model(const SpeculativeConfig& config, const std::string& device);
+// Method draft_model: its draft model (config.model) loaded on `device` in this process, unsharded; method mtp:
+// the MTP layer of the served model's folder `model_dir` (one process only: not under -tp / -dp yet); null for
+// ngram.
+std::unique_ptr<Model> load_draft_model(const SpeculativeConfig& config, const std::string& model_dir,
+                                        const std::string& device);
 
 // Registers the action of a subcommand (called from add_X).
 void on_selected(CLI::App* sub, std::function<void()> action);

@@ -14,6 +14,7 @@
 #include "core/device/device.h"
 #include "core/error.h"
 #include "distributed/process_group.h"
+#include "model/mtp.h"
 #include "runner/data_parallel.h"
 #include "runner/step_plan.h"
 
@@ -262,7 +263,17 @@ SpeculativeConfig read_speculative_config(const std::string& json) {
   return config;
 }
 
-std::unique_ptr<Model> load_draft_model(const SpeculativeConfig& config, const std::string& device) {
+std::unique_ptr<Model> load_draft_model(const SpeculativeConfig& config, const std::string& model_dir,
+                                        const std::string& device) {
+  if (config.method == "mtp") {
+    SPARROW_CHECK(!parallel_run().group, "--speculative-config: method \"mtp\" runs in one process for now (its layer is not split over "
+                  "--tensor-parallel-size / --data-parallel-size ranks yet)");
+    try {
+      return load_mtp_drafter(model_dir, parse_device(device));
+    } catch (const Error& e) {
+      fail("--speculative-config: ", e.what());
+    }
+  }
   if (config.method != "draft_model") return nullptr;
   model_config_path(config.model);  // "not a directory" with the hint, as for --model
   try {

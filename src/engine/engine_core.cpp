@@ -16,6 +16,17 @@ namespace sparrow {
 namespace {
 
 // The cache the engine runs on: one state slot per running sequence, on the model's device.
+// The layers the cache holds: the model's, and with an MTP drafter its layer after them (model/mtp.h).
+std::vector<LayerCacheSpec> engine_cache_spec(const Model& model, const EngineConfig& config) {
+  std::vector<LayerCacheSpec> spec = model.cache_spec();
+  if (config.speculative.method != "mtp") return spec;
+  SPARROW_CHECK(config.draft_model != nullptr, "speculative decoding: method \"mtp\" without the MTP layer loaded");
+  std::vector<LayerCacheSpec> with_drafter = config.draft_model->cache_spec();
+  SPARROW_CHECK(with_drafter.size() == spec.size() + 1 && std::equal(spec.begin(), spec.end(), with_drafter.begin()),
+                "speculative decoding: the MTP layer belongs to another model than the one served");
+  return with_drafter;
+}
+
 // With speculative decoding, recurrent layers need a rollback snapshot per running sequence.
 CacheConfig engine_cache_config(CacheConfig cache, int64_t max_num_seqs, Device device, bool speculative) {
   cache.max_num_seqs = max_num_seqs;
@@ -37,7 +48,7 @@ EngineCore::EngineCore(Model& model, const Tokenizer* tokenizer, EngineConfig co
       runner_(model, config.runner),
       tokenizer_(tokenizer),
       config_(std::move(config)),
-      cache_(model.cache_spec(),
+      cache_(engine_cache_spec(model, config_),
              engine_cache_config(config_.cache, config_.max_num_seqs, model.device(), config_.speculative.enabled())),
       scheduler_(cache_, SchedulerConfig{config_.max_num_seqs, config_.max_num_batched_tokens}) {
   SPARROW_CHECK(config_.max_model_len > 0, "max_model_len must be set, got ", config_.max_model_len);
@@ -233,6 +244,7 @@ bool EngineCore::step() {
   iteration_tokens_.observe(step_tokens);
   Batch batch = make_batch(parts);
   batch.all_logits = all_logits;
+  batch.keep_hidden_states = proposer_ && proposer_->reads_hidden_states();
   for (size_t j = 0; j < chunks.size(); ++j) batch.seqs[j].logits = drafted[j] + 1;
   const bool decode = std::all_of(chunks.begin(), chunks.end(), [](const ScheduledChunk& c) {
     return c.seq->num_computed() >= c.seq->prompt_length;
@@ -264,6 +276,9 @@ bool EngineCore::step() {
   // the logits come to the host only when someone asks for log-probabilities.
   std::vector<Sequence*> sampled;
   std::vector<int64_t> sampled_drafts;  // each sampled sequence's drafts in this step
+  std::vector<size_t> sampled_chunk;    // and its chunk
+  std::vector<Sequence*> alive;         // each chunk's sequence, null once it finished in this step
+  for (const ScheduledChunk& chunk : chunks) alive.push_back(chunk.seq);
   std::vector<Sequence*> row_seqs;      // each draw's sequence
   std::vector<int64_t> rows;            // each draw's row of `logits`
   bool wants_logprobs = false;          // (or the rows of probabilistic drafts, verified on the host)
@@ -273,10 +288,10 @@ bool EngineCore::step() {
     const SeqSlice& slice = batch.seqs[j];
     const int64_t first_row = all_logits ? slice.offset + slice.count - slice.logits : next_logit_row;
     next_logit_row += slice.logits;
-    if (drafted[j] == 0) cache_.commit_tokens(seq.cache_id, seq.tokens, seq.num_computed());
     wants_logprobs |= all_logits && seq.wants_prompt_logprobs;
     if (seq.num_computed() < int64_t(seq.tokens.size())) continue;  // a prefill chunk that does not reach the end
     sampled.push_back(&seq);
+    sampled_chunk.push_back(j);
     sampled_drafts.push_back(drafted[j]);
     for (int64_t i = 0; i <= drafted[j]; ++i) {
       row_seqs.push_back(&seq);
@@ -288,7 +303,10 @@ bool EngineCore::step() {
   if (all_logits)
     for (size_t j = 0; j < chunks.size(); ++j)
       if (chunks[j].seq->wants_prompt_logprobs) record_prompt_logprobs(*chunks[j].seq, host_logits, batch.seqs[j]);
-  if (sampled.empty()) return true;
+  if (sampled.empty()) {
+    end_step(batch, alive, {});
+    return true;
+  }
 
   std::vector<TokenDraw> draws;
   std::vector<LogitAdjustment> adjustments;
@@ -358,11 +376,7 @@ bool EngineCore::step() {
         cache_.roll_back(seq.cache_id);
         keep = first_draft_at;
       }
-      seq.state.length = keep;
-      const size_t before = seq.tokens.size();
-      seq.tokens.insert(seq.tokens.end(), seq.draft.begin(), seq.draft.begin() + accepted);
-      cache_.commit_tokens(seq.cache_id, seq.tokens, keep);
-      seq.tokens.resize(before);
+      seq.state.length = keep;  // committed with the emitted tokens, in end_step
     }
     std::vector<int32_t> emitted(seq.draft.begin(), seq.draft.begin() + accepted);
     emitted.push_back(last >= 0 ? last : target[size_t(accepted)]);
@@ -386,9 +400,19 @@ bool EngineCore::step() {
       goes_on = emit(seq, token, raw);
     }
     if (goes_on) decoding.push_back(&seq);
+    else alive[sampled_chunk[i]] = nullptr;  // finished: its cache is gone
   }
-  propose_drafts(decoding);
+  end_step(batch, alive, decoding);
   return true;
+}
+
+void EngineCore::end_step(const Batch& batch, const std::vector<Sequence*>& alive, const std::vector<Sequence*>& decoding) {
+  // A proposer that reads the step (MTP) writes its cache rows for the step's positions before the blocks
+  // holding them are committed: a block enters the prefix cache whole.
+  if (proposer_) proposer_->observe(batch, alive);
+  propose_drafts(decoding);
+  for (Sequence* seq : alive)
+    if (seq) cache_.commit_tokens(seq->cache_id, seq->tokens, seq->num_computed());
 }
 
 void EngineCore::propose_drafts(const std::vector<Sequence*>& sampled) {
@@ -399,8 +423,10 @@ void EngineCore::propose_drafts(const std::vector<Sequence*>& sampled) {
   for (Sequence* seq : sampled) {
     // A step with d drafts yields up to d + 1 tokens: no more than max_tokens allows, and every position
     // inside max_model_len.
-    const int64_t most = std::min({k, seq->params().max_tokens - seq->num_output() - 1,
-                                   config_.max_model_len - int64_t(seq->tokens.size())});
+    int64_t most = std::min({k, seq->params().max_tokens - seq->num_output() - 1,
+                             config_.max_model_len - int64_t(seq->tokens.size())});
+    // Rows the proposer writes ahead (MTP) need their blocks now; without them, one draft.
+    if (most > 1 && !cache_.allocate(seq->cache_id, seq->num_computed() + proposer_->rows_ahead(most))) most = 1;
     if (most <= 0) continue;
     seqs.push_back(seq);
     room.push_back(most);

@@ -48,7 +48,8 @@ struct EngineConfig {
   bool warm_up = false;
   RunnerOptions runner;  // how the core's model runner runs steps (--enforce-eager)
   // Speculative decoding (--speculative-config, engine/speculative.h); for method "draft_model", the draft
-  // model loaded from speculative.model (it must outlive the core).
+  // model loaded from speculative.model, for "mtp" the served model's MTP layer (model/mtp.h: its cache layer
+  // joins the engine's cache); it must outlive the core.
   SpeculativeConfig speculative;
   Model* draft_model = nullptr;
 
@@ -159,7 +160,11 @@ class EngineCore {
                         std::vector<uint32_t>& words) const;
   // Ends a choice whose mask allowed no token (or whose grammar refused the one drawn).
   void finish_unmatched(Sequence& seq);
-  // Speculative decoding, after a step's events: the next step's drafts of the sequences that decode on.
+  // After a step's events: the proposer sees the step (observe), the decoding sequences get their next drafts,
+  // and every sequence still running commits what the step computed. `alive` is each chunk's sequence, null
+  // for those that finished.
+  void end_step(const Batch& batch, const std::vector<Sequence*>& alive, const std::vector<Sequence*>& decoding);
+  // Speculative decoding: the next step's drafts of the sequences that decode on.
   void propose_drafts(const std::vector<Sequence*>& sampled);
   // Sends the choice's last event (`event` has finished set) and lets go of the choice.
   void finish(Sequence& seq, RequestOutput& event);

@@ -10,8 +10,10 @@
 #include "core/error.h"
 #include "core/json_input.h"
 #include "engine/draft_model.h"
+#include "engine/mtp_proposer.h"
 #include "engine/sequence.h"
 #include "kernels/sampling_rule.h"
+#include "model/mtp.h"
 
 namespace sparrow {
 
@@ -70,12 +72,13 @@ SpeculativeConfig parse_speculative_config(std::string_view text) {
     SPARROW_CHECK(!config.model.empty(), "--speculative-config needs \"method\" (ngram or draft_model) or a draft \"model\"");
     config.method = "draft_model";
   }
-  for (const char* later : {"mtp", "deepseek_mtp", "mimo_mtp", "ernie_mtp", "dspark", "eagle", "eagle3", "medusa",
-                            "mlp_speculator"})
+  if (config.method == "deepseek_mtp") config.method = "mtp";  // vLLM's older name
+  for (const char* later : {"mimo_mtp", "ernie_mtp", "dspark", "eagle", "eagle3", "medusa", "mlp_speculator"})
     SPARROW_CHECK(config.method != later, "--speculative-config: method \"", config.method,
-                  "\" is not built yet; sparrow runs \"ngram\" and \"draft_model\"");
-  SPARROW_CHECK(config.method == "ngram" || config.method == "draft_model", "--speculative-config: unknown method \"",
-                config.method, "\" (sparrow runs \"ngram\" and \"draft_model\")");
+                  "\" is not built yet; sparrow runs \"ngram\", \"draft_model\" and \"mtp\"");
+  SPARROW_CHECK(config.method == "ngram" || config.method == "draft_model" || config.method == "mtp",
+                "--speculative-config: unknown method \"", config.method,
+                "\" (sparrow runs \"ngram\", \"draft_model\" and \"mtp\")");
 
   SPARROW_CHECK(has("num_speculative_tokens"), "--speculative-config needs \"num_speculative_tokens\"");
   config.num_speculative_tokens = integer_key(j, "num_speculative_tokens", 1, kMaxSpeculativeTokens);
@@ -118,6 +121,11 @@ SpeculativeConfig parse_speculative_config(std::string_view text) {
     if (!config.prompt_lookup_max) config.prompt_lookup_max = config.prompt_lookup_min;
     SPARROW_CHECK(config.prompt_lookup_min <= config.prompt_lookup_max, "--speculative-config: prompt_lookup_min (",
                   config.prompt_lookup_min, ") exceeds prompt_lookup_max (", config.prompt_lookup_max, ")");
+  } else if (config.method == "mtp") {
+    // The target's own layers: vLLM accepts the target's folder as "model" too.
+    SPARROW_CHECK(!has("prompt_lookup_min") && !has("prompt_lookup_max"),
+                  "--speculative-config: prompt_lookup_min / prompt_lookup_max belong to method \"ngram\"");
+    SPARROW_CHECK(config.draft_sample_method == "greedy", "--speculative-config: method \"mtp\" drafts greedily");
   } else {
     SPARROW_CHECK(!config.model.empty(), "--speculative-config: method \"draft_model\" needs \"model\" (a local folder)");
     SPARROW_CHECK(!has("prompt_lookup_min") && !has("prompt_lookup_max"),
@@ -164,6 +172,11 @@ class NgramProposer final : public DraftProposer {
 
 std::unique_ptr<DraftProposer> make_draft_proposer(const SpeculativeConfig& config, Model* draft_model) {
   if (config.method == "ngram") return std::make_unique<NgramProposer>(config.prompt_lookup_min, config.prompt_lookup_max);
+  if (config.method == "mtp") {
+    auto* drafter = dynamic_cast<MtpDrafter*>(draft_model);
+    SPARROW_CHECK(drafter != nullptr, "speculative decoding: method \"mtp\" without the checkpoint's MTP layer loaded");
+    return make_mtp_proposer(*drafter);
+  }
   SPARROW_CHECK(config.method == "draft_model", "speculative decoding: unknown method \"", config.method, "\"");
   SPARROW_CHECK(draft_model != nullptr, "speculative decoding: method \"draft_model\" without a loaded draft model");
   return make_draft_model_proposer(*draft_model, config.draft_sample_method == "probabilistic");

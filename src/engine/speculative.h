@@ -33,11 +33,13 @@
 namespace sparrow {
 
 class Model;
+struct Batch;
 struct Sequence;
 
 struct SpeculativeConfig {
-  // "ngram" (prompt lookup: no weights) or "draft_model" (a smaller checkpoint with the same vocabulary);
-  // empty: no speculation. vLLM's "mtp", "dspark", "eagle" and "eagle3" are refused by name (not built yet).
+  // "ngram" (prompt lookup: no weights), "draft_model" (a smaller checkpoint with the same vocabulary) or
+  // "mtp" (the target checkpoint's multi-token-prediction layer; vLLM's "deepseek_mtp" too); empty: no
+  // speculation. vLLM's "dspark", "eagle" and "eagle3" are refused by name (not built yet).
   std::string method;
   int64_t num_speculative_tokens = 0;  // k: draft tokens a sequence proposes per step
   std::string model;                   // draft_model: the draft checkpoint's folder
@@ -72,14 +74,31 @@ class DraftProposer {
   virtual void propose(std::span<Sequence* const> seqs, std::span<const int64_t> max_tokens) = 0;
   // The sequence is done (finished or aborted): let go of anything kept for it.
   virtual void forget(const Sequence& seq) { (void)seq; }
+
+  // Proposers that read the target (MTP). With reads_hidden_states every step keeps them
+  // (Batch::keep_hidden_states), and observe() gets each step after its verification, before its tokens are
+  // committed (so that cache rows a proposer writes for them enter the prefix cache with the block): the
+  // step's batch and each of its sequences (null for those that finished in it), in the batch's order.
+  virtual bool reads_hidden_states() const { return false; }
+  virtual void observe(const Batch& batch, std::span<Sequence* const> seqs) {
+    (void)batch;
+    (void)seqs;
+  }
+  // Cache rows past a sequence's computed tokens that proposing k drafts writes (MTP: k - 1); the engine
+  // allocates them first.
+  virtual int64_t rows_ahead(int64_t k) const {
+    (void)k;
+    return 0;
+  }
 };
 
 // Prompt lookup (vLLM's "ngram"): the longest suffix of `tokens` of length in [min_n, max_n] that also
 // occurs earlier, its most recent earlier occurrence, and up to k of the tokens that followed it there.
 std::vector<int32_t> ngram_proposal(std::span<const int32_t> tokens, int64_t min_n, int64_t max_n, int64_t k);
 
-// The proposer of a config; `draft_model` (loaded by the caller from config.model, on the target's device)
-// for "draft_model", null otherwise. Both must outlive the proposer.
+// The proposer of a config; `draft_model` for "draft_model" (loaded by the caller from config.model, on the
+// target's device) and "mtp" (an MtpDrafter: model/mtp.h, load_mtp_drafter), null otherwise. Both must
+// outlive the proposer.
 std::unique_ptr<DraftProposer> make_draft_proposer(const SpeculativeConfig& config, Model* draft_model);
 
 // How many of the drafts the target's own tokens confirm: the longest prefix with drafts[i] == target[i]

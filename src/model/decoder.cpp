@@ -99,6 +99,11 @@ Tensor DecoderModel::forward(const Batch& batch, StepMarks* marks) {
   }
   mark("embedding");
   x = attn_res_block > 0 ? attn_res_layers(std::move(x), batch, marks) : residual_layers(std::move(x), batch, marks);
+  if (batch.keep_hidden_states) {
+    // The MTP drafter's input: the state after the final norm (vLLM's DeepseekV2Model returns it normed), or
+    // before it (Kimi K3 normalises inside compute_logits).
+    batch.hidden_states = hidden_for_drafter_normed ? ops::rms_norm(x, final_norm, norm_eps, norm_unit_offset) : x.clone();
+  }
   if (!batch.all_logits) {
     if (on_gpu) {
       x = ops::select_rows(x, device_step(batch).logit_rows);

@@ -87,6 +87,9 @@ class DecoderModel : public Model {
   std::vector<DecoderLayer> layers;
   int64_t attn_res_block = 0;     // layers per AttnRes block; 0: the residual stream
   AttnResQuery output_attn_res;   // AttnRes only: the mix before the final norm
+  // Batch::keep_hidden_states: the hidden states handed to an MTP drafter are taken after the final norm
+  // (true) or before it.
+  bool hidden_for_drafter_normed = true;
 
   // Takes embed_tokens and norm under `decoder_prefix` (e.g. "model.") and the output head `head_name`
   // (this rank's vocabulary rows of both when the checkpoint is sharded).

@@ -91,6 +91,59 @@ Attention attention_config(const Config& config) {
   return attention;
 }
 
+// The feed-forward settings (DeepseekV32MoE, DeepseekV32TopkRouter; a legacy num_experts overrides
+// n_routed_experts), checked when any layer is MoE.
+struct FeedForwards {
+  int64_t intermediate = 0;
+  GroupedMoeShape moe;
+};
+
+FeedForwards feed_forward_config(const Config& config, int64_t hidden, bool any_moe) {
+  FeedForwards f;
+  f.intermediate = config.get_int("intermediate_size", 18432);
+  GroupedMoeShape& shape = f.moe;
+  shape.hidden = hidden;
+  shape.num_experts = config.get_int("num_experts", config.get_int("n_routed_experts", 256));
+  shape.n_group = config.get_int("n_group", 8);
+  shape.topk_group = config.get_int("topk_group", 4);
+  shape.top_k = config.get_int("num_experts_per_tok", 8);
+  shape.intermediate = config.get_int("moe_intermediate_size", 2048);
+  shape.n_shared = config.get_int("n_shared_experts", 1);
+  shape.normalize = config.get_bool("norm_topk_prob", true);
+  shape.routed_scaling_factor = float(config.get_float("routed_scaling_factor", 2.5));
+  if (any_moe) {
+    config.require(shape.n_group > 0 && shape.num_experts % shape.n_group == 0, "n_group", "a divisor of n_routed_experts");
+    // Each group is scored by its two best experts.
+    config.require(shape.num_experts / shape.n_group >= 2, "n_group", "at most n_routed_experts / 2");
+    config.require(shape.topk_group > 0 && shape.topk_group <= shape.n_group, "topk_group", "between 1 and n_group");
+    config.require(shape.top_k > 0 && shape.top_k <= shape.topk_group * (shape.num_experts / shape.n_group),
+                   "num_experts_per_tok", "at most the experts in topk_group groups");
+    config.require(shape.n_shared >= 1, "n_shared_experts", "at least 1");
+  }
+  return f;
+}
+
+// One decoder layer under `layer_prefix`: its norms, MLA with the DSA indexer, a dense MLP or the MoE.
+DecoderLayer load_layer(Checkpoint& ckpt, const std::string& layer_prefix, const Attention& attention,
+                        const FeedForwards& ffn, bool dense) {
+  const int64_t hidden = attention.mla.hidden;
+  DecoderLayer layer;
+  layer.input_norm = ckpt.take(layer_prefix + "input_layernorm.weight", {hidden});
+  layer.post_norm = ckpt.take(layer_prefix + "post_attention_layernorm.weight", {hidden});
+  layer.mixer = MlaMixer::load(ckpt, layer_prefix + "self_attn.", attention.mla,
+                               DsaIndexer::load(ckpt, layer_prefix + "self_attn.indexer.", attention.index));
+  if (dense)
+    layer.ffn = std::make_unique<DenseMlp>(DenseMlp::load(ckpt, layer_prefix + "mlp.", hidden, ffn.intermediate, Activation{}));
+  else
+    layer.ffn = MoeBlock::load_grouped(ckpt, layer_prefix + "mlp.", ffn.moe);
+  return layer;
+}
+
+void check_activation(const Config& config) {
+  const std::string act = config.get_string("hidden_act", "silu");
+  if (act != "silu") config.unsupported("hidden_act", act, "silu");
+}
+
 }  // namespace
 
 std::vector<LayerCacheSpec> deepseek_v32_cache_spec(const Config& config) {
@@ -99,33 +152,14 @@ std::vector<LayerCacheSpec> deepseek_v32_cache_spec(const Config& config) {
 }
 
 std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt, const Config& config, const std::string& prefix) {
-  const std::string act = config.get_string("hidden_act", "silu");
-  if (act != "silu") config.unsupported("hidden_act", act, "silu");
+  check_activation(config);
   const Attention attention = attention_config(config);
-  const MlaOptions& mla = attention.mla;
-  const DsaIndexerOptions& index = attention.index;
   const int64_t vocab = config.get_int("vocab_size", 129280);
-  const int64_t hidden = mla.hidden;
+  const int64_t hidden = attention.mla.hidden;
   const int64_t num_layers = attention.num_layers;
-
-  // MoE (DeepseekV32MoE, DeepseekV32TopkRouter); a legacy num_experts overrides n_routed_experts.
-  const int64_t num_experts = config.get_int("num_experts", config.get_int("n_routed_experts", 256));
-  const int64_t n_group = config.get_int("n_group", 8);
-  const int64_t topk_group = config.get_int("topk_group", 4);
-  const int64_t experts_per_token = config.get_int("num_experts_per_tok", 8);
-  const int64_t moe_intermediate = config.get_int("moe_intermediate_size", 2048);
-  const int64_t n_shared = config.get_int("n_shared_experts", 1);
   const std::vector<std::string> mlp_types = mlp_layer_types(config, num_layers);
   const bool any_moe = std::find(mlp_types.begin(), mlp_types.end(), "sparse") != mlp_types.end();
-  if (any_moe) {
-    config.require(n_group > 0 && num_experts % n_group == 0, "n_group", "a divisor of n_routed_experts");
-    // Each group is scored by its two best experts.
-    config.require(num_experts / n_group >= 2, "n_group", "at most n_routed_experts / 2");
-    config.require(topk_group > 0 && topk_group <= n_group, "topk_group", "between 1 and n_group");
-    config.require(experts_per_token > 0 && experts_per_token <= topk_group * (num_experts / n_group),
-                   "num_experts_per_tok", "at most the experts in topk_group groups");
-    config.require(n_shared >= 1, "n_shared_experts", "at least 1");
-  }
+  const FeedForwards ffn = feed_forward_config(config, hidden, any_moe);
 
   auto model = std::make_unique<DecoderModel>();
   model->type = "deepseek_v32";
@@ -133,36 +167,55 @@ std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt, const Config& 
   model->hidden = hidden;
   model->norm_eps = float(config.get_float("rms_norm_eps", 1e-6));
   model->take_embeddings(ckpt, prefix, "lm_head.weight", config.get_bool("tie_word_embeddings", false));
-
-  const Activation silu_glu;
-  for (int64_t i = 0; i < num_layers; ++i) {
-    const std::string layer_prefix = prefix + "layers." + std::to_string(i) + ".";
-    DecoderLayer layer;
-    layer.input_norm = ckpt.take(layer_prefix + "input_layernorm.weight", {hidden});
-    layer.post_norm = ckpt.take(layer_prefix + "post_attention_layernorm.weight", {hidden});
-    layer.mixer = MlaMixer::load(ckpt, layer_prefix + "self_attn.", mla,
-                                 DsaIndexer::load(ckpt, layer_prefix + "self_attn.indexer.", index));
-    if (mlp_types[i] == "dense") {
-      auto mlp = std::make_unique<DenseMlp>(
-          DenseMlp::load(ckpt, layer_prefix + "mlp.", hidden, config.get_int("intermediate_size", 18432), silu_glu));
-      layer.ffn = std::move(mlp);
-    } else {
-      GroupedMoeShape shape;
-      shape.hidden = hidden, shape.num_experts = num_experts, shape.intermediate = moe_intermediate;
-      shape.top_k = experts_per_token, shape.n_group = n_group, shape.topk_group = topk_group, shape.n_shared = n_shared;
-      shape.normalize = config.get_bool("norm_topk_prob", true);
-      shape.routed_scaling_factor = float(config.get_float("routed_scaling_factor", 2.5));
-      layer.ffn = MoeBlock::load_grouped(ckpt, layer_prefix + "mlp.", shape);
-    }
-    model->layers.push_back(std::move(layer));
-  }
+  for (int64_t i = 0; i < num_layers; ++i)
+    model->layers.push_back(
+        load_layer(ckpt, prefix + "layers." + std::to_string(i) + ".", attention, ffn, mlp_types[i] == "dense"));
   // The multi-token-prediction layers after the last decoder layer are not part of the causal LM
-  // (transformers drops them on load).
+  // (transformers drops them on load); speculative decoding's "mtp" loads them (load_deepseek_v32_mtp).
   std::vector<std::string> mtp_layers;
   for (int64_t i = 0; i < config.get_int("num_nextn_predict_layers", 1); ++i)
     mtp_layers.push_back(prefix + "layers." + std::to_string(num_layers + i) + ".");
   ckpt.finish(mtp_layers);
   return model;
+}
+
+std::unique_ptr<MtpDrafter> load_deepseek_v32_mtp(Checkpoint& ckpt, const Config& config, const std::string& prefix) {
+  check_activation(config);
+  SPARROW_CHECK(config.get_int("num_nextn_predict_layers", 1) >= 1, "speculative decoding: method \"mtp\" needs "
+                "the checkpoint's multi-token-prediction layers, and config.json's num_nextn_predict_layers is 0");
+  const Attention attention = attention_config(config);
+  const int64_t vocab = config.get_int("vocab_size", 129280);
+  const int64_t hidden = attention.mla.hidden;
+  const int64_t num_layers = attention.num_layers;
+  // The MTP layer is a MoE layer (vLLM builds it as DeepseekV2DecoderLayer at index L >= first_k_dense_replace).
+  const FeedForwards ffn = feed_forward_config(config, hidden, true);
+  const std::string mtp = prefix + "layers." + std::to_string(num_layers) + ".";
+  SPARROW_CHECK(ckpt.has(mtp + "eh_proj.weight"), "speculative decoding: method \"mtp\": the checkpoint has no ", mtp,
+                "eh_proj.weight (its multi-token-prediction layer)");
+
+  auto drafter = std::make_unique<MtpDrafter>();
+  drafter->type = "deepseek_v32";
+  drafter->placed_on = ckpt.device();
+  drafter->vocab = vocab;
+  drafter->hidden = hidden;
+  drafter->norm_eps = float(config.get_float("rms_norm_eps", 1e-6));
+  drafter->layer_index = int(num_layers);
+  drafter->target_cache_spec = deepseek_v32_cache_spec(config);
+  // DeepSeek-V3's checkpoints repeat the embedding and the head inside the MTP layer; else the target's.
+  drafter->embed = ckpt.take(ckpt.has(mtp + "embed_tokens.weight") ? mtp + "embed_tokens.weight" : prefix + "embed_tokens.weight",
+                             {vocab, hidden});
+  const bool tied = config.get_bool("tie_word_embeddings", false);
+  drafter->head = ckpt.has(mtp + "shared_head.head.weight") ? ckpt.take(mtp + "shared_head.head.weight", {vocab, hidden})
+                  : tied ? drafter->embed
+                         : ckpt.take("lm_head.weight", {vocab, hidden});
+  drafter->enorm = ckpt.take(mtp + "enorm.weight", {hidden});
+  drafter->hnorm = ckpt.take(mtp + "hnorm.weight", {hidden});
+  drafter->eh_proj = ckpt.take(mtp + "eh_proj.weight", {hidden, 2 * hidden});
+  drafter->norm = ckpt.take(mtp + "shared_head.norm.weight", {hidden});
+  drafter->layer = load_layer(ckpt, mtp, attention, ffn, /*dense=*/false);
+  // Everything else is the target's (and the further MTP layers, which vLLM uses only for k beyond them).
+  ckpt.finish({prefix, "lm_head."});
+  return drafter;
 }
 
 }  // namespace sparrow

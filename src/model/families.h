@@ -9,6 +9,7 @@
 #include "formats/checkpoint.h"
 #include "formats/config.h"
 #include "model/decoder.h"
+#include "model/mtp.h"
 
 namespace sparrow {
 
@@ -17,12 +18,16 @@ namespace sparrow {
 // ("model.", "model.language_model."); every cache spec reads the same config, without weights.
 using FamilyLoader = std::unique_ptr<DecoderModel> (*)(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 using FamilyCacheSpec = std::vector<LayerCacheSpec> (*)(const Config& text);
+// The family's multi-token-prediction layer as a speculative drafter (model/mtp.h); the other weights are left.
+using MtpLoader = std::unique_ptr<MtpDrafter> (*)(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 
 std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 // kimi_linear (as transformers defines it) and kimi_k3 (the release, as vLLM defines it), one file.
 std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 std::unique_ptr<DecoderModel> load_kimi_k3(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 std::unique_ptr<DecoderModel> load_minimax_m3(Checkpoint& ckpt, const Config& text, const std::string& prefix);
+
+std::unique_ptr<MtpDrafter> load_deepseek_v32_mtp(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 
 std::vector<LayerCacheSpec> deepseek_v32_cache_spec(const Config& text);
 std::vector<LayerCacheSpec> kimi_linear_cache_spec(const Config& text);
@@ -38,6 +43,7 @@ struct ModelFamily {
   const char* weight_prefix;  // where the text model's weights live
   FamilyLoader load;
   FamilyCacheSpec cache_spec;
+  MtpLoader load_mtp = nullptr;  // nullptr: no MTP drafter in sparrow yet
 
   // The config holding the text model's fields.
   Config text(const Config& config) const { return text_config ? config.get_object(text_config) : config; }

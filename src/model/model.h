@@ -63,6 +63,13 @@ struct Batch {
   // Data parallelism (TensorParallel::data_parallel): every group's token count in this step, this group's
   // among them (attached by the runner: runner/data_parallel.h); empty otherwise.
   mutable std::vector<int64_t> group_tokens;
+  // Speculative decoding's MTP drafter (model/mtp.h) reads the target's hidden states: with
+  // keep_hidden_states, forward() leaves every row's (the state the output head reads, [size(), hidden], on
+  // the model's device) in hidden_states; a drafter's batch brings them in hidden_states_in and gets its own
+  // back in hidden_states.
+  bool keep_hidden_states = false;
+  mutable Tensor hidden_states;
+  Tensor hidden_states_in;
 };
 
 // Builds a batch from (state, new tokens) pairs.

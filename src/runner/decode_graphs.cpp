@@ -31,7 +31,8 @@ DecodeGraphs::DecodeGraphs(int64_t max_graphs) : max_graphs_(max_graphs) {}
 DecodeGraphs::~DecodeGraphs() = default;
 
 bool DecodeGraphs::eligible(const Batch& batch) {
-  if (batch.all_logits || batch.seqs.empty() || batch.size() > kMaxRows) return false;
+  // A graph returns its logits only: steps whose hidden states a drafter reads (MTP) run eagerly.
+  if (batch.all_logits || batch.keep_hidden_states || batch.seqs.empty() || batch.size() > kMaxRows) return false;
   for (const SeqSlice& s : batch.seqs)
     if (s.count != 1) return false;
   return true;

@@ -1,0 +1,282 @@
+// Speculative decoding's "mtp" method on tests/fixtures/deepseek_v32_mtp (tools/make_mtp_fixture.py: the
+// deepseek_v32 fixture with a multi-token-prediction layer, and an independent reference written from vLLM's
+// DeepSeekMultiTokenPredictorLayer over transformers' modules):
+//   - the MTP layer's logits at every prompt position equal the reference's;
+//   - the proposer's drafts (after a whole prefill, after a chunked one, and after a prefix-cache hit whose
+//     blocks carry the layer's rows) equal the reference's drafts;
+//   - the engine with --speculative-config mtp gives the greedy tokens it gives without, alone and squeezed
+//     (chunked prefill, preemption, prefix hits);
+//   - bad uses are one-line errors.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "cache/kv_cache.h"
+#include "core/error.h"
+#include "cuda/model_test_util.h"
+#include "engine/engine_core.h"
+#include "engine/mtp_proposer.h"
+#include "engine/sequence.h"
+#include "formats/safetensors.h"
+#include "kernels/ops.h"
+#include "model/mtp.h"
+#include "runner/model_runner.h"
+#include "test_util.h"
+
+using namespace sparrow;
+namespace fs = std::filesystem;
+
+namespace {
+
+using Tokens = std::vector<int32_t>;
+
+fs::path fixture(const std::string& name) { return fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / name; }
+
+struct MtpFixture {
+  std::vector<Tokens> prompts, drafts;
+  Tokens next;
+  std::vector<Tensor> logits;  // the MTP logits at every prompt position
+};
+
+MtpFixture read_fixture() {
+  MtpFixture f;
+  std::ifstream prompts(fixture("deepseek_v32_mtp") / "prompts.json"), mtp(fixture("deepseek_v32_mtp") / "mtp.json");
+  f.prompts = nlohmann::json::parse(prompts)["prompts"].get<std::vector<Tokens>>();
+  const nlohmann::json j = nlohmann::json::parse(mtp);
+  f.drafts = j["drafts"].get<std::vector<Tokens>>();
+  f.next = j["next"].get<Tokens>();
+  std::shared_ptr<SafetensorsFile> file =
+      SafetensorsFile::open((fixture("deepseek_v32_mtp") / "mtp_reference.safetensors").string());
+  for (size_t i = 0; i < f.prompts.size(); ++i)
+    f.logits.push_back(to_float32(file->tensors().at("mtp_logits." + std::to_string(i)), file));
+  return f;
+}
+
+CacheConfig roomy_cache(bool prefix_caching) {
+  CacheConfig config;
+  config.block_size = 16;
+  config.kv_cache_dtype = "float32";
+  config.max_num_seqs = 8;
+  config.enable_prefix_caching = prefix_caching;
+  config.memory_bytes = int64_t(64) << 20;
+  return config;
+}
+
+struct Loaded {
+  std::unique_ptr<Model> target = load_model(fixture("deepseek_v32_mtp").string());
+  std::unique_ptr<MtpDrafter> drafter = load_mtp_drafter(fixture("deepseek_v32_mtp").string(), Device::Cpu);
+};
+
+// A sequence of `prompt` in `cache`, as the engine holds one (the request must outlive it).
+struct Held {
+  Request request;
+  std::unique_ptr<Sequence> seq;
+  Held(KvCache& cache, const Tokens& prompt) : request{"r", prompt, {}} {
+    seq = std::make_unique<Sequence>(request, 0, Tokens{}, nullptr);
+    seq->cache_id = cache.create_sequence();
+    seq->state.cache = cache.view(seq->cache_id);
+  }
+};
+
+// Runs `seq`'s tokens from its length up to `end` as one target step (hidden states kept), lets the proposer
+// observe it and commits, as EngineCore::step does; samples the greedy next token when the prompt is done.
+void target_step(ModelRunner& target, KvCache& cache, DraftProposer& proposer, Sequence& seq, int64_t end) {
+  const int64_t start = seq.num_computed();
+  ASSERT_TRUE(cache.allocate(seq.cache_id, end + 4));
+  Batch batch = make_batch({{&seq.state, Tokens(seq.tokens.begin() + start, seq.tokens.begin() + end)}});
+  batch.all_logits = false;
+  batch.keep_hidden_states = true;
+  const Tensor logits = target.run(batch);
+  if (end == int64_t(seq.tokens.size())) seq.tokens.push_back(model_test::argmax(logits.row(0), logits.dim(1)));
+  Sequence* seqs[] = {&seq};
+  proposer.observe(batch, seqs);
+  cache.commit_tokens(seq.cache_id, seq.tokens, seq.num_computed());
+}
+
+}  // namespace
+
+TEST(Mtp, LayerLogitsMatchTheReference) {
+  Loaded m;
+  const MtpFixture f = read_fixture();
+  ModelRunner target(*m.target), drafter(*m.drafter);
+  for (size_t i = 0; i < f.prompts.size(); ++i) {
+    SCOPED_TRACE("prompt " + std::to_string(i));
+    KvCache cache(m.drafter->cache_spec(), roomy_cache(false));
+    const SeqId id = cache.create_sequence();
+    const int64_t n = int64_t(f.prompts[i].size());
+    ASSERT_TRUE(cache.allocate(id, n));
+    SequenceState state;
+    state.cache = cache.view(id);
+    Batch batch = make_batch({{&state, f.prompts[i]}});
+    batch.keep_hidden_states = true;
+    batch.all_logits = false;
+    const Tensor logits = target.run(batch);
+    EXPECT_EQ(model_test::argmax(logits.row(0), logits.dim(1)), f.next[i]);
+    // The layer over (t_{p+1}, h_p) for every prompt position, t_n the greedy next token.
+    Tokens next_tokens(f.prompts[i].begin() + 1, f.prompts[i].end());
+    next_tokens.push_back(f.next[i]);
+    SequenceState mtp_state;
+    mtp_state.cache = cache.view(id);
+    Batch mtp = make_batch({{&mtp_state, next_tokens}});
+    mtp.all_logits = true;
+    mtp.hidden_states_in = batch.hidden_states;
+    const Tensor mtp_logits = drafter.run(mtp);
+    ASSERT_EQ(mtp_logits.shape(), f.logits[i].shape());
+    for (int64_t p = 0; p < n; ++p) {
+      EXPECT_LT(model_test::relative_l2(mtp_logits.row(p), f.logits[i].row(p), mtp_logits.dim(1)), 2e-3) << "position " << p;
+      EXPECT_EQ(model_test::argmax(mtp_logits.row(p), mtp_logits.dim(1)), model_test::argmax(f.logits[i].row(p), f.logits[i].dim(1)))
+          << "position " << p;
+    }
+  }
+}
+
+TEST(Mtp, ProposerDraftsTheReferenceDrafts) {
+  Loaded m;
+  const MtpFixture f = read_fixture();
+  ModelRunner target(*m.target);
+  for (size_t i = 0; i < f.prompts.size(); ++i) {
+    SCOPED_TRACE("prompt " + std::to_string(i));
+    const int64_t n = int64_t(f.prompts[i].size());
+    // One prefill step, then a prefill in chunks of 5: the layer sees every position either way.
+    for (int64_t chunk : {n, int64_t(5)}) {
+      KvCache cache(m.drafter->cache_spec(), roomy_cache(false));
+      auto proposer = make_mtp_proposer(*m.drafter);
+      Held held(cache, f.prompts[i]);
+      Sequence& seq = *held.seq;
+      while (seq.num_computed() < n) target_step(target, cache, *proposer, seq, std::min(n, seq.num_computed() + chunk));
+      ASSERT_EQ(seq.tokens.back(), f.next[i]);
+      ASSERT_TRUE(cache.allocate(seq.cache_id, seq.num_computed() + proposer->rows_ahead(3)));
+      Sequence* seqs[] = {&seq};
+      const int64_t k[] = {3};
+      proposer->propose(seqs, k);
+      EXPECT_EQ(seq.draft, f.drafts[i]) << "chunks of " << chunk;
+      cache.free_sequence(seq.cache_id);
+    }
+  }
+}
+
+// A prompt served from the prefix cache: the layer's rows came with the blocks.
+TEST(Mtp, DraftsAfterAPrefixHitUseTheCachedRows) {
+  Loaded m;
+  const MtpFixture f = read_fixture();
+  ModelRunner target(*m.target);
+  const Tokens& prompt = f.prompts.back();
+  ASSERT_GT(prompt.size(), 33u);
+  KvCache cache(m.drafter->cache_spec(), roomy_cache(true));
+  auto proposer = make_mtp_proposer(*m.drafter);
+  Held first(cache, prompt);
+  target_step(target, cache, *proposer, *first.seq, int64_t(prompt.size()));
+  Held second(cache, prompt);
+  const int64_t reused = cache.match_prefix(second.seq->cache_id, second.seq->tokens);
+  ASSERT_GE(reused, 32);
+  second.seq->state.length = reused;
+  target_step(target, cache, *proposer, *second.seq, int64_t(prompt.size()));
+  ASSERT_TRUE(cache.allocate(second.seq->cache_id, second.seq->num_computed() + proposer->rows_ahead(3)));
+  Sequence* seqs[] = {second.seq.get()};
+  const int64_t k[] = {3};
+  proposer->propose(seqs, k);
+  EXPECT_EQ(second.seq->draft, f.drafts.back());
+}
+
+TEST(Mtp, EngineGivesTheGreedyTokensItGivesWithout) {
+  Loaded m;
+  const MtpFixture f = read_fixture();
+  std::vector<Request> requests;
+  for (size_t i = 0; i < f.prompts.size(); ++i) {
+    for (int copy = 0; copy < 2; ++copy) {  // the copies hit the prefix cache
+      Request r{"r" + std::to_string(i) + "_" + std::to_string(copy), f.prompts[i], {}};
+      r.params.temperature = 0;
+      r.params.max_tokens = 24;
+      r.params.ignore_eos = true;
+      requests.push_back(r);
+    }
+  }
+  auto run = [&](EngineConfig config, EngineStats* stats) {
+    EngineCore engine(*m.target, nullptr, config);
+    std::map<std::string, Tokens> out;
+    for (const Request& r : requests)
+      engine.add(r, [&](const RequestOutput& e) {
+        out[e.request_id].insert(out[e.request_id].end(), e.new_tokens.begin(), e.new_tokens.end());
+      });
+    while (engine.step()) {
+    }
+    EXPECT_EQ(engine.cache().num_free_blocks(), engine.cache().plan().num_blocks);
+    if (stats) *stats = engine.stats();
+    return out;
+  };
+  EngineConfig plain;
+  plain.max_model_len = 160;
+  plain.max_num_seqs = 8;
+  plain.max_num_batched_tokens = 4096;
+  plain.cache = roomy_cache(true);
+  const auto want = run(plain, nullptr);
+  for (bool squeezed : {false, true}) {
+    SCOPED_TRACE(squeezed ? "squeezed" : "roomy");
+    EngineConfig config = plain;
+    config.speculative = parse_speculative_config(R"({"method": "mtp", "num_speculative_tokens": 3})");
+    config.draft_model = m.drafter.get();
+    if (squeezed) {
+      config.max_num_seqs = 3;
+      config.max_num_batched_tokens = 13;
+      config.cache.block_size = 4;
+      config.cache.memory_bytes = 0;
+      config.cache.num_blocks = 45;  // 180 tokens for about 320: preemption
+    }
+    EngineStats stats;
+    EXPECT_EQ(run(config, &stats), want);
+    EXPECT_GT(stats.spec_decode.drafts, 0);
+    if (squeezed) EXPECT_GT(stats.preemptions + stats.prefix_hits, 0);
+  }
+}
+
+TEST(Mtp, BadUsesAreOneLineErrors) {
+  // A family without an MTP layer in sparrow, and a checkpoint without the layer.
+  EXPECT_THROW(
+      {
+        try {
+          load_mtp_drafter(fixture("minimax_m3").string(), Device::Cpu);
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("not built for"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
+  EXPECT_THROW(
+      {
+        try {
+          load_mtp_drafter(fixture("deepseek_v32").string(), Device::Cpu);
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("eh_proj"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
+  // The layer of another model than the one served.
+  Loaded m;
+  auto other = load_model(fixture("minimax_m3").string());
+  EngineConfig config;
+  config.max_model_len = 64;
+  config.cache = roomy_cache(false);
+  config.speculative = parse_speculative_config(R"({"method": "mtp", "num_speculative_tokens": 2})");
+  config.draft_model = m.drafter.get();
+  EXPECT_THROW(EngineCore(*other, nullptr, config), Error);
+}
+
+// `sparrow generate -sc '{"method": "mtp", ...}'`: the same completions; the refusals name the reason.
+TEST(Mtp, GenerateCommand) {
+  const std::string base = "generate --model " + fixture("deepseek_v32_mtp").string() + " --prompt-ids " +
+                           (fixture("deepseek_v32_mtp") / "prompts.json").string() +
+                           " --max-tokens 20 --temperature 0 --ignore-eos";
+  const auto plain = sparrow::testing::run_sparrow(base);
+  const auto mtp = sparrow::testing::run_sparrow(base + R"( -sc '{"method": "mtp", "num_speculative_tokens": 3}')");
+  EXPECT_EQ(plain.status, 0) << plain.err;
+  EXPECT_EQ(mtp.status, 0) << mtp.err;
+  EXPECT_EQ(mtp.out, plain.out);
+  const auto sharded = sparrow::testing::run_sparrow(base + R"( -tp 2 -sc '{"method": "mtp", "num_speculative_tokens": 3}')");
+  EXPECT_NE(sharded.status, 0);
+  EXPECT_NE(sharded.err.find("one process for now"), std::string::npos) << sharded.err;
+}
