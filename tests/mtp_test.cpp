@@ -1,6 +1,8 @@
 // Speculative decoding's "mtp" method on tests/fixtures/deepseek_v32_mtp (tools/make_mtp_fixture.py: the
 // deepseek_v32 fixture with a multi-token-prediction layer, and an independent reference written from vLLM's
-// DeepSeekMultiTokenPredictorLayer over transformers' modules):
+// DeepSeekMultiTokenPredictorLayer over transformers' modules) and tests/fixtures/kimi_k3_mtp
+// (tools/kimi_k3_reference.py --variant k3_mtp: Kimi K3 with its MTP layer, vLLM's
+// KimiK3MultiTokenPredictorLayer in float64; the target is recurrent, so verification rolls KDA states back):
 //   - the MTP layer's logits at every prompt position equal the reference's;
 //   - the proposer's drafts (after a whole prefill, after a chunked one, and after a prefix-cache hit whose
 //     blocks carry the layer's rows) equal the reference's drafts;
@@ -42,15 +44,15 @@ struct MtpFixture {
   std::vector<Tensor> logits;  // the MTP logits at every prompt position
 };
 
-MtpFixture read_fixture() {
+MtpFixture read_fixture(const std::string& name) {
   MtpFixture f;
-  std::ifstream prompts(fixture("deepseek_v32_mtp") / "prompts.json"), mtp(fixture("deepseek_v32_mtp") / "mtp.json");
+  std::ifstream prompts(fixture(name) / "prompts.json"), mtp(fixture(name) / "mtp.json");
   f.prompts = nlohmann::json::parse(prompts)["prompts"].get<std::vector<Tokens>>();
   const nlohmann::json j = nlohmann::json::parse(mtp);
   f.drafts = j["drafts"].get<std::vector<Tokens>>();
   f.next = j["next"].get<Tokens>();
   std::shared_ptr<SafetensorsFile> file =
-      SafetensorsFile::open((fixture("deepseek_v32_mtp") / "mtp_reference.safetensors").string());
+      SafetensorsFile::open((fixture(name) / "mtp_reference.safetensors").string());
   for (size_t i = 0; i < f.prompts.size(); ++i)
     f.logits.push_back(to_float32(file->tensors().at("mtp_logits." + std::to_string(i)), file));
   return f;
@@ -67,9 +69,13 @@ CacheConfig roomy_cache(bool prefix_caching) {
 }
 
 struct Loaded {
-  std::unique_ptr<Model> target = load_model(fixture("deepseek_v32_mtp").string());
-  std::unique_ptr<MtpDrafter> drafter = load_mtp_drafter(fixture("deepseek_v32_mtp").string(), Device::Cpu);
+  explicit Loaded(const std::string& name)
+      : target(load_model(fixture(name).string())), drafter(load_mtp_drafter(fixture(name).string(), Device::Cpu)) {}
+  std::unique_ptr<Model> target;
+  std::unique_ptr<MtpDrafter> drafter;
 };
+
+class MtpFamily : public ::testing::TestWithParam<std::string> {};
 
 // A sequence of `prompt` in `cache`, as the engine holds one (the request must outlive it).
 struct Held {
@@ -93,15 +99,16 @@ void target_step(ModelRunner& target, KvCache& cache, DraftProposer& proposer, S
   const Tensor logits = target.run(batch);
   if (end == int64_t(seq.tokens.size())) seq.tokens.push_back(model_test::argmax(logits.row(0), logits.dim(1)));
   Sequence* seqs[] = {&seq};
-  proposer.observe(batch, seqs);
+  const int64_t kept[] = {seq.num_computed()};
+  proposer.observe(batch, seqs, kept);
   cache.commit_tokens(seq.cache_id, seq.tokens, seq.num_computed());
 }
 
 }  // namespace
 
-TEST(Mtp, LayerLogitsMatchTheReference) {
-  Loaded m;
-  const MtpFixture f = read_fixture();
+TEST_P(MtpFamily, LayerLogitsMatchTheReference) {
+  Loaded m(GetParam());
+  const MtpFixture f = read_fixture(GetParam());
   ModelRunner target(*m.target), drafter(*m.drafter);
   for (size_t i = 0; i < f.prompts.size(); ++i) {
     SCOPED_TRACE("prompt " + std::to_string(i));
@@ -134,9 +141,9 @@ TEST(Mtp, LayerLogitsMatchTheReference) {
   }
 }
 
-TEST(Mtp, ProposerDraftsTheReferenceDrafts) {
-  Loaded m;
-  const MtpFixture f = read_fixture();
+TEST_P(MtpFamily, ProposerDraftsTheReferenceDrafts) {
+  Loaded m(GetParam());
+  const MtpFixture f = read_fixture(GetParam());
   ModelRunner target(*m.target);
   for (size_t i = 0; i < f.prompts.size(); ++i) {
     SCOPED_TRACE("prompt " + std::to_string(i));
@@ -160,9 +167,9 @@ TEST(Mtp, ProposerDraftsTheReferenceDrafts) {
 }
 
 // A prompt served from the prefix cache: the layer's rows came with the blocks.
-TEST(Mtp, DraftsAfterAPrefixHitUseTheCachedRows) {
-  Loaded m;
-  const MtpFixture f = read_fixture();
+TEST_P(MtpFamily, DraftsAfterAPrefixHitUseTheCachedRows) {
+  Loaded m(GetParam());
+  const MtpFixture f = read_fixture(GetParam());
   ModelRunner target(*m.target);
   const Tokens& prompt = f.prompts.back();
   ASSERT_GT(prompt.size(), 33u);
@@ -182,9 +189,9 @@ TEST(Mtp, DraftsAfterAPrefixHitUseTheCachedRows) {
   EXPECT_EQ(second.seq->draft, f.drafts.back());
 }
 
-TEST(Mtp, EngineGivesTheGreedyTokensItGivesWithout) {
-  Loaded m;
-  const MtpFixture f = read_fixture();
+TEST_P(MtpFamily, EngineGivesTheGreedyTokensItGivesWithout) {
+  Loaded m(GetParam());
+  const MtpFixture f = read_fixture(GetParam());
   std::vector<Request> requests;
   for (size_t i = 0; i < f.prompts.size(); ++i) {
     for (int copy = 0; copy < 2; ++copy) {  // the copies hit the prefix cache
@@ -233,6 +240,8 @@ TEST(Mtp, EngineGivesTheGreedyTokensItGivesWithout) {
   }
 }
 
+INSTANTIATE_TEST_SUITE_P(Fixtures, MtpFamily, ::testing::Values("deepseek_v32_mtp", "kimi_k3_mtp"));
+
 TEST(Mtp, BadUsesAreOneLineErrors) {
   // A family without an MTP layer in sparrow, and a checkpoint without the layer.
   EXPECT_THROW(
@@ -256,7 +265,7 @@ TEST(Mtp, BadUsesAreOneLineErrors) {
       },
       Error);
   // The layer of another model than the one served.
-  Loaded m;
+  Loaded m("deepseek_v32_mtp");
   auto other = load_model(fixture("minimax_m3").string());
   EngineConfig config;
   config.max_model_len = 64;

@@ -7,7 +7,7 @@ paths are relative to vllm/ (models/kimi_k3/nvidia/... unless said otherwise).
   python3 tools/kimi_k3_reference.py --self-check         # consistency checks of the reference itself
   python3 tools/kimi_k3_reference.py --out DIR [--seed N] [--variant k3|k3_1_pro|k3_1_pro_gpu]
       # config.json, generation_config.json, model.safetensors, prompts.json, reference.safetensors,
-      # greedy.json, fixture.json (see VARIANTS)
+      # greedy.json, fixture.json (see VARIANTS); k3_mtp also mtp.json and mtp_reference.safetensors
 
 The model, per token sequence processed from position 0 (prefill, causal):
   embedding -> for each layer: AttnRes mix -> input_layernorm -> KDA or MLA -> AttnRes mix ->
@@ -430,10 +430,11 @@ def ffn(c, W, l, x, gaps=None):
 
 
 def forward(config: dict, weights: dict[str, torch.Tensor], tokens: list[int], *,
-            gaps: Gaps | None = None) -> torch.Tensor:
+            gaps: Gaps | None = None, hidden: list | None = None) -> torch.Tensor:
     """float64 logits [T, vocab] of one sequence processed from position 0 (model.py::KimiLinearModel
     .forward, KimiDecoderLayer.forward/_pre_attn_norm/_post_attn_norm, KimiLinearForCausalLM
-    .compute_logits, which applies model.norm before lm_head)."""
+    .compute_logits, which applies model.norm before lm_head). `hidden`, when given, receives the state
+    before model.norm, what the MTP layer reads (real-models.md 1.2: the norm is compute_logits')."""
     c, W = text_config(config), Params(weights)
     L, B, eps = c["num_hidden_layers"], c.get("attn_res_block_size"), c["rms_norm_eps"]
     x = W(MODEL + "embed_tokens.weight")[torch.tensor(tokens)]
@@ -470,7 +471,31 @@ def forward(config: dict, weights: dict[str, torch.Tensor], tokens: list[int], *
         s = s + d
         x = attn_res_mix(blocks + [s], W(MODEL + "output_attn_res_norm.weight"),
                          W(MODEL + "output_attn_res_proj.weight"), eps)
+    if hidden is not None:
+        hidden.append(x)
     return linear(rms_norm(x, W(MODEL + "norm.weight"), eps), W(LM_HEAD))
+
+
+def mtp_forward(config: dict, weights: dict[str, torch.Tensor], next_tokens: list[int], hidden: torch.Tensor, *,
+                gaps: Gaps | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The multi-token-prediction layer (mtp.py::KimiK3MultiTokenPredictorLayer, real-models.md 1.6) over
+    positions 0 .. T-1 of one sequence: position p takes the token after it, next_tokens[p], and a state
+    hidden[p] (the target's before model.norm, or the layer's own output for a drafted position):
+      x = eh_proj([RMSNorm(embed(t); enorm) ; RMSNorm(h; hnorm)])   the embedding zeroed at position 0
+      x = x + MLA(input_layernorm(x)); x = x + latent MoE(post_attention_layernorm(x))   AttnRes off
+      logits = shared_head.head(RMSNorm(x; shared_head.norm))
+    Returns (logits [T, vocab], x [T, hidden])."""
+    c, W = text_config(config), Params(weights)
+    L, eps = c["num_hidden_layers"], c["rms_norm_eps"]
+    pre = f"{MODEL}layers.{L}."
+    e = W(MODEL + "embed_tokens.weight")[torch.tensor(next_tokens)].clone()
+    e[0] = 0.0
+    x = linear(torch.cat([rms_norm(e, W(pre + "enorm.weight"), eps), rms_norm(hidden, W(pre + "hnorm.weight"), eps)], -1),
+               W(pre + "eh_proj.weight"))
+    x = x + mla_attention(c, W, pre + "self_attn.", rms_norm(x, W(pre + "input_layernorm.weight"), eps), gaps, "mtp")
+    x = x + latent_moe(c, W, pre + "block_sparse_moe.", rms_norm(x, W(pre + "post_attention_layernorm.weight"), eps),
+                       gaps, "mtp")
+    return linear(rms_norm(x, W(pre + "shared_head.norm.weight"), eps), W(pre + "shared_head.head.weight")), x
 
 
 # ---------------------------------------------------------------------------------------------
@@ -528,6 +553,10 @@ GPU_PRO_TEXT_CONFIG = dict(
 )
 GPU_PRO_CONFIG = dict(TINY_CONFIG, text_config=GPU_PRO_TEXT_CONFIG)
 
+# K3 with its multi-token-prediction layer (layer 8: MLA, since 9 is not a KDA layer, and the latent MoE).
+MTP_CONFIG = dict(TINY_CONFIG, text_config=dict(TINY_TEXT_CONFIG, num_nextn_predict_layers=1))
+MTP_DRAFTS = 3
+
 K3_DESCRIPTION = ("released Kimi K3 text model (AttnRes, KDA + MLA without RoPE, latent MoE, SiTU) "
                   "as vLLM 0.33.0 implements it; reference in float64 on the stored weights, "
                   "no bf16 rounding of activations")
@@ -548,6 +577,14 @@ VARIANTS = {
                            "heads rather than 4: with 4, a key with q.k <= 0 in every head scores exactly 0 "
                            "(relu) for about 1 key in 16, and such exact ties fell on the top-16 boundary in "
                            "every seed 1..20. Weight gains are the k3 ones"),
+    "k3_mtp": dict(config=MTP_CONFIG, prompt_lengths=PROMPT_LENGTHS, greedy_tokens=16, min_gap=MIN_GAP,
+                   gain=1.5, head_gain=2.0, description=K3_DESCRIPTION + "; with its multi-token-prediction layer "
+                   "(mtp.py::KimiK3MultiTokenPredictorLayer) and what it drafts (mtp.json, mtp_reference.safetensors)",
+                   notes="the k3 config with num_nextn_predict_layers 1: layer 8 is the MTP layer (MLA and the latent "
+                         "MoE), drawn after the model's weights. mtp.json: for each prompt the greedy next token and "
+                         f"{MTP_DRAFTS} greedy drafts; mtp_reference.safetensors: the layer's logits at every prompt "
+                         "position (position p reads the token after it, the last the greedy next token); their "
+                         "decisions (and the layer's routing) are checked for near-ties like the model's"),
     "k3_1_pro_gpu": dict(config=GPU_PRO_CONFIG, prompt_lengths=[20, 100, 140], greedy_tokens=24, min_gap=1e-5,
                          gain=1.0, head_gain=2.0, description=PRO_DESCRIPTION,
                          notes="shapes the GPU kernels take (kv_lora_rank 512, qk_rope_head_dim 64, indexer "
@@ -588,9 +625,43 @@ def random_weights(config: dict, gen: torch.Generator, gain=1.5, head_gain=2.0) 
 
     out[MODEL + "embed_tokens.weight"] = normal((V, H), 1.0)
     la = c["linear_attn_config"]
+    nh, dn, dr, dv = (c[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+
+    def mla_weights(a):
+        mat(a + "q_a_proj.weight", c["q_lora_rank"], H)
+        norm(a + "q_a_layernorm.weight", c["q_lora_rank"])
+        mat(a + "q_b_proj.weight", nh * (dn + dr), c["q_lora_rank"])
+        mat(a + "kv_a_proj_with_mqa.weight", c["kv_lora_rank"] + dr, H)
+        norm(a + "kv_a_layernorm.weight", c["kv_lora_rank"])
+        mat(a + "kv_b_proj.weight", nh * (dn + dv), c["kv_lora_rank"])
+        mat(a + "g_proj.weight", nh * dv, H)
+        mat(a + "o_proj.weight", H, nh * dv)
+        if has_indexer(c):                          # drawn last: a K3 config draws the same stream
+            ix, inh, ihd = a + "indexer.", c["index_n_heads"], c["index_head_dim"]
+            mat(ix + "wq_b.weight", inh * ihd, c["q_lora_rank"])
+            mat(ix + "wk.weight", ihd, H)
+            norm(ix + "k_norm.weight", ihd)
+            out[ix + "k_norm.bias"] = normal((ihd,), eps_std)
+            mat(ix + "weights_proj.weight", inh, H)
+
+    def moe_weights(m):
+        Z, I = c["routed_expert_hidden_size"], c["moe_intermediate_size"]
+        mat(m + "gate.weight", c["num_experts"], H)
+        out[m + "gate.e_score_correction_bias"] = normal((c["num_experts"],), 0.05)
+        mat(m + "routed_expert_down_proj.weight", Z, H)
+        norm(m + "routed_expert_norm.weight", Z)
+        mat(m + "routed_expert_up_proj.weight", H, Z)
+        for e in range(c["num_experts"]):
+            mat(m + f"experts.{e}.w1.weight", I, Z)
+            mat(m + f"experts.{e}.w3.weight", I, Z)
+            mat(m + f"experts.{e}.w2.weight", Z, I)
+        S = I * c["num_shared_experts"]
+        mat(m + "shared_experts.gate_proj.weight", S, H)
+        mat(m + "shared_experts.up_proj.weight", S, H)
+        mat(m + "shared_experts.down_proj.weight", H, S)
+
     nh_k, D, width = la["num_heads"], la["head_dim"], la["short_conv_kernel_size"]
     P = nh_k * D
-    nh, dn, dr, dv = (c[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
     for l in range(c["num_hidden_layers"]):
         pre = f"{MODEL}layers.{l}."
         for n in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
@@ -611,36 +682,9 @@ def random_weights(config: dict, gen: torch.Generator, gain=1.5, head_gain=2.0) 
             norm(a + "o_norm.weight", D)
             mat(a + "o_proj.weight", H, P)
         else:
-            mat(a + "q_a_proj.weight", c["q_lora_rank"], H)
-            norm(a + "q_a_layernorm.weight", c["q_lora_rank"])
-            mat(a + "q_b_proj.weight", nh * (dn + dr), c["q_lora_rank"])
-            mat(a + "kv_a_proj_with_mqa.weight", c["kv_lora_rank"] + dr, H)
-            norm(a + "kv_a_layernorm.weight", c["kv_lora_rank"])
-            mat(a + "kv_b_proj.weight", nh * (dn + dv), c["kv_lora_rank"])
-            mat(a + "g_proj.weight", nh * dv, H)
-            mat(a + "o_proj.weight", H, nh * dv)
-            if has_indexer(c):                          # drawn last: a K3 config draws the same stream
-                ix, inh, ihd = a + "indexer.", c["index_n_heads"], c["index_head_dim"]
-                mat(ix + "wq_b.weight", inh * ihd, c["q_lora_rank"])
-                mat(ix + "wk.weight", ihd, H)
-                norm(ix + "k_norm.weight", ihd)
-                out[ix + "k_norm.bias"] = normal((ihd,), eps_std)
-                mat(ix + "weights_proj.weight", inh, H)
+            mla_weights(a)
         if is_moe_layer(c, l):
-            m, Z, I = pre + "block_sparse_moe.", c["routed_expert_hidden_size"], c["moe_intermediate_size"]
-            mat(m + "gate.weight", c["num_experts"], H)
-            out[m + "gate.e_score_correction_bias"] = normal((c["num_experts"],), 0.05)
-            mat(m + "routed_expert_down_proj.weight", Z, H)
-            norm(m + "routed_expert_norm.weight", Z)
-            mat(m + "routed_expert_up_proj.weight", H, Z)
-            for e in range(c["num_experts"]):
-                mat(m + f"experts.{e}.w1.weight", I, Z)
-                mat(m + f"experts.{e}.w3.weight", I, Z)
-                mat(m + f"experts.{e}.w2.weight", Z, I)
-            S = I * c["num_shared_experts"]
-            mat(m + "shared_experts.gate_proj.weight", S, H)
-            mat(m + "shared_experts.up_proj.weight", S, H)
-            mat(m + "shared_experts.down_proj.weight", H, S)
+            moe_weights(pre + "block_sparse_moe.")
         else:
             mat(pre + "mlp.gate_proj.weight", c["intermediate_size"], H)
             mat(pre + "mlp.up_proj.weight", c["intermediate_size"], H)
@@ -649,6 +693,16 @@ def random_weights(config: dict, gen: torch.Generator, gain=1.5, head_gain=2.0) 
     norm(MODEL + "output_attn_res_norm.weight", H)
     out[MODEL + "output_attn_res_proj.weight"] = normal((1, H), ATTN_RES_GAIN / math.sqrt(H))
     mat(LM_HEAD, V, H, head_gain)
+    if c.get("num_nextn_predict_layers"):
+        # The MTP layer (real-models.md 1.6), drawn last so that configs without one draw the same stream:
+        # MLA (as the model's MLA layers), the latent MoE, its norms, eh_proj and the shared head.
+        pre = f"{MODEL}layers.{c['num_hidden_layers']}."
+        for n in ("input_layernorm", "post_attention_layernorm", "enorm", "hnorm", "shared_head.norm"):
+            norm(pre + n + ".weight", H)
+        mat(pre + "eh_proj.weight", H, 2 * H)
+        mla_weights(pre + "self_attn.")
+        moe_weights(pre + "block_sparse_moe.")
+        mat(pre + "shared_head.head.weight", V, H, head_gain)
     return out
 
 
@@ -861,6 +915,27 @@ def build_fixture(out: Path, variant: str, first_seed: int, max_tries: int, gree
                 ids.append(int(last.argmax()))
                 found, problems = near_ties()
             completions.append(ids[len(prompt):])
+        mtp = None
+        if not problems and text_config(config).get("num_nextn_predict_layers"):
+            mtp = {"next": [], "drafts": [], "logits": {}}
+            for i, prompt in enumerate(prompts):
+                hidden: list = []
+                forward(config, stored, prompt, hidden=hidden)
+                next_token = completions[i][0]
+                tokens, states = prompt[1:] + [next_token], hidden[0]
+                mtp_logits, x = mtp_forward(config, stored, tokens, states, gaps=gaps)
+                mtp["logits"][f"mtp_logits.{i}"] = mtp_logits.float().contiguous()
+                drafts = []
+                for d in range(MTP_DRAFTS):
+                    if greedy_gap(mtp_logits[-1]) < greedy[0]:
+                        greedy = (greedy_gap(mtp_logits[-1]), f"mtp prompt {i} draft {d}")
+                    drafts.append(int(mtp_logits[-1].argmax()))
+                    # One more position: the draft, and the layer's own output state at the position before.
+                    tokens, states = tokens + [drafts[-1]], torch.cat([states, x[-1:]], 0)
+                    mtp_logits, x = mtp_forward(config, stored, tokens, states, gaps=gaps)
+                mtp["next"].append(next_token)
+                mtp["drafts"].append(drafts)
+            found, problems = near_ties()
         if problems:
             rejected.append({"seed": seed, "why": problems})
             print(f"seed {seed} rejected: {'; '.join(problems)}", flush=True)
@@ -878,6 +953,9 @@ def build_fixture(out: Path, variant: str, first_seed: int, max_tries: int, gree
         (out / "greedy.json").write_text(json.dumps({"completions": completions}) + "\n")
         save_file({f"logits.{i}": l.float().contiguous() for i, l in enumerate(logits)},
                   out / "reference.safetensors")
+        if mtp:
+            save_file(mtp["logits"], out / "mtp_reference.safetensors")
+            (out / "mtp.json").write_text(json.dumps({"next": mtp["next"], "drafts": mtp["drafts"]}) + "\n")
         stats = [{"tokens": len(p), "mean": l.mean().item(), "std": l.std().item(), "min": l.min().item(),
                   "max": l.max().item(), "mean_top1_probability": l.softmax(-1).amax(-1).mean().item()}
                  for p, l in zip(prompts, logits)]

@@ -278,7 +278,11 @@ bool EngineCore::step() {
   std::vector<int64_t> sampled_drafts;  // each sampled sequence's drafts in this step
   std::vector<size_t> sampled_chunk;    // and its chunk
   std::vector<Sequence*> alive;         // each chunk's sequence, null once it finished in this step
-  for (const ScheduledChunk& chunk : chunks) alive.push_back(chunk.seq);
+  std::vector<int64_t> rows_kept;       // and the position up to which its rows of the step stand
+  for (const ScheduledChunk& chunk : chunks) {
+    alive.push_back(chunk.seq);
+    rows_kept.push_back(chunk.seq->num_computed());
+  }
   std::vector<Sequence*> row_seqs;      // each draw's sequence
   std::vector<int64_t> rows;            // each draw's row of `logits`
   bool wants_logprobs = false;          // (or the rows of probabilistic drafts, verified on the host)
@@ -304,7 +308,7 @@ bool EngineCore::step() {
     for (size_t j = 0; j < chunks.size(); ++j)
       if (chunks[j].seq->wants_prompt_logprobs) record_prompt_logprobs(*chunks[j].seq, host_logits, batch.seqs[j]);
   if (sampled.empty()) {
-    end_step(batch, alive, {});
+    end_step(batch, alive, rows_kept, {});
     return true;
   }
 
@@ -372,6 +376,7 @@ bool EngineCore::step() {
       // accepted ones run again next step.
       const int64_t first_draft_at = seq.num_computed() - drafts;
       int64_t keep = first_draft_at + accepted;
+      rows_kept[sampled_chunk[i]] = keep;
       if (recurrent && accepted < drafts) {
         cache_.roll_back(seq.cache_id);
         keep = first_draft_at;
@@ -402,14 +407,15 @@ bool EngineCore::step() {
     if (goes_on) decoding.push_back(&seq);
     else alive[sampled_chunk[i]] = nullptr;  // finished: its cache is gone
   }
-  end_step(batch, alive, decoding);
+  end_step(batch, alive, rows_kept, decoding);
   return true;
 }
 
-void EngineCore::end_step(const Batch& batch, const std::vector<Sequence*>& alive, const std::vector<Sequence*>& decoding) {
+void EngineCore::end_step(const Batch& batch, const std::vector<Sequence*>& alive, const std::vector<int64_t>& rows_kept,
+                          const std::vector<Sequence*>& decoding) {
   // A proposer that reads the step (MTP) writes its cache rows for the step's positions before the blocks
   // holding them are committed: a block enters the prefix cache whole.
-  if (proposer_) proposer_->observe(batch, alive);
+  if (proposer_) proposer_->observe(batch, alive, rows_kept);
   propose_drafts(decoding);
   for (Sequence* seq : alive)
     if (seq) cache_.commit_tokens(seq->cache_id, seq->tokens, seq->num_computed());
@@ -426,7 +432,8 @@ void EngineCore::propose_drafts(const std::vector<Sequence*>& sampled) {
     int64_t most = std::min({k, seq->params().max_tokens - seq->num_output() - 1,
                              config_.max_model_len - int64_t(seq->tokens.size())});
     // Rows the proposer writes ahead (MTP) need their blocks now; without them, one draft.
-    if (most > 1 && !cache_.allocate(seq->cache_id, seq->num_computed() + proposer_->rows_ahead(most))) most = 1;
+    if (most > 1 && !cache_.allocate(seq->cache_id, int64_t(seq->tokens.size()) - 1 + proposer_->rows_ahead(most)))
+      most = 1;
     if (most <= 0) continue;
     seqs.push_back(seq);
     room.push_back(most);

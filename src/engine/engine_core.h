@@ -162,8 +162,9 @@ class EngineCore {
   void finish_unmatched(Sequence& seq);
   // After a step's events: the proposer sees the step (observe), the decoding sequences get their next drafts,
   // and every sequence still running commits what the step computed. `alive` is each chunk's sequence, null
-  // for those that finished.
-  void end_step(const Batch& batch, const std::vector<Sequence*>& alive, const std::vector<Sequence*>& decoding);
+  // for those that finished; `rows_kept` where its rows of the step stand (DraftProposer::observe).
+  void end_step(const Batch& batch, const std::vector<Sequence*>& alive, const std::vector<int64_t>& rows_kept,
+                const std::vector<Sequence*>& decoding);
   // Speculative decoding: the next step's drafts of the sequences that decode on.
   void propose_drafts(const std::vector<Sequence*>& sampled);
   // Sends the choice's last event (`event` has finished set) and lets go of the choice.

@@ -20,7 +20,7 @@ class MtpProposer final : public DraftProposer {
   bool reads_hidden_states() const override { return true; }
   int64_t rows_ahead(int64_t k) const override { return k - 1; }
 
-  void observe(const Batch& batch, std::span<Sequence* const> seqs) override {
+  void observe(const Batch& batch, std::span<Sequence* const> seqs, std::span<const int64_t> rows_kept) override {
     next_.clear();
     SPARROW_CHECK(batch.hidden_states.defined(), "mtp: the target's step kept no hidden states");
     std::vector<SequenceState> states(seqs.size());
@@ -33,7 +33,7 @@ class MtpProposer final : public DraftProposer {
       const SeqSlice& slice = batch.seqs[j];
       // The step's positions the target kept whose next token is known: (t_{p+1}, h_p).
       const int64_t start = batch.positions[size_t(slice.offset)];
-      const int64_t end = std::min(seq->num_computed(), int64_t(seq->tokens.size()) - 1);
+      const int64_t end = std::min(rows_kept[j], int64_t(seq->tokens.size()) - 1);
       if (end <= start) continue;
       states[j].length = start;
       states[j].cache = seq->state.cache;
@@ -51,9 +51,9 @@ class MtpProposer final : public DraftProposer {
     for (const SeqSlice& s : mtp.seqs) last_rows.push_back(s.offset + s.count - 1);
     states_ = ops::select_rows(mtp.hidden_states, last_rows);
     for (size_t i = 0; i < taken.size(); ++i) {
-      // A sequence drafts when its last pair used its newest token (not mid-prefill, not re-running tokens).
-      if (taken[i]->num_computed() == int64_t(taken[i]->tokens.size()) - 1)
-        next_[taken[i]] = {drafts[i], int64_t(i)};
+      // A sequence drafts when its last pair used its newest token (not mid-prefill).
+      const SeqSlice& s = mtp.seqs[i];
+      if (s.state->length == int64_t(taken[i]->tokens.size()) - 1) next_[taken[i]] = {drafts[i], int64_t(i)};
     }
   }
 

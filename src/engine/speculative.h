@@ -78,11 +78,14 @@ class DraftProposer {
   // Proposers that read the target (MTP). With reads_hidden_states every step keeps them
   // (Batch::keep_hidden_states), and observe() gets each step after its verification, before its tokens are
   // committed (so that cache rows a proposer writes for them enter the prefix cache with the block): the
-  // step's batch and each of its sequences (null for those that finished in it), in the batch's order.
+  // step's batch and each of its sequences (null for those that finished in it), in the batch's order, with
+  // the position up to which each one's rows of the step stand (its length, or past a recurrent model's
+  // rollback the accepted drafts' rows too: they are right, only the recurrent state went back).
   virtual bool reads_hidden_states() const { return false; }
-  virtual void observe(const Batch& batch, std::span<Sequence* const> seqs) {
+  virtual void observe(const Batch& batch, std::span<Sequence* const> seqs, std::span<const int64_t> rows_kept) {
     (void)batch;
     (void)seqs;
+    (void)rows_kept;
   }
   // Cache rows past a sequence's computed tokens that proposing k drafts writes (MTP: k - 1); the engine
   // allocates them first.

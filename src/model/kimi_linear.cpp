@@ -266,32 +266,47 @@ AttnResQuery take_attn_res_query(Checkpoint& ckpt, const std::string& name, int6
   return q;
 }
 
-std::unique_ptr<DecoderModel> load(Checkpoint& ckpt, const Config& config, const std::string& prefix, Definition def) {
-  const bool k3 = def == Definition::VllmKimiK3;
+// Everything the loader reads from the config besides the weights, parsed and checked once (the model's
+// layers and the MTP layer share it).
+struct Settings {
+  bool k3 = false;
+  int64_t vocab = 0, hidden = 0, num_layers = 0;
+  Attention attention;
+  Activation act;
+  int64_t attn_res_block = 0;
+  std::vector<bool> moe;  // per layer: the MoE, else the dense MLP
+  GroupedMoeShape shape;
+  int64_t intermediate = 0;  // the dense MLP's
+  bool has_experts = false;
+};
+
+Settings settings(const Config& config, Definition def) {
+  Settings s;
+  s.k3 = def == Definition::VllmKimiK3;
+  const bool k3 = s.k3;
   if (!k3) refuse_k3_fields(config);
-  const int64_t vocab = config.get_int("vocab_size", 163840);
-  config.require(vocab > 0, "vocab_size", "a positive integer");
-  const Attention attention = attention_config(config, def);
-  const int64_t hidden = attention.mla.hidden;
-  const int64_t num_layers = int64_t(attention.layer_types.size());
-  const std::vector<std::string>& attn_types = attention.layer_types;
+  s.vocab = config.get_int("vocab_size", 163840);
+  config.require(s.vocab > 0, "vocab_size", "a positive integer");
+  s.attention = attention_config(config, def);
+  s.hidden = s.attention.mla.hidden;
+  s.num_layers = int64_t(s.attention.layer_types.size());
 
   // Values the reference would compute differently from what the checkpoint means.
-  const Activation act = activation(config, def);
+  s.act = activation(config, def);
   const std::string router_act = config.get_string("moe_router_activation_func", "sigmoid");
   if (router_act != "sigmoid") config.unsupported("moe_router_activation_func", router_act, "sigmoid");
-  const int64_t attn_res_block = k3 ? config.get_int("attn_res_block_size", 0) : 0;
-  config.require(attn_res_block >= 0, "attn_res_block_size", "null or a positive integer");
+  s.attn_res_block = k3 ? config.get_int("attn_res_block_size", 0) : 0;
+  config.require(s.attn_res_block >= 0, "attn_res_block_size", "null or a positive integer");
 
   // MoE (KimiLinearMoE / KimiLinearTopkRouter; vLLM KimiMoE with grouped_topk).
   const std::string experts_key = field_key(config, "num_local_experts", "num_experts");
   const std::string per_token_key = field_key(config, "num_experts_per_tok", "num_experts_per_token");
   const std::string shared_key = field_key(config, "n_shared_experts", "num_shared_experts");
   const std::string group_key = field_key(config, "n_group", "num_expert_group");
-  const bool has_experts = !k3 || config.has(experts_key);  // vLLM: num_experts None means no MoE layer
-  const std::vector<bool> moe = moe_layers(config, def, num_layers, has_experts);
-  GroupedMoeShape shape;
-  shape.hidden = hidden;
+  s.has_experts = !k3 || config.has(experts_key);  // vLLM: num_experts None means no MoE layer
+  s.moe = moe_layers(config, def, s.num_layers, s.has_experts);
+  GroupedMoeShape& shape = s.shape;
+  shape.hidden = s.hidden;
   shape.num_experts = config.get_int(experts_key, 256);
   shape.top_k = config.get_int(per_token_key, 8);
   shape.n_shared = config.get_int(shared_key, int64_t(Default{1, 0}.of(def)));
@@ -300,13 +315,13 @@ std::unique_ptr<DecoderModel> load(Checkpoint& ckpt, const Config& config, const
   shape.normalize = config.get_bool(field_key(config, "norm_topk_prob", "moe_renormalize"), true);
   shape.intermediate = config.get_int("moe_intermediate_size", 1024);
   shape.routed_scaling_factor = float(config.get_float("routed_scaling_factor", Default{2.446, 1.0}.of(def)));
-  shape.act = act;
+  shape.act = s.act;
   if (k3) {
     shape.latent = config.get_int("routed_expert_hidden_size", 0);
     shape.latent_norm = config.get_bool("latent_moe_use_norm", false);
-    shape.latent_norm_eps = attention.rms_norm_eps;
+    shape.latent_norm_eps = s.attention.rms_norm_eps;
   }
-  if (std::find(moe.begin(), moe.end(), true) != moe.end()) {
+  if (std::find(s.moe.begin(), s.moe.end(), true) != s.moe.end()) {
     config.require(shape.n_group > 0 && shape.num_experts % shape.n_group == 0, group_key, cat("a divisor of ", experts_key));
     config.require(shape.num_experts / shape.n_group >= 2, group_key,
                    cat("at most ", experts_key, " / 2 (each group is scored by its two best experts)"));
@@ -317,41 +332,57 @@ std::unique_ptr<DecoderModel> load(Checkpoint& ckpt, const Config& config, const
     config.require(shape.intermediate > 0, "moe_intermediate_size", "a positive integer");
     config.require(shape.latent >= 0, "routed_expert_hidden_size", "null or a positive integer");
   }
+  s.intermediate = config.get_int("intermediate_size", int64_t(Default{9216, 11008}.of(def)));
+  return s;
+}
+
+// One layer's norms, mixer (KDA, or MLA with its indexer on K3.1 Pro) and feed-forward (the MoE or the
+// dense MLP); AttnRes queries are the caller's.
+DecoderLayer load_layer(Checkpoint& ckpt, const std::string& layer_prefix, const Settings& s, bool kda, bool moe) {
+  DecoderLayer layer;
+  layer.input_norm = ckpt.take(layer_prefix + "input_layernorm.weight", {s.hidden});
+  layer.post_norm = ckpt.take(layer_prefix + "post_attention_layernorm.weight", {s.hidden});
+  if (kda) {
+    layer.mixer = KdaMixer::load(ckpt, layer_prefix + "self_attn.", s.attention.kda);
+  } else {
+    std::unique_ptr<DsaIndexer> indexer =
+        s.attention.has_indexer ? DsaIndexer::load(ckpt, layer_prefix + "self_attn.indexer.", s.attention.index) : nullptr;
+    layer.mixer = MlaMixer::load(ckpt, layer_prefix + "self_attn.", s.attention.mla, std::move(indexer));
+  }
+  if (moe)
+    layer.ffn = MoeBlock::load_grouped(ckpt, ffn_prefix(ckpt, layer_prefix, "gate.weight"), s.shape);
+  else
+    layer.ffn = std::make_unique<DenseMlp>(
+        DenseMlp::load(ckpt, ffn_prefix(ckpt, layer_prefix, "down_proj.weight"), s.hidden, s.intermediate, s.act));
+  return layer;
+}
+
+std::unique_ptr<DecoderModel> load(Checkpoint& ckpt, const Config& config, const std::string& prefix, Definition def) {
+  const Settings s = settings(config, def);
+  const bool k3 = s.k3;
+  const int64_t hidden = s.hidden, num_layers = s.num_layers;
 
   auto model = std::make_unique<DecoderModel>();
   model->type = k3 ? "kimi_k3" : config.get_string("model_type");
-  model->vocab = vocab;
+  model->vocab = s.vocab;
   model->hidden = hidden;
-  model->norm_eps = attention.rms_norm_eps;
+  model->norm_eps = s.attention.rms_norm_eps;
+  // vLLM's Kimi K3 applies model.norm in compute_logits: its MTP layer reads the state before it.
+  model->hidden_for_drafter_normed = !k3;
   // The head sits beside the decoder: "lm_head.weight" for "model.", "language_model.lm_head.weight" for
   // "language_model.model.".
   const std::string head = prefix.substr(0, prefix.size() - std::strlen("model.")) + "lm_head.weight";
   model->take_embeddings(ckpt, prefix, head, config.get_bool("tie_word_embeddings", false));
-  model->attn_res_block = attn_res_block;
-  if (attn_res_block > 0) model->output_attn_res = take_attn_res_query(ckpt, prefix + "output_attn_res", hidden);
+  model->attn_res_block = s.attn_res_block;
+  if (s.attn_res_block > 0) model->output_attn_res = take_attn_res_query(ckpt, prefix + "output_attn_res", hidden);
 
   for (int64_t i = 0; i < num_layers; ++i) {
     const std::string layer_prefix = cat(prefix, "layers.", i, ".");
-    DecoderLayer layer;
-    layer.input_norm = ckpt.take(layer_prefix + "input_layernorm.weight", {hidden});
-    layer.post_norm = ckpt.take(layer_prefix + "post_attention_layernorm.weight", {hidden});
-    if (attn_res_block > 0) {
+    DecoderLayer layer =
+        load_layer(ckpt, layer_prefix, s, s.attention.layer_types[size_t(i)] == "linear_attention", s.moe[size_t(i)]);
+    if (s.attn_res_block > 0) {
       layer.before_mixer = take_attn_res_query(ckpt, layer_prefix + "self_attention_res", hidden);
       layer.before_ffn = take_attn_res_query(ckpt, layer_prefix + "mlp_res", hidden);
-    }
-    if (attn_types[i] == "linear_attention") {
-      layer.mixer = KdaMixer::load(ckpt, layer_prefix + "self_attn.", attention.kda);
-    } else {
-      std::unique_ptr<DsaIndexer> indexer =
-          attention.has_indexer ? DsaIndexer::load(ckpt, layer_prefix + "self_attn.indexer.", attention.index) : nullptr;
-      layer.mixer = MlaMixer::load(ckpt, layer_prefix + "self_attn.", attention.mla, std::move(indexer));
-    }
-    if (moe[i]) {
-      layer.ffn = MoeBlock::load_grouped(ckpt, ffn_prefix(ckpt, layer_prefix, "gate.weight"), shape);
-    } else {
-      layer.ffn = std::make_unique<DenseMlp>(DenseMlp::load(ckpt, ffn_prefix(ckpt, layer_prefix, "down_proj.weight"), hidden,
-                                                           config.get_int("intermediate_size", int64_t(Default{9216, 11008}.of(def))),
-                                                           act));
     }
     model->layers.push_back(std::move(layer));
   }
@@ -388,6 +419,40 @@ std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt, const Config& c
 }
 std::unique_ptr<DecoderModel> load_kimi_k3(Checkpoint& ckpt, const Config& text, const std::string& prefix) {
   return load(ckpt, text, prefix, Definition::VllmKimiK3);
+}
+
+// vLLM 0.33 mtp.py::KimiK3MultiTokenPredictorLayer (real-models.md 1.6): layer L is an MLA layer (L + 1 is
+// not a KDA layer) with the feed-forward vLLM's is_moe_layer gives it, AttnRes off; the embedding is the
+// model's, the head shared_head.head.
+std::unique_ptr<MtpDrafter> load_kimi_k3_mtp(Checkpoint& ckpt, const Config& text, const std::string& prefix) {
+  const Settings s = settings(text, Definition::VllmKimiK3);
+  SPARROW_CHECK(text.get_int("num_nextn_predict_layers", 0) >= 1, "speculative decoding: method \"mtp\": the "
+                "checkpoint has no multi-token-prediction layer (num_nextn_predict_layers is 0)");
+  const int64_t L = s.num_layers;
+  const std::string mtp = cat(prefix, "layers.", L, ".");
+  SPARROW_CHECK(ckpt.has(mtp + "eh_proj.weight"), "speculative decoding: method \"mtp\": the checkpoint has no ", mtp,
+                "eh_proj.weight (its multi-token-prediction layer)");
+  const int64_t dense = text.get_int("first_k_dense_replace", 0), freq = text.get_int("moe_layer_freq", 1);
+  const bool moe = s.has_experts && L >= dense && L % freq == 0;
+
+  auto drafter = std::make_unique<MtpDrafter>();
+  drafter->type = "kimi_k3";
+  drafter->placed_on = ckpt.device();
+  drafter->vocab = s.vocab;
+  drafter->hidden = s.hidden;
+  drafter->norm_eps = s.attention.rms_norm_eps;
+  drafter->layer_index = int(L);
+  drafter->target_cache_spec = cache_spec(text, Definition::VllmKimiK3);
+  drafter->embed = ckpt.take(prefix + "embed_tokens.weight", {s.vocab, s.hidden});
+  drafter->head = ckpt.take(mtp + "shared_head.head.weight", {s.vocab, s.hidden});
+  drafter->enorm = ckpt.take(mtp + "enorm.weight", {s.hidden});
+  drafter->hnorm = ckpt.take(mtp + "hnorm.weight", {s.hidden});
+  drafter->eh_proj = ckpt.take(mtp + "eh_proj.weight", {s.hidden, 2 * s.hidden});
+  drafter->norm = ckpt.take(mtp + "shared_head.norm.weight", {s.hidden});
+  drafter->layer = load_layer(ckpt, mtp, s, /*kda=*/false, moe);
+  // Everything else is the target's (its vision tower too).
+  ckpt.finish({prefix, prefix.substr(0, prefix.size() - std::strlen("model.")), "vision_tower.", "mm_projector."});
+  return drafter;
 }
 
 }  // namespace sparrow
