@@ -177,3 +177,12 @@ def test_speculative_config_gives_the_same_outputs(llm):
         assert [spec.generate(prompt, p)[0].outputs[0].token_ids for p in params] == want, config
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         sparrow.LLM(str(BUNDLED), kv_cache_memory_bytes=64 << 20, speculative_config={"method": "ngram"})
+    # The checkpoint's own multi-token-prediction layer (DeepSeek-V3.2's, on its fixture).
+    mtp_fixture = FIXTURES / "deepseek_v32_mtp"
+    prompts = json.loads((mtp_fixture / "prompts.json").read_text())["prompts"]
+    greedy = sparrow.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = sparrow.LLM(str(mtp_fixture), kv_cache_memory_bytes=64 << 20)
+    mtp = sparrow.LLM(str(mtp_fixture), kv_cache_memory_bytes=64 << 20,
+                      speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in mtp.generate(prompts, greedy)] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
