@@ -2,7 +2,9 @@
 // deepseek_v32 fixture with a multi-token-prediction layer, and an independent reference written from vLLM's
 // DeepSeekMultiTokenPredictorLayer over transformers' modules) and tests/fixtures/kimi_k3_mtp
 // (tools/kimi_k3_reference.py --variant k3_mtp: Kimi K3 with its MTP layer, vLLM's
-// KimiK3MultiTokenPredictorLayer in float64; the target is recurrent, so verification rolls KDA states back):
+// KimiK3MultiTokenPredictorLayer in float64; the target is recurrent, so verification rolls KDA states back)
+// and tests/fixtures/minimax_m3_mtp (tools/make_mtp_fixture.py --family minimax_m3: vLLM's
+// MiniMaxM3MultiTokenPredictorLayer, an MSA + MoE layer, over transformers' MiniMax-M3 modules):
 //   - the MTP layer's logits at every prompt position equal the reference's;
 //   - the proposer's drafts (after a whole prefill, after a chunked one, and after a prefix-cache hit whose
 //     blocks carry the layer's rows) equal the reference's drafts;
@@ -240,14 +242,14 @@ TEST_P(MtpFamily, EngineGivesTheGreedyTokensItGivesWithout) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, MtpFamily, ::testing::Values("deepseek_v32_mtp", "kimi_k3_mtp"));
+INSTANTIATE_TEST_SUITE_P(Fixtures, MtpFamily, ::testing::Values("deepseek_v32_mtp", "kimi_k3_mtp", "minimax_m3_mtp"));
 
 TEST(Mtp, BadUsesAreOneLineErrors) {
-  // A family without an MTP layer in sparrow, and a checkpoint without the layer.
+  // A family without an MTP layer in sparrow (transformers' Kimi Linear), and a checkpoint without the layer.
   EXPECT_THROW(
       {
         try {
-          load_mtp_drafter(fixture("minimax_m3").string(), Device::Cpu);
+          load_mtp_drafter(fixture("kimi_linear").string(), Device::Cpu);
         } catch (const Error& e) {
           EXPECT_NE(std::string(e.what()).find("not built for"), std::string::npos) << e.what();
           throw;

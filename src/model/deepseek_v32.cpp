@@ -200,6 +200,7 @@ std::unique_ptr<MtpDrafter> load_deepseek_v32_mtp(Checkpoint& ckpt, const Config
   drafter->hidden = hidden;
   drafter->norm_eps = float(config.get_float("rms_norm_eps", 1e-6));
   drafter->layer_index = int(num_layers);
+  drafter->recycles_normed = true;  // vLLM 0.33 deepseek_v32/nvidia/mtp.py: the post-norm state feeds the next step
   drafter->target_cache_spec = deepseek_v32_cache_spec(config);
   // DeepSeek-V3's checkpoints repeat the embedding and the head inside the MTP layer; else the target's.
   drafter->embed = ckpt.take(ckpt.has(mtp + "embed_tokens.weight") ? mtp + "embed_tokens.weight" : prefix + "embed_tokens.weight",

@@ -29,6 +29,7 @@ std::unique_ptr<DecoderModel> load_minimax_m3(Checkpoint& ckpt, const Config& te
 
 std::unique_ptr<MtpDrafter> load_deepseek_v32_mtp(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 std::unique_ptr<MtpDrafter> load_kimi_k3_mtp(Checkpoint& ckpt, const Config& text, const std::string& prefix);
+std::unique_ptr<MtpDrafter> load_minimax_m3_mtp(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 
 std::vector<LayerCacheSpec> deepseek_v32_cache_spec(const Config& text);
 std::vector<LayerCacheSpec> kimi_linear_cache_spec(const Config& text);

@@ -179,21 +179,24 @@ struct WeightNames {
     return {prefix, "lm_head.weight", false};
   }
   std::string layer(int64_t i) const { return cat(decoder, "layers.", i, "."); }
-  std::string indexer(int64_t i, const std::string& part) const {
-    return layer(i) + (release ? "self_attn.index_" + part : "self_attn.indexer." + part) + ".weight";
+  // The MTP layer's decoder layer (vLLM 0.33 minimax_m3/nvidia/mtp.py: mtp.layers.{i}.transformer_layer).
+  std::string mtp_layer(int64_t i) const { return cat(decoder, "mtp.layers.", i, "."); }
+  std::string indexer(const std::string& layer_prefix, const std::string& part) const {
+    return layer_prefix + (release ? "self_attn.index_" + part : "self_attn.indexer." + part) + ".weight";
   }
   // The feed-forward's prefix: transformers loads release checkpoints by renaming ".block_sparse_moe."
   // to ".mlp.", so either spelling may hold a layer's MLP.
-  std::string mlp(const Checkpoint& ckpt, int64_t i) const {
-    const std::string moe = layer(i) + "block_sparse_moe.";
-    return ckpt.has(moe + "gate.weight") || ckpt.has(moe + "down_proj.weight") ? moe : layer(i) + "mlp.";
+  std::string mlp(const Checkpoint& ckpt, const std::string& layer_prefix) const {
+    const std::string moe = layer_prefix + "block_sparse_moe.";
+    return ckpt.has(moe + "gate.weight") || ckpt.has(moe + "down_proj.weight") ? moe : layer_prefix + "mlp.";
   }
 };
 
+// The attention of the layer under `layer` (a decoder layer's prefix, or the MTP layer's), MSA when `sparse`.
 std::unique_ptr<Mixer> load_attention(Checkpoint& ckpt, const TextConfig& cfg, const WeightNames& names,
-                                      int64_t i) {
+                                      const std::string& layer, bool sparse) {
   auto attn = std::make_unique<GqaAttention>();
-  const std::string p = names.layer(i) + "self_attn.";
+  const std::string p = layer + "self_attn.";
   const TensorParallel& tp = attn->tp = ckpt.tensor_parallel();
   const int64_t d = cfg.head_dim;
 #if SPARROW_HAVE_CUDA
@@ -215,7 +218,7 @@ std::unique_ptr<Mixer> load_attention(Checkpoint& ckpt, const TextConfig& cfg, c
   attn->q_norm = ckpt.take(p + "q_norm.weight", {d});
   attn->k_norm = ckpt.take(p + "k_norm.weight", {d});
   attn->rope = cfg.rope;
-  if (cfg.layer_types[i] == kSparseAttention) {
+  if (sparse) {
     // Each index head serves a group of query heads: a rank keeps the ones its heads read; the index key
     // is shared by all of them and replicated.
     const IndexRange index = grouped_share(tp, cfg.heads, cfg.index_heads, "index_n_heads");
@@ -227,20 +230,21 @@ std::unique_ptr<Mixer> load_attention(Checkpoint& ckpt, const TextConfig& cfg, c
     idx.local_blocks = cfg.index_local_blocks;
     idx.init_blocks = cfg.index_init_blocks;
     idx.norm_eps = cfg.norm_eps;
-    idx.q_proj = ckpt.take(names.indexer(i, "q_proj"), {cfg.index_heads * cfg.index_head_dim, cfg.hidden},
+    idx.q_proj = ckpt.take(names.indexer(layer, "q_proj"), {cfg.index_heads * cfg.index_head_dim, cfg.hidden},
                            split_for(tp, index, 0, cfg.index_head_dim));
-    idx.k_proj = ckpt.take(names.indexer(i, "k_proj"), {cfg.index_head_dim, cfg.hidden});
-    idx.q_norm = ckpt.take(names.indexer(i, "q_norm"), {cfg.index_head_dim});
-    idx.k_norm = ckpt.take(names.indexer(i, "k_norm"), {cfg.index_head_dim});
+    idx.k_proj = ckpt.take(names.indexer(layer, "k_proj"), {cfg.index_head_dim, cfg.hidden});
+    idx.q_norm = ckpt.take(names.indexer(layer, "q_norm"), {cfg.index_head_dim});
+    idx.k_norm = ckpt.take(names.indexer(layer, "k_norm"), {cfg.index_head_dim});
   }
   return attn;
 }
 
+// The feed-forward of the layer under `layer`: the dense MLP or (`moe`) the MoE.
 std::unique_ptr<FeedForward> load_feed_forward(Checkpoint& ckpt, const TextConfig& cfg, const WeightNames& names,
-                                               int64_t i) {
+                                               const std::string& layer, bool moe_layer) {
   const Activation act{Glu::ClampedSwiglu, cfg.swiglu_alpha, cfg.swiglu_limit};
-  const std::string p = names.mlp(ckpt, i);
-  if (cfg.mlp_layer_types[i] == "dense")
+  const std::string p = names.mlp(ckpt, layer);
+  if (!moe_layer)
     return std::make_unique<DenseMlp>(DenseMlp::load(ckpt, p, cfg.hidden, cfg.dense_intermediate, act));
 
   // MiniMaxM3VLSparseMoeBlock: sigmoid router with a choice-only bias, weights normalised without an
@@ -296,8 +300,8 @@ std::unique_ptr<DecoderModel> load_minimax_m3(Checkpoint& ckpt, const Config& te
     DecoderLayer layer;
     layer.input_norm = ckpt.take(names.layer(i) + "input_layernorm.weight", {cfg.hidden});
     layer.post_norm = ckpt.take(names.layer(i) + "post_attention_layernorm.weight", {cfg.hidden});
-    layer.mixer = load_attention(ckpt, cfg, names, i);
-    layer.ffn = load_feed_forward(ckpt, cfg, names, i);
+    layer.mixer = load_attention(ckpt, cfg, names, names.layer(i), cfg.layer_types[size_t(i)] == kSparseAttention);
+    layer.ffn = load_feed_forward(ckpt, cfg, names, names.layer(i), cfg.mlp_layer_types[size_t(i)] != "dense");
     model->layers.push_back(std::move(layer));
   }
 
@@ -309,6 +313,44 @@ std::unique_ptr<DecoderModel> load_minimax_m3(Checkpoint& ckpt, const Config& te
   if (tied) ignored.push_back(names.lm_head);
   ckpt.finish(ignored);
   return model;
+}
+
+// vLLM 0.33 minimax_m3/nvidia/mtp.py (MiniMaxM3MultiTokenPredictorLayer): Gemma enorm / hnorm, eh_proj, a
+// decoder layer forced to MSA and the MoE (its weights under transformer_layer.), final_layernorm before the
+// model's lm_head; the embedding is the model's. The model hands it its post-norm state (MiniMaxM3Model
+// returns it normed) and the layer recycles its own state before final_layernorm.
+std::unique_ptr<MtpDrafter> load_minimax_m3_mtp(Checkpoint& ckpt, const Config& text, const std::string& prefix) {
+  const TextConfig cfg(text);
+  const WeightNames names = WeightNames::find(ckpt, prefix);
+  const std::string mtp = names.mtp_layer(0);
+  SPARROW_CHECK(ckpt.has(mtp + "eh_proj.weight"), "speculative decoding: method \"mtp\": the checkpoint has no ", mtp,
+                "eh_proj.weight (its multi-token-prediction layer)");
+  const std::string layer = mtp + "transformer_layer.";
+  auto drafter = std::make_unique<MtpDrafter>();
+  drafter->type = ckpt.config().get_string("model_type");
+  drafter->placed_on = ckpt.device();
+  drafter->vocab = cfg.vocab;
+  drafter->hidden = cfg.hidden;
+  drafter->norm_eps = cfg.norm_eps;
+  drafter->norm_unit_offset = true;  // MiniMAXGemmaRMSNorm
+  drafter->layer_index = int(cfg.num_layers);
+  drafter->target_cache_spec = minimax_m3_cache_spec(text);
+  drafter->embed = ckpt.take(names.decoder + "embed_tokens.weight", {cfg.vocab, cfg.hidden});
+  const bool tied = cfg.tie_word_embeddings || ckpt.config().get_bool("tie_word_embeddings", false);
+  drafter->head = tied ? drafter->embed : ckpt.take(names.lm_head, {cfg.vocab, cfg.hidden});
+  drafter->enorm = ckpt.take(mtp + "enorm.weight", {cfg.hidden});
+  drafter->hnorm = ckpt.take(mtp + "hnorm.weight", {cfg.hidden});
+  drafter->eh_proj = ckpt.take(mtp + "eh_proj.weight", {cfg.hidden, 2 * cfg.hidden});
+  drafter->norm = ckpt.take(mtp + "final_layernorm.weight", {cfg.hidden});
+  drafter->layer.input_norm = ckpt.take(layer + "input_layernorm.weight", {cfg.hidden});
+  drafter->layer.post_norm = ckpt.take(layer + "post_attention_layernorm.weight", {cfg.hidden});
+  drafter->layer.mixer = load_attention(ckpt, cfg, names, layer, /*sparse=*/true);
+  drafter->layer.ffn = load_feed_forward(ckpt, cfg, names, layer, /*moe_layer=*/true);
+  // Everything else is the model's (and its vision tower's).
+  ckpt.finish({names.decoder + "layers.", names.decoder + "embed_tokens.", names.decoder + "norm.", names.lm_head,
+               cat(names.decoder, "mtp.layers.1"), cat(names.decoder, "mtp.layers.2"), "vision_tower.", "model.vision_tower.", "multi_modal_projector.",
+               "model.multi_modal_projector.", "patch_merge_mlp.", "lm_head."});
+  return drafter;
 }
 
 }  // namespace sparrow

@@ -38,11 +38,12 @@ Tensor MtpDrafter::forward(const Batch& batch, StepMarks* marks) {
   if (marks) marks->mark("mtp mixer");
   ops::add_(x, layer.ffn->forward(ops::rms_norm(x, layer.post_norm, norm_eps, norm_unit_offset), batch));
   if (marks) marks->mark("mtp ffn");
-  batch.hidden_states = x;
-  Tensor last;
-  if (batch.all_logits) {
-    last = ops::rms_norm(x, norm, norm_eps, norm_unit_offset);
-  } else {
+  // Every row's normed state when it is what the next step reads; else only the logit rows get normed.
+  const bool norm_all = recycles_normed || batch.all_logits;
+  if (norm_all) x = ops::rms_norm(x, norm, norm_eps, norm_unit_offset);
+  if (!recycles_normed) batch.hidden_states = x;
+  Tensor last = x;
+  if (!batch.all_logits) {
     if (on_gpu) {
       last = ops::select_rows(x, device_step(batch).logit_rows);
     } else {
@@ -51,8 +52,9 @@ Tensor MtpDrafter::forward(const Batch& batch, StepMarks* marks) {
         for (int64_t r = s.offset + s.count - s.logits; r < s.offset + s.count; ++r) logit_rows.push_back(r);
       last = ops::select_rows(x, logit_rows);
     }
-    ops::rms_norm_(last, norm, norm_eps, norm_unit_offset);
+    if (!norm_all) ops::rms_norm_(last, norm, norm_eps, norm_unit_offset);
   }
+  if (recycles_normed) batch.hidden_states = x;
   return ops::linear(last, head, ScalarType::F32);
 }
 

@@ -5,8 +5,9 @@
 //   x = eh_proj([enorm(embed(t_{p+1})) ; hnorm(h_p)])       the embedding is zeroed at position 0, as vLLM does
 //   x = x + mixer(input_norm(x));  x = x + ffn(post_norm(x))  one decoder layer, its cache rows at 0 .. p
 //   logits = head(norm(x))                                   shared_head
-// Drafting k tokens applies the layer k times, each with its own output state x in place of h (vLLM reuses
-// the layer for every step). Its cache rows live in the target's paged cache as layer L, so they follow the
+// Drafting k tokens applies the layer k times, each with its own output state in place of h (vLLM reuses
+// the layer for every step): x itself (Kimi K3), or norm(x) (DeepSeek-V3.2: vLLM 0.33's deepseek_v32/nvidia/
+// mtp.py recycles the post-norm state, "pre-final-norm ... lowers MTP acceptance"). Its cache rows live in the target's paged cache as layer L, so they follow the
 // target's blocks (prefix hits, preemption, freeing); cache_spec() is the target's layers then its own.
 #pragma once
 #include <memory>
@@ -31,6 +32,7 @@ class MtpDrafter final : public Model {
   Tensor head;     // shared_head.head [vocab, hidden], else the target's lm_head
   DecoderLayer layer;
   int layer_index = 0;  // L: the layer's place in the cache (the target's layers come first)
+  bool recycles_normed = false;  // the state handed to the next draft step is norm(x), not x
   std::vector<LayerCacheSpec> target_cache_spec;
 
   const std::string& model_type() const override { return type; }
@@ -41,8 +43,8 @@ class MtpDrafter final : public Model {
   bool capturable() const override { return false; }
   std::vector<LayerCacheSpec> cache_spec() const override;
   // The batch's tokens are t_{p+1} at positions p, batch.hidden_states_in the matching h_p; returns the
-  // logits of each sequence's last SeqSlice::logits rows and leaves every row's output state x in
-  // batch.hidden_states (the h of the next draft step).
+  // logits of each sequence's last SeqSlice::logits rows and leaves every row's output state (x or norm(x):
+  // recycles_normed) in batch.hidden_states (the h of the next draft step).
   Tensor forward(const Batch& batch, StepMarks* marks) override;
 };
 
