@@ -15,7 +15,9 @@ PROMPT = "abc abc abc abc abc abc abc "
 
 @pytest.fixture(scope="module")
 def speculating(start_server):
-    return start_server("--api-key", API_KEY, "--speculative-config", NGRAM)
+    server = start_server("--api-key", API_KEY, "--speculative-config", NGRAM)
+    yield server
+    assert server.stop() == 0, server.output()  # no other module uses it: its memory goes back now
 
 
 def completion(server, **kwargs):

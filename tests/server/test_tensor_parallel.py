@@ -73,6 +73,8 @@ def test_two_ranks_serve_what_one_process_serves(start_server, test_model, famil
     again = [run_alone(client, r) for r in requests[:4]]
     assert again == expected[:4]
     assert sharded.metrics()["vllm:num_preemptions_total"] > 0, "nothing was preempted: the squeeze lost its point"
+    for server in (sharded, single):  # used by no other test: their memory goes back now
+        assert server.stop() == 0, server.output()
 
 
 # Speculative decoding under tensor parallelism: the verify steps' logits rows go to the workers in the step
@@ -92,6 +94,8 @@ def test_two_ranks_speculating_serve_what_one_process_serves(start_server, test_
     assert not mismatches, f"{len(mismatches)} requests differ from the single-process server: {mismatches[:3]}"
     metrics = sharded.metrics()
     assert 0 < metrics["vllm:spec_decode_num_accepted_tokens_total"] < metrics["vllm:spec_decode_num_draft_tokens_total"]
+    for server in (sharded, single):  # used by no other test: their memory goes back now
+        assert server.stop() == 0, server.output()
 
 
 def test_sigterm_stops_the_workers_too(sparrow_binary, test_model):
@@ -303,6 +307,7 @@ def test_data_parallel_groups_serve_what_one_process_serves(start_server, test_m
     assert metrics["vllm:num_preemptions_total"] > 0, "nothing was preempted: the squeeze lost its point"
     assert wait_until(lambda: groups.metrics()["sparrow:kv_cache_blocks_used"] == 0, timeout_s=10), groups.metrics()
     assert groups.stop() == 0, groups.output()
+    assert single.stop() == 0, single.output()
 
 
 def test_a_dead_data_parallel_group_ends_the_server(sparrow_binary, test_model):
