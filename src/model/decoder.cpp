@@ -104,16 +104,7 @@ Tensor DecoderModel::forward(const Batch& batch, StepMarks* marks) {
     // before it (Kimi K3 normalises inside compute_logits).
     batch.hidden_states = hidden_for_drafter_normed ? ops::rms_norm(x, final_norm, norm_eps, norm_unit_offset) : x.clone();
   }
-  if (!batch.all_logits) {
-    if (on_gpu) {
-      x = ops::select_rows(x, device_step(batch).logit_rows);
-    } else {
-      std::vector<int64_t> rows;
-      for (const SeqSlice& s : batch.seqs)
-        for (int64_t r = s.offset + s.count - s.logits; r < s.offset + s.count; ++r) rows.push_back(r);
-      x = ops::select_rows(x, rows);
-    }
-  }
+  if (!batch.all_logits) x = select_logit_rows(x, batch);
   ops::rms_norm_(x, final_norm, norm_eps, norm_unit_offset);
   mark("final norm");
   // fp32 logits where the model runs: on a GPU the sampler draws there and only token ids cross.

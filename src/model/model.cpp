@@ -1,4 +1,5 @@
 #include "model/model.h"
+#include "kernels/ops.h"
 
 #include "model/device_step.h"
 
@@ -23,6 +24,14 @@ Batch make_batch(const std::vector<std::pair<SequenceState*, std::vector<int32_t
     }
   }
   return batch;
+}
+
+Tensor select_logit_rows(const Tensor& x, const Batch& batch) {
+  if (x.device() != Device::Cpu) return ops::select_rows(x, device_step(batch).logit_rows);
+  std::vector<int64_t> rows;
+  for (const SeqSlice& s : batch.seqs)
+    for (int64_t r = s.offset + s.count - s.logits; r < s.offset + s.count; ++r) rows.push_back(r);
+  return ops::select_rows(x, rows);
 }
 
 int64_t Batch::logit_rows() const {

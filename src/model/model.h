@@ -72,6 +72,10 @@ struct Batch {
   Tensor hidden_states_in;
 };
 
+// The rows of `x` ([batch.size(), ...]) that get logits: each sequence's last SeqSlice::logits rows (on a GPU
+// through the step's uploaded logit_rows). The output heads of the decoder and of the MTP layer read them.
+Tensor select_logit_rows(const Tensor& x, const Batch& batch);
+
 // Builds a batch from (state, new tokens) pairs.
 Batch make_batch(const std::vector<std::pair<SequenceState*, std::vector<int32_t>>>& parts);
 

@@ -44,14 +44,7 @@ Tensor MtpDrafter::forward(const Batch& batch, StepMarks* marks) {
   if (!recycles_normed) batch.hidden_states = x;
   Tensor last = x;
   if (!batch.all_logits) {
-    if (on_gpu) {
-      last = ops::select_rows(x, device_step(batch).logit_rows);
-    } else {
-      std::vector<int64_t> logit_rows;
-      for (const SeqSlice& s : batch.seqs)
-        for (int64_t r = s.offset + s.count - s.logits; r < s.offset + s.count; ++r) logit_rows.push_back(r);
-      last = ops::select_rows(x, logit_rows);
-    }
+    last = select_logit_rows(x, batch);
     if (!norm_all) ops::rms_norm_(last, norm, norm_eps, norm_unit_offset);
   }
   if (recycles_normed) batch.hidden_states = x;
