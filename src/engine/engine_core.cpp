@@ -157,6 +157,7 @@ EngineStats EngineCore::stats() const {
   s.prefill_steps = prefill_steps_;
   s.iteration_tokens = iteration_tokens_;
   s.spec_decode = spec_decode_;
+  s.graph_replays = runner_.graph_replays();
   return s;
 }
 
@@ -283,9 +284,9 @@ bool EngineCore::step() {
     alive.push_back(chunk.seq);
     rows_kept.push_back(chunk.seq->num_computed());
   }
-  std::vector<Sequence*> row_seqs;      // each draw's sequence
-  std::vector<int64_t> rows;            // each draw's row of `logits`
-  bool wants_logprobs = false;          // (or the rows of probabilistic drafts, verified on the host)
+  std::vector<Sequence*> row_seqs;  // each draw's sequence
+  StepDraws step;
+  bool wants_logprobs = false;      // (or the rows of probabilistic drafts, verified on the host)
   int64_t next_logit_row = 0;
   for (size_t j = 0; j < chunks.size(); ++j) {
     Sequence& seq = *chunks[j].seq;
@@ -299,21 +300,19 @@ bool EngineCore::step() {
     sampled_drafts.push_back(drafted[j]);
     for (int64_t i = 0; i <= drafted[j]; ++i) {
       row_seqs.push_back(&seq);
-      rows.push_back(first_row + i);
+      step.rows.push_back(first_row + i);
     }
     wants_logprobs |= seq.params().logprobs >= 0 || (drafted[j] > 0 && !seq.draft_probs.empty());
   }
-  const Tensor host_logits = wants_logprobs ? logits.to(Device::Cpu) : Tensor();
+  if (wants_logprobs) step.host_logits = logits.to(Device::Cpu);
   if (all_logits)
     for (size_t j = 0; j < chunks.size(); ++j)
-      if (chunks[j].seq->wants_prompt_logprobs) record_prompt_logprobs(*chunks[j].seq, host_logits, batch.seqs[j]);
+      if (chunks[j].seq->wants_prompt_logprobs) record_prompt_logprobs(*chunks[j].seq, step.host_logits, batch.seqs[j]);
   if (sampled.empty()) {
     end_step(batch, alive, rows_kept, {});
     return true;
   }
 
-  std::vector<TokenDraw> draws;
-  std::vector<LogitAdjustment> adjustments;
   for (size_t i = 0, row = 0; i < sampled.size(); ++i) {
     Sequence& seq = *sampled[i];
     // Row k draws output token num_output + k, after the first k drafts (its penalties count them).
@@ -322,18 +321,16 @@ bool EngineCore::step() {
     const std::span<const int32_t> all(seq.tokens);
     for (int64_t k = 0; k <= sampled_drafts[i]; ++k, ++row)
       seq.sampler.prepare(int32_t(row), seq.prompt(),
-                          all.subspan(size_t(seq.prompt_length), before - size_t(seq.prompt_length) + size_t(k)), draws,
-                          adjustments);
+                          all.subspan(size_t(seq.prompt_length), before - size_t(seq.prompt_length) + size_t(k)),
+                          step.draws, step.adjustments);
     seq.tokens.resize(before);
   }
-  std::vector<int32_t> mask_rows;
-  std::vector<uint32_t> mask_words;
-  fill_token_masks(row_seqs, mask_rows, mask_words);
-  const int64_t mask_width = (logits.dim(1) + 31) / 32;
-  const bool every_row = int64_t(rows.size()) == logits.dim(0);  // rows is ascending
+  fill_token_masks(row_seqs, step.mask_rows, step.mask_words);
+  step.mask_width = (logits.dim(1) + 31) / 32;
+  const bool every_row = int64_t(step.rows.size()) == logits.dim(0);  // rows is ascending
   std::vector<int32_t> tokens =
-      ops::sample_tokens(every_row ? logits : ops::select_rows(logits, rows), draws, adjustments,
-                         {mask_rows, mask_words, mask_width});
+      ops::sample_tokens(every_row ? logits : ops::select_rows(logits, step.rows), step.draws, step.adjustments,
+                         {step.mask_rows, step.mask_words, step.mask_width});
   timer.tokens_sampled();
 
   const size_t vocab = size_t(logits.dim(1));
@@ -345,55 +342,22 @@ bool EngineCore::step() {
     const size_t first = row;
     row += size_t(drafts + 1);
     const std::span<const int32_t> target(tokens.data() + first, size_t(drafts + 1));
-    int64_t accepted = 0;
-    int32_t last = -1;  // the step's last token when not the target's draw at its row (a rejected probabilistic draft)
+    Verdict verdict;
     if (drafts > 0) {
-      if (config_.speculative.synthetic) {
-        accepted = synthetic_accepted(drafts, config_.speculative.synthetic_acceptance_rate,
-                                      mix64(seq.sampler.key(seq.num_output()) ^ kSyntheticCoins));
-      } else if (!seq.draft_probs.empty()) {
-        for (; accepted < drafts; ++accepted) {
-          const size_t draw = first + size_t(accepted);
-          std::vector<float> row(host_logits.row(rows[draw]), host_logits.row(rows[draw]) + vocab);
-          cpu::adjust_logits(row.data(), int64_t(vocab), int32_t(draw), adjustments);
-          auto mask = std::lower_bound(mask_rows.begin(), mask_rows.end(), int32_t(draw));
-          if (mask != mask_rows.end() && *mask == int32_t(draw))
-            cpu::apply_token_bitmask(row.data(), int64_t(vocab), mask_words.data() + (mask - mask_rows.begin()) * mask_width);
-          const std::vector<double> p = cpu::token_probabilities(row.data(), int64_t(vocab), draws[draw]);
-          last = verify_draft_token(p, {seq.draft_probs.data() + size_t(accepted) * vocab, vocab},
-                                    seq.draft[size_t(accepted)], mix64(draws[draw].key ^ kVerifyCoins));
-          if (last >= 0) break;
-        }
-      } else {
-        accepted = accepted_draft_tokens(seq.draft, target);
-      }
-      ++spec_decode_.drafts;
-      spec_decode_.draft_tokens += drafts;
-      spec_decode_.accepted_tokens += accepted;
-      if (spec_decode_.accepted_by_position.size() < size_t(drafts)) spec_decode_.accepted_by_position.resize(size_t(drafts));
-      for (int64_t k = 0; k < accepted; ++k) ++spec_decode_.accepted_by_position[size_t(k)];
-      // Keep the rows of the accepted drafts; a recurrent state goes back to before the first draft, and the
-      // accepted ones run again next step.
-      const int64_t first_draft_at = seq.num_computed() - drafts;
-      int64_t keep = first_draft_at + accepted;
-      rows_kept[sampled_chunk[i]] = keep;
-      if (recurrent && accepted < drafts) {
-        cache_.roll_back(seq.cache_id);
-        keep = first_draft_at;
-      }
-      seq.state.length = keep;  // committed with the emitted tokens, in end_step
+      verdict = verify_drafts(seq, first, target, step);
+      rows_kept[sampled_chunk[i]] = settle_verification(seq, drafts, verdict.accepted);
     }
-    std::vector<int32_t> emitted(seq.draft.begin(), seq.draft.begin() + accepted);
-    emitted.push_back(last >= 0 ? last : target[size_t(accepted)]);
+    std::vector<int32_t> emitted(seq.draft.begin(), seq.draft.begin() + verdict.accepted);
+    emitted.push_back(verdict.replacement >= 0 ? verdict.replacement : target[size_t(verdict.accepted)]);
     seq.truncate_draft(0);
     bool goes_on = true;
     for (size_t e = 0; e < emitted.size() && goes_on; ++e) {
       const int32_t token = emitted[e];
       const int32_t draw = int32_t(first + e);
-      while (masked < mask_rows.size() && mask_rows[masked] < draw) ++masked;
-      if (masked < mask_rows.size() && mask_rows[masked] == draw) {
+      while (masked < step.mask_rows.size() && step.mask_rows[masked] < draw) ++masked;
+      if (masked < step.mask_rows.size() && step.mask_rows[masked] == draw) {
         // A token outside the mask is drawn only when every allowed token has logit -inf (or none is left).
-        const uint32_t* words = mask_words.data() + int64_t(masked) * mask_width;
+        const uint32_t* words = step.mask_words.data() + int64_t(masked) * step.mask_width;
         if (!token_allowed(words, token) || (seq.matcher && !seq.matcher->accept_token(token))) {
           finish_unmatched(seq);
           goes_on = false;
@@ -401,7 +365,7 @@ bool EngineCore::step() {
         }
       }
       std::span<const float> raw;
-      if (host_logits.defined() && host_logits.numel() > 0) raw = {host_logits.row(rows[first + e]), vocab};
+      if (step.host_logits.defined() && step.host_logits.numel() > 0) raw = {step.host_logits.row(step.rows[first + e]), vocab};
       goes_on = emit(seq, token, raw);
     }
     if (goes_on) decoding.push_back(&seq);
@@ -409,6 +373,54 @@ bool EngineCore::step() {
   }
   end_step(batch, alive, rows_kept, decoding);
   return true;
+}
+
+EngineCore::Verdict EngineCore::verify_drafts(const Sequence& seq, size_t first, std::span<const int32_t> target,
+                                              const StepDraws& step) const {
+  const int64_t drafts = int64_t(target.size()) - 1;
+  Verdict verdict;
+  if (config_.speculative.synthetic) {
+    verdict.accepted = synthetic_accepted(drafts, config_.speculative.synthetic_acceptance_rate,
+                                          mix64(seq.sampler.key(seq.num_output()) ^ kSyntheticCoins));
+  } else if (!seq.draft_probs.empty()) {
+    // Probabilistic drafts: each against the target's distribution at its row, as sampled (penalties, mask).
+    const size_t vocab = size_t(step.host_logits.dim(1));
+    for (; verdict.accepted < drafts; ++verdict.accepted) {
+      const size_t draw = first + size_t(verdict.accepted);
+      std::vector<float> row(step.host_logits.row(step.rows[draw]), step.host_logits.row(step.rows[draw]) + vocab);
+      cpu::adjust_logits(row.data(), int64_t(vocab), int32_t(draw), step.adjustments);
+      auto mask = std::lower_bound(step.mask_rows.begin(), step.mask_rows.end(), int32_t(draw));
+      if (mask != step.mask_rows.end() && *mask == int32_t(draw))
+        cpu::apply_token_bitmask(row.data(), int64_t(vocab),
+                                 step.mask_words.data() + (mask - step.mask_rows.begin()) * step.mask_width);
+      const std::vector<double> p = cpu::token_probabilities(row.data(), int64_t(vocab), step.draws[draw]);
+      verdict.replacement =
+          verify_draft_token(p, {seq.draft_probs.data() + size_t(verdict.accepted) * vocab, vocab},
+                             seq.draft[size_t(verdict.accepted)], mix64(step.draws[draw].key ^ kVerifyCoins));
+      if (verdict.replacement >= 0) break;
+    }
+  } else {
+    verdict.accepted = accepted_draft_tokens(seq.draft, target);
+  }
+  return verdict;
+}
+
+int64_t EngineCore::settle_verification(Sequence& seq, int64_t drafts, int64_t accepted) {
+  ++spec_decode_.drafts;
+  spec_decode_.draft_tokens += drafts;
+  spec_decode_.accepted_tokens += accepted;
+  if (spec_decode_.accepted_by_position.size() < size_t(drafts)) spec_decode_.accepted_by_position.resize(size_t(drafts));
+  for (int64_t k = 0; k < accepted; ++k) ++spec_decode_.accepted_by_position[size_t(k)];
+  // Keep the rows of the accepted drafts; a recurrent state goes back to before the first draft, and the
+  // accepted ones run again next step.
+  const int64_t first_draft_at = seq.num_computed() - drafts;
+  const int64_t kept = first_draft_at + accepted;
+  seq.state.length = kept;  // committed with the emitted tokens, in end_step
+  if (cache_.plan().state_slot_bytes > 0 && accepted < drafts) {
+    cache_.roll_back(seq.cache_id);
+    seq.state.length = first_draft_at;
+  }
+  return kept;
 }
 
 void EngineCore::end_step(const Batch& batch, const std::vector<Sequence*>& alive, const std::vector<int64_t>& rows_kept,

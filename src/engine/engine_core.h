@@ -19,6 +19,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -88,6 +89,7 @@ struct EngineStats {
   StepCounters decode_steps;   // steps without prompt tokens (one token a sequence, or verifying its drafts)
   StepCounters prefill_steps;  // steps with prompt chunks (mixed with decode tokens or not)
   IterationTokens iteration_tokens;
+  int64_t graph_replays = 0;  // steps replayed from CUDA graphs (runner/decode_graphs.h)
   // Data parallel, rank 0's engine: the requests handed to each group so far (empty otherwise).
   std::vector<int64_t> requests_by_group;
 };
@@ -167,6 +169,27 @@ class EngineCore {
                 const std::vector<Sequence*>& decoding);
   // Speculative decoding: the next step's drafts of the sequences that decode on.
   void propose_drafts(const std::vector<Sequence*>& sampled);
+  // The draws of a step: one per row of logits a sampled sequence gets (k + 1 for k drafts).
+  struct StepDraws {
+    std::vector<int64_t> rows;  // each draw's row of the step's logits (ascending)
+    std::vector<TokenDraw> draws;
+    std::vector<LogitAdjustment> adjustments;
+    std::vector<int32_t> mask_rows;  // the draws with a token bitmask (ascending) and their masks
+    std::vector<uint32_t> mask_words;
+    int64_t mask_width = 0;
+    Tensor host_logits;  // the logits on the host, when logprobs or probabilistic drafts need them
+  };
+  struct Verdict {
+    int64_t accepted = 0;      // drafts kept
+    int32_t replacement = -1;  // the token after them when not the target's draw there (a rejected
+                               // probabilistic draft's resample)
+  };
+  // Which of seq's drafts the step keeps: draws first .. first + drafts are its rows, `target` their tokens.
+  Verdict verify_drafts(const Sequence& seq, size_t first, std::span<const int32_t> target,
+                        const StepDraws& step) const;
+  // Counts a verification and sets the sequence's computed length after it (a recurrent state rolled back
+  // when a draft was rejected); returns where its rows of the step stand (DraftProposer::observe).
+  int64_t settle_verification(Sequence& seq, int64_t drafts, int64_t accepted);
   // Sends the choice's last event (`event` has finished set) and lets go of the choice.
   void finish(Sequence& seq, RequestOutput& event);
 

@@ -385,13 +385,13 @@ std::string Server::metrics() const {
                       {s.prefill_steps.steps, s.prefill_steps.seconds, s.prefill_steps.forward_seconds},
                       s.iteration_tokens.steps_by_log2,
                       s.iteration_tokens.tokens,
-                      s.requests_by_group};
+                      s.requests_by_group,
+                      context_.engine.config().speculative.enabled(),
+                      s.spec_decode.drafts,
+                      s.spec_decode.draft_tokens,
+                      s.spec_decode.accepted_tokens,
+                      s.spec_decode.accepted_by_position};
   const int64_t k = context_.engine.config().speculative.num_speculative_tokens;
-  gauges.speculative = context_.engine.config().speculative.enabled();
-  gauges.spec_drafts = s.spec_decode.drafts;
-  gauges.spec_draft_tokens = s.spec_decode.draft_tokens;
-  gauges.spec_accepted_tokens = s.spec_decode.accepted_tokens;
-  gauges.spec_accepted_by_position = s.spec_decode.accepted_by_position;
   gauges.spec_accepted_by_position.resize(size_t(std::max<int64_t>(k, int64_t(s.spec_decode.accepted_by_position.size()))));
   return context_.metrics.render(gauges);
 }
