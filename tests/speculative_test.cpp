@@ -8,6 +8,7 @@
 //   - the same through `sparrow generate`.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <numeric>
@@ -491,6 +492,85 @@ TEST(SpeculativeDraftModel, ProbabilisticDrafts) {
   for (size_t i = 1; i < requests.size(); i += 2) requests[i].params.top_k = 3;
   const Outputs cut = run(*model, requests, config, requests.size(), &stats);
   EXPECT_EQ(cut.errors, "");
+  EXPECT_LT(stats.spec_decode.accepted_tokens, stats.spec_decode.draft_tokens);
+}
+
+// Probabilistic speculation through the whole engine samples the target's distribution: a model drafts for
+// itself from its full softmax q while the requests ask for top-k 3 (p: the top 3 renormalised), so drafts
+// outside p's support are rejected and the residual max(p - q, 0) is drawn. 3,000 seeded requests of three
+// tokens; the first is drawn from the prefill's logits, the second and third go through verification. Their
+// joint frequencies against p(t1) p(t2 | t1) p(t3 | t1, t2), computed here from the model's logits (27
+// categories): chi-square below the 0.1% critical value. Deterministic (fixed seeds).
+TEST(SpeculativeDraftModel, ProbabilisticSpeculationSamplesTheTargetDistribution) {
+  auto model = load_model(fixture("deepseek_v32").string());
+  auto draft = load_model(fixture("deepseek_v32").string());
+  const Tokens prompt = {5, 17, 33, 2, 9, 41, 7, 12};
+  constexpr int64_t kTopK = 3, kRequests = 3000;
+
+  // The target's top-3 distribution after `context`.
+  auto top_k_distribution = [&](const Tokens& context) {
+    SequenceState state = sparrow::testing::new_sequence(*model);
+    Batch batch = make_batch({{&state, context}});
+    batch.all_logits = false;  // the last row's only
+    const Tensor logits = sparrow::testing::run_step(*model, batch);
+    const float* row = logits.row(0);
+    std::vector<int32_t> order(size_t(logits.dim(1)));
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + kTopK, order.end(), [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+    std::vector<std::pair<int32_t, double>> p;
+    double sum = 0;
+    for (int64_t i = 0; i < kTopK; ++i) sum += std::exp(double(row[order[size_t(i)]]) - row[order[0]]);
+    for (int64_t i = 0; i < kTopK; ++i)
+      p.push_back({order[size_t(i)], std::exp(double(row[order[size_t(i)]]) - row[order[0]]) / sum});
+    return p;
+  };
+  std::map<Tokens, double> expected;
+  for (const auto& [t1, p1] : top_k_distribution(prompt)) {
+    Tokens c1 = prompt;
+    c1.push_back(t1);
+    for (const auto& [t2, p2] : top_k_distribution(c1)) {
+      Tokens c2 = c1;
+      c2.push_back(t2);
+      for (const auto& [t3, p3] : top_k_distribution(c2)) expected[{t1, t2, t3}] = p1 * p2 * p3;
+    }
+  }
+
+  std::vector<Request> requests;
+  for (int64_t i = 0; i < kRequests; ++i) {
+    Request r{"s" + std::to_string(i), prompt, {}};
+    r.params.temperature = 1.0f;
+    r.params.top_k = kTopK;
+    r.params.seed = uint64_t(1000 + i);
+    r.params.max_tokens = 3;
+    r.params.ignore_eos = true;
+    requests.push_back(r);
+  }
+  EngineConfig config = roomy(*model, true);
+  config.max_num_seqs = 64;
+  config.cache = cache_with_blocks(*model, 16, 64 * 2, config.max_num_seqs, true);
+  config.speculative = parse_speculative_config(
+      R"({"method": "draft_model", "model": "x", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"})");
+  config.draft_model = draft.get();
+  EngineStats stats;
+  const Outputs got = run(*model, requests, config, requests.size(), &stats);
+  ASSERT_EQ(got.errors, "");
+  std::map<Tokens, int64_t> counts;
+  for (const auto& [key, tokens] : got.tokens) ++counts[tokens];
+  double chi = 0;
+  int64_t outside = 0;
+  for (const auto& [tokens, n] : counts)
+    if (!expected.count(tokens)) outside += n;
+  for (const auto& [tokens, p] : expected) {
+    const double e = p * double(kRequests), n = double(counts.count(tokens) ? counts.at(tokens) : 0);
+    chi += (n - e) * (n - e) / e;
+  }
+  std::printf("[ note ] chi-square %.1f over %zu categories; %lld of %lld drafts accepted\n", chi, expected.size(),
+              static_cast<long long>(stats.spec_decode.accepted_tokens), static_cast<long long>(stats.spec_decode.draft_tokens));
+  EXPECT_EQ(outside, 0) << "completions outside the top-3 support";
+  // 26 degrees of freedom: P(chi-square > 54.05) = 0.001.
+  EXPECT_LT(chi, 54.05);
+  // Both verification outcomes happened: drafts accepted, and drafts outside the top 3 rejected.
+  EXPECT_GT(stats.spec_decode.accepted_tokens, 0);
   EXPECT_LT(stats.spec_decode.accepted_tokens, stats.spec_decode.draft_tokens);
 }
 
