@@ -287,6 +287,13 @@ TEST(Mtp, GenerateCommand) {
   EXPECT_EQ(plain.status, 0) << plain.err;
   EXPECT_EQ(mtp.status, 0) << mtp.err;
   EXPECT_EQ(mtp.out, plain.out);
+  // Dummy weights and simulated routing (benchmarks at real dimensions) reach the MTP layer too.
+  const std::string dummy = base + " --load-format dummy --moe-routing-simulation uniform_random";
+  const auto dummy_plain = sparrow::testing::run_sparrow(dummy);
+  const auto dummy_mtp = sparrow::testing::run_sparrow(dummy + R"( -sc '{"method": "mtp", "num_speculative_tokens": 3}')");
+  EXPECT_EQ(dummy_mtp.status, 0) << dummy_mtp.err;
+  EXPECT_EQ(dummy_mtp.out, dummy_plain.out);
+  EXPECT_NE(dummy_mtp.out, plain.out);
   const auto sharded = sparrow::testing::run_sparrow(base + R"( -tp 2 -sc '{"method": "mtp", "num_speculative_tokens": 3}')");
   EXPECT_NE(sharded.status, 0);
   EXPECT_NE(sharded.err.find("one process for now"), std::string::npos) << sharded.err;

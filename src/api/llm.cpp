@@ -78,7 +78,11 @@ Llm::Llm(LlmOptions options) : options_(std::move(options)) {
   if (!options_.speculative_config.empty()) {
     config_.speculative = parse_speculative_config(options_.speculative_config);
     if (config_.speculative.method == "draft_model") draft_model_ = load(config_.speculative.model);
-    if (config_.speculative.method == "mtp") draft_model_ = load_mtp_drafter(model_path_, parse_device(options_.device));
+    if (config_.speculative.method == "mtp") {
+      LoadOptions load;
+      load.load_format = options_.load_format;
+      draft_model_ = load_mtp_drafter(model_path_, parse_device(options_.device), load);
+    }
     config_.draft_model = draft_model_.get();
   }
   model_ = load(model_path_);

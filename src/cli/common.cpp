@@ -269,7 +269,10 @@ std::unique_ptr<Model> load_draft_model(const SpeculativeConfig& config, const s
     SPARROW_CHECK(!parallel_run().group, "--speculative-config: method \"mtp\" runs in one process for now (its layer is not split over "
                   "--tensor-parallel-size / --data-parallel-size ranks yet)");
     try {
-      return load_mtp_drafter(model_dir, parse_device(device));
+      LoadOptions options;  // dummy weights and simulated routing reach the layer as they reach the target
+      options.load_format = load_format;
+      options.moe_routing_simulation = moe_routing_simulation;
+      return load_mtp_drafter(model_dir, parse_device(device), options);
     } catch (const Error& e) {
       fail("--speculative-config: ", e.what());
     }

@@ -5,6 +5,7 @@
 #include "kernels/ops.h"
 #include "model/device_step.h"
 #include "model/families.h"
+#include "model/feed_forward.h"
 
 namespace sparrow {
 
@@ -51,13 +52,23 @@ Tensor MtpDrafter::forward(const Batch& batch, StepMarks* marks) {
   return ops::linear(last, head, ScalarType::F32);
 }
 
-std::unique_ptr<MtpDrafter> load_mtp_drafter(const std::string& dir, Device device) {
-  std::unique_ptr<Checkpoint> ckpt = Checkpoint::open(dir);
+std::unique_ptr<MtpDrafter> load_mtp_drafter(const std::string& dir, Device device, const LoadOptions& options) {
+  check_load_format(options.load_format);
+  check_moe_routing_simulation(options.moe_routing_simulation);
+  SPARROW_CHECK(!options.tensor_parallel.sharded(), "the MTP layer is not split over tensor-parallel ranks yet");
+  std::unique_ptr<Checkpoint> ckpt =
+      options.load_format == "dummy" ? Checkpoint::open_dummy(dir, options.dummy_seed) : Checkpoint::open(dir);
   if (device != Device::Cpu) ckpt->place_on(device);
   const ModelFamily& family = model_family(ckpt->config());
   SPARROW_CHECK(family.load_mtp != nullptr, "speculative decoding: method \"mtp\" is not built for ",
                 ckpt->config().get_string("model_type"), " yet (sparrow runs DeepSeek-V3.2's MTP layer)");
-  return family.load_mtp(*ckpt, family.text(ckpt->config()), family.weight_prefix);
+  std::unique_ptr<MtpDrafter> drafter = family.load_mtp(*ckpt, family.text(ckpt->config()), family.weight_prefix);
+  if (!options.moe_routing_simulation.empty())
+    if (auto* moe = dynamic_cast<MoeBlock*>(drafter->layer.ffn.get())) {
+      moe->router.simulate_uniform = true;
+      moe->router.simulation_salt = uint32_t(drafter->layer_index);
+    }
+  return drafter;
 }
 
 }  // namespace sparrow

@@ -50,6 +50,8 @@ class MtpDrafter final : public Model {
 
 // The MTP layer of a model folder (the first of num_nextn_predict_layers), on `device`. One-line errors for a
 // family without one in sparrow, a config without num_nextn_predict_layers, or missing weights.
-std::unique_ptr<MtpDrafter> load_mtp_drafter(const std::string& dir, Device device);
+// `options` as load_model takes them: --load-format dummy and --moe-routing-simulation reach the layer too
+// (benchmarks of the verify path at real dimensions), and its tensor-parallel part must be unsharded.
+std::unique_ptr<MtpDrafter> load_mtp_drafter(const std::string& dir, Device device, const LoadOptions& options = {});
 
 }  // namespace sparrow
