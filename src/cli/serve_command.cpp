@@ -186,15 +186,20 @@ void print_start_summary(const std::string& model_dir, const server::ServingOpti
   // exists yet at start.
   std::string graphs = !on_gpu                      ? "off (the CPU backend)"
                        : cli_runner_options().enforce_eager ? "off (--enforce-eager)"
-                                                    : "decode steps of 1-" + std::to_string(DecodeGraphs::kMaxRows) +
-                                                          " sequences, each step shape captured the second time it "
+                                                    : "decode and even verify steps of up to " +
+                                                          std::to_string(DecodeGraphs::kMaxRows) +
+                                                          " rows, each step shape captured the second time it "
                                                           "is seen (none yet)";
   out += "sparrow serve: CUDA graphs: " + graphs + "\n";
   const SpeculativeConfig& speculative = engine.config().speculative;
   if (speculative.enabled())
     out += "sparrow serve: speculative decoding: " + speculative.method +
            (speculative.model.empty() ? "" : " (" + speculative.model + ")") + ", " +
-           std::to_string(speculative.num_speculative_tokens) + " draft tokens a step, lossless verification\n";
+           std::to_string(speculative.num_speculative_tokens) + " draft tokens a step, " +
+           (speculative.synthetic ? "synthetic acceptance at " + std::to_string(speculative.synthetic_acceptance_rate) +
+                                        " a draft (a benchmark: the text is not the model's)"
+                                  : std::string("lossless verification")) +
+           "\n";
   std::fputs(out.c_str(), stderr);
 }
 

@@ -21,7 +21,8 @@ namespace {
 // all sequences), then decodes k - 1 more tokens one at a time. Drafts are the draft model's argmax.
 class DraftModelProposer final : public DraftProposer {
  public:
-  DraftModelProposer(Model& draft, bool probabilistic) : runner_(draft), probabilistic_(probabilistic) {
+  DraftModelProposer(Model& draft, bool probabilistic, bool enforce_eager)
+      : runner_(draft, RunnerOptions{.enforce_eager = enforce_eager}), probabilistic_(probabilistic) {
     for (const LayerCacheSpec& layer : draft.cache_spec())
       SPARROW_CHECK(layer.states.empty(), "speculative decoding: the draft model (", draft.model_type(),
                     ") has recurrent layers, whose state cannot be set back to the tokens the target accepts; use a "
@@ -133,8 +134,8 @@ class DraftModelProposer final : public DraftProposer {
 
 }  // namespace
 
-std::unique_ptr<DraftProposer> make_draft_model_proposer(Model& draft, bool probabilistic) {
-  return std::make_unique<DraftModelProposer>(draft, probabilistic);
+std::unique_ptr<DraftProposer> make_draft_model_proposer(Model& draft, bool probabilistic, bool enforce_eager) {
+  return std::make_unique<DraftModelProposer>(draft, probabilistic, enforce_eager);
 }
 
 }  // namespace sparrow

@@ -13,6 +13,6 @@ class Model;
 
 // Throws sparrow::Error when the model cannot draft: recurrent layers (their state cannot be set back to
 // the tokens the target accepted).
-std::unique_ptr<DraftProposer> make_draft_model_proposer(Model& draft, bool probabilistic);
+std::unique_ptr<DraftProposer> make_draft_model_proposer(Model& draft, bool probabilistic, bool enforce_eager = false);
 
 }  // namespace sparrow

@@ -62,7 +62,7 @@ EngineCore::EngineCore(Model& model, const Tokenizer* tokenizer, EngineConfig co
       SPARROW_CHECK(config_.draft_model->vocab_size() == model_.vocab_size(), "speculative decoding: the draft model's "
                     "vocabulary (", config_.draft_model->vocab_size(), " tokens) differs from the target's (",
                     model_.vocab_size(), "); a draft model must share the target's tokenizer");
-    proposer_ = make_draft_proposer(config_.speculative, config_.draft_model);
+    proposer_ = make_draft_proposer(config_.speculative, config_.draft_model, config_.runner.enforce_eager);
     SPARROW_CHECK(!config_.speculative.synthetic || !config_.draft_model || config_.speculative.draft_sample_method == "greedy",
                   "speculative decoding: synthetic acceptance verifies no distribution: draft_sample_method must be greedy");
   }

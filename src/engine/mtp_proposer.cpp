@@ -15,7 +15,7 @@ namespace {
 
 class MtpProposer final : public DraftProposer {
  public:
-  explicit MtpProposer(MtpDrafter& drafter) : runner_(drafter) {}
+  MtpProposer(MtpDrafter& drafter, bool enforce_eager) : runner_(drafter, RunnerOptions{.enforce_eager = enforce_eager}) {}
 
   bool reads_hidden_states() const override { return true; }
   int64_t rows_ahead(int64_t k) const override { return k - 1; }
@@ -44,6 +44,7 @@ class MtpProposer final : public DraftProposer {
     if (parts.empty()) return;
     Batch mtp = make_batch(parts);
     mtp.all_logits = false;
+    mtp.keep_hidden_states = true;  // the layer's output states feed the next round
     mtp.hidden_states_in = ops::select_rows(batch.hidden_states, rows);
     const Tensor logits = runner_.run(mtp);
     const std::vector<int32_t> drafts = greedy(logits);
@@ -85,6 +86,7 @@ class MtpProposer final : public DraftProposer {
       }
       Batch mtp = make_batch(parts);
       mtp.all_logits = false;
+      mtp.keep_hidden_states = true;
       mtp.hidden_states_in = ops::select_rows(states, state_rows);
       const std::vector<int32_t> drafts = greedy(runner_.run(mtp));
       std::vector<size_t> still;
@@ -124,6 +126,8 @@ class MtpProposer final : public DraftProposer {
 
 }  // namespace
 
-std::unique_ptr<DraftProposer> make_mtp_proposer(MtpDrafter& drafter) { return std::make_unique<MtpProposer>(drafter); }
+std::unique_ptr<DraftProposer> make_mtp_proposer(MtpDrafter& drafter, bool enforce_eager) {
+  return std::make_unique<MtpProposer>(drafter, enforce_eager);
+}
 
 }  // namespace sparrow

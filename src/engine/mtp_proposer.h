@@ -12,6 +12,6 @@ namespace sparrow {
 
 class MtpDrafter;
 
-std::unique_ptr<DraftProposer> make_mtp_proposer(MtpDrafter& drafter);
+std::unique_ptr<DraftProposer> make_mtp_proposer(MtpDrafter& drafter, bool enforce_eager = false);
 
 }  // namespace sparrow

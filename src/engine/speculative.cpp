@@ -170,16 +170,17 @@ class NgramProposer final : public DraftProposer {
 
 }  // namespace
 
-std::unique_ptr<DraftProposer> make_draft_proposer(const SpeculativeConfig& config, Model* draft_model) {
+std::unique_ptr<DraftProposer> make_draft_proposer(const SpeculativeConfig& config, Model* draft_model,
+                                                   bool enforce_eager) {
   if (config.method == "ngram") return std::make_unique<NgramProposer>(config.prompt_lookup_min, config.prompt_lookup_max);
   if (config.method == "mtp") {
     auto* drafter = dynamic_cast<MtpDrafter*>(draft_model);
     SPARROW_CHECK(drafter != nullptr, "speculative decoding: method \"mtp\" without the checkpoint's MTP layer loaded");
-    return make_mtp_proposer(*drafter);
+    return make_mtp_proposer(*drafter, enforce_eager);
   }
   SPARROW_CHECK(config.method == "draft_model", "speculative decoding: unknown method \"", config.method, "\"");
   SPARROW_CHECK(draft_model != nullptr, "speculative decoding: method \"draft_model\" without a loaded draft model");
-  return make_draft_model_proposer(*draft_model, config.draft_sample_method == "probabilistic");
+  return make_draft_model_proposer(*draft_model, config.draft_sample_method == "probabilistic", enforce_eager);
 }
 
 int32_t verify_draft_token(std::span<const double> p, std::span<const float> q, int32_t draft, uint64_t key) {

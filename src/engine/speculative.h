@@ -101,8 +101,9 @@ std::vector<int32_t> ngram_proposal(std::span<const int32_t> tokens, int64_t min
 
 // The proposer of a config; `draft_model` for "draft_model" (loaded by the caller from config.model, on the
 // target's device) and "mtp" (an MtpDrafter: model/mtp.h, load_mtp_drafter), null otherwise. Both must
-// outlive the proposer.
-std::unique_ptr<DraftProposer> make_draft_proposer(const SpeculativeConfig& config, Model* draft_model);
+// outlive the proposer. The drafter's steps replay CUDA graphs unless `enforce_eager` (the target's setting).
+std::unique_ptr<DraftProposer> make_draft_proposer(const SpeculativeConfig& config, Model* draft_model,
+                                                   bool enforce_eager = false);
 
 // How many of the drafts the target's own tokens confirm: the longest prefix with drafts[i] == target[i]
 // (target holds one token per draft and one more).

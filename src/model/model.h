@@ -69,7 +69,7 @@ struct Batch {
   // back in hidden_states.
   bool keep_hidden_states = false;
   mutable Tensor hidden_states;
-  Tensor hidden_states_in;
+  mutable Tensor hidden_states_in;  // mutable: a CUDA graph points it at its own copy (runner/decode_graphs.h)
 };
 
 // The rows of `x` ([batch.size(), ...]) that get logits: each sequence's last SeqSlice::logits rows (on a GPU

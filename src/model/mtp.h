@@ -39,12 +39,12 @@ class MtpDrafter final : public Model {
   int64_t vocab_size() const override { return vocab; }
   int64_t num_layers() const override { return layer_index + 1; }
   Device device() const override { return placed_on; }
-  // Its input states come from outside the step's inputs (Batch::hidden_states_in): no decode graphs.
-  bool capturable() const override { return false; }
+  // Its steps replay CUDA graphs too: a graph copies Batch::hidden_states_in into its own buffer.
   std::vector<LayerCacheSpec> cache_spec() const override;
   // The batch's tokens are t_{p+1} at positions p, batch.hidden_states_in the matching h_p; returns the
   // logits of each sequence's last SeqSlice::logits rows and leaves every row's output state (x or norm(x):
-  // recycles_normed) in batch.hidden_states (the h of the next draft step).
+  // recycles_normed) in batch.hidden_states (the h of the next draft step; a batch from a CUDA graph has
+  // them only with keep_hidden_states).
   Tensor forward(const Batch& batch, StepMarks* marks) override;
 };
 

@@ -49,6 +49,10 @@ StepShape step_shape(const Batch& batch, Device device) {
     storage = paged;
     shape.table_stride = std::max<int64_t>(shape.table_stride, int64_t(seq.cache().block_table().size()));
     shape.max_visible = std::max(shape.max_visible, seq.start() + seq.count);
+    if (seq.cache().state_slot()) {
+      const int64_t snapshot_at = seq.cache().snapshot_position(seq.start(), seq.start() + seq.count);
+      shape.rows_after_snapshot |= snapshot_at > seq.start() && snapshot_at < seq.start() + seq.count;
+    }
   }
   shape.table_stride = std::max<int64_t>(shape.table_stride, 1);
   return shape;
@@ -62,7 +66,8 @@ std::shared_ptr<const DeviceStep> upload_device_step(const Batch& batch, const S
                                                      const Tensor& buffer) {
   const int64_t rows = batch.size(), seqs = int64_t(batch.seqs.size());
   const StepShape least = step_shape(batch, buffer.device());
-  SPARROW_CHECK(shape.table_stride >= least.table_stride && shape.max_visible >= least.max_visible,
+  SPARROW_CHECK(shape.table_stride >= least.table_stride && shape.max_visible >= least.max_visible &&
+                    shape.rows_after_snapshot == least.rows_after_snapshot,
                 "upload_device_step: the shape is smaller than the batch needs");
   const StepLayout layout(rows, seqs, shape);
   SPARROW_CHECK(buffer.nbytes() >= layout.bytes, "upload_device_step: the buffer holds ", buffer.nbytes(),
@@ -83,7 +88,6 @@ std::shared_ptr<const DeviceStep> upload_device_step(const Batch& batch, const S
   auto* state_slots = reinterpret_cast<int64_t*>(at(layout.state_slots));
   auto* snapshot_slots = reinterpret_cast<int64_t*>(at(layout.snapshot_slots));
   int64_t max_seq_rows = 0;
-  bool rows_after_snapshot = false;
   const PagedStorage* storage = seqs ? batch.seqs[0].cache().paged() : nullptr;
   std::memcpy(ids, batch.tokens.data(), rows * sizeof(int32_t));
   std::copy(batch.positions.begin(), batch.positions.end(), positions);
@@ -116,7 +120,6 @@ std::shared_ptr<const DeviceStep> upload_device_step(const Batch& batch, const S
       }
     }
     seq_split[s] = int32_t(seq.offset + split);
-    rows_after_snapshot = rows_after_snapshot || split < seq.count;
   }
   // One copy; from pageable memory it returns once the bytes are staged, so `host` may go.
   buffer.view_bytes(0, {layout.bytes}, ScalarType::U8).copy_from(host);
@@ -137,7 +140,7 @@ std::shared_ptr<const DeviceStep> upload_device_step(const Batch& batch, const S
   step->state_slots = buffer.view_bytes(layout.state_slots, {seqs}, ScalarType::I64);
   step->snapshot_slots = buffer.view_bytes(layout.snapshot_slots, {seqs}, ScalarType::I64);
   step->max_seq_rows = max_seq_rows;
-  step->rows_after_snapshot = rows_after_snapshot;
+  step->rows_after_snapshot = shape.rows_after_snapshot;
   batch.device_step = step;
   return step;
 }

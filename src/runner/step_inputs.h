@@ -11,10 +11,13 @@
 namespace sparrow {
 
 // The least launch shape of a batch: table_stride = the longest block table, max_visible = the
-// largest causal bound. Every sequence must have a paged cache on `device`, all the same one.
+// largest causal bound, rows_after_snapshot = some recurrent sequence has rows after its step's snapshot
+// (the recurrent layers then run a second part, model/device_step.h). Every sequence must have a paged
+// cache on `device`, all the same one.
 struct StepShape {
   int64_t table_stride = 0;
   int64_t max_visible = 0;
+  bool rows_after_snapshot = false;
 };
 StepShape step_shape(const Batch& batch, Device device);
 
