@@ -472,6 +472,14 @@ TEST(BenchSweep, ArgumentsAndPoints) {
   EXPECT_DOUBLE_EQ(p["tokens_per_s_per_gpu"].get<double>(), 1200.0);
   EXPECT_DOUBLE_EQ(p["output_tokens_per_s_per_gpu"].get<double>(), 200.0);
   EXPECT_DOUBLE_EQ(p["mean_context"].get<double>(), 1000.0 + 100.0);
+  EXPECT_FALSE(p.contains("spec_decode_acceptance_length"));
+  // A speculating server's counters travel with the point.
+  bench::Json speculating = vllm;
+  speculating["spec_decode_acceptance_length"] = 3.5;
+  speculating["spec_decode_num_drafts"] = 40;
+  const bench::Json q = bench::sweep_point(speculating, 8, 2);
+  EXPECT_DOUBLE_EQ(q["spec_decode_acceptance_length"].get<double>(), 3.5);
+  EXPECT_EQ(q["spec_decode_num_drafts"], 40);
 }
 
 // `sparrow serve` as a child process; its port read from the start-up line.

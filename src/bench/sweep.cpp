@@ -242,6 +242,9 @@ Json sweep_point(const Json& result, int64_t concurrency, int64_t num_gpus) {
   p["tokens_per_s_per_gpu"] = number(result, "total_token_throughput") / double(num_gpus);
   p["output_tokens_per_s_per_gpu"] = number(result, "output_throughput") / double(num_gpus);
   if (result.contains("engine_steps")) p["engine_steps"] = result["engine_steps"];  // where the time went
+  // Speculative decoding's counters over the point (bench serve's, from the server's vLLM metrics).
+  for (const auto& [key, value] : result.items())
+    if (key.rfind("spec_decode_", 0) == 0) p[key] = value;
   return p;
 }
 
