@@ -178,11 +178,11 @@ Tensor KdaMixer::mix(const Tensor& qkv, const Tensor& log_decay, const Tensor& b
         in.v = v.row(t);
         in.log_decay = log_decay.row(t);
         in.beta = beta.row(t);
-        // As transformers: the recurrent kernel for a single new token, the chunked one otherwise.
-        if (in.length == 1)
-          cpu::delta_rule_recurrent(in, recurrent_state, core.row(t));
-        else
-          cpu::delta_rule_chunked(in, recurrent_state, core.row(t));
+        // The exact token-serial recurrence for every row, prefill included (transformers runs the chunked
+        // form there; the two agree to fp32 rounding): chunks would make a row's arithmetic depend on where
+        // the step and the prefix-cache snapshot split its sequence, and a row must not depend on its batch
+        // (batch invariance, tests/batch_invariance_test.cpp).
+        cpu::delta_rule_recurrent(in, recurrent_state, core.row(t));
       };
       const int64_t snapshot_at = seq.cache().snapshot_position(seq.start(), seq.start() + seq.count);
       SPARROW_CHECK(snapshot_at <= seq.start() + seq.count, "KDA layer ", layer, ": snapshot position ", snapshot_at,

@@ -11,8 +11,6 @@ namespace sparrow::cpu {
 
 namespace {
 constexpr float kInf = std::numeric_limits<float>::infinity();
-// Queries scored per BLAS call: bounds the [tile, n_keys] score buffer on long prefills.
-constexpr int64_t kQueryTile = 256;
 }  // namespace
 
 std::vector<int32_t> select_blocks(std::vector<float> block_scores, int64_t position, int64_t block_size,
@@ -34,28 +32,26 @@ void msa_select(const MsaSelectShape& shape, const float* queries, int64_t ld_qu
   const int64_t heads = shape.heads, dim = shape.head_dim, block_size = shape.block_size, k = shape.topk_blocks;
   std::fill(kept, kept + count * heads * k, -1);
   std::vector<float> scores;
-  for (int64_t g = 0; g < heads; ++g) {
-    for (int64_t i0 = 0; i0 < count; i0 += kQueryTile) {
-      const int64_t i1 = std::min(count, i0 + kQueryTile);
-      const int64_t seen = start + i1;  // keys visible to the tile's last query
-      scores.resize((i1 - i0) * seen);
-      // scores[i][s] = q_g(i) · k(s), fp32 like transformers' matmul of float() copies.
-      gemm_nt(i1 - i0, seen, dim, queries + i0 * ld_queries + g * dim, ld_queries, keys, dim, scores.data(), seen);
-      parallel_for(i1 - i0, [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; ++r) {
-          const int64_t i = i0 + r, position = start + i;
-          const float* row = scores.data() + r * seen;
-          // Max-pool each block over its keys at positions <= position (future keys are -inf there).
-          std::vector<float> block_scores(position / block_size + 1, -kInf);
-          for (int64_t s = 0; s <= position; ++s)
-            block_scores[s / block_size] = std::max(block_scores[s / block_size], row[s]);
-          std::vector<int32_t> chosen = select_blocks(std::move(block_scores), position, block_size, k,
-                                                      shape.local_blocks, shape.init_blocks);
-          std::sort(chosen.begin(), chosen.end());
-          std::copy(chosen.begin(), chosen.end(), kept + (i * heads + g) * k);
-        }
-      });
-    }
+  // One query row at a time, its product shaped by the row alone ([index heads] x [its visible keys]), so
+  // the selection is the same whatever rows share the step (batch invariance, as gqa_attention).
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t position = start + i, seen = position + 1;
+    scores.resize(heads * seen);
+    // scores[g][s] = q_g(i) · k(s), fp32 like transformers' matmul of float() copies.
+    gemm_nt(heads, seen, dim, queries + i * ld_queries, dim, keys, dim, scores.data(), seen);
+    parallel_for(heads, [&](int64_t b, int64_t e) {
+      for (int64_t g = b; g < e; ++g) {
+        const float* row = scores.data() + g * seen;
+        // Max-pool each block over its keys.
+        std::vector<float> block_scores(position / block_size + 1, -kInf);
+        for (int64_t s = 0; s < seen; ++s)
+          block_scores[s / block_size] = std::max(block_scores[s / block_size], row[s]);
+        std::vector<int32_t> chosen = select_blocks(std::move(block_scores), position, block_size, k,
+                                                    shape.local_blocks, shape.init_blocks);
+        std::sort(chosen.begin(), chosen.end());
+        std::copy(chosen.begin(), chosen.end(), kept + (i * heads + g) * k);
+      }
+    });
   }
 }
 
