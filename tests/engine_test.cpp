@@ -38,6 +38,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using sparrow::testing::cache_with_blocks;
+
 using Tokens = std::vector<int32_t>;
 
 fs::path fixture(const std::string& name) { return fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / name; }
@@ -47,19 +49,6 @@ std::vector<Tokens> fixture_prompts(const std::string& name) {
   return nlohmann::json::parse(in)["prompts"].get<std::vector<Tokens>>();
 }
 
-// A cache of exactly `blocks` block rows (and one state slot per sequence for recurrent models).
-CacheConfig cache_with_blocks(const Model& model, int64_t block_size, int64_t blocks, int64_t max_num_seqs,
-                              bool prefix_caching = true) {
-  CacheConfig config;
-  config.block_size = block_size;
-  config.kv_cache_dtype = "float32";
-  config.max_num_seqs = max_num_seqs;
-  config.enable_prefix_caching = prefix_caching;
-  config.memory_bytes = int64_t(1) << 30;
-  const CachePlan plan = plan_cache(model.cache_spec(), config);
-  config.memory_bytes = blocks * plan.row_bytes + (plan.num_state_slots + plan.num_snapshot_slots) * plan.state_slot_bytes;
-  return config;
-}
 
 // Plenty of room: every request of a test fits at once, prefills in one step.
 EngineConfig roomy_config(const Model& model) {

@@ -246,26 +246,11 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, MtpFamily, ::testing::Values("deepseek_v32_mt
 
 TEST(Mtp, BadUsesAreOneLineErrors) {
   // A family without an MTP layer in sparrow (transformers' Kimi Linear), and a checkpoint without the layer.
-  EXPECT_THROW(
-      {
-        try {
-          load_mtp_drafter(fixture("kimi_linear").string(), Device::Cpu);
-        } catch (const Error& e) {
-          EXPECT_NE(std::string(e.what()).find("not built for"), std::string::npos) << e.what();
-          throw;
-        }
-      },
-      Error);
-  EXPECT_THROW(
-      {
-        try {
-          load_mtp_drafter(fixture("deepseek_v32").string(), Device::Cpu);
-        } catch (const Error& e) {
-          EXPECT_NE(std::string(e.what()).find("eh_proj"), std::string::npos) << e.what();
-          throw;
-        }
-      },
-      Error);
+  using sparrow::testing::error_message, sparrow::testing::mentions;
+  EXPECT_TRUE(mentions(error_message([] { load_mtp_drafter(fixture("kimi_linear").string(), Device::Cpu); }),
+                       {"not built for"}));
+  EXPECT_TRUE(mentions(error_message([] { load_mtp_drafter(fixture("deepseek_v32").string(), Device::Cpu); }),
+                       {"eh_proj"}));
   // The layer of another model than the one served.
   Loaded m("deepseek_v32_mtp");
   auto other = load_model(fixture("minimax_m3").string());
@@ -274,7 +259,7 @@ TEST(Mtp, BadUsesAreOneLineErrors) {
   config.cache = roomy_cache(false);
   config.speculative = parse_speculative_config(R"({"method": "mtp", "num_speculative_tokens": 2})");
   config.draft_model = m.drafter.get();
-  EXPECT_THROW(EngineCore(*other, nullptr, config), Error);
+  EXPECT_TRUE(mentions(error_message([&] { EngineCore(*other, nullptr, config); }), {"another model"}));
 }
 
 // `sparrow generate -sc '{"method": "mtp", ...}'`: the same completions; the refusals name the reason.

@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 
+#include "cache/planner.h"
 #include "core/error.h"
 #include "runner/dense_sequence_cache.h"
 #include "runner/model_runner.h"
@@ -69,6 +70,22 @@ inline ::testing::AssertionResult mentions(const std::string& message, std::init
     if (message.find(part) == std::string::npos)
       return ::testing::AssertionFailure() << "'" << message << "' does not mention '" << part << "'";
   return ::testing::AssertionSuccess();
+}
+
+// A CPU cache of exactly `blocks` block rows (fp32 pages) and the state slots its plan gives recurrent
+// models (snapshot slots for prefix caching, and for speculative decoding's rollbacks).
+inline CacheConfig cache_with_blocks(const Model& model, int64_t block_size, int64_t blocks, int64_t max_num_seqs,
+                                     bool prefix_caching = true, bool rollback_snapshots = false) {
+  CacheConfig config;
+  config.block_size = block_size;
+  config.kv_cache_dtype = "float32";
+  config.max_num_seqs = max_num_seqs;
+  config.enable_prefix_caching = prefix_caching;
+  config.rollback_snapshots = rollback_snapshots;
+  config.memory_bytes = int64_t(1) << 30;
+  const CachePlan plan = plan_cache(model.cache_spec(), config);
+  config.memory_bytes = blocks * plan.row_bytes + (plan.num_state_slots + plan.num_snapshot_slots) * plan.state_slot_bytes;
+  return config;
 }
 
 // Offline steps on the CPU, as tools run them: a sequence with its own cache, and one step through a
