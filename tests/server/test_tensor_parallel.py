@@ -194,8 +194,11 @@ def test_a_launched_worker_whose_rank_0_dies_exits_with_an_error(sparrow_binary,
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (Debian's openmpi-bin)")
-def test_mpirun_starts_the_ranks(sparrow_binary, test_model):
-    model = test_model("kimi_k3")
+def test_mpirun_starts_the_ranks(sparrow_binary):
+    # The bundled (trained) Kimi K3: its routing has clear margins, so the ranks' rounding (partial sums
+    # all-reduced) cannot flip an expert choice as it can on a random fixture, where one flipped token moves
+    # the perplexity by ~1e-4. A wrong shard moves it by orders of magnitude more.
+    model = Path(__file__).resolve().parents[2] / "models" / "kimi_k3"
     text = Path(__file__).resolve().parents[1] / "data" / "perplexity" / "imghdr.py.txt"
     command = [sparrow_binary, "perplexity", "--model", str(model), "--file", str(text), "--context", "256"]
     single = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -208,7 +211,7 @@ def test_mpirun_starts_the_ranks(sparrow_binary, test_model):
     assert launched.returncode == 0, launched.stderr
     want, got = json.loads(single.stdout), json.loads(launched.stdout)  # rank 1 prints nothing
     assert got["tokens"] == want["tokens"]
-    assert got["perplexity"] == pytest.approx(want["perplexity"], rel=1e-6)
+    assert got["perplexity"] == pytest.approx(want["perplexity"], rel=1e-5)
 
 
 def test_two_nodes_without_a_launcher(sparrow_binary, test_model, start_server):
