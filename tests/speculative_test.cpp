@@ -301,6 +301,12 @@ SpeculativeConfig ngram(int64_t k) {
                                       "num_speculative_tokens": )" + std::to_string(k) + "}");
 }
 
+// A draft model ("x": the tests load it themselves) drawing k drafts from its distribution.
+SpeculativeConfig probabilistic_drafts(int64_t k) {
+  return parse_speculative_config(R"({"method": "draft_model", "model": "x", "draft_sample_method": "probabilistic",
+                                      "num_speculative_tokens": )" + std::to_string(k) + "}");
+}
+
 class SpeculativeFamily : public ::testing::TestWithParam<std::string> {};
 
 }  // namespace
@@ -455,8 +461,7 @@ TEST(SpeculativeDraftModel, ProbabilisticDrafts) {
   }
   const Outputs plain = run(*model, requests, roomy(*model, false), requests.size());
   EngineConfig config = roomy(*model, true);
-  config.speculative = parse_speculative_config(
-      R"({"method": "draft_model", "model": "x", "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"})");
+  config.speculative = probabilistic_drafts(3);
   config.draft_model = draft.get();
   EngineStats stats;
   const Outputs got = run(*model, requests, config, requests.size(), &stats);
@@ -528,8 +533,7 @@ TEST(SpeculativeDraftModel, ProbabilisticSpeculationSamplesTheTargetDistribution
   EngineConfig config = roomy(*model, true);
   config.max_num_seqs = 64;
   config.cache = cache_with_blocks(*model, 16, 64 * 2, config.max_num_seqs, true, true);
-  config.speculative = parse_speculative_config(
-      R"({"method": "draft_model", "model": "x", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"})");
+  config.speculative = probabilistic_drafts(2);
   config.draft_model = draft.get();
   EngineStats stats;
   const Outputs got = run(*model, requests, config, requests.size(), &stats);

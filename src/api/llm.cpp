@@ -78,11 +78,8 @@ Llm::Llm(LlmOptions options) : options_(std::move(options)) {
   if (!options_.speculative_config.empty()) {
     config_.speculative = parse_speculative_config(options_.speculative_config);
     if (config_.speculative.method == "draft_model") draft_model_ = load(config_.speculative.model);
-    if (config_.speculative.method == "mtp") {
-      LoadOptions load;
-      load.load_format = options_.load_format;
-      draft_model_ = load_mtp_drafter(model_path_, parse_device(options_.device), load);
-    }
+    if (config_.speculative.method == "mtp")
+      draft_model_ = load_mtp_drafter(model_path_, parse_device(options_.device), load_options());
     config_.draft_model = draft_model_.get();
   }
   model_ = load(model_path_);
@@ -102,10 +99,14 @@ Llm::Llm(LlmOptions options) : options_(std::move(options)) {
 
 Llm::~Llm() = default;
 
-std::unique_ptr<Model> Llm::load(const std::string& folder) const {
+LoadOptions Llm::load_options() const {
   LoadOptions load;
   load.load_format = options_.load_format;
-  return load_model(folder, parse_device(options_.device), load);
+  return load;
+}
+
+std::unique_ptr<Model> Llm::load(const std::string& folder) const {
+  return load_model(folder, parse_device(options_.device), load_options());
 }
 
 void Llm::make_engine() {

@@ -91,6 +91,7 @@ class Llm {
 
  private:
   void make_engine();
+  LoadOptions load_options() const;  // the target's and its MTP drafter's
   std::unique_ptr<Model> load(const std::string& folder) const;
 
   LlmOptions options_;

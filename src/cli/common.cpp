@@ -159,12 +159,18 @@ namespace {
   std::fflush(nullptr);
   std::_Exit(0);
 }
-}  // namespace
 
-std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device, bool every_group_serves) {
+// --load-format and --moe-routing-simulation, for the model and its MTP drafter alike.
+LoadOptions weight_options() {
   LoadOptions options;
   options.load_format = load_format;
   options.moe_routing_simulation = moe_routing_simulation;
+  return options;
+}
+}  // namespace
+
+std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device, bool every_group_serves) {
+  LoadOptions options = weight_options();
   // A checkpoint of 1 GB or more shows its progress and load rate on stderr.
   options.progress = stderr;
   options.progress_live = ::isatty(STDERR_FILENO) != 0;
@@ -269,10 +275,7 @@ std::unique_ptr<Model> load_draft_model(const SpeculativeConfig& config, const s
     SPARROW_CHECK(!parallel_run().group, "--speculative-config: method \"mtp\" runs in one process for now (its layer is not split over "
                   "--tensor-parallel-size / --data-parallel-size ranks yet)");
     try {
-      LoadOptions options;  // dummy weights and simulated routing reach the layer as they reach the target
-      options.load_format = load_format;
-      options.moe_routing_simulation = moe_routing_simulation;
-      return load_mtp_drafter(model_dir, parse_device(device), options);
+      return load_mtp_drafter(model_dir, parse_device(device), weight_options());
     } catch (const Error& e) {
       fail("--speculative-config: ", e.what());
     }

@@ -190,8 +190,7 @@ std::unique_ptr<MtpDrafter> load_deepseek_v32_mtp(Checkpoint& ckpt, const Config
   // The MTP layer is a MoE layer (vLLM builds it as DeepseekV2DecoderLayer at index L >= first_k_dense_replace).
   const FeedForwards ffn = feed_forward_config(config, hidden, true);
   const std::string mtp = prefix + "layers." + std::to_string(num_layers) + ".";
-  SPARROW_CHECK(ckpt.dummy() || ckpt.has(mtp + "eh_proj.weight"), "speculative decoding: method \"mtp\": the checkpoint has no ", mtp,
-                "eh_proj.weight (its multi-token-prediction layer)");
+  require_mtp_layer(ckpt, mtp);
 
   auto drafter = std::make_unique<MtpDrafter>();
   drafter->type = "deepseek_v32";

@@ -430,8 +430,7 @@ std::unique_ptr<MtpDrafter> load_kimi_k3_mtp(Checkpoint& ckpt, const Config& tex
                 "checkpoint has no multi-token-prediction layer (num_nextn_predict_layers is 0)");
   const int64_t L = s.num_layers;
   const std::string mtp = cat(prefix, "layers.", L, ".");
-  SPARROW_CHECK(ckpt.dummy() || ckpt.has(mtp + "eh_proj.weight"), "speculative decoding: method \"mtp\": the checkpoint has no ", mtp,
-                "eh_proj.weight (its multi-token-prediction layer)");
+  require_mtp_layer(ckpt, mtp);
   const int64_t dense = text.get_int("first_k_dense_replace", 0), freq = text.get_int("moe_layer_freq", 1);
   const bool moe = s.has_experts && L >= dense && L % freq == 0;
 

@@ -323,8 +323,7 @@ std::unique_ptr<MtpDrafter> load_minimax_m3_mtp(Checkpoint& ckpt, const Config& 
   const TextConfig cfg(text);
   const WeightNames names = WeightNames::find(ckpt, prefix);
   const std::string mtp = names.mtp_layer(0);
-  SPARROW_CHECK(ckpt.dummy() || ckpt.has(mtp + "eh_proj.weight"), "speculative decoding: method \"mtp\": the checkpoint has no ", mtp,
-                "eh_proj.weight (its multi-token-prediction layer)");
+  require_mtp_layer(ckpt, mtp);
   const std::string layer = mtp + "transformer_layer.";
   auto drafter = std::make_unique<MtpDrafter>();
   drafter->type = ckpt.config().get_string("model_type");

@@ -53,6 +53,9 @@ const Tensor& Batch::positions_on(Device device) const {
 
 std::unique_ptr<Model> load_model(const std::string& dir, Device device) { return load_model(dir, device, LoadOptions{}); }
 
+namespace {
+
+// One-line errors for an unknown load format / routing simulation.
 void check_load_format(const std::string& load_format) {
   SPARROW_CHECK(load_format == "auto" || load_format == "safetensors" || load_format == "fastsafetensors" ||
                     load_format == "dummy",
@@ -64,6 +67,8 @@ void check_moe_routing_simulation(const std::string& strategy) {
                 "--moe-routing-simulation must be uniform_random (or absent: the model's own routing), not '",
                 strategy, "'");
 }
+
+}  // namespace
 
 // The registry (families.h). MiniMax-M3 is served from its text-only causal LM or from the text half of
 // a vision-language checkpoint.
@@ -86,12 +91,25 @@ const ModelFamily& model_family(const Config& config) {
   config.unsupported("model_type", type, supported);
 }
 
-std::unique_ptr<Model> load_model(const std::string& dir, Device device, const LoadOptions& options) {
+std::unique_ptr<Checkpoint> open_checkpoint(const std::string& dir, Device device, const LoadOptions& options) {
   check_load_format(options.load_format);
   check_moe_routing_simulation(options.moe_routing_simulation);
   std::unique_ptr<Checkpoint> ckpt =
       options.load_format == "dummy" ? Checkpoint::open_dummy(dir, options.dummy_seed) : Checkpoint::open(dir);
   if (device != Device::Cpu) ckpt->place_on(device);
+  return ckpt;
+}
+
+void simulate_routing(DecoderLayer& layer, int layer_index, const LoadOptions& options) {
+  if (options.moe_routing_simulation.empty()) return;
+  if (auto* moe = dynamic_cast<MoeBlock*>(layer.ffn.get())) {
+    moe->router.simulate_uniform = true;
+    moe->router.simulation_salt = uint32_t(layer_index);
+  }
+}
+
+std::unique_ptr<Model> load_model(const std::string& dir, Device device, const LoadOptions& options) {
+  std::unique_ptr<Checkpoint> ckpt = open_checkpoint(dir, device, options);
   if (options.tensor_parallel.sharded()) {
     SPARROW_CHECK(options.tensor_parallel.comm && options.tensor_parallel.comm->size() == options.tensor_parallel.size,
                   "load_model: a tensor-parallel group of ", options.tensor_parallel.size, " needs its communicator");
@@ -107,14 +125,7 @@ std::unique_ptr<Model> load_model(const std::string& dir, Device device, const L
   std::unique_ptr<DecoderModel> model = family.load(*ckpt, family.text(ckpt->config()), family.weight_prefix);
   ckpt->report_to(nullptr);
   progress.finish();
-  if (!options.moe_routing_simulation.empty()) {
-    for (size_t layer = 0; layer < model->layers.size(); ++layer) {
-      if (auto* moe = dynamic_cast<MoeBlock*>(model->layers[layer].ffn.get())) {
-        moe->router.simulate_uniform = true;
-        moe->router.simulation_salt = uint32_t(layer);
-      }
-    }
-  }
+  for (size_t layer = 0; layer < model->layers.size(); ++layer) simulate_routing(model->layers[layer], int(layer), options);
   return model;
 }
 

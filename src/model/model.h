@@ -44,6 +44,8 @@ struct SeqSlice {
 };
 
 struct DeviceStep;
+struct DecoderLayer;
+class Checkpoint;
 
 struct Batch {
   std::vector<int32_t> tokens;     // all new tokens, sequence after sequence
@@ -143,10 +145,15 @@ struct LoadOptions {
   // for, and the group's communicator (which must outlive the model). Unsharded by default.
   TensorParallel tensor_parallel;
 };
-// Throw a one-line error for an unknown load format / routing simulation.
-void check_load_format(const std::string& load_format);
-void check_moe_routing_simulation(const std::string& strategy);
 std::unique_ptr<Model> load_model(const std::string& dir, Device device, const LoadOptions& options);
+
+// What load_model and the MTP drafter's loader (model/mtp.h) share. The checkpoint of `dir` for the options'
+// load format (its weights, or dummy ones from config.json alone) on `device`; a one-line error for an
+// unknown load format or routing simulation.
+std::unique_ptr<Checkpoint> open_checkpoint(const std::string& dir, Device device, const LoadOptions& options);
+// The options' routing simulation on a decoder layer: its MoE block (if it has one) draws uniform experts,
+// salted by the layer's index.
+void simulate_routing(DecoderLayer& layer, int layer_index, const LoadOptions& options);
 
 // The cache spec load_model(dir)->cache_spec() would give, from config.json alone (no weights): lets the
 // cache planner size real models from their config (bench/shapes/*.json).

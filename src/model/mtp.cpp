@@ -5,7 +5,6 @@
 #include "kernels/ops.h"
 #include "model/device_step.h"
 #include "model/families.h"
-#include "model/feed_forward.h"
 
 namespace sparrow {
 
@@ -52,22 +51,19 @@ Tensor MtpDrafter::forward(const Batch& batch, StepMarks* marks) {
   return ops::linear(last, head, ScalarType::F32);
 }
 
+void require_mtp_layer(const Checkpoint& ckpt, const std::string& layer_prefix) {
+  SPARROW_CHECK(ckpt.dummy() || ckpt.has(layer_prefix + "eh_proj.weight"), "speculative decoding: method \"mtp\": the "
+                "checkpoint has no ", layer_prefix, "eh_proj.weight (its multi-token-prediction layer)");
+}
+
 std::unique_ptr<MtpDrafter> load_mtp_drafter(const std::string& dir, Device device, const LoadOptions& options) {
-  check_load_format(options.load_format);
-  check_moe_routing_simulation(options.moe_routing_simulation);
   SPARROW_CHECK(!options.tensor_parallel.sharded(), "the MTP layer is not split over tensor-parallel ranks yet");
-  std::unique_ptr<Checkpoint> ckpt =
-      options.load_format == "dummy" ? Checkpoint::open_dummy(dir, options.dummy_seed) : Checkpoint::open(dir);
-  if (device != Device::Cpu) ckpt->place_on(device);
+  std::unique_ptr<Checkpoint> ckpt = open_checkpoint(dir, device, options);
   const ModelFamily& family = model_family(ckpt->config());
   SPARROW_CHECK(family.load_mtp != nullptr, "speculative decoding: method \"mtp\" is not built for ",
                 ckpt->config().get_string("model_type"), " yet (sparrow runs DeepSeek-V3.2's MTP layer)");
   std::unique_ptr<MtpDrafter> drafter = family.load_mtp(*ckpt, family.text(ckpt->config()), family.weight_prefix);
-  if (!options.moe_routing_simulation.empty())
-    if (auto* moe = dynamic_cast<MoeBlock*>(drafter->layer.ffn.get())) {
-      moe->router.simulate_uniform = true;
-      moe->router.simulation_salt = uint32_t(drafter->layer_index);
-    }
+  simulate_routing(drafter->layer, drafter->layer_index, options);
   return drafter;
 }
 

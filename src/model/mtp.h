@@ -50,6 +50,10 @@ class MtpDrafter final : public Model {
 
 // The MTP layer of a model folder (the first of num_nextn_predict_layers), on `device`. One-line errors for a
 // family without one in sparrow, a config without num_nextn_predict_layers, or missing weights.
+// For the families' MTP loaders: a one-line error when the checkpoint has no layer under `layer_prefix`
+// (model.layers.{L}.; its eh_proj marks it). A dummy checkpoint has every layer its config names.
+void require_mtp_layer(const Checkpoint& ckpt, const std::string& layer_prefix);
+
 // `options` as load_model takes them: --load-format dummy and --moe-routing-simulation reach the layer too
 // (benchmarks of the verify path at real dimensions), and its tensor-parallel part must be unsharded.
 std::unique_ptr<MtpDrafter> load_mtp_drafter(const std::string& dir, Device device, const LoadOptions& options = {});
