@@ -104,7 +104,7 @@ TEST(KvPlan, KimiK31ProNarrowFormatsHoldAboutOnePointSevenTimesTheTokens) {
   const KvPlan fp4_dcp8 = plan_kv(spec, options("nvfp4", "mxfp4", 8, 8, memory));
   EXPECT_GE(fp4_dcp8.max_contexts, 36);
   // Each context pays its rows and one state: contexts x (rows + state) never exceed the memory.
-  const int64_t rows_per_context = (kMillion / 8 + 63) / 64;
+  const int64_t rows_per_context = (kMillion + 63) / 64;  // block rows, each holding a GPU's 8 of 64 tokens
   EXPECT_LE(fp4_dcp8.max_contexts * (rows_per_context * fp4_dcp8.row_bytes + fp4_dcp8.state_slot_bytes), memory);
   EXPECT_GT((fp4_dcp8.max_contexts + 1) * (rows_per_context * fp4_dcp8.row_bytes + fp4_dcp8.state_slot_bytes), memory);
 }
@@ -152,14 +152,16 @@ TEST(KvPlan, JsonHasExactlyTheDocumentedShape) {
     if (key != "total") sum += value.get<int64_t>();
   }
   EXPECT_EQ(components, (std::vector<std::string>{"mla_latent", "dsa_index_key", "total"}));
-  EXPECT_EQ(j["bytes_per_token"]["mla_latent"], 61 * 352);
-  EXPECT_EQ(j["bytes_per_token"]["dsa_index_key"], 61 * 68);
+  // DCP 2: each GPU keeps every other token's rows, half of each token's bytes on average.
+  EXPECT_EQ(j["bytes_per_token"]["mla_latent"], 61 * 352 / 2);
+  EXPECT_EQ(j["bytes_per_token"]["dsa_index_key"], 61 * 68 / 2);
   EXPECT_EQ(j["bytes_per_token"]["total"], sum);
   EXPECT_TRUE(j["max_tokens"].is_number_integer());
   EXPECT_TRUE(j["max_contexts"].is_number_integer());
   EXPECT_EQ(j["max_tokens"], plan.max_tokens);
-  // DCP 2: twice the rows of one GPU's memory.
-  EXPECT_EQ(plan.max_tokens, 80 * kGiB / plan.row_bytes * 64 * 2);
+  // DCP 2: a block row holds half of its 64 tokens' rows, so one GPU's memory holds twice the tokens.
+  EXPECT_EQ(plan.max_tokens, 80 * kGiB / plan.row_bytes * 64);
+  EXPECT_EQ(plan.row_bytes, 61 * (32 * 352 + 32 * 68));
   EXPECT_NE(plan.text().find("bytes per token"), std::string::npos);
 }
 

@@ -32,7 +32,7 @@ TEST(VllmFlags, NamesAreUniqueAndNoneIsASparrowFlag) {
   for (const VllmFlag& flag : vllm_only_flags()) EXPECT_TRUE(seen.insert(first_name(flag)).second) << first_name(flag);
   // A table entry naming one of serve's own flags would make `sparrow serve` throw CLI::OptionAlreadyAdded
   // at start (so every CLI test would fail); these are the ones most easily added twice.
-  for (const char* own : {"--tensor-parallel-size", "--max-model-len", "--kv-cache-dtype", "--block-size",
+  for (const char* own : {"--tensor-parallel-size", "--decode-context-parallel-size", "--max-model-len", "--kv-cache-dtype", "--block-size",
                           "--enforce-eager", "--load-format", "--seed", "--device", "--port", "--host"})
     EXPECT_EQ(seen.count(own), 0u) << own;
   CLI::App app;

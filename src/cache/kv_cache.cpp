@@ -55,17 +55,18 @@ class KvCache::View : public SequenceCache {
                   cache_.num_free_blocks(), " free blocks of ", cache_.plan_.block_size, " tokens)");
   }
 
+  // Positions are rows of the page: a token's position, or its local row in a DCP share (PageSpec::token_shards).
   void write(int layer, PageKind kind, int64_t pos, int64_t count, const float* rows) override {
     const PagePlacement& page = placement(layer, kind);
-    check_range(layer, kind, pos, pos + count);
-    const int64_t block_size = cache_.plan_.block_size;
+    check_range(page, pos, pos + count);
+    const int64_t page_rows = page.rows;
     for (int64_t done = 0; done < count;) {
-      const int64_t at = pos + done, i = at % block_size, n = std::min(count - done, block_size - i);
-      const int32_t block = seq_.blocks[at / block_size];
+      const int64_t at = pos + done, i = at % page_rows, n = std::min(count - done, page_rows - i);
+      const int32_t block = seq_.blocks[at / page_rows];
       SPARROW_CHECK(seq_.mirrored || (!cache_.blocks_[block].cached && cache_.blocks_[block].refs == 1),
                     "kv cache: layer ", layer, " writes position ", at, " into shared block ", block);
       with_host_page(block, page, /*write_back=*/true, [&](std::byte* bytes) {
-        page.codec->encode(page.spec, block_size, rows + done * page.spec.width, i, n, bytes);
+        page.codec->encode(page.spec, page_rows, rows + done * page.spec.width, i, n, bytes);
       });
       done += n;
     }
@@ -73,12 +74,12 @@ class KvCache::View : public SequenceCache {
 
   void read(int layer, PageKind kind, int64_t begin, int64_t end, float* rows) const override {
     const PagePlacement& page = placement(layer, kind);
-    check_range(layer, kind, begin, end);
-    const int64_t block_size = cache_.plan_.block_size;
+    check_range(page, begin, end);
+    const int64_t page_rows = page.rows;
     for (int64_t at = begin; at < end;) {
-      const int64_t i = at % block_size, n = std::min(end - at, block_size - i);
-      with_host_page(seq_.blocks[at / block_size], page, /*write_back=*/false, [&](std::byte* bytes) {
-        page.codec->decode(page.spec, block_size, bytes, i, n, rows + (at - begin) * page.spec.width);
+      const int64_t i = at % page_rows, n = std::min(end - at, page_rows - i);
+      with_host_page(seq_.blocks[at / page_rows], page, /*write_back=*/false, [&](std::byte* bytes) {
+        page.codec->decode(page.spec, page_rows, bytes, i, n, rows + (at - begin) * page.spec.width);
       });
       at += n;
     }
@@ -140,10 +141,10 @@ class KvCache::View : public SequenceCache {
     SPARROW_CHECK(state != nullptr, "kv cache: layer ", layer, " has no ", state_kind_name(kind), " state");
     return *state;
   }
-  void check_range(int layer, PageKind kind, int64_t begin, int64_t end) const {
-    const int64_t held = int64_t(seq_.blocks.size()) * cache_.plan_.block_size;
-    SPARROW_CHECK(0 <= begin && begin <= end && end <= held, "kv cache: layer ", layer, " accesses ",
-                  page_kind_name(kind), " positions ", begin, "..", end, " of a sequence with room for ", held);
+  void check_range(const PagePlacement& page, int64_t begin, int64_t end) const {
+    const int64_t held = int64_t(seq_.blocks.size()) * page.rows;
+    SPARROW_CHECK(0 <= begin && begin <= end && end <= held, "kv cache: layer ", page.layer, " accesses ",
+                  page_kind_name(page.spec.kind), " rows ", begin, "..", end, " of a sequence with room for ", held);
   }
 
   KvCache& cache_;

@@ -26,12 +26,19 @@ int64_t total_of(const std::vector<std::pair<std::string, int64_t>>& list) {
 
 }  // namespace
 
-std::vector<LayerCacheSpec> spec_per_rank(const std::vector<LayerCacheSpec>& spec, int64_t tp) {
+std::vector<LayerCacheSpec> spec_per_rank(const std::vector<LayerCacheSpec>& spec, int64_t tp, int64_t dcp) {
   SPARROW_CHECK(tp >= 1, "--tensor-parallel-size must be at least 1, got ", tp);
+  SPARROW_CHECK(dcp >= 1 && tp % dcp == 0, "--decode-context-parallel-size ", dcp,
+                " must divide --tensor-parallel-size ", tp, " (DCP shares the TP ranks)");
   std::vector<LayerCacheSpec> out = spec;
   for (size_t layer = 0; layer < out.size(); ++layer) {
     for (PageSpec& page : out[layer].pages) {
-      if (page.kind != PageKind::GqaKeyValue) continue;  // MLA latents and index keys: whole on every rank
+      if (page.kind == PageKind::MlaLatent || page.kind == PageKind::DsaIndexKey) {
+        page.token_shards = dcp;  // every dcp-th token on each rank of a DCP group
+        continue;
+      }
+      SPARROW_CHECK(dcp == 1, "--decode-context-parallel-size shards MLA latents and DSA index keys; layer ", layer,
+                    " caches ", page_kind_name(page.kind), " pages");
       const int64_t heads = page.heads;
       SPARROW_CHECK(heads >= 1 && page.width % heads == 0, "layer ", layer, ": a K/V page of ", page.width,
                     " values does not split into ", heads, " heads");
@@ -68,7 +75,7 @@ KvPlan plan_kv(const std::vector<LayerCacheSpec>& spec, const KvPlanOptions& opt
   config.memory_bytes = options.memory_bytes;
   config.max_num_seqs = 1;
   config.enable_prefix_caching = false;
-  const CachePlan rank = plan_cache(spec_per_rank(spec, tp), config);
+  const CachePlan rank = plan_cache(spec_per_rank(spec, tp, dcp), config);
 
   KvPlan plan;
   plan.options = options;
@@ -79,11 +86,11 @@ KvPlan plan_kv(const std::vector<LayerCacheSpec>& spec, const KvPlanOptions& opt
   plan.row_bytes = rank.row_bytes;
   plan.state_slot_bytes = rank.state_slot_bytes;
   plan.block_size = rank.block_size;
-  const int64_t tokens_per_rank = (options.max_model_len + dcp - 1) / dcp;
-  const int64_t rows_per_context = (tokens_per_rank + rank.block_size - 1) / rank.block_size;
+  // A block row holds this rank's share of block_size tokens (under DCP, 1 / dcp of the MLA rows).
+  const int64_t rows_per_context = (options.max_model_len + rank.block_size - 1) / rank.block_size;
   plan.max_contexts = options.memory_bytes / (rows_per_context * rank.row_bytes + rank.state_slot_bytes);
   const int64_t rows = (options.memory_bytes - plan.max_contexts * rank.state_slot_bytes) / rank.row_bytes;
-  plan.max_tokens = rows * rank.block_size * dcp;
+  plan.max_tokens = rows * rank.block_size;
   return plan;
 }
 
@@ -103,7 +110,7 @@ std::string KvPlan::text() const {
   out << "kv plan: " << kv_dtype << " cache, " << index_dtype << " index keys, tensor parallel "
       << options.tensor_parallel_size << ", decode context parallel " << options.decode_context_parallel_size
       << ", " << block_size << "-token blocks, " << memory << " per GPU\n";
-  out << "bytes per token, on the GPU that stores it: " << grouped_digits(total_of(bytes_per_token)) << " ("
+  out << "bytes per token of context, on each GPU: " << grouped_digits(total_of(bytes_per_token)) << " ("
       << components(bytes_per_token) << ")\n";
   if (!state_bytes_per_sequence.empty())
     out << "recurrent state per sequence, on every GPU: " << grouped_digits(total_of(state_bytes_per_sequence))

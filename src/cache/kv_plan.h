@@ -15,16 +15,19 @@
 //   msa_index_key  replicated: one shared index-key head per layer (the MiniMax seed's "单个共享索引键头").
 //   KDA state      divided: its heads split across the N ranks (vLLM's KDA layer takes num_heads / N;
 //                  the Kimi seed: "KDA 状态本来就按 head 拆分"), so a sequence's state costs 1/N per rank.
-//   DCP            rank r of a DCP group of W stores every W-th token (token j on rank j mod W; the Kimi
-//                  seed: "W 块 GPU 中的第 r 块存储每第 W 个 token"), for every component above; W must
-//                  divide N (vLLM's DCP reuses the TP ranks). Recurrent state is per sequence, not per
+//   DCP            rank r of a DCP group of W stores every W-th token of the MLA latents and DSA index keys
+//                  (token j on rank j mod W; the Kimi seed: "W 块 GPU 中的第 r 块存储每第 W 个 token"): their
+//                  pages hold block_size / W rows (PageSpec::token_shards), the real planner's layout. W
+//                  must divide N (vLLM's DCP reuses the TP ranks) and the block size; a model that caches
+//                  other pages (GQA K/V, MSA keys) is refused. Recurrent state is per sequence, not per
 //                  token: DCP does not divide it.
 //
-// Memory (per rank): each full context of max_model_len tokens costs its ceil(max_model_len / W) tokens'
-// block rows plus one recurrent-state slot, so max_contexts = floor(memory / that). max_tokens is the
-// tokens the group holds beside the states of those max_contexts sequences: floor((memory -
-// max_contexts x state) / row) rows x block_size tokens x W ranks. (A server also keeps prefix-cache
-// snapshots and a slot for every --max-num-seqs sequence: `sparrow serve` prints its own plan.)
+// Memory (per rank): each full context of max_model_len tokens costs its ceil(max_model_len / block_size)
+// block rows (each row this rank's share of block_size tokens) plus one recurrent-state slot, so
+// max_contexts = floor(memory / that). max_tokens is the tokens the group holds beside the states of those
+// max_contexts sequences: floor((memory - max_contexts x state) / row) rows x block_size tokens. (A server
+// also keeps prefix-cache snapshots and a slot for every --max-num-seqs sequence: `sparrow serve` prints
+// its own plan.)
 #pragma once
 #include <cstdint>
 #include <string>
@@ -46,7 +49,7 @@ struct KvPlanOptions {
 };
 
 struct KvPlan {
-  // Bytes one stored token costs on the rank that stores it, by component, then "total".
+  // Bytes one token of context costs each rank, by component, then "total" (under DCP W: a 1 / W share).
   std::vector<std::pair<std::string, int64_t>> bytes_per_token;
   // Recurrent state one sequence costs on each rank, by component, then "total" (empty without any).
   std::vector<std::pair<std::string, int64_t>> state_bytes_per_sequence;
@@ -61,9 +64,11 @@ struct KvPlan {
   std::string text() const;  // the same for people, with the state and the parallel layout
 };
 
-// The spec one rank keeps under TP N (GQA K/V heads and KDA states divided as above); one-line errors
-// for head counts N does not divide.
-std::vector<LayerCacheSpec> spec_per_rank(const std::vector<LayerCacheSpec>& spec, int64_t tensor_parallel_size);
+// The spec one rank keeps under TP N and DCP W (GQA K/V heads and KDA states divided, MLA and DSA pages
+// token-sharded, as above); one-line errors for head counts N does not divide and for DCP on a model
+// with other pages.
+std::vector<LayerCacheSpec> spec_per_rank(const std::vector<LayerCacheSpec>& spec, int64_t tensor_parallel_size,
+                                          int64_t decode_context_parallel_size = 1);
 
 KvPlan plan_kv(const std::vector<LayerCacheSpec>& spec, const KvPlanOptions& options);
 

@@ -126,7 +126,11 @@ CachePlan plan_cache(const std::vector<LayerCacheSpec>& spec, const CacheConfig&
       const bool explicit_index = config.indexer_kv_dtype != "auto";
       const bool index_key = page.kind == PageKind::DsaIndexKey || (page.kind == PageKind::MsaIndexKey && explicit_index);
       p.codec = &page_codec(index_key ? plan.index_dtype : plan.dtype, page.kind);
-      p.page_bytes = p.codec->page_bytes(page, plan.block_size);
+      SPARROW_CHECK(page.token_shards >= 1 && plan.block_size % page.token_shards == 0, "kv cache block size ",
+                    plan.block_size, " does not split over ", page.token_shards,
+                    " decode-context-parallel ranks (--block-size must be a multiple of -dcp)");
+      p.rows = plan.block_size / page.token_shards;
+      p.page_bytes = p.codec->page_bytes(page, p.rows);
       p.token_bytes = p.page_bytes / plan.block_size;
       p.offset = align_up(row);
       row = p.offset + p.page_bytes;

@@ -53,8 +53,9 @@ struct PagePlacement {
   int layer = 0;
   PageSpec spec;
   int64_t offset = 0;       // bytes from the start of the row
-  int64_t page_bytes = 0;   // block_size tokens in the codec's layout
-  int64_t token_bytes = 0;  // page_bytes / block_size: what one token costs in this page
+  int64_t rows = 0;         // rows a page holds: block_size, or block_size / token_shards for a DCP share
+  int64_t page_bytes = 0;   // `rows` rows in the codec's layout
+  int64_t token_bytes = 0;  // page_bytes / block_size: what one token of context costs this rank in this page
   const PageCodec* codec = nullptr;
 };
 

@@ -37,6 +37,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/ops.h"
+#include "model/context_parallel.h"
 #include "model/model.h"
 #include "runner/model_runner.h"
 #include "runner/step_profile.h"
@@ -492,6 +493,15 @@ void add_bench(CLI::App& app) {
                           {"decode_tokens_per_s", decode_tokens ? double(batch * timed_decode_steps) / best_decode : 0.0},
                           {"decode_step_ms", decode_tokens ? 1e3 * best_decode / double(timed_decode_steps) : 0.0},
                           {"cuda_graph_replays", replays}};
+    if (const DcpMergeCounters& dcp = dcp_merge_counters(); dcp.rows > 0) {
+      // Decode context parallelism: what this rank sent to the DSA top-k merges over every run (model/context_parallel.h),
+      // against the naive merge (every rank all-gathering its whole local top-k) of the same rows.
+      out["dcp_topk_merge"] = {{"rows", dcp.rows.load()},
+                               {"resent_rows", dcp.resent_rows.load()},
+                               {"bytes_sent", dcp.merge_bytes.load()},
+                               {"naive_bytes_sent", dcp.naive_bytes.load()},
+                               {"naive_over_exact", double(dcp.naive_bytes) / double(dcp.merge_bytes)}};
+    }
     if (profile) {
       run_once(true);
       out["profile"] = {{"prefill", profile_json(prefill_profile)}, {"decode", profile_json(decode_profile)}};

@@ -88,6 +88,12 @@ void add_device_option(CLI::App* sub, std::string& device) {
                   "cache, the routed experts split over all of them (also -dp; docs/parallel.md)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  sub->add_option("--decode-context-parallel-size", parallel_config.decode_context_parallel_size,
+                  "tensor-parallel ranks, this many at a time, that share out the MLA latents and DSA index keys by "
+                  "token (also -dcp; vLLM's DCP: W times the context, docs/parallel.md); must divide "
+                  "--tensor-parallel-size")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   sub->add_flag("--enable-expert-parallel,!--disable-expert-parallel,!--no-enable-expert-parallel",
                 parallel_config.enable_expert_parallel,
                "deal the routed experts out whole over the tensor-parallel ranks instead of splitting each one "
@@ -175,6 +181,10 @@ std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string&
   options.progress = stderr;
   options.progress_live = ::isatty(STDERR_FILENO) != 0;
   const LaunchEnv env = read_launch_env();
+  SPARROW_CHECK(parallel_config.tensor_parallel_size % parallel_config.decode_context_parallel_size == 0,
+                "--decode-context-parallel-size ", parallel_config.decode_context_parallel_size,
+                " must divide --tensor-parallel-size ", parallel_config.tensor_parallel_size,
+                " (DCP shares the TP ranks: give -tp too)");
   if (!parallel_config.multi_process() && env.launcher.empty()) return load_model(dir, parse_device(device), options);
 
   // Tensor parallel: join (or start) the run, load this rank's part; a worker then only runs steps.
@@ -215,7 +225,9 @@ std::string cli_parallel_layout() {
   const ParallelRun& run = parallel_run();
   if (!run.group) return "one process (tensor parallel 1)";
   const int tp = run.group->tensor_parallel_size(), dp = run.group->data_parallel_size();
-  return "tensor parallel " + std::to_string(tp) + (dp > 1 ? " x data parallel " + std::to_string(dp) : "") + " (" +
+  const int dcp = parallel_config.decode_context_parallel_size;
+  return "tensor parallel " + std::to_string(tp) + (dp > 1 ? " x data parallel " + std::to_string(dp) : "") +
+         (dcp > 1 ? ", decode context parallel " + std::to_string(dcp) : "") + " (" +
          std::to_string(run.group->size()) + " processes" +
          (parallel_config.enable_expert_parallel ? ", expert parallel)" : ")");
 }

@@ -154,8 +154,6 @@ const std::vector<VllmFlag>& vllm_only_flags() {
        "one server (rank 0) balances requests over every data-parallel group"},
       {"--data-parallel-external-lb,-dpe,!--no-data-parallel-external-lb", false, kRefuse,
        "one server (rank 0) balances requests over every data-parallel group"},
-      {"--decode-context-parallel-size,-dcp", true, kRefuse, "decode context parallelism is not supported yet (issue 28)",
-       {"1"}},
       {"--enable-eplb,!--disable-eplb,!--no-enable-eplb", false, kRefuse, "expert-parallel load balancing is not supported"},
       {"--eplb-config", true, kRefuse, "expert-parallel load balancing is not supported"},
       {"--enable-dbo,!--disable-dbo,!--no-enable-dbo", false, kRefuse, "dual-batch overlap is not supported"},
@@ -266,9 +264,9 @@ const std::vector<VllmFlag>& vllm_only_flags() {
       {"--numa-bind-nodes", true, kIgnore, "ranks are not bound to NUMA nodes; use numactl or the launcher's binding"},
       {"--numa-bind-cpus", true, kIgnore, "ranks are not bound to NUMA nodes; use numactl or the launcher's binding"},
       {"--device-ids", true, kRefuse, "choose the GPUs with CUDA_VISIBLE_DEVICES"},
-      {"--dcp-comm-backend", true, kRefuse, "decode context parallelism is not supported yet (issue 28)"},
-      {"--dcp-q-replicate,!--no-dcp-q-replicate", false, kRefuse, "decode context parallelism is not supported yet (issue 28)"},
-      {"--dcp-kv-cache-interleave-size", true, kRefuse, "decode context parallelism is not supported yet (issue 28)", {"1"}},
+      {"--dcp-comm-backend", true, kRefuse, "sparrow's DCP runs on the model's collectives (NCCL, gloo on the CPU)"},
+      {"--dcp-q-replicate,!--no-dcp-q-replicate", false, kRefuse, "sparrow's DCP all-gathers the queries of the DCP group (docs/parallel.md)"},
+      {"--dcp-kv-cache-interleave-size", true, kRefuse, "sparrow's DCP deals out single tokens (token j on rank j mod W)", {"1"}},
       {"--cp-kv-cache-interleave-size", true, kRefuse, "context parallelism is not supported yet (issue 28)"},
       {"--prefill-context-parallel-size,-pcp", true, kRefuse, "prefill context parallelism is not supported yet (issue 28)", {"1"}},
       {"--data-parallel-multi-port-external-lb,-dpm", false, kRefuse,
@@ -413,7 +411,7 @@ std::string expand_vllm_short_flag(const std::string& arg) {
     // Sparrow's own flags' spellings first, then the table's.
     std::vector<std::pair<std::string, std::string>> out = {
         {"-tp", "--tensor-parallel-size"}, {"-dp", "--data-parallel-size"}, {"-ep", "--enable-expert-parallel"},
-        {"-ac", "--attention-config"}, {"-sc", "--speculative-config"}};
+        {"-dcp", "--decode-context-parallel-size"}, {"-ac", "--attention-config"}, {"-sc", "--speculative-config"}};
     for (const VllmFlag& flag : vllm_only_flags())
       for (const std::string& name : split_names(flag.names))
         if (is_multi_letter_short(name)) out.emplace_back(name, split_names(flag.names).front());

@@ -66,7 +66,13 @@ struct TensorParallel {
   // through it and scatters the sums back (ops::all_gather_rows, ops::reduce_scatter_rows).
   int dp_rank = 0, dp_size = 1;
   Communicator* dp_comm = nullptr;
+  // --decode-context-parallel-size (docs/parallel.md, "Decode context parallelism"): the group's ranks
+  // dcp_size at a time (consecutive tensor-parallel ranks) share out the tokens of the MLA latents and DSA
+  // index keys, token j on dcp rank j mod dcp_size; `dcp_comm` joins them (null when dcp_size is 1).
+  int dcp_rank = 0, dcp_size = 1;
+  Communicator* dcp_comm = nullptr;
   bool sharded() const { return size > 1; }
+  bool context_parallel() const { return dcp_size > 1; }
   bool data_parallel() const { return dp_size > 1; }
   // This rank's place among the routed experts' ranks (every rank of every data-parallel group).
   TensorParallel experts_group() const {

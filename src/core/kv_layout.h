@@ -41,6 +41,10 @@ struct PageSpec {
   // GQA K/V: the KV heads the width holds (K and V of each), which tensor parallelism divides among GPUs
   // (cache/kv_plan.h); 1 for pages every GPU keeps whole (MLA latents, index keys).
   int64_t heads = 1;
+  // Decode context parallelism (docs/parallel.md, "Decode context parallelism"): the page holds one rank's
+  // share of the tokens, every token_shards-th (token j on rank j mod token_shards, at local row
+  // j / token_shards), so a block of block_size tokens keeps block_size / token_shards rows of it. 1: whole.
+  int64_t token_shards = 1;
   bool operator==(const PageSpec&) const = default;
 };
 

@@ -71,6 +71,9 @@ std::unique_ptr<ProcessGroup> ProcessGroup::start(const ParallelConfig& config, 
   }
   group->size_ = world;
   group->tp_size_ = config.tensor_parallel_size;
+  group->dcp_size_ = config.decode_context_parallel_size;
+  SPARROW_CHECK(group->dcp_size_ >= 1 && group->tp_size_ % group->dcp_size_ == 0, "--decode-context-parallel-size ",
+                group->dcp_size_, " must divide --tensor-parallel-size ", group->tp_size_, " (DCP shares the TP ranks)");
   SPARROW_CHECK(nodes >= 1, "--nnodes must be at least 1, got ", nodes);
   SPARROW_CHECK(config.node_rank >= 0 && config.node_rank < nodes, "--node-rank ", config.node_rank,
                 " is not one of the ", nodes, " nodes (0 .. ", nodes - 1, ")");
@@ -123,6 +126,10 @@ std::unique_ptr<ProcessGroup> ProcessGroup::start(const ParallelConfig& config, 
     group->model_ = connect("model" + in_group, tp_rank, tp_size, config.device_collectives, false);
     group->plans_ = connect("plans" + in_group, tp_rank, tp_size, false, true);
   }
+  const int dcp = group->dcp_size_;  // consecutive tensor-parallel ranks, as vLLM's DCP groups
+  if (dcp > 1)
+    group->context_ = connect(cat("context", in_group, ".ranks", tp_rank / dcp * dcp), tp_rank % dcp, dcp,
+                              config.device_collectives, false);
   if (dp_size > 1) {
     group->experts_ = connect(cat("experts.rank", tp_rank), dp_rank, dp_size, config.device_collectives, false);
     // A leader waits here for the others as long as the server is idle (runner/data_parallel.h).

@@ -34,6 +34,9 @@ struct ParallelConfig {
   int tensor_parallel_size = 1;
   int data_parallel_size = 1;  // groups of tensor_parallel_size ranks, each with its own requests
   bool enable_expert_parallel = false;  // routed experts dealt out whole (TensorParallel::expert_parallel)
+  // Decode context parallelism: the tensor-parallel ranks of a group, this many at a time, share out the
+  // MLA caches' tokens (TensorParallel::dcp_size); must divide tensor_parallel_size.
+  int decode_context_parallel_size = 1;
   std::string master_addr;  // empty: MASTER_ADDR, else 127.0.0.1
   int master_port = 0;      // 0: MASTER_PORT, else a free port (single node) or 29500
   // Several machines without a launcher (vLLM's flags): each node starts its own size / nnodes ranks, node
@@ -75,7 +78,7 @@ class ProcessGroup {
   std::vector<Communicator*> connect_engine_links();
   TensorParallel tensor_parallel() {
     return {tensor_parallel_rank(), tp_size_, model_.get(), false, data_parallel_rank(), data_parallel_size(),
-            experts_.get()};
+            experts_.get(), tensor_parallel_rank() % dcp_size_, dcp_size_, context_.get()};
   }
   // Rank 0 giving up on a run it started (an error mid-step: the workers may wait in a collective it will
   // never join): kills them now.
@@ -86,9 +89,9 @@ class ProcessGroup {
   void spawn_workers(char** argv, const std::string& addr, int port, int local_size);
   void watch_workers();
 
-  int rank_ = 0, size_ = 1, tp_size_ = 1;
+  int rank_ = 0, size_ = 1, tp_size_ = 1, dcp_size_ = 1;
   std::shared_ptr<TcpStore> store_;
-  std::unique_ptr<Communicator> model_, plans_, experts_, leaders_;
+  std::unique_ptr<Communicator> model_, plans_, experts_, leaders_, context_;
   std::vector<std::unique_ptr<Communicator>> engine_links_;
   GroupOptions link_options_;  // how the links meet (the rendezvous, the timeouts)
   std::vector<pid_t> workers_;    // the ranks this process started: rank_ + 1, rank_ + 2, ...

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "kernels/ops.h"
+#include "model/context_parallel.h"
 #include "model/device_step.h"
 #include "model/selection_probe.h"
 
@@ -30,6 +31,7 @@ std::unique_ptr<DsaIndexer> DsaIndexer::load(Checkpoint& ckpt, const std::string
   indexer->k_norm_weight = ckpt.take(prefix + "k_norm.weight", {dim});
   indexer->k_norm_bias = ckpt.take(prefix + "k_norm.bias", {dim});
   indexer->weights_proj = ckpt.take_linear(prefix + "weights_proj.weight", {heads, options.hidden});
+  indexer->tp = ckpt.tensor_parallel();
   return indexer;
 }
 
@@ -53,6 +55,7 @@ DsaIndexer::Projection DsaIndexer::project(const Tensor& x, const Tensor& q_resi
 Tensor DsaIndexer::select(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer) const {
   const int64_t dim = options.head_dim, k = options.topk, rows = batch.size();
   Projection p = project(x, q_resid, batch);
+  if (tp.context_parallel()) return select_context_parallel(p, batch, layer);
   Tensor selected = Tensor::empty({rows, k}, ScalarType::I32, x.device());
   if (x.on_cpu()) {
     std::vector<float> cached;  // one sequence's index keys, [end, dim]
@@ -134,6 +137,55 @@ Tensor DsaIndexer::select(const Tensor& x, const Tensor& q_resid, const Batch& b
   (void)layer;
   fail("the DSA indexer on a GPU in a build without the CUDA backend");
 #endif
+}
+
+// Each rank writes and scores only its own keys (token j on dcp rank j mod W, local row j / W); a query that
+// sees no more than k keys takes all of them, as select() does, and the others go through the exact merge.
+Tensor DsaIndexer::select_context_parallel(const Projection& p, const Batch& batch, int layer) const {
+  const int64_t dim = options.head_dim, k = options.topk;
+  const int W = tp.dcp_size, me = tp.dcp_rank;
+  Tensor selected = Tensor::empty({batch.size(), k}, ScalarType::I32);
+  std::vector<std::vector<float>> scores;  // the rows that need the merge, in batch order
+  std::vector<int64_t> visible;
+  std::vector<int32_t*> merged_rows;
+  std::vector<float> local_keys, cached;
+  for (const SeqSlice& seq : batch.seqs) {
+    const int64_t start = seq.start(), end = start + seq.count;
+    const int64_t first = dcp_local_rows(start, me, W), last = dcp_local_rows(end, me, W);
+    local_keys.resize((last - first) * dim);
+    for (int64_t l = first; l < last; ++l)
+      std::copy_n(p.keys.row(seq.offset + l * W + me - start), dim, local_keys.data() + (l - first) * dim);
+    seq.cache().write(layer, PageKind::DsaIndexKey, first, last - first, local_keys.data());
+    const PagedStorage* paged = seq.cache().paged();
+    const PageFormat format = paged ? paged->page(layer, PageKind::DsaIndexKey).format : PageFormat::Float32;
+    const cpu::DsaKeyRounding rounding = format == PageFormat::Mxfp4Rows ? cpu::DsaKeyRounding::Mxfp4
+                                         : format == PageFormat::Fp8IndexKey || format == PageFormat::Nvfp4Rows
+                                             ? cpu::DsaKeyRounding::Fp8
+                                             : cpu::DsaKeyRounding::None;
+    if (end > k) {
+      cached.resize(last * dim);
+      seq.cache().read(layer, PageKind::DsaIndexKey, 0, last, cached.data());
+      cpu::round_dsa_keys_like_gpu(cached.data(), last, dim, rounding);
+    }
+    for (int64_t i = 0; i < seq.count; ++i) {
+      const int64_t seen = start + i + 1, local = dcp_local_rows(seen, me, W);
+      int32_t* row = selected.as<int32_t>() + (seq.offset + i) * k;
+      if (seen <= k) {  // every visible key: this rank's share of the causal prefix
+        std::fill(row, row + k, -1);
+        for (int64_t l = 0; l < local; ++l) row[l] = int32_t(l);
+        continue;
+      }
+      scores.push_back(cpu::dsa_query_scores(shape(), p.queries.row(seq.offset + i), p.head_weights.row(seq.offset + i),
+                                             cached.data(), local, rounding));
+      visible.push_back(seen);
+      merged_rows.push_back(row);
+    }
+  }
+  // One merge for the step's rows (the same rows on every rank), then each into its place.
+  std::vector<int32_t> merged(scores.size() * k);
+  dcp_select_topk(tp, k, scores, visible, merged.data());
+  for (size_t i = 0; i < merged_rows.size(); ++i) std::copy_n(merged.data() + i * k, k, merged_rows[i]);
+  return selected;
 }
 
 }  // namespace sparrow

@@ -50,6 +50,9 @@ struct DsaIndexer {
   Tensor k_norm_weight; // [head_dim]
   Tensor k_norm_bias;   // [head_dim]
   Tensor weights_proj;  // [num_heads, hidden]
+  // Decode context parallelism (tp.dcp_size > 1, model/context_parallel.h): this rank caches and scores every
+  // dcp_size-th key, and select() returns its own local rows of the exact global top-k.
+  TensorParallel tp;
 
   // prefix: "model.layers.N.self_attn.indexer." (wq_b, wk, k_norm, weights_proj).
   static std::unique_ptr<DsaIndexer> load(Checkpoint& ckpt, const std::string& prefix,
@@ -76,6 +79,8 @@ struct DsaIndexer {
     Tensor queries, keys, head_weights;
   };
   Projection project(const Tensor& x, const Tensor& q_resid, const Batch& batch) const;
+  // select() under decode context parallelism (CPU): int32 [T, topk] of this rank's local rows.
+  Tensor select_context_parallel(const Projection& p, const Batch& batch, int layer) const;
 };
 
 }  // namespace sparrow

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "kernels/cpu/mla_reference.h"
 #include "kernels/ops.h"
+#include "model/context_parallel.h"
 #include "model/device_step.h"
 #include "model/tensor_parallel.h"
 
@@ -61,6 +62,9 @@ std::unique_ptr<MlaMixer> MlaMixer::load(Checkpoint& ckpt, const std::string& pr
   // kv_b projections and their columns of o_proj; the latent projection, its cache and the indexer are
   // replicated, so every rank caches the same rows and selects the same keys.
   const TensorParallel& tp = mla->tp = ckpt.tensor_parallel();
+  SPARROW_CHECK(!tp.context_parallel() || ckpt.device() == Device::Cpu,
+                "decode context parallelism (--decode-context-parallel-size) runs on the CPU backend so far: the GPU "
+                "MLA and indexer kernels read whole caches (issue 28)");
   const int64_t heads = o.num_heads;
   const IndexRange mine = even_share(tp, heads, "num_attention_heads");
   mla->options_.num_heads = mine.count();
@@ -97,7 +101,9 @@ LayerCacheSpec MlaMixer::cache_spec_for(const MlaOptions& options, const DsaInde
 }
 
 LayerCacheSpec MlaMixer::cache_spec() const {
-  return cache_spec_for(options_, indexer_ ? &indexer_->options : nullptr);
+  LayerCacheSpec spec = cache_spec_for(options_, indexer_ ? &indexer_->options : nullptr);
+  for (PageSpec& page : spec.pages) page.token_shards = tp.dcp_size;  // one rank's share of the tokens
+  return spec;
 }
 
 Tensor MlaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
@@ -164,6 +170,7 @@ Tensor MlaMixer::attend(const Tensor& q_abs, const Tensor& new_rows, const Tenso
                         int layer) const {
   const MlaOptions& o = options_;
   const int64_t rows = batch.size();
+  if (tp.context_parallel()) return attend_context_parallel(q_abs, new_rows, selected, batch, layer);
   if (q_abs.on_cpu()) {
     const cpu::MlaShape shape{o.num_heads, o.kv_lora_rank, o.cache_row(), o.softmax_scale};
     const int64_t topk = indexer_ ? indexer_->options.topk : 0;
@@ -216,6 +223,56 @@ Tensor MlaMixer::attend(const Tensor& q_abs, const Tensor& new_rows, const Tenso
   (void)new_rows, (void)selected, (void)layer;
   fail("MLA on a GPU in a build without the CUDA backend");
 #endif
+}
+
+// Rank r of the DCP group stores the rows of tokens j with j mod W = r (local row j / W), gathers the
+// queries of the group's heads (vLLM's DCP all-gathers q the same way), attends each query over the local
+// rows it sees (its local causal prefix, or its local rows of the indexer's global top-k) for every head of
+// the group, and dcp_merge_attention combines the W shares into this rank's heads.
+Tensor MlaMixer::attend_context_parallel(const Tensor& q_abs, const Tensor& new_rows, const Tensor& selected,
+                                         const Batch& batch, int layer) const {
+  const MlaOptions& o = options_;
+  const int W = tp.dcp_size, me = tp.dcp_rank;
+  const int64_t rows = batch.size(), heads = o.num_heads, width = o.cache_row(), latent = o.kv_lora_rank;
+  const int64_t topk = indexer_ ? indexer_->options.topk : 0;
+  SPARROW_CHECK(q_abs.on_cpu(), "decode context parallelism runs on the CPU backend so far");
+  std::vector<float> queries(size_t(W * rows * heads * width));
+  tp.dcp_comm->all_gather(q_abs.data(), queries.data(), rows * heads * width, ScalarType::F32);
+
+  const cpu::MlaShape shape{heads, latent, width, o.softmax_scale};
+  std::vector<float> partial(size_t(W * rows * heads * latent)), lse(size_t(W * rows * heads));
+  std::vector<float> local_rows, prefix, gathered;
+  for (const SeqSlice& seq : batch.seqs) {
+    const int64_t start = seq.start(), end = start + seq.count;
+    const int64_t first = dcp_local_rows(start, me, W), last = dcp_local_rows(end, me, W);
+    local_rows.resize((last - first) * width);
+    for (int64_t l = first; l < last; ++l)
+      std::copy_n(new_rows.row(seq.offset + l * W + me - start), width, local_rows.data() + (l - first) * width);
+    seq.cache().write(layer, PageKind::MlaLatent, first, last - first, local_rows.data());
+    prefix.resize(last * width);
+    seq.cache().read(layer, PageKind::MlaLatent, 0, last, prefix.data());
+    for (int64_t i = 0; i < seq.count; ++i) {
+      const int64_t t = seq.offset + i;
+      const float* keys = prefix.data();
+      int64_t n = dcp_local_rows(start + i + 1, me, W);
+      if (indexer_) {  // this rank's rows of the row's selection (local rows, ascending, then -1)
+        const int32_t* list = selected.as<int32_t>() + t * topk;
+        n = std::find(list, list + topk, -1) - list;
+        gathered.resize(n * width);
+        for (int64_t j = 0; j < n; ++j) std::copy_n(prefix.data() + list[j] * width, width, gathered.data() + j * width);
+        keys = gathered.data();
+      }
+      for (int owner = 0; owner < W; ++owner) {
+        const int64_t at = owner * rows + t;  // [owner][row]
+        cpu::mla_attention_over(shape, queries.data() + at * heads * width, keys, n,
+                                partial.data() + at * heads * latent, lse.data() + at * heads);
+      }
+    }
+  }
+  std::vector<float> merged = dcp_merge_attention(tp, partial, lse, latent);
+  Tensor mixed = Tensor::empty({rows, heads, latent});
+  std::copy(merged.begin(), merged.end(), mixed.data());
+  return mixed;
 }
 
 }  // namespace sparrow

@@ -87,6 +87,10 @@ class MlaMixer : public Mixer {
   // without an indexer.
   Tensor attend(const Tensor& q_abs, const Tensor& new_rows, const Tensor& selected, const Batch& batch,
                 int layer) const;
+  // attend() under decode context parallelism (CPU): this rank stores and attends over its share of the
+  // tokens for the query heads of its whole DCP group, and the group merges the shares by log-sum-exp.
+  Tensor attend_context_parallel(const Tensor& q_abs, const Tensor& new_rows, const Tensor& selected,
+                                 const Batch& batch, int layer) const;
 
   MlaOptions options_;
   Tensor q_proj;          // [H * qk_head_dim, hidden]        (q_lora_rank = 0)
@@ -103,7 +107,8 @@ class MlaMixer : public Mixer {
   Tensor o_bias;          // [hidden]                         (attention_bias)
   std::unique_ptr<DsaIndexer> indexer_;
   // Sharded: H above and options_.num_heads are this rank's heads (model/tensor_parallel.h), and forward()
-  // sums o_proj's output over the group before the bias.
+  // sums o_proj's output over the group before the bias. Decode context parallel (tp.dcp_size > 1): the
+  // latent pages hold every dcp_size-th token (model/context_parallel.h).
   TensorParallel tp;
 };
 

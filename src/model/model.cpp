@@ -113,6 +113,10 @@ std::unique_ptr<Model> load_model(const std::string& dir, Device device, const L
   if (options.tensor_parallel.sharded()) {
     SPARROW_CHECK(options.tensor_parallel.comm && options.tensor_parallel.comm->size() == options.tensor_parallel.size,
                   "load_model: a tensor-parallel group of ", options.tensor_parallel.size, " needs its communicator");
+    const TensorParallel& tp = options.tensor_parallel;
+    SPARROW_CHECK(!tp.context_parallel() || (tp.size % tp.dcp_size == 0 && tp.dcp_comm && tp.dcp_comm->size() == tp.dcp_size),
+                  "load_model: a decode-context-parallel group of ", tp.dcp_size, " needs its communicator and must "
+                  "divide the tensor-parallel size ", tp.size);
     ckpt->set_tensor_parallel(options.tensor_parallel);
   }
   const int64_t total_bytes = ckpt->total_bytes();
@@ -126,6 +130,15 @@ std::unique_ptr<Model> load_model(const std::string& dir, Device device, const L
   ckpt->report_to(nullptr);
   progress.finish();
   for (size_t layer = 0; layer < model->layers.size(); ++layer) simulate_routing(model->layers[layer], int(layer), options);
+  if (options.tensor_parallel.context_parallel()) {
+    // DCP shards the MLA caches' tokens (model/context_parallel.h); a layer that caches anything else would
+    // keep whole rows the others' shares do not match.
+    for (const LayerCacheSpec& layer : model->cache_spec())
+      for (const PageSpec& page : layer.pages)
+        SPARROW_CHECK(page.kind == PageKind::MlaLatent || page.kind == PageKind::DsaIndexKey,
+                      "--decode-context-parallel-size shards MLA latents and DSA index keys; this model also caches ",
+                      page_kind_name(page.kind), " pages (run it without -dcp)");
+  }
   return model;
 }
 

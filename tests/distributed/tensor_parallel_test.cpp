@@ -31,9 +31,13 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Forks `size` ranks, each joining a gloo group on localhost and running body(tp); "" when all exited 0.
-std::string run_ranks(int size, const std::function<void(const TensorParallel&)>& body, bool expert_parallel = false) {
+// Forks `size` ranks, each joining a gloo group on localhost and running body(tp); "" when all exited 0. With
+// dcp > 1 the ranks also form decode-context-parallel groups of dcp consecutive ranks, as ProcessGroup does.
+std::string run_ranks(int size, const std::function<void(const TensorParallel&)>& body, bool expert_parallel = false,
+                      int dcp = 1) {
   const int port = sparrow::testing::free_port();
+  std::vector<int> context_ports;  // one rendezvous for each decode-context-parallel group
+  for (int g = 0; dcp > 1 && g < size / dcp; ++g) context_ports.push_back(sparrow::testing::free_port());
   return sparrow::testing::run_ranks(
       size,
       [&](int rank) {
@@ -43,7 +47,19 @@ std::string run_ranks(int size, const std::function<void(const TensorParallel&)>
         options.master_port = port;
         options.timeout = std::chrono::seconds(60);
         std::unique_ptr<Communicator> comm = connect_gloo(options);
-        body(TensorParallel{rank, size, comm.get(), expert_parallel});
+        TensorParallel tp{rank, size, comm.get(), expert_parallel};
+        std::unique_ptr<Communicator> context;
+        if (dcp > 1) {
+          GroupOptions sub = options;
+          sub.rank = rank % dcp;
+          sub.size = dcp;
+          sub.master_port = context_ports[rank / dcp];
+          context = connect_gloo(sub);
+          tp.dcp_rank = rank % dcp;
+          tp.dcp_size = dcp;
+          tp.dcp_comm = context.get();
+        }
+        body(tp);
       },
       std::chrono::seconds(240));
 }
@@ -70,7 +86,7 @@ void compare_with_whole(const fs::path& dir, const fs::path& prompts_file, const
   std::unique_ptr<Model> sharded = load_model(dir.string(), Device::Cpu, sharded_options);
   std::unique_ptr<Model> whole = load_model(dir.string(), Device::Cpu);
   // The KV planner's per-rank rules (cache/kv_plan.h spec_per_rank) are the sharded model's own cache.
-  SPARROW_CHECK(sharded->cache_spec() == spec_per_rank(whole->cache_spec(), tp.size),
+  SPARROW_CHECK(sharded->cache_spec() == spec_per_rank(whole->cache_spec(), tp.size, tp.dcp_size),
                 "the sharded model caches other rows than kv-plan's spec_per_rank says");
   ModelRunner sharded_runner(*sharded), whole_runner(*whole);
   const std::vector<Tokens> prompts = model_test::token_lists(prompts_file, "prompts");
@@ -104,9 +120,11 @@ struct Case {
   int size;
   bool expert_parallel = false;
   std::string prompts_of = "";  // the fixture whose prompts.json to run (default: its own)
+  int dcp = 1;                  // decode context parallel: ranks sharing out the MLA caches' tokens
 };
 void PrintTo(const Case& c, std::ostream* os) {
   *os << c.fixture << " at TP " << c.size << (c.expert_parallel ? " with expert parallelism" : "");
+  if (c.dcp > 1) *os << " and DCP " << c.dcp;
 }
 
 class TensorParallelCpu : public ::testing::TestWithParam<Case> {};
@@ -116,7 +134,7 @@ TEST_P(TensorParallelCpu, MatchesTheUnshardedModel) {
   const fs::path prompts = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" /
                            (GetParam().prompts_of.empty() ? GetParam().fixture : GetParam().prompts_of) / "prompts.json";
   EXPECT_EQ(run_ranks(GetParam().size, [&](const TensorParallel& tp) { compare_with_whole(dir, prompts, tp); },
-                      GetParam().expert_parallel),
+                      GetParam().expert_parallel, GetParam().dcp),
             "");
 }
 
@@ -129,10 +147,16 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallelCpu,
                                            Case{"kimi_linear", 2, true}, Case{"kimi_k3", 2, true},
                                            Case{"kimi_k3_1_pro", 4, true}, Case{"deepseek_v32_fp8", 2, true},
                                            Case{"minimax_m3_nvfp4", 2, true, "minimax_m3"},
-                                           Case{"deepseek_v32_mxfp4", 2, true, "deepseek_v32"}),
+                                           Case{"deepseek_v32_mxfp4", 2, true, "deepseek_v32"},
+                                           // Decode context parallelism (the MLA families; prompts past the DSA
+                                           // budget, so every rank's share and the top-k merge matter).
+                                           Case{"deepseek_v32", 2, false, "", 2}, Case{"deepseek_v32", 4, false, "", 4},
+                                           Case{"deepseek_v32", 4, true, "", 2}, Case{"kimi_linear", 2, false, "", 2},
+                                           Case{"kimi_k3", 2, false, "", 2}, Case{"kimi_k3_1_pro", 4, false, "", 4}),
                          [](const auto& info) {
                            return info.param.fixture + (info.param.expert_parallel ? "_ep" : "_tp") +
-                                  std::to_string(info.param.size);
+                                  std::to_string(info.param.size) +
+                                  (info.param.dcp > 1 ? "_dcp" + std::to_string(info.param.dcp) : "");
                          });
 
 // vLLM's deal of whole experts (fused_moe/layer.py determine_expert_map): E / size each, the first E % size

@@ -47,10 +47,14 @@ def alive(pid: int) -> bool:
 
 
 # Every family split inside its experts; two (a DeepSeek MoE, Kimi K3.1's latent MoE) also with the experts
-# dealt out whole (--enable-expert-parallel).
-@pytest.mark.parametrize("family,expert_parallel", [(f, False) for f in sorted(KV_CACHE_MEMORY)] +
-                         [("deepseek_v32", True), ("kimi_k3_1_pro", True)])
-def test_two_ranks_serve_what_one_process_serves(start_server, test_model, family, expert_parallel):
+# dealt out whole (--enable-expert-parallel); the MLA families also with decode context parallelism (-dcp 2:
+# each rank caches every other token of the MLA latents and DSA index keys, through the same block tables).
+@pytest.mark.parametrize("family,layout", [(f, ()) for f in sorted(KV_CACHE_MEMORY)] +
+                         [("deepseek_v32", ("--enable-expert-parallel",)),
+                          ("kimi_k3_1_pro", ("--enable-expert-parallel",))] +
+                         [(f, ("-dcp", "2")) for f in ("deepseek_v32", "kimi_k3_1_pro", "kimi_linear")],
+                         ids=lambda v: v if isinstance(v, str) else "".join(v).strip("-").replace("--", "_") or "tp")
+def test_two_ranks_serve_what_one_process_serves(start_server, test_model, family, layout):
     model = test_model(family)
     single = start_server(*squeezed(KV_CACHE_MEMORY[family]), model=model)
     requests = make_requests(seed=2023)[:REQUESTS]
@@ -60,8 +64,7 @@ def test_two_ranks_serve_what_one_process_serves(start_server, test_model, famil
     # --kv-cache-memory is each rank's (vLLM's is each GPU's) and a rank caches only its heads: the sharded
     # server gets as many block rows as the single one has, so that it is squeezed alike.
     sharded = start_server(*squeezed(KV_CACHE_MEMORY[family]), "--num-gpu-blocks-override", str(int(blocks)),
-                           "--tensor-parallel-size", "2", *(["--enable-expert-parallel"] if expert_parallel else []),
-                           model=model)
+                           "--tensor-parallel-size", "2", *layout, model=model)
     assert sharded.metrics()["sparrow:kv_cache_blocks_total"] == blocks
     assert len(children(sharded.process.pid)) == 1, "rank 0 should have started one worker"
     client = sharded.client(timeout=180)

@@ -69,19 +69,30 @@ std::vector<float> dsa_scores(const DsaShape& shape, const float* query, const f
   return total;
 }
 
+void round_dsa_keys_like_gpu(float* keys, int64_t n, int64_t head_dim, DsaKeyRounding rounding) {
+  if (rounding != DsaKeyRounding::Mxfp4) return;
+  for (int64_t j = 0; j < n; ++j) round_mxfp4_key_like_gpu(keys + j * head_dim, head_dim);
+}
+
+std::vector<float> dsa_query_scores(const DsaShape& shape, const float* query, const float* head_weights,
+                                    const float* keys, int64_t n, DsaKeyRounding rounding) {
+  if (rounding == DsaKeyRounding::None) return dsa_scores(shape, query, head_weights, keys, n);
+  std::vector<float> rounded(query, query + shape.heads * shape.head_dim);
+  for (int64_t h = 0; h < shape.heads; ++h) round_like_fp8(rounded.data() + h * shape.head_dim, shape.head_dim);
+  return dsa_scores(shape, rounded.data(), head_weights, keys, n);
+}
+
 void dsa_select(const DsaShape& shape, const float* queries, int64_t ld_queries, const float* head_weights,
                 int64_t ld_weights, int64_t count, int64_t start, float* keys, DsaKeyRounding rounding,
                 int32_t* selected, const float* exact_keys, int32_t* exact_selected) {
-  const int64_t heads = shape.heads, dim = shape.head_dim, k = shape.topk;
+  const int64_t dim = shape.head_dim, k = shape.topk;
   SPARROW_CHECK(!exact_keys || start == 0, "dsa_select: exact keys are only those of a prefill from position 0");
   auto write = [&](int32_t* row, std::vector<int32_t> positions) {
     std::sort(positions.begin(), positions.end());
     std::fill(row, row + k, -1);
     std::copy(positions.begin(), positions.end(), row);
   };
-  if (rounding == DsaKeyRounding::Mxfp4 && start + count > k)
-    for (int64_t j = 0; j < start + count; ++j) round_mxfp4_key_like_gpu(keys + j * dim, dim);
-  std::vector<float> query(heads * dim);
+  if (start + count > k) round_dsa_keys_like_gpu(keys, start + count, dim, rounding);
   for (int64_t i = 0; i < count; ++i) {
     const int64_t visible = start + i + 1;
     int32_t* row = selected + i * k;
@@ -93,10 +104,7 @@ void dsa_select(const DsaShape& shape, const float* queries, int64_t ld_queries,
     }
     const float* q = queries + i * ld_queries;
     const float* w = head_weights + i * ld_weights;
-    std::copy(q, q + heads * dim, query.begin());
-    if (rounding != DsaKeyRounding::None)
-      for (int64_t h = 0; h < heads; ++h) round_like_fp8(query.data() + h * dim, dim);
-    std::vector<float> score = dsa_scores(shape, query.data(), w, keys, visible);
+    std::vector<float> score = dsa_query_scores(shape, q, w, keys, visible, rounding);
     write(row, top_k(score.data(), visible, k));
     if (exact_keys) {
       std::vector<float> exact_score = dsa_scores(shape, q, w, exact_keys, visible);

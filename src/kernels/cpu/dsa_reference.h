@@ -22,6 +22,14 @@ std::vector<float> dsa_scores(const DsaShape& shape, const float* query, const f
 // How the cache holds the keys, for rounding the queries (and MXFP4 keys) as the GPU scores them.
 enum class DsaKeyRounding { None, Fp8, Mxfp4 };
 
+// What dsa_select ranks, one piece at a time (decode context parallelism scores each rank's share of the
+// keys with them, model/context_parallel.h): keys as the GPU widens them (MXFP4 keys rounded in place; the
+// other roundings leave keys as they are), and one query's scores against n of them, its query rounded to
+// FP8 per head first unless `rounding` is None. A key's score does not depend on the other keys.
+void round_dsa_keys_like_gpu(float* keys, int64_t n, int64_t head_dim, DsaKeyRounding rounding);
+std::vector<float> dsa_query_scores(const DsaShape& shape, const float* query, const float* head_weights,
+                                    const float* keys, int64_t n, DsaKeyRounding rounding);
+
 // The selected keys of `count` consecutive queries of one sequence at positions start .. start + count - 1:
 // queries [heads * head_dim] and head weights [heads] are rows ld_queries / ld_weights floats apart; keys
 // are the sequence's cached index keys [>= start + count, head_dim] as the cache returns them (rounded in

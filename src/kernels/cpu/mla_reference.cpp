@@ -1,6 +1,7 @@
 #include "kernels/cpu/mla_reference.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -37,6 +38,28 @@ void mla_attention(const MlaShape& shape, const float* q_abs, int64_t count, int
     }
     gemm_nn(heads, latent, n, probs.data(), n, keys, width, mixed + i * heads * latent, latent);
   }
+}
+
+void mla_attention_over(const MlaShape& shape, const float* q_abs, const float* keys, int64_t n, float* mixed,
+                        float* lse) {
+  const int64_t heads = shape.heads, latent = shape.latent, width = shape.row_width;
+  if (n == 0) {
+    std::fill(mixed, mixed + heads * latent, 0.0f);
+    std::fill(lse, lse + heads, -INFINITY);
+    return;
+  }
+  std::vector<float> probs(heads * n);
+  gemm_nt(heads, n, width, q_abs, width, keys, width, probs.data(), n);
+  for (int64_t h = 0; h < heads; ++h) {
+    float* p = probs.data() + h * n;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) top = std::max(top, p[j] *= shape.scale);
+    double sum = 0.0;
+    for (int64_t j = 0; j < n; ++j) sum += p[j] = std::exp(p[j] - top);
+    for (int64_t j = 0; j < n; ++j) p[j] = float(p[j] / sum);
+    lse[h] = top + float(std::log(sum));
+  }
+  gemm_nn(heads, latent, n, probs.data(), n, keys, width, mixed, latent);
 }
 
 }  // namespace sparrow::cpu

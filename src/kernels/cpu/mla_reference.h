@@ -21,4 +21,10 @@ struct MlaShape {
 void mla_attention(const MlaShape& shape, const float* q_abs, int64_t count, int64_t start, const float* rows,
                    const int32_t* selected, int64_t topk, float* mixed);
 
+// One query's attention over n key rows (keys [n, row_width], any n >= 0), for decode context parallelism's
+// share of the keys (model/context_parallel.h): mixed [heads, latent] normalised over these keys, and
+// lse[h] = log sum_s exp(q_abs[h] · row_s * scale), natural log (-inf and zeros when n is 0).
+void mla_attention_over(const MlaShape& shape, const float* q_abs, const float* keys, int64_t n, float* mixed,
+                        float* lse);
+
 }  // namespace sparrow::cpu

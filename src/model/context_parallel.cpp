@@ -1,0 +1,159 @@
+#include "model/context_parallel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+
+#include "core/error.h"
+
+namespace sparrow {
+
+namespace {
+
+// A candidate as one unsigned integer: larger = ranked first. The score's bits made order-preserving
+// (negative floats flipped, positive ones above them; -0 taken as +0, which the single-rank top-k ties
+// with it; NaN below everything, as it ranks last there) in the high half, and 0xFFFFFFFE - position in the
+// low half (ties to the smaller position). 0 is no candidate: every real one is larger.
+uint64_t candidate(float score, int64_t position) {
+  uint32_t ordered = 0;
+  if (!std::isnan(score)) {
+    if (score == 0.0f) score = 0.0f;
+    uint32_t bits;
+    std::memcpy(&bits, &score, sizeof bits);
+    ordered = bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+  }
+  return (uint64_t(ordered) << 32) | uint64_t(0xFFFFFFFEu - uint32_t(position));
+}
+int64_t position_of(uint64_t key) { return int64_t(0xFFFFFFFEu - uint32_t(key & 0xFFFFFFFFu)); }
+
+// This rank's best `count` candidates of a row, best first, zero-padded.
+void local_best(const std::vector<float>& scores, int rank, int size, int64_t count, uint64_t* out) {
+  std::vector<uint64_t> keys(scores.size());
+  for (size_t l = 0; l < scores.size(); ++l) keys[l] = candidate(scores[l], int64_t(l) * size + rank);
+  const int64_t n = std::min<int64_t>(count, int64_t(keys.size()));
+  std::partial_sort(keys.begin(), keys.begin() + n, keys.end(), std::greater<>());
+  std::fill(out, out + count, 0);
+  std::copy(keys.begin(), keys.begin() + n, out);
+}
+
+}  // namespace
+
+DcpMergeCounters& dcp_merge_counters() {
+  static DcpMergeCounters counters;
+  return counters;
+}
+
+void dcp_select_topk(const TensorParallel& tp, int64_t k, const std::vector<std::vector<float>>& scores,
+                     const std::vector<int64_t>& visible, int32_t* selected) {
+  const int W = tp.dcp_size, me = tp.dcp_rank;
+  const int64_t rows = int64_t(scores.size());
+  SPARROW_CHECK(W > 1 && tp.dcp_comm && tp.dcp_comm->size() == W, "dcp_select_topk: no decode-context-parallel group");
+  SPARROW_CHECK(int64_t(visible.size()) == rows, "dcp_select_topk: ", visible.size(), " visible counts for ", rows, " rows");
+  if (rows == 0) return;
+  const int64_t sent = (int64_t(std::ceil(kDcpCandidateShare * double(k))) + W - 1) / W;
+
+  // Round one: every rank's best `sent` of every row.
+  std::vector<uint64_t> mine(rows * sent), all(W * rows * sent);
+  for (int64_t i = 0; i < rows; ++i) {
+    SPARROW_CHECK(int64_t(scores[i].size()) == dcp_local_rows(visible[i], me, W), "dcp_select_topk: row ", i, " has ",
+                  scores[i].size(), " local scores for ", visible[i], " visible keys");
+    local_best(scores[i], me, W, sent, mine.data() + i * sent);
+  }
+  tp.dcp_comm->all_gather(mine.data(), all.data(), rows * sent, ScalarType::I64);
+  DcpMergeCounters& counters = dcp_merge_counters();
+  counters.merge_bytes += rows * sent * int64_t(sizeof(uint64_t));
+  counters.naive_bytes += rows * k * int64_t(sizeof(uint64_t));
+  counters.rows += rows;
+
+  // Every rank selects alike from the same candidates: the k largest of a row's, and the ranks that must
+  // re-send (more local keys than they sent, every one of them selected).
+  std::vector<std::vector<uint64_t>> pool(rows);
+  auto gather_row = [&](int64_t i, const std::vector<const uint64_t*>& from, const std::vector<int64_t>& counts) {
+    pool[i].clear();
+    for (int r = 0; r < W; ++r)
+      for (int64_t j = 0; j < counts[r] && from[r][j] != 0; ++j) pool[i].push_back(from[r][j]);
+    const int64_t n = std::min<int64_t>(k, int64_t(pool[i].size()));
+    std::nth_element(pool[i].begin(), pool[i].begin() + (n > 0 ? n - 1 : 0), pool[i].end(), std::greater<>());
+    pool[i].resize(n);
+  };
+  std::vector<uint8_t> resend(rows * W, 0);
+  std::vector<int64_t> again;  // the rows some rank re-sends, in order
+  for (int64_t i = 0; i < rows; ++i) {
+    std::vector<const uint64_t*> from(W);
+    for (int r = 0; r < W; ++r) from[r] = all.data() + (int64_t(r) * rows + i) * sent;
+    gather_row(i, from, std::vector<int64_t>(W, sent));
+    const uint64_t threshold = pool[i].size() == size_t(k) ? *std::min_element(pool[i].begin(), pool[i].end()) : 0;
+    for (int r = 0; r < W; ++r) {
+      // The rank's smallest sent candidate is its sent-th best; it re-sends when that one is selected and
+      // it holds more local keys.
+      const bool more = dcp_local_rows(visible[i], r, W) > sent;
+      if (more && from[r][sent - 1] >= threshold) resend[i * W + r] = 1;
+    }
+    if (std::any_of(resend.begin() + i * W, resend.begin() + (i + 1) * W, [](uint8_t f) { return f != 0; }))
+      again.push_back(i);
+  }
+
+  // Round two, only for the rows that need it (every rank knows which): the flagged ranks' whole local top-k.
+  const int64_t n_again = int64_t(again.size());
+  if (n_again > 0) {
+    std::vector<uint64_t> full(n_again * k, 0), all_full(W * n_again * k);
+    for (int64_t a = 0; a < n_again; ++a)
+      if (resend[again[a] * W + me]) local_best(scores[again[a]], me, W, k, full.data() + a * k);
+    tp.dcp_comm->all_gather(full.data(), all_full.data(), n_again * k, ScalarType::I64);
+    counters.merge_bytes += n_again * k * int64_t(sizeof(uint64_t));
+    counters.resent_rows += n_again;
+    for (int64_t a = 0; a < n_again; ++a) {
+      const int64_t i = again[a];
+      std::vector<const uint64_t*> from(W);
+      std::vector<int64_t> counts(W, sent);
+      for (int r = 0; r < W; ++r) {
+        from[r] = all.data() + (int64_t(r) * rows + i) * sent;
+        if (!resend[i * W + r]) continue;
+        from[r] = all_full.data() + (int64_t(r) * n_again + a) * k;
+        counts[r] = k;
+      }
+      gather_row(i, from, counts);
+    }
+  }
+
+  // This rank's share of each row's selection, as local rows ascending.
+  for (int64_t i = 0; i < rows; ++i) {
+    int32_t* row = selected + i * k;
+    int64_t n = 0;
+    for (uint64_t key : pool[i]) {
+      const int64_t position = position_of(key);
+      if (position % W == me) row[n++] = int32_t(position / W);
+    }
+    std::sort(row, row + n);
+    std::fill(row + n, row + k, -1);
+  }
+}
+
+std::vector<float> dcp_merge_attention(const TensorParallel& tp, std::vector<float>& partial, const std::vector<float>& lse,
+                                       int64_t width) {
+  const int W = tp.dcp_size;
+  SPARROW_CHECK(W > 1 && tp.dcp_comm && tp.dcp_comm->size() == W, "dcp_merge_attention: no decode-context-parallel group");
+  SPARROW_CHECK(lse.size() % W == 0 && partial.size() == lse.size() * size_t(width),
+                "dcp_merge_attention: ", partial.size(), " outputs for ", lse.size(), " log-sum-exps of width ", width);
+  const int64_t per_rank = int64_t(lse.size()) / W;  // (rows x heads) of one rank's heads
+  std::vector<float> all_lse(size_t(W) * lse.size());
+  tp.dcp_comm->all_gather(lse.data(), all_lse.data(), int64_t(lse.size()), ScalarType::F32);
+  // Weight each of this rank's partial outputs by its share of the total exp-sum; the reduce-scatter then
+  // adds the ranks' weighted outputs for each head's owner.
+  for (int64_t j = 0; j < int64_t(lse.size()); ++j) {
+    float top = -INFINITY;
+    for (int r = 0; r < W; ++r) top = std::max(top, all_lse[size_t(r) * lse.size() + j]);
+    float total = 0.0f;
+    if (top != -INFINITY)
+      for (int r = 0; r < W; ++r) total += std::exp(all_lse[size_t(r) * lse.size() + j] - top);
+    const float weight = top == -INFINITY || lse[j] == -INFINITY ? 0.0f : std::exp(lse[j] - top) / total;
+    float* out = partial.data() + j * width;
+    for (int64_t c = 0; c < width; ++c) out[c] *= weight;
+  }
+  std::vector<float> merged(size_t(per_rank * width));
+  tp.dcp_comm->reduce_scatter(partial.data(), merged.data(), per_rank * width, ScalarType::F32);
+  return merged;
+}
+
+}  // namespace sparrow

@@ -1,0 +1,53 @@
+// Decode context parallelism (DCP; docs/parallel.md, "Decode context parallelism"): the ranks of a DCP group
+// (TensorParallel::dcp_*) share out a sequence's MLA latents and DSA index keys by token, token j on dcp rank
+// j mod W at local row j / W, as vLLM's DCP and the first seed article's ("W 块 GPU 中的第 r 块存储每第 W 个
+// token"). What the MLA block and the DSA indexer need for it: which rows are local, and the exact global
+// top-k of the indexer's scores when every rank has scored only its own keys.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+#include "core/communicator.h"
+
+namespace sparrow {
+
+// The local rows among positions [0, end): how many of them rank `rank` of a DCP group of `size` holds.
+inline int64_t dcp_local_rows(int64_t end, int rank, int size) {
+  return end <= 0 ? 0 : (end + size - 1 - rank) / size;
+}
+
+// The exact top-k merge. Each rank takes its best ceil(kDcpCandidateShare * k / W) keys of a row (the seed's
+// 1.5 k / W), as 64-bit candidates (the score, order-preserving, above the global position, so that one
+// integer comparison ranks them the way the single-rank top-k does: higher score first, NaN last, ties to
+// the smaller position); the group all-gathers them and every rank selects the same k. A rank whose every
+// sent candidate made it into the k may hold more of them than it sent: it is detected on every rank from
+// the same gathered data, and it re-sends that row's whole local top-k in a second all-gather, after which
+// the selection is the single-rank top-k (every key of the global top-k is in its rank's local top-k).
+inline constexpr double kDcpCandidateShare = 1.5;
+
+// Bytes one rank has sent to the merges so far, and what the naive merge (every rank all-gathering its
+// whole local top-k) would have sent for the same rows; rows that re-sent. Process-wide, for `bench`.
+struct DcpMergeCounters {
+  std::atomic<int64_t> merge_bytes{0}, naive_bytes{0}, rows{0}, resent_rows{0};
+};
+DcpMergeCounters& dcp_merge_counters();
+
+// For `rows` query rows of one step (the same rows, in the same order, on every rank of the group): row i
+// sees global positions [0, visible[i]), more than k of them, and scores[i] holds this rank's scores of its
+// local keys 0 .. dcp_local_rows(visible[i]) - 1 (local row l = position l * W + dcp_rank). Writes
+// selected[i * k ..]: this rank's local rows among the row's global top-k, ascending, then -1. A collective
+// of the DCP group (one all-gather, two when a rank must re-send).
+void dcp_select_topk(const TensorParallel& tp, int64_t k, const std::vector<std::vector<float>>& scores,
+                     const std::vector<int64_t>& visible, int32_t* selected);
+
+// Merges each rank's attention over its own keys into the attention over all of them, by log-sum-exp
+// (flash-decoding's combine): `partial` [W][n] holds this rank's outputs for the query heads of every rank
+// of the group (block o: rank o's heads, n = rows x heads x width values), normalised over this rank's keys,
+// and `lse` [W][rows x heads] their natural log-sum-exp (-inf: no key here). Returns this rank's heads'
+// merged outputs [n]: sum over ranks of exp(lse_rank - lse_all) x partial_rank, in rank order (one
+// all-gather of the lse, one reduce-scatter of the outputs).
+std::vector<float> dcp_merge_attention(const TensorParallel& tp, std::vector<float>& partial, const std::vector<float>& lse,
+                                       int64_t width);
+
+}  // namespace sparrow
