@@ -226,8 +226,17 @@ TEST(CacheFormats, AttentionConfigTakesTheIndexerDtype) {
   using sparrow::testing::mentions;
   EXPECT_TRUE(mentions(error_message([&] { apply_attention_config(R"({"indexer_kv_dtype": "fp4"})", c); }),
                        {"'fp4'", "mxfp4", "nvfp4"}));
-  EXPECT_TRUE(mentions(error_message([&] { apply_attention_config(R"({"indexer_decode_cp": true})", c); }),
-                       {"indexer_decode_cp", "supported: indexer_kv_dtype"}));
+  // indexer_decode_cp is the model's (MSA's indexer under -tp), read by parse_attention_config; the cache's
+  // part leaves it alone.
+  apply_attention_config(R"({"indexer_decode_cp": true, "indexer_kv_dtype": "nvfp4"})", c);
+  EXPECT_EQ(c.indexer_kv_dtype, "nvfp4");
+  c.indexer_kv_dtype = "auto";
+  EXPECT_TRUE(parse_attention_config(R"({"indexer_decode_cp": true})").indexer_decode_cp);
+  EXPECT_FALSE(parse_attention_config(R"({"indexer_kv_dtype": "fp8"})").indexer_decode_cp);
+  EXPECT_TRUE(mentions(error_message([&] { parse_attention_config(R"({"indexer_decode_cp": 1})"); }),
+                       {"indexer_decode_cp", "true or false"}));
+  EXPECT_TRUE(mentions(error_message([&] { apply_attention_config(R"({"backend": "FLASHMLA"})", c); }),
+                       {"'backend'", "supported: indexer_kv_dtype, indexer_decode_cp"}));
   EXPECT_TRUE(mentions(error_message([&] { apply_attention_config(R"(["fp8"])", c); }), {"JSON object"}));
   EXPECT_TRUE(mentions(error_message([&] { apply_attention_config("{indexer_kv_dtype: fp8}", c); }), {"JSON object"}));
   EXPECT_EQ(c.indexer_kv_dtype, "auto");

@@ -81,18 +81,30 @@ int64_t cache_memory_budget(const CacheConfig& config) {
   return int64_t(ram * config.memory_fraction);
 }
 
-void apply_attention_config(const std::string& json, CacheConfig& config) {
+AttentionConfig parse_attention_config(const std::string& json) {
+  AttentionConfig out;
+  if (json.empty()) return out;
   const nlohmann::json j = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
   SPARROW_CHECK(!j.is_discarded() && j.is_object(), "--attention-config must be a JSON object, e.g. "
                 "'{\"indexer_kv_dtype\": \"fp8\"}', got: ", json);
   for (const auto& [key, value] : j.items()) {
-    SPARROW_CHECK(key == "indexer_kv_dtype", "--attention-config: unsupported key '", key,
-                  "' (supported: indexer_kv_dtype)");
+    SPARROW_CHECK(key == "indexer_kv_dtype" || key == "indexer_decode_cp", "--attention-config: unsupported key '",
+                  key, "' (supported: indexer_kv_dtype, indexer_decode_cp)");
+    if (key == "indexer_decode_cp") {
+      SPARROW_CHECK(value.is_boolean(), "--attention-config: indexer_decode_cp must be true or false, got ", value.dump());
+      out.indexer_decode_cp = value.get<bool>();
+      continue;
+    }
     SPARROW_CHECK(value.is_string(), "--attention-config: indexer_kv_dtype must be a string, got ", value.dump());
     const std::string name = value.get<std::string>();
     if (name != "auto") parse_indexer_kv_dtype(name);  // a one-line error naming the accepted values
-    config.indexer_kv_dtype = name;
+    out.indexer_kv_dtype = name;
   }
+  return out;
+}
+
+void apply_attention_config(const std::string& json, CacheConfig& config) {
+  config.indexer_kv_dtype = parse_attention_config(json).indexer_kv_dtype;
 }
 
 CachePlan plan_cache(const std::vector<LayerCacheSpec>& spec, const CacheConfig& config) {

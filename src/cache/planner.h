@@ -102,9 +102,16 @@ class CachePlan {
   std::vector<int> state_lookup_;  // [layer * kNumStateKinds + kind] -> index into states, -1 = none
 };
 
-// Applies vLLM's --attention-config JSON (an object) to `config`: "indexer_kv_dtype" is the one key
-// sparrow takes (its value checked at once); anything else, or malformed JSON, is a one-line error naming
-// what is accepted.
+// vLLM's --attention-config JSON (an object), the keys sparrow takes: "indexer_kv_dtype" (the index keys'
+// format, checked at once) and "indexer_decode_cp" (MSA's indexer decode context parallelism under tensor
+// parallelism, docs/parallel.md; the model reads it at load, TensorParallel::indexer_decode_cp). Anything
+// else, or malformed JSON, is a one-line error naming what is accepted.
+struct AttentionConfig {
+  std::string indexer_kv_dtype = "auto";
+  bool indexer_decode_cp = false;
+};
+AttentionConfig parse_attention_config(const std::string& json);
+// The cache's part of it (indexer_kv_dtype) applied to `config`.
 void apply_attention_config(const std::string& json, CacheConfig& config);
 
 // Throws a one-line sparrow::Error for settings it cannot plan (block size not a power of two,

@@ -32,6 +32,7 @@ std::string load_format = "auto";
 std::string moe_routing_simulation;
 ParallelConfig parallel_config;
 char** program_arguments = nullptr;
+const std::string* attention_config_flag = nullptr;  // --attention-config of the command, when it has one
 
 // This process's place in a tensor-parallel run (docs/parallel.md), once its model is loaded: rank 0 keeps
 // the plan channel its runners drive the workers through. The channel goes before the group (it says Stop
@@ -191,6 +192,8 @@ std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string&
   ParallelRun& run = start_run(device, env);
   options.tensor_parallel = run.group->tensor_parallel();
   options.tensor_parallel.expert_parallel = parallel_config.enable_expert_parallel;
+  if (attention_config_flag)  // the model's part of --attention-config (the cache's is applied with the cache)
+    options.tensor_parallel.indexer_decode_cp = parse_attention_config(*attention_config_flag).indexer_decode_cp;
   if (run.group->rank() != 0) options.progress = nullptr;
   std::unique_ptr<Model> model = load_model(dir, parse_device(device), options);
   if (!run.group->leader()) {
@@ -254,6 +257,7 @@ RunnerOptions cli_runner_options() {
 }
 
 void add_cache_format_options(CLI::App* sub, std::string& kv_cache_dtype, std::string& attention_config) {
+  attention_config_flag = &attention_config;
   sub->add_option("--kv-cache-dtype", kv_cache_dtype,
                   "KV-cache storage: auto (float32 on the CPU, bfloat16 on a GPU), float32, bfloat16, fp8 (= fp8_e4m3, "
                   "fp8_ds_mla: MLA latents in FlashMLA's 656-byte layout), fp8_per_tensor (MLA latents as 576 e4m3), "
@@ -261,7 +265,8 @@ void add_cache_format_options(CLI::App* sub, std::string& kv_cache_dtype, std::s
       ->capture_default_str();
   sub->add_option("--attention-config", attention_config,
                   "vLLM's attention settings as JSON: {\"indexer_kv_dtype\": auto|float32|bfloat16|fp8|mxfp4|nvfp4}, "
-                  "the index keys' format (auto: fp8 DSA keys on a GPU, else the kv dtype)");
+                  "the index keys' format (auto: fp8 DSA keys on a GPU, else the kv dtype); {\"indexer_decode_cp\": true}: "
+                  "under -tp, each rank scores every MSA index head over its share of the key blocks (docs/parallel.md)");
 }
 
 void add_speculative_option(CLI::App* sub, std::string& json) {

@@ -71,6 +71,10 @@ struct TensorParallel {
   // index keys, token j on dcp rank j mod dcp_size; `dcp_comm` joins them (null when dcp_size is 1).
   int dcp_rank = 0, dcp_size = 1;
   Communicator* dcp_comm = nullptr;
+  // MSA's indexer decode context parallelism (--attention-config '{"indexer_decode_cp": true}', the second
+  // seed article's): every rank of the group scores every index head over its share of the key blocks, and
+  // each head's owner merges the ranks' best blocks (model/msa_indexer.h).
+  bool indexer_decode_cp = false;
   bool sharded() const { return size > 1; }
   bool context_parallel() const { return dcp_size > 1; }
   bool data_parallel() const { return dp_size > 1; }

@@ -9,13 +9,7 @@
 
 namespace sparrow {
 
-namespace {
-
-// A candidate as one unsigned integer: larger = ranked first. The score's bits made order-preserving
-// (negative floats flipped, positive ones above them; -0 taken as +0, which the single-rank top-k ties
-// with it; NaN below everything, as it ranks last there) in the high half, and 0xFFFFFFFE - position in the
-// low half (ties to the smaller position). 0 is no candidate: every real one is larger.
-uint64_t candidate(float score, int64_t position) {
+uint64_t dcp_candidate(float score, int64_t position) {
   uint32_t ordered = 0;
   if (!std::isnan(score)) {
     if (score == 0.0f) score = 0.0f;
@@ -25,18 +19,30 @@ uint64_t candidate(float score, int64_t position) {
   }
   return (uint64_t(ordered) << 32) | uint64_t(0xFFFFFFFEu - uint32_t(position));
 }
-int64_t position_of(uint64_t key) { return int64_t(0xFFFFFFFEu - uint32_t(key & 0xFFFFFFFFu)); }
+int64_t dcp_candidate_position(uint64_t candidate) { return int64_t(0xFFFFFFFEu - uint32_t(candidate & 0xFFFFFFFFu)); }
+float dcp_candidate_score(uint64_t candidate) {
+  const uint32_t ordered = uint32_t(candidate >> 32);
+  if (ordered == 0) return NAN;
+  const uint32_t bits = ordered & 0x80000000u ? ordered & 0x7FFFFFFFu : ~ordered;
+  float score;
+  std::memcpy(&score, &bits, sizeof score);
+  return score;
+}
+void dcp_best(std::vector<uint64_t>& candidates, int64_t count, uint64_t* out) {
+  std::erase(candidates, uint64_t(0));
+  const int64_t n = std::min<int64_t>(count, int64_t(candidates.size()));
+  std::partial_sort(candidates.begin(), candidates.begin() + n, candidates.end(), std::greater<>());
+  std::fill(out, out + count, 0);
+  std::copy(candidates.begin(), candidates.begin() + n, out);
+}
 
+namespace {
 // This rank's best `count` candidates of a row, best first, zero-padded.
 void local_best(const std::vector<float>& scores, int rank, int size, int64_t count, uint64_t* out) {
   std::vector<uint64_t> keys(scores.size());
-  for (size_t l = 0; l < scores.size(); ++l) keys[l] = candidate(scores[l], int64_t(l) * size + rank);
-  const int64_t n = std::min<int64_t>(count, int64_t(keys.size()));
-  std::partial_sort(keys.begin(), keys.begin() + n, keys.end(), std::greater<>());
-  std::fill(out, out + count, 0);
-  std::copy(keys.begin(), keys.begin() + n, out);
+  for (size_t l = 0; l < scores.size(); ++l) keys[l] = dcp_candidate(scores[l], int64_t(l) * size + rank);
+  dcp_best(keys, count, out);
 }
-
 }  // namespace
 
 DcpMergeCounters& dcp_merge_counters() {
@@ -122,7 +128,7 @@ void dcp_select_topk(const TensorParallel& tp, int64_t k, const std::vector<std:
     int32_t* row = selected + i * k;
     int64_t n = 0;
     for (uint64_t key : pool[i]) {
-      const int64_t position = position_of(key);
+      const int64_t position = dcp_candidate_position(key);
       if (position % W == me) row[n++] = int32_t(position / W);
     }
     std::sort(row, row + n);

@@ -26,6 +26,17 @@ inline int64_t dcp_local_rows(int64_t end, int rank, int size) {
 // the selection is the single-rank top-k (every key of the global top-k is in its rank's local top-k).
 inline constexpr double kDcpCandidateShare = 1.5;
 
+// A candidate of a top-k merge across ranks as one unsigned integer, larger = ranked first: the score made
+// order-preserving (negative floats flipped, positive ones above them; -0 taken as +0, which the single-rank
+// top-k ties with it; NaN below everything, as it ranks last there) in the high half, 0xFFFFFFFE - position
+// in the low half (ties to the smaller position). 0 is no candidate: every real one is larger. Positions
+// below 2^32 - 1.
+uint64_t dcp_candidate(float score, int64_t position);
+int64_t dcp_candidate_position(uint64_t candidate);
+float dcp_candidate_score(uint64_t candidate);  // the score back (NaN for NaN; -0 as +0)
+// The best `count` of `candidates` (any order, zeros ignored), best first, zero-padded to `count`.
+void dcp_best(std::vector<uint64_t>& candidates, int64_t count, uint64_t* out);
+
 // Bytes one rank has sent to the merges so far, and what the naive merge (every rank all-gathering its
 // whole local top-k) would have sent for the same rows; rows that re-sent. Process-wide, for `bench`.
 struct DcpMergeCounters {

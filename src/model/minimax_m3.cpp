@@ -230,6 +230,12 @@ std::unique_ptr<Mixer> load_attention(Checkpoint& ckpt, const TextConfig& cfg, c
     idx.local_blocks = cfg.index_local_blocks;
     idx.init_blocks = cfg.index_init_blocks;
     idx.norm_eps = cfg.norm_eps;
+    idx.tp = tp;
+    idx.all_heads = cfg.index_heads;
+    idx.first_head = index.begin;
+    idx.query_heads = cfg.heads;
+    SPARROW_CHECK(!(tp.sharded() && tp.indexer_decode_cp) || ckpt.device() == Device::Cpu,
+                  "--attention-config indexer_decode_cp runs on the CPU backend so far (issue 28)");
     idx.q_proj = ckpt.take(names.indexer(layer, "q_proj"), {cfg.index_heads * cfg.index_head_dim, cfg.hidden},
                            split_for(tp, index, 0, cfg.index_head_dim));
     idx.k_proj = ckpt.take(names.indexer(layer, "k_proj"), {cfg.index_head_dim, cfg.hidden});

@@ -1,10 +1,13 @@
 #include "model/msa_indexer.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "core/error.h"
 #include "kernels/ops.h"
+#include "model/context_parallel.h"
 #include "model/device_step.h"
+#include "model/tensor_parallel.h"
 #include "model/gqa_mixer.h"
 #include "model/selection_probe.h"
 
@@ -36,6 +39,11 @@ void MsaIndexer::project(const Tensor& x, const Tensor& positions, const Rope& r
 Tensor MsaIndexer::select(const Tensor& queries, const Tensor& keys, const Batch& batch, int layer) const {
   const int64_t rows = batch.size();
   Tensor kept = Tensor::empty({rows, heads, topk_blocks}, ScalarType::I32, queries.device());
+  if (tp.sharded() && tp.indexer_decode_cp) {
+    for (const SeqSlice& seq : batch.seqs)  // the index keys stay whole on every rank
+      seq.cache().write(layer, PageKind::MsaIndexKey, seq.start(), seq.count, keys.row(seq.offset));
+    return select_context_parallel(queries, batch, layer);
+  }
   if (queries.on_cpu()) {
     std::vector<float> cached;  // one sequence's index keys, [end, head_dim]
     for (const SeqSlice& seq : batch.seqs) {
@@ -88,6 +96,91 @@ Tensor MsaIndexer::select(const Tensor& queries, const Tensor& keys, const Batch
   (void)layer;
   fail("the MSA selector on a GPU in a build without the CUDA backend");
 #endif
+}
+
+Tensor MsaIndexer::select_context_parallel(const Tensor& queries, const Batch& batch, int layer) const {
+  SPARROW_CHECK(queries.on_cpu(), "the MSA indexer's decode context parallelism runs on the CPU backend so far");
+  const int W = tp.size, me = tp.rank;
+  const int64_t rows = batch.size(), H = all_heads, dim = head_dim, k = topk_blocks, bs = block_size;
+  // Every head's query: each rank's own heads, all-gathered and put in place (heads a rank shares with
+  // another, under grouped_share's replication, arrive twice, alike).
+  std::vector<float> gathered(size_t(W * rows * heads * dim)), full(size_t(rows * H * dim));
+  tp.comm->all_gather(queries.data(), gathered.data(), rows * heads * dim, ScalarType::F32);
+  std::vector<int64_t> first(W);
+  for (int r = 0; r < W; ++r) {
+    const IndexRange range = grouped_share(TensorParallel{r, W}, query_heads, H, "index_n_heads");
+    SPARROW_CHECK(range.count() == heads, "MSA indexer: rank ", r, " holds ", range.count(), " index heads, this one ", heads);
+    first[r] = range.begin;
+    for (int64_t t = 0; t < rows; ++t)
+      std::copy_n(gathered.data() + ((r * rows + t) * heads) * dim, heads * dim, full.data() + (t * H + range.begin) * dim);
+  }
+
+  // This rank's best blocks of every (row, head), for the ranks that own the head: [owner][row][its heads][k].
+  std::vector<uint64_t> send(size_t(W * rows * heads * k), 0), recv(send.size());
+  std::vector<float> mine, scores;  // this rank's blocks' keys of one sequence; one row's products
+  std::vector<int64_t> block_at;    // where each of this rank's blocks starts in `mine`
+  std::vector<uint64_t> candidates;
+  for (const SeqSlice& seq : batch.seqs) {
+    const int64_t end = seq.start() + seq.count;
+    mine.clear();
+    block_at.clear();
+    for (int64_t b = me; b * bs < end; b += W) {  // blocks b = me, me + W, ...: the share this rank reads
+      const int64_t from = b * bs, to = std::min(end, from + bs);
+      block_at.push_back(int64_t(mine.size()) / dim);
+      mine.resize(mine.size() + size_t((to - from) * dim));
+      seq.cache().read(layer, PageKind::MsaIndexKey, from, to, mine.data() + block_at.back() * dim);
+    }
+    for (int64_t i = 0; i < seq.count; ++i) {
+      const int64_t t = seq.offset + i, position = seq.start() + i, newest = position / bs;
+      // The keys this row sees among this rank's blocks: every one of its blocks before `newest`, and of
+      // `newest` (when it is this rank's) those up to the row's position.
+      int64_t n = 0, seen_blocks = 0;
+      for (size_t j = 0; j < block_at.size(); ++j) {
+        const int64_t b = me + int64_t(j) * W;
+        if (b > newest) break;
+        n = block_at[j] + (b < newest ? bs : position - b * bs + 1);
+        seen_blocks = int64_t(j) + 1;
+      }
+      const std::vector<int64_t> starts(block_at.begin(), block_at.begin() + seen_blocks);
+      scores.resize(size_t(H * seen_blocks));
+      cpu::msa_block_scores(H, dim, full.data() + t * H * dim, mine.data(), n, starts, scores.data());
+      for (int64_t g = 0; g < H; ++g) {
+        candidates.clear();
+        for (int64_t j = 0; j < seen_blocks; ++j) {
+          const int64_t b = me + j * W;
+          // select_blocks' forced blocks: the local ones and the first init_blocks, +inf wherever they live.
+          const bool forced = b > newest - local_blocks || b < init_blocks;
+          candidates.push_back(dcp_candidate(forced ? std::numeric_limits<float>::infinity() : scores[g * seen_blocks + j], b));
+        }
+        for (int owner = 0; owner < W; ++owner)
+          if (g >= first[owner] && g < first[owner] + heads)
+            dcp_best(candidates, k, send.data() + ((owner * rows + t) * heads + (g - first[owner])) * k);
+      }
+    }
+  }
+  tp.comm->all_to_all(send.data(), recv.data(), rows * heads * k, ScalarType::I64);
+
+  // The owner's merge: the best k of every rank's best k, blocks without a visible key (-inf) dropped, in
+  // ascending order (select_blocks, then msa_select's sort).
+  Tensor kept = Tensor::empty({rows, heads, k}, ScalarType::I32);
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      candidates.clear();
+      for (int r = 0; r < W; ++r) {
+        const uint64_t* from = recv.data() + ((r * rows + t) * heads + h) * k;
+        candidates.insert(candidates.end(), from, from + k);
+      }
+      std::vector<uint64_t> best(static_cast<size_t>(k));
+      dcp_best(candidates, k, best.data());
+      int32_t* out = kept.as<int32_t>() + (t * heads + h) * k;
+      int64_t n = 0;
+      for (uint64_t c : best)
+        if (c != 0 && dcp_candidate_score(c) != -std::numeric_limits<float>::infinity())
+          out[n++] = int32_t(dcp_candidate_position(c));
+      std::sort(out, out + n);
+      std::fill(out + n, out + k, -1);
+    }
+  return kept;
 }
 
 }  // namespace sparrow

@@ -43,6 +43,15 @@ struct MsaIndexer {
   Tensor k_proj;  // [head_dim, hidden]
   Tensor q_norm;  // [head_dim]
   Tensor k_norm;  // [head_dim]
+  // Tensor parallel: `heads` are this rank's index heads, first_head .. of all_heads (grouped_share over
+  // query_heads, model/tensor_parallel.h). With tp.indexer_decode_cp (the second seed article's "indexer
+  // DCP"), select() splits the scoring by key block instead: the group all-gathers its index queries, rank r
+  // scores every index head over the blocks b with b mod size = r (a quarter of the index cache's reads at
+  // TP 4 where each rank read all of it for its own heads), and sends each head's local best topk_blocks to
+  // the ranks that own the head, which merge them into the exact selection (forced blocks included: they
+  // score +inf wherever they live).
+  TensorParallel tp;
+  int64_t all_heads = 0, first_head = 0, query_heads = 0;
 
   // Index queries [T, heads * head_dim] and keys [T, head_dim] for the batch rows x [T, hidden] at
   // `positions`: projected, normalised and rotated by the first rope.rot_dim() dims, or whole when
@@ -56,6 +65,9 @@ struct MsaIndexer {
   // sequence's cached keys (kernels/cpu/msa_reference.h); the GPU runs msa_select_blocks on the paged keys in
   // place (kernels/cuda/msa/msa.h), which writes the same table.
   Tensor select(const Tensor& queries, const Tensor& keys, const Batch& batch, int layer) const;
+
+  // select() under indexer decode context parallelism (CPU), after this step's keys are written.
+  Tensor select_context_parallel(const Tensor& queries, const Batch& batch, int layer) const;
 
   cpu::MsaSelectShape shape() const {
     return {heads, head_dim, block_size, topk_blocks, local_blocks, init_blocks};

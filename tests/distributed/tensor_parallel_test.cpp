@@ -34,7 +34,7 @@ namespace {
 // Forks `size` ranks, each joining a gloo group on localhost and running body(tp); "" when all exited 0. With
 // dcp > 1 the ranks also form decode-context-parallel groups of dcp consecutive ranks, as ProcessGroup does.
 std::string run_ranks(int size, const std::function<void(const TensorParallel&)>& body, bool expert_parallel = false,
-                      int dcp = 1) {
+                      int dcp = 1, bool indexer_decode_cp = false) {
   const int port = sparrow::testing::free_port();
   std::vector<int> context_ports;  // one rendezvous for each decode-context-parallel group
   for (int g = 0; dcp > 1 && g < size / dcp; ++g) context_ports.push_back(sparrow::testing::free_port());
@@ -48,6 +48,7 @@ std::string run_ranks(int size, const std::function<void(const TensorParallel&)>
         options.timeout = std::chrono::seconds(60);
         std::unique_ptr<Communicator> comm = connect_gloo(options);
         TensorParallel tp{rank, size, comm.get(), expert_parallel};
+        tp.indexer_decode_cp = indexer_decode_cp;
         std::unique_ptr<Communicator> context;
         if (dcp > 1) {
           GroupOptions sub = options;
@@ -121,10 +122,12 @@ struct Case {
   bool expert_parallel = false;
   std::string prompts_of = "";  // the fixture whose prompts.json to run (default: its own)
   int dcp = 1;                  // decode context parallel: ranks sharing out the MLA caches' tokens
+  bool indexer_decode_cp = false;  // MSA: every rank scores every index head over its share of the blocks
 };
 void PrintTo(const Case& c, std::ostream* os) {
   *os << c.fixture << " at TP " << c.size << (c.expert_parallel ? " with expert parallelism" : "");
   if (c.dcp > 1) *os << " and DCP " << c.dcp;
+  if (c.indexer_decode_cp) *os << " and the MSA indexer's decode context parallelism";
 }
 
 class TensorParallelCpu : public ::testing::TestWithParam<Case> {};
@@ -134,7 +137,7 @@ TEST_P(TensorParallelCpu, MatchesTheUnshardedModel) {
   const fs::path prompts = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" /
                            (GetParam().prompts_of.empty() ? GetParam().fixture : GetParam().prompts_of) / "prompts.json";
   EXPECT_EQ(run_ranks(GetParam().size, [&](const TensorParallel& tp) { compare_with_whole(dir, prompts, tp); },
-                      GetParam().expert_parallel, GetParam().dcp),
+                      GetParam().expert_parallel, GetParam().dcp, GetParam().indexer_decode_cp),
             "");
 }
 
@@ -152,11 +155,17 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallelCpu,
                                            // budget, so every rank's share and the top-k merge matter).
                                            Case{"deepseek_v32", 2, false, "", 2}, Case{"deepseek_v32", 4, false, "", 4},
                                            Case{"deepseek_v32", 4, true, "", 2}, Case{"kimi_linear", 2, false, "", 2},
-                                           Case{"kimi_k3", 2, false, "", 2}, Case{"kimi_k3_1_pro", 4, false, "", 4}),
+                                           Case{"kimi_k3", 2, false, "", 2}, Case{"kimi_k3_1_pro", 4, false, "", 4},
+                                           // MSA's indexer decode context parallelism (one index head a rank
+                                           // at TP 2; at TP 4 each head shared by two ranks).
+                                           Case{"minimax_m3", 2, false, "", 1, true},
+                                           Case{"minimax_m3", 4, false, "", 1, true},
+                                           Case{"minimax_m3_nvfp4", 2, true, "minimax_m3", 1, true}),
                          [](const auto& info) {
                            return info.param.fixture + (info.param.expert_parallel ? "_ep" : "_tp") +
                                   std::to_string(info.param.size) +
-                                  (info.param.dcp > 1 ? "_dcp" + std::to_string(info.param.dcp) : "");
+                                  (info.param.dcp > 1 ? "_dcp" + std::to_string(info.param.dcp) : "") +
+                                  (info.param.indexer_decode_cp ? "_indexer_dcp" : "");
                          });
 
 // vLLM's deal of whole experts (fused_moe/layer.py determine_expert_map): E / size each, the first E % size

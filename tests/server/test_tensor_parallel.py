@@ -48,12 +48,15 @@ def alive(pid: int) -> bool:
 
 # Every family split inside its experts; two (a DeepSeek MoE, Kimi K3.1's latent MoE) also with the experts
 # dealt out whole (--enable-expert-parallel); the MLA families also with decode context parallelism (-dcp 2:
-# each rank caches every other token of the MLA latents and DSA index keys, through the same block tables).
+# each rank caches every other token of the MLA latents and DSA index keys, through the same block tables),
+# MiniMax-M3 with its indexer's (each rank scoring both index heads over every other key block).
 @pytest.mark.parametrize("family,layout", [(f, ()) for f in sorted(KV_CACHE_MEMORY)] +
                          [("deepseek_v32", ("--enable-expert-parallel",)),
                           ("kimi_k3_1_pro", ("--enable-expert-parallel",))] +
-                         [(f, ("-dcp", "2")) for f in ("deepseek_v32", "kimi_k3_1_pro", "kimi_linear")],
-                         ids=lambda v: v if isinstance(v, str) else "".join(v).strip("-").replace("--", "_") or "tp")
+                         [(f, ("-dcp", "2")) for f in ("deepseek_v32", "kimi_k3_1_pro", "kimi_linear")] +
+                         [("minimax_m3", ("--attention-config", '{"indexer_decode_cp": true}'))],
+                         ids=lambda v: v if isinstance(v, str) else
+                         ("indexer_dcp" if "--attention-config" in v else "".join(v).strip("-") or "tp"))
 def test_two_ranks_serve_what_one_process_serves(start_server, test_model, family, layout):
     model = test_model(family)
     single = start_server(*squeezed(KV_CACHE_MEMORY[family]), model=model)

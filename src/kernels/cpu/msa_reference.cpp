@@ -27,6 +27,20 @@ std::vector<int32_t> select_blocks(std::vector<float> block_scores, int64_t posi
   return chosen;
 }
 
+void msa_block_scores(int64_t heads, int64_t head_dim, const float* query, const float* keys, int64_t n,
+                      const std::vector<int64_t>& starts, float* scores) {
+  const int64_t blocks = int64_t(starts.size());
+  std::vector<float> products(heads * n);
+  if (n > 0) gemm_nt(heads, n, head_dim, query, head_dim, keys, head_dim, products.data(), n);
+  for (int64_t g = 0; g < heads; ++g)
+    for (int64_t j = 0; j < blocks; ++j) {
+      const int64_t end = j + 1 < blocks ? starts[j + 1] : n;
+      float best = -kInf;
+      for (int64_t s = starts[j]; s < end; ++s) best = std::max(best, products[g * n + s]);
+      scores[g * blocks + j] = best;
+    }
+}
+
 void msa_select(const MsaSelectShape& shape, const float* queries, int64_t ld_queries, int64_t count, int64_t start,
                 const float* keys, int32_t* kept) {
   const int64_t heads = shape.heads, dim = shape.head_dim, block_size = shape.block_size, k = shape.topk_blocks;

@@ -37,4 +37,12 @@ struct MsaSelectShape {
 void msa_select(const MsaSelectShape& shape, const float* queries, int64_t ld_queries, int64_t count, int64_t start,
                 const float* keys, int32_t* kept);
 
+// One query's block scores over some of the blocks it sees, for the indexer's decode context parallelism
+// (model/msa_indexer.h): keys [n, head_dim] hold those blocks' visible keys back to back, block j's from
+// starts[j] (ascending; the last runs to n). scores[g * starts.size() + j] = max over block j's keys of
+// q_g · k, the products as msa_select forms them (one query row against its keys), so each block's score
+// is msa_select's.
+void msa_block_scores(int64_t heads, int64_t head_dim, const float* query, const float* keys, int64_t n,
+                      const std::vector<int64_t>& starts, float* scores);
+
 }  // namespace sparrow::cpu
