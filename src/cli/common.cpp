@@ -33,6 +33,10 @@ std::string moe_routing_simulation;
 ParallelConfig parallel_config;
 char** program_arguments = nullptr;
 const std::string* attention_config_flag = nullptr;  // --attention-config of the command, when it has one
+// --token-sharded-prefill; -1: the backend's default, kDefaultTokenShardedPrefillCpu tokens on the CPU (where it was
+// measured faster from there: docs/parallel.md), off on a GPU (no GPU path yet).
+int64_t token_sharded_prefill_rows = -1;
+constexpr int64_t kDefaultTokenShardedPrefillCpu = 512;
 
 // This process's place in a tensor-parallel run (docs/parallel.md), once its model is loaded: rank 0 keeps
 // the plan channel its runners drive the workers through. The channel goes before the group (it says Stop
@@ -95,6 +99,12 @@ void add_device_option(CLI::App* sub, std::string& device) {
                   "--tensor-parallel-size")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  sub->add_option("--token-sharded-prefill", token_sharded_prefill_rows,
+                  "under --tensor-parallel-size: steps of at least this many tokens run the MLA layers' indexer and "
+                  "attention on a share of the tokens for every head (two all-to-alls) instead of every token for "
+                  "this rank's heads; 0: never; default 512 on the CPU, off on a GPU (docs/parallel.md, "
+                  "\"Token-sharded prefill\")")
+      ->check(CLI::NonNegativeNumber);
   sub->add_flag("--enable-expert-parallel,!--disable-expert-parallel,!--no-enable-expert-parallel",
                 parallel_config.enable_expert_parallel,
                "deal the routed experts out whole over the tensor-parallel ranks instead of splitting each one "
@@ -192,6 +202,9 @@ std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string&
   ParallelRun& run = start_run(device, env);
   options.tensor_parallel = run.group->tensor_parallel();
   options.tensor_parallel.expert_parallel = parallel_config.enable_expert_parallel;
+  options.tensor_parallel.token_sharded_prefill_rows =
+      token_sharded_prefill_rows >= 0 ? token_sharded_prefill_rows
+                                      : parse_device(device) == Device::Cpu ? kDefaultTokenShardedPrefillCpu : 0;
   if (attention_config_flag)  // the model's part of --attention-config (the cache's is applied with the cache)
     options.tensor_parallel.indexer_decode_cp = parse_attention_config(*attention_config_flag).indexer_decode_cp;
   if (run.group->rank() != 0) options.progress = nullptr;

@@ -75,6 +75,10 @@ struct TensorParallel {
   // seed article's): every rank of the group scores every index head over its share of the key blocks, and
   // each head's owner merges the ranks' best blocks (model/msa_indexer.h).
   bool indexer_decode_cp = false;
+  // Token-sharded prefill (model/context_parallel.h): a step of at least this many rows runs the MLA layers'
+  // attention core (the DSA indexer's scoring and the sparse attention) on a 1 / size share of its rows for
+  // every head, between two all-to-alls, instead of on every row for this rank's heads. 0: never.
+  int64_t token_sharded_prefill_rows = 0;
   bool sharded() const { return size > 1; }
   bool context_parallel() const { return dcp_size > 1; }
   bool data_parallel() const { return dp_size > 1; }

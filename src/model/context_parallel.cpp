@@ -45,6 +45,61 @@ void local_best(const std::vector<float>& scores, int rank, int size, int64_t co
 }
 }  // namespace
 
+std::vector<RowPiece> token_shard_pieces(const Batch& batch, int rank, int size) {
+  std::vector<RowPiece> pieces;
+  const int64_t cuts = 2 * int64_t(size);
+  for (size_t s = 0; s < batch.seqs.size(); ++s) {
+    const int64_t count = batch.seqs[s].count;
+    if (count < cuts) {  // too short to cut (decode, verification): whole sequences, dealt round-robin
+      if (int64_t(s) % size == rank) pieces.push_back({int(s), 0, count});
+      continue;
+    }
+    for (const int64_t j : {int64_t(rank), cuts - 1 - rank}) {
+      const int64_t begin = count * j / cuts, end = count * (j + 1) / cuts;
+      if (end > begin) pieces.push_back({int(s), begin, end - begin});
+    }
+  }
+  return pieces;
+}
+
+bool token_sharded_step(const TensorParallel& tp, int64_t rows, Device device) {
+  return tp.sharded() && (!tp.context_parallel() || tp.dcp_size == tp.size) && device == Device::Cpu &&
+         tp.token_sharded_prefill_rows > 0 && rows >= tp.token_sharded_prefill_rows;
+}
+
+std::vector<std::vector<float>> step_context(const TensorParallel& tp, const Batch& batch, int layer, PageKind kind,
+                                             int64_t width) {
+  std::vector<std::vector<float>> context(batch.seqs.size());
+  if (!tp.context_parallel()) {
+    for (size_t s = 0; s < batch.seqs.size(); ++s) {
+      const SeqSlice& seq = batch.seqs[s];
+      context[s].resize(size_t((seq.start() + seq.count) * width));
+      seq.cache().read(layer, kind, 0, seq.start() + seq.count, context[s].data());
+    }
+    return context;
+  }
+  // Every rank's local rows of every sequence, each sequence padded to ceil(end / W) rows, in one all-gather.
+  const int W = tp.dcp_size, me = tp.dcp_rank;
+  std::vector<int64_t> at(batch.seqs.size() + 1, 0);
+  for (size_t s = 0; s < batch.seqs.size(); ++s) {
+    const int64_t end = batch.seqs[s].start() + batch.seqs[s].count;
+    at[s + 1] = at[s] + (end + W - 1) / W;
+  }
+  std::vector<float> mine(size_t(at.back() * width), 0.0f), all(size_t(W) * mine.size());
+  for (size_t s = 0; s < batch.seqs.size(); ++s) {
+    const SeqSlice& seq = batch.seqs[s];
+    seq.cache().read(layer, kind, 0, dcp_local_rows(seq.start() + seq.count, me, W), mine.data() + at[s] * width);
+  }
+  tp.dcp_comm->all_gather(mine.data(), all.data(), at.back() * width, ScalarType::F32);
+  for (size_t s = 0; s < batch.seqs.size(); ++s) {
+    const int64_t end = batch.seqs[s].start() + batch.seqs[s].count;
+    context[s].resize(size_t(end * width));
+    for (int64_t j = 0; j < end; ++j)  // token j: rank j mod W's local row j / W
+      std::copy_n(all.data() + ((j % W) * at.back() + at[s] + j / W) * width, width, context[s].data() + j * width);
+  }
+  return context;
+}
+
 DcpMergeCounters& dcp_merge_counters() {
   static DcpMergeCounters counters;
   return counters;

@@ -9,8 +9,33 @@
 #include <vector>
 
 #include "core/communicator.h"
+#include "model/model.h"
 
 namespace sparrow {
+
+// Token-sharded prefill (docs/parallel.md, "Token-sharded prefill"): under TP, a large prefill step's rows are
+// dealt over the group instead of its heads for the attention core. Each sequence's rows are cut into 2W
+// pieces, piece j its rows [count * j / 2W, count * (j + 1) / 2W), and rank r takes pieces r and 2W - 1 - r,
+// so that an early piece (short causal prefixes) pairs with a late one (long ones): the first seed article's
+// balance. A sequence of fewer than 2W rows (decode, verification) goes whole to rank (its index mod W).
+// `begin` counts from the sequence's first row in the step.
+struct RowPiece {
+  int seq = 0;  // index into Batch::seqs
+  int64_t begin = 0, count = 0;
+};
+std::vector<RowPiece> token_shard_pieces(const Batch& batch, int rank, int size);
+// Whether a step of `rows` rows runs token-sharded: TP without DCP or with DCP over the whole TP group (then
+// "DCP prefill without a merge", below), on the CPU backend, and at least tp.token_sharded_prefill_rows rows
+// (0: never).
+bool token_sharded_step(const TensorParallel& tp, int64_t rows, Device device);
+
+// The step's context of one page kind for a token-sharded step, per sequence of the batch: its rows
+// [0, start + count) in order, as the cache returns them, after this step's rows are stored. Without DCP,
+// read from this rank's (whole) cache; under DCP ("DCP prefill without a merge", the first seed article),
+// gathered from every rank's share by one all-gather of the group, so that the token-sharded step then
+// runs exactly as without DCP.
+std::vector<std::vector<float>> step_context(const TensorParallel& tp, const Batch& batch, int layer, PageKind kind,
+                                             int64_t width);
 
 // The local rows among positions [0, end): how many of them rank `rank` of a DCP group of `size` holds.
 inline int64_t dcp_local_rows(int64_t end, int rank, int size) {

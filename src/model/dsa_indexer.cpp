@@ -18,6 +18,17 @@
 
 namespace sparrow {
 
+namespace {
+// How the CPU rounds queries (and MXFP4 keys) to select as the GPU does with the cache's key format.
+cpu::DsaKeyRounding key_rounding(const SequenceCache& cache, int layer) {
+  const PagedStorage* paged = cache.paged();
+  const PageFormat format = paged ? paged->page(layer, PageKind::DsaIndexKey).format : PageFormat::Float32;
+  return format == PageFormat::Mxfp4Rows                                          ? cpu::DsaKeyRounding::Mxfp4
+         : format == PageFormat::Fp8IndexKey || format == PageFormat::Nvfp4Rows ? cpu::DsaKeyRounding::Fp8
+                                                                                 : cpu::DsaKeyRounding::None;
+}
+}  // namespace
+
 std::unique_ptr<DsaIndexer> DsaIndexer::load(Checkpoint& ckpt, const std::string& prefix,
                                              const DsaIndexerOptions& options) {
   SPARROW_CHECK(!options.rope || options.rope->rot_dim() <= options.head_dim, "DSA indexer: rotary dimension ",
@@ -55,7 +66,7 @@ DsaIndexer::Projection DsaIndexer::project(const Tensor& x, const Tensor& q_resi
 Tensor DsaIndexer::select(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer) const {
   const int64_t dim = options.head_dim, k = options.topk, rows = batch.size();
   Projection p = project(x, q_resid, batch);
-  if (tp.context_parallel()) return select_context_parallel(p, batch, layer);
+  if (tp.context_parallel()) return select_context_parallel(p, batch, layer);  // decode (token-sharded: select_pieces)
   Tensor selected = Tensor::empty({rows, k}, ScalarType::I32, x.device());
   if (x.on_cpu()) {
     std::vector<float> cached;  // one sequence's index keys, [end, dim]
@@ -70,12 +81,7 @@ Tensor DsaIndexer::select(const Tensor& x, const Tensor& q_resid, const Batch& b
       // the same way, so both devices select alike, up to ties and the order of the sums.
       cached.resize(end * dim);
       if (end > k) seq.cache().read(layer, PageKind::DsaIndexKey, 0, end, cached.data());
-      const PagedStorage* paged = seq.cache().paged();
-      const PageFormat format = paged ? paged->page(layer, PageKind::DsaIndexKey).format : PageFormat::Float32;
-      const cpu::DsaKeyRounding rounding = format == PageFormat::Mxfp4Rows ? cpu::DsaKeyRounding::Mxfp4
-                                           : format == PageFormat::Fp8IndexKey || format == PageFormat::Nvfp4Rows
-                                               ? cpu::DsaKeyRounding::Fp8
-                                               : cpu::DsaKeyRounding::None;
+      const cpu::DsaKeyRounding rounding = key_rounding(seq.cache(), layer);
       // kv-quality's probe: the same queries, unrounded, against this prefill's exact fp32 keys.
       SelectionProbe* probe = seq.start() == 0 ? selection_probe() : nullptr;
       if (probe) exact.resize(seq.count * k);
@@ -139,6 +145,40 @@ Tensor DsaIndexer::select(const Tensor& x, const Tensor& q_resid, const Batch& b
 #endif
 }
 
+Tensor DsaIndexer::select_pieces(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer,
+                                 const std::vector<RowPiece>& pieces) const {
+  SPARROW_CHECK(x.on_cpu(), "token-sharded prefill runs on the CPU backend so far");
+  const int64_t dim = options.head_dim, k = options.topk;
+  Projection p = project(x, q_resid, batch);
+  // This step's keys into the cache: every key (the index cache is replicated), or under DCP this rank's.
+  for (const SeqSlice& seq : batch.seqs) {
+    const int W = tp.dcp_size, me = tp.dcp_rank;
+    const int64_t first = dcp_local_rows(seq.start(), me, W), last = dcp_local_rows(seq.start() + seq.count, me, W);
+    std::vector<float> local((last - first) * dim);
+    for (int64_t l = first; l < last; ++l)
+      std::copy_n(p.keys.row(seq.offset + l * W + me - seq.start()), dim, local.data() + (l - first) * dim);
+    seq.cache().write(layer, PageKind::DsaIndexKey, first, last - first, local.data());
+  }
+  const std::vector<std::vector<float>> context = step_context(tp, batch, layer, PageKind::DsaIndexKey, dim);
+  int64_t rows = 0;
+  for (const RowPiece& piece : pieces) rows += piece.count;
+  Tensor selected = Tensor::empty({rows, k}, ScalarType::I32);
+  std::vector<float> cached;
+  int64_t done = 0;
+  for (const RowPiece& piece : pieces) {
+    const SeqSlice& seq = batch.seqs[piece.seq];
+    const int64_t start = seq.start() + piece.begin, end = start + piece.count, row = seq.offset + piece.begin;
+    // A copy, as select() reads the keys afresh: dsa_select may round them in place (MXFP4).
+    cached.assign(context[piece.seq].begin(), context[piece.seq].begin() + end * dim);
+    const cpu::DsaKeyRounding rounding = key_rounding(seq.cache(), layer);
+    cpu::dsa_select(shape(), p.queries.row(row), p.queries.row_size(), p.head_weights.row(row),
+                    p.head_weights.row_size(), piece.count, start, cached.data(), rounding,
+                    selected.as<int32_t>() + done * k);
+    done += piece.count;
+  }
+  return selected;
+}
+
 // Each rank writes and scores only its own keys (token j on dcp rank j mod W, local row j / W); a query that
 // sees no more than k keys takes all of them, as select() does, and the others go through the exact merge.
 Tensor DsaIndexer::select_context_parallel(const Projection& p, const Batch& batch, int layer) const {
@@ -156,12 +196,7 @@ Tensor DsaIndexer::select_context_parallel(const Projection& p, const Batch& bat
     for (int64_t l = first; l < last; ++l)
       std::copy_n(p.keys.row(seq.offset + l * W + me - start), dim, local_keys.data() + (l - first) * dim);
     seq.cache().write(layer, PageKind::DsaIndexKey, first, last - first, local_keys.data());
-    const PagedStorage* paged = seq.cache().paged();
-    const PageFormat format = paged ? paged->page(layer, PageKind::DsaIndexKey).format : PageFormat::Float32;
-    const cpu::DsaKeyRounding rounding = format == PageFormat::Mxfp4Rows ? cpu::DsaKeyRounding::Mxfp4
-                                         : format == PageFormat::Fp8IndexKey || format == PageFormat::Nvfp4Rows
-                                             ? cpu::DsaKeyRounding::Fp8
-                                             : cpu::DsaKeyRounding::None;
+    const cpu::DsaKeyRounding rounding = key_rounding(seq.cache(), layer);
     if (end > k) {
       cached.resize(last * dim);
       seq.cache().read(layer, PageKind::DsaIndexKey, 0, last, cached.data());

@@ -26,6 +26,7 @@
 #include "core/tensor.h"
 #include "formats/checkpoint.h"
 #include "kernels/cpu/dsa_reference.h"
+#include "model/context_parallel.h"
 #include "model/model.h"
 #include "model/rope.h"
 
@@ -69,6 +70,11 @@ struct DsaIndexer {
   //        queries quantised to FP8 per (token, head) (kernels/cuda/dsa_indexer/fp4_keys.cuh says how each
   //        format is multiplied), so the selection can differ from the CPU's where scores nearly tie.
   Tensor select(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer) const;
+
+  // Token-sharded prefill (model/context_parallel.h): writes every row's key like select(), and returns the
+  // selection of only the rows of `pieces` (CPU), int32 [their rows, topk] in piece order.
+  Tensor select_pieces(const Tensor& x, const Tensor& q_resid, const Batch& batch, int layer,
+                       const std::vector<RowPiece>& pieces) const;
 
   cpu::DsaShape shape() const { return {options.num_heads, options.head_dim, options.topk}; }
 

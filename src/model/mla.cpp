@@ -147,8 +147,15 @@ Tensor MlaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
   // mixed[t, h] = sum_s softmax_s(q_abs[t, h] · row_s * scale) c_s, over the query's causal prefix or
   // the keys its indexer selects.
   Tensor selected;  // with an indexer: the key positions each row attends (DsaIndexer::select)
-  if (indexer_) selected = indexer_->select(x, q_resid, batch, layer);
-  Tensor mixed = attend(q_abs, new_rows, selected, batch, layer);
+  Tensor mixed;
+  if (token_sharded_step(tp, tokens, x.device())) {
+    const std::vector<RowPiece> pieces = token_shard_pieces(batch, tp.rank, tp.size);
+    if (indexer_) selected = indexer_->select_pieces(x, q_resid, batch, layer, pieces);
+    mixed = attend_token_sharded(q_abs, new_rows, selected, batch, layer, pieces);
+  } else {
+    if (indexer_) selected = indexer_->select(x, q_resid, batch, layer);
+    mixed = attend(q_abs, new_rows, selected, batch, layer);
+  }
 
   // Back from latent space per head: out[t, h] = W_UV[h] · mixed[t, h], then o_proj.
   Tensor attended = Tensor::empty({tokens, heads * o.v_head_dim}, mixed.type(), mixed.device());
@@ -170,7 +177,7 @@ Tensor MlaMixer::attend(const Tensor& q_abs, const Tensor& new_rows, const Tenso
                         int layer) const {
   const MlaOptions& o = options_;
   const int64_t rows = batch.size();
-  if (tp.context_parallel()) return attend_context_parallel(q_abs, new_rows, selected, batch, layer);
+  if (tp.context_parallel()) return attend_context_parallel(q_abs, new_rows, selected, batch, layer);  // decode
   if (q_abs.on_cpu()) {
     const cpu::MlaShape shape{o.num_heads, o.kv_lora_rank, o.cache_row(), o.softmax_scale};
     const int64_t topk = indexer_ ? indexer_->options.topk : 0;
@@ -223,6 +230,83 @@ Tensor MlaMixer::attend(const Tensor& q_abs, const Tensor& new_rows, const Tenso
   (void)new_rows, (void)selected, (void)layer;
   fail("MLA on a GPU in a build without the CUDA backend");
 #endif
+}
+
+Tensor MlaMixer::attend_token_sharded(const Tensor& q_abs, const Tensor& new_rows, const Tensor& selected,
+                                      const Batch& batch, int layer, const std::vector<RowPiece>& pieces) const {
+  const MlaOptions& o = options_;
+  const int W = tp.size;
+  const int64_t rows = batch.size(), heads = o.num_heads, width = o.cache_row(), latent = o.kv_lora_rank;
+  const int64_t topk = indexer_ ? indexer_->options.topk : 0;
+  // Every rank's pieces (the same rule everywhere) and the most rows any rank takes, the all-to-alls' stride.
+  std::vector<std::vector<RowPiece>> share(W);
+  int64_t most = 0;
+  for (int r = 0; r < W; ++r) {
+    share[r] = r == tp.rank ? pieces : token_shard_pieces(batch, r, W);
+    int64_t n = 0;
+    for (const RowPiece& piece : share[r]) n += piece.count;
+    most = std::max(most, n);
+  }
+  auto row_of = [&](const RowPiece& piece) { return batch.seqs[piece.seq].offset + piece.begin; };
+
+  // [all rows, my heads] -> [my rows, the group's heads]: block d of the send buffer holds rank d's rows.
+  std::vector<float> send(size_t(W * most * heads * width), 0.0f), recv(send.size());
+  for (int d = 0; d < W; ++d) {
+    int64_t at = 0;
+    for (const RowPiece& piece : share[d])
+      for (int64_t i = 0; i < piece.count; ++i, ++at)
+        std::copy_n(q_abs.row(row_of(piece) + i), heads * width, send.data() + (d * most + at) * heads * width);
+  }
+  tp.comm->all_to_all(send.data(), recv.data(), most * heads * width, ScalarType::F32);
+  const int64_t all_heads = heads * W, mine = [&] {
+    int64_t n = 0;
+    for (const RowPiece& piece : pieces) n += piece.count;
+    return n;
+  }();
+  std::vector<float> queries(size_t(std::max<int64_t>(mine, 1) * all_heads * width));
+  for (int64_t m = 0; m < mine; ++m)
+    for (int src = 0; src < W; ++src)  // rank src's heads are heads src * heads .. (even_share)
+      std::copy_n(recv.data() + (src * most + m) * heads * width, heads * width,
+                  queries.data() + (m * all_heads + src * heads) * width);
+
+  // Every rank stores every row (the latent cache stays replicated; under DCP its own rows), then attends its
+  // pieces' rows over the step's context (under DCP gathered from the group: DCP prefill without a merge).
+  for (const SeqSlice& seq : batch.seqs) {
+    const int D = tp.dcp_size, me = tp.dcp_rank;
+    const int64_t first = dcp_local_rows(seq.start(), me, D), last = dcp_local_rows(seq.start() + seq.count, me, D);
+    std::vector<float> local((last - first) * width);
+    for (int64_t l = first; l < last; ++l)
+      std::copy_n(new_rows.row(seq.offset + l * D + me - seq.start()), width, local.data() + (l - first) * width);
+    seq.cache().write(layer, PageKind::MlaLatent, first, last - first, local.data());
+  }
+  const std::vector<std::vector<float>> context = step_context(tp, batch, layer, PageKind::MlaLatent, width);
+  const cpu::MlaShape shape{all_heads, latent, width, o.softmax_scale};
+  std::vector<float> out(size_t(std::max<int64_t>(mine, 1) * all_heads * latent));
+  int64_t done = 0;
+  for (const RowPiece& piece : pieces) {
+    const SeqSlice& seq = batch.seqs[piece.seq];
+    const int64_t start = seq.start() + piece.begin;
+    cpu::mla_attention(shape, queries.data() + done * all_heads * width, piece.count, start, context[piece.seq].data(),
+                       indexer_ ? selected.as<int32_t>() + done * topk : nullptr, topk,
+                       out.data() + done * all_heads * latent);
+    done += piece.count;
+  }
+
+  // [my rows, the group's heads] -> [all rows, my heads].
+  std::vector<float> back(size_t(W * most * heads * latent), 0.0f), home(back.size());
+  for (int d = 0; d < W; ++d)
+    for (int64_t m = 0; m < mine; ++m)
+      std::copy_n(out.data() + (m * all_heads + d * heads) * latent, heads * latent,
+                  back.data() + (d * most + m) * heads * latent);
+  tp.comm->all_to_all(back.data(), home.data(), most * heads * latent, ScalarType::F32);
+  Tensor mixed = Tensor::empty({rows, heads, latent});
+  for (int src = 0; src < W; ++src) {
+    int64_t at = 0;
+    for (const RowPiece& piece : share[src])
+      for (int64_t i = 0; i < piece.count; ++i, ++at)
+        std::copy_n(home.data() + (src * most + at) * heads * latent, heads * latent, mixed.row(row_of(piece) + i));
+  }
+  return mixed;
 }
 
 // Rank r of the DCP group stores the rows of tokens j with j mod W = r (local row j / W), gathers the

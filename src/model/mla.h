@@ -91,6 +91,12 @@ class MlaMixer : public Mixer {
   // tokens for the query heads of its whole DCP group, and the group merges the shares by log-sum-exp.
   Tensor attend_context_parallel(const Tensor& q_abs, const Tensor& new_rows, const Tensor& selected,
                                  const Batch& batch, int layer) const;
+  // Token-sharded prefill (CPU; model/context_parallel.h): every rank stores every row, the group trades
+  // [all rows, my heads] of q_abs for [my rows, all heads] by an all-to-all, attends its pieces' rows for
+  // every head (`selected`: the indexer's table of those rows, select_pieces), and a second all-to-all brings
+  // back [all rows, my heads].
+  Tensor attend_token_sharded(const Tensor& q_abs, const Tensor& new_rows, const Tensor& selected, const Batch& batch,
+                              int layer, const std::vector<RowPiece>& pieces) const;
 
   MlaOptions options_;
   Tensor q_proj;          // [H * qk_head_dim, hidden]        (q_lora_rank = 0)

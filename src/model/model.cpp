@@ -114,6 +114,8 @@ std::unique_ptr<Model> load_model(const std::string& dir, Device device, const L
     SPARROW_CHECK(options.tensor_parallel.comm && options.tensor_parallel.comm->size() == options.tensor_parallel.size,
                   "load_model: a tensor-parallel group of ", options.tensor_parallel.size, " needs its communicator");
     const TensorParallel& tp = options.tensor_parallel;
+    SPARROW_CHECK(tp.token_sharded_prefill_rows == 0 || device == Device::Cpu,
+                  "--token-sharded-prefill runs on the CPU backend so far (issue 28)");
     SPARROW_CHECK(!tp.context_parallel() || (tp.size % tp.dcp_size == 0 && tp.dcp_comm && tp.dcp_comm->size() == tp.dcp_size),
                   "load_model: a decode-context-parallel group of ", tp.dcp_size, " needs its communicator and must "
                   "divide the tensor-parallel size ", tp.size);

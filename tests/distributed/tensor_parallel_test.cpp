@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -34,7 +35,7 @@ namespace {
 // Forks `size` ranks, each joining a gloo group on localhost and running body(tp); "" when all exited 0. With
 // dcp > 1 the ranks also form decode-context-parallel groups of dcp consecutive ranks, as ProcessGroup does.
 std::string run_ranks(int size, const std::function<void(const TensorParallel&)>& body, bool expert_parallel = false,
-                      int dcp = 1, bool indexer_decode_cp = false) {
+                      int dcp = 1, bool indexer_decode_cp = false, int64_t token_sharded_prefill_rows = 0) {
   const int port = sparrow::testing::free_port();
   std::vector<int> context_ports;  // one rendezvous for each decode-context-parallel group
   for (int g = 0; dcp > 1 && g < size / dcp; ++g) context_ports.push_back(sparrow::testing::free_port());
@@ -49,6 +50,7 @@ std::string run_ranks(int size, const std::function<void(const TensorParallel&)>
         std::unique_ptr<Communicator> comm = connect_gloo(options);
         TensorParallel tp{rank, size, comm.get(), expert_parallel};
         tp.indexer_decode_cp = indexer_decode_cp;
+        tp.token_sharded_prefill_rows = token_sharded_prefill_rows;
         std::unique_ptr<Communicator> context;
         if (dcp > 1) {
           GroupOptions sub = options;
@@ -123,11 +125,13 @@ struct Case {
   std::string prompts_of = "";  // the fixture whose prompts.json to run (default: its own)
   int dcp = 1;                  // decode context parallel: ranks sharing out the MLA caches' tokens
   bool indexer_decode_cp = false;  // MSA: every rank scores every index head over its share of the blocks
+  int64_t token_sharded_prefill_rows = 0;  // steps of this many rows run MLA's attention core token-sharded
 };
 void PrintTo(const Case& c, std::ostream* os) {
   *os << c.fixture << " at TP " << c.size << (c.expert_parallel ? " with expert parallelism" : "");
   if (c.dcp > 1) *os << " and DCP " << c.dcp;
   if (c.indexer_decode_cp) *os << " and the MSA indexer's decode context parallelism";
+  if (c.token_sharded_prefill_rows) *os << " and token-sharded steps from " << c.token_sharded_prefill_rows << " rows";
 }
 
 class TensorParallelCpu : public ::testing::TestWithParam<Case> {};
@@ -137,7 +141,8 @@ TEST_P(TensorParallelCpu, MatchesTheUnshardedModel) {
   const fs::path prompts = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" /
                            (GetParam().prompts_of.empty() ? GetParam().fixture : GetParam().prompts_of) / "prompts.json";
   EXPECT_EQ(run_ranks(GetParam().size, [&](const TensorParallel& tp) { compare_with_whole(dir, prompts, tp); },
-                      GetParam().expert_parallel, GetParam().dcp, GetParam().indexer_decode_cp),
+                      GetParam().expert_parallel, GetParam().dcp, GetParam().indexer_decode_cp,
+                      GetParam().token_sharded_prefill_rows),
             "");
 }
 
@@ -160,13 +165,71 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallelCpu,
                                            // at TP 2; at TP 4 each head shared by two ranks).
                                            Case{"minimax_m3", 2, false, "", 1, true},
                                            Case{"minimax_m3", 4, false, "", 1, true},
-                                           Case{"minimax_m3_nvfp4", 2, true, "minimax_m3", 1, true}),
+                                           Case{"minimax_m3_nvfp4", 2, true, "minimax_m3", 1, true},
+                                           // Token-sharded prefill: every step (1 row and up: decode steps too),
+                                           // or the prefill alone (16 rows and up).
+                                           Case{"deepseek_v32", 2, false, "", 1, false, 1},
+                                           Case{"deepseek_v32", 4, true, "", 1, false, 16},
+                                           Case{"kimi_k3_1_pro", 4, false, "", 1, false, 1},
+                                           Case{"kimi_linear", 2, false, "", 1, false, 16},
+                                           // DCP prefill without a merge: token-sharded prefill over the context
+                                           // gathered from the DCP group, decode through the DCP merge.
+                                           Case{"deepseek_v32", 2, false, "", 2, false, 16},
+                                           Case{"kimi_k3_1_pro", 4, false, "", 4, false, 16},
+                                           Case{"kimi_linear", 2, false, "", 2, false, 1}),
                          [](const auto& info) {
                            return info.param.fixture + (info.param.expert_parallel ? "_ep" : "_tp") +
                                   std::to_string(info.param.size) +
                                   (info.param.dcp > 1 ? "_dcp" + std::to_string(info.param.dcp) : "") +
-                                  (info.param.indexer_decode_cp ? "_indexer_dcp" : "");
+                                  (info.param.indexer_decode_cp ? "_indexer_dcp" : "") +
+                                  (info.param.token_sharded_prefill_rows
+                                       ? "_token_sharded" + std::to_string(info.param.token_sharded_prefill_rows)
+                                       : "");
                          });
+
+// DCP prefill without a merge (DCP over the whole TP group) is token-sharded prefill over the context
+// gathered from the ranks' shares: the same bits as token-sharded prefill without DCP, for a first chunk and
+// for a second one whose context is half in the cache already.
+TEST(TensorParallelCpu, DcpPrefillWithoutAMergeIsBitwiseTheTokenShardedPrefill) {
+  for (const auto& [fixture, size] : {std::pair<std::string, int>{"deepseek_v32", 2}, {"kimi_k3_1_pro", 4}}) {
+    const fs::path dir = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / fixture;
+    const std::vector<Tokens> prompts = model_test::token_lists(dir / "prompts.json", "prompts");
+    EXPECT_EQ(run_ranks(size,
+                        [&](const TensorParallel& tp) {
+                          TensorParallel plain = tp;  // the same group without DCP
+                          plain.dcp_rank = 0, plain.dcp_size = 1, plain.dcp_comm = nullptr;
+                          LoadOptions with_dcp, without;
+                          with_dcp.tensor_parallel = tp;
+                          without.tensor_parallel = plain;
+                          std::unique_ptr<Model> a = load_model(dir.string(), Device::Cpu, with_dcp);
+                          std::unique_ptr<Model> b = load_model(dir.string(), Device::Cpu, without);
+                          ModelRunner run_a(*a), run_b(*b);
+                          std::vector<SequenceState> seqs_a, seqs_b;
+                          for (size_t i = 0; i < prompts.size(); ++i) {
+                            seqs_a.push_back(run_a.new_sequence());
+                            seqs_b.push_back(run_b.new_sequence());
+                          }
+                          for (int chunk = 0; chunk < 2; ++chunk) {
+                            std::vector<std::pair<SequenceState*, Tokens>> parts_a, parts_b;
+                            for (size_t i = 0; i < prompts.size(); ++i) {
+                              const size_t half = prompts[i].size() / 2;
+                              const Tokens part = chunk == 0 ? Tokens(prompts[i].begin(), prompts[i].begin() + half)
+                                                             : Tokens(prompts[i].begin() + half, prompts[i].end());
+                              parts_a.emplace_back(&seqs_a[i], part);
+                              parts_b.emplace_back(&seqs_b[i], part);
+                            }
+                            Batch batch_a = make_batch(parts_a), batch_b = make_batch(parts_b);
+                            const Tensor x = run_a.run(batch_a), y = run_b.run(batch_b);
+                            SPARROW_CHECK(x.shape() == y.shape() &&
+                                              std::memcmp(x.data(), y.data(), sizeof(float) * x.numel()) == 0,
+                                          fixture, " chunk ", chunk, ": DCP prefill differs from token-sharded prefill");
+                          }
+                        },
+                        false, size, false, 1),
+              "")
+        << fixture;
+  }
+}
 
 // vLLM's deal of whole experts (fused_moe/layer.py determine_expert_map): E / size each, the first E % size
 // ranks one more, contiguous and covering every expert once.

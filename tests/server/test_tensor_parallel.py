@@ -49,12 +49,15 @@ def alive(pid: int) -> bool:
 # Every family split inside its experts; two (a DeepSeek MoE, Kimi K3.1's latent MoE) also with the experts
 # dealt out whole (--enable-expert-parallel); the MLA families also with decode context parallelism (-dcp 2:
 # each rank caches every other token of the MLA latents and DSA index keys, through the same block tables),
-# MiniMax-M3 with its indexer's (each rank scoring both index heads over every other key block).
+# MiniMax-M3 with its indexer's (each rank scoring both index heads over every other key block); and with
+# token-sharded prefill (steps of 64 tokens and more: chunks of prompts beside decode rows), under DCP too.
 @pytest.mark.parametrize("family,layout", [(f, ()) for f in sorted(KV_CACHE_MEMORY)] +
                          [("deepseek_v32", ("--enable-expert-parallel",)),
                           ("kimi_k3_1_pro", ("--enable-expert-parallel",))] +
                          [(f, ("-dcp", "2")) for f in ("deepseek_v32", "kimi_k3_1_pro", "kimi_linear")] +
-                         [("minimax_m3", ("--attention-config", '{"indexer_decode_cp": true}'))],
+                         [("minimax_m3", ("--attention-config", '{"indexer_decode_cp": true}'))] +
+                         [("deepseek_v32", ("--token-sharded-prefill", "64")),
+                          ("kimi_k3_1_pro", ("-dcp", "2", "--token-sharded-prefill", "64"))],
                          ids=lambda v: v if isinstance(v, str) else
                          ("indexer_dcp" if "--attention-config" in v else "".join(v).strip("-") or "tp"))
 def test_two_ranks_serve_what_one_process_serves(start_server, test_model, family, layout):
