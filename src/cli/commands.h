@@ -54,11 +54,23 @@ void add_device_option(CLI::App* sub, std::string& device);
 // load_model on `device` ("cpu" | "cuda") with the --load-format choices applied. With
 // --tensor-parallel-size N (or under a launcher) this process joins or starts the run first and loads its
 // part of the model; on a worker rank the call never returns (it runs rank 0's steps, then exits). With
-// --data-parallel-size D the run is D groups of N ranks: unless `every_group_serves` (serve: each group's
-// leader runs an engine of its own), the first group runs the command and the call never returns on the
-// other groups' leaders either (they step along with it, their experts serving its tokens, then exit).
+// --data-parallel-size D the run is D groups of N ranks, and `groups` says what their leaders do: serve
+// (EveryGroupServes: each runs an engine of its own), take a share of the command's inputs
+// (EveryGroupTakesAShare: cli_group_share, cli_gather_shares), or leave the command to the first group
+// (FirstGroupRuns: the call never returns on the other leaders, which step along with it, their experts
+// serving its tokens, then exit).
+enum class GroupRole { FirstGroupRuns, EveryGroupServes, EveryGroupTakesAShare };
 std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device,
-                                      bool every_group_serves = false);
+                                      GroupRole groups = GroupRole::FirstGroupRuns);
+// Data parallel, EveryGroupTakesAShare: the inputs of n this group runs, every D-th from its group number (all
+// of them without data parallelism).
+std::vector<size_t> cli_group_share(size_t n);
+// After its share: this group steps along (idle, its experts serving the others' tokens) until every group
+// is done, then hands `mine` to rank 0, which gets every group's in group order (its own first). Without data
+// parallelism {mine}; on the other groups' leaders an empty list (their command ends there, quietly).
+// `runner`: one of this group's runners (it sends the idle steps to the group's workers).
+// The bytes are a message of core/wire.h.
+std::vector<std::vector<uint8_t>> cli_gather_shares(ModelRunner& runner, std::vector<uint8_t> mine);
 // This process's data-parallel group (0 without data parallelism).
 int cli_data_parallel_rank();
 // Serving with --data-parallel-size, on a group's leader (engine/remote_groups.h): rank 0's links to the

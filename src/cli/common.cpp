@@ -186,7 +186,7 @@ LoadOptions weight_options() {
 }
 }  // namespace
 
-std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device, bool every_group_serves) {
+std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string& device, GroupRole groups) {
   LoadOptions options = weight_options();
   // A checkpoint of 1 GB or more shows its progress and load rate on stderr.
   options.progress = stderr;
@@ -219,10 +219,50 @@ std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string&
   if (run.group->plans()) run.workers = std::make_unique<WorkerChannel>(*run.group->plans());
   if (run.group->leaders()) {
     run.data_parallel = std::make_unique<DataParallelSync>(*run.group->leaders());
-    run.groups_follow = !every_group_serves;
+    run.groups_follow = groups == GroupRole::FirstGroupRuns;
     if (run.groups_follow && run.group->data_parallel_rank() != 0) follow_first_group(std::move(model));
   }
   return model;
+}
+
+std::vector<size_t> cli_group_share(size_t n) {
+  const ParallelRun& run = parallel_run();
+  const size_t groups = run.data_parallel ? size_t(run.group->data_parallel_size()) : 1;
+  const size_t mine = run.data_parallel ? size_t(run.group->data_parallel_rank()) : 0;
+  std::vector<size_t> share;
+  for (size_t i = mine; i < n; i += groups) share.push_back(i);
+  if (groups > 1 && mine == 0) {
+    std::string counts;
+    for (size_t g = 0; g < groups; ++g) counts += (g ? " + " : "") + std::to_string(n / groups + (g < n % groups));
+    std::fprintf(stderr, "sparrow: %zu inputs over %zu data-parallel groups, input i to group i mod %zu (%s)\n", n,
+                 groups, groups, counts.c_str());
+  }
+  return share;
+}
+
+std::vector<std::vector<uint8_t>> cli_gather_shares(ModelRunner& runner, std::vector<uint8_t> mine) {
+  ParallelRun& run = parallel_run();
+  if (!run.data_parallel) return {std::move(mine)};
+  SPARROW_CHECK(!run.groups_follow, "cli_gather_shares: the command was loaded with GroupRole::EveryGroupTakesAShare");
+  // Every group steps until the exchange where all of them have nothing left (the same wave everywhere).
+  for (IdleStep step = runner.run_idle(); step != IdleStep::Settled; step = runner.run_idle())
+    SPARROW_CHECK(step != IdleStep::Stopped, "a data-parallel group left before the others were done");
+  Communicator& leaders = *run.group->leaders();
+  const int groups = leaders.size(), me = leaders.rank();
+  int64_t size = int64_t(mine.size());
+  std::vector<int64_t> sizes(groups);
+  leaders.all_gather(&size, sizes.data(), 1, ScalarType::I64);
+  if (me != 0) {
+    leaders.send(mine.data(), size, 0);
+    return {};
+  }
+  std::vector<std::vector<uint8_t>> all(groups);
+  all[0] = std::move(mine);
+  for (int g = 1; g < groups; ++g) {
+    all[g].resize(size_t(sizes[g]));
+    leaders.recv(all[g].data(), sizes[g], g);
+  }
+  return all;
 }
 
 std::vector<Communicator*> cli_engine_links() {

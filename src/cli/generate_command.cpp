@@ -12,6 +12,7 @@
 #include "cli/commands.h"
 #include "cli/text_generation.h"
 #include "core/error.h"
+#include "core/wire.h"
 #include "engine/generate.h"
 #include "model/model.h"
 #include "tokenizer/detokenizer.h"
@@ -67,7 +68,7 @@ void add_generate(CLI::App& app) {
     if (text->count()) return generate_text(model_dir, device, prompt_text, options);
 
     auto prompts = read_prompt_ids(prompts_path);
-    auto model = load_cli_model(model_dir, device);
+    auto model = load_cli_model(model_dir, device, GroupRole::EveryGroupTakesAShare);
     options.runner = cli_runner_options();
     auto draft = load_draft_model(options.speculative, model_dir, device);
     options.draft_model = draft.get();
@@ -75,7 +76,32 @@ void add_generate(CLI::App& app) {
       for (int32_t id : prompts[i])
         SPARROW_CHECK(id < model->vocab_size(), prompts_path, ": prompt ", i, " holds id ", id,
                       " outside the vocabulary (", model->vocab_size(), ")");
-    nlohmann::json out = {{"completions", generate(*model, prompts, options)}};
+    // Under data parallelism every group generates its share of the prompts (with their own seeds) and rank 0
+    // prints them all.
+    options.numbers = cli_group_share(prompts.size());
+    std::vector<std::vector<int32_t>> mine;
+    for (size_t i : options.numbers) mine.push_back(prompts[i]);
+    const std::vector<std::vector<int32_t>> completions = generate(*model, mine, options);
+    wire::Writer message;
+    message.put<uint64_t>(mine.size());
+    for (size_t j = 0; j < mine.size(); ++j) {
+      message.put<uint64_t>(options.numbers[j]);
+      message.put(completions[j]);
+    }
+    ModelRunner idle(*model, options.runner);
+    const std::vector<std::vector<uint8_t>> shares = cli_gather_shares(idle, std::move(message.bytes));
+    if (shares.empty()) return;  // another group's leader: rank 0 prints
+    std::vector<std::vector<int32_t>> all(prompts.size());
+    for (const std::vector<uint8_t>& bytes : shares) {
+      wire::Reader reader(bytes, "generated completions");
+      for (uint64_t n = reader.get<uint64_t>(); n > 0; --n) {
+        const uint64_t i = reader.get<uint64_t>();
+        SPARROW_CHECK(i < prompts.size(), "generated completions: prompt ", i);
+        all[i] = reader.get_vector<int32_t>();
+      }
+      reader.finish();
+    }
+    nlohmann::json out = {{"completions", all}};
     std::printf("%s\n", out.dump().c_str());
   });
 }

@@ -3,6 +3,7 @@
 // transformers' model(input_ids).logits.
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/wire.h"
 #include "formats/safetensors.h"
 #include "model/model.h"
 
@@ -18,15 +19,38 @@ void add_score(CLI::App& app) {
   on_selected(sub, [] {
     if (model_dir.empty()) model_dir = default_model_dir();
     auto prompts = read_prompt_ids(prompts_path);
-    auto model = load_cli_model(model_dir, device);
-    ModelRunner runner(*model, cli_runner_options());
-    std::vector<std::pair<std::string, Tensor>> out;
-    for (size_t i = 0; i < prompts.size(); ++i) {
+    auto model = load_cli_model(model_dir, device, GroupRole::EveryGroupTakesAShare);
+    for (size_t i = 0; i < prompts.size(); ++i)
       for (int32_t id : prompts[i])
         SPARROW_CHECK(id < model->vocab_size(), prompts_path, ": prompt ", i, " holds id ", id,
                       " outside the vocabulary (", model->vocab_size(), ")");
+    // Under data parallelism every group scores its share of the prompts and rank 0 writes them all.
+    ModelRunner runner(*model, cli_runner_options());
+    const std::vector<size_t> share = cli_group_share(prompts.size());
+    wire::Writer mine;
+    mine.put<uint64_t>(share.size());
+    for (size_t i : share) {
       SequenceState state = runner.new_sequence();
-      out.push_back({"logits." + std::to_string(i), runner.run(make_batch({{&state, prompts[i]}})).to(Device::Cpu)});
+      const Tensor logits = runner.run(make_batch({{&state, prompts[i]}})).to(Device::Cpu);
+      mine.put<uint64_t>(i);
+      mine.put<int64_t>(logits.dim(0));
+      mine.put(std::vector<float>(logits.data(), logits.data() + logits.numel()));
+    }
+    const std::vector<std::vector<uint8_t>> shares = cli_gather_shares(runner, std::move(mine.bytes));
+    if (shares.empty()) return;  // another group's leader: rank 0 writes the file
+    std::vector<std::pair<std::string, Tensor>> out(prompts.size());
+    for (const std::vector<uint8_t>& bytes : shares) {
+      wire::Reader reader(bytes, "scored prompts");
+      for (uint64_t n = reader.get<uint64_t>(); n > 0; --n) {
+        const uint64_t i = reader.get<uint64_t>();
+        const int64_t rows = reader.get<int64_t>();
+        const std::vector<float> values = reader.get_vector<float>();
+        SPARROW_CHECK(i < prompts.size() && rows > 0 && int64_t(values.size()) % rows == 0, "scored prompts: entry ", i);
+        Tensor logits = Tensor::empty({rows, int64_t(values.size()) / rows});
+        std::copy(values.begin(), values.end(), logits.data());
+        out[i] = {"logits." + std::to_string(i), std::move(logits)};
+      }
+      reader.finish();
     }
     write_safetensors(out_path, out);
   });

@@ -268,7 +268,7 @@ void serve(const ServeFlags& flags) {
   }
 
   // With --data-parallel-size every group's leader gets here and runs an engine (engine/remote_groups.h).
-  std::unique_ptr<Model> model = load_cli_model(model_dir, flags.device, /*every_group_serves=*/true);
+  std::unique_ptr<Model> model = load_cli_model(model_dir, flags.device, GroupRole::EveryGroupServes);
   // Declared before the engine, which drafts with it.
   const std::unique_ptr<Model> draft_model = load_draft_model(speculative, model_dir, flags.device);
   config.speculative = speculative;

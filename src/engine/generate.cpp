@@ -64,7 +64,9 @@ void generate(Model& model, const std::vector<std::vector<int32_t>>& prompts, co
   for (size_t i = 0; i < prompts.size(); ++i) {
     Request request{std::to_string(i), prompts[i], options.sampling};
     request.params.max_tokens = options.max_tokens;
-    if (request.params.seed) *request.params.seed += i;  // prompt i draws with seed + i
+    SPARROW_CHECK(options.numbers.empty() || options.numbers.size() == prompts.size(), "generate: ", options.numbers.size(),
+                  " prompt numbers for ", prompts.size(), " prompts");
+    if (request.params.seed) *request.params.seed += options.numbers.empty() ? i : options.numbers[i];  // seed + its number
     engine.add(std::move(request), [&on_token, &step_failed, i](const RequestOutput& event) {
       for (int32_t token : event.new_tokens) on_token(i, token);
       step_failed |= event.finish_reason == "error";

@@ -25,6 +25,9 @@ struct GenerateOptions {
   // Speculative decoding (--speculative-config); the draft model of method draft_model must outlive the call.
   SpeculativeConfig speculative;
   Model* draft_model = nullptr;
+  // The prompts' numbers in the command's list, for their seeds (prompt i draws with seed + numbers[i]): a
+  // data-parallel group generating its share of a list keeps the draws of the whole list. Empty: 0, 1, ...
+  std::vector<size_t> numbers;
 };
 
 // Calls on_token(i, id) for each token generated after prompts[i] as soon as it is sampled (a stop token

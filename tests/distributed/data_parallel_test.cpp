@@ -5,10 +5,10 @@
 //   - `sparrow score` and `sparrow generate` run as a user runs them, for every family (the fixtures'
 //     prompts are longer than the sparse budgets), at -dp 2 with the experts dealt out whole (-ep), split
 //     inside over both groups, and with tensor parallelism inside each group (-dp 2 -tp 2): every row of
-//     logits within 1e-5 of one process (relative L2) and the same greedy tokens. In these commands the
-//     first group runs the prompts and the second steps along on no rows of its own, its experts serving
-//     the first group's tokens (the serving test runs both groups' own requests:
-//     tests/server/test_tensor_parallel.py).
+//     logits within 1e-5 of one process (relative L2) and the same greedy (and seeded) tokens. In these
+//     commands each group runs its share of the prompts (every second one) and steps along with the other
+//     while it has none left, its experts serving the other's tokens; rank 0 writes them all (the serving
+//     test runs both groups' own requests: tests/server/test_tensor_parallel.py).
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -177,7 +177,22 @@ TEST(DataParallel, GreedyGenerationAsOneProcess) {
     const auto ours = run(base + " -dp 2 -ep");
     ASSERT_EQ(ours.status, 0) << name << ": " << ours.err;
     EXPECT_EQ(ours.out, whole.out) << name;
+    // Each group generated its share of the three prompts: the first two of them, the second one.
+    EXPECT_NE(ours.err.find("3 inputs over 2 data-parallel groups, input i to group i mod 2 (2 + 1)"), std::string::npos)
+        << ours.err;
   }
+}
+
+// Seeded sampling: prompt i draws with seed + i whichever group generates it.
+TEST(DataParallel, SeededSamplingAsOneProcess) {
+  const fs::path fixture = kFixtures / "deepseek_v32";
+  const std::string base = "generate --model " + fixture.string() + " --prompt-ids " +
+                           (fixture / "prompts.json").string() + " --max-tokens 8 --temperature 1 --seed 7";
+  const auto whole = run(base);
+  ASSERT_EQ(whole.status, 0) << whole.err;
+  const auto ours = run(base + " -dp 2 -ep");
+  ASSERT_EQ(ours.status, 0) << ours.err;
+  EXPECT_EQ(ours.out, whole.out);
 }
 
 // Sizes that do not fit are refused in one line before anything runs.
