@@ -126,6 +126,58 @@ Tensor reduce_scatter_rows(const TensorParallel& tp, const Tensor& x, const std:
   return mine == parts.largest ? summed : summed.rows(0, mine).clone();
 }
 
+Tensor send_rows(const TensorParallel& tp, const Tensor& x, RowExchange& exchange) {
+  const std::vector<std::vector<int64_t>>& to = exchange.to;
+  SPARROW_CHECK(tp.dp_comm && int64_t(to.size()) == tp.dp_size, "send_rows: ", to.size(), " destinations for ",
+                tp.dp_size, " data-parallel groups");
+  if (!x.on_cpu()) return send_rows(tp, x.to(Device::Cpu), exchange).to(x.device());
+  const int D = tp.dp_size, me = tp.dp_rank;
+  const int64_t width = x.dim(1), row_bytes = width * scalar_size(x.type());
+  // Every group's counts to every group: [source][destination].
+  std::vector<int64_t> counts(D), matrix(size_t(D) * D);
+  for (int d = 0; d < D; ++d) counts[d] = int64_t(to[d].size());
+  tp.dp_comm->all_gather(counts.data(), matrix.data(), D, ScalarType::I64);
+  exchange.largest = std::max<int64_t>(1, *std::max_element(matrix.begin(), matrix.end()));
+  const int64_t largest = exchange.largest;
+  std::vector<uint8_t> send(size_t(D * largest * row_bytes), 0), recv(send.size());
+  const uint8_t* rows = static_cast<const uint8_t*>(x.raw());
+  for (int d = 0; d < D; ++d)
+    for (size_t i = 0; i < to[d].size(); ++i) {
+      SPARROW_CHECK(to[d][i] >= 0 && to[d][i] < x.dim(0), "send_rows: row ", to[d][i], " of ", x.dim(0));
+      std::memcpy(send.data() + (d * largest + int64_t(i)) * row_bytes, rows + to[d][i] * row_bytes, size_t(row_bytes));
+    }
+  tp.dp_comm->all_to_all(send.data(), recv.data(), largest * row_bytes, ScalarType::U8);
+  exchange.from.assign(D, 0);
+  int64_t total = 0;
+  for (int s = 0; s < D; ++s) total += exchange.from[s] = matrix[size_t(s) * D + me];
+  Tensor out = Tensor::empty({total, width}, x.type());
+  for (int64_t s = 0, at = 0; s < D; at += exchange.from[s], ++s)
+    std::memcpy(static_cast<uint8_t*>(out.raw()) + at * row_bytes, recv.data() + s * largest * row_bytes,
+                size_t(exchange.from[s] * row_bytes));
+  return out;
+}
+
+Tensor return_rows(const TensorParallel& tp, const Tensor& y, const RowExchange& exchange, int64_t rows) {
+  const int D = tp.dp_size;
+  SPARROW_CHECK(tp.dp_comm && int64_t(exchange.from.size()) == D && int64_t(exchange.to.size()) == D,
+                "return_rows: an exchange of ", exchange.from.size(), " groups, not ", D);
+  if (!y.on_cpu()) return return_rows(tp, y.to(Device::Cpu), exchange, rows).to(y.device());
+  SPARROW_CHECK(y.type() == ScalarType::F32, "return_rows: fp32 terms");
+  const int64_t width = y.dim(1), largest = exchange.largest;
+  std::vector<float> send(size_t(D * largest * width), 0.0f), recv(send.size());
+  for (int64_t s = 0, at = 0; s < D; at += exchange.from[s], ++s)
+    std::copy_n(y.data() + at * width, exchange.from[s] * width, send.data() + s * largest * width);
+  tp.dp_comm->all_to_all(send.data(), recv.data(), largest * width, ScalarType::F32);
+  Tensor out = Tensor::zeros({rows, width});
+  for (int d = 0; d < D; ++d)
+    for (size_t i = 0; i < exchange.to[d].size(); ++i) {
+      float* row = out.row(exchange.to[d][i]);
+      const float* term = recv.data() + (d * largest + int64_t(i)) * width;
+      for (int64_t c = 0; c < width; ++c) row[c] += term[c];
+    }
+  return out;
+}
+
 Tensor embedding_part(const Tensor& table_part, int64_t first, int64_t vocab, const std::vector<int32_t>& ids) {
   const int64_t rows = table_part.dim(0), width = table_part.dim(1), n = int64_t(ids.size());
   // The rows this part holds, then one zero row that every other id picks (on either device, with the

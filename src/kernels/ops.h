@@ -64,6 +64,19 @@ Tensor all_gather_rows(const TensorParallel& tp, const Tensor& x, const std::vec
 // Its transpose: x [sum of counts, width] holds a term for every group's rows; returns this group's
 // counts[dp_rank] rows summed over the data-parallel ranks (a reduce-scatter of padded parts).
 Tensor reduce_scatter_rows(const TensorParallel& tp, const Tensor& x, const std::vector<int64_t>& counts);
+// Data parallelism with expert parallelism: the routed rows only, over tp.dp_comm. The caller sets `to`: to[d]
+// lists the rows of x (this group's) that group d's rank must see (those with a slot routed to its experts);
+// send_rows returns the rows every group sent this rank, source group after source group ([sum of from,
+// width]), and fills in the rest (one all-gather of the counts, one all-to-all padded to `largest`).
+struct RowExchange {
+  std::vector<std::vector<int64_t>> to;
+  std::vector<int64_t> from;  // rows each group sent this rank
+  int64_t largest = 0;        // the most rows any group sent any other: the all-to-alls' part
+};
+Tensor send_rows(const TensorParallel& tp, const Tensor& x, RowExchange& exchange);
+// The way back: y (fp32) holds a term for each row send_rows returned, in its order; each goes back to its
+// source, which gets [rows, width]: zeros plus, group after group, the term group d returned for row to[d][i].
+Tensor return_rows(const TensorParallel& tp, const Tensor& y, const RowExchange& exchange, int64_t rows);
 // A vocab-parallel embedding: rows of `table_part`, the vocabulary's rows [first, first + rows), for the
 // ids it holds and zeros for the others (whose rows another rank adds); every id is checked against
 // `vocab`.

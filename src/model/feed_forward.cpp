@@ -115,9 +115,43 @@ Tensor MoeBlock::routed(const Tensor& x) const {
                           experts.down, act.kind, act.alpha, act.limit);
 }
 
+Tensor MoeBlock::dispatch_routed(const Tensor& x) const {
+  // Which groups' ranks of the experts' group (this tensor-parallel rank in each group) own an expert some
+  // slot of each row is routed to: the experts are dealt over all dp_size x size ranks as expert_share deals
+  // them, and a rank of another tensor-parallel rank is reached by that rank of this group.
+  const int D = tp.dp_size;
+  ops::RowExchange exchange;
+  exchange.to.resize(D);
+  if (x.dim(0) > 0) {
+    ops::Routing routing = router.route(x);
+    const Tensor experts_host = routing.experts.to(Device::Cpu);
+    std::vector<int64_t> owner_group(num_experts, -1);  // -1: owned by another tensor-parallel rank
+    for (int d = 0; d < D; ++d) {
+      const IndexRange share = expert_share(TensorParallel{d * tp.size + tp.rank, D * tp.size, nullptr, true}, num_experts);
+      for (int64_t e = share.begin; e < share.end; ++e) owner_group[e] = d;
+    }
+    const int64_t top_k = experts_host.dim(1);
+    for (int64_t t = 0; t < x.dim(0); ++t) {
+      std::vector<bool> sent(D, false);
+      for (int64_t j = 0; j < top_k; ++j) {
+        const int32_t e = experts_host.as<int32_t>()[t * top_k + j];
+        const int64_t d = e >= 0 && e < num_experts ? owner_group[e] : -1;
+        if (d >= 0 && !sent[d]) sent[d] = true, exchange.to[d].push_back(t);
+      }
+    }
+  }
+  const Tensor received = ops::send_rows(tp, x, exchange);
+  Tensor terms = received.dim(0) > 0 ? routed(received) : Tensor::zeros({0, experts_out_width()}, ScalarType::F32, x.device());
+  return ops::return_rows(tp, terms.to(Device::Cpu, ScalarType::F32), exchange, x.dim(0)).to(x.device(), terms.type());
+}
+
 Tensor MoeBlock::forward(const Tensor& x, const Batch& batch) const {
   Tensor out;
-  if (tp.data_parallel()) {
+  if (tp.data_parallel() && tp.expert_parallel) {
+    // Whole experts over every rank: each row goes only to the ranks that own one of its experts.
+    out = dispatch_routed(x);
+    if (x.dim(0) == 0) return out;
+  } else if (tp.data_parallel()) {
     // Every group's tokens through this rank's experts, this group's rows summed back over the groups; a
     // group without tokens (x has no rows) takes part for the others' sake and is done.
     const std::vector<int64_t>& counts = batch.group_tokens;

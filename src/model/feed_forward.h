@@ -130,6 +130,11 @@ struct MoeBlock : FeedForward {
   // This rank's routed experts' weighted sum over x's tokens ([T, H], or the latent [T, Z]), before any
   // reduction over ranks.
   Tensor routed(const Tensor& x) const;
+  // Data parallel with expert parallelism: routed()'s terms for this group's rows x, each row sent (by an
+  // all-to-all, ops::send_rows) only to the groups whose rank owns one of its experts, their terms returned
+  // and added (ops::return_rows) in group order: the sum the all-gather path adds, for the rows routed there.
+  Tensor dispatch_routed(const Tensor& x) const;
+  int64_t experts_out_width() const { return experts.down.dim(1); }  // H, or Z for a latent MoE
 };
 
 }  // namespace sparrow

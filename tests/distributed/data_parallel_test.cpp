@@ -1,6 +1,7 @@
 // Data parallelism (--data-parallel-size, docs/parallel.md) against one process, with real processes:
-//   - the row collectives a data-parallel MoE layer runs (ops::all_gather_rows / reduce_scatter_rows)
-//     between three forked ranks with uneven counts, one of them empty;
+//   - the row collectives a data-parallel MoE layer runs (ops::all_gather_rows / reduce_scatter_rows, and
+//     with expert parallelism ops::send_rows / return_rows) between three forked ranks with uneven counts,
+//     one of them empty;
 //   - when the groups' leaders stop stepping together (runner/data_parallel.h);
 //   - `sparrow score` and `sparrow generate` run as a user runs them, for every family (the fixtures'
 //     prompts are longer than the sparse budgets), at -dp 2 with the experts dealt out whole (-ep), split
@@ -111,6 +112,53 @@ TEST(DataParallel, RowCollectivesBetweenProcesses) {
       refused = true;
     }
     SPARROW_CHECK(refused, "a wrong row count was not refused");
+  });
+  EXPECT_EQ(failures, "");
+}
+
+// Expert parallelism's dispatch (ops::send_rows / return_rows): each group sends some of its rows to some
+// groups (one to itself, one to nobody, a row to two groups, a group with no rows at all), gets exactly the
+// rows addressed to it in source order, and the terms come back added in group order onto zeros.
+TEST(DataParallel, RoutedRowsGoOnlyWhereTheyAreSent) {
+  const int64_t width = 3;
+  const std::vector<int64_t> counts = {3, 0, 2};
+  // to[g][d]: the rows of group g that go to group d.
+  const std::vector<std::vector<std::vector<int64_t>>> to = {{{0}, {0, 2}, {2}}, {{}, {}, {}}, {{1}, {}, {0, 1}}};
+  const std::string failures = run_ranks(3, [&](Communicator& comm) {
+    TensorParallel tp;
+    tp.dp_rank = comm.rank();
+    tp.dp_size = comm.size();
+    tp.dp_comm = &comm;
+    const int g = comm.rank();
+    auto value = [](int64_t group, int64_t row, int64_t col) { return float(100 * group + 10 * row + col); };
+    Tensor x = Tensor::zeros({counts[size_t(g)], width});
+    for (int64_t r = 0; r < x.dim(0); ++r)
+      for (int64_t c = 0; c < width; ++c) x.data()[r * width + c] = value(g, r, c);
+    ops::RowExchange exchange;
+    exchange.to = to[size_t(g)];
+    const Tensor got = ops::send_rows(tp, x, exchange);
+    int64_t row = 0;
+    for (int s = 0; s < 3; ++s) {
+      SPARROW_CHECK(exchange.from[size_t(s)] == int64_t(to[size_t(s)][size_t(g)].size()), "from ", s);
+      for (int64_t r : to[size_t(s)][size_t(g)]) {
+        for (int64_t c = 0; c < width; ++c)
+          SPARROW_CHECK(got.data()[row * width + c] == value(s, r, c), "group ", g, " row ", row, " column ", c);
+        ++row;
+      }
+    }
+    SPARROW_CHECK(got.dim(0) == row, "group ", g, " got ", got.dim(0), " rows, expected ", row);
+    // Each group returns (its number + 1) x every row it got: a row comes back as the sum over the groups
+    // it went to.
+    Tensor terms = got.clone();
+    for (int64_t i = 0; i < terms.numel(); ++i) terms.data()[i] *= float(g + 1);
+    const Tensor back = ops::return_rows(tp, terms, exchange, x.dim(0));
+    for (int64_t r = 0; r < x.dim(0); ++r) {
+      float factor = 0.0f;
+      for (int d = 0; d < 3; ++d)
+        for (int64_t sent : to[size_t(g)][size_t(d)]) factor += sent == r ? float(d + 1) : 0.0f;
+      for (int64_t c = 0; c < width; ++c)
+        SPARROW_CHECK(back.data()[r * width + c] == factor * value(g, r, c), "group ", g, " returned row ", r);
+    }
   });
   EXPECT_EQ(failures, "");
 }
