@@ -182,7 +182,8 @@ TEST(DataParallel, EveryFamilyScoresAsOneProcess) {
   };
   const std::vector<Case> cases = {
       {"minimax_m3", {"-dp 2 -ep", "-dp 2", "-dp 2 -tp 2 -ep"}},
-      {"deepseek_v32", {"-dp 2 -ep", "-dp 2 -tp 2"}},
+      // (with decode context parallelism inside each group too: four processes, two DCP groups)
+      {"deepseek_v32", {"-dp 2 -ep", "-dp 2 -tp 2", "-dp 2 -tp 2 -dcp 2 -ep"}},
       {"kimi_linear", {"-dp 2 -ep", "-dp 2 -tp 2"}},
       {"kimi_k3", {"-dp 2 -ep"}},
       {"kimi_k3_1_pro", {"-dp 2 -ep", "-dp 2"}},

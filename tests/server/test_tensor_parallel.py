@@ -87,16 +87,19 @@ def test_two_ranks_serve_what_one_process_serves(start_server, test_model, famil
 
 
 # Speculative decoding under tensor parallelism: the verify steps' logits rows go to the workers in the step
-# plan, and a KDA rollback reaches them as a state op of the next step (kimi_linear); the answers are still
-# the single process's.
-@pytest.mark.parametrize("family", ["kimi_linear", "minimax_m3"])
-def test_two_ranks_speculating_serve_what_one_process_serves(start_server, test_model, family):
+# plan, and a KDA rollback reaches them as a state op of the next step (kimi_linear); under DCP the verify
+# rows of a sequence go through the top-k and log-sum-exp merges (deepseek_v32); the answers are still the
+# single process's.
+@pytest.mark.parametrize("family,layout", [("kimi_linear", ()), ("minimax_m3", ()), ("deepseek_v32", ("-dcp", "2"))],
+                         ids=["kimi_linear", "minimax_m3", "deepseek_v32-dcp2"])
+def test_two_ranks_speculating_serve_what_one_process_serves(start_server, test_model, family, layout):
     model = test_model(family)
     single = start_server(*squeezed(KV_CACHE_MEMORY[family]), model=model)
     requests = make_requests(seed=2024)[:REQUESTS // 2]
     expected = [run_alone(single.client(timeout=120), r) for r in requests]
-    sharded = start_server(*squeezed(KV_CACHE_MEMORY[family]), "--tensor-parallel-size", "2", "--speculative-config",
-                           '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}', model=model)
+    sharded = start_server(*squeezed(KV_CACHE_MEMORY[family]), "--tensor-parallel-size", "2", *layout,
+                           "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}',
+                           model=model)
     results = stream_all(sharded.client(timeout=180), requests, join_s=300)
     assert len(results) == len(requests), "some requests did not finish"
     mismatches = differences_from_solo(results, expected)
