@@ -67,6 +67,19 @@ bool token_sharded_step(const TensorParallel& tp, int64_t rows, Device device) {
          tp.token_sharded_prefill_rows > 0 && rows >= tp.token_sharded_prefill_rows;
 }
 
+void store_step_rows(const TensorParallel& tp, const Batch& batch, int layer, PageKind kind, const Tensor& rows) {
+  const int W = tp.dcp_size, me = tp.dcp_rank;
+  const int64_t width = rows.row_size();
+  std::vector<float> local;
+  for (const SeqSlice& seq : batch.seqs) {
+    const int64_t first = dcp_local_rows(seq.start(), me, W), last = dcp_local_rows(seq.start() + seq.count, me, W);
+    local.resize(size_t((last - first) * width));
+    for (int64_t l = first; l < last; ++l)  // token l * W + me, row (l * W + me - start) of the step's sequence
+      std::copy_n(rows.row(seq.offset + l * W + me - seq.start()), width, local.data() + (l - first) * width);
+    seq.cache().write(layer, kind, first, last - first, local.data());
+  }
+}
+
 std::vector<std::vector<float>> step_context(const TensorParallel& tp, const Batch& batch, int layer, PageKind kind,
                                              int64_t width) {
   std::vector<std::vector<float>> context(batch.seqs.size());

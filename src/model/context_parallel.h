@@ -29,6 +29,10 @@ std::vector<RowPiece> token_shard_pieces(const Batch& batch, int rank, int size)
 // (0: never).
 bool token_sharded_step(const TensorParallel& tp, int64_t rows, Device device);
 
+// Stores this step's rows of one page kind (`rows` [batch.size(), width], CPU) in the sequences' caches: every
+// row, or under DCP this rank's share (token j at local row j / W when j mod W is this rank).
+void store_step_rows(const TensorParallel& tp, const Batch& batch, int layer, PageKind kind, const Tensor& rows);
+
 // The step's context of one page kind for a token-sharded step, per sequence of the batch: its rows
 // [0, start + count) in order, as the cache returns them, after this step's rows are stored. Without DCP,
 // read from this rank's (whole) cache; under DCP ("DCP prefill without a merge", the first seed article),

@@ -151,14 +151,7 @@ Tensor DsaIndexer::select_pieces(const Tensor& x, const Tensor& q_resid, const B
   const int64_t dim = options.head_dim, k = options.topk;
   Projection p = project(x, q_resid, batch);
   // This step's keys into the cache: every key (the index cache is replicated), or under DCP this rank's.
-  for (const SeqSlice& seq : batch.seqs) {
-    const int W = tp.dcp_size, me = tp.dcp_rank;
-    const int64_t first = dcp_local_rows(seq.start(), me, W), last = dcp_local_rows(seq.start() + seq.count, me, W);
-    std::vector<float> local((last - first) * dim);
-    for (int64_t l = first; l < last; ++l)
-      std::copy_n(p.keys.row(seq.offset + l * W + me - seq.start()), dim, local.data() + (l - first) * dim);
-    seq.cache().write(layer, PageKind::DsaIndexKey, first, last - first, local.data());
-  }
+  store_step_rows(tp, batch, layer, PageKind::DsaIndexKey, p.keys);
   const std::vector<std::vector<float>> context = step_context(tp, batch, layer, PageKind::DsaIndexKey, dim);
   int64_t rows = 0;
   for (const RowPiece& piece : pieces) rows += piece.count;
@@ -188,14 +181,10 @@ Tensor DsaIndexer::select_context_parallel(const Projection& p, const Batch& bat
   std::vector<std::vector<float>> scores;  // the rows that need the merge, in batch order
   std::vector<int64_t> visible;
   std::vector<int32_t*> merged_rows;
-  std::vector<float> local_keys, cached;
+  std::vector<float> cached;
+  store_step_rows(tp, batch, layer, PageKind::DsaIndexKey, p.keys);
   for (const SeqSlice& seq : batch.seqs) {
-    const int64_t start = seq.start(), end = start + seq.count;
-    const int64_t first = dcp_local_rows(start, me, W), last = dcp_local_rows(end, me, W);
-    local_keys.resize((last - first) * dim);
-    for (int64_t l = first; l < last; ++l)
-      std::copy_n(p.keys.row(seq.offset + l * W + me - start), dim, local_keys.data() + (l - first) * dim);
-    seq.cache().write(layer, PageKind::DsaIndexKey, first, last - first, local_keys.data());
+    const int64_t start = seq.start(), end = start + seq.count, last = dcp_local_rows(end, me, W);
     const cpu::DsaKeyRounding rounding = key_rounding(seq.cache(), layer);
     if (end > k) {
       cached.resize(last * dim);

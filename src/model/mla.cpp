@@ -271,14 +271,7 @@ Tensor MlaMixer::attend_token_sharded(const Tensor& q_abs, const Tensor& new_row
 
   // Every rank stores every row (the latent cache stays replicated; under DCP its own rows), then attends its
   // pieces' rows over the step's context (under DCP gathered from the group: DCP prefill without a merge).
-  for (const SeqSlice& seq : batch.seqs) {
-    const int D = tp.dcp_size, me = tp.dcp_rank;
-    const int64_t first = dcp_local_rows(seq.start(), me, D), last = dcp_local_rows(seq.start() + seq.count, me, D);
-    std::vector<float> local((last - first) * width);
-    for (int64_t l = first; l < last; ++l)
-      std::copy_n(new_rows.row(seq.offset + l * D + me - seq.start()), width, local.data() + (l - first) * width);
-    seq.cache().write(layer, PageKind::MlaLatent, first, last - first, local.data());
-  }
+  store_step_rows(tp, batch, layer, PageKind::MlaLatent, new_rows);
   const std::vector<std::vector<float>> context = step_context(tp, batch, layer, PageKind::MlaLatent, width);
   const cpu::MlaShape shape{all_heads, latent, width, o.softmax_scale};
   std::vector<float> out(size_t(std::max<int64_t>(mine, 1) * all_heads * latent));
@@ -325,14 +318,10 @@ Tensor MlaMixer::attend_context_parallel(const Tensor& q_abs, const Tensor& new_
 
   const cpu::MlaShape shape{heads, latent, width, o.softmax_scale};
   std::vector<float> partial(size_t(W * rows * heads * latent)), lse(size_t(W * rows * heads));
-  std::vector<float> local_rows, prefix, gathered;
+  std::vector<float> prefix, gathered;
+  store_step_rows(tp, batch, layer, PageKind::MlaLatent, new_rows);
   for (const SeqSlice& seq : batch.seqs) {
-    const int64_t start = seq.start(), end = start + seq.count;
-    const int64_t first = dcp_local_rows(start, me, W), last = dcp_local_rows(end, me, W);
-    local_rows.resize((last - first) * width);
-    for (int64_t l = first; l < last; ++l)
-      std::copy_n(new_rows.row(seq.offset + l * W + me - start), width, local_rows.data() + (l - first) * width);
-    seq.cache().write(layer, PageKind::MlaLatent, first, last - first, local_rows.data());
+    const int64_t start = seq.start(), end = start + seq.count, last = dcp_local_rows(end, me, W);
     prefix.resize(last * width);
     seq.cache().read(layer, PageKind::MlaLatent, 0, last, prefix.data());
     for (int64_t i = 0; i < seq.count; ++i) {
