@@ -136,7 +136,24 @@ PYBIND11_MODULE(_engine, m) {
              }
              return results_list(results);
            })
-      .def("update_weights", &Llm::update_weights, py::call_guard<py::gil_scoped_release>())
+      .def("update_weights", static_cast<void (Llm::*)(const std::string&)>(&Llm::update_weights),
+           py::call_guard<py::gil_scoped_release>())
+      // [(name, safetensors dtype, shape, bytes), ...] (the Python side flattens each tensor to contiguous uint8):
+      // the bytes are copied before the load.
+      .def("update_weights_from_tensors",
+           [](Llm& llm, const std::vector<std::tuple<std::string, std::string, std::vector<int64_t>, py::buffer>>& items) {
+             std::vector<Llm::HostTensor> tensors;
+             std::vector<py::buffer_info> views;  // held until the copy
+             for (const auto& [name, dtype, shape, buffer] : items) {
+               views.push_back(buffer.request());
+               const py::buffer_info& view = views.back();
+               SPARROW_CHECK(view.ndim == 1 && view.itemsize == 1 && (view.size <= 1 || view.strides[0] == 1),
+                             "update_weights: '", name, "' must come as contiguous bytes");
+               tensors.push_back({name, dtype, shape, view.ptr, size_t(view.size * view.itemsize)});
+             }
+             py::gil_scoped_release release;
+             llm.update_weights(tensors);
+           })
       .def_static("check_params", [](const std::string& params) { Llm::check_params(nlohmann::json::parse(params)); })
       .def("encode",
            [](const Llm& llm, const std::string& text) {

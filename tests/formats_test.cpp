@@ -677,6 +677,44 @@ TEST(FormatsCheckpoint, FinishReportsTensorsNeverTaken) {
   checkpoint->finish({"model.mtp."});
 }
 
+// Tensors from memory in place of the folder's (the Python API's update_weights from host buffers): taken as
+// the folder's would be, in any plain dtype where the folder's is plain; a name, shape or dtype that does not
+// fit is refused naming the tensor.
+TEST(FormatsCheckpoint, ReplacedTensorsAreTakenInsteadOfTheFolders) {
+  TempDir dir;
+  std::vector<uint8_t> fp8_codes = {0x38, 0x40};  // two e4m3 codes
+  write_checkpoint(dir, {iota_f32("a.weight", {2, 2}), iota_f32("b.weight", {3}),
+                         {"q.weight", "F8_E4M3", {1, 2}, std::string(fp8_codes.begin(), fp8_codes.end())},
+                         f32("q.weight_scale_inv", {1, 1}, {1.0f})});
+  auto memory = std::make_shared<std::vector<float>>(std::vector<float>{-1, -2, -3, -4});
+  auto bf16 = std::make_shared<std::vector<uint16_t>>(std::vector<uint16_t>{0x3f80, 0x4000, 0x4040});  // 1, 2, 3
+  auto info = [](const std::string& name, DType dtype, Shape shape, const void* data, size_t bytes) {
+    TensorInfo t;
+    t.name = name;
+    t.dtype = dtype;
+    t.shape = std::move(shape);
+    t.data = static_cast<const uint8_t*>(data);
+    t.nbytes = bytes;
+    return t;
+  };
+  auto checkpoint = Checkpoint::open(dir.path());
+  checkpoint->replace_tensors({{info("a.weight", DType::F32, {2, 2}, memory->data(), 16),
+                                info("b.weight", DType::BF16, {3}, bf16->data(), 6)},
+                               std::make_shared<std::pair<decltype(memory), decltype(bf16)>>(memory, bf16)});
+  const Tensor a = checkpoint->take("a.weight", {2, 2}), b = checkpoint->take("b.weight", {3});
+  EXPECT_EQ(std::vector<float>(a.data(), a.data() + 4), (std::vector<float>{-1, -2, -3, -4}));
+  EXPECT_EQ(std::vector<float>(b.data(), b.data() + 3), (std::vector<float>{1, 2, 3}));
+  using sparrow::testing::error_message;
+  using sparrow::testing::mentions;
+  auto refused = [&](const TensorInfo& t) {
+    return error_message([&] { Checkpoint::open(dir.path())->replace_tensors({{t}, memory}); });
+  };
+  EXPECT_TRUE(mentions(refused(info("c.weight", DType::F32, {1}, memory->data(), 4)), {"'c.weight'", "not a tensor"}));
+  EXPECT_TRUE(mentions(refused(info("a.weight", DType::F32, {4}, memory->data(), 16)), {"'a.weight'", "[4]", "[2, 2]"}));
+  EXPECT_TRUE(mentions(refused(info("q.weight", DType::BF16, {1, 2}, bf16->data(), 4)), {"'q.weight'", "F8_E4M3"}));
+  EXPECT_TRUE(mentions(refused(info("a.weight", DType::F32, {2, 2}, memory->data(), 12)), {"'a.weight'", "12 bytes"}));
+}
+
 TEST(FormatsCheckpoint, ExpertLayoutsAgree) {
   const int64_t E = 2, I = 2, H = 3;
   // Per-expert layout, with expert 1 stored as FP8 with (partial, single) block scales.

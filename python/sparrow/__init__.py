@@ -177,10 +177,19 @@ class LLM:
             rendered.append(json.dumps(body))
         return self._run(self._engine.chat, rendered, sampling_params)
 
-    def update_weights(self, model: str) -> None:
-        """Replaces the weights with those of another folder of the same architecture (the engine's prefix cache
-        is dropped); the next call generates with them."""
-        self._engine.update_weights(str(model))
+    def update_weights(self, model=None, *, weights=None) -> None:
+        """Replaces the weights: with those of another folder of the same architecture (`model`), or with tensors
+        from memory in place of the current folder's tensors of the same names (`weights`: a mapping or an
+        iterable of (name, tensor) pairs, numpy arrays or torch tensors, as an RL trainer hands its policy over;
+        a bfloat16 array held as numpy uint16 comes as (name, array, "BF16")). The engine's prefix cache is
+        dropped; the next call generates with them."""
+        if (model is None) == (weights is None):
+            raise ValueError("update_weights takes a model folder or weights, one of them")
+        if model is not None:
+            self._engine.update_weights(str(model))
+            return
+        items = weights.items() if hasattr(weights, "items") else weights
+        self._engine.update_weights_from_tensors([_host_tensor(*item) for item in items])
 
     def _run(self, call, prompts: list, sampling_params) -> list[RequestOutput]:
         if sampling_params is None:
@@ -194,6 +203,35 @@ class LLM:
             except ValueError:
                 return None
         return [_request_output(r, decode) for r in results]
+
+
+_NUMPY_DTYPES = {"float32": "F32", "float16": "F16", "float64": "F64", "int32": "I32", "int64": "I64",
+                 "uint8": "U8", "int8": "I8"}
+_TORCH_DTYPES = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16",
+                 "torch.float8_e4m3fn": "F8_E4M3", "torch.float8_e5m2": "F8_E5M2", "torch.uint8": "U8",
+                 "torch.int8": "I8", "torch.int32": "I32", "torch.int64": "I64"}
+
+
+def _host_tensor(name: str, tensor, dtype: Optional[str] = None):
+    """(name, safetensors dtype, shape, contiguous bytes) of a numpy array or a torch tensor."""
+    import numpy as np
+    if type(tensor).__module__.startswith("torch"):
+        import torch
+        tensor = tensor.detach().to("cpu").contiguous()
+        kind = dtype or _TORCH_DTYPES.get(str(tensor.dtype))
+        if kind is None:
+            raise ValueError(f"update_weights: {name!r} has dtype {tensor.dtype}, which sparrow does not take")
+        shape = list(tensor.shape)
+        data = tensor.reshape(-1).view(torch.uint8).numpy()
+    else:
+        array = np.ascontiguousarray(tensor)
+        kind = dtype or _NUMPY_DTYPES.get(array.dtype.name)
+        if kind is None:
+            raise ValueError(f"update_weights: {name!r} has dtype {array.dtype}: give it as (name, array, dtype), "
+                             f"dtype as safetensors spells it (\"BF16\" for bfloat16 held as uint16)")
+        shape = list(array.shape)
+        data = array.reshape(-1).view(np.uint8)
+    return name, kind, shape, data
 
 
 def _prompts(prompts) -> list:

@@ -1,12 +1,14 @@
 #include "api/llm.h"
 
 #include <filesystem>
+#include <cstring>
 #include <fstream>
 
 #include "cache/page_codec.h"
 #include "core/device/device.h"
 #include "core/error.h"
 #include "engine/generate.h"
+#include "formats/checkpoint.h"
 #include "formats/config.h"
 #include "model/mtp.h"
 #include "runner/memory_profile.h"
@@ -83,6 +85,7 @@ Llm::Llm(LlmOptions options) : options_(std::move(options)) {
     config_.draft_model = draft_model_.get();
   }
   model_ = load(model_path_);
+  weights_folder_ = model_path_;
   const bool on_gpu = model_->device() != Device::Cpu;
   if (options_.kv_cache_memory > 0) {
     config_.cache.memory_bytes = options_.kv_cache_memory;
@@ -185,7 +188,37 @@ std::vector<RequestResult> Llm::chat(const std::vector<nlohmann::ordered_json>& 
 
 void Llm::update_weights(const std::string& folder) {
   read_config(folder);  // "not a model folder" before anything loads
-  std::unique_ptr<Model> next = load(folder);
+  replace_model(load(folder), folder);
+  weights_folder_ = folder;
+}
+
+void Llm::update_weights(const std::vector<HostTensor>& tensors) {
+  // One copy of every tensor's bytes: views of them (bf16 weights on the CPU) outlive this call.
+  size_t total = 0;
+  for (const HostTensor& t : tensors) total += t.nbytes;
+  auto memory = std::make_shared<std::vector<uint8_t>>(total);
+  auto replaced = std::make_shared<TensorsInMemory>();
+  size_t at = 0;
+  for (const HostTensor& t : tensors) {
+    TensorInfo info;
+    info.name = t.name;
+    SPARROW_CHECK(parse_dtype(t.dtype, &info.dtype), "update_weights: '", t.name, "' has an unknown dtype '", t.dtype,
+                  "' (BF16, F16, F32, F8_E4M3, ... as safetensors spells them)");
+    info.shape = Shape(t.shape.begin(), t.shape.end());
+    SPARROW_CHECK(t.data || t.nbytes == 0, "update_weights: '", t.name, "' has no data");
+    if (t.nbytes) std::memcpy(memory->data() + at, t.data, t.nbytes);
+    info.data = memory->data() + at;
+    info.nbytes = t.nbytes;
+    at += t.nbytes;
+    replaced->tensors.push_back(std::move(info));
+  }
+  replaced->memory = memory;
+  LoadOptions options = load_options();
+  options.replaced_tensors = replaced;
+  replace_model(load_model(weights_folder_, parse_device(options_.device), options), weights_folder_ + " with new tensors");
+}
+
+void Llm::replace_model(std::unique_ptr<Model> next, const std::string& folder) {
   SPARROW_CHECK(next->model_type() == model_->model_type() && next->vocab_size() == model_->vocab_size() &&
                     next->cache_spec() == model_->cache_spec(),
                 folder, ": not the architecture being served (", next->model_type(), ", vocabulary ", next->vocab_size(),

@@ -7,8 +7,9 @@
 // checked as it is there; a bad value is a sparrow::Error naming the field.
 //
 // update_weights() replaces the model by the checkpoint of another folder of the same architecture (an RL
-// trainer's new policy): the engine is rebuilt on it (its prefix cache dropped), the next generate() uses it.
-// The old and the new weights are both resident while the new ones load.
+// trainer's new policy), or by the current folder's with tensors from memory in place of some of its own
+// (the trainer's tensors, never written to disk): the engine is rebuilt on it (its prefix cache dropped), the
+// next generate() uses it. The old and the new weights are both resident while the new ones load.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -81,6 +82,16 @@ class Llm {
   // The model of `folder` (same architecture: model type, vocabulary and cache layout) replaces the current
   // one; the engine (and its prefix cache) is rebuilt on it.
   void update_weights(const std::string& folder);
+  // The same from memory: the folder the weights last came from, with each of `tensors` (copied) in place of
+  // its tensor of the same name (Checkpoint::replace_tensors says what may replace what).
+  struct HostTensor {
+    std::string name;
+    std::string dtype;           // as safetensors spells it: "BF16", "F16", "F32", "F8_E4M3", ...
+    std::vector<int64_t> shape;
+    const void* data = nullptr;  // nbytes bytes, row-major
+    size_t nbytes = 0;
+  };
+  void update_weights(const std::vector<HostTensor>& tensors);
 
   // Checks one set of parameters as generate() would (a sparrow::Error naming the field).
   static void check_params(const nlohmann::json& params);
@@ -93,9 +104,12 @@ class Llm {
   void make_engine();
   LoadOptions load_options() const;  // the target's and its MTP drafter's
   std::unique_ptr<Model> load(const std::string& folder) const;
+  // The checks update_weights makes of a new model (`folder` names it in errors), then the engine rebuilt on it.
+  void replace_model(std::unique_ptr<Model> next, const std::string& folder);
 
   LlmOptions options_;
   std::string model_path_;
+  std::string weights_folder_;  // where the model's weights last came from (update_weights from a folder)
   std::shared_ptr<const Tokenizer> tokenizer_;
   std::unique_ptr<ChatTemplate> chat_template_;
   std::unique_ptr<Model> model_;

@@ -186,13 +186,36 @@ Tensor Checkpoint::dummy_grouped(const std::string& name, const Shape& shape, We
 
 void Checkpoint::add_file(std::shared_ptr<SafetensorsFile> file) {
   for (const auto& [name, info] : file->tensors()) {
-    auto existing = owner_.find(name);
-    SPARROW_CHECK(existing == owner_.end(), dir_, ": tensor '", name, "' appears in both ", existing->second->path(),
+    auto existing = index_.find(name);
+    SPARROW_CHECK(existing == index_.end(), dir_, ": tensor '", name, "' appears in both ", existing->second->file,
                   " and ", file->path());
     index_[name] = &info;
     owner_[name] = file;
   }
   files_.push_back(std::move(file));
+}
+
+void Checkpoint::replace_tensors(const TensorsInMemory& tensors) {
+  SPARROW_CHECK(!dummy_, "new weights for a --load-format dummy model: it has no tensors to replace");
+  auto plain = [](DType t) { return t == DType::BF16 || t == DType::F16 || t == DType::F32; };
+  for (const TensorInfo& info : tensors.tensors) {
+    auto it = index_.find(info.name);
+    SPARROW_CHECK(it != index_.end(), "new weights: '", info.name, "' is not a tensor of ", dir_);
+    const TensorInfo& stored = *it->second;
+    SPARROW_CHECK(info.shape == stored.shape, "new weights: '", info.name, "' has shape ", shape_str(info.shape),
+                  ", the model's is ", shape_str(stored.shape));
+    SPARROW_CHECK(info.dtype == stored.dtype || (plain(info.dtype) && plain(stored.dtype)), "new weights: '",
+                  info.name, "' comes as ", dtype_name(info.dtype), " where the model stores ", dtype_name(stored.dtype),
+                  " (a quantized weight is replaced in its own format, with its scales)");
+    int64_t elements = 1;
+    for (int64_t d : info.shape) elements *= d;
+    SPARROW_CHECK(info.nbytes == size_t(elements) * dtype_size(info.dtype), "new weights: '", info.name, "' holds ",
+                  info.nbytes, " bytes for ", elements, " ", dtype_name(info.dtype), " values");
+    replaced_.push_back(std::make_unique<TensorInfo>(info));
+    replaced_.back()->file = "the new weights";
+    it->second = replaced_.back().get();
+    owner_[info.name] = tensors.memory;
+  }
 }
 
 void Checkpoint::mark_taken(const std::string& name) {

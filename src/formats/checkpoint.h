@@ -41,6 +41,13 @@ struct Split {
   Shape of(const Shape& expected) const;
 };
 
+// Named tensors in host memory (TensorInfo::data points into `memory`, which keeps the bytes alive for as long
+// as a loaded model's views of them live).
+struct TensorsInMemory {
+  std::vector<TensorInfo> tensors;
+  std::shared_ptr<void> memory;
+};
+
 class Checkpoint {
  public:
   // Opens dir/config.json and the safetensors files; errors are one line naming the problem.
@@ -137,6 +144,13 @@ class Checkpoint {
   int64_t total_bytes() const;
   int64_t bytes_taken() const { return bytes_taken_.load(); }
 
+  // Tensors handed in from memory instead of the folder's (an RL trainer's new weights, through the Python
+  // API's update_weights): each replaces the folder's tensor of its name, in the same shape, stored either in
+  // the same dtype or, where the folder's is bf16, f16 or f32, in any of those three (a quantized tensor comes
+  // with its scales under their own names). One-line errors for a name the folder lacks, another shape or
+  // dtype.
+  void replace_tensors(const TensorsInMemory& tensors);
+
   // Throws "unexpected tensor 'x' in <file>" for any tensor never taken (ignoring names matched by
   // `ignore_prefixes`, e.g. MTP layers or a vision tower the text model does not use).
   void finish(const std::vector<std::string>& ignore_prefixes = {});
@@ -146,7 +160,8 @@ class Checkpoint {
   Config config_;
   std::vector<std::shared_ptr<SafetensorsFile>> files_;
   std::map<std::string, const TensorInfo*> index_;
-  std::map<std::string, std::shared_ptr<SafetensorsFile>> owner_;
+  std::vector<std::unique_ptr<TensorInfo>> replaced_;  // replace_tensors' infos, which index_ points to
+  std::map<std::string, std::shared_ptr<void>> owner_;  // what keeps each tensor's bytes alive (its file)
   std::set<std::string> taken_;
   std::vector<std::string> left_prefixes_;  // other ranks' experts (take_expert_range)
   std::atomic<int64_t> bytes_taken_{0};

@@ -46,16 +46,6 @@ const DTypeEntry& dtype_entry(DType t) {
   fail("unknown dtype ", static_cast<int>(t));
 }
 
-bool parse_dtype(const std::string& name, DType* out) {
-  for (const DTypeEntry& entry : kDTypes) {
-    if (name == entry.name) {
-      *out = entry.dtype;
-      return true;
-    }
-  }
-  return false;
-}
-
 // A non-negative JSON integer that fits in int64 (shapes and offsets); false for anything else.
 bool to_size(const nlohmann::json& value, int64_t* out) {
   if (!value.is_number_unsigned()) return false;  // nlohmann parses every non-negative integer as unsigned
@@ -132,6 +122,16 @@ std::string corrupt(const std::string& path) { return path + ": corrupt safetens
 
 const char* dtype_name(DType t) { return dtype_entry(t).name; }
 size_t dtype_size(DType t) { return dtype_entry(t).size; }
+
+bool parse_dtype(const std::string& name, DType* out) {
+  for (const DTypeEntry& entry : kDTypes) {
+    if (name == entry.name) {
+      *out = entry.dtype;
+      return true;
+    }
+  }
+  return false;
+}
 
 std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
   std::shared_ptr<SafetensorsFile> file(new SafetensorsFile());

@@ -17,6 +17,8 @@ namespace sparrow {
 // how some FP8 checkpoints store their block scales ("scale_fmt": "ue8m0").
 enum class DType { F32, F16, BF16, F8_E4M3, I32, I64, U8, I8, BOOL, F64, F8_E5M2, F8_E8M0, I16, U16, U32, U64 };
 const char* dtype_name(DType t);
+// The dtype a safetensors header spells `name` ("BF16", "F32", ...); false for another name.
+bool parse_dtype(const std::string& name, DType* out);
 size_t dtype_size(DType t);
 
 struct TensorInfo {

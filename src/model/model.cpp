@@ -97,6 +97,7 @@ std::unique_ptr<Checkpoint> open_checkpoint(const std::string& dir, Device devic
   std::unique_ptr<Checkpoint> ckpt =
       options.load_format == "dummy" ? Checkpoint::open_dummy(dir, options.dummy_seed) : Checkpoint::open(dir);
   if (device != Device::Cpu) ckpt->place_on(device);
+  if (options.replaced_tensors) ckpt->replace_tensors(*options.replaced_tensors);
   return ckpt;
 }
 

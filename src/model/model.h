@@ -46,6 +46,7 @@ struct SeqSlice {
 struct DeviceStep;
 struct DecoderLayer;
 class Checkpoint;
+struct TensorsInMemory;
 
 struct Batch {
   std::vector<int32_t> tokens;     // all new tokens, sequence after sequence
@@ -144,6 +145,9 @@ struct LoadOptions {
   // Tensor parallelism (docs/parallel.md): this process's rank in the group it loads its part of the model
   // for, and the group's communicator (which must outlive the model). Unsharded by default.
   TensorParallel tensor_parallel;
+  // New weights from memory in place of the folder's tensors of the same names (Checkpoint::replace_tensors:
+  // the Python API's update_weights from host buffers). Null: the folder's own.
+  std::shared_ptr<const TensorsInMemory> replaced_tensors;
 };
 std::unique_ptr<Model> load_model(const std::string& dir, Device device, const LoadOptions& options);
 

@@ -2,7 +2,8 @@
 greedy tokens equal `sparrow generate`'s for every family's fixture (prompts longer than the sparse
 budgets); text prompts, n choices and seeds, logprobs and prompt_logprobs in vLLM's shapes, stop strings
 and finish reasons, JSON-schema structured outputs, chat through the model's template; update_weights
-takes effect on the next call and refuses another architecture; bad parameters are errors naming the
+(from a folder, or from numpy arrays / torch tensors in memory) takes effect on the next call and refuses
+another architecture or a tensor that does not fit; bad parameters are errors naming the
 field, never a crash."""
 from __future__ import annotations
 
@@ -137,6 +138,63 @@ def test_update_weights_takes_effect_on_the_next_call(tmp_path):
     with pytest.raises(ValueError, match="not the architecture being served"):
         llm.update_weights(str(FIXTURES / "deepseek_v32"))
     assert llm.generate("def fibonacci(n):", params)[0].outputs[0].token_ids == before.token_ids
+
+
+def stored_tensor(folder: Path, name: str):
+    """One tensor of model.safetensors as (numpy array, safetensors dtype); bf16 as uint16 bits."""
+    import numpy as np
+    data = (folder / "model.safetensors").read_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    info = json.loads(data[8:8 + header_len])[name]
+    begin, end = (8 + header_len + o for o in info["data_offsets"])
+    kind = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}[info["dtype"]]
+    return np.frombuffer(data[begin:end], dtype=kind).reshape(info["shape"]), info["dtype"]
+
+
+# An RL trainer's step: new tensors from memory, never written to disk, answer as the folder holding them does.
+def test_update_weights_from_memory_is_the_folder_with_those_tensors(tmp_path):
+    import numpy as np
+    changed = tmp_path / "changed"
+    shutil.copytree(BUNDLED, changed)
+    negate_tensor(changed, "lm_head.weight")
+    params = sparrow.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    expected = sparrow.LLM(str(changed), kv_cache_memory_bytes=64 << 20).generate("def fibonacci(n):", params)[0].outputs[0]
+    llm = sparrow.LLM(str(BUNDLED), kv_cache_memory_bytes=64 << 20)
+    before = llm.generate("def fibonacci(n):", params)[0].outputs[0]
+    head, dtype = stored_tensor(changed, "lm_head.weight")
+    llm.update_weights(weights=[("lm_head.weight", head, dtype)] if dtype == "BF16" else {"lm_head.weight": head})
+    after = llm.generate("def fibonacci(n):", params)[0].outputs[0]
+    assert after.token_ids == expected.token_ids and after.cumulative_logprob == expected.cumulative_logprob
+    assert after.token_ids != before.token_ids
+    # The same tensor widened to float32 (any of bf16 / f16 / f32 replaces a bf16 one): the same answers.
+    wide = head.astype(np.uint32) << 16 if dtype == "BF16" else head.astype(np.float32)
+    llm.update_weights(weights={"lm_head.weight": wide.view(np.float32) if dtype == "BF16" else wide})
+    assert llm.generate("def fibonacci(n):", params)[0].outputs[0].token_ids == expected.token_ids
+    # Bad tensors are refused with their name, and the model being served stays.
+    with pytest.raises(ValueError, match="'model.nonexistent.weight' is not a tensor of"):
+        llm.update_weights(weights={"model.nonexistent.weight": np.zeros(4, np.float32)})
+    with pytest.raises(ValueError, match="has shape"):
+        llm.update_weights(weights={"lm_head.weight": np.zeros((2, 3), np.float32)})
+    with pytest.raises(ValueError, match="give it as"):
+        llm.update_weights(weights={"lm_head.weight": np.zeros(head.shape, np.uint16)})
+    with pytest.raises(ValueError, match="a model folder or weights"):
+        llm.update_weights()
+    assert llm.generate("def fibonacci(n):", params)[0].outputs[0].token_ids == expected.token_ids
+
+
+def test_update_weights_from_torch_tensors(tmp_path):
+    torch = pytest.importorskip("torch")
+    changed = tmp_path / "changed"
+    shutil.copytree(BUNDLED, changed)
+    negate_tensor(changed, "lm_head.weight")
+    params = sparrow.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = sparrow.LLM(str(changed), kv_cache_memory_bytes=64 << 20).generate("def fibonacci(n):", params)[0].outputs[0]
+    head, dtype = stored_tensor(changed, "lm_head.weight")
+    tensor = torch.from_numpy(head.astype("int32")).to(torch.int16).view(torch.bfloat16) if dtype == "BF16" \
+        else torch.from_numpy(head.copy())
+    llm = sparrow.LLM(str(BUNDLED), kv_cache_memory_bytes=64 << 20)
+    llm.update_weights(weights={"lm_head.weight": tensor})
+    assert llm.generate("def fibonacci(n):", params)[0].outputs[0].token_ids == expected.token_ids
 
 
 def test_bad_input_is_an_error_naming_it(llm):
