@@ -129,11 +129,12 @@ class LLM:
                  kv_cache_memory_bytes: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  kv_cache_dtype: str = "auto", block_size: int = 64, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, seed: Optional[int] = None, tensor_parallel_size: int = 1,
-                 data_parallel_size: int = 1, tokenizer: Optional[str] = None, trust_remote_code: bool = False,
-                 dtype: str = "auto", speculative_config: Optional[dict] = None):
-        if tensor_parallel_size != 1 or data_parallel_size != 1:
-            raise ValueError("the Python API runs one process: tensor_parallel_size and data_parallel_size must be 1 "
-                             "(for several GPUs serve with `sparrow serve -tp N` and use its OpenAI API)")
+                 data_parallel_size: int = 1, decode_context_parallel_size: int = 1, tokenizer: Optional[str] = None,
+                 trust_remote_code: bool = False, dtype: str = "auto", speculative_config: Optional[dict] = None):
+        if tensor_parallel_size != 1 or data_parallel_size != 1 or decode_context_parallel_size != 1:
+            raise ValueError("the Python API runs one process: tensor_parallel_size, data_parallel_size and "
+                             "decode_context_parallel_size must be 1 (for several GPUs serve with `sparrow serve -tp N` "
+                             "and use its OpenAI API)")
         if tokenizer not in (None, model):
             raise ValueError("sparrow reads the tokenizer from the model folder")
         if dtype not in ("auto", "bfloat16"):

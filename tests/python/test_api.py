@@ -218,6 +218,8 @@ def test_bad_input_is_an_error_naming_it(llm):
         sparrow.LLM("/nonexistent/model")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         sparrow.LLM(str(BUNDLED), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="decode_context_parallel_size"):
+        sparrow.LLM(str(BUNDLED), decode_context_parallel_size=2)
     # The engine is still fine after every refusal.
     assert llm.generate("ok", sparrow.SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
 
