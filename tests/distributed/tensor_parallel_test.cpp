@@ -191,7 +191,14 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallelCpu,
 // gathered from the ranks' shares: the same bits as token-sharded prefill without DCP, for a first chunk and
 // for a second one whose context is half in the cache already.
 TEST(TensorParallelCpu, DcpPrefillWithoutAMergeIsBitwiseTheTokenShardedPrefill) {
-  for (const auto& [fixture, size] : {std::pair<std::string, int>{"deepseek_v32", 2}, {"kimi_k3_1_pro", 4}}) {
+  // (Named fields, not a structured binding: clang before 16 cannot capture one in the lambda below.)
+  struct Layout {
+    std::string fixture;
+    int size;
+  };
+  for (const Layout& layout : {Layout{"deepseek_v32", 2}, Layout{"kimi_k3_1_pro", 4}}) {
+    const std::string& fixture = layout.fixture;
+    const int size = layout.size;
     const fs::path dir = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / fixture;
     const std::vector<Tokens> prompts = model_test::token_lists(dir / "prompts.json", "prompts");
     EXPECT_EQ(run_ranks(size,
