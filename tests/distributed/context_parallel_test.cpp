@@ -31,20 +31,15 @@ using Rows = std::vector<std::vector<float>>;
 // then sees this rank's counters. "" when every rank agreed.
 std::string merge_on_ranks(int W, int64_t k, const Rows& rows,
                            const std::function<void(const DcpMergeCounters&)>& check = nullptr) {
-  const int port = sparrow::testing::free_port();
-  return sparrow::testing::run_ranks(
+  return sparrow::testing::run_group(
       W,
-      [&](int rank) {
-        GroupOptions options;
-        options.rank = rank;
-        options.size = W;
-        options.master_port = port;
-        options.timeout = std::chrono::seconds(60);
-        std::unique_ptr<Communicator> comm = connect_gloo(options);
-        TensorParallel tp{rank, W, comm.get()};
+      [&](Communicator& group) {
+        Communicator* comm = &group;
+        const int rank = group.rank();
+        TensorParallel tp{rank, W, comm};
         tp.dcp_rank = rank;
         tp.dcp_size = W;
-        tp.dcp_comm = comm.get();
+        tp.dcp_comm = comm;
         std::vector<std::vector<float>> local(rows.size());
         std::vector<int64_t> visible;
         for (size_t i = 0; i < rows.size(); ++i) {

@@ -33,22 +33,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Forks `size` ranks of one gloo group on localhost, each running body(comm); "" when all exited 0.
-std::string run_ranks(int size, const std::function<void(Communicator&)>& body) {
-  const int port = sparrow::testing::free_port();
-  return sparrow::testing::run_ranks(
-      size,
-      [&](int rank) {
-        GroupOptions options;
-        options.rank = rank;
-        options.size = size;
-        options.master_port = port;
-        options.timeout = std::chrono::seconds(60);
-        std::unique_ptr<Communicator> comm = connect_gloo(options);
-        body(*comm);
-      },
-      std::chrono::seconds(120));
-}
+using sparrow::testing::run_group;
 
 const fs::path kFixtures = fs::path(SPARROW_SOURCE_DIR) / "tests" / "fixtures";
 
@@ -80,7 +65,7 @@ double row_error(const Tensor& ours, const Tensor& ref, int64_t row) {
 TEST(DataParallel, RowCollectivesBetweenProcesses) {
   const std::vector<int64_t> counts = {2, 0, 3};
   const int64_t width = 5;
-  const std::string failures = run_ranks(3, [&](Communicator& comm) {
+  const std::string failures = run_group(3, [&](Communicator& comm) {
     TensorParallel tp;
     tp.dp_rank = comm.rank();
     tp.dp_size = comm.size();
@@ -124,7 +109,7 @@ TEST(DataParallel, RoutedRowsGoOnlyWhereTheyAreSent) {
   const std::vector<int64_t> counts = {3, 0, 2};
   // to[g][d]: the rows of group g that go to group d.
   const std::vector<std::vector<std::vector<int64_t>>> to = {{{0}, {0, 2}, {2}}, {{}, {}, {}}, {{1}, {}, {0, 1}}};
-  const std::string failures = run_ranks(3, [&](Communicator& comm) {
+  const std::string failures = run_group(3, [&](Communicator& comm) {
     TensorParallel tp;
     tp.dp_rank = comm.rank();
     tp.dp_size = comm.size();

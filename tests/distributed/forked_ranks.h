@@ -1,5 +1,5 @@
-// Real processes for the distributed tests: a free loopback port for a group's rendezvous, and `size` forked
-// ranks running a body, waited for with a deadline. Shared by the gloo, tensor-parallel and data-parallel
+// Real processes for the distributed tests: a free loopback port for a group's rendezvous, `size` forked
+// ranks running a body, waited for with a deadline, and the same ranks joined in a gloo group. Shared by the gloo, tensor-parallel and data-parallel
 // tests (tests/distributed).
 #pragma once
 #include <netinet/in.h>
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "distributed/gloo_communicator.h"
 
 namespace sparrow::testing {
 
@@ -94,6 +95,25 @@ inline std::string run_ranks(int size, const std::function<void(int rank)>& body
     }
   }
   return failures;
+}
+
+// Rank `rank` of a gloo group of `size` on localhost meeting at `port` (a test's timeouts: 60 s).
+inline std::unique_ptr<Communicator> connect_local(int rank, int size, int port) {
+  GroupOptions options;
+  options.rank = rank;
+  options.size = size;
+  options.master_port = port;
+  options.timeout = std::chrono::seconds(60);
+  return connect_gloo(options);
+}
+
+// Forks `size` ranks, each joining one gloo group on localhost and running body(its communicator); "" when
+// all exited 0 (run_ranks' report otherwise).
+inline std::string run_group(int size, const std::function<void(Communicator&)>& body,
+                             std::chrono::seconds deadline = std::chrono::seconds(120)) {
+  const int port = free_port();
+  return run_ranks(
+      size, [&](int rank) { body(*connect_local(rank, size, port)); }, deadline);
 }
 
 }  // namespace sparrow::testing

@@ -36,28 +36,18 @@ namespace {
 // dcp > 1 the ranks also form decode-context-parallel groups of dcp consecutive ranks, as ProcessGroup does.
 std::string run_ranks(int size, const std::function<void(const TensorParallel&)>& body, bool expert_parallel = false,
                       int dcp = 1, bool indexer_decode_cp = false, int64_t token_sharded_prefill_rows = 0) {
-  const int port = sparrow::testing::free_port();
   std::vector<int> context_ports;  // one rendezvous for each decode-context-parallel group
   for (int g = 0; dcp > 1 && g < size / dcp; ++g) context_ports.push_back(sparrow::testing::free_port());
-  return sparrow::testing::run_ranks(
+  return sparrow::testing::run_group(
       size,
-      [&](int rank) {
-        GroupOptions options;
-        options.rank = rank;
-        options.size = size;
-        options.master_port = port;
-        options.timeout = std::chrono::seconds(60);
-        std::unique_ptr<Communicator> comm = connect_gloo(options);
-        TensorParallel tp{rank, size, comm.get(), expert_parallel};
+      [&](Communicator& comm) {
+        const int rank = comm.rank();
+        TensorParallel tp{rank, size, &comm, expert_parallel};
         tp.indexer_decode_cp = indexer_decode_cp;
         tp.token_sharded_prefill_rows = token_sharded_prefill_rows;
         std::unique_ptr<Communicator> context;
         if (dcp > 1) {
-          GroupOptions sub = options;
-          sub.rank = rank % dcp;
-          sub.size = dcp;
-          sub.master_port = context_ports[rank / dcp];
-          context = connect_gloo(sub);
+          context = sparrow::testing::connect_local(rank % dcp, dcp, context_ports[rank / dcp]);
           tp.dcp_rank = rank % dcp;
           tp.dcp_size = dcp;
           tp.dcp_comm = context.get();
