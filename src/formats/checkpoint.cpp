@@ -207,8 +207,7 @@ void Checkpoint::replace_tensors(const TensorsInMemory& tensors) {
     SPARROW_CHECK(info.dtype == stored.dtype || (plain(info.dtype) && plain(stored.dtype)), "new weights: '",
                   info.name, "' comes as ", dtype_name(info.dtype), " where the model stores ", dtype_name(stored.dtype),
                   " (a quantized weight is replaced in its own format, with its scales)");
-    int64_t elements = 1;
-    for (int64_t d : info.shape) elements *= d;
+    const int64_t elements = shape_numel(info.shape);
     SPARROW_CHECK(info.nbytes == size_t(elements) * dtype_size(info.dtype), "new weights: '", info.name, "' holds ",
                   info.nbytes, " bytes for ", elements, " ", dtype_name(info.dtype), " values");
     replaced_.push_back(std::make_unique<TensorInfo>(info));

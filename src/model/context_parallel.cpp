@@ -72,6 +72,10 @@ void store_step_rows(const TensorParallel& tp, const Batch& batch, int layer, Pa
   const int64_t width = rows.row_size();
   std::vector<float> local;
   for (const SeqSlice& seq : batch.seqs) {
+    if (W == 1) {  // every row, as it lies in the step
+      seq.cache().write(layer, kind, seq.start(), seq.count, rows.row(seq.offset));
+      continue;
+    }
     const int64_t first = dcp_local_rows(seq.start(), me, W), last = dcp_local_rows(seq.start() + seq.count, me, W);
     local.resize(size_t((last - first) * width));
     for (int64_t l = first; l < last; ++l)  // token l * W + me, row (l * W + me - start) of the step's sequence

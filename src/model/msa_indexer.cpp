@@ -37,13 +37,13 @@ void MsaIndexer::project(const Tensor& x, const Tensor& positions, const Rope& r
 }
 
 Tensor MsaIndexer::select(const Tensor& queries, const Tensor& keys, const Batch& batch, int layer) const {
-  const int64_t rows = batch.size();
-  Tensor kept = Tensor::empty({rows, heads, topk_blocks}, ScalarType::I32, queries.device());
   if (tp.sharded() && tp.indexer_decode_cp) {
     for (const SeqSlice& seq : batch.seqs)  // the index keys stay whole on every rank
       seq.cache().write(layer, PageKind::MsaIndexKey, seq.start(), seq.count, keys.row(seq.offset));
     return select_context_parallel(queries, batch, layer);
   }
+  const int64_t rows = batch.size();
+  Tensor kept = Tensor::empty({rows, heads, topk_blocks}, ScalarType::I32, queries.device());
   if (queries.on_cpu()) {
     std::vector<float> cached;  // one sequence's index keys, [end, head_dim]
     for (const SeqSlice& seq : batch.seqs) {
@@ -149,7 +149,7 @@ Tensor MsaIndexer::select_context_parallel(const Tensor& queries, const Batch& b
         for (int64_t j = 0; j < seen_blocks; ++j) {
           const int64_t b = me + j * W;
           // select_blocks' forced blocks: the local ones and the first init_blocks, +inf wherever they live.
-          const bool forced = b > newest - local_blocks || b < init_blocks;
+          const bool forced = cpu::msa_block_forced(b, newest, local_blocks, init_blocks);
           candidates.push_back(dcp_candidate(forced ? std::numeric_limits<float>::infinity() : scores[g * seen_blocks + j], b));
         }
         for (int owner = 0; owner < W; ++owner)

@@ -18,9 +18,9 @@ std::vector<int32_t> select_blocks(std::vector<float> block_scores, int64_t posi
   const int64_t newest = position / block_size;
   const int64_t visible = int64_t(block_scores.size());
   SPARROW_CHECK(visible == newest + 1, "select_blocks: ", visible, " block scores for a query in block ", newest);
-  // MiniMaxM3VLIndexer.forward: the local blocks get +inf so top-k always takes them.
-  for (int64_t l = 0; l < local_blocks; ++l) block_scores[std::max<int64_t>(newest - l, 0)] = kInf;
-  for (int64_t b = 0; b < std::min(init_blocks, visible); ++b) block_scores[b] = kInf;
+  // MiniMaxM3VLIndexer.forward: the local (and init) blocks get +inf so top-k always takes them.
+  for (int64_t b = 0; b < visible; ++b)
+    if (msa_block_forced(b, newest, local_blocks, init_blocks)) block_scores[b] = kInf;
   std::vector<int32_t> chosen = top_k(block_scores.data(), visible, topk_blocks);
   // A block whose score is -inf has no visible key (transformers marks such slots -1).
   std::erase_if(chosen, [&](int32_t b) { return block_scores[b] == -kInf; });

@@ -19,6 +19,11 @@ namespace sparrow::cpu {
 // which ranks init blocks first the same way.
 std::vector<int32_t> select_blocks(std::vector<float> block_scores, int64_t position, int64_t block_size,
                                    int64_t topk_blocks, int64_t local_blocks, int64_t init_blocks = 0);
+// Whether select_blocks forces block b (b <= newest, the query's own block): one of the local_blocks newest
+// (clamped at block 0) or of the first init_blocks.
+inline bool msa_block_forced(int64_t b, int64_t newest, int64_t local_blocks, int64_t init_blocks) {
+  return b > newest - local_blocks || b < init_blocks;
+}
 
 struct MsaSelectShape {
   int64_t heads = 0;         // index heads, one selection each
