@@ -279,7 +279,38 @@ TEST(Mtp, GenerateCommand) {
   EXPECT_EQ(dummy_mtp.status, 0) << dummy_mtp.err;
   EXPECT_EQ(dummy_mtp.out, dummy_plain.out);
   EXPECT_NE(dummy_mtp.out, plain.out);
-  const auto sharded = sparrow::testing::run_sparrow(base + R"( -tp 2 -sc '{"method": "mtp", "num_speculative_tokens": 3}')");
-  EXPECT_NE(sharded.status, 0);
-  EXPECT_NE(sharded.err.find("one process for now"), std::string::npos) << sharded.err;
+}
+
+// The line `generate` prints about speculation (the drafts verified and accepted), empty without one.
+std::string speculation_line(const std::string& err) {
+  const size_t at = err.find("sparrow: speculative decoding");
+  return at == std::string::npos ? "" : err.substr(at, err.find('\n', at) - at);
+}
+
+// Under -tp / -dp the MTP layer runs whole on each group's rank 0 (its cache rows after the target's share of
+// the layers) while the target's verify steps run sharded: every layout gives the single process's tokens,
+// and under -tp the same drafts are verified and accepted (the same counts).
+TEST_P(MtpFamily, ShardedRunsDraftWithTheWholeLayer) {
+  const std::string name = GetParam();
+  const std::string base = "generate --model " + fixture(name).string() + " --prompt-ids " +
+                           (fixture(name) / "prompts.json").string() + " --max-tokens 20 --temperature 0 --ignore-eos";
+  const std::string mtp = R"( -sc '{"method": "mtp", "num_speculative_tokens": 3}')";
+  const auto plain = sparrow::testing::run_sparrow(base);
+  const auto single = sparrow::testing::run_sparrow(base + mtp);
+  ASSERT_EQ(plain.status, 0) << plain.err;
+  ASSERT_EQ(single.status, 0) << single.err;
+  ASSERT_EQ(single.out, plain.out);
+  ASSERT_NE(speculation_line(single.err), "") << single.err;
+  std::vector<std::string> layouts = {"-tp 2", "-tp 2 --enable-expert-parallel", "-dp 2 -tp 2 --enable-expert-parallel"};
+  if (name != "minimax_m3_mtp") layouts.push_back("-tp 2 -dcp 2");  // MLA targets only
+  for (const std::string& layout : layouts) {
+    SCOPED_TRACE(layout);
+    const auto sharded = sparrow::testing::run_sparrow(base + " " + layout + mtp);
+    EXPECT_EQ(sharded.status, 0) << sharded.err;
+    EXPECT_EQ(sharded.out, plain.out);
+    if (layout.find("-dp") == std::string::npos)
+      EXPECT_EQ(speculation_line(sharded.err), speculation_line(single.err)) << sharded.err;
+    else  // each group reports its own share of the prompts
+      EXPECT_NE(sharded.err.find("speculative decoding (data-parallel group 1)"), std::string::npos) << sharded.err;
+  }
 }

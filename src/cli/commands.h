@@ -71,8 +71,9 @@ std::vector<size_t> cli_group_share(size_t n);
 // `runner`: one of this group's runners (it sends the idle steps to the group's workers).
 // The bytes are a message of core/wire.h.
 std::vector<std::vector<uint8_t>> cli_gather_shares(ModelRunner& runner, std::vector<uint8_t> mine);
-// This process's data-parallel group (0 without data parallelism).
+// This process's data-parallel group (0 without data parallelism), and how many groups there are.
 int cli_data_parallel_rank();
+int cli_data_parallel_size();
 // Serving with --data-parallel-size, on a group's leader (engine/remote_groups.h): rank 0's links to the
 // other leaders, or another leader's link to rank 0 (ProcessGroup::connect_engine_links).
 std::vector<Communicator*> cli_engine_links();

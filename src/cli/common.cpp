@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cache/kv_cache.h"
+#include "cache/kv_plan.h"
 #include "cli/commands.h"
 #include "core/device/device.h"
 #include "core/error.h"
@@ -277,6 +278,11 @@ int cli_data_parallel_rank() {
   return run.group ? run.group->data_parallel_rank() : 0;
 }
 
+int cli_data_parallel_size() {
+  const ParallelRun& run = parallel_run();
+  return run.group ? run.group->data_parallel_size() : 1;
+}
+
 std::string cli_parallel_layout() {
   const ParallelRun& run = parallel_run();
   if (!run.group) return "one process (tensor parallel 1)";
@@ -342,10 +348,15 @@ SpeculativeConfig read_speculative_config(const std::string& json) {
 std::unique_ptr<Model> load_draft_model(const SpeculativeConfig& config, const std::string& model_dir,
                                         const std::string& device) {
   if (config.method == "mtp") {
-    SPARROW_CHECK(!parallel_run().group, "--speculative-config: method \"mtp\" runs in one process for now (its layer is not split over "
-                  "--tensor-parallel-size / --data-parallel-size ranks yet)");
+    // Under -tp / -dp the MTP layer runs whole on each group's rank 0, beside the engine that drafts with it
+    // (docs/speculative.md): its cache rows sit in that rank's cache after the target's layers, whose pages
+    // are this rank's share of the target's (cache/kv_plan.h spec_per_rank), and the workers never see it.
     try {
-      return load_mtp_drafter(model_dir, parse_device(device), weight_options());
+      std::unique_ptr<MtpDrafter> drafter = load_mtp_drafter(model_dir, parse_device(device), weight_options());
+      if (parallel_run().group)
+        drafter->target_cache_spec = spec_per_rank(drafter->target_cache_spec, parallel_config.tensor_parallel_size,
+                                                   parallel_config.decode_context_parallel_size);
+      return drafter;
     } catch (const Error& e) {
       fail("--speculative-config: ", e.what());
     }

@@ -20,6 +20,18 @@
 namespace sparrow::cli {
 namespace {
 
+// With speculative decoding, a line on stderr as vLLM logs its SpecDecoding metrics (one per data-parallel
+// group, each counting its own share of the prompts).
+void print_speculation(const SpeculativeConfig& config, const SpecDecodeStats& stats) {
+  if (!config.enabled()) return;
+  const std::string group =
+      cli_data_parallel_size() > 1 ? " (data-parallel group " + std::to_string(cli_data_parallel_rank()) + ")" : "";
+  std::fprintf(stderr, "sparrow: speculative decoding%s: mean acceptance length %.2f, %lld of %lld draft tokens "
+               "accepted in %lld verify steps\n", group.c_str(), stats.acceptance_length(),
+               static_cast<long long>(stats.accepted_tokens), static_cast<long long>(stats.draft_tokens),
+               static_cast<long long>(stats.drafts));
+}
+
 // Streams the continuation of `prompt_text` (the end token itself is not written).
 void generate_text(const std::string& model_dir, const std::string& device, const std::string& prompt_text,
                    GenerateOptions options) {
@@ -30,10 +42,13 @@ void generate_text(const std::string& model_dir, const std::string& device, cons
   options.draft_model = draft.get();
   std::vector<int32_t> prompt = tokenizer->encode_with_special_tokens(prompt_text);
   IncrementalDetokenizer detokenizer(*tokenizer);
+  SpecDecodeStats spec_stats;
+  options.spec_stats = &spec_stats;
   generate_streaming(*model, prompt, options, model_context_length(model_dir), [&](int32_t token) {
     if (!options.stop_token_ids.count(token)) write_now(detokenizer.push(token).text);
   });
   write_now(detokenizer.finish().text + "\n");
+  print_speculation(options.speculative, spec_stats);
 }
 
 }  // namespace
@@ -81,7 +96,10 @@ void add_generate(CLI::App& app) {
     options.numbers = cli_group_share(prompts.size());
     std::vector<std::vector<int32_t>> mine;
     for (size_t i : options.numbers) mine.push_back(prompts[i]);
+    SpecDecodeStats spec_stats;
+    options.spec_stats = &spec_stats;
     const std::vector<std::vector<int32_t>> completions = generate(*model, mine, options);
+    print_speculation(options.speculative, spec_stats);
     wire::Writer message;
     message.put<uint64_t>(mine.size());
     for (size_t j = 0; j < mine.size(); ++j) {

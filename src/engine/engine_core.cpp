@@ -16,17 +16,6 @@ namespace sparrow {
 namespace {
 
 // The cache the engine runs on: one state slot per running sequence, on the model's device.
-// The layers the cache holds: the model's, and with an MTP drafter its layer after them (model/mtp.h).
-std::vector<LayerCacheSpec> engine_cache_spec(const Model& model, const EngineConfig& config) {
-  std::vector<LayerCacheSpec> spec = model.cache_spec();
-  if (config.speculative.method != "mtp") return spec;
-  SPARROW_CHECK(config.draft_model != nullptr, "speculative decoding: method \"mtp\" without the MTP layer loaded");
-  std::vector<LayerCacheSpec> with_drafter = config.draft_model->cache_spec();
-  SPARROW_CHECK(with_drafter.size() == spec.size() + 1 && std::equal(spec.begin(), spec.end(), with_drafter.begin()),
-                "speculative decoding: the MTP layer belongs to another model than the one served");
-  return with_drafter;
-}
-
 // With speculative decoding, recurrent layers need a rollback snapshot per running sequence.
 CacheConfig engine_cache_config(CacheConfig cache, int64_t max_num_seqs, Device device, bool speculative) {
   cache.max_num_seqs = max_num_seqs;
@@ -42,6 +31,16 @@ constexpr uint64_t kSyntheticCoins = 0x5EC0'0001'C01D'5EEDull;
 constexpr uint64_t kVerifyCoins = 0x5EC0'0002'C01D'5EEDull;
 
 }  // namespace
+
+std::vector<LayerCacheSpec> engine_cache_spec(const Model& model, const EngineConfig& config) {
+  std::vector<LayerCacheSpec> spec = model.cache_spec();
+  if (config.speculative.method != "mtp") return spec;
+  SPARROW_CHECK(config.draft_model != nullptr, "speculative decoding: method \"mtp\" without the MTP layer loaded");
+  std::vector<LayerCacheSpec> with_drafter = config.draft_model->cache_spec();
+  SPARROW_CHECK(with_drafter.size() == spec.size() + 1 && std::equal(spec.begin(), spec.end(), with_drafter.begin()),
+                "speculative decoding: the MTP layer belongs to another model than the one served");
+  return with_drafter;
+}
 
 EngineCore::EngineCore(Model& model, const Tokenizer* tokenizer, EngineConfig config)
     : model_(model),

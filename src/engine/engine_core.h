@@ -94,6 +94,10 @@ struct EngineStats {
   std::vector<int64_t> requests_by_group;
 };
 
+// The layers the engine's cache holds: the model's, and with an MTP drafter (config.speculative "mtp") its
+// layer after them (model/mtp.h). Throws when the drafter's layer belongs to another model.
+std::vector<LayerCacheSpec> engine_cache_spec(const Model& model, const EngineConfig& config);
+
 class EngineCore {
  public:
   using OutputCallback = std::function<void(const RequestOutput&)>;

@@ -17,16 +17,20 @@ namespace {
 // The serving engine's loop sized so that every prompt is prefilled in the first step and all decode
 // together after it, with a cache just big enough for every sequence at its full length (prompt +
 // max_tokens) and no prefix caching (nothing is shared or reused offline).
+// The cache is planned for the layers the engine will cache (an MTP drafter's included).
 EngineConfig offline_engine_config(const Model& model, const std::vector<std::vector<int32_t>>& prompts,
-                                   int64_t max_tokens, int64_t speculative_tokens) {
+                                   int64_t max_tokens, const GenerateOptions& options) {
+  const int64_t speculative_tokens = options.speculative.num_speculative_tokens;
   EngineConfig config;
+  config.speculative = options.speculative;
+  config.draft_model = options.draft_model;
   config.max_num_seqs = int64_t(prompts.size());
   config.max_num_batched_tokens = 0;
   config.cache.enable_prefix_caching = false;
   config.cache.rollback_snapshots = speculative_tokens > 0;  // as the engine will plan it (engine_core.cpp)
   config.cache.max_num_seqs = config.max_num_seqs;
   config.cache.memory_bytes = int64_t(1) << 50;  // only to learn the row and slot sizes
-  const CachePlan plan = plan_cache(model.cache_spec(), config.cache);
+  const CachePlan plan = plan_cache(engine_cache_spec(model, config), config.cache);
   int64_t blocks = 0;
   for (const auto& prompt : prompts) {
     const int64_t length = int64_t(prompt.size()) + max_tokens;
@@ -48,10 +52,7 @@ void generate(Model& model, const std::vector<std::vector<int32_t>>& prompts, co
   SPARROW_CHECK(options.max_tokens >= 0, "max_tokens must be >= 0, got ", options.max_tokens);
   if (options.max_tokens == 0 || prompts.empty()) return;
 
-  EngineConfig config = offline_engine_config(model, prompts, options.max_tokens,
-                                              options.speculative.num_speculative_tokens);
-  config.speculative = options.speculative;
-  config.draft_model = options.draft_model;
+  EngineConfig config = offline_engine_config(model, prompts, options.max_tokens, options);
   // The stop ids become the engine's end-of-sequence ids and, with no tokenizer, its only ones: a sequence
   // ends right after one of them (kept in its tokens) and nowhere else, and they are masked until
   // min_tokens exist, as SamplingParams::stop_token_ids would be. The two differ only in the event's
@@ -77,6 +78,7 @@ void generate(Model& model, const std::vector<std::vector<int32_t>>& prompts, co
     // short without a word, so the failure ends the generation.
     SPARROW_CHECK(!step_failed, "generation stopped: a step of the model failed (the cause is printed above)");
   }
+  if (options.spec_stats) *options.spec_stats = engine.stats().spec_decode;
 }
 
 std::vector<std::vector<int32_t>> generate(Model& model, const std::vector<std::vector<int32_t>>& prompts,

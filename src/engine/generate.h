@@ -28,6 +28,9 @@ struct GenerateOptions {
   // The prompts' numbers in the command's list, for their seeds (prompt i draws with seed + numbers[i]): a
   // data-parallel group generating its share of a list keeps the draws of the whole list. Empty: 0, 1, ...
   std::vector<size_t> numbers;
+  // With speculative decoding: where the run's counters go when it ends (the draft tokens verified and
+  // accepted, engine/speculative.h). Null: not reported.
+  SpecDecodeStats* spec_stats = nullptr;
 };
 
 // Calls on_token(i, id) for each token generated after prompts[i] as soon as it is sampled (a stop token
