@@ -12,6 +12,7 @@
 #include "gpu_test_util.h"
 #include "kernels/cpu/reference_ops.h"
 #include "kernels/cuda/topk/topk.h"
+#include "kernels/cuda/topk/topk_registers.cuh"
 #include "kernels/cuda/topk/topk_sampled.cuh"
 
 namespace {
@@ -63,12 +64,14 @@ void run_case(int64_t rows, int64_t max_len, int k, Fill fill, bool vary_len, st
   cudaMemcpy(dl, len.data(), rows * 4, cudaMemcpyHostToDevice);
   // Every implementation on every case it takes (Auto picks one of them by size).
   for (cuda::TopkMethod method : {cuda::TopkMethod::RadixPasses, cuda::TopkMethod::StreamingFilter,
-                                  cuda::TopkMethod::SampledThreshold}) {
+                                  cuda::TopkMethod::SampledThreshold, cuda::TopkMethod::RegisterRadix}) {
     if (method == cuda::TopkMethod::StreamingFilter && k > cuda::kTopkStreamingMaxK) continue;
     if (method == cuda::TopkMethod::SampledThreshold && !cuda::topk_sampled::supports(max_len)) continue;
-    const char* name = method == cuda::TopkMethod::RadixPasses       ? "radix passes"
-                       : method == cuda::TopkMethod::StreamingFilter ? "streaming filter"
-                                                                     : "sampled threshold";
+    if (method == cuda::TopkMethod::RegisterRadix && !cuda::topk_registers::supports(max_len)) continue;
+    const char* name = method == cuda::TopkMethod::RadixPasses        ? "radix passes"
+                       : method == cuda::TopkMethod::StreamingFilter  ? "streaming filter"
+                       : method == cuda::TopkMethod::SampledThreshold ? "sampled threshold"
+                                                                      : "register radix";
     const size_t wsb = cuda::topk_workspace_bytes(rows, max_len, k, method);
     void* ws = nullptr;
     if (wsb) ASSERT_EQ(cudaMalloc(&ws, wsb), cudaSuccess);
@@ -169,3 +172,24 @@ TEST(CudaTopk, SampledThresholdEdges) {
 }
 
 }  // namespace
+
+// Shapes aimed at the register radix select: clusters of 1 to 8 CTAs per row and 4 to 32 scores a
+// thread (rows x lengths), slices past the end of short rows, a whole-bin early stop with ties in the bin,
+// a key range of zero (all equal), NaN and infinities, k near the row length, every alignment of ld.
+TEST(CudaTopk, RegisterRadixEdges) {
+  SPARROW_REQUIRE_GPU();
+  const unsigned seed = std::random_device{}();
+  std::mt19937 rng(seed);
+  for (int64_t len : {2049, 4096, 6001, 8192, 16384, 16385, 32768, 65537, 131071, 131072})
+    run_case(2, len, 2048, Fill::Normal, false, rng, seed);
+  run_case(300, 131072, 2048, Fill::Normal, true, rng, seed);    // more clusters than fit at once
+  run_case(200, 8192, 2048, Fill::Narrow, true, rng, seed);      // one CTA a row
+  run_case(8, 100000, 2048, Fill::KthTies, true, rng, seed);
+  run_case(3, 131072, 2048, Fill::AllEqual, false, rng, seed);
+  run_case(5, 70000, 2048, Fill::Specials, true, rng, seed);
+  run_case(2, 131072, 2048, Fill::Ascending, false, rng, seed);
+  run_case(2, 90001, 2048, Fill::Descending, false, rng, seed);
+  run_case(4, 20000, 19999, Fill::FewValues, false, rng, seed);  // k = n - 1
+  run_case(6, 50000, 1, Fill::Sorted, true, rng, seed);
+  run_case(3, 120000, 7000, Fill::Narrow, false, rng, seed);
+}

@@ -7,6 +7,7 @@
 #include "kernels/cuda/kernel_bench.h"
 #include "core/device/cuda_check.h"
 #include "kernels/cuda/topk/topk.h"
+#include "kernels/cuda/topk/topk_registers.cuh"
 #include "kernels/cuda/topk/topk_sampled.cuh"
 
 namespace sparrow::cuda {
@@ -55,9 +56,11 @@ void bench_topk(const KernelBenchOptions& options, std::vector<KernelBenchRow>& 
       const std::pair<TopkMethod, const char*> methods[] = {{TopkMethod::Auto, "sparrow"},
                                                             {TopkMethod::RadixPasses, "sparrow-radix"},
                                                             {TopkMethod::StreamingFilter, "sparrow-stream"},
-                                                            {TopkMethod::SampledThreshold, "sparrow-sampled"}};
+                                                            {TopkMethod::SampledThreshold, "sparrow-sampled"},
+                                                            {TopkMethod::RegisterRadix, "sparrow-registers"}};
       for (const auto& [method, impl] : methods) {
         if (method == TopkMethod::SampledThreshold && !topk_sampled::supports(len)) continue;
+        if (method == TopkMethod::RegisterRadix && !topk_registers::supports(len)) continue;
         const size_t wsb = topk_workspace_bytes(b, len, k, method);
         void* ws = nullptr;
         if (wsb) SPARROW_CUDA_CHECK(cudaMalloc(&ws, wsb));

@@ -24,6 +24,7 @@
 // choose() below picks among the three.
 #include "kernels/cuda/topk/topk.h"
 
+#include "kernels/cuda/topk/topk_registers.cuh"
 #include "kernels/cuda/topk/topk_sampled.cuh"
 
 #include <algorithm>
@@ -786,9 +787,13 @@ void launch(const float* scores, int64_t ld, const int32_t* lengths, int64_t row
 
 namespace {
 
-// Which of the three exact implementations runs, from `sparrow bench kernels --filter topk` on the H200
-// (bench/results/kernels.md, 2026-12-03, k = 2048; µs for radix passes / streaming filter / sampled):
-//   rows of <= 16K scores: the streaming filter (1-128 x 8K: 17.6-18.9 against 19.2-25.9 and 22.8-32.9);
+// Which of the four exact implementations runs, from `sparrow bench kernels --filter topk` on the H200
+// (bench/results/kernels.md, 2026-12-03, k = 2048; µs for radix passes / streaming filter / sampled) and, for
+// the register radix select, on an H100 with the three others in the same run (2026-12-05):
+//   rows of <= 8K scores, and one row of <= 32K: the register radix select (1-128 x 8K: 13.3-18.7 against
+//     the streaming filter's 17.9-19.2; 1 x 32K: 18.0 against the radix passes' 20.0; 8 x 32K and longer rows
+//     it loses: 22.0 against 20.7, and 27-234 against 20-59 at 128K);
+//   other rows of <= 16K scores: the streaming filter (1-128 x 8K: 17.6-18.9 against 19.2-25.9 and 22.8-32.9);
 //   fewer than 2M scores a launch: the radix passes (1 x 128K: 19.8 / 50.6 / 33.5; 8 x 128K: 26.6 / 52.0 /
 //     34.5; 1 x 1M: 27.9 / 100.8 / 53.0), where the others' fixed costs (a cluster's selection rounds, the
 //     filter's merges) outweigh what they save;
@@ -803,6 +808,7 @@ TopkMethod choose(int64_t rows, int64_t max_len, int k, TopkMethod method) {
   if (method != TopkMethod::Auto) return method;
   const bool streaming = k <= stream_topk::kMaxK;
   const int64_t scores = rows * max_len;
+  if (max_len <= 8192 || (rows == 1 && max_len <= 32768)) return TopkMethod::RegisterRadix;
   if (streaming && max_len <= 16384) return TopkMethod::StreamingFilter;
   if (scores < (int64_t(2) << 20)) return TopkMethod::RadixPasses;
   // (the sampled threshold's buffers hold about 2k candidates a row: rows of at least 16k scores)
@@ -832,6 +838,9 @@ void topk_rows(const float* scores, int64_t ld, const int32_t* lengths, int64_t 
       break;
     case TopkMethod::SampledThreshold:
       topk_sampled::launch(scores, ld, lengths, rows, max_len, k, out, stream);
+      break;
+    case TopkMethod::RegisterRadix:
+      topk_registers::launch(scores, ld, lengths, rows, max_len, k, out, stream);
       break;
     default: legacy::launch(scores, ld, lengths, rows, max_len, k, out, workspace, workspace_bytes, stream);
   }

@@ -10,9 +10,10 @@
 
 namespace sparrow::cuda {
 
-// Three exact implementations (topk.cu and topk_sampled.cu say how each works); Auto picks the fastest
-// for the size, and tests run each on every case. SampledThreshold takes rows of up to 1M scores.
-enum class TopkMethod { Auto, RadixPasses, StreamingFilter, SampledThreshold };
+// Four exact implementations (topk.cu, topk_sampled.cu and topk_registers.cu say how each works); Auto
+// picks the fastest for the size, and tests run each on every case. SampledThreshold takes rows of up to
+// 1M scores, RegisterRadix rows of up to 128K.
+enum class TopkMethod { Auto, RadixPasses, StreamingFilter, SampledThreshold, RegisterRadix };
 inline constexpr int kTopkStreamingMaxK = 4096;  // StreamingFilter takes k up to this
 
 // Device scratch the launch needs for rows x max_len (0 when every row fits one CTA).
