@@ -110,6 +110,29 @@ def test_two_ranks_speculating_serve_what_one_process_serves(start_server, test_
         assert server.stop() == 0, server.output()
 
 
+# The MTP drafter under tensor parallelism, on the bundled DeepSeek-V3.2 model and the MTP layer trained for it
+# (its README): the layer runs whole on rank 0 and only the target's verify steps reach the worker. Every
+# request gets the tokens the same two ranks give without speculation (the CPU path is batch-invariant, so a
+# verify step changes no logits), drafts are accepted, and nothing is left held.
+def test_two_ranks_drafting_with_the_bundled_mtp_layer(start_server):
+    model = Path(__file__).resolve().parents[2] / "models" / "deepseek_v32"
+    flags = ("--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--max-model-len", str(MAX_MODEL_LEN),
+             "--tensor-parallel-size", "2")
+    requests = make_requests(seed=2025)[:REQUESTS // 2]
+    plain = start_server(*flags, model=model)
+    expected = [run_alone(plain.client(timeout=120), r) for r in requests]
+    assert plain.stop() == 0, plain.output()
+    drafting = start_server(*flags, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', model=model)
+    results = stream_all(drafting.client(timeout=180), requests, join_s=300)
+    assert len(results) == len(requests), "some requests did not finish"
+    mismatches = differences_from_solo(results, expected)
+    assert not mismatches, f"{len(mismatches)} requests differ from the same ranks without speculation: {mismatches[:3]}"
+    metrics = drafting.metrics()
+    assert metrics["vllm:spec_decode_num_accepted_tokens_total"] > 0.2 * metrics["vllm:spec_decode_num_draft_tokens_total"]
+    assert wait_until(lambda: drafting.metrics()["sparrow:kv_cache_blocks_used"] == 0, timeout_s=30), drafting.metrics()
+    assert drafting.stop() == 0, drafting.output()
+
+
 def test_sigterm_stops_the_workers_too(sparrow_binary, test_model):
     server = SparrowServer(sparrow_binary, test_model("minimax_m3"), "--kv-cache-memory", "64MiB",
                            "--tensor-parallel-size", "2")
