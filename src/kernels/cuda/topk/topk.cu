@@ -23,6 +23,7 @@
 // the buffer cannot hold k plus one step. The third method, the sampled threshold, is topk_sampled.cu;
 // choose() below picks among the three.
 #include "kernels/cuda/topk/topk.h"
+#include "kernels/cuda/topk/topk_keys.cuh"
 
 #include "kernels/cuda/topk/topk_registers.cuh"
 #include "kernels/cuda/topk/topk_sampled.cuh"
@@ -65,12 +66,7 @@ struct TopkParams {
   bool vec4;
 };
 
-__device__ __forceinline__ uint32_t order_key(float f) {
-  uint32_t b = __float_as_uint(f);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return 0u;  // NaN: below -inf
-  if (b == 0x80000000u) b = 0u;                   // -0 ties with +0
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
+using topk_keys::order_key;
 
 // Exclusive prefix sum over the block in thread order; `total` gets the sum of all. scratch: 32 ints.
 __device__ __forceinline__ int block_exclusive_sum(int v, int* scratch, int& total) {

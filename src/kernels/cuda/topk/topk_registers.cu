@@ -20,6 +20,7 @@
 // Each barrier is either a CTA barrier or one of 3 + passes cluster barriers; the result is the same index
 // set as the other methods and cpu::top_k, and depends only on the row's scores and k (batch-invariant).
 #include "kernels/cuda/topk/topk_registers.cuh"
+#include "kernels/cuda/topk/topk_keys.cuh"
 
 #include <cooperative_groups.h>
 
@@ -64,12 +65,7 @@ struct Params {
   int32_t* out;
 };
 
-__device__ __forceinline__ uint32_t order_key(float f) {
-  uint32_t b = __float_as_uint(f);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return 0u;  // NaN: below -inf
-  if (b == 0x80000000u) b = 0u;                   // -0 ties with +0
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
+using topk_keys::order_key;
 
 // Exclusive prefix sum over the CTA in thread order (64-bit: two 32-bit counts travel packed); `total`
 // gets the CTA's sum.
@@ -283,12 +279,6 @@ __global__ void __launch_bounds__(kThreads, P <= 16 ? 2 : 1) topk_registers_kern
   cluster.sync();  // the other CTAs have read this one's histograms and counts
 }
 
-int floor_pow2(int64_t v) {
-  int p = 1;
-  while (int64_t(p) * 2 <= v) p *= 2;
-  return p;
-}
-
 }  // namespace
 
 Plan make_plan(int64_t rows, int64_t max_len) {
@@ -299,7 +289,7 @@ Plan make_plan(int64_t rows, int64_t max_len) {
   while (int64_t(need) * kMaxSlice < max_len) need *= 2;
   const int64_t fill = 2 * int64_t(sm_count()) / std::max<int64_t>(rows, 1);
   const int64_t worth = (max_len + kMinSlice - 1) / kMinSlice;
-  const int spread = floor_pow2(std::max<int64_t>(1, std::min<int64_t>({fill, worth, kMaxCluster})));
+  const int spread = topk_keys::floor_pow2(std::max<int64_t>(1, std::min<int64_t>({fill, worth, kMaxCluster})));
   plan.cluster = std::max(need, spread);
   plan.slice = int((max_len + plan.cluster - 1) / plan.cluster + 3) / 4 * 4;
   const int per = (plan.slice + kThreads - 1) / kThreads;

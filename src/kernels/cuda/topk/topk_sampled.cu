@@ -20,6 +20,7 @@
 // topk.cu; the result is the same index set as the other two methods and cpu::top_k, batch-invariant:
 // a row's result depends on its scores and k only.
 #include "kernels/cuda/topk/topk_sampled.cuh"
+#include "kernels/cuda/topk/topk_keys.cuh"
 
 #include <cooperative_groups.h>
 
@@ -76,12 +77,7 @@ struct Params {
   int32_t* out;
 };
 
-__device__ __forceinline__ uint32_t order_key(float f) {
-  uint32_t b = __float_as_uint(f);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return 0u;  // NaN: below -inf
-  if (b == 0x80000000u) b = 0u;                   // -0 ties with +0
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
+using topk_keys::order_key;
 
 __device__ __forceinline__ void prefetch_l2(const void* ptr) { asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr)); }
 
@@ -366,12 +362,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_sampled_kernel(Params p) {
   cluster.sync();  // the other CTAs have read this one's counts
 }
 
-int floor_pow2(int64_t v) {
-  int p = 1;
-  while (int64_t(p) * 2 <= v) p *= 2;
-  return p;
-}
-
 }  // namespace
 
 Plan make_plan(int64_t rows, int64_t max_len) {
@@ -379,7 +369,7 @@ Plan make_plan(int64_t rows, int64_t max_len) {
   // Enough CTAs per row to hold the row (kMaxSlice each), and as many as fill the GPU in one wave.
   int need = 1;
   while (int64_t(need) * kMaxSlice < max_len) need *= 2;
-  const int fill = std::min<int>(kMaxCluster, floor_pow2(std::max<int64_t>(1, sm_count() / std::max<int64_t>(rows, 1))));
+  const int fill = std::min<int>(kMaxCluster, topk_keys::floor_pow2(std::max<int64_t>(1, sm_count() / std::max<int64_t>(rows, 1))));
   plan.cluster = std::max(need, fill);
   // Slices a multiple of 32 scores: whole bitmap words, float4-aligned slice starts.
   plan.slice = int((max_len + plan.cluster - 1) / plan.cluster + 31) / 32 * 32;
