@@ -40,25 +40,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import make_mtp_fixture as mtp_fixture  # noqa: E402
 import train_small_models as small  # noqa: E402
-from chat_corpus import make_conversations  # noqa: E402
 
 
 def corpus_for(folder: Path, family: str, args) -> small.Corpus:
     """The bundled model's training sources, tokenized with its own tokenizer (no new vocabulary)."""
-    spec = small.FAMILIES[family]
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    _, files = small.stdlib_files()
-    held = set(files[::small.HELD_OUT_EVERY])
-    code = small.read_code([p for p in files if p not in held], args.code_megabytes, args.seed)
-    renderer = small.chat_tokenizer(small.empty_tokenizer(spec), spec, small.read_template(small.TEMPLATES, spec))
-    chats = [small.render_training_text(renderer, spec, m, t) for m, t in make_conversations(args.seed, args.conversations)]
-
-    def encode(texts):
-        return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
-    code_ids = [i for ids in encode([t + "\n\n" for t in code]) for i in ids]
-    chat_ids = encode(chats)
-    starts = torch.tensor([0] + [len(ids) for ids in chat_ids]).cumsum(0)[:-1]
-    return small.Corpus(torch.tensor(code_ids), torch.tensor([i for ids in chat_ids for i in ids]), starts)
+    code, chats = small.training_texts(small.FAMILIES[family], small.TEMPLATES, args.seed, args.code_megabytes,
+                                       args.conversations)
+    return small.encode_corpus(Tokenizer.from_file(str(folder / "tokenizer.json")), code, chats)[0]
 
 
 class Drafter(torch.nn.Module):

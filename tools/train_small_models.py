@@ -880,16 +880,32 @@ def evaluate(folder: Path, family: str, args, size: Size, device: torch.device) 
 # One family, end to end
 # ---------------------------------------------------------------------------------------------
 
-def build_corpus(spec: FamilySpec, args, size: Size) -> tuple[Tokenizer, Corpus, dict]:
-    template = read_template(args.templates, spec)
-    t0 = time.time()
+def training_texts(spec: FamilySpec, templates: Path, seed: int, code_megabytes: float,
+                   conversations: int) -> tuple[list[str], list[str]]:
+    """The training sources: standard-library files (the held-out ones excluded) and rendered conversations."""
     _, files = stdlib_files()
     held = set(files[::HELD_OUT_EVERY])
-    code = read_code([p for p in files if p not in held], size.code_megabytes, args.seed)
-    renderer = chat_tokenizer(empty_tokenizer(spec), spec, template)
+    code = read_code([p for p in files if p not in held], code_megabytes, seed)
+    renderer = chat_tokenizer(empty_tokenizer(spec), spec, read_template(templates, spec))
     check_prompts_match_training(renderer, spec)
-    conversations = make_conversations(args.seed, size.conversations)
-    chats = [render_training_text(renderer, spec, m, t) for m, t in conversations]
+    chats = [render_training_text(renderer, spec, m, t) for m, t in make_conversations(seed, conversations)]
+    return code, chats
+
+
+def encode_corpus(tokenizer: Tokenizer, code: list[str], chats: list[str]) -> tuple[Corpus, list[list[int]]]:
+    """The texts as token streams (code files joined by blank lines, conversations with their starts), and
+    each conversation's ids."""
+    def encode(texts):
+        return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+    code_ids = [i for ids in encode([t + "\n\n" for t in code]) for i in ids]
+    chat_ids = encode(chats)
+    starts = torch.tensor([0] + [len(ids) for ids in chat_ids]).cumsum(0)[:-1]
+    return Corpus(torch.tensor(code_ids), torch.tensor([i for ids in chat_ids for i in ids]), starts), chat_ids
+
+
+def build_corpus(spec: FamilySpec, args, size: Size) -> tuple[Tokenizer, Corpus, dict]:
+    t0 = time.time()
+    code, chats = training_texts(spec, args.templates, args.seed, size.code_megabytes, size.conversations)
     print(f"  corpus: {len(code)} code files ({sum(map(len, code)) / 1e6:.1f} M chars), {len(chats)} conversations "
           f"({sum(map(len, chats)) / 1e6:.1f} M chars), {time.time() - t0:.1f}s", flush=True)
 
@@ -897,14 +913,9 @@ def build_corpus(spec: FamilySpec, args, size: Size) -> tuple[Tokenizer, Corpus,
     tokenizer = train_tokenizer(spec, code + chats, size.vocab)
     print(f"  tokenizer: {tokenizer.get_vocab_size()} tokens, {time.time() - t0:.1f}s", flush=True)
 
-    def encode(texts):
-        return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
-    code_ids = [i for ids in encode([t + "\n\n" for t in code]) for i in ids]
-    chat_ids = encode(chats)
-    starts = torch.tensor([0] + [len(ids) for ids in chat_ids]).cumsum(0)[:-1]
-    corpus = Corpus(torch.tensor(code_ids), torch.tensor([i for ids in chat_ids for i in ids]), starts)
+    corpus, chat_ids = encode_corpus(tokenizer, code, chats)
     lengths = sorted(len(ids) for ids in chat_ids)
-    stats = {"code_files": len(code), "code_tokens": len(code_ids), "conversations": len(chats),
+    stats = {"code_files": len(code), "code_tokens": int(corpus.code.numel()), "conversations": len(chats),
              "chat_tokens": int(corpus.chats.numel()), "chat_length_median": lengths[len(lengths) // 2],
              "chat_length_max": lengths[-1], "template": spec.template}
     print(f"  tokens: code {stats['code_tokens']:,}, chats {stats['chat_tokens']:,} (median conversation "
