@@ -21,6 +21,7 @@
 #include "cache/page_codec.h"
 #include "core/bfloat16.h"
 #include "gpu_test_util.h"
+#include "kernels/cpu/fp8_codec.h"
 #include "kernels/cuda/mla/mla_attention.h"
 #include "core/device/cuda_check.h"
 
@@ -138,7 +139,32 @@ struct TestCache {
       }
     }
   }
+  const uint8_t* row(int seq, int token) const {
+    return pool.data() + page_offsets[seq * pages_stride + token / block_size] + (token % block_size) * mla_row_bytes(format);
+  }
 };
+
+// The nearest f16 to x (ties to even; f16's subnormals included, no overflow in these tests): the wgmma
+// kernel widens FP8 latents to f16 (wgmma_kernel.cuh, latent_f16).
+float round_to_f16(float x) {
+  if (x == 0.f || !std::isfinite(x)) return x;
+  int e;
+  std::frexp(x, &e);                                   // |x| in [2^(e-1), 2^e)
+  const int quantum = std::max(e, -13) - 11;           // 11 significant bits; 2^-24 below 2^-14
+  return std::ldexp(std::nearbyint(std::ldexp(x, -quantum)), quantum);
+}
+
+// Latent value k (< 512) of a cached row as a kernel produces it before the product. The FP8 656 B
+// format on the wgmma kernel: f16(e4m3 * f16(scale)); elsewhere the codec's decode.
+float kernel_latent(const TestCache& cache, int seq, int token, int k, MlaKernel kernel) {
+  if (cache.format == PageFormat::Fp8Latent && kernel == MlaKernel::Wgmma) {
+    const uint8_t* row = cache.row(seq, token);
+    float scale;
+    std::memcpy(&scale, row + 512 + 4 * (k / 128), 4);
+    return round_to_f16(cpu::e4m3_to_float(row[k]) * round_to_f16(scale));
+  }
+  return cache.values[seq][size_t(token) * kMlaRow + k];
+}
 
 struct Reference {
   std::vector<float> out;  // [rows, heads, 512]
@@ -192,8 +218,9 @@ Reference reference(const TestCache& cache, const std::vector<float>& q, const s
 }
 
 // Relative L2 error allowed per (row, head). The reference reads the codec's decoded values, so only the
-// kernel's own rounding counts: P and the output in bf16 for every format; kFp8 also rounds each
-// dequantised value e4m3 * fp32 scale to bf16 (the other formats' values are exact bf16 numbers).
+// kernel's own rounding counts: P and the output in bf16 (f16 for the FP8 formats on the wgmma kernel) for
+// every format; kFp8 also rounds each dequantised value e4m3 * fp32 scale to bf16 (f16 on the wgmma kernel;
+// the other formats' values are exact bf16 numbers).
 double tolerance(PageFormat format) { return format == PageFormat::Fp8Latent ? 2.5e-2 : 1.5e-2; }
 
 // Compares GPU outputs with the reference; every element must have been written (poisoned before).
@@ -404,7 +431,8 @@ TEST(CudaMlaAttention, DenseMatchesCpuReferenceInEveryFormat) {
 // lse its logit. With q one-hot on rope dimension h % 64 for head h (value 1), the logit is the key's
 // rope value times the softmax scale. The rows hold the edge values of random_row, so this checks the
 // in-register dequantisation of every format value for value: the bf16 output equals the codec's decode
-// rounded to bf16 (exact for fp8_per_tensor and nvfp4, whose values are bf16 numbers), and the lse the
+// rounded to bf16 (exact for fp8_per_tensor and nvfp4, whose values are bf16 numbers; the wgmma kernel's
+// FP8 656 B values are f16(e4m3 * f16(scale)), kernel_latent), and the lse the
 // decoded rope value to fp32 rounding. Sparse (keys anywhere, -1 elsewhere, split across blocks) and dense
 // (sequences of one token).
 TEST(CudaMlaAttention, OneKeyReadsTheDecodedRowExactly) {
@@ -441,7 +469,8 @@ TEST(CudaMlaAttention, OneKeyReadsTheDecodedRowExactly) {
           for (int h = 0; h < c.heads && bad < 5; ++h) {
             const int64_t rh = r * c.heads + h;
             for (int k = 0; k < kMlaLatent; ++k) {
-              const float want = bf16_to_float(float_to_bf16(v[k])), have = bf16_to_float(got.out[rh * kMlaLatent + k]);
+              const float decoded = kernel_latent(cache, row_seq[r], key[r], k, kernel);
+              const float want = bf16_to_float(float_to_bf16(decoded)), have = bf16_to_float(got.out[rh * kMlaLatent + k]);
               if (!(have == want) && bad++ < 5)  // == : the kernel's fp32 accumulation turns -0 into +0
                 ADD_FAILURE() << what << ": row " << r << " head " << h << " key " << key[r] << " value " << k
                               << ": gpu " << have << " want " << want << " (decoded " << v[k] << ")";

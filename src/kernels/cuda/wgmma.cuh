@@ -6,7 +6,7 @@
 //   ss_*: A and B in shared memory, given by descriptors (sw128_descriptor);
 //   rs_*: A in 4 registers per thread (the A fragment of a k step), B in shared memory;
 //   e4m3 products are m64nNk32 (K-major operands only); f16 / bf16 ones m64nNk16, K-major (the transpose
-//   immediates 0), except ss_bf16_bn, whose B is N-major (sw128_descriptor_mn). `accumulate` 0 writes
+//   immediates 0), except ss_bf16_bn / ss_f16_bn, whose B is N-major (sw128_descriptor_mn). `accumulate` 0 writes
 //   D = A·Bᵀ, 1 adds to it. Specialised for the widths in use:
 //   wgmma::ss_e4m3<64>(acc, sw128_descriptor(a), sw128_descriptor(b), k > 0).
 #pragma once
@@ -87,6 +87,10 @@ template <int N>
 __device__ void ss_bf16(float* d, uint64_t a, uint64_t b, int accumulate);
 template <int N>
 __device__ void ss_bf16_bn(float* d, uint64_t a, uint64_t b, int accumulate);  // B N-major (sw128_descriptor_mn)
+template <int N>
+__device__ void ss_f16(float* d, uint64_t a, uint64_t b, int accumulate);
+template <int N>
+__device__ void ss_f16_bn(float* d, uint64_t a, uint64_t b, int accumulate);  // B N-major (sw128_descriptor_mn)
 
 #define SPARROW_WGMMA_SS(NAME, R, INSTR, TAIL, A, B, P)                                              \
   template <>                                                                                         \
@@ -123,6 +127,9 @@ SPARROW_WGMMA_SS(ss_bf16, 128, "m64n256k16.f32.bf16.bf16", "1, 1, 0, 0", 128, 12
 // bf16 x bf16, k16, A K-major, B N-major (tnsp-b = 1): a tile stored key-major read as the right operand of
 // P V, where V's rows are the keys.
 SPARROW_WGMMA_SS(ss_bf16_bn, 128, "m64n256k16.f32.bf16.bf16", "1, 1, 0, 1", 128, 129, 130)
+// The same two shapes on f16 (sparse MLA's FP8 latents, widened to f16 in one conversion a pair).
+SPARROW_WGMMA_SS(ss_f16, 32, "m64n64k16.f32.f16.f16", "1, 1, 0, 0", 32, 33, 34)
+SPARROW_WGMMA_SS(ss_f16_bn, 128, "m64n256k16.f32.f16.f16", "1, 1, 0, 1", 128, 129, 130)
 
 #undef SPARROW_WGMMA_SS
 #undef SPARROW_WGMMA_RS

@@ -5,17 +5,19 @@
 //   - one CTA per (query row, 64 heads, split of the key list), tiles of 64 keys;
 //   - a producer warpgroup (2) that gathers the selected cache rows, dequantises them in registers (the
 //     format bodies below: FP8 656 B, FP8 576 B, NVFP4 352 B; bf16 rows are copied with cp.async) and
-//     writes them as bf16 into a double-buffered tile in the 128-byte swizzled layout wgmma reads; so
-//     gathering and dequantisation overlap the products instead of running on the warps that do them;
+//     writes them into a double-buffered tile in the 128-byte swizzled layout wgmma reads (the latent
+//     columns as f16 for the FP8 formats, bf16 otherwise: latent_f16); so gathering and dequantisation
+//     overlap the products instead of running on the warps that do them;
 //   - warpgroup 0: S = Q K^T over the tile (m64n64k16, both operands from shared memory, 36 k steps over
-//     the 576 values), the softmax, P (bf16) into shared memory with the rescale factors beside it, and
-//     O[:, 0..255] += P V; warpgroup 1: O[:, 256..511] += P V (m64n256k16, V read N-major from the same
-//     tile). One warpgroup cannot hold 64 x 512 fp32 accumulators; two can (128 registers a thread).
+//     the 576 values), the softmax, P (the latents' type) into shared memory with the rescale factors beside
+//     it, and O[:, 0..255] += P V; warpgroup 1: O[:, 256..511] += P V (m64n256k16, V read N-major from the
+//     same tile). One warpgroup cannot hold 64 x 512 fp32 accumulators; two can (128 registers a thread).
+//     Both stage Q (converting its latent columns like the keys') while the producer gathers tile 0.
 // Shared memory (1024-aligned): Q 72 KB (9 column blocks of 64 rows x 128 B), two key tiles 72 KB each,
 // P 8 KB, the factors and the tiles' valid-key masks: 230,416 B of the 232,448 a CTA may have.
 // Named barriers order the pipeline (PTX ISA "bar.sync / bar.arrive"): FULL[b] (the producer arrives,
 // both consumers wait), EMPTY[b] (the reverse), P (warpgroup 0 -> 1: P and the factors written), P_FREE
-// (1 -> 0: read), SUMS (0 -> 1: the row sums, at the end).
+// (1 -> 0: read), SUMS (0 -> 1: the row sums, at the end), Q (1 -> 0: its half of Q staged).
 // Measured against FlashMLA in bench/results/kernels.md ("Sparse MLA decode on wgmma"): the producer is
 // the bottleneck there (one warpgroup gathering and widening every row).
 #pragma once
@@ -43,7 +45,7 @@ constexpr int kThreads = 384;                   // warpgroups 0 and 1 compute, w
 // a 144-register producer showed).
 constexpr int kScoreRegs = 208, kProductRegs = 160, kProducerRegs = 128;
 static_assert(128 * (kScoreRegs + kProductRegs + kProducerRegs) <= kThreads * 168, "setmaxnreg would wait forever");
-enum : int { kBarFull = 1, kBarEmpty = 3, kBarP = 5, kBarPFree = 6, kBarSums = 7 };  // FULL / EMPTY: + buffer
+enum : int { kBarFull = 1, kBarEmpty = 3, kBarP = 5, kBarPFree = 6, kBarSums = 7, kBarQ = 8 };  // FULL / EMPTY: + buffer
 
 __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -64,6 +66,23 @@ __device__ __forceinline__ void st_shared16(uint32_t addr, const uint4& v) {
                : "memory");
 }
 
+// Two e4m3 bytes (low byte first) -> f16x2, exactly (cvt.rn.f16x2.e4m3x2: every e4m3 value is an f16).
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
+  return uint32_t(h.x) | (uint32_t(h.y) << 16);
+}
+__device__ __forceinline__ uint32_t f16x2_mul(uint32_t a, __half2 b) {
+  const __half2 p = __hmul2(*reinterpret_cast<const __half2*>(&a), b);
+  return *reinterpret_cast<const uint32_t*>(&p);
+}
+// bf16x2 -> f16x2, saturated to f16's finite range (cvt.rn.satfinite.f16x2.f32): an absorbed query beyond
+// 65504 would be a broken model, but it must not turn the scores into NaN.
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t w) {
+  uint32_t d;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(__uint_as_float(w & 0xffff0000u)), "f"(__uint_as_float(w << 16)));
+  return d;
+}
+
 // Byte offset of 16-byte chunk c (values 8c .. 8c+7 of 576) of row r in a swizzled tile.
 __device__ __forceinline__ uint32_t chunk_offset(int r, int c) {
   return uint32_t((c >> 3) * kBlockBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4));
@@ -77,6 +96,7 @@ struct Codec;
 
 template <>
 struct Codec<PageFormat::Fp8Latent> {  // [512 e4m3][4 fp32 scales][64 bf16 rope]
+  static constexpr bool kF16 = true;
   static constexpr int kRopeUnits = 8, kRopeChunks = 1;
   struct Unit {
     uint4 v;
@@ -86,12 +106,12 @@ struct Codec<PageFormat::Fp8Latent> {  // [512 e4m3][4 fp32 scales][64 bf16 rope
   __device__ static Unit load(const uint8_t* row, int j) {
     return {__ldg(reinterpret_cast<const uint4*>(row + 16 * j)), __ldg(reinterpret_cast<const float*>(row + 512 + 4 * (j >> 3)))};
   }
+  // f16(e4m3 * f16(scale)): one conversion and one f16x2 product a pair of values.
   __device__ static void widen(const Unit& u, uint4& lo, uint4& hi) {
-    const float s = u.scale;
+    const __half2 s = __float2half2_rn(u.scale);
     auto four = [&](uint32_t w, uint32_t& a, uint32_t& b) {
-      const float2 x = e4m3x2_to_float2(uint16_t(w & 0xffff)), y = e4m3x2_to_float2(uint16_t(w >> 16));
-      a = pack_bf16(x.x * s, x.y * s);
-      b = pack_bf16(y.x * s, y.y * s);
+      a = f16x2_mul(e4m3x2_to_f16x2(w & 0xffffu), s);
+      b = f16x2_mul(e4m3x2_to_f16x2(w >> 16), s);
     };
     four(u.v.x, lo.x, lo.y);
     four(u.v.y, lo.z, lo.w);
@@ -105,6 +125,7 @@ struct Codec<PageFormat::Fp8Latent> {  // [512 e4m3][4 fp32 scales][64 bf16 rope
 template <>
 struct Codec<PageFormat::Fp8Rows> {  // 576 e4m3, unscaled (kMlaTensorScale = 1)
   static_assert(kMlaTensorScale == 1.0f, "Fp8Rows reads e4m3 values unscaled");
+  static constexpr bool kF16 = true;
   static constexpr int kRopeUnits = 4, kRopeChunks = 2;
   struct Unit {
     uint4 v;
@@ -117,7 +138,12 @@ struct Codec<PageFormat::Fp8Rows> {  // 576 e4m3, unscaled (kMlaTensorScale = 1)
     e4m3x4_to_bf16(v.z, hi.x, hi.y);
     e4m3x4_to_bf16(v.w, hi.z, hi.w);
   }
-  __device__ static void widen(const Unit& u, uint4& lo, uint4& hi) { widen16(u.v, lo, hi); }
+  __device__ static void widen(const Unit& u, uint4& lo, uint4& hi) {  // latents: f16, one conversion a pair
+    lo = make_uint4(e4m3x2_to_f16x2(u.v.x & 0xffffu), e4m3x2_to_f16x2(u.v.x >> 16), e4m3x2_to_f16x2(u.v.y & 0xffffu),
+                    e4m3x2_to_f16x2(u.v.y >> 16));
+    hi = make_uint4(e4m3x2_to_f16x2(u.v.z & 0xffffu), e4m3x2_to_f16x2(u.v.z >> 16), e4m3x2_to_f16x2(u.v.w & 0xffffu),
+                    e4m3x2_to_f16x2(u.v.w >> 16));
+  }
   __device__ static uint4 load_rope(const uint8_t* row, int u) { return __ldg(reinterpret_cast<const uint4*>(row + 512 + 16 * u)); }
   __device__ static void widen_rope(const uint4& v, uint4 (&out)[kRopeChunks]) { widen16(v, out[0], out[1]); }
 };
@@ -125,6 +151,7 @@ struct Codec<PageFormat::Fp8Rows> {  // 576 e4m3, unscaled (kMlaTensorScale = 1)
 template <>
 struct Codec<PageFormat::Nvfp4Latent> {  // [256 B e2m1][64 B rope e4m3][32 B e4m3 block scales]
   static_assert(kMlaTensorScale == 1.0f, "Nvfp4Latent applies the block scales only");
+  static constexpr bool kF16 = false;
   static constexpr int kRopeUnits = 4, kRopeChunks = 2;
   struct Unit {
     uint2 codes;
@@ -147,6 +174,22 @@ struct Codec<PageFormat::Nvfp4Latent> {  // [256 B e2m1][64 B rope e4m3][32 B e4
     Codec<PageFormat::Fp8Rows>::widen16(v, out[0], out[1]);
   }
 };
+
+// Whether the tile's 512 latent columns (and Q's, and P) are f16 rather than bf16: the FP8 formats widen
+// e4m3 to f16 in one instruction a pair where bf16 takes four (e4m3 -> f16 -> 2 x fp32 -> bf16), and the
+// producer, which is the kernel's bottleneck, is bound by its instruction count (kernels.md, "The
+// producer's stalls, profiled"). f16 keeps more of each value than bf16 (11 significant bits against 8);
+// the rope columns stay bf16 (their range is not the latents'), so S is 32 f16 k steps plus 4 bf16 ones.
+template <PageFormat F>
+struct LatentF16 {
+  static constexpr bool value = Codec<F>::kF16;
+};
+template <>
+struct LatentF16<PageFormat::BFloat16> {
+  static constexpr bool value = false;
+};
+template <PageFormat F>
+constexpr bool latent_f16 = LatentF16<F>::value;
 
 // The producer's share of a tile: warp pw (0..3) fills rows 16pw .. 16pw+15, whose pool offsets lanes
 // 0..15 hold in `off_lane` (-1: an unused slot, written as zeros so P V never meets garbage).
@@ -246,15 +289,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(const AttnParams
   if (wg == 2) {  // ---------------------------------------------------------------- producer
     setmaxnreg_dec<kProducerRegs>();
     const int pt = tid - 256, pw = pt >> 5;
-    // Q: 64 heads x 72 chunks (heads past p.heads zero), landing with tile 0.
-    for (int c = pt; c < kHeads * (kMlaRow / 8); c += 128) {
-      const int h = c / (kMlaRow / 8), ch = c % (kMlaRow / 8);
-      const bool valid = head0 + h < p.heads;
-      const __nv_bfloat16* src = p.q + (row * p.heads + (valid ? head0 + h : 0)) * kMlaRow + ch * 8;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_base + kQOff + chunk_offset(h, ch)),
-                   "l"(src), "r"(valid ? 16 : 0));
-    }
-    ptx::cp_async_commit();
     // The key list runs four tiles deep: tile t's rows are gathered while tile t+2's page offsets are read
     // (and its rows prefetched into L2) and tile t+3's token indices; lanes 0..15 carry one row each.
     constexpr int R = int(MlaRowBytes<F>::value);
@@ -290,7 +324,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(const AttnParams
       off_n1 = off_n2;
       token_n2 = token_n3;
     }
-    ptx::cp_async_wait<0>();  // Q, when there was no tile
     return;
   }
 
@@ -312,23 +345,52 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(const AttnParams
   auto pv = [&](uint32_t k_s) {  // O[:, 256w ..] += P V, V = the tile's latent columns 256w .., N-major
     ptx::wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < kKeys / 16; ++ks)
-      wgmma::ss_bf16_bn<256>(o, wgmma::sw128_descriptor_u32(p_s + ks * 32),
-                             wgmma::sw128_descriptor_mn_u32(k_s + 4 * w * kBlockBytes + ks * 2048, kBlockBytes), 1);
+    for (int ks = 0; ks < kKeys / 16; ++ks) {
+      const uint64_t a = wgmma::sw128_descriptor_u32(p_s + ks * 32),
+                     b = wgmma::sw128_descriptor_mn_u32(k_s + 4 * w * kBlockBytes + ks * 2048, kBlockBytes);
+      if (latent_f16<F>) wgmma::ss_f16_bn<256>(o, a, b, 1);
+      else wgmma::ss_bf16_bn<256>(o, a, b, 1);
+    }
     ptx::wgmma_commit();
   };
   auto tile_at = [&](int t) { return smem_base + kKOff + (t & 1) * kTileBytes; };
 
+  // Q: 64 heads x 72 chunks (heads past p.heads zero), staged by both consumer warpgroups while the producer
+  // gathers tile 0; the latent chunks converted to f16 where the tile is (latent_f16).
+  auto stage_q = [&] {
+    constexpr int kPerThread = kHeads * (kMlaRow / 8) / 256;  // 18
+    uint4 v[kPerThread];
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int c = (tid & 255) + 256 * i, h = c / (kMlaRow / 8), ch = c % (kMlaRow / 8);
+      v[i] = head0 + h < p.heads
+                 ? __ldg(reinterpret_cast<const uint4*>(p.q + (row * p.heads + head0 + h) * kMlaRow + ch * 8))
+                 : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int c = (tid & 255) + 256 * i, h = c / (kMlaRow / 8), ch = c % (kMlaRow / 8);
+      if (latent_f16<F> && ch < kMlaLatent / 8)
+        v[i] = make_uint4(bf16x2_to_f16x2(v[i].x), bf16x2_to_f16x2(v[i].y), bf16x2_to_f16x2(v[i].z), bf16x2_to_f16x2(v[i].w));
+      st_shared16(smem_base + kQOff + chunk_offset(h, ch), v[i]);
+    }
+    wgmma::fence_proxy_async();
+  };
+
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
   if (w == 0) {
     setmaxnreg_inc<kScoreRegs>();  // after warpgroup 1 and the producer gave theirs back
+    stage_q();
+    bar_sync(kBarQ, 256);
     float s[32];
     auto qk = [&](uint32_t k_s) {
       ptx::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kMlaRow / 16; ++kk) {
         const uint32_t step = (kk >> 2) * kBlockBytes + (kk & 3) * 32;
-        wgmma::ss_bf16<64>(s, wgmma::sw128_descriptor_u32(q_s + step), wgmma::sw128_descriptor_u32(k_s + step), kk > 0);
+        const uint64_t a = wgmma::sw128_descriptor_u32(q_s + step), b = wgmma::sw128_descriptor_u32(k_s + step);
+        if (latent_f16<F> && kk < kMlaLatent / 16) wgmma::ss_f16<64>(s, a, b, kk > 0);
+        else wgmma::ss_bf16<64>(s, a, b, kk > 0);
       }
       ptx::wgmma_commit();
     };
@@ -362,17 +424,28 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(const AttnParams
         m_run[h] = m_new;
       }
       if (t > 0) bar_sync(kBarPFree, 256);  // warpgroup 1 is done reading P and the factors of tile t-1
-      // P (bf16) into its swizzled tile: chunk n of row r holds keys 8n ..; sum the rounded values.
+      // P (the tile's latent type) into its swizzled tile: chunk n of row r holds keys 8n ..; sum the rounded
+      // values.
       float sum[2] = {0.f, 0.f};
+      auto round_pair = [&](float a, float b, uint32_t& bits) {
+        if constexpr (latent_f16<F>) {
+          const __half2 v = __floats2half2_rn(a, b);
+          bits = *reinterpret_cast<const uint32_t*>(&v);
+          return __low2float(v) + __high2float(v);
+        } else {
+          const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+          bits = *reinterpret_cast<const uint32_t*>(&v);
+          return __low2float(v) + __high2float(v);
+        }
+      };
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
-        const __nv_bfloat162 lo = __floats2bfloat162_rn(exp2f(s[4 * n] - m_use[0]), exp2f(s[4 * n + 1] - m_use[0]));
-        const __nv_bfloat162 hi = __floats2bfloat162_rn(exp2f(s[4 * n + 2] - m_use[1]), exp2f(s[4 * n + 3] - m_use[1]));
-        sum[0] += __low2float(lo) + __high2float(lo);
-        sum[1] += __low2float(hi) + __high2float(hi);
+        uint32_t lo, hi;
+        sum[0] += round_pair(exp2f(s[4 * n] - m_use[0]), exp2f(s[4 * n + 1] - m_use[0]), lo);
+        sum[1] += round_pair(exp2f(s[4 * n + 2] - m_use[1]), exp2f(s[4 * n + 3] - m_use[1]), hi);
         const uint32_t at = p_s + ((n ^ (r0 & 7)) << 4) + cq * 4;  // rows r0 and r0 + 8 share r & 7
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + r0 * 128), "r"(*reinterpret_cast<const uint32_t*>(&lo)) : "memory");
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + (r0 + 8) * 128), "r"(*reinterpret_cast<const uint32_t*>(&hi)) : "memory");
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + r0 * 128), "r"(lo) : "memory");
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + (r0 + 8) * 128), "r"(hi) : "memory");
       }
       if (cq == 0) {
         alpha_s[r0] = alpha[0];
@@ -406,6 +479,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(const AttnParams
     bar_arrive(kBarSums, 256);
   } else {
     setmaxnreg_dec<kProductRegs>();
+    stage_q();
+    bar_arrive(kBarQ, 256);
     for (int t = 0; t < ntiles; ++t) {
       const int b = t & 1;
       bar_sync(kBarFull + b, kThreads);
