@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "cache/planner.h"
+#include "cache/prefix_hash.h"
 #include "core/tensor.h"
 #include "core/sequence_cache.h"
 
@@ -71,7 +72,9 @@ class KvCache final : public PagedStorage {
 
   // A new, empty sequence. Throws when the model has recurrent layers and all max_num_seqs state
   // slots are taken (check num_free_state_slots first).
-  SeqId create_sequence();
+  // prefix_root: the hash chain's start (kRootBlockHash), another one for sequences whose rows differ for the
+  // same tokens (a LoRA adapter's: Scheduler), so that their blocks never match the base model's.
+  SeqId create_sequence(uint64_t prefix_root = kRootBlockHash);
   // Reuses the longest cached prefix of `prompt` for a sequence that holds nothing yet: returns the
   // tokens reused (a multiple of block_size, less than prompt.size(); 0 without prefix caching). The
   // sequence then holds them, as if computed and committed.
@@ -154,6 +157,7 @@ class KvCache final : public PagedStorage {
   struct Sequence {
     std::vector<int32_t> blocks;  // the block table
     std::vector<uint64_t> hashes; // keys of its committed full blocks
+    uint64_t prefix_root = kRootBlockHash;
     int64_t committed = 0;
     int32_t state_slot = -1;
     int64_t snapshot_position = -1;  // this step's pending snapshot: position and slot (-1: none)

@@ -3,6 +3,7 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <variant>
@@ -13,10 +14,13 @@
 
 namespace sparrow {
 
+struct LoraAdapter;
+
 struct Request {
   std::string id;  // unique among the requests the engine holds
   std::vector<int32_t> prompt;
   SamplingParams params;
+  std::shared_ptr<const LoraAdapter> lora;  // the LoRA adapter it runs with (model/lora.h); null: the base model
 };
 
 // One event for one choice of one request. Deltas since the choice's previous event.

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "model/lora.h"
 
 namespace sparrow {
 
@@ -84,7 +85,7 @@ bool Scheduler::admit_next(int64_t budget, std::vector<ScheduledChunk>& schedule
       cache_.num_free_blocks() == 0)
     return false;
   Sequence* seq = waiting_.front();
-  seq->cache_id = cache_.create_sequence();
+  seq->cache_id = cache_.create_sequence(seq->state.lora ? seq->state.lora->prefix_root : kRootBlockHash);
   // Prompt logprobs need the logits at every prompt position, so such a prefill reuses nothing (as vLLM).
   const int64_t reused = seq->wants_prompt_logprobs ? 0 : cache_.match_prefix(seq->cache_id, seq->tokens);
   const int64_t n = std::min(int64_t(seq->tokens.size()) - reused, budget);

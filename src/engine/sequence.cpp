@@ -17,6 +17,7 @@ Sequence::Sequence(const Request& request, int64_t index, std::vector<int32_t> e
       tokens(request.prompt),
       sampler(choice_params(request.params, index), std::move(end_tokens)) {
   if (tokenizer) detokenizer.emplace(*tokenizer, request.params.stop);
+  state.lora = request.lora;
   wants_prompt_logprobs = index == 0 && request.params.prompt_logprobs >= 0;
   if (wants_prompt_logprobs) prompt_logprobs.resize(prompt_length);
 }

@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "kernels/ops.h"
+#include "model/lora.h"
 #include "model/tensor_parallel.h"
 
 namespace sparrow {
@@ -12,6 +13,7 @@ DenseMlp DenseMlp::load(Checkpoint& ckpt, const std::string& prefix, int64_t hid
                         Activation act) {
   DenseMlp mlp;
   mlp.act = act;
+  mlp.prefix = prefix;
   mlp.tp = ckpt.tensor_parallel();
   if (mlp.tp.sharded()) {
     const IndexRange mine = even_share(mlp.tp, intermediate, (prefix + " intermediate size").c_str());
@@ -37,13 +39,19 @@ DenseMlp DenseMlp::load(Checkpoint& ckpt, const std::string& prefix, int64_t hid
   return mlp;
 }
 
-Tensor DenseMlp::partial(const Tensor& x) const {
+Tensor DenseMlp::partial(const Tensor& x, const Batch& batch) const {
   Tensor gate_up_out = ops::linear(x, gate_up);  // [T, 2I]
-  return ops::linear(ops::glu(gate_up_out, act.kind, act.alpha, act.limit), down);
+  lora::add_(gate_up_out, x, batch, prefix, "gate_proj", 0);
+  lora::add_(gate_up_out, x, batch, prefix, "up_proj", gate_up_out.dim(1) / 2);
+  lora::add_(gate_up_out, x, batch, prefix, "gate_up_proj");  // checkpoints with the two fused
+  const Tensor hidden = ops::glu(gate_up_out, act.kind, act.alpha, act.limit);
+  Tensor out = ops::linear(hidden, down);
+  lora::add_(out, hidden, batch, prefix, "down_proj");
+  return out;
 }
 
-Tensor DenseMlp::forward(const Tensor& x, const Batch&) const {
-  Tensor out = partial(x);
+Tensor DenseMlp::forward(const Tensor& x, const Batch& batch) const {
+  Tensor out = partial(x, batch);
   ops::all_reduce_(tp, out);
   return out;
 }
@@ -166,13 +174,13 @@ Tensor MoeBlock::forward(const Tensor& x, const Batch& batch) const {
     if (latent_norm.defined()) ops::rms_norm_(latent, latent_norm, latent_norm_eps);
     out = ops::linear(latent, latent_up);
     if (shared.empty()) return out;
-    Tensor shared_out = shared[0].partial(x);
-    for (size_t i = 1; i < shared.size(); ++i) ops::add_(shared_out, shared[i].partial(x));
+    Tensor shared_out = shared[0].partial(x, batch);
+    for (size_t i = 1; i < shared.size(); ++i) ops::add_(shared_out, shared[i].partial(x, batch));
     ops::all_reduce_(tp, shared_out);
     ops::add_(out, shared_out);
     return out;
   }
-  for (const DenseMlp& s : shared) ops::add_(out, s.partial(x));
+  for (const DenseMlp& s : shared) ops::add_(out, s.partial(x, batch));
   ops::all_reduce_(tp, out);
   return out;
 }

@@ -37,14 +37,16 @@ struct DenseMlp : FeedForward {
   Tensor down;
   Activation act;
   TensorParallel tp;
+  std::string prefix;  // the weights' names start with it ("model.layers.N.mlp."): LoRA modules (model/lora.h)
 
   // Loads either <prefix>.gate_proj/.up_proj/.down_proj or a fused <prefix>.gate_up_proj (this rank's part
   // of them when the checkpoint is sharded).
   static DenseMlp load(Checkpoint& ckpt, const std::string& prefix, int64_t hidden, int64_t intermediate,
                        Activation act);
   Tensor forward(const Tensor& x, const Batch& batch) const override;  // [T, H] -> [T, H]
-  // This rank's term of the output, before the sum over the group (the whole output unsharded).
-  Tensor partial(const Tensor& x) const;
+  // This rank's term of the output, before the sum over the group (the whole output unsharded); x holds
+  // the batch's rows (the adapters' terms, model/lora.h).
+  Tensor partial(const Tensor& x, const Batch& batch) const;
   std::string name() const override { return "mlp"; }
 };
 

@@ -7,6 +7,7 @@
 #include "kernels/cpu/gqa_reference.h"
 #include "kernels/ops.h"
 #include "model/device_step.h"
+#include "model/lora.h"
 
 #if SPARROW_HAVE_CUDA
 #include "core/device/stream.h"
@@ -35,6 +36,9 @@ Tensor GqaAttention::forward(const Tensor& x, const Batch& batch, int layer) {
   Tensor q = ops::linear(x, q_proj);  // [T, heads * head_dim]
   Tensor k = ops::linear(x, k_proj);  // [T, kv_heads * head_dim]
   Tensor v = ops::linear(x, v_proj);  // [T, kv_heads * head_dim]
+  lora::add_(q, x, batch, prefix, "q_proj");
+  lora::add_(k, x, batch, prefix, "k_proj");
+  lora::add_(v, x, batch, prefix, "v_proj");
   ops::rms_norm_(q, q_norm, norm_eps, /*unit_offset=*/true);
   ops::rms_norm_(k, k_norm, norm_eps, /*unit_offset=*/true);
   const Tensor& positions = batch.positions_on(x.device());
@@ -46,7 +50,9 @@ Tensor GqaAttention::forward(const Tensor& x, const Batch& batch, int layer) {
     indexer->project(x, positions, rope, index_q, index_k);
     kept = indexer->select(index_q, index_k, batch, layer);
   }
-  Tensor out = ops::linear(attend(q, k, v, kept, batch, layer), o_proj);
+  const Tensor attended = attend(q, k, v, kept, batch, layer);
+  Tensor out = ops::linear(attended, o_proj);
+  lora::add_(out, attended, batch, prefix, "o_proj");
   ops::all_reduce_(tp, out);
   return out;
 }

@@ -16,6 +16,7 @@
 #pragma once
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "core/tensor.h"
 #include "model/decoder.h"
@@ -41,6 +42,7 @@ class GqaAttention : public Mixer {
   Rope rope;
   std::optional<MsaIndexer> indexer;  // set on MSA ("minimax_m3_sparse") layers
   TensorParallel tp;
+  std::string prefix;  // the weights' names start with it ("model.layers.N.self_attn."): LoRA modules (model/lora.h)
 
   Tensor forward(const Tensor& x, const Batch& batch, int layer) override;
   LayerCacheSpec cache_spec() const override;

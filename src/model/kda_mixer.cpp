@@ -10,6 +10,7 @@
 #include "kernels/cpu/kda_reference.h"
 #include "kernels/ops.h"
 #include "model/device_step.h"
+#include "model/lora.h"
 #include "model/tensor_parallel.h"
 
 #if SPARROW_HAVE_CUDA
@@ -79,6 +80,8 @@ std::unique_ptr<KdaMixer> KdaMixer::load(Checkpoint& ckpt, const std::string& pr
   mine_config.num_heads = mine.count();
   auto kda = std::make_unique<KdaMixer>(mine_config, std::move(w));
   kda->tp_ = tp;
+  kda->prefix_ = prefix;
+  kda->gate_prefix_ = gate;
   return kda;
 }
 
@@ -94,15 +97,32 @@ LayerCacheSpec KdaMixer::cache_spec_for(const KdaConfig& config) {
 // reference (kernels/cpu/kda_reference.h) or the CUDA kernels (kernels/cuda/kda): the gates, the conv and
 // the delta rule over each sequence's states, and the gated norm.
 Tensor KdaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
-  const Tensor qkv = ops::linear(x, w_.qkv_proj, ScalarType::F32);  // [T, 3P] before the conv
-  Tensor log_decay = ops::linear(ops::linear(x, w_.f_a_proj), w_.f_b_proj, ScalarType::F32);  // [T, P]
-  Tensor beta = ops::linear(x, w_.b_proj, ScalarType::F32);                                   // [T, H]
-  const Tensor out_gate = config_.full_rank_gate  // [T, P]
-                              ? ops::linear(x, w_.g_proj, ScalarType::F32)
-                              : ops::linear(ops::linear(x, w_.g_a_proj), w_.g_b_proj, ScalarType::F32);
+  Tensor qkv = ops::linear(x, w_.qkv_proj, ScalarType::F32);  // [T, 3P] before the conv
+  const int64_t p = qkv.dim(1) / 3;
+  lora::add_(qkv, x, batch, prefix_, "q_proj", 0);
+  lora::add_(qkv, x, batch, prefix_, "k_proj", p);
+  lora::add_(qkv, x, batch, prefix_, "v_proj", 2 * p);
+  Tensor f_a = ops::linear(x, w_.f_a_proj);
+  lora::add_(f_a, x, batch, gate_prefix_, "f_a_proj");
+  Tensor log_decay = ops::linear(f_a, w_.f_b_proj, ScalarType::F32);  // [T, P]
+  lora::add_(log_decay, f_a, batch, gate_prefix_, "f_b_proj");
+  Tensor beta = ops::linear(x, w_.b_proj, ScalarType::F32);  // [T, H]
+  lora::add_(beta, x, batch, prefix_, "b_proj");
+  Tensor out_gate;  // [T, P]
+  if (config_.full_rank_gate) {
+    out_gate = ops::linear(x, w_.g_proj, ScalarType::F32);
+    lora::add_(out_gate, x, batch, prefix_, "g_proj");
+  } else {
+    Tensor g_a = ops::linear(x, w_.g_a_proj);
+    lora::add_(g_a, x, batch, prefix_, "g_a_proj");
+    out_gate = ops::linear(g_a, w_.g_b_proj, ScalarType::F32);
+    lora::add_(out_gate, g_a, batch, prefix_, "g_b_proj");
+  }
   gates_(log_decay, beta);
   Tensor core = mix(qkv, log_decay, beta, batch, layer);
-  Tensor out = ops::linear(gated_norm(core, out_gate), w_.o_proj);
+  const Tensor normed = gated_norm(core, out_gate);
+  Tensor out = ops::linear(normed, w_.o_proj);
+  lora::add_(out, normed, batch, prefix_, "o_proj");
   ops::all_reduce_(tp_, out);
   return out;
 }

@@ -92,6 +92,9 @@ class KdaMixer : public Mixer {
   KdaConfig config_;  // sharded: num_heads is this rank's (model/tensor_parallel.h)
   KdaWeights w_;
   TensorParallel tp_;  // forward() sums o_proj's output over the group
+  // The weights' names start with these ("model.layers.N.self_attn.", and where f_a/f_b_proj live): LoRA
+  // modules (model/lora.h).
+  std::string prefix_, gate_prefix_;
 };
 
 }  // namespace sparrow

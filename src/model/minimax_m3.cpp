@@ -196,7 +196,7 @@ struct WeightNames {
 std::unique_ptr<Mixer> load_attention(Checkpoint& ckpt, const TextConfig& cfg, const WeightNames& names,
                                       const std::string& layer, bool sparse) {
   auto attn = std::make_unique<GqaAttention>();
-  const std::string p = layer + "self_attn.";
+  const std::string p = attn->prefix = layer + "self_attn.";
   const TensorParallel& tp = attn->tp = ckpt.tensor_parallel();
   const int64_t d = cfg.head_dim;
 #if SPARROW_HAVE_CUDA

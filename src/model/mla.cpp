@@ -10,6 +10,7 @@
 #include "kernels/ops.h"
 #include "model/context_parallel.h"
 #include "model/device_step.h"
+#include "model/lora.h"
 #include "model/tensor_parallel.h"
 
 #if SPARROW_HAVE_CUDA
@@ -58,6 +59,7 @@ std::unique_ptr<MlaMixer> MlaMixer::load(Checkpoint& ckpt, const std::string& pr
   }
   auto mla = std::make_unique<MlaMixer>();
   mla->options_ = options;
+  mla->prefix_ = prefix;
   // Tensor parallel (vLLM's MLA under TP): each rank keeps its query heads, their rows of the query and
   // kv_b projections and their columns of o_proj; the latent projection, its cache and the indexer are
   // replicated, so every rank caches the same rows and selects the same keys.
@@ -117,15 +119,19 @@ Tensor MlaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
   Tensor q_resid, q;
   if (o.q_lora_rank > 0) {
     q_resid = ops::linear(x, q_a_proj);
+    lora::add_(q_resid, x, batch, prefix_, "q_a_proj");
     if (o.attention_bias) ops::add_bias_(q_resid, q_a_bias);
     ops::rms_norm_(q_resid, q_a_norm, o.q_norm_eps);
     q = ops::linear(q_resid, q_b_proj);
+    lora::add_(q, q_resid, batch, prefix_, "q_b_proj");
   } else {
     q = ops::linear(x, q_proj);
+    lora::add_(q, x, batch, prefix_, "q_proj");
   }
 
   // This step's cache rows [T, latent + rot]: [kv_a_layernorm(c) | k_rot], the norm on c only.
   Tensor new_rows = ops::linear(x, kv_a_proj);
+  lora::add_(new_rows, x, batch, prefix_, "kv_a_proj_with_mqa");
   if (o.attention_bias) ops::add_bias_(new_rows, kv_a_bias);
   ops::rms_norm_(new_rows, kv_a_norm, o.kv_norm_eps, false, /*first_col=*/0, /*groups=*/1);
 
@@ -162,8 +168,13 @@ Tensor MlaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
   ops::batched_matmul_nt(heads, tokens, o.v_head_dim, latent, {&mixed, 0, heads * latent, latent},
                          {&kv_b_proj, nope * latent, latent, kv_b_rows_per_head * latent}, attended, 0,
                          heads * o.v_head_dim, o.v_head_dim);
-  if (o.output_gate) ops::mul_sigmoid_(attended, ops::linear(x, g_proj));
+  if (o.output_gate) {
+    Tensor gate = ops::linear(x, g_proj);
+    lora::add_(gate, x, batch, prefix_, "g_proj");
+    ops::mul_sigmoid_(attended, gate);
+  }
   Tensor out = ops::linear(attended, o_proj);
+  lora::add_(out, attended, batch, prefix_, "o_proj");
   ops::all_reduce_(tp, out);
   if (o.attention_bias) ops::add_bias_(out, o_bias);
   return out;

@@ -116,6 +116,7 @@ class MlaMixer : public Mixer {
   // sums o_proj's output over the group before the bias. Decode context parallel (tp.dcp_size > 1): the
   // latent pages hold every dcp_size-th token (model/context_parallel.h).
   TensorParallel tp;
+  std::string prefix_;  // the weights' names start with it ("model.layers.N.self_attn."): LoRA modules (model/lora.h)
 };
 
 }  // namespace sparrow

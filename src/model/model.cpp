@@ -34,6 +34,12 @@ Tensor select_logit_rows(const Tensor& x, const Batch& batch) {
   return ops::select_rows(x, rows);
 }
 
+bool Batch::has_lora() const {
+  for (const SeqSlice& seq : seqs)
+    if (seq.state->lora) return true;
+  return false;
+}
+
 int64_t Batch::logit_rows() const {
   if (all_logits) return size();
   int64_t rows = 0;

@@ -23,10 +23,13 @@
 
 namespace sparrow {
 
+struct LoraAdapter;
+
 struct SequenceState {
   int64_t length = 0;              // tokens already processed (the position of the next token)
   SequenceCache* cache = nullptr;  // where the layers keep this sequence's rows and state
   std::unique_ptr<SequenceCache> owned_cache;  // set when the sequence owns its cache (ModelRunner::new_sequence)
+  std::shared_ptr<const LoraAdapter> lora;     // the sequence's LoRA adapter (model/lora.h); null: the base model
 };
 
 
@@ -56,6 +59,8 @@ struct Batch {
   // sampling, speculative verification).
   bool all_logits = true;
   int64_t size() const { return int64_t(tokens.size()); }
+  // Whether any sequence runs with a LoRA adapter (model/lora.h).
+  bool has_lora() const;
   // Rows of the logits forward() returns: the batch's size, or the sequences' logits rows summed.
   int64_t logit_rows() const;
 

@@ -34,6 +34,9 @@ DecodeGraphs::~DecodeGraphs() = default;
 
 bool DecodeGraphs::eligible(const Batch& batch) {
   if (batch.all_logits || batch.seqs.empty() || batch.size() > kMaxRows) return false;
+  // LoRA adapters add products per run of sequences (model/lora.h): the launches depend on the batch's
+  // mix, so such steps run eagerly.
+  if (batch.has_lora()) return false;
   // Uneven rows would change the launch (the longest sequence's rows pick the recurrent layers' kernel,
   // row pairs the indexer's), so only even steps replay.
   const SeqSlice& first = batch.seqs[0];

@@ -1,0 +1,196 @@
+#include "model/lora.h"
+
+#include <atomic>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+#include <xxhash.h>
+
+#include "core/error.h"
+#include "formats/checkpoint.h"
+#include "formats/safetensors.h"
+#include "kernels/ops.h"
+#include "model/model.h"
+
+namespace sparrow {
+
+namespace fs = std::filesystem;
+
+const LoraWeights* LoraAdapter::find(const std::string& module) const {
+  auto it = modules.find(module);
+  return it == modules.end() ? nullptr : &it->second;
+}
+
+bool lora_supported_module(const std::string& module) {
+  static const std::set<std::string> kLeaves = {
+      "q_proj",   "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj",    "k_proj",    "v_proj",    "f_a_proj",
+      "f_b_proj", "b_proj",   "g_proj",   "g_a_proj",           "g_b_proj",  "gate_proj", "up_proj",   "gate_up_proj", "down_proj"};
+  const size_t dot = module.rfind('.');
+  const std::string leaf = dot == std::string::npos ? module : module.substr(dot + 1);
+  if (!kLeaves.count(leaf)) return false;
+  // Routed experts ("mlp.experts.7.gate_proj"), the indexers' inputs and the routers are not adapted yet.
+  for (const char* part : {".experts.", ".indexer.", ".gate."})
+    if (module.find(part) != std::string::npos) return false;
+  return true;
+}
+
+namespace {
+
+nlohmann::json read_json(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  SPARROW_CHECK(in, "LoRA adapter: cannot open '", path.string(), "'");
+  std::stringstream text;
+  text << in.rdbuf();
+  try {
+    return nlohmann::json::parse(text.str());
+  } catch (const nlohmann::json::parse_error& e) {
+    fail("LoRA adapter: '", path.string(), "' is not valid JSON (syntax error at byte ", e.byte, ")");
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, const std::string& path,
+                                                     const std::string& model_dir, Device device, int64_t max_rank) {
+  const fs::path root(path);
+  SPARROW_CHECK(fs::is_directory(root), "LoRA adapter '", name, "': '", path, "' is not a folder");
+  const nlohmann::json config = read_json(root / "adapter_config.json");
+  SPARROW_CHECK(config.is_object(), "LoRA adapter '", name, "': adapter_config.json is not a JSON object");
+  auto value = [&](const char* key) { return config.contains(key) ? config[key] : nlohmann::json(); };
+  const nlohmann::json peft_type = value("peft_type");
+  SPARROW_CHECK(peft_type.is_null() || peft_type == "LORA", "LoRA adapter '", name, "': peft_type ", peft_type.dump(),
+                " is not LORA");
+  SPARROW_CHECK(value("r").is_number_integer() && value("r").get<int64_t>() > 0, "LoRA adapter '", name,
+                "': adapter_config.json needs a positive integer \"r\"");
+  auto adapter = std::make_shared<LoraAdapter>();
+  adapter->name = name;
+  adapter->path = path;
+  adapter->rank = value("r").get<int64_t>();
+  static std::atomic<uint64_t> loads{0};
+  const uint64_t load = ++loads;
+  adapter->prefix_root = XXH3_64bits_withSeed(name.data(), name.size(), load) | 1;  // never kRootBlockHash (0)
+  SPARROW_CHECK(adapter->rank <= max_rank, "LoRA adapter '", name, "': rank ", adapter->rank,
+                " is above --max-lora-rank ", max_rank);
+  const double alpha = value("lora_alpha").is_number() ? value("lora_alpha").get<double>() : double(adapter->rank);
+  const bool rslora = value("use_rslora").is_boolean() && value("use_rslora").get<bool>();
+  // PEFT's LoraLayer.update_layer: scaling = lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA.
+  adapter->scaling = float(rslora ? alpha / std::sqrt(double(adapter->rank)) : alpha / double(adapter->rank));
+  SPARROW_CHECK(!(value("use_dora").is_boolean() && value("use_dora").get<bool>()), "LoRA adapter '", name,
+                "': DoRA (use_dora) is not supported");
+  SPARROW_CHECK(value("bias").is_null() || value("bias") == "none", "LoRA adapter '", name, "': bias ",
+                value("bias").dump(), " is not supported (only \"none\")");
+  SPARROW_CHECK(value("modules_to_save").is_null() || value("modules_to_save").empty(), "LoRA adapter '", name,
+                "': modules_to_save is not supported");
+  SPARROW_CHECK(!(value("fan_in_fan_out").is_boolean() && value("fan_in_fan_out").get<bool>()), "LoRA adapter '",
+                name, "': fan_in_fan_out is not supported");
+  SPARROW_CHECK(value("rank_pattern").is_null() || value("rank_pattern").empty(), "LoRA adapter '", name,
+                "': rank_pattern is not supported");
+  SPARROW_CHECK(value("alpha_pattern").is_null() || value("alpha_pattern").empty(), "LoRA adapter '", name,
+                "': alpha_pattern is not supported");
+
+  const fs::path weights = root / "adapter_model.safetensors";
+  SPARROW_CHECK(fs::exists(weights), "LoRA adapter '", name, "': ", path,
+                " has no adapter_model.safetensors (adapter_model.bin, a pickle, is not read)");
+  auto file = SafetensorsFile::open(weights.string());
+  // PEFT names: base_model.model.<module>.lora_A.weight / .lora_B.weight (some savers add the adapter's
+  // name, ".lora_A.default.weight").
+  struct Pair {
+    const TensorInfo* a = nullptr;
+    const TensorInfo* b = nullptr;
+  };
+  std::map<std::string, Pair> pairs;
+  for (const auto& [key, info] : file->tensors()) {
+    std::string module = key;
+    const std::string prefix = "base_model.model.";
+    if (module.rfind(prefix, 0) == 0) module = module.substr(prefix.size());
+    bool is_a = false;
+    size_t at = std::string::npos;
+    for (const char* suffix : {".lora_A.weight", ".lora_A.default.weight"})
+      if ((at = module.rfind(suffix)) != std::string::npos && at + std::string(suffix).size() == module.size()) {
+        is_a = true;
+        break;
+      }
+    if (!is_a)
+      for (const char* suffix : {".lora_B.weight", ".lora_B.default.weight"})
+        if ((at = module.rfind(suffix)) != std::string::npos && at + std::string(suffix).size() == module.size()) break;
+    SPARROW_CHECK(at != std::string::npos && at > 0, "LoRA adapter '", name, "': unexpected tensor '", key,
+                  "' (expected <module>.lora_A.weight and <module>.lora_B.weight)");
+    module = module.substr(0, at);
+    SPARROW_CHECK(lora_supported_module(module), "LoRA adapter '", name, "': module '", module,
+                  "' is not one sparrow adapts yet (attention projections, dense MLPs and shared experts; not "
+                  "kv_b_proj, the indexers, the routers or the routed experts)");
+    (is_a ? pairs[module].a : pairs[module].b) = &info;
+  }
+  SPARROW_CHECK(!pairs.empty(), "LoRA adapter '", name, "': adapter_model.safetensors holds no LoRA weights");
+  const std::unique_ptr<Checkpoint> model = Checkpoint::open(model_dir);
+  const ScalarType type = ops::act_type(device);
+  for (const auto& [module, pair] : pairs) {
+    SPARROW_CHECK(pair.a && pair.b, "LoRA adapter '", name, "': module '", module, "' has lora_", pair.a ? "A" : "B",
+                  " without lora_", pair.a ? "B" : "A");
+    SPARROW_CHECK(pair.a->shape.size() == 2 && pair.b->shape.size() == 2 && pair.a->shape[0] == adapter->rank &&
+                      pair.b->shape[1] == adapter->rank,
+                  "LoRA adapter '", name, "': module '", module, "' has lora_A ", shape_str(pair.a->shape),
+                  " and lora_B ", shape_str(pair.b->shape), " (expected [", adapter->rank, ", in] and [out, ",
+                  adapter->rank, "])");
+    // Against the base weight as the checkpoint stores it ([out, in]; packed FP4 holds two values a byte).
+    SPARROW_CHECK(model->has(module + ".weight"), "LoRA adapter '", name, "': the model has no weight '", module,
+                  ".weight'");
+    Shape base;
+    try {
+      base = model->stored_shape(module + ".weight");
+    } catch (const Error&) {  // stored under other names (MXFP4's weight_packed): checked at first use
+    }
+    if (base.size() == 2)
+      SPARROW_CHECK(base[0] == pair.b->shape[0] && (base[1] == pair.a->shape[1] || 2 * base[1] == pair.a->shape[1]),
+                    "LoRA adapter '", name, "': module '", module, "' is [", pair.b->shape[0], " x ", pair.a->shape[1],
+                    "], the model's weight ", shape_str(base));
+    Tensor a = to_float32(*pair.a, file), b = to_float32(*pair.b, file).clone();
+    ops::scale_(b, adapter->scaling);
+    adapter->modules[module] = {a.to(device, type), b.to(device, type)};
+  }
+  return adapter;
+}
+
+namespace lora {
+
+void add_(Tensor& y, const Tensor& x, const Batch& batch, const std::string& prefix, const char* name,
+          int64_t first_col) {
+  if (!batch.has_lora()) return;
+  const std::string module = prefix + name;
+  SPARROW_CHECK(x.dim(0) == batch.size() && y.dim(0) == batch.size(), "LoRA: ", module, " sees ", x.dim(0),
+                " rows for a batch of ", batch.size());
+  const std::vector<SeqSlice>& seqs = batch.seqs;
+  for (size_t i = 0; i < seqs.size();) {
+    const LoraAdapter* adapter = seqs[i].state->lora.get();
+    size_t j = i + 1;
+    while (j < seqs.size() && seqs[j].state->lora.get() == adapter) ++j;
+    const LoraWeights* w = adapter ? adapter->find(module) : nullptr;
+    if (w) {
+      const int64_t begin = seqs[i].offset, end = seqs[j - 1].offset + seqs[j - 1].count;
+      const int64_t out = w->b.dim(0), width = y.dim(1);
+      SPARROW_CHECK(w->a.dim(1) == x.dim(1) && first_col + out <= width, "LoRA adapter '", adapter->name,
+                    "': module '", module, "' is [", out, " x ", w->a.dim(1), "], the model's projection [",
+                    width - first_col, " x ", x.dim(1), "]");
+      if (begin < end) {
+        const Tensor delta = ops::linear(ops::linear(x.rows(begin, end), w->a), w->b);  // [n, out]
+        Tensor rows = y.rows(begin, end);
+        if (first_col == 0 && out == width) {
+          ops::add_(rows, delta.type() == rows.type() ? delta : delta.to(rows.device(), rows.type()));
+        } else {
+          Tensor wide = Tensor::zeros({end - begin, width}, rows.type(), rows.device());
+          const Tensor d = delta.type() == rows.type() ? delta : delta.to(rows.device(), rows.type());
+          ops::copy_lines(wide, first_col, width, d, 0, out, out, end - begin);
+          ops::add_(rows, wide);
+        }
+      }
+    }
+    i = j;
+  }
+}
+
+}  // namespace lora
+}  // namespace sparrow

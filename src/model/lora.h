@@ -1,0 +1,65 @@
+// LoRA adapters (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models") as PEFT saves them
+// (adapter_config.json + adapter_model.safetensors) and vLLM serves them: a targeted projection y = W x
+// becomes y = W x + (alpha / r) B A x (alpha / sqrt(r) with use_rslora), for the rows of the sequences
+// that use the adapter. Different adapters share one batch: each run of consecutive sequences with the same
+// adapter gets its own two small products (the segmented form of punica / S-LoRA's grouped kernels, on the
+// existing ops, so the same code runs on the CPU and the GPU).
+//
+// Targets: every projection a layer reads straight from one checkpoint weight of the attention (MLA's
+// q_proj / q_a_proj / q_b_proj / kv_a_proj_with_mqa / o_proj, GQA's q/k/v/o_proj, KDA's q/k/v_proj,
+// f_a/f_b_proj, b_proj, g_proj, g_a/g_b_proj, o_proj; MLA's output gate g_proj) and of the dense MLPs and
+// shared experts (gate/up/down_proj, or gate_up_proj where the checkpoint fuses them).
+// Not yet (a one-line error when an adapter targets them): MLA's kv_b_proj (absorbed into the attention
+// kernels), the indexers' inputs, the routers and the routed experts; tensor, data or context parallel
+// models.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "core/tensor.h"
+
+namespace sparrow {
+
+struct Batch;
+
+struct LoraWeights {
+  Tensor a;  // [r, in]
+  Tensor b;  // [out, r], times the adapter's scaling
+};
+
+struct LoraAdapter {
+  std::string name, path;
+  int64_t rank = 0;
+  float scaling = 1.0f;
+  // Where the prefix cache's hash chain starts for its sequences (KvCache::create_sequence): one per loaded
+  // adapter, so no block computed with it matches the base model's or another load's.
+  uint64_t prefix_root = 0;
+  // By the base module's name, e.g. "model.layers.3.self_attn.q_proj" (PEFT's key without its
+  // "base_model.model." prefix and ".lora_A.weight" suffix).
+  std::map<std::string, LoraWeights> modules;
+
+  const LoraWeights* find(const std::string& module) const;
+};
+
+// Reads the PEFT adapter folder `path` for the model in `model_dir` onto `device`, in the activations' type
+// (ops::act_type). One-line errors for a missing or malformed file, a rank above `max_rank`, a module the
+// model's checkpoint does not have or whose shape differs from it, and what sparrow does not apply: DoRA,
+// biases, modules_to_save, fan_in_fan_out, targets outside the list above (lora_supported_module).
+std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, const std::string& path,
+                                                     const std::string& model_dir, Device device, int64_t max_rank);
+
+// Whether a module (e.g. "model.layers.3.self_attn.q_proj") is one of the targets above: its last name is
+// a projection the layers adapt, and it is not under a router, an indexer or the routed experts.
+bool lora_supported_module(const std::string& module);
+
+namespace lora {
+
+// y[:, first_col ..] += each sequence's adapter term for `module` (prefix + name) over its rows of x; y and x
+// hold the batch's rows in order. Nothing when no sequence of the batch has an adapter for it.
+void add_(Tensor& y, const Tensor& x, const Batch& batch, const std::string& prefix, const char* name,
+          int64_t first_col = 0);
+
+}  // namespace lora
+}  // namespace sparrow

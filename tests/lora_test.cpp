@@ -1,0 +1,265 @@
+// LoRA adapters (model/lora.h, issue 29) on the CPU, for every bundled model: an adapter answers as its
+// merged checkpoint (W + scaling B A written out as a model of its own), with greedy tokens equal and
+// logprobs within float rounding; requests of different adapters and of the base model share one batch and
+// each answers as it does alone, bit for bit; a prefix cached by the base model is not reused by an adapter's
+// request; and the adapter files sparrow cannot apply are refused with one-line errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/engine_core.h"
+#include "lora_test_util.h"
+#include "model/lora.h"
+#include "model/model.h"
+
+using namespace sparrow;
+using namespace sparrow::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+using Tokens = std::vector<int32_t>;
+
+struct Choice {
+  Tokens tokens;
+  std::vector<TokenLogprob> logprobs;
+  std::vector<std::optional<TokenLogprob>> prompt_logprobs;
+  int64_t cached_tokens = 0;
+};
+using Outputs = std::map<std::string, Choice>;
+
+EngineConfig engine_config(int64_t max_num_seqs) {
+  EngineConfig config;
+  config.max_model_len = 512;
+  config.max_num_seqs = max_num_seqs;
+  config.max_num_batched_tokens = 4096;
+  config.cache.block_size = 16;
+  config.cache.max_num_seqs = 16;
+  config.cache.memory_bytes = int64_t(256) << 20;
+  return config;
+}
+
+// Runs the requests in order through one engine: `together` submits them all before stepping (one batch),
+// otherwise each runs to its end before the next is added (the prefix cache still holds earlier prompts).
+Outputs run(Model& model, const std::vector<Request>& requests, bool together, bool prefix_caching = false) {
+  EngineConfig config = engine_config(16);
+  config.cache.enable_prefix_caching = prefix_caching;
+  EngineCore engine(model, nullptr, config);
+  Outputs out;
+  auto add = [&](const Request& r) {
+    engine.add(r, [&](const RequestOutput& e) {
+      Choice& c = out[e.request_id];
+      c.tokens.insert(c.tokens.end(), e.new_tokens.begin(), e.new_tokens.end());
+      c.logprobs.insert(c.logprobs.end(), e.logprobs.begin(), e.logprobs.end());
+      c.prompt_logprobs.insert(c.prompt_logprobs.end(), e.prompt_logprobs.begin(), e.prompt_logprobs.end());
+      c.cached_tokens = std::max(c.cached_tokens, e.cached_tokens);
+    });
+  };
+  for (const Request& r : requests) {
+    add(r);
+    if (!together)
+      while (engine.step()) {
+      }
+  }
+  while (engine.step()) {
+  }
+  return out;
+}
+
+std::vector<Request> prompts(int64_t vocab, bool prompt_logprobs) {
+  std::mt19937 rng(7);
+  std::vector<Request> requests;
+  for (int i = 0; i < 4; ++i) {
+    Tokens prompt(size_t(5 + 41 * i));  // up to 128 tokens: past the bundled models' sparse budgets
+    for (int32_t& id : prompt) id = int32_t(2 + rng() % uint32_t(vocab - 2));
+    Request r{"p" + std::to_string(i), prompt, {}};
+    r.params.max_tokens = 8;
+    r.params.temperature = 0;
+    r.params.ignore_eos = true;
+    r.params.logprobs = 2;
+    if (prompt_logprobs) r.params.prompt_logprobs = 1;
+    requests.push_back(r);
+  }
+  return requests;
+}
+
+std::vector<Request> with_adapter(std::vector<Request> requests, std::shared_ptr<const LoraAdapter> adapter,
+                                  const std::string& tag) {
+  for (Request& r : requests) {
+    r.id += tag;
+    r.lora = adapter;
+  }
+  return requests;
+}
+
+// Greedy tokens equal; every logprob (sampled and prompt) within `tol`. Returns the largest difference.
+double expect_close(const Choice& got, const Choice& want, double tol, const std::string& what) {
+  EXPECT_EQ(got.tokens, want.tokens) << what;
+  double worst = 0;
+  EXPECT_EQ(got.logprobs.size(), want.logprobs.size()) << what;
+  for (size_t i = 0; i < std::min(got.logprobs.size(), want.logprobs.size()); ++i)
+    worst = std::max(worst, std::fabs(double(got.logprobs[i].logprob) - want.logprobs[i].logprob));
+  EXPECT_EQ(got.prompt_logprobs.size(), want.prompt_logprobs.size()) << what;
+  for (size_t i = 0; i < std::min(got.prompt_logprobs.size(), want.prompt_logprobs.size()); ++i)
+    if (got.prompt_logprobs[i] && want.prompt_logprobs[i])
+      worst = std::max(worst, std::fabs(double(got.prompt_logprobs[i]->logprob) - want.prompt_logprobs[i]->logprob));
+  EXPECT_LE(worst, tol) << what;
+  return worst;
+}
+
+bool bitwise_equal(const Choice& a, const Choice& b) {
+  if (a.tokens != b.tokens || a.logprobs.size() != b.logprobs.size()) return false;
+  for (size_t i = 0; i < a.logprobs.size(); ++i)
+    if (a.logprobs[i].logprob != b.logprobs[i].logprob || a.logprobs[i].top != b.logprobs[i].top) return false;
+  return true;
+}
+
+class Lora : public ::testing::TestWithParam<std::string> {};
+
+}  // namespace
+
+TEST_P(Lora, AnAdapterAnswersAsItsMergedCheckpoint) {
+  const fs::path dir = bundled(GetParam());
+  const Adapter a = make_adapter(dir, GetParam() + "_a", 8, 11);
+  const fs::path merged = merged_model(dir, a, GetParam() + "_merged");
+  auto base = load_model(dir.string());
+  auto adapter = load_lora_adapter("a", a.dir.string(), dir.string(), Device::Cpu, 16);
+  EXPECT_EQ(adapter->modules.size(), a.ab.size());
+  EXPECT_FLOAT_EQ(adapter->scaling, 2.0f);
+  auto merged_model_ = load_model(merged.string());
+  const std::vector<Request> plain = prompts(base->vocab_size(), true);
+  const Outputs want = run(*merged_model_, plain, false);
+  const Outputs got = run(*base, with_adapter(plain, adapter, "+a"), false);
+  const Outputs without = run(*base, plain, false);
+  double differs = 0;
+  for (const Request& r : plain) {
+    expect_close(got.at(r.id + "+a"), want.at(r.id), 2e-3, GetParam() + " " + r.id);
+    // The adapter must matter: its answers are not the base model's.
+    for (size_t i = 0; i < want.at(r.id).prompt_logprobs.size(); ++i)
+      if (want.at(r.id).prompt_logprobs[i] && without.at(r.id).prompt_logprobs[i])
+        differs = std::max(differs, std::fabs(double(want.at(r.id).prompt_logprobs[i]->logprob) -
+                                              without.at(r.id).prompt_logprobs[i]->logprob));
+  }
+  EXPECT_GT(differs, 0.05) << "the adapter hardly changes the model: the test would not see it ignored";
+  fs::remove_all(a.dir);
+  fs::remove_all(merged);
+}
+
+TEST_P(Lora, AdaptersAndTheBaseModelShareABatchAndAnswerAsAlone) {
+  const fs::path dir = bundled(GetParam());
+  const Adapter a = make_adapter(dir, GetParam() + "_mix_a", 8, 21), b = make_adapter(dir, GetParam() + "_mix_b", 4, 22);
+  auto model = load_model(dir.string());
+  auto lora_a = load_lora_adapter("a", a.dir.string(), dir.string(), Device::Cpu, 16);
+  auto lora_b = load_lora_adapter("b", b.dir.string(), dir.string(), Device::Cpu, 16);
+  const std::vector<Request> plain = prompts(model->vocab_size(), false);
+  // Interleaved: base, a, b, a, base, b, ... so runs of one adapter are short and broken up.
+  std::vector<Request> mixed;
+  for (size_t i = 0; i < plain.size(); ++i) {
+    mixed.push_back(plain[i]);
+    mixed.push_back(with_adapter({plain[i]}, i % 2 ? lora_b : lora_a, i % 2 ? "+b" : "+a")[0]);
+    mixed.push_back(with_adapter({plain[i]}, i % 2 ? lora_a : lora_b, i % 2 ? "+a" : "+b")[0]);
+  }
+  const Outputs together = run(*model, mixed, true);
+  for (const Request& r : mixed) {
+    const Outputs alone = run(*model, {r}, false);
+    EXPECT_TRUE(bitwise_equal(together.at(r.id), alone.at(r.id))) << GetParam() << " " << r.id;
+  }
+  EXPECT_NE(together.at("p3").logprobs.front().logprob, together.at("p3+a").logprobs.front().logprob);
+  fs::remove_all(a.dir);
+  fs::remove_all(b.dir);
+}
+
+TEST_P(Lora, AnAdapterDoesNotReuseTheBaseModelsCachedPrefix) {
+  const fs::path dir = bundled(GetParam());
+  const Adapter a = make_adapter(dir, GetParam() + "_prefix", 8, 31);
+  auto model = load_model(dir.string());
+  auto lora = load_lora_adapter("a", a.dir.string(), dir.string(), Device::Cpu, 16);
+  // 130 tokens: the prefill's last block boundary (128) holds a recurrent state snapshot, so a repeat
+  // hits the prefix cache on the hybrid models too (cache/kv_cache.h).
+  Request base = prompts(model->vocab_size(), false).back();
+  base.prompt.resize(130, 7);
+  Request base_again = base;
+  base_again.id += "+again";
+  const Request adapted = with_adapter({base}, lora, "+a")[0];
+  Request again = adapted;
+  again.id += "+again";
+  const Outputs out = run(*model, {base, base_again, adapted, again}, false, /*prefix_caching=*/true);
+  ASSERT_GT(out.at(base_again.id).cached_tokens, 0) << "the base model's repeat does not hit the prefix cache";
+  EXPECT_EQ(out.at(adapted.id).cached_tokens, 0) << "the adapter's request reused the base model's blocks";
+  EXPECT_EQ(out.at(again.id).cached_tokens, out.at(base_again.id).cached_tokens)
+      << "the adapter's own prefix is not cached as the base model's is";
+  const Outputs fresh = run(*model, {adapted}, false);
+  EXPECT_TRUE(bitwise_equal(out.at(adapted.id), fresh.at(adapted.id)));
+  EXPECT_TRUE(bitwise_equal(out.at(again.id), fresh.at(adapted.id)));
+  fs::remove_all(a.dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(BundledModels, Lora, ::testing::Values("deepseek_v32", "kimi_k3", "minimax_m3"));
+
+TEST(LoraAdapterFiles, WhatCannotBeAppliedIsRefusedWithOneLine) {
+  const fs::path model_dir = bundled("minimax_m3");
+  const Adapter good = make_adapter(model_dir, "refusals", 8, 41);
+  auto expect_error = [](const std::function<void()>& f, const std::string& needle) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; expected one containing '" << needle << "'";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(needle), std::string::npos) << what;
+      EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    }
+  };
+  auto load = [&](const fs::path& dir, int64_t max_rank = 16) {
+    return [dir, model_dir, max_rank] { load_lora_adapter("x", dir.string(), model_dir.string(), Device::Cpu, max_rank); };
+  };
+  expect_error(load("/nonexistent/adapter"), "is not a folder");
+  expect_error(load(good.dir, 4), "rank 8 is above --max-lora-rank 4");
+  const fs::path bad = fresh_dir("refusals_bad");
+  fs::copy_file(good.dir / "adapter_model.safetensors", bad / "adapter_model.safetensors");
+  write_text(bad / "adapter_config.json", "{\"r\": 8, \"use_dora\": true}");
+  expect_error(load(bad), "DoRA");
+  write_text(bad / "adapter_config.json", "{\"r\": 8, \"bias\": \"all\"}");
+  expect_error(load(bad), "bias");
+  write_text(bad / "adapter_config.json", "{\"r\": 8, \"modules_to_save\": [\"lm_head\"]}");
+  expect_error(load(bad), "modules_to_save");
+  write_text(bad / "adapter_config.json", "{\"r\": 8,");
+  expect_error(load(bad), "not valid JSON");
+  write_text(bad / "adapter_config.json", "{\"lora_alpha\": 8}");
+  expect_error(load(bad), "positive integer \"r\"");
+  // A routed expert's and an indexer's projections are not adapted yet; a lone lora_A is incomplete.
+  write_text(bad / "adapter_config.json", "{\"r\": 2}");
+  const Tensor A = Tensor::zeros({2, 8}), B = Tensor::zeros({8, 2});
+  for (const std::string& module :
+       {std::string("model.layers.1.mlp.experts.3.gate_proj"), std::string("model.layers.1.self_attn.indexer.q_proj"),
+        std::string("model.layers.0.self_attn.kv_b_proj")}) {
+    write_safetensors((bad / "adapter_model.safetensors").string(),
+                      {{"base_model.model." + module + ".lora_A.weight", A}, {"base_model.model." + module + ".lora_B.weight", B}});
+    expect_error(load(bad), "is not one sparrow adapts yet");
+  }
+  write_safetensors((bad / "adapter_model.safetensors").string(),
+                    {{"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", A}});
+  expect_error(load(bad), "has lora_A without lora_B");
+  write_safetensors((bad / "adapter_model.safetensors").string(),
+                    {{"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", Tensor::zeros({3, 8})},
+                     {"base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", B}});
+  expect_error(load(bad), "expected [2, in] and [out, 2]");
+  fs::remove(bad / "adapter_model.safetensors");
+  expect_error(load(bad), "has no adapter_model.safetensors");
+  // Modules checked against the model's checkpoint: a shape that is not its weight's, a weight it lacks.
+  write_safetensors((bad / "adapter_model.safetensors").string(),
+                    {{"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", A},
+                     {"base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", B}});
+  expect_error(load(bad), "module 'model.layers.0.self_attn.q_proj' is [8 x 8], the model's weight [");
+  write_safetensors((bad / "adapter_model.safetensors").string(),
+                    {{"base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight", A},
+                     {"base_model.model.model.layers.9.self_attn.q_proj.lora_B.weight", B}});
+  expect_error(load(bad), "the model has no weight 'model.layers.9.self_attn.q_proj.weight'");
+  fs::remove_all(bad);
+  fs::remove_all(good.dir);
+}

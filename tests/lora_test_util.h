@@ -1,0 +1,102 @@
+// Random PEFT LoRA adapters over a model folder's projections and the model with one merged into its
+// weights, for the LoRA tests on the CPU (lora_test.cpp) and the GPU (cuda/lora_gpu_test.cpp).
+#pragma once
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "formats/safetensors.h"
+#include "model/lora.h"
+
+namespace sparrow::test {
+
+namespace fs = std::filesystem;
+
+inline fs::path bundled(const std::string& name) { return fs::path(SPARROW_SOURCE_DIR) / "models" / name; }
+
+inline fs::path fresh_dir(const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() / ("sparrow_lora_test_" + std::to_string(::getpid()) + "_" + name);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+inline void write_text(const fs::path& path, const std::string& text) { std::ofstream(path) << text; }
+
+// The PEFT module name of a checkpoint weight that LoRA may target ("....self_attn.q_proj"), or "".
+inline std::string target_of(const std::string& key, const Shape& shape) {
+  const std::string suffix = ".weight";
+  if (shape.size() != 2 || key.size() <= suffix.size() || key.compare(key.size() - suffix.size(), suffix.size(), suffix))
+    return "";
+  const std::string module = key.substr(0, key.size() - suffix.size());
+  if (module.find("layers.") == std::string::npos || module.find("mtp") != std::string::npos) return "";
+  return lora_supported_module(module) ? module : "";
+}
+
+struct Adapter {
+  fs::path dir;
+  std::map<std::string, std::pair<Tensor, Tensor>> ab;  // module -> (A [r, in], B [out, r]) as written
+  float scaling = 0;
+};
+
+// A random rank-`r` adapter over every targetable projection of the model in `model_dir`, written as PEFT saves it.
+inline Adapter make_adapter(const fs::path& model_dir, const std::string& name, int64_t r, uint32_t seed) {
+  Adapter a;
+  a.dir = fresh_dir(name);
+  a.scaling = 2.0f;  // lora_alpha 2r
+  auto file = SafetensorsFile::open((model_dir / "model.safetensors").string());
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const auto& [key, info] : file->tensors()) {
+    const std::string module = target_of(key, info.shape);
+    if (module.empty()) continue;
+    const int64_t rows = info.shape[0], cols = info.shape[1];
+    Tensor A = Tensor::zeros({r, cols}), B = Tensor::zeros({rows, r});
+    for (int64_t i = 0; i < A.numel(); ++i) A.data()[i] = normal(rng) / std::sqrt(float(cols));
+    for (int64_t i = 0; i < B.numel(); ++i) B.data()[i] = 0.15f * normal(rng) / std::sqrt(float(r));
+    out.emplace_back("base_model.model." + module + ".lora_A.weight", A);
+    out.emplace_back("base_model.model." + module + ".lora_B.weight", B);
+    a.ab[module] = {A, B};
+  }
+  write_safetensors((a.dir / "adapter_model.safetensors").string(), out);
+  write_text(a.dir / "adapter_config.json",
+             "{\"peft_type\": \"LORA\", \"r\": " + std::to_string(r) + ", \"lora_alpha\": " + std::to_string(2 * r) +
+                 ", \"bias\": \"none\", \"target_modules\": [\"q_proj\"], \"use_rslora\": false, \"use_dora\": false}");
+  return a;
+}
+
+// The model with the adapter merged into its weights (W + scaling B A, in double, stored as fp32).
+inline fs::path merged_model(const fs::path& model_dir, const Adapter& a, const std::string& name) {
+  const fs::path dir = fresh_dir(name);
+  for (const char* f : {"config.json", "generation_config.json"})
+    if (fs::exists(model_dir / f)) fs::copy_file(model_dir / f, dir / f);
+  auto file = SafetensorsFile::open((model_dir / "model.safetensors").string());
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const auto& [key, info] : file->tensors()) {
+    Tensor w = to_float32(info, file).clone();
+    const std::string module = target_of(key, info.shape);
+    if (!module.empty()) {
+      const auto& [A, B] = a.ab.at(module);
+      const int64_t rows = w.dim(0), cols = w.dim(1), r = A.dim(0);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j) {
+          double d = 0;
+          for (int64_t k = 0; k < r; ++k) d += double(B.data()[i * r + k]) * A.data()[k * cols + j];
+          w.data()[i * cols + j] = float(double(w.data()[i * cols + j]) + a.scaling * d);
+        }
+    }
+    out.emplace_back(key, w);
+  }
+  write_safetensors((dir / "model.safetensors").string(), out);
+  return dir;
+}
+
+}  // namespace sparrow::test
