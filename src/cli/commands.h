@@ -15,6 +15,7 @@
 
 #include "cache/planner.h"
 #include "engine/speculative.h"
+#include "model/lora.h"
 #include "model/model.h"
 #include "runner/model_runner.h"
 
@@ -91,6 +92,21 @@ std::string cli_parallel_layout();
 // is abandoned: its workers are killed rather than told to stop.
 void set_program_arguments(char** argv);
 void report_failure(const char* message);
+
+// vLLM's LoRA flags (docs/lora.md): --enable-lora, --lora-modules NAME=PATH | JSON ..., --max-loras,
+// --max-lora-rank, --max-cpu-loras.
+struct LoraFlags {
+  bool enable = false;
+  std::vector<std::string> modules;
+  int64_t max_loras = 1, max_lora_rank = 16, max_cpu_loras = 0;  // vLLM's defaults; max_cpu_loras 0: max_loras
+};
+void add_lora_options(CLI::App* sub, LoraFlags& flags);
+// The flags checked at once (before the model loads): one-line errors.
+void check_lora_flags(const LoraFlags& flags);
+// The --lora-modules adapters (model/lora.h) on `device`. Errors for a run of more than one process: LoRA is
+// not sharded yet.
+std::vector<std::shared_ptr<const LoraAdapter>> load_cli_loras(const LoraFlags& flags, const std::string& model_dir,
+                                                              Device device);
 
 // vLLM's --kv-cache-dtype and --attention-config (JSON; sparrow takes "indexer_kv_dtype"): the cache
 // formats of docs/cache.md. serve, perplexity and bench kv-quality share them.

@@ -315,6 +315,80 @@ RunnerOptions cli_runner_options() {
   return options;
 }
 
+void add_lora_options(CLI::App* sub, LoraFlags& flags) {
+  sub->add_flag("--enable-lora,!--disable-lora,!--no-enable-lora", flags.enable, "serve LoRA adapters (docs/lora.md)");
+  sub->add_option("--lora-modules", flags.modules,
+                  "adapters to serve, each NAME=PATH or a JSON object {\"name\": ..., \"path\": ...}; a request "
+                  "naming NAME as its model runs with it");
+  sub->add_option("--max-loras", flags.max_loras, "most adapters served at once")->capture_default_str();
+  sub->add_option("--max-lora-rank", flags.max_lora_rank, "largest adapter rank accepted")->capture_default_str();
+  sub->add_option("--max-cpu-loras", flags.max_cpu_loras, "accepted for vLLM's sake: every adapter stays on the device");
+}
+
+namespace {
+
+struct LoraModule {
+  std::string name, path;
+};
+
+// vLLM's LoRAParserAction: NAME=PATH, or a JSON object with "name" and "path" ("base_model_name" allowed).
+LoraModule parse_lora_module(const std::string& text) {
+  LoraModule m;
+  if (!text.empty() && text.front() == '{') {
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::parse_error&) {
+      fail("--lora-modules: '", text, "' is not valid JSON");
+    }
+    SPARROW_CHECK(j.is_object() && j.contains("name") && j["name"].is_string() && j.contains("path") &&
+                      j["path"].is_string(),
+                  "--lora-modules: a JSON module needs string \"name\" and \"path\" (got ", text, ")");
+    m.name = j["name"].get<std::string>();
+    m.path = j["path"].get<std::string>();
+  } else {
+    const size_t eq = text.find('=');
+    SPARROW_CHECK(eq != std::string::npos, "--lora-modules: expected NAME=PATH or a JSON object (got '", text, "')");
+    m.name = text.substr(0, eq);
+    m.path = text.substr(eq + 1);
+  }
+  SPARROW_CHECK(!m.name.empty() && !m.path.empty(), "--lora-modules: empty name or path in '", text, "'");
+  return m;
+}
+
+}  // namespace
+
+void check_lora_flags(const LoraFlags& flags) {
+  SPARROW_CHECK(flags.enable || flags.modules.empty(), "--lora-modules needs --enable-lora");
+  SPARROW_CHECK(flags.max_loras >= 1, "--max-loras must be at least 1 (got ", flags.max_loras, ")");
+  SPARROW_CHECK(flags.max_lora_rank >= 1, "--max-lora-rank must be at least 1 (got ", flags.max_lora_rank, ")");
+  SPARROW_CHECK(flags.max_cpu_loras == 0 || flags.max_cpu_loras >= flags.max_loras,
+                "--max-cpu-loras (", flags.max_cpu_loras, ") must not be below --max-loras (", flags.max_loras, ")");
+  SPARROW_CHECK(int64_t(flags.modules.size()) <= flags.max_loras, "--lora-modules names ", flags.modules.size(),
+                " adapters, more than --max-loras ", flags.max_loras, " (sparrow keeps every adapter on the device)");
+  std::vector<std::string> names;
+  for (const std::string& text : flags.modules) {
+    const LoraModule m = parse_lora_module(text);
+    SPARROW_CHECK(std::find(names.begin(), names.end(), m.name) == names.end(), "--lora-modules: '", m.name,
+                  "' is named twice");
+    names.push_back(m.name);
+  }
+}
+
+std::vector<std::shared_ptr<const LoraAdapter>> load_cli_loras(const LoraFlags& flags, const std::string& model_dir,
+                                                              Device device) {
+  check_lora_flags(flags);
+  if (!flags.enable) return {};
+  SPARROW_CHECK(!parallel_run().group, "--enable-lora runs in one process so far: LoRA adapters are not sharded "
+                                       "over tensor, data or context parallel ranks yet (issue 29)");
+  std::vector<std::shared_ptr<const LoraAdapter>> adapters;
+  for (const std::string& text : flags.modules) {
+    const LoraModule m = parse_lora_module(text);
+    adapters.push_back(load_lora_adapter(m.name, m.path, model_dir, device, flags.max_lora_rank));
+  }
+  return adapters;
+}
+
 void add_cache_format_options(CLI::App* sub, std::string& kv_cache_dtype, std::string& attention_config) {
   attention_config_flag = &attention_config;
   sub->add_option("--kv-cache-dtype", kv_cache_dtype,

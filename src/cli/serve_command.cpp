@@ -114,6 +114,7 @@ struct ServeFlags {
   bool disable_log_requests = false, enable_prompt_tokens_details = false, enable_request_id_headers = false;
   int64_t seed = -1;
   double shutdown_timeout = 30;
+  LoraFlags lora;
 };
 
 // SIGTERM / SIGINT: the handler only writes the signal number to a pipe (all it may safely do, and it
@@ -179,6 +180,9 @@ void print_start_summary(const std::string& model_dir, const server::ServingOpti
   out += std::string("sparrow serve: weights computed in ") + (on_gpu ? "bfloat16 on the GPU" : "float32 on the CPU") +
          "; checkpoint quantization: " + quantization + "\n";
   out += "sparrow serve: parallel layout: " + cli_parallel_layout() + "\n";
+  for (const auto& adapter : options.lora_adapters)
+    out += "sparrow serve: LoRA adapter '" + adapter->name + "' (rank " + std::to_string(adapter->rank) + ", " +
+           std::to_string(adapter->modules.size()) + " modules) from " + adapter->path + "\n";
   out += engine.cache_plan().summary(engine.max_model_len());
   if (out.back() != '\n') out += "\n";
   out += "sparrow serve: max_model_len " + std::to_string(engine.max_model_len()) + "\n";
@@ -205,6 +209,7 @@ void print_start_summary(const std::string& model_dir, const server::ServingOpti
 
 void serve(const ServeFlags& flags) {
   server::ServerConfig server_config = server_config_from(flags);
+  check_lora_flags(flags.lora);
   const SpeculativeConfig speculative = read_speculative_config(flags.speculative_config);
   std::string model_dir = flags.model.empty() ? default_model_dir() : flags.model;
   // A --max-model-len beyond the positions the model was trained for is refused before anything loads,
@@ -269,6 +274,7 @@ void serve(const ServeFlags& flags) {
 
   // With --data-parallel-size every group's leader gets here and runs an engine (engine/remote_groups.h).
   std::unique_ptr<Model> model = load_cli_model(model_dir, flags.device, GroupRole::EveryGroupServes);
+  options.lora_adapters = load_cli_loras(flags.lora, model_dir, model->device());
   // Declared before the engine, which drafts with it.
   const std::unique_ptr<Model> draft_model = load_draft_model(speculative, model_dir, flags.device);
   config.speculative = speculative;
@@ -346,6 +352,7 @@ void add_serve(CLI::App& app) {
   sub->add_option("--chat-template", f.chat_template, "Jinja chat template file to use instead of the model's");
   sub->add_option("--block-size", f.block_size, "KV-cache block size in tokens: 64, 128 or 256")->capture_default_str();
   add_cache_format_options(sub, f.kv_cache_dtype, f.attention_config);
+  add_lora_options(sub, f.lora);
   sub->add_option("--kv-cache-memory,--kv-cache-memory-bytes", f.kv_cache_memory,
                   "KV-cache budget in bytes, e.g. 4GiB or 512MiB (default: --gpu-memory-utilization)");
   sub->add_option("--num-gpu-blocks-override", f.num_gpu_blocks_override,

@@ -24,7 +24,8 @@ const char* const kGraphs =
     "torch.compile stage to configure";
 const char* const kNoTls = "sparrow serves plain HTTP: put a TLS-terminating proxy in front of it";
 const char* const kNoCors = "sparrow sends no CORS headers: browsers on other origins need a proxy that adds them";
-const char* const kNoLora = "LoRA adapters are not supported yet (issue 29)";
+const char* const kNoLora = "not part of sparrow's LoRA support (docs/lora.md)";
+const char* const kLoraOneProcess = "LoRA adapters are not sharded over ranks yet (issue 29): --enable-lora runs in one process";
 const char* const kSpecConfig = "give speculative decoding as --speculative-config JSON (docs/speculative.md)";
 const char* const kNoImages = "sparrow serves text only: the vision towers are not loaded yet (issue 30)";
 const char* const kNoStructured =
@@ -161,13 +162,8 @@ const std::vector<VllmFlag>& vllm_only_flags() {
        "sparrow's expert parallelism has each rank run its own experts and sums them with the layer's all-reduce"},
       {"--ray-workers-use-nsight,!--no-ray-workers-use-nsight", false, kRefuse, "sparrow does not run on Ray"},
       // Features not built yet.
-      {"--enable-lora,!--disable-lora,!--no-enable-lora", false, kRefuse, kNoLora},
-      {"--lora-modules", true, kRefuse, kNoLora},
-      {"--max-loras", true, kRefuse, kNoLora},
-      {"--max-lora-rank", true, kRefuse, kNoLora},
-      {"--max-cpu-loras", true, kRefuse, kNoLora},
-      {"--lora-dtype", true, kRefuse, kNoLora},
-      {"--fully-sharded-loras,!--no-fully-sharded-loras", false, kRefuse, kNoLora},
+      {"--lora-dtype", true, kIgnore, "LoRA weights are kept in the activations' type (bfloat16 on a GPU, float32 on the CPU)", {"auto"}},
+      {"--fully-sharded-loras,!--no-fully-sharded-loras", false, kRefuse, kLoraOneProcess},
       {"--limit-mm-per-prompt", true, kIgnore, kNoImages},
       {"--mm-processor-kwargs", true, kIgnore, kNoImages},
       {"--mm-processor-cache-gb", true, kIgnore, kNoImages},

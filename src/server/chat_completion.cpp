@@ -45,7 +45,7 @@ class ChatCompletion : public CompletionJob {
   ChatCompletion(const Json& body, ServingContext& context, Clock::time_point arrival)
       : context_(context), id_(random_id("chatcmpl-")), created_(unix_time()) {
     request_ = parse_chat_request(body, context.options.default_sampling, context.options.max_logprobs);
-    context.check_model(request_.model);
+    lora_ = context.check_model(request_.model);
     if (!request_.request_id.empty()) id_ = "chatcmpl-" + request_.request_id;
     prompt_.emplace(request_, context);
     prompt_tokens_ = int64_t(prompt_->ids().size());
@@ -54,7 +54,7 @@ class ChatCompletion : public CompletionJob {
     const SamplingParams& params = prompt_->params();
     for (int64_t i = 0; i < params.n; ++i) choices_.push_back(ChatChoice(prompt_->new_output()));
     generation_.emplace(context.engine, context.metrics, engine_request_id(request_.request_id, id_),
-                        std::vector<std::vector<int32_t>>{prompt_->ids()}, params, arrival);
+                        std::vector<std::vector<int32_t>>{prompt_->ids()}, params, arrival, lora_);
   }
 
   Generation& generation() override { return *generation_; }
@@ -141,7 +141,7 @@ class ChatCompletion : public CompletionJob {
     Json body = {{"id", id_},
                  {"object", "chat.completion"},
                  {"created", created_},
-                 {"model", context_.model_name()},
+                 {"model", context_.response_model(lora_)},
                  {"choices", std::move(choices)},
                  {"usage", usage_json(usage())}};
     if (!prompt_logprobs_.is_null()) body["prompt_logprobs"] = prompt_logprobs_;
@@ -179,7 +179,7 @@ class ChatCompletion : public CompletionJob {
 
   Json chunk_json(Json choice) const {
     Json chunk = {
-        {"id", id_}, {"object", "chat.completion.chunk"}, {"created", created_}, {"model", context_.model_name()}};
+        {"id", id_}, {"object", "chat.completion.chunk"}, {"created", created_}, {"model", context_.response_model(lora_)}};
     chunk["choices"] = choice.is_null() ? Json::array() : Json::array({std::move(choice)});
     return chunk;
   }
@@ -194,6 +194,7 @@ class ChatCompletion : public CompletionJob {
   std::string id_;
   int64_t created_;
   ChatRequest request_;
+  std::shared_ptr<const LoraAdapter> lora_;  // the adapter the request named (null: the base model)
   bool parse_tools_ = false, parse_reasoning_ = false;
   std::optional<ChatPrompt> prompt_;  // holds a reference to request_
   int64_t prompt_tokens_ = 0, cached_tokens_ = 0;

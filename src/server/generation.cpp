@@ -6,7 +6,7 @@ namespace sparrow::server {
 
 Generation::Generation(Engine& engine, ServerMetrics& metrics, const std::string& id,
                        const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& params,
-                       Clock::time_point arrival)
+                       Clock::time_point arrival, std::shared_ptr<const LoraAdapter> lora)
     : engine_(engine),
       metrics_(metrics),
       arrival_(arrival),
@@ -19,7 +19,7 @@ Generation::Generation(Engine& engine, ServerMetrics& metrics, const std::string
     engine_ids_.push_back(prompts.size() == 1 ? id : id + "-" + std::to_string(p));
   try {
     for (size_t p = 0; p < prompts.size(); ++p) {
-      Request request{engine_ids_[p], prompts[p], params};
+      Request request{engine_ids_[p], prompts[p], params, lora};
       auto queue = queue_;  // the callback keeps the queue alive, not this object
       int64_t prompt = int64_t(p), n = params.n;
       engine_.submit(std::move(request), [queue, prompt, n](const RequestOutput& output) {

@@ -32,7 +32,7 @@ class ResponsesCompletion : public CompletionJob {
   ResponsesCompletion(const Json& body, ServingContext& context, Clock::time_point arrival)
       : context_(context), id_(random_id("resp_")), created_(unix_time()) {
     request_ = parse_responses_request(body, context.options.default_sampling, context.options.max_logprobs);
-    context.check_model(request_.chat.model);
+    lora_ = context.check_model(request_.chat.model);
     if (!request_.chat.request_id.empty()) id_ = "resp_" + request_.chat.request_id;
     ChatPromptOptions options;
     options.messages_param = "input";
@@ -41,7 +41,8 @@ class ResponsesCompletion : public CompletionJob {
     output_.emplace(prompt_->new_output());
     items_ = ResponseOutput(request_.output_logprobs);
     generation_.emplace(context.engine, context.metrics, engine_request_id(request_.chat.request_id, id_),
-                        std::vector<std::vector<int32_t>>{prompt_->ids()}, prompt_->params(), arrival);
+                        std::vector<std::vector<int32_t>>{prompt_->ids()}, prompt_->params(), arrival,
+                        lora_);
   }
 
   Generation& generation() override { return *generation_; }
@@ -117,7 +118,7 @@ class ResponsesCompletion : public CompletionJob {
             {"max_output_tokens", params.max_tokens},
             {"max_tool_calls", nullptr},
             {"metadata", request_.metadata},
-            {"model", context_.model_name()},
+            {"model", context_.response_model(lora_)},
             {"output", done ? items_.items() : Json::array()},
             {"parallel_tool_calls", request_.chat.parallel_tool_calls},
             {"previous_response_id", nullptr},
@@ -159,6 +160,7 @@ class ResponsesCompletion : public CompletionJob {
   std::string id_;
   int64_t created_;
   ResponsesRequest request_;
+  std::shared_ptr<const LoraAdapter> lora_;  // the adapter the request named (null: the base model)
   std::optional<ChatPrompt> prompt_;  // holds a reference to request_.chat
   std::optional<ChatChoiceOutput> output_;
   ResponseOutput items_;

@@ -367,6 +367,15 @@ Json Server::models() const {
                     {"root", context_.options.model_path},
                     {"parent", nullptr},
                     {"max_model_len", context_.engine.max_model_len()}});
+  // LoRA adapters as vLLM lists them: root the adapter's folder, parent the base model's name.
+  for (const auto& adapter : context_.options.lora_adapters)
+    data.push_back({{"id", adapter->name},
+                    {"object", "model"},
+                    {"created", created},
+                    {"owned_by", "sparrow"},
+                    {"root", adapter->path},
+                    {"parent", context_.model_name()},
+                    {"max_model_len", context_.engine.max_model_len()}});
   return {{"object", "list"}, {"data", std::move(data)}};
 }
 

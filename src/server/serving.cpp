@@ -18,11 +18,17 @@ ServingContext::ServingContext(Engine& engine, std::shared_ptr<const Tokenizer> 
   if (seed) seeds_.emplace(*seed);
 }
 
-void ServingContext::check_model(const std::string& name) const {
-  if (name.empty()) return;
+std::shared_ptr<const LoraAdapter> ServingContext::check_model(const std::string& name) const {
+  if (name.empty()) return nullptr;
   for (const std::string& served : options.served_model_names)
-    if (served == name) return;
+    if (served == name) return nullptr;
+  for (const auto& adapter : options.lora_adapters)
+    if (adapter->name == name) return adapter;
   throw ApiError(404, "The model `" + name + "` does not exist.", "model");
+}
+
+const std::string& ServingContext::response_model(const std::shared_ptr<const LoraAdapter>& lora) const {
+  return lora ? lora->name : model_name();
 }
 
 const Tokenizer& ServingContext::require_tokenizer() const {

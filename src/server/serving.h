@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "model/lora.h"
 #include "server/generation.h"
 #include "server/json_fields.h"
 #include "server/metrics.h"
@@ -29,6 +30,8 @@ struct ServingOptions {
   bool enable_prompt_tokens_details = false;  // usage.prompt_tokens_details.cached_tokens
   SamplingParams default_sampling;            // request defaults (generation_config.json with --generation-config auto)
   std::optional<int64_t> default_max_tokens;  // generation_config.json's max_new_tokens: caps an unset max_tokens
+  // --lora-modules: requests that name one of these run with it (model/lora.h); /v1/models lists them.
+  std::vector<std::shared_ptr<const LoraAdapter>> lora_adapters;
 };
 
 class ServingContext {
@@ -44,8 +47,10 @@ class ServingContext {
   ServerMetrics metrics;
 
   const std::string& model_name() const { return options.served_model_names.front(); }
-  // 404 unless `name` is empty or one of the served names.
-  void check_model(const std::string& name) const;
+  // 404 unless `name` is empty, one of the served names or a LoRA adapter's; the adapter (null: the base model).
+  std::shared_ptr<const LoraAdapter> check_model(const std::string& name) const;
+  // The name responses carry: the adapter's, or the first served name.
+  const std::string& response_model(const std::shared_ptr<const LoraAdapter>& lora) const;
   // The tokenizer, or a 400 saying the model has none.
   const Tokenizer& require_tokenizer() const;
   // --seed: a request without a seed gets the next one of a sequence started from the server's seed, so

@@ -30,7 +30,7 @@ class TextCompletion : public CompletionJob {
     const ServingOptions& options = context.options;
     request_ =
         parse_completion_request(body, options.default_sampling, options.max_logprobs, options.max_prompts_per_request);
-    context.check_model(request_.model);
+    lora_ = context.check_model(request_.model);
     if (!request_.request_id.empty()) id_ = "cmpl-" + request_.request_id;
     if (request_.logprobs) context.require_tokenizer();
 
@@ -65,7 +65,8 @@ class TextCompletion : public CompletionJob {
       prompts_.push_back(std::move(ids));
     }
     context.assign_seed(params);
-    generation_.emplace(context.engine, context.metrics, engine_request_id(request_.request_id, id_), prompts_, params, arrival);
+    generation_.emplace(context.engine, context.metrics, engine_request_id(request_.request_id, id_), prompts_, params, arrival,
+                        lora_);
   }
 
   Generation& generation() override { return *generation_; }
@@ -135,7 +136,7 @@ class TextCompletion : public CompletionJob {
     return {{"id", id_},
             {"object", "text_completion"},
             {"created", created_},
-            {"model", context_.model_name()},
+            {"model", context_.response_model(lora_)},
             {"choices", std::move(choices)},
             {"usage", usage_json(usage())}};
   }
@@ -152,7 +153,7 @@ class TextCompletion : public CompletionJob {
   }
 
   Json chunk_json(Json choice) const {
-    Json chunk = {{"id", id_}, {"object", "text_completion"}, {"created", created_}, {"model", context_.model_name()}};
+    Json chunk = {{"id", id_}, {"object", "text_completion"}, {"created", created_}, {"model", context_.response_model(lora_)}};
     chunk["choices"] = choice.is_null() ? Json::array() : Json::array({std::move(choice)});
     return chunk;
   }
@@ -174,6 +175,7 @@ class TextCompletion : public CompletionJob {
   std::string id_;
   int64_t created_;
   CompletionRequest request_;
+  std::shared_ptr<const LoraAdapter> lora_;  // the adapter the request named (null: the base model)
   std::vector<std::vector<int32_t>> prompts_;
   std::vector<std::string> echoed_;  // per choice: the prompt text echoed in front of it
   int64_t prompt_tokens_ = 0, cached_tokens_ = 0;

@@ -1,0 +1,100 @@
+"""LoRA adapters through the OpenAI API (issue 29, docs/lora.md): `--enable-lora --lora-modules NAME=PATH`
+serves the adapter under its own model name; /v1/models lists it with the base model as parent; a request
+naming it is answered by the adapted model (and says so in `model`), one naming the base model by the base
+model, both in the same server at once; an unknown name is a 404; flags and adapter folders that cannot be
+served stop the start-up with one line. The numerics (adapter against its merged checkpoint, mixed batches,
+the prefix cache) are tests/lora_test.cpp's."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sparrow_server import API_KEY, MODEL_NAME
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from random_lora_adapter import make_adapter  # noqa: E402
+
+@pytest.fixture(scope="module")
+def lora_server(start_server, model_dir, tmp_path_factory):
+    adapters = tmp_path_factory.mktemp("adapters")
+    first = make_adapter(model_dir, adapters / "first", rank=4, seed=1)
+    second = make_adapter(model_dir, adapters / "second", rank=8, seed=2)
+    server = start_server("--api-key", API_KEY, "--enable-lora", "--lora-modules", f"first={first}",
+                          json.dumps({"name": "second", "path": str(second)}), "--max-loras", "2",
+                          "--max-lora-rank", "8")
+    return server, first, second
+
+
+def completion(server, model: str, prompt: list[int]):
+    return server.client().completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, logprobs=1)
+
+
+def test_models_lists_the_adapters_with_the_base_model_as_parent(lora_server):
+    server, first, second = lora_server
+    listed = {m["id"]: m for m in httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"},
+                                            timeout=10).json()["data"]}
+    assert set(listed) == {MODEL_NAME, "first", "second"}, listed
+    assert listed["first"]["parent"] == MODEL_NAME and listed["first"]["root"] == str(first)
+    assert listed["second"]["parent"] == MODEL_NAME and listed["second"]["root"] == str(second)
+    assert listed[MODEL_NAME]["parent"] is None
+    assert "LoRA adapter 'first' (rank 4" in server.output()
+
+
+def test_each_model_name_gets_its_own_answers_at_the_same_time(lora_server):
+    server, _, _ = lora_server
+    prompt = list(range(3, 40))
+    alone = {name: completion(server, name, prompt) for name in (MODEL_NAME, "first", "second")}
+    for name, response in alone.items():
+        assert response.model == name
+    logprobs = {name: r.choices[0].logprobs.token_logprobs for name, r in alone.items()}
+    assert logprobs["first"] != logprobs[MODEL_NAME] and logprobs["second"] != logprobs[MODEL_NAME]
+    assert logprobs["first"] != logprobs["second"]
+    # All three at once, several times over: each answers exactly as it did alone.
+    names = [MODEL_NAME, "first", "second"] * 3
+    with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+        together = list(pool.map(lambda n: completion(server, n, prompt), names))
+    for name, response in zip(names, together):
+        assert response.choices[0].text == alone[name].choices[0].text, name
+        assert response.choices[0].logprobs.token_logprobs == logprobs[name], name
+    # Chat too: the response names the adapter.
+    chat = server.client().chat.completions.create(model="second", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=4, temperature=0)
+    assert chat.model == "second"
+
+
+def test_an_unknown_model_name_is_a_404(lora_server):
+    server, _, _ = lora_server
+    response = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"model": "third", "prompt": [5, 6], "max_tokens": 2}, timeout=10)
+    assert response.status_code == 404 and "third" in response.json()["error"]["message"], response.text
+
+
+def start_error(sparrow_binary: str, model_dir: Path, *flags: str) -> str:
+    result = subprocess.run([sparrow_binary, "serve", str(model_dir), "--port", "0", "--kv-cache-memory", "64MiB",
+                             *flags], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_what_cannot_be_served_stops_the_start_with_one_line(sparrow_binary, model_dir, tmp_path):
+    good = make_adapter(model_dir, tmp_path / "good", rank=4)
+    assert "--lora-modules needs --enable-lora" in start_error(sparrow_binary, model_dir, "--lora-modules", f"a={good}")
+    assert "more than --max-loras 1" in start_error(sparrow_binary, model_dir, "--enable-lora", "--lora-modules",
+                                                    f"a={good}", f"b={good}")
+    assert "named twice" in start_error(sparrow_binary, model_dir, "--enable-lora", "--max-loras", "2",
+                                        "--lora-modules", f"a={good}", f"a={good}")
+    assert "expected NAME=PATH" in start_error(sparrow_binary, model_dir, "--enable-lora", "--lora-modules", str(good))
+    assert "rank 4 is above --max-lora-rank 2" in start_error(sparrow_binary, model_dir, "--enable-lora",
+                                                              "--max-lora-rank", "2", "--lora-modules", f"a={good}")
+    dora = make_adapter(model_dir, tmp_path / "dora", rank=4, extra={"use_dora": True})
+    assert "DoRA" in start_error(sparrow_binary, model_dir, "--enable-lora", "--lora-modules", f"a={dora}")
+    assert "is not a folder" in start_error(sparrow_binary, model_dir, "--enable-lora", "--lora-modules",
+                                            f"a={tmp_path / 'missing'}")
