@@ -73,6 +73,12 @@ std::vector<nlohmann::json> parse_params(const std::vector<std::string>& texts) 
   return params;
 }
 
+std::vector<sparrow::api::LoraRequest> lora_requests(const std::vector<std::pair<std::string, std::string>>& pairs) {
+  std::vector<sparrow::api::LoraRequest> out;
+  for (const auto& [name, path] : pairs) out.push_back({name, path});
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_engine, m) {
@@ -90,7 +96,8 @@ PYBIND11_MODULE(_engine, m) {
                        int64_t max_model_len, int64_t max_num_seqs, int64_t max_num_batched_tokens,
                        int64_t kv_cache_memory, double gpu_memory_utilization, const std::string& kv_cache_dtype,
                        int64_t block_size, bool enable_prefix_caching, bool enforce_eager, std::optional<uint64_t> seed,
-                       const std::string& speculative_config) {
+                       const std::string& speculative_config, bool enable_lora, int64_t max_loras,
+                       int64_t max_lora_rank) {
              LlmOptions o;
              o.model = model;
              o.device = device;
@@ -106,6 +113,9 @@ PYBIND11_MODULE(_engine, m) {
              o.enforce_eager = enforce_eager;
              o.seed = seed;
              o.speculative_config = speculative_config;
+             o.enable_lora = enable_lora;
+             o.max_loras = max_loras;
+             o.max_lora_rank = max_lora_rank;
              py::gil_scoped_release release;
              return std::make_unique<Llm>(o);
            }),
@@ -113,26 +123,28 @@ PYBIND11_MODULE(_engine, m) {
            py::arg("max_num_seqs"), py::arg("max_num_batched_tokens"), py::arg("kv_cache_memory"),
            py::arg("gpu_memory_utilization"), py::arg("kv_cache_dtype"), py::arg("block_size"),
            py::arg("enable_prefix_caching"), py::arg("enforce_eager"), py::arg("seed"),
-           py::arg("speculative_config"))
+           py::arg("speculative_config"), py::arg("enable_lora"), py::arg("max_loras"), py::arg("max_lora_rank"))
       .def("generate",
-           [](Llm& llm, const std::vector<sparrow::api::Prompt>& prompts, const std::vector<std::string>& params) {
+           [](Llm& llm, const std::vector<sparrow::api::Prompt>& prompts, const std::vector<std::string>& params,
+              const std::vector<std::pair<std::string, std::string>>& loras) {
              const std::vector<nlohmann::json> parsed = parse_params(params);
              std::vector<sparrow::api::RequestResult> results;
              {
                py::gil_scoped_release release;
-               results = llm.generate(prompts, parsed);
+               results = llm.generate(prompts, parsed, lora_requests(loras));
              }
              return results_list(results);
            })
       .def("chat",
-           [](Llm& llm, const std::vector<std::string>& conversations, const std::vector<std::string>& params) {
+           [](Llm& llm, const std::vector<std::string>& conversations, const std::vector<std::string>& params,
+              const std::vector<std::pair<std::string, std::string>>& loras) {
              std::vector<nlohmann::ordered_json> parsed;
              for (const std::string& c : conversations) parsed.push_back(nlohmann::ordered_json::parse(c));
              const std::vector<nlohmann::json> sampling = parse_params(params);
              std::vector<sparrow::api::RequestResult> results;
              {
                py::gil_scoped_release release;
-               results = llm.chat(parsed, sampling);
+               results = llm.chat(parsed, sampling, lora_requests(loras));
              }
              return results_list(results);
            })
@@ -154,6 +166,12 @@ PYBIND11_MODULE(_engine, m) {
              py::gil_scoped_release release;
              llm.update_weights(tensors);
            })
+      // LoRA adapters as (name, path) pairs; an empty name: the base model.
+      .def("load_lora",
+           [](Llm& llm, const std::string& name, const std::string& path) { llm.load_lora({name, path}); },
+           py::call_guard<py::gil_scoped_release>())
+      .def("remove_lora", &Llm::remove_lora)
+      .def("list_loras", &Llm::list_loras)
       .def_static("check_params", [](const std::string& params) { Llm::check_params(nlohmann::json::parse(params)); })
       .def("encode",
            [](const Llm& llm, const std::string& text) {

@@ -121,6 +121,18 @@ class RequestOutput:
 PromptType = Union[str, Sequence[int], dict]
 
 
+@dataclass
+class LoRARequest:
+    """vLLM's LoRARequest: a PEFT adapter folder served under a name (docs/lora.md). lora_int_id is accepted for
+    vLLM's sake; sparrow tells adapters apart by name."""
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+    def _pair(self) -> tuple[str, str]:
+        return self.lora_name, str(self.lora_path)
+
+
 class LLM:
     """A model and its engine. Arguments follow vLLM's LLM / engine arguments where sparrow has them."""
 
@@ -130,7 +142,9 @@ class LLM:
                  kv_cache_dtype: str = "auto", block_size: int = 64, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, seed: Optional[int] = None, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, decode_context_parallel_size: int = 1, tokenizer: Optional[str] = None,
-                 trust_remote_code: bool = False, dtype: str = "auto", speculative_config: Optional[dict] = None):
+                 trust_remote_code: bool = False, dtype: str = "auto", speculative_config: Optional[dict] = None,
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
+                 max_cpu_loras: Optional[int] = None):
         if tensor_parallel_size != 1 or data_parallel_size != 1 or decode_context_parallel_size != 1:
             raise ValueError("the Python API runs one process: tensor_parallel_size, data_parallel_size and "
                              "decode_context_parallel_size must be 1 (for several GPUs serve with `sparrow serve -tp N` "
@@ -142,7 +156,8 @@ class LLM:
         self._engine = _engine.Engine(str(model), device, load_format, max_model_len or 0, max_num_seqs,
                                       max_num_batched_tokens, kv_cache_memory_bytes or 0, gpu_memory_utilization,
                                       kv_cache_dtype, block_size, enable_prefix_caching, enforce_eager, seed,
-                                      json.dumps(speculative_config) if speculative_config else "")
+                                      json.dumps(speculative_config) if speculative_config else "", enable_lora,
+                                      max_loras, max_lora_rank)
         self.model = str(model)
 
     @property
@@ -157,15 +172,17 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> list[RequestOutput]:
         """Prompts: a str, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]}, or a list of
-        these. One SamplingParams for all, or one per prompt."""
-        return self._run(self._engine.generate, _prompts(prompts), sampling_params)
+        these. One SamplingParams for all, or one per prompt; likewise the LoRA adapter (None: the base model)."""
+        return self._run(self._engine.generate, _prompts(prompts), sampling_params, lora_request)
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              tools: Optional[list[dict]] = None, chat_template_kwargs: Optional[dict] = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False,
+             lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, rendered by the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         rendered = []
@@ -176,7 +193,17 @@ class LLM:
             if chat_template_kwargs:
                 body["chat_template_kwargs"] = chat_template_kwargs
             rendered.append(json.dumps(body))
-        return self._run(self._engine.chat, rendered, sampling_params)
+        return self._run(self._engine.chat, rendered, sampling_params, lora_request)
+
+    def load_lora(self, lora_request: LoRARequest) -> None:
+        """Loads an adapter ahead of its first request (generate loads the ones it is given too)."""
+        self._engine.load_lora(*lora_request._pair())
+
+    def remove_lora(self, lora_name: str) -> None:
+        self._engine.remove_lora(lora_name)
+
+    def list_loras(self) -> list[str]:
+        return self._engine.list_loras()
 
     def update_weights(self, model=None, *, weights=None) -> None:
         """Replaces the weights: with those of another folder of the same architecture (`model`), or with tensors
@@ -192,11 +219,12 @@ class LLM:
         items = weights.items() if hasattr(weights, "items") else weights
         self._engine.update_weights_from_tensors([_host_tensor(*item) for item in items])
 
-    def _run(self, call, prompts: list, sampling_params) -> list[RequestOutput]:
+    def _run(self, call, prompts: list, sampling_params, lora_request=None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params]
-        results = call(prompts, [p._json() for p in params])
+        loras = [] if lora_request is None else lora_request if isinstance(lora_request, (list, tuple)) else [lora_request]
+        results = call(prompts, [p._json() for p in params], [("", "") if r is None else r._pair() for r in loras])
 
         def decode(ids):  # a logprob's token text; none without a tokenizer
             try:
@@ -269,4 +297,4 @@ def _request_output(r: dict, decode) -> RequestOutput:
                          True, r["num_cached_tokens"])
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput", "Logprob"]

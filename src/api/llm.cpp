@@ -1,5 +1,6 @@
 #include "api/llm.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <cstring>
 #include <fstream>
@@ -119,9 +120,44 @@ void Llm::make_engine() {
 
 void Llm::check_params(const nlohmann::json& params) { parse_params(params, std::vector<int32_t>{0}); }
 
-std::vector<RequestResult> Llm::generate(const std::vector<Prompt>& prompts, const std::vector<nlohmann::json>& params) {
+void Llm::load_lora(const LoraRequest& lora) { lora_for(lora); }
+
+std::shared_ptr<const LoraAdapter> Llm::lora_for(const LoraRequest& lora) {
+  if (lora.name.empty()) return nullptr;
+  SPARROW_CHECK(options_.enable_lora, "LoRA adapter '", lora.name, "': the LLM was made without enable_lora=True");
+  for (const auto& loaded : loras_)
+    if (loaded->name == lora.name) {
+      SPARROW_CHECK(lora.path.empty() || loaded->path == lora.path, "LoRA adapter '", lora.name, "' is loaded from ",
+                    loaded->path, ", not ", lora.path, " (remove_lora it first)");
+      return loaded;
+    }
+  SPARROW_CHECK(!lora.path.empty(), "LoRA adapter '", lora.name, "' is not loaded and no path was given");
+  SPARROW_CHECK(int64_t(loras_.size()) < options_.max_loras, "LoRA adapter '", lora.name, "': max_loras (",
+                options_.max_loras, ") adapters are loaded already (remove_lora one)");
+  loras_.push_back(load_lora_adapter(lora.name, lora.path, weights_folder_, model_->device(), options_.max_lora_rank));
+  return loras_.back();
+}
+
+void Llm::remove_lora(const std::string& name) {
+  auto it = std::find_if(loras_.begin(), loras_.end(), [&](const auto& a) { return a->name == name; });
+  SPARROW_CHECK(it != loras_.end(), "no LoRA adapter '", name, "' is loaded");
+  loras_.erase(it);  // requests that hold it keep it alive until they end
+}
+
+std::vector<std::string> Llm::list_loras() const {
+  std::vector<std::string> names;
+  for (const auto& a : loras_) names.push_back(a->name);
+  return names;
+}
+
+std::vector<RequestResult> Llm::generate(const std::vector<Prompt>& prompts, const std::vector<nlohmann::json>& params,
+                                         const std::vector<LoraRequest>& loras) {
   SPARROW_CHECK(params.size() == 1 || params.size() == prompts.size(), "give one set of sampling parameters, or one per "
                 "prompt (", prompts.size(), " prompts, ", params.size(), " sets)");
+  SPARROW_CHECK(loras.size() <= 1 || loras.size() == prompts.size(), "give one LoRA request, or one per prompt (",
+                prompts.size(), " prompts, ", loras.size(), " LoRA requests)");
+  std::vector<std::shared_ptr<const LoraAdapter>> adapters;
+  for (const LoraRequest& lora : loras) adapters.push_back(lora_for(lora));
   std::vector<RequestResult> results(prompts.size());
   std::vector<Request> requests;
   for (size_t i = 0; i < prompts.size(); ++i) {
@@ -139,7 +175,8 @@ std::vector<RequestResult> Llm::generate(const std::vector<Prompt>& prompts, con
     if (parsed.truncate_prompt_tokens && int64_t(result.prompt_token_ids.size()) > *parsed.truncate_prompt_tokens)
       result.prompt_token_ids.erase(result.prompt_token_ids.begin(),
                                     result.prompt_token_ids.end() - *parsed.truncate_prompt_tokens);
-    Request request{result.request_id, result.prompt_token_ids, parsed.sampling};
+    Request request{result.request_id, result.prompt_token_ids, parsed.sampling,
+                    adapters.empty() ? nullptr : adapters[adapters.size() == 1 ? 0 : i]};
     request.params.max_tokens = parsed.max_tokens.value_or(16);  // vLLM's SamplingParams default
     if (!request.params.seed && options_.seed) request.params.seed = *options_.seed + uint64_t(next_request_ - 1);
     result.outputs.resize(size_t(request.params.n));
@@ -175,7 +212,7 @@ std::vector<RequestResult> Llm::generate(const std::vector<Prompt>& prompts, con
 }
 
 std::vector<RequestResult> Llm::chat(const std::vector<nlohmann::ordered_json>& conversations,
-                                     const std::vector<nlohmann::json>& params) {
+                                     const std::vector<nlohmann::json>& params, const std::vector<LoraRequest>& loras) {
   SPARROW_CHECK(chat_template_, model_path_, " has no chat template (chat_template.jinja or tokenizer_config.json's)");
   std::vector<Prompt> prompts;
   for (const nlohmann::ordered_json& conversation : conversations) {
@@ -183,7 +220,7 @@ std::vector<RequestResult> Llm::chat(const std::vector<nlohmann::ordered_json>& 
                   "a conversation is a list of messages ({\"role\": ..., \"content\": ...})");
     prompts.emplace_back(tokenizer_->encode(chat_template_->render(conversation)));
   }
-  return generate(prompts, params);
+  return generate(prompts, params, loras);
 }
 
 void Llm::update_weights(const std::string& folder) {

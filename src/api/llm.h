@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/engine_core.h"
+#include "model/lora.h"
 #include "model/model.h"
 #include "template/chat_template.h"
 #include "tokenizer/tokenizer.h"
@@ -42,6 +43,14 @@ struct LlmOptions {
   bool enforce_eager = false;
   std::optional<uint64_t> seed;  // requests without a seed of their own draw from seed + their index
   std::string speculative_config;  // vLLM's speculative_config as JSON text (docs/speculative.md); empty: none
+  // LoRA adapters (docs/lora.md): vLLM's enable_lora, max_loras, max_lora_rank.
+  bool enable_lora = false;
+  int64_t max_loras = 1, max_lora_rank = 16;
+};
+
+// vLLM's LoRARequest: the adapter a prompt runs with, by name and folder (loaded on first use).
+struct LoraRequest {
+  std::string name, path;
 };
 
 // One prompt: text (tokenized with the tokenizer's special tokens, as /v1/completions does) or token ids.
@@ -73,12 +82,19 @@ class Llm {
   Llm(const Llm&) = delete;
   Llm& operator=(const Llm&) = delete;
 
-  // Runs every prompt, each with its parameters (one set for all, or one per prompt), to the end.
-  std::vector<RequestResult> generate(const std::vector<Prompt>& prompts, const std::vector<nlohmann::json>& params);
+  // Runs every prompt, each with its parameters (one set for all, or one per prompt) and its LoRA adapter
+  // (none, one for all, or one per prompt; an empty name: the base model), to the end.
+  std::vector<RequestResult> generate(const std::vector<Prompt>& prompts, const std::vector<nlohmann::json>& params,
+                                      const std::vector<LoraRequest>& loras = {});
   // Chats: each conversation ({"messages": [...], optional "tools", "chat_template_kwargs"}) rendered by the
   // model's chat template with a generation prompt, then generated as a token-id prompt.
   std::vector<RequestResult> chat(const std::vector<nlohmann::ordered_json>& conversations,
-                                  const std::vector<nlohmann::json>& params);
+                                  const std::vector<nlohmann::json>& params, const std::vector<LoraRequest>& loras = {});
+  // LoRA adapters (enable_lora): loads one under `name` (at most max_loras at once; a name already loaded
+  // must name the same folder), or forgets one. generate() loads the adapters its LoraRequests name.
+  void load_lora(const LoraRequest& lora);
+  void remove_lora(const std::string& name);
+  std::vector<std::string> list_loras() const;
   // The model of `folder` (same architecture: model type, vocabulary and cache layout) replaces the current
   // one; the engine (and its prefix cache) is rebuilt on it.
   void update_weights(const std::string& folder);
@@ -117,6 +133,8 @@ class Llm {
   EngineConfig config_;
   std::unique_ptr<EngineCore> engine_;
   int64_t next_request_ = 0;
+  std::vector<std::shared_ptr<const LoraAdapter>> loras_;  // loaded adapters (model/lora.h)
+  std::shared_ptr<const LoraAdapter> lora_for(const LoraRequest& lora);
 };
 
 }  // namespace sparrow::api

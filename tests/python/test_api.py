@@ -246,3 +246,38 @@ def test_speculative_config_gives_the_same_outputs(llm):
                       speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     assert [o.outputs[0].token_ids for o in mtp.generate(prompts, greedy)] == \
         [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+
+
+def test_lora_requests_pick_their_adapter_per_prompt(tmp_path):
+    """LoRARequest as vLLM takes it: one for all prompts or one per prompt (None: the base model); the adapted
+    answers differ from the base model's, a mixed call answers each prompt as a call of its own adapter does
+    (the CPU engine is batch invariant), and adapters load, list and go away. The numerics against merged
+    checkpoints are tests/lora_test.cpp's."""
+    import sys
+    sys.path.insert(0, str(REPO / "tools"))
+    from random_lora_adapter import make_adapter
+    first = sparrow.LoRARequest("first", 1, str(make_adapter(BUNDLED, tmp_path / "first", rank=4, seed=1)))
+    second = sparrow.LoRARequest("second", 2, str(make_adapter(BUNDLED, tmp_path / "second", rank=8, seed=2)))
+    llm = sparrow.LLM(str(BUNDLED), kv_cache_memory_bytes=64 << 20, enable_lora=True, max_loras=2)
+    params = sparrow.SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17]]
+
+    def logprobs(outputs):
+        return [[next(iter(step.values())).logprob for step in o.outputs[0].logprobs] for o in outputs]
+    base = logprobs(llm.generate(prompts, params))
+    one = logprobs(llm.generate(prompts, params, lora_request=first))
+    two = logprobs(llm.generate(prompts, params, lora_request=second))
+    assert one != base and two != base and one != two
+    mixed = logprobs(llm.generate(prompts * 3, params, lora_request=[None, None, first, first, second, second]))
+    assert mixed == base + one + two
+    assert sorted(llm.list_loras()) == ["first", "second"]
+    third = sparrow.LoRARequest("third", 3, str(make_adapter(BUNDLED, tmp_path / "third", rank=4, seed=3)))
+    with pytest.raises(ValueError, match="max_loras"):
+        llm.generate(prompts, params, lora_request=third)
+    llm.remove_lora("first")
+    llm.load_lora(third)
+    assert sorted(llm.list_loras()) == ["second", "third"]
+    with pytest.raises(ValueError, match="no LoRA adapter 'first'"):
+        llm.remove_lora("first")
+    with pytest.raises(ValueError, match="enable_lora"):
+        sparrow.LLM(str(BUNDLED), kv_cache_memory_bytes=64 << 20).generate(prompts, params, lora_request=first)
