@@ -235,7 +235,7 @@ TEST(Cli, VllmFlagsWithoutASparrowSettingAreRefusedWithTheReason) {
                         "--ssl-keyfile key.pem: not supported: sparrow serves plain HTTP");
   expect_one_line_error(serve("-pp 2"), "--pipeline-parallel-size 2: not supported: pipeline parallelism");
   expect_one_line_error(serve("-dpl=2"), "--data-parallel-size-local 2: not supported: sparrow places the data-parallel ranks");
-  expect_one_line_error(serve("--fully-sharded-loras"), "--fully-sharded-loras: not supported: LoRA adapters are not sharded");
+  expect_one_line_error(serve("--lora-target-modules q_proj"), "--lora-target-modules q_proj: not supported: not part of sparrow's LoRA support");
   expect_one_line_error(serve("--spec-model m"), "--spec-model m: not supported: give speculative decoding as --speculative-config");
   expect_one_line_error(serve(R"(--speculative-config '{"method":"ngram"}')"),
                         "--speculative-config needs \"num_speculative_tokens\"");

@@ -232,12 +232,12 @@ TEST(LoraAdapterFiles, WhatCannotBeAppliedIsRefusedWithOneLine) {
   expect_error(load(bad), "not valid JSON");
   write_text(bad / "adapter_config.json", "{\"lora_alpha\": 8}");
   expect_error(load(bad), "positive integer \"r\"");
-  // A routed expert's and an indexer's projections are not adapted yet; a lone lora_A is incomplete.
+  // A routed expert's, an indexer's and a router's projections are not adapted yet; a lone lora_A is incomplete.
   write_text(bad / "adapter_config.json", "{\"r\": 2}");
   const Tensor A = Tensor::zeros({2, 8}), B = Tensor::zeros({8, 2});
   for (const std::string& module :
        {std::string("model.layers.1.mlp.experts.3.gate_proj"), std::string("model.layers.1.self_attn.indexer.q_proj"),
-        std::string("model.layers.0.self_attn.kv_b_proj")}) {
+        std::string("model.layers.1.mlp.gate")}) {
     write_safetensors((bad / "adapter_model.safetensors").string(),
                       {{"base_model.model." + module + ".lora_A.weight", A}, {"base_model.model." + module + ".lora_B.weight", B}});
     expect_error(load(bad), "is not one sparrow adapts yet");

@@ -17,9 +17,9 @@ import struct
 from pathlib import Path
 
 # The projections sparrow adapts (model/lora.h lora_supported_module); not the routed experts, the
-# indexers, the routers or MLA's kv_b_proj.
+# indexers or the routers.
 LEAVES = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "k_proj", "v_proj", "f_a_proj",
-          "f_b_proj", "b_proj", "g_proj", "g_a_proj", "g_b_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
+          "f_b_proj", "b_proj", "g_proj", "g_a_proj", "g_b_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj", "kv_b_proj")
 
 
 def checkpoint_shapes(model_dir: Path) -> dict[str, list[int]]:

@@ -103,10 +103,10 @@ struct LoraFlags {
 void add_lora_options(CLI::App* sub, LoraFlags& flags);
 // The flags checked at once (before the model loads): one-line errors.
 void check_lora_flags(const LoraFlags& flags);
-// The --lora-modules adapters (model/lora.h) on `device`. Errors for a run of more than one process: LoRA is
-// not sharded yet.
+// The --lora-modules adapters (model/lora.h) for `model` (rank 0's part of it under tensor parallelism; the
+// workers load theirs when a step first needs one). Errors under data or decode context parallelism.
 std::vector<std::shared_ptr<const LoraAdapter>> load_cli_loras(const LoraFlags& flags, const std::string& model_dir,
-                                                              Device device);
+                                                              const Model& model);
 
 // vLLM's --kv-cache-dtype and --attention-config (JSON; sparrow takes "indexer_kv_dtype"): the cache
 // formats of docs/cache.md. serve, perplexity and bench kv-quality share them.

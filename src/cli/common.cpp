@@ -376,15 +376,18 @@ void check_lora_flags(const LoraFlags& flags) {
 }
 
 std::vector<std::shared_ptr<const LoraAdapter>> load_cli_loras(const LoraFlags& flags, const std::string& model_dir,
-                                                              Device device) {
+                                                              const Model& model) {
   check_lora_flags(flags);
   if (!flags.enable) return {};
-  SPARROW_CHECK(!parallel_run().group, "--enable-lora runs in one process so far: LoRA adapters are not sharded "
-                                       "over tensor, data or context parallel ranks yet (issue 29)");
+  const ParallelRun& run = parallel_run();
+  SPARROW_CHECK(!run.group || (run.group->data_parallel_size() == 1 && parallel_config.decode_context_parallel_size == 1),
+                "--enable-lora runs with tensor parallelism (the adapters split as their weights are), not yet with "
+                "data or decode context parallelism (issue 29)");
   std::vector<std::shared_ptr<const LoraAdapter>> adapters;
   for (const std::string& text : flags.modules) {
     const LoraModule m = parse_lora_module(text);
-    adapters.push_back(load_lora_adapter(m.name, m.path, model_dir, device, flags.max_lora_rank));
+    adapters.push_back(
+        load_lora_adapter(m.name, m.path, model_dir, model.device(), flags.max_lora_rank, model.weight_splits));
   }
   return adapters;
 }

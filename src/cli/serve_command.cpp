@@ -274,7 +274,13 @@ void serve(const ServeFlags& flags) {
 
   // With --data-parallel-size every group's leader gets here and runs an engine (engine/remote_groups.h).
   std::unique_ptr<Model> model = load_cli_model(model_dir, flags.device, GroupRole::EveryGroupServes);
-  options.lora_adapters = load_cli_loras(flags.lora, model_dir, model->device());
+  options.lora_adapters = load_cli_loras(flags.lora, model_dir, *model);
+  if (const char* runtime = std::getenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING"); runtime && flags.lora.enable)
+    options.runtime_lora_updating = std::string(runtime) == "1" || std::string(runtime) == "true" ||
+                                    std::string(runtime) == "True" || std::string(runtime) == "TRUE";
+  options.lora_base_model = model_dir;
+  options.max_lora_rank = flags.lora.max_lora_rank;
+  options.max_loras = flags.lora.max_loras;
   // Declared before the engine, which drafts with it.
   const std::unique_ptr<Model> draft_model = load_draft_model(speculative, model_dir, flags.device);
   config.speculative = speculative;

@@ -25,7 +25,7 @@ const char* const kGraphs =
 const char* const kNoTls = "sparrow serves plain HTTP: put a TLS-terminating proxy in front of it";
 const char* const kNoCors = "sparrow sends no CORS headers: browsers on other origins need a proxy that adds them";
 const char* const kNoLora = "not part of sparrow's LoRA support (docs/lora.md)";
-const char* const kLoraOneProcess = "LoRA adapters are not sharded over ranks yet (issue 29): --enable-lora runs in one process";
+
 const char* const kSpecConfig = "give speculative decoding as --speculative-config JSON (docs/speculative.md)";
 const char* const kNoImages = "sparrow serves text only: the vision towers are not loaded yet (issue 30)";
 const char* const kNoStructured =
@@ -163,7 +163,9 @@ const std::vector<VllmFlag>& vllm_only_flags() {
       {"--ray-workers-use-nsight,!--no-ray-workers-use-nsight", false, kRefuse, "sparrow does not run on Ray"},
       // Features not built yet.
       {"--lora-dtype", true, kIgnore, "LoRA weights are kept in the activations' type (bfloat16 on a GPU, float32 on the CPU)", {"auto"}},
-      {"--fully-sharded-loras,!--no-fully-sharded-loras", false, kRefuse, kLoraOneProcess},
+      {"--fully-sharded-loras,!--no-fully-sharded-loras", false, kIgnore,
+       "under tensor parallelism sparrow splits each LoRA adapter as its base weights are split (docs/lora.md)",
+       {"--no-fully-sharded-loras"}},
       {"--limit-mm-per-prompt", true, kIgnore, kNoImages},
       {"--mm-processor-kwargs", true, kIgnore, kNoImages},
       {"--mm-processor-cache-gb", true, kIgnore, kNoImages},

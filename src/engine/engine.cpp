@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <future>
 
 #include "core/error.h"
 
@@ -26,6 +27,32 @@ void Engine::shut_down() {
   wake_.notify_one();
   if (thread_.joinable()) thread_.join();
   remote_.reset();  // the other groups end what they hold; their last events arrive first
+}
+
+void Engine::run_between_steps(const std::function<void()>& task) {
+  std::promise<void> done;
+  std::future<void> finished = done.get_future();
+  auto run = [&] {  // the caller waits below, so the references stay valid until it has run
+    try {
+      task();
+      done.set_value();
+    } catch (...) {
+      done.set_exception(std::current_exception());
+    }
+  };
+  bool queued = false;
+  {
+    std::lock_guard lock(mutex_);
+    if (!stopping_) {
+      tasks_.push_back(run);
+      queued = true;
+    }
+  }
+  if (queued)
+    wake_.notify_one();
+  else
+    run();
+  finished.get();
 }
 
 void Engine::serve_groups(std::vector<Communicator*> links) {
@@ -162,20 +189,24 @@ void Engine::loop() {
   while (true) {
     std::vector<std::pair<Request, EngineCore::OutputCallback>> submitted;
     std::vector<std::string> aborted;
+    std::vector<std::function<void()>> tasks;
     int64_t wave = 0;
     {
       std::unique_lock lock(mutex_);
       wake_.wait(lock, [&] {
-        return stopping_ || !submitted_.empty() || !aborted_.empty() || core_.has_work() || stepping_with_groups();
+        return stopping_ || !submitted_.empty() || !aborted_.empty() || !tasks_.empty() || core_.has_work() ||
+               stepping_with_groups();
       });
       if (stopping_) break;
       submitted.swap(submitted_);
       aborted.swap(aborted_);
+      tasks.swap(tasks_);
       wave = wave_;  // read with the submissions: a request that came before its wave is in them
     }
     // Submissions first, so that an abort right after its submit finds the request.
     for (auto& [request, on_output] : submitted) add(std::move(request), std::move(on_output));
     for (const std::string& id : aborted) core_.abort(id);
+    for (const auto& task : tasks) task();  // each catches its own exception (run_between_steps)
     try {
       if (groups_ && !groups_stopped_)
         step_with_groups(wave);
@@ -203,6 +234,13 @@ void Engine::loop() {
     }
     if (hook) hook(stats);
   }
+  // Tasks queued before the stop still run: their callers are waiting.
+  std::vector<std::function<void()>> tasks;
+  {
+    std::lock_guard lock(mutex_);
+    tasks.swap(tasks_);
+  }
+  for (const auto& task : tasks) task();
   // Data parallel: the other groups may be waiting for this one's next step; they leave with it.
   bool meet = false;
   {

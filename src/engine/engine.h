@@ -48,6 +48,10 @@ class Engine {
   void abort(const std::string& request_id);
   // Rank 0's engine and the remote groups', summed.
   Stats stats() const;
+  // Runs `task` on the engine thread between two steps (work that must not meet a step on the device's one
+  // stream: a LoRA adapter's upload, docs/lora.md) and returns once it has run; its exception is rethrown
+  // here. After shut_down the task runs on the caller's thread.
+  void run_between_steps(const std::function<void()>& task);
   // Aborts every request (each gets its "abort" event; a remote group's arrive before this returns) and stops
   // the loop; later submits are refused. Idempotent.
   void shut_down();
@@ -81,6 +85,7 @@ class Engine {
   std::condition_variable wake_;
   std::vector<std::pair<Request, EngineCore::OutputCallback>> submitted_;
   std::vector<std::string> aborted_;
+  std::vector<std::function<void()>> tasks_;  // run_between_steps
   std::unordered_set<std::string> live_ids_;  // submitted and not yet finished
   Stats stats_;
   bool stopping_ = false;

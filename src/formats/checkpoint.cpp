@@ -32,21 +32,6 @@ bool starts_with_any(const std::string& name, const std::vector<std::string>& pr
   return false;
 }
 
-// The part `split` names of a host tensor of a plain type (fp32, bf16): a copy holding only that part.
-Tensor slice_host(const Tensor& t, const Split& split) {
-  const Shape& shape = t.shape();
-  int64_t outer = 1, inner = scalar_size(t.type());
-  for (int d = 0; d < split.dim; ++d) outer *= shape[d];
-  for (size_t d = split.dim + 1; d < shape.size(); ++d) inner *= shape[d];
-  const int64_t piece = shape[split.dim] / split.chunks, part_bytes = (split.end - split.begin) * inner;
-  Tensor out = Tensor::empty(split.of(shape), t.type());
-  const uint8_t* from = t.as<uint8_t>();
-  uint8_t* to = out.as<uint8_t>();
-  for (int64_t o = 0; o < outer; ++o)
-    for (int64_t c = 0; c < split.chunks; ++c, to += part_bytes)
-      std::memcpy(to, from + (o * shape[split.dim] + c * piece + split.begin) * inner, size_t(part_bytes));
-  return out;
-}
 
 // model.safetensors.index.json: {"metadata": {...}, "weight_map": {tensor name: shard file name}}.
 std::map<std::string, std::string> read_weight_map(const std::string& path) {
@@ -356,6 +341,21 @@ Tensor Checkpoint::take_linear(const std::string& name, const Shape& expected) {
   return codes.with_block_scales(scales.clone()).to(device_);
 }
 
+Tensor slice_host(const Tensor& t, const Split& split) {
+  const Shape& shape = t.shape();
+  int64_t outer = 1, inner = scalar_size(t.type());
+  for (int d = 0; d < split.dim; ++d) outer *= shape[d];
+  for (size_t d = split.dim + 1; d < shape.size(); ++d) inner *= shape[d];
+  const int64_t piece = shape[split.dim] / split.chunks, part_bytes = (split.end - split.begin) * inner;
+  Tensor out = Tensor::empty(split.of(shape), t.type());
+  const uint8_t* from = t.as<uint8_t>();
+  uint8_t* to = out.as<uint8_t>();
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t c = 0; c < split.chunks; ++c, to += part_bytes)
+      std::memcpy(to, from + (o * shape[split.dim] + c * piece + split.begin) * inner, size_t(part_bytes));
+  return out;
+}
+
 Shape Split::of(const Shape& expected) const {
   if (whole()) return expected;
   SPARROW_CHECK(dim >= 0 && size_t(dim) < expected.size() && chunks >= 1 && expected[dim] % chunks == 0 &&
@@ -377,6 +377,7 @@ Tensor Checkpoint::take_stored_host(const std::string& name, const Shape& expect
 
 Tensor Checkpoint::take(const std::string& name, const Shape& expected, const Split& split) {
   if (split.whole()) return take(name, expected);
+  splits_[name] = split;
   if (dummy_) return dummy_take(name, split.of(expected), /*fp32_everywhere=*/false);
   Tensor part = slice_host(take_stored_host(name, expected), split);
   return device_ == Device::Cpu ? part.to(Device::Cpu, ScalarType::F32) : place(part);
@@ -384,12 +385,14 @@ Tensor Checkpoint::take(const std::string& name, const Shape& expected, const Sp
 
 Tensor Checkpoint::take_fp32(const std::string& name, const Shape& expected, const Split& split) {
   if (split.whole()) return take_fp32(name, expected);
+  splits_[name] = split;
   if (dummy_) return dummy_take(name, split.of(expected), /*fp32_everywhere=*/true);
   return slice_host(take_stored_host(name, expected), split).to(device_, ScalarType::F32);
 }
 
 Tensor Checkpoint::take_linear(const std::string& name, const Shape& expected, const Split& split) {
   if (split.whole()) return take_linear(name, expected);
+  splits_[name] = split;
   if (dummy_) return take(name, expected, split);
   Tensor part = slice_host(take_stored_host(name, expected), split);
   // On the CPU a bf16 part stays bf16, widened per product as a whole stored matrix is.

@@ -41,6 +41,9 @@ struct Split {
   Shape of(const Shape& expected) const;
 };
 
+// The part `split` names of a host tensor of a plain type (fp32, bf16): a copy holding only that part.
+Tensor slice_host(const Tensor& t, const Split& split);
+
 // Named tensors in host memory (TensorInfo::data points into `memory`, which keeps the bytes alive for as long
 // as a loaded model's views of them live).
 struct TensorsInMemory {
@@ -77,6 +80,9 @@ class Checkpoint {
   // matrices (2 or more dimensions) become bfloat16 and vectors (norm weights, biases) stay float32.
   void place_on(Device device) { device_ = device; }
   Device device() const { return device_; }
+  // The part of each weight taken with a split (tensor parallel): what this rank holds of it, by name. LoRA
+  // adapters (model/lora.h) take the same part of their matrices.
+  const std::map<std::string, Split>& splits() const { return splits_; }
   // The tensor-parallel group the model being loaded belongs to: the family loaders take this rank's part
   // of each split weight (model/tensor_parallel.h) and keep the group to reduce over. Unsharded by default.
   void set_tensor_parallel(const TensorParallel& tp) { tensor_parallel_ = tp; }
@@ -160,6 +166,7 @@ class Checkpoint {
   Config config_;
   std::vector<std::shared_ptr<SafetensorsFile>> files_;
   std::map<std::string, const TensorInfo*> index_;
+  std::map<std::string, Split> splits_;  // splits()
   std::vector<std::unique_ptr<TensorInfo>> replaced_;  // replace_tensors' infos, which index_ points to
   std::map<std::string, std::shared_ptr<void>> owner_;  // what keeps each tensor's bytes alive (its file)
   std::set<std::string> taken_;

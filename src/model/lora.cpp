@@ -28,7 +28,7 @@ const LoraWeights* LoraAdapter::find(const std::string& module) const {
 bool lora_supported_module(const std::string& module) {
   static const std::set<std::string> kLeaves = {
       "q_proj",   "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj",    "k_proj",    "v_proj",    "f_a_proj",
-      "f_b_proj", "b_proj",   "g_proj",   "g_a_proj",           "g_b_proj",  "gate_proj", "up_proj",   "gate_up_proj", "down_proj"};
+      "f_b_proj", "b_proj",   "g_proj",   "g_a_proj",           "g_b_proj",  "gate_proj", "up_proj",   "gate_up_proj", "down_proj", "kv_b_proj"};
   const size_t dot = module.rfind('.');
   const std::string leaf = dot == std::string::npos ? module : module.substr(dot + 1);
   if (!kLeaves.count(leaf)) return false;
@@ -55,7 +55,8 @@ nlohmann::json read_json(const fs::path& path) {
 }  // namespace
 
 std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, const std::string& path,
-                                                     const std::string& model_dir, Device device, int64_t max_rank) {
+                                                     const std::string& model_dir, Device device, int64_t max_rank,
+                                                     const std::map<std::string, Split>& splits) {
   const fs::path root(path);
   SPARROW_CHECK(fs::is_directory(root), "LoRA adapter '", name, "': '", path, "' is not a folder");
   const nlohmann::json config = read_json(root / "adapter_config.json");
@@ -70,6 +71,8 @@ std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, co
   adapter->name = name;
   adapter->path = path;
   adapter->rank = value("r").get<int64_t>();
+  adapter->base_model = model_dir;
+  adapter->max_rank = max_rank;
   static std::atomic<uint64_t> loads{0};
   const uint64_t load = ++loads;
   adapter->prefix_root = XXH3_64bits_withSeed(name.data(), name.size(), load) | 1;  // never kRootBlockHash (0)
@@ -149,6 +152,14 @@ std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, co
                     "LoRA adapter '", name, "': module '", module, "' is [", pair.b->shape[0], " x ", pair.a->shape[1],
                     "], the model's weight ", shape_str(base));
     Tensor a = to_float32(*pair.a, file), b = to_float32(*pair.b, file).clone();
+    if (auto split = splits.find(module + ".weight"); split != splits.end()) {
+      SPARROW_CHECK(split->second.dim == 0 || split->second.dim == 1, "LoRA adapter '", name, "': module '", module,
+                    "' is split along dimension ", split->second.dim);
+      if (split->second.dim == 0)
+        b = slice_host(b, split->second);
+      else
+        a = slice_host(a, split->second);
+    }
     ops::scale_(b, adapter->scaling);
     adapter->modules[module] = {a.to(device, type), b.to(device, type)};
   }
@@ -190,6 +201,70 @@ void add_(Tensor& y, const Tensor& x, const Batch& batch, const std::string& pre
     }
     i = j;
   }
+}
+
+namespace {
+
+// Calls f(begin, end, weights) for each run of consecutive sequences whose adapter has `module`.
+template <typename F>
+void for_each_run(const Batch& batch, const std::string& module, F f) {
+  if (!batch.has_lora()) return;
+  const std::vector<SeqSlice>& seqs = batch.seqs;
+  for (size_t i = 0; i < seqs.size();) {
+    const LoraAdapter* adapter = seqs[i].state->lora.get();
+    size_t j = i + 1;
+    while (j < seqs.size() && seqs[j].state->lora.get() == adapter) ++j;
+    if (const LoraWeights* w = adapter ? adapter->find(module) : nullptr) {
+      const int64_t begin = seqs[i].offset, end = seqs[j - 1].offset + seqs[j - 1].count;
+      if (begin < end) f(begin, end, *w);
+    }
+    i = j;
+  }
+}
+
+void check_kv_b(const LoraWeights& w, const std::string& module, const MlaDims& d) {
+  SPARROW_CHECK(w.a.dim(1) == d.latent && w.b.dim(0) == d.heads * (d.nope + d.v), "LoRA: module '", module, "' is [",
+                w.b.dim(0), " x ", w.a.dim(1), "], the model's kv_b_proj [", d.heads * (d.nope + d.v), " x ", d.latent,
+                "]");
+}
+
+}  // namespace
+
+void add_absorbed_queries_(Tensor& q_abs, const Tensor& q, const Batch& batch, const std::string& prefix,
+                           const MlaDims& d) {
+  const std::string module = prefix + "kv_b_proj";
+  if (d.nope == 0) return;  // no W_UK rows: nothing reaches the queries
+  for_each_run(batch, module, [&](int64_t begin, int64_t end, const LoraWeights& w) {
+    check_kv_b(w, module, d);
+    const int64_t n = end - begin, r = w.a.dim(0);
+    // t[., h] = q_nope[., h] · B_UK[h]: [n, heads, r]; then the latent part of q_abs[., h] += t[., h] · A.
+    Tensor t = Tensor::empty({n, d.heads, r}, q.type(), q.device());
+    ops::batched_matmul_nn(d.heads, n, r, d.nope, {&q, begin * d.heads * d.qk, d.heads * d.qk, d.qk},
+                           {&w.b, 0, r, (d.nope + d.v) * r}, t, 0, d.heads * r, r);
+    Tensor delta = Tensor::zeros({n, d.heads, d.row}, q_abs.type(), q_abs.device());
+    ops::batched_matmul_nn(d.heads, n, d.latent, r, {&t, 0, d.heads * r, r}, {&w.a, 0, d.latent, 0}, delta, 0,
+                           d.heads * d.row, d.row);
+    Tensor rows = q_abs.rows(begin, end);
+    ops::add_(rows, delta);
+  });
+}
+
+void add_absorbed_outputs_(Tensor& attended, const Tensor& mixed, const Batch& batch, const std::string& prefix,
+                           const MlaDims& d) {
+  const std::string module = prefix + "kv_b_proj";
+  for_each_run(batch, module, [&](int64_t begin, int64_t end, const LoraWeights& w) {
+    check_kv_b(w, module, d);
+    const int64_t n = end - begin, r = w.a.dim(0);
+    // u[., h] = mixed[., h] · Aᵀ: [n, heads, r]; then attended[., h] += u[., h] · B_UV[h]ᵀ.
+    Tensor u = Tensor::empty({n, d.heads, r}, mixed.type(), mixed.device());
+    ops::batched_matmul_nt(d.heads, n, r, d.latent, {&mixed, begin * d.heads * d.latent, d.heads * d.latent, d.latent},
+                           {&w.a, 0, d.latent, 0}, u, 0, d.heads * r, r);
+    Tensor delta = Tensor::empty({n, d.heads * d.v}, attended.type(), attended.device());
+    ops::batched_matmul_nt(d.heads, n, d.v, r, {&u, 0, d.heads * r, r}, {&w.b, d.nope * r, r, (d.nope + d.v) * r},
+                           delta, 0, d.heads * d.v, d.v);
+    Tensor rows = attended.rows(begin, end);
+    ops::add_(rows, delta);
+  });
 }
 
 }  // namespace lora

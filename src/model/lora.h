@@ -9,9 +9,9 @@
 // q_proj / q_a_proj / q_b_proj / kv_a_proj_with_mqa / o_proj, GQA's q/k/v/o_proj, KDA's q/k/v_proj,
 // f_a/f_b_proj, b_proj, g_proj, g_a/g_b_proj, o_proj; MLA's output gate g_proj) and of the dense MLPs and
 // shared experts (gate/up/down_proj, or gate_up_proj where the checkpoint fuses them).
-// Not yet (a one-line error when an adapter targets them): MLA's kv_b_proj (absorbed into the attention
-// kernels), the indexers' inputs, the routers and the routed experts; tensor, data or context parallel
-// models.
+// MLA's kv_b_proj too, in the absorbed form the attention uses (add_absorbed_queries_ / _outputs_). Not yet
+// (a one-line error when an adapter targets them): the indexers' inputs, the routers and the routed experts;
+// data or context parallel models.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -19,6 +19,7 @@
 #include <string>
 
 #include "core/tensor.h"
+#include "formats/checkpoint.h"
 
 namespace sparrow {
 
@@ -31,6 +32,8 @@ struct LoraWeights {
 
 struct LoraAdapter {
   std::string name, path;
+  std::string base_model;  // the model folder it was checked against
+  int64_t max_rank = 0;    // the limit it was loaded under
   int64_t rank = 0;
   float scaling = 1.0f;
   // Where the prefix cache's hash chain starts for its sequences (KvCache::create_sequence): one per loaded
@@ -47,8 +50,12 @@ struct LoraAdapter {
 // (ops::act_type). One-line errors for a missing or malformed file, a rank above `max_rank`, a module the
 // model's checkpoint does not have or whose shape differs from it, and what sparrow does not apply: DoRA,
 // biases, modules_to_save, fan_in_fan_out, targets outside the list above (lora_supported_module).
+// Tensor parallel: `splits` (Model::weight_splits) says which part of each base weight this rank holds; a
+// module keeps the same part of B where the weight is split by rows (its output) and of A where it is split
+// by columns (its input: the rank's term then joins the weight's in the layer's all-reduce).
 std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, const std::string& path,
-                                                     const std::string& model_dir, Device device, int64_t max_rank);
+                                                     const std::string& model_dir, Device device, int64_t max_rank,
+                                                     const std::map<std::string, Split>& splits = {});
 
 // Whether a module (e.g. "model.layers.3.self_attn.q_proj") is one of the targets above: its last name is
 // a projection the layers adapt, and it is not under a router, an indexer or the routed experts.
@@ -60,6 +67,20 @@ namespace lora {
 // hold the batch's rows in order. Nothing when no sequence of the batch has an adapter for it.
 void add_(Tensor& y, const Tensor& x, const Batch& batch, const std::string& prefix, const char* name,
           int64_t first_col = 0);
+
+// MLA's kv_b_proj ([heads x (nope + v), latent]: per head W_UK's nope rows, then W_UV's v rows), which the
+// attention uses absorbed (model/mla.cpp): its adapter's terms in the same form, per head h,
+//   q_abs[t, h, :latent] += (q[t, h, :nope] · B_UK[h]) A        (the absorbed queries, before attention)
+//   attended[t, h]       += B_UV[h] (A · mixed[t, h])           (back from the latent space, before o_proj)
+// q [T, heads x qk] (qk = nope + rope), q_abs [T, heads, row], mixed [T, heads, latent], attended
+// [T, heads x v].
+struct MlaDims {
+  int64_t heads, nope, v, qk, row, latent;
+};
+void add_absorbed_queries_(Tensor& q_abs, const Tensor& q, const Batch& batch, const std::string& prefix,
+                           const MlaDims& d);
+void add_absorbed_outputs_(Tensor& attended, const Tensor& mixed, const Batch& batch, const std::string& prefix,
+                           const MlaDims& d);
 
 }  // namespace lora
 }  // namespace sparrow

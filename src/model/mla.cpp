@@ -149,6 +149,8 @@ Tensor MlaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
                          {&kv_b_proj, 0, latent, kv_b_rows_per_head * latent}, q_abs, 0, heads * row_width, row_width);
   // q_rot of every (token, head) is one line of `rot` values, qk apart in q and row_width apart in q_abs.
   ops::copy_lines(q_abs, latent, row_width, q, nope, qk, rot, tokens * heads);
+  const lora::MlaDims lora_dims{heads, nope, o.v_head_dim, qk, row_width, latent};
+  lora::add_absorbed_queries_(q_abs, q, batch, prefix_, lora_dims);
 
   // mixed[t, h] = sum_s softmax_s(q_abs[t, h] · row_s * scale) c_s, over the query's causal prefix or
   // the keys its indexer selects.
@@ -168,6 +170,7 @@ Tensor MlaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
   ops::batched_matmul_nt(heads, tokens, o.v_head_dim, latent, {&mixed, 0, heads * latent, latent},
                          {&kv_b_proj, nope * latent, latent, kv_b_rows_per_head * latent}, attended, 0,
                          heads * o.v_head_dim, o.v_head_dim);
+  lora::add_absorbed_outputs_(attended, mixed, batch, prefix_, lora_dims);
   if (o.output_gate) {
     Tensor gate = ops::linear(x, g_proj);
     lora::add_(gate, x, batch, prefix_, "g_proj");

@@ -138,6 +138,7 @@ std::unique_ptr<Model> load_model(const std::string& dir, Device device, const L
   std::unique_ptr<DecoderModel> model = family.load(*ckpt, family.text(ckpt->config()), family.weight_prefix);
   ckpt->report_to(nullptr);
   progress.finish();
+  model->weight_splits = ckpt->splits();
   for (size_t layer = 0; layer < model->layers.size(); ++layer) simulate_routing(model->layers[layer], int(layer), options);
   if (options.tensor_parallel.context_parallel()) {
     // DCP shards the MLA caches' tokens (model/context_parallel.h); a layer that caches anything else would

@@ -12,12 +12,14 @@
 #pragma once
 #include <cstdint>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "core/communicator.h"
 #include "core/tensor.h"
+#include "formats/checkpoint.h"
 #include "formats/config.h"
 #include "core/sequence_cache.h"
 
@@ -118,6 +120,9 @@ class Model {
   // SeqSlice::logits rows, sequence after sequence. Writes the new tokens' rows and state into the caches but leaves each state's length
   // alone (the runner advances it). `marks`, when given, gets the end of each part.
   virtual Tensor forward(const Batch& batch, StepMarks* marks) = 0;
+  // The part of each checkpoint weight this rank holds, by name, for the weights a tensor-parallel load
+  // split (Checkpoint::splits; empty unsharded): LoRA adapters take the same part (model/lora.h).
+  std::map<std::string, Split> weight_splits;
   // A data-parallel group's step without tokens of its own while other groups run theirs
   // (batch.group_tokens set, this group's count 0): the parts that meet the other groups (the shared
   // experts' layers) run on no rows, in the forward pass's order, so that their collectives meet.

@@ -27,7 +27,15 @@ std::vector<uint8_t> encode_plan(const StepPlan& plan) {
       w.put<int64_t>(plan.config.num_blocks);
       break;
     case StepPlan::Kind::DropCache:
+    case StepPlan::Kind::DropLora:
       w.put<int32_t>(plan.cache);
+      break;
+    case StepPlan::Kind::Lora:
+      w.put<int32_t>(plan.cache);
+      w.put(plan.lora.name);
+      w.put(plan.lora.path);
+      w.put(plan.lora.base_model);
+      w.put<int64_t>(plan.lora.max_rank);
       break;
     case StepPlan::Kind::Step:
       w.put<uint64_t>(plan.state_ops.size());
@@ -47,6 +55,7 @@ std::vector<uint8_t> encode_plan(const StepPlan& plan) {
         w.put<int32_t>(s.state_slot);
         w.put<int32_t>(s.snapshot_slot);
         w.put<int64_t>(s.snapshot_position);
+        w.put<int32_t>(s.lora);
       }
       w.put<uint8_t>(plan.all_logits);
       w.put(plan.group_tokens);
@@ -64,7 +73,7 @@ StepPlan decode_plan(const std::vector<uint8_t>& bytes) {
   Reader r(bytes, "step plan");
   StepPlan plan;
   const uint8_t kind = r.get<uint8_t>();
-  SPARROW_CHECK(kind >= uint8_t(StepPlan::Kind::Cache) && kind <= uint8_t(StepPlan::Kind::Idle),
+  SPARROW_CHECK(kind >= uint8_t(StepPlan::Kind::Cache) && kind <= uint8_t(StepPlan::Kind::DropLora),
                 "step plan: unknown kind ", int(kind));
   plan.kind = StepPlan::Kind(kind);
   switch (plan.kind) {
@@ -79,7 +88,15 @@ StepPlan decode_plan(const std::vector<uint8_t>& bytes) {
       plan.config.num_blocks = r.get<int64_t>();
       break;
     case StepPlan::Kind::DropCache:
+    case StepPlan::Kind::DropLora:
       plan.cache = r.get<int32_t>();
+      break;
+    case StepPlan::Kind::Lora:
+      plan.cache = r.get<int32_t>();
+      plan.lora.name = r.get_string();
+      plan.lora.path = r.get_string();
+      plan.lora.base_model = r.get_string();
+      plan.lora.max_rank = r.get<int64_t>();
       break;
     case StepPlan::Kind::Step: {
       const uint64_t ops = r.get<uint64_t>();
@@ -103,6 +120,7 @@ StepPlan decode_plan(const std::vector<uint8_t>& bytes) {
         s.state_slot = r.get<int32_t>();
         s.snapshot_slot = r.get<int32_t>();
         s.snapshot_position = r.get<int64_t>();
+        s.lora = r.get<int32_t>();
         SPARROW_CHECK(s.start >= 0 && s.count > 0, "step plan: sequence ", i, " runs ", s.count, " tokens from ", s.start);
         SPARROW_CHECK(s.logits >= 1 && s.logits <= s.count, "step plan: sequence ", i, " asks for ", s.logits,
                       " rows of logits of ", s.count);
@@ -181,6 +199,30 @@ int32_t WorkerChannel::cache_id(KvCache& cache) {
   return id;
 }
 
+int32_t WorkerChannel::lora_id(const std::shared_ptr<const LoraAdapter>& adapter) {
+  for (auto it = loras_.begin(); it != loras_.end();) {
+    if (it->second.expired()) {
+      StepPlan drop;
+      drop.kind = StepPlan::Kind::DropLora;
+      drop.cache = it->first;
+      send(drop);
+      it = loras_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (!adapter) return -1;
+  for (const auto& [id, held] : loras_)
+    if (held.lock() == adapter) return id;
+  StepPlan plan;
+  plan.kind = StepPlan::Kind::Lora;
+  plan.cache = next_lora_++;
+  plan.lora = {adapter->name, adapter->path, adapter->base_model, adapter->max_rank};
+  send(plan);
+  loras_[plan.cache] = adapter;
+  return plan.cache;
+}
+
 void WorkerChannel::send_step(const Batch& batch) {
   StepPlan plan;
   plan.tokens = batch.tokens;
@@ -201,6 +243,7 @@ void WorkerChannel::send_step(const Batch& batch) {
     // The snapshot the step will take (asked now, as the layers will ask: the answer is the same).
     seq.snapshot_position = cache.snapshot_position(s.start(), s.start() + s.count);
     seq.snapshot_slot = seq.snapshot_position >= 0 ? cache.snapshot_slot_index() : -1;
+    seq.lora = lora_id(s.state->lora);
     plan.seqs.push_back(std::move(seq));
   }
   for (auto& [id, kv] : stepped)
@@ -236,6 +279,7 @@ void run_worker(Model& model, Communicator& channel, RunnerOptions options) {
   options.workers = nullptr;
   ModelRunner runner(model, options);
   std::map<int32_t, std::unique_ptr<KvCache>> twins;
+  std::map<int32_t, std::shared_ptr<const LoraAdapter>> loras;  // rank 0's adapters, this rank's part
   auto twin = [&](int32_t id) -> KvCache& {
     auto it = twins.find(id);
     SPARROW_CHECK(it != twins.end(), "step plan: unknown cache ", id);
@@ -257,6 +301,15 @@ void run_worker(Model& model, Communicator& channel, RunnerOptions options) {
       case StepPlan::Kind::DropCache:
         twins.erase(plan.cache);
         break;
+      case StepPlan::Kind::Lora:
+        // Rank 0 read the same folder a moment ago: a failure here (a folder missing on this node) ends the
+        // run with its reason rather than serving the adapter on some ranks only.
+        loras[plan.cache] = load_lora_adapter(plan.lora.name, plan.lora.path, plan.lora.base_model, model.device(),
+                                              plan.lora.max_rank, model.weight_splits);
+        break;
+      case StepPlan::Kind::DropLora:
+        loras.erase(plan.cache);
+        break;
       case StepPlan::Kind::Idle: {
         Batch idle;
         idle.group_tokens = plan.group_tokens;
@@ -276,6 +329,11 @@ void run_worker(Model& model, Communicator& channel, RunnerOptions options) {
           mirrors.emplace_back(&cache, id);
           states[i].length = s.start;
           states[i].cache = cache.view(id);
+          if (s.lora >= 0) {
+            auto lora = loras.find(s.lora);
+            SPARROW_CHECK(lora != loras.end(), "step plan: unknown LoRA adapter ", s.lora);
+            states[i].lora = lora->second;
+          }
           parts.emplace_back(&states[i], std::vector<int32_t>(plan.tokens.begin() + row, plan.tokens.begin() + row + s.count));
           row += s.count;
         }

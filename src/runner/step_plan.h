@@ -9,10 +9,12 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "cache/kv_cache.h"
 #include "core/communicator.h"
+#include "model/lora.h"
 #include "model/model.h"
 #include "runner/model_runner.h"
 
@@ -25,6 +27,13 @@ struct StepPlan {
     Step = 3,       // run a step
     Stop = 4,       // the run is over: leave the worker loop
     Idle = 5,       // data parallel: this group has no tokens while others run theirs (Model::step_idle)
+    Lora = 6,       // a sequence of the next step runs with a LoRA adapter the workers have not seen: load
+                    // `lora` (its part for this rank, model/lora.h) under number `cache`
+    DropLora = 7,   // the adapter numbered `cache` is gone on rank 0
+  };
+  struct LoraSource {
+    std::string name, path, base_model;
+    int64_t max_rank = 0;
   };
   struct Sequence {
     int32_t cache = 0;  // the cache it lives in
@@ -33,6 +42,7 @@ struct StepPlan {
     std::vector<int32_t> blocks;   // rank 0's block table
     int32_t state_slot = -1, snapshot_slot = -1;
     int64_t snapshot_position = -1;
+    int32_t lora = -1;  // the LoRA adapter it runs with (the number of its Lora plan); -1: none
   };
   struct StateOp {
     int32_t cache = 0;
@@ -40,8 +50,9 @@ struct StepPlan {
   };
 
   Kind kind = Kind::Step;
-  int32_t cache = 0;   // Cache, DropCache
+  int32_t cache = 0;   // Cache, DropCache; Lora, DropLora: the adapter's number
   CacheConfig config;  // Cache
+  LoraSource lora;     // Lora
   // Step: state writes rank 0's caches made since the last step (KvCache::take_state_ops), the tokens, and
   // the sequences they belong to.
   std::vector<StateOp> state_ops;
@@ -74,9 +85,14 @@ class WorkerChannel {
 
  private:
   int32_t cache_id(KvCache& cache);
+  // The number the workers know `adapter` by, after its Lora plan if they have not seen it; before that, a
+  // DropLora for each adapter rank 0 no longer holds.
+  int32_t lora_id(const std::shared_ptr<const LoraAdapter>& adapter);
   Communicator& channel_;
   std::map<uint64_t, int32_t> caches_;  // KvCache::uid() -> the number the workers know it by
   int32_t next_cache_ = 0;
+  std::map<int32_t, std::weak_ptr<const LoraAdapter>> loras_;  // the adapters the workers hold, by number
+  int32_t next_lora_ = 0;
   std::shared_ptr<bool> alive_;  // caches' destroy hooks check it: the channel may go first
 };
 

@@ -249,6 +249,26 @@ void Server::add_routes() {
   http_->route("POST", "/detokenize", json_route([this](const auto& request) { return detokenize(request); }),
                "Turn token ids back into text", json);
   http_->route("GET", "/v1/models", json_route([this](const auto&) { return models(); }), "List the served model");
+  if (context_.options.runtime_lora_updating) {
+    // vLLM's runtime LoRA routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING): the body names the adapter; the answer is
+    // one line of text, as vLLM's.
+    auto lora_route = [this](bool load) {
+      return guarded([this, load](const http::Request& request, const http::Responder& responder) {
+        Json body = json_body(request);
+        Fields f(body);
+        const std::string name = f.string("lora_name").value_or("");
+        if (load) {
+          context_.load_lora_adapter(name, f.string("lora_path").value_or(""));
+          responder.send({200, "text/plain", {}, "Success: LoRA adapter '" + name + "' added successfully."});
+        } else {
+          context_.unload_lora_adapter(name);
+          responder.send({200, "text/plain", {}, "Success: LoRA adapter '" + name + "' removed successfully."});
+        }
+      });
+    };
+    http_->route("POST", "/v1/load_lora_adapter", lora_route(true), "Load a LoRA adapter (docs/lora.md)", json);
+    http_->route("POST", "/v1/unload_lora_adapter", lora_route(false), "Unload a LoRA adapter (docs/lora.md)", json);
+  }
   // /health, and vLLM's /ping (GET or POST, the SageMaker probe): 200 while serving, 503 while draining.
   auto health = [this](const http::Request&, const http::Responder& responder) {
     std::lock_guard<std::mutex> lock(active_mutex_);
@@ -368,7 +388,7 @@ Json Server::models() const {
                     {"parent", nullptr},
                     {"max_model_len", context_.engine.max_model_len()}});
   // LoRA adapters as vLLM lists them: root the adapter's folder, parent the base model's name.
-  for (const auto& adapter : context_.options.lora_adapters)
+  for (const auto& adapter : context_.lora_adapters())
     data.push_back({{"id", adapter->name},
                     {"object", "model"},
                     {"created", created},

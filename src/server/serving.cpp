@@ -16,15 +16,59 @@ ServingContext::ServingContext(Engine& engine, std::shared_ptr<const Tokenizer> 
               CacheInfo{engine.config().cache.block_size, engine.config().cache.kv_cache_dtype,
                         engine.config().cache.indexer_kv_dtype, engine.config().cache.enable_prefix_caching}) {
   if (seed) seeds_.emplace(*seed);
+  lora_adapters_ = this->options.lora_adapters;
 }
 
 std::shared_ptr<const LoraAdapter> ServingContext::check_model(const std::string& name) const {
   if (name.empty()) return nullptr;
   for (const std::string& served : options.served_model_names)
     if (served == name) return nullptr;
-  for (const auto& adapter : options.lora_adapters)
+  std::lock_guard<std::mutex> lock(lora_mutex_);
+  for (const auto& adapter : lora_adapters_)
     if (adapter->name == name) return adapter;
   throw ApiError(404, "The model `" + name + "` does not exist.", "model");
+}
+
+std::vector<std::shared_ptr<const LoraAdapter>> ServingContext::lora_adapters() const {
+  std::lock_guard<std::mutex> lock(lora_mutex_);
+  return lora_adapters_;
+}
+
+void ServingContext::load_lora_adapter(const std::string& name, const std::string& path) {
+  if (name.empty() || path.empty()) bad_request("both 'lora_name' and 'lora_path' must be provided.", "lora_name");
+  for (const std::string& served : options.served_model_names)
+    if (served == name) bad_request("The lora adapter '" + name + "' is the served model's name.", "lora_name");
+  {
+    std::lock_guard<std::mutex> lock(lora_mutex_);
+    for (const auto& adapter : lora_adapters_)
+      if (adapter->name == name) bad_request("The lora adapter '" + name + "' has already been loaded.", "lora_name");
+    if (int64_t(lora_adapters_.size()) >= options.max_loras)
+      bad_request("--max-loras " + std::to_string(options.max_loras) + " adapters are loaded already: unload one first",
+                  "lora_name");
+  }
+  std::shared_ptr<const LoraAdapter> adapter;
+  try {
+    engine.run_between_steps([&] {
+      adapter = sparrow::load_lora_adapter(name, path, options.lora_base_model, engine.model().device(),
+                                           options.max_lora_rank, engine.model().weight_splits);
+    });
+  } catch (const Error& e) {
+    bad_request(e.what(), "lora_path");
+  }
+  std::lock_guard<std::mutex> lock(lora_mutex_);
+  for (const auto& loaded : lora_adapters_)  // two loads of one name at once: the first wins
+    if (loaded->name == name) bad_request("The lora adapter '" + name + "' has already been loaded.", "lora_name");
+  lora_adapters_.push_back(std::move(adapter));
+}
+
+void ServingContext::unload_lora_adapter(const std::string& name) {
+  std::lock_guard<std::mutex> lock(lora_mutex_);
+  for (auto it = lora_adapters_.begin(); it != lora_adapters_.end(); ++it)
+    if ((*it)->name == name) {
+      lora_adapters_.erase(it);
+      return;
+    }
+  throw ApiError(404, "The lora adapter '" + name + "' cannot be found.", "lora_name");
 }
 
 const std::string& ServingContext::response_model(const std::shared_ptr<const LoraAdapter>& lora) const {

@@ -32,6 +32,12 @@ struct ServingOptions {
   std::optional<int64_t> default_max_tokens;  // generation_config.json's max_new_tokens: caps an unset max_tokens
   // --lora-modules: requests that name one of these run with it (model/lora.h); /v1/models lists them.
   std::vector<std::shared_ptr<const LoraAdapter>> lora_adapters;
+  // Runtime adapter loading (POST /v1/load_lora_adapter, /v1/unload_lora_adapter): on with --enable-lora and
+  // VLLM_ALLOW_RUNTIME_LORA_UPDATING set, as in vLLM. What a load needs: the base model's folder, the
+  // largest rank, and how many adapters may be loaded at once.
+  bool runtime_lora_updating = false;
+  std::string lora_base_model;
+  int64_t max_lora_rank = 16, max_loras = 1;
 };
 
 class ServingContext {
@@ -51,6 +57,14 @@ class ServingContext {
   std::shared_ptr<const LoraAdapter> check_model(const std::string& name) const;
   // The name responses carry: the adapter's, or the first served name.
   const std::string& response_model(const std::shared_ptr<const LoraAdapter>& lora) const;
+  // The adapters served now (--lora-modules, then runtime loads and unloads).
+  std::vector<std::shared_ptr<const LoraAdapter>> lora_adapters() const;
+  // POST /v1/load_lora_adapter: loads `path` under `name` on the engine thread (between two steps); a 400
+  // for a name taken, more than max_loras, or a folder that cannot be served (the loader's one line).
+  void load_lora_adapter(const std::string& name, const std::string& path);
+  // POST /v1/unload_lora_adapter: new requests can no longer name it (requests holding it finish with it);
+  // a 404 for an unknown name.
+  void unload_lora_adapter(const std::string& name);
   // The tokenizer, or a 400 saying the model has none.
   const Tokenizer& require_tokenizer() const;
   // --seed: a request without a seed gets the next one of a sequence started from the server's seed, so
@@ -60,6 +74,8 @@ class ServingContext {
  private:
   std::optional<std::mt19937_64> seeds_;
   std::mutex seeds_mutex_;
+  mutable std::mutex lora_mutex_;  // guards lora_adapters_
+  std::vector<std::shared_ptr<const LoraAdapter>> lora_adapters_;
 };
 
 // A completion in progress. The server takes the engine's events from generation() as they arrive and

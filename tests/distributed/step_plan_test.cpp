@@ -16,7 +16,7 @@ StepPlan a_step() {
   plan.state_ops = {{1, {3, -1}}, {0, {2, 5}}};
   plan.tokens = {11, 12, 13, 14, 15};
   StepPlan::Sequence prefill{.cache = 1, .start = 60, .count = 4, .blocks = {7, 2}, .state_slot = 3,
-                             .snapshot_slot = 5, .snapshot_position = 64};
+                             .snapshot_slot = 5, .snapshot_position = 64, .lora = 2};
   StepPlan::Sequence decode{.cache = 0, .start = 9, .count = 1, .blocks = {4}};
   plan.seqs = {prefill, decode};
   plan.all_logits = true;
@@ -43,6 +43,8 @@ TEST(StepPlan, EveryKindSurvivesEncoding) {
   EXPECT_EQ(step.seqs[0].snapshot_slot, 5);
   EXPECT_EQ(step.seqs[0].snapshot_position, 64);
   EXPECT_EQ(step.seqs[1].state_slot, -1);
+  EXPECT_EQ(step.seqs[0].lora, 2);
+  EXPECT_EQ(step.seqs[1].lora, -1);
   EXPECT_TRUE(step.all_logits);
   EXPECT_EQ(step.group_tokens, want.group_tokens);
 
@@ -72,6 +74,21 @@ TEST(StepPlan, EveryKindSurvivesEncoding) {
   StepPlan stop;
   stop.kind = StepPlan::Kind::Stop;
   EXPECT_EQ(decode_plan(encode_plan(stop)).kind, StepPlan::Kind::Stop);
+  StepPlan lora;
+  lora.kind = StepPlan::Kind::Lora;
+  lora.cache = 3;
+  lora.lora = {"sql-adapter", "/adapters/sql", "/models/base", 64};
+  const StepPlan lora_got = decode_plan(encode_plan(lora));
+  EXPECT_EQ(lora_got.kind, StepPlan::Kind::Lora);
+  EXPECT_EQ(lora_got.cache, 3);
+  EXPECT_EQ(lora_got.lora.name, "sql-adapter");
+  EXPECT_EQ(lora_got.lora.path, "/adapters/sql");
+  EXPECT_EQ(lora_got.lora.base_model, "/models/base");
+  EXPECT_EQ(lora_got.lora.max_rank, 64);
+  StepPlan drop_lora;
+  drop_lora.kind = StepPlan::Kind::DropLora;
+  drop_lora.cache = 3;
+  EXPECT_EQ(decode_plan(encode_plan(drop_lora)).kind, StepPlan::Kind::DropLora);
   StepPlan idle;
   idle.kind = StepPlan::Kind::Idle;
   idle.group_tokens = {0, 7};

@@ -98,3 +98,71 @@ def test_what_cannot_be_served_stops_the_start_with_one_line(sparrow_binary, mod
     assert "DoRA" in start_error(sparrow_binary, model_dir, "--enable-lora", "--lora-modules", f"a={dora}")
     assert "is not a folder" in start_error(sparrow_binary, model_dir, "--enable-lora", "--lora-modules",
                                             f"a={tmp_path / 'missing'}")
+
+
+def test_adapters_load_and_unload_at_run_time(start_server, model_dir, tmp_path, monkeypatch):
+    """vLLM's runtime routes, on with VLLM_ALLOW_RUNTIME_LORA_UPDATING: a loaded adapter is served under its
+    name and answers as the same folder given at start does; an unloaded one is a 404 again."""
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    folder = make_adapter(model_dir, tmp_path / "late", rank=4, seed=5)
+    server = start_server("--api-key", API_KEY, "--enable-lora", "--max-loras", "2")
+    reference = start_server("--api-key", API_KEY, "--enable-lora", "--lora-modules", f"late={folder}")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def post(path, body):
+        return httpx.post(server.url + path, headers=headers, json=body, timeout=60)
+    prompt = list(range(3, 30))
+    assert post("/v1/completions", {"model": "late", "prompt": prompt, "max_tokens": 2}).status_code == 404
+    loaded = post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(folder)})
+    assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'late' added successfully.", loaded.text
+    got = completion(server, "late", prompt)
+    want = completion(reference, "late", prompt)
+    assert got.model == "late" and got.choices[0].logprobs.token_logprobs == want.choices[0].logprobs.token_logprobs
+    assert "late" in {m["id"] for m in httpx.get(server.url + "/v1/models", headers=headers, timeout=10).json()["data"]}
+    again = post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(folder)})
+    assert again.status_code == 400 and "already been loaded" in again.text, again.text
+    bad = post("/v1/load_lora_adapter", {"lora_name": "other", "lora_path": str(tmp_path / "missing")})
+    assert bad.status_code == 400 and "is not a folder" in bad.text, bad.text
+    assert post("/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 200
+    assert post("/v1/completions", {"model": "late", "prompt": prompt, "max_tokens": 2}).status_code == 404
+    missing = post("/v1/unload_lora_adapter", {"lora_name": "late"})
+    assert missing.status_code == 404 and "cannot be found" in missing.text, missing.text
+    reference.stop()
+    server.stop()
+
+
+def test_runtime_routes_are_off_without_the_switch(lora_server):
+    server, _, _ = lora_server
+    response = httpx.post(server.url + "/v1/load_lora_adapter", headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"lora_name": "x", "lora_path": "/tmp"}, timeout=10)
+    assert response.status_code == 404, response.text
+
+
+# Tensor parallel: each rank keeps the part of an adapter's A or B its weights' split says (rows of B where the
+# weight's output is split, columns of A where its input is), the workers loading theirs when a step first
+# needs the adapter. Two ranks answer as one process does, for the base model and two adapters at once.
+@pytest.mark.parametrize("family", ["deepseek_v32", "kimi_k3_1_pro", "minimax_m3"])
+def test_two_ranks_serve_adapters_as_one_process_does(start_server, test_model, tmp_path, family):
+    model = test_model(family)
+    first = make_adapter(model, tmp_path / "a", rank=4, seed=7)
+    second = make_adapter(model, tmp_path / "b", rank=8, seed=8)
+    flags = ("--api-key", API_KEY, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules",
+             f"a={first}", f"b={second}")
+    single = start_server(*flags, model=model)
+    sharded = start_server(*flags, "--tensor-parallel-size", "2", model=model)
+    jobs = [(name, list(range(3, 3 + n))) for name in (MODEL_NAME, "a", "b") for n in (5, 40, 90)]
+    want = {job_key(j): completion(single, *j) for j in jobs}
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        got = dict(zip(map(job_key, jobs), pool.map(lambda j: completion(sharded, *j), jobs)))
+    for key, response in got.items():
+        expected = want[key].choices[0]
+        assert response.choices[0].text == expected.text, key
+        for g, w in zip(response.choices[0].logprobs.token_logprobs, expected.logprobs.token_logprobs):
+            assert abs(g - w) < 5e-3, (key, g, w)  # the base model's own TP sums reach 1e-3 (K3.1 Pro, 90 tokens)
+    assert want[("a", 40)].choices[0].logprobs.token_logprobs != want[(MODEL_NAME, 40)].choices[0].logprobs.token_logprobs
+    for server in (sharded, single):
+        assert server.stop() == 0, server.output()
+
+
+def job_key(job):
+    return job[0], len(job[1])
