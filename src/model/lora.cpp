@@ -168,44 +168,10 @@ std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, co
 
 namespace lora {
 
-void add_(Tensor& y, const Tensor& x, const Batch& batch, const std::string& prefix, const char* name,
-          int64_t first_col) {
-  if (!batch.has_lora()) return;
-  const std::string module = prefix + name;
-  SPARROW_CHECK(x.dim(0) == batch.size() && y.dim(0) == batch.size(), "LoRA: ", module, " sees ", x.dim(0),
-                " rows for a batch of ", batch.size());
-  const std::vector<SeqSlice>& seqs = batch.seqs;
-  for (size_t i = 0; i < seqs.size();) {
-    const LoraAdapter* adapter = seqs[i].state->lora.get();
-    size_t j = i + 1;
-    while (j < seqs.size() && seqs[j].state->lora.get() == adapter) ++j;
-    const LoraWeights* w = adapter ? adapter->find(module) : nullptr;
-    if (w) {
-      const int64_t begin = seqs[i].offset, end = seqs[j - 1].offset + seqs[j - 1].count;
-      const int64_t out = w->b.dim(0), width = y.dim(1);
-      SPARROW_CHECK(w->a.dim(1) == x.dim(1) && first_col + out <= width, "LoRA adapter '", adapter->name,
-                    "': module '", module, "' is [", out, " x ", w->a.dim(1), "], the model's projection [",
-                    width - first_col, " x ", x.dim(1), "]");
-      if (begin < end) {
-        const Tensor delta = ops::linear(ops::linear(x.rows(begin, end), w->a), w->b);  // [n, out]
-        Tensor rows = y.rows(begin, end);
-        if (first_col == 0 && out == width) {
-          ops::add_(rows, delta.type() == rows.type() ? delta : delta.to(rows.device(), rows.type()));
-        } else {
-          Tensor wide = Tensor::zeros({end - begin, width}, rows.type(), rows.device());
-          const Tensor d = delta.type() == rows.type() ? delta : delta.to(rows.device(), rows.type());
-          ops::copy_lines(wide, first_col, width, d, 0, out, out, end - begin);
-          ops::add_(rows, wide);
-        }
-      }
-    }
-    i = j;
-  }
-}
-
 namespace {
 
-// Calls f(begin, end, weights) for each run of consecutive sequences whose adapter has `module`.
+// Calls f(begin, end, adapter, weights) for each run of consecutive sequences (rows begin .. end) whose
+// adapter has `module`: each run gets its own products (the segmented form of punica / S-LoRA).
 template <typename F>
 void for_each_run(const Batch& batch, const std::string& module, F f) {
   if (!batch.has_lora()) return;
@@ -216,7 +182,7 @@ void for_each_run(const Batch& batch, const std::string& module, F f) {
     while (j < seqs.size() && seqs[j].state->lora.get() == adapter) ++j;
     if (const LoraWeights* w = adapter ? adapter->find(module) : nullptr) {
       const int64_t begin = seqs[i].offset, end = seqs[j - 1].offset + seqs[j - 1].count;
-      if (begin < end) f(begin, end, *w);
+      if (begin < end) f(begin, end, *adapter, *w);
     }
     i = j;
   }
@@ -230,11 +196,35 @@ void check_kv_b(const LoraWeights& w, const std::string& module, const MlaDims& 
 
 }  // namespace
 
+void add_(Tensor& y, const Tensor& x, const Batch& batch, const std::string& prefix, const char* name,
+          int64_t first_col) {
+  if (!batch.has_lora()) return;
+  const std::string module = prefix + name;
+  SPARROW_CHECK(x.dim(0) == batch.size() && y.dim(0) == batch.size(), "LoRA: ", module, " sees ", x.dim(0),
+                " rows for a batch of ", batch.size());
+  for_each_run(batch, module, [&](int64_t begin, int64_t end, const LoraAdapter& adapter, const LoraWeights& w) {
+    const int64_t out = w.b.dim(0), width = y.dim(1);
+    SPARROW_CHECK(w.a.dim(1) == x.dim(1) && first_col + out <= width, "LoRA adapter '", adapter.name, "': module '",
+                  module, "' is [", out, " x ", w.a.dim(1), "], the model's projection [", width - first_col, " x ",
+                  x.dim(1), "]");
+    Tensor delta = ops::linear(ops::linear(x.rows(begin, end), w.a), w.b);  // [n, out]
+    Tensor rows = y.rows(begin, end);
+    if (delta.type() != rows.type()) delta = delta.to(rows.device(), rows.type());
+    if (first_col == 0 && out == width) {
+      ops::add_(rows, delta);
+    } else {  // a part of a fused product's columns
+      Tensor wide = Tensor::zeros({end - begin, width}, rows.type(), rows.device());
+      ops::copy_lines(wide, first_col, width, delta, 0, out, out, end - begin);
+      ops::add_(rows, wide);
+    }
+  });
+}
+
 void add_absorbed_queries_(Tensor& q_abs, const Tensor& q, const Batch& batch, const std::string& prefix,
                            const MlaDims& d) {
   const std::string module = prefix + "kv_b_proj";
   if (d.nope == 0) return;  // no W_UK rows: nothing reaches the queries
-  for_each_run(batch, module, [&](int64_t begin, int64_t end, const LoraWeights& w) {
+  for_each_run(batch, module, [&](int64_t begin, int64_t end, const LoraAdapter&, const LoraWeights& w) {
     check_kv_b(w, module, d);
     const int64_t n = end - begin, r = w.a.dim(0);
     // t[., h] = q_nope[., h] · B_UK[h]: [n, heads, r]; then the latent part of q_abs[., h] += t[., h] · A.
@@ -252,7 +242,7 @@ void add_absorbed_queries_(Tensor& q_abs, const Tensor& q, const Batch& batch, c
 void add_absorbed_outputs_(Tensor& attended, const Tensor& mixed, const Batch& batch, const std::string& prefix,
                            const MlaDims& d) {
   const std::string module = prefix + "kv_b_proj";
-  for_each_run(batch, module, [&](int64_t begin, int64_t end, const LoraWeights& w) {
+  for_each_run(batch, module, [&](int64_t begin, int64_t end, const LoraAdapter&, const LoraWeights& w) {
     check_kv_b(w, module, d);
     const int64_t n = end - begin, r = w.a.dim(0);
     // u[., h] = mixed[., h] · Aᵀ: [n, heads, r]; then attended[., h] += u[., h] · B_UV[h]ᵀ.
