@@ -17,6 +17,7 @@
 
 #include "engine/engine_core.h"
 #include "model/model.h"
+#include "test_util.h"
 
 using namespace sparrow;
 namespace fs = std::filesystem;
@@ -25,12 +26,8 @@ namespace {
 
 using Tokens = std::vector<int32_t>;
 
-struct Choice {
-  Tokens tokens;
-  std::vector<TokenLogprob> logprobs;
-  std::vector<std::optional<TokenLogprob>> prompt_logprobs;
-};
-using Outputs = std::map<std::string, Choice>;
+using Choice = sparrow::testing::Gathered;
+using Outputs = sparrow::testing::GatheredOutputs;
 
 std::vector<Request> mixed_requests(int64_t vocab) {
   std::mt19937 rng(29);
@@ -72,13 +69,7 @@ Outputs run(Model& model, const std::vector<Request>& requests, EngineConfig con
   Outputs out;
   for (int round = 0; round < rounds; ++round) {
     out.clear();
-    for (const Request& r : requests)
-      engine.add(r, [&](const RequestOutput& e) {
-        Choice& c = out[e.request_id];
-        c.tokens.insert(c.tokens.end(), e.new_tokens.begin(), e.new_tokens.end());
-        c.logprobs.insert(c.logprobs.end(), e.logprobs.begin(), e.logprobs.end());
-        c.prompt_logprobs.insert(c.prompt_logprobs.end(), e.prompt_logprobs.begin(), e.prompt_logprobs.end());
-      });
+    for (const Request& r : requests) sparrow::testing::add_gathering(engine, r, out);
     while (engine.step()) {
     }
   }

@@ -1,34 +1,25 @@
-// Random PEFT LoRA adapters over a model folder's projections and the model with one merged into its
-// weights, for the LoRA tests on the CPU (lora_test.cpp) and the GPU (cuda/lora_gpu_test.cpp).
+// Random PEFT LoRA adapters over a model folder's projections, the model with one merged into its weights,
+// and the greedy prompts the LoRA tests run, for the CPU (lora_test.cpp) and the GPU (cuda/lora_gpu_test.cpp).
 #pragma once
-#include <unistd.h>
-
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "engine/request.h"
 #include "formats/safetensors.h"
 #include "model/lora.h"
+#include "test_util.h"
 
-namespace sparrow::test {
+namespace sparrow::testing {
 
 namespace fs = std::filesystem;
 
 inline fs::path bundled(const std::string& name) { return fs::path(SPARROW_SOURCE_DIR) / "models" / name; }
-
-inline fs::path fresh_dir(const std::string& name) {
-  const fs::path dir = fs::temp_directory_path() / ("sparrow_lora_test_" + std::to_string(::getpid()) + "_" + name);
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
-inline void write_text(const fs::path& path, const std::string& text) { std::ofstream(path) << text; }
 
 // The PEFT module name of a checkpoint weight that LoRA may target ("....self_attn.q_proj"), or "".
 inline std::string target_of(const std::string& key, const Shape& shape) {
@@ -41,15 +32,16 @@ inline std::string target_of(const std::string& key, const Shape& shape) {
 }
 
 struct Adapter {
-  fs::path dir;
+  std::shared_ptr<TempDir> folder;  // removed with the last copy
+  std::string dir() const { return folder->path(); }
   std::map<std::string, std::pair<Tensor, Tensor>> ab;  // module -> (A [r, in], B [out, r]) as written
   float scaling = 0;
 };
 
 // A random rank-`r` adapter over every targetable projection of the model in `model_dir`, written as PEFT saves it.
-inline Adapter make_adapter(const fs::path& model_dir, const std::string& name, int64_t r, uint32_t seed) {
+inline Adapter make_adapter(const fs::path& model_dir, int64_t r, uint32_t seed) {
   Adapter a;
-  a.dir = fresh_dir(name);
+  a.folder = std::make_shared<TempDir>();
   a.scaling = 2.0f;  // lora_alpha 2r
   auto file = SafetensorsFile::open((model_dir / "model.safetensors").string());
   std::mt19937 rng(seed);
@@ -66,18 +58,19 @@ inline Adapter make_adapter(const fs::path& model_dir, const std::string& name, 
     out.emplace_back("base_model.model." + module + ".lora_B.weight", B);
     a.ab[module] = {A, B};
   }
-  write_safetensors((a.dir / "adapter_model.safetensors").string(), out);
-  write_text(a.dir / "adapter_config.json",
-             "{\"peft_type\": \"LORA\", \"r\": " + std::to_string(r) + ", \"lora_alpha\": " + std::to_string(2 * r) +
-                 ", \"bias\": \"none\", \"target_modules\": [\"q_proj\"], \"use_rslora\": false, \"use_dora\": false}");
+  write_safetensors(a.folder->file("adapter_model.safetensors"), out);
+  a.folder->write("adapter_config.json",
+                  "{\"peft_type\": \"LORA\", \"r\": " + std::to_string(r) + ", \"lora_alpha\": " + std::to_string(2 * r) +
+                      ", \"bias\": \"none\", \"target_modules\": [\"q_proj\"], \"use_rslora\": false, \"use_dora\": false}");
   return a;
 }
 
-// The model with the adapter merged into its weights (W + scaling B A, in double, stored as fp32).
-inline fs::path merged_model(const fs::path& model_dir, const Adapter& a, const std::string& name) {
-  const fs::path dir = fresh_dir(name);
+// The model with the adapter merged into its weights (W + scaling B A, in double, stored as fp32), in a folder
+// removed with the returned object.
+inline std::unique_ptr<TempDir> merged_model(const fs::path& model_dir, const Adapter& a) {
+  auto dir = std::make_unique<TempDir>();
   for (const char* f : {"config.json", "generation_config.json"})
-    if (fs::exists(model_dir / f)) fs::copy_file(model_dir / f, dir / f);
+    if (fs::exists(model_dir / f)) fs::copy_file(model_dir / f, dir->file(f));
   auto file = SafetensorsFile::open((model_dir / "model.safetensors").string());
   std::vector<std::pair<std::string, Tensor>> out;
   for (const auto& [key, info] : file->tensors()) {
@@ -95,8 +88,28 @@ inline fs::path merged_model(const fs::path& model_dir, const Adapter& a, const 
     }
     out.emplace_back(key, w);
   }
-  write_safetensors((dir / "model.safetensors").string(), out);
+  write_safetensors(dir->file("model.safetensors"), out);
   return dir;
 }
 
-}  // namespace sparrow::test
+// Greedy requests "p0", "p1", ... of random ids (from 2 up) of the given lengths, 8 tokens each with `logprobs`
+// top logprobs, and prompt logprobs when `prompt_logprobs` >= 0.
+inline std::vector<Request> greedy_requests(int64_t vocab, const std::vector<int>& lengths, uint32_t seed,
+                                            int64_t logprobs, int64_t prompt_logprobs = -1) {
+  std::mt19937 rng(seed);
+  std::vector<Request> requests;
+  for (int length : lengths) {
+    std::vector<int32_t> prompt(static_cast<size_t>(length));
+    for (int32_t& id : prompt) id = int32_t(2 + rng() % uint32_t(vocab - 2));
+    Request r{"p" + std::to_string(requests.size()), prompt, {}};
+    r.params.max_tokens = 8;
+    r.params.temperature = 0;
+    r.params.ignore_eos = true;
+    r.params.logprobs = logprobs;
+    if (prompt_logprobs >= 0) r.params.prompt_logprobs = prompt_logprobs;
+    requests.push_back(r);
+  }
+  return requests;
+}
+
+}  // namespace sparrow::testing

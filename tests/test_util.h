@@ -1,5 +1,6 @@
 // Small helpers shared by tests: a temporary directory that cleans up after itself, checks on the
-// one-line sparrow::Error messages that user mistakes must produce, and offline CPU steps.
+// one-line sparrow::Error messages that user mistakes must produce, offline CPU steps, and an engine's events
+// gathered per request.
 #pragma once
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -10,11 +11,15 @@
 #include <fstream>
 #include <initializer_list>
 #include <iterator>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "cache/planner.h"
 #include "core/error.h"
+#include "engine/engine_core.h"
 #include "runner/dense_sequence_cache.h"
 #include "runner/model_runner.h"
 
@@ -112,6 +117,26 @@ class FailingModel : public Model {
   std::unique_ptr<Model> inner_;
   int32_t poison_;
 };
+
+// What an engine sent for one request id, its events joined: the engine tests compare these.
+struct Gathered {
+  std::vector<int32_t> tokens;
+  std::vector<TokenLogprob> logprobs;
+  std::vector<std::optional<TokenLogprob>> prompt_logprobs;
+  int64_t cached_tokens = 0;  // the most any event reported
+};
+using GatheredOutputs = std::map<std::string, Gathered>;
+
+// engine.add(request) with a callback that joins its events into out[request id].
+inline void add_gathering(EngineCore& engine, const Request& request, GatheredOutputs& out) {
+  engine.add(request, [&out](const RequestOutput& e) {
+    Gathered& g = out[e.request_id];
+    g.tokens.insert(g.tokens.end(), e.new_tokens.begin(), e.new_tokens.end());
+    g.logprobs.insert(g.logprobs.end(), e.logprobs.begin(), e.logprobs.end());
+    g.prompt_logprobs.insert(g.prompt_logprobs.end(), e.prompt_logprobs.begin(), e.prompt_logprobs.end());
+    g.cached_tokens = std::max(g.cached_tokens, e.cached_tokens);
+  });
+}
 
 // A file's bytes ("" when it cannot be read).
 inline std::string slurp(const std::filesystem::path& path) {

@@ -171,10 +171,10 @@ namespace lora {
 namespace {
 
 // Calls f(begin, end, adapter, weights) for each run of consecutive sequences (rows begin .. end) whose
-// adapter has `module`: each run gets its own products (the segmented form of punica / S-LoRA).
+// adapter has `module`: each run gets its own products (the segmented form of punica / S-LoRA). Callers
+// return before naming the module when !batch.has_lora(), every site of every layer asks on every step.
 template <typename F>
 void for_each_run(const Batch& batch, const std::string& module, F f) {
-  if (!batch.has_lora()) return;
   const std::vector<SeqSlice>& seqs = batch.seqs;
   for (size_t i = 0; i < seqs.size();) {
     const LoraAdapter* adapter = seqs[i].state->lora.get();
@@ -222,8 +222,8 @@ void add_(Tensor& y, const Tensor& x, const Batch& batch, const std::string& pre
 
 void add_absorbed_queries_(Tensor& q_abs, const Tensor& q, const Batch& batch, const std::string& prefix,
                            const MlaDims& d) {
+  if (!batch.has_lora() || d.nope == 0) return;  // nope 0: no W_UK rows, nothing reaches the queries
   const std::string module = prefix + "kv_b_proj";
-  if (d.nope == 0) return;  // no W_UK rows: nothing reaches the queries
   for_each_run(batch, module, [&](int64_t begin, int64_t end, const LoraAdapter&, const LoraWeights& w) {
     check_kv_b(w, module, d);
     const int64_t n = end - begin, r = w.a.dim(0);
@@ -241,6 +241,7 @@ void add_absorbed_queries_(Tensor& q_abs, const Tensor& q, const Batch& batch, c
 
 void add_absorbed_outputs_(Tensor& attended, const Tensor& mixed, const Batch& batch, const std::string& prefix,
                            const MlaDims& d) {
+  if (!batch.has_lora()) return;
   const std::string module = prefix + "kv_b_proj";
   for_each_run(batch, module, [&](int64_t begin, int64_t end, const LoraAdapter&, const LoraWeights& w) {
     check_kv_b(w, module, d);

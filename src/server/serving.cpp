@@ -38,13 +38,18 @@ void ServingContext::load_lora_adapter(const std::string& name, const std::strin
   if (name.empty() || path.empty()) bad_request("both 'lora_name' and 'lora_path' must be provided.", "lora_name");
   for (const std::string& served : options.served_model_names)
     if (served == name) bad_request("The lora adapter '" + name + "' is the served model's name.", "lora_name");
-  {
-    std::lock_guard<std::mutex> lock(lora_mutex_);
+  // Checked before the load (no upload for a request that cannot succeed) and again when the adapter is added
+  // (two loads may run at once); lora_mutex_ held.
+  auto check_room = [&] {
     for (const auto& adapter : lora_adapters_)
       if (adapter->name == name) bad_request("The lora adapter '" + name + "' has already been loaded.", "lora_name");
     if (int64_t(lora_adapters_.size()) >= options.max_loras)
       bad_request("--max-loras " + std::to_string(options.max_loras) + " adapters are loaded already: unload one first",
                   "lora_name");
+  };
+  {
+    std::lock_guard<std::mutex> lock(lora_mutex_);
+    check_room();
   }
   std::shared_ptr<const LoraAdapter> adapter;
   try {
@@ -56,8 +61,7 @@ void ServingContext::load_lora_adapter(const std::string& name, const std::strin
     bad_request(e.what(), "lora_path");
   }
   std::lock_guard<std::mutex> lock(lora_mutex_);
-  for (const auto& loaded : lora_adapters_)  // two loads of one name at once: the first wins
-    if (loaded->name == name) bad_request("The lora adapter '" + name + "' has already been loaded.", "lora_name");
+  check_room();
   lora_adapters_.push_back(std::move(adapter));
 }
 

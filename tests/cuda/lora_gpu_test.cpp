@@ -8,8 +8,6 @@
 // far more than rounding (the whole-model GPU tests print the same against transformers).
 #include <gtest/gtest.h>
 
-#include <map>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -19,19 +17,14 @@
 #include "model/model.h"
 
 using namespace sparrow;
-using namespace sparrow::test;
+using namespace sparrow::testing;
 
 namespace {
 
-using Tokens = std::vector<int32_t>;
 constexpr float kTieMargin = 0.1f, kLogprobTolerance = 0.15f, kAdapterEffect = 0.3f;
 
-struct Choice {
-  Tokens tokens;
-  std::vector<TokenLogprob> logprobs;
-  std::vector<std::optional<TokenLogprob>> prompt_logprobs;
-};
-using Outputs = std::map<std::string, Choice>;
+using Choice = Gathered;
+using Outputs = GatheredOutputs;
 
 Outputs run(Model& model, const std::vector<Request>& requests, bool together) {
   EngineConfig config;
@@ -45,12 +38,7 @@ Outputs run(Model& model, const std::vector<Request>& requests, bool together) {
   EngineCore engine(model, nullptr, config);
   Outputs out;
   for (const Request& r : requests) {
-    engine.add(r, [&](const RequestOutput& e) {
-      Choice& c = out[e.request_id];
-      c.tokens.insert(c.tokens.end(), e.new_tokens.begin(), e.new_tokens.end());
-      c.logprobs.insert(c.logprobs.end(), e.logprobs.begin(), e.logprobs.end());
-      c.prompt_logprobs.insert(c.prompt_logprobs.end(), e.prompt_logprobs.begin(), e.prompt_logprobs.end());
-    });
+    add_gathering(engine, r, out);
     if (!together)
       while (engine.step()) {
       }
@@ -60,22 +48,8 @@ Outputs run(Model& model, const std::vector<Request>& requests, bool together) {
   return out;
 }
 
-std::vector<Request> prompts(int64_t vocab) {
-  std::mt19937 rng(9);
-  std::vector<Request> requests;
-  for (int i = 0; i < 3; ++i) {
-    Tokens prompt(size_t(7 + 13 * i));  // within the fixtures' sparse budgets (see below)
-    for (int32_t& id : prompt) id = int32_t(2 + rng() % uint32_t(vocab - 2));
-    Request r{"p" + std::to_string(i), prompt, {}};
-    r.params.max_tokens = 8;
-    r.params.temperature = 0;
-    r.params.ignore_eos = true;
-    r.params.logprobs = 5;
-    r.params.prompt_logprobs = 0;
-    requests.push_back(r);
-  }
-  return requests;
-}
+// Within the fixtures' sparse budgets (see above).
+std::vector<Request> prompts(int64_t vocab) { return greedy_requests(vocab, {7, 20, 33}, 9, 5, 0); }
 
 // got against want: tokens equal until a near tie; prompt logprobs close. Returns the largest prompt
 // logprob difference.
@@ -104,11 +78,11 @@ class CudaLora : public ::testing::TestWithParam<std::string> {};
 TEST_P(CudaLora, AdaptersAnswerAsTheirMergedCheckpointsAloneAndInOneBatch) {
   SPARROW_REQUIRE_GPU();
   const fs::path dir = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / GetParam();
-  const Adapter a = make_adapter(dir, GetParam() + "_gpu_a", 8, 51), b = make_adapter(dir, GetParam() + "_gpu_b", 4, 52);
-  const fs::path merged_a = merged_model(dir, a, GetParam() + "_gpu_merged_a");
+  const Adapter a = make_adapter(dir, 8, 51), b = make_adapter(dir, 4, 52);
+  const auto merged_a = merged_model(dir, a);
   auto model = load_model(dir.string(), Device::Cuda);
-  auto lora_a = load_lora_adapter("a", a.dir.string(), dir.string(), Device::Cuda, 16);
-  auto lora_b = load_lora_adapter("b", b.dir.string(), dir.string(), Device::Cuda, 16);
+  auto lora_a = load_lora_adapter("a", a.dir(), dir.string(), Device::Cuda, 16);
+  auto lora_b = load_lora_adapter("b", b.dir(), dir.string(), Device::Cuda, 16);
   const std::vector<Request> plain = prompts(model->vocab_size());
   std::vector<Request> mixed;
   for (const Request& r : plain) {
@@ -123,7 +97,7 @@ TEST_P(CudaLora, AdaptersAnswerAsTheirMergedCheckpointsAloneAndInOneBatch) {
   const Outputs alone = run(*model, mixed, false);
   Outputs want;
   {
-    auto merged = load_model(merged_a.string(), Device::Cuda);
+    auto merged = load_model(merged_a->path(), Device::Cuda);
     want = run(*merged, plain, false);
   }
   float effect = 0;
@@ -137,9 +111,6 @@ TEST_P(CudaLora, AdaptersAnswerAsTheirMergedCheckpointsAloneAndInOneBatch) {
         effect = std::max(effect, std::fabs(base.prompt_logprobs[i]->logprob - adapted.prompt_logprobs[i]->logprob));
   }
   EXPECT_GT(effect, kAdapterEffect) << "the adapter hardly moves the model: the test could not see it ignored";
-  fs::remove_all(a.dir);
-  fs::remove_all(b.dir);
-  fs::remove_all(merged_a);
 }
 
 INSTANTIATE_TEST_SUITE_P(GpuFixtures, CudaLora,

@@ -66,11 +66,6 @@ __device__ __forceinline__ void st_shared16(uint32_t addr, const uint4& v) {
                : "memory");
 }
 
-// Two e4m3 bytes (low byte first) -> f16x2, exactly (cvt.rn.f16x2.e4m3x2: every e4m3 value is an f16).
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
-  return uint32_t(h.x) | (uint32_t(h.y) << 16);
-}
 __device__ __forceinline__ uint32_t f16x2_mul(uint32_t a, __half2 b) {
   const __half2 p = __hmul2(*reinterpret_cast<const __half2*>(&a), b);
   return *reinterpret_cast<const uint32_t*>(&p);
