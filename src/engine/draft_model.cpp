@@ -85,33 +85,14 @@ class DraftModelProposer final : public DraftProposer {
 
  private:
   struct Drafting;
-  // The sequences that sample (temperature above greedy) draw their next draft from q = softmax(logits / T),
-  // with a key of their own for that output position, and keep q for verification.
+  // The sequences that sample draw their next draft from their distribution (draw_draft_token).
   void draw_from_distributions(const Tensor& logits, const std::vector<Drafting*>& running, std::vector<int32_t>& next) {
     Tensor host;
     for (size_t i = 0; i < running.size(); ++i) {
       Sequence& seq = *running[i]->seq;
-      const float temperature = seq.params().temperature;
-      if (temperature < kGreedyTemperature) continue;
+      if (seq.params().temperature < kGreedyTemperature) continue;
       if (!host.defined()) host = logits.to(Device::Cpu);
-      const int64_t vocab = host.dim(1);
-      const float* row = host.row(int64_t(i));
-      double top = -std::numeric_limits<double>::infinity();
-      for (int64_t t = 0; t < vocab; ++t) top = std::max(top, double(row[t]) / temperature);
-      std::vector<double> weight(static_cast<size_t>(vocab));
-      double total = 0;
-      for (int64_t t = 0; t < vocab; ++t) total += weight[size_t(t)] = std::exp(double(row[t]) / temperature - top);
-      const uint64_t key = mix64(seq.sampler.key(seq.num_output() + int64_t(seq.draft.size())) ^ kDraftDraws);
-      int32_t best = 0;
-      double best_key = -std::numeric_limits<double>::infinity();
-      for (int64_t t = 0; t < vocab; ++t) {
-        const double q = weight[size_t(t)] / total;
-        seq.draft_probs.push_back(float(q));
-        if (q <= 0) continue;
-        const double gumbel_key = std::log(q) - std::log(-std::log(uniform_at(key, t)));
-        if (gumbel_key > best_key) best_key = gumbel_key, best = int32_t(t);
-      }
-      next[i] = best;
+      next[i] = draw_draft_token(seq, {host.row(int64_t(i)), size_t(host.dim(1))});
     }
   }
 
@@ -125,8 +106,6 @@ class DraftModelProposer final : public DraftProposer {
     DraftSequence* d;
     int64_t wanted;
   };
-  // A salt that gives the drafts' draws keys apart from the target's (Sampler::key).
-  static constexpr uint64_t kDraftDraws = 0x5EC0'0003'C01D'5EEDull;
   ModelRunner runner_;
   bool probabilistic_;
   std::unordered_map<const Sequence*, DraftSequence> drafts_;

@@ -10,9 +10,11 @@
 #include "core/error.h"
 #include "core/json_input.h"
 #include "engine/draft_model.h"
+#include "engine/dspark_proposer.h"
 #include "engine/mtp_proposer.h"
 #include "engine/sequence.h"
 #include "kernels/sampling_rule.h"
+#include "model/dspark.h"
 #include "model/mtp.h"
 
 namespace sparrow {
@@ -73,12 +75,13 @@ SpeculativeConfig parse_speculative_config(std::string_view text) {
     config.method = "draft_model";
   }
   if (config.method == "deepseek_mtp") config.method = "mtp";  // vLLM's older name
-  for (const char* later : {"mimo_mtp", "ernie_mtp", "dspark", "eagle", "eagle3", "medusa", "mlp_speculator"})
+  for (const char* later : {"mimo_mtp", "ernie_mtp", "dflash", "eagle", "eagle3", "medusa", "mlp_speculator"})
     SPARROW_CHECK(config.method != later, "--speculative-config: method \"", config.method,
-                  "\" is not built yet; sparrow runs \"ngram\", \"draft_model\" and \"mtp\"");
-  SPARROW_CHECK(config.method == "ngram" || config.method == "draft_model" || config.method == "mtp",
+                  "\" is not built yet; sparrow runs \"ngram\", \"draft_model\", \"mtp\" and \"dspark\"");
+  SPARROW_CHECK(config.method == "ngram" || config.method == "draft_model" || config.method == "mtp" ||
+                    config.method == "dspark",
                 "--speculative-config: unknown method \"", config.method,
-                "\" (sparrow runs \"ngram\", \"draft_model\" and \"mtp\")");
+                "\" (sparrow runs \"ngram\", \"draft_model\", \"mtp\" and \"dspark\")");
 
   SPARROW_CHECK(has("num_speculative_tokens"), "--speculative-config needs \"num_speculative_tokens\"");
   config.num_speculative_tokens = integer_key(j, "num_speculative_tokens", 1, kMaxSpeculativeTokens);
@@ -87,9 +90,9 @@ SpeculativeConfig parse_speculative_config(std::string_view text) {
   SPARROW_CHECK(config.draft_sample_method == "greedy" || config.draft_sample_method == "probabilistic",
                 "--speculative-config: draft_sample_method must be \"greedy\" or \"probabilistic\", got \"",
                 config.draft_sample_method, "\"");
-  SPARROW_CHECK(config.draft_sample_method == "greedy" || config.method == "draft_model",
+  SPARROW_CHECK(config.draft_sample_method == "greedy" || config.method == "draft_model" || config.method == "dspark",
                 "--speculative-config: draft_sample_method \"probabilistic\" needs a draft with a distribution (method "
-                "\"draft_model\"); ", config.method, "'s drafts are deterministic");
+                "\"draft_model\" or \"dspark\"); ", config.method, "'s drafts are deterministic");
 
   // vLLM's rejection_sample_method: "strict" (the default: lossless) or "synthetic" (benchmarks).
   const std::string rule = has("rejection_sample_method") ? string_key(j, "rejection_sample_method") : "strict";
@@ -127,7 +130,8 @@ SpeculativeConfig parse_speculative_config(std::string_view text) {
                   "--speculative-config: prompt_lookup_min / prompt_lookup_max belong to method \"ngram\"");
     SPARROW_CHECK(config.draft_sample_method == "greedy", "--speculative-config: method \"mtp\" drafts greedily");
   } else {
-    SPARROW_CHECK(!config.model.empty(), "--speculative-config: method \"draft_model\" needs \"model\" (a local folder)");
+    SPARROW_CHECK(!config.model.empty(), "--speculative-config: method \"", config.method,
+                  "\" needs \"model\" (a local folder)");
     SPARROW_CHECK(!has("prompt_lookup_min") && !has("prompt_lookup_max"),
                   "--speculative-config: prompt_lookup_min / prompt_lookup_max belong to method \"ngram\"");
   }
@@ -178,9 +182,37 @@ std::unique_ptr<DraftProposer> make_draft_proposer(const SpeculativeConfig& conf
     SPARROW_CHECK(drafter != nullptr, "speculative decoding: method \"mtp\" without the checkpoint's MTP layer loaded");
     return make_mtp_proposer(*drafter, enforce_eager);
   }
+  if (config.method == "dspark") {
+    auto* drafter = dynamic_cast<DSparkDrafter*>(draft_model);
+    SPARROW_CHECK(drafter != nullptr, "speculative decoding: method \"dspark\" without its drafter loaded");
+    return make_dspark_proposer(*drafter, config.draft_sample_method == "probabilistic");
+  }
   SPARROW_CHECK(config.method == "draft_model", "speculative decoding: unknown method \"", config.method, "\"");
   SPARROW_CHECK(draft_model != nullptr, "speculative decoding: method \"draft_model\" without a loaded draft model");
   return make_draft_model_proposer(*draft_model, config.draft_sample_method == "probabilistic", enforce_eager);
+}
+
+int32_t draw_draft_token(Sequence& seq, std::span<const float> logits) {
+  // A salt that gives the drafts' draws keys apart from the target's (Sampler::key).
+  constexpr uint64_t kDraftDraws = 0x5EC0'0003'C01D'5EEDull;
+  const double temperature = seq.params().temperature;
+  const int64_t vocab = int64_t(logits.size());
+  double top = -std::numeric_limits<double>::infinity();
+  for (float l : logits) top = std::max(top, double(l) / temperature);
+  std::vector<double> weight(logits.size());
+  double total = 0;
+  for (int64_t t = 0; t < vocab; ++t) total += weight[size_t(t)] = std::exp(double(logits[size_t(t)]) / temperature - top);
+  const uint64_t key = mix64(seq.sampler.key(seq.num_output() + int64_t(seq.draft.size())) ^ kDraftDraws);
+  int32_t best = 0;
+  double best_key = -std::numeric_limits<double>::infinity();
+  for (int64_t t = 0; t < vocab; ++t) {
+    const double q = weight[size_t(t)] / total;
+    seq.draft_probs.push_back(float(q));
+    if (q <= 0) continue;
+    const double gumbel_key = std::log(q) - std::log(-std::log(uniform_at(key, t)));
+    if (gumbel_key > best_key) best_key = gumbel_key, best = int32_t(t);
+  }
+  return best;
 }
 
 int32_t verify_draft_token(std::span<const double> p, std::span<const float> q, int32_t draft, uint64_t key) {

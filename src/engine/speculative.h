@@ -37,12 +37,13 @@ struct Batch;
 struct Sequence;
 
 struct SpeculativeConfig {
-  // "ngram" (prompt lookup: no weights), "draft_model" (a smaller checkpoint with the same vocabulary) or
-  // "mtp" (the target checkpoint's multi-token-prediction layer; vLLM's "deepseek_mtp" too); empty: no
-  // speculation. vLLM's "dspark", "eagle" and "eagle3" are refused by name (not built yet).
+  // "ngram" (prompt lookup: no weights), "draft_model" (a smaller checkpoint with the same vocabulary),
+  // "mtp" (the target checkpoint's multi-token-prediction layer; vLLM's "deepseek_mtp" too) or "dspark" (a
+  // DSpark drafter checkpoint: model/dspark.h); empty: no speculation. vLLM's "dflash", "eagle" and
+  // "eagle3" are refused by name (not built yet).
   std::string method;
   int64_t num_speculative_tokens = 0;  // k: draft tokens a sequence proposes per step
-  std::string model;                   // draft_model: the draft checkpoint's folder
+  std::string model;                   // draft_model, dspark: the draft checkpoint's folder
   // How a draft model picks its tokens: "greedy" (its argmax) or "probabilistic" (drawn from its
   // distribution q at the request's temperature, verified with the p > u·q rule: verify_draft_token).
   std::string draft_sample_method = "greedy";
@@ -100,8 +101,9 @@ class DraftProposer {
 std::vector<int32_t> ngram_proposal(std::span<const int32_t> tokens, int64_t min_n, int64_t max_n, int64_t k);
 
 // The proposer of a config; `draft_model` for "draft_model" (loaded by the caller from config.model, on the
-// target's device) and "mtp" (an MtpDrafter: model/mtp.h, load_mtp_drafter), null otherwise. Both must
-// outlive the proposer. The drafter's steps replay CUDA graphs unless `enforce_eager` (the target's setting).
+// target's device), "mtp" (an MtpDrafter: model/mtp.h, load_mtp_drafter) and "dspark" (a DSparkDrafter:
+// model/dspark.h, load_dspark_drafter), null otherwise. Both must outlive the proposer. The drafter's steps
+// replay CUDA graphs unless `enforce_eager` (the target's setting) or the drafter is not capturable (DSpark).
 std::unique_ptr<DraftProposer> make_draft_proposer(const SpeculativeConfig& config, Model* draft_model,
                                                    bool enforce_eager = false);
 
@@ -115,6 +117,11 @@ int64_t accepted_draft_tokens(std::span<const int32_t> drafts, std::span<const i
 // ("Fast Inference from Transformers via Speculative Decoding"), Algorithm 1; vLLM's rejection_sampler.
 // The output token is distributed exactly as p. Returns -1 when the draft is accepted, else the token.
 int32_t verify_draft_token(std::span<const double> p, std::span<const float> q, int32_t draft, uint64_t key);
+
+// A probabilistic draft for a sequence that samples (draft_model, dspark): a draw from q = softmax(logits /
+// T) at the request's temperature T, by the Gumbel-max rule with a key of its own for the draft's output
+// position (apart from the target's: Sampler::key), q appended to seq.draft_probs for verify_draft_token.
+int32_t draw_draft_token(Sequence& seq, std::span<const float> logits);
 
 // Synthetic acceptance: the per-draft rate r whose mean acceptance length 1 + r + r^2 + ... + r^k is
 // `length` (in [1, k + 1]).
