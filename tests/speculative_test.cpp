@@ -588,7 +588,7 @@ TEST(SpeculativeCli, GenerateGivesTheSameCompletions) {
   EXPECT_EQ(plain.status, 0) << plain.err;
   EXPECT_EQ(spec.status, 0) << spec.err;
   EXPECT_EQ(spec.out, plain.out);
-  const auto bad = sparrow::testing::run_sparrow(base + R"( --speculative-config '{"method": "dspark", "num_speculative_tokens": 3}')");
+  const auto bad = sparrow::testing::run_sparrow(base + R"( --speculative-config '{"method": "eagle3", "num_speculative_tokens": 3}')");
   EXPECT_NE(bad.status, 0);
   EXPECT_NE(bad.err.find("not built yet"), std::string::npos) << bad.err;
 }

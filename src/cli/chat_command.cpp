@@ -120,7 +120,7 @@ void run_chat(ChatFlags& flags) {
   options.max_tokens = flags.max_tokens;
   options.runner = cli_runner_options();
   options.speculative = speculative;
-  auto draft = load_draft_model(speculative, flags.model_dir, flags.device);
+  auto draft = load_draft_model(speculative, flags.model_dir, flags.device, *model);
   options.draft_model = draft.get();
   options.stop_token_ids = eos_token_ids(flags.model_dir);
   if (tokenizer->eos_id()) options.stop_token_ids.insert(*tokenizer->eos_id());

@@ -129,10 +129,10 @@ void add_speculative_option(CLI::App* sub, std::string& json);
 // The flag's config, checked at once (empty text: no speculation); one notice for the vLLM keys it ignores.
 SpeculativeConfig read_speculative_config(const std::string& json);
 // Method draft_model: its draft model (config.model) loaded on `device` in this process, unsharded; method mtp:
-// the MTP layer of the served model's folder `model_dir` (one process only: not under -tp / -dp yet); null for
-// ngram.
+// the MTP layer of the served model's folder `model_dir` (one process only: not under -tp / -dp yet); method
+// dspark: the DSpark drafter of config.model bound to `target` (model/dspark.h); null for ngram.
 std::unique_ptr<Model> load_draft_model(const SpeculativeConfig& config, const std::string& model_dir,
-                                        const std::string& device);
+                                        const std::string& device, Model& target);
 
 // Registers the action of a subcommand (called from add_X).
 void on_selected(CLI::App* sub, std::function<void()> action);

@@ -15,6 +15,7 @@
 #include "core/device/device.h"
 #include "core/error.h"
 #include "distributed/process_group.h"
+#include "model/dspark.h"
 #include "model/mtp.h"
 #include "runner/data_parallel.h"
 #include "runner/step_plan.h"
@@ -423,7 +424,7 @@ SpeculativeConfig read_speculative_config(const std::string& json) {
 }
 
 std::unique_ptr<Model> load_draft_model(const SpeculativeConfig& config, const std::string& model_dir,
-                                        const std::string& device) {
+                                        const std::string& device, Model& target) {
   if (config.method == "mtp") {
     // Under -tp / -dp the MTP layer runs whole on each group's rank 0, beside the engine that drafts with it
     // (docs/speculative.md): its cache rows sit in that rank's cache after the target's layers, whose pages
@@ -436,6 +437,14 @@ std::unique_ptr<Model> load_draft_model(const SpeculativeConfig& config, const s
       return drafter;
     } catch (const Error& e) {
       fail("--speculative-config: ", e.what());
+    }
+  }
+  if (config.method == "dspark") {
+    model_config_path(config.model);  // "not a directory" with the hint, as for --model
+    try {
+      return load_dspark_drafter(config.model, target, weight_options());
+    } catch (const Error& e) {
+      fail("--speculative-config: the DSpark drafter ", config.model, ": ", e.what());
     }
   }
   if (config.method != "draft_model") return nullptr;

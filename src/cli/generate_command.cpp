@@ -38,7 +38,7 @@ void generate_text(const std::string& model_dir, const std::string& device, cons
   auto tokenizer = load_tokenizer(model_dir);
   auto model = load_cli_model(model_dir, device);
   options.runner = cli_runner_options();  // after the load: on rank 0 of a tensor-parallel run, its workers
-  auto draft = load_draft_model(options.speculative, model_dir, device);
+  auto draft = load_draft_model(options.speculative, model_dir, device, *model);
   options.draft_model = draft.get();
   std::vector<int32_t> prompt = tokenizer->encode_with_special_tokens(prompt_text);
   IncrementalDetokenizer detokenizer(*tokenizer);
@@ -85,7 +85,7 @@ void add_generate(CLI::App& app) {
     auto prompts = read_prompt_ids(prompts_path);
     auto model = load_cli_model(model_dir, device, GroupRole::EveryGroupTakesAShare);
     options.runner = cli_runner_options();
-    auto draft = load_draft_model(options.speculative, model_dir, device);
+    auto draft = load_draft_model(options.speculative, model_dir, device, *model);
     options.draft_model = draft.get();
     for (size_t i = 0; i < prompts.size(); ++i)
       for (int32_t id : prompts[i])

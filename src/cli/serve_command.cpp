@@ -282,7 +282,7 @@ void serve(const ServeFlags& flags) {
   options.max_lora_rank = flags.lora.max_lora_rank;
   options.max_loras = flags.lora.max_loras;
   // Declared before the engine, which drafts with it.
-  const std::unique_ptr<Model> draft_model = load_draft_model(speculative, model_dir, flags.device);
+  const std::unique_ptr<Model> draft_model = load_draft_model(speculative, model_dir, flags.device, *model);
   config.speculative = speculative;
   config.draft_model = draft_model.get();
   // On a GPU without --kv-cache-memory, vLLM's meaning of --gpu-memory-utilization (default 0.9): the cache

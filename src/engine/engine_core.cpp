@@ -34,11 +34,13 @@ constexpr uint64_t kVerifyCoins = 0x5EC0'0002'C01D'5EEDull;
 
 std::vector<LayerCacheSpec> engine_cache_spec(const Model& model, const EngineConfig& config) {
   std::vector<LayerCacheSpec> spec = model.cache_spec();
-  if (config.speculative.method != "mtp") return spec;
-  SPARROW_CHECK(config.draft_model != nullptr, "speculative decoding: method \"mtp\" without the MTP layer loaded");
+  // The MTP layer and the DSpark drafter keep their rows in the target's cache, after its layers.
+  const std::string& method = config.speculative.method;
+  if (method != "mtp" && method != "dspark") return spec;
+  SPARROW_CHECK(config.draft_model != nullptr, "speculative decoding: method \"", method, "\" without its drafter loaded");
   std::vector<LayerCacheSpec> with_drafter = config.draft_model->cache_spec();
-  SPARROW_CHECK(with_drafter.size() == spec.size() + 1 && std::equal(spec.begin(), spec.end(), with_drafter.begin()),
-                "speculative decoding: the MTP layer belongs to another model than the one served");
+  SPARROW_CHECK(with_drafter.size() > spec.size() && std::equal(spec.begin(), spec.end(), with_drafter.begin()),
+                "speculative decoding: the ", method, " drafter belongs to another model than the one served");
   return with_drafter;
 }
 
@@ -442,9 +444,13 @@ void EngineCore::propose_drafts(const std::vector<Sequence*>& sampled) {
     // inside max_model_len.
     int64_t most = std::min({k, seq->params().max_tokens - seq->num_output() - 1,
                              config_.max_model_len - int64_t(seq->tokens.size())});
-    // Rows the proposer writes ahead (MTP) need their blocks now; without them, one draft.
-    if (most > 1 && !cache_.allocate(seq->cache_id, int64_t(seq->tokens.size()) - 1 + proposer_->rows_ahead(most)))
-      most = 1;
+    // Rows the proposer writes ahead (MTP, DSpark) need their blocks now; without them, one draft, or none
+    // when even one draft writes ahead (DSpark).
+    auto room_for = [&](int64_t drafts) {
+      return cache_.allocate(seq->cache_id, int64_t(seq->tokens.size()) - 1 + proposer_->rows_ahead(drafts));
+    };
+    if (most > 1 && !room_for(most)) most = 1;
+    if (most == 1 && proposer_->rows_ahead(1) > 0 && !room_for(1)) most = 0;
     if (most <= 0) continue;
     seqs.push_back(seq);
     room.push_back(most);

@@ -1,5 +1,6 @@
 #include "model/decoder.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/error.h"
@@ -35,20 +36,26 @@ void DecoderModel::take_embeddings(Checkpoint& ckpt, const std::string& decoder_
   if (ckpt.has(head_name)) ckpt.take(head_name, {vocab, hidden}, rows);
 }
 
-Tensor DecoderModel::residual_layers(Tensor x, const Batch& batch, StepMarks* marks) {
+bool DecoderModel::captures(size_t layer) const {
+  return std::find(aux_hidden_layers.begin(), aux_hidden_layers.end(), int(layer)) != aux_hidden_layers.end();
+}
+
+Tensor DecoderModel::residual_layers(Tensor x, const Batch& batch, StepMarks* marks, std::vector<Tensor>* streams) {
   for (size_t i = 0; i < layers.size(); ++i) {
     DecoderLayer& layer = layers[i];
     ops::add_(x, layer.mixer->forward(ops::rms_norm(x, layer.input_norm, norm_eps, norm_unit_offset), batch, int(i)));
     if (marks) marks->mark("mixer " + layer.mixer->name());
     ops::add_(x, layer.ffn->forward(ops::rms_norm(x, layer.post_norm, norm_eps, norm_unit_offset), batch));
     if (marks) marks->mark("ffn " + layer.ffn->name());
+    if (streams && captures(i)) (*streams)[i] = x.clone();
   }
   return x;
 }
 
 // The AttnRes stack as the header writes it; `pending` is the last feed-forward output, added to the
 // partial sum where vLLM adds it (before the next layer's first mix, or the output mix).
-Tensor DecoderModel::attn_res_layers(Tensor embedded, const Batch& batch, StepMarks* marks) {
+Tensor DecoderModel::attn_res_layers(Tensor embedded, const Batch& batch, StepMarks* marks,
+                                     std::vector<Tensor>* streams) {
   std::vector<Tensor> sources;  // the finished blocks, then (while mixing) the partial sum
   Tensor partial = std::move(embedded), pending;
   auto mix = [&](const AttnResQuery& query, bool with_partial) {
@@ -73,6 +80,11 @@ Tensor DecoderModel::attn_res_layers(Tensor embedded, const Batch& batch, StepMa
     pending = layer.ffn->forward(
         ops::rms_norm(mix(layer.before_ffn, true), layer.post_norm, norm_eps, norm_unit_offset), batch);
     if (marks) marks->mark("ffn " + layer.ffn->name());
+    if (streams && captures(i)) {  // prefix_sum + pending_mlp_out
+      Tensor stream = partial.clone();
+      ops::add_(stream, pending);
+      (*streams)[i] = std::move(stream);
+    }
   }
   if (pending.defined()) ops::add_(partial, pending);
   return mix(output_attn_res, true);
@@ -98,8 +110,19 @@ Tensor DecoderModel::forward(const Batch& batch, StepMarks* marks) {
     x = on_gpu ? ops::embedding(embed, device_step(batch).token_ids) : ops::embedding(embed, batch.tokens);
   }
   mark("embedding");
-  x = attn_res_block > 0 ? attn_res_layers(std::move(x), batch, marks) : residual_layers(std::move(x), batch, marks);
-  if (batch.keep_hidden_states) {
+  const bool capture = batch.keep_hidden_states && !aux_hidden_layers.empty();
+  std::vector<Tensor> streams(capture ? layers.size() : 0);
+  std::vector<Tensor>* kept = capture ? &streams : nullptr;
+  x = attn_res_block > 0 ? attn_res_layers(std::move(x), batch, marks, kept)
+                         : residual_layers(std::move(x), batch, marks, kept);
+  if (capture) {
+    // The DSpark drafter's input: the streams side by side, in aux_hidden_layers' order.
+    const int64_t rows = x.dim(0), n = int64_t(aux_hidden_layers.size());
+    batch.hidden_states = Tensor::empty({rows, hidden * n}, x.type(), x.device());
+    for (int64_t i = 0; i < n; ++i)
+      ops::copy_lines(batch.hidden_states, i * hidden, hidden * n, streams[size_t(aux_hidden_layers[size_t(i)])], 0,
+                      hidden, hidden, rows);
+  } else if (batch.keep_hidden_states) {
     // The MTP drafter's input: the state after the final norm (vLLM's DeepseekV2Model returns it normed), or
     // before it (Kimi K3 normalises inside compute_logits).
     batch.hidden_states = hidden_for_drafter_normed ? ops::rms_norm(x, final_norm, norm_eps, norm_unit_offset) : x.clone();

@@ -90,6 +90,12 @@ class DecoderModel : public Model {
   // Batch::keep_hidden_states: the hidden states handed to an MTP drafter are taken after the final norm
   // (true) or before it.
   bool hidden_for_drafter_normed = true;
+  // The layers whose output streams a DSpark drafter reads (model/dspark.h). When set, keep_hidden_states
+  // leaves their concatenation in list order ([rows, hidden * n]) in batch.hidden_states instead. The stream
+  // after layer t: x (the residual stream), or under AttnRes the current block's partial sum with layer t's
+  // feed-forward output added (vLLM 0.33 kimi_k3/nvidia/model.py _capture_aux_hidden_stream, under its
+  // default VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=0).
+  std::vector<int> aux_hidden_layers;
 
   // Takes embed_tokens and norm under `decoder_prefix` (e.g. "model.") and the output head `head_name`
   // (this rank's vocabulary rows of both when the checkpoint is sharded).
@@ -113,8 +119,10 @@ class DecoderModel : public Model {
 
  private:
   // The layers, from the embedded tokens to the hidden states before the final norm.
-  Tensor residual_layers(Tensor x, const Batch& batch, StepMarks* marks);
-  Tensor attn_res_layers(Tensor embedded, const Batch& batch, StepMarks* marks);
+  // With `streams`, the stream after each layer of aux_hidden_layers is copied into (*streams)[layer].
+  Tensor residual_layers(Tensor x, const Batch& batch, StepMarks* marks, std::vector<Tensor>* streams);
+  Tensor attn_res_layers(Tensor embedded, const Batch& batch, StepMarks* marks, std::vector<Tensor>* streams);
+  bool captures(size_t layer) const;
 };
 
 }  // namespace sparrow

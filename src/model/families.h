@@ -9,6 +9,7 @@
 #include "formats/checkpoint.h"
 #include "formats/config.h"
 #include "model/decoder.h"
+#include "model/feed_forward.h"
 #include "model/mtp.h"
 
 namespace sparrow {
@@ -26,6 +27,10 @@ std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt, const Config& 
 std::unique_ptr<DecoderModel> load_kimi_linear(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 std::unique_ptr<DecoderModel> load_kimi_k3(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 std::unique_ptr<DecoderModel> load_minimax_m3(Checkpoint& ckpt, const Config& text, const std::string& prefix);
+
+// Kimi K3's gated activation (hidden_act silu, or situ with activation_situ_beta / _linear_beta): its MLPs', and
+// the DSpark drafter's (model/dspark.h, whose KimiMLP reads the same fields).
+Activation kimi_k3_activation(const Config& config);
 
 std::unique_ptr<MtpDrafter> load_deepseek_v32_mtp(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 std::unique_ptr<MtpDrafter> load_kimi_k3_mtp(Checkpoint& ckpt, const Config& text, const std::string& prefix);

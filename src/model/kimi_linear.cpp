@@ -409,6 +409,8 @@ std::unique_ptr<DecoderModel> load(Checkpoint& ckpt, const Config& config, const
 
 }  // namespace
 
+Activation kimi_k3_activation(const Config& config) { return activation(config, Definition::VllmKimiK3); }
+
 std::vector<LayerCacheSpec> kimi_linear_cache_spec(const Config& config) {
   return cache_spec(config, Definition::TransformersKimiLinear);
 }

@@ -108,6 +108,46 @@ LayerCacheSpec MlaMixer::cache_spec() const {
   return spec;
 }
 
+Tensor MlaMixer::cache_rows(const Tensor& x, const Batch& batch) const {
+  const MlaOptions& o = options_;
+  // [kv_a_layernorm(c) | k_rot], the norm on c only.
+  Tensor rows = ops::linear(x, kv_a_proj);
+  lora::add_(rows, x, batch, prefix_, "kv_a_proj_with_mqa");
+  if (o.attention_bias) ops::add_bias_(rows, kv_a_bias);
+  ops::rms_norm_(rows, kv_a_norm, o.kv_norm_eps, false, /*first_col=*/0, /*groups=*/1);
+  if (o.rope)
+    ops::rope_(rows, batch.positions_on(x.device()), o.rope->inv_freq_on(x.device()), o.rope->attention_scaling,
+               o.kv_lora_rank, 1, o.cache_row(), /*interleaved=*/true);
+  return rows;
+}
+
+void MlaMixer::write_rows(const Tensor& new_rows, const Batch& batch, int layer) const {
+  if (new_rows.on_cpu()) {
+    for (const SeqSlice& seq : batch.seqs)
+      seq.cache().write(layer, PageKind::MlaLatent, seq.start(), seq.count, new_rows.row(seq.offset));
+    return;
+  }
+#if SPARROW_HAVE_CUDA
+  const DeviceStep& step = device_step(batch);
+  const PageFormat latent_format = step.format(layer, PageKind::MlaLatent);
+  SPARROW_CHECK(cuda::mla_reads_latent_format(latent_format), "the GPU MLA kernels read bfloat16, fp8, fp8_per_tensor "
+                "or nvfp4 latents (--kv-cache-dtype), not ", latent_format == PageFormat::Float32 ? "float32" : "these",
+                " MLA pages");
+  const cuda::MlaPagedCache cache{step.page_base(layer, PageKind::MlaLatent), step.page_table.as<int64_t>(),
+                                  step.table_stride, step.block_size(), latent_format};
+  cuda::mla_cache_write(cache, new_rows.raw(), cuda::MlaSourceType::kBf16, batch.size(), step.row_seq.as<int32_t>(),
+                        step.row_pos.as<int32_t>(), 0, 0, cuda::stream());
+#else
+  (void)batch, (void)layer;
+  fail("MLA on a GPU in a build without the CUDA backend");
+#endif
+}
+
+void MlaMixer::store_rows(const Tensor& x, const Batch& batch, int layer) const {
+  SPARROW_CHECK(!tp.sharded(), "MLA: store_rows under tensor parallelism");
+  write_rows(cache_rows(x, batch), batch, layer);
+}
+
 Tensor MlaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
   const MlaOptions& o = options_;
   const int64_t tokens = batch.size(), heads = o.num_heads;
@@ -129,18 +169,10 @@ Tensor MlaMixer::forward(const Tensor& x, const Batch& batch, int layer) {
     lora::add_(q, x, batch, prefix_, "q_proj");
   }
 
-  // This step's cache rows [T, latent + rot]: [kv_a_layernorm(c) | k_rot], the norm on c only.
-  Tensor new_rows = ops::linear(x, kv_a_proj);
-  lora::add_(new_rows, x, batch, prefix_, "kv_a_proj_with_mqa");
-  if (o.attention_bias) ops::add_bias_(new_rows, kv_a_bias);
-  ops::rms_norm_(new_rows, kv_a_norm, o.kv_norm_eps, false, /*first_col=*/0, /*groups=*/1);
-
-  if (o.rope) {
-    const Tensor& positions = batch.positions_on(x.device());
-    const Tensor& inv_freq = o.rope->inv_freq_on(x.device());
-    ops::rope_(q, positions, inv_freq, o.rope->attention_scaling, nope, heads, qk, /*interleaved=*/true);
-    ops::rope_(new_rows, positions, inv_freq, o.rope->attention_scaling, latent, 1, row_width, true);
-  }
+  const Tensor new_rows = cache_rows(x, batch);
+  if (o.rope)
+    ops::rope_(q, batch.positions_on(x.device()), o.rope->inv_freq_on(x.device()), o.rope->attention_scaling, nope,
+               heads, qk, /*interleaved=*/true);
 
   // Absorbed queries [T, heads, latent + rot]: q_nope[h] · W_UK[h] next to q_rot[h], so that one dot
   // product with a cache row gives the expanded form's q[h] · k[h].
@@ -197,12 +229,19 @@ Tensor MlaMixer::attend(const Tensor& q_abs, const Tensor& new_rows, const Tenso
     const int64_t topk = indexer_ ? indexer_->options.topk : 0;
     Tensor mixed = Tensor::empty({rows, o.num_heads, o.kv_lora_rank});
     std::vector<float> prefix;
+    write_rows(new_rows, batch, layer);
+    std::vector<float> lse(size_t(o.num_heads));
     for (const SeqSlice& seq : batch.seqs) {
-      // Store this step's rows, then read the whole causal prefix (this step's tokens included).
+      // Read the whole causal prefix (this step's rows included).
       const int64_t end = seq.start() + seq.count;
-      seq.cache().write(layer, PageKind::MlaLatent, seq.start(), seq.count, new_rows.row(seq.offset));
       prefix.resize(end * o.cache_row());
       seq.cache().read(layer, PageKind::MlaLatent, 0, end, prefix.data());
+      if (o.non_causal) {  // every query over all `end` rows
+        for (int64_t i = 0; i < seq.count; ++i)
+          cpu::mla_attention_over(shape, q_abs.row(seq.offset + i), prefix.data(), end, mixed.row(seq.offset + i),
+                                  lse.data());
+        continue;
+      }
       cpu::mla_attention(shape, q_abs.row(seq.offset), seq.count, seq.start(), prefix.data(),
                          indexer_ ? selected.as<int32_t>() + seq.offset * topk : nullptr, topk,
                          mixed.row(seq.offset));
@@ -210,16 +249,11 @@ Tensor MlaMixer::attend(const Tensor& q_abs, const Tensor& new_rows, const Tenso
     return mixed;
   }
 #if SPARROW_HAVE_CUDA
+  write_rows(new_rows, batch, layer);
   const DeviceStep& step = device_step(batch);
-  const PageFormat latent_format = step.format(layer, PageKind::MlaLatent);
-  SPARROW_CHECK(cuda::mla_reads_latent_format(latent_format), "the GPU MLA kernels read bfloat16, fp8, fp8_per_tensor "
-                "or nvfp4 latents (--kv-cache-dtype), not ", latent_format == PageFormat::Float32 ? "float32" : "these",
-                " MLA pages");
-  cuda::MlaPagedCache cache{step.page_base(layer, PageKind::MlaLatent), step.page_table.as<int64_t>(),
-                            step.table_stride, step.block_size(), latent_format};
+  const cuda::MlaPagedCache cache{step.page_base(layer, PageKind::MlaLatent), step.page_table.as<int64_t>(),
+                                  step.table_stride, step.block_size(), step.format(layer, PageKind::MlaLatent)};
   cudaStream_t stream = cuda::stream();
-  cuda::mla_cache_write(cache, new_rows.raw(), cuda::MlaSourceType::kBf16, rows, step.row_seq.as<int32_t>(),
-                        step.row_pos.as<int32_t>(), 0, 0, stream);
 
   const int heads = int(o.num_heads);
   Tensor mixed = Tensor::empty({rows, o.num_heads, o.kv_lora_rank}, ScalarType::BF16, q_abs.device());
@@ -235,7 +269,16 @@ Tensor MlaMixer::attend(const Tensor& q_abs, const Tensor& new_rows, const Tenso
     const size_t workspace_bytes = cuda::mla_attention_workspace_bytes(rows, heads, step.max_visible);
     Tensor workspace =
         Tensor::empty({int64_t(std::max<size_t>(workspace_bytes, 1))}, ScalarType::U8, q_abs.device());
-    cuda::mla_dense_attention(cache, q_abs.as<uint16_t>(), step.row_seq.as<int32_t>(), step.row_visible.as<int32_t>(),
+    // Non-causal: each row sees up to its sequence's last row of the step (an upload: no CUDA graph takes
+    // such a batch, DSparkDrafter::capturable).
+    Tensor visible = step.row_visible;
+    if (o.non_causal) {
+      Tensor bounds = Tensor::empty({rows}, ScalarType::I32);
+      for (const SeqSlice& seq : batch.seqs)
+        std::fill_n(bounds.as<int32_t>() + seq.offset, seq.count, int32_t(seq.start() + seq.count));
+      visible = bounds.to(q_abs.device());
+    }
+    cuda::mla_dense_attention(cache, q_abs.as<uint16_t>(), step.row_seq.as<int32_t>(), visible.as<int32_t>(),
                               rows, heads, step.max_visible, o.softmax_scale, mixed.as<uint16_t>(), nullptr,
                               workspace.raw(), workspace_bytes, stream);
   }

@@ -54,6 +54,9 @@ struct MlaOptions {
   // config.attention_bias: biases on q_a_proj, kv_a_proj_with_mqa and o_proj (not q_proj, q_b_proj, kv_b_proj).
   bool attention_bias = false;
   bool output_gate = false;  // mla_use_output_gate (Kimi K3): g_proj [heads * v_head_dim, hidden]
+  // Every query of a sequence's step sees all of that step's rows, not only those up to its own position
+  // (the DSpark drafter's block: vLLM 0.33 models/kimi_k3/nvidia/mla.py non_causal_multi_token_decode).
+  bool non_causal = false;
 
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   int64_t cache_row() const { return kv_lora_rank + qk_rope_head_dim; }  // floats per cached token
@@ -79,8 +82,15 @@ class MlaMixer : public Mixer {
   static LayerCacheSpec cache_spec_for(const MlaOptions& options, const DsaIndexerOptions* index);
 
   const MlaOptions& options() const { return options_; }
+  // Only the cache rows of x ([batch.size(), hidden], normalised) at the batch's positions, no attention:
+  // the DSpark drafter's context (model/dspark.h). On a GPU the batch's step inputs must be attached.
+  void store_rows(const Tensor& x, const Batch& batch, int layer) const;
 
  private:
+  // This step's cache rows [T, latent + rot] of x: [kv_a_layernorm(c) | rope(k_rot)].
+  Tensor cache_rows(const Tensor& x, const Batch& batch) const;
+  // Writes new_rows into the layer's pages at the batch's positions.
+  void write_rows(const Tensor& new_rows, const Batch& batch, int layer) const;
   // The attention core, the one entry point on either device: stores this step's cache rows (new_rows,
   // [T, latent + rot]) in the layer's pages and returns mixed [T, heads, kv_lora_rank] for the absorbed
   // queries q_abs [T, heads, latent + rot]. `selected` is the indexer's table (DsaIndexer::select), empty

@@ -89,6 +89,9 @@ const ModelFamily kModelFamilies[] = {
 
 const ModelFamily& model_family(const Config& config) {
   const std::string type = config.get_string("model_type");
+  SPARROW_CHECK(type != "k3_dspark", "config.json: model_type k3_dspark is a DSpark drafter, not a model to serve: "
+                "give its folder to --speculative-config '{\"method\": \"dspark\", \"model\": DIR, "
+                "\"num_speculative_tokens\": N}' beside the Kimi K3 model it drafts for");
   std::string supported;
   for (const ModelFamily& family : kModelFamilies) {
     if (type == family.model_type) return family;

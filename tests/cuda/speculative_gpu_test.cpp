@@ -27,6 +27,7 @@
 #include "engine/speculative.h"
 #include "gpu_test_util.h"
 #include "model/model.h"
+#include "model/dspark.h"
 #include "model/mtp.h"
 
 using namespace sparrow;
@@ -205,6 +206,48 @@ TEST(CudaSpeculativeMtp, DummyLayerDraftsAndTheTargetDecides) {
                                   false, drafter.get());
   EXPECT_NEAR(synthetic.stats.spec_decode.acceptance_length(), 2.5, 0.5);
   EXPECT_GT(synthetic.stats.graph_replays, 0);
+}
+
+// The dspark method on the GPU: kimi_k3_1_pro_gpu's target (MLA + DSA + KDA under AttnRes, its streams
+// captured after layers 0 and 2) with a DSpark drafter of dummy weights at the target's MLA shape (its config in
+// a folder of its own). Its drafts are noise: the output must be the target's, with KDA rollbacks on every
+// rejection; the block's non-causal MLA and the context rows run on the GPU kernels. With synthetic acceptance
+// the same drafts are verified k at a time.
+TEST(CudaSpeculativeDSpark, DummyDrafterDraftsAndTheTargetDecides) {
+  SPARROW_REQUIRE_GPU();
+  const fs::path fixture = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/kimi_k3_1_pro_gpu";
+  const fs::path folder = fs::temp_directory_path() / ("sparrow_dspark_gpu_" + std::to_string(::getpid()));
+  fs::create_directories(folder);
+  const nlohmann::json text = nlohmann::json::parse(std::ifstream(fixture / "config.json"))["text_config"];
+  nlohmann::json config = {{"model_type", "k3_dspark"}, {"num_hidden_layers", 2}, {"intermediate_size", 256},
+                           {"hidden_act", "silu"}, {"target_layer_ids", {0, 2}}, {"num_target_layers", 2},
+                           {"markov_rank", 16}, {"dspark_noise_token_id", 3}};
+  for (const char* key : {"hidden_size", "vocab_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+                          "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rms_norm_eps"})
+    config[key] = text[key];
+  std::ofstream(folder / "config.json") << config.dump();
+  std::unique_ptr<Model> target = load_model(fixture.string(), Device::Cuda);
+  LoadOptions dummy;
+  dummy.load_format = "dummy";
+  std::unique_ptr<DSparkDrafter> drafter = load_dspark_drafter(folder.string(), *target, dummy);
+  fs::remove_all(folder);
+
+  const std::vector<Request> requests = repetitive_requests(target->vocab_size());
+  const EngineRun plain = run(*target, requests, "", false);
+  const std::string dspark = R"({"method": "dspark", "model": "-", "num_speculative_tokens": 4})";
+  for (bool eager : {true, false}) {  // the target's verify steps with and without graphs; the drafter is eager
+    SCOPED_TRACE(eager ? "eager" : "CUDA graphs");
+    const EngineRun got = run(*target, requests, dspark, eager, drafter.get());
+    expect_the_targets_tokens(got, plain);
+    EXPECT_GT(got.stats.spec_decode.drafts, 0);
+    std::printf("[ note ] dspark %s: %lld drafts, acceptance length %.2f\n", eager ? "eager" : "graphs",
+                static_cast<long long>(got.stats.spec_decode.drafts), got.stats.spec_decode.acceptance_length());
+  }
+  const EngineRun synthetic = run(*target, requests,
+                                  R"({"method": "dspark", "model": "-", "num_speculative_tokens": 4,
+                                      "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 3})",
+                                  false, drafter.get());
+  EXPECT_NEAR(synthetic.stats.spec_decode.acceptance_length(), 3.0, 0.6);
 }
 
 INSTANTIATE_TEST_SUITE_P(CudaFixtures, CudaSpeculative,

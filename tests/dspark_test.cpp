@@ -1,0 +1,352 @@
+// Speculative decoding's "dspark" method on tests/fixtures/kimi_k3_dspark (tools/make_dspark_fixture.py: a
+// random K3 DSpark drafter for the kimi_k3_1_pro fixture, and an independent float64 reference written from
+// vLLM 0.33's K3DSparkModel and DSparkSpeculator over tools/kimi_k3_reference.py's target):
+//   - the target's captured streams (AttnRes partial sums after layers 1, 4, 7) equal the reference's;
+//   - the drafter's block logits, before and after the Markov bias, equal the reference's;
+//   - the proposer's drafts (after a whole prefill, a chunked one, and a prefix-cache hit whose blocks carry
+//     the drafter's rows) equal the reference's;
+//   - the engine with --speculative-config dspark gives the greedy tokens it gives without, alone and squeezed
+//     (chunked prefill, preemption, prefix hits; the target's KDA states roll back after rejections);
+//   - bad uses are one-line errors.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "cache/kv_cache.h"
+#include "core/error.h"
+#include "cuda/model_test_util.h"
+#include "engine/dspark_proposer.h"
+#include "engine/engine_core.h"
+#include "engine/sequence.h"
+#include "formats/safetensors.h"
+#include "kernels/ops.h"
+#include "model/dspark.h"
+#include "runner/model_runner.h"
+#include "test_util.h"
+
+using namespace sparrow;
+namespace fs = std::filesystem;
+
+namespace {
+
+using Tokens = std::vector<int32_t>;
+
+fs::path fixture(const std::string& name) { return fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / name; }
+
+struct Case {
+  Tokens prompt, drafts;
+  int32_t bonus = 0;
+  Tensor aux, base_logits, markov_logits;
+};
+
+std::vector<Case> read_cases() {
+  std::ifstream in(fixture("kimi_k3_dspark") / "fixture.json");
+  const nlohmann::json j = nlohmann::json::parse(in);
+  std::shared_ptr<SafetensorsFile> file =
+      SafetensorsFile::open((fixture("kimi_k3_dspark") / "dspark_reference.safetensors").string());
+  std::vector<Case> cases;
+  for (const nlohmann::json& c : j["cases"]) {
+    const std::string i = std::to_string(cases.size());
+    Case one;
+    one.prompt = c["prompt"].get<Tokens>();
+    one.drafts = c["drafts"].get<Tokens>();
+    one.bonus = c["bonus"].get<int32_t>();
+    one.aux = to_float32(file->tensors().at("aux." + i), file);
+    one.base_logits = to_float32(file->tensors().at("base_logits." + i), file);
+    one.markov_logits = to_float32(file->tensors().at("markov_logits." + i), file);
+    cases.push_back(std::move(one));
+  }
+  return cases;
+}
+
+constexpr int64_t kBlock = 4;  // the fixture's num_speculative_tokens
+
+CacheConfig roomy_cache(bool prefix_caching) {
+  CacheConfig config;
+  config.block_size = 16;
+  config.kv_cache_dtype = "float32";
+  config.max_num_seqs = 8;
+  config.enable_prefix_caching = prefix_caching;
+  config.memory_bytes = int64_t(64) << 20;
+  return config;
+}
+
+struct Loaded {
+  Loaded()
+      : target(load_model(fixture("kimi_k3_1_pro").string())),
+        drafter(load_dspark_drafter(fixture("kimi_k3_dspark").string(), *target)) {}
+  std::unique_ptr<Model> target;
+  std::unique_ptr<DSparkDrafter> drafter;
+};
+
+// A sequence of `prompt` in `cache`, as the engine holds one (the request must outlive it).
+struct Held {
+  Request request;
+  std::unique_ptr<Sequence> seq;
+  Held(KvCache& cache, const Tokens& prompt) : request{"r", prompt, {}} {
+    seq = std::make_unique<Sequence>(request, 0, Tokens{}, nullptr);
+    seq->cache_id = cache.create_sequence();
+    seq->state.cache = cache.view(seq->cache_id);
+  }
+};
+
+// Runs `seq`'s tokens from its length up to `end` as one target step (hidden states kept), lets the proposer
+// observe it and commits, as EngineCore::step does; samples the greedy next token when the prompt is done.
+void target_step(ModelRunner& target, KvCache& cache, DraftProposer& proposer, Sequence& seq, int64_t end) {
+  const int64_t start = seq.num_computed();
+  ASSERT_TRUE(cache.allocate(seq.cache_id, end + kBlock));
+  Batch batch = make_batch({{&seq.state, Tokens(seq.tokens.begin() + start, seq.tokens.begin() + end)}});
+  batch.all_logits = false;
+  batch.keep_hidden_states = true;
+  const Tensor logits = target.run(batch);
+  if (end == int64_t(seq.tokens.size())) seq.tokens.push_back(model_test::argmax(logits.row(0), logits.dim(1)));
+  Sequence* seqs[] = {&seq};
+  const int64_t kept[] = {seq.num_computed()};
+  proposer.observe(batch, seqs, kept);
+  cache.commit_tokens(seq.cache_id, seq.tokens, seq.num_computed());
+}
+
+Tokens propose(DraftProposer& proposer, KvCache& cache, Sequence& seq, int64_t k) {
+  EXPECT_TRUE(cache.allocate(seq.cache_id, seq.num_computed() + proposer.rows_ahead(k)));
+  Sequence* seqs[] = {&seq};
+  const int64_t most[] = {k};
+  proposer.propose(seqs, most);
+  return seq.draft;
+}
+
+}  // namespace
+
+TEST(DSpark, TargetStreamsMatchTheReference) {
+  Loaded m;
+  ModelRunner target(*m.target);
+  for (const Case& c : read_cases()) {
+    SCOPED_TRACE("prompt of " + std::to_string(c.prompt.size()));
+    KvCache cache(m.drafter->cache_spec(), roomy_cache(false));
+    const SeqId id = cache.create_sequence();
+    ASSERT_TRUE(cache.allocate(id, int64_t(c.prompt.size())));
+    SequenceState state;
+    state.cache = cache.view(id);
+    Batch batch = make_batch({{&state, c.prompt}});
+    batch.keep_hidden_states = true;
+    batch.all_logits = false;
+    const Tensor logits = target.run(batch);
+    EXPECT_EQ(model_test::argmax(logits.row(0), logits.dim(1)), c.bonus);
+    ASSERT_EQ(batch.hidden_states.shape(), c.aux.shape());
+    const Tensor streams = batch.hidden_states.to(Device::Cpu, ScalarType::F32);
+    for (int64_t p = 0; p < c.aux.dim(0); ++p)
+      EXPECT_LT(model_test::relative_l2(streams.row(p), c.aux.row(p), c.aux.dim(1)), 2e-3) << "position " << p;
+  }
+}
+
+// The block over the reference's own streams: the drafter alone, before and after the Markov bias.
+TEST(DSpark, BlockLogitsMatchTheReference) {
+  Loaded m;
+  ModelRunner drafter(*m.drafter);
+  for (const Case& c : read_cases()) {
+    SCOPED_TRACE("prompt of " + std::to_string(c.prompt.size()));
+    const int64_t n = int64_t(c.prompt.size());
+    KvCache cache(m.drafter->cache_spec(), roomy_cache(false));
+    const SeqId id = cache.create_sequence();
+    ASSERT_TRUE(cache.allocate(id, n + kBlock));
+    SequenceState context_state;
+    context_state.cache = cache.view(id);
+    Batch context = make_batch({{&context_state, c.prompt}});
+    context.hidden_states_in = c.aux;
+    m.drafter->store_context(context);
+    SequenceState block_state;
+    block_state.length = n;
+    block_state.cache = cache.view(id);
+    Tokens tokens(size_t(kBlock), m.drafter->mask_token);
+    tokens[0] = c.bonus;
+    Batch block = make_batch({{&block_state, tokens}});
+    block.all_logits = true;
+    const Tensor base = drafter.run(block);
+    ASSERT_EQ(base.shape(), c.base_logits.shape());
+    Tokens previous = {c.bonus};
+    for (int64_t i = 0; i < kBlock; ++i) {
+      EXPECT_LT(model_test::relative_l2(base.row(i), c.base_logits.row(i), base.dim(1)), 2e-3) << "query " << i;
+      Tensor logits = ops::select_rows(base, {i});
+      ops::add_(logits, m.drafter->markov_bias({previous.back()}));
+      EXPECT_LT(model_test::relative_l2(logits.row(0), c.markov_logits.row(i), base.dim(1)), 2e-3) << "query " << i;
+      previous.push_back(model_test::argmax(logits.row(0), logits.dim(1)));
+    }
+    EXPECT_EQ(Tokens(previous.begin() + 1, previous.end()), c.drafts);
+  }
+}
+
+TEST(DSpark, ProposerDraftsTheReferenceDrafts) {
+  Loaded m;
+  ModelRunner target(*m.target);
+  for (const Case& c : read_cases()) {
+    SCOPED_TRACE("prompt of " + std::to_string(c.prompt.size()));
+    const int64_t n = int64_t(c.prompt.size());
+    // One prefill step, then a prefill in chunks of 5: the context rows are written either way.
+    for (int64_t chunk : {n, int64_t(5)}) {
+      KvCache cache(m.drafter->cache_spec(), roomy_cache(false));
+      auto proposer = make_dspark_proposer(*m.drafter, false);
+      Held held(cache, c.prompt);
+      Sequence& seq = *held.seq;
+      while (seq.num_computed() < n) target_step(target, cache, *proposer, seq, std::min(n, seq.num_computed() + chunk));
+      ASSERT_EQ(seq.tokens.back(), c.bonus);
+      EXPECT_EQ(propose(*proposer, cache, seq, kBlock), c.drafts) << "chunks of " << chunk;
+      // A block cut short drafts fewer tokens (its own pass, so not necessarily a prefix of the others).
+      EXPECT_EQ(propose(*proposer, cache, seq, 2).size(), 0u) << "no new step observed: nothing to draft";
+      cache.free_sequence(seq.cache_id);
+    }
+  }
+}
+
+// A prompt served from the prefix cache: the drafter's context rows came with the blocks.
+TEST(DSpark, DraftsAfterAPrefixHitUseTheCachedRows) {
+  Loaded m;
+  ModelRunner target(*m.target);
+  const Case c = read_cases().back();
+  ASSERT_GT(c.prompt.size(), 33u);
+  KvCache cache(m.drafter->cache_spec(), roomy_cache(true));
+  auto proposer = make_dspark_proposer(*m.drafter, false);
+  Held first(cache, c.prompt);
+  target_step(target, cache, *proposer, *first.seq, int64_t(c.prompt.size()));
+  Held second(cache, c.prompt);
+  const int64_t reused = cache.match_prefix(second.seq->cache_id, second.seq->tokens);
+  ASSERT_GE(reused, 32);
+  second.seq->state.length = reused;
+  target_step(target, cache, *proposer, *second.seq, int64_t(c.prompt.size()));
+  EXPECT_EQ(propose(*proposer, cache, *second.seq, kBlock), c.drafts);
+}
+
+TEST(DSpark, EngineGivesTheGreedyTokensItGivesWithout) {
+  Loaded m;
+  std::vector<Request> requests;
+  for (const Case& c : read_cases()) {
+    for (int copy = 0; copy < 2; ++copy) {  // the copies hit the prefix cache
+      Request r{"r" + std::to_string(requests.size()), c.prompt, {}};
+      r.params.temperature = 0;
+      r.params.max_tokens = 24;
+      r.params.ignore_eos = true;
+      requests.push_back(r);
+    }
+  }
+  auto run = [&](EngineConfig config, EngineStats* stats) {
+    EngineCore engine(*m.target, nullptr, config);
+    std::map<std::string, Tokens> out;
+    for (const Request& r : requests)
+      engine.add(r, [&](const RequestOutput& e) {
+        out[e.request_id].insert(out[e.request_id].end(), e.new_tokens.begin(), e.new_tokens.end());
+      });
+    while (engine.step()) {
+    }
+    EXPECT_EQ(engine.cache().num_free_blocks(), engine.cache().plan().num_blocks);
+    if (stats) *stats = engine.stats();
+    return out;
+  };
+  EngineConfig plain;
+  plain.max_model_len = 160;
+  plain.max_num_seqs = 8;
+  plain.max_num_batched_tokens = 4096;
+  plain.cache = roomy_cache(true);
+  const auto want = run(plain, nullptr);
+  for (const char* sampling : {"greedy", "probabilistic"}) {  // greedy requests draft greedily either way
+    for (bool squeezed : {false, true}) {
+      SCOPED_TRACE(std::string(sampling) + (squeezed ? ", squeezed" : ", roomy"));
+      EngineConfig config = plain;
+      config.speculative = parse_speculative_config(
+          R"({"method": "dspark", "model": ")" + fixture("kimi_k3_dspark").string() +
+          R"(", "num_speculative_tokens": 4, "draft_sample_method": ")" + sampling + R"("})");
+      config.draft_model = m.drafter.get();
+      if (squeezed) {
+        config.max_num_seqs = 3;
+        config.max_num_batched_tokens = 13;
+        config.cache.block_size = 4;
+        config.cache.memory_bytes = 0;
+        config.cache.num_blocks = 45;  // 180 tokens for about 320: preemption
+      }
+      EngineStats stats;
+      EXPECT_EQ(run(config, &stats), want);
+      EXPECT_GT(stats.spec_decode.drafts, 0);
+      if (squeezed) EXPECT_GT(stats.preemptions + stats.prefix_hits, 0);
+    }
+  }
+}
+
+// Requests that sample draw their drafts from the drafter's distribution (kept for verification): a seeded
+// request gives the same tokens on every run, and its drafts are verified against the target's distribution.
+TEST(DSpark, ProbabilisticDraftsForSampledRequests) {
+  Loaded m;
+  const Case c = read_cases().front();
+  EngineConfig config;
+  config.max_model_len = 160;
+  config.cache = roomy_cache(false);
+  config.speculative = parse_speculative_config(R"({"method": "dspark", "model": ")" +
+                                                fixture("kimi_k3_dspark").string() +
+                                                R"(", "num_speculative_tokens": 4, "draft_sample_method": "probabilistic"})");
+  config.draft_model = m.drafter.get();
+  auto run = [&] {
+    EngineCore engine(*m.target, nullptr, config);
+    Request r{"s", c.prompt, {}};
+    r.params.temperature = 0.8f;
+    r.params.seed = 7;
+    r.params.max_tokens = 32;
+    r.params.ignore_eos = true;
+    Tokens out;
+    engine.add(r, [&](const RequestOutput& e) { out.insert(out.end(), e.new_tokens.begin(), e.new_tokens.end()); });
+    while (engine.step()) {
+    }
+    EXPECT_GT(engine.stats().spec_decode.draft_tokens, 0);
+    return out;
+  };
+  const Tokens first = run();
+  EXPECT_EQ(first.size(), 32u);
+  EXPECT_EQ(run(), first);
+}
+
+TEST(DSpark, BadUsesAreOneLineErrors) {
+  using sparrow::testing::error_message, sparrow::testing::mentions;
+  auto target = load_model(fixture("kimi_k3_1_pro").string());
+  // The drafter served as a model.
+  EXPECT_TRUE(mentions(error_message([] { load_model(fixture("kimi_k3_dspark").string()); }),
+                       {"DSpark drafter", "--speculative-config"}));
+  // A folder that is not a DSpark drafter.
+  EXPECT_TRUE(mentions(error_message([&] { load_dspark_drafter(fixture("kimi_k3_mtp").string(), *target); }),
+                       {"model_type", "k3_dspark"}));
+  // A drafter made for another target: a wider one (it shares the target's embedding), one of fewer layers.
+  auto wider = load_model(fixture("kimi_k3_1_pro_gpu").string());
+  EXPECT_TRUE(mentions(error_message([&] { load_dspark_drafter(fixture("kimi_k3_dspark").string(), *wider); }),
+                       {"does not fit", "hidden 128"}));
+  auto shallower = load_model(fixture("deepseek_v32").string());
+  EXPECT_TRUE(mentions(error_message([&] { load_dspark_drafter(fixture("kimi_k3_dspark").string(), *shallower); }),
+                       {"target_layer_ids", "0 .. 2"}));
+  // The config without a drafter folder.
+  EXPECT_TRUE(mentions(error_message([] { parse_speculative_config(R"({"method": "dspark", "num_speculative_tokens": 4})"); }),
+                       {"dspark", "model"}));
+  // A drafter of one target in the engine of another.
+  Loaded m;
+  EngineConfig config;
+  config.max_model_len = 64;
+  config.cache = roomy_cache(false);
+  config.speculative = parse_speculative_config(R"({"method": "dspark", "model": "x", "num_speculative_tokens": 2})");
+  config.draft_model = m.drafter.get();
+  auto minimax = load_model(fixture("minimax_m3").string());
+  EXPECT_TRUE(mentions(error_message([&] { EngineCore(*minimax, nullptr, config); }), {"another model"}));
+}
+
+// `sparrow generate -sc '{"method": "dspark", ...}'`: the same completions; under -tp a one-line refusal.
+TEST(DSpark, GenerateCommand) {
+  const std::string base = "generate --model " + fixture("kimi_k3_1_pro").string() + " --prompt-ids " +
+                           (fixture("kimi_k3_1_pro") / "prompts.json").string() +
+                           " --max-tokens 20 --temperature 0 --ignore-eos";
+  const std::string dspark = R"( -sc '{"method": "dspark", "model": ")" + fixture("kimi_k3_dspark").string() +
+                             R"(", "num_speculative_tokens": 4}')";
+  const auto plain = sparrow::testing::run_sparrow(base);
+  const auto drafted = sparrow::testing::run_sparrow(base + dspark);
+  EXPECT_EQ(plain.status, 0) << plain.err;
+  EXPECT_EQ(drafted.status, 0) << drafted.err;
+  EXPECT_EQ(drafted.out, plain.out);
+  EXPECT_NE(drafted.err.find("sparrow: speculative decoding"), std::string::npos) << drafted.err;
+  const auto sharded = sparrow::testing::run_sparrow(base + " -tp 2" + dspark);
+  EXPECT_NE(sharded.status, 0);
+  EXPECT_NE(sharded.err.find("tensor parallelism"), std::string::npos) << sharded.err;
+}
