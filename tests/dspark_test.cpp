@@ -7,6 +7,7 @@
 //     the drafter's rows) equal the reference's;
 //   - the engine with --speculative-config dspark gives the greedy tokens it gives without, alone and squeezed
 //     (chunked prefill, preemption, prefix hits; the target's KDA states roll back after rejections);
+//   - `generate` alone and under -tp / -dp gives the same tokens;
 //   - bad uses are one-line errors.
 #include <gtest/gtest.h>
 
@@ -333,20 +334,35 @@ TEST(DSpark, BadUsesAreOneLineErrors) {
   EXPECT_TRUE(mentions(error_message([&] { EngineCore(*minimax, nullptr, config); }), {"another model"}));
 }
 
-// `sparrow generate -sc '{"method": "dspark", ...}'`: the same completions; under -tp a one-line refusal.
-TEST(DSpark, GenerateCommand) {
+// `sparrow generate -sc '{"method": "dspark", ...}'`: the same completions. Under -tp / -dp the drafter runs
+// whole on each group's rank 0 (its embedding and head read whole from the target's folder, its cache rows after
+// the rank's share of the target's) while the target's verify steps run sharded: every layout gives the single
+// process's tokens, and under -tp the same drafts are verified and accepted.
+TEST(DSpark, GenerateCommandAloneAndSharded) {
   const std::string base = "generate --model " + fixture("kimi_k3_1_pro").string() + " --prompt-ids " +
                            (fixture("kimi_k3_1_pro") / "prompts.json").string() +
                            " --max-tokens 20 --temperature 0 --ignore-eos";
   const std::string dspark = R"( -sc '{"method": "dspark", "model": ")" + fixture("kimi_k3_dspark").string() +
                              R"(", "num_speculative_tokens": 4}')";
+  auto speculation_line = [](const std::string& err) {
+    const size_t at = err.find("sparrow: speculative decoding");
+    return at == std::string::npos ? "" : err.substr(at, err.find('\n', at) - at);
+  };
   const auto plain = sparrow::testing::run_sparrow(base);
-  const auto drafted = sparrow::testing::run_sparrow(base + dspark);
-  EXPECT_EQ(plain.status, 0) << plain.err;
-  EXPECT_EQ(drafted.status, 0) << drafted.err;
-  EXPECT_EQ(drafted.out, plain.out);
-  EXPECT_NE(drafted.err.find("sparrow: speculative decoding"), std::string::npos) << drafted.err;
-  const auto sharded = sparrow::testing::run_sparrow(base + " -tp 2" + dspark);
-  EXPECT_NE(sharded.status, 0);
-  EXPECT_NE(sharded.err.find("tensor parallelism"), std::string::npos) << sharded.err;
+  const auto single = sparrow::testing::run_sparrow(base + dspark);
+  ASSERT_EQ(plain.status, 0) << plain.err;
+  ASSERT_EQ(single.status, 0) << single.err;
+  ASSERT_EQ(single.out, plain.out);
+  ASSERT_NE(speculation_line(single.err), "") << single.err;
+  for (const std::string layout : {"-tp 2", "-tp 2 --enable-expert-parallel", "-tp 2 -dcp 2",
+                                   "-dp 2 -tp 2 --enable-expert-parallel"}) {
+    SCOPED_TRACE(layout);
+    const auto sharded = sparrow::testing::run_sparrow(base + " " + layout + dspark);
+    EXPECT_EQ(sharded.status, 0) << sharded.err;
+    EXPECT_EQ(sharded.out, plain.out);
+    if (layout.find("-dp") == std::string::npos)
+      EXPECT_EQ(speculation_line(sharded.err), speculation_line(single.err)) << sharded.err;
+    else  // each group reports its own share of the prompts
+      EXPECT_NE(sharded.err.find("speculative decoding (data-parallel group 1)"), std::string::npos) << sharded.err;
+  }
 }

@@ -130,7 +130,8 @@ void add_speculative_option(CLI::App* sub, std::string& json);
 SpeculativeConfig read_speculative_config(const std::string& json);
 // Method draft_model: its draft model (config.model) loaded on `device` in this process, unsharded; method mtp:
 // the MTP layer of the served model's folder `model_dir` (one process only: not under -tp / -dp yet); method
-// dspark: the DSpark drafter of config.model bound to `target` (model/dspark.h); null for ngram.
+// dspark: the DSpark drafter of config.model bound to `target` (model/dspark.h; under -tp / -dp whole on each
+// group's rank 0); null for ngram.
 std::unique_ptr<Model> load_draft_model(const SpeculativeConfig& config, const std::string& model_dir,
                                         const std::string& device, Model& target);
 

@@ -442,7 +442,8 @@ std::unique_ptr<Model> load_draft_model(const SpeculativeConfig& config, const s
   if (config.method == "dspark") {
     model_config_path(config.model);  // "not a directory" with the hint, as for --model
     try {
-      return load_dspark_drafter(config.model, target, weight_options());
+      // Under -tp / -dp it runs whole on each group's rank 0, as the MTP layer does (above).
+      return load_dspark_drafter(config.model, target, weight_options(), model_dir);
     } catch (const Error& e) {
       fail("--speculative-config: the DSpark drafter ", config.model, ": ", e.what());
     }

@@ -17,7 +17,7 @@ std::vector<LayerCacheSpec> DecoderModel::cache_spec() const {
   return spec;
 }
 
-void DecoderModel::take_embeddings(Checkpoint& ckpt, const std::string& decoder_prefix, const std::string& head_name,
+void DecoderModel::take_embeddings(Checkpoint& ckpt, const std::string& decoder_prefix, const std::string& head,
                                    bool tied) {
   placed_on = ckpt.device();
   tp = ckpt.tensor_parallel();
@@ -26,14 +26,16 @@ void DecoderModel::take_embeddings(Checkpoint& ckpt, const std::string& decoder_
   const Split rows = tp.sharded() ? vocab_share(tp, vocab).split(0) : Split{};
   vocab_first = rows.whole() ? 0 : rows.begin;
   vocab_part = rows.whole() ? vocab : (vocab + tp.size - 1) / tp.size;
-  embed = ckpt.take(decoder_prefix + "embed_tokens.weight", {vocab, hidden}, rows);
+  embed_name = decoder_prefix + "embed_tokens.weight";
+  head_name = tied ? embed_name : head;
+  embed = ckpt.take(embed_name, {vocab, hidden}, rows);
   final_norm = ckpt.take(decoder_prefix + "norm.weight", {hidden});
   if (!tied) {
-    lm_head = ckpt.take(head_name, {vocab, hidden}, rows);
+    lm_head = ckpt.take(head, {vocab, hidden}, rows);
     return;
   }
   lm_head = embed;
-  if (ckpt.has(head_name)) ckpt.take(head_name, {vocab, hidden}, rows);
+  if (ckpt.has(head)) ckpt.take(head, {vocab, hidden}, rows);
 }
 
 bool DecoderModel::captures(size_t layer) const {

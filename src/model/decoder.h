@@ -81,6 +81,7 @@ class DecoderModel : public Model {
   Tensor embed;                   // [vocab, hidden]; sharded: this rank's rows (model/tensor_parallel.h)
   Tensor final_norm;              // [hidden]
   Tensor lm_head;                 // [vocab, hidden] (may share storage with embed when tied); sharded: its rows
+  std::string embed_name, head_name;  // their checkpoint names (the same when tied): a drafter reads them whole
   TensorParallel tp;              // the tensor-parallel group (Checkpoint::tensor_parallel)
   int64_t vocab_first = 0;        // sharded: the first vocabulary row of embed and lm_head here
   int64_t vocab_part = 0;         // sharded: the rows each rank holds (the last ones may hold fewer)
@@ -97,11 +98,11 @@ class DecoderModel : public Model {
   // default VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=0).
   std::vector<int> aux_hidden_layers;
 
-  // Takes embed_tokens and norm under `decoder_prefix` (e.g. "model.") and the output head `head_name`
+  // Takes embed_tokens and norm under `decoder_prefix` (e.g. "model.") and the output head `head`
   // (this rank's vocabulary rows of both when the checkpoint is sharded).
   // With tied embeddings the head is the embedding; transformers ties it even when the file also holds
   // a head, which is then taken and dropped.
-  void take_embeddings(Checkpoint& ckpt, const std::string& decoder_prefix, const std::string& head_name, bool tied);
+  void take_embeddings(Checkpoint& ckpt, const std::string& decoder_prefix, const std::string& head, bool tied);
 
   const std::string& model_type() const override { return type; }
   Device device() const override { return placed_on; }

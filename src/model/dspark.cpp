@@ -50,12 +50,14 @@ Tensor DSparkDrafter::markov_bias(const std::vector<int32_t>& previous) const {
   return bias;
 }
 
-std::unique_ptr<DSparkDrafter> load_dspark_drafter(const std::string& dir, Model& target, const LoadOptions& options) {
+std::unique_ptr<DSparkDrafter> load_dspark_drafter(const std::string& dir, Model& target, const LoadOptions& options,
+                                                   const std::string& target_dir) {
   auto* stack = dynamic_cast<DecoderModel*>(&target);
   SPARROW_CHECK(stack != nullptr, "speculative decoding: method \"dspark\" reads the target's layer outputs, which ",
                 target.model_type(), " does not give");
-  SPARROW_CHECK(!stack->tp.sharded() && !options.tensor_parallel.sharded(),
-                "speculative decoding: method \"dspark\" does not run under tensor parallelism yet");
+  SPARROW_CHECK(!options.tensor_parallel.sharded(), "the DSpark drafter is not split over tensor-parallel ranks");
+  SPARROW_CHECK(!stack->tp.sharded() || !target_dir.empty(), "speculative decoding: the DSpark drafter of a target "
+                "split over tensor-parallel ranks reads its embedding and head whole from the target's folder");
   std::unique_ptr<Checkpoint> ckpt = open_checkpoint(dir, target.device(), options);
   const Config& config = ckpt->config();
   const std::string type = config.get_string("model_type");
@@ -131,8 +133,18 @@ std::unique_ptr<DSparkDrafter> load_dspark_drafter(const std::string& dir, Model
 
   drafter->first_layer = int(stack->num_layers());
   drafter->target_cache_spec = stack->cache_spec();
-  drafter->embed = stack->embed;
-  drafter->lm_head = stack->lm_head;
+  if (!stack->tp.sharded()) {
+    drafter->embed = stack->embed;
+    drafter->lm_head = stack->lm_head;
+  } else {  // the rank holds a share of the vocabulary rows: the whole tensors from the target's folder
+    LoadOptions whole = options;
+    whole.tensor_parallel = {};
+    std::unique_ptr<Checkpoint> target_ckpt = open_checkpoint(target_dir, target.device(), whole);
+    drafter->embed = target_ckpt->take(stack->embed_name, {stack->vocab, stack->hidden});
+    drafter->lm_head = stack->head_name == stack->embed_name
+                           ? drafter->embed
+                           : target_ckpt->take_linear(stack->head_name, {stack->vocab, stack->hidden});
+  }
   const int64_t context_width = stack->hidden * int64_t(ids.size());
   drafter->context_proj = ckpt->take_linear("context_proj.weight", {hidden, context_width});
   drafter->context_norm = ckpt->take("context_norm.weight", {hidden});

@@ -69,10 +69,12 @@ class DSparkDrafter final : public Model {
 
 // The DSpark drafter of folder `dir` (config.json model_type k3_dspark) for `target`, on the target's
 // device: shares the target's embedding and output head and makes the target keep the streams its context
-// reads (DecoderModel::aux_hidden_layers). One-line errors for another drafter type, a config vLLM's
-// K3DSparkConfig refuses, a drafter that does not fit the target (hidden size, vocabulary, layer ids), or
-// a target sparrow cannot read the streams of (not a decoder stack, or split over tensor-parallel ranks).
+// reads (DecoderModel::aux_hidden_layers). A target split over tensor-parallel ranks (rank 0's part) holds
+// a share of the vocabulary rows: the drafter then reads the whole embedding and head from the target's
+// folder `target_dir` (it runs whole on rank 0, as the MTP layer does). One-line errors for another drafter
+// type, a config vLLM's K3DSparkConfig refuses, a drafter that does not fit the target (hidden size,
+// vocabulary, layer ids), or a target sparrow cannot read the streams of (not a decoder stack).
 std::unique_ptr<DSparkDrafter> load_dspark_drafter(const std::string& dir, Model& target,
-                                                   const LoadOptions& options = {});
+                                                   const LoadOptions& options = {}, const std::string& target_dir = "");
 
 }  // namespace sparrow
