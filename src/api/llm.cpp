@@ -11,6 +11,7 @@
 #include "engine/generate.h"
 #include "formats/checkpoint.h"
 #include "formats/config.h"
+#include "model/dspark.h"
 #include "model/mtp.h"
 #include "runner/memory_profile.h"
 #include "server/api_error.h"
@@ -87,6 +88,10 @@ Llm::Llm(LlmOptions options) : options_(std::move(options)) {
   }
   model_ = load(model_path_);
   weights_folder_ = model_path_;
+  if (config_.speculative.method == "dspark") {  // bound to the target: it shares its embedding and head
+    draft_model_ = load_dspark_drafter(config_.speculative.model, *model_, load_options(), model_path_);
+    config_.draft_model = draft_model_.get();
+  }
   const bool on_gpu = model_->device() != Device::Cpu;
   if (options_.kv_cache_memory > 0) {
     config_.cache.memory_bytes = options_.kv_cache_memory;

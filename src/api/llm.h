@@ -129,7 +129,7 @@ class Llm {
   std::shared_ptr<const Tokenizer> tokenizer_;
   std::unique_ptr<ChatTemplate> chat_template_;
   std::unique_ptr<Model> model_;
-  std::unique_ptr<Model> draft_model_;  // speculative decoding's method draft_model
+  std::unique_ptr<Model> draft_model_;  // speculative decoding's draft model, MTP layer or DSpark drafter
   EngineConfig config_;
   std::unique_ptr<EngineCore> engine_;
   int64_t next_request_ = 0;

@@ -246,6 +246,15 @@ def test_speculative_config_gives_the_same_outputs(llm):
                       speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     assert [o.outputs[0].token_ids for o in mtp.generate(prompts, greedy)] == \
         [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+    # A DSpark drafter (Kimi K3's, on its fixture: model/dspark.h).
+    k3 = FIXTURES / "kimi_k3_1_pro"
+    prompts = json.loads((k3 / "prompts.json").read_text())["prompts"]
+    plain = sparrow.LLM(str(k3), kv_cache_memory_bytes=64 << 20)
+    dspark = sparrow.LLM(str(k3), kv_cache_memory_bytes=64 << 20,
+                         speculative_config={"method": "dspark", "model": str(FIXTURES / "kimi_k3_dspark"),
+                                             "num_speculative_tokens": 4})
+    assert [o.outputs[0].token_ids for o in dspark.generate(prompts, greedy)] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
 
 
 def test_lora_requests_pick_their_adapter_per_prompt(tmp_path):
