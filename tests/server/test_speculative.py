@@ -3,12 +3,15 @@ speculates answers exactly what a plain one answers (greedy and seeded sampling,
 streaming, structured outputs), reports vLLM's spec_decode counters on /metrics, and says so at start."""
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 
 from sparrow_server import API_KEY, MODEL_NAME, wait_until
 
+REPO = Path(__file__).resolve().parents[2]
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 PROMPT = "abc abc abc abc abc abc abc "
 
@@ -87,3 +90,23 @@ def test_bad_config_refuses_to_start(sparrow_binary, model_dir):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "prompt_lookup_max\" must be an integer" in r.stderr, r.stderr
+
+
+def test_dspark_server_answers_as_a_plain_one(start_server, test_model):
+    """The dspark method (model/dspark.h) through the server: a DSpark drafter for Kimi K3
+    (tests/fixtures/kimi_k3_dspark, for the kimi_k3_1_pro fixture) gives the answers a plain server of the same
+    model gives, greedy and seeded, with its drafts verified (the target's KDA states roll back on rejections)."""
+    model = test_model("kimi_k3_1_pro")
+    config = json.dumps({"method": "dspark", "model": str(REPO / "tests/fixtures/kimi_k3_dspark"),
+                         "num_speculative_tokens": 4})
+    plain = start_server("--api-key", API_KEY, model=model)
+    drafting = start_server("--api-key", API_KEY, "--speculative-config", config, model=model)
+    for params in ({"temperature": 0}, {"temperature": 0.8, "seed": 5}):
+        for prompt in ("hello world", "abc abc abc", "1 2 3 4 5"):
+            want = plain.client().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, **params)
+            got = drafting.client().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, **params)
+            assert got.choices[0].text == want.choices[0].text, (prompt, params)
+    assert drafting.metrics()["vllm:spec_decode_num_drafts_total"] > 0
+    assert wait_until(lambda: any("speculative decoding: dspark" in line for line in drafting.stderr), timeout_s=10)
+    assert drafting.stop() == 0, drafting.output()
+    assert plain.stop() == 0, plain.output()
