@@ -1,13 +1,16 @@
 // LoRA adapters on the GPU (model/lora.h, issue 29): the same ops as on the CPU, in bf16. On the GPU fixtures
 // of the families that run there, an adapter answers as its merged checkpoint and requests of two adapters and
 // the base model in one batch answer as they do alone, both up to bf16 rounding: greedy tokens equal until the
-// first near tie (within kTieMargin of the other run's choice), prompt logprobs within kLogprobTolerance.
-// A LoRA that were not applied, or applied to the wrong rows, is off by far more (checked: the adapters move
-// the prompt logprobs by more than kAdapterEffect). Prompts stay within the fixtures' top-k budgets: past
+// first near tie (within kTieMargin of the other run's choice), prompt logprobs within kLogprobTolerance, or
+// against the merged checkpoint within twice the fixture's own bf16 noise (its merged run against the CPU's
+// fp32) where that is larger. A LoRA that were not applied, or applied to the wrong rows, is off by far more
+// (checked: the adapters move the prompt logprobs by more than kAdapterEffect and twice that tolerance). Prompts stay within the fixtures' top-k budgets: past
 // them a bf16 difference flips the indexers' selections of these random-weight models, and logits move by
 // far more than rounding (the whole-model GPU tests print the same against transformers).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -51,9 +54,19 @@ Outputs run(Model& model, const std::vector<Request>& requests, bool together) {
 // Within the fixtures' sparse budgets (see above).
 std::vector<Request> prompts(int64_t vocab) { return greedy_requests(vocab, {7, 20, 33}, 9, 5, 0); }
 
-// got against want: tokens equal until a near tie; prompt logprobs close. Returns the largest prompt
-// logprob difference.
-float expect_close(const Choice& got, const Choice& want, const std::string& what) {
+// The largest difference of two runs' prompt logprobs.
+float prompt_logprob_gap(const Choice& a, const Choice& b) {
+  float worst = 0;
+  for (size_t i = 0; i < std::min(a.prompt_logprobs.size(), b.prompt_logprobs.size()); ++i)
+    if (a.prompt_logprobs[i] && b.prompt_logprobs[i])
+      worst = std::max(worst, std::fabs(a.prompt_logprobs[i]->logprob - b.prompt_logprobs[i]->logprob));
+  return worst;
+}
+
+// got against want: tokens equal until a near tie; prompt logprobs within `tolerance`. Returns the largest
+// prompt logprob difference.
+float expect_close(const Choice& got, const Choice& want, const std::string& what,
+                   float tolerance = kLogprobTolerance) {
   for (size_t i = 0; i < std::min(got.tokens.size(), want.tokens.size()); ++i) {
     if (got.tokens[i] == want.tokens[i]) continue;
     float chosen = -INFINITY;
@@ -62,12 +75,9 @@ float expect_close(const Choice& got, const Choice& want, const std::string& wha
     EXPECT_GE(chosen, want.logprobs[i].logprob - kTieMargin) << what << ": token " << i << " is not a near tie";
     break;
   }
-  float worst = 0;
   EXPECT_EQ(got.prompt_logprobs.size(), want.prompt_logprobs.size()) << what;
-  for (size_t i = 0; i < std::min(got.prompt_logprobs.size(), want.prompt_logprobs.size()); ++i)
-    if (got.prompt_logprobs[i] && want.prompt_logprobs[i])
-      worst = std::max(worst, std::fabs(got.prompt_logprobs[i]->logprob - want.prompt_logprobs[i]->logprob));
-  EXPECT_LE(worst, kLogprobTolerance) << what;
+  const float worst = prompt_logprob_gap(got, want);
+  EXPECT_LE(worst, tolerance) << what;
   return worst;
 }
 
@@ -95,14 +105,22 @@ TEST_P(CudaLora, AdaptersAnswerAsTheirMergedCheckpointsAloneAndInOneBatch) {
   }
   const Outputs together = run(*model, mixed, true);
   const Outputs alone = run(*model, mixed, false);
-  Outputs want;
+  Outputs want, exact;
   {
     auto merged = load_model(merged_a->path(), Device::Cuda);
     want = run(*merged, plain, false);
+    auto merged_cpu = load_model(merged_a->path(), Device::Cpu);
+    exact = run(*merged_cpu, plain, false);
   }
-  float effect = 0;
+  // The fixture's own bf16 noise: the merged checkpoint on the GPU against the CPU's fp32. The adapter's run and
+  // the merged one round differently (W x + B (A x) against (W + B A) x), each about that far from fp32.
+  float noise = 0;
+  for (const Request& r : plain) noise = std::max(noise, prompt_logprob_gap(want.at(r.id), exact.at(r.id)));
+  const float tolerance = std::max(kLogprobTolerance, 2 * noise + 0.05f);
+  float effect = 0, worst = 0;
   for (const Request& r : plain) {
-    expect_close(alone.at(r.id + "+a"), want.at(r.id), GetParam() + " " + r.id + " adapter against merged");
+    worst = std::max(worst, expect_close(alone.at(r.id + "+a"), want.at(r.id),
+                                         GetParam() + " " + r.id + " adapter against merged", tolerance));
     for (const std::string& tag : {"", "+a", "+b"})
       expect_close(together.at(r.id + tag), alone.at(r.id + tag), GetParam() + " " + r.id + tag + " batched against alone");
     const Choice &base = alone.at(r.id), &adapted = alone.at(r.id + "+a");
@@ -110,7 +128,10 @@ TEST_P(CudaLora, AdaptersAnswerAsTheirMergedCheckpointsAloneAndInOneBatch) {
       if (base.prompt_logprobs[i] && adapted.prompt_logprobs[i])
         effect = std::max(effect, std::fabs(base.prompt_logprobs[i]->logprob - adapted.prompt_logprobs[i]->logprob));
   }
-  EXPECT_GT(effect, kAdapterEffect) << "the adapter hardly moves the model: the test could not see it ignored";
+  std::printf("[ note ] %s: bf16 noise %.3f, adapter against merged %.3f (tolerance %.3f), adapter effect %.3f\n",
+              GetParam().c_str(), noise, worst, tolerance, effect);
+  EXPECT_GT(effect, std::max(kAdapterEffect, 2 * tolerance))
+      << "the adapter hardly moves the model next to the rounding: the test could not see it ignored";
 }
 
 INSTANTIATE_TEST_SUITE_P(GpuFixtures, CudaLora,
