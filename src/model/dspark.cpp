@@ -28,6 +28,7 @@ Tensor DSparkDrafter::forward(const Batch& batch, StepMarks* marks) {
     ops::add_(x, layer.ffn->forward(ops::rms_norm(x, layer.post_norm, norm_eps), batch));
     if (marks) marks->mark("dspark ffn");
   }
+  if (!batch.all_logits) x = select_logit_rows(x, batch);
   ops::rms_norm_(x, final_norm, norm_eps);
   Tensor logits = ops::linear(x, lm_head, ScalarType::F32);
   if (logit_scale != 1.0f) ops::scale_(logits, logit_scale);

@@ -56,7 +56,8 @@ class DSparkDrafter final : public Model {
   bool capturable() const override { return false; }
   std::vector<LayerCacheSpec> cache_spec() const override;
   // The query block: every sequence's rows are [bonus, mask, ...] at consecutive positions right after its
-  // context; returns the base logits of every row (fp32 [batch.size(), vocab]), before the Markov bias.
+  // context; returns the base logits (fp32, the rows Model::forward says: every row for the proposer's
+  // all_logits batches), before the Markov bias.
   Tensor forward(const Batch& batch, StepMarks* marks) override;
   // The context: batch.hidden_states_in holds the target's captured streams ([rows, target_hidden * n]) of
   // the batch's rows, whose positions are the target's; writes every draft layer's cache row there. On a GPU
