@@ -191,7 +191,8 @@ TEST(DSpark, ProposerDraftsTheReferenceDrafts) {
       auto proposer = make_dspark_proposer(*m.drafter, false);
       Held held(cache, c.prompt);
       Sequence& seq = *held.seq;
-      while (seq.num_computed() < n) target_step(target, cache, *proposer, seq, std::min(n, seq.num_computed() + chunk));
+      while (seq.num_computed() < n)
+        target_step(target, cache, *proposer, seq, std::min(n, seq.num_computed() + chunk));
       ASSERT_EQ(seq.tokens.back(), c.bonus);
       EXPECT_EQ(propose(*proposer, cache, seq, kBlock), c.drafts) << "chunks of " << chunk;
       // A block cut short drafts fewer tokens (its own pass, so not necessarily a prefix of the others).
@@ -281,9 +282,9 @@ TEST(DSpark, ProbabilisticDraftsForSampledRequests) {
   EngineConfig config;
   config.max_model_len = 160;
   config.cache = roomy_cache(false);
-  config.speculative = parse_speculative_config(R"({"method": "dspark", "model": ")" +
-                                                fixture("kimi_k3_dspark").string() +
-                                                R"(", "num_speculative_tokens": 4, "draft_sample_method": "probabilistic"})");
+  config.speculative = parse_speculative_config(
+      R"({"method": "dspark", "model": ")" + fixture("kimi_k3_dspark").string() +
+      R"(", "num_speculative_tokens": 4, "draft_sample_method": "probabilistic"})");
   config.draft_model = m.drafter.get();
   auto run = [&] {
     EngineCore engine(*m.target, nullptr, config);
@@ -321,8 +322,9 @@ TEST(DSpark, BadUsesAreOneLineErrors) {
   EXPECT_TRUE(mentions(error_message([&] { load_dspark_drafter(fixture("kimi_k3_dspark").string(), *shallower); }),
                        {"target_layer_ids", "0 .. 2"}));
   // The config without a drafter folder.
-  EXPECT_TRUE(mentions(error_message([] { parse_speculative_config(R"({"method": "dspark", "num_speculative_tokens": 4})"); }),
-                       {"dspark", "model"}));
+  EXPECT_TRUE(mentions(
+      error_message([] { parse_speculative_config(R"({"method": "dspark", "num_speculative_tokens": 4})"); }),
+      {"dspark", "model"}));
   // A drafter of one target in the engine of another.
   Loaded m;
   EngineConfig config;
@@ -373,7 +375,8 @@ TEST(DSpark, GenerateCommandAloneAndSharded) {
 // misread drafter accepts almost nothing, 1.0-1.05), alone and with the target split over two ranks.
 TEST(DSpark, BundledDrafterIsAccepted) {
   const fs::path model = fs::path(SPARROW_SOURCE_DIR) / "models/kimi_k3";
-  const std::string base = "generate --model " + model.string() + " --prompt 'def fibonacci(n):' --max-tokens 96 --temperature 0";
+  const std::string base =
+      "generate --model " + model.string() + " --prompt 'def fibonacci(n):' --max-tokens 96 --temperature 0";
   const std::string dspark = R"( -sc '{"method": "dspark", "model": ")" + (model / "dspark").string() +
                              R"(", "num_speculative_tokens": 4}')";
   for (const std::string layout : {"", " -tp 2"}) {

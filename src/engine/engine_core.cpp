@@ -426,7 +426,7 @@ int64_t EngineCore::settle_verification(Sequence& seq, int64_t drafts, int64_t a
 
 void EngineCore::end_step(const Batch& batch, const std::vector<Sequence*>& alive, const std::vector<int64_t>& rows_kept,
                           const std::vector<Sequence*>& decoding) {
-  // A proposer that reads the step (MTP) writes its cache rows for the step's positions before the blocks
+  // A proposer that reads the step (MTP, DSpark) writes its cache rows for the step's positions before the blocks
   // holding them are committed: a block enters the prefix cache whole.
   if (proposer_) proposer_->observe(batch, alive, rows_kept);
   propose_drafts(decoding);

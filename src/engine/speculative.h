@@ -76,7 +76,7 @@ class DraftProposer {
   // The sequence is done (finished or aborted): let go of anything kept for it.
   virtual void forget(const Sequence& seq) { (void)seq; }
 
-  // Proposers that read the target (MTP). With reads_hidden_states every step keeps them
+  // Proposers that read the target (MTP, DSpark). With reads_hidden_states every step keeps them
   // (Batch::keep_hidden_states), and observe() gets each step after its verification, before its tokens are
   // committed (so that cache rows a proposer writes for them enter the prefix cache with the block): the
   // step's batch and each of its sequences (null for those that finished in it), in the batch's order, with
@@ -88,7 +88,7 @@ class DraftProposer {
     (void)seqs;
     (void)rows_kept;
   }
-  // Cache rows past a sequence's computed tokens that proposing k drafts writes (MTP: k - 1); the engine
+  // Cache rows past a sequence's computed tokens that proposing k drafts writes (MTP: k - 1, DSpark: k); the engine
   // allocates them first.
   virtual int64_t rows_ahead(int64_t k) const {
     (void)k;

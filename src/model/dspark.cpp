@@ -82,11 +82,13 @@ std::unique_ptr<DSparkDrafter> load_dspark_drafter(const std::string& dir, Model
   drafter->logit_scale = float(config.get_float("logit_scale", 1.0));
   config.require(config.get_int("draft_vocab_size", drafter->vocab) == drafter->vocab, "draft_vocab_size",
                  "vocab_size (the drafter shares the target's embedding and head)");
-  SPARROW_CHECK(drafter->vocab == stack->vocab && drafter->hidden == stack->hidden, "speculative decoding: the DSpark "
-                "drafter (hidden ", drafter->hidden, ", vocabulary ", drafter->vocab, ") does not fit the target (hidden ",
-                stack->hidden, ", vocabulary ", stack->vocab, "): it shares the target's embedding and head");
+  SPARROW_CHECK(drafter->vocab == stack->vocab && drafter->hidden == stack->hidden,
+                "speculative decoding: the DSpark drafter (hidden ", drafter->hidden, ", vocabulary ", drafter->vocab,
+                ") does not fit the target (hidden ", stack->hidden, ", vocabulary ", stack->vocab,
+                "): it shares the target's embedding and head");
   // The mask token, where vLLM's get_parallel_drafting_token_id looks for it.
-  const Config dflash = config.has("dflash_config") ? config.get_object("dflash_config") : Config(nlohmann::json::object(), "dflash_config");
+  const Config dflash = config.has("dflash_config") ? config.get_object("dflash_config")
+                                                     : Config(nlohmann::json::object(), "dflash_config");
   const char* mask_key = dflash.has("mask_token_id")     ? "mask_token_id"
                          : config.has("mask_token_id")    ? "mask_token_id"
                          : config.has("dspark_noise_token_id") ? "dspark_noise_token_id"

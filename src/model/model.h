@@ -73,10 +73,11 @@ struct Batch {
   // Data parallelism (TensorParallel::data_parallel): every group's token count in this step, this group's
   // among them (attached by the runner: runner/data_parallel.h); empty otherwise.
   mutable std::vector<int64_t> group_tokens;
-  // Speculative decoding's MTP drafter (model/mtp.h) reads the target's hidden states: with
-  // keep_hidden_states, forward() leaves every row's (the state the output head reads, [size(), hidden], on
-  // the model's device) in hidden_states; a drafter's batch brings them in hidden_states_in and gets its own
-  // back in hidden_states.
+  // Speculative decoding's MTP and DSpark drafters (model/mtp.h, model/dspark.h) read the target's hidden
+  // states: with keep_hidden_states, forward() leaves every row's (the state the output head reads,
+  // [size(), hidden], or the streams of DecoderModel::aux_hidden_layers side by side, on the model's device)
+  // in hidden_states; a drafter's batch brings them in hidden_states_in (the MTP layer gets its own back in
+  // hidden_states).
   bool keep_hidden_states = false;
   mutable Tensor hidden_states;
   mutable Tensor hidden_states_in;  // mutable: a CUDA graph points it at its own copy (runner/decode_graphs.h)

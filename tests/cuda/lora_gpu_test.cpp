@@ -4,9 +4,10 @@
 // first near tie (within kTieMargin of the other run's choice), prompt logprobs within kLogprobTolerance, or
 // against the merged checkpoint within twice the fixture's own bf16 noise (its merged run against the CPU's
 // fp32) where that is larger. A LoRA that were not applied, or applied to the wrong rows, is off by far more
-// (checked: the adapters move the prompt logprobs by more than kAdapterEffect and twice that tolerance). Prompts stay within the fixtures' top-k budgets: past
-// them a bf16 difference flips the indexers' selections of these random-weight models, and logits move by
-// far more than rounding (the whole-model GPU tests print the same against transformers).
+// (checked: the adapters move the prompt logprobs by more than kAdapterEffect and twice that tolerance).
+// Prompts stay within the fixtures' top-k budgets: past them a bf16 difference flips the indexers' selections
+// of these random-weight models, and logits move by far more than rounding (the whole-model GPU tests print
+// the same against transformers).
 #include <gtest/gtest.h>
 
 #include <algorithm>
