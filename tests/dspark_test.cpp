@@ -20,6 +20,7 @@
 #include "cache/kv_cache.h"
 #include "core/error.h"
 #include "cuda/model_test_util.h"
+#include "drafter_test_util.h"
 #include "engine/dspark_proposer.h"
 #include "engine/engine_core.h"
 #include "engine/sequence.h"
@@ -30,6 +31,7 @@
 #include "test_util.h"
 
 using namespace sparrow;
+using sparrow::testing::Held, sparrow::testing::roomy_cache, sparrow::testing::target_step;
 namespace fs = std::filesystem;
 
 namespace {
@@ -66,16 +68,6 @@ std::vector<Case> read_cases() {
 
 constexpr int64_t kBlock = 4;  // the fixture's num_speculative_tokens
 
-CacheConfig roomy_cache(bool prefix_caching) {
-  CacheConfig config;
-  config.block_size = 16;
-  config.kv_cache_dtype = "float32";
-  config.max_num_seqs = 8;
-  config.enable_prefix_caching = prefix_caching;
-  config.memory_bytes = int64_t(64) << 20;
-  return config;
-}
-
 struct Loaded {
   Loaded()
       : target(load_model(fixture("kimi_k3_1_pro").string())),
@@ -83,33 +75,6 @@ struct Loaded {
   std::unique_ptr<Model> target;
   std::unique_ptr<DSparkDrafter> drafter;
 };
-
-// A sequence of `prompt` in `cache`, as the engine holds one (the request must outlive it).
-struct Held {
-  Request request;
-  std::unique_ptr<Sequence> seq;
-  Held(KvCache& cache, const Tokens& prompt) : request{"r", prompt, {}} {
-    seq = std::make_unique<Sequence>(request, 0, Tokens{}, nullptr);
-    seq->cache_id = cache.create_sequence();
-    seq->state.cache = cache.view(seq->cache_id);
-  }
-};
-
-// Runs `seq`'s tokens from its length up to `end` as one target step (hidden states kept), lets the proposer
-// observe it and commits, as EngineCore::step does; samples the greedy next token when the prompt is done.
-void target_step(ModelRunner& target, KvCache& cache, DraftProposer& proposer, Sequence& seq, int64_t end) {
-  const int64_t start = seq.num_computed();
-  ASSERT_TRUE(cache.allocate(seq.cache_id, end + kBlock));
-  Batch batch = make_batch({{&seq.state, Tokens(seq.tokens.begin() + start, seq.tokens.begin() + end)}});
-  batch.all_logits = false;
-  batch.keep_hidden_states = true;
-  const Tensor logits = target.run(batch);
-  if (end == int64_t(seq.tokens.size())) seq.tokens.push_back(model_test::argmax(logits.row(0), logits.dim(1)));
-  Sequence* seqs[] = {&seq};
-  const int64_t kept[] = {seq.num_computed()};
-  proposer.observe(batch, seqs, kept);
-  cache.commit_tokens(seq.cache_id, seq.tokens, seq.num_computed());
-}
 
 Tokens propose(DraftProposer& proposer, KvCache& cache, Sequence& seq, int64_t k) {
   EXPECT_TRUE(cache.allocate(seq.cache_id, seq.num_computed() + proposer.rows_ahead(k)));
@@ -222,35 +187,11 @@ TEST(DSpark, DraftsAfterAPrefixHitUseTheCachedRows) {
 
 TEST(DSpark, EngineGivesTheGreedyTokensItGivesWithout) {
   Loaded m;
-  std::vector<Request> requests;
-  for (const Case& c : read_cases()) {
-    for (int copy = 0; copy < 2; ++copy) {  // the copies hit the prefix cache
-      Request r{"r" + std::to_string(requests.size()), c.prompt, {}};
-      r.params.temperature = 0;
-      r.params.max_tokens = 24;
-      r.params.ignore_eos = true;
-      requests.push_back(r);
-    }
-  }
-  auto run = [&](EngineConfig config, EngineStats* stats) {
-    EngineCore engine(*m.target, nullptr, config);
-    std::map<std::string, Tokens> out;
-    for (const Request& r : requests)
-      engine.add(r, [&](const RequestOutput& e) {
-        out[e.request_id].insert(out[e.request_id].end(), e.new_tokens.begin(), e.new_tokens.end());
-      });
-    while (engine.step()) {
-    }
-    EXPECT_EQ(engine.cache().num_free_blocks(), engine.cache().plan().num_blocks);
-    if (stats) *stats = engine.stats();
-    return out;
-  };
-  EngineConfig plain;
-  plain.max_model_len = 160;
-  plain.max_num_seqs = 8;
-  plain.max_num_batched_tokens = 4096;
-  plain.cache = roomy_cache(true);
-  const auto want = run(plain, nullptr);
+  std::vector<Tokens> prompts;
+  for (const Case& c : read_cases()) prompts.push_back(c.prompt);
+  const std::vector<Request> requests = sparrow::testing::twice_each(prompts);
+  const EngineConfig plain = sparrow::testing::roomy_engine();
+  const auto want = sparrow::testing::engine_tokens(*m.target, requests, plain, nullptr);
   for (const char* sampling : {"greedy", "probabilistic"}) {  // greedy requests draft greedily either way
     for (bool squeezed : {false, true}) {
       SCOPED_TRACE(std::string(sampling) + (squeezed ? ", squeezed" : ", roomy"));
@@ -259,15 +200,9 @@ TEST(DSpark, EngineGivesTheGreedyTokensItGivesWithout) {
           R"({"method": "dspark", "model": ")" + fixture("kimi_k3_dspark").string() +
           R"(", "num_speculative_tokens": 4, "draft_sample_method": ")" + sampling + R"("})");
       config.draft_model = m.drafter.get();
-      if (squeezed) {
-        config.max_num_seqs = 3;
-        config.max_num_batched_tokens = 13;
-        config.cache.block_size = 4;
-        config.cache.memory_bytes = 0;
-        config.cache.num_blocks = 45;  // 180 tokens for about 320: preemption
-      }
+      if (squeezed) sparrow::testing::squeeze(config);
       EngineStats stats;
-      EXPECT_EQ(run(config, &stats), want);
+      EXPECT_EQ(sparrow::testing::engine_tokens(*m.target, requests, config, &stats), want);
       EXPECT_GT(stats.spec_decode.drafts, 0);
       if (squeezed) EXPECT_GT(stats.preemptions + stats.prefix_hits, 0);
     }
@@ -346,10 +281,7 @@ TEST(DSpark, GenerateCommandAloneAndSharded) {
                            " --max-tokens 20 --temperature 0 --ignore-eos";
   const std::string dspark = R"( -sc '{"method": "dspark", "model": ")" + fixture("kimi_k3_dspark").string() +
                              R"(", "num_speculative_tokens": 4}')";
-  auto speculation_line = [](const std::string& err) {
-    const size_t at = err.find("sparrow: speculative decoding");
-    return at == std::string::npos ? "" : err.substr(at, err.find('\n', at) - at);
-  };
+  using sparrow::testing::speculation_line;
   const auto plain = sparrow::testing::run_sparrow(base);
   const auto single = sparrow::testing::run_sparrow(base + dspark);
   ASSERT_EQ(plain.status, 0) << plain.err;
