@@ -431,6 +431,10 @@ TEST(CudaDsaIndexer, ScoresMatchCpuDecode) {
       std::uniform_int_distribution<int64_t> len(1, 5000);
       for (int i = 0; i < 40; ++i) ctx.push_back(len(rng)), rps.push_back(1 + int(rng() % 2));
       run_score_case(format, {heads, ctx, rps}, rng, seed);
+      // Other block sizes: the FP8 kernel copies a 64-key tile from one page when block_size is a multiple
+      // of 64 (64, 128, 192: a shift or a division to find it) and finds each key's page otherwise (32, 48).
+      for (int block_size : {32, 48, 128, 192})
+        run_score_case(format, {heads, {5000, 130, 1, 700}, {1, 2, 1, 1}, block_size}, rng, seed);
     }
 }
 

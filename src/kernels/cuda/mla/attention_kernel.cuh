@@ -38,6 +38,7 @@ struct AttnParams {
   const int64_t* page_offsets;
   int64_t pages_stride;
   int block_size;
+  int block_shift;             // log2(block_size) when it is a power of two, else -1
   const __nv_bfloat16* q;      // [rows, heads, 576]
   const int32_t* row_seq;      // [rows]
   const int32_t* indices;      // sparse: [rows, topk]; dense: null
@@ -260,6 +261,12 @@ __device__ __forceinline__ void dequant_tile(const uint8_t* raw, __nv_bfloat16* 
   }
 }
 
+// The page of a token (>= 0): a shift where block_size is a power of two (the usual 64), since the
+// producer loop issues this for every gathered row and a division is ~20 instructions.
+__device__ __forceinline__ int page_of(const AttnParams& p, int token) {
+  return p.block_shift >= 0 ? token >> p.block_shift : token / p.block_size;
+}
+
 // Token slot -> byte offset of its cached row in the pool, or -1 for an unused slot.
 template <bool SPARSE>
 __device__ __forceinline__ int64_t key_offset(const AttnParams& p, int64_t row, int seq, int slot, int len,
@@ -271,8 +278,9 @@ __device__ __forceinline__ int64_t key_offset(const AttnParams& p, int64_t row, 
     token = slot < len ? slot : -1;
   }
   if (token < 0) return -1;
-  const int64_t page = __ldg(p.page_offsets + int64_t(seq) * p.pages_stride + token / p.block_size);
-  return page + int64_t(token % p.block_size) * row_bytes;
+  const int page = page_of(p, token);
+  const int64_t base = __ldg(p.page_offsets + int64_t(seq) * p.pages_stride + page);
+  return base + int64_t(token - page * p.block_size) * row_bytes;
 }
 
 template <int HG, int NSPLIT, PageFormat F, bool SPARSE>

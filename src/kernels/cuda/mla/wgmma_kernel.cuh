@@ -294,7 +294,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(const AttnParams
     };
     const int64_t* pages = p.page_offsets + int64_t(seq) * p.pages_stride;
     auto offset_of = [&](int token) {
-      return token >= 0 ? __ldg(pages + token / p.block_size) + int64_t(token % p.block_size) * R : int64_t(-1);
+      if (token < 0) return int64_t(-1);
+      const int page = page_of(p, token);
+      return __ldg(pages + page) + int64_t(token - page * p.block_size) * R;
     };
     int64_t off = offset_of(token_at(0)), off_n1 = offset_of(token_at(1));
     if (off_n1 >= 0) prefetch_l2(p.pool + off_n1, R);
@@ -304,12 +306,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(const AttnParams
       const uint32_t tile = smem_base + kKOff + b * kTileBytes;
       // Reads for later tiles go out first, so they are in flight during the wait and this tile's work.
       const int token_n3 = token_at(t + 3);
-      const int64_t page_n2 = token_n2 >= 0 ? ld_early_s64(pages + token_n2 / p.block_size) : 0;
+      const int pg_n2 = token_n2 >= 0 ? page_of(p, token_n2) : 0;
+      const int64_t page_n2 = token_n2 >= 0 ? ld_early_s64(pages + pg_n2) : 0;
       if (t >= 2) bar_sync(kBarEmpty + b, kThreads);  // the consumers are done with tile t-2
       const uint32_t valid = __ballot_sync(0xffffffffu, off >= 0) & 0xffffu;
       if (lane == 0) masks[b * 4 + pw] = uint16_t(valid);
       produce_tile<F>(p.pool, tile, pw, lane, off);
-      const int64_t off_n2 = token_n2 >= 0 ? page_n2 + int64_t(token_n2 % p.block_size) * R : -1;
+      const int64_t off_n2 = token_n2 >= 0 ? page_n2 + int64_t(token_n2 - pg_n2 * p.block_size) * R : -1;
       if (off_n2 >= 0) prefetch_l2(p.pool + off_n2, R);
       ptx::cp_async_commit();
       ptx::cp_async_wait<0>();
