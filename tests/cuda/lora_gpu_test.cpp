@@ -64,8 +64,9 @@ float prompt_logprob_gap(const Choice& a, const Choice& b) {
   return worst;
 }
 
-// got against want: tokens equal until a near tie; prompt logprobs within `tolerance`. Returns the largest
-// prompt logprob difference.
+// got against want: tokens equal until a near tie (the other run's choice within kTieMargin, or within
+// `tolerance` where that is larger: logprobs that may move that far may swap a pair that close); prompt
+// logprobs within `tolerance`. Returns the largest prompt logprob difference.
 float expect_close(const Choice& got, const Choice& want, const std::string& what,
                    float tolerance = kLogprobTolerance) {
   for (size_t i = 0; i < std::min(got.tokens.size(), want.tokens.size()); ++i) {
@@ -73,7 +74,9 @@ float expect_close(const Choice& got, const Choice& want, const std::string& wha
     float chosen = -INFINITY;
     for (const auto& [token, logprob] : want.logprobs[i].top)
       if (token == got.tokens[i]) chosen = logprob;
-    EXPECT_GE(chosen, want.logprobs[i].logprob - kTieMargin) << what << ": token " << i << " is not a near tie";
+    EXPECT_GE(chosen, want.logprobs[i].logprob - std::max(kTieMargin, tolerance))
+        << what << ": token " << i << " is not a near tie (" << chosen << " against " << want.logprobs[i].logprob
+        << ")";
     break;
   }
   EXPECT_EQ(got.prompt_logprobs.size(), want.prompt_logprobs.size()) << what;
