@@ -1,21 +1,26 @@
 // What the tests of the drafters that read the target (MTP: tests/mtp_test.cpp, DSpark: tests/dspark_test.cpp)
 // share: a roomy cache, a sequence held as the engine holds one, one target step observed by a proposer, the
-// engine's tokens for a set of requests, the squeezed engine that preempts and hits the prefix cache, and the
-// line `generate` prints about speculation.
+// engine's tokens for a set of requests, the squeezed engine that preempts and hits the prefix cache, the
+// line `generate` prints about speculation, and the DSpark fixtures' reference cases (also read by
+// tests/cuda/speculative_gpu_test.cpp).
 #pragma once
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "cache/kv_cache.h"
 #include "cuda/model_test_util.h"
 #include "engine/engine_core.h"
 #include "engine/sequence.h"
 #include "engine/speculative.h"
+#include "formats/safetensors.h"
 #include "runner/model_runner.h"
 
 namespace sparrow::testing {
@@ -109,6 +114,37 @@ inline void squeeze(EngineConfig& config) {
 inline std::string speculation_line(const std::string& err) {
   const size_t at = err.find("sparrow: speculative decoding");
   return at == std::string::npos ? "" : err.substr(at, err.find('\n', at) - at);
+}
+
+// A DSpark fixture's case (tools/make_dspark_fixture.py, tools/make_qwen3_dspark_fixture.py): a prompt, the
+// target's greedy next token (the block's bonus), the reference drafts (target ids) with each decision's
+// top-1 - top-2 margin, and the reference tensors: the target's captured streams [n, width], the block's
+// base logits and its logits with the Markov bias [k, draft vocabulary].
+struct DSparkCase {
+  std::vector<int32_t> prompt, drafts;
+  std::vector<float> draft_gaps;
+  int32_t bonus = 0;
+  Tensor aux, base_logits, markov_logits;
+};
+
+inline std::vector<DSparkCase> read_dspark_cases(const std::filesystem::path& dir) {
+  std::ifstream in(dir / "fixture.json");
+  const nlohmann::json j = nlohmann::json::parse(in);
+  std::shared_ptr<SafetensorsFile> file = SafetensorsFile::open((dir / "dspark_reference.safetensors").string());
+  std::vector<DSparkCase> cases;
+  for (const nlohmann::json& c : j["cases"]) {
+    const std::string i = std::to_string(cases.size());
+    DSparkCase one;
+    one.prompt = c["prompt"].get<std::vector<int32_t>>();
+    one.drafts = c["drafts"].get<std::vector<int32_t>>();
+    one.draft_gaps = c["draft_gaps"].get<std::vector<float>>();
+    one.bonus = c["bonus"].get<int32_t>();
+    one.aux = to_float32(file->tensors().at("aux." + i), file);
+    one.base_logits = to_float32(file->tensors().at("base_logits." + i), file);
+    one.markov_logits = to_float32(file->tensors().at("markov_logits." + i), file);
+    cases.push_back(std::move(one));
+  }
+  return cases;
 }
 
 }  // namespace sparrow::testing

@@ -1,14 +1,20 @@
-// Speculative decoding's "dspark" method on tests/fixtures/kimi_k3_dspark (tools/make_dspark_fixture.py: a
-// random K3 DSpark drafter for the kimi_k3_1_pro fixture, and an independent float64 reference written from
-// vLLM 0.33's K3DSparkModel and DSparkSpeculator over tools/kimi_k3_reference.py's target):
-//   - the target's captured streams (AttnRes partial sums after layers 1, 4, 7) equal the reference's;
+// Speculative decoding's "dspark" method on its two drafter fixtures, each a random drafter with an
+// independent float64 reference written from vLLM 0.33's code:
+//   kimi_k3_dspark     K3DSparkModel (MLA) for tests/fixtures/kimi_k3_1_pro, over tools/kimi_k3_reference.py
+//                      (tools/make_dspark_fixture.py);
+//   minimax_m3_dspark  the Qwen3 DSpark drafter (GQA with q/k norms, a 16-token sliding window, its own head
+//                      over a reduced draft vocabulary with d2t) for tests/fixtures/minimax_m3, over
+//                      transformers' MiniMax-M3 (tools/make_qwen3_dspark_fixture.py).
+// For each:
+//   - the target's captured streams (K3: AttnRes partial sums after layers 1, 4, 7; MiniMax: the residual
+//     stream after layers 0 and 1) equal the reference's;
 //   - the drafter's block logits, before and after the Markov bias, equal the reference's;
 //   - the proposer's drafts (after a whole prefill, a chunked one, and a prefix-cache hit whose blocks carry
 //     the drafter's rows) equal the reference's;
 //   - the engine with --speculative-config dspark gives the greedy tokens it gives without, alone and squeezed
 //     (chunked prefill, preemption, prefix hits; the target's KDA states roll back after rejections);
-//   - `generate` alone and under -tp / -dp gives the same tokens;
-//   - bad uses are one-line errors.
+//   - `generate` alone and under -tp / -dp gives the same tokens.
+// Bad uses are one-line errors.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -40,41 +46,31 @@ using Tokens = std::vector<int32_t>;
 
 fs::path fixture(const std::string& name) { return fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / name; }
 
-struct Case {
-  Tokens prompt, drafts;
-  int32_t bonus = 0;
-  Tensor aux, base_logits, markov_logits;
-};
+using Case = sparrow::testing::DSparkCase;
 
-std::vector<Case> read_cases() {
-  std::ifstream in(fixture("kimi_k3_dspark") / "fixture.json");
-  const nlohmann::json j = nlohmann::json::parse(in);
-  std::shared_ptr<SafetensorsFile> file =
-      SafetensorsFile::open((fixture("kimi_k3_dspark") / "dspark_reference.safetensors").string());
-  std::vector<Case> cases;
-  for (const nlohmann::json& c : j["cases"]) {
-    const std::string i = std::to_string(cases.size());
-    Case one;
-    one.prompt = c["prompt"].get<Tokens>();
-    one.drafts = c["drafts"].get<Tokens>();
-    one.bonus = c["bonus"].get<int32_t>();
-    one.aux = to_float32(file->tensors().at("aux." + i), file);
-    one.base_logits = to_float32(file->tensors().at("base_logits." + i), file);
-    one.markov_logits = to_float32(file->tensors().at("markov_logits." + i), file);
-    cases.push_back(std::move(one));
-  }
-  return cases;
+// A drafter fixture and its target.
+struct Pair {
+  std::string drafter, target;
+};
+const Pair kK3{"kimi_k3_dspark", "kimi_k3_1_pro"}, kMiniMax{"minimax_m3_dspark", "minimax_m3"};
+
+std::vector<Case> read_cases(const Pair& pair) {
+  std::ifstream in(fixture(pair.drafter) / "fixture.json");
+  EXPECT_EQ(nlohmann::json::parse(in)["target"], "tests/fixtures/" + pair.target);
+  return sparrow::testing::read_dspark_cases(fixture(pair.drafter));
 }
 
-constexpr int64_t kBlock = 4;  // the fixture's num_speculative_tokens
+constexpr int64_t kBlock = 4;  // the fixtures' num_speculative_tokens
 
 struct Loaded {
-  Loaded()
-      : target(load_model(fixture("kimi_k3_1_pro").string())),
-        drafter(load_dspark_drafter(fixture("kimi_k3_dspark").string(), *target)) {}
+  explicit Loaded(const Pair& pair = kK3)
+      : target(load_model(fixture(pair.target).string())),
+        drafter(load_dspark_drafter(fixture(pair.drafter).string(), *target)) {}
   std::unique_ptr<Model> target;
   std::unique_ptr<DSparkDrafter> drafter;
 };
+
+class DSparkFixtures : public ::testing::TestWithParam<Pair> {};
 
 Tokens propose(DraftProposer& proposer, KvCache& cache, Sequence& seq, int64_t k) {
   EXPECT_TRUE(cache.allocate(seq.cache_id, seq.num_computed() + proposer.rows_ahead(k)));
@@ -86,10 +82,10 @@ Tokens propose(DraftProposer& proposer, KvCache& cache, Sequence& seq, int64_t k
 
 }  // namespace
 
-TEST(DSpark, TargetStreamsMatchTheReference) {
-  Loaded m;
+TEST_P(DSparkFixtures, TargetStreamsMatchTheReference) {
+  Loaded m(GetParam());
   ModelRunner target(*m.target);
-  for (const Case& c : read_cases()) {
+  for (const Case& c : read_cases(GetParam())) {
     SCOPED_TRACE("prompt of " + std::to_string(c.prompt.size()));
     KvCache cache(m.drafter->cache_spec(), roomy_cache(false));
     const SeqId id = cache.create_sequence();
@@ -109,10 +105,10 @@ TEST(DSpark, TargetStreamsMatchTheReference) {
 }
 
 // The block over the reference's own streams: the drafter alone, before and after the Markov bias.
-TEST(DSpark, BlockLogitsMatchTheReference) {
-  Loaded m;
+TEST_P(DSparkFixtures, BlockLogitsMatchTheReference) {
+  Loaded m(GetParam());
   ModelRunner drafter(*m.drafter);
-  for (const Case& c : read_cases()) {
+  for (const Case& c : read_cases(GetParam())) {
     SCOPED_TRACE("prompt of " + std::to_string(c.prompt.size()));
     const int64_t n = int64_t(c.prompt.size());
     KvCache cache(m.drafter->cache_spec(), roomy_cache(false));
@@ -138,16 +134,16 @@ TEST(DSpark, BlockLogitsMatchTheReference) {
       Tensor logits = ops::select_rows(base, {i});
       ops::add_(logits, m.drafter->markov_bias({previous.back()}));
       EXPECT_LT(model_test::relative_l2(logits.row(0), c.markov_logits.row(i), base.dim(1)), 2e-3) << "query " << i;
-      previous.push_back(model_test::argmax(logits.row(0), logits.dim(1)));
+      previous.push_back(m.drafter->target_token(model_test::argmax(logits.row(0), logits.dim(1))));
     }
     EXPECT_EQ(Tokens(previous.begin() + 1, previous.end()), c.drafts);
   }
 }
 
-TEST(DSpark, ProposerDraftsTheReferenceDrafts) {
-  Loaded m;
+TEST_P(DSparkFixtures, ProposerDraftsTheReferenceDrafts) {
+  Loaded m(GetParam());
   ModelRunner target(*m.target);
-  for (const Case& c : read_cases()) {
+  for (const Case& c : read_cases(GetParam())) {
     SCOPED_TRACE("prompt of " + std::to_string(c.prompt.size()));
     const int64_t n = int64_t(c.prompt.size());
     // One prefill step, then a prefill in chunks of 5: the context rows are written either way.
@@ -168,10 +164,10 @@ TEST(DSpark, ProposerDraftsTheReferenceDrafts) {
 }
 
 // A prompt served from the prefix cache: the drafter's context rows came with the blocks.
-TEST(DSpark, DraftsAfterAPrefixHitUseTheCachedRows) {
-  Loaded m;
+TEST_P(DSparkFixtures, DraftsAfterAPrefixHitUseTheCachedRows) {
+  Loaded m(GetParam());
   ModelRunner target(*m.target);
-  const Case c = read_cases().back();
+  const Case c = read_cases(GetParam()).back();
   ASSERT_GT(c.prompt.size(), 33u);
   KvCache cache(m.drafter->cache_spec(), roomy_cache(true));
   auto proposer = make_dspark_proposer(*m.drafter, false);
@@ -185,10 +181,10 @@ TEST(DSpark, DraftsAfterAPrefixHitUseTheCachedRows) {
   EXPECT_EQ(propose(*proposer, cache, *second.seq, kBlock), c.drafts);
 }
 
-TEST(DSpark, EngineGivesTheGreedyTokensItGivesWithout) {
-  Loaded m;
+TEST_P(DSparkFixtures, EngineGivesTheGreedyTokensItGivesWithout) {
+  Loaded m(GetParam());
   std::vector<Tokens> prompts;
-  for (const Case& c : read_cases()) prompts.push_back(c.prompt);
+  for (const Case& c : read_cases(GetParam())) prompts.push_back(c.prompt);
   const std::vector<Request> requests = sparrow::testing::twice_each(prompts);
   const EngineConfig plain = sparrow::testing::roomy_engine();
   const auto want = sparrow::testing::engine_tokens(*m.target, requests, plain, nullptr);
@@ -197,7 +193,7 @@ TEST(DSpark, EngineGivesTheGreedyTokensItGivesWithout) {
       SCOPED_TRACE(std::string(sampling) + (squeezed ? ", squeezed" : ", roomy"));
       EngineConfig config = plain;
       config.speculative = parse_speculative_config(
-          R"({"method": "dspark", "model": ")" + fixture("kimi_k3_dspark").string() +
+          R"({"method": "dspark", "model": ")" + fixture(GetParam().drafter).string() +
           R"(", "num_speculative_tokens": 4, "draft_sample_method": ")" + sampling + R"("})");
       config.draft_model = m.drafter.get();
       if (squeezed) sparrow::testing::squeeze(config);
@@ -211,14 +207,14 @@ TEST(DSpark, EngineGivesTheGreedyTokensItGivesWithout) {
 
 // Requests that sample draw their drafts from the drafter's distribution (kept for verification): a seeded
 // request gives the same tokens on every run, and its drafts are verified against the target's distribution.
-TEST(DSpark, ProbabilisticDraftsForSampledRequests) {
-  Loaded m;
-  const Case c = read_cases().front();
+TEST_P(DSparkFixtures, ProbabilisticDraftsForSampledRequests) {
+  Loaded m(GetParam());
+  const Case c = read_cases(GetParam()).front();
   EngineConfig config;
   config.max_model_len = 160;
   config.cache = roomy_cache(false);
   config.speculative = parse_speculative_config(
-      R"({"method": "dspark", "model": ")" + fixture("kimi_k3_dspark").string() +
+      R"({"method": "dspark", "model": ")" + fixture(GetParam().drafter).string() +
       R"(", "num_speculative_tokens": 4, "draft_sample_method": "probabilistic"})");
   config.draft_model = m.drafter.get();
   auto run = [&] {
@@ -243,9 +239,10 @@ TEST(DSpark, ProbabilisticDraftsForSampledRequests) {
 TEST(DSpark, BadUsesAreOneLineErrors) {
   using sparrow::testing::error_message, sparrow::testing::mentions;
   auto target = load_model(fixture("kimi_k3_1_pro").string());
-  // The drafter served as a model.
-  EXPECT_TRUE(mentions(error_message([] { load_model(fixture("kimi_k3_dspark").string()); }),
-                       {"DSpark drafter", "--speculative-config"}));
+  // The drafters served as models.
+  for (const char* drafter : {"kimi_k3_dspark", "minimax_m3_dspark"})
+    EXPECT_TRUE(mentions(error_message([&] { load_model(fixture(drafter).string()); }),
+                         {"DSpark drafter", "--speculative-config"}));
   // A folder that is not a DSpark drafter.
   EXPECT_TRUE(mentions(error_message([&] { load_dspark_drafter(fixture("kimi_k3_mtp").string(), *target); }),
                        {"model_type", "k3_dspark"}));
@@ -269,17 +266,41 @@ TEST(DSpark, BadUsesAreOneLineErrors) {
   config.draft_model = m.drafter.get();
   auto minimax = load_model(fixture("minimax_m3").string());
   EXPECT_TRUE(mentions(error_message([&] { EngineCore(*minimax, nullptr, config); }), {"another model"}));
+  // Qwen3 DSpark configs sparrow cannot serve as vLLM would: each a copy of the fixture with one key changed
+  // (a JSON merge patch: null removes a key).
+  const std::vector<std::pair<std::string, std::vector<std::string>>> changes = {
+      {R"({"attention_bias": true})", {"attention_bias"}},
+      {R"({"dflash_config": {"use_aux_hidden_state": false}})", {"use_aux_hidden_state"}},
+      {R"({"dflash_config": {"target_layer_ids": [0, 5]}})", {"target_layer_ids", "0 .. 2"}},
+      {R"({"dflash_config": {"swa_window_size": null}})", {"swa_window_size"}},
+      {R"({"dflash_config": {"mask_token_id": null}})", {"mask token"}},
+      {R"({"draft_vocab_size": 300})", {"draft_vocab_size"}},
+      {R"({"architectures": ["Qwen3ForCausalLM"]})", {"model_type", "Qwen3DSparkModel"}},
+      {R"({"hidden_act": "gelu"})", {"hidden_act", "silu"}},
+  };
+  for (const auto& [patch, words] : changes) {
+    SCOPED_TRACE(patch);
+    const sparrow::testing::TempDir dir;
+    fs::copy(fixture("minimax_m3_dspark") / "model.safetensors", dir.file("model.safetensors"));
+    std::ifstream in(fixture("minimax_m3_dspark") / "config.json");
+    nlohmann::json config_json = nlohmann::json::parse(in);
+    config_json.merge_patch(nlohmann::json::parse(patch));
+    dir.write("config.json", config_json.dump());
+    const std::string message = error_message([&] { load_dspark_drafter(dir.path(), *minimax); });
+    for (const std::string& word : words) EXPECT_TRUE(mentions(message, {word}));
+  }
 }
 
 // `sparrow generate -sc '{"method": "dspark", ...}'`: the same completions. Under -tp / -dp the drafter runs
 // whole on each group's rank 0 (its embedding and head read whole from the target's folder, its cache rows after
 // the rank's share of the target's) while the target's verify steps run sharded: every layout gives the single
 // process's tokens, and under -tp the same drafts are verified and accepted.
-TEST(DSpark, GenerateCommandAloneAndSharded) {
-  const std::string base = "generate --model " + fixture("kimi_k3_1_pro").string() + " --prompt-ids " +
-                           (fixture("kimi_k3_1_pro") / "prompts.json").string() +
+TEST_P(DSparkFixtures, GenerateCommandAloneAndSharded) {
+  const Pair& pair = GetParam();
+  const std::string base = "generate --model " + fixture(pair.target).string() + " --prompt-ids " +
+                           (fixture(pair.target) / "prompts.json").string() +
                            " --max-tokens 20 --temperature 0 --ignore-eos";
-  const std::string dspark = R"( -sc '{"method": "dspark", "model": ")" + fixture("kimi_k3_dspark").string() +
+  const std::string dspark = R"( -sc '{"method": "dspark", "model": ")" + fixture(pair.drafter).string() +
                              R"(", "num_speculative_tokens": 4}')";
   using sparrow::testing::speculation_line;
   const auto plain = sparrow::testing::run_sparrow(base);
@@ -288,8 +309,11 @@ TEST(DSpark, GenerateCommandAloneAndSharded) {
   ASSERT_EQ(single.status, 0) << single.err;
   ASSERT_EQ(single.out, plain.out);
   ASSERT_NE(speculation_line(single.err), "") << single.err;
-  for (const std::string layout : {"-tp 2", "-tp 2 --enable-expert-parallel", "-tp 2 -dcp 2",
-                                   "-dp 2 -tp 2 --enable-expert-parallel"}) {
+  const std::vector<std::string> layouts =
+      pair.drafter == kK3.drafter ? std::vector<std::string>{"-tp 2", "-tp 2 --enable-expert-parallel", "-tp 2 -dcp 2",
+                                                             "-dp 2 -tp 2 --enable-expert-parallel"}
+                                  : std::vector<std::string>{"-tp 2", "-dp 2 -tp 2 --enable-expert-parallel"};
+  for (const std::string& layout : layouts) {
     SCOPED_TRACE(layout);
     const auto sharded = sparrow::testing::run_sparrow(base + " " + layout + dspark);
     EXPECT_EQ(sharded.status, 0) << sharded.err;
@@ -323,3 +347,8 @@ TEST(DSpark, BundledDrafterIsAccepted) {
     EXPECT_GT(std::stod(run.err.substr(at + 23)), 1.35) << run.err;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Drafters, DSparkFixtures, ::testing::Values(kK3, kMiniMax),
+                         [](const ::testing::TestParamInfo<Pair>& info) {
+                           return info.param.drafter == kK3.drafter ? std::string("K3") : std::string("MiniMax");
+                         });

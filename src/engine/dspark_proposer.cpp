@@ -94,13 +94,16 @@ class DSparkProposer final : public DraftProposer {
       ops::add_(logits, drafter_.markov_bias(prev));
       std::vector<TokenDraw> greedy(active.size());
       for (TokenDraw& draw : greedy) draw.temperature = 0;
+      // Draft ids (a reduced draft vocabulary's) become target ids; a sampling request draws from the
+      // distribution over the target's vocabulary that verification compares with.
       std::vector<int32_t> next = ops::sample_tokens(logits, greedy, {});
+      for (int32_t& token : next) token = drafter_.target_token(token);
       if (probabilistic_) {
         Tensor host;
         for (size_t a = 0; a < active.size(); ++a) {
           Sequence& seq = *drafting[active[a]];
           if (seq.params().temperature < kGreedyTemperature) continue;
-          if (!host.defined()) host = logits.to(Device::Cpu);
+          if (!host.defined()) host = drafter_.target_logits(logits.to(Device::Cpu));
           next[a] = draw_draft_token(seq, {host.row(int64_t(a)), size_t(host.dim(1))});
         }
       }

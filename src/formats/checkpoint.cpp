@@ -440,6 +440,27 @@ Tensor Checkpoint::place(const Tensor& t) const {
   return t.to(device_, t.ndim() >= 2 ? ScalarType::BF16 : ScalarType::F32);
 }
 
+std::vector<int64_t> Checkpoint::take_ints(const std::string& name, const Shape& expected) {
+  if (dummy_) return std::vector<int64_t>(size_t(shape_numel(expected)), 0);
+  const TensorInfo& info = *stored(name).data;
+  SPARROW_CHECK(info.shape == expected, "tensor '", name, "': expected shape ", shape_str(expected), ", found ",
+                shape_str(info.shape), " (in ", info.file, ")");
+  SPARROW_CHECK(info.dtype == DType::I64 || info.dtype == DType::I32, "tensor '", name, "' in ", info.file,
+                ": expected integers (I64 or I32), found ", dtype_name(info.dtype));
+  mark_taken(name);
+  std::vector<int64_t> values(size_t(shape_numel(expected)));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (info.dtype == DType::I64) {
+      std::memcpy(&values[i], info.data + i * 8, 8);
+    } else {
+      int32_t v;
+      std::memcpy(&v, info.data + i * 4, 4);
+      values[i] = v;
+    }
+  }
+  return values;
+}
+
 Tensor Checkpoint::take_host(const std::string& name, const Shape& expected) {
   const Stored weight = stored(name);
   const TensorInfo& info = *weight.data;

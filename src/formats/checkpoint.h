@@ -111,6 +111,9 @@ class Checkpoint {
   // A tensor that stays float32 wherever it is placed (weights a kernel reads in fp32 whatever their
   // rank, e.g. KDA's convolution taps and decay rates).
   Tensor take_fp32(const std::string& name, const Shape& expected);
+  // An integer tensor (I64 or I32, e.g. a reduced draft vocabulary's d2t map), on the host; zeros from a
+  // dummy checkpoint.
+  std::vector<int64_t> take_ints(const std::string& name, const Shape& expected);
   // This rank's part of a split tensor (tensor parallelism), `expected` being the stored (whole) shape;
   // placed as take() / take_linear() place them. Only the part is converted and placed: a bf16 or fp32
   // tensor is read from the mapped file, a quantized one dequantized on the host first (the part then

@@ -11,6 +11,10 @@
 
 namespace sparrow {
 
+void Mixer::store_rows(const Tensor&, const Batch&, int) const {
+  fail("a ", name(), " layer cannot write context rows without attending (the DSpark drafter's MLA and GQA can)");
+}
+
 std::vector<LayerCacheSpec> DecoderModel::cache_spec() const {
   std::vector<LayerCacheSpec> spec;
   for (const DecoderLayer& layer : layers) spec.push_back(layer.mixer->cache_spec());

@@ -42,6 +42,10 @@ class Mixer {
   virtual LayerCacheSpec cache_spec() const = 0;
   // Its kind, for step profiles ("mla+dsa", "gqa+msa", "kda", ...).
   virtual std::string name() const = 0;
+  // Only the cache rows that x ([batch.size(), hidden], normalised) would write at the batch's positions, no
+  // attention: the DSpark drafter's context (model/dspark.h). On a GPU the batch's step inputs must be
+  // attached. Mixers without such rows refuse.
+  virtual void store_rows(const Tensor& x, const Batch& batch, int layer) const;
 };
 
 class FeedForward {

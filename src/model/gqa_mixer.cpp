@@ -16,9 +16,9 @@
 
 namespace sparrow {
 
-void rotate_heads(Tensor& x, int64_t head_dim, const Tensor& positions, const Rope& rope) {
+void rotate_heads(Tensor& x, int64_t head_dim, const Tensor& positions, const Rope& rope, bool interleaved) {
   ops::rope_(x, positions, rope.inv_freq_on(x.device()), rope.attention_scaling, 0, x.row_size() / head_dim, head_dim,
-             /*interleaved=*/false);
+             interleaved);
 }
 
 LayerCacheSpec GqaAttention::cache_spec_for(int64_t kv_heads, int64_t head_dim, int64_t index_head_dim) {
@@ -32,18 +32,30 @@ LayerCacheSpec GqaAttention::cache_spec() const {
   return cache_spec_for(kv_heads, head_dim, indexer ? indexer->head_dim : 0);
 }
 
-Tensor GqaAttention::forward(const Tensor& x, const Batch& batch, int layer) {
-  Tensor q = ops::linear(x, q_proj);  // [T, heads * head_dim]
-  Tensor k = ops::linear(x, k_proj);  // [T, kv_heads * head_dim]
-  Tensor v = ops::linear(x, v_proj);  // [T, kv_heads * head_dim]
-  lora::add_(q, x, batch, prefix, "q_proj");
+void GqaAttention::key_value_rows(const Tensor& x, const Batch& batch, Tensor& k, Tensor& v) const {
+  k = ops::linear(x, k_proj);  // [T, kv_heads * head_dim]
+  v = ops::linear(x, v_proj);  // [T, kv_heads * head_dim]
   lora::add_(k, x, batch, prefix, "k_proj");
   lora::add_(v, x, batch, prefix, "v_proj");
-  ops::rms_norm_(q, q_norm, norm_eps, /*unit_offset=*/true);
-  ops::rms_norm_(k, k_norm, norm_eps, /*unit_offset=*/true);
+  ops::rms_norm_(k, k_norm, norm_eps, unit_offset_norm);
+  rotate_heads(k, head_dim, batch.positions_on(x.device()), rope, rope_interleaved);
+}
+
+void GqaAttention::store_rows(const Tensor& x, const Batch& batch, int layer) const {
+  SPARROW_CHECK(!tp.sharded(), "GQA: store_rows under tensor parallelism");
+  Tensor k, v;
+  key_value_rows(x, batch, k, v);
+  write_rows(k, v, batch, layer);
+}
+
+Tensor GqaAttention::forward(const Tensor& x, const Batch& batch, int layer) {
+  Tensor q = ops::linear(x, q_proj);  // [T, heads * head_dim]
+  lora::add_(q, x, batch, prefix, "q_proj");
+  ops::rms_norm_(q, q_norm, norm_eps, unit_offset_norm);
   const Tensor& positions = batch.positions_on(x.device());
-  rotate_heads(q, head_dim, positions, rope);
-  rotate_heads(k, head_dim, positions, rope);
+  rotate_heads(q, head_dim, positions, rope, rope_interleaved);
+  Tensor k, v;
+  key_value_rows(x, batch, k, v);
   Tensor kept;  // MSA layers: the blocks each (row, index head) keeps
   if (indexer) {
     Tensor index_q, index_k;
@@ -57,21 +69,12 @@ Tensor GqaAttention::forward(const Tensor& x, const Batch& batch, int layer) {
   return out;
 }
 
-// This step's K/V rows go into the layer's pages, then every row attends over its causal prefix or its
-// kept blocks: on the CPU through the sequence's cache as fp32 (kernels/cpu/gqa_reference.h), on the GPU
-// by one kernel over the paged cache in place (kernels/cuda/gqa).
-Tensor GqaAttention::attend(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kept,
-                            const Batch& batch, int layer) const {
-  const float scale = float(std::pow(double(head_dim), -0.5));  // MiniMaxM3VLAttention.scaling
-  const int64_t rows = batch.size();
-  if (q.on_cpu()) {
+void GqaAttention::write_rows(const Tensor& k, const Tensor& v, const Batch& batch, int layer) const {
+  if (k.on_cpu()) {
+    // Interleave each new token's K and V into one cache row: [K heads | V heads].
     const int64_t kv_width = kv_heads * head_dim;
-    const cpu::GqaShape shape{heads, kv_heads, head_dim, scale};
-    Tensor out = Tensor::zeros({rows, heads * head_dim});
-    std::vector<float> new_rows, cached_kv;
+    std::vector<float> new_rows;
     for (const SeqSlice& seq : batch.seqs) {
-      const int64_t end = seq.start() + seq.count;
-      // Interleave each new token's K and V into one cache row: [K heads | V heads].
       new_rows.resize(seq.count * 2 * kv_width);
       for (int64_t i = 0; i < seq.count; ++i) {
         std::copy(k.row(seq.offset + i), k.row(seq.offset + i) + kv_width, new_rows.begin() + i * 2 * kv_width);
@@ -79,6 +82,39 @@ Tensor GqaAttention::attend(const Tensor& q, const Tensor& k, const Tensor& v, c
                   new_rows.begin() + (i * 2 + 1) * kv_width);
       }
       seq.cache().write(layer, PageKind::GqaKeyValue, seq.start(), seq.count, new_rows.data());
+    }
+    return;
+  }
+#if SPARROW_HAVE_CUDA
+  const DeviceStep& step = device_step(batch);
+  const PageFormat kv_format = step.format(layer, PageKind::GqaKeyValue);
+  SPARROW_CHECK(cuda::gqa_reads_kv_format(kv_format), "the GPU GQA kernels read bfloat16, fp8 or nvfp4 K/V pages "
+                "(--kv-cache-dtype auto, bfloat16, fp8, fp8_per_tensor or nvfp4)");
+  cuda::gqa_write_kv(k.raw(), v.raw(), batch.size(), int(kv_heads), int(head_dim), step.row_seq.as<int32_t>(),
+                     step.row_pos.as<int32_t>(), step.page_table.as<int64_t>(), step.table_stride, step.block_size(),
+                     step.page_base(layer, PageKind::GqaKeyValue), kv_format, cuda::stream());
+#else
+  (void)v, (void)batch, (void)layer;
+  fail("GQA on a GPU in a build without the CUDA backend");
+#endif
+}
+
+// This step's K/V rows go into the layer's pages, then every row attends over its causal prefix (or the
+// whole step, non_causal; from its window's first key, sliding_window) or its kept blocks: on the CPU
+// through the sequence's cache as fp32 (kernels/cpu/gqa_reference.h), on the GPU by one kernel over the
+// paged cache in place (kernels/cuda/gqa).
+Tensor GqaAttention::attend(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kept,
+                            const Batch& batch, int layer) const {
+  const float scale = float(std::pow(double(head_dim), -0.5));  // MiniMaxM3VLAttention.scaling
+  const int64_t rows = batch.size();
+  write_rows(k, v, batch, layer);
+  if (q.on_cpu()) {
+    const int64_t kv_width = kv_heads * head_dim;
+    const cpu::GqaShape shape{heads, kv_heads, head_dim, scale, sliding_window, non_causal};
+    Tensor out = Tensor::zeros({rows, heads * head_dim});
+    std::vector<float> cached_kv;
+    for (const SeqSlice& seq : batch.seqs) {
+      const int64_t end = seq.start() + seq.count;
       cached_kv.resize(end * 2 * kv_width);
       seq.cache().read(layer, PageKind::GqaKeyValue, 0, end, cached_kv.data());
       cpu::GqaKeptBlocks blocks;
@@ -98,11 +134,24 @@ Tensor GqaAttention::attend(const Tensor& q, const Tensor& k, const Tensor& v, c
                 "(--kv-cache-dtype auto, bfloat16, fp8, fp8_per_tensor or nvfp4)");
   cudaStream_t stream = cuda::stream();
   const int32_t* row_seq = step.row_seq.as<int32_t>();
-  const int32_t* row_pos = step.row_pos.as<int32_t>();
   const int64_t* table = step.page_table.as<int64_t>();
   uint8_t* kv_pool = step.page_base(layer, PageKind::GqaKeyValue);
-  cuda::gqa_write_kv(k.raw(), v.raw(), rows, int(kv_heads), int(head_dim), row_seq, row_pos, table, step.table_stride,
-                     step.block_size(), kv_pool, kv_format, stream);
+  // Each row sees keys row_first .. row_last: 0 .. its position, unless the DSpark block's attention says
+  // otherwise (an upload then: no CUDA graph takes such a batch, DSparkDrafter::capturable).
+  Tensor row_last = step.row_pos, row_first;
+  if (non_causal || sliding_window > 0) {
+    SPARROW_CHECK(!indexer, "GQA: a non-causal or windowed layer with an MSA indexer");
+    Tensor last = Tensor::empty({rows}, ScalarType::I32), first = Tensor::empty({rows}, ScalarType::I32);
+    for (const SeqSlice& seq : batch.seqs)
+      for (int64_t i = 0; i < seq.count; ++i) {
+        const int64_t position = seq.start() + i;
+        last.as<int32_t>()[seq.offset + i] = int32_t(non_causal ? seq.start() + seq.count - 1 : position);
+        first.as<int32_t>()[seq.offset + i] =
+            int32_t(sliding_window > 0 ? std::max<int64_t>(0, position - (sliding_window - 1)) : 0);
+      }
+    row_last = last.to(q.device());
+    if (sliding_window > 0) row_first = first.to(q.device());
+  }
   const int index_heads = indexer ? int(indexer->heads) : 0;
   const int max_blocks = indexer ? int(indexer->topk_blocks) : 0;
   const int index_block_size = indexer ? int(indexer->block_size) : 0;
@@ -111,13 +160,13 @@ Tensor GqaAttention::attend(const Tensor& q, const Tensor& k, const Tensor& v, c
                                                            step.max_visible, index_heads, max_blocks, index_block_size,
                                                            kv_format);
   Tensor workspace = Tensor::empty({int64_t(std::max<size_t>(bytes, 1))}, ScalarType::U8, q.device());
-  cuda::gqa_attention(q.raw(), out.raw(), rows, int(heads), int(kv_heads), int(head_dim), scale, row_seq, row_pos,
-                      step.max_visible, indexer ? kept.as<int32_t>() : nullptr, index_heads, max_blocks,
-                      index_block_size, table, step.table_stride, step.block_size(), kv_pool, kv_format,
-                      workspace.raw(), bytes, stream);
+  cuda::gqa_attention(q.raw(), out.raw(), rows, int(heads), int(kv_heads), int(head_dim), scale, row_seq,
+                      row_last.as<int32_t>(), step.max_visible, indexer ? kept.as<int32_t>() : nullptr, index_heads,
+                      max_blocks, index_block_size, table, step.table_stride, step.block_size(), kv_pool, kv_format,
+                      workspace.raw(), bytes, stream, row_first.defined() ? row_first.as<int32_t>() : nullptr);
   return out;
 #else
-  (void)k, (void)v, (void)kept, (void)layer;
+  (void)kept, (void)layer;
   fail("GQA on a GPU in a build without the CUDA backend");
 #endif
 }

@@ -5,6 +5,10 @@
 // every head (rot_dim = head_dim · rope_parameters.partial_rotary_factor; the rest pass through).
 // Softmax scale head_dim^-0.5, causal, no sliding window. Query head h reads kv head h / (H / H_kv).
 // On MSA layers an MsaIndexer restricts each query to the key blocks it selects.
+// The same block serves the Qwen3 DSpark drafter's layers (vLLM 0.33 model_executor/models/qwen3_dflash.py
+// DFlashQwen3Attention; model/dspark.h): plain RMSNorm (x̂ · w) for the q/k norms, RoPE over the whole head
+// (NeoX or, with is_neox_style false, GPT-J pairs), non-causal over a sequence's step, and an optional
+// sliding window.
 // Tensor parallel: each rank keeps its query heads, the kv heads and index heads they read (replicated when
 // the group outnumbers them; model/tensor_parallel.h) and o_proj's matching columns; the counts below are
 // this rank's, and forward() sums the output over the group.
@@ -26,8 +30,8 @@
 namespace sparrow {
 
 // Rotates the first rope.rot_dim() dims of every head_dim-sized head of every row of x by NeoX's
-// rotate-half, row t at positions[t].
-void rotate_heads(Tensor& x, int64_t head_dim, const Tensor& positions, const Rope& rope);
+// rotate-half (or GPT-J's interleaved pairs), row t at positions[t].
+void rotate_heads(Tensor& x, int64_t head_dim, const Tensor& positions, const Rope& rope, bool interleaved = false);
 
 class GqaAttention : public Mixer {
  public:
@@ -40,6 +44,14 @@ class GqaAttention : public Mixer {
   Tensor q_norm;  // [head_dim]
   Tensor k_norm;  // [head_dim]
   Rope rope;
+  bool unit_offset_norm = true;  // q/k norms x̂ · (1 + w) (MiniMax, Gemma-style); false: x̂ · w (Qwen3)
+  bool rope_interleaved = false;  // GPT-J pairs instead of NeoX's halves
+  // Every query of a sequence's step sees all of that step's rows, not only those up to its own position
+  // (the DSpark drafter's block).
+  bool non_causal = false;
+  // > 0: a query at position q sees only keys at positions >= q - (sliding_window - 1) (FlashInfer's
+  // window_left = sliding_window - 1; with non_causal there is no bound on the right within the step).
+  int64_t sliding_window = 0;
   std::optional<MsaIndexer> indexer;  // set on MSA ("minimax_m3_sparse") layers
   TensorParallel tp;
   std::string prefix;  // the weights' names start with it ("model.layers.N.self_attn."): LoRA modules (model/lora.h)
@@ -47,6 +59,8 @@ class GqaAttention : public Mixer {
   Tensor forward(const Tensor& x, const Batch& batch, int layer) override;
   LayerCacheSpec cache_spec() const override;
   std::string name() const override { return indexer ? "gqa+msa" : "gqa"; }
+  // Mixer::store_rows: [rope(k_norm(k_proj x)) | v_proj x] of x at the batch's positions.
+  void store_rows(const Tensor& x, const Batch& batch, int layer) const override;
   // The cache of a layer with these dimensions; index_head_dim 0 = no MSA indexer.
   static LayerCacheSpec cache_spec_for(int64_t kv_heads, int64_t head_dim, int64_t index_head_dim);
 
@@ -56,6 +70,10 @@ class GqaAttention : public Mixer {
   // (MsaIndexer::select) on MSA layers, empty otherwise.
   Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kept, const Batch& batch,
                 int layer) const;
+  // This step's K and V rows of x: k = rope(k_norm(k_proj x)), v = v_proj x.
+  void key_value_rows(const Tensor& x, const Batch& batch, Tensor& k, Tensor& v) const;
+  // Stores this step's K/V rows in the layer's pages.
+  void write_rows(const Tensor& k, const Tensor& v, const Batch& batch, int layer) const;
 };
 
 }  // namespace sparrow

@@ -82,9 +82,8 @@ class MlaMixer : public Mixer {
   static LayerCacheSpec cache_spec_for(const MlaOptions& options, const DsaIndexerOptions* index);
 
   const MlaOptions& options() const { return options_; }
-  // Only the cache rows of x ([batch.size(), hidden], normalised) at the batch's positions, no attention:
-  // the DSpark drafter's context (model/dspark.h). On a GPU the batch's step inputs must be attached.
-  void store_rows(const Tensor& x, const Batch& batch, int layer) const;
+  // Mixer::store_rows: [kv_a_layernorm(c) | rope(k_rot)] of x at the batch's positions.
+  void store_rows(const Tensor& x, const Batch& batch, int layer) const override;
 
  private:
   // This step's cache rows [T, latent + rot] of x: [kv_a_layernorm(c) | rope(k_rot)].

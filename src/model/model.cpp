@@ -1,10 +1,11 @@
 #include "model/model.h"
-#include "kernels/ops.h"
 
-#include "model/device_step.h"
+#include <algorithm>
 
 #include "core/error.h"
 #include "formats/checkpoint.h"
+#include "kernels/ops.h"
+#include "model/device_step.h"
 #include "model/families.h"
 #include "model/feed_forward.h"
 
@@ -89,9 +90,14 @@ const ModelFamily kModelFamilies[] = {
 
 const ModelFamily& model_family(const Config& config) {
   const std::string type = config.get_string("model_type");
-  SPARROW_CHECK(type != "k3_dspark", "config.json: model_type k3_dspark is a DSpark drafter, not a model to serve: "
-                "give its folder to --speculative-config '{\"method\": \"dspark\", \"model\": DIR, "
-                "\"num_speculative_tokens\": N}' beside the Kimi K3 model it drafts for");
+  const std::vector<std::string> archs =
+      config.has("architectures") ? config.get_string_list("architectures") : std::vector<std::string>{};
+  const bool drafter = type == "k3_dspark" || std::find_if(archs.begin(), archs.end(), [](const std::string& a) {
+                                                return a.find("DSpark") != std::string::npos;
+                                              }) != archs.end();
+  SPARROW_CHECK(!drafter, "config.json: ", archs.empty() ? type : archs.front(), " is a DSpark drafter, not a model to "
+                "serve: give its folder to --speculative-config '{\"method\": \"dspark\", \"model\": DIR, "
+                "\"num_speculative_tokens\": N}' beside the model it drafts for");
   std::string supported;
   for (const ModelFamily& family : kModelFamilies) {
     if (type == family.model_type) return family;

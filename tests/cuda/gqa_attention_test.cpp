@@ -181,7 +181,7 @@ std::vector<int32_t> make_blocks(const Shape& sh, const std::vector<int>& row_po
 // out[r, h, :] in float64 over the same bf16 values: softmax(scale q.K) V over the keys the row may see.
 std::vector<float> reference(const Shape& sh, const PagedKv& kv, const std::vector<float>& q,
                              const std::vector<int>& row_seq, const std::vector<int>& row_pos,
-                             const std::vector<int32_t>* blocks, float scale) {
+                             const std::vector<int32_t>* blocks, float scale, const std::vector<int>& row_first) {
   const int64_t rows = int64_t(row_seq.size());
   const int D = sh.head_dim;
   std::vector<float> out(size_t(rows * sh.heads * D));
@@ -201,7 +201,7 @@ std::vector<float> reference(const Shape& sh, const PagedKv& kv, const std::vect
             for (int s = b[i] * sh.index_block; s < (b[i] + 1) * sh.index_block && s <= pos; ++s) keys.push_back(s);
           }
         } else {
-          for (int s = 0; s <= pos; ++s) keys.push_back(s);
+          for (int s = row_first.empty() ? 0 : row_first[r]; s <= pos; ++s) keys.push_back(s);
         }
         const float* qh = q.data() + (r * sh.heads + h) * D;
         logits.resize(keys.size());
@@ -234,15 +234,17 @@ std::vector<float> reference(const Shape& sh, const PagedKv& kv, const std::vect
 
 // rows_per_seq consecutive rows per sequence, ending at its last token (decode: 1-2, prefill: many).
 // K/V in `format` pages, values uniform in [-amplitude, amplitude] (2^-7: mostly E4M3 subnormals, which the
-// FP8 path widens through bf16 subnormals).
+// FP8 path widens through bf16 subnormals). window > 0 (dense): each row sees its last `window` keys only
+// (row_first).
 void run_case(const Shape& sh, bool sparse, const std::vector<int>& lens, int rows_per_seq, int block_size,
-              int64_t visible_pad, std::mt19937_64& rng, PageFormat format, float amplitude = 1.0f) {
+              int64_t visible_pad, std::mt19937_64& rng, PageFormat format, float amplitude = 1.0f, int window = 0) {
   const int64_t rows = int64_t(lens.size()) * rows_per_seq;
   const int D = sh.head_dim;
   std::string what = std::string(sh.name) + (sparse ? " sparse" : " dense") + " kv=" + name_of(format) +
                      (amplitude != 1.0f ? " amplitude=" + std::to_string(amplitude) : std::string()) +
                      " seqs=" + std::to_string(lens.size()) + " rows/seq=" + std::to_string(rows_per_seq) +
-                     " cache_block=" + std::to_string(block_size) + " lens=";
+                     " cache_block=" + std::to_string(block_size) +
+                     (window ? " window=" + std::to_string(window) : std::string()) + " lens=";
   for (size_t i = 0; i < lens.size() && i < 8; ++i) what += (i ? "," : "") + std::to_string(lens[i]);
   SCOPED_TRACE(what);
 
@@ -271,7 +273,11 @@ void run_case(const Shape& sh, bool sparse, const std::vector<int>& lens, int ro
   test::DeviceArray<uint8_t> d_pool(kv.device_pool());
   test::DeviceArray<int64_t> d_pages(kv.device_table());
   test::DeviceArray<uint16_t> d_q(q_bits);
+  std::vector<int> row_first;
+  if (window > 0)
+    for (int pos : row_pos) row_first.push_back(std::max(0, pos - (window - 1)));
   test::DeviceArray<int32_t> d_seq(row_seq), d_pos(row_pos), d_blocks(blocks);
+  test::DeviceArray<int32_t> d_first(row_first.empty() ? std::vector<int>{0} : row_first);
   test::DeviceArray<uint16_t> d_out(q_bits.size());
   const size_t ws =
       gqa_attention_workspace_bytes(rows, sh.heads, sh.kv_heads, D, max_visible, ih, mb, sh.index_block, format);
@@ -280,10 +286,11 @@ void run_case(const Shape& sh, bool sparse, const std::vector<int>& lens, int ro
   SPARROW_CUDA_CHECK(cudaMemset(d_ws.ptr, 0xff, std::max<size_t>(ws, 1)));
   gqa_attention(d_q.ptr, d_out.ptr, rows, sh.heads, sh.kv_heads, D, scale, d_seq.ptr, d_pos.ptr, max_visible,
                 sparse ? d_blocks.ptr : nullptr, ih, mb, sh.index_block, d_pages.ptr, kv.stride, block_size,
-                d_pool.ptr, format, d_ws.ptr, ws, nullptr);
+                d_pool.ptr, format, d_ws.ptr, ws, nullptr, window > 0 ? d_first.ptr : nullptr);
   SPARROW_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<uint16_t> got = d_out.download();
-  const std::vector<float> ref = reference(sh, kv, q, row_seq, row_pos, sparse ? &blocks : nullptr, scale);
+  const std::vector<float> ref =
+      reference(sh, kv, q, row_seq, row_pos, sparse ? &blocks : nullptr, scale, row_first);
 
   int bad = 0;
   double worst = 0;
@@ -360,6 +367,22 @@ TEST(CudaGqaAttention, PrefillMatchesCpuReference) {
       }
     }
   }
+}
+
+// A sliding window (the Qwen3 DSpark drafter's layers, model/gqa_mixer.h): each row sees its last `window`
+// keys, from row_first on; windows of 1 key, shorter than a key tile, across page and split boundaries, and
+// longer than the context (then the whole causal prefix).
+TEST(CudaGqaAttention, SlidingWindowMatchesCpuReference) {
+  SPARROW_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (const PageFormat format : kFormats)
+    for (const int window : {1, 7, 16, 100, 4096, 100000}) {
+      run_case(kMiniMax, false, decode_lens(rng, 1, 20000), 1, 64, 0, rng, format, 1.0f, window);
+      run_case(kFixture, false, decode_lens(rng, 2, 9000), 2, 16, 0, rng, format, 1.0f, window);
+      run_case(kMiniMax, false, {200 + int(rng() % 3000)}, 200, 64, 0, rng, format, 1.0f, window);
+    }
 }
 
 // Every format's write: bf16 a byte copy (any bit pattern, NaN included); FP8 and NVFP4 byte for byte the

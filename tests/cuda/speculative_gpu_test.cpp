@@ -23,9 +23,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../drafter_test_util.h"
 #include "engine/engine_core.h"
 #include "engine/speculative.h"
 #include "gpu_test_util.h"
+#include "kernels/ops.h"
+#include "runner/step_inputs.h"
 #include "model/model.h"
 #include "model/dspark.h"
 #include "model/mtp.h"
@@ -248,6 +251,70 @@ TEST(CudaSpeculativeDSpark, DummyDrafterDraftsAndTheTargetDecides) {
                                       "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 3})",
                                   false, drafter.get());
   EXPECT_NEAR(synthetic.stats.spec_decode.acceptance_length(), 3.0, 0.6);
+}
+
+// The Qwen3 DSpark drafter (GQA with q/k norms, non-causal with a 16-token sliding window, a reduced draft
+// vocabulary) on the GPU against its float64 reference (tests/fixtures/minimax_m3_dspark,
+// tools/make_qwen3_dspark_fixture.py): the context rows from the reference's target streams, the block's
+// logits before and after the Markov bias within bf16 noise, the greedy drafts wherever the reference's
+// margin exceeds it; then the engine on the MiniMax-M3 fixture gives the target's greedy tokens with it.
+TEST(CudaSpeculativeDSpark, Qwen3DrafterMatchesItsReference) {
+  SPARROW_REQUIRE_GPU();
+  const fs::path dir = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/minimax_m3_dspark";
+  std::unique_ptr<Model> target =
+      load_model((fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/minimax_m3").string(), Device::Cuda);
+  std::unique_ptr<DSparkDrafter> drafter = load_dspark_drafter(dir.string(), *target);
+  ModelRunner runner(*drafter, RunnerOptions{.enforce_eager = true});
+  constexpr int64_t kBlock = 4;
+  constexpr double kBf16Tolerance = 3e-2;  // relative L2 of a row of logits: bf16 activations and weights
+  for (const sparrow::testing::DSparkCase& c : sparrow::testing::read_dspark_cases(dir)) {
+    SCOPED_TRACE("prompt of " + std::to_string(c.prompt.size()));
+    const int64_t n = int64_t(c.prompt.size());
+    CacheConfig config;
+    config.device = Device::Cuda;
+    config.block_size = 16;
+    config.memory_bytes = int64_t(64) << 20;
+    config.enable_prefix_caching = false;
+    KvCache cache(drafter->cache_spec(), config);
+    const SeqId id = cache.create_sequence();
+    ASSERT_TRUE(cache.allocate(id, n + kBlock));
+    SequenceState context_state;
+    context_state.cache = cache.view(id);
+    Batch context = make_batch({{&context_state, c.prompt}});
+    context.hidden_states_in = c.aux;
+    attach_device_step(context, Device::Cuda);
+    drafter->store_context(context);
+    SequenceState block_state;
+    block_state.length = n;
+    block_state.cache = cache.view(id);
+    Tokens tokens(size_t(kBlock), drafter->mask_token);
+    tokens[0] = c.bonus;
+    Batch block = make_batch({{&block_state, tokens}});
+    block.all_logits = true;
+    const Tensor base = runner.run(block);
+    const Tensor host = base.to(Device::Cpu, ScalarType::F32);
+    ASSERT_EQ(host.shape(), c.base_logits.shape());
+    int32_t previous = c.bonus;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      EXPECT_LT(model_test::relative_l2(host.row(i), c.base_logits.row(i), host.dim(1)), kBf16Tolerance) << i;
+      Tensor logits = ops::select_rows(base, {i});
+      ops::add_(logits, drafter->markov_bias({previous}));
+      const Tensor biased = logits.to(Device::Cpu, ScalarType::F32);
+      EXPECT_LT(model_test::relative_l2(biased.row(0), c.markov_logits.row(i), host.dim(1)), kBf16Tolerance) << i;
+      const int32_t draft = drafter->target_token(model_test::argmax(biased.row(0), biased.dim(1)));
+      if (c.draft_gaps[size_t(i)] > 0.1f) EXPECT_EQ(draft, c.drafts[size_t(i)]) << "query " << i;
+      previous = c.drafts[size_t(i)];  // the reference's chain, so one near tie does not move the rest
+    }
+  }
+  const std::vector<Request> requests = repetitive_requests(target->vocab_size());
+  const EngineRun plain = run(*target, requests, "", false);
+  const std::string dspark = R"({"method": "dspark", "model": "-", "num_speculative_tokens": 4})";
+  for (bool eager : {true, false}) {
+    SCOPED_TRACE(eager ? "eager" : "CUDA graphs");
+    const EngineRun got = run(*target, requests, dspark, eager, drafter.get());
+    expect_the_targets_tokens(got, plain);
+    EXPECT_GT(got.stats.spec_decode.drafts, 0);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(CudaFixtures, CudaSpeculative,

@@ -20,10 +20,13 @@ void gqa_attention(const GqaShape& shape, const float* q, int64_t ld_q, int64_t 
   // a row's arithmetic is then the same whatever rows share its step (chunked prefill, batching), as
   // mla_attention does (batch invariance, tests/batch_invariance_test.cpp).
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t position = start + i, seen = position + 1;
+    const int64_t position = start + i;
+    const int64_t first = shape.sliding_window > 0 ? std::max<int64_t>(0, position - (shape.sliding_window - 1)) : 0;
+    const int64_t last = shape.non_causal ? start + count - 1 : position;
+    const int64_t seen = last + 1 - first;  // keys first .. last
     probs.resize(group * seen);
     for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head) {
-      const float* keys = kv + kv_head * head_dim;
+      const float* keys = kv + first * kv_row + kv_head * head_dim;
       const float* values = keys + kv_heads * head_dim;
       const float* queries = q + i * ld_q + kv_head * group * head_dim;
       gemm_nt(group, seen, head_dim, queries, head_dim, keys, kv_row, probs.data(), seen);
@@ -39,7 +42,7 @@ void gqa_attention(const GqaShape& shape, const float* q, int64_t ld_q, int64_t 
             if (list[j] < int64_t(kept_block.size())) kept_block[list[j]] = 1;
         }
         for (int64_t s = 0; s < seen; ++s)
-          row[s] = !blocks.kept || kept_block[s / blocks.block_size] ? row[s] * shape.scale : neg_inf;
+          row[s] = !blocks.kept || kept_block[(first + s) / blocks.block_size] ? row[s] * shape.scale : neg_inf;
         softmax_inplace(row, seen);
       }
       gemm_nn(group, head_dim, seen, probs.data(), seen, values, kv_row, out + i * ld_out + kv_head * group * head_dim,

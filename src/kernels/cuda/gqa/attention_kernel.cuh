@@ -54,7 +54,8 @@ struct GqaParams {
   const __nv_bfloat16* q;      // [rows, heads, head_dim]
   __nv_bfloat16* out;          // [rows, heads, head_dim]
   const int32_t* row_seq;      // [rows]
-  const int32_t* row_pos;      // [rows]
+  const int32_t* row_pos;      // [rows]: the last key a row sees
+  const int32_t* row_first;    // dense: [rows], the first key a row sees (a sliding window), or null (0)
   const int32_t* blocks;       // sparse: [rows, index_heads, max_blocks]; dense: null
   const int64_t* page_table;   // [seqs, stride] byte offsets into pool
   const uint8_t* pool;         // the layer's K/V pages (gqa_attention.h)
@@ -202,6 +203,7 @@ __global__ void __launch_bounds__(kThreads) gqa_attention_kernel(const GqaParams
   const int split = blockIdx.y;
   const int seq = __ldg(p.row_seq + row);
   const int pos = __ldg(p.row_pos + row);
+  const int first = SPARSE || !p.row_first ? 0 : __ldg(p.row_first + row);
   const int D = p.head_dim;
   const int cpr = D / 8;  // 16-byte chunks of a bf16 head row (Q, and the bf16 tiles)
 
@@ -245,7 +247,7 @@ __global__ void __launch_bounds__(kThreads) gqa_attention_kernel(const GqaParams
     __syncthreads();
     nslots = blk_count * p.index_block;  // slot i -> key blk_s[i / index_block] * index_block + i % index_block
   } else {
-    nslots = pos + 1;  // slot = key
+    nslots = pos + 1 - first;  // slot = key - first
   }
   // This block's slots; the last split takes everything left, so a too-small max_visible stays correct.
   const int per_split = p.tiles_per_split * kTileKeys;
@@ -266,7 +268,7 @@ __global__ void __launch_bounds__(kThreads) gqa_attention_kernel(const GqaParams
     if constexpr (SPARSE) {
       key = blk_s[slot / p.index_block] * p.index_block + slot % p.index_block;
     } else {
-      key = slot;
+      key = first + slot;
     }
     if (key > pos) return {-1, 0};
     const int64_t page = __ldg(p.page_table + int64_t(seq) * p.stride + key / p.block_size);

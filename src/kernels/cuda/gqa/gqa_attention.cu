@@ -297,9 +297,11 @@ void gqa_attention(const void* q_bf16, void* out_bf16, int64_t rows, int heads, 
                    float scale, const int32_t* row_seq, const int32_t* row_pos, int64_t max_visible,
                    const int32_t* blocks, int index_heads, int max_blocks, int index_block_size,
                    const int64_t* page_table, int64_t stride, int block_size, const uint8_t* pool,
-                   PageFormat format, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                   PageFormat format, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                   const int32_t* row_first) {
   using namespace gqa_detail;
   const bool sparse = blocks != nullptr;
+  SPARROW_CHECK(!sparse || !row_first, "gqa attention: a first key per row (sliding window) with MSA blocks");
   const Plan plan = make_plan(rows, heads, kv_heads, head_dim, max_visible, sparse, index_heads, max_blocks,
                               index_block_size, format);
   if (rows == 0) return;
@@ -319,6 +321,7 @@ void gqa_attention(const void* q_bf16, void* out_bf16, int64_t rows, int heads, 
   p.out = static_cast<__nv_bfloat16*>(out_bf16);
   p.row_seq = row_seq;
   p.row_pos = row_pos;
+  p.row_first = row_first;
   p.blocks = blocks;
   p.page_table = page_table;
   p.pool = pool;

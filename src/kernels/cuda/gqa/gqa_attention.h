@@ -78,12 +78,16 @@ size_t gqa_attention_workspace_bytes(int64_t rows, int heads, int kv_heads, int 
 //                row and index head, ascending, padded with -1 (MSA); index_block_size keys per block
 //   heads % kv_heads == 0 and, when sparse, heads % index_heads == 0.
 //   format       how `pool`'s K/V pages are stored (what gqa_write_kv wrote).
+//   row_first    null, or [rows] int32 (device), dense only: the row's first visible key (a sliding window);
+//                it then sees keys row_first[r] .. row_pos[r]. (A non-causal row passes the last key it sees
+//                as its row_pos.)
 // Decode (one or a few rows per sequence) and prefill (many consecutive rows of one sequence) use the
 // same kernel; long key ranges are split across blocks and merged by log-sum-exp weights in `workspace`.
 void gqa_attention(const void* q_bf16, void* out_bf16, int64_t rows, int heads, int kv_heads, int head_dim,
                    float scale, const int32_t* row_seq, const int32_t* row_pos, int64_t max_visible,
                    const int32_t* blocks, int index_heads, int max_blocks, int index_block_size,
                    const int64_t* page_table, int64_t stride, int block_size, const uint8_t* pool,
-                   PageFormat format, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                   PageFormat format, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                   const int32_t* row_first = nullptr);
 
 }  // namespace sparrow::cuda
