@@ -107,6 +107,8 @@ Tensor GqaAttention::attend(const Tensor& q, const Tensor& k, const Tensor& v, c
                             const Batch& batch, int layer) const {
   const float scale = float(std::pow(double(head_dim), -0.5));  // MiniMaxM3VLAttention.scaling
   const int64_t rows = batch.size();
+  SPARROW_CHECK(!indexer || (!non_causal && sliding_window == 0), "GQA: a non-causal or windowed layer with an MSA "
+                "indexer");
   write_rows(k, v, batch, layer);
   if (q.on_cpu()) {
     const int64_t kv_width = kv_heads * head_dim;
@@ -140,7 +142,6 @@ Tensor GqaAttention::attend(const Tensor& q, const Tensor& k, const Tensor& v, c
   // otherwise (an upload then: no CUDA graph takes such a batch, DSparkDrafter::capturable).
   Tensor row_last = step.row_pos, row_first;
   if (non_causal || sliding_window > 0) {
-    SPARROW_CHECK(!indexer, "GQA: a non-causal or windowed layer with an MSA indexer");
     Tensor last = Tensor::empty({rows}, ScalarType::I32), first = Tensor::empty({rows}, ScalarType::I32);
     for (const SeqSlice& seq : batch.seqs)
       for (int64_t i = 0; i < seq.count; ++i) {
