@@ -122,6 +122,7 @@ inline std::string speculation_line(const std::string& err) {
 // base logits and its logits with the Markov bias [k, draft vocabulary].
 struct DSparkCase {
   std::vector<int32_t> prompt, drafts;
+  std::vector<int32_t> base_argmax;  // each query's best base logit (a draft id), before the Markov bias
   std::vector<float> draft_gaps;
   int32_t bonus = 0;
   Tensor aux, base_logits, markov_logits;
@@ -138,6 +139,7 @@ inline std::vector<DSparkCase> read_dspark_cases(const std::filesystem::path& di
     one.prompt = c["prompt"].get<std::vector<int32_t>>();
     one.drafts = c["drafts"].get<std::vector<int32_t>>();
     one.draft_gaps = c["draft_gaps"].get<std::vector<float>>();
+    one.base_argmax = c["base_argmax"].get<std::vector<int32_t>>();
     one.bonus = c["bonus"].get<int32_t>();
     one.aux = to_float32(file->tensors().at("aux." + i), file);
     one.base_logits = to_float32(file->tensors().at("base_logits." + i), file);

@@ -163,6 +163,42 @@ TEST_P(DSparkFixtures, ProposerDraftsTheReferenceDrafts) {
   }
 }
 
+// vLLM's dspark_draft_topk (Qwen3 drafters): the Markov head corrects only each query's k best base logits. With
+// k = 1 the drafts are the base argmaxes whatever the chain (the fixture's bases: top-1 margins 0.07-1.98); with k
+// = the draft vocabulary, the reference drafts. Refused for K3's drafter and past the draft vocabulary.
+TEST(DSpark, DraftTopKLimitsTheMarkovCandidates) {
+  Loaded m(kMiniMax);
+  ModelRunner target(*m.target);
+  for (const Case& c : read_cases(kMiniMax)) {
+    SCOPED_TRACE("prompt of " + std::to_string(c.prompt.size()));
+    for (const int64_t k : {int64_t(1), m.drafter->draft_vocab}) {
+      KvCache cache(m.drafter->cache_spec(), roomy_cache(false));
+      auto proposer = make_dspark_proposer(*m.drafter, false, k);
+      Held held(cache, c.prompt);
+      target_step(target, cache, *proposer, *held.seq, int64_t(c.prompt.size()));
+      Tokens want = c.drafts;
+      if (k == 1)
+        for (size_t i = 0; i < want.size(); ++i) want[i] = m.drafter->target_token(c.base_argmax[i]);
+      EXPECT_EQ(propose(*proposer, cache, *held.seq, kBlock), want) << "k " << k;
+    }
+  }
+  using sparrow::testing::error_message, sparrow::testing::mentions;
+  EXPECT_TRUE(mentions(error_message([&] { make_dspark_proposer(*m.drafter, false, 201); }),
+                       {"dspark_draft_topk", "200"}));
+  Loaded k3;
+  EXPECT_TRUE(mentions(error_message([&] { make_dspark_proposer(*k3.drafter, false, 4); }),
+                       {"dspark_draft_topk", "Qwen3"}));
+  EXPECT_TRUE(mentions(error_message([] {
+                         parse_speculative_config(R"({"method": "ngram", "num_speculative_tokens": 2,
+                                                      "dspark_draft_topk": 4})");
+                       }),
+                       {"dspark_draft_topk", "dspark"}));
+  EXPECT_EQ(parse_speculative_config(R"({"method": "dspark", "model": "x", "num_speculative_tokens": 2,
+                                         "dspark_draft_topk": 4})")
+                .dspark_draft_topk,
+            4);
+}
+
 // A prompt served from the prefix cache: the drafter's context rows came with the blocks.
 TEST_P(DSparkFixtures, DraftsAfterAPrefixHitUseTheCachedRows) {
   Loaded m(GetParam());
@@ -277,6 +313,7 @@ TEST(DSpark, BadUsesAreOneLineErrors) {
       {R"({"draft_vocab_size": 300})", {"draft_vocab_size"}},
       {R"({"architectures": ["Qwen3ForCausalLM"]})", {"model_type", "Qwen3DSparkModel"}},
       {R"({"hidden_act": "gelu"})", {"hidden_act", "silu"}},
+      {R"({"dspark_draft_topk": 500})", {"dspark_draft_topk", "draft_vocab_size"}},
   };
   for (const auto& [patch, words] : changes) {
     SCOPED_TRACE(patch);

@@ -1,6 +1,8 @@
 #include "engine/dspark_proposer.h"
 
 #include <algorithm>
+#include <limits>
+#include <numeric>
 #include <unordered_set>
 
 #include "core/error.h"
@@ -17,8 +19,16 @@ namespace {
 
 class DSparkProposer final : public DraftProposer {
  public:
-  DSparkProposer(DSparkDrafter& drafter, bool probabilistic)
-      : drafter_(drafter), runner_(drafter, RunnerOptions{.enforce_eager = true}), probabilistic_(probabilistic) {}
+  DSparkProposer(DSparkDrafter& drafter, bool probabilistic, int64_t draft_topk)
+      : drafter_(drafter),
+        runner_(drafter, RunnerOptions{.enforce_eager = true}),
+        probabilistic_(probabilistic),
+        topk_(draft_topk > 0 ? draft_topk : drafter.draft_topk) {
+    SPARROW_CHECK(topk_ == 0 || drafter.type == "qwen3", "speculative decoding: dspark_draft_topk is for Qwen3 DSpark "
+                  "drafters (vLLM refuses it for ", drafter.type, ")");
+    SPARROW_CHECK(topk_ <= drafter.draft_vocab, "speculative decoding: dspark_draft_topk ", topk_,
+                  " exceeds the drafter's vocabulary of ", drafter.draft_vocab);
+  }
 
   bool reads_hidden_states() const override { return true; }
   // The block's rows: positions L - 1 .. L + k - 2 of a sequence of L tokens, whose computed rows end at L - 2.
@@ -75,6 +85,23 @@ class DSparkProposer final : public DraftProposer {
     Batch block = make_batch(parts);
     block.all_logits = true;
     const Tensor base = runner_.run(block);
+    // A draft top-k: each query's candidates, chosen once from its base logits before the Markov bias (on the
+    // host: the block's few rows).
+    std::vector<std::vector<int32_t>> candidates;
+    if (topk_ > 0) {
+      const Tensor host = base.to(Device::Cpu, ScalarType::F32);
+      candidates.resize(size_t(host.dim(0)));
+      for (int64_t r = 0; r < host.dim(0); ++r) {
+        std::vector<int32_t>& ids = candidates[size_t(r)];
+        ids.resize(size_t(host.dim(1)));
+        std::iota(ids.begin(), ids.end(), 0);
+        const float* row = host.row(r);
+        std::partial_sort(ids.begin(), ids.begin() + topk_, ids.end(), [row](int32_t a, int32_t b) {
+          return row[a] > row[b] || (row[a] == row[b] && a < b);
+        });
+        ids.resize(size_t(topk_));
+      }
+    }
 
     // Left to right: logits_i = base_i + markov(previous token), the block's first row after the newest token.
     std::vector<int32_t> previous;
@@ -92,6 +119,17 @@ class DSparkProposer final : public DraftProposer {
       }
       Tensor logits = ops::select_rows(base, rows);
       ops::add_(logits, drafter_.markov_bias(prev));
+      if (topk_ > 0) {  // every id but the row's candidates at -inf
+        Tensor kept = logits.to(Device::Cpu, ScalarType::F32);
+        for (size_t a = 0; a < rows.size(); ++a) {
+          float* row = kept.row(int64_t(a));
+          std::vector<float> values;
+          for (int32_t id : candidates[size_t(rows[a])]) values.push_back(row[id]);
+          std::fill_n(row, kept.dim(1), -std::numeric_limits<float>::infinity());
+          for (size_t c = 0; c < values.size(); ++c) row[candidates[size_t(rows[a])][c]] = values[c];
+        }
+        logits = kept;
+      }
       std::vector<TokenDraw> greedy(active.size());
       for (TokenDraw& draw : greedy) draw.temperature = 0;
       // Draft ids (a reduced draft vocabulary's) become target ids; a sampling request draws from the
@@ -120,13 +158,14 @@ class DSparkProposer final : public DraftProposer {
   DSparkDrafter& drafter_;
   ModelRunner runner_;
   bool probabilistic_;
+  int64_t topk_;  // 0: no draft top-k
   std::unordered_set<const Sequence*> ready_;  // observed up to their newest token since the last proposal
 };
 
 }  // namespace
 
-std::unique_ptr<DraftProposer> make_dspark_proposer(DSparkDrafter& drafter, bool probabilistic) {
-  return std::make_unique<DSparkProposer>(drafter, probabilistic);
+std::unique_ptr<DraftProposer> make_dspark_proposer(DSparkDrafter& drafter, bool probabilistic, int64_t draft_topk) {
+  return std::make_unique<DSparkProposer>(drafter, probabilistic, draft_topk);
 }
 
 }  // namespace sparrow

@@ -53,7 +53,8 @@ SpeculativeConfig parse_speculative_config(std::string_view text) {
                                                 "enable_adaptive_verification"};
   static const std::set<std::string> used = {"method", "model", "num_speculative_tokens", "draft_sample_method",
                                              "prompt_lookup_min", "prompt_lookup_max", "rejection_sample_method",
-                                             "synthetic_acceptance_rate", "synthetic_acceptance_length"};
+                                             "synthetic_acceptance_rate", "synthetic_acceptance_length",
+                                             "dspark_draft_topk"};
   SpeculativeConfig config;
   for (const auto& [key, value] : j.items()) {
     if (value.is_null()) continue;  // vLLM's None: the default
@@ -113,6 +114,11 @@ SpeculativeConfig parse_speculative_config(std::string_view text) {
   if (length)
     config.synthetic_acceptance_rate = synthetic_rate_for_length(
         number("synthetic_acceptance_length", 1, double(config.num_speculative_tokens + 1)), config.num_speculative_tokens);
+
+  if (has("dspark_draft_topk")) {
+    SPARROW_CHECK(config.method == "dspark", "--speculative-config: dspark_draft_topk belongs to method \"dspark\"");
+    config.dspark_draft_topk = integer_key(j, "dspark_draft_topk", 1, int64_t(1) << 30);
+  }
 
   if (config.method == "ngram") {
     SPARROW_CHECK(config.model.empty(), "--speculative-config: method \"ngram\" takes no \"model\"");
@@ -185,7 +191,7 @@ std::unique_ptr<DraftProposer> make_draft_proposer(const SpeculativeConfig& conf
   if (config.method == "dspark") {
     auto* drafter = dynamic_cast<DSparkDrafter*>(draft_model);
     SPARROW_CHECK(drafter != nullptr, "speculative decoding: method \"dspark\" without its drafter loaded");
-    return make_dspark_proposer(*drafter, config.draft_sample_method == "probabilistic");
+    return make_dspark_proposer(*drafter, config.draft_sample_method == "probabilistic", config.dspark_draft_topk);
   }
   SPARROW_CHECK(config.method == "draft_model", "speculative decoding: unknown method \"", config.method, "\"");
   SPARROW_CHECK(draft_model != nullptr, "speculative decoding: method \"draft_model\" without a loaded draft model");

@@ -56,6 +56,9 @@ struct SpeculativeConfig {
   // ngram: the suffix of the sequence matched earlier in it, from prompt_lookup_max tokens down to
   // prompt_lookup_min (vLLM's defaults: 5 and 5; one given, the other equals it).
   int64_t prompt_lookup_min = 0, prompt_lookup_max = 0;
+  // dspark, Qwen3 drafters: the Markov head corrects only each query's dspark_draft_topk best base logits, the
+  // others are -inf (vLLM's SpeculativeConfig.dspark_draft_topk; 0: the drafter config's, else every id).
+  int64_t dspark_draft_topk = 0;
   // Keys vLLM accepts that change nothing here (printed once as a notice): see docs/speculative.md.
   std::vector<std::string> ignored_keys;
 

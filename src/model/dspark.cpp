@@ -337,6 +337,13 @@ std::unique_ptr<DSparkDrafter> load_dspark_drafter(const std::string& dir, Model
                              ? drafter->embed
                              : target_ckpt->take_linear(stack->head_name, {stack->vocab, stack->hidden});
   }
+  // vLLM reads dspark_draft_topk for Qwen3 drafters only (config/speculative.py).
+  if (config.has("dspark_draft_topk")) {
+    config.require(qwen3, "dspark_draft_topk", "absent (vLLM takes it for Qwen3 DSpark drafters only)");
+    drafter->draft_topk = config.get_int("dspark_draft_topk");
+    config.require(drafter->draft_topk >= 1 && drafter->draft_topk <= drafter->draft_vocab, "dspark_draft_topk",
+                   "between 1 and draft_vocab_size");
+  }
   const int64_t rank = config.get_int("markov_rank");
   config.require(rank > 0, "markov_rank", "a positive integer");
   drafter->markov_w1 = ckpt->take("markov_head.markov_w1.weight", {drafter->vocab, rank});

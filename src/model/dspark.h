@@ -50,6 +50,7 @@ class DSparkDrafter final : public Model {
   Tensor embed;                       // the target's (shared, as vLLM's load_dspark_model shares it)
   Tensor lm_head;                     // [draft_vocab, hidden]: the target's, or the drafter's own
   std::vector<int64_t> draft_to_target;  // d2t: draft id d is target id d + d2t[d]; empty: the same ids
+  int64_t draft_topk = 0;             // dspark_draft_topk of a Qwen3 drafter's config (engine/dspark_proposer.h)
   Tensor context_proj;                // [hidden, target_hidden * target_layer_ids.size()]
   Tensor context_norm;                // [hidden]
   std::vector<DecoderLayer> layers;   // MLA or GQA attention + dense MLP each
