@@ -16,12 +16,15 @@
 #include <nlohmann/json.hpp>
 
 #include "cache/kv_cache.h"
+#include "core/error.h"
 #include "cuda/model_test_util.h"
 #include "engine/engine_core.h"
 #include "engine/sequence.h"
 #include "engine/speculative.h"
 #include "formats/safetensors.h"
+#include "model/dspark.h"
 #include "runner/model_runner.h"
+#include "runner/step_inputs.h"
 
 namespace sparrow::testing {
 
@@ -147,6 +150,30 @@ inline std::vector<DSparkCase> read_dspark_cases(const std::filesystem::path& di
     cases.push_back(std::move(one));
   }
   return cases;
+}
+
+// The drafter's base logits for a case's block: its context rows written from the reference's target streams
+// (c.aux) at the prompt's positions, then the block [bonus, mask x (k - 1)] right after them, a new sequence of
+// `cache` (on the drafter's device) holding both.
+inline Tensor dspark_block_logits(DSparkDrafter& drafter, ModelRunner& runner, KvCache& cache, const DSparkCase& c,
+                                  int64_t k) {
+  const int64_t n = int64_t(c.prompt.size());
+  const SeqId id = cache.create_sequence();
+  SPARROW_CHECK(cache.allocate(id, n + k), "dspark_block_logits: no room for ", n + k, " rows");
+  SequenceState context_state;
+  context_state.cache = cache.view(id);
+  Batch context = make_batch({{&context_state, c.prompt}});
+  context.hidden_states_in = c.aux;
+  if (drafter.device() != Device::Cpu) attach_device_step(context, drafter.device());
+  drafter.store_context(context);
+  SequenceState block_state;
+  block_state.length = n;
+  block_state.cache = cache.view(id);
+  std::vector<int32_t> tokens(size_t(k), drafter.mask_token);
+  tokens[0] = c.bonus;
+  Batch block = make_batch({{&block_state, tokens}});
+  block.all_logits = true;
+  return runner.run(block);
 }
 
 }  // namespace sparrow::testing

@@ -110,23 +110,8 @@ TEST_P(DSparkFixtures, BlockLogitsMatchTheReference) {
   ModelRunner drafter(*m.drafter);
   for (const Case& c : read_cases(GetParam())) {
     SCOPED_TRACE("prompt of " + std::to_string(c.prompt.size()));
-    const int64_t n = int64_t(c.prompt.size());
     KvCache cache(m.drafter->cache_spec(), roomy_cache(false));
-    const SeqId id = cache.create_sequence();
-    ASSERT_TRUE(cache.allocate(id, n + kBlock));
-    SequenceState context_state;
-    context_state.cache = cache.view(id);
-    Batch context = make_batch({{&context_state, c.prompt}});
-    context.hidden_states_in = c.aux;
-    m.drafter->store_context(context);
-    SequenceState block_state;
-    block_state.length = n;
-    block_state.cache = cache.view(id);
-    Tokens tokens(size_t(kBlock), m.drafter->mask_token);
-    tokens[0] = c.bonus;
-    Batch block = make_batch({{&block_state, tokens}});
-    block.all_logits = true;
-    const Tensor base = drafter.run(block);
+    const Tensor base = sparrow::testing::dspark_block_logits(*m.drafter, drafter, cache, c, kBlock);
     ASSERT_EQ(base.shape(), c.base_logits.shape());
     Tokens previous = {c.bonus};
     for (int64_t i = 0; i < kBlock; ++i) {

@@ -28,7 +28,6 @@
 #include "engine/speculative.h"
 #include "gpu_test_util.h"
 #include "kernels/ops.h"
-#include "runner/step_inputs.h"
 #include "model/model.h"
 #include "model/dspark.h"
 #include "model/mtp.h"
@@ -269,29 +268,13 @@ TEST(CudaSpeculativeDSpark, Qwen3DrafterMatchesItsReference) {
   constexpr double kBf16Tolerance = 3e-2;  // relative L2 of a row of logits: bf16 activations and weights
   for (const sparrow::testing::DSparkCase& c : sparrow::testing::read_dspark_cases(dir)) {
     SCOPED_TRACE("prompt of " + std::to_string(c.prompt.size()));
-    const int64_t n = int64_t(c.prompt.size());
     CacheConfig config;
     config.device = Device::Cuda;
     config.block_size = 16;
     config.memory_bytes = int64_t(64) << 20;
     config.enable_prefix_caching = false;
     KvCache cache(drafter->cache_spec(), config);
-    const SeqId id = cache.create_sequence();
-    ASSERT_TRUE(cache.allocate(id, n + kBlock));
-    SequenceState context_state;
-    context_state.cache = cache.view(id);
-    Batch context = make_batch({{&context_state, c.prompt}});
-    context.hidden_states_in = c.aux;
-    attach_device_step(context, Device::Cuda);
-    drafter->store_context(context);
-    SequenceState block_state;
-    block_state.length = n;
-    block_state.cache = cache.view(id);
-    Tokens tokens(size_t(kBlock), drafter->mask_token);
-    tokens[0] = c.bonus;
-    Batch block = make_batch({{&block_state, tokens}});
-    block.all_logits = true;
-    const Tensor base = runner.run(block);
+    const Tensor base = sparrow::testing::dspark_block_logits(*drafter, runner, cache, c, kBlock);
     const Tensor host = base.to(Device::Cpu, ScalarType::F32);
     ASSERT_EQ(host.shape(), c.base_logits.shape());
     int32_t previous = c.bonus;

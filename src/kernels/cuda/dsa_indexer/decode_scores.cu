@@ -23,6 +23,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/dsa_indexer/decode_rows.cuh"
+#include "kernels/cuda/paged.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/wgmma.cuh"
 #include "core/device/cuda_check.h"
@@ -55,13 +56,7 @@ struct DecodeParams : IndexScoreArgs {
 // multiples of 64), a tile is 64 consecutive rows of one page: one page-table read a tile, read a tile
 // ahead of its copies so the copies never wait on it. Otherwise each key finds its own page.
 __device__ __forceinline__ void locate(const DecodeParams& p, uint32_t key, uint32_t& page, uint32_t& slot) {
-  if (p.block_shift >= 0) {
-    page = key >> p.block_shift;
-    slot = key & uint32_t(p.block_size - 1);
-  } else {
-    page = key / uint32_t(p.block_size);
-    slot = key - page * uint32_t(p.block_size);
-  }
+  locate_key(key, p.block_size, p.block_shift, page, slot);
 }
 
 // ROWS consecutive query rows share a CTA when they are one request's tokens (speculative verification
@@ -277,7 +272,7 @@ void dsa_decode_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows
   per = std::max<int64_t>(per, kMinTilesPerCta * kTileKeys);
   per = (per + kTileKeys - 1) / kTileKeys * kTileKeys;
   const int64_t splits = (max_visible + per - 1) / per;
-  const int shift = (block_size & (block_size - 1)) == 0 ? __builtin_ctz(unsigned(block_size)) : -1;
+  const int shift = block_shift_of(block_size);
   DecodeParams params{{q_fp8, w_folded, rows, row_seq, row_visible, pool, page_table, page_table_stride, block_size,
                        scores, ld, max_visible},
                       per, shift};

@@ -34,6 +34,7 @@
 #include "kernels/cuda/dsa_indexer/decode_scores.cuh"
 #include "kernels/cuda/dsa_indexer/fp4_keys.cuh"
 #include "kernels/cuda/dsa_indexer/decode_rows.cuh"
+#include "kernels/cuda/paged.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/wgmma.cuh"
 #include "core/device/cuda_check.h"
@@ -79,13 +80,7 @@ struct Fp4Params : IndexScoreArgs {
 
 // The page of key `key` and its slot (keys fit in 31 bits: row_visible is int32).
 __device__ __forceinline__ void locate(const Fp4Params& p, uint32_t key, uint32_t& page, uint32_t& slot) {
-  if (p.block_shift >= 0) {
-    page = key >> p.block_shift;
-    slot = key & uint32_t(p.block_size - 1);
-  } else {
-    page = key / uint32_t(p.block_size);
-    slot = key - page * uint32_t(p.block_size);
-  }
+  locate_key(key, p.block_size, p.block_shift, page, slot);
 }
 
 template <PageFormat F, int HEADS, int ROWS>
@@ -329,7 +324,7 @@ void dsa_decode_scores_fp4(const uint8_t* q_fp8, const float* w_folded, int64_t 
   const int group = rows_per_sequence == 2 ? 2 : 1;
   const int64_t ctas_y = (rows + group - 1) / group;
   SPARROW_CHECK(ctas_y < 65536, "dsa_decode_scores: too many rows (", rows, ")");
-  const int shift = (block_size & (block_size - 1)) == 0 ? __builtin_ctz(unsigned(block_size)) : -1;
+  const int shift = block_shift_of(block_size);
   const Fp4Params params{{q_fp8, w_folded, rows, row_seq, row_visible, pool, page_table, page_table_stride,
                           block_size, scores, ld, max_visible},
                          shift,

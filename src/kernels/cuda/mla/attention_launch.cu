@@ -3,6 +3,7 @@
 
 #include "kernels/cuda/mla/attention_kernel.cuh"
 #include "kernels/cuda/mla/wgmma_kernel.cuh"
+#include "kernels/cuda/paged.cuh"
 #include "core/device/sm_count.h"
 
 namespace sparrow::cuda::mla_detail {
@@ -101,7 +102,7 @@ void launch_mla_attention(const MlaPagedCache& cache, const uint16_t* q, const i
   p.page_offsets = cache.page_offsets;
   p.pages_stride = cache.pages_stride;
   p.block_size = cache.block_size;
-  p.block_shift = (cache.block_size & (cache.block_size - 1)) == 0 ? __builtin_ctz(unsigned(cache.block_size)) : -1;
+  p.block_shift = block_shift_of(cache.block_size);
   p.q = reinterpret_cast<const __nv_bfloat16*>(q);
   p.row_seq = row_seq;
   p.indices = indices;
