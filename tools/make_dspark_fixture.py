@@ -88,7 +88,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -98,6 +97,7 @@ from safetensors.torch import load_file, save_file
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 import kimi_k3_reference as kr  # noqa: E402
+from dspark_fixture_util import RandomWeights, check_close  # noqa: E402
 
 F64 = torch.float64
 TARGET = "tests/fixtures/kimi_k3_1_pro"
@@ -264,41 +264,26 @@ class Drafter:
 
 def random_drafter(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     """bf16 weights by checkpoint name, drawn in a fixed order from one generator."""
-    g = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-
-    def normal(shape, std, mean=0.0):
-        return (torch.randn(shape, generator=g, dtype=F64) * std + mean).to(torch.bfloat16)
-
-    def mat(name, rows, cols):
-        out[name] = normal((rows, cols), 1 / math.sqrt(cols))
-
-    def norm(name, n):
-        out[name] = normal((n,), 0.1, 1.0)
+    w = RandomWeights(seed)
 
     H, nh = cfg["hidden_size"], cfg["num_attention_heads"]
     dn, dr, dv = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     qr, r, I = cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["intermediate_size"]
-    mat("context_proj.weight", H, cfg["target_hidden_size"] * cfg["num_target_layers"])
-    norm("context_norm.weight", H)
+    w.mat("context_proj.weight", H, cfg["target_hidden_size"] * cfg["num_target_layers"])
+    w.norm("context_norm.weight", H)
     for j in range(cfg["num_hidden_layers"]):
         a = f"layers.{j}.self_attn."
-        mat(a + "q_a_proj.weight", qr, H)
-        norm(a + "q_a_layernorm.weight", qr)
-        mat(a + "q_b_proj.weight", nh * (dn + dr), qr)
-        mat(a + "kv_a_proj_with_mqa.weight", r + dr, H)
-        norm(a + "kv_a_layernorm.weight", r)
-        mat(a + "kv_b_proj.weight", nh * (dn + dv), r)
-        mat(a + "o_proj.weight", H, nh * dv)
-        mat(f"layers.{j}.mlp.gate_proj.weight", I, H)
-        mat(f"layers.{j}.mlp.up_proj.weight", I, H)
-        mat(f"layers.{j}.mlp.down_proj.weight", H, I)
-        norm(f"layers.{j}.input_layernorm.weight", H)
-        norm(f"layers.{j}.post_attention_layernorm.weight", H)
-    norm("final_norm.weight", H)
-    out["markov_head.markov_w1.weight"] = normal((cfg["vocab_size"], cfg["markov_rank"]), 0.5)
-    out["markov_head.markov_w2.weight"] = normal((cfg["draft_vocab_size"], cfg["markov_rank"]), 0.5)
-    return out
+        w.mat(a + "q_a_proj.weight", qr, H)
+        w.norm(a + "q_a_layernorm.weight", qr)
+        w.mat(a + "q_b_proj.weight", nh * (dn + dr), qr)
+        w.mat(a + "kv_a_proj_with_mqa.weight", r + dr, H)
+        w.norm(a + "kv_a_layernorm.weight", r)
+        w.mat(a + "kv_b_proj.weight", nh * (dn + dv), r)
+        w.mat(a + "o_proj.weight", H, nh * dv)
+        w.mlp_and_norms(j, H, I)
+    w.norm("final_norm.weight", H)
+    w.markov_head(cfg["vocab_size"], cfg["draft_vocab_size"], cfg["markov_rank"])
+    return w.out
 
 
 def uninformative(results, min_markov_changes: int) -> list[str]:
@@ -318,13 +303,6 @@ def uninformative(results, min_markov_changes: int) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # Checks of the reference itself
 # ---------------------------------------------------------------------------------------------
-
-def check_close(what: str, got: torch.Tensor, want: torch.Tensor, tol: float = 1e-10):
-    err = (got - want).abs().max().item()
-    print(f"  [{'PASS' if err <= tol else 'FAIL'}] {what}: max |diff| {err:.2e}")
-    if err > tol:
-        raise SystemExit(f"self-check failed: {what}")
-
 
 def check_rope():
     gen = torch.Generator().manual_seed(0)

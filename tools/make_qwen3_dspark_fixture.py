@@ -128,7 +128,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -142,6 +141,7 @@ from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as mm3
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 from make_fixtures import DEFAULT_MIN_GAP as TOPK_MIN_REL_GAP, GapMonitor  # noqa: E402
+from dspark_fixture_util import RandomWeights, check_close  # noqa: E402
 
 F64 = torch.float64
 TARGET = "tests/fixtures/minimax_m3"
@@ -431,46 +431,31 @@ class Drafter:
 
 def random_drafter(cfg: dict, seed: int, required_ids: list[int]) -> dict[str, torch.Tensor]:
     """bf16 weights by checkpoint name and the int64 d2t, drawn in a fixed order from one generator."""
-    g = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-
-    def normal(shape, std, mean=0.0):
-        return (torch.randn(shape, generator=g, dtype=F64) * std + mean).to(torch.bfloat16)
-
-    def mat(name, rows, cols):
-        out[name] = normal((rows, cols), 1 / math.sqrt(cols))
-
-    def norm(name, n):
-        out[name] = normal((n,), 0.1, 1.0)
+    w = RandomWeights(seed)
 
     H, nh, nkv, hd, I = (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
                          cfg["intermediate_size"])
     V, Vd = cfg["vocab_size"], cfg["draft_vocab_size"]
-    mat("fc.weight", H, cfg["target_hidden_size"] * len(cfg["dflash_config"]["target_layer_ids"]))
-    norm("hidden_norm.weight", H)
+    w.mat("fc.weight", H, cfg["target_hidden_size"] * len(cfg["dflash_config"]["target_layer_ids"]))
+    w.norm("hidden_norm.weight", H)
     for j in range(cfg["num_hidden_layers"]):
         a = f"layers.{j}.self_attn."
-        mat(a + "q_proj.weight", nh * hd, H)
-        mat(a + "k_proj.weight", nkv * hd, H)
-        mat(a + "v_proj.weight", nkv * hd, H)
-        mat(a + "o_proj.weight", H, nh * hd)
-        norm(a + "q_norm.weight", hd)
-        norm(a + "k_norm.weight", hd)
-        mat(f"layers.{j}.mlp.gate_proj.weight", I, H)
-        mat(f"layers.{j}.mlp.up_proj.weight", I, H)
-        mat(f"layers.{j}.mlp.down_proj.weight", H, I)
-        norm(f"layers.{j}.input_layernorm.weight", H)
-        norm(f"layers.{j}.post_attention_layernorm.weight", H)
-    norm("norm.weight", H)
-    mat("lm_head.weight", Vd, H)
-    out["markov_head.markov_w1.weight"] = normal((V, cfg["markov_rank"]), 0.5)
-    out["markov_head.markov_w2.weight"] = normal((Vd, cfg["markov_rank"]), 0.5)
+        w.mat(a + "q_proj.weight", nh * hd, H)
+        w.mat(a + "k_proj.weight", nkv * hd, H)
+        w.mat(a + "v_proj.weight", nkv * hd, H)
+        w.mat(a + "o_proj.weight", H, nh * hd)
+        w.norm(a + "q_norm.weight", hd)
+        w.norm(a + "k_norm.weight", hd)
+        w.mlp_and_norms(j, H, I)
+    w.norm("norm.weight", H)
+    w.mat("lm_head.weight", Vd, H)
+    w.markov_head(V, Vd, cfg["markov_rank"])
     # Draft vocabulary: a sorted subset of Vd target ids holding every required id; d2t[d] = subset[d] - d.
     required = sorted(set(required_ids))
-    others = [t for t in torch.randperm(V, generator=g).tolist() if t not in required]
+    others = [t for t in torch.randperm(V, generator=w.generator).tolist() if t not in required]
     subset = torch.tensor(sorted(required + others[:Vd - len(required)]), dtype=torch.int64)
-    out["d2t"] = subset - torch.arange(Vd, dtype=torch.int64)
-    return out
+    w.out["d2t"] = subset - torch.arange(Vd, dtype=torch.int64)
+    return w.out
 
 
 def uninformative(drafter: Drafter, targets, results, n_spec: int, min_markov_changes: int) -> list[str]:
@@ -495,14 +480,6 @@ def uninformative(drafter: Drafter, targets, results, n_spec: int, min_markov_ch
 # ---------------------------------------------------------------------------------------------
 # Checks of the reference itself
 # ---------------------------------------------------------------------------------------------
-
-def check_close(what: str, got: torch.Tensor, want: torch.Tensor, tol: float = 1e-10) -> float:
-    err = (got - want).abs().max().item()
-    print(f"  [{'PASS' if err <= tol else 'FAIL'}] {what}: max |diff| {err:.2e} (tol {tol:.0e})")
-    if err > tol:
-        raise SystemExit(f"self-check failed: {what}")
-    return err
-
 
 def check_rope(theta: float) -> float:
     gen = torch.Generator().manual_seed(0)
