@@ -162,9 +162,38 @@ void add_bias_(Tensor& y, const Tensor& bias) {
 
 Tensor rms_norm(const Tensor& x, const Tensor& w, float eps, bool unit_offset) {
   if (x.on_cpu()) return cpu::rms_norm(x, w, eps, unit_offset);
-  Tensor y = x.clone();
-  rms_norm_(y, w, eps, unit_offset);
+  same_device(x, w, "rms_norm");
+  const int64_t width = x.dim(-1);
+  SPARROW_CHECK(w.numel() == width, "rms_norm: weight of ", w.numel(), " for rows of ", width);
+#if SPARROW_HAVE_CUDA
+  Tensor y = Tensor::empty(x.shape(), x.type(), x.device());  // out of place: no copy of x first
+  cuda::rms_norm_rows(x.raw(), elem(x), y.raw(), elem(y), x.numel() / width, width, w.as<float>(), eps, unit_offset,
+                      cuda::stream());
   return y;
+#else
+  no_cuda();
+#endif
+}
+
+Tensor add_rms_norm_(Tensor& x, const Tensor& delta, const Tensor& w, float eps, bool unit_offset) {
+  if (x.on_cpu() || delta.type() != x.type()) {
+    add_(x, delta);
+    return rms_norm(x, w, eps, unit_offset);
+  }
+  same_device(x, delta, "add_rms_norm");
+  same_device(x, w, "add_rms_norm");
+  const int64_t width = x.dim(-1);
+  SPARROW_CHECK(x.numel() == delta.numel(), "add_rms_norm: size mismatch ", shape_str(x.shape()), " vs ",
+                shape_str(delta.shape()));
+  SPARROW_CHECK(w.numel() == width, "add_rms_norm: weight of ", w.numel(), " for rows of ", width);
+#if SPARROW_HAVE_CUDA
+  Tensor y = Tensor::empty(x.shape(), x.type(), x.device());
+  cuda::add_rms_norm_rows(x.raw(), delta.raw(), elem(x), y.raw(), elem(y), x.numel() / width, width, w.as<float>(),
+                          eps, unit_offset, cuda::stream());
+  return y;
+#else
+  no_cuda();
+#endif
 }
 
 void rms_norm_(Tensor& x, const Tensor& w, float eps, bool unit_offset, int64_t first_col, int64_t groups) {

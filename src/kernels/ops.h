@@ -29,6 +29,9 @@ void add_bias_(Tensor& y, const Tensor& bias);  // y[t] += bias
 
 // RMSNorm of whole rows (width = w.numel() = row width).
 Tensor rms_norm(const Tensor& x, const Tensor& w, float eps, bool unit_offset = false);
+// The residual add and the norm after it: x += delta, then returns rms_norm(x, w, eps, unit_offset), the
+// values add_ and rms_norm give (one launch on a GPU).
+Tensor add_rms_norm_(Tensor& x, const Tensor& delta, const Tensor& w, float eps, bool unit_offset = false);
 // In place over `groups` groups of w.numel() values per row starting at column first_col
 // (groups = -1: as many as fill the rest of the row). Heads share one weight.
 void rms_norm_(Tensor& x, const Tensor& w, float eps, bool unit_offset = false, int64_t first_col = 0,

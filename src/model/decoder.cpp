@@ -46,14 +46,24 @@ bool DecoderModel::captures(size_t layer) const {
   return std::find(aux_hidden_layers.begin(), aux_hidden_layers.end(), int(layer)) != aux_hidden_layers.end();
 }
 
+// Each sublayer's output is added to the stream by the next norm (ops::add_rms_norm_: one launch for the
+// add and the norm on a GPU); the last feed-forward output, or one whose stream a drafter captures, is
+// added on its own.
 Tensor DecoderModel::residual_layers(Tensor x, const Batch& batch, StepMarks* marks, std::vector<Tensor>* streams) {
+  Tensor pending;  // the previous feed-forward output, not yet in x
   for (size_t i = 0; i < layers.size(); ++i) {
     DecoderLayer& layer = layers[i];
-    ops::add_(x, layer.mixer->forward(ops::rms_norm(x, layer.input_norm, norm_eps, norm_unit_offset), batch, int(i)));
+    const Tensor h = pending.defined() ? ops::add_rms_norm_(x, pending, layer.input_norm, norm_eps, norm_unit_offset)
+                                       : ops::rms_norm(x, layer.input_norm, norm_eps, norm_unit_offset);
+    const Tensor mixed = layer.mixer->forward(h, batch, int(i));
     if (marks) marks->mark("mixer " + layer.mixer->name());
-    ops::add_(x, layer.ffn->forward(ops::rms_norm(x, layer.post_norm, norm_eps, norm_unit_offset), batch));
+    pending = layer.ffn->forward(ops::add_rms_norm_(x, mixed, layer.post_norm, norm_eps, norm_unit_offset), batch);
     if (marks) marks->mark("ffn " + layer.ffn->name());
-    if (streams && captures(i)) (*streams)[i] = x.clone();
+    if (i + 1 == layers.size() || (streams && captures(i))) {
+      ops::add_(x, pending);
+      pending = Tensor();
+      if (streams && captures(i)) (*streams)[i] = x.clone();
+    }
   }
   return x;
 }

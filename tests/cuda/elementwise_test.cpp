@@ -137,7 +137,10 @@ TEST(CudaElementwise, RmsNormRows) {
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  for (auto [rows, width] : {std::pair<int64_t, int64_t>{1, 7168}, {33, 4096}, {7, 100}, {128, 2048}})
+  // Widths for each launch form: 4 columns a thread (100, 2048), 16 (4096, 6144, 7168), 32 (12000), the loop
+  // form (20000).
+  for (auto [rows, width] : {std::pair<int64_t, int64_t>{1, 7168}, {33, 4096}, {7, 100}, {128, 2048}, {1, 6144},
+                             {3, 12000}, {2, 20000}})
     for (ElemType xt : {ElemType::F32, ElemType::BF16})
       for (ElemType yt : {ElemType::F32, ElemType::BF16})
         for (bool unit : {false, true}) {
@@ -155,6 +158,42 @@ TEST(CudaElementwise, RmsNormRows) {
           std::vector<float> r(ref.data(), ref.data() + ref.numel());
           EXPECT_TRUE(close(yt, y.download(), Typed::round(yt, r)));
         }
+}
+
+// add_rms_norm_rows: x += delta rounded to x's type (add()'s values), y = rmsnorm of the rounded rows;
+// against the two launches it replaces, bit for bit, and against the CPU.
+TEST(CudaElementwise, AddRmsNormRowsIsAddThenNorm) {
+  SPARROW_REQUIRE_GPU();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (auto [rows, width] : {std::pair<int64_t, int64_t>{1, 6144}, {5, 7168}, {16, 2304}, {3, 100}, {2, 20000}})
+    for (ElemType t : {ElemType::F32, ElemType::BF16})
+      for (bool unit : {false, true}) {
+        SCOPED_TRACE(testing::Message() << rows << "x" << width << " " << name(t) << " unit=" << unit);
+        const std::vector<float> x0 = test::random_vector(rng, rows * width, -2, 2);
+        Typed x(t, x0), x_ref(t, x0), delta(t, test::random_vector(rng, rows * width, -2, 2));
+        Typed y(t, std::vector<float>(rows * width, 0.0f)), y_ref(t, std::vector<float>(rows * width, 0.0f));
+        y.buf.poison();
+        y_ref.buf.poison();
+        std::vector<float> w = test::random_vector(rng, width, -0.5f, 1.5f);
+        DeviceBuffer dw(w);
+        cuda::add_rms_norm_rows(x.buf.get(), delta.buf.get(), t, y.buf.get(), t, rows, width, dw.get<float>(), 1e-6f,
+                                unit, cuda::stream());
+        cuda::add(delta.buf.get(), t, x_ref.buf.get(), t, rows * width, cuda::stream());
+        cuda::rms_norm_rows(x_ref.buf.get(), t, y_ref.buf.get(), t, rows, width, dw.get<float>(), 1e-6f, unit,
+                            cuda::stream());
+        const std::vector<float> sum = x.download(), normed = y.download();
+        EXPECT_EQ(sum, x_ref.download()) << "the sums differ from add()'s";
+        EXPECT_EQ(normed, y_ref.download()) << "the norm differs from rms_norm_rows of the sums";
+        std::vector<float> expected_sum(x.values.size());
+        for (size_t i = 0; i < expected_sum.size(); ++i) expected_sum[i] = x.values[i] + delta.values[i];
+        expected_sum = Typed::round(t, expected_sum);
+        EXPECT_EQ(sum, expected_sum);
+        Tensor ref = cpu::rms_norm(Tensor::view(expected_sum.data(), {rows, width}), Tensor::view(w.data(), {width}),
+                                   1e-6f, unit);
+        EXPECT_TRUE(close(t, normed, Typed::round(t, std::vector<float>(ref.data(), ref.data() + ref.numel()))));
+      }
 }
 
 TEST(CudaElementwise, LayerNorm) {
@@ -187,7 +226,8 @@ TEST(CudaElementwise, RopeNeoxAndInterleaved) {
   const Case cases[] = {{1, 0, 1, 64, 64, 0, false},       {5, 512, 1, 64, 64, 0, true},    // MLA k_pe after latent
                         {7, 128, 16, 192, 64, 0, true},     // MLA q: [nope 128 | rope 64] per head
                         {3, 0, 8, 128, 128, 16, false},     {33, 64, 4, 128, 64, 0, false},  // indexer partial
-                        {2, 0, 3, 10, 6, 1, false},         {4, 0, 2, 1024, 1024, 0, false}};
+                        {2, 0, 3, 10, 6, 1, false},         {4, 0, 2, 1024, 1024, 0, false},
+                        {2, 0, 64, 128, 64, 0, false}};     // MiniMax's queries: heads over 8 blocks a row
   for (const Case& c : cases)
     for (ElemType t : {ElemType::F32, ElemType::BF16})
       for (bool interleaved : {false, true}) {

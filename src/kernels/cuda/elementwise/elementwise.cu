@@ -11,6 +11,7 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "core/device/cuda_check.h"
@@ -42,6 +43,14 @@ int grid_for(int64_t n, int threads) {
   int64_t blocks = (n + threads - 1) / threads;
   if (blocks > 65535LL * 16) blocks = 65535LL * 16;  // grid-stride loops cover the rest
   return int(blocks < 1 ? 1 : blocks);
+}
+
+// Threads of a norm block: one per 4 columns, 32 to 512.
+int norm_threads(int64_t width) {
+  int64_t t = (width / 4 + 31) / 32 * 32;
+  if (t < 32) t = 32;
+  if (t > 512) t = 512;
+  return int(t);
 }
 
 // ---- block reduction in double ---------------------------------------------------------------------
@@ -108,28 +117,97 @@ __global__ void gather_kernel(const W* x, const int32_t* index, int64_t width_wo
   for (int64_t c = threadIdx.x; c < width_words; c += blockDim.x) dst[c] = src[c];
 }
 
+// v rounded to T's precision, as store() then load() would give it, without the memory round trip.
+__device__ __forceinline__ float rounded_as(const float*, float v) { return v; }
+__device__ __forceinline__ float rounded_as(const bf16*, float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
 // ---- RMSNorm, LayerNorm ----------------------------------------------------------------------------
 // cpu::rms_normalize then the weight: inv = 1 / sqrt(float(ss / n) + eps); x *= inv; x *= w (or 1 + w).
 // One block per (row, group); y may alias x (each thread writes only what it read).
-template <typename X, typename Y>
-__global__ void rms_norm_kernel(const X* x, int64_t x_stride, Y* y, int64_t y_stride, int64_t first_col,
-                                int64_t groups, int64_t width, const float* w, float eps, bool unit_offset) {
+// With `delta` (whole rows, x_stride == width): x += delta first, each sum rounded to x's type and stored
+// back (add_kernel's values), and the norm is of the rounded sums: the residual add fused into the next
+// layer's norm, one launch and one read of the row instead of two.
+// PER_THREAD > 0: a thread holds its at most PER_THREAD values (columns threadIdx.x + j * blockDim.x) in
+// registers, all loads issued before the first use, so the slice is read once and the kernel costs about one
+// memory round trip. A decode step's hidden-size norm is one 6-7K row: the loop form (PER_THREAD = 0, any
+// width) issued one load at a time and took ~9 us there (bench/results/kernels.md, "Small kernels at batch
+// 1"). Both forms sum the squares in the same order (each thread its columns in increasing order, then
+// block_sum), so they give the same bits.
+template <typename X, typename Y, int PER_THREAD>
+__global__ void rms_norm_kernel(const X* x, int64_t x_stride, const X* delta, X* x_sum, Y* y, int64_t y_stride,
+                                int64_t first_col, int64_t groups, int64_t width, const float* w, float eps,
+                                bool unit_offset) {
   __shared__ double scratch[32];
   const int64_t row = blockIdx.x / groups, g = blockIdx.x % groups;
-  const X* xr = x + row * x_stride + first_col + g * width;
+  const int64_t at = row * x_stride + first_col + g * width;
+  const X* xr = x + at;
   Y* yr = y + row * y_stride + first_col + g * width;
   double ss = 0;
-  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
-    double v = load(xr, i);
-    ss += v * v;
+  if constexpr (PER_THREAD > 0) {
+    // Every load of the slice, its delta and its weights is issued before the first use.
+    float v[PER_THREAD], wv[PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+      const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+      v[j] = i < width ? load(xr, i) : 0.0f;
+      if (delta != nullptr && i < width) v[j] = rounded_as(x, __fadd_rn(v[j], load(delta + at, i)));
+      wv[j] = w != nullptr && i < width ? (unit_offset ? __fadd_rn(1.0f, w[i]) : w[i]) : 1.0f;
+    }
+    if (delta != nullptr) {
+#pragma unroll
+      for (int j = 0; j < PER_THREAD; ++j) {
+        const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+        if (i < width) store(x_sum + at, i, v[j]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) ss += double(v[j]) * double(v[j]);
+    ss = block_sum(ss, scratch);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(float(ss / double(width)), eps)));
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+      const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+      if (i >= width) break;
+      float o = __fmul_rn(v[j], inv);
+      if (w != nullptr) o = __fmul_rn(o, wv[j]);
+      store(yr, i, o);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+      float v = load(xr, i);
+      if (delta != nullptr) {
+        v = __fadd_rn(v, load(delta + at, i));
+        store(x_sum + at, i, v);
+        v = rounded_as(x, v);
+      }
+      ss += double(v) * double(v);
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(float(ss / double(width)), eps)));
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+      float v = __fmul_rn(load(delta != nullptr ? x_sum + at : xr, i), inv);
+      if (w != nullptr) v = __fmul_rn(v, unit_offset ? __fadd_rn(1.0f, w[i]) : w[i]);
+      store(yr, i, v);
+    }
   }
-  ss = block_sum(ss, scratch);
-  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(float(ss / double(width)), eps)));
-  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
-    float v = __fmul_rn(load(xr, i), inv);
-    if (w != nullptr) v = __fmul_rn(v, unit_offset ? __fadd_rn(1.0f, w[i]) : w[i]);
-    store(yr, i, v);
-  }
+}
+
+// Launches rms_norm_kernel with the smallest register form that holds a thread's columns (width up to
+// 32 a thread: 16K columns at 512 threads), else the loop form.
+template <typename X, typename Y>
+void launch_rms_norm(unsigned blocks, const X* x, int64_t x_stride, const X* delta, X* x_sum, Y* y, int64_t y_stride,
+                     int64_t first_col, int64_t groups, int64_t width, const float* w, float eps, bool unit_offset,
+                     cudaStream_t stream) {
+  const int threads = norm_threads(width);
+  const int64_t per_thread = (width + threads - 1) / threads;
+  auto go = [&](auto kernel) {
+    kernel<<<blocks, threads, 0, stream>>>(x, x_stride, delta, x_sum, y, y_stride, first_col, groups, width, w, eps,
+                                           unit_offset);
+  };
+  if (per_thread <= 4) go(rms_norm_kernel<X, Y, 4>);
+  else if (per_thread <= 16) go(rms_norm_kernel<X, Y, 16>);
+  else if (per_thread <= 32) go(rms_norm_kernel<X, Y, 32>);
+  else go(rms_norm_kernel<X, Y, 0>);
 }
 
 // cpu::attn_res_mix: one block per row; each source's logit from one pass over the row (the dot with
@@ -192,16 +270,11 @@ __global__ void layer_norm_kernel(T* x, int64_t width, const float* w, const flo
   }
 }
 
-int norm_threads(int64_t width) {
-  int64_t t = (width / 4 + 31) / 32 * 32;
-  if (t < 32) t = 32;
-  if (t > 512) t = 512;
-  return int(t);
-}
-
 // ---- rotary embedding ------------------------------------------------------------------------------
-// One block per row. Angles (src/model/rope.cpp Rope::angles): a = inv_freq[i] * float(pos) in fp32,
-// cos/sin of a (in double, rounded), each times attention_scaling. Heads are processed in rounds of
+// Blocks (row, slice of heads): blockIdx.y takes rounds y, y + gridDim.y, ... of the row's heads, so a
+// decode step's few rows still spread over many SMs (one block a row walked MiniMax's 64 query heads in 8
+// rounds: 5.4 us at batch 1). Angles (src/model/rope.cpp Rope::angles): a = inv_freq[i] * float(pos) in
+// fp32, cos/sin of a (in double, rounded), each times attention_scaling. Heads are processed in rounds of
 // whole heads; within a round every thread reads its pair, the block synchronises, then writes, so the
 // interleaved layout's permuted write-back ([rotated evens..., rotated odds...]) never overwrites a
 // value another thread has yet to read.
@@ -223,7 +296,8 @@ __global__ void rope_kernel(T* x, int64_t row_stride, int64_t first_col, int64_t
   T* xr = x + row * row_stride + first_col;
   const int heads_per_round = blockDim.x / half;
   const int h_local = threadIdx.x / half, i = threadIdx.x % half;
-  for (int64_t h0 = 0; h0 < heads; h0 += heads_per_round) {
+  const int64_t round_step = int64_t(gridDim.y) * heads_per_round;
+  for (int64_t h0 = int64_t(blockIdx.y) * heads_per_round; h0 < heads; h0 += round_step) {
     const int64_t h = h0 + h_local;
     const bool active = h_local < heads_per_round && h < heads;
     float a = 0, b = 0;
@@ -297,9 +371,9 @@ void rms_norm(void* x, ElemType type, int64_t rows, int64_t row_stride, int64_t 
   if (rows == 0) return;
   dispatch(type, [&](auto* p) {
     using T = std::remove_pointer_t<decltype(p)>;
-    rms_norm_kernel<<<unsigned(rows * groups), norm_threads(width), 0, stream>>>(
-        static_cast<const T*>(x), row_stride, static_cast<T*>(x), row_stride, first_col, groups, width, w, eps,
-        unit_offset);
+    launch_rms_norm(unsigned(rows * groups), static_cast<const T*>(x), row_stride, static_cast<const T*>(nullptr),
+                    static_cast<T*>(nullptr), static_cast<T*>(x), row_stride, first_col, groups, width, w, eps,
+                    unit_offset, stream);
   });
   SPARROW_CUDA_CHECK_LAUNCH();
 }
@@ -312,8 +386,23 @@ void rms_norm_rows(const void* x, ElemType xt, void* y, ElemType yt, int64_t row
   dispatch2(xt, yt, [&](auto* px, auto* py) {
     using X = std::remove_pointer_t<decltype(px)>;
     using Y = std::remove_pointer_t<decltype(py)>;
-    rms_norm_kernel<<<unsigned(rows), norm_threads(width), 0, stream>>>(
-        static_cast<const X*>(x), width, static_cast<Y*>(y), width, 0, 1, width, w, eps, unit_offset);
+    launch_rms_norm(unsigned(rows), static_cast<const X*>(x), width, static_cast<const X*>(nullptr),
+                    static_cast<X*>(nullptr), static_cast<Y*>(y), width, 0, 1, width, w, eps, unit_offset, stream);
+  });
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
+void add_rms_norm_rows(void* x, const void* delta, ElemType xt, void* y, ElemType yt, int64_t rows, int64_t width,
+                       const float* w, float eps, bool unit_offset, cudaStream_t stream) {
+  SPARROW_CHECK(rows >= 0 && width > 0, "add_rms_norm_rows: bad sizes");
+  SPARROW_CHECK(rows <= 0x7fffffff, "add_rms_norm_rows: too many rows");
+  SPARROW_CHECK(x != y && delta != y, "add_rms_norm_rows: y must not alias x or delta");
+  if (rows == 0) return;
+  dispatch2(xt, yt, [&](auto* px, auto* py) {
+    using X = std::remove_pointer_t<decltype(px)>;
+    using Y = std::remove_pointer_t<decltype(py)>;
+    launch_rms_norm(unsigned(rows), static_cast<const X*>(x), width, static_cast<const X*>(delta), static_cast<X*>(x),
+                    static_cast<Y*>(y), width, 0, 1, width, w, eps, unit_offset, stream);
   });
   SPARROW_CUDA_CHECK_LAUNCH();
 }
@@ -345,9 +434,10 @@ void rope(void* x, ElemType type, int64_t rows, int64_t row_stride, int64_t firs
   if (per_round < 1) per_round = 1;
   if (per_round > heads) per_round = int(heads);
   const int threads = half * per_round;
+  const dim3 grid(unsigned(rows), unsigned(std::min<int64_t>((heads + per_round - 1) / per_round, 65535)));
   dispatch(type, [&](auto* p) {
     using T = std::remove_pointer_t<decltype(p)>;
-    rope_kernel<<<unsigned(rows), threads, 2 * half * sizeof(float), stream>>>(
+    rope_kernel<<<grid, threads, 2 * half * sizeof(float), stream>>>(
         static_cast<T*>(x), row_stride, first_col, heads, head_stride, half, positions, inv_freq, attention_scaling,
         interleaved);
   });

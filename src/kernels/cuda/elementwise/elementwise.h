@@ -26,6 +26,11 @@ void rms_norm(void* x, ElemType type, int64_t rows, int64_t row_stride, int64_t 
 // Out of place, whole rows: y[r, :] = rmsnorm(x[r, :]) (x and y may differ in type).
 void rms_norm_rows(const void* x, ElemType xt, void* y, ElemType yt, int64_t rows, int64_t width, const float* w,
                    float eps, bool unit_offset, cudaStream_t stream);
+// The residual add fused into the norm after it: x[r, :] += delta[r, :] (each sum rounded to x's type,
+// add()'s values), then y[r, :] = rmsnorm of the rounded x[r, :], as add() then rms_norm_rows() give, in
+// one launch. x and delta share one type; y aliases neither.
+void add_rms_norm_rows(void* x, const void* delta, ElemType xt, void* y, ElemType yt, int64_t rows, int64_t width,
+                       const float* w, float eps, bool unit_offset, cudaStream_t stream);
 // torch LayerNorm over rows of `width` (biased variance), in place.
 void layer_norm(void* x, ElemType type, int64_t rows, int64_t width, const float* w, const float* b, float eps,
                 cudaStream_t stream);
