@@ -87,90 +87,122 @@ __device__ __forceinline__ bool better(float va, int32_t ia, float vb, int32_t i
   return ia < ib;
 }
 
-// The best entry of vals[0, n) not yet taken (warp-wide; every lane gets the answer), then marks it.
-__device__ int warp_take_best(const float* vals, uint8_t* taken, int n) {
-  const int lane = threadIdx.x;
-  float best = __int_as_float(0x7fc00000);
-  int32_t best_i = 0x7fffffff;
-  for (int i = lane; i < n; i += 32)
-    if (!taken[i] && better(vals[i], i, best, best_i)) {
-      best = vals[i];
-      best_i = i;
-    }
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-    const int32_t oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-    if (better(ov, oi, best, best_i)) {
-      best = ov;
-      best_i = oi;
-    }
+// (value, index) as one 64-bit key whose maximum is better()'s best: every number above NaN, larger values
+// first, equal values (-0 and +0 too, NaN and NaN) to the smaller index. Key 0 is below every entry: taken.
+__device__ __forceinline__ uint64_t selection_key(float v, int32_t i) {
+  uint32_t u = 0;  // NaN
+  if (!isnan(v)) {
+    const uint32_t b = __float_as_uint(v == 0.0f ? 0.0f : v);
+    u = (b & 0x80000000u) ? ~b : (b | 0x80000000u);  // order-preserving, and > 0 (-inf maps to 0x007FFFFF)
   }
-  __syncwarp();
-  if (lane == 0) taken[best_i] = 1;
-  __syncwarp();
-  return best_i;
+  return (uint64_t(u) << 32) | uint32_t(~uint32_t(i));  // ~i > 0 for any index below 2^31
+}
+__device__ __forceinline__ int32_t key_index(uint64_t key) { return int32_t(~uint32_t(key)); }
+
+// The largest of the warp's keys (lane l holds keys[j] of entries l + 32 j); every lane gets it and the
+// lane that holds it marks it taken (keys are distinct: their low halves are the indices).
+template <int J>
+__device__ __forceinline__ uint64_t warp_take_max(uint64_t (&keys)[J]) {
+  uint64_t best = 0;
+  int at = -1;
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+    if (keys[j] > best) best = keys[j], at = j;
+  uint64_t top = best;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const uint64_t other = __shfl_xor_sync(0xffffffffu, top, o);
+    top = other > top ? other : top;
+  }
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+    if (j == at && best == top) keys[j] = 0;
+  return top;
 }
 
+// One warp a token; lane l holds the choices of experts l + 32 j (j < J, J * 32 >= num_experts) in
+// registers, so each of the top_k (and topk_group) selections is a register scan and one warp maximum, not
+// a pass over shared memory (the shared-memory form took 7 us for MiniMax's 128 experts, 20 us for
+// DeepSeek's 256 on an H100: bench/results/kernels.md, "Small kernels at batch 1").
+template <int J>
 __global__ void route_kernel(const float* logits, const float* bias, int num_experts, int n_group, int topk_group,
                              int top_k, bool normalize, float normalize_eps, float scaling, int32_t* experts,
                              float* weights) {
   extern __shared__ float smem[];
-  float* scores = smem;                       // [E]
-  float* choice = scores + num_experts;       // [E]
-  float* group_scores = choice + num_experts; // [n_group]
-  int32_t* chosen = reinterpret_cast<int32_t*>(group_scores + n_group);  // [top_k]
-  uint8_t* taken = reinterpret_cast<uint8_t*>(chosen + top_k);           // [E]
-  uint8_t* group_taken = taken + num_experts;                            // [n_group]
+  float* scores = smem;                              // [E]
+  float* choice = scores + num_experts;              // [E] (the group scores read it)
+  int32_t* chosen = reinterpret_cast<int32_t*>(choice + num_experts);      // [top_k]
+  uint8_t* group_kept = reinterpret_cast<uint8_t*>(chosen + top_k);        // [n_group]
   const int lane = threadIdx.x;
   const int64_t t = blockIdx.x;
   const float* lr = logits + t * num_experts;
-  for (int j = lane; j < num_experts; j += 32) {
-    const float e = float(exp(-double(lr[j])));  // correctly rounded expf
-    const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, e));
-    scores[j] = s;
-    choice[j] = __fadd_rn(s, bias != nullptr ? bias[j] : 0.0f);
-    taken[j] = 0;
+  float c[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int e = lane + 32 * j;
+    c[j] = 0.0f;
+    if (e < num_experts) {
+      const float x = float(exp(-double(lr[e])));  // correctly rounded expf
+      const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, x));
+      scores[e] = s;
+      c[j] = __fadd_rn(s, bias != nullptr ? bias[e] : 0.0f);
+      choice[e] = c[j];
+    }
   }
-  for (int g = lane; g < n_group; g += 32) group_taken[g] = 0;
-  __syncwarp();
   if (n_group > 1) {
+    __syncwarp();
     // A group's score: the sum of its two best biased scores (cpu::top_k(group, 2), summed in rank order).
     const int per_group = num_experts / n_group;
-    for (int g = lane; g < n_group; g += 32) {
-      const float* c = choice + g * per_group;
+    uint64_t group_keys[J];  // group l + 32 j (n_group <= num_experts)
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int g = lane + 32 * j;
+      group_keys[j] = 0;
+      if (g >= n_group) continue;
+      group_kept[g] = 0;
+      const float* cg = choice + g * per_group;
       float v1 = __int_as_float(0x7fc00000), v2 = v1;
       int32_t i1 = 0x7fffffff, i2 = 0x7fffffff;
-      for (int j = 0; j < per_group; ++j) {
-        if (better(c[j], j, v1, i1)) {
-          v2 = v1, i2 = i1, v1 = c[j], i1 = j;
-        } else if (better(c[j], j, v2, i2)) {
-          v2 = c[j], i2 = j;
+      for (int i = 0; i < per_group; ++i) {
+        if (better(cg[i], i, v1, i1)) {
+          v2 = v1, i2 = i1, v1 = cg[i], i1 = i;
+        } else if (better(cg[i], i, v2, i2)) {
+          v2 = cg[i], i2 = i;
         }
       }
       float sum = __fadd_rn(0.0f, v1);
       if (per_group > 1) sum = __fadd_rn(sum, v2);
-      group_scores[g] = sum;
+      group_keys[j] = selection_key(sum, g);
     }
     __syncwarp();
-    for (int k = 0; k < topk_group; ++k) warp_take_best(group_scores, group_taken, n_group);
-    for (int j = lane; j < num_experts; j += 32)
-      if (!group_taken[j / per_group]) choice[j] = -INFINITY;
+    for (int k = 0; k < topk_group; ++k) {
+      const uint64_t top = warp_take_max(group_keys);
+      if (lane == 0) group_kept[key_index(top)] = 1;
+    }
     __syncwarp();
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int e = lane + 32 * j;
+      if (e < num_experts && !group_kept[e / per_group]) c[j] = -INFINITY;
+    }
   }
+  uint64_t keys[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) keys[j] = lane + 32 * j < num_experts ? selection_key(c[j], lane + 32 * j) : 0;
   for (int k = 0; k < top_k; ++k) {
-    const int best = warp_take_best(choice, taken, num_experts);
-    if (lane == 0) chosen[k] = best;
+    const uint64_t top = warp_take_max(keys);
+    if (lane == 0) chosen[k] = key_index(top);
   }
   __syncwarp();
-  if (lane == 0) {
-    float sum = 0.0f;
-    for (int k = 0; k < top_k; ++k) sum = __fadd_rn(sum, scores[chosen[k]]);
-    for (int k = 0; k < top_k; ++k) {
-      float w = scores[chosen[k]];
-      if (normalize) w = __fdiv_rn(w, __fadd_rn(sum, normalize_eps));
-      experts[t * top_k + k] = chosen[k];
-      weights[t * top_k + k] = __fmul_rn(w, scaling);
-    }
+  // The weights: the normaliser sums the chosen scores in rank order 0, 1, ... (cpu::route's order).
+  float sum = 0.0f;
+  for (int k = 0; k < top_k; ++k) sum = __fadd_rn(sum, scores[chosen[k]]);
+  for (int k = lane; k < top_k; k += 32) {
+    const int32_t e = chosen[k];
+    float w = scores[e];
+    if (normalize) w = __fdiv_rn(w, __fadd_rn(sum, normalize_eps));
+    experts[t * top_k + k] = e;
+    weights[t * top_k + k] = __fmul_rn(w, scaling);
   }
 }
 
@@ -610,16 +642,46 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
   }
 }
 
+// out[t] = the sum of token t's slot outputs y[pos_of_pair[t, j]] in slot order (fp32, one bf16 rounding).
+// Blocks (token, columns), each thread 8 columns by 16-byte loads (hidden is a multiple of 8 and y, out are
+// 16-byte aligned: run_moe_experts checks), the slots' row positions read once a thread and every slot's
+// load in flight together: one block a token walking the row 256 columns at a time took 10.7 us at one
+// token (bench/results/kernels.md, "Small kernels at batch 1").
+constexpr int kCombineThreads = 128, kCombineCols = 8 * kCombineThreads;
 __global__ void combine_kernel(const bf16* y, const int32_t* pos_of_pair, int top_k, int64_t hidden, bf16* out) {
   const int64_t t = blockIdx.x;
-  for (int64_t d = threadIdx.x; d < hidden; d += blockDim.x) {
-    float sum = 0.0f;
-    for (int j = 0; j < top_k; ++j) {
-      const int32_t pos = pos_of_pair[t * top_k + j];
-      if (pos >= 0) sum = __fadd_rn(sum, __bfloat162float(y[int64_t(pos) * hidden + d]));
+  const int64_t d = int64_t(blockIdx.y) * kCombineCols + 8 * int64_t(threadIdx.x);
+  if (d >= hidden) return;
+  float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  constexpr int kBatch = 8;  // slots whose loads are issued together
+  for (int j0 = 0; j0 < top_k; j0 += kBatch) {
+    uint4 v[kBatch];
+    bool live[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int32_t pos = j0 + j < top_k ? pos_of_pair[t * top_k + j0 + j] : -1;
+      live[j] = pos >= 0;
+      if (live[j]) v[j] = *reinterpret_cast<const uint4*>(y + int64_t(pos) * hidden + d);
     }
-    out[t * hidden + d] = __float2bfloat16_rn(sum);
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      if (!live[j]) continue;
+      const bf16* e = reinterpret_cast<const bf16*>(&v[j]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum[i] = __fadd_rn(sum[i], __bfloat162float(e[i]));
+    }
   }
+  uint4 packed;
+  bf16* o = reinterpret_cast<bf16*>(&packed);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(sum[i]);
+  *reinterpret_cast<uint4*>(out + t * hidden + d) = packed;
+}
+
+void launch_combine(const bf16* y, const int32_t* pos_of_pair, int64_t tokens, int top_k, int64_t hidden, bf16* out,
+                    cudaStream_t stream) {
+  const dim3 grid(unsigned(tokens), unsigned((hidden + kCombineCols - 1) / kCombineCols));
+  combine_kernel<<<grid, kCombineThreads, 0, stream>>>(y, pos_of_pair, top_k, hidden, out);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1187,7 +1249,7 @@ Layout layout(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden
 void route_grouped_sigmoid(const float* logits, const float* bias, int64_t tokens, int64_t num_experts,
                            int64_t n_group, int64_t topk_group, int64_t top_k, bool normalize, float normalize_eps,
                            float scaling, int32_t* experts, float* weights, cudaStream_t stream) {
-  SPARROW_CHECK(num_experts > 0 && num_experts <= 65536, "route_grouped_sigmoid: bad expert count ", num_experts);
+  SPARROW_CHECK(num_experts > 0, "route_grouped_sigmoid: bad expert count ", num_experts);
   SPARROW_CHECK(n_group >= 1 && num_experts % n_group == 0, "route_grouped_sigmoid: ", num_experts,
                 " experts do not split into ", n_group, " groups");
   SPARROW_CHECK(topk_group >= 1 && topk_group <= n_group, "route_grouped_sigmoid: topk_group ", topk_group,
@@ -1196,11 +1258,20 @@ void route_grouped_sigmoid(const float* logits, const float* bias, int64_t token
                 num_experts, "]");
   SPARROW_CHECK(tokens >= 0 && tokens <= 0x7fffffff, "route_grouped_sigmoid: bad token count ", tokens);
   if (tokens == 0) return;
-  const size_t smem = sizeof(float) * (2 * num_experts + n_group) + sizeof(int32_t) * top_k + num_experts + n_group;
-  SPARROW_CHECK(smem <= 48 * 1024, "route_grouped_sigmoid: too many experts (", num_experts, ")");
-  route_kernel<<<unsigned(tokens), 32, smem, stream>>>(logits, bias, int(num_experts), int(n_group),
-                                                       int(topk_group), int(top_k), normalize, normalize_eps,
-                                                       scaling, experts, weights);
+  SPARROW_CHECK(num_experts <= 1024, "route_grouped_sigmoid: ", num_experts, " experts; the GPU router takes at most "
+                "1024");
+  const size_t smem = sizeof(float) * 2 * num_experts + sizeof(int32_t) * top_k + n_group;
+  auto go = [&](auto kernel) {
+    kernel<<<unsigned(tokens), 32, smem, stream>>>(logits, bias, int(num_experts), int(n_group), int(topk_group),
+                                                   int(top_k), normalize, normalize_eps, scaling, experts, weights);
+  };
+  const int64_t per_lane = (num_experts + 31) / 32;
+  if (per_lane <= 1) go(route_kernel<1>);
+  else if (per_lane <= 2) go(route_kernel<2>);
+  else if (per_lane <= 4) go(route_kernel<4>);
+  else if (per_lane <= 8) go(route_kernel<8>);
+  else if (per_lane <= 16) go(route_kernel<16>);
+  else go(route_kernel<32>);
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -1416,7 +1487,7 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
     const dec::Down<C> dn{{tiles, num_tiles, sorted_pair, int(top_k), h, inter, down, down_scales, sc.down_groups,
                            sc.down_global, hidden, weights, y, 0, 0, glu_kind, alpha, limit}};
     launch_decode<dec::Down<C>, C>(what, dn, slots, (hidden + 15) / 16, tokens, stream);
-    combine_kernel<<<unsigned(tokens), 256, 0, stream>>>(y, pos_of_pair, int(top_k), hidden, static_cast<bf16*>(out));
+    launch_combine(y, pos_of_pair, tokens, int(top_k), hidden, static_cast<bf16*>(out), stream);
     SPARROW_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -1434,7 +1505,7 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
     dn.a = h, dn.K = inter, dn.N = hidden, dn.n_tiles = int(hidden / wg::BN), dn.out = y, dn.pair_weight = weights;
     dn.w = down, dn.w_scales = down_scales, dn.w_groups = sc.down_groups, dn.w_global = sc.down_global;
     launch_wgmma<false, C>(what, dn, max_tiles, stream);
-    combine_kernel<<<unsigned(tokens), 256, 0, stream>>>(y, pos_of_pair, int(top_k), hidden, static_cast<bf16*>(out));
+    launch_combine(y, pos_of_pair, tokens, int(top_k), hidden, static_cast<bf16*>(out), stream);
     SPARROW_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -1451,7 +1522,7 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
                                                                down_scales, sc.down_groups, sc.down_global, weights,
                                                                inter, hidden, y, glu_kind, alpha, limit);
   SPARROW_CUDA_CHECK_LAUNCH();
-  combine_kernel<<<unsigned(tokens), 256, 0, stream>>>(y, pos_of_pair, int(top_k), hidden, static_cast<bf16*>(out));
+  launch_combine(y, pos_of_pair, tokens, int(top_k), hidden, static_cast<bf16*>(out), stream);
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 
