@@ -488,6 +488,29 @@ void rope_narrow_heads_(Tensor& x, const Tensor& positions, const Tensor& inv_fr
   });
 }
 
+void rms_norm_rope_heads_(Tensor& x, const Tensor& w, float eps, bool unit_offset, const Tensor& positions,
+                          const Tensor& inv_freq, float attention_scaling, bool interleaved) {
+  const int64_t head_dim = w.numel(), row = x.dim(-1), rows = x.numel() / row, rot = 2 * inv_freq.numel();
+  SPARROW_CHECK(head_dim > 0 && row % head_dim == 0, "rms_norm_rope_heads: rows of ", row, " are not heads of ",
+                head_dim);
+  if (x.on_cpu() || head_dim > 128 || rot == 0 || rot > head_dim) {
+    rms_norm_(x, w, eps, unit_offset, 0, row / head_dim);
+    rope_(x, positions, inv_freq, attention_scaling, 0, row / head_dim, head_dim, interleaved);
+    return;
+  }
+  same_device(x, w, "rms_norm_rope_heads");
+  same_device(x, positions, "rms_norm_rope_heads");
+  SPARROW_CHECK(positions.numel() == rows && positions.type() == ScalarType::I64, "rms_norm_rope_heads: ",
+                positions.numel(), " positions for ", rows, " rows");
+#if SPARROW_HAVE_CUDA
+  cuda::rms_norm_rope_heads(x.raw(), elem(x), rows, row / head_dim, head_dim, w.as<float>(), eps, unit_offset, rot,
+                            positions.as<int64_t>(), inv_freq.as<float>(), attention_scaling, interleaved,
+                            cuda::stream());
+#else
+  no_cuda();
+#endif
+}
+
 void rope_(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float attention_scaling, int64_t first_col,
            int64_t heads, int64_t head_stride, bool interleaved) {
   same_device(x, positions, "rope");

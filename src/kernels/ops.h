@@ -101,6 +101,11 @@ void rope_narrow_heads_(Tensor& x, const Tensor& positions, const Tensor& inv_fr
                         int64_t head_dim);
 void rope_(Tensor& x, const Tensor& positions, const Tensor& inv_freq, float attention_scaling, int64_t first_col,
            int64_t heads, int64_t head_stride, bool interleaved);
+// Each w.numel()-wide head of every row RMS-normalised (w shared by the heads; 1 + w when unit_offset),
+// then rotated as rope_ rotates heads at stride w.numel(): rms_norm_ then rope_, the same values, one launch
+// on a GPU (heads of up to 128 values; wider ones take the two ops).
+void rms_norm_rope_heads_(Tensor& x, const Tensor& w, float eps, bool unit_offset, const Tensor& positions,
+                          const Tensor& inv_freq, float attention_scaling, bool interleaved);
 
 // Gated activation of rows [gate | up] (2 * inter wide) -> [T, inter] (kernels/glu.h says each kind).
 Tensor glu(const Tensor& gate_up, Glu kind, float alpha = 1.0f, float limit = 0.0f);

@@ -16,9 +16,10 @@
 
 namespace sparrow {
 
-void rotate_heads(Tensor& x, int64_t head_dim, const Tensor& positions, const Rope& rope, bool interleaved) {
-  ops::rope_(x, positions, rope.inv_freq_on(x.device()), rope.attention_scaling, 0, x.row_size() / head_dim, head_dim,
-             interleaved);
+void norm_and_rotate_heads(Tensor& x, const Tensor& norm, float eps, bool unit_offset, const Tensor& positions,
+                           const Rope& rope, bool interleaved) {
+  ops::rms_norm_rope_heads_(x, norm, eps, unit_offset, positions, rope.inv_freq_on(x.device()), rope.attention_scaling,
+                            interleaved);
 }
 
 LayerCacheSpec GqaAttention::cache_spec_for(int64_t kv_heads, int64_t head_dim, int64_t index_head_dim) {
@@ -37,8 +38,8 @@ void GqaAttention::key_value_rows(const Tensor& x, const Batch& batch, Tensor& k
   v = ops::linear(x, v_proj);  // [T, kv_heads * head_dim]
   lora::add_(k, x, batch, prefix, "k_proj");
   lora::add_(v, x, batch, prefix, "v_proj");
-  ops::rms_norm_(k, k_norm, norm_eps, unit_offset_norm);
-  rotate_heads(k, head_dim, batch.positions_on(x.device()), rope, rope_interleaved);
+  norm_and_rotate_heads(k, k_norm, norm_eps, unit_offset_norm, batch.positions_on(x.device()), rope,
+                        rope_interleaved);
 }
 
 void GqaAttention::store_rows(const Tensor& x, const Batch& batch, int layer) const {
@@ -51,9 +52,8 @@ void GqaAttention::store_rows(const Tensor& x, const Batch& batch, int layer) co
 Tensor GqaAttention::forward(const Tensor& x, const Batch& batch, int layer) {
   Tensor q = ops::linear(x, q_proj);  // [T, heads * head_dim]
   lora::add_(q, x, batch, prefix, "q_proj");
-  ops::rms_norm_(q, q_norm, norm_eps, unit_offset_norm);
   const Tensor& positions = batch.positions_on(x.device());
-  rotate_heads(q, head_dim, positions, rope, rope_interleaved);
+  norm_and_rotate_heads(q, q_norm, norm_eps, unit_offset_norm, positions, rope, rope_interleaved);
   Tensor k, v;
   key_value_rows(x, batch, k, v);
   Tensor kept;  // MSA layers: the blocks each (row, index head) keeps

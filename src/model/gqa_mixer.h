@@ -29,9 +29,11 @@
 
 namespace sparrow {
 
-// Rotates the first rope.rot_dim() dims of every head_dim-sized head of every row of x by NeoX's
-// rotate-half (or GPT-J's interleaved pairs), row t at positions[t].
-void rotate_heads(Tensor& x, int64_t head_dim, const Tensor& positions, const Rope& rope, bool interleaved = false);
+// Each norm.numel()-wide head of every row RMS-normalised (x̂ · w, or x̂ · (1 + w) with unit_offset), then its
+// first rope.rot_dim() dims rotated by NeoX's rotate-half (or GPT-J's interleaved pairs), row t at
+// positions[t]: ops::rms_norm_rope_heads_, one launch on a GPU.
+void norm_and_rotate_heads(Tensor& x, const Tensor& norm, float eps, bool unit_offset, const Tensor& positions,
+                           const Rope& rope, bool interleaved = false);
 
 class GqaAttention : public Mixer {
  public:

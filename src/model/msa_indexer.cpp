@@ -22,13 +22,13 @@ void MsaIndexer::project(const Tensor& x, const Tensor& positions, const Rope& r
                          Tensor& keys) const {
   queries = ops::linear(x, q_proj);  // [T, heads * head_dim]
   keys = ops::linear(x, k_proj);     // [T, head_dim]
-  ops::rms_norm_(queries, q_norm, norm_eps, /*unit_offset=*/true);
-  ops::rms_norm_(keys, k_norm, norm_eps, /*unit_offset=*/true);
   if (head_dim >= rope.rot_dim()) {
-    rotate_heads(queries, head_dim, positions, rope);
-    rotate_heads(keys, head_dim, positions, rope);
+    norm_and_rotate_heads(queries, q_norm, norm_eps, /*unit_offset=*/true, positions, rope);
+    norm_and_rotate_heads(keys, k_norm, norm_eps, /*unit_offset=*/true, positions, rope);
     return;
   }
+  ops::rms_norm_(queries, q_norm, norm_eps, /*unit_offset=*/true);
+  ops::rms_norm_(keys, k_norm, norm_eps, /*unit_offset=*/true);
   // MiniMaxM3VLIndexer slices the attention's cos/sin to index_head_dim: a head narrower than the
   // rotary dims is rotated whole, each element at its slot's frequency.
   const Tensor& inv_freq = rope.inv_freq_on(x.device());

@@ -265,6 +265,43 @@ TEST(CudaElementwise, RopeNeoxAndInterleaved) {
       }
 }
 
+// rms_norm_rope_heads: bit for bit the per-head rms_norm launch then the rope launch it replaces, over the
+// head widths and rotary dims of the models that call it (MiniMax-M3 q / k: 128 wide, 64 rotated; its MSA
+// index heads; Qwen3 drafters: whole heads, NeoX or GPT-J pairs).
+TEST(CudaElementwise, RmsNormRopeHeadsIsNormThenRope) {
+  SPARROW_REQUIRE_GPU();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  struct Case {
+    int64_t rows, heads, head_dim, rot;
+  };
+  const Case cases[] = {{1, 64, 128, 64}, {5, 4, 128, 64}, {3, 1, 128, 128}, {17, 8, 64, 64}, {2, 3, 96, 32}};
+  for (const Case& c : cases)
+    for (ElemType t : {ElemType::F32, ElemType::BF16})
+      for (bool interleaved : {false, true})
+        for (bool unit : {false, true}) {
+          SCOPED_TRACE(testing::Message() << c.rows << " rows x " << c.heads << " heads of " << c.head_dim
+                                          << ", rot " << c.rot << " " << name(t) << (interleaved ? " gpt-j" : " neox")
+                                          << " unit=" << unit);
+          const std::vector<float> x0 = test::random_vector(rng, c.rows * c.heads * c.head_dim, -3, 3);
+          Typed fused(t, x0), separate(t, x0);
+          std::vector<float> w = test::random_vector(rng, c.head_dim, 0.5f, 1.5f);
+          Rope rope = Rope::from_config({{"rope_theta", 5000000.0}}, int(c.rot), 524288);
+          std::vector<int64_t> pos(c.rows);
+          for (auto& p : pos) p = int64_t(rng() % 400000);
+          DeviceBuffer dw(w), dpos(pos), dfreq(rope.inv_freq);
+          cuda::rms_norm_rope_heads(fused.buf.get(), t, c.rows, c.heads, c.head_dim, dw.get<float>(), 1e-6f, unit,
+                                    c.rot, dpos.get<int64_t>(), dfreq.get<float>(), 1.0f, interleaved,
+                                    cuda::stream());
+          cuda::rms_norm(separate.buf.get(), t, c.rows, c.heads * c.head_dim, 0, c.heads, c.head_dim,
+                         dw.get<float>(), 1e-6f, unit, cuda::stream());
+          cuda::rope(separate.buf.get(), t, c.rows, c.heads * c.head_dim, 0, c.heads, c.head_dim, c.rot,
+                     dpos.get<int64_t>(), dfreq.get<float>(), 1.0f, interleaved, cuda::stream());
+          EXPECT_EQ(fused.download(), separate.download());
+        }
+}
+
 TEST(CudaElementwise, AddBiasScale) {
   SPARROW_REQUIRE_GPU();
   const uint64_t seed = test::fresh_seed();

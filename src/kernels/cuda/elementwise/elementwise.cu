@@ -316,6 +316,73 @@ __global__ void rope_kernel(T* x, int64_t row_stride, int64_t first_col, int64_t
   }
 }
 
+// One warp a (row, head), four heads a block. The norm is rms_norm_kernel's for a head of at most 128
+// columns, which runs as one warp holding 4 columns a lane (norm_threads): the same per-lane order, the same
+// butterfly sum (block_sum of one warp), the same roundings, each normed value rounded to T as the norm's
+// store would. The rotation then reads those values from shared memory as rope_kernel reads them from x,
+// with its angles and its write-back positions.
+constexpr int kNormRopeWarps = 4;
+template <typename T>
+__global__ void rms_norm_rope_kernel(T* x, int64_t rows, int64_t heads, int head_dim, const float* w, float eps,
+                                     bool unit_offset, int half, const int64_t* positions, const float* inv_freq,
+                                     float attention_scaling, bool interleaved) {
+  extern __shared__ float norm_rope_smem[];  // per warp: head_dim normed values, then cos[half], sin[half]
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int64_t unit = int64_t(blockIdx.x) * kNormRopeWarps + warp;  // (row, head)
+  if (unit >= rows * heads) return;  // whole warps only: the kernel syncs warps, never the block
+  const int64_t row = unit / heads;
+  T* head = x + unit * head_dim;
+  float* v = norm_rope_smem + warp * (head_dim + 2 * half);
+  float* cs = v + head_dim;
+  float vals[4];
+  double ss = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int i = lane + 32 * j;
+    vals[j] = i < head_dim ? load(head, i) : 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) ss += double(vals[j]) * double(vals[j]);
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(float(ss / double(head_dim)), eps)));
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int i = lane + 32 * j;
+    if (i >= head_dim) break;
+    float o = __fmul_rn(vals[j], inv);
+    if (w != nullptr) o = __fmul_rn(o, unit_offset ? __fadd_rn(1.0f, w[i]) : w[i]);
+    v[i] = rounded_as(x, o);
+  }
+  const float pos = float(positions[row]);
+  for (int i = lane; i < half; i += 32) {
+    const float a = __fmul_rn(inv_freq[i], pos);
+    double sn, cn;
+    sincos(double(a), &sn, &cn);
+    cs[i] = __fmul_rn(float(cn), attention_scaling);
+    cs[half + i] = __fmul_rn(float(sn), attention_scaling);
+  }
+  __syncwarp();
+  float lo[2], hi[2];  // a lane's pairs i = lane, lane + 32 (half <= 64)
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int i = lane + 32 * j;
+    if (i >= half) break;
+    const float a = v[interleaved ? 2 * i : i], b = v[interleaved ? 2 * i + 1 : i + half];
+    const float c = cs[i], s = cs[half + i];
+    lo[j] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    hi[j] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+  }
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int i = lane + 32 * j;
+    if (i >= half) break;
+    v[i] = lo[j], v[i + half] = hi[j];
+  }
+  __syncwarp();
+  for (int i = lane; i < head_dim; i += 32) store(head, i, v[i]);
+}
+
 // ---- gated activations (kernels/glu.h, glu_value in kernels/cuda/glu.cuh) -----------------------------
 template <typename X, typename Y>
 __global__ void glu_kernel(const X* gate_up, Y* out, int64_t rows, int64_t inter, Glu kind, float alpha,
@@ -440,6 +507,27 @@ void rope(void* x, ElemType type, int64_t rows, int64_t row_stride, int64_t firs
     rope_kernel<<<grid, threads, 2 * half * sizeof(float), stream>>>(
         static_cast<T*>(x), row_stride, first_col, heads, head_stride, half, positions, inv_freq, attention_scaling,
         interleaved);
+  });
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
+void rms_norm_rope_heads(void* x, ElemType type, int64_t rows, int64_t heads, int64_t head_dim, const float* w,
+                         float eps, bool unit_offset, int64_t rot, const int64_t* positions, const float* inv_freq,
+                         float attention_scaling, bool interleaved, cudaStream_t stream) {
+  SPARROW_CHECK(rows >= 0 && heads > 0 && head_dim > 0 && head_dim <= 128, "rms_norm_rope_heads: heads of ", head_dim,
+                " (at most 128)");
+  SPARROW_CHECK(rot > 0 && rot % 2 == 0 && rot <= head_dim, "rms_norm_rope_heads: rotary dimension ", rot,
+                " for heads of ", head_dim);
+  SPARROW_CHECK(rows * heads <= 0x7fffffffLL * kNormRopeWarps, "rms_norm_rope_heads: too many heads");
+  if (rows == 0) return;
+  const int half = int(rot / 2);
+  const unsigned blocks = unsigned((rows * heads + kNormRopeWarps - 1) / kNormRopeWarps);
+  const size_t smem = size_t(kNormRopeWarps) * (head_dim + 2 * half) * sizeof(float);
+  dispatch(type, [&](auto* p) {
+    using T = std::remove_pointer_t<decltype(p)>;
+    rms_norm_rope_kernel<<<blocks, 32 * kNormRopeWarps, smem, stream>>>(
+        static_cast<T*>(x), rows, heads, int(head_dim), w, eps, unit_offset, half, positions, inv_freq,
+        attention_scaling, interleaved);
   });
   SPARROW_CUDA_CHECK_LAUNCH();
 }

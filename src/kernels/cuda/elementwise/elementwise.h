@@ -42,6 +42,14 @@ void layer_norm(void* x, ElemType type, int64_t rows, int64_t width, const float
 void rope(void* x, ElemType type, int64_t rows, int64_t row_stride, int64_t first_col, int64_t heads,
           int64_t head_stride, int64_t rot, const int64_t* positions, const float* inv_freq, float attention_scaling,
           bool interleaved, cudaStream_t stream);
+// A per-head norm and the rotation after it in one launch: x [rows, heads * head_dim] contiguous, each head
+// RMS-normalised by rms_norm's rule (w [head_dim], 1 + w when unit_offset), then its first `rot` values
+// rotated by rope's rule; the same values as rms_norm(x, ..., groups = heads, width = head_dim) then
+// rope(x, ..., head_stride = head_dim), each head's norm rounded to x's type before its rotation as the two
+// launches store it. head_dim <= 128 (one warp a head, as rms_norm runs such a head), rot <= head_dim.
+void rms_norm_rope_heads(void* x, ElemType type, int64_t rows, int64_t heads, int64_t head_dim, const float* w,
+                         float eps, bool unit_offset, int64_t rot, const int64_t* positions, const float* inv_freq,
+                         float attention_scaling, bool interleaved, cudaStream_t stream);
 
 // y = x + y elementwise (n values); y += bias per row (bias fp32 [width]); x *= s.
 void add(const void* x, ElemType xt, void* y, ElemType yt, int64_t n, cudaStream_t stream);
