@@ -108,10 +108,9 @@ Tensor DsaIndexer::select(const Tensor& x, const Tensor& q_resid, const Batch& b
   cudaStream_t stream = cuda::stream();
 
   // The projections, norm and rotation are in bf16 here; head_dim^-0.5 joins num_heads^-0.5 in
-  // the head weights (relu(a * s) = a * relu(s) for a > 0).
+  // the head weights (relu(a * s) = a * relu(s) for a > 0), multiplied in by the queries' quantisation.
   const Tensor &queries = p.queries, &keys = p.keys;
-  Tensor& head_weights = p.head_weights;
-  ops::scale_(head_weights, 1.0f / std::sqrt(float(dim)));
+  const Tensor& head_weights = p.head_weights;
 
   // Store this step's keys (quantised to the page's format in the same launch), quantise the queries to
   // FP8, score every visible key of every row, and keep the top-k of each row (its causal prefix when it
@@ -122,7 +121,7 @@ Tensor DsaIndexer::select(const Tensor& x, const Tensor& q_resid, const Batch& b
   Tensor q_fp8 = Tensor::empty({rows, heads, dim}, ScalarType::U8, x.device());
   Tensor w_folded = Tensor::empty({rows, heads}, ScalarType::F32, x.device());
   cuda::dsa_quantize_queries(queries.raw(), cuda::DsaDType::BF16, head_weights.as<float>(), rows, int(heads),
-                             q_fp8.as<uint8_t>(), w_folded.as<float>(), stream);
+                             q_fp8.as<uint8_t>(), w_folded.as<float>(), stream, 1.0f / std::sqrt(float(dim)));
   const int64_t ld = (step.max_visible + 1) / 2 * 2;
   Tensor score_rows = Tensor::empty({rows, ld}, ScalarType::F32, x.device());
   // Requests of two tokens each (speculative verification) let the kernel score both against one key read;

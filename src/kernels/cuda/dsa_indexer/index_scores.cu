@@ -138,15 +138,15 @@ __global__ void write_fp4_keys_kernel(const void* keys, DsaDType type, int64_t c
   }
 }
 
-__global__ void quantize_queries_kernel(const void* q, DsaDType type, const float* weights, int64_t vectors,
-                                        uint8_t* q_fp8, float* w_folded) {
+__global__ void quantize_queries_kernel(const void* q, DsaDType type, const float* weights, float weight_scale,
+                                        int64_t vectors, uint8_t* q_fp8, float* w_folded) {
   const int64_t v = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (v >= vectors) return;
   float scale;
   uint32_t packed = quantize_row(q, type, v * kDim, lane, scale);
   reinterpret_cast<uint32_t*>(q_fp8 + v * kDim)[lane] = packed;
-  if (lane == 0) w_folded[v] = weights[v] * scale;
+  if (lane == 0) w_folded[v] = __fmul_rn(weights[v], weight_scale) * scale;
 }
 
 __global__ void encode_kernel(const float* x, int64_t n, uint8_t* out) {
@@ -401,13 +401,13 @@ void dsa_write_keys(const void* keys, DsaDType type, int64_t count, const int32_
 }
 
 void dsa_quantize_queries(const void* q, DsaDType type, const float* weights, int64_t rows, int heads,
-                          uint8_t* q_fp8, float* w_folded, cudaStream_t stream) {
+                          uint8_t* q_fp8, float* w_folded, cudaStream_t stream, float weight_scale) {
   SPARROW_CHECK(rows >= 0 && heads > 0, "dsa_quantize_queries: bad rows ", rows, " or heads ", heads);
   const int64_t vectors = rows * heads;
   if (vectors == 0) return;
   constexpr int kPerBlock = 8;
   quantize_queries_kernel<<<unsigned((vectors + kPerBlock - 1) / kPerBlock), kPerBlock * 32, 0, stream>>>(
-      q, type, weights, vectors, q_fp8, w_folded);
+      q, type, weights, weight_scale, vectors, q_fp8, w_folded);
   SPARROW_CUDA_CHECK_LAUNCH();
 }
 

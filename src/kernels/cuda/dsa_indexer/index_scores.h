@@ -50,10 +50,11 @@ void dsa_write_keys(const void* keys, DsaDType type, int64_t count, const int32_
                     const int32_t* token_pos, const int64_t* page_table, int64_t page_table_stride,
                     int block_size, PageFormat format, uint8_t* pool, cudaStream_t stream);
 
-// q: [rows, heads, 128] (fp32 or bf16), weights: [rows, heads] fp32 (constants already folded in).
-// Writes q_fp8 [rows, heads, 128] e4m3 and w_folded [rows, heads] = weights * (amax(q[t,h]) / 448).
+// q: [rows, heads, 128] (fp32 or bf16), weights: [rows, heads] fp32. Writes q_fp8 [rows, heads, 128] e4m3
+// and w_folded [rows, heads] = fp32(weights * weight_scale) * (amax(q[t,h]) / 448): a constant factor of the
+// weights (the indexer's head_dim^-0.5) multiplied in here, rounded as a separate scaling launch would.
 void dsa_quantize_queries(const void* q, DsaDType type, const float* weights, int64_t rows, int heads,
-                          uint8_t* q_fp8, float* w_folded, cudaStream_t stream);
+                          uint8_t* q_fp8, float* w_folded, cudaStream_t stream, float weight_scale = 1.0f);
 
 // Index scores over keys in `format`. Query row r belongs to sequence row_seq[r] and sees its keys
 // 0 .. row_visible[r]-1 (the causal bound). Writes scores[r * ld + s] for s < max_visible: the score where

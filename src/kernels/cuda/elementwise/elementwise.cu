@@ -249,24 +249,61 @@ __global__ void attn_res_mix_kernel(AttnResSources sources, int64_t width, const
 }
 
 // cpu::layer_norm: mean and biased variance in double; o = float(x - mean) * inv * w + b.
-template <typename T>
+// PER_THREAD > 0: a thread's columns, weights and biases are loaded into registers up front, so the row is
+// read once (the loop form reads it three times, one load after another: 5.4 us for the DSA indexer's
+// 128-wide key at batch 1, bench/results/kernels.md "Small kernels at batch 1"); the sums keep their order.
+template <typename T, int PER_THREAD>
 __global__ void layer_norm_kernel(T* x, int64_t width, const float* w, const float* b, float eps) {
   __shared__ double scratch[32];
   T* xr = x + int64_t(blockIdx.x) * width;
-  double sum = 0;
-  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) sum += double(load(xr, i));
-  const double mean = block_sum(sum, scratch) / double(width);
-  double var = 0;
-  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
-    double d = double(load(xr, i)) - mean;
-    var += d * d;
-  }
-  var = block_sum(var, scratch) / double(width);
-  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(float(var), eps)));
-  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
-    float v = float(double(load(xr, i)) - mean);
-    v = __fmul_rn(__fmul_rn(v, inv), w[i]);
-    store(xr, i, __fadd_rn(v, b[i]));
+  if constexpr (PER_THREAD > 0) {
+    float v[PER_THREAD], wv[PER_THREAD], bv[PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+      const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+      const bool in = i < width;
+      v[j] = in ? load(xr, i) : 0.0f;
+      wv[j] = in ? w[i] : 0.0f;
+      bv[j] = in ? b[i] : 0.0f;
+    }
+    double sum = 0;
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j)
+      if (threadIdx.x + int64_t(j) * blockDim.x < width) sum += double(v[j]);
+    const double mean = block_sum(sum, scratch) / double(width);
+    double var = 0;
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+      if (threadIdx.x + int64_t(j) * blockDim.x >= width) continue;
+      const double d = double(v[j]) - mean;
+      var += d * d;
+    }
+    var = block_sum(var, scratch) / double(width);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(float(var), eps)));
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+      const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+      if (i >= width) break;
+      float o = float(double(v[j]) - mean);
+      o = __fmul_rn(__fmul_rn(o, inv), wv[j]);
+      store(xr, i, __fadd_rn(o, bv[j]));
+    }
+  } else {
+    double sum = 0;
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) sum += double(load(xr, i));
+    const double mean = block_sum(sum, scratch) / double(width);
+    double var = 0;
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+      double d = double(load(xr, i)) - mean;
+      var += d * d;
+    }
+    var = block_sum(var, scratch) / double(width);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(float(var), eps)));
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+      float v = float(double(load(xr, i)) - mean);
+      v = __fmul_rn(__fmul_rn(v, inv), w[i]);
+      store(xr, i, __fadd_rn(v, b[i]));
+    }
   }
 }
 
@@ -482,7 +519,12 @@ void layer_norm(void* x, ElemType type, int64_t rows, int64_t width, const float
   if (rows == 0) return;
   dispatch(type, [&](auto* p) {
     using T = std::remove_pointer_t<decltype(p)>;
-    layer_norm_kernel<<<unsigned(rows), norm_threads(width), 0, stream>>>(static_cast<T*>(x), width, w, b, eps);
+    const int threads = norm_threads(width);
+    const int64_t per_thread = (width + threads - 1) / threads;
+    auto go = [&](auto kernel) { kernel<<<unsigned(rows), threads, 0, stream>>>(static_cast<T*>(x), width, w, b, eps); };
+    if (per_thread <= 4) go(layer_norm_kernel<T, 4>);
+    else if (per_thread <= 16) go(layer_norm_kernel<T, 16>);
+    else go(layer_norm_kernel<T, 0>);
   });
   SPARROW_CUDA_CHECK_LAUNCH();
 }
