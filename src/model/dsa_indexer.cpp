@@ -118,6 +118,11 @@ Tensor DsaIndexer::select(const Tensor& x, const Tensor& q_resid, const Batch& b
   uint8_t* pool = step.page_base(layer, PageKind::DsaIndexKey);
   cuda::dsa_write_keys(keys.raw(), cuda::DsaDType::BF16, rows, step.row_seq.as<int32_t>(), step.row_pos.as<int32_t>(),
                        step.page_table.as<int64_t>(), step.table_stride, step.block_size(), key_format, pool, stream);
+  if (step.max_visible <= k) {  // every row keeps every key it sees (topk_rows' rule): nothing to score
+    cuda::topk_rows(nullptr, step.max_visible, step.row_visible.as<int32_t>(), rows, step.max_visible, int(k),
+                    selected.as<int32_t>(), nullptr, 0, stream);
+    return selected;
+  }
   Tensor q_fp8 = Tensor::empty({rows, heads, dim}, ScalarType::U8, x.device());
   Tensor w_folded = Tensor::empty({rows, heads}, ScalarType::F32, x.device());
   cuda::dsa_quantize_queries(queries.raw(), cuda::DsaDType::BF16, head_weights.as<float>(), rows, int(heads),

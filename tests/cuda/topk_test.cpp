@@ -62,16 +62,19 @@ void run_case(int64_t rows, int64_t max_len, int k, Fill fill, bool vary_len, st
   ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&dout), rows * k * 4), cudaSuccess);
   cudaMemcpy(ds, s.data(), s.size() * 4, cudaMemcpyHostToDevice);
   cudaMemcpy(dl, len.data(), rows * 4, cudaMemcpyHostToDevice);
-  // Every implementation on every case it takes (Auto picks one of them by size).
+  // Every implementation on every case it takes, and Auto (one of them by size, or the index prefix when
+  // every row fits in k).
   for (cuda::TopkMethod method : {cuda::TopkMethod::RadixPasses, cuda::TopkMethod::StreamingFilter,
-                                  cuda::TopkMethod::SampledThreshold, cuda::TopkMethod::RegisterRadix}) {
+                                  cuda::TopkMethod::SampledThreshold, cuda::TopkMethod::RegisterRadix,
+                                  cuda::TopkMethod::Auto}) {
     if (method == cuda::TopkMethod::StreamingFilter && k > cuda::kTopkStreamingMaxK) continue;
     if (method == cuda::TopkMethod::SampledThreshold && !cuda::topk_sampled::supports(max_len)) continue;
     if (method == cuda::TopkMethod::RegisterRadix && !cuda::topk_registers::supports(max_len)) continue;
     const char* name = method == cuda::TopkMethod::RadixPasses        ? "radix passes"
                        : method == cuda::TopkMethod::StreamingFilter  ? "streaming filter"
                        : method == cuda::TopkMethod::SampledThreshold ? "sampled threshold"
-                                                                      : "register radix";
+                       : method == cuda::TopkMethod::RegisterRadix    ? "register radix"
+                                                                      : "auto";
     const size_t wsb = cuda::topk_workspace_bytes(rows, max_len, k, method);
     void* ws = nullptr;
     if (wsb) ASSERT_EQ(cudaMalloc(&ws, wsb), cudaSuccess);

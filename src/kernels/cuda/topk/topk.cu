@@ -823,11 +823,29 @@ size_t topk_workspace_bytes(int64_t rows, int64_t max_len, int k, TopkMethod met
   }
 }
 
+// Rows that all fit in k (max_len <= k): 0 .. len-1, then -1 up to k, with no score read. Each method's own
+// kernel does the same for such rows, but behind its full launch (the register radix's cluster took ~10 us
+// for one 2K row at batch 1: bench/results/kernels.md, "Small kernels at batch 1").
+namespace {
+__global__ void prefix_indices_kernel(const int32_t* lengths, int k, int32_t* out) {
+  const int64_t row = blockIdx.x;
+  const int i = int(blockIdx.y * blockDim.x + threadIdx.x);
+  if (i >= k) return;
+  out[row * k + i] = i < lengths[row] ? i : -1;
+}
+}  // namespace
+
 void topk_rows(const float* scores, int64_t ld, const int32_t* lengths, int64_t rows, int64_t max_len, int k,
                int32_t* out, void* workspace, size_t workspace_bytes, cudaStream_t stream, TopkMethod method) {
   SPARROW_CHECK(k > 0 && rows >= 0 && max_len >= 0 && ld >= max_len, "topk_rows: bad arguments (k ", k, ", rows ",
                 rows, ", max_len ", max_len, ", ld ", ld, ")");
   if (rows == 0) return;
+  if (method == TopkMethod::Auto && max_len <= k) {
+    SPARROW_CHECK(rows <= 0x7fffffff, "topk_rows: too many rows");
+    prefix_indices_kernel<<<dim3(unsigned(rows), unsigned((k + 255) / 256)), 256, 0, stream>>>(lengths, k, out);
+    SPARROW_CUDA_CHECK_LAUNCH();
+    return;
+  }
   switch (choose(rows, max_len, k, method)) {
     case TopkMethod::StreamingFilter:
       stream_topk::launch(scores, ld, lengths, rows, max_len, k, out, workspace, workspace_bytes, stream);

@@ -21,7 +21,8 @@ size_t topk_workspace_bytes(int64_t rows, int64_t max_len, int k, TopkMethod met
 
 // scores: [rows, ld] fp32; lengths: [rows] int32 (device), each <= max_len (host bound, <= ld);
 // out: [rows, k] int32. workspace: at least topk_workspace_bytes(rows, max_len, k, method) bytes of
-// device memory (any contents; the launch clears what it uses).
+// device memory (any contents; the launch clears what it uses). With Auto and max_len <= k the scores are
+// not read (every row keeps all its indices), so they may be null.
 void topk_rows(const float* scores, int64_t ld, const int32_t* lengths, int64_t rows, int64_t max_len, int k,
                int32_t* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
                TopkMethod method = TopkMethod::Auto);
