@@ -144,20 +144,25 @@ __global__ void rms_norm_kernel(const X* x, int64_t x_stride, const X* delta, X*
   Y* yr = y + row * y_stride + first_col + g * width;
   double ss = 0;
   if constexpr (PER_THREAD > 0) {
-    // Every load of the slice, its delta and its weights is issued before the first use.
-    float v[PER_THREAD], wv[PER_THREAD];
+    // Every load of the slice, its delta and its weights is issued before the first use, and the loop does no
+    // arithmetic on what it loads: a use inside it (1 + w under a branch) made each load wait for the one
+    // before, 16 round trips in a row, ~11 us for a 7K row on an H100 (kernels.md, "Small kernels at batch 1").
+    float v[PER_THREAD], d[PER_THREAD], wv[PER_THREAD];
 #pragma unroll
     for (int j = 0; j < PER_THREAD; ++j) {
       const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
-      v[j] = i < width ? load(xr, i) : 0.0f;
-      if (delta != nullptr && i < width) v[j] = rounded_as(x, __fadd_rn(v[j], load(delta + at, i)));
-      wv[j] = w != nullptr && i < width ? (unit_offset ? __fadd_rn(1.0f, w[i]) : w[i]) : 1.0f;
+      const bool in = i < width;
+      v[j] = in ? load(xr, i) : 0.0f;
+      d[j] = delta != nullptr && in ? load(delta + at, i) : 0.0f;
+      wv[j] = w != nullptr && in ? w[i] : 0.0f;
     }
     if (delta != nullptr) {
 #pragma unroll
       for (int j = 0; j < PER_THREAD; ++j) {
         const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
-        if (i < width) store(x_sum + at, i, v[j]);
+        if (i >= width) break;
+        v[j] = rounded_as(x, __fadd_rn(v[j], d[j]));
+        store(x_sum + at, i, v[j]);
       }
     }
 #pragma unroll
@@ -169,7 +174,7 @@ __global__ void rms_norm_kernel(const X* x, int64_t x_stride, const X* delta, X*
       const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
       if (i >= width) break;
       float o = __fmul_rn(v[j], inv);
-      if (w != nullptr) o = __fmul_rn(o, wv[j]);
+      if (w != nullptr) o = __fmul_rn(o, unit_offset ? __fadd_rn(1.0f, wv[j]) : wv[j]);
       store(yr, i, o);
     }
   } else {
@@ -371,13 +376,19 @@ __global__ void rms_norm_rope_kernel(T* x, int64_t rows, int64_t heads, int head
   T* head = x + unit * head_dim;
   float* v = norm_rope_smem + warp * (head_dim + 2 * half);
   float* cs = v + head_dim;
-  float vals[4];
+  // Every load (the head, its weights, the position and the frequencies) is issued before the first use, as
+  // in rms_norm_kernel: a load used right after it waits a memory round trip before the next one is issued.
+  float vals[4], wv[4], freq[2];
   double ss = 0;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int i = lane + 32 * j;
     vals[j] = i < head_dim ? load(head, i) : 0.0f;
+    wv[j] = w != nullptr && i < head_dim ? w[i] : 0.0f;
   }
+  const float pos = float(positions[row]);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) freq[j] = lane + 32 * j < half ? inv_freq[lane + 32 * j] : 0.0f;
 #pragma unroll
   for (int j = 0; j < 4; ++j) ss += double(vals[j]) * double(vals[j]);
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -387,12 +398,14 @@ __global__ void rms_norm_rope_kernel(T* x, int64_t rows, int64_t heads, int head
     const int i = lane + 32 * j;
     if (i >= head_dim) break;
     float o = __fmul_rn(vals[j], inv);
-    if (w != nullptr) o = __fmul_rn(o, unit_offset ? __fadd_rn(1.0f, w[i]) : w[i]);
+    if (w != nullptr) o = __fmul_rn(o, unit_offset ? __fadd_rn(1.0f, wv[j]) : wv[j]);
     v[i] = rounded_as(x, o);
   }
-  const float pos = float(positions[row]);
-  for (int i = lane; i < half; i += 32) {
-    const float a = __fmul_rn(inv_freq[i], pos);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int i = lane + 32 * j;
+    if (i >= half) break;
+    const float a = __fmul_rn(freq[j], pos);
     double sn, cn;
     sincos(double(a), &sn, &cn);
     cs[i] = __fmul_rn(float(cn), attention_scaling);

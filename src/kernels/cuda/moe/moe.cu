@@ -136,16 +136,24 @@ __global__ void route_kernel(const float* logits, const float* bias, int num_exp
   const int lane = threadIdx.x;
   const int64_t t = blockIdx.x;
   const float* lr = logits + t * num_experts;
-  float c[J];
+  // The logits and biases are all loaded before the first use: a use right after each load (under the
+  // e < num_experts branch) made every load wait for the one before.
+  float c[J], logit[J], bias_of[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int e = lane + 32 * j;
+    logit[j] = e < num_experts ? lr[e] : 0.0f;
+    bias_of[j] = bias != nullptr && e < num_experts ? bias[e] : 0.0f;
+  }
 #pragma unroll
   for (int j = 0; j < J; ++j) {
     const int e = lane + 32 * j;
     c[j] = 0.0f;
     if (e < num_experts) {
-      const float x = float(exp(-double(lr[e])));  // correctly rounded expf
+      const float x = float(exp(-double(logit[j])));  // correctly rounded expf
       const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, x));
       scores[e] = s;
-      c[j] = __fadd_rn(s, bias != nullptr ? bias[e] : 0.0f);
+      c[j] = __fadd_rn(s, bias_of[j]);
       choice[e] = c[j];
     }
   }
