@@ -34,9 +34,11 @@ Tensor MtpDrafter::forward(const Batch& batch, StepMarks* marks) {
   ops::copy_lines(both, 0, 2 * hidden, e_normed, 0, hidden, hidden, rows);
   ops::copy_lines(both, hidden, 2 * hidden, h_normed.to(both.device(), both.type()), 0, hidden, hidden, rows);
   Tensor x = ops::linear(both, eh_proj);
-  ops::add_(x, layer.mixer->forward(ops::rms_norm(x, layer.input_norm, norm_eps, norm_unit_offset), batch, layer_index));
+  const Tensor mixed =
+      layer.mixer->forward(ops::rms_norm(x, layer.input_norm, norm_eps, norm_unit_offset), batch, layer_index);
   if (marks) marks->mark("mtp mixer");
-  ops::add_(x, layer.ffn->forward(ops::rms_norm(x, layer.post_norm, norm_eps, norm_unit_offset), batch));
+  // The residual add folded into the post-norm (one launch on a GPU), as DecoderModel::residual_layers.
+  ops::add_(x, layer.ffn->forward(ops::add_rms_norm_(x, mixed, layer.post_norm, norm_eps, norm_unit_offset), batch));
   if (marks) marks->mark("mtp ffn");
   // Every row's normed state when it is what the next step reads; else only the logit rows get normed.
   const bool norm_all = recycles_normed || batch.all_logits;
