@@ -98,6 +98,14 @@ def test_what_cannot_be_served_stops_the_start_with_one_line(sparrow_binary, mod
     assert "DoRA" in start_error(sparrow_binary, model_dir, "--enable-lora", "--lora-modules", f"a={dora}")
     assert "is not a folder" in start_error(sparrow_binary, model_dir, "--enable-lora", "--lora-modules",
                                             f"a={tmp_path / 'missing'}")
+    # Data parallel groups do not get adapters yet: every rank says so and the run ends (each group's leader
+    # reads the flags, so the line comes once per group).
+    result = subprocess.run([sparrow_binary, "serve", str(model_dir), "--port", "0", "--kv-cache-memory", "64MiB",
+                             "--enable-lora", "--lora-modules", f"a={good}", "-dp", "2"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors and all("not yet with data parallelism" in line for line in errors), result.stderr
 
 
 def test_adapters_load_and_unload_at_run_time(start_server, model_dir, tmp_path, monkeypatch):
@@ -141,15 +149,17 @@ def test_runtime_routes_are_off_without_the_switch(lora_server):
 # Tensor parallel: each rank keeps the part of an adapter's A or B its weights' split says (rows of B where the
 # weight's output is split, columns of A where its input is), the workers loading theirs when a step first
 # needs the adapter. Two ranks answer as one process does, for the base model and two adapters at once.
-@pytest.mark.parametrize("family", ["deepseek_v32", "kimi_k3_1_pro", "minimax_m3"])
-def test_two_ranks_serve_adapters_as_one_process_does(start_server, test_model, tmp_path, family):
+# Under -dcp 2 the two ranks also share out the MLA cache by token, which the adapters' terms do not touch.
+@pytest.mark.parametrize("family,layout", [("deepseek_v32", ()), ("kimi_k3_1_pro", ()), ("minimax_m3", ()),
+                                           ("deepseek_v32", ("-dcp", "2")), ("kimi_k3_1_pro", ("-dcp", "2"))])
+def test_two_ranks_serve_adapters_as_one_process_does(start_server, test_model, tmp_path, family, layout):
     model = test_model(family)
     first = make_adapter(model, tmp_path / "a", rank=4, seed=7)
     second = make_adapter(model, tmp_path / "b", rank=8, seed=8)
     flags = ("--api-key", API_KEY, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules",
              f"a={first}", f"b={second}")
     single = start_server(*flags, model=model)
-    sharded = start_server(*flags, "--tensor-parallel-size", "2", model=model)
+    sharded = start_server(*flags, "--tensor-parallel-size", "2", *layout, model=model)
     jobs = [(name, list(range(3, 3 + n))) for name in (MODEL_NAME, "a", "b") for n in (5, 40, 90)]
     want = {job_key(j): completion(single, *j) for j in jobs}
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
