@@ -380,12 +380,6 @@ std::vector<std::shared_ptr<const LoraAdapter>> load_cli_loras(const LoraFlags& 
                                                               const Model& model) {
   check_lora_flags(flags);
   if (!flags.enable) return {};
-  const ParallelRun& run = parallel_run();
-  // Decode context parallelism shares out the cache by token, not the weights: the adapters split as under -tp
-  // (docs/lora.md).
-  SPARROW_CHECK(!run.group || run.group->data_parallel_size() == 1,
-                "--enable-lora runs with tensor and decode context parallelism (the adapters split as their weights "
-                "are), not yet with data parallelism (issue 29)");
   std::vector<std::shared_ptr<const LoraAdapter>> adapters;
   for (const std::string& text : flags.modules) {
     const LoraModule m = parse_lora_module(text);

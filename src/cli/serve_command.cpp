@@ -299,7 +299,7 @@ void serve(const ServeFlags& flags) {
   if (cli_data_parallel_rank() != 0) {
     // Another group's leader: its engine serves the requests rank 0's server hands it, until rank 0 stops.
     Engine engine(std::move(model), tokenizer, config);
-    serve_remote_group(engine, *cli_engine_links().at(0));
+    serve_remote_group(engine, *cli_engine_links().at(0), options.lora_adapters);
     return;
   }
   Engine engine(std::move(model), tokenizer, config);

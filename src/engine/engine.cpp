@@ -208,10 +208,19 @@ void Engine::loop() {
     for (const std::string& id : aborted) core_.abort(id);
     for (const auto& task : tasks) task();  // each catches its own exception (run_between_steps)
     try {
-      if (groups_ && !groups_stopped_)
-        step_with_groups(wave);
-      else
+      if (groups_ && !groups_stopped_) {
+        // Only with work or a wave not yet left together: a wake-up for a task (a runtime LoRA load) or an
+        // abort alone must not meet the other groups, which may all have left the wave (their side of the
+        // exchange would never come).
+        bool meet = false;
+        {
+          std::lock_guard lock(mutex_);
+          meet = stepping_with_groups();
+        }
+        if (meet || core_.has_work()) step_with_groups(wave);
+      } else {
         core_.step();
+      }
     } catch (const std::exception& e) {
       // Data parallel: the groups' steps cannot line up again, and the others would wait for this one's;
       // as a dead worker does, this ends the run (the other groups see it gone and end too).

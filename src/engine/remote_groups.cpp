@@ -8,6 +8,8 @@
 #include "core/error.h"
 #include "core/wire.h"
 #include "engine/engine.h"
+#include "model/lora.h"
+#include "model/model.h"
 
 namespace sparrow {
 
@@ -136,10 +138,17 @@ std::vector<uint8_t> encode_request(const Request& request) {
   put_pairs(w, p.logit_bias);
   w.put<uint8_t>(p.allowed_token_ids.has_value());
   w.put(p.allowed_token_ids.value_or(std::vector<int32_t>{}));
+  w.put<uint8_t>(request.lora != nullptr);
+  if (request.lora) {
+    w.put(request.lora->name);
+    w.put(request.lora->path);
+    w.put(request.lora->base_model);
+    w.put<int64_t>(request.lora->max_rank);
+  }
   return std::move(w.bytes);
 }
 
-Request decode_request(const std::vector<uint8_t>& bytes) {
+Request decode_request(const std::vector<uint8_t>& bytes, StepPlan::LoraSource* lora) {
   Reader r(bytes, "request");
   Request request;
   request.id = r.get_string();
@@ -178,7 +187,16 @@ Request decode_request(const std::vector<uint8_t>& bytes) {
   const bool allowed = r.get<uint8_t>() != 0;
   std::vector<int32_t> allowed_ids = r.get_vector<int32_t>();
   if (allowed) p.allowed_token_ids = std::move(allowed_ids);
+  StepPlan::LoraSource source;
+  if (r.get<uint8_t>() != 0) {
+    source.name = r.get_string();
+    source.path = r.get_string();
+    source.base_model = r.get_string();
+    source.max_rank = r.get<int64_t>();
+    SPARROW_CHECK(!source.name.empty(), "request: a LoRA adapter without a name");
+  }
   r.finish();
+  if (lora) *lora = std::move(source);
   return request;
 }
 
@@ -419,8 +437,17 @@ void RemoteGroups::read(Link& link) {
 // ---------------------------------------------------------------------------------------------
 // A group's leader.
 
-void serve_remote_group(Engine& engine, Communicator& link) {
+void serve_remote_group(Engine& engine, Communicator& link, std::vector<std::shared_ptr<const LoraAdapter>> adapters) {
   SPARROW_CHECK(link.size() == 2 && link.rank() == 1, "a data-parallel link is a group of two, rank 1 the leader's end");
+  auto adapter_for = [&](const StepPlan::LoraSource& source) {
+    for (const auto& held : adapters)
+      if (held->name == source.name && held->path == source.path) return held;
+    std::erase_if(adapters, [](const auto& held) { return held.use_count() == 1; });  // no request holds it
+    const Model& model = engine.model();
+    adapters.push_back(load_lora_adapter(source.name, source.path, source.base_model, model.device(), source.max_rank,
+                                         model.weight_splits));
+    return adapters.back();
+  };
   std::mutex send_mutex;
   auto send = [&](Kind kind, const std::vector<uint8_t>& body) {
     std::lock_guard lock(send_mutex);
@@ -432,10 +459,12 @@ void serve_remote_group(Engine& engine, Communicator& link) {
     if (kind == Kind::Stop) break;
     switch (kind) {
       case Kind::Submit: {
-        Request request = decode_request(body);
+        StepPlan::LoraSource lora;
+        Request request = decode_request(body, &lora);
         const std::string id = request.id;
         const int64_t n = request.params.n, prompt = int64_t(request.prompt.size());
         try {
+          if (!lora.name.empty()) request.lora = adapter_for(lora);
           engine.submit(std::move(request), [&](const RequestOutput& event) { send(Kind::Output, encode_output(event)); });
         } catch (const Error& e) {
           // Rank 0 validated it already; whatever this group refuses still ends the request cleanly.

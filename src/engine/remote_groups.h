@@ -20,15 +20,17 @@
 
 #include "core/communicator.h"
 #include "engine/engine_core.h"
+#include "runner/step_plan.h"
 
 namespace sparrow {
 
 class Engine;
 
 // The messages' encodings (public for the tests): every field round-trips exactly; a damaged message is a
-// one-line sparrow::Error.
+// one-line sparrow::Error. A request's LoRA adapter travels as its source (name, folder, base model, rank
+// limit), from which a leader loads its own copy: decode_request gives it in `lora` (an empty name: none).
 std::vector<uint8_t> encode_request(const Request& request);
-Request decode_request(const std::vector<uint8_t>& bytes);
+Request decode_request(const std::vector<uint8_t>& bytes, StepPlan::LoraSource* lora = nullptr);
 // The event's first_scheduled travels as its age, so that it means the same on another machine's clock.
 std::vector<uint8_t> encode_output(const RequestOutput& event);
 RequestOutput decode_output(const std::vector<uint8_t>& bytes);
@@ -62,7 +64,11 @@ class RemoteGroups {
 };
 
 // A leader's end: serves rank 0's messages with `engine` until Stop (or until rank 0 is gone: then throws).
-void serve_remote_group(Engine& engine, Communicator& link);
+// `adapters`: the LoRA adapters this leader loaded from the flags, which requests naming the same name and
+// folder reuse; any other adapter a request comes with is loaded here on first use (this group's split of
+// it), and one that no request holds any more is dropped when another is loaded (rank 0 may have unloaded it).
+void serve_remote_group(Engine& engine, Communicator& link,
+                        std::vector<std::shared_ptr<const LoraAdapter>> adapters = {});
 
 // Sums `b` into `a` (each group's statistics into the server's).
 void add_stats(EngineStats& a, const EngineStats& b);

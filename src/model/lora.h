@@ -10,8 +10,7 @@
 // f_a/f_b_proj, b_proj, g_proj, g_a/g_b_proj, o_proj; MLA's output gate g_proj) and of the dense MLPs and
 // shared experts (gate/up/down_proj, or gate_up_proj where the checkpoint fuses them).
 // MLA's kv_b_proj too, in the absorbed form the attention uses (add_absorbed_queries_ / _outputs_). Not yet
-// (a one-line error when an adapter targets them): the indexers' inputs, the routers and the routed experts;
-// data or context parallel models.
+// (a one-line error when an adapter targets them): the indexers' inputs, the routers and the routed experts.
 #pragma once
 #include <cstdint>
 #include <map>

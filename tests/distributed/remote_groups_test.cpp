@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "engine/remote_groups.h"
+#include "model/lora.h"
 
 using namespace sparrow;
 
@@ -111,9 +112,34 @@ TEST(RemoteGroups, RequestsSurviveTheLink) {
   Request plain;  // the defaults: no seed, no allowed ids
   plain.id = "x";
   plain.prompt = {1};
-  const Request back = decode_request(encode_request(plain));
+  StepPlan::LoraSource none{"stale", "x", "y", 1};
+  const Request back = decode_request(encode_request(plain), &none);
   EXPECT_FALSE(back.params.seed.has_value());
   EXPECT_FALSE(back.params.allowed_token_ids.has_value());
+  EXPECT_TRUE(none.name.empty()) << "no adapter: an empty source";
+  EXPECT_EQ(back.lora, nullptr);
+}
+
+// A request's LoRA adapter crosses as its source, from which the group's leader loads its own copy.
+TEST(RemoteGroups, ARequestsAdapterTravelsAsItsSource) {
+  auto adapter = std::make_shared<LoraAdapter>();
+  adapter->name = "sql";
+  adapter->path = "/adapters/sql";
+  adapter->base_model = "/models/base";
+  adapter->max_rank = 64;
+  Request request = a_request();
+  request.lora = adapter;
+  StepPlan::LoraSource source;
+  const Request back = decode_request(encode_request(request), &source);
+  EXPECT_EQ(source.name, "sql");
+  EXPECT_EQ(source.path, "/adapters/sql");
+  EXPECT_EQ(source.base_model, "/models/base");
+  EXPECT_EQ(source.max_rank, 64);
+  EXPECT_EQ(back.lora, nullptr) << "the leader attaches its own copy";
+  EXPECT_EQ(back.prompt, request.prompt);
+  // A source without a name is a damaged message.
+  adapter->name.clear();
+  EXPECT_THROW(decode_request(encode_request(request)), Error);
 }
 
 TEST(RemoteGroups, EventsAndStatisticsSurviveTheLink) {

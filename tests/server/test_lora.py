@@ -98,22 +98,16 @@ def test_what_cannot_be_served_stops_the_start_with_one_line(sparrow_binary, mod
     assert "DoRA" in start_error(sparrow_binary, model_dir, "--enable-lora", "--lora-modules", f"a={dora}")
     assert "is not a folder" in start_error(sparrow_binary, model_dir, "--enable-lora", "--lora-modules",
                                             f"a={tmp_path / 'missing'}")
-    # Data parallel groups do not get adapters yet: every rank says so and the run ends (each group's leader
-    # reads the flags, so the line comes once per group).
-    result = subprocess.run([sparrow_binary, "serve", str(model_dir), "--port", "0", "--kv-cache-memory", "64MiB",
-                             "--enable-lora", "--lora-modules", f"a={good}", "-dp", "2"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0, result.stdout + result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors and all("not yet with data parallelism" in line for line in errors), result.stderr
 
 
-def test_adapters_load_and_unload_at_run_time(start_server, model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", [(), ("-dp", "2")])
+def test_adapters_load_and_unload_at_run_time(start_server, model_dir, tmp_path, monkeypatch, layout):
     """vLLM's runtime routes, on with VLLM_ALLOW_RUNTIME_LORA_UPDATING: a loaded adapter is served under its
-    name and answers as the same folder given at start does; an unloaded one is a 404 again."""
+    name and answers as the same folder given at start does; an unloaded one is a 404 again. Under -dp 2 the
+    other group's leader loads the adapter from the source its requests bring."""
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
     folder = make_adapter(model_dir, tmp_path / "late", rank=4, seed=5)
-    server = start_server("--api-key", API_KEY, "--enable-lora", "--max-loras", "2")
+    server = start_server("--api-key", API_KEY, "--enable-lora", "--max-loras", "2", *layout)
     reference = start_server("--api-key", API_KEY, "--enable-lora", "--lora-modules", f"late={folder}")
     headers = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -123,9 +117,13 @@ def test_adapters_load_and_unload_at_run_time(start_server, model_dir, tmp_path,
     assert post("/v1/completions", {"model": "late", "prompt": prompt, "max_tokens": 2}).status_code == 404
     loaded = post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(folder)})
     assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'late' added successfully.", loaded.text
-    got = completion(server, "late", prompt)
     want = completion(reference, "late", prompt)
-    assert got.model == "late" and got.choices[0].logprobs.token_logprobs == want.choices[0].logprobs.token_logprobs
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # at once, so that both groups take some under -dp
+        for got in pool.map(lambda _: completion(server, "late", prompt), range(4)):
+            assert got.model == "late"
+            assert got.choices[0].logprobs.token_logprobs == want.choices[0].logprobs.token_logprobs
+    if layout:
+        assert server.metrics()['sparrow:data_parallel_requests_total{group="1"}'] >= 1
     assert "late" in {m["id"] for m in httpx.get(server.url + "/v1/models", headers=headers, timeout=10).json()["data"]}
     again = post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(folder)})
     assert again.status_code == 400 and "already been loaded" in again.text, again.text
@@ -150,16 +148,21 @@ def test_runtime_routes_are_off_without_the_switch(lora_server):
 # weight's output is split, columns of A where its input is), the workers loading theirs when a step first
 # needs the adapter. Two ranks answer as one process does, for the base model and two adapters at once.
 # Under -dcp 2 the two ranks also share out the MLA cache by token, which the adapters' terms do not touch.
-@pytest.mark.parametrize("family,layout", [("deepseek_v32", ()), ("kimi_k3_1_pro", ()), ("minimax_m3", ()),
-                                           ("deepseek_v32", ("-dcp", "2")), ("kimi_k3_1_pro", ("-dcp", "2"))])
-def test_two_ranks_serve_adapters_as_one_process_does(start_server, test_model, tmp_path, family, layout):
+# Under -dp 2 each group's leader loads its own copy of an adapter from the source its requests bring (and
+# with -tp 2 its worker its part of that).
+TP2 = ("--tensor-parallel-size", "2")
+@pytest.mark.parametrize("family,layout", [("deepseek_v32", TP2), ("kimi_k3_1_pro", TP2), ("minimax_m3", TP2),
+                                           ("deepseek_v32", TP2 + ("-dcp", "2")), ("kimi_k3_1_pro", TP2 + ("-dcp", "2")),
+                                           ("deepseek_v32", ("-dp", "2")),
+                                           ("minimax_m3", TP2 + ("-dp", "2", "--enable-expert-parallel"))])
+def test_several_ranks_serve_adapters_as_one_process_does(start_server, test_model, tmp_path, family, layout):
     model = test_model(family)
     first = make_adapter(model, tmp_path / "a", rank=4, seed=7)
     second = make_adapter(model, tmp_path / "b", rank=8, seed=8)
     flags = ("--api-key", API_KEY, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules",
              f"a={first}", f"b={second}")
     single = start_server(*flags, model=model)
-    sharded = start_server(*flags, "--tensor-parallel-size", "2", *layout, model=model)
+    sharded = start_server(*flags, *layout, model=model)
     jobs = [(name, list(range(3, 3 + n))) for name in (MODEL_NAME, "a", "b") for n in (5, 40, 90)]
     want = {job_key(j): completion(single, *j) for j in jobs}
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
@@ -170,6 +173,9 @@ def test_two_ranks_serve_adapters_as_one_process_does(start_server, test_model, 
         for g, w in zip(response.choices[0].logprobs.token_logprobs, expected.logprobs.token_logprobs):
             assert abs(g - w) < 5e-3, (key, g, w)  # the base model's own TP sums reach 1e-3 (K3.1 Pro, 90 tokens)
     assert want[("a", 40)].choices[0].logprobs.token_logprobs != want[(MODEL_NAME, 40)].choices[0].logprobs.token_logprobs
+    if "-dp" in layout:  # the second group answered some of them, adapters among them
+        metrics = sharded.metrics()
+        assert min(metrics[f'sparrow:data_parallel_requests_total{{group="{g}"}}'] for g in (0, 1)) >= 2, metrics
     for server in (sharded, single):
         assert server.stop() == 0, server.output()
 
