@@ -310,6 +310,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
     reading_ = false;
     if (phase_ == Phase::Closed) return;
     if (ec) {  // end of stream or reset: the client is gone (or done, when lingering)
+      // A client that read a whole answer may close before the write's completion has run here (the
+      // two completions race between io threads): on_written decides whether it was delivered.
+      if (writing_ && phase_ == Phase::Answering) {
+        peer_gone_ = true;
+        return;
+      }
       close();
       return;
     }
@@ -543,6 +549,14 @@ class Connection : public std::enable_shared_from_this<Connection> {
       close();
       return;
     }
+    if (peer_gone_) {  // the client went away while this write was in flight
+      if (phase_ == Phase::Answering && answer_complete_ && outbox_.empty()) {  // it had the whole answer
+        log_answer();
+        std::exchange(exchange_, nullptr)->finish(true);
+      }
+      close();
+      return;
+    }
     if (phase_ == Phase::Answering) disarm();
     flush();
   }
@@ -567,6 +581,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::array<char, kReadSize> read_buffer_;  // the read in flight fills this; on_read moves it to input_
   beast::flat_buffer input_;                 // received, not yet parsed
   bool reading_ = false;
+  bool peer_gone_ = false;  // the client closed while a write was in flight (see on_read)
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   bool header_checked_ = false;
   std::string header_section_;
