@@ -94,9 +94,11 @@ class Lora : public ::testing::TestWithParam<std::string> {};
 
 }  // namespace
 
-TEST_P(Lora, AnAdapterAnswersAsItsMergedCheckpoint) {
-  const fs::path dir = bundled(GetParam());
-  const Adapter a = make_adapter(dir, 8, 11);
+// An adapter over `which` projections answers as its merged checkpoint, and differently from the base model.
+void expect_answers_as_merged(const std::string& model, Targets which) {
+  const fs::path dir = bundled(model);
+  const Adapter a = make_adapter(dir, 8, 11, which);
+  ASSERT_FALSE(a.ab.empty());
   const auto merged = merged_model(dir, a);
   auto base = load_model(dir.string());
   auto adapter = load_lora_adapter("a", a.dir(), dir.string(), Device::Cpu, 16);
@@ -109,7 +111,7 @@ TEST_P(Lora, AnAdapterAnswersAsItsMergedCheckpoint) {
   const Outputs without = run(*base, plain, false);
   double differs = 0;
   for (const Request& r : plain) {
-    expect_close(got.at(r.id + "+a"), want.at(r.id), 2e-3, GetParam() + " " + r.id);
+    expect_close(got.at(r.id + "+a"), want.at(r.id), 2e-3, model + " " + r.id);
     // The adapter must matter: its answers are not the base model's.
     for (size_t i = 0; i < want.at(r.id).prompt_logprobs.size(); ++i)
       if (want.at(r.id).prompt_logprobs[i] && without.at(r.id).prompt_logprobs[i])
@@ -117,6 +119,15 @@ TEST_P(Lora, AnAdapterAnswersAsItsMergedCheckpoint) {
                                               without.at(r.id).prompt_logprobs[i]->logprob));
   }
   EXPECT_GT(differs, 0.05) << "the adapter hardly changes the model: the test would not see it ignored";
+}
+
+TEST_P(Lora, AnAdapterAnswersAsItsMergedCheckpoint) { expect_answers_as_merged(GetParam(), Targets::All); }
+
+// The routed experts alone: each expert's gate, up and down inside the MoE, whether the checkpoint stores
+// the experts one by one (deepseek_v32 under transformers' names, kimi_k3 under w1 / w3 / w2) or stacked
+// (minimax_m3).
+TEST_P(Lora, AnAdapterOfTheRoutedExpertsAnswersAsItsMergedCheckpoint) {
+  expect_answers_as_merged(GetParam(), Targets::RoutedExpertsOnly);
 }
 
 TEST_P(Lora, AdaptersAndTheBaseModelShareABatchAndAnswerAsAlone) {
@@ -169,7 +180,7 @@ INSTANTIATE_TEST_SUITE_P(BundledModels, Lora, ::testing::Values("deepseek_v32", 
 
 TEST(LoraAdapterFiles, WhatCannotBeAppliedIsRefusedWithOneLine) {
   const fs::path model_dir = bundled("minimax_m3");
-  const Adapter good = make_adapter(model_dir, 8, 41);
+  const Adapter good = make_adapter(model_dir, 8, 41, Targets::NoRoutedExperts);
   auto expect_error = [](const std::function<void()>& f, const std::string& needle) {
     EXPECT_TRUE(mentions(error_message(f), {needle}));
   };
@@ -191,12 +202,13 @@ TEST(LoraAdapterFiles, WhatCannotBeAppliedIsRefusedWithOneLine) {
   expect_error(load(bad), "not valid JSON");
   bad_dir.write("adapter_config.json", "{\"lora_alpha\": 8}");
   expect_error(load(bad), "positive integer \"r\"");
-  // A routed expert's, an indexer's and a router's projections are not adapted yet; a lone lora_A is incomplete.
+  // An indexer's and a router's projections are not adapted yet, nor a stack of experts as a whole; a lone
+  // lora_A is incomplete.
   bad_dir.write("adapter_config.json", "{\"r\": 2}");
   const Tensor A = Tensor::zeros({2, 8}), B = Tensor::zeros({8, 2});
   for (const std::string& module :
-       {std::string("model.layers.1.mlp.experts.3.gate_proj"), std::string("model.layers.1.self_attn.indexer.q_proj"),
-        std::string("model.layers.1.mlp.gate")}) {
+       {std::string("model.layers.1.self_attn.indexer.q_proj"), std::string("model.layers.1.mlp.gate"),
+        std::string("model.layers.1.mlp.experts.gate_up_proj"), std::string("model.layers.1.mlp.experts.x.gate_proj")}) {
     write_safetensors((bad / "adapter_model.safetensors").string(),
                       {{"base_model.model." + module + ".lora_A.weight", A}, {"base_model.model." + module + ".lora_B.weight", B}});
     expect_error(load(bad), "is not one sparrow adapts yet");
@@ -219,4 +231,23 @@ TEST(LoraAdapterFiles, WhatCannotBeAppliedIsRefusedWithOneLine) {
                     {{"base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight", A},
                      {"base_model.model.model.layers.9.self_attn.q_proj.lora_B.weight", B}});
   expect_error(load(bad), "the model has no weight 'model.layers.9.self_attn.q_proj.weight'");
+  // A routed expert of minimax_m3's stacks: checked against its part of them, by the stacks' names, and
+  // refused where the model says so (a GPU, data parallelism).
+  auto expert_adapter = [&](const std::string& module, const Tensor& a, const Tensor& b) {
+    write_safetensors((bad / "adapter_model.safetensors").string(),
+                      {{"base_model.model." + module + ".lora_A.weight", a}, {"base_model.model." + module + ".lora_B.weight", b}});
+  };
+  expert_adapter("model.layers.1.mlp.experts.3.gate_proj", A, B);
+  expect_error(load(bad), "module 'model.layers.1.mlp.experts.3.gate_proj' is [8 x 8], the model's weight [");
+  expert_adapter("model.layers.1.mlp.experts.99.down_proj", A, B);
+  expect_error(load(bad), "the model's stack model.layers.1.mlp.experts holds ");
+  expert_adapter("model.layers.1.mlp.experts.3.w1", A, B);
+  expect_error(load(bad), "so their parts are named gate_proj, up_proj and down_proj");
+  const Adapter experts = make_adapter(model_dir, 2, 42, Targets::RoutedExpertsOnly);
+  EXPECT_TRUE(load_lora_adapter("x", experts.dir(), model_dir.string(), Device::Cpu, 16)->has_routed_experts);
+  LoraTarget refusing;
+  refusing.routed_experts_refused = "not here, for a reason";
+  expect_error([&] { load_lora_adapter("x", experts.dir(), model_dir.string(), refusing, 16); },
+               "': not here, for a reason");
+  EXPECT_FALSE(load_lora_adapter("x", good.dir(), model_dir.string(), refusing, 16)->has_routed_experts);
 }

@@ -21,14 +21,38 @@ namespace fs = std::filesystem;
 
 inline fs::path bundled(const std::string& name) { return fs::path(SPARROW_SOURCE_DIR) / "models" / name; }
 
-// The PEFT module name of a checkpoint weight that LoRA may target ("....self_attn.q_proj"), or "".
-inline std::string target_of(const std::string& key, const Shape& shape) {
+// A projection LoRA may target and where its base weight lives: checkpoint tensor `key`, expert `expert`
+// of a stack ([E, rows, cols], -1: a plain [rows, cols] weight), from row `first_row` on.
+struct Target {
+  std::string module, key;
+  int64_t expert = -1, first_row = 0, rows = 0, cols = 0;
+};
+
+// The targets in checkpoint tensor `key` of `shape`: a projection's weight ("....self_attn.q_proj"), or the
+// routed experts' stacks (gate_up_proj [E, 2I, H] holds each expert's gate_proj and up_proj, down_proj
+// [E, H, I] its down_proj) when `routed_experts`.
+inline std::vector<Target> targets_of(const std::string& key, const Shape& shape, bool routed_experts) {
+  if (key.find("layers.") == std::string::npos || key.find("mtp") != std::string::npos) return {};
   const std::string suffix = ".weight";
-  if (shape.size() != 2 || key.size() <= suffix.size() || key.compare(key.size() - suffix.size(), suffix.size(), suffix))
-    return "";
-  const std::string module = key.substr(0, key.size() - suffix.size());
-  if (module.find("layers.") == std::string::npos || module.find("mtp") != std::string::npos) return "";
-  return lora_supported_module(module) ? module : "";
+  if (shape.size() == 2 && key.size() > suffix.size() && !key.compare(key.size() - suffix.size(), suffix.size(), suffix)) {
+    const std::string module = key.substr(0, key.size() - suffix.size());
+    if (!lora_supported_module(module) || (!routed_experts && module.find(".experts.") != std::string::npos)) return {};
+    return {{module, key, -1, 0, shape[0], shape[1]}};
+  }
+  std::vector<Target> out;
+  const bool gate_up = key.ends_with(".experts.gate_up_proj"), down = key.ends_with(".experts.down_proj");
+  if (!routed_experts || shape.size() != 3 || !(gate_up || down)) return out;
+  const std::string stack = key.substr(0, key.rfind('.') + 1);
+  for (int64_t e = 0; e < shape[0]; ++e) {
+    const std::string expert = stack + std::to_string(e) + ".";
+    if (gate_up) {
+      out.push_back({expert + "gate_proj", key, e, 0, shape[1] / 2, shape[2]});
+      out.push_back({expert + "up_proj", key, e, shape[1] / 2, shape[1] / 2, shape[2]});
+    } else {
+      out.push_back({expert + "down_proj", key, e, 0, shape[1], shape[2]});
+    }
+  }
+  return out;
 }
 
 struct Adapter {
@@ -38,8 +62,12 @@ struct Adapter {
   float scaling = 0;
 };
 
-// A random rank-`r` adapter over every targetable projection of the model in `model_dir`, written as PEFT saves it.
-inline Adapter make_adapter(const fs::path& model_dir, int64_t r, uint32_t seed) {
+// Which projections an adapter targets.
+enum class Targets { All, NoRoutedExperts, RoutedExpertsOnly };
+
+// A random rank-`r` adapter over the targetable projections of the model in `model_dir`, written as PEFT
+// saves it.
+inline Adapter make_adapter(const fs::path& model_dir, int64_t r, uint32_t seed, Targets which = Targets::All) {
   Adapter a;
   a.folder = std::make_shared<TempDir>();
   a.scaling = 2.0f;  // lora_alpha 2r
@@ -47,17 +75,16 @@ inline Adapter make_adapter(const fs::path& model_dir, int64_t r, uint32_t seed)
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<std::pair<std::string, Tensor>> out;
-  for (const auto& [key, info] : file->tensors()) {
-    const std::string module = target_of(key, info.shape);
-    if (module.empty()) continue;
-    const int64_t rows = info.shape[0], cols = info.shape[1];
-    Tensor A = Tensor::zeros({r, cols}), B = Tensor::zeros({rows, r});
-    for (int64_t i = 0; i < A.numel(); ++i) A.data()[i] = normal(rng) / std::sqrt(float(cols));
-    for (int64_t i = 0; i < B.numel(); ++i) B.data()[i] = 0.15f * normal(rng) / std::sqrt(float(r));
-    out.emplace_back("base_model.model." + module + ".lora_A.weight", A);
-    out.emplace_back("base_model.model." + module + ".lora_B.weight", B);
-    a.ab[module] = {A, B};
-  }
+  for (const auto& [key, info] : file->tensors())
+    for (const Target& t : targets_of(key, info.shape, which != Targets::NoRoutedExperts)) {
+      if (which == Targets::RoutedExpertsOnly && t.module.find(".experts.") == std::string::npos) continue;
+      Tensor A = Tensor::zeros({r, t.cols}), B = Tensor::zeros({t.rows, r});
+      for (int64_t i = 0; i < A.numel(); ++i) A.data()[i] = normal(rng) / std::sqrt(float(t.cols));
+      for (int64_t i = 0; i < B.numel(); ++i) B.data()[i] = 0.15f * normal(rng) / std::sqrt(float(r));
+      out.emplace_back("base_model.model." + t.module + ".lora_A.weight", A);
+      out.emplace_back("base_model.model." + t.module + ".lora_B.weight", B);
+      a.ab[t.module] = {A, B};
+    }
   write_safetensors(a.folder->file("adapter_model.safetensors"), out);
   a.folder->write("adapter_config.json",
                   "{\"peft_type\": \"LORA\", \"r\": " + std::to_string(r) + ", \"lora_alpha\": " + std::to_string(2 * r) +
@@ -75,15 +102,17 @@ inline std::unique_ptr<TempDir> merged_model(const fs::path& model_dir, const Ad
   std::vector<std::pair<std::string, Tensor>> out;
   for (const auto& [key, info] : file->tensors()) {
     Tensor w = to_float32(info, file).clone();
-    const std::string module = target_of(key, info.shape);
-    if (!module.empty()) {
-      const auto& [A, B] = a.ab.at(module);
-      const int64_t rows = w.dim(0), cols = w.dim(1), r = A.dim(0);
-      for (int64_t i = 0; i < rows; ++i)
-        for (int64_t j = 0; j < cols; ++j) {
+    for (const Target& t : targets_of(key, info.shape, true)) {
+      auto found = a.ab.find(t.module);
+      if (found == a.ab.end()) continue;
+      const auto& [A, B] = found->second;
+      const int64_t r = A.dim(0);
+      float* base = w.data() + (t.expert < 0 ? 0 : t.expert * w.dim(1) * t.cols) + t.first_row * t.cols;
+      for (int64_t i = 0; i < t.rows; ++i)
+        for (int64_t j = 0; j < t.cols; ++j) {
           double d = 0;
-          for (int64_t k = 0; k < r; ++k) d += double(B.data()[i * r + k]) * A.data()[k * cols + j];
-          w.data()[i * cols + j] = float(double(w.data()[i * cols + j]) + a.scaling * d);
+          for (int64_t k = 0; k < r; ++k) d += double(B.data()[i * r + k]) * A.data()[k * t.cols + j];
+          base[i * t.cols + j] = float(double(base[i * t.cols + j]) + a.scaling * d);
         }
     }
     out.emplace_back(key, w);

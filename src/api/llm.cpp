@@ -139,8 +139,7 @@ std::shared_ptr<const LoraAdapter> Llm::lora_for(const LoraRequest& lora) {
   SPARROW_CHECK(!lora.path.empty(), "LoRA adapter '", lora.name, "' is not loaded and no path was given");
   SPARROW_CHECK(int64_t(loras_.size()) < options_.max_loras, "LoRA adapter '", lora.name, "': max_loras (",
                 options_.max_loras, ") adapters are loaded already (remove_lora one)");
-  loras_.push_back(load_lora_adapter(lora.name, lora.path, weights_folder_, model_->device(), options_.max_lora_rank,
-                                     model_->weight_splits));
+  loras_.push_back(load_lora_adapter(lora.name, lora.path, weights_folder_, model_->lora_target(), options_.max_lora_rank));
   return loras_.back();
 }
 

@@ -384,7 +384,7 @@ std::vector<std::shared_ptr<const LoraAdapter>> load_cli_loras(const LoraFlags& 
   for (const std::string& text : flags.modules) {
     const LoraModule m = parse_lora_module(text);
     adapters.push_back(
-        load_lora_adapter(m.name, m.path, model_dir, model.device(), flags.max_lora_rank, model.weight_splits));
+        load_lora_adapter(m.name, m.path, model_dir, model.lora_target(), flags.max_lora_rank));
   }
   return adapters;
 }

@@ -444,8 +444,7 @@ void serve_remote_group(Engine& engine, Communicator& link, std::vector<std::sha
       if (held->name == source.name && held->path == source.path) return held;
     std::erase_if(adapters, [](const auto& held) { return held.use_count() == 1; });  // no request holds it
     const Model& model = engine.model();
-    adapters.push_back(load_lora_adapter(source.name, source.path, source.base_model, model.device(), source.max_rank,
-                                         model.weight_splits));
+    adapters.push_back(load_lora_adapter(source.name, source.path, source.base_model, model.lora_target(), source.max_rank));
     return adapters.back();
   };
   std::mutex send_mutex;

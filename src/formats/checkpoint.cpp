@@ -582,6 +582,15 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
                                              const Split& intermediate_split) {
   if (intermediate_split.whole()) return take_experts(prefix, E, I, H);
   const int64_t begin = intermediate_split.begin, end = intermediate_split.end;
+  // LoRA adapters name each expert's projections (model/lora.h): this rank's part under those names, also
+  // where the checkpoint stacks the experts.
+  static const ExpertNames stacked{"gate_proj", "up_proj", "down_proj"};
+  const ExpertNames* lora_names = dummy_ || has(prefix + ".gate_up_proj") ? &stacked : expert_names(prefix);
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string expert = cat(prefix, ".", e, ".");
+    splits_[expert + lora_names->gate + ".weight"] = splits_[expert + lora_names->up + ".weight"] = Split{0, begin, end};
+    splits_[expert + lora_names->down + ".weight"] = Split{1, begin, end};
+  }
   if (dummy_ || has(prefix + ".gate_up_proj"))
     return {take(prefix + ".gate_up_proj", {E, 2 * I, H}, Split{1, begin, end, 2}),
             take(prefix + ".down_proj", {E, H, I}, Split{2, begin, end, 1})};

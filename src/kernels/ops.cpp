@@ -702,12 +702,13 @@ void keep_local_experts_(Routing& routing, int64_t first, int64_t count) {
 }
 
 Tensor moe_experts(const Tensor& x, const Routing& routing, const Tensor& gate_up, const Tensor& down, Glu kind,
-                   float alpha, float limit) {
+                   float alpha, float limit, std::span<const ExpertAdapterRun> adapters) {
   if (x.on_cpu()) {
     require_f32(x, "moe_experts");
     return cpu::moe_experts(x, routing.experts.as<int32_t>(), routing.weights.as<float>(), routing.experts.dim(1),
-                            gate_up, down, kind, alpha, limit);
+                            gate_up, down, kind, alpha, limit, adapters);
   }
+  SPARROW_CHECK(adapters.empty(), "LoRA on the routed experts runs on the CPU backend so far (issue 29)");
 #if SPARROW_HAVE_CUDA
   const Stored stored = stored_as(gate_up);
   const bool scaled = gate_up.block_scales().defined() && down.block_scales().defined();

@@ -15,6 +15,7 @@
 
 #include "core/communicator.h"
 #include "core/tensor.h"
+#include "kernels/expert_adapters.h"
 #include "kernels/glu.h"
 #include "kernels/sampling_rule.h"
 
@@ -148,8 +149,9 @@ void keep_local_experts_(Routing& routing, int64_t first, int64_t count);
 // with e = -1 skipped).
 // On a GPU the experts are bf16, FP8 with block scales, or FP4 (E2M1x2 codes [E, 2I, H / 2] and [E, H, I / 2]
 // with their group and global scales attached: Tensor::with_group_scales, kernels/cuda/moe/moe.h).
+// `adapters`: LoRA terms of some rows' sequences (kernels/expert_adapters.h); the CPU backend only so far.
 Tensor moe_experts(const Tensor& x, const Routing& routing, const Tensor& gate_up, const Tensor& down, Glu kind,
-                   float alpha, float limit);
+                   float alpha, float limit, std::span<const ExpertAdapterRun> adapters = {});
 
 // The token bitmasks of some rows of a step (structured outputs, allowed_token_ids): rows[k]'s mask is
 // words[k * words_per_row, (k + 1) * words_per_row), bit t set when token t may be drawn

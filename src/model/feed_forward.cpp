@@ -89,6 +89,7 @@ void MoeBlock::load_experts(Checkpoint& ckpt, const std::string& prefix, int64_t
                             int64_t width) {
   tp = ckpt.tensor_parallel();
   this->num_experts = num_experts;
+  experts_prefix = prefix + ".";
   // The experts' ranks: the group's, or under data parallelism every group's (TensorParallel::experts_group).
   const TensorParallel experts_group = tp.experts_group();
   if (!experts_group.sharded()) {
@@ -115,12 +116,15 @@ ops::Routing SigmoidRouter::route(const Tensor& x) const {
   return routing;
 }
 
-Tensor MoeBlock::routed(const Tensor& x) const {
+Tensor MoeBlock::routed(const Tensor& x, const Batch* batch) const {
   ops::Routing routing = router.route(x);
   // Expert parallel: the slots routed to this rank's experts, renumbered from 0; the others become -1 (skipped).
-  if (experts.gate_up.dim(0) < num_experts) ops::keep_local_experts_(routing, first_expert, experts.gate_up.dim(0));
+  const int64_t local = experts.gate_up.dim(0);
+  if (local < num_experts) ops::keep_local_experts_(routing, first_expert, local);
+  const std::vector<ExpertAdapterRun> adapters =
+      batch ? lora::expert_runs(*batch, experts_prefix, first_expert, local) : std::vector<ExpertAdapterRun>();
   return ops::moe_experts(latent_down.defined() ? ops::linear(x, latent_down) : x, routing, experts.gate_up,
-                          experts.down, act.kind, act.alpha, act.limit);
+                          experts.down, act.kind, act.alpha, act.limit, adapters);
 }
 
 Tensor MoeBlock::dispatch_routed(const Tensor& x) const {
@@ -166,7 +170,7 @@ Tensor MoeBlock::forward(const Tensor& x, const Batch& batch) const {
     out = ops::reduce_scatter_rows(tp, routed(ops::all_gather_rows(tp, x, counts)), counts);
     if (x.dim(0) == 0) return out;
   } else {
-    out = routed(x);
+    out = routed(x, &batch);
   }
   if (latent_down.defined()) {
     Tensor latent = std::move(out);

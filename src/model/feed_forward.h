@@ -118,6 +118,7 @@ struct MoeBlock : FeedForward {
   Checkpoint::Experts experts;    // gate_up [E, 2I, H or Z], down [E, H or Z, I] (E: this rank's under EP)
   int64_t first_expert = 0;       // the router's id of experts[0] (expert parallel)
   int64_t num_experts = 0;        // the router's
+  std::string experts_prefix;     // the experts' names start with it ("model.layers.3.mlp.experts."): LoRA
   std::vector<DenseMlp> shared;   // zero or one shared-expert MLP
   Activation act;
   Tensor latent_down;             // [Z, hidden]  latent MoE only
@@ -130,8 +131,8 @@ struct MoeBlock : FeedForward {
   std::string name() const override { return "moe"; }
   bool spans_groups() const override { return tp.data_parallel(); }
   // This rank's routed experts' weighted sum over x's tokens ([T, H], or the latent [T, Z]), before any
-  // reduction over ranks.
-  Tensor routed(const Tensor& x) const;
+  // reduction over ranks; with `batch` (x's rows are its tokens), its adapters' routed-expert terms.
+  Tensor routed(const Tensor& x, const Batch* batch = nullptr) const;
   // Data parallel with expert parallelism: routed()'s terms for this group's rows x, each row sent (by an
   // all-to-all, ops::send_rows) only to the groups whose rank owns one of its experts, their terms returned
   // and added (ops::return_rows) in group order: the sum the all-gather path adds, for the rows routed there.

@@ -1,5 +1,6 @@
 #include "model/lora.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <filesystem>
@@ -25,17 +26,35 @@ const LoraWeights* LoraAdapter::find(const std::string& module) const {
   return it == modules.end() ? nullptr : &it->second;
 }
 
+namespace {
+
+// The expert number of a routed expert's projection ("<moe>.experts.<e>.<leaf>", leaf one of an expert's
+// three under either naming: Checkpoint::expert_names), else -1.
+int64_t routed_expert_of(const std::string& module) {
+  static const std::set<std::string> kExpertLeaves = {"gate_proj", "up_proj", "down_proj", "w1", "w3", "w2"};
+  const size_t leaf = module.rfind('.');
+  if (leaf == std::string::npos || leaf == 0 || !kExpertLeaves.count(module.substr(leaf + 1))) return -1;
+  const size_t number = module.rfind('.', leaf - 1);
+  if (number == std::string::npos) return -1;
+  const std::string digits = module.substr(number + 1, leaf - number - 1);
+  if (digits.empty() || digits.size() > 9 || !std::all_of(digits.begin(), digits.end(), ::isdigit)) return -1;
+  if (!module.substr(0, number).ends_with(".experts")) return -1;
+  return std::stoll(digits);
+}
+
+}  // namespace
+
 bool lora_supported_module(const std::string& module) {
   static const std::set<std::string> kLeaves = {
       "q_proj",   "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj",    "k_proj",    "v_proj",    "f_a_proj",
       "f_b_proj", "b_proj",   "g_proj",   "g_a_proj",           "g_b_proj",  "gate_proj", "up_proj",   "gate_up_proj", "down_proj", "kv_b_proj"};
+  for (const char* part : {".indexer.", ".gate."})  // the indexers' inputs and the routers: not adapted yet
+    if (module.find(part) != std::string::npos) return false;
+  if (routed_expert_of(module) >= 0) return true;
   const size_t dot = module.rfind('.');
   const std::string leaf = dot == std::string::npos ? module : module.substr(dot + 1);
-  if (!kLeaves.count(leaf)) return false;
-  // Routed experts ("mlp.experts.7.gate_proj"), the indexers' inputs and the routers are not adapted yet.
-  for (const char* part : {".experts.", ".indexer.", ".gate."})
-    if (module.find(part) != std::string::npos) return false;
-  return true;
+  // A routed experts' stack ("mlp.experts.gate_up_proj") is adapted by expert, under the names above.
+  return kLeaves.count(leaf) && module.find(".experts.") == std::string::npos;
 }
 
 namespace {
@@ -52,11 +71,39 @@ nlohmann::json read_json(const fs::path& path) {
   }
 }
 
+// The base weight of `module` as stored ([out, in]; packed FP4 holds two values a byte), or {} where it is
+// stored under other names (MXFP4's weight_packed: checked at first use).
+Shape stored_weight_shape(Checkpoint& model, const std::string& module, const std::string& name) {
+  SPARROW_CHECK(model.has(module + ".weight"), "LoRA adapter '", name, "': the model has no weight '", module,
+                ".weight'");
+  try {
+    return model.stored_shape(module + ".weight");
+  } catch (const Error&) {
+    return {};
+  }
+}
+
+// A routed expert's projection: its own weight, or its part of the stack that holds every expert
+// (transformers' fused layout: gate_up_proj [E, 2I, H], gate rows first, and down_proj [E, H, I]).
+Shape routed_expert_shape(Checkpoint& model, const std::string& module, int64_t expert, const std::string& name) {
+  const size_t leaf_at = module.rfind('.'), number_at = module.rfind('.', leaf_at - 1);
+  const std::string stack = module.substr(0, number_at), leaf = module.substr(leaf_at + 1);
+  if (model.has(module + ".weight") || !model.has(stack + ".down_proj")) return stored_weight_shape(model, module, name);
+  SPARROW_CHECK(leaf == "gate_proj" || leaf == "up_proj" || leaf == "down_proj", "LoRA adapter '", name,
+                "': module '", module, "': the model stacks its experts under gate_up_proj / down_proj, so their "
+                "parts are named gate_proj, up_proj and down_proj");
+  const bool down = leaf == "down_proj";
+  const Shape whole = model.stored_shape(stack + (down ? ".down_proj" : ".gate_up_proj"));
+  SPARROW_CHECK(whole.size() == 3 && expert < whole[0], "LoRA adapter '", name, "': module '", module,
+                "': the model's stack ", stack, " holds ", whole.empty() ? 0 : whole[0], " experts");
+  return down ? Shape{whole[1], whole[2]} : Shape{whole[1] / 2, whole[2]};
+}
+
 }  // namespace
 
 std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, const std::string& path,
-                                                     const std::string& model_dir, Device device, int64_t max_rank,
-                                                     const std::map<std::string, Split>& splits) {
+                                                     const std::string& model_dir, const LoraTarget& target,
+                                                     int64_t max_rank) {
   const fs::path root(path);
   SPARROW_CHECK(fs::is_directory(root), "LoRA adapter '", name, "': '", path, "' is not a folder");
   const nlohmann::json config = read_json(root / "adapter_config.json");
@@ -124,13 +171,13 @@ std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, co
                   "' (expected <module>.lora_A.weight and <module>.lora_B.weight)");
     module = module.substr(0, at);
     SPARROW_CHECK(lora_supported_module(module), "LoRA adapter '", name, "': module '", module,
-                  "' is not one sparrow adapts yet (attention projections, dense MLPs and shared experts; not "
-                  "kv_b_proj, the indexers, the routers or the routed experts)");
+                  "' is not one sparrow adapts yet (attention projections, MLPs, shared and routed experts; not "
+                  "the indexers or the routers)");
     (is_a ? pairs[module].a : pairs[module].b) = &info;
   }
   SPARROW_CHECK(!pairs.empty(), "LoRA adapter '", name, "': adapter_model.safetensors holds no LoRA weights");
   const std::unique_ptr<Checkpoint> model = Checkpoint::open(model_dir);
-  const ScalarType type = ops::act_type(device);
+  const ScalarType type = ops::act_type(target.device);
   for (const auto& [module, pair] : pairs) {
     SPARROW_CHECK(pair.a && pair.b, "LoRA adapter '", name, "': module '", module, "' has lora_", pair.a ? "A" : "B",
                   " without lora_", pair.a ? "B" : "A");
@@ -139,20 +186,20 @@ std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, co
                   "LoRA adapter '", name, "': module '", module, "' has lora_A ", shape_str(pair.a->shape),
                   " and lora_B ", shape_str(pair.b->shape), " (expected [", adapter->rank, ", in] and [out, ",
                   adapter->rank, "])");
-    // Against the base weight as the checkpoint stores it ([out, in]; packed FP4 holds two values a byte).
-    SPARROW_CHECK(model->has(module + ".weight"), "LoRA adapter '", name, "': the model has no weight '", module,
-                  ".weight'");
-    Shape base;
-    try {
-      base = model->stored_shape(module + ".weight");
-    } catch (const Error&) {  // stored under other names (MXFP4's weight_packed): checked at first use
+    const int64_t expert = routed_expert_of(module);
+    if (expert >= 0) {
+      SPARROW_CHECK(target.routed_experts_refused.empty(), "LoRA adapter '", name, "': module '", module, "': ",
+                    target.routed_experts_refused);
+      adapter->has_routed_experts = true;
     }
+    // Against the base weight as the checkpoint stores it ([out, in]; packed FP4 holds two values a byte).
+    const Shape base = expert >= 0 ? routed_expert_shape(*model, module, expert, name) : stored_weight_shape(*model, module, name);
     if (base.size() == 2)
       SPARROW_CHECK(base[0] == pair.b->shape[0] && (base[1] == pair.a->shape[1] || 2 * base[1] == pair.a->shape[1]),
                     "LoRA adapter '", name, "': module '", module, "' is [", pair.b->shape[0], " x ", pair.a->shape[1],
                     "], the model's weight ", shape_str(base));
     Tensor a = to_float32(*pair.a, file), b = to_float32(*pair.b, file).clone();
-    if (auto split = splits.find(module + ".weight"); split != splits.end()) {
+    if (auto split = target.splits.find(module + ".weight"); split != target.splits.end()) {
       SPARROW_CHECK(split->second.dim == 0 || split->second.dim == 1, "LoRA adapter '", name, "': module '", module,
                     "' is split along dimension ", split->second.dim);
       if (split->second.dim == 0)
@@ -161,7 +208,7 @@ std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, co
         a = slice_host(a, split->second);
     }
     ops::scale_(b, adapter->scaling);
-    adapter->modules[module] = {a.to(device, type), b.to(device, type)};
+    adapter->modules[module] = {a.to(target.device, type), b.to(target.device, type)};
   }
   return adapter;
 }
@@ -170,22 +217,29 @@ namespace lora {
 
 namespace {
 
-// Calls f(begin, end, adapter, weights) for each run of consecutive sequences (rows begin .. end) whose
-// adapter has `module`: each run gets its own products (the segmented form of punica / S-LoRA). Callers
-// return before naming the module when !batch.has_lora(), every site of every layer asks on every step.
+// Calls f(begin, end, adapter) for each run of consecutive sequences (rows begin .. end, not empty) with
+// the same adapter.
 template <typename F>
-void for_each_run(const Batch& batch, const std::string& module, F f) {
+void for_each_adapter_run(const Batch& batch, F f) {
   const std::vector<SeqSlice>& seqs = batch.seqs;
   for (size_t i = 0; i < seqs.size();) {
     const LoraAdapter* adapter = seqs[i].state->lora.get();
     size_t j = i + 1;
     while (j < seqs.size() && seqs[j].state->lora.get() == adapter) ++j;
-    if (const LoraWeights* w = adapter ? adapter->find(module) : nullptr) {
-      const int64_t begin = seqs[i].offset, end = seqs[j - 1].offset + seqs[j - 1].count;
-      if (begin < end) f(begin, end, *adapter, *w);
-    }
+    const int64_t begin = seqs[i].offset, end = seqs[j - 1].offset + seqs[j - 1].count;
+    if (adapter && begin < end) f(begin, end, *adapter);
     i = j;
   }
+}
+
+// Calls f(begin, end, adapter, weights) for each run of consecutive sequences (rows begin .. end) whose
+// adapter has `module`: each run gets its own products (the segmented form of punica / S-LoRA). Callers
+// return before naming the module when !batch.has_lora(), every site of every layer asks on every step.
+template <typename F>
+void for_each_run(const Batch& batch, const std::string& module, F f) {
+  for_each_adapter_run(batch, [&](int64_t begin, int64_t end, const LoraAdapter& adapter) {
+    if (const LoraWeights* w = adapter.find(module)) f(begin, end, adapter, *w);
+  });
 }
 
 void check_kv_b(const LoraWeights& w, const std::string& module, const MlaDims& d) {
@@ -256,6 +310,33 @@ void add_absorbed_outputs_(Tensor& attended, const Tensor& mixed, const Batch& b
     Tensor rows = attended.rows(begin, end);
     ops::add_(rows, delta);
   });
+}
+
+std::vector<ExpertAdapterRun> expert_runs(const Batch& batch, const std::string& experts_prefix, int64_t first,
+                                          int64_t count) {
+  std::vector<ExpertAdapterRun> runs;
+  if (!batch.has_lora()) return runs;
+  for_each_adapter_run(batch, [&](int64_t begin, int64_t end, const LoraAdapter& adapter) {
+    if (!adapter.has_routed_experts) return;
+    ExpertAdapterRun run{begin, end, std::vector<ExpertLowRank>(size_t(count)), std::vector<ExpertLowRank>(size_t(count)),
+                         std::vector<ExpertLowRank>(size_t(count))};
+    bool any = false;
+    // Either naming of an expert's three projections (Checkpoint::expert_names).
+    auto pair = [&](const std::string& expert, const char* name, const char* release_name) {
+      const LoraWeights* w = adapter.find(expert + name);
+      if (!w) w = adapter.find(expert + release_name);
+      any |= w != nullptr;
+      return w ? ExpertLowRank{&w->a, &w->b} : ExpertLowRank{};
+    };
+    for (int64_t e = 0; e < count; ++e) {
+      const std::string expert = experts_prefix + std::to_string(first + e) + ".";
+      run.gate[size_t(e)] = pair(expert, "gate_proj", "w1");
+      run.up[size_t(e)] = pair(expert, "up_proj", "w3");
+      run.down[size_t(e)] = pair(expert, "down_proj", "w2");
+    }
+    if (any) runs.push_back(std::move(run));
+  });
+  return runs;
 }
 
 }  // namespace lora

@@ -9,16 +9,21 @@
 // q_proj / q_a_proj / q_b_proj / kv_a_proj_with_mqa / o_proj, GQA's q/k/v/o_proj, KDA's q/k/v_proj,
 // f_a/f_b_proj, b_proj, g_proj, g_a/g_b_proj, o_proj; MLA's output gate g_proj) and of the dense MLPs and
 // shared experts (gate/up/down_proj, or gate_up_proj where the checkpoint fuses them).
-// MLA's kv_b_proj too, in the absorbed form the attention uses (add_absorbed_queries_ / _outputs_). Not yet
-// (a one-line error when an adapter targets them): the indexers' inputs, the routers and the routed experts.
+// MLA's kv_b_proj too, in the absorbed form the attention uses (add_absorbed_queries_ / _outputs_). The
+// routed experts by expert, as vLLM names them ("mlp.experts.7.gate_proj" / up_proj / down_proj, or the
+// releases' w1 / w3 / w2), also where the checkpoint stacks every expert in one tensor: inside the MoE
+// (expert_runs, kernels/expert_adapters.h), on the CPU backend so far. Not yet (a one-line error when an
+// adapter targets them): the indexers' inputs and the routers.
 #pragma once
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/tensor.h"
 #include "formats/checkpoint.h"
+#include "kernels/expert_adapters.h"
 
 namespace sparrow {
 
@@ -35,6 +40,7 @@ struct LoraAdapter {
   int64_t max_rank = 0;    // the limit it was loaded under
   int64_t rank = 0;
   float scaling = 1.0f;
+  bool has_routed_experts = false;  // some module is a routed expert's (lora::expert_runs)
   // Where the prefix cache's hash chain starts for its sequences (KvCache::create_sequence): one per loaded
   // adapter, so no block computed with it matches the base model's or another load's.
   uint64_t prefix_root = 0;
@@ -45,19 +51,30 @@ struct LoraAdapter {
   const LoraWeights* find(const std::string& module) const;
 };
 
-// Reads the PEFT adapter folder `path` for the model in `model_dir` onto `device`, in the activations' type
+// What an adapter is loaded for (Model::lora_target): the model's device, the part of each base weight
+// this rank holds (Model::weight_splits; empty unsharded), and why the routed experts cannot be adapted
+// there ("" when they can).
+struct LoraTarget {
+  LoraTarget(Device device = Device::Cpu) : device(device) {}  // an unsharded model on `device`
+  Device device;
+  std::map<std::string, Split> splits;
+  std::string routed_experts_refused;
+};
+
+// Reads the PEFT adapter folder `path` for the model in `model_dir` onto its device, in the activations' type
 // (ops::act_type). One-line errors for a missing or malformed file, a rank above `max_rank`, a module the
 // model's checkpoint does not have or whose shape differs from it, and what sparrow does not apply: DoRA,
-// biases, modules_to_save, fan_in_fan_out, targets outside the list above (lora_supported_module).
-// Tensor parallel: `splits` (Model::weight_splits) says which part of each base weight this rank holds; a
-// module keeps the same part of B where the weight is split by rows (its output) and of A where it is split
-// by columns (its input: the rank's term then joins the weight's in the layer's all-reduce).
+// biases, modules_to_save, fan_in_fan_out, targets outside the list above (lora_supported_module), routed
+// experts where `target` refuses them.
+// Tensor parallel: a module keeps the part of B where its base weight is split by rows (its output) and of A
+// where it is split by columns (its input: the rank's term then joins the weight's in the layer's
+// all-reduce). An expert parallel rank keeps every expert's pairs and uses its own experts'.
 std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, const std::string& path,
-                                                     const std::string& model_dir, Device device, int64_t max_rank,
-                                                     const std::map<std::string, Split>& splits = {});
+                                                     const std::string& model_dir, const LoraTarget& target,
+                                                     int64_t max_rank);
 
 // Whether a module (e.g. "model.layers.3.self_attn.q_proj") is one of the targets above: its last name is
-// a projection the layers adapt, and it is not under a router, an indexer or the routed experts.
+// a projection the layers adapt, and it is not under a router or an indexer, nor a routed experts' stack.
 bool lora_supported_module(const std::string& module);
 
 namespace lora {
@@ -80,6 +97,13 @@ void add_absorbed_queries_(Tensor& q_abs, const Tensor& q, const Batch& batch, c
                            const MlaDims& d);
 void add_absorbed_outputs_(Tensor& attended, const Tensor& mixed, const Batch& batch, const std::string& prefix,
                            const MlaDims& d);
+
+// The routed experts' terms of the batch's adapters for the MoE whose experts are named `experts_prefix`
+// + "<e>." (e.g. "model.layers.3.mlp.experts."), for this rank's experts [first, first + count) of the
+// router's numbering: one run per run of consecutive sequences whose adapter targets any of them. The runs
+// point into the adapters, which the batch's sequences hold.
+std::vector<ExpertAdapterRun> expert_runs(const Batch& batch, const std::string& experts_prefix, int64_t first,
+                                          int64_t count);
 
 }  // namespace lora
 }  // namespace sparrow

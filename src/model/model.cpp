@@ -13,6 +13,13 @@ namespace sparrow {
 
 Model::~Model() = default;
 
+LoraTarget Model::lora_target() const {
+  LoraTarget target(device());
+  target.splits = weight_splits;
+  target.routed_experts_refused = routed_expert_lora_refused;
+  return target;
+}
+
 Batch make_batch(const std::vector<std::pair<SequenceState*, std::vector<int32_t>>>& parts) {
   Batch batch;
   for (const auto& [state, tokens] : parts) {
@@ -148,6 +155,11 @@ std::unique_ptr<Model> load_model(const std::string& dir, Device device, const L
   ckpt->report_to(nullptr);
   progress.finish();
   model->weight_splits = ckpt->splits();
+  if (device != Device::Cpu)
+    model->routed_expert_lora_refused = "LoRA on the routed experts runs on the CPU backend so far (issue 29)";
+  else if (options.tensor_parallel.data_parallel())
+    model->routed_expert_lora_refused = "LoRA on the routed experts is not applied under data parallelism (another "
+                                        "group's ranks run this group's tokens through their experts)";
   for (size_t layer = 0; layer < model->layers.size(); ++layer) simulate_routing(model->layers[layer], int(layer), options);
   if (options.tensor_parallel.context_parallel()) {
     // DCP shards the MLA caches' tokens (model/context_parallel.h); a layer that caches anything else would

@@ -22,6 +22,7 @@
 #include "formats/checkpoint.h"
 #include "formats/config.h"
 #include "core/sequence_cache.h"
+#include "model/lora.h"
 
 namespace sparrow {
 
@@ -124,6 +125,10 @@ class Model {
   // The part of each checkpoint weight this rank holds, by name, for the weights a tensor-parallel load
   // split (Checkpoint::splits; empty unsharded): LoRA adapters take the same part (model/lora.h).
   std::map<std::string, Split> weight_splits;
+  // Why an adapter may not target the routed experts here ("" when it may): load_model's verdict.
+  std::string routed_expert_lora_refused;
+  // What LoRA adapters are loaded for (load_lora_adapter).
+  LoraTarget lora_target() const;
   // A data-parallel group's step without tokens of its own while other groups run theirs
   // (batch.group_tokens set, this group's count 0): the parts that meet the other groups (the shared
   // experts' layers) run on no rows, in the forward pass's order, so that their collectives meet.

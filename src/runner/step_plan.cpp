@@ -304,8 +304,8 @@ void run_worker(Model& model, Communicator& channel, RunnerOptions options) {
       case StepPlan::Kind::Lora:
         // Rank 0 read the same folder a moment ago: a failure here (a folder missing on this node) ends the
         // run with its reason rather than serving the adapter on some ranks only.
-        loras[plan.cache] = load_lora_adapter(plan.lora.name, plan.lora.path, plan.lora.base_model, model.device(),
-                                              plan.lora.max_rank, model.weight_splits);
+        loras[plan.cache] = load_lora_adapter(plan.lora.name, plan.lora.path, plan.lora.base_model, model.lora_target(),
+                                              plan.lora.max_rank);
         break;
       case StepPlan::Kind::DropLora:
         loras.erase(plan.cache);

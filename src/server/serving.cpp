@@ -54,8 +54,8 @@ void ServingContext::load_lora_adapter(const std::string& name, const std::strin
   std::shared_ptr<const LoraAdapter> adapter;
   try {
     engine.run_between_steps([&] {
-      adapter = sparrow::load_lora_adapter(name, path, options.lora_base_model, engine.model().device(),
-                                           options.max_lora_rank, engine.model().weight_splits);
+      adapter = sparrow::load_lora_adapter(name, path, options.lora_base_model, engine.model().lora_target(),
+                                           options.max_lora_rank);
     });
   } catch (const Error& e) {
     bad_request(e.what(), "lora_path");

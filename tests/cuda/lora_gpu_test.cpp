@@ -92,7 +92,8 @@ class CudaLora : public ::testing::TestWithParam<std::string> {};
 TEST_P(CudaLora, AdaptersAnswerAsTheirMergedCheckpointsAloneAndInOneBatch) {
   SPARROW_REQUIRE_GPU();
   const fs::path dir = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / GetParam();
-  const Adapter a = make_adapter(dir, 8, 51), b = make_adapter(dir, 4, 52);
+  const Adapter a = make_adapter(dir, 8, 51, Targets::NoRoutedExperts),
+                b = make_adapter(dir, 4, 52, Targets::NoRoutedExperts);
   const auto merged_a = merged_model(dir, a);
   auto model = load_model(dir.string(), Device::Cuda);
   auto lora_a = load_lora_adapter("a", a.dir(), dir.string(), Device::Cuda, 16);

@@ -180,5 +180,38 @@ def test_several_ranks_serve_adapters_as_one_process_does(start_server, test_mod
         assert server.stop() == 0, server.output()
 
 
+# The routed experts' adapters too: under -tp each rank keeps its part of every expert's pairs (B's rows of
+# gate and up, A's columns of down); under expert parallelism a rank applies its own experts' pairs.
+# Refused with one line under data parallelism, where another group's ranks run this group's tokens.
+@pytest.mark.parametrize("family,layout", [("deepseek_v32", TP2), ("minimax_m3", TP2 + ("--enable-expert-parallel",))])
+def test_routed_expert_adapters_split_as_their_experts_do(start_server, test_model, tmp_path, family, layout):
+    model = test_model(family)
+    adapter = make_adapter(model, tmp_path / "e", rank=4, seed=9, routed_experts=True)
+    flags = ("--api-key", API_KEY, "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"e={adapter}")
+    single = start_server(*flags, model=model)
+    sharded = start_server(*flags, *layout, model=model)
+    for n in (5, 90):
+        prompt = list(range(3, 3 + n))
+        want, got = completion(single, "e", prompt), completion(sharded, "e", prompt)
+        assert got.choices[0].text == want.choices[0].text, n
+        for g, w in zip(got.choices[0].logprobs.token_logprobs, want.choices[0].logprobs.token_logprobs):
+            assert abs(g - w) < 5e-3, (n, g, w)
+    base = completion(single, MODEL_NAME, list(range(3, 93)))
+    assert base.choices[0].logprobs.token_logprobs != want.choices[0].logprobs.token_logprobs
+    for server in (sharded, single):
+        assert server.stop() == 0, server.output()
+
+
+def test_routed_expert_adapters_are_refused_under_data_parallelism(sparrow_binary, test_model, tmp_path):
+    model = test_model("deepseek_v32")
+    adapter = make_adapter(model, tmp_path / "e", rank=4, routed_experts=True)
+    result = subprocess.run([sparrow_binary, "serve", str(model), "--port", "0", "--kv-cache-memory", "64MiB", "-dp", "2",
+                             "--enable-lora", "--lora-modules", f"e={adapter}"], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0, result.stdout + result.stderr
+    # Each group's leader reads the flags' adapters, so each may say it before the run ends.
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert lines and all("not applied under data parallelism" in line for line in lines), result.stderr
+
+
 def job_key(job):
     return job[0], len(job[1])

@@ -49,8 +49,43 @@ void route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, int64_t n_g
   }
 }
 
+namespace {
+
+// out[j] += B (A in[j]) over the slot rows j of `slots` whose token lies in [run.begin, run.end).
+void add_low_rank(const ExpertLowRank& pair, const ExpertAdapterRun& run, const std::vector<int64_t>& slots,
+                  int64_t top_k, const Tensor& in, int64_t in_width, float* out, int64_t out_stride,
+                  int64_t out_width) {
+  if (!pair.a) return;
+  const Tensor &a = *pair.a, &b = *pair.b;
+  const int64_t r = a.dim(0);
+  SPARROW_CHECK(a.dim(1) == in_width && b.dim(0) == out_width && b.dim(1) == r, "moe LoRA: [", b.dim(0), " x ",
+                a.dim(1), "] for an expert projection of [", out_width, " x ", in_width, "]");
+  std::vector<float> u(size_t(r), 0.f);
+  for (size_t j = 0; j < slots.size(); ++j) {
+    const int64_t token = slots[j] / top_k;
+    if (token < run.begin || token >= run.end) continue;
+    const float* v = in.row(int64_t(j));
+    for (int64_t k = 0; k < r; ++k) {
+      const float* ak = a.row(k);
+      float sum = 0;
+      for (int64_t i = 0; i < in_width; ++i) sum += ak[i] * v[i];
+      u[size_t(k)] = sum;
+    }
+    float* o = out + int64_t(j) * out_stride;
+    for (int64_t d = 0; d < out_width; ++d) {
+      const float* bd = b.row(d);
+      float sum = 0;
+      for (int64_t k = 0; k < r; ++k) sum += bd[k] * u[size_t(k)];
+      o[d] += sum;
+    }
+  }
+}
+
+}  // namespace
+
 Tensor moe_experts(const Tensor& x, const int32_t* experts, const float* weights, int64_t top_k,
-                   const Tensor& gate_up, const Tensor& down, Glu kind, float alpha, float limit) {
+                   const Tensor& gate_up, const Tensor& down, Glu kind, float alpha, float limit,
+                   std::span<const ExpertAdapterRun> adapters) {
   const int64_t t = x.dim(0), hidden = x.dim(1);
   const int64_t num_experts = gate_up.dim(0), inter = stored_cols(down);
   std::vector<float> gate_up_f32, down_f32;  // one expert's weights in fp32 when stored otherwise
@@ -61,6 +96,10 @@ Tensor moe_experts(const Tensor& x, const int32_t* experts, const float* weights
     SPARROW_CHECK(experts[i] >= 0 && experts[i] < num_experts, "moe: expert ", experts[i], " of ", num_experts);
     assigned[experts[i]].push_back(i);
   }
+  for (const ExpertAdapterRun& run : adapters)
+    SPARROW_CHECK(int64_t(run.gate.size()) == num_experts && int64_t(run.up.size()) == num_experts &&
+                      int64_t(run.down.size()) == num_experts,
+                  "moe LoRA: adapter terms for ", run.gate.size(), " experts of ", num_experts);
   Tensor out = Tensor::zeros({t, hidden});
   for (int64_t ex = 0; ex < num_experts; ++ex) {
     const auto& slots = assigned[ex];
@@ -71,6 +110,10 @@ Tensor moe_experts(const Tensor& x, const int32_t* experts, const float* weights
     Tensor projected = Tensor::empty({n, 2 * inter});
     gemm_nt(n, 2 * inter, hidden, in.data(), hidden, widened_matrix(gate_up, ex, gate_up_f32), hidden,
             projected.data(), 2 * inter);
+    for (const ExpertAdapterRun& run : adapters) {
+      add_low_rank(run.gate[size_t(ex)], run, slots, top_k, in, hidden, projected.data(), 2 * inter, inter);
+      add_low_rank(run.up[size_t(ex)], run, slots, top_k, in, hidden, projected.data() + inter, 2 * inter, inter);
+    }
     Tensor act_out = Tensor::empty({n, inter});
     for (int64_t j = 0; j < n; ++j) {
       const float* gate = projected.row(j);
@@ -78,6 +121,8 @@ Tensor moe_experts(const Tensor& x, const int32_t* experts, const float* weights
     }
     Tensor y = Tensor::empty({n, hidden});
     gemm_nt(n, hidden, inter, act_out.data(), inter, widened_matrix(down, ex, down_f32), inter, y.data(), hidden);
+    for (const ExpertAdapterRun& run : adapters)
+      add_low_rank(run.down[size_t(ex)], run, slots, top_k, act_out, inter, y.data(), hidden, hidden);
     for (int64_t j = 0; j < n; ++j) {
       float w = weights[slots[j]];
       float* o = out.row(slots[j] / top_k);

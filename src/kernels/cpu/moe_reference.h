@@ -4,8 +4,10 @@
 // them.
 #pragma once
 #include <cstdint>
+#include <span>
 
 #include "core/tensor.h"
+#include "kernels/expert_adapters.h"
 #include "kernels/glu.h"
 
 namespace sparrow::cpu {
@@ -21,8 +23,10 @@ void route_grouped_sigmoid(const Tensor& logits, const Tensor& bias, int64_t n_g
 
 // out[t] = sum_j weights[t, j] * down[e] · glu(gate_up[e] · x[t]) over e = experts[t, j]; gate_up [E, 2I, H]
 // (gate rows first), down [E, H, I]; glu of the kind with its alpha and limit (kernels/glu.h). Each expert
-// runs one product over the tokens routed to it.
+// runs one product over the tokens routed to it; each adapter run's low-rank terms (kernels/expert_adapters.h)
+// are added for its rows' slots.
 Tensor moe_experts(const Tensor& x, const int32_t* experts, const float* weights, int64_t top_k,
-                   const Tensor& gate_up, const Tensor& down, Glu kind, float alpha, float limit);
+                   const Tensor& gate_up, const Tensor& down, Glu kind, float alpha, float limit,
+                   std::span<const ExpertAdapterRun> adapters = {});
 
 }  // namespace sparrow::cpu
