@@ -47,22 +47,24 @@ bool DecoderModel::captures(size_t layer) const {
 }
 
 // Each sublayer's output is added to the stream by the next norm (ops::add_rms_norm_: one launch for the
-// add and the norm on a GPU); the last feed-forward output, or one whose stream a drafter captures, is
-// added on its own.
-Tensor DecoderModel::residual_layers(Tensor x, const Batch& batch, StepMarks* marks, std::vector<Tensor>* streams) {
+// add and the norm on a GPU); the last feed-forward output, or one whose stream is captured, is added on
+// its own.
+Tensor residual_stack(std::vector<DecoderLayer>& layers, Tensor x, const Batch& batch, const ResidualStack& how,
+                      StepMarks* marks, const std::function<bool(size_t)>& capture, std::vector<Tensor>* streams) {
   Tensor pending;  // the previous feed-forward output, not yet in x
   for (size_t i = 0; i < layers.size(); ++i) {
     DecoderLayer& layer = layers[i];
-    const Tensor h = pending.defined() ? ops::add_rms_norm_(x, pending, layer.input_norm, norm_eps, norm_unit_offset)
-                                       : ops::rms_norm(x, layer.input_norm, norm_eps, norm_unit_offset);
-    const Tensor mixed = layer.mixer->forward(h, batch, int(i));
-    if (marks) marks->mark("mixer " + layer.mixer->name());
-    pending = layer.ffn->forward(ops::add_rms_norm_(x, mixed, layer.post_norm, norm_eps, norm_unit_offset), batch);
-    if (marks) marks->mark("ffn " + layer.ffn->name());
-    if (i + 1 == layers.size() || (streams && captures(i))) {
+    const Tensor h = pending.defined() ? ops::add_rms_norm_(x, pending, layer.input_norm, how.norm_eps, how.norm_unit_offset)
+                                       : ops::rms_norm(x, layer.input_norm, how.norm_eps, how.norm_unit_offset);
+    const Tensor mixed = layer.mixer->forward(h, batch, how.first_cache_layer + int(i));
+    if (marks) marks->mark(how.mark_prefix + "mixer " + layer.mixer->name());
+    pending = layer.ffn->forward(ops::add_rms_norm_(x, mixed, layer.post_norm, how.norm_eps, how.norm_unit_offset), batch);
+    if (marks) marks->mark(how.mark_prefix + "ffn " + layer.ffn->name());
+    const bool captured = streams && capture && capture(i);
+    if (i + 1 == layers.size() || captured) {
       ops::add_(x, pending);
       pending = Tensor();
-      if (streams && captures(i)) (*streams)[i] = x.clone();
+      if (captured) (*streams)[i] = x.clone();
     }
   }
   return x;
@@ -130,7 +132,8 @@ Tensor DecoderModel::forward(const Batch& batch, StepMarks* marks) {
   std::vector<Tensor> streams(capture ? layers.size() : 0);
   std::vector<Tensor>* kept = capture ? &streams : nullptr;
   x = attn_res_block > 0 ? attn_res_layers(std::move(x), batch, marks, kept)
-                         : residual_layers(std::move(x), batch, marks, kept);
+                         : residual_stack(layers, std::move(x), batch, {norm_eps, norm_unit_offset, 0, ""}, marks,
+                                          [this](size_t layer) { return captures(layer); }, kept);
   if (capture) {
     // The DSpark drafter's input: the streams side by side, in aux_hidden_layers' order.
     const int64_t rows = x.dim(0), n = int64_t(aux_hidden_layers.size());

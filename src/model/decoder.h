@@ -18,6 +18,7 @@
 //                 partial += ffn(norm_post(mix(sources + partial)))   (added before the next layer)
 //   logits = lm_head(norm_final(mix_output(sources + partial)))
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -74,6 +75,23 @@ struct DecoderLayer {
   std::unique_ptr<FeedForward> ffn;
 };
 
+// How residual_stack runs a stack: its norms, the cache index of its first layer, and what its marks start
+// with (the DSpark drafter's "dspark ").
+struct ResidualStack {
+  float norm_eps = 1e-6f;
+  bool norm_unit_offset = false;
+  int first_cache_layer = 0;
+  std::string mark_prefix;
+};
+
+// The pre-norm residual stream through `layers`, from x to the hidden states before the final norm:
+// x += mixer(input_norm(x)); x += ffn(post_norm(x)). Marks "mixer <kind>" and "ffn <kind>" after each part.
+// With `streams`, the stream after each layer i that `capture(i)` names is copied into (*streams)[i].
+// The target's stack (DecoderModel) and the DSpark drafter's (model/dspark.h) run on it.
+Tensor residual_stack(std::vector<DecoderLayer>& layers, Tensor x, const Batch& batch, const ResidualStack& how,
+                      StepMarks* marks, const std::function<bool(size_t)>& capture = {},
+                      std::vector<Tensor>* streams = nullptr);
+
 class DecoderModel : public Model {
  public:
   std::string type;
@@ -123,9 +141,9 @@ class DecoderModel : public Model {
   void step_idle(const Batch& batch) override;
 
  private:
-  // The layers, from the embedded tokens to the hidden states before the final norm.
-  // With `streams`, the stream after each layer of aux_hidden_layers is copied into (*streams)[layer].
-  Tensor residual_layers(Tensor x, const Batch& batch, StepMarks* marks, std::vector<Tensor>* streams);
+  // The AttnRes layers, from the embedded tokens to the hidden states before the final norm (residual_stack
+  // runs the others). With `streams`, the stream after each layer of aux_hidden_layers is copied into
+  // (*streams)[layer].
   Tensor attn_res_layers(Tensor embedded, const Batch& batch, StepMarks* marks, std::vector<Tensor>* streams);
   bool captures(size_t layer) const;
 };

@@ -23,18 +23,7 @@ std::vector<LayerCacheSpec> DSparkDrafter::cache_spec() const {
 Tensor DSparkDrafter::forward(const Batch& batch, StepMarks* marks) {
   Tensor x = placed_on != Device::Cpu ? ops::embedding(embed, device_step(batch).token_ids)
                                       : ops::embedding(embed, batch.tokens);
-  // Each sublayer's output is added by the next norm (ops::add_rms_norm_), as DecoderModel::residual_layers.
-  Tensor pending;  // the previous feed-forward output, not yet in x
-  for (size_t j = 0; j < layers.size(); ++j) {
-    DecoderLayer& layer = layers[j];
-    const Tensor h = pending.defined() ? ops::add_rms_norm_(x, pending, layer.input_norm, norm_eps)
-                                       : ops::rms_norm(x, layer.input_norm, norm_eps);
-    const Tensor mixed = layer.mixer->forward(h, batch, first_layer + int(j));
-    if (marks) marks->mark("dspark mixer");
-    pending = layer.ffn->forward(ops::add_rms_norm_(x, mixed, layer.post_norm, norm_eps), batch);
-    if (marks) marks->mark("dspark ffn");
-  }
-  if (pending.defined()) ops::add_(x, pending);
+  x = residual_stack(layers, std::move(x), batch, {norm_eps, false, first_layer, "dspark "}, marks);
   if (!batch.all_logits) x = select_logit_rows(x, batch);
   ops::rms_norm_(x, final_norm, norm_eps);
   Tensor logits = ops::linear(x, lm_head, ScalarType::F32);
