@@ -54,9 +54,10 @@ Outputs run(Model& model, const std::vector<Request>& requests, bool together, b
   return out;
 }
 
-// Up to 128 tokens: past the bundled models' sparse budgets.
+// Up to 260 tokens: past the bundled models' sparse budgets (128 keys: deepseek_v32's index_topk,
+// minimax_m3's 4 blocks of 32).
 std::vector<Request> prompts(int64_t vocab, bool prompt_logprobs) {
-  return greedy_requests(vocab, {5, 46, 87, 128}, 7, 2, prompt_logprobs ? 1 : -1);
+  return greedy_requests(vocab, {5, 46, 150, 260}, 7, 2, prompt_logprobs ? 1 : -1);
 }
 
 std::vector<Request> with_adapter(std::vector<Request> requests, std::shared_ptr<const LoraAdapter> adapter,
@@ -128,6 +129,13 @@ TEST_P(Lora, AnAdapterAnswersAsItsMergedCheckpoint) { expect_answers_as_merged(G
 // (minimax_m3).
 TEST_P(Lora, AnAdapterOfTheRoutedExpertsAnswersAsItsMergedCheckpoint) {
   expect_answers_as_merged(GetParam(), Targets::RoutedExpertsOnly);
+}
+
+// The indexers' projections alone: they change only which keys the sparse attention reads (prompts()
+// runs past the sparse budgets).
+TEST_P(Lora, AnAdapterOfTheIndexersAnswersAsItsMergedCheckpoint) {
+  if (GetParam() == "kimi_k3") GTEST_SKIP() << "the bundled kimi_k3 has no indexer";
+  expect_answers_as_merged(GetParam(), Targets::IndexersOnly);
 }
 
 TEST_P(Lora, AdaptersAndTheBaseModelShareABatchAndAnswerAsAlone) {
@@ -202,12 +210,12 @@ TEST(LoraAdapterFiles, WhatCannotBeAppliedIsRefusedWithOneLine) {
   expect_error(load(bad), "not valid JSON");
   bad_dir.write("adapter_config.json", "{\"lora_alpha\": 8}");
   expect_error(load(bad), "positive integer \"r\"");
-  // An indexer's and a router's projections are not adapted yet, nor a stack of experts as a whole; a lone
-  // lora_A is incomplete.
+  // A router is not adapted yet, nor an indexer's norm or a stack of experts as a whole; a lone lora_A is
+  // incomplete.
   bad_dir.write("adapter_config.json", "{\"r\": 2}");
   const Tensor A = Tensor::zeros({2, 8}), B = Tensor::zeros({8, 2});
   for (const std::string& module :
-       {std::string("model.layers.1.self_attn.indexer.q_proj"), std::string("model.layers.1.mlp.gate"),
+       {std::string("model.layers.1.self_attn.indexer.k_norm"), std::string("model.layers.1.mlp.gate"),
         std::string("model.layers.1.mlp.experts.gate_up_proj"), std::string("model.layers.1.mlp.experts.x.gate_proj")}) {
     write_safetensors((bad / "adapter_model.safetensors").string(),
                       {{"base_model.model." + module + ".lora_A.weight", A}, {"base_model.model." + module + ".lora_B.weight", B}});

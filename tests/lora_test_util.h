@@ -63,7 +63,7 @@ struct Adapter {
 };
 
 // Which projections an adapter targets.
-enum class Targets { All, NoRoutedExperts, RoutedExpertsOnly };
+enum class Targets { All, NoRoutedExperts, RoutedExpertsOnly, IndexersOnly };
 
 // A random rank-`r` adapter over the targetable projections of the model in `model_dir`, written as PEFT
 // saves it.
@@ -78,6 +78,7 @@ inline Adapter make_adapter(const fs::path& model_dir, int64_t r, uint32_t seed,
   for (const auto& [key, info] : file->tensors())
     for (const Target& t : targets_of(key, info.shape, which != Targets::NoRoutedExperts)) {
       if (which == Targets::RoutedExpertsOnly && t.module.find(".experts.") == std::string::npos) continue;
+      if (which == Targets::IndexersOnly && t.module.find("index") == std::string::npos) continue;
       Tensor A = Tensor::zeros({r, t.cols}), B = Tensor::zeros({t.rows, r});
       for (int64_t i = 0; i < A.numel(); ++i) A.data()[i] = normal(rng) / std::sqrt(float(t.cols));
       for (int64_t i = 0; i < B.numel(); ++i) B.data()[i] = 0.15f * normal(rng) / std::sqrt(float(r));

@@ -17,10 +17,11 @@ import struct
 from pathlib import Path
 
 # The projections sparrow adapts (model/lora.h lora_supported_module) but the routed experts (adapted on
-# the CPU backend only and not under -dp, so left out here: the server tests run both); not the indexers
-# or the routers.
+# the CPU backend only and not under -dp, so left out here unless asked for: the server tests run both);
+# the indexers' too; not the routers.
 LEAVES = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "k_proj", "v_proj", "f_a_proj",
-          "f_b_proj", "b_proj", "g_proj", "g_a_proj", "g_b_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj", "kv_b_proj")
+          "f_b_proj", "b_proj", "g_proj", "g_a_proj", "g_b_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj", "kv_b_proj",
+          "wq_b", "wk", "weights_proj", "index_q_proj", "index_k_proj")
 
 
 def checkpoint_shapes(model_dir: Path) -> dict[str, list[int]]:
@@ -44,7 +45,7 @@ def targets(model_dir: Path, routed_experts: bool = False) -> dict[str, list[int
     out = {}
     for name, shape in checkpoint_shapes(model_dir).items():
         module = name.removesuffix(".weight")
-        if ".layers." not in name or ".indexer." in name or "mtp" in name:
+        if ".layers." not in name or "mtp" in name:
             continue
         leaf = module.rsplit(".", 1)[-1]
         if len(shape) == 2 and name.endswith(".weight") and ".experts." not in name and leaf in LEAVES:

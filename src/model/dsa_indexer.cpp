@@ -7,6 +7,7 @@
 #include "kernels/ops.h"
 #include "model/context_parallel.h"
 #include "model/device_step.h"
+#include "model/lora.h"
 #include "model/selection_probe.h"
 
 #if SPARROW_HAVE_CUDA
@@ -43,15 +44,20 @@ std::unique_ptr<DsaIndexer> DsaIndexer::load(Checkpoint& ckpt, const std::string
   indexer->k_norm_bias = ckpt.take(prefix + "k_norm.bias", {dim});
   indexer->weights_proj = ckpt.take_linear(prefix + "weights_proj.weight", {heads, options.hidden});
   indexer->tp = ckpt.tensor_parallel();
+  indexer->prefix = prefix;
   return indexer;
 }
 
 DsaIndexer::Projection DsaIndexer::project(const Tensor& x, const Tensor& q_resid, const Batch& batch) const {
   const int64_t heads = options.num_heads, dim = options.head_dim;
   Projection p;
-  p.queries = ops::linear(q_resid, wq_b);                                                          // [T, H * dim]
-  p.keys = ops::layer_norm(ops::linear(x, wk), k_norm_weight, k_norm_bias, options.k_norm_eps);  // [T, dim]
-  p.head_weights = ops::linear(x, weights_proj, ScalarType::F32);                                 // [T, H]
+  p.queries = ops::linear(q_resid, wq_b);  // [T, H * dim]
+  lora::add_(p.queries, q_resid, batch, prefix, "wq_b");
+  Tensor keys = ops::linear(x, wk);  // [T, dim]
+  lora::add_(keys, x, batch, prefix, "wk");
+  p.keys = ops::layer_norm(keys, k_norm_weight, k_norm_bias, options.k_norm_eps);
+  p.head_weights = ops::linear(x, weights_proj, ScalarType::F32);  // [T, H]
+  lora::add_(p.head_weights, x, batch, prefix, "weights_proj");
   ops::scale_(p.head_weights, 1.0f / std::sqrt(float(heads)));
   // NeoX (half-split) RoPE on the leading rot dims of every query head and of the key; the main MLA
   // attention uses the interleaved pairing instead.

@@ -56,6 +56,7 @@ struct DsaIndexer {
   TensorParallel tp;
 
   // prefix: "model.layers.N.self_attn.indexer." (wq_b, wk, k_norm, weights_proj).
+  std::string prefix;  // the weights' names start with it: LoRA modules (model/lora.h)
   static std::unique_ptr<DsaIndexer> load(Checkpoint& ckpt, const std::string& prefix,
                                           const DsaIndexerOptions& options);
 

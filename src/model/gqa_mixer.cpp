@@ -59,7 +59,7 @@ Tensor GqaAttention::forward(const Tensor& x, const Batch& batch, int layer) {
   Tensor kept;  // MSA layers: the blocks each (row, index head) keeps
   if (indexer) {
     Tensor index_q, index_k;
-    indexer->project(x, positions, rope, index_q, index_k);
+    indexer->project(x, batch, rope, index_q, index_k);
     kept = indexer->select(index_q, index_k, batch, layer);
   }
   const Tensor attended = attend(q, k, v, kept, batch, layer);

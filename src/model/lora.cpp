@@ -48,11 +48,15 @@ bool lora_supported_module(const std::string& module) {
   static const std::set<std::string> kLeaves = {
       "q_proj",   "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj",    "k_proj",    "v_proj",    "f_a_proj",
       "f_b_proj", "b_proj",   "g_proj",   "g_a_proj",           "g_b_proj",  "gate_proj", "up_proj",   "gate_up_proj", "down_proj", "kv_b_proj"};
-  for (const char* part : {".indexer.", ".gate."})  // the indexers' inputs and the routers: not adapted yet
-    if (module.find(part) != std::string::npos) return false;
-  if (routed_expert_of(module) >= 0) return true;
+  // The indexers' projections: DSA's (indexer.wq_b / wk / weights_proj) and MSA's (indexer.q_proj / k_proj,
+  // index_q_proj / index_k_proj in MiniMax's release names).
+  static const std::set<std::string> kIndexerLeaves = {"wq_b", "wk", "weights_proj", "q_proj", "k_proj"};
   const size_t dot = module.rfind('.');
   const std::string leaf = dot == std::string::npos ? module : module.substr(dot + 1);
+  if (module.find(".indexer.") != std::string::npos) return kIndexerLeaves.count(leaf) > 0;
+  if (leaf == "index_q_proj" || leaf == "index_k_proj") return true;
+  if (module.find(".gate.") != std::string::npos) return false;  // the routers: not adapted yet
+  if (routed_expert_of(module) >= 0) return true;
   // A routed experts' stack ("mlp.experts.gate_up_proj") is adapted by expert, under the names above.
   return kLeaves.count(leaf) && module.find(".experts.") == std::string::npos;
 }
@@ -171,8 +175,8 @@ std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, co
                   "' (expected <module>.lora_A.weight and <module>.lora_B.weight)");
     module = module.substr(0, at);
     SPARROW_CHECK(lora_supported_module(module), "LoRA adapter '", name, "': module '", module,
-                  "' is not one sparrow adapts yet (attention projections, MLPs, shared and routed experts; not "
-                  "the indexers or the routers)");
+                  "' is not one sparrow adapts yet (attention and indexer projections, MLPs, shared and routed "
+                  "experts; not the routers)");
     (is_a ? pairs[module].a : pairs[module].b) = &info;
   }
   SPARROW_CHECK(!pairs.empty(), "LoRA adapter '", name, "': adapter_model.safetensors holds no LoRA weights");

@@ -7,13 +7,14 @@
 //
 // Targets: every projection a layer reads straight from one checkpoint weight of the attention (MLA's
 // q_proj / q_a_proj / q_b_proj / kv_a_proj_with_mqa / o_proj, GQA's q/k/v/o_proj, KDA's q/k/v_proj,
-// f_a/f_b_proj, b_proj, g_proj, g_a/g_b_proj, o_proj; MLA's output gate g_proj) and of the dense MLPs and
-// shared experts (gate/up/down_proj, or gate_up_proj where the checkpoint fuses them).
+// f_a/f_b_proj, b_proj, g_proj, g_a/g_b_proj, o_proj; MLA's output gate g_proj; the DSA indexer's wq_b / wk /
+// weights_proj, the MSA indexer's q_proj / k_proj, before their norms and rotations) and of the dense MLPs
+// and shared experts (gate/up/down_proj, or gate_up_proj where the checkpoint fuses them).
 // MLA's kv_b_proj too, in the absorbed form the attention uses (add_absorbed_queries_ / _outputs_). The
 // routed experts by expert, as vLLM names them ("mlp.experts.7.gate_proj" / up_proj / down_proj, or the
 // releases' w1 / w3 / w2), also where the checkpoint stacks every expert in one tensor: inside the MoE
 // (expert_runs, kernels/expert_adapters.h), on the CPU backend so far. Not yet (a one-line error when an
-// adapter targets them): the indexers' inputs and the routers.
+// adapter targets them): the routers.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -74,7 +75,7 @@ std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, co
                                                      int64_t max_rank);
 
 // Whether a module (e.g. "model.layers.3.self_attn.q_proj") is one of the targets above: its last name is
-// a projection the layers adapt, and it is not under a router or an indexer, nor a routed experts' stack.
+// a projection the layers adapt, and it is not a router's nor a routed experts' stack.
 bool lora_supported_module(const std::string& module);
 
 namespace lora {

@@ -182,7 +182,10 @@ struct WeightNames {
   // The MTP layer's decoder layer (vLLM 0.33 minimax_m3/nvidia/mtp.py: mtp.layers.{i}.transformer_layer).
   std::string mtp_layer(int64_t i) const { return cat(decoder, "mtp.layers.", i, "."); }
   std::string indexer(const std::string& layer_prefix, const std::string& part) const {
-    return layer_prefix + (release ? "self_attn.index_" + part : "self_attn.indexer." + part) + ".weight";
+    return indexer_prefix(layer_prefix) + part + ".weight";
+  }
+  std::string indexer_prefix(const std::string& layer_prefix) const {
+    return layer_prefix + (release ? "self_attn.index_" : "self_attn.indexer.");
   }
   // The feed-forward's prefix: transformers loads release checkpoints by renaming ".block_sparse_moe."
   // to ".mlp.", so either spelling may hold a layer's MLP.
@@ -231,6 +234,7 @@ std::unique_ptr<Mixer> load_attention(Checkpoint& ckpt, const TextConfig& cfg, c
     idx.init_blocks = cfg.index_init_blocks;
     idx.norm_eps = cfg.norm_eps;
     idx.tp = tp;
+    idx.prefix = names.indexer_prefix(layer);
     idx.all_heads = cfg.index_heads;
     idx.first_head = index.begin;
     idx.query_heads = cfg.heads;

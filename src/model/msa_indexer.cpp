@@ -9,6 +9,7 @@
 #include "model/device_step.h"
 #include "model/tensor_parallel.h"
 #include "model/gqa_mixer.h"
+#include "model/lora.h"
 #include "model/selection_probe.h"
 
 #if SPARROW_HAVE_CUDA
@@ -18,10 +19,12 @@
 
 namespace sparrow {
 
-void MsaIndexer::project(const Tensor& x, const Tensor& positions, const Rope& rope, Tensor& queries,
-                         Tensor& keys) const {
+void MsaIndexer::project(const Tensor& x, const Batch& batch, const Rope& rope, Tensor& queries, Tensor& keys) const {
   queries = ops::linear(x, q_proj);  // [T, heads * head_dim]
-  keys = ops::linear(x, k_proj);     // [T, head_dim]
+  lora::add_(queries, x, batch, prefix, "q_proj");
+  keys = ops::linear(x, k_proj);  // [T, head_dim]
+  lora::add_(keys, x, batch, prefix, "k_proj");
+  const Tensor& positions = batch.positions_on(x.device());
   if (head_dim >= rope.rot_dim()) {
     norm_and_rotate_heads(queries, q_norm, norm_eps, /*unit_offset=*/true, positions, rope);
     norm_and_rotate_heads(keys, k_norm, norm_eps, /*unit_offset=*/true, positions, rope);

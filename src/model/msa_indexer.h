@@ -53,11 +53,12 @@ struct MsaIndexer {
   TensorParallel tp;
   int64_t all_heads = 0, first_head = 0, query_heads = 0;
 
-  // Index queries [T, heads * head_dim] and keys [T, head_dim] for the batch rows x [T, hidden] at
-  // `positions`: projected, normalised and rotated by the first rope.rot_dim() dims, or whole when
-  // head_dim < rope.rot_dim() (transformers' cos[..., :index_head_dim]).
-  void project(const Tensor& x, const Tensor& positions, const Rope& rope, Tensor& queries,
-               Tensor& keys) const;
+  std::string prefix;  // the weights' names start with it ("model.layers.N.self_attn.indexer."): LoRA
+
+  // Index queries [T, heads * head_dim] and keys [T, head_dim] for the batch rows x [T, hidden] at their
+  // positions: projected (with the batch's adapters' terms), normalised and rotated by the first
+  // rope.rot_dim() dims, or whole when head_dim < rope.rot_dim() (transformers' cos[..., :index_head_dim]).
+  void project(const Tensor& x, const Batch& batch, const Rope& rope, Tensor& queries, Tensor& keys) const;
 
   // The one entry point of the selection, on either device: writes this step's index keys (rows of `keys`)
   // into the layer's MsaIndexKey pages and returns the kept blocks of every batch row, int32 [T, heads,
