@@ -2,9 +2,11 @@
 // merged checkpoint (W + scaling B A written out as a model of its own), with greedy tokens equal and
 // logprobs within float rounding; requests of different adapters and of the base model share one batch and
 // each answers as it does alone, bit for bit; a prefix cached by the base model is not reused by an adapter's
-// request; and the adapter files sparrow cannot apply are refused with one-line errors.
+// request; on quantized base weights an adapter answers as its merge into the dequantized twin; and the
+// adapter files sparrow cannot apply are refused with one-line errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <string>
@@ -185,6 +187,32 @@ TEST_P(Lora, AnAdapterDoesNotReuseTheBaseModelsCachedPrefix) {
 }
 
 INSTANTIATE_TEST_SUITE_P(BundledModels, Lora, ::testing::Values("deepseek_v32", "kimi_k3", "minimax_m3"));
+
+// On quantized base weights (the fixtures of tests/quantized_weights_test.cpp: MXFP8 projections and NVFP4
+// routed experts, MXFP4 routed experts): an adapter over every target, the routed experts' included, answers
+// as its merge into the checkpoint's dequantized twin.
+class LoraOnQuantizedWeights : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LoraOnQuantizedWeights, AnAdapterAnswersAsItsMergeIntoTheDequantizedTwin) {
+  const fs::path dir = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / GetParam(), twin = dir / "twin";
+  const Adapter a = make_adapter(twin, 8, 61);
+  ASSERT_TRUE(std::any_of(a.ab.begin(), a.ab.end(), [](const auto& m) { return m.first.find(".experts.") != std::string::npos; }));
+  const auto merged = merged_model(twin, a);
+  auto quantized = load_model(dir.string());
+  auto adapter = load_lora_adapter("a", a.dir(), dir.string(), Device::Cpu, 16);
+  EXPECT_EQ(adapter->modules.size(), a.ab.size());
+  auto merged_weights = load_model(merged->path());
+  const std::vector<Request> plain = prompts(quantized->vocab_size(), true);
+  const Outputs want = run(*merged_weights, plain, false);
+  const Outputs got = run(*quantized, with_adapter(plain, adapter, "+a"), false);
+  const Outputs without = run(*quantized, plain, false);
+  for (const Request& r : plain) {
+    expect_close(got.at(r.id + "+a"), want.at(r.id), 2e-3, GetParam() + " " + r.id);
+    EXPECT_NE(got.at(r.id + "+a").prompt_logprobs.back()->logprob, without.at(r.id).prompt_logprobs.back()->logprob);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, LoraOnQuantizedWeights, ::testing::Values("minimax_m3_nvfp4", "deepseek_v32_mxfp4"));
 
 TEST(LoraAdapterFiles, WhatCannotBeAppliedIsRefusedWithOneLine) {
   const fs::path model_dir = bundled("minimax_m3");
