@@ -55,8 +55,9 @@ struct DsaIndexer {
   // dcp_size-th key, and select() returns its own local rows of the exact global top-k.
   TensorParallel tp;
 
-  // prefix: "model.layers.N.self_attn.indexer." (wq_b, wk, k_norm, weights_proj).
   std::string prefix;  // the weights' names start with it: LoRA modules (model/lora.h)
+
+  // prefix: "model.layers.N.self_attn.indexer." (wq_b, wk, k_norm, weights_proj).
   static std::unique_ptr<DsaIndexer> load(Checkpoint& ckpt, const std::string& prefix,
                                           const DsaIndexerOptions& options);
 
