@@ -63,7 +63,7 @@ void generate(Model& model, const std::vector<std::vector<int32_t>>& prompts, co
   EngineCore engine(model, /*tokenizer=*/nullptr, config);
   bool step_failed = false;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    Request request{std::to_string(i), prompts[i], options.sampling};
+    Request request{std::to_string(i), prompts[i], options.sampling, nullptr};
     request.params.max_tokens = options.max_tokens;
     SPARROW_CHECK(options.numbers.empty() || options.numbers.size() == prompts.size(), "generate: ", options.numbers.size(),
                   " prompt numbers for ", prompts.size(), " prompts");
