@@ -6,9 +6,12 @@
 // adapter files sparrow cannot apply are refused with one-line errors.
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -213,6 +216,42 @@ TEST_P(LoraOnQuantizedWeights, AnAdapterAnswersAsItsMergeIntoTheDequantizedTwin)
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, LoraOnQuantizedWeights, ::testing::Values("minimax_m3_nvfp4", "deepseek_v32_mxfp4"));
+
+// PEFT's form for stacked experts (LoraConfig.target_parameters: "<moe>.experts.base_layer" and
+// "<moe>.experts", every expert's pair in one lora_A / lora_B): an adapter PEFT saved over a bundled model's
+// routed experts gives the prompt logprobs transformers gives with it active (tools/make_lora_peft_fixture.py),
+// over a prompt past the sparse budgets.
+class LoraPeftStackedExperts : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LoraPeftStackedExperts, GivesTransformersPromptLogprobs) {
+  const fs::path dir = bundled(GetParam());
+  const fs::path fixture = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/lora_peft_experts" / GetParam();
+  std::ifstream file(fixture / "reference.json");
+  const nlohmann::json reference = nlohmann::json::parse(file);
+  auto model = load_model(dir.string());
+  auto adapter = load_lora_adapter("peft", fixture.string(), dir.string(), Device::Cpu, 16);
+  EXPECT_TRUE(adapter->has_routed_experts);
+  Request request{"r", reference["prompt"].get<std::vector<int32_t>>(), {}, adapter};
+  request.params.max_tokens = 1;
+  request.params.prompt_logprobs = 0;
+  Request base = request;
+  base.id = "base";
+  base.lora = nullptr;
+  const Outputs out = run(*model, {request, base}, false);
+  const auto want = reference["prompt_logprobs"].get<std::vector<double>>();
+  const auto want_base = reference["base_prompt_logprobs"].get<std::vector<double>>();
+  const auto& got = out.at("r").prompt_logprobs;
+  ASSERT_EQ(got.size(), want.size() + 1);  // none for the first token
+  double worst = 0, worst_base = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    worst = std::max(worst, std::fabs(double(got[i + 1]->logprob) - want[i]));
+    worst_base = std::max(worst_base, std::fabs(double(out.at("base").prompt_logprobs[i + 1]->logprob) - want_base[i]));
+  }
+  EXPECT_LE(worst, 1e-3) << GetParam() << " with the adapter (the base model is " << worst_base << " off)";
+  EXPECT_LE(worst_base, 1e-3) << GetParam() << " without it";
+}
+
+INSTANTIATE_TEST_SUITE_P(BundledModels, LoraPeftStackedExperts, ::testing::Values("deepseek_v32", "minimax_m3"));
 
 TEST(LoraAdapterFiles, WhatCannotBeAppliedIsRefusedWithOneLine) {
   const fs::path model_dir = bundled("minimax_m3");

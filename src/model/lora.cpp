@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -103,6 +104,42 @@ Shape routed_expert_shape(Checkpoint& model, const std::string& module, int64_t 
   return down ? Shape{whole[1], whole[2]} : Shape{whole[1] / 2, whole[2]};
 }
 
+// PEFT's form for experts stacked in one parameter (LoraConfig.target_parameters on transformers' fused
+// MoE): "<moe>.experts.base_layer" adapts gate_up_proj [E, 2I, H] and "<moe>.experts" down_proj [E, H, I].
+bool is_expert_stack(const std::string& module) {
+  return module.ends_with(".experts.base_layer") || module.ends_with(".experts");
+}
+
+struct LowRank {
+  Tensor a, b;  // [r, in], [out, r]
+};
+
+// Such a pair, lora_A [E * r, in] and lora_B [out, r * E], as per-expert modules under the names the
+// checkpoint gives its experts: expert e's pair is A's rows [e * r, (e + 1) * r) and B's columns k * E + e
+// (vLLM 0.33 lora/model_manager.py splits them so; PEFT's merge_and_unload agrees), and gate_up's B rows
+// are the gate's, then the up's.
+void split_expert_stack(const std::string& module, const LowRank& pair, int64_t r, Checkpoint& model,
+                        std::map<std::string, LowRank>& out) {
+  const bool gate_up = module.ends_with(".base_layer");
+  const std::string stack = gate_up ? module.substr(0, module.size() - std::string(".base_layer").size()) : module;
+  const bool release = model.has(stack + ".0.w1.weight");
+  const int64_t experts = pair.a.dim(0) / r, in = pair.a.dim(1), rows = pair.b.dim(0);
+  for (int64_t e = 0; e < experts; ++e) {
+    Tensor a = Tensor::empty({r, in}), b = Tensor::empty({rows, r});
+    std::memcpy(a.data(), pair.a.row(e * r), sizeof(float) * size_t(r * in));
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t k = 0; k < r; ++k) b.data()[i * r + k] = pair.b.row(i)[k * experts + e];
+    const std::string expert = cat(stack, ".", e, ".");
+    if (!gate_up) {
+      out[expert + (release ? "w2" : "down_proj")] = {a, b};
+      continue;
+    }
+    const int64_t half = rows / 2;
+    out[expert + (release ? "w1" : "gate_proj")] = {a, slice_host(b, Split{0, 0, half})};
+    out[expert + (release ? "w3" : "up_proj")] = {a, slice_host(b, Split{0, half, rows})};
+  }
+}
+
 }  // namespace
 
 std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, const std::string& path,
@@ -174,7 +211,7 @@ std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, co
     SPARROW_CHECK(at != std::string::npos && at > 0, "LoRA adapter '", name, "': unexpected tensor '", key,
                   "' (expected <module>.lora_A.weight and <module>.lora_B.weight)");
     module = module.substr(0, at);
-    SPARROW_CHECK(lora_supported_module(module), "LoRA adapter '", name, "': module '", module,
+    SPARROW_CHECK(lora_supported_module(module) || is_expert_stack(module), "LoRA adapter '", name, "': module '", module,
                   "' is not one sparrow adapts yet (attention and indexer projections, MLPs, shared and routed "
                   "experts; not the routers)");
     (is_a ? pairs[module].a : pairs[module].b) = &info;
@@ -182,14 +219,29 @@ std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, co
   SPARROW_CHECK(!pairs.empty(), "LoRA adapter '", name, "': adapter_model.safetensors holds no LoRA weights");
   const std::unique_ptr<Checkpoint> model = Checkpoint::open(model_dir);
   const ScalarType type = ops::act_type(target.device);
+  // Each pair as read (fp32 on the host), the stacked experts' split by expert.
+  std::map<std::string, LowRank> read;
   for (const auto& [module, pair] : pairs) {
     SPARROW_CHECK(pair.a && pair.b, "LoRA adapter '", name, "': module '", module, "' has lora_", pair.a ? "A" : "B",
                   " without lora_", pair.a ? "B" : "A");
-    SPARROW_CHECK(pair.a->shape.size() == 2 && pair.b->shape.size() == 2 && pair.a->shape[0] == adapter->rank &&
-                      pair.b->shape[1] == adapter->rank,
+    const int64_t r = adapter->rank;
+    const bool stack = is_expert_stack(module);
+    SPARROW_CHECK(pair.a->shape.size() == 2 && pair.b->shape.size() == 2 &&
+                      (stack ? pair.a->shape[0] % r == 0 && pair.a->shape[0] == pair.b->shape[1]
+                             : pair.a->shape[0] == r && pair.b->shape[1] == r),
                   "LoRA adapter '", name, "': module '", module, "' has lora_A ", shape_str(pair.a->shape),
-                  " and lora_B ", shape_str(pair.b->shape), " (expected [", adapter->rank, ", in] and [out, ",
-                  adapter->rank, "])");
+                  " and lora_B ", shape_str(pair.b->shape),
+                  stack ? cat(" (expected [experts x ", r, ", in] and [out, ", r, " x experts])")
+                        : cat(" (expected [", r, ", in] and [out, ", r, "])"));
+    LowRank pair_read{to_float32(*pair.a, file), to_float32(*pair.b, file).clone()};
+    if (stack)
+      split_expert_stack(module, pair_read, r, *model, read);
+    else
+      read[module] = std::move(pair_read);
+  }
+  for (auto& [module, pair] : read) {
+    Tensor& a = pair.a;
+    Tensor& b = pair.b;
     const int64_t expert = routed_expert_of(module);
     if (expert >= 0) {
       SPARROW_CHECK(target.routed_experts_refused.empty(), "LoRA adapter '", name, "': module '", module, "': ",
@@ -199,10 +251,9 @@ std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, co
     // Against the base weight as the checkpoint stores it ([out, in]; packed FP4 holds two values a byte).
     const Shape base = expert >= 0 ? routed_expert_shape(*model, module, expert, name) : stored_weight_shape(*model, module, name);
     if (base.size() == 2)
-      SPARROW_CHECK(base[0] == pair.b->shape[0] && (base[1] == pair.a->shape[1] || 2 * base[1] == pair.a->shape[1]),
-                    "LoRA adapter '", name, "': module '", module, "' is [", pair.b->shape[0], " x ", pair.a->shape[1],
-                    "], the model's weight ", shape_str(base));
-    Tensor a = to_float32(*pair.a, file), b = to_float32(*pair.b, file).clone();
+      SPARROW_CHECK(base[0] == b.dim(0) && (base[1] == a.dim(1) || 2 * base[1] == a.dim(1)), "LoRA adapter '", name,
+                    "': module '", module, "' is [", b.dim(0), " x ", a.dim(1), "], the model's weight ",
+                    shape_str(base));
     if (auto split = target.splits.find(module + ".weight"); split != target.splits.end()) {
       SPARROW_CHECK(split->second.dim == 0 || split->second.dim == 1, "LoRA adapter '", name, "': module '", module,
                     "' is split along dimension ", split->second.dim);

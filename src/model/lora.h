@@ -12,7 +12,8 @@
 // and shared experts (gate/up/down_proj, or gate_up_proj where the checkpoint fuses them).
 // MLA's kv_b_proj too, in the absorbed form the attention uses (add_absorbed_queries_ / _outputs_). The
 // routed experts by expert, as vLLM names them ("mlp.experts.7.gate_proj" / up_proj / down_proj, or the
-// releases' w1 / w3 / w2), also where the checkpoint stacks every expert in one tensor: inside the MoE
+// releases' w1 / w3 / w2), also where the checkpoint stacks every expert in one tensor, and PEFT's form for
+// stacked experts (target_parameters: "experts.base_layer" / "experts", split by expert at load): inside the MoE
 // (expert_runs, kernels/expert_adapters.h), on the CPU backend so far. Not yet (a one-line error when an
 // adapter targets them): the routers.
 #pragma once
