@@ -568,11 +568,10 @@ Tensor Checkpoint::dequantize_fp8(const TensorInfo& weight, const std::string& s
 }
 
 const Checkpoint::ExpertNames* Checkpoint::expert_names(const std::string& prefix) const {
-  // Per-expert tensors, under transformers' names (gate_proj / up_proj / down_proj) or the names
-  // DeepSeek / MiniMax releases use (w1 = gate, w3 = up, w2 = down).
-  static const ExpertNames hf{"gate_proj", "up_proj", "down_proj"}, release{"w1", "w3", "w2"};
-  const ExpertNames* names =
-      has(prefix + ".0.gate_proj.weight") ? &hf : has(prefix + ".0.w1.weight") ? &release : nullptr;
+  // Per-expert tensors, under transformers' names or the releases'.
+  const ExpertNames* names = has(prefix + ".0.gate_proj.weight") ? &kTransformersExpertNames
+                             : has(prefix + ".0.w1.weight")      ? &kReleaseExpertNames
+                                                                 : nullptr;
   SPARROW_CHECK(names, "missing experts '", prefix, "': neither '", prefix, ".gate_up_proj' nor '", prefix,
                 ".0.gate_proj.weight' (or '.0.w1.weight') in ", dir_);
   return names;
@@ -584,8 +583,8 @@ Checkpoint::Experts Checkpoint::take_experts(const std::string& prefix, int64_t 
   const int64_t begin = intermediate_split.begin, end = intermediate_split.end;
   // LoRA adapters name each expert's projections (model/lora.h): this rank's part under those names, also
   // where the checkpoint stacks the experts.
-  static const ExpertNames stacked{"gate_proj", "up_proj", "down_proj"};
-  const ExpertNames* lora_names = dummy_ || has(prefix + ".gate_up_proj") ? &stacked : expert_names(prefix);
+  const ExpertNames* lora_names =
+      dummy_ || has(prefix + ".gate_up_proj") ? &kTransformersExpertNames : expert_names(prefix);
   for (int64_t e = 0; e < E; ++e) {
     const std::string expert = cat(prefix, ".", e, ".");
     splits_[expert + lora_names->gate + ".weight"] = splits_[expert + lora_names->up + ".weight"] = Split{0, begin, end};

@@ -130,6 +130,14 @@ class Checkpoint {
     Tensor gate_up;  // [E, 2I, H]: rows [0, I) gate, [I, 2I) up
     Tensor down;     // [E, H, I]
   };
+  // The names of per-expert tensors under `prefix` (transformers' or the releases'); an error when neither.
+  struct ExpertNames {
+    const char *gate, *up, *down;
+  };
+  // transformers' names, and those the DeepSeek / MiniMax releases use (w1 = gate, w3 = up, w2 = down).
+  static constexpr ExpertNames kTransformersExpertNames{"gate_proj", "up_proj", "down_proj"};
+  static constexpr ExpertNames kReleaseExpertNames{"w1", "w3", "w2"};
+  const ExpertNames* expert_names(const std::string& prefix) const;
   // On a GPU, FP8 experts (per-expert tensors with 128x128 scales) stay FP8 with their scales attached,
   // NVFP4, MXFP4 and MXFP8 experts as stored (Tensor::with_group_scales).
   Experts take_experts(const std::string& prefix, int64_t num_experts, int64_t intermediate, int64_t hidden);
@@ -206,11 +214,6 @@ class Checkpoint {
   // that it reaches a GPU in one copy with no conversion; an undefined tensor otherwise.
   Tensor take_mapped(const std::string& name, const Shape& expected, ScalarType type);
   Tensor place(const Tensor& t) const;
-  // The names of per-expert tensors under `prefix` (transformers' or the releases'); an error when neither.
-  struct ExpertNames {
-    const char *gate, *up, *down;
-  };
-  const ExpertNames* expert_names(const std::string& prefix) const;
   // The tensor as stored when plain (a view of the mapped bf16 / fp32 bytes), else converted to fp32 on the
   // host (F16, quantized formats); marks it taken.
   Tensor take_stored_host(const std::string& name, const Shape& expected);

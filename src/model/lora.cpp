@@ -29,12 +29,24 @@ const LoraWeights* LoraAdapter::find(const std::string& module) const {
 
 namespace {
 
+enum ExpertProjection { kNotAnExpert = -1, kGate, kUp, kDown };
+
+// Which of an expert's three projections `leaf` names, under either naming (Checkpoint's
+// kTransformersExpertNames, kReleaseExpertNames).
+ExpertProjection expert_projection(const std::string& leaf) {
+  for (const Checkpoint::ExpertNames& n : {Checkpoint::kTransformersExpertNames, Checkpoint::kReleaseExpertNames}) {
+    if (leaf == n.gate) return kGate;
+    if (leaf == n.up) return kUp;
+    if (leaf == n.down) return kDown;
+  }
+  return kNotAnExpert;
+}
+
 // The expert number of a routed expert's projection ("<moe>.experts.<e>.<leaf>", leaf one of an expert's
-// three under either naming: Checkpoint::expert_names), else -1.
+// three), else -1.
 int64_t routed_expert_of(const std::string& module) {
-  static const std::set<std::string> kExpertLeaves = {"gate_proj", "up_proj", "down_proj", "w1", "w3", "w2"};
   const size_t leaf = module.rfind('.');
-  if (leaf == std::string::npos || leaf == 0 || !kExpertLeaves.count(module.substr(leaf + 1))) return -1;
+  if (leaf == std::string::npos || leaf == 0 || expert_projection(module.substr(leaf + 1)) == kNotAnExpert) return -1;
   const size_t number = module.rfind('.', leaf - 1);
   if (number == std::string::npos) return -1;
   const std::string digits = module.substr(number + 1, leaf - number - 1);
@@ -44,6 +56,20 @@ int64_t routed_expert_of(const std::string& module) {
 }
 
 }  // namespace
+
+void LoraAdapter::index_routed_experts() {
+  expert_stacks.clear();
+  for (const auto& [module, weights] : modules) {
+    const int64_t expert = routed_expert_of(module);
+    if (expert < 0) continue;
+    const size_t leaf = module.rfind('.'), number = module.rfind('.', leaf - 1);
+    const ExpertProjection projection = expert_projection(module.substr(leaf + 1));
+    ExpertPairs& stack = expert_stacks[module.substr(0, number + 1)];
+    auto& list = projection == kGate ? stack.gate : projection == kUp ? stack.up : stack.down;
+    if (int64_t(list.size()) <= expert) list.resize(size_t(expert) + 1, nullptr);
+    list[size_t(expert)] = &weights;
+  }
+}
 
 bool lora_supported_module(const std::string& module) {
   static const std::set<std::string> kLeaves = {
@@ -122,7 +148,8 @@ void split_expert_stack(const std::string& module, const LowRank& pair, int64_t 
                         std::map<std::string, LowRank>& out) {
   const bool gate_up = module.ends_with(".base_layer");
   const std::string stack = gate_up ? module.substr(0, module.size() - std::string(".base_layer").size()) : module;
-  const bool release = model.has(stack + ".0.w1.weight");
+  const Checkpoint::ExpertNames& names =
+      model.has(stack + ".0.w1.weight") ? Checkpoint::kReleaseExpertNames : Checkpoint::kTransformersExpertNames;
   const int64_t experts = pair.a.dim(0) / r, in = pair.a.dim(1), rows = pair.b.dim(0);
   for (int64_t e = 0; e < experts; ++e) {
     Tensor a = Tensor::empty({r, in}), b = Tensor::empty({rows, r});
@@ -131,12 +158,12 @@ void split_expert_stack(const std::string& module, const LowRank& pair, int64_t 
       for (int64_t k = 0; k < r; ++k) b.data()[i * r + k] = pair.b.row(i)[k * experts + e];
     const std::string expert = cat(stack, ".", e, ".");
     if (!gate_up) {
-      out[expert + (release ? "w2" : "down_proj")] = {a, b};
+      out[expert + names.down] = {a, b};
       continue;
     }
     const int64_t half = rows / 2;
-    out[expert + (release ? "w1" : "gate_proj")] = {a, slice_host(b, Split{0, 0, half})};
-    out[expert + (release ? "w3" : "up_proj")] = {a, slice_host(b, Split{0, half, rows})};
+    out[expert + names.gate] = {a, slice_host(b, Split{0, 0, half})};
+    out[expert + names.up] = {a, slice_host(b, Split{0, half, rows})};
   }
 }
 
@@ -265,6 +292,7 @@ std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, co
     ops::scale_(b, adapter->scaling);
     adapter->modules[module] = {a.to(target.device, type), b.to(target.device, type)};
   }
+  adapter->index_routed_experts();
   return adapter;
 }
 
@@ -372,24 +400,20 @@ std::vector<ExpertAdapterRun> expert_runs(const Batch& batch, const std::string&
   std::vector<ExpertAdapterRun> runs;
   if (!batch.has_lora()) return runs;
   for_each_adapter_run(batch, [&](int64_t begin, int64_t end, const LoraAdapter& adapter) {
-    if (!adapter.has_routed_experts) return;
+    auto stack = adapter.expert_stacks.find(experts_prefix);
+    if (stack == adapter.expert_stacks.end()) return;
     ExpertAdapterRun run{begin, end, std::vector<ExpertLowRank>(size_t(count)), std::vector<ExpertLowRank>(size_t(count)),
                          std::vector<ExpertLowRank>(size_t(count))};
-    bool any = false;
-    // Either naming of an expert's three projections (Checkpoint::expert_names).
-    auto pair = [&](const std::string& expert, const char* name, const char* release_name) {
-      const LoraWeights* w = adapter.find(expert + name);
-      if (!w) w = adapter.find(expert + release_name);
-      any |= w != nullptr;
-      return w ? ExpertLowRank{&w->a, &w->b} : ExpertLowRank{};
+    auto pairs = [&](const std::vector<const LoraWeights*>& by_expert, std::vector<ExpertLowRank>& out) {
+      for (int64_t e = 0; e < count; ++e) {
+        const size_t at = size_t(first + e);
+        if (at < by_expert.size() && by_expert[at]) out[size_t(e)] = {&by_expert[at]->a, &by_expert[at]->b};
+      }
     };
-    for (int64_t e = 0; e < count; ++e) {
-      const std::string expert = experts_prefix + std::to_string(first + e) + ".";
-      run.gate[size_t(e)] = pair(expert, "gate_proj", "w1");
-      run.up[size_t(e)] = pair(expert, "up_proj", "w3");
-      run.down[size_t(e)] = pair(expert, "down_proj", "w2");
-    }
-    if (any) runs.push_back(std::move(run));
+    pairs(stack->second.gate, run.gate);
+    pairs(stack->second.up, run.up);
+    pairs(stack->second.down, run.down);
+    runs.push_back(std::move(run));
   });
   return runs;
 }

@@ -49,8 +49,21 @@ struct LoraAdapter {
   // By the base module's name, e.g. "model.layers.3.self_attn.q_proj" (PEFT's key without its
   // "base_model.model." prefix and ".lora_A.weight" suffix).
   std::map<std::string, LoraWeights> modules;
+  // The routed experts' pairs by stack ("<moe>.experts."), each projection indexed by expert (null where not
+  // adapted), pointing into `modules`: built at load (index_routed_experts), so a step finds a layer's pairs
+  // with one lookup (lora::expert_runs). Hence no copies.
+  struct ExpertPairs {
+    std::vector<const LoraWeights*> gate, up, down;
+  };
+  std::map<std::string, ExpertPairs> expert_stacks;
+
+  LoraAdapter() = default;
+  LoraAdapter(const LoraAdapter&) = delete;
+  LoraAdapter& operator=(const LoraAdapter&) = delete;
 
   const LoraWeights* find(const std::string& module) const;
+  // Fills expert_stacks from `modules` (after every module is in).
+  void index_routed_experts();
 };
 
 // What an adapter is loaded for (Model::lora_target): the model's device, the part of each base weight
