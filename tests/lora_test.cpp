@@ -307,7 +307,7 @@ TEST(LoraAdapterFiles, WhatCannotBeAppliedIsRefusedWithOneLine) {
                      {"base_model.model.model.layers.9.self_attn.q_proj.lora_B.weight", B}});
   expect_error(load(bad), "the model has no weight 'model.layers.9.self_attn.q_proj.weight'");
   // A routed expert of minimax_m3's stacks: checked against its part of them, by the stacks' names, and
-  // refused where the model says so (a GPU, data parallelism).
+  // refused where the model says so (data parallelism).
   auto expert_adapter = [&](const std::string& module, const Tensor& a, const Tensor& b) {
     write_safetensors((bad / "adapter_model.safetensors").string(),
                       {{"base_model.model." + module + ".lora_A.weight", a}, {"base_model.model." + module + ".lora_B.weight", b}});

@@ -67,7 +67,9 @@ enum class Targets { All, NoRoutedExperts, RoutedExpertsOnly, IndexersOnly };
 
 // A random rank-`r` adapter over the targetable projections of the model in `model_dir`, written as PEFT
 // saves it.
-inline Adapter make_adapter(const fs::path& model_dir, int64_t r, uint32_t seed, Targets which = Targets::All) {
+// B's entries are b_scale / sqrt(r) times standard normal draws.
+inline Adapter make_adapter(const fs::path& model_dir, int64_t r, uint32_t seed, Targets which = Targets::All,
+                            float b_scale = 0.15f) {
   Adapter a;
   a.folder = std::make_shared<TempDir>();
   a.scaling = 2.0f;  // lora_alpha 2r
@@ -81,7 +83,7 @@ inline Adapter make_adapter(const fs::path& model_dir, int64_t r, uint32_t seed,
       if (which == Targets::IndexersOnly && t.module.find("index") == std::string::npos) continue;
       Tensor A = Tensor::zeros({r, t.cols}), B = Tensor::zeros({t.rows, r});
       for (int64_t i = 0; i < A.numel(); ++i) A.data()[i] = normal(rng) / std::sqrt(float(t.cols));
-      for (int64_t i = 0; i < B.numel(); ++i) B.data()[i] = 0.15f * normal(rng) / std::sqrt(float(r));
+      for (int64_t i = 0; i < B.numel(); ++i) B.data()[i] = b_scale * normal(rng) / std::sqrt(float(r));
       out.emplace_back("base_model.model." + t.module + ".lora_A.weight", A);
       out.emplace_back("base_model.model." + t.module + ".lora_B.weight", B);
       a.ab[t.module] = {A, B};

@@ -701,6 +701,68 @@ void keep_local_experts_(Routing& routing, int64_t first, int64_t count) {
 #endif
 }
 
+#if SPARROW_HAVE_CUDA
+namespace {
+
+// The expert kernels' form of LoRA runs (kernels/cuda/moe/moe.h ExpertLora): the pairs' device pointers by
+// (projection, run, expert) and each token's run, uploaded in one copy, and the kernels' workspace.
+struct DeviceExpertLora {
+  Tensor tables, workspace;  // held for the kernels
+  cuda::ExpertLora lora;
+};
+
+DeviceExpertLora device_expert_lora(std::span<const ExpertAdapterRun> runs, int64_t tokens, int64_t top_k,
+                                    int64_t num_experts, int64_t hidden, int64_t inter, Device device) {
+  const int64_t slots = int64_t(runs.size()) * num_experts;
+  const int64_t entry_bytes = (3 * slots * int64_t(sizeof(cuda::ExpertLoraEntry)) + 15) / 16 * 16;
+  Tensor host = Tensor::empty({entry_bytes + tokens * int64_t(sizeof(int32_t))}, ScalarType::U8);
+  auto* entries = reinterpret_cast<cuda::ExpertLoraEntry*>(host.as<uint8_t>());
+  auto* token_adapter = reinterpret_cast<int32_t*>(host.as<uint8_t>() + entry_bytes);
+  int64_t max_rank = 0;
+  auto entry = [&](const ExpertLowRank& pair, int64_t in, int64_t out) {
+    cuda::ExpertLoraEntry e;
+    if (!pair.a) return e;
+    const Tensor &a = *pair.a, &b = *pair.b;
+    SPARROW_CHECK(a.type() == ScalarType::BF16 && b.type() == ScalarType::BF16 && !a.on_cpu() && !b.on_cpu() &&
+                      a.dim(1) == in && b.dim(0) == out && b.dim(1) == a.dim(0),
+                  "moe LoRA: bf16 GPU pairs [r, ", in, "] and [", out, ", r] expected, got [", a.dim(0), " x ",
+                  a.dim(1), "] and [", b.dim(0), " x ", b.dim(1), "]");
+    max_rank = std::max(max_rank, a.dim(0));
+    e.a = a.raw(), e.b = b.raw(), e.rank = int32_t(a.dim(0));
+    return e;
+  };
+  std::fill(token_adapter, token_adapter + tokens, -1);
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const ExpertAdapterRun& run = runs[i];
+    SPARROW_CHECK(int64_t(run.gate.size()) == num_experts && int64_t(run.up.size()) == num_experts &&
+                      int64_t(run.down.size()) == num_experts && run.begin >= 0 && run.begin <= run.end &&
+                      run.end <= tokens,
+                  "moe LoRA: a run of rows [", run.begin, ", ", run.end, ") with terms for ", run.gate.size(),
+                  " experts, for ", tokens, " rows and ", num_experts, " experts");
+    for (int64_t e = 0; e < num_experts; ++e) {
+      const int64_t at = int64_t(i) * num_experts + e;
+      entries[0 * slots + at] = entry(run.gate[size_t(e)], hidden, inter);
+      entries[1 * slots + at] = entry(run.up[size_t(e)], hidden, inter);
+      entries[2 * slots + at] = entry(run.down[size_t(e)], inter, hidden);
+    }
+    std::fill(token_adapter + run.begin, token_adapter + run.end, int32_t(i));
+  }
+  DeviceExpertLora d;
+  d.tables = host.to(device);
+  d.workspace = Tensor::empty(
+      {int64_t(cuda::expert_lora_workspace_bytes(tokens * top_k, std::max<int64_t>(max_rank, 1)))}, ScalarType::U8,
+      device);
+  d.lora.entries = reinterpret_cast<const cuda::ExpertLoraEntry*>(d.tables.as<uint8_t>());
+  d.lora.token_adapter = reinterpret_cast<const int32_t*>(d.tables.as<uint8_t>() + entry_bytes);
+  d.lora.adapters = int(runs.size());
+  d.lora.max_rank = int(std::max<int64_t>(max_rank, 1));
+  d.lora.workspace = d.workspace.raw();
+  return d;
+}
+
+}  // namespace
+#endif
+
 Tensor moe_experts(const Tensor& x, const Routing& routing, const Tensor& gate_up, const Tensor& down, Glu kind,
                    float alpha, float limit, std::span<const ExpertAdapterRun> adapters) {
   if (x.on_cpu()) {
@@ -708,7 +770,6 @@ Tensor moe_experts(const Tensor& x, const Routing& routing, const Tensor& gate_u
     return cpu::moe_experts(x, routing.experts.as<int32_t>(), routing.weights.as<float>(), routing.experts.dim(1),
                             gate_up, down, kind, alpha, limit, adapters);
   }
-  SPARROW_CHECK(adapters.empty(), "LoRA on the routed experts runs on the CPU backend so far (issue 29)");
 #if SPARROW_HAVE_CUDA
   const Stored stored = stored_as(gate_up);
   const bool scaled = gate_up.block_scales().defined() && down.block_scales().defined();
@@ -721,22 +782,26 @@ Tensor moe_experts(const Tensor& x, const Routing& routing, const Tensor& gate_u
   Tensor out = Tensor::empty({tokens, hidden}, ScalarType::BF16, x.device());
   Tensor workspace = Tensor::empty(
       {int64_t(cuda::moe_workspace_bytes(tokens, top_k, num_experts, hidden, inter))}, ScalarType::U8, x.device());
+  const DeviceExpertLora lora = adapters.empty() ? DeviceExpertLora{}
+                                                 : device_expert_lora(adapters, tokens, top_k, num_experts, hidden,
+                                                                      inter, x.device());
+  const cuda::ExpertLora* terms = adapters.empty() ? nullptr : &lora.lora;
   if (group_scaled(stored)) {
     const bool nvfp4 = stored == Stored::Nvfp4;
     cuda::moe_experts_packed(x.raw(), tokens, hidden, routing.experts.as<int32_t>(), routing.weights.as<float>(),
                              top_k, codes_of(stored), gate_up.as<uint8_t>(), gate_up.block_scales().as<uint8_t>(),
                              nvfp4 ? gate_up.global_scales().as<float>() : nullptr, down.as<uint8_t>(),
                              down.block_scales().as<uint8_t>(), nvfp4 ? down.global_scales().as<float>() : nullptr,
-                             num_experts, inter, kind, alpha, limit, out.raw(), workspace.raw(), cuda::stream());
+                             num_experts, inter, kind, alpha, limit, out.raw(), workspace.raw(), cuda::stream(), terms);
   } else if (stored == Stored::Fp8) {
     cuda::moe_experts_fp8(x.raw(), tokens, hidden, routing.experts.as<int32_t>(), routing.weights.as<float>(), top_k,
                           gate_up.as<uint8_t>(), gate_up.block_scales().as<float>(), down.as<uint8_t>(),
                           down.block_scales().as<float>(), num_experts, inter, kind, alpha, limit, out.raw(),
-                          workspace.raw(), cuda::stream());
+                          workspace.raw(), cuda::stream(), terms);
   } else {
     cuda::moe_experts(x.raw(), tokens, hidden, routing.experts.as<int32_t>(), routing.weights.as<float>(), top_k,
                       gate_up.raw(), down.raw(), num_experts, inter, kind, alpha, limit, out.raw(), workspace.raw(),
-                      cuda::stream());
+                      cuda::stream(), terms);
   }
   return out;
 #else

@@ -149,7 +149,7 @@ void keep_local_experts_(Routing& routing, int64_t first, int64_t count);
 // with e = -1 skipped).
 // On a GPU the experts are bf16, FP8 with block scales, or FP4 (E2M1x2 codes [E, 2I, H / 2] and [E, H, I / 2]
 // with their group and global scales attached: Tensor::with_group_scales, kernels/cuda/moe/moe.h).
-// `adapters`: LoRA terms of some rows' sequences (kernels/expert_adapters.h); the CPU backend only so far.
+// `adapters`: LoRA terms of some rows' sequences (kernels/expert_adapters.h; on the GPU, moe.h's ExpertLora).
 Tensor moe_experts(const Tensor& x, const Routing& routing, const Tensor& gate_up, const Tensor& down, Glu kind,
                    float alpha, float limit, std::span<const ExpertAdapterRun> adapters = {});
 

@@ -14,7 +14,7 @@
 // routed experts by expert, as vLLM names them ("mlp.experts.7.gate_proj" / up_proj / down_proj, or the
 // releases' w1 / w3 / w2), also where the checkpoint stacks every expert in one tensor, and PEFT's form for
 // stacked experts (target_parameters: "experts.base_layer" / "experts", split by expert at load): inside the MoE
-// (expert_runs, kernels/expert_adapters.h), on the CPU backend so far. Not yet (a one-line error when an
+// (expert_runs, kernels/expert_adapters.h), on the CPU and the GPU. Not yet (a one-line error when an
 // adapter targets them): the routers.
 #pragma once
 #include <cstdint>

@@ -155,9 +155,7 @@ std::unique_ptr<Model> load_model(const std::string& dir, Device device, const L
   ckpt->report_to(nullptr);
   progress.finish();
   model->weight_splits = ckpt->splits();
-  if (device != Device::Cpu)
-    model->routed_expert_lora_refused = "LoRA on the routed experts runs on the CPU backend so far (issue 29)";
-  else if (options.tensor_parallel.data_parallel())
+  if (options.tensor_parallel.data_parallel())
     model->routed_expert_lora_refused = "LoRA on the routed experts is not applied under data parallelism (another "
                                         "group's ranks run this group's tokens through their experts)";
   for (size_t layer = 0; layer < model->layers.size(); ++layer) simulate_routing(model->layers[layer], int(layer), options);

@@ -1,4 +1,6 @@
-// LoRA adapters on the GPU (model/lora.h, issue 29): the same ops as on the CPU, in bf16. On the GPU fixtures
+// LoRA adapters on the GPU (model/lora.h, issue 29): the same ops as on the CPU, in bf16, and the routed experts'
+// terms inside the expert kernels (moe.h ExpertLora). The adapters target every projection: attention, indexers,
+// dense MLPs, shared and routed experts. On the GPU fixtures
 // of the families that run there, an adapter answers as its merged checkpoint and requests of two adapters and
 // the base model in one batch answer as they do alone, both up to bf16 rounding: greedy tokens equal until the
 // first near tie (within kTieMargin of the other run's choice), prompt logprobs within kLogprobTolerance, or
@@ -89,11 +91,10 @@ class CudaLora : public ::testing::TestWithParam<std::string> {};
 
 }  // namespace
 
-TEST_P(CudaLora, AdaptersAnswerAsTheirMergedCheckpointsAloneAndInOneBatch) {
-  SPARROW_REQUIRE_GPU();
-  const fs::path dir = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / GetParam();
-  const Adapter a = make_adapter(dir, 8, 51, Targets::NoRoutedExperts),
-                b = make_adapter(dir, 4, 52, Targets::NoRoutedExperts);
+// Adapters over `which` targets answer as their merged checkpoint, alone and mixed in one batch.
+static void check_adapters(const std::string& fixture, Targets which, float b_scale) {
+  const fs::path dir = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / fixture;
+  const Adapter a = make_adapter(dir, 8, 51, which, b_scale), b = make_adapter(dir, 4, 52, which, b_scale);
   const auto merged_a = merged_model(dir, a);
   auto model = load_model(dir.string(), Device::Cuda);
   auto lora_a = load_lora_adapter("a", a.dir(), dir.string(), Device::Cuda, 16);
@@ -125,18 +126,31 @@ TEST_P(CudaLora, AdaptersAnswerAsTheirMergedCheckpointsAloneAndInOneBatch) {
   float effect = 0, worst = 0;
   for (const Request& r : plain) {
     worst = std::max(worst, expect_close(alone.at(r.id + "+a"), want.at(r.id),
-                                         GetParam() + " " + r.id + " adapter against merged", tolerance));
+                                         fixture + " " + r.id + " adapter against merged", tolerance));
     for (const std::string& tag : {"", "+a", "+b"})
-      expect_close(together.at(r.id + tag), alone.at(r.id + tag), GetParam() + " " + r.id + tag + " batched against alone");
+      expect_close(together.at(r.id + tag), alone.at(r.id + tag),
+                   fixture + " " + r.id + tag + " batched against alone");
     const Choice &base = alone.at(r.id), &adapted = alone.at(r.id + "+a");
     for (size_t i = 0; i < base.prompt_logprobs.size(); ++i)
       if (base.prompt_logprobs[i] && adapted.prompt_logprobs[i])
         effect = std::max(effect, std::fabs(base.prompt_logprobs[i]->logprob - adapted.prompt_logprobs[i]->logprob));
   }
   std::printf("[ note ] %s: bf16 noise %.3f, adapter against merged %.3f (tolerance %.3f), adapter effect %.3f\n",
-              GetParam().c_str(), noise, worst, tolerance, effect);
+              fixture.c_str(), noise, worst, tolerance, effect);
   EXPECT_GT(effect, std::max(kAdapterEffect, 2 * tolerance))
       << "the adapter hardly moves the model next to the rounding: the test could not see it ignored";
+}
+
+TEST_P(CudaLora, AdaptersAnswerAsTheirMergedCheckpointsAloneAndInOneBatch) {
+  SPARROW_REQUIRE_GPU();
+  check_adapters(GetParam(), Targets::All, 0.15f);
+}
+
+// The routed experts alone: their terms inside the expert kernels must move the model by themselves (larger
+// terms than above, so that they do next to the bf16 tolerance).
+TEST_P(CudaLora, RoutedExpertAdaptersAnswerAsTheirMergedCheckpoints) {
+  SPARROW_REQUIRE_GPU();
+  check_adapters(GetParam(), Targets::RoutedExpertsOnly, 0.6f);
 }
 
 INSTANTIATE_TEST_SUITE_P(GpuFixtures, CudaLora,

@@ -27,6 +27,11 @@
 // where the rows per expert exceed the ridge point (790e12 / 4.3e12 = 184 FLOP/B, i.e. ~184 rows per expert
 // in bf16): DeepSeek at 16K tokens (512 rows per expert) is compute-bound, at 4K (128) still memory-bound.
 // The note gives both fractions.
+//
+// moe_experts_fp8_lora: the FP8 call with one rank-16 LoRA adapter over every token on every expert's gate, up
+// and down (moe.h ExpertLora), as an RL rollout with an adapter on all experts runs it. Its bytes add the touched
+// experts' bf16 pairs (16 * 3 * (hidden + inter) values an expert, ~2% of its FP8 weights at DeepSeek's shape) and
+// its FLOPs the two low-rank products of each pair: the row against moe_experts_fp8's is the adapters' cost.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -194,8 +199,21 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
                         static_cast<void*>(d_experts), static_cast<void*>(d_weights)})
           if (p) cudaFree(p);
       };
+      // LoRA (FP8 only): every expert's pairs in one buffer, the entries and token map, the kernels' workspace.
+      constexpr int64_t kLoraRank = 16;
+      const int64_t lora_per_expert = kLoraRank * 3 * (H + I);
+      const bool with_lora = fp8 && wanted("moe_experts_fp8_lora");
+      const size_t lora_entry_bytes = (size_t(3 * E) * sizeof(ExpertLoraEntry) + 15) / 16 * 16;
+      void* lora_pairs = with_lora ? try_alloc(size_t(E * lora_per_expert) * 2) : nullptr;
+      void* lora_tables = with_lora ? try_alloc(lora_entry_bytes + size_t(max_tokens) * 4) : nullptr;
+      void* lora_ws = with_lora ? try_alloc(expert_lora_workspace_bytes(max_tokens * k, kLoraRank)) : nullptr;
+      auto release_lora = [&] {
+        for (void* p : {lora_pairs, lora_tables, lora_ws})
+          if (p) cudaFree(p);
+      };
       if (!gate_up || !down || ((fp8 || fp4) && (!gu_s || !dn_s)) || !global || !x || !out || !ws || !d_experts ||
           !d_weights) {
+        release_lora();
         std::fprintf(stderr, "# bench_moe: %s %s skipped: out of device memory\n", m.name, kernel);
         release();
         continue;
@@ -230,18 +248,44 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
       }
       fill_bf16<<<4096, 256, 0, st>>>(static_cast<__nv_bfloat16*>(x), max_tokens * H, 5, 1.0f);
       SPARROW_CUDA_CHECK_LAUNCH();
+      ExpertLora lora;
+      const bool lora_ready = with_lora && lora_pairs && lora_tables && lora_ws;
+      if (with_lora && !lora_ready)
+        std::fprintf(stderr, "# bench_moe: %s LoRA skipped: out of device memory\n", m.name);
+      if (lora_ready) {
+        auto* pairs = static_cast<__nv_bfloat16*>(lora_pairs);
+        fill_bf16<<<4096, 256, 0, st>>>(pairs, E * lora_per_expert, 6, 1.0f / std::sqrt(float(H)));
+        SPARROW_CUDA_CHECK_LAUNCH();
+        std::vector<char> host(lora_entry_bytes + size_t(max_tokens) * 4, 0);  // every token adapter 0
+        auto* entries = reinterpret_cast<ExpertLoraEntry*>(host.data());
+        const int64_t r = kLoraRank;
+        // Per expert: gate A [r, H], B [I, r]; up the same; down A [r, I], B [H, r].
+        for (int64_t e = 0; e < E; ++e) {
+          __nv_bfloat16* base = pairs + e * lora_per_expert;
+          entries[0 * E + e] = {base, base + r * H, int32_t(r)};
+          entries[1 * E + e] = {base + r * (H + I), base + r * (2 * H + I), int32_t(r)};
+          entries[2 * E + e] = {base + 2 * r * (H + I), base + r * (2 * H + 3 * I), int32_t(r)};
+        }
+        SPARROW_CUDA_CHECK(cudaMemcpy(lora_tables, host.data(), host.size(), cudaMemcpyHostToDevice));
+        lora.entries = static_cast<const ExpertLoraEntry*>(lora_tables);
+        lora.token_adapter = reinterpret_cast<const int32_t*>(static_cast<char*>(lora_tables) + lora_entry_bytes);
+        lora.adapters = 1;
+        lora.max_rank = int(r);
+        lora.workspace = lora_ws;
+      }
       SPARROW_CUDA_CHECK(cudaStreamSynchronize(st));
 
       for (const int64_t tokens : token_counts) {
         const HostRouting r = make_routing(tokens, E, k, 0x6d6f65ull * 1000003ull + uint64_t(tokens));
         SPARROW_CUDA_CHECK(cudaMemcpy(d_experts, r.experts.data(), r.experts.size() * 4, cudaMemcpyHostToDevice));
         SPARROW_CUDA_CHECK(cudaMemcpy(d_weights, r.weights.data(), r.weights.size() * 4, cudaMemcpyHostToDevice));
+        const ExpertLora* adapters = nullptr;  // set for the LoRA row below
         auto launch = [&](cudaStream_t s) {
           const auto* gu8 = static_cast<const uint8_t*>(gate_up);
           const auto* dn8 = static_cast<const uint8_t*>(down);
           if (fp8)
             moe_experts_fp8(x, tokens, H, d_experts, d_weights, k, gu8, static_cast<const float*>(gu_s), dn8,
-                            static_cast<const float*>(dn_s), E, I, m.glu, kAlpha, kLimit, out, ws, s);
+                            static_cast<const float*>(dn_s), E, I, m.glu, kAlpha, kLimit, out, ws, s, adapters);
           else if (fp4)
             moe_experts_packed(x, tokens, H, d_experts, d_weights, k,
                                w == W::Nvfp4   ? WeightCodes::Nvfp4
@@ -292,7 +336,23 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
                    " experts touched; " + fmt_pct(row.bytes / kHbmBytesPerSecond / seconds) + " of 4.3 TB/s, " +
                    fmt_pct(row.flops / kBf16FlopsPerSecond / seconds) + " of 790 TFLOP/s";
         rows.push_back(row);
+        if (!lora_ready) continue;
+        adapters = &lora;
+        KernelBenchRow with = row;
+        with.kernel = "moe_experts_fp8_lora";
+        with.shape += " rank=" + std::to_string(kLoraRank);
+        with.median_us = median_launch_us(launch, st, options.iterations);
+        with.bytes += double(r.distinct) * double(lora_per_expert) * 2.0;
+        with.flops += pairs * 2.0 * double(lora_per_expert);
+        const double lora_seconds = with.median_us * 1e-6;
+        with.note = std::string(path == MoePath::Decode ? "decode path" : "tiled path (WMMA)") +
+                    " with a rank-16 adapter on every expert: u = A x per pair (one warp a rank index), B u in the "
+                    "epilogues; " + fmt_pct(with.bytes / kHbmBytesPerSecond / lora_seconds) + " of 4.3 TB/s; " +
+                    std::to_string(int(100.0 * (with.median_us / row.median_us - 1.0) + 0.5)) +
+                    "% over moe_experts_fp8";
+        rows.push_back(with);
       }
+      release_lora();
       release();
     }
 }

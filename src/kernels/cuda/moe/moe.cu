@@ -51,6 +51,7 @@
 // tiles and their group scales by cp.async and convert each stage into the bf16 tile (fp4_to_bf16x8; MXFP8
 // e4m3 times the row's E8M0 scale), the exact dequantised values, so there too the products match
 // moe_experts on the dequantised weights bit for bit (NVFP4 with global scales of 1; moe.h).
+#include "kernels/cuda/moe/expert_lora.cuh"
 #include "kernels/cuda/moe/moe.h"
 
 #include <cuda_bf16.h>
@@ -425,7 +426,8 @@ template <bool IS_GATE_UP, skinny::Codes C>
 __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
     const Tile* tiles, const int32_t* num_tiles, const int32_t* sorted_pair, int top_k, const bf16* a_base,
     const void* w_base, const float* w_scales, const uint8_t* w_groups, const float* w_global,
-    const float* pair_weight, int64_t K, int64_t N, bf16* out, Glu kind, float alpha, float limit) {
+    const float* pair_weight, int64_t K, int64_t N, bf16* out, Glu kind, float alpha, float limit,
+    expert_lora::LoraTerms lora) {
   constexpr int NB = IS_GATE_UP ? 2 : 1;
   // FP8 here: e4m3 code tiles, with a 128x128 block scale (Fp8) or a per-row E8M0 group scale (MX8).
   constexpr bool MX8 = C == skinny::Codes::Mxfp8, FP8 = C == skinny::Codes::Fp8 || MX8, FP4 = skinny::is_fp4(C);
@@ -642,8 +644,11 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(
       }
     }
     if constexpr (IS_GATE_UP) {
+      sums[0] += lora.term(row, col, expert_lora::Gate);
+      sums[1] += lora.term(row, col, expert_lora::Up);
       v = glu_value(sums[0], sums[1], kind, alpha, limit);
     } else {
+      sums[0] += lora.term(row, col, expert_lora::Down);
       v = __fmul_rn(pair_weight[sorted_pair[row]], sums[0]);
     }
     out[int64_t(row) * N + col] = __float2bfloat16_rn(v);
@@ -1131,6 +1136,7 @@ struct Base {
   int pitch;                   // bytes between staged activation rows
   Glu kind;
   float alpha, limit;
+  expert_lora::LoraTerms lora{};  // LoRA on the experts: terms added before the activation / the pair weight
 
   __device__ bool slice(Slice& s) const {
     if (int(blockIdx.x) >= *num_tiles) return false;  // a surplus slot: fewer experts touched than the bound
@@ -1180,7 +1186,10 @@ struct GateUp : Base {
         up = __fmul_rn(up, w_global[2 * int64_t(s.index) + 1]);
       }
     }
-    out[row * N + 8 * group + g] = __float2bfloat16_rn(glu_value(gate, up, kind, alpha, limit));
+    const int64_t col = 8 * group + g;
+    gate += lora.term(row, col, expert_lora::Gate);
+    up += lora.term(row, col, expert_lora::Up);
+    out[row * N + col] = __float2bfloat16_rn(glu_value(gate, up, kind, alpha, limit));
   }
 };
 
@@ -1212,8 +1221,10 @@ struct Down : Base {
       }
     }
     const int64_t lo_col = 16 * group + g, hi_col = lo_col + 8;
-    if (lo_col < N) out[row * N + lo_col] = __float2bfloat16_rn(__fmul_rn(wgt, lo));
-    if (hi_col < N) out[row * N + hi_col] = __float2bfloat16_rn(__fmul_rn(wgt, hi));
+    if (lo_col < N)
+      out[row * N + lo_col] = __float2bfloat16_rn(__fmul_rn(wgt, lo + lora.term(row, lo_col, expert_lora::Down)));
+    if (hi_col < N)
+      out[row * N + hi_col] = __float2bfloat16_rn(__fmul_rn(wgt, hi + lora.term(row, hi_col, expert_lora::Down)));
   }
 };
 
@@ -1414,8 +1425,13 @@ template <skinny::Codes C>
 void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hidden, const int32_t* experts,
                      const float* weights, int64_t top_k, const void* gate_up, const void* down,
                      const ExpertScales& sc, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
-                     float limit, void* out, void* workspace, cudaStream_t stream) {
+                     float limit, void* out, void* workspace, cudaStream_t stream, const ExpertLora* lora) {
   constexpr bool FP8 = C == skinny::Codes::Fp8, GROUPED = skinny::has_groups(C);
+  const bool adapted = lora != nullptr && lora->adapters > 0;
+  if (adapted)
+    SPARROW_CHECK(lora->token_adapter != nullptr && lora->entries != nullptr && lora->max_rank >= 1 &&
+                      reinterpret_cast<uintptr_t>(lora->workspace) % 16 == 0 && lora->workspace != nullptr,
+                  what, ": expert LoRA needs its token adapters, entries and a 16-byte aligned workspace");
   const float* gate_up_scales = sc.gate_up_blocks;
   const float* down_scales = sc.down_blocks;
   SPARROW_CHECK(tokens >= 0 && top_k >= 1 && num_experts >= 1 && hidden > 0 && inter > 0, what,
@@ -1466,6 +1482,7 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
       (reinterpret_cast<uintptr_t>(sc.gate_up_groups) % scale_align != 0 ||
        reinterpret_cast<uintptr_t>(sc.down_groups) % scale_align != 0))
     path = MoePath::Tiled;
+  if (adapted && path == MoePath::Wgmma) path = MoePath::Tiled;  // only the WMMA epilogue adds LoRA terms
   const int tile_rows = path == MoePath::Decode ? decode_tile_rows(tokens, hidden, inter, C) : 0;
   if (path == MoePath::Decode && num_experts <= DECODE_SORT_EXPERTS && pairs <= DECODE_SORT_PAIRS) {
     decode_sort_kernel<<<1, DECODE_SORT_THREADS, 0, stream>>>(experts, int(pairs), int(num_experts), tile_rows, tiles,
@@ -1485,15 +1502,27 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
     SPARROW_CUDA_CHECK_LAUNCH();
   }
   const bool wide = path == MoePath::Wgmma;
+  // LoRA: u of gate and up from x now, u of down from h once the first product has written it.
+  expert_lora::LoraTerms terms{};
+  auto shrink = [&](const void* act, int64_t K, bool by_row, int first, int last) {
+    expert_lora::shrink(*lora, terms, experts, pos_of_pair, pairs, int(top_k), int(num_experts),
+                        static_cast<const bf16*>(act), K, by_row, first, last, stream);
+    SPARROW_CUDA_CHECK_LAUNCH();
+  };
+  if (adapted) {
+    terms = expert_lora::terms_of(*lora, pairs, num_experts);
+    shrink(x, hidden, false, expert_lora::Gate, expert_lora::Up);
+  }
 
   if (path == MoePath::Decode) {
     const int64_t slots = decode_slots(pairs, num_experts, tile_rows);  // the tile list has room for pairs
     const dec::GateUp<C> up{{tiles, num_tiles, sorted_pair, int(top_k), static_cast<const bf16*>(x), hidden,
                              gate_up, gate_up_scales, sc.gate_up_groups, sc.gate_up_global, inter, nullptr, h, 0, 0,
-                             glu_kind, alpha, limit}};
+                             glu_kind, alpha, limit, terms}};
     launch_decode<dec::GateUp<C>, C>(what, up, slots, inter / 8, tokens, stream);
+    if (adapted) shrink(h, inter, true, expert_lora::Down, expert_lora::Down);
     const dec::Down<C> dn{{tiles, num_tiles, sorted_pair, int(top_k), h, inter, down, down_scales, sc.down_groups,
-                           sc.down_global, hidden, weights, y, 0, 0, glu_kind, alpha, limit}};
+                           sc.down_global, hidden, weights, y, 0, 0, glu_kind, alpha, limit, terms}};
     launch_decode<dec::Down<C>, C>(what, dn, slots, (hidden + 15) / 16, tokens, stream);
     launch_combine(y, pos_of_pair, tokens, int(top_k), hidden, static_cast<bf16*>(out), stream);
     SPARROW_CUDA_CHECK_LAUNCH();
@@ -1522,13 +1551,14 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
   SPARROW_CHECK(grid1.y <= 65535, what, ": intermediate size too large");
   grouped_gemm_kernel<true, C><<<grid1, THREADS, 0, stream>>>(
       tiles, num_tiles, sorted_pair, int(top_k), static_cast<const bf16*>(x), gate_up, gate_up_scales, sc.gate_up_groups,
-      sc.gate_up_global, nullptr, hidden, inter, h, glu_kind, alpha, limit);
+      sc.gate_up_global, nullptr, hidden, inter, h, glu_kind, alpha, limit, terms);
   SPARROW_CUDA_CHECK_LAUNCH();
+  if (adapted) shrink(h, inter, true, expert_lora::Down, expert_lora::Down);
   const dim3 grid2(unsigned(l.max_tiles), unsigned((hidden + BN - 1) / BN));
   SPARROW_CHECK(grid2.y <= 65535, what, ": hidden size too large");
   grouped_gemm_kernel<false, C><<<grid2, THREADS, 0, stream>>>(tiles, num_tiles, sorted_pair, int(top_k), h, down,
                                                                down_scales, sc.down_groups, sc.down_global, weights,
-                                                               inter, hidden, y, glu_kind, alpha, limit);
+                                                               inter, hidden, y, glu_kind, alpha, limit, terms);
   SPARROW_CUDA_CHECK_LAUNCH();
   launch_combine(y, pos_of_pair, tokens, int(top_k), hidden, static_cast<bf16*>(out), stream);
   SPARROW_CUDA_CHECK_LAUNCH();
@@ -1538,27 +1568,29 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
 
 void moe_experts(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
                  int64_t top_k, const void* gate_up, const void* down, int64_t num_experts, int64_t inter,
-                 Glu glu_kind, float alpha, float limit, void* out, void* workspace, cudaStream_t stream) {
+                 Glu glu_kind, float alpha, float limit, void* out, void* workspace, cudaStream_t stream,
+                 const ExpertLora* lora) {
   run_moe_experts<skinny::Codes::Bf16>("moe_experts", x, tokens, hidden, experts, weights, top_k, gate_up, down, {},
-                                       num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
+                                       num_experts, inter, glu_kind, alpha, limit, out, workspace, stream, lora);
 }
 
 void moe_experts_fp8(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
                      int64_t top_k, const uint8_t* gate_up, const float* gate_up_scales, const uint8_t* down,
                      const float* down_scales, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
-                     float limit, void* out, void* workspace, cudaStream_t stream) {
+                     float limit, void* out, void* workspace, cudaStream_t stream, const ExpertLora* lora) {
   ExpertScales sc;
   sc.gate_up_blocks = gate_up_scales;
   sc.down_blocks = down_scales;
   run_moe_experts<skinny::Codes::Fp8>("moe_experts_fp8", x, tokens, hidden, experts, weights, top_k, gate_up, down, sc,
-                                      num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
+                                      num_experts, inter, glu_kind, alpha, limit, out, workspace, stream, lora);
 }
 
 void moe_experts_packed(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
                         int64_t top_k, WeightCodes kind, const uint8_t* gate_up, const uint8_t* gate_up_scales,
                         const float* gate_up_global, const uint8_t* down, const uint8_t* down_scales,
                         const float* down_global, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
-                        float limit, void* out, void* workspace, cudaStream_t stream) {
+                        float limit, void* out, void* workspace, cudaStream_t stream,
+                        const ExpertLora* lora) {
   ExpertScales sc;
   sc.gate_up_groups = gate_up_scales;
   sc.down_groups = down_scales;
@@ -1568,16 +1600,23 @@ void moe_experts_packed(const void* x, int64_t tokens, int64_t hidden, const int
   switch (kind) {
     case WeightCodes::Nvfp4:
       return run_moe_experts<skinny::Codes::Nvfp4>(what, x, tokens, hidden, experts, weights, top_k, gate_up, down, sc,
-                                                   num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
+                                                   num_experts, inter, glu_kind, alpha, limit, out, workspace, stream,
+                                                   lora);
     case WeightCodes::Mxfp4:
       return run_moe_experts<skinny::Codes::Mxfp4>(what, x, tokens, hidden, experts, weights, top_k, gate_up, down, sc,
-                                                   num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
+                                                   num_experts, inter, glu_kind, alpha, limit, out, workspace, stream,
+                                                   lora);
     case WeightCodes::Mxfp8:
       return run_moe_experts<skinny::Codes::Mxfp8>(what, x, tokens, hidden, experts, weights, top_k, gate_up, down, sc,
-                                                   num_experts, inter, glu_kind, alpha, limit, out, workspace, stream);
+                                                   num_experts, inter, glu_kind, alpha, limit, out, workspace, stream,
+                                                   lora);
     default: break;
   }
   fail(what, ": the weights must be NVFP4, MXFP4 or MXFP8");
+}
+
+size_t expert_lora_workspace_bytes(int64_t pairs, int64_t max_rank) {
+  return expert_lora::u_bytes(pairs, max_rank) + size_t(pairs) * sizeof(int32_t);
 }
 
 void keep_local_experts(int32_t* experts, int64_t slots, int first, int count, cudaStream_t stream) {

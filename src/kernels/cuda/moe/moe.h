@@ -51,11 +51,33 @@ void keep_local_experts(int32_t* experts, int64_t slots, int first, int count, c
 //   Wgmma (on average >= 32 rows per expert, hidden % 256 == 0, inter % 128 == 0) and Tiled (otherwise):
 //     bf16 weight tiles on the tensor cores, fp32 accumulation; the two may differ in the last bit.
 enum class MoePath { Decode, Tiled, Wgmma };
+
+// LoRA on the routed experts (kernels/expert_adapters.h) as the expert kernels take it: the low-rank terms
+// join the gate's and the up's fp32 sums before the activation and the down's sum before the pair weight, the
+// two points where vLLM's fused_moe_lora adds them. For each adapted (token, slot) pair, u = A · x (gate, up)
+// and u = A · h (down: h the bf16 activation row the down product reads) in fp32 over bf16 operands, one warp
+// per rank index; each output element then adds B[col] · u in fp32 in its epilogue. Deterministic, and a
+// pair's terms do not depend on the other rows of the step. The Wgmma path's shapes take the Tiled path's
+// kernels while adapters are present (the Tiled epilogue adds the terms; the wgmma epilogue does not).
+struct ExpertLoraEntry {
+  const void* a = nullptr;  // bf16 [rank, in]; null: this (adapter, expert, projection) is not adapted
+  const void* b = nullptr;  // bf16 [out, rank], times the adapter's scaling
+  int32_t rank = 0;
+};
+struct ExpertLora {
+  const int32_t* token_adapter = nullptr;   // [tokens]: the adapter whose entries a token uses, -1 none
+  const ExpertLoraEntry* entries = nullptr;  // [3][adapters][num_experts]: gate, then up, then down
+  int adapters = 0;
+  int max_rank = 0;                          // every entry's rank is at most this
+  void* workspace = nullptr;                 // expert_lora_workspace_bytes(tokens * top_k, max_rank), 16-byte aligned
+};
+size_t expert_lora_workspace_bytes(int64_t pairs, int64_t max_rank);
 MoePath moe_experts_path(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden, int64_t inter);
 size_t moe_workspace_bytes(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden, int64_t inter);
 void moe_experts(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
                  int64_t top_k, const void* gate_up, const void* down, int64_t num_experts, int64_t inter,
-                 Glu glu_kind, float alpha, float limit, void* out, void* workspace, cudaStream_t stream);
+                 Glu glu_kind, float alpha, float limit, void* out, void* workspace, cudaStream_t stream,
+                 const ExpertLora* lora = nullptr);
 
 // The same with FP8 E4M3 expert weights and DeepSeek's 128x128 block scales (fp32, a checkpoint's
 // weight_scale_inv), so FP8 checkpoints' experts stay FP8 on the GPU (half the bytes the decode reads).
@@ -85,7 +107,7 @@ void moe_experts(const void* x, int64_t tokens, int64_t hidden, const int32_t* e
 void moe_experts_fp8(const void* x, int64_t tokens, int64_t hidden, const int32_t* experts, const float* weights,
                      int64_t top_k, const uint8_t* gate_up, const float* gate_up_scales, const uint8_t* down,
                      const float* down_scales, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
-                     float limit, void* out, void* workspace, cudaStream_t stream);
+                     float limit, void* out, void* workspace, cudaStream_t stream, const ExpertLora* lora = nullptr);
 
 // The same with expert weights as the MX / NV formats are released, read in place (FP4: half the bytes of
 // FP8), each row with one scale per group of consecutive values:
@@ -113,6 +135,6 @@ void moe_experts_packed(const void* x, int64_t tokens, int64_t hidden, const int
                         int64_t top_k, WeightCodes kind, const uint8_t* gate_up, const uint8_t* gate_up_scales,
                         const float* gate_up_global, const uint8_t* down, const uint8_t* down_scales,
                         const float* down_global, int64_t num_experts, int64_t inter, Glu glu_kind, float alpha,
-                        float limit, void* out, void* workspace, cudaStream_t stream);
+                        float limit, void* out, void* workspace, cudaStream_t stream, const ExpertLora* lora = nullptr);
 
 }  // namespace sparrow::cuda
