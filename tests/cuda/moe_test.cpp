@@ -59,6 +59,13 @@ const char* path_name(int64_t tokens, int64_t top_k, int64_t experts, int64_t hi
   return "?";
 }
 
+// n values uniform in [-scale, scale], rounded to bf16 (so both devices see the same weights).
+std::vector<float> random_bf16_values(std::mt19937_64& rng, int64_t n, float scale) {
+  std::vector<float> v = test::random_vector(rng, n, -scale, scale);
+  for (float& x : v) x = test::round_bf16(x);
+  return v;
+}
+
 TEST(CudaMoe, RouteMatchesSigmoidRouter) {
   SPARROW_REQUIRE_GPU();
   const uint64_t seed = test::fresh_seed();
@@ -185,14 +192,11 @@ TEST(CudaMoe, ExpertsMatchRunExperts) {
       SCOPED_TRACE(testing::Message() << "tokens=" << c.tokens << " hidden=" << c.hidden << " inter=" << c.inter
                                       << " experts=" << c.experts << " top_k=" << c.top_k << " kind=" << int(kind)
                                       << " path=" << path_name(c.tokens, c.top_k, c.experts, c.hidden, c.inter));
-      auto rounded = [&](int64_t n, float scale) {
-        std::vector<float> v = test::random_vector(rng, n, -scale, scale);
-        for (float& x : v) x = test::round_bf16(x);
-        return v;
-      };
-      std::vector<float> x = rounded(c.tokens * c.hidden, 1.0f);
-      std::vector<float> gate_up = rounded(c.experts * 2 * c.inter * c.hidden, 2.0f / std::sqrt(float(c.hidden)));
-      std::vector<float> down = rounded(c.experts * c.hidden * c.inter, 2.0f / std::sqrt(float(c.inter)));
+      std::vector<float> x = random_bf16_values(rng, c.tokens * c.hidden, 1.0f);
+      std::vector<float> gate_up =
+          random_bf16_values(rng, c.experts * 2 * c.inter * c.hidden, 2.0f / std::sqrt(float(c.hidden)));
+      std::vector<float> down =
+          random_bf16_values(rng, c.experts * c.hidden * c.inter, 2.0f / std::sqrt(float(c.inter)));
       Routing routing;
       routing.top_k = c.top_k;
       std::vector<int32_t> perm(c.experts);
@@ -858,11 +862,6 @@ TEST(CudaMoe, ExpertAdaptersMatchTheCpu) {
       {300, 512, 256, 32, 8},   // wgmma's shape: the tiles with adapters
       {64, 256, 128, 8, 3},     // WMMA tiles
   };
-  auto rounded = [&](int64_t n, float scale) {
-    std::vector<float> v = test::random_vector(rng, n, -scale, scale);
-    for (float& x : v) x = test::round_bf16(x);
-    return v;
-  };
   const float alpha = 1.702f, limit = 7.0f;
   for (const Case& c : cases)
     for (const bool fp8 : {false, true})
@@ -871,7 +870,7 @@ TEST(CudaMoe, ExpertAdaptersMatchTheCpu) {
         SCOPED_TRACE(testing::Message() << (fp8 ? "fp8" : "bf16") << " tokens=" << T << " hidden=" << H
                                         << " inter=" << I << " experts=" << E << " top_k=" << K << " kind="
                                         << int(kind) << " path=" << path_name(T, K, E, H, I));
-        std::vector<float> x = rounded(T * H, 1.0f), gate_up, down;
+        std::vector<float> x = random_bf16_values(rng, T * H, 1.0f), gate_up, down;
         Tensor gate_up_dev, down_dev;
         if (fp8) {
           const Fp8Experts f = random_fp8_experts(rng, E, H, I);
@@ -886,22 +885,17 @@ TEST(CudaMoe, ExpertAdaptersMatchTheCpu) {
           gate_up_dev = codes(f.gate_up, {E, 2 * I, H}).with_block_scales(scales(f.gate_up_scales, {E, 2, ib, hb}));
           down_dev = codes(f.down, {E, H, I}).with_block_scales(scales(f.down_scales, {E, hb, ib}));
         } else {
-          gate_up = rounded(E * 2 * I * H, 2.0f / std::sqrt(float(H)));
-          down = rounded(E * H * I, 2.0f / std::sqrt(float(I)));
+          gate_up = random_bf16_values(rng, E * 2 * I * H, 2.0f / std::sqrt(float(H)));
+          down = random_bf16_values(rng, E * H * I, 2.0f / std::sqrt(float(I)));
           gate_up_dev = Tensor::view(gate_up.data(), {E, 2 * I, H}).to(Device::Cuda, ScalarType::BF16);
           down_dev = Tensor::view(down.data(), {E, H, I}).to(Device::Cuda, ScalarType::BF16);
         }
         // Distinct experts per token; one slot in ten another rank's.
-        std::vector<int32_t> experts, perm(E);
-        std::vector<float> weights;
-        std::iota(perm.begin(), perm.end(), 0);
-        for (int64_t t = 0; t < T; ++t) {
-          std::shuffle(perm.begin(), perm.end(), rng);
-          for (int64_t j = 0; j < K; ++j) {
-            experts.push_back(std::uniform_int_distribution<int>(0, 9)(rng) == 0 ? -1 : perm[j]);
-            weights.push_back(std::uniform_real_distribution<float>(0.1f, 1.0f)(rng));
-          }
-        }
+        Routing routed = random_routing(rng, T, E, K, Skew::Uniform);
+        std::vector<int32_t>& experts = routed.experts;
+        std::vector<float>& weights = routed.weights;
+        for (int32_t& e : experts)
+          if (std::uniform_int_distribution<int>(0, 9)(rng) == 0) e = -1;
         // Two adapters: A ~ 1/sqrt(in), B times the scaling ~ 0.5/sqrt(r), so a term is ~ a third of the base
         // sum. Adapter 0 leaves expert 0's gate and expert 1's down out, adapter 1 every odd expert.
         std::vector<Tensor> host_pairs, device_pairs;  // kept alive for the runs' pointers
@@ -922,8 +916,8 @@ TEST(CudaMoe, ExpertAdaptersMatchTheCpu) {
               if (run.which == 0 && ((e == 0 && proj == 0) || (e == 1 && proj == 2))) continue;
               if (run.which == 1 && e % 2 == 1) continue;
               const int64_t in = proj == 2 ? I : H, out = proj == 2 ? H : I;
-              std::vector<float> a = rounded(run.r * in, std::sqrt(3.0f / float(in)));
-              std::vector<float> b = rounded(out * run.r, 0.5f * std::sqrt(3.0f / float(run.r)));
+              std::vector<float> a = random_bf16_values(rng, run.r * in, std::sqrt(3.0f / float(in)));
+              std::vector<float> b = random_bf16_values(rng, out * run.r, 0.5f * std::sqrt(3.0f / float(run.r)));
               host_pairs.push_back(Tensor::view(a.data(), {run.r, in}).clone());
               host_pairs.push_back(Tensor::view(b.data(), {out, run.r}).clone());
               device_pairs.push_back(host_pairs[host_pairs.size() - 2].to(Device::Cuda, ScalarType::BF16));
