@@ -143,6 +143,32 @@ TEST_P(Lora, AnAdapterOfTheIndexersAnswersAsItsMergedCheckpoint) {
   expect_answers_as_merged(GetParam(), Targets::IndexersOnly);
 }
 
+// vLLM's shared-outer form of routed-expert adapters (experts.w1 / w3 / w2, gate's and up's A and down's B
+// one per MoE): it answers as its merged checkpoint, and a factor the experts share is stored once.
+TEST_P(Lora, AnAdapterInVllmsSharedOuterFormAnswersAsItsMergedCheckpoint) {
+  const fs::path dir = bundled(GetParam());
+  Adapter a = make_adapter(dir, 8, 13, Targets::RoutedExpertsOnly);
+  make_shared_outer(a);
+  const auto merged = merged_model(dir, a);
+  auto base = load_model(dir.string());
+  auto adapter = load_lora_adapter("a", a.dir(), dir.string(), Device::Cpu, 16);
+  ASSERT_EQ(adapter->modules.size(), a.ab.size());
+  const LoraAdapter::ExpertPairs& first = adapter->expert_stacks.begin()->second;
+  ASSERT_GT(first.gate.size(), 1u);
+  EXPECT_EQ(first.gate[0]->a.data(), first.gate[1]->a.data()) << "the shared A is stored once a stack";
+  EXPECT_EQ(first.down[0]->b.data(), first.down[1]->b.data()) << "the shared B is stored once a stack";
+  EXPECT_NE(first.gate[0]->b.data(), first.gate[1]->b.data());
+  auto merged_weights = load_model(merged->path());
+  const std::vector<Request> plain = prompts(base->vocab_size(), true);
+  const Outputs want = run(*merged_weights, plain, false);
+  const Outputs got = run(*base, with_adapter(plain, adapter, "+a"), false);
+  const Outputs without = run(*base, plain, false);
+  for (const Request& r : plain) {
+    expect_close(got.at(r.id + "+a"), want.at(r.id), 2e-3, GetParam() + " " + r.id);
+    EXPECT_NE(want.at(r.id).prompt_logprobs.back()->logprob, without.at(r.id).prompt_logprobs.back()->logprob);
+  }
+}
+
 TEST_P(Lora, AdaptersAndTheBaseModelShareABatchAndAnswerAsAlone) {
   const fs::path dir = bundled(GetParam());
   const Adapter a = make_adapter(dir, 8, 21), b = make_adapter(dir, 4, 22);
@@ -318,6 +344,17 @@ TEST(LoraAdapterFiles, WhatCannotBeAppliedIsRefusedWithOneLine) {
   expect_error(load(bad), "the model's stack model.layers.1.mlp.experts holds ");
   expert_adapter("model.layers.1.mlp.experts.3.w1", A, B);
   expect_error(load(bad), "so their parts are named gate_proj, up_proj and down_proj");
+  // vLLM's shared-outer form: a factor by expert must hold every expert, and some factor must be by expert.
+  const std::string w1 = "base_model.model.model.layers.1.mlp.experts.w1";
+  write_safetensors((bad / "adapter_model.safetensors").string(),
+                    {{w1 + ".lora_A.weight", Tensor::zeros({1, 2, 8})}, {w1 + ".lora_B.weight", Tensor::zeros({1, 8, 2})}});
+  expect_error(load(bad), "(expected [experts or 1, 2, in] and [experts or 1, out, 2], at least one of them by expert)");
+  write_safetensors((bad / "adapter_model.safetensors").string(),
+                    {{w1 + ".lora_A.weight", Tensor::zeros({3, 2, 8})}, {w1 + ".lora_B.weight", Tensor::zeros({4, 8, 2})}});
+  expect_error(load(bad), "at least one of them by expert");
+  write_safetensors((bad / "adapter_model.safetensors").string(),
+                    {{w1 + ".lora_A.weight", Tensor::zeros({2, 8})}, {w1 + ".lora_B.weight", Tensor::zeros({4, 8, 2})}});
+  expect_error(load(bad), "(expected [experts or 1, 2, in] and [experts or 1, out, 2])");
   const Adapter experts = make_adapter(model_dir, 2, 42, Targets::RoutedExpertsOnly);
   EXPECT_TRUE(load_lora_adapter("x", experts.dir(), model_dir.string(), Device::Cpu, 16)->has_routed_experts);
   LoraTarget refusing;

@@ -1,6 +1,7 @@
 // Random PEFT LoRA adapters over a model folder's projections, the model with one merged into its weights,
 // and the greedy prompts the LoRA tests run, for the CPU (lora_test.cpp) and the GPU (cuda/lora_gpu_test.cpp).
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -93,6 +94,41 @@ inline Adapter make_adapter(const fs::path& model_dir, int64_t r, uint32_t seed,
                   "{\"peft_type\": \"LORA\", \"r\": " + std::to_string(r) + ", \"lora_alpha\": " + std::to_string(2 * r) +
                       ", \"bias\": \"none\", \"target_modules\": [\"q_proj\"], \"use_rslora\": false, \"use_dora\": false}");
   return a;
+}
+
+// `a` (an adapter over the routed experts, from make_adapter) rewritten in vLLM's shared-outer form
+// (--enable-moe-shared-loras): per MoE, "<moe>.experts.w1" / "w3" / "w2" with lora_A [E or 1, r, in] and
+// lora_B [E or 1, out, r]. Gate's and up's A and down's B become expert 0's for every expert (a.ab follows,
+// so merged_model merges what the file says); the other factors stay by expert.
+inline void make_shared_outer(Adapter& a) {
+  struct Stack {
+    std::map<std::string, std::map<int64_t, std::string>> by_leaf;  // "w1" / "w3" / "w2" -> expert -> module
+  };
+  std::map<std::string, Stack> stacks;  // by "<moe>.experts"
+  for (const auto& [module, ab] : a.ab) {
+    const size_t leaf_at = module.rfind('.'), number_at = module.rfind('.', leaf_at - 1);
+    const std::string leaf = module.substr(leaf_at + 1), stack = module.substr(0, number_at);
+    const std::string which = leaf == "gate_proj" || leaf == "w1" ? "w1" : leaf == "up_proj" || leaf == "w3" ? "w3" : "w2";
+    stacks[stack].by_leaf[which][std::stoll(module.substr(number_at + 1, leaf_at - number_at - 1))] = module;
+  }
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const auto& [stack, s] : stacks)
+    for (const auto& [which, experts] : s.by_leaf) {
+      const bool shared_a = which != "w2";
+      const auto& [a0, b0] = a.ab.at(experts.begin()->second);
+      const int64_t E = int64_t(experts.size()), r = a0.dim(0), in = a0.dim(1), rows = b0.dim(0);
+      Tensor A = Tensor::zeros({shared_a ? 1 : E, r, in}), B = Tensor::zeros({shared_a ? E : 1, rows, r});
+      for (const auto& [e, module] : experts) {
+        auto& [ae, be] = a.ab.at(module);
+        if (shared_a) ae = a0; else std::copy(ae.data(), ae.data() + ae.numel(), A.row(e));
+        if (!shared_a) be = b0; else std::copy(be.data(), be.data() + be.numel(), B.row(e));
+      }
+      if (shared_a) std::copy(a0.data(), a0.data() + a0.numel(), A.data());
+      else std::copy(b0.data(), b0.data() + b0.numel(), B.data());
+      out.emplace_back("base_model.model." + stack + "." + which + ".lora_A.weight", A);
+      out.emplace_back("base_model.model." + stack + "." + which + ".lora_B.weight", B);
+    }
+  write_safetensors(a.folder->file("adapter_model.safetensors"), out);
 }
 
 // The model with the adapter merged into its weights (W + scaling B A, in double, stored as fp32), in a folder

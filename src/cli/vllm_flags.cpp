@@ -25,6 +25,9 @@ const char* const kGraphs =
 const char* const kNoTls = "sparrow serves plain HTTP: put a TLS-terminating proxy in front of it";
 const char* const kNoCors = "sparrow sends no CORS headers: browsers on other origins need a proxy that adds them";
 const char* const kNoLora = "not part of sparrow's LoRA support (docs/lora.md)";
+const char* const kExpertLoraForms =
+    "sparrow reads every form of routed-expert adapter it knows (per expert, PEFT's stacks, vLLM's shared-outer "
+    "experts.w1 / w2 / w3) by its tensors' names, whatever this flag says (docs/lora.md)";
 
 const char* const kSpecConfig = "give speculative decoding as --speculative-config JSON (docs/speculative.md)";
 const char* const kNoImages = "sparrow serves text only: the vision towers are not loaded yet (issue 30)";
@@ -328,8 +331,10 @@ const std::vector<VllmFlag>& vllm_only_flags() {
       {"--lora-target-modules", true, kRefuse, kNoLora},
       {"--default-mm-loras", true, kRefuse, kNoLora},
       {"--specialize-active-lora,!--no-specialize-active-lora", false, kRefuse, kNoLora},
-      {"--enable-mixed-moe-lora-format,!--disable-mixed-moe-lora-format,!--no-enable-mixed-moe-lora-format", false, kRefuse, kNoLora},
-      {"--enable-moe-shared-loras,!--disable-moe-shared-loras,!--no-enable-moe-shared-loras", false, kRefuse, kNoLora},
+      {"--enable-mixed-moe-lora-format,!--disable-mixed-moe-lora-format,!--no-enable-mixed-moe-lora-format", false,
+       kIgnore, kExpertLoraForms},
+      {"--enable-moe-shared-loras,!--disable-moe-shared-loras,!--no-enable-moe-shared-loras", false, kIgnore,
+       kExpertLoraForms},
       {"--max-lora-cls-labels", true, kRefuse, kNoLora},
       // LoggingConfig.
       {"--logging-config", true, kIgnore, "sparrow logs one line per event on stderr"},

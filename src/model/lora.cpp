@@ -167,6 +167,37 @@ void split_expert_stack(const std::string& module, const LowRank& pair, int64_t 
   }
 }
 
+// vLLM's form for shared-outer expert adapters (--enable-moe-shared-loras; vllm/lora/layers/fused_moe.py):
+// "<moe>.experts.w1" / "w3" / "w2" (gate, up, down), each with lora_A [E_A, r, in] and lora_B [E_B, out, r],
+// where a factor of expert dimension 1 is shared by every expert (vLLM shares gate's and up's A and down's
+// B so) and one of E_A, E_B is the expert count E.
+bool is_shared_outer_stack(const std::string& module) {
+  return module.ends_with(".experts.w1") || module.ends_with(".experts.w2") || module.ends_with(".experts.w3");
+}
+
+// Such a pair as per-expert modules under the checkpoint's expert names: expert e's pair is A[e] (A[0] when
+// shared) and B[e] (B[0]). A shared factor is one tensor that every expert's module holds, so it is stored
+// once (load_lora_adapter places each distinct factor once).
+void split_shared_outer_stack(const std::string& module, const Tensor& a, const Tensor& b, int64_t r,
+                              Checkpoint& model, const std::string& name, std::map<std::string, LowRank>& out) {
+  const int64_t experts = std::max(a.dim(0), b.dim(0));
+  SPARROW_CHECK(a.dim(1) == r && b.dim(2) == r && (a.dim(0) == 1 || a.dim(0) == experts) &&
+                    (b.dim(0) == 1 || b.dim(0) == experts) && experts > 1,
+                "LoRA adapter '", name, "': module '", module, "' has lora_A ", shape_str(a.shape()), " and lora_B ",
+                shape_str(b.shape()), " (expected [experts or 1, ", r, ", in] and [experts or 1, out, ", r,
+                "], at least one of them by expert)");
+  const std::string stack = module.substr(0, module.size() - 3), which = module.substr(module.size() - 2);
+  const Checkpoint::ExpertNames& names =
+      model.has(stack + ".0.w1.weight") ? Checkpoint::kReleaseExpertNames : Checkpoint::kTransformersExpertNames;
+  const std::string leaf = which == "w1" ? names.gate : which == "w3" ? names.up : names.down;
+  const Tensor shared_a = a.dim(0) == 1 ? a.reshape({a.dim(1), a.dim(2)}) : Tensor();
+  const Tensor shared_b = b.dim(0) == 1 ? b.reshape({b.dim(1), b.dim(2)}) : Tensor();
+  for (int64_t e = 0; e < experts; ++e)
+    out[cat(stack, ".", e, ".", leaf)] = {
+        a.dim(0) == 1 ? shared_a : a.rows(e, e + 1).reshape({a.dim(1), a.dim(2)}),
+        b.dim(0) == 1 ? shared_b : b.rows(e, e + 1).reshape({b.dim(1), b.dim(2)})};
+}
+
 }  // namespace
 
 std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, const std::string& path,
@@ -238,7 +269,8 @@ std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, co
     SPARROW_CHECK(at != std::string::npos && at > 0, "LoRA adapter '", name, "': unexpected tensor '", key,
                   "' (expected <module>.lora_A.weight and <module>.lora_B.weight)");
     module = module.substr(0, at);
-    SPARROW_CHECK(lora_supported_module(module) || is_expert_stack(module), "LoRA adapter '", name, "': module '", module,
+    SPARROW_CHECK(lora_supported_module(module) || is_expert_stack(module) || is_shared_outer_stack(module),
+                  "LoRA adapter '", name, "': module '", module,
                   "' is not one sparrow adapts yet (attention and indexer projections, MLPs, shared and routed "
                   "experts; not the routers)");
     (is_a ? pairs[module].a : pairs[module].b) = &info;
@@ -252,6 +284,14 @@ std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, co
     SPARROW_CHECK(pair.a && pair.b, "LoRA adapter '", name, "': module '", module, "' has lora_", pair.a ? "A" : "B",
                   " without lora_", pair.a ? "B" : "A");
     const int64_t r = adapter->rank;
+    if (is_shared_outer_stack(module)) {
+      SPARROW_CHECK(pair.a->shape.size() == 3 && pair.b->shape.size() == 3, "LoRA adapter '", name, "': module '",
+                    module, "' has lora_A ", shape_str(pair.a->shape), " and lora_B ", shape_str(pair.b->shape),
+                    " (expected [experts or 1, ", r, ", in] and [experts or 1, out, ", r, "])");
+      split_shared_outer_stack(module, to_float32(*pair.a, file), to_float32(*pair.b, file).clone(), r, *model, name,
+                               read);
+      continue;
+    }
     const bool stack = is_expert_stack(module);
     SPARROW_CHECK(pair.a->shape.size() == 2 && pair.b->shape.size() == 2 &&
                       (stack ? pair.a->shape[0] % r == 0 && pair.a->shape[0] == pair.b->shape[1]
@@ -266,6 +306,17 @@ std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, co
     else
       read[module] = std::move(pair_read);
   }
+  // Each distinct factor goes to the device once (B scaled once): the factors a shared-outer stack shares
+  // by expert, and A of gate and up, which PEFT's stacks share, are held by several modules.
+  std::map<std::pair<const float*, int64_t>, Tensor> placed;
+  auto place = [&](Tensor& host, bool is_b) {
+    auto [at, fresh] = placed.try_emplace({host.data(), host.numel()});
+    if (fresh) {
+      if (is_b) ops::scale_(host, adapter->scaling);
+      at->second = host.to(target.device, type);
+    }
+    return at->second;
+  };
   for (auto& [module, pair] : read) {
     Tensor& a = pair.a;
     Tensor& b = pair.b;
@@ -289,8 +340,7 @@ std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, co
       else
         a = slice_host(a, split->second);
     }
-    ops::scale_(b, adapter->scaling);
-    adapter->modules[module] = {a.to(target.device, type), b.to(target.device, type)};
+    adapter->modules[module] = {place(a, false), place(b, true)};
   }
   adapter->index_routed_experts();
   return adapter;
