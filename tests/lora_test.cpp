@@ -256,7 +256,7 @@ TEST_P(LoraPeftStackedExperts, GivesTransformersPromptLogprobs) {
   const nlohmann::json reference = nlohmann::json::parse(file);
   auto model = load_model(dir.string());
   auto adapter = load_lora_adapter("peft", fixture.string(), dir.string(), Device::Cpu, 16);
-  EXPECT_TRUE(adapter->has_routed_experts);
+  EXPECT_TRUE(adapter->has_routed_experts());
   Request request{"r", reference["prompt"].get<std::vector<int32_t>>(), {}, adapter};
   request.params.max_tokens = 1;
   request.params.prompt_logprobs = 0;
@@ -356,10 +356,10 @@ TEST(LoraAdapterFiles, WhatCannotBeAppliedIsRefusedWithOneLine) {
                     {{w1 + ".lora_A.weight", Tensor::zeros({2, 8})}, {w1 + ".lora_B.weight", Tensor::zeros({4, 8, 2})}});
   expect_error(load(bad), "(expected [experts or 1, 2, in] and [experts or 1, out, 2])");
   const Adapter experts = make_adapter(model_dir, 2, 42, Targets::RoutedExpertsOnly);
-  EXPECT_TRUE(load_lora_adapter("x", experts.dir(), model_dir.string(), Device::Cpu, 16)->has_routed_experts);
+  EXPECT_TRUE(load_lora_adapter("x", experts.dir(), model_dir.string(), Device::Cpu, 16)->has_routed_experts());
   LoraTarget refusing;
   refusing.routed_experts_refused = "not here, for a reason";
   expect_error([&] { load_lora_adapter("x", experts.dir(), model_dir.string(), refusing, 16); },
                "': not here, for a reason");
-  EXPECT_FALSE(load_lora_adapter("x", good.dir(), model_dir.string(), refusing, 16)->has_routed_experts);
+  EXPECT_FALSE(load_lora_adapter("x", good.dir(), model_dir.string(), refusing, 16)->has_routed_experts());
 }

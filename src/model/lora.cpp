@@ -321,11 +321,9 @@ std::shared_ptr<const LoraAdapter> load_lora_adapter(const std::string& name, co
     Tensor& a = pair.a;
     Tensor& b = pair.b;
     const int64_t expert = routed_expert_of(module);
-    if (expert >= 0) {
+    if (expert >= 0)
       SPARROW_CHECK(target.routed_experts_refused.empty(), "LoRA adapter '", name, "': module '", module, "': ",
                     target.routed_experts_refused);
-      adapter->has_routed_experts = true;
-    }
     // Against the base weight as the checkpoint stores it ([out, in]; packed FP4 holds two values a byte).
     const Shape base = expert >= 0 ? routed_expert_shape(*model, module, expert, name) : stored_weight_shape(*model, module, name);
     if (base.size() == 2)

@@ -42,7 +42,6 @@ struct LoraAdapter {
   int64_t max_rank = 0;    // the limit it was loaded under
   int64_t rank = 0;
   float scaling = 1.0f;
-  bool has_routed_experts = false;  // some module is a routed expert's (lora::expert_runs)
   // Where the prefix cache's hash chain starts for its sequences (KvCache::create_sequence): one per loaded
   // adapter, so no block computed with it matches the base model's or another load's.
   uint64_t prefix_root = 0;
@@ -62,6 +61,8 @@ struct LoraAdapter {
   LoraAdapter& operator=(const LoraAdapter&) = delete;
 
   const LoraWeights* find(const std::string& module) const;
+  // Whether some module is a routed expert's (lora::expert_runs).
+  bool has_routed_experts() const { return !expert_stacks.empty(); }
   // Fills expert_stacks from `modules` (after every module is in).
   void index_routed_experts();
 };
