@@ -843,11 +843,11 @@ TEST(CudaMoe, Fp8ExpertsRejectBadArguments) {
 // experts with the same adapter runs (cpu::moe_experts, fp32) on the same bf16-representable weights and pairs:
 // bf16 experts, and FP8 experts against their weights dequantised as the tiles read them. Two adapters of
 // ranks 8 and 4 on two runs of rows with unadapted rows between, some (expert, projection) pairs left out, and
-// some slots another rank's (-1); shapes of the decode path, the WMMA tiles and the wgmma path (which takes the
-// tiles while adapters are present). Within the products' bf16 rounding of the reference on every adapted
+// some slots another rank's (-1); shapes of the decode path, the WMMA tiles and the wgmma path, each of which adds
+// the terms in its own epilogue. Within the products' bf16 rounding of the reference on every adapted
 // row; the adapters move those rows by far more than that (a term on the wrong pair, or left out, fails);
-// rows no adapter touches are bit-identical to a call without adapters on the same path, and a second call
-// gives the same bits.
+// rows no adapter touches are bit-identical to a call without adapters on the decode and WMMA paths, and a
+// second call gives the same bits.
 TEST(CudaMoe, ExpertAdaptersMatchTheCpu) {
   SPARROW_REQUIRE_GPU();
   const uint64_t seed = test::fresh_seed();
@@ -859,7 +859,7 @@ TEST(CudaMoe, ExpertAdaptersMatchTheCpu) {
   const Case cases[] = {
       {6, 256, 128, 16, 4},     // decode
       {200, 192, 96, 4, 2},     // WMMA tiles, > 64 rows per expert
-      {300, 512, 256, 32, 8},   // wgmma's shape: the tiles with adapters
+      {300, 512, 256, 32, 8},   // wgmma
       {64, 256, 128, 8, 3},     // WMMA tiles
   };
   const float alpha = 1.702f, limit = 7.0f;

@@ -345,7 +345,9 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
         with.bytes += double(r.distinct) * double(lora_per_expert) * 2.0;
         with.flops += pairs * 2.0 * double(lora_per_expert);
         const double lora_seconds = with.median_us * 1e-6;
-        with.note = std::string(path == MoePath::Decode ? "decode path" : "tiled path (WMMA)") +
+        with.note = std::string(path == MoePath::Decode  ? "decode path"
+                                : path == MoePath::Wgmma ? "wgmma path"
+                                                         : "tiled path (WMMA)") +
                     " with a rank-16 adapter on every expert: u = A x per pair (a block a pair, projection and 8 rank indices), B u in the "
                     "epilogues; " + fmt_pct(with.bytes / kHbmBytesPerSecond / lora_seconds) + " of 4.3 TB/s; " +
                     std::to_string(int(100.0 * (with.median_us / row.median_us - 1.0) + 0.5)) +

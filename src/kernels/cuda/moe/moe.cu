@@ -788,6 +788,7 @@ struct Args {
   bf16* out;                   // h or y, [pairs, N] in sorted order
   Glu kind;
   float alpha, limit;
+  expert_lora::LoraTerms lora;  // LoRA on the experts: terms added before the activation / the pair weight
 };
 
 using ptx::wgmma_commit;
@@ -1040,6 +1041,19 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
     }
     return v;
   };
+  // LoRA (expert_lora.cuh): each of the thread's two rows' factors, found once; a row past the tile has none.
+  using LoraRow = expert_lora::LoraTerms::Row;
+  LoraRow lora_rows[2][GATE_UP ? 2 : 1];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int b = 0; b < (GATE_UP ? 2 : 1); ++b) {
+      const int r = frag_row + 8 * h;
+      const int proj = GATE_UP ? (b == 0 ? expert_lora::Gate : expert_lora::Up) : expert_lora::Down;
+      lora_rows[h][b] = r < rows ? p.lora.row_of(tile.begin + r, proj) : LoraRow{};
+    }
+  const int64_t col0 = n_tile * OUT_COLS;  // the tile's first output column
+  auto lora_term = [&](int h, int b, int col) { return expert_lora::LoraTerms::dot(lora_rows[h][b], col0 + col); };
   if constexpr (GATE_UP) {
     // Full tile: column groups jj = 0..15 (8 output columns each): the gate at j = 16 (jj / 8) + jj % 8,
     // the up 8 groups later. Half tile: the warpgroup's 128 weight rows are [gate 64 | up 64] of output
@@ -1047,9 +1061,10 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
     auto put = [&](int jg, int ju, int col) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float v0 = glu_value(sum(acc[4 * jg + 2 * h], 0), sum(acc[4 * ju + 2 * h], 1), p.kind, p.alpha, p.limit);
-        const float v1 =
-            glu_value(sum(acc[4 * jg + 2 * h + 1], 0), sum(acc[4 * ju + 2 * h + 1], 1), p.kind, p.alpha, p.limit);
+        const float v0 = glu_value(sum(acc[4 * jg + 2 * h], 0) + lora_term(h, 0, col),
+                                   sum(acc[4 * ju + 2 * h], 1) + lora_term(h, 1, col), p.kind, p.alpha, p.limit);
+        const float v1 = glu_value(sum(acc[4 * jg + 2 * h + 1], 0) + lora_term(h, 0, col + 1),
+                                   sum(acc[4 * ju + 2 * h + 1], 1) + lora_term(h, 1, col + 1), p.kind, p.alpha, p.limit);
         *reinterpret_cast<__nv_bfloat162*>(&c_tile[(frag_row + 8 * h) * PITCH + col]) = __floats2bfloat162_rn(v0, v1);
       }
     };
@@ -1070,8 +1085,9 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_kernel(const Args p) {
     auto put = [&](int j, int col) {
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<__nv_bfloat162*>(&c_tile[(frag_row + 8 * h) * PITCH + col]) = __floats2bfloat162_rn(
-            __fmul_rn(wr[h], sum(acc[4 * j + 2 * h], 0)), __fmul_rn(wr[h], sum(acc[4 * j + 2 * h + 1], 0)));
+        *reinterpret_cast<__nv_bfloat162*>(&c_tile[(frag_row + 8 * h) * PITCH + col]) =
+            __floats2bfloat162_rn(__fmul_rn(wr[h], sum(acc[4 * j + 2 * h], 0) + lora_term(h, 0, col)),
+                                  __fmul_rn(wr[h], sum(acc[4 * j + 2 * h + 1], 0) + lora_term(h, 0, col + 1)));
     };
     if (!half) {
 #pragma unroll
@@ -1482,7 +1498,6 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
       (reinterpret_cast<uintptr_t>(sc.gate_up_groups) % scale_align != 0 ||
        reinterpret_cast<uintptr_t>(sc.down_groups) % scale_align != 0))
     path = MoePath::Tiled;
-  if (adapted && path == MoePath::Wgmma) path = MoePath::Tiled;  // only the WMMA epilogue adds LoRA terms
   const int tile_rows = path == MoePath::Decode ? decode_tile_rows(tokens, hidden, inter, C) : 0;
   if (path == MoePath::Decode && num_experts <= DECODE_SORT_EXPERTS && pairs <= DECODE_SORT_PAIRS) {
     decode_sort_kernel<<<1, DECODE_SORT_THREADS, 0, stream>>>(experts, int(pairs), int(num_experts), tile_rows, tiles,
@@ -1535,10 +1550,12 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
     wg::Args up{};  // the fields both products share, then gate/up's
     up.tiles = tiles, up.num_tiles = num_tiles, up.tile_start = tile_start, up.counts = counts;
     up.sorted_pair = sorted_pair, up.top_k = int(top_k), up.kind = glu_kind, up.alpha = alpha, up.limit = limit;
+    up.lora = terms;
     wg::Args dn = up;
     up.a = static_cast<const bf16*>(x), up.K = hidden, up.N = inter, up.n_tiles = int(inter / 128), up.out = h;
     up.w = gate_up, up.w_scales = gate_up_scales, up.w_groups = sc.gate_up_groups, up.w_global = sc.gate_up_global;
     launch_wgmma<true, C>(what, up, max_tiles, stream);
+    if (adapted) shrink(h, inter, true, expert_lora::Down, expert_lora::Down);
     dn.a = h, dn.K = inter, dn.N = hidden, dn.n_tiles = int(hidden / wg::BN), dn.out = y, dn.pair_weight = weights;
     dn.w = down, dn.w_scales = down_scales, dn.w_groups = sc.down_groups, dn.w_global = sc.down_global;
     launch_wgmma<false, C>(what, dn, max_tiles, stream);

@@ -57,9 +57,8 @@ enum class MoePath { Decode, Tiled, Wgmma };
 // two points where vLLM's fused_moe_lora adds them. For each adapted (token, slot) pair, u = A · x (gate, up)
 // and u = A · h (down: h the bf16 activation row the down product reads) in fp32 over bf16 operands, in an
 // order fixed by the row's own sizes; each output element then adds B[col] · u in fp32 in its epilogue.
-// Deterministic, and a pair's terms do not depend on the other rows of the step. The Wgmma path's shapes take
-// the Tiled path's kernels while adapters are present (the Tiled epilogue adds the terms; the wgmma epilogue
-// does not).
+// Every path's epilogue adds them (decode, WMMA tiles, wgmma). Deterministic, and a pair's terms do not depend
+// on the other rows of the step.
 struct ExpertLoraEntry {
   const void* a = nullptr;  // bf16 [rank, in]; null: this (adapter, expert, projection) is not adapted
   const void* b = nullptr;  // bf16 [out, rank], times the adapter's scaling
