@@ -100,6 +100,24 @@ class Lora : public ::testing::TestWithParam<std::string> {};
 
 }  // namespace
 
+// The prompts through `merged` alone, through `base` with `adapter`, and through `base` alone: the adapted
+// answers are checked against the merged ones (greedy equal, logprobs within 2e-3); each caller then checks that
+// the adapter matters.
+struct AdapterRun {
+  std::vector<Request> plain;
+  Outputs want, got, without;
+};
+AdapterRun expect_answers_as(Model& base, Model& merged, std::shared_ptr<const LoraAdapter> adapter,
+                             const std::string& what) {
+  AdapterRun run_of;
+  run_of.plain = prompts(base.vocab_size(), true);
+  run_of.want = run(merged, run_of.plain, false);
+  run_of.got = run(base, with_adapter(run_of.plain, adapter, "+a"), false);
+  run_of.without = run(base, run_of.plain, false);
+  for (const Request& r : run_of.plain) expect_close(run_of.got.at(r.id + "+a"), run_of.want.at(r.id), 2e-3, what + " " + r.id);
+  return run_of;
+}
+
 // An adapter over `which` projections answers as its merged checkpoint, and differently from the base model.
 void expect_answers_as_merged(const std::string& model, Targets which) {
   const fs::path dir = bundled(model);
@@ -111,18 +129,14 @@ void expect_answers_as_merged(const std::string& model, Targets which) {
   EXPECT_EQ(adapter->modules.size(), a.ab.size());
   EXPECT_FLOAT_EQ(adapter->scaling, 2.0f);
   auto merged_weights = load_model(merged->path());
-  const std::vector<Request> plain = prompts(base->vocab_size(), true);
-  const Outputs want = run(*merged_weights, plain, false);
-  const Outputs got = run(*base, with_adapter(plain, adapter, "+a"), false);
-  const Outputs without = run(*base, plain, false);
+  const AdapterRun out = expect_answers_as(*base, *merged_weights, adapter, model);
   double differs = 0;
-  for (const Request& r : plain) {
-    expect_close(got.at(r.id + "+a"), want.at(r.id), 2e-3, model + " " + r.id);
+  for (const Request& r : out.plain) {
     // The adapter must matter: its answers are not the base model's.
-    for (size_t i = 0; i < want.at(r.id).prompt_logprobs.size(); ++i)
-      if (want.at(r.id).prompt_logprobs[i] && without.at(r.id).prompt_logprobs[i])
-        differs = std::max(differs, std::fabs(double(want.at(r.id).prompt_logprobs[i]->logprob) -
-                                              without.at(r.id).prompt_logprobs[i]->logprob));
+    for (size_t i = 0; i < out.want.at(r.id).prompt_logprobs.size(); ++i)
+      if (out.want.at(r.id).prompt_logprobs[i] && out.without.at(r.id).prompt_logprobs[i])
+        differs = std::max(differs, std::fabs(double(out.want.at(r.id).prompt_logprobs[i]->logprob) -
+                                              out.without.at(r.id).prompt_logprobs[i]->logprob));
   }
   EXPECT_GT(differs, 0.05) << "the adapter hardly changes the model: the test would not see it ignored";
 }
@@ -159,14 +173,9 @@ TEST_P(Lora, AnAdapterInVllmsSharedOuterFormAnswersAsItsMergedCheckpoint) {
   EXPECT_EQ(first.down[0]->b.data(), first.down[1]->b.data()) << "the shared B is stored once a stack";
   EXPECT_NE(first.gate[0]->b.data(), first.gate[1]->b.data());
   auto merged_weights = load_model(merged->path());
-  const std::vector<Request> plain = prompts(base->vocab_size(), true);
-  const Outputs want = run(*merged_weights, plain, false);
-  const Outputs got = run(*base, with_adapter(plain, adapter, "+a"), false);
-  const Outputs without = run(*base, plain, false);
-  for (const Request& r : plain) {
-    expect_close(got.at(r.id + "+a"), want.at(r.id), 2e-3, GetParam() + " " + r.id);
-    EXPECT_NE(want.at(r.id).prompt_logprobs.back()->logprob, without.at(r.id).prompt_logprobs.back()->logprob);
-  }
+  const AdapterRun out = expect_answers_as(*base, *merged_weights, adapter, GetParam());
+  for (const Request& r : out.plain)
+    EXPECT_NE(out.want.at(r.id).prompt_logprobs.back()->logprob, out.without.at(r.id).prompt_logprobs.back()->logprob);
 }
 
 TEST_P(Lora, AdaptersAndTheBaseModelShareABatchAndAnswerAsAlone) {
@@ -231,14 +240,9 @@ TEST_P(LoraOnQuantizedWeights, AnAdapterAnswersAsItsMergeIntoTheDequantizedTwin)
   auto adapter = load_lora_adapter("a", a.dir(), dir.string(), Device::Cpu, 16);
   EXPECT_EQ(adapter->modules.size(), a.ab.size());
   auto merged_weights = load_model(merged->path());
-  const std::vector<Request> plain = prompts(quantized->vocab_size(), true);
-  const Outputs want = run(*merged_weights, plain, false);
-  const Outputs got = run(*quantized, with_adapter(plain, adapter, "+a"), false);
-  const Outputs without = run(*quantized, plain, false);
-  for (const Request& r : plain) {
-    expect_close(got.at(r.id + "+a"), want.at(r.id), 2e-3, GetParam() + " " + r.id);
-    EXPECT_NE(got.at(r.id + "+a").prompt_logprobs.back()->logprob, without.at(r.id).prompt_logprobs.back()->logprob);
-  }
+  const AdapterRun out = expect_answers_as(*quantized, *merged_weights, adapter, GetParam());
+  for (const Request& r : out.plain)
+    EXPECT_NE(out.got.at(r.id + "+a").prompt_logprobs.back()->logprob, out.without.at(r.id).prompt_logprobs.back()->logprob);
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, LoraOnQuantizedWeights, ::testing::Values("minimax_m3_nvfp4", "deepseek_v32_mxfp4"));

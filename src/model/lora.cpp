@@ -130,6 +130,12 @@ Shape routed_expert_shape(Checkpoint& model, const std::string& module, int64_t 
   return down ? Shape{whole[1], whole[2]} : Shape{whole[1] / 2, whole[2]};
 }
 
+// The naming the checkpoint gives the experts of stack "<moe>.experts": the releases' w1 / w3 / w2 where it
+// has them, else transformers' gate_proj / up_proj / down_proj.
+const Checkpoint::ExpertNames& expert_names_in(Checkpoint& model, const std::string& stack) {
+  return model.has(stack + ".0.w1.weight") ? Checkpoint::kReleaseExpertNames : Checkpoint::kTransformersExpertNames;
+}
+
 // PEFT's form for experts stacked in one parameter (LoraConfig.target_parameters on transformers' fused
 // MoE): "<moe>.experts.base_layer" adapts gate_up_proj [E, 2I, H] and "<moe>.experts" down_proj [E, H, I].
 bool is_expert_stack(const std::string& module) {
@@ -148,8 +154,7 @@ void split_expert_stack(const std::string& module, const LowRank& pair, int64_t 
                         std::map<std::string, LowRank>& out) {
   const bool gate_up = module.ends_with(".base_layer");
   const std::string stack = gate_up ? module.substr(0, module.size() - std::string(".base_layer").size()) : module;
-  const Checkpoint::ExpertNames& names =
-      model.has(stack + ".0.w1.weight") ? Checkpoint::kReleaseExpertNames : Checkpoint::kTransformersExpertNames;
+  const Checkpoint::ExpertNames& names = expert_names_in(model, stack);
   const int64_t experts = pair.a.dim(0) / r, in = pair.a.dim(1), rows = pair.b.dim(0);
   for (int64_t e = 0; e < experts; ++e) {
     Tensor a = Tensor::empty({r, in}), b = Tensor::empty({rows, r});
@@ -187,8 +192,7 @@ void split_shared_outer_stack(const std::string& module, const Tensor& a, const 
                 shape_str(b.shape()), " (expected [experts or 1, ", r, ", in] and [experts or 1, out, ", r,
                 "], at least one of them by expert)");
   const std::string stack = module.substr(0, module.size() - 3), which = module.substr(module.size() - 2);
-  const Checkpoint::ExpertNames& names =
-      model.has(stack + ".0.w1.weight") ? Checkpoint::kReleaseExpertNames : Checkpoint::kTransformersExpertNames;
+  const Checkpoint::ExpertNames& names = expert_names_in(model, stack);
   const std::string leaf = which == "w1" ? names.gate : which == "w3" ? names.up : names.down;
   const Tensor shared_a = a.dim(0) == 1 ? a.reshape({a.dim(1), a.dim(2)}) : Tensor();
   const Tensor shared_b = b.dim(0) == 1 ? b.reshape({b.dim(1), b.dim(2)}) : Tensor();

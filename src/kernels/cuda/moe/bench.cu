@@ -138,6 +138,11 @@ std::string fmt_pct(double v) {
   return buf;
 }
 
+// The expert path a shape takes, as the rows' notes name it.
+const char* path_label(MoePath path) {
+  return path == MoePath::Decode ? "decode path" : path == MoePath::Wgmma ? "wgmma path" : "tiled path (WMMA)";
+}
+
 }  // namespace
 
 void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& rows) {
@@ -314,9 +319,7 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
         const MoePath path = moe_experts_path(tokens, k, E, H, I);
         std::string how;
         if (fp4)
-          how = std::string(path == MoePath::Decode  ? "decode path"
-                            : path == MoePath::Wgmma ? "wgmma path"
-                                                     : "tiled path (WMMA)") +
+          how = std::string(path_label(path)) +
                 (mx8 ? ": e4m3 experts read in place, each code turned into bf16 times its "
                      : ": packed e2m1 experts read in place, each code turned into bf16 times its ") +
                 (w == W::Nvfp4 ? "E4M3 scale per 16 (global scale on the sums)" : "E8M0 scale per 32") +
@@ -345,9 +348,7 @@ void bench_moe(const KernelBenchOptions& options, std::vector<KernelBenchRow>& r
         with.bytes += double(r.distinct) * double(lora_per_expert) * 2.0;
         with.flops += pairs * 2.0 * double(lora_per_expert);
         const double lora_seconds = with.median_us * 1e-6;
-        with.note = std::string(path == MoePath::Decode  ? "decode path"
-                                : path == MoePath::Wgmma ? "wgmma path"
-                                                         : "tiled path (WMMA)") +
+        with.note = std::string(path_label(path)) +
                     " with a rank-16 adapter on every expert: u = A x per pair (a block a pair, projection and 8 rank indices), B u in the "
                     "epilogues; " + fmt_pct(with.bytes / kHbmBytesPerSecond / lora_seconds) + " of 4.3 TB/s; " +
                     std::to_string(int(100.0 * (with.median_us / row.median_us - 1.0) + 0.5)) +
