@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "engine/request.h"
+#include "formats/checkpoint.h"
 #include "formats/safetensors.h"
 #include "model/lora.h"
 #include "test_util.h"
@@ -108,7 +109,9 @@ inline void make_shared_outer(Adapter& a) {
   for (const auto& [module, ab] : a.ab) {
     const size_t leaf_at = module.rfind('.'), number_at = module.rfind('.', leaf_at - 1);
     const std::string leaf = module.substr(leaf_at + 1), stack = module.substr(0, number_at);
-    const std::string which = leaf == "gate_proj" || leaf == "w1" ? "w1" : leaf == "up_proj" || leaf == "w3" ? "w3" : "w2";
+    // The shared-outer file names its stacks by the release's leaves, whichever naming the modules had.
+    const auto &t = Checkpoint::kTransformersExpertNames, &r = Checkpoint::kReleaseExpertNames;
+    const std::string which = leaf == t.gate || leaf == r.gate ? r.gate : leaf == t.up || leaf == r.up ? r.up : r.down;
     stacks[stack].by_leaf[which][std::stoll(module.substr(number_at + 1, leaf_at - number_at - 1))] = module;
   }
   std::vector<std::pair<std::string, Tensor>> out;
