@@ -1,0 +1,100 @@
+#include "vision/resize.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "core/error.h"
+
+namespace sparrow::vision {
+namespace {
+
+// Keys' cubic convolution kernel with a = -0.5 (PyTorch's and Pillow's bicubic filter).
+double keys_cubic(double x) {
+  constexpr double a = -0.5;
+  x = std::abs(x);
+  if (x < 1.0) return ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0;
+  if (x < 2.0) return ((a * x - 5.0 * a) * x + 8.0 * a) * x - 4.0 * a;
+  return 0.0;
+}
+
+// One dimension's taps: output i reads inputs [first[i], first[i] + count[i]) with weights
+// weights[i * max_taps + j], integers of `precision` fraction bits.
+struct Taps {
+  std::vector<int64_t> first, count;
+  std::vector<int32_t> weights;
+  int64_t max_taps = 0;
+  int precision = 0;
+};
+
+Taps bicubic_taps(int64_t in, int64_t out) {
+  const double scale = double(in) / double(out);
+  const double support = scale >= 1.0 ? 2.0 * scale : 2.0;  // the cubic's half-width of 2, stretched
+  const double inverse_scale = scale >= 1.0 ? 1.0 / scale : 1.0;
+  Taps t;
+  t.max_taps = int64_t(std::ceil(support)) * 2 + 1;
+  t.first.resize(out);
+  t.count.resize(out);
+  std::vector<double> weights(size_t(out * t.max_taps), 0.0);
+  double largest = 0.0;
+  for (int64_t i = 0; i < out; ++i) {
+    const double centre = scale * (double(i) + 0.5);
+    const int64_t first = std::max(int64_t(centre - support + 0.5), int64_t(0));
+    const int64_t count = std::clamp(std::min(int64_t(centre + support + 0.5), in) - first, int64_t(0), t.max_taps);
+    double* w = weights.data() + i * t.max_taps;
+    double total = 0.0;
+    for (int64_t j = 0; j < count; ++j) total += (w[j] = keys_cubic((double(j + first) - centre + 0.5) * inverse_scale));
+    if (total != 0.0)
+      for (int64_t j = 0; j < count; ++j) largest = std::max(largest, w[j] /= total);
+    t.first[i] = first;
+    t.count[i] = count;
+  }
+  for (t.precision = 0; t.precision < 22; ++t.precision)
+    if (int(0.5 + largest * double(1 << (t.precision + 1))) >= (1 << 15)) break;
+  t.weights.resize(weights.size());
+  for (size_t k = 0; k < weights.size(); ++k) {
+    const double v = weights[k] * double(1 << t.precision);
+    t.weights[k] = int16_t(v < 0 ? int(-0.5 + v) : int(0.5 + v));
+  }
+  return t;
+}
+
+uint8_t fixed_point_to_byte(int32_t sum, int precision) {
+  return uint8_t(std::clamp(sum >> precision, 0, 255));
+}
+
+}  // namespace
+
+Image resize_bicubic_antialiased(const Image& image, int64_t height, int64_t width) {
+  SPARROW_CHECK(image.height > 0 && image.width > 0 && height > 0 && width > 0, "resize: no pixels (",
+                image.width, "x", image.height, " to ", width, "x", height, ")");
+  Image wide = image;
+  if (width != image.width) {
+    const Taps t = bicubic_taps(image.width, width);
+    wide = Image{image.height, width, std::vector<uint8_t>(size_t(image.height * width * 3))};
+    for (int64_t y = 0; y < image.height; ++y)
+      for (int64_t x = 0; x < width; ++x) {
+        const int32_t* w = t.weights.data() + x * t.max_taps;
+        for (int c = 0; c < 3; ++c) {
+          int32_t sum = t.precision > 0 ? 1 << (t.precision - 1) : 0;
+          for (int64_t j = 0; j < t.count[x]; ++j) sum += image.pixel(y, t.first[x] + j)[c] * w[j];
+          wide.rgb[size_t((y * width + x) * 3 + c)] = fixed_point_to_byte(sum, t.precision);
+        }
+      }
+  }
+  if (height == wide.height) return wide;
+  const Taps t = bicubic_taps(wide.height, height);
+  Image out{height, width, std::vector<uint8_t>(size_t(height * width * 3))};
+  for (int64_t y = 0; y < height; ++y) {
+    const int32_t* w = t.weights.data() + y * t.max_taps;
+    for (int64_t x = 0; x < width; ++x)
+      for (int c = 0; c < 3; ++c) {
+        int32_t sum = t.precision > 0 ? 1 << (t.precision - 1) : 0;
+        for (int64_t j = 0; j < t.count[y]; ++j) sum += wide.pixel(t.first[y] + j, x)[c] * w[j];
+        out.rgb[size_t((y * width + x) * 3 + c)] = fixed_point_to_byte(sum, t.precision);
+      }
+  }
+  return out;
+}
+
+}  // namespace sparrow::vision

@@ -1,0 +1,23 @@
+// An image as a request carries it (src/vision/image.h): decode_image under a small pixel limit, then the
+// MiniMax-M3-VL processor on what decodes (smart_resize, the resize, the patches), so that a size the decoder
+// let through reaches the code that indexes by it. A broken image must be refused with a sparrow::Error.
+#include <cstdint>
+
+#include "fuzz_util.h"
+#include "vision/image.h"
+#include "vision/patch_processor.h"
+
+using namespace sparrow;
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  fuzz::refusing_only_with_errors([&] {
+    const vision::Image image = vision::decode_image(fuzz::as_text(data, size), vision::DecodeLimits{1 << 18});
+    fuzz::require(image.height > 0 && image.width > 0 && image.rgb.size() == size_t(image.height * image.width * 3),
+                  "a decoded image has its pixels");
+    vision::PatchProcessorConfig config;
+    config.max_pixels = 28 * 28 * 16;  // a small grid: the resize and the patches stay fast
+    const vision::ImagePatches patches = vision::patchify_image(image, config);
+    fuzz::require(patches.pixel_values.dim(0) == patches.grid_h * patches.grid_w, "one row per patch");
+  });
+  return 0;
+}

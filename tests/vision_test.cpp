@@ -1,0 +1,153 @@
+// Image decoding, resizing and MiniMax-M3-VL's patch processor against what PIL, torchvision and transformers
+// 5.17 make of the same files (tests/data/images, written by tools/make_image_fixtures.py), byte for byte and
+// bit for bit; and bad images refused with one-line errors.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "formats/safetensors.h"
+#include "test_util.h"
+#include "vision/image.h"
+#include "vision/patch_processor.h"
+#include "vision/resize.h"
+
+namespace sparrow::vision {
+namespace {
+
+using testing::error_message;
+using testing::mentions;
+using testing::slurp;
+
+const std::filesystem::path kImages = std::filesystem::path(SPARROW_SOURCE_DIR) / "tests" / "data" / "images";
+
+struct Expected {
+  std::shared_ptr<SafetensorsFile> file = SafetensorsFile::open((kImages / "expected.safetensors").string());
+  nlohmann::json cases = nlohmann::json::parse(slurp(kImages / "cases.json"));
+  const TensorInfo* find(const std::string& key) const {
+    auto it = file->tensors().find(key);
+    return it == file->tensors().end() ? nullptr : &it->second;
+  }
+};
+
+const Expected& expected() {
+  static const Expected e;
+  return e;
+}
+
+// Where `image` differs from the uint8 [h, w, 3] tensor `key` ("" when it matches exactly).
+std::string differences(const Image& image, const std::string& key) {
+  const TensorInfo* want = expected().find(key);
+  if (!want) return "no tensor " + key;
+  if (want->dtype != DType::U8 || want->shape != Shape{image.height, image.width, 3})
+    return key + ": " + std::to_string(image.width) + "x" + std::to_string(image.height) + " against the expected shape";
+  int64_t wrong = 0, first = -1;
+  for (size_t i = 0; i < image.rgb.size(); ++i)
+    if (image.rgb[i] != want->data[i]) {
+      if (first < 0) first = int64_t(i);
+      ++wrong;
+    }
+  if (!wrong) return "";
+  return key + ": " + std::to_string(wrong) + " of " + std::to_string(image.rgb.size()) + " bytes differ, first at " +
+         std::to_string(first) + " (" + std::to_string(image.rgb[first]) + " against " +
+         std::to_string(want->data[first]) + ")";
+}
+
+Image expected_image(const std::string& key) {
+  const TensorInfo& t = *expected().find(key);
+  Image image{t.shape[0], t.shape[1], std::vector<uint8_t>(t.data, t.data + t.nbytes)};
+  return image;
+}
+
+class EveryImage : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(EveryImage, DecodesAsPil) {
+  const std::string name = GetParam();
+  EXPECT_EQ(differences(decode_image(slurp(kImages / name)), name + ".rgb"), "");
+}
+
+// From PIL's pixels, so that a decoding difference does not hide or cause a resizing one.
+TEST_P(EveryImage, ResizesAsTorchvision) {
+  const std::string name = GetParam();
+  const Image rgb = expected_image(name + ".rgb");
+  const auto& settings = expected().cases.at(name);
+  const auto [height, width] =
+      smart_resize(rgb.height, rgb.width, 28, settings.at("min_pixels"), settings.at("max_pixels"));
+  EXPECT_EQ(differences(resize_bicubic_antialiased(rgb, height, width), name + ".resized"), "");
+}
+
+TEST_P(EveryImage, PatchesAsTheMiniMaxM3VlProcessor) {
+  const std::string name = GetParam();
+  const auto& settings = expected().cases.at(name);
+  PatchProcessorConfig config;
+  config.min_pixels = settings.at("min_pixels");
+  config.max_pixels = settings.at("max_pixels");
+  const ImagePatches patches = patchify_image(expected_image(name + ".rgb"), config);
+  const TensorInfo& grid = *expected().find(name + ".grid");
+  const auto* thw = reinterpret_cast<const int64_t*>(grid.data);
+  EXPECT_EQ(patches.grid_t, thw[0]);
+  EXPECT_EQ(patches.grid_h, thw[1]);
+  EXPECT_EQ(patches.grid_w, thw[2]);
+  EXPECT_EQ(patches.tokens(config.merge_size), thw[0] * thw[1] * thw[2] / 4);
+  const TensorInfo* want = expected().find(name + ".pixel_values");
+  if (!want) return;  // stored for two images (tools/make_image_fixtures.py)
+  ASSERT_EQ(want->shape, patches.pixel_values.shape());
+  ASSERT_EQ(want->dtype, DType::F32);
+  int64_t wrong = 0;
+  const float* got = patches.pixel_values.data();
+  for (int64_t i = 0; i < patches.pixel_values.numel(); ++i) {
+    float w;
+    std::memcpy(&w, want->data + i * 4, 4);
+    wrong += got[i] != w;  // exact: the same float32 operations in the same order
+  }
+  EXPECT_EQ(wrong, 0) << "of " << patches.pixel_values.numel();
+}
+
+std::vector<std::string> image_names() {
+  std::vector<std::string> names;
+  for (const auto& [name, settings] : expected().cases.items()) names.push_back(name);
+  return names;
+}
+
+INSTANTIATE_TEST_SUITE_P(Images, EveryImage, ::testing::ValuesIn(image_names()), [](const auto& info) {
+  std::string id = info.param;
+  for (char& c : id)
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  return id;
+});
+
+TEST(SmartResize, FollowsPythonsRoundingAndTheLimits) {
+  // 70 / 28 = 2.5: Python's round is half-to-even, so 56, not 84.
+  EXPECT_EQ(smart_resize(70, 280, 28, 3136, 451584), (std::pair<int64_t, int64_t>{56, 280}));
+  EXPECT_EQ(smart_resize(126, 280, 28, 3136, 451584), (std::pair<int64_t, int64_t>{112, 280}));  // 4.5 -> 4
+  // Over max_pixels: scaled down to fit, each side at least one factor.
+  const auto [h, w] = smart_resize(3000, 4000, 28, 3136, 451584);
+  EXPECT_LE(h * w, 451584);
+  EXPECT_EQ(h % 28, 0);
+  EXPECT_EQ(w % 28, 0);
+  EXPECT_TRUE(mentions(error_message([] { smart_resize(10, 2500, 28, 3136, 451584); }), {"aspect ratio", "200"}));
+}
+
+TEST(DecodeImage, RefusesWhatItCannotReadInOneLine) {
+  const std::string png = slurp(kImages / "rgb_97x61.png"), jpeg = slurp(kImages / "q85_420_101x75.jpg");
+  EXPECT_TRUE(mentions(error_message([] { decode_image("hello, world"); }), {"not an image", "PNG or JPEG"}));
+  EXPECT_TRUE(mentions(error_message([] { decode_image(""); }), {"not an image"}));
+  EXPECT_TRUE(mentions(error_message([] { decode_image(std::string("RIFF\x10\0\0\0WEBPVP8 ", 16)); }), {"WebP"}));
+  // Truncated anywhere: in the header, in the pixels.
+  for (size_t keep : {size_t(12), size_t(40), png.size() / 2, png.size() - 13})
+    EXPECT_TRUE(mentions(error_message([&] { decode_image(png.substr(0, keep)); }), {"PNG"})) << keep;
+  for (size_t keep : {size_t(4), size_t(200), jpeg.size() / 2, jpeg.size() - 2})
+    EXPECT_TRUE(mentions(error_message([&] { decode_image(jpeg.substr(0, keep)); }), {"JPEG"})) << keep;
+  // A corrupt chunk: PNG checks its CRCs.
+  std::string flipped = png;
+  flipped[png.size() / 2] ^= 0x55;
+  EXPECT_TRUE(mentions(error_message([&] { decode_image(flipped); }), {"PNG"}));
+  // Over the pixel limit: refused from the header.
+  EXPECT_TRUE(mentions(error_message([&] { decode_image(png, DecodeLimits{1000}); }), {"97x61", "over the limit", "1000"}));
+  EXPECT_TRUE(mentions(error_message([&] { decode_image(jpeg, DecodeLimits{1000}); }), {"101x75", "over the limit"}));
+}
+
+}  // namespace
+}  // namespace sparrow::vision
