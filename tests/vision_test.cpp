@@ -1,6 +1,7 @@
-// Image decoding, resizing and MiniMax-M3-VL's patch processor against what PIL, torchvision and transformers
-// 5.17 make of the same files (tests/data/images, written by tools/make_image_fixtures.py), byte for byte and
-// bit for bit; and bad images refused with one-line errors.
+// Image decoding, resizing and the two families' processors against what the Python side makes of the same
+// files (tests/data/images, written by tools/make_image_fixtures.py): PIL's decoding, torchvision's resize and
+// transformers 5.17's MiniMax-M3-VL processor; PIL's resize and vLLM's Kimi K3 preprocessing (a reference
+// written from vLLM's code). Byte for byte and bit for bit; and bad images refused with one-line errors.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -11,7 +12,8 @@
 #include "formats/safetensors.h"
 #include "test_util.h"
 #include "vision/image.h"
-#include "vision/patch_processor.h"
+#include "vision/kimi_k3_processor.h"
+#include "vision/minimax_m3_vl_processor.h"
 #include "vision/resize.h"
 
 namespace sparrow::vision {
@@ -55,6 +57,22 @@ std::string differences(const Image& image, const std::string& key) {
          std::to_string(want->data[first]) + ")";
 }
 
+// `got` equals the fp32 tensor `key` bit for bit (the same float32 operations in the same order); nothing to
+// check when the fixture stores no such tensor (pixel values are stored for two images).
+void expect_same_floats(const Tensor& got, const std::string& key) {
+  const TensorInfo* want = expected().find(key);
+  if (!want) return;
+  ASSERT_EQ(want->shape, got.shape()) << key;
+  ASSERT_EQ(want->dtype, DType::F32) << key;
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    float w;
+    std::memcpy(&w, want->data + i * 4, 4);
+    wrong += got.data()[i] != w;
+  }
+  EXPECT_EQ(wrong, 0) << key << ": of " << got.numel();
+}
+
 Image expected_image(const std::string& key) {
   const TensorInfo& t = *expected().find(key);
   Image image{t.shape[0], t.shape[1], std::vector<uint8_t>(t.data, t.data + t.nbytes)};
@@ -75,7 +93,7 @@ TEST_P(EveryImage, ResizesAsTorchvision) {
   const auto& settings = expected().cases.at(name);
   const auto [height, width] =
       smart_resize(rgb.height, rgb.width, 28, settings.at("min_pixels"), settings.at("max_pixels"));
-  EXPECT_EQ(differences(resize_bicubic_antialiased(rgb, height, width), name + ".resized"), "");
+  EXPECT_EQ(differences(resize_bicubic(rgb, height, width, ResizeKernel::Torch), name + ".resized"), "");
 }
 
 TEST_P(EveryImage, PatchesAsTheMiniMaxM3VlProcessor) {
@@ -91,18 +109,25 @@ TEST_P(EveryImage, PatchesAsTheMiniMaxM3VlProcessor) {
   EXPECT_EQ(patches.grid_h, thw[1]);
   EXPECT_EQ(patches.grid_w, thw[2]);
   EXPECT_EQ(patches.tokens(config.merge_size), thw[0] * thw[1] * thw[2] / 4);
-  const TensorInfo* want = expected().find(name + ".pixel_values");
-  if (!want) return;  // stored for two images (tools/make_image_fixtures.py)
-  ASSERT_EQ(want->shape, patches.pixel_values.shape());
-  ASSERT_EQ(want->dtype, DType::F32);
-  int64_t wrong = 0;
-  const float* got = patches.pixel_values.data();
-  for (int64_t i = 0; i < patches.pixel_values.numel(); ++i) {
-    float w;
-    std::memcpy(&w, want->data + i * 4, 4);
-    wrong += got[i] != w;  // exact: the same float32 operations in the same order
-  }
-  EXPECT_EQ(wrong, 0) << "of " << patches.pixel_values.numel();
+  expect_same_floats(patches.pixel_values, name + ".pixel_values");
+}
+
+TEST_P(EveryImage, PatchesAsVllmsKimiK3Preprocessing) {
+  const std::string name = GetParam();
+  const auto& settings = expected().cases.at(name).at("kimi");
+  KimiK3ProcessorConfig config;
+  config.in_patch_limit = settings.at("in_patch_limit");
+  config.patch_limit_on_one_side = settings.at("patch_limit_on_one_side");
+  const Image rgb = expected_image(name + ".rgb");
+  const NavitSize size = navit_resize(rgb.height, rgb.width, config);
+  EXPECT_EQ(differences(resize_bicubic(rgb, size.new_height, size.new_width, ResizeKernel::Pillow),
+                        name + ".kimi_resized"), "");
+  const KimiImagePatches patches = kimi_k3_patches(rgb, config);
+  const auto* grid = reinterpret_cast<const int64_t*>(expected().find(name + ".kimi_grid")->data);
+  EXPECT_EQ(patches.grid_h, grid[0]);
+  EXPECT_EQ(patches.grid_w, grid[1]);
+  EXPECT_EQ(patches.num_tokens, grid[2]);
+  expect_same_floats(patches.pixel_values, name + ".kimi_pixel_values");
 }
 
 std::vector<std::string> image_names() {

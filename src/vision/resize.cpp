@@ -9,12 +9,15 @@
 namespace sparrow::vision {
 namespace {
 
-// Keys' cubic convolution kernel with a = -0.5 (PyTorch's and Pillow's bicubic filter).
-double keys_cubic(double x) {
+// Keys' cubic convolution kernel with a = -0.5, as each library writes it: the same function, but the outer
+// piece's operations differ, and so can its last bit, which can move a weight's rounding.
+double keys_cubic(double x, ResizeKernel kernel) {
   constexpr double a = -0.5;
   x = std::abs(x);
   if (x < 1.0) return ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0;
-  if (x < 2.0) return ((a * x - 5.0 * a) * x + 8.0 * a) * x - 4.0 * a;
+  if (x < 2.0)
+    return kernel == ResizeKernel::Torch ? ((a * x - 5.0 * a) * x + 8.0 * a) * x - 4.0 * a
+                                         : (((x - 5.0) * x + 8.0) * x - 4.0) * a;
   return 0.0;
 }
 
@@ -27,7 +30,7 @@ struct Taps {
   int precision = 0;
 };
 
-Taps bicubic_taps(int64_t in, int64_t out) {
+Taps bicubic_taps(int64_t in, int64_t out, ResizeKernel kernel) {
   const double scale = double(in) / double(out);
   const double support = scale >= 1.0 ? 2.0 * scale : 2.0;  // the cubic's half-width of 2, stretched
   const double inverse_scale = scale >= 1.0 ? 1.0 / scale : 1.0;
@@ -43,18 +46,23 @@ Taps bicubic_taps(int64_t in, int64_t out) {
     const int64_t count = std::clamp(std::min(int64_t(centre + support + 0.5), in) - first, int64_t(0), t.max_taps);
     double* w = weights.data() + i * t.max_taps;
     double total = 0.0;
-    for (int64_t j = 0; j < count; ++j) total += (w[j] = keys_cubic((double(j + first) - centre + 0.5) * inverse_scale));
+    for (int64_t j = 0; j < count; ++j) total += (w[j] = keys_cubic((double(j + first) - centre + 0.5) * inverse_scale, kernel));
     if (total != 0.0)
       for (int64_t j = 0; j < count; ++j) largest = std::max(largest, w[j] /= total);
     t.first[i] = first;
     t.count[i] = count;
   }
-  for (t.precision = 0; t.precision < 22; ++t.precision)
-    if (int(0.5 + largest * double(1 << (t.precision + 1))) >= (1 << 15)) break;
+  if (kernel == ResizeKernel::Torch) {  // int16 weights: the most fraction bits that keep them under 2^15
+    for (t.precision = 0; t.precision < 22; ++t.precision)
+      if (int(0.5 + largest * double(1 << (t.precision + 1))) >= (1 << 15)) break;
+  } else {  // Pillow's PRECISION_BITS, 32 - 8 - 2
+    t.precision = 22;
+  }
   t.weights.resize(weights.size());
   for (size_t k = 0; k < weights.size(); ++k) {
     const double v = weights[k] * double(1 << t.precision);
-    t.weights[k] = int16_t(v < 0 ? int(-0.5 + v) : int(0.5 + v));
+    const int rounded = v < 0 ? int(-0.5 + v) : int(0.5 + v);
+    t.weights[k] = kernel == ResizeKernel::Torch ? int16_t(rounded) : rounded;
   }
   return t;
 }
@@ -65,12 +73,12 @@ uint8_t fixed_point_to_byte(int32_t sum, int precision) {
 
 }  // namespace
 
-Image resize_bicubic_antialiased(const Image& image, int64_t height, int64_t width) {
+Image resize_bicubic(const Image& image, int64_t height, int64_t width, ResizeKernel kernel) {
   SPARROW_CHECK(image.height > 0 && image.width > 0 && height > 0 && width > 0, "resize: no pixels (",
                 image.width, "x", image.height, " to ", width, "x", height, ")");
   Image wide = image;
   if (width != image.width) {
-    const Taps t = bicubic_taps(image.width, width);
+    const Taps t = bicubic_taps(image.width, width, kernel);
     wide = Image{image.height, width, std::vector<uint8_t>(size_t(image.height * width * 3))};
     for (int64_t y = 0; y < image.height; ++y)
       for (int64_t x = 0; x < width; ++x) {
@@ -83,7 +91,7 @@ Image resize_bicubic_antialiased(const Image& image, int64_t height, int64_t wid
       }
   }
   if (height == wide.height) return wide;
-  const Taps t = bicubic_taps(wide.height, height);
+  const Taps t = bicubic_taps(wide.height, height, kernel);
   Image out{height, width, std::vector<uint8_t>(size_t(height * width * 3))};
   for (int64_t y = 0; y < height; ++y) {
     const int32_t* w = t.weights.data() + y * t.max_taps;

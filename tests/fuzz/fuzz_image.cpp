@@ -1,11 +1,12 @@
 // An image as a request carries it (src/vision/image.h): decode_image under a small pixel limit, then the
-// MiniMax-M3-VL processor on what decodes (smart_resize, the resize, the patches), so that a size the decoder
-// let through reaches the code that indexes by it. A broken image must be refused with a sparrow::Error.
+// two families' processors on what decodes (their resizes and patches), so that a size the decoder let through
+// reaches the code that indexes by it. A broken image must be refused with a sparrow::Error.
 #include <cstdint>
 
 #include "fuzz_util.h"
 #include "vision/image.h"
-#include "vision/patch_processor.h"
+#include "vision/kimi_k3_processor.h"
+#include "vision/minimax_m3_vl_processor.h"
 
 using namespace sparrow;
 
@@ -18,6 +19,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     config.max_pixels = 28 * 28 * 16;  // a small grid: the resize and the patches stay fast
     const vision::ImagePatches patches = vision::patchify_image(image, config);
     fuzz::require(patches.pixel_values.dim(0) == patches.grid_h * patches.grid_w, "one row per patch");
+    vision::KimiK3ProcessorConfig kimi;
+    kimi.in_patch_limit = 64;
+    const vision::KimiImagePatches kimi_patches = vision::kimi_k3_patches(image, kimi);
+    fuzz::require(kimi_patches.pixel_values.dim(0) == kimi_patches.grid_h * kimi_patches.grid_w, "one row per patch");
   });
   return 0;
 }

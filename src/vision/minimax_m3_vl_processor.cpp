@@ -1,4 +1,4 @@
-#include "vision/patch_processor.h"
+#include "vision/minimax_m3_vl_processor.h"
 
 #include <algorithm>
 #include <cmath>
@@ -31,7 +31,7 @@ std::pair<int64_t, int64_t> smart_resize(int64_t height, int64_t width, int64_t 
 ImagePatches patchify_image(const Image& image, const PatchProcessorConfig& config) {
   const int64_t P = config.patch_size, T = config.temporal_patch_size, M = config.merge_size;
   const auto [height, width] = smart_resize(image.height, image.width, P * M, config.min_pixels, config.max_pixels);
-  const Image resized = resize_bicubic_antialiased(image, height, width);
+  const Image resized = resize_bicubic(image, height, width, ResizeKernel::Torch);
 
   std::array<float, 3> mean, std;
   for (int c = 0; c < 3; ++c) {

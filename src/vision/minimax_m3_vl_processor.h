@@ -2,7 +2,7 @@
 // the Qwen2-VL scheme): an RGB image becomes a grid of patches the vision tower embeds.
 //   1. smart_resize: both sides to multiples of patch x merge (28), the pixel count within
 //      [min_pixels, max_pixels], the aspect ratio kept as closely as possible; an aspect ratio over 200 is refused;
-//   2. resize_bicubic_antialiased (resize.h) to that size;
+//   2. resize_bicubic (resize.h, ResizeKernel::Torch) to that size;
 //   3. normalise: (x - mean') / std' in float32, where mean' = mean x 255 and std' = std x 255, each computed
 //      in float32 (transformers fuses the 1/255 rescale into the mean and std this way);
 //   4. patchify: rows in merge-window order (for each 2x2 window of patches, row-major; windows row-major),
