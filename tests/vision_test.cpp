@@ -157,9 +157,14 @@ TEST(SmartResize, FollowsPythonsRoundingAndTheLimits) {
 
 TEST(DecodeImage, RefusesWhatItCannotReadInOneLine) {
   const std::string png = slurp(kImages / "rgb_97x61.png"), jpeg = slurp(kImages / "q85_420_101x75.jpg");
-  EXPECT_TRUE(mentions(error_message([] { decode_image("hello, world"); }), {"not an image", "PNG or JPEG"}));
+  const std::string webp = slurp(kImages / "lossy_83x59.webp");
+  EXPECT_TRUE(mentions(error_message([] { decode_image("hello, world"); }), {"not an image", "PNG, JPEG or WebP"}));
   EXPECT_TRUE(mentions(error_message([] { decode_image(""); }), {"not an image"}));
   EXPECT_TRUE(mentions(error_message([] { decode_image(std::string("RIFF\x10\0\0\0WEBPVP8 ", 16)); }), {"WebP"}));
+  EXPECT_TRUE(mentions(error_message([] { decode_image(slurp(kImages / "animated_11x9.webp")); }), {"WebP", "animated"}));
+  for (size_t keep : {size_t(20), size_t(40), webp.size() / 2, webp.size() - 1})
+    EXPECT_TRUE(mentions(error_message([&] { decode_image(webp.substr(0, keep)); }), {"WebP"})) << keep;
+  EXPECT_TRUE(mentions(error_message([&] { decode_image(webp, DecodeLimits{1000}); }), {"83x59", "over the limit"}));
   // Truncated anywhere: in the header, in the pixels.
   for (size_t keep : {size_t(12), size_t(40), png.size() / 2, png.size() - 13})
     EXPECT_TRUE(mentions(error_message([&] { decode_image(png.substr(0, keep)); }), {"PNG"})) << keep;

@@ -95,6 +95,11 @@ def cases():
     yield "q95_444_61x89.jpg", encode(rgb(89, 61, 11), "JPEG", quality=95, subsampling=0), {}
     yield "progressive_77x55.jpg", encode(rgb(55, 77, 12), "JPEG", quality=80, progressive=True), {}
     yield "grey_45x60.jpg", encode(rgb(60, 45, 13).convert("L"), "JPEG", quality=90), {}
+    yield "lossy_83x59.webp", encode(rgb(59, 83, 17), "WEBP", quality=80), {}
+    yield "lossless_alpha_47x38.webp", encode(Image.fromarray(np.dstack([picture(38, 47, 18), picture(38, 47, 19)[..., 1]]),
+                                                              "RGBA"), "WEBP", lossless=True), {}
+    yield "lossy_alpha_50x61.webp", encode(Image.fromarray(np.dstack([picture(61, 50, 20), picture(61, 50, 21)[..., 2]]),
+                                                           "RGBA"), "WEBP", quality=70), {"kimi": {"in_patch_limit": 10}}
     # Downscaled hard by a small max_pixels (many taps per output pixel), and a long strip.
     yield "downscaled_203x151.jpg", encode(rgb(151, 203, 14), "JPEG", quality=90), {"min_pixels": 784, "max_pixels": 6272,
                                                                                      "kimi": {"in_patch_limit": 12}}
@@ -143,6 +148,10 @@ def main():
             expected[f"{name}.kimi_pixel_values"] = kimi_patches
         manifest[name] = {"min_pixels": min_pixels, "max_pixels": max_pixels, "kimi": kimi}
         print(f"{name}: {rgb.shape[1]}x{rgb.shape[0]} -> {width}x{height}, grid {expected[f'{name}.grid'].tolist()}")
+    # An animation, which sparrow refuses (tests/vision_test.cpp): not a case.
+    frames = [Image.fromarray(np.full((9, 11, 3), v, np.uint8)) for v in (10, 200)]
+    (OUT / "animated_11x9.webp").write_bytes(encode(frames[0], "WEBP", save_all=True, append_images=frames[1:],
+                                                    duration=100))
     save_file(expected, str(OUT / "expected.safetensors"))
     (OUT / "cases.json").write_text(json.dumps(manifest, indent=1) + "\n")
 

@@ -7,7 +7,9 @@
 //     "RGB;16B" / "LA;16B" raw modes and its I;16 -> RGB conversion do;
 //   - JPEG (libjpeg-turbo): the library's defaults, which are PIL's (accurate integer IDCT, fancy upsampling);
 //     grey replicated; CMYK / YCCK refused (PIL's CMYK -> RGB rule is not implemented here);
-//   - anything else (WebP among them, for now) is refused by name.
+//   - WebP (libwebp), lossy or lossless: the library's defaults, which are PIL's; alpha dropped; an animation
+//     refused;
+//   - anything else is refused.
 // No EXIF orientation is applied (PIL's open does not apply it either).
 #pragma once
 
@@ -30,11 +32,11 @@ struct DecodeLimits {
   int64_t max_pixels = int64_t(1) << 26;  // 64 Mpx: 192 MiB of RGB
 };
 
-// The image in `bytes` (PNG or JPEG, told by its signature). Throws sparrow::Error with a one-line reason for
+// The image in `bytes` (PNG, JPEG or WebP, told by its signature). Throws sparrow::Error with a one-line reason for
 // an unknown format, a truncated or corrupt file, or one over the limits.
 Image decode_image(std::string_view bytes, const DecodeLimits& limits = {});
 
-// "png", "jpeg", or "" when the signature is neither.
+// "png", "jpeg", "webp", or "" for another signature.
 std::string image_format(std::string_view bytes);
 
 }  // namespace sparrow::vision

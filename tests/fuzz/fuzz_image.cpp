@@ -1,4 +1,4 @@
-// An image as a request carries it (src/vision/image.h): decode_image under a small pixel limit, then the
+// An image as a request carries it, PNG, JPEG or WebP (src/vision/image.h): decode_image under a small pixel limit, then the
 // two families' processors on what decodes (their resizes and patches), so that a size the decoder let through
 // reaches the code that indexes by it. A broken image must be refused with a sparrow::Error.
 #include <cstdint>

@@ -277,13 +277,14 @@ def parser_seeds(kind):
 def image_seeds():
     """The small test images (tests/data/images, tools/make_image_fixtures.py): each PNG layout and JPEG kind."""
     return [f.read_bytes() for f in sorted((ROOT / "tests" / "data" / "images").glob("*"))
-            if f.suffix in (".png", ".jpg") and f.stat().st_size <= 12000]
+            if f.suffix in (".png", ".jpg", ".webp") and f.stat().st_size <= 12000]
 
 
-# PNG chunk types and JPEG markers (SOF0/SOF2, DHT, DQT, SOS, EOI, APP0/APP14 with their identifiers).
+# PNG chunk types, JPEG markers (SOF0/SOF2, DHT, DQT, SOS, EOI, APP0/APP14 with their identifiers), WebP chunks.
 IMAGE_WORDS = [b"\x89PNG\r\n\x1a\n", b"IHDR", b"PLTE", b"tRNS", b"IDAT", b"IEND", b"gAMA", b"\x00\x00\x00\x0dIHDR",
                b"\xff\xd8\xff", b"\xff\xc0", b"\xff\xc2", b"\xff\xc4", b"\xff\xdb", b"\xff\xda", b"\xff\xd9",
-               b"\xff\xe0", b"JFIF\x00", b"\xff\xee", b"Adobe", b"\xff\xff", b"\x00\x00", b"RIFF", b"WEBP"]
+               b"\xff\xe0", b"JFIF\x00", b"\xff\xee", b"Adobe", b"\xff\xff", b"\x00\x00", b"RIFF", b"WEBP", b"VP8 ",
+               b"VP8L", b"VP8X", b"ALPH", b"ANIM", b"ANMF"]
 
 
 def parser_words(kind):
@@ -313,7 +314,7 @@ def main():
     write_corpus("config", config_files())
     write_dict("config", "config.json keys and values of the fixture and bundled models", config_words())
     write_corpus("image", image_seeds())
-    write_dict("image", "PNG chunk types and JPEG markers", IMAGE_WORDS)
+    write_dict("image", "PNG chunk types, JPEG markers and WebP chunk types", IMAGE_WORDS)
     for kind in PARSERS:
         write_corpus("parser_" + kind, parser_seeds(kind))
         write_dict("parser_" + kind, "the %s output markup (tests/data/parsers/%s.json) and the delta separator 0xFF"
