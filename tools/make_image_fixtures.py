@@ -87,6 +87,8 @@ def cases():
     yield "grey_alpha_70x40.png", encode(rgb(40, 70, 5).convert("LA"), "PNG"), {}
     grey16 = (picture(40, 70, 6)[..., 0].astype(np.uint16) * 3)  # some over 255: clipped by PIL's I;16 -> RGB
     yield "grey16_70x40.png", encode(Image.fromarray(grey16), "PNG"), {}
+    yield "grey16_trns_33x21.png", encode(Image.fromarray(grey16[:21, :33].copy()), "PNG", transparency=300), {}
+    yield "rgb_trns_29x35.png", encode(rgb(35, 29, 22), "PNG", transparency=(10, 20, 30)), {}
     rgb16 = picture(30, 57, 7).astype(np.uint16) * 257 + 3
     yield "rgb16_57x30.png", rgb16_png(rgb16), {}
     yield "bilevel_66x29.png", encode(rgb(29, 66, 8).convert("1"), "PNG"), {}

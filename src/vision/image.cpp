@@ -70,9 +70,12 @@ Image decode_png(std::string_view bytes, const DecodeLimits& limits) {
   width = png_get_image_width(h.png, h.info);
   height = png_get_image_height(h.png, h.info);
   // Palette -> RGB (with tRNS -> alpha, dropped below), grey below 8 bits -> 8 bits, as PIL's raw modes
-  // unpack them (1-bit 0/255, 2-bit x85, 4-bit x17); 16-bit samples stay 16-bit for the rules below.
-  png_set_palette_to_rgb(h.png);
-  png_set_expand_gray_1_2_4_to_8(h.png);
+  // unpack them (1-bit 0/255, 2-bit x85, 4-bit x17); 16-bit samples stay 16-bit for the rules below. Only a
+  // palette image asks for expansion: libpng's expansion would also turn a grey or RGB image's tRNS into an
+  // alpha channel, and a 16-bit grey image with one would then lose the clipping rule below.
+  const int color_type = png_get_color_type(h.png, h.info);
+  if (color_type == PNG_COLOR_TYPE_PALETTE) png_set_palette_to_rgb(h.png);
+  if (color_type == PNG_COLOR_TYPE_GRAY && png_get_bit_depth(h.png, h.info) < 8) png_set_expand_gray_1_2_4_to_8(h.png);
   png_set_interlace_handling(h.png);
   png_read_update_info(h.png, h.info);
   channels = png_get_channels(h.png, h.info);
