@@ -21,8 +21,17 @@ void check_size(const char* format, int64_t height, int64_t width, const DecodeL
                 height * width, " pixels is over the limit of ", limits.max_pixels);
 }
 
-// ---- PNG (libpng). libpng reports errors by longjmp: the frames it jumps over (its own and read_bytes)
-// hold nothing with a destructor, and the one it lands in keeps its C++ objects alive across the jump.
+// Both C libraries report errors by longjmp. Each call into them runs inside `guarded`, whose frame is the
+// jump's target and holds no C++ object, and the frames a jump skips (the library's, the callbacks', the
+// lambda's) hold none either; the decoders themselves never call setjmp, so their locals are never clobbered.
+template <typename JumpBuffer, typename Calls>
+bool guarded(JumpBuffer& jump, Calls&& calls) {
+  if (setjmp(jump)) return false;
+  calls();
+  return true;
+}
+
+// ---- PNG (libpng)
 
 struct PngSource {
   const uint8_t* data;
@@ -63,23 +72,22 @@ Image decode_png(std::string_view bytes, const DecodeLimits& limits) {
   png_set_user_limits(h.png, 1u << 20, 1u << 20);
   png_set_chunk_malloc_max(h.png, 64u << 20);
 
-  uint32_t width = 0, height = 0;
-  int channels = 0, bit_depth = 0;
-  if (setjmp(png_jmpbuf(h.png))) fail("PNG: ", src.message);
-  png_read_info(h.png, h.info);
-  width = png_get_image_width(h.png, h.info);
-  height = png_get_image_height(h.png, h.info);
   // Palette -> RGB (with tRNS -> alpha, dropped below), grey below 8 bits -> 8 bits, as PIL's raw modes
   // unpack them (1-bit 0/255, 2-bit x85, 4-bit x17); 16-bit samples stay 16-bit for the rules below. Only a
   // palette image asks for expansion: libpng's expansion would also turn a grey or RGB image's tRNS into an
   // alpha channel, and a 16-bit grey image with one would then lose the clipping rule below.
-  const int color_type = png_get_color_type(h.png, h.info);
-  if (color_type == PNG_COLOR_TYPE_PALETTE) png_set_palette_to_rgb(h.png);
-  if (color_type == PNG_COLOR_TYPE_GRAY && png_get_bit_depth(h.png, h.info) < 8) png_set_expand_gray_1_2_4_to_8(h.png);
-  png_set_interlace_handling(h.png);
-  png_read_update_info(h.png, h.info);
-  channels = png_get_channels(h.png, h.info);
-  bit_depth = png_get_bit_depth(h.png, h.info);
+  const bool read_header = guarded(png_jmpbuf(h.png), [&] {
+    png_read_info(h.png, h.info);
+    const int color_type = png_get_color_type(h.png, h.info);
+    if (color_type == PNG_COLOR_TYPE_PALETTE) png_set_palette_to_rgb(h.png);
+    if (color_type == PNG_COLOR_TYPE_GRAY && png_get_bit_depth(h.png, h.info) < 8)
+      png_set_expand_gray_1_2_4_to_8(h.png);
+    png_set_interlace_handling(h.png);
+    png_read_update_info(h.png, h.info);
+  });
+  if (!read_header) fail("PNG: ", src.message);
+  const uint32_t width = png_get_image_width(h.png, h.info), height = png_get_image_height(h.png, h.info);
+  const int channels = png_get_channels(h.png, h.info), bit_depth = png_get_bit_depth(h.png, h.info);
   const size_t row_bytes = png_get_rowbytes(h.png, h.info);
 
   check_size("PNG", height, width, limits);
@@ -88,8 +96,8 @@ Image decode_png(std::string_view bytes, const DecodeLimits& limits) {
   std::vector<uint8_t> raw(row_bytes * height);
   std::vector<png_bytep> rows(height);
   for (uint32_t y = 0; y < height; ++y) rows[y] = raw.data() + y * row_bytes;
-  if (setjmp(png_jmpbuf(h.png))) fail("PNG: ", src.message);
-  png_read_image(h.png, rows.data());
+  png_bytepp row_pointers = rows.data();
+  if (!guarded(png_jmpbuf(h.png), [&] { png_read_image(h.png, row_pointers); })) fail("PNG: ", src.message);
 
   // To RGB as PIL's convert("RGB") does: alpha dropped; 16-bit colour and grey+alpha keep the high byte
   // ("RGB;16B", "LA;16B"); 16-bit grey is clipped at 255 (I;16 -> RGB).
@@ -110,7 +118,7 @@ Image decode_png(std::string_view bytes, const DecodeLimits& limits) {
   return image;
 }
 
-// ---- JPEG (libjpeg-turbo), errors by longjmp as above.
+// ---- JPEG (libjpeg-turbo)
 
 struct JpegError {
   jpeg_error_mgr manager;
@@ -132,6 +140,7 @@ void jpeg_on_message(j_common_ptr info, int level) {
 
 struct JpegHandle {
   jpeg_decompress_struct info{};
+  JpegError error{};
   bool created = false;
   ~JpegHandle() {
     if (created) jpeg_destroy_decompress(&info);
@@ -140,30 +149,36 @@ struct JpegHandle {
 
 Image decode_jpeg(std::string_view bytes, const DecodeLimits& limits) {
   JpegHandle h;
-  JpegError error{};
-  h.info.err = jpeg_std_error(&error.manager);
-  error.manager.error_exit = jpeg_on_error;
-  error.manager.emit_message = jpeg_on_message;
-  Image image;
-  if (setjmp(error.jump)) fail("JPEG: ", error.message);
-  jpeg_create_decompress(&h.info);
+  h.info.err = jpeg_std_error(&h.error.manager);
+  h.error.manager.error_exit = jpeg_on_error;
+  h.error.manager.emit_message = jpeg_on_message;
+  jpeg_create_decompress(&h.info);  // reports no error but running out of memory
   h.created = true;
-  jpeg_mem_src(&h.info, reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());
-  jpeg_read_header(&h.info, TRUE);
+  const auto* data = reinterpret_cast<const unsigned char*>(bytes.data());
+  const size_t size = bytes.size();
+  if (!guarded(h.error.jump, [&] {
+        jpeg_mem_src(&h.info, data, size);
+        jpeg_read_header(&h.info, TRUE);
+      }))
+    fail("JPEG: ", h.error.message);
   const J_COLOR_SPACE space = h.info.jpeg_color_space;
   if (space == JCS_CMYK || space == JCS_YCCK) fail("JPEG: CMYK images are not supported; send RGB or grey");
   check_size("JPEG", h.info.image_height, h.info.image_width, limits);
   // The library's defaults are PIL's: accurate integer IDCT, fancy upsampling.
   h.info.out_color_space = JCS_RGB;
-  jpeg_start_decompress(&h.info);
-  image.height = h.info.output_height;
-  image.width = h.info.output_width;
-  image.rgb.resize(size_t(image.height) * image.width * 3);
-  while (h.info.output_scanline < h.info.output_height) {
-    JSAMPROW row = image.rgb.data() + size_t(h.info.output_scanline) * image.width * 3;
-    jpeg_read_scanlines(&h.info, &row, 1);
-  }
-  jpeg_finish_decompress(&h.info);
+  if (!guarded(h.error.jump, [&] { jpeg_start_decompress(&h.info); })) fail("JPEG: ", h.error.message);
+  Image image{h.info.output_height, h.info.output_width,
+              std::vector<uint8_t>(size_t(h.info.output_height) * h.info.output_width * 3)};
+  uint8_t* pixels = image.rgb.data();
+  const size_t row_bytes = size_t(image.width) * 3;
+  if (!guarded(h.error.jump, [&] {
+        while (h.info.output_scanline < h.info.output_height) {
+          JSAMPROW row = pixels + h.info.output_scanline * row_bytes;
+          jpeg_read_scanlines(&h.info, &row, 1);
+        }
+        jpeg_finish_decompress(&h.info);
+      }))
+    fail("JPEG: ", h.error.message);
   return image;
 }
 
