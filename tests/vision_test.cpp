@@ -44,7 +44,8 @@ std::string differences(const Image& image, const std::string& key) {
   const TensorInfo* want = expected().find(key);
   if (!want) return "no tensor " + key;
   if (want->dtype != DType::U8 || want->shape != Shape{image.height, image.width, 3})
-    return key + ": " + std::to_string(image.width) + "x" + std::to_string(image.height) + " against the expected shape";
+    return key + ": " + std::to_string(image.width) + "x" + std::to_string(image.height) +
+           " against the expected shape";
   int64_t wrong = 0, first = -1;
   for (size_t i = 0; i < image.rgb.size(); ++i)
     if (image.rgb[i] != want->data[i]) {
@@ -99,10 +100,10 @@ TEST_P(EveryImage, ResizesAsTorchvision) {
 TEST_P(EveryImage, PatchesAsTheMiniMaxM3VlProcessor) {
   const std::string name = GetParam();
   const auto& settings = expected().cases.at(name);
-  PatchProcessorConfig config;
+  MiniMaxM3VlProcessorConfig config;
   config.min_pixels = settings.at("min_pixels");
   config.max_pixels = settings.at("max_pixels");
-  const ImagePatches patches = patchify_image(expected_image(name + ".rgb"), config);
+  const MiniMaxM3VlImagePatches patches = minimax_m3_vl_patches(expected_image(name + ".rgb"), config);
   const TensorInfo& grid = *expected().find(name + ".grid");
   const auto* thw = reinterpret_cast<const int64_t*>(grid.data);
   EXPECT_EQ(patches.grid_t, thw[0]);
@@ -122,7 +123,7 @@ TEST_P(EveryImage, PatchesAsVllmsKimiK3Preprocessing) {
   const NavitSize size = navit_resize(rgb.height, rgb.width, config);
   EXPECT_EQ(differences(resize_bicubic(rgb, size.new_height, size.new_width, ResizeKernel::Pillow),
                         name + ".kimi_resized"), "");
-  const KimiImagePatches patches = kimi_k3_patches(rgb, config);
+  const KimiK3ImagePatches patches = kimi_k3_patches(rgb, config);
   const auto* grid = reinterpret_cast<const int64_t*>(expected().find(name + ".kimi_grid")->data);
   EXPECT_EQ(patches.grid_h, grid[0]);
   EXPECT_EQ(patches.grid_w, grid[1]);
@@ -161,7 +162,8 @@ TEST(DecodeImage, RefusesWhatItCannotReadInOneLine) {
   EXPECT_TRUE(mentions(error_message([] { decode_image("hello, world"); }), {"not an image", "PNG, JPEG or WebP"}));
   EXPECT_TRUE(mentions(error_message([] { decode_image(""); }), {"not an image"}));
   EXPECT_TRUE(mentions(error_message([] { decode_image(std::string("RIFF\x10\0\0\0WEBPVP8 ", 16)); }), {"WebP"}));
-  EXPECT_TRUE(mentions(error_message([] { decode_image(slurp(kImages / "animated_11x9.webp")); }), {"WebP", "animated"}));
+  EXPECT_TRUE(
+      mentions(error_message([] { decode_image(slurp(kImages / "animated_11x9.webp")); }), {"WebP", "animated"}));
   for (size_t keep : {size_t(20), size_t(40), webp.size() / 2, webp.size() - 1})
     EXPECT_TRUE(mentions(error_message([&] { decode_image(webp.substr(0, keep)); }), {"WebP"})) << keep;
   EXPECT_TRUE(mentions(error_message([&] { decode_image(webp, DecodeLimits{1000}); }), {"83x59", "over the limit"}));
@@ -175,7 +177,8 @@ TEST(DecodeImage, RefusesWhatItCannotReadInOneLine) {
   flipped[png.size() / 2] ^= 0x55;
   EXPECT_TRUE(mentions(error_message([&] { decode_image(flipped); }), {"PNG"}));
   // Over the pixel limit: refused from the header.
-  EXPECT_TRUE(mentions(error_message([&] { decode_image(png, DecodeLimits{1000}); }), {"97x61", "over the limit", "1000"}));
+  EXPECT_TRUE(
+      mentions(error_message([&] { decode_image(png, DecodeLimits{1000}); }), {"97x61", "over the limit", "1000"}));
   EXPECT_TRUE(mentions(error_message([&] { decode_image(jpeg, DecodeLimits{1000}); }), {"101x75", "over the limit"}));
 }
 

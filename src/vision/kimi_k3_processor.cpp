@@ -24,7 +24,7 @@ NavitSize navit_resize(int64_t height, int64_t width, const KimiK3ProcessorConfi
   return s;
 }
 
-KimiImagePatches kimi_k3_patches(const Image& image, const KimiK3ProcessorConfig& config) {
+KimiK3ImagePatches kimi_k3_patches(const Image& image, const KimiK3ProcessorConfig& config) {
   const NavitSize size = navit_resize(image.height, image.width, config);
   const Image resized = resize_bicubic(image, size.new_height, size.new_width, ResizeKernel::Pillow);
 
@@ -34,7 +34,7 @@ KimiImagePatches kimi_k3_patches(const Image& image, const KimiK3ProcessorConfig
     for (int c = 0; c < 3; ++c) table[v][c] = (float(v) / 255.0f - config.mean[c]) * (1.0f / config.std[c]);
 
   const int64_t P = config.patch_size;
-  KimiImagePatches out;
+  KimiK3ImagePatches out;
   out.grid_h = (size.new_height + size.pad_height) / P;
   out.grid_w = (size.new_width + size.pad_width) / P;
   out.num_tokens = size.num_tokens;

@@ -34,11 +34,11 @@ struct NavitSize {
 // vLLM's navit_resize_image (fixed_output_tokens unset).
 NavitSize navit_resize(int64_t height, int64_t width, const KimiK3ProcessorConfig& config);
 
-struct KimiImagePatches {
+struct KimiK3ImagePatches {
   Tensor pixel_values;  // [grid_h * grid_w, 3 * patch^2] fp32 (vLLM's [N, 3, 14, 14], rows flattened)
   int64_t grid_h = 0, grid_w = 0, num_tokens = 0;
 };
 
-KimiImagePatches kimi_k3_patches(const Image& image, const KimiK3ProcessorConfig& config = {});
+KimiK3ImagePatches kimi_k3_patches(const Image& image, const KimiK3ProcessorConfig& config = {});
 
 }  // namespace sparrow::vision

@@ -28,7 +28,7 @@ std::pair<int64_t, int64_t> smart_resize(int64_t height, int64_t width, int64_t 
   return {h_bar, w_bar};
 }
 
-ImagePatches patchify_image(const Image& image, const PatchProcessorConfig& config) {
+MiniMaxM3VlImagePatches minimax_m3_vl_patches(const Image& image, const MiniMaxM3VlProcessorConfig& config) {
   const int64_t P = config.patch_size, T = config.temporal_patch_size, M = config.merge_size;
   const auto [height, width] = smart_resize(image.height, image.width, P * M, config.min_pixels, config.max_pixels);
   const Image resized = resize_bicubic(image, height, width, ResizeKernel::Torch);
@@ -38,7 +38,7 @@ ImagePatches patchify_image(const Image& image, const PatchProcessorConfig& conf
     mean[c] = config.mean[c] * 255.0f;
     std[c] = config.std[c] * 255.0f;
   }
-  ImagePatches out;
+  MiniMaxM3VlImagePatches out;
   out.grid_h = height / P;
   out.grid_w = width / P;
   const int64_t row_size = 3 * T * P * P;

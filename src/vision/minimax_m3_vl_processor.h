@@ -19,7 +19,7 @@
 
 namespace sparrow::vision {
 
-struct PatchProcessorConfig {
+struct MiniMaxM3VlProcessorConfig {
   int64_t patch_size = 14, temporal_patch_size = 2, merge_size = 2;
   int64_t min_pixels = 4 * 28 * 28, max_pixels = 451584;  // the processor's size: shortest_edge, longest_edge
   std::array<float, 3> mean = {0.48145466f, 0.4578275f, 0.40821073f};  // OPENAI_CLIP_MEAN
@@ -27,7 +27,7 @@ struct PatchProcessorConfig {
 };
 
 // The processor's output for one image: its patches and its grid (grid_t = 1 for an image).
-struct ImagePatches {
+struct MiniMaxM3VlImagePatches {
   Tensor pixel_values;  // [grid_h * grid_w, 3 * temporal_patch_size * patch_size^2] fp32
   int64_t grid_t = 1, grid_h = 0, grid_w = 0;
   // The placeholder tokens the image takes in a prompt: one per merged window.
@@ -39,6 +39,6 @@ struct ImagePatches {
 std::pair<int64_t, int64_t> smart_resize(int64_t height, int64_t width, int64_t factor, int64_t min_pixels,
                                          int64_t max_pixels);
 
-ImagePatches patchify_image(const Image& image, const PatchProcessorConfig& config = {});
+MiniMaxM3VlImagePatches minimax_m3_vl_patches(const Image& image, const MiniMaxM3VlProcessorConfig& config = {});
 
 }  // namespace sparrow::vision

@@ -46,7 +46,8 @@ Taps bicubic_taps(int64_t in, int64_t out, ResizeKernel kernel) {
     const int64_t count = std::clamp(std::min(int64_t(centre + support + 0.5), in) - first, int64_t(0), t.max_taps);
     double* w = weights.data() + i * t.max_taps;
     double total = 0.0;
-    for (int64_t j = 0; j < count; ++j) total += (w[j] = keys_cubic((double(j + first) - centre + 0.5) * inverse_scale, kernel));
+    for (int64_t j = 0; j < count; ++j)
+      total += (w[j] = keys_cubic((double(j + first) - centre + 0.5) * inverse_scale, kernel));
     if (total != 0.0)
       for (int64_t j = 0; j < count; ++j) largest = std::max(largest, w[j] /= total);
     t.first[i] = first;

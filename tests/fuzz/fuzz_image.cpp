@@ -1,6 +1,6 @@
-// An image as a request carries it, PNG, JPEG or WebP (src/vision/image.h): decode_image under a small pixel limit, then the
-// two families' processors on what decodes (their resizes and patches), so that a size the decoder let through
-// reaches the code that indexes by it. A broken image must be refused with a sparrow::Error.
+// An image as a request carries it, PNG, JPEG or WebP (src/vision/image.h): decode_image under a small pixel
+// limit, then the two families' processors on what decodes (their resizes and patches), so that a size the
+// decoder let through reaches the code that indexes by it. A broken image must be refused with a sparrow::Error.
 #include <cstdint>
 
 #include "fuzz_util.h"
@@ -15,13 +15,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const vision::Image image = vision::decode_image(fuzz::as_text(data, size), vision::DecodeLimits{1 << 18});
     fuzz::require(image.height > 0 && image.width > 0 && image.rgb.size() == size_t(image.height * image.width * 3),
                   "a decoded image has its pixels");
-    vision::PatchProcessorConfig config;
+    vision::MiniMaxM3VlProcessorConfig config;
     config.max_pixels = 28 * 28 * 16;  // a small grid: the resize and the patches stay fast
-    const vision::ImagePatches patches = vision::patchify_image(image, config);
+    const vision::MiniMaxM3VlImagePatches patches = vision::minimax_m3_vl_patches(image, config);
     fuzz::require(patches.pixel_values.dim(0) == patches.grid_h * patches.grid_w, "one row per patch");
     vision::KimiK3ProcessorConfig kimi;
     kimi.in_patch_limit = 64;
-    const vision::KimiImagePatches kimi_patches = vision::kimi_k3_patches(image, kimi);
+    const vision::KimiK3ImagePatches kimi_patches = vision::kimi_k3_patches(image, kimi);
     fuzz::require(kimi_patches.pixel_values.dim(0) == kimi_patches.grid_h * kimi_patches.grid_w, "one row per patch");
   });
   return 0;
