@@ -68,8 +68,26 @@ Taps bicubic_taps(int64_t in, int64_t out, ResizeKernel kernel) {
   return t;
 }
 
-uint8_t fixed_point_to_byte(int32_t sum, int precision) {
-  return uint8_t(std::clamp(sum >> precision, 0, 255));
+// One pass along one axis (the width when `along_width`, else the height) to `size` pixels; the other axis
+// is kept. Each output is clamp((2^(p-1) + sum pixel * weight) >> p, 0, 255).
+Image resample(const Image& in, int64_t size, ResizeKernel kernel, bool along_width) {
+  const Taps t = bicubic_taps(along_width ? in.width : in.height, size, kernel);
+  Image out{along_width ? in.height : size, along_width ? size : in.width, {}};
+  out.rgb.resize(size_t(out.height * out.width * 3));
+  const int64_t tap_stride = along_width ? 3 : in.width * 3;  // bytes between neighbouring taps
+  const int32_t half = t.precision > 0 ? 1 << (t.precision - 1) : 0;
+  for (int64_t y = 0; y < out.height; ++y)
+    for (int64_t x = 0; x < out.width; ++x) {
+      const int64_t i = along_width ? x : y;
+      const int32_t* w = t.weights.data() + i * t.max_taps;
+      const uint8_t* first = along_width ? in.pixel(y, t.first[i]) : in.pixel(t.first[i], x);
+      for (int c = 0; c < 3; ++c) {
+        int32_t sum = half;
+        for (int64_t j = 0; j < t.count[i]; ++j) sum += first[j * tap_stride + c] * w[j];
+        out.rgb[size_t((y * out.width + x) * 3 + c)] = uint8_t(std::clamp(sum >> t.precision, 0, 255));
+      }
+    }
+  return out;
 }
 
 }  // namespace
@@ -77,33 +95,10 @@ uint8_t fixed_point_to_byte(int32_t sum, int precision) {
 Image resize_bicubic(const Image& image, int64_t height, int64_t width, ResizeKernel kernel) {
   SPARROW_CHECK(image.height > 0 && image.width > 0 && height > 0 && width > 0, "resize: no pixels (",
                 image.width, "x", image.height, " to ", width, "x", height, ")");
-  Image wide = image;
-  if (width != image.width) {
-    const Taps t = bicubic_taps(image.width, width, kernel);
-    wide = Image{image.height, width, std::vector<uint8_t>(size_t(image.height * width * 3))};
-    for (int64_t y = 0; y < image.height; ++y)
-      for (int64_t x = 0; x < width; ++x) {
-        const int32_t* w = t.weights.data() + x * t.max_taps;
-        for (int c = 0; c < 3; ++c) {
-          int32_t sum = t.precision > 0 ? 1 << (t.precision - 1) : 0;
-          for (int64_t j = 0; j < t.count[x]; ++j) sum += image.pixel(y, t.first[x] + j)[c] * w[j];
-          wide.rgb[size_t((y * width + x) * 3 + c)] = fixed_point_to_byte(sum, t.precision);
-        }
-      }
-  }
-  if (height == wide.height) return wide;
-  const Taps t = bicubic_taps(wide.height, height, kernel);
-  Image out{height, width, std::vector<uint8_t>(size_t(height * width * 3))};
-  for (int64_t y = 0; y < height; ++y) {
-    const int32_t* w = t.weights.data() + y * t.max_taps;
-    for (int64_t x = 0; x < width; ++x)
-      for (int c = 0; c < 3; ++c) {
-        int32_t sum = t.precision > 0 ? 1 << (t.precision - 1) : 0;
-        for (int64_t j = 0; j < t.count[y]; ++j) sum += wide.pixel(t.first[y] + j, x)[c] * w[j];
-        out.rgb[size_t((y * width + x) * 3 + c)] = fixed_point_to_byte(sum, t.precision);
-      }
-  }
-  return out;
+  // The horizontal pass first, then the vertical; an axis whose size does not change is not resampled.
+  if (width == image.width) return height == image.height ? image : resample(image, height, kernel, false);
+  Image wide = resample(image, width, kernel, true);
+  return height == wide.height ? wide : resample(wide, height, kernel, false);
 }
 
 }  // namespace sparrow::vision
