@@ -273,60 +273,7 @@ INSTANTIATE_TEST_SUITE_P(CudaLatents, CudaDeepseekV32, ::testing::Values("bfloat
 TEST(CudaModel, Fp8CheckpointRunsAsFp8) {
   SPARROW_REQUIRE_GPU();
   const fs::path dir = fs::temp_directory_path() / "sparrow_dsv32_gpu_fp8";
-  fs::create_directories(dir);
-  nlohmann::json config = nlohmann::json::parse(std::ifstream(kFixture / "config.json"));
-  config["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"weight_block_size", {128, 128}}};
-  std::ofstream(dir / "config.json") << config.dump();
-
-  // safetensors by hand: F32 tensors as they are, the quantised ones as F8_E4M3 + F32 scales.
-  struct Entry {
-    std::string name, dtype;
-    Shape shape;
-    std::vector<uint8_t> bytes;
-  };
-  std::vector<Entry> entries;
-  auto file = SafetensorsFile::open((kFixture / "model.safetensors").string());
-  int quantized = 0;
-  for (const auto& [name, info] : file->tensors()) {
-    const Tensor t = to_float32(info, file);
-    const bool linear = t.ndim() == 2 && name.find("embed_tokens") == std::string::npos &&
-                        name.find("lm_head") == std::string::npos && name.find("mlp.gate.") == std::string::npos;
-    if (!linear) {
-      entries.push_back({name, "F32", t.shape(), std::vector<uint8_t>(t.as<uint8_t>(), t.as<uint8_t>() + t.nbytes())});
-      continue;
-    }
-    const int64_t rows = t.dim(0), cols = t.dim(1), br = (rows + 127) / 128, bc = (cols + 127) / 128;
-    std::vector<float> scales(br * bc, 0.0f);
-    std::vector<uint8_t> codes(rows * cols);
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t j = 0; j < cols; ++j)
-        scales[(i / 128) * bc + j / 128] = std::max(scales[(i / 128) * bc + j / 128], std::fabs(t.row(i)[j]));
-    for (float& s : scales) s = s / cpu::kE4m3Max;
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t j = 0; j < cols; ++j) {
-        const float s = scales[(i / 128) * bc + j / 128];
-        codes[i * cols + j] = cpu::float_to_e4m3(s > 0 ? t.row(i)[j] / s : 0.0f);
-      }
-    entries.push_back({name, "F8_E4M3", t.shape(), codes});
-    const auto* sb = reinterpret_cast<const uint8_t*>(scales.data());
-    entries.push_back({name + "_scale_inv", "F32", {br, bc}, std::vector<uint8_t>(sb, sb + scales.size() * 4)});
-    ++quantized;
-  }
-  ASSERT_GT(quantized, 20);
-  nlohmann::json header = nlohmann::json::object();
-  size_t offset = 0;
-  for (const Entry& e : entries) {
-    header[e.name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {offset, offset + e.bytes.size()}}};
-    offset += e.bytes.size();
-  }
-  std::string text = header.dump();
-  text.resize((text.size() + 7) / 8 * 8, ' ');
-  std::ofstream out(dir / "model.safetensors", std::ios::binary);
-  const uint64_t length = text.size();
-  out.write(reinterpret_cast<const char*>(&length), 8);
-  out << text;
-  for (const Entry& e : entries) out.write(reinterpret_cast<const char*>(e.bytes.data()), std::streamsize(e.bytes.size()));
-  out.close();
+  ASSERT_GT(write_fp8_checkpoint(kFixture, dir), 20);
 
   const size_t before = device::bytes_in_use();
   auto bf16_model = load_model(kFixture.string(), Device::Cuda);

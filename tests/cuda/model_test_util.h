@@ -8,11 +8,14 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "core/tensor.h"
+#include "formats/safetensors.h"
+#include "kernels/cpu/fp8_codec.h"
 
 namespace sparrow::model_test {
 
@@ -67,6 +70,66 @@ inline float top2_margin(const float* row, int64_t n) {
     }
   }
   return first - second;
+}
+
+// Writes the fixture at `from` into `to` as an FP8 checkpoint (DeepSeek-V3's format: e4m3 weights, one fp32
+// scale per 128x128 block in <name>_scale_inv, quantization_config.weight_block_size): every 2-D weight but
+// the embedding, the head and the router, quantised from its float32 values; the rest as float32. On the
+// GPU such projections stay FP8 and multiply on the FP8 tensor cores. Returns how many were quantised.
+inline int write_fp8_checkpoint(const std::filesystem::path& from, const std::filesystem::path& to) {
+  std::filesystem::create_directories(to);
+  nlohmann::json config = nlohmann::json::parse(std::ifstream(from / "config.json"));
+  config["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"weight_block_size", {128, 128}}};
+  std::ofstream(to / "config.json") << config.dump();
+
+  // safetensors by hand: F32 tensors as they are, the quantised ones as F8_E4M3 + F32 scales.
+  struct Entry {
+    std::string name, dtype;
+    Shape shape;
+    std::vector<uint8_t> bytes;
+  };
+  std::vector<Entry> entries;
+  auto file = SafetensorsFile::open((from / "model.safetensors").string());
+  int quantized = 0;
+  for (const auto& [name, info] : file->tensors()) {
+    const Tensor t = to_float32(info, file);
+    const bool linear = t.ndim() == 2 && name.find("embed_tokens") == std::string::npos &&
+                        name.find("lm_head") == std::string::npos && name.find("mlp.gate.") == std::string::npos;
+    if (!linear) {
+      entries.push_back({name, "F32", t.shape(), std::vector<uint8_t>(t.as<uint8_t>(), t.as<uint8_t>() + t.nbytes())});
+      continue;
+    }
+    const int64_t rows = t.dim(0), cols = t.dim(1), br = (rows + 127) / 128, bc = (cols + 127) / 128;
+    std::vector<float> scales(br * bc, 0.0f);
+    std::vector<uint8_t> codes(rows * cols);
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j)
+        scales[(i / 128) * bc + j / 128] = std::max(scales[(i / 128) * bc + j / 128], std::fabs(t.row(i)[j]));
+    for (float& s : scales) s = s / cpu::kE4m3Max;
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j) {
+        const float s = scales[(i / 128) * bc + j / 128];
+        codes[i * cols + j] = cpu::float_to_e4m3(s > 0 ? t.row(i)[j] / s : 0.0f);
+      }
+    entries.push_back({name, "F8_E4M3", t.shape(), codes});
+    const auto* sb = reinterpret_cast<const uint8_t*>(scales.data());
+    entries.push_back({name + "_scale_inv", "F32", {br, bc}, std::vector<uint8_t>(sb, sb + scales.size() * 4)});
+    ++quantized;
+  }
+  nlohmann::json header = nlohmann::json::object();
+  size_t offset = 0;
+  for (const Entry& e : entries) {
+    header[e.name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {offset, offset + e.bytes.size()}}};
+    offset += e.bytes.size();
+  }
+  std::string text = header.dump();
+  text.resize((text.size() + 7) / 8 * 8, ' ');
+  std::ofstream out(to / "model.safetensors", std::ios::binary);
+  const uint64_t length = text.size();
+  out.write(reinterpret_cast<const char*>(&length), 8);
+  out << text;
+  for (const Entry& e : entries) out.write(reinterpret_cast<const char*>(e.bytes.data()), std::streamsize(e.bytes.size()));
+  return quantized;
 }
 
 }  // namespace sparrow::model_test
