@@ -1,7 +1,7 @@
-// sparrow bench forward --model DIR [--prompt-tokens N] [--decode-tokens N] [--batch B] [--repeats R] [--profile]
+// sparrow bench forward --model DIR [--prompt-tokens N] [--decode-tokens N] [--batch B,...] [--repeats R] [--profile]
 //   Times prefill (B sequences of N random tokens in one batch) and decode (B sequences, one token per
-//   step against their caches); prints tokens/s as one JSON line per measurement; --profile adds where a
-//   step's time goes, part by part (runner/step_profile.h).
+//   step against their caches); prints tokens/s as one JSON line per batch size, one model load for all;
+//   --profile adds where a step's time goes, part by part (runner/step_profile.h).
 // sparrow bench kernels [--filter NAME] [--quick] [--iterations N] [--json FILE]
 //   Times each GPU kernel at the real models' shapes (kernels/cuda/kernel_bench.h) and prints time,
 //   bytes and FLOPs counted by hand, TB/s, TFLOP/s and the fraction of the H200's limit; bench/kernels.sh
@@ -34,6 +34,7 @@
 #include "bench/serve_bench.h"
 #include "bench/sweep.h"
 #include "cli/commands.h"
+#include "core/batch_invariance.h"
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/ops.h"
@@ -413,102 +414,110 @@ void add_bench(CLI::App& app) {
   auto* bench = app.add_subcommand("bench", "Benchmarks");
   auto* sub = bench->add_subcommand("forward", "Prefill and decode throughput of a model on this machine");
   static std::string model_dir, device = "cpu";
-  static int64_t prompt_tokens = 128, decode_tokens = 32, batch = 1, repeats = 3;
+  static int64_t prompt_tokens = 128, decode_tokens = 32, repeats = 3;
+  static std::vector<int64_t> batches{1};
   static bool profile = false;
   sub->add_option("--model", model_dir, "Hugging Face model folder")->required();
   sub->add_option("--prompt-tokens", prompt_tokens, "prompt length per sequence");
   sub->add_option("--decode-tokens", decode_tokens, "decode steps");
-  sub->add_option("--batch", batch, "sequences per batch");
+  sub->add_option("--batch", batches, "sequences per batch; several (1,16,64) are measured one after the other")
+      ->delimiter(',');
   sub->add_option("--repeats", repeats, "repetitions (the best is reported)");
   sub->add_flag("--profile", profile,
                 "after the timed repeats, one more with every step timed part by part (eagerly: embedding, each "
                 "mixer and feed-forward kind, lm_head), reported beside the totals");
   add_device_option(sub, device);
   on_selected(sub, [] {
-    SPARROW_CHECK(prompt_tokens > 0 && decode_tokens >= 0 && batch > 0 && repeats > 0, "bench: sizes must be positive");
+    SPARROW_CHECK(prompt_tokens > 0 && decode_tokens >= 0 && repeats > 0 &&
+                      std::all_of(batches.begin(), batches.end(), [](int64_t b) { return b > 0; }),
+                  "bench: sizes must be positive");
     auto model = load_cli_model(model_dir, device);
-    ModelRunner runner(*model, cli_runner_options());
-    std::mt19937 rng(0);
-    std::uniform_int_distribution<int32_t> token(0, int32_t(model->vocab_size() - 1));
-    using clock = std::chrono::steady_clock;
-    // Each step ends with its greedy tokens on the host, as the engine's steps do (only the ids cross
-    // from a GPU), so the time is the whole step's.
-    auto run_step = [&](const Batch& batch_of_step) {
-      Tensor logits = runner.run(batch_of_step);
-      const std::vector<TokenDraw> greedy(size_t(logits.dim(0)), TokenDraw{0.0f});
-      return ops::sample_tokens(logits, greedy, {});
-    };
-    // One repeat: B fresh sequences prefilled in one batch, then the decode steps; the seconds of each
-    // phase. With profiles, the runner times its parts into them (runner/step_profile.h).
-    StepProfile prefill_profile, decode_profile;
-    auto run_once = [&](bool profiled) {
-      std::vector<SequenceState> states(batch);
-      std::vector<std::pair<SequenceState*, std::vector<int32_t>>> parts;
-      for (auto& s : states) {
-        s = runner.new_sequence();
-        std::vector<int32_t> prompt(prompt_tokens);
-        for (auto& t : prompt) t = token(rng);
-        parts.push_back({&s, prompt});
+    for (const int64_t batch : batches) {
+      ModelRunner runner(*model, cli_runner_options());
+      std::mt19937 rng(0);
+      std::uniform_int_distribution<int32_t> token(0, int32_t(model->vocab_size() - 1));
+      using clock = std::chrono::steady_clock;
+      // Each step ends with its greedy tokens on the host, as the engine's steps do (only the ids cross
+      // from a GPU), so the time is the whole step's.
+      auto run_step = [&](const Batch& batch_of_step) {
+        Tensor logits = runner.run(batch_of_step);
+        const std::vector<TokenDraw> greedy(size_t(logits.dim(0)), TokenDraw{0.0f});
+        return ops::sample_tokens(logits, greedy, {});
+      };
+      // One repeat: B fresh sequences prefilled in one batch, then the decode steps; the seconds of each
+      // phase. With profiles, the runner times its parts into them (runner/step_profile.h).
+      StepProfile prefill_profile, decode_profile;
+      auto run_once = [&](bool profiled) {
+        std::vector<SequenceState> states(batch);
+        std::vector<std::pair<SequenceState*, std::vector<int32_t>>> parts;
+        for (auto& s : states) {
+          s = runner.new_sequence();
+          std::vector<int32_t> prompt(prompt_tokens);
+          for (auto& t : prompt) t = token(rng);
+          parts.push_back({&s, prompt});
+        }
+        Batch prefill = make_batch(parts);
+        prefill.all_logits = false;
+        runner.set_step_profile(profiled ? &prefill_profile : nullptr);
+        auto t0 = clock::now();
+        run_step(prefill);
+        auto t1 = clock::now();
+        runner.set_step_profile(profiled ? &decode_profile : nullptr);
+        // The first decode step is not timed when there are others: on a GPU it captures the batch's CUDA
+        // graph (tens of ms, once per batch size), which would be counted in every step's mean with a single
+        // repeat.
+        const int64_t untimed = decode_tokens > 1 ? 1 : 0;
+        auto decode_start = t1;
+        for (int64_t step = 0; step < decode_tokens; ++step) {
+          if (step == untimed) decode_start = clock::now();
+          for (auto& p : parts) p.second = {token(rng)};
+          Batch decode = make_batch(parts);
+          decode.all_logits = false;
+          run_step(decode);
+        }
+        auto t2 = clock::now();
+        runner.set_step_profile(nullptr);
+        return std::pair{std::chrono::duration<double>(t1 - t0).count(),
+                         std::chrono::duration<double>(t2 - decode_start).count()};
+      };
+      const int64_t timed_decode_steps = decode_tokens > 1 ? decode_tokens - 1 : decode_tokens;
+      double best_prefill = 1e30, best_decode = 1e30;
+      for (int64_t r = 0; r < repeats; ++r) {
+        const auto [prefill_s, decode_s] = run_once(false);
+        best_prefill = std::min(best_prefill, prefill_s);
+        best_decode = std::min(best_decode, decode_s);
       }
-      Batch prefill = make_batch(parts);
-      prefill.all_logits = false;
-      runner.set_step_profile(profiled ? &prefill_profile : nullptr);
-      auto t0 = clock::now();
-      run_step(prefill);
-      auto t1 = clock::now();
-      runner.set_step_profile(profiled ? &decode_profile : nullptr);
-      // The first decode step is not timed when there are others: on a GPU it captures the batch's CUDA
-      // graph (tens of ms, once per batch size), which would be counted in every step's mean with a single
-      // repeat.
-      const int64_t untimed = decode_tokens > 1 ? 1 : 0;
-      auto decode_start = t1;
-      for (int64_t step = 0; step < decode_tokens; ++step) {
-        if (step == untimed) decode_start = clock::now();
-        for (auto& p : parts) p.second = {token(rng)};
-        Batch decode = make_batch(parts);
-        decode.all_logits = false;
-        run_step(decode);
+      const int64_t replays = runner.graph_replays();  // the timed repeats' (the profiled one runs eagerly)
+      nlohmann::json out = {{"model", model_dir},
+                            {"device", device},
+                            {"model_type", model->model_type()},
+                            {"threads", num_threads()},
+                            {"batch", batch},
+                            {"batch_invariant", batch_invariant()},
+                            {"prompt_tokens", prompt_tokens},
+                            {"decode_tokens", decode_tokens},
+                            {"prefill_tokens_per_s", double(batch * prompt_tokens) / best_prefill},
+                            {"decode_tokens_per_s", decode_tokens ? double(batch * timed_decode_steps) / best_decode : 0.0},
+                            {"decode_step_ms", decode_tokens ? 1e3 * best_decode / double(timed_decode_steps) : 0.0},
+                            {"cuda_graph_replays", replays}};
+      if (const DcpMergeCounters& dcp = dcp_merge_counters(); dcp.rows > 0) {
+        // Decode context parallelism: what this rank sent to the DSA top-k merges over every run (model/context_parallel.h),
+        // against the naive merge (every rank all-gathering its whole local top-k) of the same rows.
+        out["dcp_topk_merge"] = {{"rows", dcp.rows.load()},
+                                 {"resent_rows", dcp.resent_rows.load()},
+                                 {"bytes_sent", dcp.merge_bytes.load()},
+                                 {"naive_bytes_sent", dcp.naive_bytes.load()},
+                                 {"naive_over_exact", double(dcp.naive_bytes) / double(dcp.merge_bytes)}};
       }
-      auto t2 = clock::now();
-      runner.set_step_profile(nullptr);
-      return std::pair{std::chrono::duration<double>(t1 - t0).count(),
-                       std::chrono::duration<double>(t2 - decode_start).count()};
-    };
-    const int64_t timed_decode_steps = decode_tokens > 1 ? decode_tokens - 1 : decode_tokens;
-    double best_prefill = 1e30, best_decode = 1e30;
-    for (int64_t r = 0; r < repeats; ++r) {
-      const auto [prefill_s, decode_s] = run_once(false);
-      best_prefill = std::min(best_prefill, prefill_s);
-      best_decode = std::min(best_decode, decode_s);
+      if (profile) {
+        run_once(true);
+        out["profile"] = {{"prefill", profile_json(prefill_profile)}, {"decode", profile_json(decode_profile)}};
+        print_profile("prefill step", prefill_profile);
+        if (decode_tokens) print_profile("decode step", decode_profile);
+      }
+      std::printf("%s\n", out.dump().c_str());
+      std::fflush(stdout);
     }
-    const int64_t replays = runner.graph_replays();  // the timed repeats' (the profiled one runs eagerly)
-    nlohmann::json out = {{"model", model_dir},
-                          {"device", device},
-                          {"model_type", model->model_type()},
-                          {"threads", num_threads()},
-                          {"batch", batch},
-                          {"prompt_tokens", prompt_tokens},
-                          {"decode_tokens", decode_tokens},
-                          {"prefill_tokens_per_s", double(batch * prompt_tokens) / best_prefill},
-                          {"decode_tokens_per_s", decode_tokens ? double(batch * timed_decode_steps) / best_decode : 0.0},
-                          {"decode_step_ms", decode_tokens ? 1e3 * best_decode / double(timed_decode_steps) : 0.0},
-                          {"cuda_graph_replays", replays}};
-    if (const DcpMergeCounters& dcp = dcp_merge_counters(); dcp.rows > 0) {
-      // Decode context parallelism: what this rank sent to the DSA top-k merges over every run (model/context_parallel.h),
-      // against the naive merge (every rank all-gathering its whole local top-k) of the same rows.
-      out["dcp_topk_merge"] = {{"rows", dcp.rows.load()},
-                               {"resent_rows", dcp.resent_rows.load()},
-                               {"bytes_sent", dcp.merge_bytes.load()},
-                               {"naive_bytes_sent", dcp.naive_bytes.load()},
-                               {"naive_over_exact", double(dcp.naive_bytes) / double(dcp.merge_bytes)}};
-    }
-    if (profile) {
-      run_once(true);
-      out["profile"] = {{"prefill", profile_json(prefill_profile)}, {"decode", profile_json(decode_profile)}};
-      print_profile("prefill step", prefill_profile);
-      if (decode_tokens) print_profile("decode step", decode_profile);
-    }
-    std::printf("%s\n", out.dump().c_str());
   });
   add_bench_kernels(bench);
   add_bench_serve(bench);
