@@ -97,7 +97,7 @@ PYBIND11_MODULE(_engine, m) {
                        int64_t kv_cache_memory, double gpu_memory_utilization, const std::string& kv_cache_dtype,
                        int64_t block_size, bool enable_prefix_caching, bool enforce_eager, std::optional<uint64_t> seed,
                        const std::string& speculative_config, bool enable_lora, int64_t max_loras,
-                       int64_t max_lora_rank) {
+                       int64_t max_lora_rank, bool batch_invariant) {
              LlmOptions o;
              o.model = model;
              o.device = device;
@@ -116,6 +116,7 @@ PYBIND11_MODULE(_engine, m) {
              o.enable_lora = enable_lora;
              o.max_loras = max_loras;
              o.max_lora_rank = max_lora_rank;
+             o.batch_invariant = batch_invariant;
              py::gil_scoped_release release;
              return std::make_unique<Llm>(o);
            }),
@@ -123,7 +124,8 @@ PYBIND11_MODULE(_engine, m) {
            py::arg("max_num_seqs"), py::arg("max_num_batched_tokens"), py::arg("kv_cache_memory"),
            py::arg("gpu_memory_utilization"), py::arg("kv_cache_dtype"), py::arg("block_size"),
            py::arg("enable_prefix_caching"), py::arg("enforce_eager"), py::arg("seed"),
-           py::arg("speculative_config"), py::arg("enable_lora"), py::arg("max_loras"), py::arg("max_lora_rank"))
+           py::arg("speculative_config"), py::arg("enable_lora"), py::arg("max_loras"), py::arg("max_lora_rank"),
+           py::arg("batch_invariant"))
       .def("generate",
            [](Llm& llm, const std::vector<sparrow::api::Prompt>& prompts, const std::vector<std::string>& params,
               const std::vector<std::pair<std::string, std::string>>& loras) {

@@ -144,7 +144,7 @@ class LLM:
                  data_parallel_size: int = 1, decode_context_parallel_size: int = 1, tokenizer: Optional[str] = None,
                  trust_remote_code: bool = False, dtype: str = "auto", speculative_config: Optional[dict] = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: Optional[int] = None):
+                 max_cpu_loras: Optional[int] = None, batch_invariant: bool = False):
         if tensor_parallel_size != 1 or data_parallel_size != 1 or decode_context_parallel_size != 1:
             raise ValueError("the Python API runs one process: tensor_parallel_size, data_parallel_size and "
                              "decode_context_parallel_size must be 1 (for several GPUs serve with `sparrow serve -tp N` "
@@ -157,7 +157,7 @@ class LLM:
                                       max_num_batched_tokens, kv_cache_memory_bytes or 0, gpu_memory_utilization,
                                       kv_cache_dtype, block_size, enable_prefix_caching, enforce_eager, seed,
                                       json.dumps(speculative_config) if speculative_config else "", enable_lora,
-                                      max_loras, max_lora_rank)
+                                      max_loras, max_lora_rank, batch_invariant)
         self.model = str(model)
 
     @property

@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "cache/page_codec.h"
+#include "core/batch_invariance.h"
 #include "core/device/device.h"
 #include "core/error.h"
 #include "engine/generate.h"
@@ -78,6 +79,7 @@ Llm::Llm(LlmOptions options) : options_(std::move(options)) {
   config_.cache.max_num_seqs = options_.max_num_seqs;
   config_.cache.enable_prefix_caching = options_.enable_prefix_caching;
   config_.runner.enforce_eager = options_.enforce_eager;
+  if (options_.batch_invariant) set_batch_invariant(true);
   for (int32_t id : eos_token_ids(model_path_)) config_.eos_token_ids.push_back(id);
   if (!options_.speculative_config.empty()) {
     config_.speculative = parse_speculative_config(options_.speculative_config);

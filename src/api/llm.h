@@ -41,6 +41,9 @@ struct LlmOptions {
   int64_t block_size = 64;
   bool enable_prefix_caching = true;
   bool enforce_eager = false;
+  // Batch-invariant mode (core/batch_invariance.h; a process-wide setting: true turns it on for every engine of
+  // the process; VLLM_BATCH_INVARIANT=1 does too).
+  bool batch_invariant = false;
   std::optional<uint64_t> seed;  // requests without a seed of their own draw from seed + their index
   std::string speculative_config;  // vLLM's speculative_config as JSON text (docs/speculative.md); empty: none
   // LoRA adapters (docs/lora.md): vLLM's enable_lora, max_loras, max_lora_rank.

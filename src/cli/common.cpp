@@ -12,6 +12,7 @@
 #include "cache/kv_cache.h"
 #include "cache/kv_plan.h"
 #include "cli/commands.h"
+#include "core/batch_invariance.h"
 #include "core/device/device.h"
 #include "core/error.h"
 #include "distributed/process_group.h"
@@ -76,6 +77,10 @@ void add_device_option(CLI::App* sub, std::string& device) {
   sub->add_option("--device", device, "where the model runs: cpu or cuda (an NVIDIA Hopper GPU)")
       ->capture_default_str();
   sub->add_flag("--enforce-eager,!--no-enforce-eager", enforce_eager, "launch every kernel of a decode step directly (no CUDA graphs)");
+  sub->add_flag_callback(
+      "--batch-invariant", [] { set_batch_invariant(true); },
+      "a request's logprobs are bitwise the same whatever batch it runs in (vLLM's VLLM_BATCH_INVARIANT=1, "
+      "also read; docs/engine.md): on the GPU each kernel makes the choice that depends on the row alone");
   sub->add_option("--load-format", load_format,
                   "auto, safetensors or fastsafetensors: the folder's weights, read ahead in parallel (one fast "
                   "path, whatever the name); dummy: random weights from config.json alone (benchmarks at real "
@@ -198,6 +203,14 @@ std::unique_ptr<Model> load_cli_model(const std::string& dir, const std::string&
                 "--decode-context-parallel-size ", parallel_config.decode_context_parallel_size,
                 " must divide --tensor-parallel-size ", parallel_config.tensor_parallel_size,
                 " (DCP shares the TP ranks: give -tp too)");
+  // Batch-invariant mode on GPUs: NCCL's all-reduce orders a sum of three or more ranks by the message's size,
+  // which moves with the batch; two ranks add one pair, the same either way.
+  const int summing_ranks = parallel_config.tensor_parallel_size *
+                            (parallel_config.enable_expert_parallel ? parallel_config.data_parallel_size : 1);
+  SPARROW_CHECK(!batch_invariant() || parse_device(device) == Device::Cpu || summing_ranks <= 2,
+                "batch-invariant mode on GPUs takes at most 2 ranks in a tensor- or expert-parallel group (NCCL's "
+                "all-reduce sums three or more in an order that depends on the batch); this run sums over ",
+                summing_ranks);
   if (!parallel_config.multi_process() && env.launcher.empty()) return load_model(dir, parse_device(device), options);
 
   // Tensor parallel: join (or start) the run, load this rank's part; a worker then only runs steps.

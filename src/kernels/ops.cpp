@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/batch_invariance.h"
 #include "core/error.h"
 #include "core/parallel.h"
 #include "core/bfloat16.h"
@@ -107,8 +108,9 @@ Tensor linear(const Tensor& x, const Tensor& w, ScalarType out_type) {
   // stream the weights through the skinny kernel (gemm_skinny.h), reading the codes in place, without a
   // launch quantising the activations: up to 2x cuBLASLt's FP8 path there (bench/results/kernels.md,
   // "Skinny products"). bf16 weights stay on cuBLASLt, which reached 16-100% of HBM against the skinny
-  // kernel's 12-79% in the same run.
-  if (stored != Stored::Plain && rows <= cuda::kSkinnyMaxRows &&
+  // kernel's 12-79% in the same run. Not in batch-invariant mode (core/batch_invariance.h): its sums are
+  // not the larger products' (gemm_fp8.h), so a row would round one way alone and another in a batch.
+  if (stored != Stored::Plain && rows <= cuda::kSkinnyMaxRows && !batch_invariant() &&
       cuda::gemm_skinny_unsupported(rows, out, in, codes, x.raw(), in, w.raw(), scales, global, y.raw(), elem(y),
                                     out) == nullptr) {
     const size_t ws_bytes = cuda::gemm_skinny_workspace_bytes(rows, out, in, codes);

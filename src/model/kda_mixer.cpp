@@ -5,6 +5,7 @@
 #include <cstring>
 #include <vector>
 
+#include "core/batch_invariance.h"
 #include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/cpu/kda_reference.h"
@@ -241,8 +242,10 @@ Tensor KdaMixer::mix(const Tensor& qkv, const Tensor& log_decay, const Tensor& b
   Tensor core = Tensor::empty({T, P}, ScalarType::F32, qkv.device());
   // A sequence with a whole chunk of rows runs the chunk-parallel form on the tensor cores (as transformers
   // runs chunk_kimi_delta_attention for prefill); shorter ones, decode included, the exact token-serial
-  // recurrence.
-  const bool chunked = step.max_seq_rows >= kChunkedFrom && (D == 64 || D == 128);
+  // recurrence. In batch-invariant mode every row takes the recurrence, as on the CPU: whether a sequence
+  // runs chunked depends on the longest sequence of the step, and where its chunks fall on where the step
+  // and the prefix-cache snapshot split it (core/batch_invariance.h).
+  const bool chunked = step.max_seq_rows >= kChunkedFrom && (D == 64 || D == 128) && !batch_invariant();
   Tensor workspace;
   if (chunked)
     workspace = Tensor::empty({int64_t(cuda::kda_delta_rule_chunked_workspace_bytes(T, num_seqs, int(H), int(D)))},

@@ -290,3 +290,24 @@ def test_lora_requests_pick_their_adapter_per_prompt(tmp_path):
         llm.remove_lora("first")
     with pytest.raises(ValueError, match="enable_lora"):
         sparrow.LLM(str(BUNDLED), kv_cache_memory_bytes=64 << 20).generate(prompts, params, lora_request=first)
+
+
+def test_batch_invariant_mode(tmp_path):
+    """batch_invariant=True (the CLI's --batch-invariant, core/batch_invariance.h) is accepted and, on the CPU
+    where every forward pass is batch invariant anyway, changes nothing: a batch of prompts gives each the
+    logprobs it gets alone, and the score of a sampled sequence (prompt_logprobs over prompt + completion)
+    gives the logprobs recorded while sampling it. The GPU's mode is tests/cuda/batch_invariance_gpu_test.cpp's."""
+    llm = sparrow.LLM(str(BUNDLED), kv_cache_memory_bytes=64 << 20, batch_invariant=True)
+    params = sparrow.SamplingParams(temperature=0.8, seed=7, max_tokens=6, logprobs=1, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17], list(range(20, 60))]
+
+    def sampled(outputs):
+        return [(o.outputs[0].token_ids, [o.outputs[0].logprobs[i][t].logprob for i, t in
+                                          enumerate(o.outputs[0].token_ids)]) for o in outputs]
+    together = sampled(llm.generate(prompts, params))
+    alone = [sampled(llm.generate([p], params))[0] for p in prompts]
+    assert together == alone
+    score = sparrow.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    for prompt, (tokens, logprobs) in zip(prompts, alone):
+        scored = llm.generate([prompt + tokens], score)[0].prompt_logprobs
+        assert [scored[len(prompt) + i][t].logprob for i, t in enumerate(tokens)] == logprobs

@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/batch_invariance.h"
 #include "core/error.h"
 #include "core/device/sm_count.h"
 #include "kernels/cuda/paged.cuh"
@@ -427,7 +428,11 @@ void dsa_index_scores(const uint8_t* q_fp8, const float* w_folded, int64_t rows,
   const bool fp4 = format != PageFormat::Fp8IndexKey;
   SPARROW_CHECK(!(kernel == DsaScoreKernel::Tiles && format == PageFormat::Nvfp4Rows),
                 "dsa_index_scores: the tiled kernel reads fp8 and mxfp4 keys; nvfp4 keys take the wgmma kernel");
-  if (kernel == DsaScoreKernel::Wgmma || (kernel == DsaScoreKernel::Auto && (fp4 || rows <= kDsaWgmmaMaxRows))) {
+  // Batch-invariant mode (core/batch_invariance.h): the wgmma kernel for every row count, so that a query's
+  // scores do not depend on how many rows its step scores (the tiled kernel sums in another order).
+  const bool wgmma = kernel == DsaScoreKernel::Wgmma ||
+                     (kernel == DsaScoreKernel::Auto && (fp4 || rows <= kDsaWgmmaMaxRows || batch_invariant()));
+  if (wgmma) {
     dsa_decode_scores(q_fp8, w_folded, rows, heads, row_seq, row_visible, pool, page_table, page_table_stride,
                       block_size, format, scores, ld, max_visible, rows_per_sequence, sms, stream);
     return;

@@ -31,4 +31,17 @@ void* cublaslt_workspace(cudaStream_t stream);
 // alignment, and an algorithm chosen for 16-byte alignment may refuse a 2-byte one.
 uint32_t pointer_alignment(const void* p);
 
+// Batch-invariant mode (core/batch_invariance.h): a product's algorithm must not change with its number of
+// rows m (cuBLASLt's N in these files) and must not split K, so that a row's sums run in one order however
+// many rows share the call. The callers describe the product at kInvariantRows rows and take
+// unsplit_algo's choice for every m; each real layout is then confirmed with check_algo.
+inline constexpr int64_t kInvariantRows = 256;
+// The heuristic's first algorithm with one pass over K (SPLITK_NUM 1, preferably of no reduction scheme)
+// for these layouts; false when it offers none. `pref` is the caller's preference (workspace, alignments).
+bool unsplit_algo(cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                  cublasLtMatrixLayout_t c, cublasLtMatmulPreference_t pref, cublasLtMatmulAlgo_t* algo);
+// Whether `algo` runs the product with these layouts (cublasLtMatmulAlgoCheck).
+bool algo_takes(cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                cublasLtMatrixLayout_t c, const cublasLtMatmulAlgo_t& algo);
+
 }  // namespace sparrow::cuda

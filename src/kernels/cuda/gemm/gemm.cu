@@ -10,14 +10,18 @@
 //
 // A null stream means the engine's stream (runtime/device.h stream()).
 // One cuBLASLt handle per process and a 32 MiB workspace per stream; the heuristic's first choice is cached per
-// (shape, strides, types, pointer alignment) so steady-state calls do no heuristic search.
+// (shape, strides, types, pointer alignment) so steady-state calls do no heuristic search. In batch-invariant
+// mode (core/batch_invariance.h) the choice is made once for the product without its row count m, at
+// kInvariantRows rows and without a split of K (cublaslt.cuh), and used for every m.
 #include "kernels/cuda/gemm/gemm.h"
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <tuple>
 
 #include "kernels/cuda/gemm/cublaslt.cuh"
+#include "core/batch_invariance.h"
 #include "core/device/cuda_check.h"
 #include "core/device/device.h"
 #include "core/device/stream.h"
@@ -34,11 +38,25 @@ struct PlanKey {
   int out_type;
   bool beta_zero;
   uint32_t align_a, align_b, align_c;
+  bool invariant;  // batch-invariant mode: the algorithm comes from the product without m
   auto tie() const {
     return std::tie(trans_a, m, n, k, lda, ldb, ldc, batch, stride_a, stride_b, stride_c, out_type, beta_zero,
-                    align_a, align_b, align_c);
+                    align_a, align_b, align_c, invariant);
   }
   bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
+
+  // The same product without its row count: m dropped, and a batch stride of x or y that is a whole
+  // operand (ld * m) marked -1, so that the key, and the algorithm chosen for it, is the same for every m.
+  PlanKey without_rows() const {
+    PlanKey free = *this;
+    free.m = 0;
+    if (batch > 1 && stride_b == ldb * m) free.stride_b = -1;
+    if (batch > 1 && stride_c == ldc * m) free.stride_c = -1;
+    // Alignments above 16 bytes (a pool block's start against a view into it) choose nothing in one pass
+    // over K, and must not split one product into two algorithms.
+    free.align_a = std::min(align_a, 16u), free.align_b = std::min(align_b, 16u), free.align_c = std::min(align_c, 16u);
+    return free;
+  }
 };
 
 struct Plan {
@@ -50,6 +68,7 @@ struct Plan {
 struct Context {
   std::mutex mu;
   std::map<PlanKey, Plan> plans;
+  std::map<PlanKey, cublasLtMatmulAlgo_t> invariant_algos;  // batch-invariant mode, by PlanKey::without_rows
 };
 
 Context& context() {
@@ -74,7 +93,36 @@ cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int64_t rows, int64_t co
   return layout;
 }
 
-Plan make_plan(const PlanKey& key, ElemType out_type) {
+void destroy(Plan& plan) {
+  cublasLtMatrixLayoutDestroy(plan.a);
+  cublasLtMatrixLayoutDestroy(plan.b);
+  cublasLtMatrixLayoutDestroy(plan.c);
+  cublasLtMatmulDescDestroy(plan.op);
+}
+
+// Batch-invariant mode: the algorithm for the product at kInvariantRows rows (`free` is key.without_rows()),
+// chosen once per such product; layouts a and the descriptor are the real plan's (they do not involve m).
+bool invariant_algo(Context& ctx, const PlanKey& free, ElemType out_type, const Plan& plan,
+                    cublasLtMatmulPreference_t pref, cublasLtMatmulAlgo_t* algo) {
+  auto it = ctx.invariant_algos.find(free);
+  if (it == ctx.invariant_algos.end()) {
+    const int64_t rows = kInvariantRows;
+    const int64_t stride_b = free.stride_b < 0 ? free.ldb * rows : free.stride_b;
+    const int64_t stride_c = free.stride_c < 0 ? free.ldc * rows : free.stride_c;
+    cublasLtMatrixLayout_t b = make_layout(CUDA_R_16BF, free.k, rows, free.ldb, free.batch, stride_b);
+    cublasLtMatrixLayout_t c = make_layout(cuda_type(out_type), free.n, rows, free.ldc, free.batch, stride_c);
+    cublasLtMatmulAlgo_t chosen{};
+    const bool found = unsplit_algo(plan.op, plan.a, b, c, pref, &chosen);
+    cublasLtMatrixLayoutDestroy(b);
+    cublasLtMatrixLayoutDestroy(c);
+    if (!found) return false;
+    it = ctx.invariant_algos.emplace(free, chosen).first;
+  }
+  *algo = it->second;
+  return true;
+}
+
+Plan make_plan(Context& ctx, const PlanKey& key, ElemType out_type) {
   Plan plan;
   SPARROW_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t ta = key.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = CUBLAS_OP_N;
@@ -87,29 +135,39 @@ Plan make_plan(const PlanKey& key, ElemType out_type) {
   plan.b = make_layout(CUDA_R_16BF, K, N, key.ldb, key.batch, key.stride_b);
   plan.c = make_layout(cuda_type(out_type), M, N, key.ldc, key.batch, key.stride_c);
 
+  // The alignments the heuristic is told: the call's own, or in batch-invariant mode the row-free key's.
+  const PlanKey told = key.invariant ? key.without_rows() : key;
   cublasLtMatmulPreference_t pref = nullptr;
   SPARROW_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   size_t ws = kCublasWorkspaceBytes;
   SPARROW_CUBLAS_CHECK(
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
   SPARROW_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                                            &key.align_a, sizeof(key.align_a)));
+                                                            &told.align_a, sizeof(key.align_a)));
   SPARROW_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                            &key.align_b, sizeof(key.align_b)));
+                                                            &told.align_b, sizeof(key.align_b)));
   SPARROW_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                                            &key.align_c, sizeof(key.align_c)));
+                                                            &told.align_c, sizeof(key.align_c)));
   SPARROW_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                                            &key.align_c, sizeof(key.align_c)));
+                                                            &told.align_c, sizeof(key.align_c)));
+  if (key.invariant) {
+    const bool found = invariant_algo(ctx, key.without_rows(), out_type, plan, pref, &plan.algo);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (!found || !algo_takes(plan.op, plan.a, plan.b, plan.c, plan.algo)) {
+      destroy(plan);
+      fail("batch-invariant mode: cuBLASLt has no ", found ? "algorithm chosen at " : "unsplit algorithm at ",
+           kInvariantRows, " rows that also runs the bf16 product m=", key.m, " n=", key.n, " k=", key.k,
+           " batch=", key.batch, " (lda=", key.lda, " ldb=", key.ldb, " ldc=", key.ldc, ")");
+    }
+    return plan;
+  }
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   cublasStatus_t status =
       cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), plan.op, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (status != CUBLAS_STATUS_SUCCESS || found == 0) {
-    cublasLtMatrixLayoutDestroy(plan.a);
-    cublasLtMatrixLayoutDestroy(plan.b);
-    cublasLtMatrixLayoutDestroy(plan.c);
-    cublasLtMatmulDescDestroy(plan.op);
+    destroy(plan);
     fail("cuBLASLt has no algorithm for a bf16 product m=", key.m, " n=", key.n, " k=", key.k,
          " batch=", key.batch, " (lda=", key.lda, " ldb=", key.ldb, " ldc=", key.ldc, "): ",
          cublasLtGetStatusString(status));
@@ -163,10 +221,11 @@ void gemm(bool trans_w, int64_t m, int64_t n, int64_t k, const GemmOperand& x, c
               beta == 0.0f,
               pointer_alignment(w.data),
               pointer_alignment(x.data),
-              pointer_alignment(y.data)};
+              pointer_alignment(y.data),
+              batch_invariant()};
   std::lock_guard<std::mutex> lock(ctx.mu);
   auto it = ctx.plans.find(key);
-  if (it == ctx.plans.end()) it = ctx.plans.emplace(key, make_plan(key, y.type)).first;
+  if (it == ctx.plans.end()) it = ctx.plans.emplace(key, make_plan(ctx, key, y.type)).first;
   const Plan& plan = it->second;
   SPARROW_CUBLAS_CHECK(cublasLtMatmul(cublaslt_handle(), plan.op, &alpha, w.data, plan.a, x.data, plan.b, &beta,
                                       y.data, plan.c, y.data, plan.c, &plan.algo, cublaslt_workspace(stream),

@@ -20,6 +20,7 @@
 #include <tuple>
 
 #include "kernels/cuda/gemm/cublaslt.cuh"
+#include "core/batch_invariance.h"
 #include "core/device/cuda_check.h"
 #include "core/device/device.h"
 #include "core/device/stream.h"
@@ -137,8 +138,15 @@ struct PlanKey {
   int64_t n, m_pad, k, ldc;
   int out_type;
   uint32_t align_a, align_c;
-  auto tie() const { return std::tie(n, m_pad, k, ldc, out_type, align_a, align_c); }
+  bool invariant;  // batch-invariant mode: the algorithm comes from the product without m (gemm.cu)
+  auto tie() const { return std::tie(n, m_pad, k, ldc, out_type, align_a, align_c, invariant); }
   bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
+  PlanKey without_rows() const {
+    PlanKey free = *this;
+    free.m_pad = 0;
+    free.align_a = std::min(align_a, 16u), free.align_c = std::min(align_c, 16u);
+    return free;
+  }
 };
 
 struct Plan {
@@ -150,6 +158,7 @@ struct Plan {
 struct Context {
   std::mutex mu;
   std::map<PlanKey, Plan> plans;
+  std::map<PlanKey, cublasLtMatmulAlgo_t> invariant_algos;  // batch-invariant mode, by PlanKey::without_rows
   cudaEvent_t done = nullptr;                // orders the engine stream after work on other streams
 };
 
@@ -182,7 +191,14 @@ void set_scale_pointers(const Plan& plan, const float* a_scales, const float* b_
 
 // The heuristic wants the scale pointers set (a block scale mode without its pointer is refused), so
 // the first call's pointers go in; every call sets its own before the matmul.
-Plan make_plan(const PlanKey& key, const float* a_scales, const float* b_scales) {
+void destroy(Plan& plan) {
+  cublasLtMatrixLayoutDestroy(plan.a);
+  cublasLtMatrixLayoutDestroy(plan.b);
+  cublasLtMatrixLayoutDestroy(plan.c);
+  cublasLtMatmulDescDestroy(plan.op);
+}
+
+Plan make_plan(Context& ctx, const PlanKey& key, const float* a_scales, const float* b_scales) {
   Plan plan;
   SPARROW_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -199,6 +215,8 @@ Plan make_plan(const PlanKey& key, const float* a_scales, const float* b_scales)
   plan.b = make_layout(CUDA_R_8F_E4M3, key.k, key.m_pad, key.k);
   plan.c = make_layout(key.out_type == int(ElemType::F32) ? CUDA_R_32F : CUDA_R_16BF, key.n, key.m_pad, key.ldc);
 
+  // The alignments the heuristic is told: the call's own, or in batch-invariant mode the row-free key's.
+  const PlanKey told = key.invariant ? key.without_rows() : key;
   cublasLtMatmulPreference_t pref = nullptr;
   SPARROW_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const size_t ws = kCublasWorkspaceBytes;
@@ -206,23 +224,44 @@ Plan make_plan(const PlanKey& key, const float* a_scales, const float* b_scales)
   SPARROW_CUBLAS_CHECK(
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
   SPARROW_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                                            &key.align_a, sizeof(key.align_a)));
+                                                            &told.align_a, sizeof(key.align_a)));
   SPARROW_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                                                             &align_b, sizeof(align_b)));
   SPARROW_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                                            &key.align_c, sizeof(key.align_c)));
+                                                            &told.align_c, sizeof(key.align_c)));
   SPARROW_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                                            &key.align_c, sizeof(key.align_c)));
+                                                            &told.align_c, sizeof(key.align_c)));
+  if (key.invariant) {
+    auto it = ctx.invariant_algos.find(told);
+    bool found = it != ctx.invariant_algos.end();
+    if (!found) {
+      // The product at kInvariantRows rows (cublaslt.cuh): one algorithm for every m.
+      cublasLtMatrixLayout_t b = make_layout(CUDA_R_8F_E4M3, key.k, kInvariantRows, key.k);
+      cublasLtMatrixLayout_t c = make_layout(key.out_type == int(ElemType::F32) ? CUDA_R_32F : CUDA_R_16BF, key.n,
+                                             kInvariantRows, key.ldc);
+      cublasLtMatmulAlgo_t chosen{};
+      found = unsplit_algo(plan.op, plan.a, b, c, pref, &chosen);
+      cublasLtMatrixLayoutDestroy(b);
+      cublasLtMatrixLayoutDestroy(c);
+      if (found) it = ctx.invariant_algos.emplace(told, chosen).first;
+    }
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (found) plan.algo = it->second;
+    if (!found || !algo_takes(plan.op, plan.a, plan.b, plan.c, plan.algo)) {
+      destroy(plan);
+      fail("batch-invariant mode: cuBLASLt has no ", found ? "algorithm chosen at " : "unsplit algorithm at ",
+           kInvariantRows, " rows that also runs the FP8 block-scaled product n=", key.n, " m=", key.m_pad,
+           " k=", key.k, " (ldc=", key.ldc, ")");
+    }
+    return plan;
+  }
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const cublasStatus_t status =
       cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), plan.op, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (status != CUBLAS_STATUS_SUCCESS || found == 0) {
-    cublasLtMatrixLayoutDestroy(plan.a);
-    cublasLtMatrixLayoutDestroy(plan.b);
-    cublasLtMatrixLayoutDestroy(plan.c);
-    cublasLtMatmulDescDestroy(plan.op);
+    destroy(plan);
     fail("cuBLASLt has no algorithm for an FP8 block-scaled product n=", key.n, " m=", key.m_pad, " k=", key.k,
          " (", type_name(ElemType(key.out_type)), " out, ldc=", key.ldc,
          "): ", cublasLtGetStatusString(status),
@@ -345,10 +384,10 @@ void gemm_fp8_block_scaled(int64_t m, int64_t n, int64_t k, const void* x_bf16, 
   void* out = direct_out ? y : work.at(off_tmp);
   const int64_t ldc = direct_out ? ldy : n;
   {
-    const PlanKey key{n, m_pad, k, ldc, int(y_type), pointer_alignment(w), pointer_alignment(out)};
+    const PlanKey key{n, m_pad, k, ldc, int(y_type), pointer_alignment(w), pointer_alignment(out), batch_invariant()};
     std::lock_guard<std::mutex> lock(ctx.mu);
     auto it = ctx.plans.find(key);
-    if (it == ctx.plans.end()) it = ctx.plans.emplace(key, make_plan(key, a_scales, xs)).first;
+    if (it == ctx.plans.end()) it = ctx.plans.emplace(key, make_plan(ctx, key, a_scales, xs)).first;
     const Plan& plan = it->second;
     set_scale_pointers(plan, a_scales, xs);
     const float alpha = 1.0f, beta = 0.0f;

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <numeric>
 
+#include "core/batch_invariance.h"
 #include "kernels/cuda/gqa/attention_kernel.cuh"
 #include "kernels/cuda/paged.cuh"
 #include "kernels/cuda/quant/fp4.cuh"
@@ -225,12 +226,13 @@ Plan make_plan(int64_t rows, int heads, int kv_heads, int head_dim, int64_t max_
     slots = std::min<int64_t>(max_blocks, (max_visible + index_block_size - 1) / index_block_size) * index_block_size;
   const int64_t total_tiles = std::max<int64_t>(1, (slots + kTileKeys - 1) / kTileKeys);
   // Enough blocks for about two waves (flash-decoding: a few long rows still use every SM), but at least
-  // two tiles per warp in each split so the ring and the combine pay off.
+  // two tiles per warp in each split so the ring and the combine pay off. Batch-invariant mode
+  // (core/batch_invariance.h) never splits: where a split falls would depend on the step's rows.
   const int64_t per_sm = std::clamp<int64_t>(
       int64_t(device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor)) / int64_t(plan.smem + 1024), 1, 8);
   const int64_t target = 2 * per_sm * device_attribute(cudaDevAttrMultiProcessorCount);
   const int64_t base = std::max<int64_t>(1, rows * plan.ctas_per_row);
-  int64_t splits = base >= target ? 1 : (target + base - 1) / base;
+  int64_t splits = base >= target || batch_invariant() ? 1 : (target + base - 1) / base;
   splits = std::clamp<int64_t>(std::min(splits, total_tiles / (2 * kWarps)), 1, 65535);
   const int64_t tps = (total_tiles + splits - 1) / splits;
   splits = (total_tiles + tps - 1) / tps;

@@ -4,6 +4,7 @@
 #include "kernels/cuda/mla/attention_kernel.cuh"
 #include "kernels/cuda/mla/wgmma_kernel.cuh"
 #include "kernels/cuda/paged.cuh"
+#include "core/batch_invariance.h"
 #include "core/device/sm_count.h"
 
 namespace sparrow::cuda::mla_detail {
@@ -39,11 +40,12 @@ __global__ void __launch_bounds__(128) mla_combine_kernel(const float* ws_o, con
 namespace {
 // Both kernels' key split (flash-decoding): each row's `key_tiles` tiles go to as many CTAs as bring the
 // grid (rows x plan.head_tiles x splits) to about `target_ctas`, evenly, and the combine kernel's
-// workspace is sized for them.
+// workspace is sized for them. Batch-invariant mode (core/batch_invariance.h) never splits: where a split
+// falls would depend on the step's rows, and the combine would then sum a row's parts differently.
 void split_keys(AttnPlan& plan, int64_t rows, int heads, int64_t key_tiles, int64_t target_ctas) {
   const int64_t total_tiles = std::max<int64_t>(1, key_tiles);
   const int64_t base = rows * plan.head_tiles;
-  int64_t splits = base >= target_ctas ? 1 : (target_ctas + base - 1) / base;
+  int64_t splits = base >= target_ctas || batch_invariant() ? 1 : (target_ctas + base - 1) / base;
   splits = std::min(splits, total_tiles);
   const int64_t tps = (total_tiles + splits - 1) / splits;
   splits = (total_tiles + tps - 1) / tps;

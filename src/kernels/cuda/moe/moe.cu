@@ -68,6 +68,7 @@
 #include "kernels/cuda/glu.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/wgmma.cuh"
+#include "core/batch_invariance.h"
 #include "core/device/cuda_check.h"
 #include "kernels/uniform_routing.h"
 
@@ -1379,6 +1380,9 @@ bool use_decode(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidd
 }  // namespace
 
 MoePath moe_experts_path(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden, int64_t inter) {
+  // Batch-invariant mode (core/batch_invariance.h): one path for every step size. The WMMA tiles take every
+  // shape, and a row's sums there do not depend on the other rows of its tile or expert.
+  if (batch_invariant()) return MoePath::Tiled;
   if (use_decode(tokens, top_k, num_experts, hidden, inter)) return MoePath::Decode;
   if (use_wgmma(tokens, top_k, num_experts, hidden, inter)) return MoePath::Wgmma;
   return MoePath::Tiled;

@@ -47,6 +47,7 @@
 #include <climits>
 #include <cmath>
 
+#include "core/batch_invariance.h"
 #include "core/error.h"
 #include "kernels/cuda/gqa/kv_widen.cuh"
 #include "kernels/cuda/paged.cuh"
@@ -811,8 +812,10 @@ void msa_select_blocks(const void* q_bf16, int64_t rows, int index_heads, int di
                 msa_select_workspace_bytes(rows, index_heads, max_position, ib), " needed");
   const int nb = blocks_of(max_position, ib);
   const int64_t chunk_rows = rows_per_chunk(rows, index_heads, nb);
-  const bool prefill =
-      kernel == MsaScoreKernel::Prefill || (kernel == MsaScoreKernel::Auto && rows > kMsaDecodeMaxRows);
+  // Batch-invariant mode (core/batch_invariance.h): the decode tiling for every row count, so that a
+  // query's block scores do not depend on how many rows its step selects for.
+  const bool prefill = kernel == MsaScoreKernel::Prefill ||
+                       (kernel == MsaScoreKernel::Auto && rows > kMsaDecodeMaxRows && !batch_invariant());
   const Variant var = variant_for(dim, key_format);
   float* ws = static_cast<float*>(workspace);
   const bool in_smem = nb <= kSelectSmemBlocks;
