@@ -9,6 +9,7 @@
 #include <string>
 
 #include "batch_invariance_util.h"
+#include "lora_test_util.h"
 
 using namespace sparrow;
 namespace fs = std::filesystem;
@@ -20,6 +21,20 @@ class BatchInvariance : public ::testing::TestWithParam<std::string> {};
 TEST_P(BatchInvariance, LogprobsAreTheSameAloneBatchedChunkedAndAfterAPrefixHit) {
   auto model = load_model((fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / GetParam()).string());
   const sparrow::testing::InvarianceReport report = sparrow::testing::batch_invariance_report(*model, 16);
+  EXPECT_TRUE(report.invariant()) << report.batched << " batched, " << report.chunked << " chunked, "
+                                  << report.prefix_hit << " after a prefix hit and " << report.scored
+                                  << " scored sequences differ from their runs alone; first: " << report.first;
+}
+
+// With two LoRA adapters over every target (attention, indexers, shared and routed experts) mixed with the
+// base model in every batch.
+TEST_P(BatchInvariance, WithLoraAdaptersMixedInTheBatch) {
+  const fs::path dir = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / GetParam();
+  auto model = load_model(dir.string());
+  const sparrow::testing::Adapter a = sparrow::testing::make_adapter(dir, 8, 61), b = sparrow::testing::make_adapter(dir, 4, 62);
+  const sparrow::testing::InvarianceReport report = sparrow::testing::batch_invariance_report(
+      *model, 16, {load_lora_adapter("a", a.dir(), dir.string(), Device::Cpu, 16),
+                   load_lora_adapter("b", b.dir(), dir.string(), Device::Cpu, 16)});
   EXPECT_TRUE(report.invariant()) << report.batched << " batched, " << report.chunked << " chunked, "
                                   << report.prefix_hit << " after a prefix hit and " << report.scored
                                   << " scored sequences differ from their runs alone; first: " << report.first;

@@ -6,8 +6,10 @@
 //     after the prefix cache holds their prompts (a hit resumes KDA from a snapshot);
 //   - and the score of each sampled sequence (prompt + completion with prompt_logprobs) equals the
 //     logprobs recorded while sampling it: the trainer's forward pass of an RL step reproduces the rollout's.
+// With LoRA adapters given, the requests take turns: the base model, then each adapter (mixed in every batch).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <random>
 #include <string>
@@ -19,7 +21,8 @@
 
 namespace sparrow::testing {
 
-inline std::vector<Request> invariance_requests(int64_t vocab) {
+inline std::vector<Request> invariance_requests(int64_t vocab,
+                                                const std::vector<std::shared_ptr<const LoraAdapter>>& adapters = {}) {
   std::mt19937 rng(29);
   std::vector<Request> requests;
   for (int i = 0; i < 16; ++i) {
@@ -37,6 +40,8 @@ inline std::vector<Request> invariance_requests(int64_t vocab) {
     }
     if (i % 4 == 1) r.params.top_k = 20, r.params.top_p = 0.9f;
     if (i % 4 == 3) r.params.repetition_penalty = 1.2f, r.params.presence_penalty = 0.3f;
+    const size_t turn = size_t(i) % (adapters.size() + 1);
+    if (turn > 0) r.lora = adapters[turn - 1];
     requests.push_back(r);
   }
   return requests;
@@ -97,8 +102,9 @@ struct InvarianceReport {
   bool invariant() const { return batched + chunked + prefix_hit + scored == 0; }
 };
 
-inline InvarianceReport batch_invariance_report(Model& model, int block_size) {
-  const std::vector<Request> requests = invariance_requests(model.vocab_size());
+inline InvarianceReport batch_invariance_report(Model& model, int block_size,
+                                                const std::vector<std::shared_ptr<const LoraAdapter>>& adapters = {}) {
+  const std::vector<Request> requests = invariance_requests(model.vocab_size(), adapters);
   InvarianceReport report;
   GatheredOutputs alone;
   {
@@ -120,6 +126,7 @@ inline InvarianceReport batch_invariance_report(Model& model, int block_size) {
   std::vector<Request> scoring;
   for (const Request& r : requests) {
     Request s{r.id, r.prompt, {}};
+    s.lora = r.lora;
     const Gathered& sampled = alone.at(r.id);
     s.prompt.insert(s.prompt.end(), sampled.tokens.begin(), sampled.tokens.end());
     s.params.max_tokens = 1;

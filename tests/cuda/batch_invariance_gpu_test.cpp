@@ -13,6 +13,7 @@
 #include <string>
 
 #include "../batch_invariance_util.h"
+#include "../lora_test_util.h"
 #include "core/batch_invariance.h"
 #include "gpu_test_util.h"
 #include "model_test_util.h"
@@ -31,16 +32,24 @@ struct ModeFor {
   ~ModeFor() { set_batch_invariant(before); }
 };
 
-sparrow::testing::InvarianceReport report_on_gpu(const std::string& fixture, bool invariant) {
+// adapters: two LoRA adapters over every target (attention, indexers, shared and routed experts) mixed with
+// the base model in every batch.
+sparrow::testing::InvarianceReport report_on_gpu(const std::string& fixture, bool invariant, bool adapters = false) {
   ModeFor mode(invariant);
   fs::path dir = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures" / fixture;
+  const fs::path weights = fixture == "deepseek_v32_gpu_as_fp8" ? dir.parent_path() / "deepseek_v32_gpu" : dir;
   if (fixture == "deepseek_v32_gpu_as_fp8") {
     const fs::path fp8 = fs::temp_directory_path() / "sparrow_batch_invariance_fp8";
     model_test::write_fp8_checkpoint(dir.parent_path() / "deepseek_v32_gpu", fp8);
     dir = fp8;
   }
   auto model = load_model(dir.string(), Device::Cuda);
-  return sparrow::testing::batch_invariance_report(*model, 64);
+  if (!adapters) return sparrow::testing::batch_invariance_report(*model, 64);
+  const sparrow::testing::Adapter a = sparrow::testing::make_adapter(weights, 8, 61),
+                                  b = sparrow::testing::make_adapter(weights, 4, 62);
+  return sparrow::testing::batch_invariance_report(
+      *model, 64, {load_lora_adapter("a", a.dir(), weights.string(), Device::Cuda, 16),
+                   load_lora_adapter("b", b.dir(), weights.string(), Device::Cuda, 16)});
 }
 
 }  // namespace
@@ -48,6 +57,14 @@ sparrow::testing::InvarianceReport report_on_gpu(const std::string& fixture, boo
 TEST_P(CudaBatchInvariance, LogprobsAreTheSameAloneBatchedChunkedAndAfterAPrefixHit) {
   SPARROW_REQUIRE_GPU();
   const sparrow::testing::InvarianceReport report = report_on_gpu(GetParam(), true);
+  EXPECT_TRUE(report.invariant()) << report.batched << " batched, " << report.chunked << " chunked, "
+                                  << report.prefix_hit << " after a prefix hit and " << report.scored
+                                  << " scored sequences differ from their runs alone; first: " << report.first;
+}
+
+TEST_P(CudaBatchInvariance, WithLoraAdaptersMixedInTheBatch) {
+  SPARROW_REQUIRE_GPU();
+  const sparrow::testing::InvarianceReport report = report_on_gpu(GetParam(), true, /*adapters=*/true);
   EXPECT_TRUE(report.invariant()) << report.batched << " batched, " << report.chunked << " chunked, "
                                   << report.prefix_hit << " after a prefix hit and " << report.scored
                                   << " scored sequences differ from their runs alone; first: " << report.first;
