@@ -41,39 +41,61 @@ uint32_t pointer_alignment(const void* p) {
   return a;
 }
 
-bool unsplit_algo(cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
-                  cublasLtMatrixLayout_t c, cublasLtMatmulPreference_t pref, cublasLtMatmulAlgo_t* algo) {
-  // First asked to leave out every reduction scheme (a split of K needs one); where that leaves nothing (the
-  // FP8 block-scaled products on an H100 did), the unfiltered list, read algorithm by algorithm.
-  for (const bool filtered : {true, false}) {
-    const uint32_t mask = filtered ? uint32_t(CUBLASLT_REDUCTION_SCHEME_NONE) : uint32_t(CUBLASLT_REDUCTION_SCHEME_MASK);
-    SPARROW_CUBLAS_CHECK(
-        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask, sizeof(mask)));
-    constexpr int kAsked = 32;
-    cublasLtMatmulHeuristicResult_t results[kAsked] = {};
-    int found = 0;
-    if (cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), op, a, b, c, c, pref, kAsked, results, &found) !=
-        CUBLAS_STATUS_SUCCESS)
-      continue;
-    for (int i = 0; i < found; ++i) {
-      uint32_t splits = 1;
-      size_t written = 0;
-      SPARROW_CUBLAS_CHECK(cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
-                                                                &splits, sizeof(splits), &written));
-      if (results[i].state == CUBLAS_STATUS_SUCCESS && splits <= 1) {
-        *algo = results[i].algo;
-        return true;
-      }
-    }
-  }
-  return false;
-}
-
 bool algo_takes(cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
                 cublasLtMatrixLayout_t c, const cublasLtMatmulAlgo_t& algo) {
   cublasLtMatmulHeuristicResult_t result{};
   return cublasLtMatmulAlgoCheck(cublaslt_handle(), op, a, b, c, c, &algo, &result) == CUBLAS_STATUS_SUCCESS &&
          result.workspaceSize <= kCublasWorkspaceBytes;
 }
+
+bool unsplit_algo(cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                  cublasLtMatrixLayout_t c, cublasLtMatmulPreference_t pref, cublasLtMatmulAlgo_t* algo) {
+  constexpr int kAsked = 32;
+  cublasLtMatmulHeuristicResult_t results[kAsked] = {};
+  auto ask = [&](uint32_t mask) {
+    SPARROW_CUBLAS_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask, sizeof(mask)));
+    int found = 0;
+    if (cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), op, a, b, c, c, pref, kAsked, results, &found) !=
+        CUBLAS_STATUS_SUCCESS)
+      return 0;
+    return found;
+  };
+  auto splits_of = [](const cublasLtMatmulAlgo_t& candidate) {
+    uint32_t splits = 1;
+    size_t written = 0;
+    SPARROW_CUBLAS_CHECK(cublasLtMatmulAlgoConfigGetAttribute(&candidate, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits,
+                                                              sizeof(splits), &written));
+    return splits;
+  };
+  // First asked to leave out every reduction scheme (a split of K needs one), then the unfiltered list read
+  // algorithm by algorithm (the FP8 block-scaled products of an H100 offered nothing filtered).
+  for (const uint32_t mask : {uint32_t(CUBLASLT_REDUCTION_SCHEME_NONE), uint32_t(CUBLASLT_REDUCTION_SCHEME_MASK)}) {
+    const int found = ask(mask);
+    for (int i = 0; i < found; ++i)
+      if (results[i].state == CUBLAS_STATUS_SUCCESS && splits_of(results[i].algo) <= 1) {
+        *algo = results[i].algo;
+        return true;
+      }
+  }
+  // Every algorithm offered splits K (an H100's FP8 block-scaled products at DeepSeek-V3.2's k = 7168): the
+  // first that still runs with its split turned off.
+  const int found = ask(uint32_t(CUBLASLT_REDUCTION_SCHEME_MASK));
+  for (int i = 0; i < found; ++i) {
+    cublasLtMatmulAlgo_t candidate = results[i].algo;
+    const uint32_t one = 1, none = CUBLASLT_REDUCTION_SCHEME_NONE;
+    if (cublasLtMatmulAlgoConfigSetAttribute(&candidate, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one, sizeof(one)) !=
+            CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulAlgoConfigSetAttribute(&candidate, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &none,
+                                             sizeof(none)) != CUBLAS_STATUS_SUCCESS)
+      continue;
+    if (algo_takes(op, a, b, c, candidate)) {
+      *algo = candidate;
+      return true;
+    }
+  }
+  return false;
+}
+
 
 }  // namespace sparrow::cuda

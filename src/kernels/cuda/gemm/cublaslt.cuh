@@ -37,7 +37,8 @@ uint32_t pointer_alignment(const void* p);
 // unsplit_algo's choice for every m; each real layout is then confirmed with check_algo.
 inline constexpr int64_t kInvariantRows = 256;
 // The heuristic's first algorithm with one pass over K (SPLITK_NUM 1, preferably of no reduction scheme)
-// for these layouts; false when it offers none. `pref` is the caller's preference (workspace, alignments).
+// for these layouts, or else the first it offers that still runs with its split of K turned off; false
+// when there is none. `pref` is the caller's preference (workspace, alignments).
 bool unsplit_algo(cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
                   cublasLtMatrixLayout_t c, cublasLtMatmulPreference_t pref, cublasLtMatmulAlgo_t* algo);
 // Whether `algo` runs the product with these layouts (cublasLtMatmulAlgoCheck).
