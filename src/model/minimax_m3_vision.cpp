@@ -1,0 +1,193 @@
+#include "model/minimax_m3_vision.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "formats/checkpoint.h"
+#include "kernels/cpu/reference_ops.h"
+#include "kernels/ops.h"
+
+namespace sparrow {
+
+namespace {
+
+// vLLM's get_act_fn("gelu"): the erf form.
+void gelu_(Tensor& x) {
+  float* p = x.data();
+  for (int64_t i = 0; i < x.numel(); ++i) p[i] = 0.5f * p[i] * (1.0f + std::erf(p[i] * 0.70710678118654752f));
+}
+
+Tensor linear_bias(const Tensor& x, const Tensor& w, const Tensor& b) {
+  Tensor y = ops::linear(x, w);
+  ops::add_bias_(y, b);
+  return y;
+}
+
+// A setting of the tower's geometry: the vision config's own key, or the release's img_token_compression_config
+// (what vLLM reads), else `def`.
+int64_t compression_setting(const Config& vision, const char* key, int64_t def) {
+  if (vision.has(key)) return vision.get_int(key);
+  if (vision.has("img_token_compression_config"))
+    return vision.get_object("img_token_compression_config").get_int(key, def);
+  return def;
+}
+
+}  // namespace
+
+std::unique_ptr<MiniMaxM3VisionEncoder> MiniMaxM3VisionEncoder::load(const std::string& dir) {
+  std::unique_ptr<Checkpoint> ckpt = Checkpoint::open(dir);
+  const Config& config = ckpt->config();
+  SPARROW_CHECK(config.has("vision_config"), dir, "/config.json has no vision_config: not a MiniMax-M3-VL checkpoint");
+  const Config vision = config.get_object("vision_config");
+  auto encoder = std::unique_ptr<MiniMaxM3VisionEncoder>(new MiniMaxM3VisionEncoder);
+  MiniMaxM3VisionEncoder& e = *encoder;
+  e.hidden_ = vision.get_int("hidden_size");
+  e.heads_ = vision.get_int("num_attention_heads");
+  SPARROW_CHECK(e.hidden_ > 0 && e.heads_ > 0 && e.hidden_ % e.heads_ == 0, vision.where(), ": hidden_size ", e.hidden_,
+                " is not a multiple of num_attention_heads ", e.heads_);
+  e.head_dim_ = e.hidden_ / e.heads_;
+  e.eps_ = float(vision.get_float("layer_norm_eps", 1e-5));
+  e.merge_ = compression_setting(vision, "spatial_merge_size", 2);
+  const int64_t temporal = compression_setting(vision, "temporal_patch_size", 2);
+  const int64_t patch = vision.get_int("patch_size"), channels = vision.get_int("num_channels", 3);
+  SPARROW_CHECK(e.merge_ > 0 && temporal > 0 && patch > 0 && channels > 0, vision.where(),
+                ": bad patch geometry (patch_size ", patch, ", temporal_patch_size ", temporal, ", spatial_merge_size ",
+                e.merge_, ")");
+  e.patch_width_ = channels * temporal * patch * patch;
+  e.text_hidden_ = config.get_object("text_config").get_int("hidden_size");
+  const std::string act = vision.get_string("hidden_act", "gelu");
+  SPARROW_CHECK(act == "gelu", vision.where(), ": hidden_act '", act, "' (the tower takes gelu)");
+
+  // vLLM's VisionTransformer: rope_theta from the config (rope_parameters in transformers' form), 10000 else.
+  double theta = 10000.0;
+  if (vision.has("rope_parameters")) theta = vision.get_object("rope_parameters").get_float("rope_theta", theta);
+  else theta = vision.get_float("rope_theta", theta);
+  const int64_t axis = 2 * ((2 * (e.head_dim_ / 2) / 3) / 2);
+  for (int64_t i = 0; i < axis; i += 2) e.inv_freq_.push_back(float(1.0 / std::pow(theta, double(i) / double(axis))));
+
+  const std::string root = ckpt->has("model.vision_tower.vision_model.pre_layrnorm.weight") ? "model." : "";
+  const std::string v = root + "vision_tower.vision_model.";
+  const int64_t H = e.hidden_;
+  e.patch_w_ = ckpt->take(v + "embeddings.patch_embedding.weight", {H, channels, temporal, patch, patch})
+                   .reshape({H, e.patch_width_});
+  e.pre_w_ = ckpt->take(v + "pre_layrnorm.weight", {H});
+  e.pre_b_ = ckpt->take(v + "pre_layrnorm.bias", {H});
+  const int64_t inter = vision.get_int("intermediate_size");
+  for (int64_t i = 0, n = vision.get_int("num_hidden_layers"); i < n; ++i) {
+    const std::string p = v + "encoder.layers." + std::to_string(i) + ".";
+    // The MLP: transformers writes block_sparse_moe.fc1 / fc2, the release mlp.fc1 / fc2 (vLLM's weight mapper).
+    const std::string mlp = p + (ckpt->has(p + "block_sparse_moe.fc1.weight") ? "block_sparse_moe." : "mlp.");
+    Layer l;
+    l.ln1_w = ckpt->take(p + "layer_norm1.weight", {H});
+    l.ln1_b = ckpt->take(p + "layer_norm1.bias", {H});
+    l.q_w = ckpt->take(p + "self_attn.q_proj.weight", {H, H});
+    l.q_b = ckpt->take(p + "self_attn.q_proj.bias", {H});
+    l.k_w = ckpt->take(p + "self_attn.k_proj.weight", {H, H});
+    l.k_b = ckpt->take(p + "self_attn.k_proj.bias", {H});
+    l.v_w = ckpt->take(p + "self_attn.v_proj.weight", {H, H});
+    l.v_b = ckpt->take(p + "self_attn.v_proj.bias", {H});
+    l.out_w = ckpt->take(p + "self_attn.out_proj.weight", {H, H});
+    l.out_b = ckpt->take(p + "self_attn.out_proj.bias", {H});
+    l.ln2_w = ckpt->take(p + "layer_norm2.weight", {H});
+    l.ln2_b = ckpt->take(p + "layer_norm2.bias", {H});
+    l.fc1_w = ckpt->take(mlp + "fc1.weight", {inter, H});
+    l.fc1_b = ckpt->take(mlp + "fc1.bias", {inter});
+    l.fc2_w = ckpt->take(mlp + "fc2.weight", {H, inter});
+    l.fc2_b = ckpt->take(mlp + "fc2.bias", {H});
+    e.layers_.push_back(std::move(l));
+  }
+  const int64_t mid = config.get_int("projector_hidden_size", e.text_hidden_), T = e.text_hidden_;
+  const int64_t window = e.merge_ * e.merge_;
+  e.proj1_w_ = ckpt->take(root + "multi_modal_projector.linear_1.weight", {mid, H});
+  e.proj1_b_ = ckpt->take(root + "multi_modal_projector.linear_1.bias", {mid});
+  e.proj2_w_ = ckpt->take(root + "multi_modal_projector.linear_2.weight", {T, mid});
+  e.proj2_b_ = ckpt->take(root + "multi_modal_projector.linear_2.bias", {T});
+  e.merge1_w_ = ckpt->take(root + "patch_merge_mlp.linear_1.weight", {mid, T * window});
+  e.merge1_b_ = ckpt->take(root + "patch_merge_mlp.linear_1.bias", {mid});
+  e.merge2_w_ = ckpt->take(root + "patch_merge_mlp.linear_2.weight", {T, mid});
+  e.merge2_b_ = ckpt->take(root + "patch_merge_mlp.linear_2.bias", {T});
+  return encoder;
+}
+
+Tensor MiniMaxM3VisionEncoder::attend(const Tensor& x, const Layer& layer, const std::vector<VisionGrid>& grids) const {
+  const int64_t n = x.dim(0), H = hidden_, D = head_dim_, half_axis = int64_t(inv_freq_.size());
+  const int64_t rot_half = 3 * half_axis;  // NeoX halves of the 3a rotated dimensions
+  Tensor q = linear_bias(x, layer.q_w, layer.q_b), k = linear_bias(x, layer.k_w, layer.k_b);
+  const Tensor v = linear_bias(x, layer.v_w, layer.v_b);
+  // The rotation: patch r of an image at (t, h, w), frequency j of axis j / half_axis.
+  std::vector<float> cos_row(static_cast<size_t>(rot_half)), sin_row(static_cast<size_t>(rot_half));
+  int64_t row = 0;
+  for (const VisionGrid& g : grids)
+    for (int64_t local = 0; local < g.t * g.h * g.w; ++local, ++row) {
+      const int64_t rem = local % (g.h * g.w), bh = rem / (merge_ * g.w), r = rem % (merge_ * g.w);
+      const int64_t bw = r / (merge_ * merge_), r2 = r % (merge_ * merge_);
+      const int64_t pos[3] = {local / (g.h * g.w), bh * merge_ + r2 / merge_, bw * merge_ + r2 % merge_};
+      for (int64_t j = 0; j < rot_half; ++j) {
+        const float angle = float(pos[j / half_axis]) * inv_freq_[size_t(j % half_axis)];
+        cos_row[size_t(j)] = std::cos(angle), sin_row[size_t(j)] = std::sin(angle);
+      }
+      for (Tensor* t : {&q, &k})
+        for (int64_t h = 0; h < heads_; ++h) {
+          float* head = t->row(row) + h * D;
+          for (int64_t j = 0; j < rot_half; ++j) {
+            const float a = head[j], b = head[j + rot_half];
+            head[j] = a * cos_row[size_t(j)] - b * sin_row[size_t(j)];
+            head[j + rot_half] = b * cos_row[size_t(j)] + a * sin_row[size_t(j)];
+          }
+        }
+    }
+  // Each image's patches attend to each other, head by head.
+  Tensor out = Tensor::zeros({n, H});
+  const float scale = 1.0f / std::sqrt(float(D));
+  int64_t first = 0;
+  for (const VisionGrid& g : grids) {
+    const int64_t count = g.t * g.h * g.w;
+    std::vector<float> logits(size_t(count * count));
+    for (int64_t h = 0; h < heads_; ++h) {
+      cpu::gemm_nt(count, count, D, q.row(first) + h * D, H, k.row(first) + h * D, H, logits.data(), count);
+      for (int64_t i = 0; i < count; ++i) {
+        float* l = logits.data() + i * count;
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t j = 0; j < count; ++j) top = std::max(top, l[j] * scale);
+        for (int64_t j = 0; j < count; ++j) total += (l[j] = std::exp(l[j] * scale - top));
+        for (int64_t j = 0; j < count; ++j) l[j] /= total;
+      }
+      cpu::gemm_nn(count, D, count, logits.data(), count, v.row(first) + h * D, H, out.row(first) + h * D, H);
+    }
+    first += count;
+  }
+  return linear_bias(out, layer.out_w, layer.out_b);
+}
+
+Tensor MiniMaxM3VisionEncoder::embed(const Tensor& pixel_values, const std::vector<VisionGrid>& grids) const {
+  SPARROW_CHECK(pixel_values.on_cpu() && pixel_values.type() == ScalarType::F32 && pixel_values.ndim() == 2 &&
+                    pixel_values.dim(1) == patch_width_,
+                "MiniMax-M3-VL vision encoder: patches must be fp32 [rows, ", patch_width_, "] on the host, got ",
+                shape_str(pixel_values.shape()));
+  int64_t rows = 0;
+  for (const VisionGrid& g : grids) {
+    SPARROW_CHECK(g.t > 0 && g.h > 0 && g.w > 0 && g.h % merge_ == 0 && g.w % merge_ == 0,
+                  "MiniMax-M3-VL vision encoder: grid ", g.t, " x ", g.h, " x ", g.w, " is not a whole number of ",
+                  merge_, "x", merge_, " windows");
+    rows += g.t * g.h * g.w;
+  }
+  SPARROW_CHECK(rows == pixel_values.dim(0), "MiniMax-M3-VL vision encoder: the grids hold ", rows, " patches, got ",
+                pixel_values.dim(0), " rows");
+  Tensor x = ops::layer_norm(ops::linear(pixel_values, patch_w_), pre_w_, pre_b_, eps_);
+  for (const Layer& layer : layers_) {
+    ops::add_(x, attend(ops::layer_norm(x, layer.ln1_w, layer.ln1_b, eps_), layer, grids));
+    Tensor up = linear_bias(ops::layer_norm(x, layer.ln2_w, layer.ln2_b, eps_), layer.fc1_w, layer.fc1_b);
+    gelu_(up);
+    ops::add_(x, linear_bias(up, layer.fc2_w, layer.fc2_b));
+  }
+  Tensor mid = linear_bias(x, proj1_w_, proj1_b_);
+  gelu_(mid);
+  const Tensor projected = linear_bias(mid, proj2_w_, proj2_b_);
+  Tensor merged = linear_bias(projected.reshape({rows / (merge_ * merge_), text_hidden_ * merge_ * merge_}), merge1_w_,
+                              merge1_b_);
+  gelu_(merged);
+  return linear_bias(merged, merge2_w_, merge2_b_);
+}
+
+}  // namespace sparrow
