@@ -33,6 +33,7 @@ const char* const kNames[] = {"rgb_97x61.png", "downscaled_203x151.jpg"};
 MiniMaxM3VlImagePatches patches_of(const std::string& name) {
   const nlohmann::json cases = nlohmann::json::parse(sparrow::testing::slurp(kImages / "cases.json"));
   MiniMaxM3VlProcessorConfig config;
+  config.rule = MiniMaxResizeRule::Transformers;  // the reference's patches are transformers' processor's
   config.min_pixels = cases.at(name).at("min_pixels").get<int64_t>();
   config.max_pixels = cases.at(name).at("max_pixels").get<int64_t>();
   return minimax_m3_vl_patches(decode_image(sparrow::testing::slurp(kImages / name)), config);

@@ -101,6 +101,7 @@ TEST_P(EveryImage, PatchesAsTheMiniMaxM3VlProcessor) {
   const std::string name = GetParam();
   const auto& settings = expected().cases.at(name);
   MiniMaxM3VlProcessorConfig config;
+  config.rule = MiniMaxResizeRule::Transformers;  // what the fixtures were made with
   config.min_pixels = settings.at("min_pixels");
   config.max_pixels = settings.at("max_pixels");
   const MiniMaxM3VlImagePatches patches = minimax_m3_vl_patches(expected_image(name + ".rgb"), config);
@@ -147,6 +148,46 @@ INSTANTIATE_TEST_SUITE_P(Images, EveryImage, ::testing::ValuesIn(image_names()),
     if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
   return id;
 });
+
+// vLLM 0.33.0's smart_resize (transformers_utils/processors/minimax_m3.py), worked by hand.
+TEST(SmartResize, VllmsVariantAndTheLongSideRule) {
+  // The area path: each side at least the factor before the area checks (transformers rounds 13 / 28 to 0,
+  // then scales the whole image up to min_pixels: 28 x 812).
+  EXPECT_EQ(smart_resize_vllm(13, 2600, 28, 451584), (std::pair<int64_t, int64_t>{28, 2604}));
+  EXPECT_EQ(smart_resize(13, 2600, 28, 3136, 451584), (std::pair<int64_t, int64_t>{28, 812}));
+  EXPECT_EQ(smart_resize_vllm(61, 97, 28, 451584), (std::pair<int64_t, int64_t>{56, 84}));
+  EXPECT_EQ(smart_resize_vllm(30, 40, 28, 451584), (std::pair<int64_t, int64_t>{56, 84}));  // 28 x 28 up past 3136
+  // The long-side rule: a long side over the limit shrinks to it; else a short side under 112 grows to 112.
+  EXPECT_EQ(smart_resize_vllm(2000, 3000, 28, 451584, 1344), (std::pair<int64_t, int64_t>{896, 1344}));
+  EXPECT_EQ(smart_resize_vllm(50, 80, 28, 451584, 1344), (std::pair<int64_t, int64_t>{112, 168}));  // 179.2 -> 168
+  EXPECT_EQ(smart_resize_vllm(700, 500, 28, 451584, 1344), (std::pair<int64_t, int64_t>{700, 504}));  // as is
+  EXPECT_TRUE(mentions(error_message([] { smart_resize_vllm(5000, 5000, 28, 451584, 10000); }), {"3584^2"}));
+  EXPECT_TRUE(mentions(error_message([] { smart_resize_vllm(10, 2500, 28, 451584); }), {"aspect ratio", "200"}));
+}
+
+TEST(MiniMaxProcessorConfig, ReadsPreprocessorConfigJson) {
+  testing::TempDir dir;
+  EXPECT_EQ(MiniMaxM3VlProcessorConfig::from_folder(dir.path()).max_pixels, 451584);  // no file: the defaults
+  dir.write("preprocessor_config.json",
+            R"({"size": {"shortest_edge": 784, "longest_edge": 6272}, "max_long_side_pixel": 1344, "patch_size": 14,
+                "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "MiniMaxM3VLImageProcessor"})");
+  const MiniMaxM3VlProcessorConfig config = MiniMaxM3VlProcessorConfig::from_folder(dir.path());
+  EXPECT_EQ(config.min_pixels, 784);
+  EXPECT_EQ(config.max_pixels, 6272);
+  EXPECT_EQ(config.max_long_side_pixel, 1344);
+  EXPECT_EQ(config.mean[1], 0.5f);
+  EXPECT_EQ(config.std[0], 0.26862954f);
+  EXPECT_EQ(config.rule, MiniMaxResizeRule::Vllm);
+  dir.write("preprocessor_config.json", R"({"max_pixels": "many"})");
+  EXPECT_TRUE(mentions(error_message([&] { MiniMaxM3VlProcessorConfig::from_folder(dir.path()); }),
+                       {"preprocessor_config.json", "max_pixels", "positive integer"}));
+  dir.write("preprocessor_config.json", R"({"image_std": [1, 2]})");
+  EXPECT_TRUE(mentions(error_message([&] { MiniMaxM3VlProcessorConfig::from_folder(dir.path()); }),
+                       {"image_std", "three numbers"}));
+  dir.write("preprocessor_config.json", "[1, 2");
+  EXPECT_TRUE(mentions(error_message([&] { MiniMaxM3VlProcessorConfig::from_folder(dir.path()); }),
+                       {"not a JSON object"}));
+}
 
 TEST(ImageFixtures, ArePresent) {
   for (const char* file : {"cases.json", "expected.safetensors"})

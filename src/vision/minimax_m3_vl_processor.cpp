@@ -3,17 +3,106 @@
 #include <algorithm>
 #include <cmath>
 
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
 #include "core/error.h"
+#include "core/json_input.h"
 #include "vision/resize.h"
 
 namespace sparrow::vision {
 
-std::pair<int64_t, int64_t> smart_resize(int64_t height, int64_t width, int64_t factor, int64_t min_pixels,
-                                         int64_t max_pixels) {
+namespace {
+
+void check_aspect(int64_t height, int64_t width) {
   SPARROW_CHECK(height > 0 && width > 0, "image of ", width, "x", height, " has no pixels");
   const double ratio = double(std::max(height, width)) / double(std::min(height, width));
   SPARROW_CHECK(ratio <= 200, "image of ", width, "x", height, ": aspect ratio ", ratio,
                 " is over 200, which the processor refuses");
+}
+
+// Python's round(x / f) * f: half to even (the default rounding mode).
+int64_t round_by(double x, int64_t factor) { return int64_t(std::nearbyint(x / double(factor))) * factor; }
+
+}  // namespace
+
+std::pair<int64_t, int64_t> smart_resize_vllm(int64_t height, int64_t width, int64_t factor, int64_t max_pixels,
+                                              int64_t max_long_side_pixel) {
+  check_aspect(height, width);
+  const double h = double(height), w = double(width), f = double(factor);
+  if (max_long_side_pixel > 0) {
+    constexpr int64_t kMinShortSide = 112, kMaxArea = int64_t(3584) * 3584;  // MiniMax-M3's fixed bounds
+    double beta = 1.0;
+    if (std::max(height, width) > max_long_side_pixel) beta = double(max_long_side_pixel) / double(std::max(height, width));
+    else if (std::min(height, width) < kMinShortSide) beta = double(kMinShortSide) / double(std::min(height, width));
+    const int64_t h_bar = std::max(factor, round_by(h * beta, factor)), w_bar = std::max(factor, round_by(w * beta, factor));
+    SPARROW_CHECK(h_bar * w_bar <= kMaxArea, "image of ", width, "x", height, ": ", w_bar, "x", h_bar,
+                  " after resizing is over the processor's 3584^2 pixels");
+    return {h_bar, w_bar};
+  }
+  constexpr int64_t kMinPixels = 4 * 28 * 28;
+  int64_t h_bar = std::max(factor, round_by(h, factor)), w_bar = std::max(factor, round_by(w, factor));
+  if (h_bar * w_bar > max_pixels) {
+    const double beta = std::sqrt(h * w / double(max_pixels));
+    h_bar = int64_t(std::floor(h / beta / f)) * factor;
+    w_bar = int64_t(std::floor(w / beta / f)) * factor;
+  } else if (h_bar * w_bar < kMinPixels) {
+    const double beta = std::sqrt(double(kMinPixels) / (h * w));
+    h_bar = int64_t(std::ceil(h * beta / f)) * factor;
+    w_bar = int64_t(std::ceil(w * beta / f)) * factor;
+  }
+  // vLLM would hand a zero side on to the resize; refuse it here instead.
+  SPARROW_CHECK(h_bar > 0 && w_bar > 0, "image of ", width, "x", height, " resizes to nothing under max_pixels ",
+                max_pixels);
+  return {h_bar, w_bar};
+}
+
+MiniMaxM3VlProcessorConfig MiniMaxM3VlProcessorConfig::from_folder(const std::string& dir) {
+  MiniMaxM3VlProcessorConfig config;
+  const std::filesystem::path path = std::filesystem::path(dir) / "preprocessor_config.json";
+  std::ifstream in(path);
+  if (!in) return config;  // no file: the defaults
+  std::stringstream text;
+  text << in.rdbuf();
+  const JsonInput<nlohmann::json> parsed = parse_json_input<nlohmann::json>(text.str());
+  SPARROW_CHECK(parsed.ok() && parsed.value.is_object(), path.string(), ": not a JSON object");
+  const nlohmann::json& json = parsed.value;
+  auto positive = [&](const nlohmann::json& object, const char* key, int64_t& into) {
+    if (!object.contains(key) || object.at(key).is_null()) return;
+    const nlohmann::json& value = object.at(key);
+    SPARROW_CHECK(value.is_number_integer() && value.get<int64_t>() > 0, path.string(), ": ", key,
+                  " must be a positive integer, got ", value.dump());
+    into = value.get<int64_t>();
+  };
+  positive(json, "patch_size", config.patch_size);
+  positive(json, "temporal_patch_size", config.temporal_patch_size);
+  positive(json, "merge_size", config.merge_size);
+  if (json.contains("size") && json.at("size").is_object()) {
+    positive(json.at("size"), "shortest_edge", config.min_pixels);
+    positive(json.at("size"), "longest_edge", config.max_pixels);
+  }
+  positive(json, "min_pixels", config.min_pixels);
+  positive(json, "max_pixels", config.max_pixels);
+  positive(json, "max_long_side_pixel", config.max_long_side_pixel);
+  auto triple = [&](const char* key, std::array<float, 3>& into) {
+    if (!json.contains(key) || json.at(key).is_null()) return;
+    const nlohmann::json& value = json.at(key);
+    SPARROW_CHECK(value.is_array() && value.size() == 3 &&
+                      std::all_of(value.begin(), value.end(), [](const nlohmann::json& v) { return v.is_number(); }),
+                  path.string(), ": ", key, " must be three numbers, got ", value.dump());
+    for (size_t c = 0; c < 3; ++c) into[c] = value[c].get<float>();
+  };
+  triple("image_mean", config.mean);
+  triple("image_std", config.std);
+  SPARROW_CHECK(config.min_pixels <= config.max_pixels, path.string(), ": min_pixels ", config.min_pixels,
+                " is over max_pixels ", config.max_pixels);
+  return config;
+}
+
+std::pair<int64_t, int64_t> smart_resize(int64_t height, int64_t width, int64_t factor, int64_t min_pixels,
+                                         int64_t max_pixels) {
+  check_aspect(height, width);
   const double h = double(height), w = double(width), f = double(factor);
   int64_t h_bar = int64_t(std::nearbyint(h / f)) * factor, w_bar = int64_t(std::nearbyint(w / f)) * factor;
   if (h_bar * w_bar > max_pixels) {
@@ -30,7 +119,10 @@ std::pair<int64_t, int64_t> smart_resize(int64_t height, int64_t width, int64_t 
 
 MiniMaxM3VlImagePatches minimax_m3_vl_patches(const Image& image, const MiniMaxM3VlProcessorConfig& config) {
   const int64_t P = config.patch_size, T = config.temporal_patch_size, M = config.merge_size;
-  const auto [height, width] = smart_resize(image.height, image.width, P * M, config.min_pixels, config.max_pixels);
+  const auto [height, width] =
+      config.rule == MiniMaxResizeRule::Vllm
+          ? smart_resize_vllm(image.height, image.width, P * M, config.max_pixels, config.max_long_side_pixel)
+          : smart_resize(image.height, image.width, P * M, config.min_pixels, config.max_pixels);
   const Image resized = resize_bicubic(image, height, width, ResizeKernel::Torch);
 
   std::array<float, 3> mean, std;
