@@ -52,8 +52,8 @@ struct PlanKey {
     free.m = 0;
     if (batch > 1 && stride_b == ldb * m) free.stride_b = -1;
     if (batch > 1 && stride_c == ldc * m) free.stride_c = -1;
-    // Alignments above 16 bytes (a pool block's start against a view into it) choose nothing in one pass
-    // over K, and must not split one product into two algorithms.
+    // Alignments count up to 16 bytes only: a view into a pool block may sit less aligned than the block's
+    // start, and one product must not get a second algorithm for that.
     free.align_a = std::min(align_a, 16u), free.align_b = std::min(align_b, 16u), free.align_c = std::min(align_c, 16u);
     return free;
   }

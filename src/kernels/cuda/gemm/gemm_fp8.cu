@@ -144,6 +144,7 @@ struct PlanKey {
   PlanKey without_rows() const {
     PlanKey free = *this;
     free.m_pad = 0;
+    // Alignments count up to 16 bytes only, as in gemm.cu: the output may be y itself or a workspace copy.
     free.align_a = std::min(align_a, 16u), free.align_c = std::min(align_c, 16u);
     return free;
   }
