@@ -189,6 +189,29 @@ TEST(MiniMaxProcessorConfig, ReadsPreprocessorConfigJson) {
                        {"not a JSON object"}));
 }
 
+TEST(KimiProcessorConfig, ReadsMediaProcCfg) {
+  testing::TempDir dir;
+  EXPECT_EQ(KimiK3ProcessorConfig::from_folder(dir.path()).in_patch_limit, 16384);  // no file: the defaults
+  dir.write("preprocessor_config.json",
+            R"({"media_proc_cfg": {"patch_size": 14, "merge_kernel_size": [2, 2], "in_patch_limit": 4096,
+                "patch_limit_on_one_side": 256, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.25, 0.5, 0.5],
+                "fixed_output_tokens": null, "temporal_merge_kernel_size": 4}})");
+  const KimiK3ProcessorConfig config = KimiK3ProcessorConfig::from_folder(dir.path());
+  EXPECT_EQ(config.merge_kernel_size, 2);
+  EXPECT_EQ(config.in_patch_limit, 4096);
+  EXPECT_EQ(config.patch_limit_on_one_side, 256);
+  EXPECT_EQ(config.std[0], 0.25f);
+  dir.write("preprocessor_config.json", R"({"media_proc_cfg": {"fixed_output_tokens": 256}})");
+  EXPECT_TRUE(mentions(error_message([&] { KimiK3ProcessorConfig::from_folder(dir.path()); }),
+                       {"media_proc_cfg", "fixed_output_tokens"}));
+  dir.write("preprocessor_config.json", R"({"media_proc_cfg": {"merge_kernel_size": [0]}})");
+  EXPECT_TRUE(mentions(error_message([&] { KimiK3ProcessorConfig::from_folder(dir.path()); }),
+                       {"merge_kernel_size", "positive integer"}));
+  dir.write("preprocessor_config.json", R"({"media_proc_cfg": 3})");
+  EXPECT_TRUE(mentions(error_message([&] { KimiK3ProcessorConfig::from_folder(dir.path()); }),
+                       {"media_proc_cfg must be an object"}));
+}
+
 TEST(ImageFixtures, ArePresent) {
   for (const char* file : {"cases.json", "expected.safetensors"})
     EXPECT_TRUE(std::filesystem::exists(kImages / file)) << (kImages / file).string() << " is missing";

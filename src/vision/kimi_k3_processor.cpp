@@ -4,9 +4,26 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "vision/preprocessor_config.h"
 #include "vision/resize.h"
 
 namespace sparrow::vision {
+
+KimiK3ProcessorConfig KimiK3ProcessorConfig::from_folder(const std::string& dir) {
+  KimiK3ProcessorConfig config;
+  const std::optional<PreprocessorConfig> file = PreprocessorConfig::load(dir);
+  if (!file) return config;
+  const PreprocessorConfig media = file->section("media_proc_cfg");
+  media.read_positive("patch_size", config.patch_size);
+  media.read_positive_or_first("merge_kernel_size", config.merge_kernel_size);
+  media.read_positive("in_patch_limit", config.in_patch_limit);
+  media.read_positive("patch_limit_on_one_side", config.patch_limit_on_one_side);
+  media.read_triple("image_mean", config.mean);
+  media.read_triple("image_std", config.std);
+  SPARROW_CHECK(!media.has("fixed_output_tokens"), media.where(),
+                ": fixed_output_tokens is set, which sparrow's navit_resize does not take");
+  return config;
+}
 
 NavitSize navit_resize(int64_t height, int64_t width, const KimiK3ProcessorConfig& config) {
   SPARROW_CHECK(height > 0 && width > 0, "image of ", width, "x", height, " has no pixels");

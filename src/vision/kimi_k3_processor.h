@@ -15,6 +15,7 @@
 
 #include <array>
 #include <cstdint>
+#include <string>
 
 #include "core/tensor.h"
 #include "vision/image.h"
@@ -25,6 +26,11 @@ struct KimiK3ProcessorConfig {
   int64_t patch_size = 14, merge_kernel_size = 2;
   int64_t in_patch_limit = 16384, patch_limit_on_one_side = 512;
   std::array<float, 3> mean = {0.5f, 0.5f, 0.5f}, std = {0.5f, 0.5f, 0.5f};
+
+  // A checkpoint folder's preprocessor_config.json `media_proc_cfg` (the keys above; merge_kernel_size may be
+  // a list, whose first is taken, as vLLM does), the defaults where a key or the file is absent; a set
+  // fixed_output_tokens is refused (navit_resize below assumes it unset).
+  static KimiK3ProcessorConfig from_folder(const std::string& dir);
 };
 
 struct NavitSize {

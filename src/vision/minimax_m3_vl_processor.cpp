@@ -3,12 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include <filesystem>
-#include <fstream>
-#include <sstream>
-
 #include "core/error.h"
-#include "core/json_input.h"
+#include "vision/preprocessor_config.h"
 #include "vision/resize.h"
 
 namespace sparrow::vision {
@@ -60,42 +56,20 @@ std::pair<int64_t, int64_t> smart_resize_vllm(int64_t height, int64_t width, int
 
 MiniMaxM3VlProcessorConfig MiniMaxM3VlProcessorConfig::from_folder(const std::string& dir) {
   MiniMaxM3VlProcessorConfig config;
-  const std::filesystem::path path = std::filesystem::path(dir) / "preprocessor_config.json";
-  std::ifstream in(path);
-  if (!in) return config;  // no file: the defaults
-  std::stringstream text;
-  text << in.rdbuf();
-  const JsonInput<nlohmann::json> parsed = parse_json_input<nlohmann::json>(text.str());
-  SPARROW_CHECK(parsed.ok() && parsed.value.is_object(), path.string(), ": not a JSON object");
-  const nlohmann::json& json = parsed.value;
-  auto positive = [&](const nlohmann::json& object, const char* key, int64_t& into) {
-    if (!object.contains(key) || object.at(key).is_null()) return;
-    const nlohmann::json& value = object.at(key);
-    SPARROW_CHECK(value.is_number_integer() && value.get<int64_t>() > 0, path.string(), ": ", key,
-                  " must be a positive integer, got ", value.dump());
-    into = value.get<int64_t>();
-  };
-  positive(json, "patch_size", config.patch_size);
-  positive(json, "temporal_patch_size", config.temporal_patch_size);
-  positive(json, "merge_size", config.merge_size);
-  if (json.contains("size") && json.at("size").is_object()) {
-    positive(json.at("size"), "shortest_edge", config.min_pixels);
-    positive(json.at("size"), "longest_edge", config.max_pixels);
-  }
-  positive(json, "min_pixels", config.min_pixels);
-  positive(json, "max_pixels", config.max_pixels);
-  positive(json, "max_long_side_pixel", config.max_long_side_pixel);
-  auto triple = [&](const char* key, std::array<float, 3>& into) {
-    if (!json.contains(key) || json.at(key).is_null()) return;
-    const nlohmann::json& value = json.at(key);
-    SPARROW_CHECK(value.is_array() && value.size() == 3 &&
-                      std::all_of(value.begin(), value.end(), [](const nlohmann::json& v) { return v.is_number(); }),
-                  path.string(), ": ", key, " must be three numbers, got ", value.dump());
-    for (size_t c = 0; c < 3; ++c) into[c] = value[c].get<float>();
-  };
-  triple("image_mean", config.mean);
-  triple("image_std", config.std);
-  SPARROW_CHECK(config.min_pixels <= config.max_pixels, path.string(), ": min_pixels ", config.min_pixels,
+  const std::optional<PreprocessorConfig> file = PreprocessorConfig::load(dir);
+  if (!file) return config;  // no file: the defaults
+  file->read_positive("patch_size", config.patch_size);
+  file->read_positive("temporal_patch_size", config.temporal_patch_size);
+  file->read_positive("merge_size", config.merge_size);
+  const PreprocessorConfig size = file->section("size");
+  size.read_positive("shortest_edge", config.min_pixels);
+  size.read_positive("longest_edge", config.max_pixels);
+  file->read_positive("min_pixels", config.min_pixels);
+  file->read_positive("max_pixels", config.max_pixels);
+  file->read_positive("max_long_side_pixel", config.max_long_side_pixel);
+  file->read_triple("image_mean", config.mean);
+  file->read_triple("image_std", config.std);
+  SPARROW_CHECK(config.min_pixels <= config.max_pixels, file->where(), ": min_pixels ", config.min_pixels,
                 " is over max_pixels ", config.max_pixels);
   return config;
 }
