@@ -18,9 +18,10 @@ void gelu_(Tensor& x) {
   for (int64_t i = 0; i < x.numel(); ++i) p[i] = 0.5f * p[i] * (1.0f + std::erf(p[i] * 0.70710678118654752f));
 }
 
-Tensor linear_bias(const Tensor& x, const Tensor& w, const Tensor& b) {
-  Tensor y = ops::linear(x, w);
-  ops::add_bias_(y, b);
+template <class Affine>
+Tensor linear_bias(const Tensor& x, const Affine& a) {
+  Tensor y = ops::linear(x, a.w);
+  ops::add_bias_(y, a.b);
   return y;
 }
 
@@ -69,52 +70,36 @@ std::unique_ptr<MiniMaxM3VisionEncoder> MiniMaxM3VisionEncoder::load(const std::
   const std::string root = ckpt->has("model.vision_tower.vision_model.pre_layrnorm.weight") ? "model." : "";
   const std::string v = root + "vision_tower.vision_model.";
   const int64_t H = e.hidden_;
+  // `name`.weight ([out] for a LayerNorm, [out, in] for a Linear) and `name`.bias ([out]).
+  auto affine = [&](const std::string& name, int64_t out, int64_t in = 0) {
+    return Affine{ckpt->take(name + ".weight", in ? Shape{out, in} : Shape{out}), ckpt->take(name + ".bias", {out})};
+  };
   e.patch_w_ = ckpt->take(v + "embeddings.patch_embedding.weight", {H, channels, temporal, patch, patch})
                    .reshape({H, e.patch_width_});
-  e.pre_w_ = ckpt->take(v + "pre_layrnorm.weight", {H});
-  e.pre_b_ = ckpt->take(v + "pre_layrnorm.bias", {H});
+  e.pre_ = affine(v + "pre_layrnorm", H);
   const int64_t inter = vision.get_int("intermediate_size");
   for (int64_t i = 0, n = vision.get_int("num_hidden_layers"); i < n; ++i) {
     const std::string p = v + "encoder.layers." + std::to_string(i) + ".";
     // The MLP: transformers writes block_sparse_moe.fc1 / fc2, the release mlp.fc1 / fc2 (vLLM's weight mapper).
     const std::string mlp = p + (ckpt->has(p + "block_sparse_moe.fc1.weight") ? "block_sparse_moe." : "mlp.");
-    Layer l;
-    l.ln1_w = ckpt->take(p + "layer_norm1.weight", {H});
-    l.ln1_b = ckpt->take(p + "layer_norm1.bias", {H});
-    l.q_w = ckpt->take(p + "self_attn.q_proj.weight", {H, H});
-    l.q_b = ckpt->take(p + "self_attn.q_proj.bias", {H});
-    l.k_w = ckpt->take(p + "self_attn.k_proj.weight", {H, H});
-    l.k_b = ckpt->take(p + "self_attn.k_proj.bias", {H});
-    l.v_w = ckpt->take(p + "self_attn.v_proj.weight", {H, H});
-    l.v_b = ckpt->take(p + "self_attn.v_proj.bias", {H});
-    l.out_w = ckpt->take(p + "self_attn.out_proj.weight", {H, H});
-    l.out_b = ckpt->take(p + "self_attn.out_proj.bias", {H});
-    l.ln2_w = ckpt->take(p + "layer_norm2.weight", {H});
-    l.ln2_b = ckpt->take(p + "layer_norm2.bias", {H});
-    l.fc1_w = ckpt->take(mlp + "fc1.weight", {inter, H});
-    l.fc1_b = ckpt->take(mlp + "fc1.bias", {inter});
-    l.fc2_w = ckpt->take(mlp + "fc2.weight", {H, inter});
-    l.fc2_b = ckpt->take(mlp + "fc2.bias", {H});
-    e.layers_.push_back(std::move(l));
+    e.layers_.push_back(Layer{affine(p + "layer_norm1", H), affine(p + "self_attn.q_proj", H, H),
+                              affine(p + "self_attn.k_proj", H, H), affine(p + "self_attn.v_proj", H, H),
+                              affine(p + "self_attn.out_proj", H, H), affine(p + "layer_norm2", H),
+                              affine(mlp + "fc1", inter, H), affine(mlp + "fc2", H, inter)});
   }
   const int64_t mid = config.get_int("projector_hidden_size", e.text_hidden_), T = e.text_hidden_;
-  const int64_t window = e.merge_ * e.merge_;
-  e.proj1_w_ = ckpt->take(root + "multi_modal_projector.linear_1.weight", {mid, H});
-  e.proj1_b_ = ckpt->take(root + "multi_modal_projector.linear_1.bias", {mid});
-  e.proj2_w_ = ckpt->take(root + "multi_modal_projector.linear_2.weight", {T, mid});
-  e.proj2_b_ = ckpt->take(root + "multi_modal_projector.linear_2.bias", {T});
-  e.merge1_w_ = ckpt->take(root + "patch_merge_mlp.linear_1.weight", {mid, T * window});
-  e.merge1_b_ = ckpt->take(root + "patch_merge_mlp.linear_1.bias", {mid});
-  e.merge2_w_ = ckpt->take(root + "patch_merge_mlp.linear_2.weight", {T, mid});
-  e.merge2_b_ = ckpt->take(root + "patch_merge_mlp.linear_2.bias", {T});
+  e.proj1_ = affine(root + "multi_modal_projector.linear_1", mid, H);
+  e.proj2_ = affine(root + "multi_modal_projector.linear_2", T, mid);
+  e.merge1_ = affine(root + "patch_merge_mlp.linear_1", mid, T * e.merge_ * e.merge_);
+  e.merge2_ = affine(root + "patch_merge_mlp.linear_2", T, mid);
   return encoder;
 }
 
 Tensor MiniMaxM3VisionEncoder::attend(const Tensor& x, const Layer& layer, const std::vector<VisionGrid>& grids) const {
   const int64_t n = x.dim(0), H = hidden_, D = head_dim_, half_axis = int64_t(inv_freq_.size());
   const int64_t rot_half = 3 * half_axis;  // NeoX halves of the 3a rotated dimensions
-  Tensor q = linear_bias(x, layer.q_w, layer.q_b), k = linear_bias(x, layer.k_w, layer.k_b);
-  const Tensor v = linear_bias(x, layer.v_w, layer.v_b);
+  Tensor q = linear_bias(x, layer.q), k = linear_bias(x, layer.k);
+  const Tensor v = linear_bias(x, layer.v);
   // The rotation: patch r of an image at (t, h, w), frequency j of axis j / half_axis.
   std::vector<float> cos_row(static_cast<size_t>(rot_half)), sin_row(static_cast<size_t>(rot_half));
   int64_t row = 0;
@@ -157,7 +142,7 @@ Tensor MiniMaxM3VisionEncoder::attend(const Tensor& x, const Layer& layer, const
     }
     first += count;
   }
-  return linear_bias(out, layer.out_w, layer.out_b);
+  return linear_bias(out, layer.out);
 }
 
 Tensor MiniMaxM3VisionEncoder::embed(const Tensor& pixel_values, const std::vector<VisionGrid>& grids) const {
@@ -174,20 +159,20 @@ Tensor MiniMaxM3VisionEncoder::embed(const Tensor& pixel_values, const std::vect
   }
   SPARROW_CHECK(rows == pixel_values.dim(0), "MiniMax-M3-VL vision encoder: the grids hold ", rows, " patches, got ",
                 pixel_values.dim(0), " rows");
-  Tensor x = ops::layer_norm(ops::linear(pixel_values, patch_w_), pre_w_, pre_b_, eps_);
+  Tensor x = ops::layer_norm(ops::linear(pixel_values, patch_w_), pre_.w, pre_.b, eps_);
   for (const Layer& layer : layers_) {
-    ops::add_(x, attend(ops::layer_norm(x, layer.ln1_w, layer.ln1_b, eps_), layer, grids));
-    Tensor up = linear_bias(ops::layer_norm(x, layer.ln2_w, layer.ln2_b, eps_), layer.fc1_w, layer.fc1_b);
+    ops::add_(x, attend(ops::layer_norm(x, layer.ln1.w, layer.ln1.b, eps_), layer, grids));
+    Tensor up = linear_bias(ops::layer_norm(x, layer.ln2.w, layer.ln2.b, eps_), layer.fc1);
     gelu_(up);
-    ops::add_(x, linear_bias(up, layer.fc2_w, layer.fc2_b));
+    ops::add_(x, linear_bias(up, layer.fc2));
   }
-  Tensor mid = linear_bias(x, proj1_w_, proj1_b_);
+  Tensor mid = linear_bias(x, proj1_);
   gelu_(mid);
-  const Tensor projected = linear_bias(mid, proj2_w_, proj2_b_);
-  Tensor merged = linear_bias(projected.reshape({rows / (merge_ * merge_), text_hidden_ * merge_ * merge_}), merge1_w_,
-                              merge1_b_);
+  const Tensor projected = linear_bias(mid, proj2_);
+  Tensor merged =
+      linear_bias(projected.reshape({rows / (merge_ * merge_), text_hidden_ * merge_ * merge_}), merge1_);
   gelu_(merged);
-  return linear_bias(merged, merge2_w_, merge2_b_);
+  return linear_bias(merged, merge2_);
 }
 
 }  // namespace sparrow

@@ -48,17 +48,21 @@ class MiniMaxM3VisionEncoder {
   int64_t text_hidden() const { return text_hidden_; }
 
  private:
+  struct Affine {  // a LayerNorm's or a Linear's weight and bias
+    Tensor w, b;
+  };
   struct Layer {
-    Tensor ln1_w, ln1_b, q_w, q_b, k_w, k_b, v_w, v_b, out_w, out_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b;
+    Affine ln1, q, k, v, out, ln2, fc1, fc2;
   };
   Tensor attend(const Tensor& x, const Layer& layer, const std::vector<VisionGrid>& grids) const;
 
   int64_t hidden_ = 0, heads_ = 0, head_dim_ = 0, merge_ = 2, patch_width_ = 0, text_hidden_ = 0;
   float eps_ = 1e-5f;
   std::vector<float> inv_freq_;  // one axis's a / 2 frequencies (the same for t, h and w)
-  Tensor patch_w_, pre_w_, pre_b_;
+  Tensor patch_w_;
+  Affine pre_;
   std::vector<Layer> layers_;
-  Tensor proj1_w_, proj1_b_, proj2_w_, proj2_b_, merge1_w_, merge1_b_, merge2_w_, merge2_b_;
+  Affine proj1_, proj2_, merge1_, merge2_;
 };
 
 }  // namespace sparrow
