@@ -15,6 +15,8 @@
 
 #include "formats/safetensors.h"
 #include "model/minimax_m3_vision.h"
+#include "model/model.h"
+#include "model/vision_encoder.h"
 #include "test_util.h"
 #include "vision/image.h"
 #include "vision/minimax_m3_vl_processor.h"
@@ -96,4 +98,79 @@ TEST(MiniMaxM3Vision, BadInputIsAOneLineError) {
                        {"patches must be fp32"}));
   const fs::path text_only = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/minimax_m3";
   EXPECT_TRUE(mentions(error_message([&] { MiniMaxM3VisionEncoder::load(text_only.string()); }), {"no vision_config"}));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The images in a prompt: the model loads its tower beside the text model (Model::vision), and the text model
+// reads the tower's rows in place of the placeholders' embeddings (Batch::embedded_rows), against the reference's
+// logits (transformers 5.17's text model in float64 on the reference embeddings; the prompt is 45 tokens, longer
+// than the MSA budget of 3 blocks of 8).
+
+namespace {
+
+struct PromptImage {
+  int64_t offset;
+  Tensor embeddings;
+};
+
+// The prompt's logits, run chunk by chunk through one sequence, each chunk's image rows placed by ImageRows.
+Tensor run_prompt(Model& model, const std::vector<int32_t>& ids, const std::vector<PromptImage>& images,
+                  const std::vector<int64_t>& chunks) {
+  SequenceState seq = sparrow::testing::new_sequence(model);
+  Tensor all = Tensor::empty({int64_t(ids.size()), model.vocab_size()});
+  int64_t done = 0;
+  for (int64_t len : chunks) {
+    Batch batch = make_batch({{&seq, {ids.begin() + done, ids.begin() + done + len}}});
+    ImageRows rows;
+    for (const PromptImage& image : images) rows.add(0, done, len, image.offset, image.embeddings);
+    rows.attach_to(batch);
+    const Tensor logits = sparrow::testing::run_step(model, batch);
+    std::copy_n(logits.data(), logits.numel(), all.row(done));
+    done += len;
+  }
+  EXPECT_EQ(done, int64_t(ids.size()));
+  return all;
+}
+
+std::vector<int32_t> prompt_ids() {
+  const Tensor ids = reference("prompt.ids");
+  std::vector<int32_t> out;
+  for (int64_t i = 0; i < ids.numel(); ++i) out.push_back(int32_t(ids.data()[i]));
+  return out;
+}
+
+}  // namespace
+
+TEST(MiniMaxM3VlImagePrompt, LogitsFollowTheReferenceWholeAndInChunksAcrossTheImages) {
+  std::unique_ptr<Model> model = load_model(kFixture.string());
+  const VisionEncoder* tower = model->vision();
+  ASSERT_NE(tower, nullptr);
+  EXPECT_EQ(tower->image_token_id(), 250);
+  const std::vector<int32_t> ids = prompt_ids();
+  const Tensor offsets = reference("prompt.image_offsets");
+  std::vector<PromptImage> images;
+  for (size_t i = 0; i < 2; ++i) {
+    const MiniMaxM3VlImagePatches p = patches_of(kNames[i]);
+    images.push_back({int64_t(offsets.data()[i]), tower->embed(p.pixel_values, {{p.grid_t, p.grid_h, p.grid_w}})});
+  }
+  ASSERT_EQ(images[0].offset, 12);
+  ASSERT_EQ(images[1].offset, 29);
+  const Tensor want = reference("prompt.logits");
+  const Tensor whole = run_prompt(*model, ids, images, {45});
+  const double gap = relative_gap(whole, want);
+  EXPECT_LT(gap, 1e-4);
+  std::printf("[ note ] 45-token prompt with 2 images: largest logit difference from the reference %.2g of the "
+              "largest logit\n", gap);
+  // Chunks that cut each image: 0-13 (2 of image 0's 6 rows), 14-31 (its other 4, 3 of image 1's), 32-44.
+  EXPECT_LT(relative_gap(run_prompt(*model, ids, images, {14, 18, 13}), whole), 1e-5);
+  // Without the images' rows (the placeholders' own embeddings) the logits are far from the reference: the test
+  // sees where the rows go.
+  EXPECT_GT(relative_gap(run_prompt(*model, ids, {}, {45}), want), 0.05);
+  // Each image's rows at the other's place: far too.
+  std::vector<PromptImage> swapped = {{12, images[1].embeddings}, {29, images[0].embeddings}};
+  EXPECT_GT(relative_gap(run_prompt(*model, ids, swapped, {45}), want), 0.01);
+}
+
+TEST(MiniMaxM3VlImagePrompt, TextOnlyCheckpointsHaveNoTower) {
+  EXPECT_EQ(load_model((fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/minimax_m3").string())->vision(), nullptr);
 }

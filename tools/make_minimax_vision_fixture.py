@@ -24,6 +24,13 @@ Input: the MiniMax processor's patches of the images that tests/data/images/expe
 (transformers' processor, which src/vision reproduces exactly). Output, per image: <name>.embeddings (float32 of
 the float64 result, [tokens, text hidden]) and <name>.grid; and "both.embeddings", the two images in one call.
 
+And a prompt with both images in it (PROMPT: text, the first image's placeholder tokens, text, the second's, text;
+longer than the text model's sparse budget of 3 blocks of 8): "prompt.ids" and "prompt.logits" [len, vocab], the
+logits of transformers 5.17's text model in float64 (MiniMaxM3SparseForConditionalGeneration's language model and
+head, plain 1-D positions) on the prompt's embeddings with each image's placeholder rows replaced by the reference
+embeddings above, as vLLM's merge_multimodal_embeddings places them. "prompt.image_offsets": where each image's
+placeholders start.
+
     pip install torch transformers==5.17.0 numpy safetensors
     python3 tools/make_minimax_vision_fixture.py
 """
@@ -122,6 +129,32 @@ def transformers_embeddings(patches, grid):
     return (out[0] if isinstance(out, (list, tuple)) else out).numpy()
 
 
+# Text, image 1's placeholders, text, image 2's, text. The ids avoid the image and video tokens (250, 251).
+PROMPT_TEXT = ([17, 42, 99, 3, 128, 61, 200, 14, 77, 9, 180, 36],
+               [7, 64, 201, 33, 150, 9, 119, 48, 222, 5, 90],
+               [88, 12, 240, 5, 131, 66, 19, 245, 102, 57])
+
+
+def prompt_logits(config, embeddings_per_image):
+    """The text model's logits for PROMPT_TEXT around the images, in float64 (transformers 5.17)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+    image_token = config["image_token_index"]
+    ids, offsets = list(PROMPT_TEXT[0]), []
+    for emb, text in zip(embeddings_per_image, PROMPT_TEXT[1:]):
+        offsets.append(len(ids))
+        ids += [image_token] * emb.shape[0] + list(text)
+    model = AutoModelForImageTextToText.from_pretrained(str(FIXTURE), dtype=torch.float64, attn_implementation="eager",
+                                                        experts_implementation="eager").eval()
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(torch.tensor([ids]))
+        for emb, offset in zip(embeddings_per_image, offsets):
+            embeds[0, offset:offset + emb.shape[0]] = torch.from_numpy(emb)
+        hidden = model.model.language_model(inputs_embeds=embeds).last_hidden_state
+        logits = model.lm_head(hidden)[0].numpy()
+    return np.array(ids, dtype=np.int64), np.array(offsets, dtype=np.int64), logits
+
+
 def main():
     config = json.loads((FIXTURE / "config.json").read_text())
     from safetensors.torch import load_file as load_torch  # bf16 weights: numpy has no bfloat16
@@ -142,6 +175,12 @@ def main():
             print(f"{name}: {e.shape[0]} tokens; transformers 5.17 not compared ({error})")
     both = embeddings(weights, config, np.concatenate(patches), grids)
     out["both.embeddings"] = both.astype(np.float32)
+    per_image = [embeddings(weights, config, p, [g]) for p, g in zip(patches, grids)]
+    ids, offsets, logits = prompt_logits(config, per_image)
+    # As float32 (exact below 2^24), the one type the tests' safetensors reader widens.
+    out["prompt.ids"], out["prompt.image_offsets"] = ids.astype(np.float32), offsets.astype(np.float32)
+    out["prompt.logits"] = logits.astype(np.float32)
+    print(f"prompt: {len(ids)} tokens, images at {offsets.tolist()}; logits up to {np.abs(logits).max():.3g}")
     assert np.allclose(both, np.concatenate([embeddings(weights, config, p, [g]) for p, g in zip(patches, grids)]))
     save_file(out, str(FIXTURE / "vision_reference.safetensors"))
 

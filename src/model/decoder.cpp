@@ -114,6 +114,25 @@ void DecoderModel::step_idle(const Batch& batch) {
     if (layer.ffn->spans_groups()) layer.ffn->forward(none, batch);
 }
 
+// Batch::embedded_rows: each run of consecutive rows (an image's placeholders in one sequence's chunk) copied over
+// the looked-up embeddings in one go, in the embedding's type on its device. Under tensor parallelism every rank
+// does it after the embedding's all-reduce, on the whole rows.
+void DecoderModel::place_embedded_rows(Tensor& x, const Batch& batch) const {
+  const std::vector<int64_t>& rows = batch.embedded_rows;
+  SPARROW_CHECK(batch.embedded.defined() && batch.embedded.ndim() == 2 && batch.embedded.dim(0) == int64_t(rows.size()) &&
+                    batch.embedded.dim(1) == hidden,
+                "a batch's embedded rows must come as [", rows.size(), ", ", hidden, "]");
+  const Tensor values = batch.embedded.to(x.device(), x.type());
+  for (size_t i = 0; i < rows.size();) {
+    size_t end = i + 1;
+    while (end < rows.size() && rows[end] == rows[end - 1] + 1) ++end;
+    SPARROW_CHECK(rows[i] >= 0 && rows[end - 1] < batch.size(), "embedded row ", rows[end - 1], " outside a batch of ",
+                  batch.size());
+    ops::copy_lines(x, rows[i] * hidden, hidden, values, int64_t(i) * hidden, hidden, hidden, int64_t(end - i));
+    i = end;
+  }
+}
+
 Tensor DecoderModel::forward(const Batch& batch, StepMarks* marks) {
   const bool on_gpu = placed_on != Device::Cpu;
   // (A profiled step marks the end of each part; the marks are the only difference.)
@@ -127,6 +146,7 @@ Tensor DecoderModel::forward(const Batch& batch, StepMarks* marks) {
   } else {
     x = on_gpu ? ops::embedding(embed, device_step(batch).token_ids) : ops::embedding(embed, batch.tokens);
   }
+  if (!batch.embedded_rows.empty()) place_embedded_rows(x, batch);
   mark("embedding");
   const bool capture = batch.keep_hidden_states && !aux_hidden_layers.empty();
   std::vector<Tensor> streams(capture ? layers.size() : 0);

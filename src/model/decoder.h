@@ -26,6 +26,7 @@
 #include "core/communicator.h"
 #include "core/tensor.h"
 #include "model/model.h"
+#include "model/vision_encoder.h"
 
 namespace sparrow {
 
@@ -119,6 +120,8 @@ class DecoderModel : public Model {
   // feed-forward output added (vLLM 0.33 kimi_k3/nvidia/model.py _capture_aux_hidden_stream, under its
   // default VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=0).
   std::vector<int> aux_hidden_layers;
+  // A vision-language checkpoint's tower (ModelFamily::load_vision), on the host; null for text only.
+  std::unique_ptr<VisionEncoder> vision_tower;
 
   // Takes embed_tokens and norm under `decoder_prefix` (e.g. "model.") and the output head `head`
   // (this rank's vocabulary rows of both when the checkpoint is sharded).
@@ -138,6 +141,7 @@ class DecoderModel : public Model {
   // The stack itself, from the batch's tokens to its logits on the model's device (on a GPU, from the
   // step's inputs in batch.device_step).
   Tensor forward(const Batch& batch, StepMarks* marks) override;
+  const VisionEncoder* vision() const override { return vision_tower.get(); }
   void step_idle(const Batch& batch) override;
 
  private:
@@ -146,6 +150,7 @@ class DecoderModel : public Model {
   // (*streams)[layer].
   Tensor attn_res_layers(Tensor embedded, const Batch& batch, StepMarks* marks, std::vector<Tensor>* streams);
   bool captures(size_t layer) const;
+  void place_embedded_rows(Tensor& x, const Batch& batch) const;
 };
 
 }  // namespace sparrow

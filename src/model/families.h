@@ -21,6 +21,9 @@ using FamilyLoader = std::unique_ptr<DecoderModel> (*)(Checkpoint& ckpt, const C
 using FamilyCacheSpec = std::vector<LayerCacheSpec> (*)(const Config& text);
 // The family's multi-token-prediction layer as a speculative drafter (model/mtp.h); the other weights are left.
 using MtpLoader = std::unique_ptr<MtpDrafter> (*)(Checkpoint& ckpt, const Config& text, const std::string& prefix);
+// A vision-language checkpoint's tower (model/vision_encoder.h) from its folder; null when the folder holds none
+// (a text-only export of the same model type).
+using VisionLoader = std::unique_ptr<VisionEncoder> (*)(const std::string& dir);
 
 std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 // kimi_linear (as transformers defines it) and kimi_k3 (the release, as vLLM defines it), one file.
@@ -35,6 +38,8 @@ Activation kimi_k3_activation(const Config& config);
 std::unique_ptr<MtpDrafter> load_deepseek_v32_mtp(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 std::unique_ptr<MtpDrafter> load_kimi_k3_mtp(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 std::unique_ptr<MtpDrafter> load_minimax_m3_mtp(Checkpoint& ckpt, const Config& text, const std::string& prefix);
+
+std::unique_ptr<VisionEncoder> load_minimax_m3_vision(const std::string& dir);
 
 std::vector<LayerCacheSpec> deepseek_v32_cache_spec(const Config& text);
 std::vector<LayerCacheSpec> kimi_linear_cache_spec(const Config& text);
@@ -51,6 +56,7 @@ struct ModelFamily {
   FamilyLoader load;
   FamilyCacheSpec cache_spec;
   MtpLoader load_mtp = nullptr;  // nullptr: no MTP drafter in sparrow yet
+  VisionLoader load_vision = nullptr;  // nullptr: no vision tower in sparrow (yet)
 
   // The config holding the text model's fields.
   Config text(const Config& config) const { return text_config ? config.get_object(text_config) : config; }

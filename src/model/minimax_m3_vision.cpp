@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "formats/checkpoint.h"
+#include "model/families.h"
 #include "kernels/cpu/reference_ops.h"
 #include "kernels/ops.h"
 
@@ -57,6 +58,7 @@ std::unique_ptr<MiniMaxM3VisionEncoder> MiniMaxM3VisionEncoder::load(const std::
                 e.merge_, ")");
   e.patch_width_ = channels * temporal * patch * patch;
   e.text_hidden_ = config.get_object("text_config").get_int("hidden_size");
+  e.image_token_ = int32_t(config.get_int("image_token_index", config.get_int("image_token_id", -1)));
   const std::string act = vision.get_string("hidden_act", "gelu");
   SPARROW_CHECK(act == "gelu", vision.where(), ": hidden_act '", act, "' (the tower takes gelu)");
 
@@ -173,6 +175,15 @@ Tensor MiniMaxM3VisionEncoder::embed(const Tensor& pixel_values, const std::vect
       linear_bias(projected.reshape({rows / (merge_ * merge_), text_hidden_ * merge_ * merge_}), merge1_);
   gelu_(merged);
   return linear_bias(merged, merge2_);
+}
+
+std::unique_ptr<VisionEncoder> load_minimax_m3_vision(const std::string& dir) {
+  const std::unique_ptr<Checkpoint> ckpt = Checkpoint::open(dir);
+  if (!ckpt->config().has("vision_config") ||
+      !(ckpt->has("vision_tower.vision_model.pre_layrnorm.weight") ||
+        ckpt->has("model.vision_tower.vision_model.pre_layrnorm.weight")))
+    return nullptr;
+  return MiniMaxM3VisionEncoder::load(dir);
 }
 
 }  // namespace sparrow

@@ -23,14 +23,13 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "model/vision_encoder.h"
 
 namespace sparrow {
 
-struct VisionGrid {
-  int64_t t = 1, h = 0, w = 0;  // patches along time, height and width
-};
+using vision::VisionGrid;
 
-class MiniMaxM3VisionEncoder {
+class MiniMaxM3VisionEncoder : public VisionEncoder {
  public:
   // The encoder's weights from a MiniMax-M3-VL checkpoint folder (its vision_config; the tower under
   // vision_tower.vision_model. or model.vision_tower.vision_model., the projector and merger at the top or
@@ -41,10 +40,14 @@ class MiniMaxM3VisionEncoder {
   // P] fp32, each image's rows in the processor's order), `grids` saying how many rows each has: [sum of
   // t*h*w / merge^2, text hidden] fp32, the images in order. Each image attends only to itself, so the rows of
   // an image do not depend on the others in the call.
-  Tensor embed(const Tensor& pixel_values, const std::vector<VisionGrid>& grids) const;
+  Tensor embed(const Tensor& pixel_values, const std::vector<VisionGrid>& grids) const override;
+  int64_t tokens(const VisionGrid& grid) const override { return grid.t * grid.h * grid.w / (merge_ * merge_); }
+  int64_t patch_width() const override { return patch_width_; }
+  // config.json's image_token_index (transformers) or image_token_id; -1 when it has neither (vLLM takes the
+  // tokenizer's "]<]image[>[").
+  int32_t image_token_id() const override { return image_token_; }
 
   int64_t merge_size() const { return merge_; }
-  int64_t patch_width() const { return patch_width_; }  // values a patch row holds
   int64_t text_hidden() const { return text_hidden_; }
 
  private:
@@ -57,6 +60,7 @@ class MiniMaxM3VisionEncoder {
   Tensor attend(const Tensor& x, const Layer& layer, const std::vector<VisionGrid>& grids) const;
 
   int64_t hidden_ = 0, heads_ = 0, head_dim_ = 0, merge_ = 2, patch_width_ = 0, text_hidden_ = 0;
+  int32_t image_token_ = -1;
   float eps_ = 1e-5f;
   std::vector<float> inv_freq_;  // one axis's a / 2 frequencies (the same for t, h and w)
   Tensor patch_w_;

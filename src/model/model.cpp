@@ -92,7 +92,8 @@ const ModelFamily kModelFamilies[] = {
     {"kimi_k3", "kimi_linear", "text_config", "language_model.model.", load_kimi_k3, kimi_k3_cache_spec, load_kimi_k3_mtp},
     {"minimax_m3_vl_text", "minimax_m3", nullptr, "model.", load_minimax_m3, minimax_m3_cache_spec, load_minimax_m3_mtp},
     {"minimax_m3", "minimax_m3", nullptr, "model.", load_minimax_m3, minimax_m3_cache_spec, load_minimax_m3_mtp},
-    {"minimax_m3_vl", "minimax_m3", "text_config", "model.language_model.", load_minimax_m3, minimax_m3_cache_spec, load_minimax_m3_mtp},
+    {"minimax_m3_vl", "minimax_m3", "text_config", "model.language_model.", load_minimax_m3, minimax_m3_cache_spec, load_minimax_m3_mtp,
+     load_minimax_m3_vision},
 };
 
 const ModelFamily& model_family(const Config& config) {
@@ -154,6 +155,9 @@ std::unique_ptr<Model> load_model(const std::string& dir, Device device, const L
   std::unique_ptr<DecoderModel> model = family.load(*ckpt, family.text(ckpt->config()), family.weight_prefix);
   ckpt->report_to(nullptr);
   progress.finish();
+  // The vision tower runs on rank 0's host (the engine there embeds a step's images; docs/vision.md): dummy weights
+  // and the other ranks go without.
+  if (family.load_vision && !ckpt->dummy() && options.tensor_parallel.rank == 0) model->vision_tower = family.load_vision(dir);
   model->weight_splits = ckpt->splits();
   if (options.tensor_parallel.data_parallel())
     model->routed_expert_lora_refused = "LoRA on the routed experts is not applied under data parallelism (another "

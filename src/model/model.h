@@ -27,6 +27,7 @@
 namespace sparrow {
 
 struct LoraAdapter;
+class VisionEncoder;
 
 struct SequenceState {
   int64_t length = 0;              // tokens already processed (the position of the next token)
@@ -82,6 +83,11 @@ struct Batch {
   bool keep_hidden_states = false;
   mutable Tensor hidden_states;
   mutable Tensor hidden_states_in;  // mutable: a CUDA graph points it at its own copy (runner/decode_graphs.h)
+  // Images (model/vision_encoder.h): rows whose input is given instead of their token's embedding, row
+  // embedded_rows[i] taking row i of `embedded` ([embedded_rows.size(), hidden] fp32 on the host): an image's
+  // placeholder tokens take the vision tower's output there (vLLM's merge_multimodal_embeddings). Empty for text.
+  std::vector<int64_t> embedded_rows;
+  Tensor embedded;
 };
 
 // The rows of `x` ([batch.size(), ...]) that get logits: each sequence's last SeqSlice::logits rows (on a GPU
@@ -122,6 +128,8 @@ class Model {
   // SeqSlice::logits rows, sequence after sequence. Writes the new tokens' rows and state into the caches but leaves each state's length
   // alone (the runner advances it). `marks`, when given, gets the end of each part.
   virtual Tensor forward(const Batch& batch, StepMarks* marks) = 0;
+  // The vision tower that makes the embeddings of Batch::embedded_rows from images; null for a text-only model.
+  virtual const VisionEncoder* vision() const { return nullptr; }
   // The part of each checkpoint weight this rank holds, by name, for the weights a tensor-parallel load
   // split (Checkpoint::splits; empty unsharded): LoRA adapters take the same part (model/lora.h).
   std::map<std::string, Split> weight_splits;

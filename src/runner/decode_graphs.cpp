@@ -37,6 +37,8 @@ bool DecodeGraphs::eligible(const Batch& batch) {
   // LoRA adapters add products per run of sequences (model/lora.h): the launches depend on the batch's
   // mix, so such steps run eagerly.
   if (batch.has_lora()) return false;
+  // An image's embeddings are copied in from the host: prefill only, eager.
+  if (!batch.embedded_rows.empty()) return false;
   // Uneven rows would change the launch (the longest sequence's rows pick the recurrent layers' kernel,
   // row pairs the indexer's), so only even steps replay.
   const SeqSlice& first = batch.seqs[0];
