@@ -8,11 +8,13 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "engine/engine_core.h"
 #include "formats/safetensors.h"
 #include "model/minimax_m3_vision.h"
 #include "model/model.h"
@@ -173,4 +175,164 @@ TEST(MiniMaxM3VlImagePrompt, LogitsFollowTheReferenceWholeAndInChunksAcrossTheIm
 
 TEST(MiniMaxM3VlImagePrompt, TextOnlyCheckpointsHaveNoTower) {
   EXPECT_EQ(load_model((fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/minimax_m3").string())->vision(), nullptr);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Through the engine (Request::images): the encoder cache, chunked prefill across the images, and the prefix cache
+// keyed on the images' content.
+
+namespace {
+
+std::vector<vision::ImageInput> fixture_images(const VisionEncoder& tower, bool swapped = false) {
+  std::vector<vision::ImageInput> images;
+  const int64_t offsets[2] = {12, 29};
+  for (size_t i = 0; i < 2; ++i) {
+    const MiniMaxM3VlImagePatches p = patches_of(kNames[swapped ? 1 - i : i]);
+    vision::ImageInput image;
+    image.offset = offsets[i];
+    image.grid = {p.grid_t, p.grid_h, p.grid_w};
+    image.tokens = tower.tokens(image.grid);
+    image.pixel_values = p.pixel_values;
+    images.push_back(std::move(image));
+  }
+  return images;
+}
+
+Request image_request(const std::string& id, const VisionEncoder& tower, bool swapped, bool prompt_logprobs) {
+  Request request{id, prompt_ids(), {}, nullptr};
+  request.params.temperature = 0;
+  request.params.max_tokens = 2;
+  request.params.logprobs = 0;
+  if (prompt_logprobs) request.params.prompt_logprobs = 0;
+  request.images = fixture_images(tower, swapped);
+  return request;
+}
+
+// Engine steps of at most 10 tokens (so every image is cut by a chunk), blocks of 8, prefix caching on.
+EngineConfig image_engine_config(const Model& model) {
+  EngineConfig config;
+  config.max_model_len = 64;
+  config.max_num_seqs = 4;
+  config.max_num_batched_tokens = 10;
+  config.cache = sparrow::testing::cache_with_blocks(model, 8, 40, config.max_num_seqs);
+  return config;
+}
+
+void run_all(EngineCore& engine) {
+  for (int steps = 0; engine.step(); ++steps) ASSERT_LT(steps, 1000);
+}
+
+}  // namespace
+
+TEST(MiniMaxM3VlImagePrompt, EngineRunsImagesInChunksAndKeysThePrefixCacheOnThem) {
+  std::unique_ptr<Model> model = load_model(kFixture.string());
+  const VisionEncoder& tower = *model->vision();
+  const std::vector<int32_t> ids = prompt_ids();
+  const Tensor want = reference("prompt.logits");
+  using sparrow::testing::GatheredOutputs;
+  GatheredOutputs out;
+  EngineCore engine(*model, nullptr, image_engine_config(*model));
+
+  // The prompt's log-probabilities, prefilled 10 tokens a step, against the reference's logits.
+  sparrow::testing::add_gathering(engine, image_request("a", tower, false, true), out);
+  run_all(engine);
+  ASSERT_EQ(out["a"].prompt_logprobs.size(), ids.size());
+  double worst = 0;
+  for (size_t p = 1; p < ids.size(); ++p) {
+    const float* row = want.row(int64_t(p) - 1);
+    double mx = row[0], sum = 0;
+    for (int64_t v = 0; v < want.dim(1); ++v) mx = std::max(mx, double(row[v]));
+    for (int64_t v = 0; v < want.dim(1); ++v) sum += std::exp(double(row[v]) - mx);
+    const double logprob = double(row[ids[p]]) - mx - std::log(sum);
+    worst = std::max(worst, std::fabs(double(out["a"].prompt_logprobs[p]->logprob) - logprob));
+  }
+  EXPECT_LT(worst, 1e-4);
+  EXPECT_EQ(engine.encoder_cache_misses(), 2);  // each image embedded once, though three chunks cut them
+
+  // The same prompt and images again: every full block before the last token comes from the prefix cache (5 of 8
+  // tokens), and the same images' embeddings from the encoder cache.
+  sparrow::testing::add_gathering(engine, image_request("b", tower, false, false), out);
+  run_all(engine);
+  EXPECT_EQ(out["b"].cached_tokens, 40);
+  EXPECT_EQ(out["b"].tokens, out["a"].tokens);
+  EXPECT_EQ(engine.encoder_cache_misses(), 2);
+
+  // The same ids with the images swapped: only the block before the first image matches, and the answer is the one
+  // an engine that never saw the first request gives.
+  sparrow::testing::add_gathering(engine, image_request("c", tower, true, false), out);
+  run_all(engine);
+  EXPECT_EQ(out["c"].cached_tokens, 8);
+  GatheredOutputs fresh;
+  EngineCore clean(*model, nullptr, image_engine_config(*model));
+  sparrow::testing::add_gathering(clean, image_request("c", tower, true, false), fresh);
+  run_all(clean);
+  EXPECT_EQ(out["c"].tokens, fresh["c"].tokens);
+  ASSERT_EQ(out["c"].logprobs.size(), fresh["c"].logprobs.size());
+  for (size_t i = 0; i < fresh["c"].logprobs.size(); ++i)
+    EXPECT_NEAR(out["c"].logprobs[i].logprob, fresh["c"].logprobs[i].logprob, 1e-5);
+  EXPECT_NE(out["c"].logprobs[0].logprob, out["b"].logprobs[0].logprob);
+}
+
+TEST(MiniMaxM3VlImagePrompt, EngineRefusesImagesThatDoNotFitTheirPlaceholders) {
+  using sparrow::testing::error_message;
+  using sparrow::testing::mentions;
+  std::unique_ptr<Model> model = load_model(kFixture.string());
+  const VisionEncoder& tower = *model->vision();
+  EngineCore engine(*model, nullptr, image_engine_config(*model));
+  auto refused = [&](const std::function<void(Request&)>& spoil) {
+    Request request = image_request("bad", tower, false, false);
+    spoil(request);
+    return error_message([&] { engine.add(request, [](const RequestOutput&) {}); });
+  };
+  EXPECT_TRUE(mentions(refused([](Request& r) { r.images[1].offset = 30; }), {"image 1 starts at 30", "no image is there"}));
+  EXPECT_TRUE(mentions(refused([](Request& r) { r.images.pop_back(); }), {"no image is there"}));
+  EXPECT_TRUE(mentions(refused([](Request& r) { r.images[0].tokens = 5; }), {"image 0", "takes 6"}));
+  EXPECT_TRUE(mentions(refused([](Request& r) { r.images[0].pixel_values = Tensor::zeros({24, 10}); }),
+                       {"do not fit the model's vision tower"}));
+  EXPECT_TRUE(mentions(refused([](Request& r) { r.images[1].offset = 40; }), {"do not fit a prompt"}));
+  std::unique_ptr<Model> text = load_model((fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/minimax_m3").string());
+  EngineCore text_engine(*text, nullptr, image_engine_config(*text));
+  Request request = image_request("text", tower, false, false);
+  EXPECT_TRUE(mentions(error_message([&] { text_engine.add(request, [](const RequestOutput&) {}); }),
+                       {"takes no images"}));
+  EXPECT_EQ(engine.stats().waiting, 0);
+}
+
+// `sparrow score` with a prompt file naming the images (one path relative to the file): the reference's logits.
+TEST(MiniMaxM3VlImagePrompt, ScoreTakesImagesFromThePromptFile) {
+  sparrow::testing::TempDir dir;
+  fs::copy_file(kImages / kNames[1], fs::path(dir.path()) / "second.jpg");
+  nlohmann::json prompt = {{"ids", prompt_ids()}, {"images", {(kImages / kNames[0]).string(), "second.jpg"}}};
+  const std::string prompts = dir.write("prompts.json", nlohmann::json({{"prompts", {prompt}}}).dump());
+  const std::string out = (fs::path(dir.path()) / "logits.safetensors").string();
+  const auto run = sparrow::testing::run_sparrow("score --model " + kFixture.string() + " --prompt-ids " + prompts +
+                                                 " --out " + out);
+  ASSERT_EQ(run.status, 0) << run.err;
+  auto file = SafetensorsFile::open(out);
+  EXPECT_LT(relative_gap(to_float32(file->tensors().at("logits.0"), file), reference("prompt.logits")), 1e-4);
+  // A prompt whose placeholders do not fit its images: a one-line error naming the prompt.
+  prompt["images"] = {"second.jpg"};
+  dir.write("one.json", nlohmann::json({{"prompts", {prompt}}}).dump());
+  const auto bad = sparrow::testing::run_sparrow("score --model " + kFixture.string() + " --prompt-ids " +
+                                                 dir.path() + "/one.json --out " + out);
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.err.find("prompt 0"), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("no image is there"), std::string::npos) << bad.err;
+}
+
+// `sparrow generate` with the same prompt file: the engine's greedy first token is the reference's argmax after the
+// prompt (58, 0.018 ahead of the next); a text-only model refuses the file.
+TEST(MiniMaxM3VlImagePrompt, GenerateTakesImagesFromThePromptFile) {
+  sparrow::testing::TempDir dir;
+  const nlohmann::json prompt = {{"ids", prompt_ids()},
+                                 {"images", {(kImages / kNames[0]).string(), (kImages / kNames[1]).string()}}};
+  const std::string prompts = dir.write("prompts.json", nlohmann::json({{"prompts", {prompt}}}).dump());
+  const auto run = sparrow::testing::run_sparrow("generate --model " + kFixture.string() + " --prompt-ids " + prompts +
+                                                 " --max-tokens 1 --temperature 0 --ignore-eos");
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_EQ(nlohmann::json::parse(run.out)["completions"], nlohmann::json::parse("[[58]]")) << run.out;
+  const auto text = sparrow::testing::run_sparrow("generate --model " + (fs::path(SPARROW_SOURCE_DIR) /
+                                                  "tests/fixtures/minimax_m3").string() + " --prompt-ids " + prompts);
+  EXPECT_NE(text.status, 0);
+  EXPECT_NE(text.err.find("has no vision tower"), std::string::npos) << text.err;
 }

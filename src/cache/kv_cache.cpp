@@ -228,12 +228,13 @@ float* KvCache::state_address(std::byte* slot, const StatePlacement& state) cons
   return reinterpret_cast<float*>(slot + state.offset);
 }
 
-SeqId KvCache::create_sequence(uint64_t prefix_root) {
+SeqId KvCache::create_sequence(uint64_t prefix_root, std::vector<HashedSpan> spans) {
   SPARROW_CHECK(!has_recurrent_state() || !free_state_slots_.empty(), "kv cache: all ", plan_.num_state_slots,
                 " state slots are taken (at most max_num_seqs sequences run at once)");
   const SeqId id = next_id_++;
   Sequence& s = sequences_[id];
   s.prefix_root = prefix_root;
+  s.spans = std::move(spans);
   if (has_recurrent_state()) {
     s.state_slot = free_state_slots_.back();
     free_state_slots_.pop_back();
@@ -360,7 +361,7 @@ int64_t KvCache::match_prefix(SeqId seq, const std::vector<int32_t>& prompt) {
   std::vector<uint64_t> keys;
   for (int64_t i = 0; i < max_blocks; ++i) {
     const uint64_t key = block_hash(keys.empty() ? s.prefix_root : keys.back(), prompt.data() + i * block_size,
-                                    block_size);
+                                    i * block_size, block_size, s.spans);
     auto it = prefix_index_.find(key);
     if (it == prefix_index_.end()) break;
     matched.push_back(it->second);
@@ -424,8 +425,8 @@ void KvCache::commit_tokens(SeqId seq, const std::vector<int32_t>& tokens, int64
 
   // Register the newly full blocks, unless an equal block already is.
   for (int64_t i = int64_t(s.hashes.size()); i < cached_length / block_size; ++i) {
-    const uint64_t key =
-        block_hash(i == 0 ? s.prefix_root : s.hashes.back(), tokens.data() + i * block_size, block_size);
+    const uint64_t key = block_hash(i == 0 ? s.prefix_root : s.hashes.back(), tokens.data() + i * block_size,
+                                    i * block_size, block_size, s.spans);
     s.hashes.push_back(key);
     if (prefix_index_.count(key)) continue;
     Block& b = blocks_[s.blocks[i]];

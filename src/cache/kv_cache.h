@@ -74,7 +74,8 @@ class KvCache final : public PagedStorage {
   // slots are taken (check num_free_state_slots first).
   // prefix_root: the hash chain's start (kRootBlockHash), another one for sequences whose rows differ for the
   // same tokens (a LoRA adapter's: Scheduler), so that their blocks never match the base model's.
-  SeqId create_sequence(uint64_t prefix_root = kRootBlockHash);
+  // `spans`: the runs of its tokens keyed by more than their ids (an image's placeholders: prefix_hash.h).
+  SeqId create_sequence(uint64_t prefix_root = kRootBlockHash, std::vector<HashedSpan> spans = {});
   // Reuses the longest cached prefix of `prompt` for a sequence that holds nothing yet: returns the
   // tokens reused (a multiple of block_size, less than prompt.size(); 0 without prefix caching). The
   // sequence then holds them, as if computed and committed.
@@ -158,6 +159,7 @@ class KvCache final : public PagedStorage {
     std::vector<int32_t> blocks;  // the block table
     std::vector<uint64_t> hashes; // keys of its committed full blocks
     uint64_t prefix_root = kRootBlockHash;
+    std::vector<HashedSpan> spans;  // create_sequence's
     int64_t committed = 0;
     int32_t state_slot = -1;
     int64_t snapshot_position = -1;  // this step's pending snapshot: position and slot (-1: none)

@@ -17,6 +17,7 @@
 #include "engine/speculative.h"
 #include "model/lora.h"
 #include "model/model.h"
+#include "vision/image_input.h"
 #include "runner/model_runner.h"
 
 namespace sparrow::cli {
@@ -139,7 +140,18 @@ std::unique_ptr<Model> load_draft_model(const SpeculativeConfig& config, const s
 void on_selected(CLI::App* sub, std::function<void()> action);
 void run_selected();
 
-// {"prompts": [[id, ...], ...]} → the id lists; errors name the file and the problem.
-std::vector<std::vector<int32_t>> read_prompt_ids(const std::string& path);
+// A prompt file: {"prompts": [[id, ...], ...]}, where a prompt may also be {"ids": [...], "images": ["a.png", ...]}
+// (the ids holding each image's placeholder tokens as its processor expands them, the paths relative to the file).
+// Errors name the file and the problem.
+struct PromptFile {
+  std::vector<std::vector<int32_t>> ids;
+  std::vector<std::vector<std::string>> images;  // each prompt's image paths, resolved; empty lists for text
+  bool has_images() const;
+};
+PromptFile read_prompt_file(const std::string& path);
+// The prompt's images as the engine takes them (vision/image_input.h), processed for the model in `model_dir` and
+// placed on its placeholders (`placeholder`, the tower's id); one-line errors naming the prompt and the image.
+std::vector<vision::ImageInput> prompt_images(const PromptFile& file, size_t prompt, const std::string& model_dir,
+                                              int32_t placeholder);
 
 }  // namespace sparrow::cli

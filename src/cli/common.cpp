@@ -20,6 +20,7 @@
 #include "model/mtp.h"
 #include "runner/data_parallel.h"
 #include "runner/step_plan.h"
+#include "vision/image_processor.h"
 
 namespace sparrow::cli {
 namespace {
@@ -549,26 +550,74 @@ void run_selected() {
     if (sub->parsed()) action();
 }
 
-std::vector<std::vector<int32_t>> read_prompt_ids(const std::string& path) {
+bool PromptFile::has_images() const {
+  return std::any_of(images.begin(), images.end(), [](const std::vector<std::string>& list) { return !list.empty(); });
+}
+
+PromptFile read_prompt_file(const std::string& path) {
   std::ifstream in(path);
   SPARROW_CHECK(in, path, ": cannot open");
   nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
   SPARROW_CHECK(!j.is_discarded(), path, ": not valid JSON");
   SPARROW_CHECK(j.is_object() && j.contains("prompts") && j["prompts"].is_array(), path,
                 ": expected {\"prompts\": [[id, ...], ...]}");
-  std::vector<std::vector<int32_t>> prompts;
+  const std::filesystem::path folder = std::filesystem::path(path).parent_path();
+  PromptFile file;
   for (const auto& p : j["prompts"]) {
-    SPARROW_CHECK(p.is_array() && !p.empty(), path, ": prompt ", prompts.size(), " must be a non-empty list of ids");
+    const size_t n = file.ids.size();
+    const nlohmann::json* ids_json = &p;
+    std::vector<std::string> images;
+    if (p.is_object()) {
+      SPARROW_CHECK(p.contains("ids"), path, ": prompt ", n, " is an object without \"ids\"");
+      for (const auto& [key, value] : p.items())
+        SPARROW_CHECK(key == "ids" || key == "images", path, ": prompt ", n, " has the unknown key \"", key,
+                      "\" (a prompt takes ids and images)");
+      ids_json = &p["ids"];
+      if (p.contains("images")) {
+        SPARROW_CHECK(p["images"].is_array(), path, ": prompt ", n, ": images must be a list of paths");
+        for (const auto& image : p["images"]) {
+          SPARROW_CHECK(image.is_string() && !image.get<std::string>().empty(), path, ": prompt ", n,
+                        ": images must be a list of paths");
+          images.push_back((folder / image.get<std::string>()).string());
+        }
+      }
+    }
+    SPARROW_CHECK(ids_json->is_array() && !ids_json->empty(), path, ": prompt ", n, " must be a non-empty list of ids");
     std::vector<int32_t> ids;
-    for (const auto& v : p) {
-      SPARROW_CHECK(v.is_number_integer(), path, ": prompt ", prompts.size(), " holds a non-integer id");
+    for (const auto& v : *ids_json) {
+      SPARROW_CHECK(v.is_number_integer(), path, ": prompt ", n, " holds a non-integer id");
       int64_t id = v.get<int64_t>();
-      SPARROW_CHECK(id >= 0 && id <= INT32_MAX, path, ": prompt ", prompts.size(), " holds the invalid id ", id);
+      SPARROW_CHECK(id >= 0 && id <= INT32_MAX, path, ": prompt ", n, " holds the invalid id ", id);
       ids.push_back(int32_t(id));
     }
-    prompts.push_back(std::move(ids));
+    file.ids.push_back(std::move(ids));
+    file.images.push_back(std::move(images));
   }
-  return prompts;
+  return file;
+}
+
+std::vector<vision::ImageInput> prompt_images(const PromptFile& file, size_t prompt, const std::string& model_dir,
+                                              int32_t placeholder) {
+  const std::vector<std::string>& paths = file.images[prompt];
+  if (paths.empty()) return {};
+  const vision::ImageProcessor processor = vision::ImageProcessor::for_model(model_dir);
+  std::vector<vision::ImageInput> images;
+  for (const std::string& path : paths) {
+    std::ifstream in(path, std::ios::binary);
+    SPARROW_CHECK(in, "prompt ", prompt, ": image ", path, ": cannot open");
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    try {
+      images.push_back(processor.process(bytes));
+    } catch (const std::exception& e) {
+      fail("prompt ", prompt, ": image ", path, ": ", e.what());
+    }
+  }
+  try {
+    vision::place_images(file.ids[prompt], images, placeholder);
+  } catch (const std::exception& e) {
+    fail("prompt ", prompt, ": ", e.what());
+  }
+  return images;
 }
 
 }  // namespace sparrow::cli

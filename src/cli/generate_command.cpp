@@ -15,6 +15,7 @@
 #include "core/wire.h"
 #include "engine/generate.h"
 #include "model/model.h"
+#include "model/vision_encoder.h"
 #include "tokenizer/detokenizer.h"
 
 namespace sparrow::cli {
@@ -82,8 +83,11 @@ void add_generate(CLI::App& app) {
     options.speculative = read_speculative_config(speculative_config);
     if (text->count()) return generate_text(model_dir, device, prompt_text, options);
 
-    auto prompts = read_prompt_ids(prompts_path);
+    const PromptFile file = read_prompt_file(prompts_path);
+    const std::vector<std::vector<int32_t>>& prompts = file.ids;
     auto model = load_cli_model(model_dir, device, GroupRole::EveryGroupTakesAShare);
+    SPARROW_CHECK(!file.has_images() || model->vision(), prompts_path, ": a prompt has images, but ", model_dir,
+                  " has no vision tower");
     options.runner = cli_runner_options();
     auto draft = load_draft_model(options.speculative, model_dir, device, *model);
     options.draft_model = draft.get();
@@ -95,7 +99,11 @@ void add_generate(CLI::App& app) {
     // prints them all.
     options.numbers = cli_group_share(prompts.size());
     std::vector<std::vector<int32_t>> mine;
-    for (size_t i : options.numbers) mine.push_back(prompts[i]);
+    for (size_t i : options.numbers) {
+      mine.push_back(prompts[i]);
+      if (file.has_images())
+        options.images.push_back(prompt_images(file, i, model_dir, model->vision()->image_token_id()));
+    }
     SpecDecodeStats spec_stats;
     options.spec_stats = &spec_stats;
     const std::vector<std::vector<int32_t>> completions = generate(*model, mine, options);

@@ -1,11 +1,13 @@
 // sparrow score [--model DIR] --prompt-ids FILE.json --out FILE.safetensors
 // Writes the logits at every position of every prompt (`logits.<i>`, float32 [len, vocab]), as
-// transformers' model(input_ids).logits.
+// transformers' model(input_ids).logits. A prompt with images ({"ids": [...], "images": [...]}) has each image's
+// placeholder rows replaced by the vision tower's embeddings (docs/vision.md).
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/wire.h"
 #include "formats/safetensors.h"
 #include "model/model.h"
+#include "model/vision_encoder.h"
 
 namespace sparrow::cli {
 
@@ -18,8 +20,12 @@ void add_score(CLI::App& app) {
   add_device_option(sub, device);
   on_selected(sub, [] {
     if (model_dir.empty()) model_dir = default_model_dir();
-    auto prompts = read_prompt_ids(prompts_path);
+    const PromptFile file = read_prompt_file(prompts_path);
+    const std::vector<std::vector<int32_t>>& prompts = file.ids;
     auto model = load_cli_model(model_dir, device, GroupRole::EveryGroupTakesAShare);
+    const VisionEncoder* tower = model->vision();
+    SPARROW_CHECK(!file.has_images() || tower, prompts_path, ": a prompt has images, but ", model_dir,
+                  " has no vision tower");
     for (size_t i = 0; i < prompts.size(); ++i)
       for (int32_t id : prompts[i])
         SPARROW_CHECK(id < model->vocab_size(), prompts_path, ": prompt ", i, " holds id ", id,
@@ -31,7 +37,13 @@ void add_score(CLI::App& app) {
     mine.put<uint64_t>(share.size());
     for (size_t i : share) {
       SequenceState state = runner.new_sequence();
-      const Tensor logits = runner.run(make_batch({{&state, prompts[i]}})).to(Device::Cpu);
+      Batch batch = make_batch({{&state, prompts[i]}});
+      ImageRows rows;
+      if (tower)
+        for (const vision::ImageInput& image : prompt_images(file, i, model_dir, tower->image_token_id()))
+          rows.add(0, 0, int64_t(prompts[i].size()), image.offset, tower->embed(image.pixel_values, {image.grid}));
+      rows.attach_to(batch);
+      const Tensor logits = runner.run(batch).to(Device::Cpu);
       mine.put<uint64_t>(i);
       mine.put<int64_t>(logits.dim(0));
       mine.put(std::vector<float>(logits.data(), logits.data() + logits.numel()));

@@ -51,7 +51,9 @@ EngineCore::EngineCore(Model& model, const Tokenizer* tokenizer, EngineConfig co
       config_(std::move(config)),
       cache_(engine_cache_spec(model, config_),
              engine_cache_config(config_.cache, config_.max_num_seqs, model.device(), config_.speculative.enabled())),
-      scheduler_(cache_, SchedulerConfig{config_.max_num_seqs, config_.max_num_batched_tokens}) {
+      scheduler_(cache_, SchedulerConfig{config_.max_num_seqs, config_.max_num_batched_tokens}),
+      // vLLM sizes its encoder cache at a step's token budget; the image being prefilled always stays.
+      encoder_cache_(config_.max_num_batched_tokens) {
   SPARROW_CHECK(config_.max_model_len > 0, "max_model_len must be set, got ", config_.max_model_len);
   SPARROW_CHECK(config_.max_model_len <= cache_.plan().max_tokens(), "the KV cache holds ",
                 cache_.plan().max_tokens(), " tokens, fewer than max_model_len (", config_.max_model_len,
@@ -94,10 +96,41 @@ void EngineCore::validate(const Request& request) const {
     SPARROW_CHECK(tokenizer_ != nullptr, "structured outputs need a tokenizer");
     grammars().compile(p.structured);
   }
+  if (!request.images.empty()) {
+    const VisionEncoder* tower = model_.vision();
+    SPARROW_CHECK(tower != nullptr, "this model takes no images (", model_.model_type(), " without a vision tower)");
+    SPARROW_CHECK(tower->image_token_id() >= 0, "the model's config names no image placeholder token "
+                  "(image_token_index)");
+    for (size_t i = 0; i < request.images.size(); ++i) {
+      const vision::ImageInput& image = request.images[i];
+      SPARROW_CHECK(image.pixel_values.defined() && image.pixel_values.on_cpu() &&
+                        image.pixel_values.type() == ScalarType::F32 && image.pixel_values.ndim() == 2 &&
+                        image.pixel_values.dim(1) == tower->patch_width() &&
+                        image.pixel_values.dim(0) == image.grid.t * image.grid.h * image.grid.w,
+                    "image ", i, ": its patches do not fit the model's vision tower");
+      SPARROW_CHECK(tower->tokens(image.grid) == image.tokens, "image ", i, " takes ", tower->tokens(image.grid),
+                    " placeholder tokens in this model, not ", image.tokens);
+    }
+    vision::check_image_placeholders(request.prompt, request.images, tower->image_token_id());
+  }
+}
+
+void EngineCore::attach_images(const std::vector<ScheduledChunk>& chunks, Batch& batch) {
+  ImageRows rows;
+  for (size_t j = 0; j < chunks.size(); ++j) {
+    const Sequence& seq = *chunks[j].seq;
+    const SeqSlice& slice = batch.seqs[j];
+    for (const vision::ImageInput& image : seq.request.images)
+      if (image.offset < slice.start() + slice.count && image.offset + image.tokens > slice.start())
+        rows.add(slice.offset, slice.start(), slice.count, image.offset, encoder_cache_.get(image, *model_.vision()));
+  }
+  rows.attach_to(batch);
 }
 
 void EngineCore::add(Request request, OutputCallback on_output) {
   validate(request);
+  for (vision::ImageInput& image : request.images)
+    if (image.hash == 0) image.hash = vision::image_content_hash(image.pixel_values, image.grid);
   SPARROW_CHECK(!requests_.count(request.id), "request id '", request.id, "' is already in use");
   auto active = std::make_unique<ActiveRequest>();
   active->request = std::move(request);
@@ -254,6 +287,7 @@ bool EngineCore::step() {
   timer.batch_ready(decode ? decode_steps_ : prefill_steps_);
   Tensor logits;
   try {
+    attach_images(chunks, batch);
     logits = runner_.run(batch);
   } catch (const std::exception& e) {
     // Data parallel: the other groups were in this step's collectives too, and no later step can line up

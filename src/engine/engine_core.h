@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cache/kv_cache.h"
+#include "engine/encoder_cache.h"
 #include "engine/request.h"
 #include "engine/scheduler.h"
 #include "engine/sequence.h"
@@ -138,6 +139,8 @@ class EngineCore {
   const KvCache& cache() const { return cache_; }
   int64_t max_model_len() const { return config_.max_model_len; }
   const EngineConfig& config() const { return config_; }
+  // Images embedded by the vision tower so far (the encoder cache's misses).
+  int64_t encoder_cache_misses() const { return encoder_cache_.misses(); }
 
  private:
   struct ActiveRequest {
@@ -197,6 +200,9 @@ class EngineCore {
   // Sends the choice's last event (`event` has finished set) and lets go of the choice.
   void finish(Sequence& seq, RequestOutput& event);
 
+  // A step's image rows (Batch::embedded_rows): each chunk's part of its sequence's images, embedded on a miss.
+  void attach_images(const std::vector<ScheduledChunk>& chunks, Batch& batch);
+
   Model& model_;
   ModelRunner runner_;
   const Tokenizer* tokenizer_;
@@ -215,6 +221,7 @@ class EngineCore {
   IterationTokens iteration_tokens_;
   std::unique_ptr<DraftProposer> proposer_;  // with --speculative-config
   SpecDecodeStats spec_decode_;
+  EncoderCache encoder_cache_;  // the images' embeddings (model_.vision())
 };
 
 }  // namespace sparrow

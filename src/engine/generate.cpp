@@ -65,6 +65,9 @@ void generate(Model& model, const std::vector<std::vector<int32_t>>& prompts, co
   for (size_t i = 0; i < prompts.size(); ++i) {
     Request request{std::to_string(i), prompts[i], options.sampling, nullptr};
     request.params.max_tokens = options.max_tokens;
+    SPARROW_CHECK(options.images.empty() || options.images.size() == prompts.size(), "generate: images for ",
+                  options.images.size(), " prompts, not ", prompts.size());
+    if (!options.images.empty()) request.images = options.images[i];
     SPARROW_CHECK(options.numbers.empty() || options.numbers.size() == prompts.size(), "generate: ", options.numbers.size(),
                   " prompt numbers for ", prompts.size(), " prompts");
     if (request.params.seed) *request.params.seed += options.numbers.empty() ? i : options.numbers[i];  // seed + its number

@@ -14,6 +14,7 @@
 #include "engine/speculative.h"
 #include "model/model.h"
 #include "runner/model_runner.h"
+#include "vision/image_input.h"
 
 namespace sparrow {
 
@@ -31,6 +32,8 @@ struct GenerateOptions {
   // With speculative decoding: where the run's counters go when it ends (the draft tokens verified and
   // accepted, engine/speculative.h). Null: not reported.
   SpecDecodeStats* spec_stats = nullptr;
+  // Each prompt's images (Request::images), or empty: none for any.
+  std::vector<std::vector<vision::ImageInput>> images;
 };
 
 // Calls on_token(i, id) for each token generated after prompts[i] as soon as it is sampled (a stop token

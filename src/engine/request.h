@@ -11,6 +11,7 @@
 
 #include "engine/logprobs.h"
 #include "engine/sampler.h"
+#include "vision/image_input.h"
 
 namespace sparrow {
 
@@ -21,6 +22,9 @@ struct Request {
   std::vector<int32_t> prompt;
   SamplingParams params;
   std::shared_ptr<const LoraAdapter> lora;  // the LoRA adapter it runs with (model/lora.h); null: the base model
+  // The prompt's images, in prompt order, each over its run of placeholder tokens (docs/vision.md); the model's
+  // vision tower embeds them (EngineCore checks them against it).
+  std::vector<vision::ImageInput> images;
 };
 
 // One event for one choice of one request. Deltas since the choice's previous event.

@@ -85,7 +85,9 @@ bool Scheduler::admit_next(int64_t budget, std::vector<ScheduledChunk>& schedule
       cache_.num_free_blocks() == 0)
     return false;
   Sequence* seq = waiting_.front();
-  seq->cache_id = cache_.create_sequence(seq->state.lora ? seq->state.lora->prefix_root : kRootBlockHash);
+  std::vector<HashedSpan> images;  // keyed by their content, so other images' placeholders never match
+  for (const vision::ImageInput& image : seq->request.images) images.push_back({image.offset, image.tokens, image.hash});
+  seq->cache_id = cache_.create_sequence(seq->state.lora ? seq->state.lora->prefix_root : kRootBlockHash, std::move(images));
   // Prompt logprobs need the logits at every prompt position, so such a prefill reuses nothing (as vLLM).
   const int64_t reused = seq->wants_prompt_logprobs ? 0 : cache_.match_prefix(seq->cache_id, seq->tokens);
   const int64_t n = std::min(int64_t(seq->tokens.size()) - reused, budget);

@@ -1,0 +1,48 @@
+#include "vision/image_processor.h"
+
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace sparrow::vision {
+
+ImageProcessor ImageProcessor::for_model(const std::string& dir) {
+  const std::string path = dir + "/config.json";
+  std::ifstream in(path);
+  SPARROW_CHECK(in, path, ": cannot open");
+  const nlohmann::json config = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  SPARROW_CHECK(config.is_object(), path, ": not a JSON object");
+  const std::string type = config.value("model_type", std::string());
+  // Kimi K3's processor is here (kimi_k3_processor.h) but not its tower (MoonViT): docs/vision.md.
+  SPARROW_CHECK(type == "minimax_m3_vl", "images: model_type '", type, "' takes no images in sparrow (minimax_m3_vl "
+                "does; Kimi K3's vision tower is not here yet)");
+  ImageProcessor processor;
+  processor.minimax_ = MiniMaxM3VlProcessorConfig::from_folder(dir);
+  return processor;
+}
+
+ImageInput ImageProcessor::process(std::string_view bytes, const DecodeLimits& limits) const {
+  MiniMaxM3VlImagePatches patches = minimax_m3_vl_patches(decode_image(bytes, limits), minimax_);
+  ImageInput image;
+  image.grid = {patches.grid_t, patches.grid_h, patches.grid_w};
+  image.tokens = patches.tokens(minimax_.merge_size);
+  image.pixel_values = std::move(patches.pixel_values);
+  image.hash = image_content_hash(image.pixel_values, image.grid);
+  return image;
+}
+
+void place_images(const std::vector<int32_t>& prompt, std::vector<ImageInput>& images, int32_t placeholder) {
+  size_t next = 0;
+  for (size_t i = 0; i < images.size(); ++i) {
+    while (next < prompt.size() && prompt[next] != placeholder) ++next;
+    SPARROW_CHECK(next < prompt.size(), "the prompt holds placeholders (id ", placeholder, ") for ", i, " of its ",
+                  images.size(), " images");
+    images[i].offset = int64_t(next);
+    next += size_t(images[i].tokens);
+  }
+  check_image_placeholders(prompt, images, placeholder);
+}
+
+}  // namespace sparrow::vision
