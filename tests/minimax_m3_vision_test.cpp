@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/engine_core.h"
+#include "engine/remote_groups.h"
 #include "formats/safetensors.h"
 #include "model/minimax_m3_vision.h"
 #include "model/model.h"
@@ -335,4 +336,25 @@ TEST(MiniMaxM3VlImagePrompt, GenerateTakesImagesFromThePromptFile) {
                                                   "tests/fixtures/minimax_m3").string() + " --prompt-ids " + prompts);
   EXPECT_NE(text.status, 0);
   EXPECT_NE(text.err.find("has no vision tower"), std::string::npos) << text.err;
+}
+
+// Under data parallelism rank 0 hands requests to the other groups' engines over the wire (engine/remote_groups.h):
+// the images go with them, every patch and the hash.
+TEST(MiniMaxM3VlImagePrompt, ImagesCrossToOtherDataParallelGroups) {
+  std::unique_ptr<Model> model = load_model(kFixture.string());
+  Request request = image_request("dp", *model->vision(), false, false);
+  request.images[0].hash = 7;
+  const Request back = decode_request(encode_request(request));
+  ASSERT_EQ(back.images.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    const vision::ImageInput &a = request.images[i], &b = back.images[i];
+    EXPECT_EQ(b.offset, a.offset);
+    EXPECT_EQ(b.tokens, a.tokens);
+    EXPECT_EQ(b.hash, a.hash);
+    EXPECT_EQ(b.grid.h, a.grid.h);
+    EXPECT_EQ(b.grid.w, a.grid.w);
+    EXPECT_EQ(b.pixel_values.shape(), a.pixel_values.shape());
+    EXPECT_TRUE(std::equal(a.pixel_values.data(), a.pixel_values.data() + a.pixel_values.numel(), b.pixel_values.data()));
+  }
+  EXPECT_EQ(back.prompt, request.prompt);
 }

@@ -30,7 +30,9 @@ const char* const kExpertLoraForms =
     "experts.w1 / w2 / w3) by its tensors' names, whatever this flag says (docs/lora.md)";
 
 const char* const kSpecConfig = "give speculative decoding as --speculative-config JSON (docs/speculative.md)";
-const char* const kNoImages = "sparrow serves text only: the vision towers are not loaded yet (issue 30)";
+const char* const kNoImages =
+    "not one of sparrow's image settings: images come as image_url parts (data: URLs), limited by --limit-mm-per-prompt "
+    "and --allowed-local-media-path (docs/vision.md)";
 const char* const kNoStructured =
     "sparrow has one structured-output backend of its own (src/structured; see Structured outputs)";
 const char* const kNoDisagg = "prefill/decode disaggregation is not supported yet (issue 31)";
@@ -169,10 +171,8 @@ const std::vector<VllmFlag>& vllm_only_flags() {
       {"--fully-sharded-loras,!--no-fully-sharded-loras", false, kIgnore,
        "under tensor parallelism sparrow splits each LoRA adapter as its base weights are split (docs/lora.md)",
        {"--no-fully-sharded-loras"}},
-      {"--limit-mm-per-prompt", true, kIgnore, kNoImages},
       {"--mm-processor-kwargs", true, kIgnore, kNoImages},
       {"--mm-processor-cache-gb", true, kIgnore, kNoImages},
-      {"--allowed-local-media-path", true, kIgnore, kNoImages},
       {"--allowed-media-domains", true, kIgnore, kNoImages},
       {"--media-io-kwargs", true, kIgnore, kNoImages},
       {"--skip-mm-profiling,!--no-skip-mm-profiling", false, kIgnore, kNoImages},

@@ -145,6 +145,17 @@ std::vector<uint8_t> encode_request(const Request& request) {
     w.put(request.lora->base_model);
     w.put<int64_t>(request.lora->max_rank);
   }
+  w.put<uint64_t>(request.images.size());
+  for (const vision::ImageInput& image : request.images) {
+    w.put<int64_t>(image.offset);
+    w.put<int64_t>(image.tokens);
+    w.put<int64_t>(image.grid.t);
+    w.put<int64_t>(image.grid.h);
+    w.put<int64_t>(image.grid.w);
+    w.put<uint64_t>(image.hash);
+    w.put<int64_t>(image.pixel_values.dim(1));
+    w.put(std::vector<float>(image.pixel_values.data(), image.pixel_values.data() + image.pixel_values.numel()));
+  }
   return std::move(w.bytes);
 }
 
@@ -194,6 +205,22 @@ Request decode_request(const std::vector<uint8_t>& bytes, StepPlan::LoraSource* 
     source.base_model = r.get_string();
     source.max_rank = r.get<int64_t>();
     SPARROW_CHECK(!source.name.empty(), "request: a LoRA adapter without a name");
+  }
+  for (uint64_t n = r.get<uint64_t>(); n > 0; --n) {
+    vision::ImageInput image;
+    image.offset = r.get<int64_t>();
+    image.tokens = r.get<int64_t>();
+    image.grid.t = r.get<int64_t>();
+    image.grid.h = r.get<int64_t>();
+    image.grid.w = r.get<int64_t>();
+    image.hash = r.get<uint64_t>();
+    const int64_t width = r.get<int64_t>();
+    const std::vector<float> values = r.get_vector<float>();
+    SPARROW_CHECK(width > 0 && !values.empty() && int64_t(values.size()) % width == 0, "request: an image of ",
+                  values.size(), " values in rows of ", width);
+    image.pixel_values = Tensor::empty({int64_t(values.size()) / width, width});
+    std::copy(values.begin(), values.end(), image.pixel_values.data());
+    request.images.push_back(std::move(image));
   }
   r.finish();
   if (lora) *lora = std::move(source);

@@ -54,7 +54,7 @@ class ChatCompletion : public CompletionJob {
     const SamplingParams& params = prompt_->params();
     for (int64_t i = 0; i < params.n; ++i) choices_.push_back(ChatChoice(prompt_->new_output()));
     generation_.emplace(context.engine, context.metrics, engine_request_id(request_.request_id, id_),
-                        std::vector<std::vector<int32_t>>{prompt_->ids()}, params, arrival, lora_);
+                        std::vector<std::vector<int32_t>>{prompt_->ids()}, params, arrival, lora_, prompt_->images());
   }
 
   Generation& generation() override { return *generation_; }

@@ -34,8 +34,14 @@ ChatPrompt::ChatPrompt(ChatRequest& request, ServingContext& context, const Chat
     bad_request(e.what(), options.messages_param);
   }
   ids_ = tokenizer.encode(text_);  // the template wrote any BOS itself
-  if (request.truncate_prompt_tokens && int64_t(ids_.size()) > *request.truncate_prompt_tokens)
-    ids_.erase(ids_.begin(), ids_.end() - *request.truncate_prompt_tokens);
+  images_ = load_chat_images(request.images, context.options.images.get(), ids_);
+  if (request.truncate_prompt_tokens && int64_t(ids_.size()) > *request.truncate_prompt_tokens) {
+    const int64_t cut = int64_t(ids_.size()) - *request.truncate_prompt_tokens;
+    if (!images_.empty() && images_.front().offset - 1 < cut)
+      bad_request("truncate_prompt_tokens would cut into an image", "truncate_prompt_tokens");
+    ids_.erase(ids_.begin(), ids_.begin() + cut);
+    for (vision::ImageInput& image : images_) image.offset -= cut;
+  }
 
   params_ = request.sampling;
   std::optional<int64_t> max_tokens = request.max_tokens;

@@ -41,6 +41,8 @@ class ChatPrompt {
 
   const std::string& text() const { return text_; }
   const std::vector<int32_t>& ids() const { return ids_; }
+  // The request's images, placed on ids(): each image_url part's placeholders expanded (chat_images.h).
+  const std::vector<vision::ImageInput>& images() const { return images_; }
   // The request's sampling parameters with max_tokens, the seed, and the grammar or logit_bias that
   // tool_choice and structured outputs ask for.
   const SamplingParams& params() const { return params_; }
@@ -60,6 +62,7 @@ class ChatPrompt {
   const ServingContext& context_;
   std::string text_;
   std::vector<int32_t> ids_;
+  std::vector<vision::ImageInput> images_;
   SamplingParams params_;
   bool parse_tools_ = false, parse_reasoning_ = false;
 };

@@ -6,7 +6,8 @@ namespace sparrow::server {
 
 Generation::Generation(Engine& engine, ServerMetrics& metrics, const std::string& id,
                        const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& params,
-                       Clock::time_point arrival, std::shared_ptr<const LoraAdapter> lora)
+                       Clock::time_point arrival, std::shared_ptr<const LoraAdapter> lora,
+                       std::vector<vision::ImageInput> images)
     : engine_(engine),
       metrics_(metrics),
       arrival_(arrival),
@@ -20,6 +21,7 @@ Generation::Generation(Engine& engine, ServerMetrics& metrics, const std::string
   try {
     for (size_t p = 0; p < prompts.size(); ++p) {
       Request request{engine_ids_[p], prompts[p], params, lora};
+      if (p == 0) request.images = std::move(images);  // a chat's one prompt
       auto queue = queue_;  // the callback keeps the queue alive, not this object
       int64_t prompt = int64_t(p), n = params.n;
       engine_.submit(std::move(request), [queue, prompt, n](const RequestOutput& output) {

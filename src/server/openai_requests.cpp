@@ -282,9 +282,9 @@ void check_tools(const Json& tools) {
 }
 
 // A message's content, as vLLM accepts it: a string, a list of content parts, or (assistant messages,
-// whose content may be only tool calls) null. Parts are {"type": "text", "text": "..."}; the other part
-// types (image_url, input_audio, video_url, file, ...) carry media sparrow cannot read yet, and are
-// refused rather than dropped.
+// whose content may be only tool calls) null. Parts are {"type": "text", "text": "..."} and
+// {"type": "image_url", "image_url": {"url": "..."}} (docs/vision.md); the other part types (input_audio,
+// video_url, file, ...) carry media sparrow cannot read, and are refused rather than dropped.
 void check_content(const Json& message_json, const Fields& message, const std::string& role) {
   auto given = message_json.find("content");
   if (given == message_json.end() || given->is_string()) return;
@@ -299,14 +299,39 @@ void check_content(const Json& message_json, const Fields& message, const std::s
     if (!part.is_object()) bad_request("`" + where + "` must be a content part object, not " + part.type_name(), where);
     Fields fields(part, where);
     auto type = fields.string("type");
-    if (!type) fields.invalid("type", "is required (\"text\")");
+    if (!type) fields.invalid("type", "is required (\"text\" or \"image_url\")");
+    if (*type == "image_url") {
+      const Json* image = fields.object("image_url");
+      if (!image) fields.invalid("image_url", "is required: {\"url\": \"data:image/...;base64,...\"}");
+      if (!Fields(*image, where + ".image_url").string("url"))
+        bad_request("`" + where + ".image_url.url` is required and must be a string", where + ".image_url.url");
+      continue;
+    }
     if (*type != "text")
       bad_request("`" + where + "`: content parts of type '" + *type +
-                      "' are not supported yet (sparrow reads text only; images, audio, video and files are not "
+                      "' are not supported (sparrow reads text and images; audio, video and files are not "
                       "supported)",
                   where + ".type");
     if (!fields.string("text")) fields.invalid("text", "is required and must be a string");
   }
+}
+
+// The messages as the chat template sees them: each image_url part becomes {"type": "image"}, its URL kept in
+// `images`, in message order.
+Json template_messages(const Json& messages, std::vector<ImageUrl>& images) {
+  Json out = messages;
+  for (size_t i = 0; i < out.size(); ++i) {
+    auto content = out[i].find("content");
+    if (content == out[i].end() || !content->is_array()) continue;
+    for (size_t j = 0; j < content->size(); ++j) {
+      Json& part = (*content)[j];
+      if (part["type"] != "image_url") continue;
+      images.push_back({part["image_url"]["url"].get<std::string>(),
+                        "messages[" + std::to_string(i) + "].content[" + std::to_string(j) + "].image_url.url"});
+      part = {{"type", "image"}};
+    }
+  }
+  return out;
 }
 
 // The request's `messages`: a non-empty list of objects with a string `role` and a content vLLM accepts.
@@ -373,8 +398,12 @@ ChatRequest parse_chat_request(const Json& body, const SamplingParams& defaults,
       if (content->is_string()) {
         out.echo_text = content->get<std::string>();
       } else if (content->is_array()) {
-        for (size_t i = 0; i < content->size(); ++i)
-          out.echo_text += (i ? "\n" : "") + (*content)[i]["text"].get<std::string>();
+        bool first = true;  // text parts only: an image part has no text to echo
+        for (const Json& part : *content)
+          if (part["type"] == "text") {
+            out.echo_text += (first ? "" : "\n") + part["text"].get<std::string>();
+            first = false;
+          }
       }
     }
   }
@@ -389,7 +418,7 @@ ChatRequest parse_chat_request(const Json& body, const SamplingParams& defaults,
   // vLLM hands reasoning_effort to the template as a keyword argument.
   if (auto effort = f.string("reasoning_effort"); effort && !kwargs.contains("reasoning_effort"))
     kwargs["reasoning_effort"] = *effort;
-  out.template_input = {{"messages", *messages},
+  out.template_input = {{"messages", template_messages(*messages, out.images)},
                         {"add_generation_prompt", add_generation_prompt},
                         {"continue_final_message", continue_final_message},
                         {"chat_template_kwargs", kwargs}};

@@ -40,6 +40,12 @@ struct GenerationFields {
   std::string request_id;                         // vLLM extra: the client's own id, else generated
 };
 
+// A chat message's image_url content part: its URL and where it is in the request
+// ("messages[1].content[0].image_url.url"), for errors.
+struct ImageUrl {
+  std::string url, param;
+};
+
 struct ChatRequest : GenerationFields {
   Json template_input;  // messages, tools, chat_template_kwargs, ...: what the chat template renders
   Json tools;           // the list of tools; null when none
@@ -51,6 +57,9 @@ struct ChatRequest : GenerationFields {
   // `echo` (vLLM): the last message's text when its role is the response's ("assistant"), put in front
   // of each choice's content; else empty.
   std::string echo_text;
+  // The image_url parts in message order; the template sees each as {"type": "image"} (what the Hugging Face
+  // chat templates render as the model's image placeholder). Loaded by ChatPrompt (chat_images.h).
+  std::vector<ImageUrl> images;
 };
 
 // One prompt: text, or token ids.

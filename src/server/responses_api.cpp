@@ -42,7 +42,7 @@ class ResponsesCompletion : public CompletionJob {
     items_ = ResponseOutput(request_.output_logprobs);
     generation_.emplace(context.engine, context.metrics, engine_request_id(request_.chat.request_id, id_),
                         std::vector<std::vector<int32_t>>{prompt_->ids()}, prompt_->params(), arrival,
-                        lora_);
+                        lora_, prompt_->images());
   }
 
   Generation& generation() override { return *generation_; }

@@ -86,7 +86,8 @@ std::string content_text(const Json& content, const std::string& where) {
       piece = *t;
     } else if (*type == "input_image" || *type == "input_file" || *type == "input_audio") {
       bad_request("`" + part_where + "`: content parts of type '" + *type +
-                      "' are not supported (sparrow reads text only; images, audio and files are not supported)",
+                      "' are not supported (sparrow reads text only here; send images to /v1/chat/completions as image_url "
+                      "parts; audio and files are not supported)",
                   part_where + ".type");
     } else {
       part.invalid("type", "'" + *type + "' is not a content part type (\"input_text\", \"output_text\", \"refusal\")");

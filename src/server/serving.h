@@ -12,6 +12,7 @@
 
 #include "engine/engine.h"
 #include "model/lora.h"
+#include "server/chat_images.h"
 #include "server/generation.h"
 #include "server/json_fields.h"
 #include "server/metrics.h"
@@ -38,6 +39,8 @@ struct ServingOptions {
   bool runtime_lora_updating = false;
   std::string lora_base_model;
   int64_t max_lora_rank = 16, max_loras = 1;
+  // Images in chats (chat_images.h): set when the model has a vision tower and the tokenizer its placeholders.
+  std::shared_ptr<const ImageServing> images;
 };
 
 class ServingContext {

@@ -2,6 +2,7 @@
 
 #include <climits>
 
+#include "core/base64.h"
 #include "core/error.h"
 #include "tokenizer/pre_tokenizer.h"
 #include "tokenizer/utf8.h"
@@ -22,29 +23,6 @@ namespace {
 
 // tokenization_kimi.py: num_reserved_special_tokens.
 constexpr int kReservedSpecialTokens = 256;
-
-std::string base64_decode(std::string_view text, size_t line) {
-  auto value = [&](char c) -> int {
-    if (c >= 'A' && c <= 'Z') return c - 'A';
-    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
-    if (c >= '0' && c <= '9') return c - '0' + 52;
-    if (c == '+') return 62;
-    if (c == '/') return 63;
-    fail("line ", line, ": bad base64 character");
-  };
-  SPARROW_CHECK(text.size() % 4 == 0 && !text.empty(), "line ", line, ": bad base64 length");
-  std::string out;
-  for (size_t i = 0; i < text.size(); i += 4) {
-    int padding = (text[i + 3] == '=') + (text[i + 2] == '=');
-    SPARROW_CHECK(padding == 0 || i + 4 == text.size(), "line ", line, ": bad base64 padding");
-    uint32_t bits = (value(text[i]) << 18) | (value(text[i + 1]) << 12) |
-                    (padding == 2 ? 0 : value(text[i + 2]) << 6) | (padding >= 1 ? 0 : value(text[i + 3]));
-    out += char(bits >> 16);
-    if (padding < 2) out += char((bits >> 8) & 0xFF);
-    if (padding < 1) out += char(bits & 0xFF);
-  }
-  return out;
-}
 
 // GPT-2's printable form of token bytes: what Kimi's convert_ids_to_tokens shows.
 std::string byte_level_text(std::string_view bytes) {
@@ -69,7 +47,12 @@ TiktokenTokenizer::TiktokenTokenizer(std::string_view model_text, const nlohmann
     if (line.empty()) continue;
     size_t space = line.find(' ');
     SPARROW_CHECK(space != std::string_view::npos, "line ", line_number, ": expected \"<base64> <rank>\"");
-    std::string bytes = base64_decode(line.substr(0, space), line_number);
+    std::string bytes;
+    try {
+      bytes = base64_decode(line.substr(0, space));
+    } catch (const Error& e) {
+      fail("line ", line_number, ": ", e.what());
+    }
     std::string_view rank_text = line.substr(space + 1);
     int64_t rank = 0;
     for (char c : rank_text) {

@@ -1,5 +1,6 @@
 #include "vision/image_processor.h"
 
+#include <algorithm>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -43,6 +44,27 @@ void place_images(const std::vector<int32_t>& prompt, std::vector<ImageInput>& i
     next += size_t(images[i].tokens);
   }
   check_image_placeholders(prompt, images, placeholder);
+}
+
+std::vector<int32_t> expand_placeholders(const std::vector<int32_t>& ids, std::vector<ImageInput>& images,
+                                         int32_t placeholder, int32_t begin, int32_t end) {
+  const size_t found = size_t(std::count(ids.begin(), ids.end(), placeholder));
+  SPARROW_CHECK(found == images.size(), "the rendered prompt holds ", found, " image placeholder(s) for ",
+                images.size(), " image(s)");
+  std::vector<int32_t> out;
+  size_t next = 0;
+  for (int32_t id : ids) {
+    if (id != placeholder) {
+      out.push_back(id);
+      continue;
+    }
+    ImageInput& image = images[next++];
+    out.push_back(begin);
+    image.offset = int64_t(out.size());
+    out.insert(out.end(), size_t(image.tokens), placeholder);
+    out.push_back(end);
+  }
+  return out;
 }
 
 }  // namespace sparrow::vision

@@ -22,6 +22,13 @@ class ImageProcessor {
   // offset is the caller's to set.
   ImageInput process(std::string_view bytes, const DecodeLimits& limits = {}) const;
 
+  // The text the chat template writes for an image (one placeholder) and the tokens vLLM expands it into: begin,
+  // one placeholder per embedding row, end (MiniMax: models/minimax_m3/common/mm_preprocess.py).
+  struct PlaceholderText {
+    std::string image, begin, end;
+  };
+  PlaceholderText placeholder_text() const { return {"]<]image[>[", "]<]start of image[>[", "]<]end of image[>["}; }
+
  private:
   MiniMaxM3VlProcessorConfig minimax_;
 };
@@ -30,5 +37,11 @@ class ImageProcessor {
 // the previous image's end; then check_image_placeholders. One-line errors when the prompt holds too few or too
 // many placeholders for the images.
 void place_images(const std::vector<int32_t>& prompt, std::vector<ImageInput>& images, int32_t placeholder);
+
+// The ids of a rendered chat prompt, where the template wrote one `placeholder` per image, with each image's
+// placeholder replaced by `begin`, image.tokens placeholders and `end` (vLLM's prompt update), and each image's
+// offset set. A one-line error when the prompt holds another number of placeholders than there are images.
+std::vector<int32_t> expand_placeholders(const std::vector<int32_t>& ids, std::vector<ImageInput>& images,
+                                         int32_t placeholder, int32_t begin, int32_t end);
 
 }  // namespace sparrow::vision

@@ -1,0 +1,162 @@
+"""Images through the OpenAI chat API (issue 30, docs/vision.md), served from tests/fixtures/minimax_m3_vl (a
+MiniMax-M3-VL checkpoint with its vision tower, a 256-token tokenizer and MiniMax-M3's chat template:
+tools/make_minimax_vl_tokenizer.py). An image_url part with a data: URL is rendered as the template's image
+placeholder and expanded into the image's tokens; the answer is the one `sparrow generate` gives for the same ids
+and images (whose numerics tests/minimax_m3_vision_test.cpp checks against the reference); a repeated image hits
+the prefix cache; every bad image is a 400 and leaves the server serving."""
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sparrow_server import API_KEY, MODEL_NAME
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURE = REPO / "tests" / "fixtures" / "minimax_m3_vl"
+IMAGES = REPO / "tests" / "data" / "images"
+FIRST, SECOND = IMAGES / "rgb_97x61.png", IMAGES / "downscaled_203x151.jpg"
+IMAGE, BEGIN, END = 250, 248, 249  # the fixture tokenizer's ]<]image[>[, ]<]start of image[>[, ]<]end of image[>[
+
+
+def data_url(path: Path, media_type: str | None = None) -> str:
+    media_type = media_type or ("image/png" if path.suffix == ".png" else "image/jpeg")
+    return f"data:{media_type};base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def chat_body(*urls: str, text: str = "Which is brighter?", **extra) -> dict:
+    content = [{"type": "text", "text": "Look: "}] + [image_part(u) for u in urls] + [{"type": "text", "text": text}]
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 3,
+            "temperature": 0, "return_token_ids": True, **extra}
+
+
+def post(server, body: dict) -> httpx.Response:
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"})
+
+
+@pytest.fixture(scope="module")
+def vl_model(tmp_path_factory) -> Path:
+    """The fixture with room for MiniMax-M3's chat template, whose fixed system text alone is ~900 of this byte
+    tokenizer's tokens: max_position_embeddings 4096 instead of 512 (plain RoPE; no other number changes)."""
+    if not FIRST.exists():
+        pytest.skip("tests/data/images is not in this copy of the tree")
+    folder = tmp_path_factory.mktemp("minimax_m3_vl")
+    for f in FIXTURE.iterdir():
+        if f.is_file() and f.name != "config.json":
+            (folder / f.name).symlink_to(f)
+    config = json.loads((FIXTURE / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 4096
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def image_server(start_server, vl_model, tmp_path_factory):
+    local = tmp_path_factory.mktemp("local_media")
+    (local / "first.png").write_bytes(FIRST.read_bytes())
+    server = start_server("--api-key", API_KEY, "--limit-mm-per-prompt", '{"image": 2}', "--allowed-local-media-path",
+                          str(local), "--enable-prompt-tokens-details", "--max-model-len", "2048", model=vl_model)
+    return server, local
+
+
+def test_an_image_chat_is_answered_as_generate_answers_its_ids_and_images(image_server, vl_model, sparrow_binary,
+                                                                           tmp_path):
+    server, _ = image_server
+    response = post(server, chat_body(data_url(FIRST), data_url(SECOND)))
+    assert response.status_code == 200, response.text[:500]
+    body = response.json()
+    ids = body["prompt_token_ids"]
+    # Each image's one template placeholder became begin, 6 placeholders (a 2x3 grid of merged windows), end.
+    runs = [i for i in range(len(ids)) if ids[i] == BEGIN]
+    assert len(runs) == 2 and all(ids[r + 1:r + 8] == [IMAGE] * 6 + [END] for r in runs), ids
+    assert ids.count(IMAGE) == 12
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": [{"ids": ids, "images": [str(FIRST), str(SECOND)]}]}))
+    run = subprocess.run([sparrow_binary, "generate", "--model", str(vl_model), "--prompt-ids", str(prompts),
+                          "--max-tokens", "3", "--temperature", "0", "--ignore-eos"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["completions"][0] == body["choices"][0]["token_ids"]
+    # The images matter: without them (the same text) the prompt is another one.
+    text_only = post(server, {**chat_body(), "messages": [{"role": "user", "content": "Look: Which is brighter?"}]})
+    assert text_only.status_code == 200 and text_only.json()["prompt_token_ids"].count(IMAGE) == 0
+
+
+def test_a_repeated_image_hits_the_prefix_cache_and_another_image_does_not(image_server):
+    server, _ = image_server
+    first = post(server, chat_body(data_url(FIRST), text="Describe it."))
+    again = post(server, chat_body(data_url(FIRST), text="Describe it."))
+    other = post(server, chat_body(data_url(SECOND), text="Describe it."))
+    for r in (first, again, other):
+        assert r.status_code == 200, r.text[:500]
+    ids = first.json()["prompt_token_ids"]
+    image_at = ids.index(IMAGE)
+    cached = lambda r: r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached(again) == (len(ids) - 1) // 64 * 64  # every full block before the last token
+    assert cached(other) <= image_at  # none of the blocks with the other image's placeholders
+    assert again.json()["choices"][0]["token_ids"] == first.json()["choices"][0]["token_ids"]
+
+
+def test_a_local_file_is_served_only_under_the_allowed_folder(image_server):
+    server, local = image_server
+    inside = post(server, chat_body(f"file://{local / 'first.png'}"))
+    assert inside.status_code == 200, inside.text[:500]
+    assert inside.json()["choices"][0]["token_ids"] == post(server, chat_body(data_url(FIRST))).json()["choices"][0]["token_ids"]
+    outside = post(server, chat_body(f"file://{FIRST}"))
+    assert outside.status_code == 400 and "allowed-local-media-path" in outside.json()["error"]["message"]
+    escape = post(server, chat_body(f"file://{local}/../{local.name}/../../etc/passwd"))
+    assert escape.status_code == 400
+
+
+@pytest.mark.parametrize("url,words", [
+    ("data:image/png;base64,@@@@", "bad base64"),
+    ("data:image/png;base64," + base64.b64encode(b"hello, not an image").decode(), "image"),
+    ("data:image/png;base64," + base64.b64encode(FIRST.read_bytes()[:200]).decode() if FIRST.exists() else "", "png"),
+    ("data:text/plain;base64,aGVsbG8=", "image/*"),
+    ("data:image/png,rawbytes", "base64"),
+    ("https://example.com/cat.png", "fetches no URLs"),
+    ("file:///etc/passwd", "allowed-local-media-path"),
+])
+def test_bad_images_are_400s_naming_the_part(image_server, url, words):
+    server, _ = image_server
+    response = post(server, chat_body(url))
+    assert response.status_code == 400, response.text[:500]
+    error = response.json()["error"]
+    assert words.lower() in error["message"].lower(), error
+    assert error["param"] == "messages[0].content[1].image_url.url", error
+    assert post(server, chat_body(data_url(FIRST))).status_code == 200  # still serving
+
+
+def test_limits_and_malformed_parts(image_server):
+    server, _ = image_server
+    too_many = post(server, chat_body(data_url(FIRST), data_url(SECOND), data_url(FIRST)))
+    assert too_many.status_code == 400 and "at most 2 image" in too_many.json()["error"]["message"]
+    no_url = post(server, {**chat_body(), "messages": [{"role": "user", "content": [{"type": "image_url",
+                                                                                      "image_url": {}}]}]})
+    assert no_url.status_code == 400 and "image_url.url" in no_url.json()["error"]["message"]
+    audio = post(server, {**chat_body(), "messages": [{"role": "user", "content": [{"type": "input_audio",
+                                                                                     "input_audio": {}}]}]})
+    assert audio.status_code == 400 and "not supported" in audio.json()["error"]["message"]
+
+
+def test_a_text_only_model_refuses_images(server):
+    response = post(server, chat_body("data:image/png;base64,AAAA"))
+    assert response.status_code == 400 and "takes no images" in response.json()["error"]["message"]
+
+
+def test_bad_image_flags_stop_the_start(sparrow_binary, vl_model):
+    for flags, words in ([["--limit-mm-per-prompt", '{"video": 1}']], "images only"), \
+                        ([["--limit-mm-per-prompt", "4"]], "must be JSON"), \
+                        ([["--allowed-local-media-path", "/nonexistent/folder"]], "is not a folder"):
+        run = subprocess.run([sparrow_binary, "serve", "--model", str(vl_model), "--port", "0", *flags[0]],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode != 0 and words in run.stderr, (flags, run.stderr[-500:])
