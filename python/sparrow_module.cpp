@@ -97,7 +97,8 @@ PYBIND11_MODULE(_engine, m) {
                        int64_t kv_cache_memory, double gpu_memory_utilization, const std::string& kv_cache_dtype,
                        int64_t block_size, bool enable_prefix_caching, bool enforce_eager, std::optional<uint64_t> seed,
                        const std::string& speculative_config, bool enable_lora, int64_t max_loras,
-                       int64_t max_lora_rank, bool batch_invariant) {
+                       int64_t max_lora_rank, bool batch_invariant, const std::string& limit_mm_per_prompt,
+                       const std::string& allowed_local_media_path) {
              LlmOptions o;
              o.model = model;
              o.device = device;
@@ -117,6 +118,8 @@ PYBIND11_MODULE(_engine, m) {
              o.max_loras = max_loras;
              o.max_lora_rank = max_lora_rank;
              o.batch_invariant = batch_invariant;
+             o.limit_mm_per_prompt = limit_mm_per_prompt;
+             o.allowed_local_media_path = allowed_local_media_path;
              py::gil_scoped_release release;
              return std::make_unique<Llm>(o);
            }),
@@ -125,15 +128,21 @@ PYBIND11_MODULE(_engine, m) {
            py::arg("gpu_memory_utilization"), py::arg("kv_cache_dtype"), py::arg("block_size"),
            py::arg("enable_prefix_caching"), py::arg("enforce_eager"), py::arg("seed"),
            py::arg("speculative_config"), py::arg("enable_lora"), py::arg("max_loras"), py::arg("max_lora_rank"),
-           py::arg("batch_invariant"))
+           py::arg("batch_invariant"), py::arg("limit_mm_per_prompt"), py::arg("allowed_local_media_path"))
       .def("generate",
            [](Llm& llm, const std::vector<sparrow::api::Prompt>& prompts, const std::vector<std::string>& params,
-              const std::vector<std::pair<std::string, std::string>>& loras) {
+              const std::vector<std::pair<std::string, std::string>>& loras,
+              const std::vector<std::vector<py::bytes>>& images) {
              const std::vector<nlohmann::json> parsed = parse_params(params);
+             std::vector<std::vector<std::string>> image_bytes;
+             for (const auto& list : images) {
+               image_bytes.emplace_back();
+               for (const py::bytes& b : list) image_bytes.back().push_back(std::string(b));
+             }
              std::vector<sparrow::api::RequestResult> results;
              {
                py::gil_scoped_release release;
-               results = llm.generate(prompts, parsed, lora_requests(loras));
+               results = llm.generate(prompts, parsed, lora_requests(loras), image_bytes);
              }
              return results_list(results);
            })

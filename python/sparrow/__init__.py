@@ -11,8 +11,11 @@ names; each value is checked as `sparrow serve` checks the same field of a /v1/c
 """
 from __future__ import annotations
 
+import io
 import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from . import _engine
@@ -144,7 +147,8 @@ class LLM:
                  data_parallel_size: int = 1, decode_context_parallel_size: int = 1, tokenizer: Optional[str] = None,
                  trust_remote_code: bool = False, dtype: str = "auto", speculative_config: Optional[dict] = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: Optional[int] = None, batch_invariant: bool = False):
+                 max_cpu_loras: Optional[int] = None, batch_invariant: bool = False,
+                 limit_mm_per_prompt: Optional[dict] = None, allowed_local_media_path: str = ""):
         if tensor_parallel_size != 1 or data_parallel_size != 1 or decode_context_parallel_size != 1:
             raise ValueError("the Python API runs one process: tensor_parallel_size, data_parallel_size and "
                              "decode_context_parallel_size must be 1 (for several GPUs serve with `sparrow serve -tp N` "
@@ -157,7 +161,9 @@ class LLM:
                                       max_num_batched_tokens, kv_cache_memory_bytes or 0, gpu_memory_utilization,
                                       kv_cache_dtype, block_size, enable_prefix_caching, enforce_eager, seed,
                                       json.dumps(speculative_config) if speculative_config else "", enable_lora,
-                                      max_loras, max_lora_rank, batch_invariant)
+                                      max_loras, max_lora_rank, batch_invariant,
+                                      json.dumps(limit_mm_per_prompt) if limit_mm_per_prompt else "",
+                                      str(allowed_local_media_path or ""))
         self.model = str(model)
 
     @property
@@ -175,8 +181,12 @@ class LLM:
                  use_tqdm: bool = False,
                  lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> list[RequestOutput]:
         """Prompts: a str, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]}, or a list of
-        these. One SamplingParams for all, or one per prompt; likewise the LoRA adapter (None: the base model)."""
-        return self._run(self._engine.generate, _prompts(prompts), sampling_params, lora_request)
+        these. One SamplingParams for all, or one per prompt; likewise the LoRA adapter (None: the base model).
+        A dict prompt may carry {"multi_modal_data": {"image": image or [images]}} (PIL images, file bytes or
+        paths): its text or ids hold one image placeholder per image (docs/vision.md)."""
+        listed, images = _prompts(prompts)
+        return self._run(lambda p, s, l: self._engine.generate(p, s, l, images), listed, sampling_params,
+                         lora_request)
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -263,13 +273,34 @@ def _host_tensor(name: str, tensor, dtype: Optional[str] = None):
     return name, kind, shape, data
 
 
-def _prompts(prompts) -> list:
+def _image_bytes(image) -> bytes:
+    """An image of multi_modal_data as its file's bytes: bytes as given, a path read, a PIL image saved as PNG
+    (lossless: the decoder gives back its RGB pixels)."""
+    if isinstance(image, (bytes, bytearray)):
+        return bytes(image)
+    if isinstance(image, (str, os.PathLike)):
+        return Path(image).read_bytes()
+    if hasattr(image, "save"):
+        buffer = io.BytesIO()
+        image.convert("RGB").save(buffer, format="PNG")
+        return buffer.getvalue()
+    raise TypeError(f"an image must be a PIL image, bytes or a path, not {type(image).__name__}")
+
+
+def _prompts(prompts) -> tuple[list, list]:
+    """The prompts (text or ids) and each one's images as bytes ([] when no prompt has any)."""
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts, (list, tuple)) and
                                             isinstance(prompts[0], int)):
         prompts = [prompts]
-    out = []
+    out, images = [], []
     for p in prompts:
+        mine = []
         if isinstance(p, dict):
+            data = p.get("multi_modal_data") or {}
+            if set(data) - {"image"}:
+                raise ValueError(f"multi_modal_data: sparrow takes images only, not {sorted(set(data) - {'image'})}")
+            given = data.get("image", [])
+            mine = [_image_bytes(i) for i in (given if isinstance(given, (list, tuple)) else [given])]
             if "prompt_token_ids" in p:
                 p = list(p["prompt_token_ids"])
             elif "prompt" in p:
@@ -279,7 +310,8 @@ def _prompts(prompts) -> list:
         if not isinstance(p, str):
             p = [int(t) for t in p]
         out.append(p)
-    return out
+        images.append(mine)
+    return out, images if any(images) else []
 
 
 def _logprobs(entry: Optional[dict], decode) -> Optional[dict[int, Logprob]]:

@@ -90,6 +90,8 @@ Llm::Llm(LlmOptions options) : options_(std::move(options)) {
   }
   model_ = load(model_path_);
   weights_folder_ = model_path_;
+  images_ = server::make_image_serving(model_path_, model_->vision(), tokenizer_.get(), options_.limit_mm_per_prompt,
+                                       options_.allowed_local_media_path);
   if (config_.speculative.method == "dspark") {  // bound to the target: it shares its embedding and head
     draft_model_ = load_dspark_drafter(config_.speculative.model, *model_, load_options(), model_path_);
     config_.draft_model = draft_model_.get();
@@ -158,7 +160,10 @@ std::vector<std::string> Llm::list_loras() const {
 }
 
 std::vector<RequestResult> Llm::generate(const std::vector<Prompt>& prompts, const std::vector<nlohmann::json>& params,
-                                         const std::vector<LoraRequest>& loras) {
+                                         const std::vector<LoraRequest>& loras,
+                                         const std::vector<std::vector<std::string>>& images) {
+  SPARROW_CHECK(images.empty() || images.size() == prompts.size(), "give each prompt its images (", prompts.size(),
+                " prompts, ", images.size(), " image lists)");
   SPARROW_CHECK(params.size() == 1 || params.size() == prompts.size(), "give one set of sampling parameters, or one per "
                 "prompt (", prompts.size(), " prompts, ", params.size(), " sets)");
   SPARROW_CHECK(loras.size() <= 1 || loras.size() == prompts.size(), "give one LoRA request, or one per prompt (",
@@ -182,8 +187,20 @@ std::vector<RequestResult> Llm::generate(const std::vector<Prompt>& prompts, con
     if (parsed.truncate_prompt_tokens && int64_t(result.prompt_token_ids.size()) > *parsed.truncate_prompt_tokens)
       result.prompt_token_ids.erase(result.prompt_token_ids.begin(),
                                     result.prompt_token_ids.end() - *parsed.truncate_prompt_tokens);
+    std::vector<vision::ImageInput> prompt_images;
+    if (!images.empty() && !images[i].empty()) {
+      std::vector<std::string> names;
+      for (size_t k = 0; k < images[i].size(); ++k)
+        names.push_back("prompt " + std::to_string(i) + " image " + std::to_string(k));
+      try {
+        prompt_images = server::place_prompt_images(images[i], names, images_.get(), result.prompt_token_ids);
+      } catch (const server::ApiError& e) {
+        fail(e.what());
+      }
+    }
     Request request{result.request_id, result.prompt_token_ids, parsed.sampling,
                     adapters.empty() ? nullptr : adapters[adapters.size() == 1 ? 0 : i]};
+    request.images = std::move(prompt_images);
     request.params.max_tokens = parsed.max_tokens.value_or(16);  // vLLM's SamplingParams default
     if (!request.params.seed && options_.seed) request.params.seed = *options_.seed + uint64_t(next_request_ - 1);
     result.outputs.resize(size_t(request.params.n));
@@ -222,12 +239,27 @@ std::vector<RequestResult> Llm::chat(const std::vector<nlohmann::ordered_json>& 
                                      const std::vector<nlohmann::json>& params, const std::vector<LoraRequest>& loras) {
   SPARROW_CHECK(chat_template_, model_path_, " has no chat template (chat_template.jinja or tokenizer_config.json's)");
   std::vector<Prompt> prompts;
+  std::vector<std::vector<std::string>> images;
+  bool any_images = false;
   for (const nlohmann::ordered_json& conversation : conversations) {
     SPARROW_CHECK(conversation.is_object() && conversation.contains("messages") && conversation["messages"].is_array(),
                   "a conversation is a list of messages ({\"role\": ..., \"content\": ...})");
-    prompts.emplace_back(tokenizer_->encode(chat_template_->render(conversation)));
+    // Image parts: the template sees {"type": "image"}; their bytes go with the prompt (as the server's chats).
+    std::vector<server::ImageUrl> urls;
+    nlohmann::ordered_json rendered = conversation;
+    std::vector<std::string> bytes;
+    try {
+      rendered["messages"] = server::template_messages(conversation["messages"], urls);
+      for (const server::ImageUrl& url : urls)
+        bytes.push_back(server::image_url_bytes(url, images_ ? images_->allowed_local_media_path : std::string()));
+    } catch (const server::ApiError& e) {
+      fail(e.what());
+    }
+    any_images |= !bytes.empty();
+    images.push_back(std::move(bytes));
+    prompts.emplace_back(tokenizer_->encode(chat_template_->render(rendered)));
   }
-  return generate(prompts, params, loras);
+  return generate(prompts, params, loras, any_images ? images : std::vector<std::vector<std::string>>{});
 }
 
 void Llm::update_weights(const std::string& folder) {

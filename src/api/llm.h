@@ -23,6 +23,7 @@
 #include "engine/engine_core.h"
 #include "model/lora.h"
 #include "model/model.h"
+#include "server/chat_images.h"
 #include "template/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -49,6 +50,9 @@ struct LlmOptions {
   // LoRA adapters (docs/lora.md): vLLM's enable_lora, max_loras, max_lora_rank.
   bool enable_lora = false;
   int64_t max_loras = 1, max_lora_rank = 16;
+  // Images (docs/vision.md): vLLM's limit_mm_per_prompt as JSON ('{"image": N}'; empty: 999) and
+  // allowed_local_media_path (file:// image URLs in chats; empty: none).
+  std::string limit_mm_per_prompt, allowed_local_media_path;
 };
 
 // vLLM's LoRARequest: the adapter a prompt runs with, by name and folder (loaded on first use).
@@ -87,10 +91,14 @@ class Llm {
 
   // Runs every prompt, each with its parameters (one set for all, or one per prompt) and its LoRA adapter
   // (none, one for all, or one per prompt; an empty name: the base model), to the end.
+  // `images`: each prompt's images as their files' bytes (vLLM's multi_modal_data), or none for any; a prompt's ids
+  // hold one image placeholder per image, which becomes the image's tokens (result.prompt_token_ids shows them).
   std::vector<RequestResult> generate(const std::vector<Prompt>& prompts, const std::vector<nlohmann::json>& params,
-                                      const std::vector<LoraRequest>& loras = {});
+                                      const std::vector<LoraRequest>& loras = {},
+                                      const std::vector<std::vector<std::string>>& images = {});
   // Chats: each conversation ({"messages": [...], optional "tools", "chat_template_kwargs"}) rendered by the
-  // model's chat template with a generation prompt, then generated as a token-id prompt.
+  // model's chat template with a generation prompt, then generated as a token-id prompt; image_url parts (data: URLs,
+  // file:// under allowed_local_media_path) are its images, as the server takes them.
   std::vector<RequestResult> chat(const std::vector<nlohmann::ordered_json>& conversations,
                                   const std::vector<nlohmann::json>& params, const std::vector<LoraRequest>& loras = {});
   // LoRA adapters (enable_lora): loads one under `name` (at most max_loras at once; a name already loaded
@@ -132,6 +140,7 @@ class Llm {
   std::shared_ptr<const Tokenizer> tokenizer_;
   std::unique_ptr<ChatTemplate> chat_template_;
   std::unique_ptr<Model> model_;
+  std::shared_ptr<const server::ImageServing> images_;  // null: the model takes no images
   std::unique_ptr<Model> draft_model_;  // speculative decoding's draft model, MTP layer or DSpark drafter
   EngineConfig config_;
   std::unique_ptr<EngineCore> engine_;

@@ -26,7 +26,6 @@
 #include "formats/config.h"
 #include "formats/quantization.h"
 #include "model/model.h"
-#include "model/vision_encoder.h"
 #include "runner/decode_graphs.h"
 #include "server/parsers/parser.h"
 #include "server/server.h"
@@ -73,52 +72,6 @@ nlohmann::json read_json_if_present(const fs::path& path) {
 // --generation-config auto: the model's generation_config.json supplies the default temperature,
 // top_p, top_k, min_p and repetition_penalty of requests that do not set them, and max_new_tokens caps
 // an unset max_tokens (vLLM's default behaviour); "vllm" ignores the file; a folder reads its file.
-// --limit-mm-per-prompt: vLLM's JSON, '{"image": N}'; sparrow takes images only.
-int64_t image_limit(const std::string& flag) {
-  if (flag.empty()) return 999;  // vLLM's default per modality
-  const nlohmann::json j = nlohmann::json::parse(flag, nullptr, /*allow_exceptions=*/false);
-  SPARROW_CHECK(j.is_object(), "--limit-mm-per-prompt must be JSON such as '{\"image\": 4}', not '", flag, "'");
-  int64_t limit = 999;
-  for (const auto& [modality, value] : j.items()) {
-    SPARROW_CHECK(modality == "image", "--limit-mm-per-prompt: sparrow reads images only, not ", modality);
-    SPARROW_CHECK(value.is_number_integer() && value.get<int64_t>() >= 0,
-                  "--limit-mm-per-prompt: the image limit must be a count >= 0");
-    limit = value.get<int64_t>();
-  }
-  return limit;
-}
-
-// Images in chats (server/chat_images.h) when the model has a vision tower and the tokenizer its placeholder text;
-// null otherwise (a chat with an image then gets a 400).
-std::shared_ptr<const server::ImageServing> image_serving(const std::string& limit, const std::string& local_path,
-                                                          const std::string& model_dir, const Model& model,
-                                                          const Tokenizer* tokenizer) {
-  auto serving = std::make_shared<server::ImageServing>();
-  serving->limit_per_prompt = image_limit(limit);
-  if (!local_path.empty()) {
-    SPARROW_CHECK(std::filesystem::is_directory(local_path), "--allowed-local-media-path ", local_path,
-                  " is not a folder");
-    serving->allowed_local_media_path = local_path;
-  }
-  const VisionEncoder* tower = model.vision();
-  if (!tower || !tokenizer) return nullptr;
-  serving->processor = vision::ImageProcessor::for_model(model_dir);
-  const auto text = serving->processor.placeholder_text();
-  const auto image = tokenizer->token_to_id(text.image), begin = tokenizer->token_to_id(text.begin),
-             end = tokenizer->token_to_id(text.end);
-  if (!image || !begin || !end) {
-    std::fprintf(stderr, "sparrow serve: images are off: the tokenizer has no '%s' token\n",
-                 (!image ? text.image : !begin ? text.begin : text.end).c_str());
-    return nullptr;
-  }
-  SPARROW_CHECK(*image == tower->image_token_id(), model_dir, ": the tokenizer's ", text.image, " is id ", *image,
-                ", config.json's image_token_index ", tower->image_token_id());
-  serving->placeholder = *image;
-  serving->begin = *begin;
-  serving->end = *end;
-  return serving;
-}
-
 void apply_generation_config(const std::string& mode, const std::string& model_dir, server::ServingOptions& options) {
   if (mode == "vllm") return;
   SPARROW_CHECK(mode == "auto" || fs::is_directory(mode), "--generation-config ", mode,
@@ -323,8 +276,8 @@ void serve(const ServeFlags& flags) {
   // With --data-parallel-size every group's leader gets here and runs an engine (engine/remote_groups.h).
   std::unique_ptr<Model> model = load_cli_model(model_dir, flags.device, GroupRole::EveryGroupServes);
   options.lora_adapters = load_cli_loras(flags.lora, model_dir, *model);
-  options.images = image_serving(flags.limit_mm_per_prompt, flags.allowed_local_media_path, model_dir, *model,
-                                 tokenizer.get());
+  options.images = server::make_image_serving(model_dir, model->vision(), tokenizer.get(), flags.limit_mm_per_prompt,
+                                             flags.allowed_local_media_path);
   if (const char* runtime = std::getenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING"); runtime && flags.lora.enable)
     options.runtime_lora_updating = std::string(runtime) == "1" || std::string(runtime) == "true" ||
                                     std::string(runtime) == "True" || std::string(runtime) == "TRUE";

@@ -1,8 +1,11 @@
 #include "server/chat_images.h"
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+
+#include <nlohmann/json.hpp>
 
 #include "core/base64.h"
 #include "core/error.h"
@@ -52,29 +55,85 @@ std::string image_url_bytes(const ImageUrl& image, const std::string& allowed_lo
   bad_request("`" + image.param + "`: sparrow fetches no URLs; send the image as a data: URL (base64)", image.param);
 }
 
-std::vector<vision::ImageInput> load_chat_images(const std::vector<ImageUrl>& urls, const ImageServing* serving,
-                                                 std::vector<int32_t>& ids) {
-  if (urls.empty()) return {};
-  if (!serving) bad_request("the served model takes no images", urls.front().param);
-  if (int64_t(urls.size()) > serving->limit_per_prompt)
+std::vector<vision::ImageInput> place_prompt_images(const std::vector<std::string>& bytes,
+                                                    const std::vector<std::string>& params, const ImageServing* serving,
+                                                    std::vector<int32_t>& ids) {
+  if (bytes.empty()) return {};
+  if (!serving) bad_request("the served model takes no images", params.front());
+  if (int64_t(bytes.size()) > serving->limit_per_prompt)
     bad_request("at most " + std::to_string(serving->limit_per_prompt) + " image(s) may be provided in one prompt (" +
-                    std::to_string(urls.size()) + " given; --limit-mm-per-prompt)",
-                urls[size_t(serving->limit_per_prompt)].param);
+                    std::to_string(bytes.size()) + " given; --limit-mm-per-prompt)",
+                params[size_t(serving->limit_per_prompt)]);
   std::vector<vision::ImageInput> images;
-  for (const ImageUrl& url : urls) {
-    const std::string bytes = image_url_bytes(url, serving->allowed_local_media_path);
+  for (size_t i = 0; i < bytes.size(); ++i) {
     try {
-      images.push_back(serving->processor.process(bytes, {serving->max_pixels}));
+      images.push_back(serving->processor.process(bytes[i], {serving->max_pixels}));
     } catch (const Error& e) {
-      bad_request("`" + url.param + "`: " + e.what(), url.param);
+      bad_request("`" + params[i] + "`: " + e.what(), params[i]);
     }
   }
   try {
     ids = vision::expand_placeholders(ids, images, serving->placeholder, serving->begin, serving->end);
   } catch (const Error& e) {
-    bad_request(std::string(e.what()) + " (the chat template renders one per image part)", urls.front().param);
+    bad_request(std::string(e.what()) + " (the chat template renders one per image part)", params.front());
   }
   return images;
+}
+
+std::vector<vision::ImageInput> load_chat_images(const std::vector<ImageUrl>& urls, const ImageServing* serving,
+                                                 std::vector<int32_t>& ids) {
+  if (urls.empty()) return {};
+  if (!serving) bad_request("the served model takes no images", urls.front().param);
+  std::vector<std::string> bytes, params;
+  for (const ImageUrl& url : urls) params.push_back(url.param);
+  if (int64_t(urls.size()) <= serving->limit_per_prompt)  // else place_prompt_images refuses before any is read
+    for (const ImageUrl& url : urls) bytes.push_back(image_url_bytes(url, serving->allowed_local_media_path));
+  else
+    bytes.resize(urls.size());
+  return place_prompt_images(bytes, params, serving, ids);
+}
+
+// --limit-mm-per-prompt: vLLM's JSON, '{"image": N}'; sparrow takes images only.
+int64_t image_limit(const std::string& flag) {
+  if (flag.empty()) return 999;  // vLLM's default per modality
+  const nlohmann::json j = nlohmann::json::parse(flag, nullptr, /*allow_exceptions=*/false);
+  SPARROW_CHECK(j.is_object(), "--limit-mm-per-prompt must be JSON such as '{\"image\": 4}', not '", flag, "'");
+  int64_t limit = 999;
+  for (const auto& [modality, value] : j.items()) {
+    SPARROW_CHECK(modality == "image", "--limit-mm-per-prompt: sparrow reads images only, not ", modality);
+    SPARROW_CHECK(value.is_number_integer() && value.get<int64_t>() >= 0,
+                  "--limit-mm-per-prompt: the image limit must be a count >= 0");
+    limit = value.get<int64_t>();
+  }
+  return limit;
+}
+
+std::shared_ptr<const ImageServing> make_image_serving(const std::string& model_dir, const VisionEncoder* tower,
+                                                       const Tokenizer* tokenizer, const std::string& limit_json,
+                                                       const std::string& local_path) {
+  auto serving = std::make_shared<ImageServing>();
+  serving->limit_per_prompt = image_limit(limit_json);
+  if (!local_path.empty()) {
+    SPARROW_CHECK(std::filesystem::is_directory(local_path), "--allowed-local-media-path ", local_path,
+                  " is not a folder");
+    serving->allowed_local_media_path = local_path;
+  }
+  if (!tower || !tokenizer) return nullptr;
+  serving->processor = vision::ImageProcessor::for_model(model_dir);
+  const auto text = serving->processor.placeholder_text();
+  const auto image = tokenizer->token_to_id(text.image), begin = tokenizer->token_to_id(text.begin),
+             end = tokenizer->token_to_id(text.end);
+  if (!image || !begin || !end) {
+    std::fprintf(stderr, "sparrow: images are off: the tokenizer has no '%s' token\n",
+                 (!image ? text.image : !begin ? text.begin : text.end).c_str());
+    return nullptr;
+  }
+  SPARROW_CHECK(*image == tower->image_token_id(), model_dir, ": the tokenizer's ", text.image, " is id ", *image,
+                ", config.json's image_token_index ", tower->image_token_id());
+  serving->placeholder = *image;
+  serving->begin = *begin;
+  serving->end = *end;
+  return serving;
 }
 
 }  // namespace sparrow::server

@@ -4,10 +4,13 @@
 // problem a client can cause is a 400 naming the part.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "model/vision_encoder.h"
 #include "server/openai_requests.h"
+#include "tokenizer/tokenizer.h"
 #include "vision/image_input.h"
 #include "vision/image_processor.h"
 
@@ -30,5 +33,19 @@ std::string image_url_bytes(const ImageUrl& image, const std::string& allowed_lo
 // which become the expanded ids. `serving` null: the model takes no images (a 400).
 std::vector<vision::ImageInput> load_chat_images(const std::vector<ImageUrl>& urls, const ImageServing* serving,
                                                  std::vector<int32_t>& ids);
+
+// Images given as their files' bytes (the Python API's multi_modal_data), each named by params[i] in errors: processed
+// and placed on `ids` as above (limits included).
+std::vector<vision::ImageInput> place_prompt_images(const std::vector<std::string>& bytes,
+                                                    const std::vector<std::string>& params, const ImageServing* serving,
+                                                    std::vector<int32_t>& ids);
+
+// What serving images takes for the model in `model_dir` (its processor, the tokenizer's ids of its placeholder text,
+// the limits: --limit-mm-per-prompt's JSON, empty for vLLM's default, and the local folder, empty for none); null
+// when the model has no tower or the tokenizer lacks the placeholders (a notice on stderr then). One-line errors for
+// bad limits or folder.
+std::shared_ptr<const ImageServing> make_image_serving(const std::string& model_dir, const VisionEncoder* tower,
+                                                       const Tokenizer* tokenizer, const std::string& limit_json,
+                                                       const std::string& local_path);
 
 }  // namespace sparrow::server

@@ -316,24 +316,6 @@ void check_content(const Json& message_json, const Fields& message, const std::s
   }
 }
 
-// The messages as the chat template sees them: each image_url part becomes {"type": "image"}, its URL kept in
-// `images`, in message order.
-Json template_messages(const Json& messages, std::vector<ImageUrl>& images) {
-  Json out = messages;
-  for (size_t i = 0; i < out.size(); ++i) {
-    auto content = out[i].find("content");
-    if (content == out[i].end() || !content->is_array()) continue;
-    for (size_t j = 0; j < content->size(); ++j) {
-      Json& part = (*content)[j];
-      if (part["type"] != "image_url") continue;
-      images.push_back({part["image_url"]["url"].get<std::string>(),
-                        "messages[" + std::to_string(i) + "].content[" + std::to_string(j) + "].image_url.url"});
-      part = {{"type", "image"}};
-    }
-  }
-  return out;
-}
-
 // The request's `messages`: a non-empty list of objects with a string `role` and a content vLLM accepts.
 const Json* check_messages(const Fields& f) {
   const Json* messages = f.get("messages");

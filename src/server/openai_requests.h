@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "engine/sampler.h"
+#include "server/api_error.h"
 #include "server/json_fields.h"
 #include "structured/spec.h"
 
@@ -79,6 +80,31 @@ struct CompletionRequest : GenerationFields {
 void parse_sampling_fields(const Fields& f, SamplingParams& s);
 // Compiles `spec` once, so that a bad schema, regex or grammar is a 400 naming `param`, and sets it.
 void set_structured_output(SamplingParams& s, structured::StructuredOutputSpec spec, const std::string& param);
+
+// The messages as a chat template sees them: each image_url part becomes {"type": "image"} (what the Hugging Face
+// templates render as the model's image placeholder), its URL appended to `images` in message order (param:
+// "messages[i].content[j].image_url.url"). A part without a string URL is a 400. Any nlohmann JSON type (the
+// Python API keeps its conversations' key order).
+template <class AnyJson>
+AnyJson template_messages(const AnyJson& messages, std::vector<ImageUrl>& images) {
+  AnyJson out = messages;
+  for (size_t i = 0; i < out.size(); ++i) {
+    auto content = out[i].find("content");
+    if (content == out[i].end() || !content->is_array()) continue;
+    for (size_t j = 0; j < content->size(); ++j) {
+      AnyJson& part = (*content)[j];
+      if (!part.is_object() || !part.contains("type") || part["type"] != "image_url") continue;
+      const std::string param = "messages[" + std::to_string(i) + "].content[" + std::to_string(j) + "].image_url.url";
+      const auto image_url = part.find("image_url");
+      if (image_url == part.end() || !image_url->is_object() || !image_url->contains("url") ||
+          !(*image_url)["url"].is_string())
+        bad_request("`" + param + "` is required and must be a string", param);
+      images.push_back({(*image_url)["url"].template get<std::string>(), param});
+      part = AnyJson{{"type", "image"}};
+    }
+  }
+  return out;
+}
 
 // `defaults` holds the sampling defaults of the served model (generation_config.json), which the
 // request's fields override.

@@ -311,3 +311,61 @@ def test_batch_invariant_mode(tmp_path):
     for prompt, (tokens, logprobs) in zip(prompts, alone):
         scored = llm.generate([prompt + tokens], score)[0].prompt_logprobs
         assert [scored[len(prompt) + i][t].logprob for i, t in enumerate(tokens)] == logprobs
+
+
+def test_images_in_generate_and_chat(sparrow_binary, tmp_path):
+    """Images (docs/vision.md) on the MiniMax-M3-VL fixture: multi_modal_data (a PIL image, file bytes, a path) on
+    ids holding one placeholder per image gives the expanded ids `sparrow generate` answers the same way; a chat's
+    image_url parts (data: URLs) are rendered by the template and placed as the server places them."""
+    import base64
+
+    PIL = pytest.importorskip("PIL.Image")
+    fixture = FIXTURES / "minimax_m3_vl"
+    images = REPO / "tests" / "data" / "images"
+    if not (images / "rgb_97x61.png").exists():
+        pytest.skip("tests/data/images is not in this copy of the tree")
+    first, second = images / "rgb_97x61.png", images / "downscaled_203x151.jpg"
+    # Room for MiniMax-M3's chat template (its fixed system text is ~900 of this byte tokenizer's tokens).
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in fixture.iterdir():
+        if f.is_file() and f.name != "config.json":
+            (folder / f.name).symlink_to(f)
+    config = json.loads((fixture / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 4096
+    (folder / "config.json").write_text(json.dumps(config))
+    llm = sparrow.LLM(str(folder), kv_cache_memory_bytes=64 << 20, limit_mm_per_prompt={"image": 2})
+    greedy = sparrow.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    ids = [17, 42, 250, 99, 3, 250, 128]  # one placeholder per image
+    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [PIL.open(first), second.read_bytes()]}},
+                       greedy)[0]
+    expanded = out.prompt_token_ids
+    assert expanded == [17, 42, 248] + [250] * 6 + [249, 99, 3, 248] + [250] * 6 + [249, 128]
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": [{"ids": expanded, "images": [str(first), str(second)]}]}))
+    cli = subprocess.run([sparrow_binary, "generate", "--model", str(folder), "--prompt-ids", str(prompts),
+                          "--max-tokens", "3", "--temperature", "0", "--ignore-eos"],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["completions"][0] == out.outputs[0].token_ids
+    # A path works as well as bytes.
+    again = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [str(first), str(second)]}}, greedy)[0]
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+
+    url = "data:image/png;base64," + base64.b64encode(first.read_bytes()).decode()
+    chat = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                   {"type": "image_url", "image_url": {"url": url}}]}], greedy)[0]
+    assert chat.prompt_token_ids.count(250) == 6 and chat.prompt_token_ids.count(248) == 1
+
+    with pytest.raises(ValueError, match="at most 2 image"):
+        llm.generate({"prompt_token_ids": ids + [250], "multi_modal_data": {"image": [str(first)] * 3}}, greedy)
+    with pytest.raises(ValueError, match="placeholder"):
+        llm.generate({"prompt_token_ids": [17, 42], "multi_modal_data": {"image": str(first)}}, greedy)
+    with pytest.raises(ValueError, match="image"):
+        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [b"not an image", str(second)]}}, greedy)
+    with pytest.raises(ValueError, match="images only"):
+        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"video": [b""]}}, greedy)
+    text_only = sparrow.LLM(str(BUNDLED), kv_cache_memory_bytes=64 << 20)
+    with pytest.raises(ValueError, match="takes no images"):
+        text_only.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": str(first)}}, greedy)
