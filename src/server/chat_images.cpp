@@ -47,6 +47,15 @@ std::string file_url_bytes(const ImageUrl& image, const std::string& allowed) {
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
+// A prompt's images (named by `params`) may be served: the model takes images and they are within the limit.
+void check_image_count(const std::vector<std::string>& params, const ImageServing* serving) {
+  if (!serving) bad_request("the served model takes no images", params.front());
+  if (int64_t(params.size()) > serving->limit_per_prompt)
+    bad_request("at most " + std::to_string(serving->limit_per_prompt) + " image(s) may be provided in one prompt (" +
+                    std::to_string(params.size()) + " given; --limit-mm-per-prompt)",
+                params[size_t(serving->limit_per_prompt)]);
+}
+
 }  // namespace
 
 std::string image_url_bytes(const ImageUrl& image, const std::string& allowed_local_media_path) {
@@ -59,11 +68,7 @@ std::vector<vision::ImageInput> place_prompt_images(const std::vector<std::strin
                                                     const std::vector<std::string>& params, const ImageServing* serving,
                                                     std::vector<int32_t>& ids) {
   if (bytes.empty()) return {};
-  if (!serving) bad_request("the served model takes no images", params.front());
-  if (int64_t(bytes.size()) > serving->limit_per_prompt)
-    bad_request("at most " + std::to_string(serving->limit_per_prompt) + " image(s) may be provided in one prompt (" +
-                    std::to_string(bytes.size()) + " given; --limit-mm-per-prompt)",
-                params[size_t(serving->limit_per_prompt)]);
+  check_image_count(params, serving);
   std::vector<vision::ImageInput> images;
   for (size_t i = 0; i < bytes.size(); ++i) {
     try {
@@ -83,13 +88,10 @@ std::vector<vision::ImageInput> place_prompt_images(const std::vector<std::strin
 std::vector<vision::ImageInput> load_chat_images(const std::vector<ImageUrl>& urls, const ImageServing* serving,
                                                  std::vector<int32_t>& ids) {
   if (urls.empty()) return {};
-  if (!serving) bad_request("the served model takes no images", urls.front().param);
   std::vector<std::string> bytes, params;
   for (const ImageUrl& url : urls) params.push_back(url.param);
-  if (int64_t(urls.size()) <= serving->limit_per_prompt)  // else place_prompt_images refuses before any is read
-    for (const ImageUrl& url : urls) bytes.push_back(image_url_bytes(url, serving->allowed_local_media_path));
-  else
-    bytes.resize(urls.size());
+  check_image_count(params, serving);  // before any image is read
+  for (const ImageUrl& url : urls) bytes.push_back(image_url_bytes(url, serving->allowed_local_media_path));
   return place_prompt_images(bytes, params, serving, ids);
 }
 
