@@ -14,6 +14,7 @@
 #include <fstream>
 #include <map>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -21,8 +22,10 @@
 #include "bench/serve_client.h"
 #include "bench/serve_metrics.h"
 #include "bench/workloads.h"
+#include "core/base64.h"
 #include "serve_process.h"
 #include "test_util.h"
+#include "vision/image.h"
 
 namespace sparrow::bench {
 namespace {
@@ -413,6 +416,54 @@ TEST(BenchServeWorkload, ArrivalsPoissonAndGamma) {
   EXPECT_TRUE(mentions(error_message([] { arrival_times(5, 1, 0, 0); }), {"--burstiness"}));
 }
 
+// random-mm (vLLM's RandomMultiModalDataset): vLLM's bucket syntax, counts in the ratio's range, each image a JPEG of
+// its bucket's size in a data: URL, the same draws for the same seed; videos refused.
+TEST(BenchServeWorkload, RandomMmImagesFollowTheBucketsAndTheSeed) {
+  const std::vector<ImageBucket> buckets = parse_image_buckets("{(256, 256, 1): 0.5, (720,1280,1):0.5, (720, 1280, 16): 0.0}");
+  ASSERT_EQ(buckets.size(), 3u);
+  EXPECT_EQ(buckets[1].height, 720);
+  EXPECT_EQ(buckets[1].width, 1280);
+  EXPECT_EQ(buckets[2].frames, 16);
+  EXPECT_EQ(buckets[2].probability, 0.0);
+  using sparrow::testing::error_message;
+  EXPECT_NE(error_message([] { parse_image_buckets("{(256, 256): 1}"); }).find("expected ','"), std::string::npos);
+  EXPECT_NE(error_message([] { parse_image_buckets("[1, 2]"); }).find("expected '{'"), std::string::npos);
+  EXPECT_EQ(parse_image_limit(R"({"image": 3, "video": 0})"), 3);
+  EXPECT_NE(error_message([] { parse_image_limit(R"({"audio": 1})"); }).find("unknown modality"), std::string::npos);
+
+  RandomOptions r;
+  r.num_prompts = 6;
+  r.input_len = 8;
+  r.output_len = 4;
+  r.seed = 5;
+  RandomMmOptions mm;
+  mm.base_items = 2;
+  mm.items_range_ratio = 0.5;  // 1 to 3 images
+  mm.buckets = {{28, 56, 1, 0.5}, {40, 30, 1, 0.5}};
+  const std::vector<Job> jobs = random_mm_workload(r, mm, TextMaker(nullptr));
+  std::set<std::pair<int64_t, int64_t>> sizes;
+  for (const Job& job : jobs) {
+    const std::vector<std::string>& images = job.requests[0].images;
+    EXPECT_GE(images.size(), 1u);
+    EXPECT_LE(images.size(), 3u);
+    for (const std::string& url : images) {
+      const std::string prefix = "data:image/jpeg;base64,";
+      ASSERT_EQ(url.rfind(prefix, 0), 0u);
+      const vision::Image image = vision::decode_image(base64_decode(url.substr(prefix.size())));
+      sizes.insert({image.height, image.width});
+    }
+  }
+  EXPECT_EQ(sizes, (std::set<std::pair<int64_t, int64_t>>{{28, 56}, {40, 30}}));
+  const std::vector<Job> again = random_mm_workload(r, mm, TextMaker(nullptr));
+  for (size_t i = 0; i < jobs.size(); ++i) EXPECT_EQ(again[i].requests[0].images, jobs[i].requests[0].images);
+  // The text is the random workload's, draw for draw.
+  EXPECT_EQ(random_workload(r, TextMaker(nullptr))[3].requests[0].prompt, jobs[3].requests[0].prompt);
+  mm.image_limit = 1;  // the count's range is clamped to the limit: at least 1, at most 1
+  for (const Job& job : random_mm_workload(r, mm, TextMaker(nullptr))) EXPECT_EQ(job.requests[0].images.size(), 1u);
+  mm.buckets = {{720, 1280, 16, 1.0}};
+  EXPECT_NE(error_message([&] { random_mm_workload(r, mm, TextMaker(nullptr)); }).find("is a video"), std::string::npos);
+}
+
 TEST(BenchServeWorkload, RequestBodies) {
   ServeBenchOptions o;
   o.ignore_eos = true;
@@ -428,6 +479,13 @@ TEST(BenchServeWorkload, RequestBodies) {
   nlohmann::json chat = nlohmann::json::parse(request_body(random, random.requests[0], true, "m", o));
   EXPECT_EQ(chat["messages"], nlohmann::json::parse(R"([{"role": "user", "content": "hello there"}])"));
   EXPECT_EQ(chat["max_completion_tokens"], 16);
+  Job with_images = random;
+  with_images.requests[0].images = {"data:image/jpeg;base64,AAAA", "data:image/jpeg;base64,BBBB"};
+  nlohmann::json mm = nlohmann::json::parse(request_body(with_images, with_images.requests[0], true, "m", o));
+  EXPECT_EQ(mm["messages"], nlohmann::json::parse(R"([{"role": "user", "content": [
+      {"type": "text", "text": "hello there"},
+      {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,AAAA"}},
+      {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,BBBB"}}]}])"));
 
   AgenticOptions a;
   a.sessions = 1;

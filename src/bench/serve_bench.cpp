@@ -99,8 +99,13 @@ std::string request_body(const Job& job, const WorkItem& item, bool chat, const 
     Json messages = Json::array();
     if (job.messages.is_array())
       for (size_t i = 0; i < item.messages && i < job.messages.size(); ++i) messages.push_back(job.messages[i]);
-    else
+    else if (item.images.empty())
       messages.push_back({{"role", "user"}, {"content", item.prompt}});
+    else {  // random-mm: the text, then the images (vLLM's order)
+      Json content = Json::array({{{"type", "text"}, {"text", item.prompt}}});
+      for (const std::string& url : item.images) content.push_back({{"type", "image_url"}, {"image_url", {{"url", url}}}});
+      messages.push_back({{"role", "user"}, {"content", std::move(content)}});
+    }
     body["messages"] = std::move(messages);
     if (!job.tools.is_null()) {
       body["tools"] = job.tools;
@@ -127,13 +132,15 @@ Json run_serve_benchmark(const ServeBenchOptions& o) {
   // cpp-httplib writes with plain send(): a server that drops a connection mid-request would raise
   // SIGPIPE and end the run instead of failing that one request.
   std::signal(SIGPIPE, SIG_IGN);
-  const bool agentic = o.dataset_name == "agentic";
-  SPARROW_CHECK(agentic || o.dataset_name == "random", "--dataset-name must be random or agentic, not '",
-                o.dataset_name, "'");
-  const std::string backend = o.backend.empty() ? (agentic ? "openai-chat" : "openai") : o.backend;
+  const bool agentic = o.dataset_name == "agentic", images = o.dataset_name == "random-mm";
+  SPARROW_CHECK(agentic || images || o.dataset_name == "random", "--dataset-name must be random, random-mm or agentic, "
+                "not '", o.dataset_name, "'");
+  const std::string backend = o.backend.empty() ? (agentic || images ? "openai-chat" : "openai") : o.backend;
   SPARROW_CHECK(backend == "openai" || backend == "openai-chat", "--backend must be openai or openai-chat");
   SPARROW_CHECK(!agentic || backend == "openai-chat",
                 "the agentic workload is multi-turn chat: use --backend openai-chat (or leave --backend out)");
+  SPARROW_CHECK(!images || backend == "openai-chat",
+                "random-mm sends images in chat messages: use --backend openai-chat (or leave --backend out)");
   const bool chat = backend == "openai-chat";
   const std::string endpoint = !o.endpoint.empty() ? o.endpoint : chat ? "/v1/chat/completions" : "/v1/completions";
   SPARROW_CHECK(o.max_concurrency >= 0, "--max-concurrency must not be negative");
@@ -175,7 +182,7 @@ Json run_serve_benchmark(const ServeBenchOptions& o) {
   } else {
     RandomOptions r = o.random;
     r.seed = o.seed;
-    jobs = random_workload(r, text);
+    jobs = images ? random_mm_workload(r, o.random_mm, text) : random_workload(r, text);
   }
   // One request of a job over a worker's connection; a failure is counted, never the end of the run.
   auto send = [&](ServeConnection& connection, const Job& job, const WorkItem& item, Clock::time_point since) {
@@ -208,7 +215,7 @@ Json run_serve_benchmark(const ServeBenchOptions& o) {
       r.seed = warm_seed;
       r.num_prompts = o.num_warmups;
       r.output_len = std::min<int64_t>(r.output_len, kWarmupOutputTokens);
-      warm = random_workload(r, text);
+      warm = images ? random_mm_workload(r, o.random_mm, text) : random_workload(r, text);
     }
     std::atomic<size_t> next{0}, failed{0};
     auto warm_up = [&] {

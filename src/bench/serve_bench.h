@@ -19,10 +19,11 @@ struct ServeBenchOptions {
   std::string backend;            // openai | openai-chat; empty: openai-chat for agentic, else openai
   std::string model;              // empty: the first model of GET /v1/models
   std::string tokenizer;          // a model folder whose tokenizer counts tokens locally; empty: none
-  std::string dataset_name = "random";  // random | agentic
+  std::string dataset_name = "random";  // random | random-mm | agentic
   std::string metrics_url;        // empty: <base-url>/metrics
   std::string api_key;            // sent as a bearer token when not empty
   RandomOptions random;
+  RandomMmOptions random_mm;
   AgenticOptions agentic;
   double request_rate = std::numeric_limits<double>::infinity();
   double burstiness = 1.0;

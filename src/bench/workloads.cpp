@@ -1,12 +1,15 @@
 #include "bench/workloads.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <limits>
 #include <numbers>
 
+#include "core/base64.h"
 #include "core/error.h"
 #include "tokenizer/utf8.h"
+#include "vision/image.h"
 
 namespace sparrow::bench {
 namespace {
@@ -53,6 +56,13 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 Rng::Rng(uint64_t seed, uint64_t stream) {
   std::seed_seq seq{uint32_t(seed), uint32_t(seed >> 32), uint32_t(stream), uint32_t(stream >> 32)};
   engine_.seed(seq);
+}
+
+void Rng::fill(uint8_t* out, size_t n) {
+  for (size_t i = 0; i < n; i += 8) {
+    const uint64_t bits = engine_();
+    for (size_t b = 0; b < 8 && i + b < n; ++b) out[i + b] = uint8_t(bits >> (8 * b));
+  }
 }
 
 double Rng::uniform() { return double(engine_() >> 11) * 0x1.0p-53; }
@@ -146,6 +156,101 @@ std::vector<Job> random_workload(const RandomOptions& o, const TextMaker& text) 
     item.prompt_len = text.count(item.prompt, o.prefix_len + input);
     item.output_len = output;
     job.requests.push_back(std::move(item));
+  }
+  return jobs;
+}
+
+std::vector<ImageBucket> parse_image_buckets(const std::string& text) {
+  // {(H, W, T): p, ...}: numbers only, so a small scanner reads it (whitespace anywhere).
+  std::vector<ImageBucket> buckets;
+  size_t at = 0;
+  auto skip = [&] { while (at < text.size() && std::isspace(static_cast<unsigned char>(text[at]))) ++at; };
+  auto expect = [&](char c) {
+    skip();
+    SPARROW_CHECK(at < text.size() && text[at] == c, "--random-mm-bucket-config: expected '", c, "' at character ",
+                  at, " of \"", text, "\" (vLLM's form: {(256, 256, 1): 0.5, (720, 1280, 1): 0.5})");
+    ++at;
+  };
+  auto number = [&] {
+    skip();
+    size_t used = 0;
+    double value = 0;
+    try {
+      value = std::stod(text.substr(at), &used);
+    } catch (const std::exception&) {
+      fail("--random-mm-bucket-config: expected a number at character ", at, " of \"", text, "\"");
+    }
+    at += used;
+    return value;
+  };
+  expect('{');
+  skip();
+  while (at < text.size() && text[at] != '}') {
+    ImageBucket b;
+    expect('(');
+    b.height = int64_t(number());
+    expect(',');
+    b.width = int64_t(number());
+    expect(',');
+    b.frames = int64_t(number());
+    expect(')');
+    expect(':');
+    b.probability = number();
+    SPARROW_CHECK(b.height > 0 && b.width > 0 && b.frames > 0 && b.probability >= 0,
+                  "--random-mm-bucket-config: a bucket needs positive sizes and a probability >= 0");
+    buckets.push_back(b);
+    skip();
+    if (at < text.size() && text[at] == ',') ++at;
+    skip();
+  }
+  expect('}');
+  return buckets;
+}
+
+int64_t parse_image_limit(const std::string& json) {
+  const nlohmann::json j = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
+  SPARROW_CHECK(j.is_object(), "--random-mm-limit-mm-per-prompt must be JSON such as '{\"image\": 3}'");
+  for (const auto& [modality, value] : j.items()) {
+    SPARROW_CHECK(modality == "image" || modality == "video", "--random-mm-limit-mm-per-prompt: unknown modality '",
+                  modality, "'");
+    SPARROW_CHECK(value.is_number_integer() && value.get<int64_t>() >= 0,
+                  "--random-mm-limit-mm-per-prompt: limits are counts >= 0");
+  }
+  return j.value("image", int64_t(255));
+}
+
+std::vector<Job> random_mm_workload(const RandomOptions& o, const RandomMmOptions& mm, const TextMaker& text) {
+  SPARROW_CHECK(mm.base_items >= 0 && mm.items_range_ratio >= 0 && mm.items_range_ratio <= 1,
+                "--random-mm-base-items-per-request must be >= 0 and --random-mm-num-mm-items-range-ratio in [0, 1]");
+  std::vector<ImageBucket> images;
+  double total = 0;
+  for (const ImageBucket& b : mm.buckets) {
+    if (b.probability == 0) continue;
+    SPARROW_CHECK(b.frames == 1, "--random-mm-bucket-config: (", b.height, ", ", b.width, ", ", b.frames,
+                  ") is a video; sparrow's benchmark sends images only");
+    images.push_back(b);
+    total += b.probability;
+  }
+  const int64_t low = int64_t(std::floor(double(mm.base_items) * (1 - mm.items_range_ratio)));
+  const int64_t high = std::min(mm.image_limit, int64_t(std::ceil(double(mm.base_items) * (1 + mm.items_range_ratio))));
+  SPARROW_CHECK(low <= high, "random-mm: at least ", low, " images a prompt, but --random-mm-limit-mm-per-prompt "
+                "allows ", mm.image_limit);
+  SPARROW_CHECK(high == 0 || total > 0, "--random-mm-bucket-config gives no image bucket a probability");
+  std::vector<Job> jobs = random_workload(o, text);
+  Rng rng(o.seed, 3);
+  vision::Image image;
+  for (Job& job : jobs) {
+    const int64_t count = rng.integer(low, high);
+    for (int64_t i = 0; i < count; ++i) {
+      double draw = rng.uniform() * total;
+      size_t pick = 0;
+      while (pick + 1 < images.size() && draw >= images[pick].probability) draw -= images[pick++].probability;
+      image.height = images[pick].height;
+      image.width = images[pick].width;
+      image.rgb.resize(size_t(image.height * image.width * 3));
+      rng.fill(image.rgb.data(), image.rgb.size());
+      job.requests[0].images.push_back("data:image/jpeg;base64," + base64_encode(vision::encode_jpeg(image)));
+    }
   }
   return jobs;
 }

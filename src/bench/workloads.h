@@ -2,6 +2,8 @@
 //
 //   random   vLLM's random dataset: input / output lengths uniform in [L(1-r), L(1+r)], an optional shared
 //            prefix, prompt text of random tokens.
+//   random-mm  vLLM's random multimodal dataset: the random prompts, each with images of random pixels (JPEG data
+//            URLs, as vLLM's benchmark sends them), their count and sizes drawn as vLLM draws them.
 //   agentic  multi-turn sessions shaped on public descriptions of coding-agent traces (SemiAnalysis
 //            AgentX): one system prompt and tool schemas, then turns that each send the whole growing
 //            conversation and get a short answer; a tool result or a user message is appended between
@@ -31,6 +33,7 @@ class Rng {
   int64_t integer(int64_t lo, int64_t hi);     // inclusive
   double normal();                             // standard normal (Box-Muller)
   double gamma(double shape, double scale);    // Marsaglia-Tsang
+  void fill(uint8_t* out, size_t n);           // n random bytes
   // A lognormal draw given by its median and log-space spread, rounded and clamped to [lo, hi].
   int64_t lognormal(double median, double sigma, int64_t lo, int64_t hi);
 
@@ -63,6 +66,7 @@ struct WorkItem {
   int64_t prompt_len = 0;   // client-side count (exact with a tokenizer; chat templates add more)
   int64_t output_len = 0;   // max_tokens
   double think_time_s = 0;  // pause before sending (agentic turns after the first)
+  std::vector<std::string> images;  // random-mm: data: URLs, sent as image_url parts after the prompt
 };
 
 // What one concurrency slot runs start to finish: a random prompt, or a session's turns in order.
@@ -77,6 +81,26 @@ struct RandomOptions {
   uint64_t seed = 0;
 };
 std::vector<Job> random_workload(const RandomOptions& options, const TextMaker& text);
+
+// random-mm (vLLM's RandomMultiModalDataset): each prompt gets a count of images drawn uniformly from
+// [floor(n (1 - r)), ceil(n (1 + r))], at most `image_limit`, each of a size drawn from the buckets by probability
+// (normalised; buckets of more than one frame are videos, which sparrow does not send: refused unless their
+// probability is 0).
+struct ImageBucket {
+  int64_t height = 0, width = 0, frames = 1;
+  double probability = 0;
+};
+struct RandomMmOptions {
+  int64_t base_items = 1;         // --random-mm-base-items-per-request
+  double items_range_ratio = 0;   // --random-mm-num-mm-items-range-ratio
+  int64_t image_limit = 255;      // --random-mm-limit-mm-per-prompt's "image"
+  std::vector<ImageBucket> buckets = {{256, 256, 1, 0.5}, {720, 1280, 1, 0.5}, {720, 1280, 16, 0.0}};
+};
+// --random-mm-bucket-config as vLLM writes it, a Python dict with tuple keys: "{(256, 256, 1): 0.5, ...}".
+std::vector<ImageBucket> parse_image_buckets(const std::string& text);
+// --random-mm-limit-mm-per-prompt: '{"image": N, "video": M}'; the image count (videos are never sent).
+int64_t parse_image_limit(const std::string& json);
+std::vector<Job> random_mm_workload(const RandomOptions& options, const RandomMmOptions& mm, const TextMaker& text);
 
 struct AgenticOptions {
   int64_t sessions = 16;

@@ -109,6 +109,7 @@ void add_bench_kernels(CLI::App* bench) {
 struct ServeFlags {
   bench::ServeBenchOptions o;
   std::string base_url, host = "127.0.0.1", request_rate = "inf";
+  std::string mm_buckets, mm_limit;  // random-mm's, as vLLM writes them; empty: vLLM's defaults
   int port = 8000;
   bool disable_tqdm = false;
 
@@ -120,6 +121,8 @@ struct ServeFlags {
     SPARROW_CHECK(!request_rate.empty() && *end == '\0' && o.request_rate > 0,
                   "--request-rate must be a positive number or inf, not '", request_rate, "'");
     o.progress = !disable_tqdm;
+    if (!mm_buckets.empty()) o.random_mm.buckets = bench::parse_image_buckets(mm_buckets);
+    if (!mm_limit.empty()) o.random_mm.image_limit = bench::parse_image_limit(mm_limit);
     if (const char* key = std::getenv("OPENAI_API_KEY"); key && *key) o.api_key = key;  // as vLLM's client
     return o;
   }
@@ -138,7 +141,8 @@ void add_serve_flags(CLI::App* sub, ServeFlags& f, bool sweep) {
   sub->add_option("--tokenizer", o.tokenizer,
                   "model folder whose tokenizer makes exact-length prompts and counts tokens locally "
                   "(default: none; the server's usage counts are used)");
-  sub->add_option("--dataset-name", o.dataset_name, "random or agentic")->capture_default_str();
+  sub->add_option("--dataset-name", o.dataset_name, "random, random-mm (random prompts with images) or agentic")
+      ->capture_default_str();
   auto* num_prompts = sub->add_option("--num-prompts", o.random.num_prompts,
                                       sweep ? "requests of the random workload at every point (default: "
                                               "concurrency x --prompts-per-concurrency)"
@@ -153,6 +157,16 @@ void add_serve_flags(CLI::App* sub, ServeFlags& f, bool sweep) {
       ->capture_default_str();
   sub->add_option("--random-prefix-len", o.random.prefix_len, "tokens of a prefix shared by every prompt")
       ->capture_default_str();
+  sub->add_option("--random-mm-base-items-per-request", o.random_mm.base_items, "random-mm: images per request")
+      ->capture_default_str();
+  sub->add_option("--random-mm-num-mm-items-range-ratio", o.random_mm.items_range_ratio,
+                  "random-mm: image counts uniform in [floor(n (1 - r)), ceil(n (1 + r))]")
+      ->capture_default_str();
+  sub->add_option("--random-mm-limit-mm-per-prompt", f.mm_limit,
+                  "random-mm: '{\"image\": N}' caps the count (default 255, vLLM's)");
+  sub->add_option("--random-mm-bucket-config", f.mm_buckets,
+                  "random-mm: image sizes by probability, '{(H, W, 1): p, ...}' (default: vLLM's, 256x256 and "
+                  "720x1280 at 0.5 each)");
   sub->add_option("--request-rate", f.request_rate,
                   "requests (agentic: sessions) per second: inf sends all at once, else Poisson arrivals")
       ->capture_default_str();

@@ -1,5 +1,6 @@
 #include "core/base64.h"
 
+#include <algorithm>
 #include <cstdint>
 
 #include "core/error.h"
@@ -26,6 +27,23 @@ std::string base64_decode(std::string_view text) {
     out += char(bits >> 16);
     if (padding < 2) out += char((bits >> 8) & 0xFF);
     if (padding < 1) out += char(bits & 0xFF);
+  }
+  return out;
+}
+
+std::string base64_encode(std::string_view bytes) {
+  static constexpr char kAlphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  out.reserve((bytes.size() + 2) / 3 * 4);
+  for (size_t i = 0; i < bytes.size(); i += 3) {
+    const size_t n = std::min<size_t>(3, bytes.size() - i);
+    uint32_t bits = uint32_t(uint8_t(bytes[i])) << 16;
+    if (n > 1) bits |= uint32_t(uint8_t(bytes[i + 1])) << 8;
+    if (n > 2) bits |= uint32_t(uint8_t(bytes[i + 2]));
+    out += kAlphabet[(bits >> 18) & 63];
+    out += kAlphabet[(bits >> 12) & 63];
+    out += n > 1 ? kAlphabet[(bits >> 6) & 63] : '=';
+    out += n > 2 ? kAlphabet[bits & 63] : '=';
   }
   return out;
 }

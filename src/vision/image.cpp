@@ -2,6 +2,7 @@
 
 #include <csetjmp>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 // jpeglib.h needs <cstdio> before it; jerror.h names the warning codes.
@@ -200,6 +201,38 @@ Image decode_webp(std::string_view bytes, const DecodeLimits& limits) {
 }
 
 }  // namespace
+
+std::string encode_jpeg(const Image& image, int quality) {
+  SPARROW_CHECK(image.height > 0 && image.width > 0 && int64_t(image.rgb.size()) == image.height * image.width * 3,
+                "encode_jpeg: an image of ", image.width, "x", image.height, " with ", image.rgb.size(), " bytes");
+  jpeg_compress_struct info{};
+  JpegError error{};
+  info.err = jpeg_std_error(&error.manager);
+  error.manager.error_exit = jpeg_on_error;
+  unsigned char* buffer = nullptr;
+  unsigned long size = 0;
+  jpeg_create_compress(&info);
+  const bool done = guarded(error.jump, [&] {
+    jpeg_mem_dest(&info, &buffer, &size);
+    info.image_width = JDIMENSION(image.width);
+    info.image_height = JDIMENSION(image.height);
+    info.input_components = 3;
+    info.in_color_space = JCS_RGB;
+    jpeg_set_defaults(&info);
+    jpeg_set_quality(&info, quality, TRUE);
+    jpeg_start_compress(&info, TRUE);
+    while (info.next_scanline < info.image_height) {
+      JSAMPROW row = const_cast<JSAMPROW>(image.pixel(int64_t(info.next_scanline), 0));
+      jpeg_write_scanlines(&info, &row, 1);
+    }
+    jpeg_finish_compress(&info);
+  });
+  jpeg_destroy_compress(&info);
+  std::string out = done ? std::string(reinterpret_cast<const char*>(buffer), size) : std::string();
+  std::free(buffer);
+  if (!done) fail("JPEG: ", error.message);
+  return out;
+}
 
 std::string image_format(std::string_view bytes) {
   static constexpr unsigned char kPng[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};

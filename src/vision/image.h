@@ -39,4 +39,9 @@ Image decode_image(std::string_view bytes, const DecodeLimits& limits = {});
 // "png", "jpeg", "webp", or "" for another signature.
 std::string image_format(std::string_view bytes);
 
+// The image as a baseline JPEG file at `quality` (libjpeg's defaults otherwise, 4:2:0 chroma, as PIL's
+// save(format="JPEG") writes at its default quality 75): what `bench serve --dataset-name random-mm` sends, as
+// vLLM's benchmark does.
+std::string encode_jpeg(const Image& image, int quality = 75);
+
 }  // namespace sparrow::vision

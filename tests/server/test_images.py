@@ -160,3 +160,17 @@ def test_bad_image_flags_stop_the_start(sparrow_binary, vl_model):
         run = subprocess.run([sparrow_binary, "serve", "--model", str(vl_model), "--port", "0", *flags[0]],
                              capture_output=True, text=True, timeout=120)
         assert run.returncode != 0 and words in run.stderr, (flags, run.stderr[-500:])
+
+
+def test_bench_serve_random_mm_sends_images_the_server_answers(image_server, sparrow_binary):
+    """`sparrow bench serve --dataset-name random-mm` (vLLM's random multimodal dataset) against the image server:
+    every request, with its JPEG data URLs, is answered."""
+    server, _ = image_server
+    run = subprocess.run([sparrow_binary, "bench", "serve", "--base-url", server.url, "--dataset-name", "random-mm",
+                          "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "2",
+                          "--random-mm-base-items-per-request", "2", "--random-mm-bucket-config",
+                          "{(56, 84, 1): 0.5, (112, 56, 1): 0.5}", "--disable-tqdm"],
+                         capture_output=True, text=True, timeout=300, env={"OPENAI_API_KEY": API_KEY, "PATH": "/usr/bin"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "Successful requests:" in run.stdout and " 4" in run.stdout.split("Successful requests:")[1].split("\n")[0]
+    assert "Failed requests:" not in run.stdout or " 0" in run.stdout.split("Failed requests:")[1].split("\n")[0]
