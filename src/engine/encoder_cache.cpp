@@ -11,7 +11,9 @@ Tensor EncoderCache::get(const vision::ImageInput& image, const VisionEncoder& t
     return it->second.embeddings;
   }
   ++misses_;
+  const auto start = std::chrono::steady_clock::now();
   Tensor embeddings = tower.embed(image.pixel_values, {image.grid});
+  encode_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   SPARROW_CHECK(embeddings.dim(0) == image.tokens, "the vision tower made ", embeddings.dim(0),
                 " rows for an image of ", image.tokens, " placeholder tokens");
   lru_.push_back(image.hash);

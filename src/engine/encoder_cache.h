@@ -3,6 +3,7 @@
 // bring the same image (by content hash: vision/image_input.h). Least recently used out first once the rows kept
 // pass the capacity; an entry handed out stays valid for its holder (Tensor storage is shared).
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <list>
 #include <unordered_map>
@@ -23,6 +24,7 @@ class EncoderCache {
   int64_t hits() const { return hits_; }
   int64_t misses() const { return misses_; }
   int64_t rows() const { return rows_; }
+  double encode_seconds() const { return encode_seconds_; }  // the tower's time on the misses
 
  private:
   struct Entry {
@@ -31,6 +33,7 @@ class EncoderCache {
   };
   int64_t capacity_rows_;
   int64_t rows_ = 0, hits_ = 0, misses_ = 0;
+  double encode_seconds_ = 0;
   std::unordered_map<uint64_t, Entry> entries_;
   std::list<uint64_t> lru_;  // most recently used last
 };

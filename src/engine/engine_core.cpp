@@ -193,6 +193,9 @@ EngineStats EngineCore::stats() const {
   s.iteration_tokens = iteration_tokens_;
   s.spec_decode = spec_decode_;
   s.graph_replays = runner_.graph_replays();
+  s.mm_cache_hits = encoder_cache_.hits();
+  s.mm_cache_queries = encoder_cache_.hits() + encoder_cache_.misses();
+  s.encoder_seconds = encoder_cache_.encode_seconds();
   return s;
 }
 

@@ -91,6 +91,9 @@ struct EngineStats {
   StepCounters prefill_steps;  // steps with prompt chunks (mixed with decode tokens or not)
   IterationTokens iteration_tokens;
   int64_t graph_replays = 0;  // steps replayed from CUDA graphs (runner/decode_graphs.h)
+  // Images (engine/encoder_cache.h): embeddings asked for and found cached, and the vision tower's time on the rest.
+  int64_t mm_cache_queries = 0, mm_cache_hits = 0;
+  double encoder_seconds = 0;
   // Data parallel, rank 0's engine: the requests handed to each group so far (empty otherwise).
   std::vector<int64_t> requests_by_group;
 };

@@ -300,6 +300,9 @@ std::vector<uint8_t> encode_stats(const EngineStats& s) {
   w.put<int64_t>(s.iteration_tokens.tokens);
   for (int64_t v : {s.spec_decode.drafts, s.spec_decode.draft_tokens, s.spec_decode.accepted_tokens}) w.put<int64_t>(v);
   w.put(s.spec_decode.accepted_by_position);
+  w.put<int64_t>(s.mm_cache_queries);
+  w.put<int64_t>(s.mm_cache_hits);
+  w.put<double>(s.encoder_seconds);
   return std::move(w.bytes);
 }
 
@@ -316,6 +319,9 @@ EngineStats decode_stats(const std::vector<uint8_t>& bytes) {
   for (int64_t* v : {&s.spec_decode.drafts, &s.spec_decode.draft_tokens, &s.spec_decode.accepted_tokens})
     *v = r.get<int64_t>();
   s.spec_decode.accepted_by_position = r.get_vector<int64_t>();
+  s.mm_cache_queries = r.get<int64_t>();
+  s.mm_cache_hits = r.get<int64_t>();
+  s.encoder_seconds = r.get<double>();
   r.finish();
   return s;
 }
@@ -345,6 +351,9 @@ void add_stats(EngineStats& a, const EngineStats& b) {
   if (by_position.size() < b.spec_decode.accepted_by_position.size())
     by_position.resize(b.spec_decode.accepted_by_position.size());
   for (size_t i = 0; i < b.spec_decode.accepted_by_position.size(); ++i) by_position[i] += b.spec_decode.accepted_by_position[i];
+  a.mm_cache_queries += b.mm_cache_queries;
+  a.mm_cache_hits += b.mm_cache_hits;
+  a.encoder_seconds += b.encoder_seconds;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -151,6 +151,9 @@ std::string ServerMetrics::render(const EngineGauges& engine) const {
           double(engine.preemptions));
   counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", double(engine.prefix_queries));
   counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", double(engine.prefix_hits));
+  counter("vllm:mm_cache_queries", "Images whose embeddings a step needed.", double(engine.mm_cache_queries));
+  counter("vllm:mm_cache_hits", "Images whose embeddings the encoder cache held.", double(engine.mm_cache_hits));
+  counter("sparrow:encoder_seconds", "Seconds the vision tower spent embedding images.", engine.encoder_seconds);
   if (!engine.requests_by_group.empty()) {
     // Data parallel (docs/parallel.md): how the server balanced the requests over the groups' engines.
     header(out, "sparrow:data_parallel_requests", "counter", "Requests handed to each data-parallel group's engine.");

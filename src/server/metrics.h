@@ -65,6 +65,9 @@ struct EngineGauges {
   bool speculative = false;
   int64_t spec_drafts = 0, spec_draft_tokens = 0, spec_accepted_tokens = 0;
   std::vector<int64_t> spec_accepted_by_position;
+  // Images: EngineStats' encoder cache counters and the vision tower's seconds.
+  int64_t mm_cache_queries = 0, mm_cache_hits = 0;
+  double encoder_seconds = 0;
 };
 
 // The cache settings vllm:cache_config_info reports.

@@ -419,7 +419,10 @@ std::string Server::metrics() const {
                       s.spec_decode.drafts,
                       s.spec_decode.draft_tokens,
                       s.spec_decode.accepted_tokens,
-                      s.spec_decode.accepted_by_position};
+                      s.spec_decode.accepted_by_position,
+                      s.mm_cache_queries,
+                      s.mm_cache_hits,
+                      s.encoder_seconds};
   const int64_t k = context_.engine.config().speculative.num_speculative_tokens;
   gauges.spec_accepted_by_position.resize(size_t(std::max<int64_t>(k, int64_t(s.spec_decode.accepted_by_position.size()))));
   return context_.metrics.render(gauges);

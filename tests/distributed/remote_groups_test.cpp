@@ -187,6 +187,9 @@ TEST(RemoteGroups, EventsAndStatisticsSurviveTheLink) {
   stats.prefill_steps = {13, 2.5, 1.25};
   stats.iteration_tokens.steps_by_log2[4] = 14;
   stats.iteration_tokens.tokens = 15;
+  stats.mm_cache_queries = 16;
+  stats.mm_cache_hits = 17;
+  stats.encoder_seconds = 0.25;
   EngineStats sum = decode_stats(encode_stats(stats));
   add_stats(sum, stats);
   EXPECT_EQ(sum.running, 6);
@@ -196,6 +199,9 @@ TEST(RemoteGroups, EventsAndStatisticsSurviveTheLink) {
   EXPECT_DOUBLE_EQ(sum.prefill_steps.forward_seconds, 2.5);
   EXPECT_EQ(sum.iteration_tokens.steps_by_log2[4], 28);
   EXPECT_EQ(sum.iteration_tokens.tokens, 30);
+  EXPECT_EQ(sum.mm_cache_queries, 32);
+  EXPECT_EQ(sum.mm_cache_hits, 34);
+  EXPECT_DOUBLE_EQ(sum.encoder_seconds, 0.5);
 }
 
 TEST(RemoteGroups, DamagedMessagesAreRefused) {

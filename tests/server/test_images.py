@@ -104,6 +104,12 @@ def test_a_repeated_image_hits_the_prefix_cache_and_another_image_does_not(image
     assert cached(again) == (len(ids) - 1) // 64 * 64  # every full block before the last token
     assert cached(other) <= image_at  # none of the blocks with the other image's placeholders
     assert again.json()["choices"][0]["token_ids"] == first.json()["choices"][0]["token_ids"]
+    # /metrics: the encoder cache answered the repeated image (vLLM's mm_cache counters) and the tower's time shows.
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    value = lambda name: float(next(l.split()[-1] for l in metrics.splitlines() if l.startswith(name + "{")))
+    assert value("vllm:mm_cache_hits_total") >= 1
+    assert value("vllm:mm_cache_queries_total") > value("vllm:mm_cache_hits_total")
+    assert value("sparrow:encoder_seconds_total") > 0
 
 
 def test_a_local_file_is_served_only_under_the_allowed_folder(image_server):
