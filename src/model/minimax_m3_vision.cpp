@@ -38,9 +38,13 @@ int64_t compression_setting(const Config& vision, const char* key, int64_t def) 
 }  // namespace
 
 std::unique_ptr<MiniMaxM3VisionEncoder> MiniMaxM3VisionEncoder::load(const std::string& dir) {
-  std::unique_ptr<Checkpoint> ckpt = Checkpoint::open(dir);
-  const Config& config = ckpt->config();
-  SPARROW_CHECK(config.has("vision_config"), dir, "/config.json has no vision_config: not a MiniMax-M3-VL checkpoint");
+  return load(*Checkpoint::open(dir));
+}
+
+std::unique_ptr<MiniMaxM3VisionEncoder> MiniMaxM3VisionEncoder::load(Checkpoint& ckpt) {
+  const Config& config = ckpt.config();
+  SPARROW_CHECK(config.has("vision_config"), ckpt.dir(), "/config.json has no vision_config: not a MiniMax-M3-VL "
+                "checkpoint");
   const Config vision = config.get_object("vision_config");
   auto encoder = std::unique_ptr<MiniMaxM3VisionEncoder>(new MiniMaxM3VisionEncoder);
   MiniMaxM3VisionEncoder& e = *encoder;
@@ -69,21 +73,21 @@ std::unique_ptr<MiniMaxM3VisionEncoder> MiniMaxM3VisionEncoder::load(const std::
   const int64_t axis = 2 * ((2 * (e.head_dim_ / 2) / 3) / 2);
   for (int64_t i = 0; i < axis; i += 2) e.inv_freq_.push_back(float(1.0 / std::pow(theta, double(i) / double(axis))));
 
-  const std::string root = ckpt->has("model.vision_tower.vision_model.pre_layrnorm.weight") ? "model." : "";
+  const std::string root = ckpt.has("model.vision_tower.vision_model.pre_layrnorm.weight") ? "model." : "";
   const std::string v = root + "vision_tower.vision_model.";
   const int64_t H = e.hidden_;
   // `name`.weight ([out] for a LayerNorm, [out, in] for a Linear) and `name`.bias ([out]).
   auto affine = [&](const std::string& name, int64_t out, int64_t in = 0) {
-    return Affine{ckpt->take(name + ".weight", in ? Shape{out, in} : Shape{out}), ckpt->take(name + ".bias", {out})};
+    return Affine{ckpt.take(name + ".weight", in ? Shape{out, in} : Shape{out}), ckpt.take(name + ".bias", {out})};
   };
-  e.patch_w_ = ckpt->take(v + "embeddings.patch_embedding.weight", {H, channels, temporal, patch, patch})
+  e.patch_w_ = ckpt.take(v + "embeddings.patch_embedding.weight", {H, channels, temporal, patch, patch})
                    .reshape({H, e.patch_width_});
   e.pre_ = affine(v + "pre_layrnorm", H);
   const int64_t inter = vision.get_int("intermediate_size");
   for (int64_t i = 0, n = vision.get_int("num_hidden_layers"); i < n; ++i) {
     const std::string p = v + "encoder.layers." + std::to_string(i) + ".";
     // The MLP: transformers writes block_sparse_moe.fc1 / fc2, the release mlp.fc1 / fc2 (vLLM's weight mapper).
-    const std::string mlp = p + (ckpt->has(p + "block_sparse_moe.fc1.weight") ? "block_sparse_moe." : "mlp.");
+    const std::string mlp = p + (ckpt.has(p + "block_sparse_moe.fc1.weight") ? "block_sparse_moe." : "mlp.");
     e.layers_.push_back(Layer{affine(p + "layer_norm1", H), affine(p + "self_attn.q_proj", H, H),
                               affine(p + "self_attn.k_proj", H, H), affine(p + "self_attn.v_proj", H, H),
                               affine(p + "self_attn.out_proj", H, H), affine(p + "layer_norm2", H),
@@ -183,7 +187,7 @@ std::unique_ptr<VisionEncoder> load_minimax_m3_vision(const std::string& dir) {
       !(ckpt->has("vision_tower.vision_model.pre_layrnorm.weight") ||
         ckpt->has("model.vision_tower.vision_model.pre_layrnorm.weight")))
     return nullptr;
-  return MiniMaxM3VisionEncoder::load(dir);
+  return MiniMaxM3VisionEncoder::load(*ckpt);  // the checkpoint opened once for the check and the weights
 }
 
 }  // namespace sparrow

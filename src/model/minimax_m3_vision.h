@@ -27,6 +27,7 @@
 
 namespace sparrow {
 
+class Checkpoint;
 using vision::VisionGrid;
 
 class MiniMaxM3VisionEncoder : public VisionEncoder {
@@ -35,6 +36,8 @@ class MiniMaxM3VisionEncoder : public VisionEncoder {
   // vision_tower.vision_model. or model.vision_tower.vision_model., the projector and merger at the top or
   // under model.); one-line errors for a missing tensor or a config it does not take.
   static std::unique_ptr<MiniMaxM3VisionEncoder> load(const std::string& dir);
+  // The same from a checkpoint already open on the host (load_minimax_m3_vision's, which checked for the tower).
+  static std::unique_ptr<MiniMaxM3VisionEncoder> load(Checkpoint& ckpt);
 
   // The embeddings of the images whose patches are stacked in `pixel_values` ([sum of t*h*w, channels * T * P *
   // P] fp32, each image's rows in the processor's order), `grids` saying how many rows each has: [sum of
