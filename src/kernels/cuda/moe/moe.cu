@@ -1356,8 +1356,9 @@ namespace {
 // The wgmma products (wg:: above) where every tile is full in N and K and the experts have, on average,
 // at least 32 rows each (prefill-sized steps: DeepSeek-V3.2 from 1024 tokens); decode-sized steps take
 // the decode kernel (use_decode), the sizes between the WMMA kernel.
+bool wgmma_fits(int64_t hidden, int64_t inter) { return hidden % wg::BN == 0 && inter % 128 == 0; }
 bool use_wgmma(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden, int64_t inter) {
-  return hidden % wg::BN == 0 && inter % 128 == 0 && tokens * top_k >= 32 * num_experts;
+  return wgmma_fits(hidden, inter) && tokens * top_k >= 32 * num_experts;
 }
 
 // Decode steps: at most 8 rows per expert on average. The decode kernel reads each touched expert's
@@ -1380,9 +1381,13 @@ bool use_decode(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidd
 }  // namespace
 
 MoePath moe_experts_path(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden, int64_t inter) {
-  // Batch-invariant mode (core/batch_invariance.h): one path for every step size. The WMMA tiles take every
-  // shape, and a row's sums there do not depend on the other rows of its tile or expert.
-  if (batch_invariant()) return MoePath::Tiled;
+  // Batch-invariant mode (core/batch_invariance.h): one path for every step size, the wgmma kernel where the
+  // shape fits it, else the WMMA tiles (which take every shape). In both a row's sums have one K order and do
+  // not depend on the other rows of its tile or expert (no split-K; a row of an MMA's product is its row of A
+  // times B). The wgmma kernel over the WMMA tiles: prefill at the default mode's speed, and decode steps
+  // stream each touched expert's weights once per 128-row tile at the wgmma kernel's rate, not the WMMA
+  // tiles' 16-20% of HBM (bench/results/batch-invariance.md has both measured).
+  if (batch_invariant()) return wgmma_fits(hidden, inter) ? MoePath::Wgmma : MoePath::Tiled;
   if (use_decode(tokens, top_k, num_experts, hidden, inter)) return MoePath::Decode;
   if (use_wgmma(tokens, top_k, num_experts, hidden, inter)) return MoePath::Wgmma;
   return MoePath::Tiled;
