@@ -64,8 +64,32 @@ Json parse_metadata(const Fields& f) {
   return *metadata;
 }
 
+// A message's text part: its text (input_text, output_text, text) or refusal; false for another type.
+bool text_part(const Fields& part, const std::string& type, std::string& text) {
+  if (type == "input_text" || type == "output_text" || type == "text" || type == "refusal") {
+    const char* key = type == "refusal" ? "refusal" : "text";
+    auto t = part.string(key);
+    if (!t) part.invalid(key, "is required and must be a string");
+    text = *t;
+    return true;
+  }
+  return false;
+}
+
+// The 400 for a content part that is neither text nor, where images may go, input_image.
+[[noreturn]] void refuse_part(const Fields& part, const std::string& where, const std::string& type) {
+  if (type == "input_image" || type == "input_file" || type == "input_audio")
+    bad_request("`" + where + "`: content parts of type '" + type +
+                    "' are not supported here (images go in user and system messages; audio and files are not "
+                    "supported)",
+                part.param("type"));
+  part.invalid("type", "'" + type + "' is not a content part type (\"input_text\", \"input_image\", \"output_text\", "
+                       "\"refusal\")");
+}
+
 // The text of a message's content: a string, or a list of text parts joined by newlines (vLLM's
-// "string" content format). Media parts are refused: sparrow reads text only.
+// "string" content format). Media parts are refused here: only user and system messages carry images
+// (message_content).
 std::string content_text(const Json& content, const std::string& where) {
   if (content.is_string()) return content.get<std::string>();
   if (!content.is_array()) bad_request("`" + where + "` must be a string or a list of content parts", where);
@@ -76,25 +100,46 @@ std::string content_text(const Json& content, const std::string& where) {
     auto type = part.string("type");
     if (!type) part.invalid("type", "is required (\"input_text\" or \"output_text\")");
     std::string piece;
-    if (*type == "input_text" || *type == "output_text" || *type == "text") {
-      auto t = part.string("text");
-      if (!t) part.invalid("text", "is required and must be a string");
-      piece = *t;
-    } else if (*type == "refusal") {
-      auto t = part.string("refusal");
-      if (!t) part.invalid("refusal", "is required and must be a string");
-      piece = *t;
-    } else if (*type == "input_image" || *type == "input_file" || *type == "input_audio") {
-      bad_request("`" + part_where + "`: content parts of type '" + *type +
-                      "' are not supported (sparrow reads text only here; send images to /v1/chat/completions as image_url "
-                      "parts; audio and files are not supported)",
-                  part_where + ".type");
-    } else {
-      part.invalid("type", "'" + *type + "' is not a content part type (\"input_text\", \"output_text\", \"refusal\")");
-    }
+    if (!text_part(part, *type, piece)) refuse_part(part, part_where, *type);
     text += (i ? "\n" : "") + piece;
   }
   return text;
+}
+
+// A user or system message's content as the chat template sees it: its text (content_text) when it has no
+// image, else its parts in order, text parts as {"type": "text"} and each input_image part as {"type": "image"}
+// (the Hugging Face templates' image placeholder), its URL appended to `images` (OpenAI's input_image:
+// "image_url", a URL or a data: URL, or "file_id", which needs the Files API sparrow does not serve; "detail"
+// accepted, as vLLM does: the processor decides the resolution).
+Json message_content(const Json& content, const std::string& where, std::vector<ImageUrl>& images) {
+  bool has_image = false;
+  if (content.is_array())
+    for (const Json& part : content)
+      has_image = has_image || (part.is_object() && part.contains("type") && part["type"] == "input_image");
+  if (!has_image) return content_text(content, where);
+  Json parts = Json::array();
+  for (size_t i = 0; i < content.size(); ++i) {
+    std::string part_where = where + "[" + std::to_string(i) + "]";
+    Fields part(content[i], part_where);
+    auto type = part.string("type");
+    if (!type) part.invalid("type", "is required (\"input_text\" or \"input_image\")");
+    std::string text;
+    if (*type == "input_image") {
+      if (part.has("file_id"))
+        part.invalid("file_id", "is not supported: sparrow serves no Files API; send the image as image_url (a data: "
+                                "URL, or a file:// URL under --allowed-local-media-path)");
+      auto url = part.string("image_url");
+      if (!url) part.invalid("image_url", "is required and must be a string (a data: URL or a file:// URL)");
+      one_of(part, "detail", {"auto", "low", "high"});
+      images.push_back({*url, part.param("image_url")});
+      parts.push_back({{"type", "image"}});
+    } else if (text_part(part, *type, text)) {
+      parts.push_back({{"type", "text"}, {"text", text}});
+    } else {
+      refuse_part(part, part_where, *type);
+    }
+  }
+  return parts;
 }
 
 // The chat messages of `input` (module comment in responses_request.h); `continue_final` is set when
@@ -104,6 +149,7 @@ class InputMessages {
  public:
   Json messages = Json::array();
   bool continue_final = false;
+  std::vector<ImageUrl> images;  // the input_image parts, in message order
 
   void add_item(const Json& item, const std::string& where) {
     Fields f(item, where);
@@ -160,14 +206,14 @@ class InputMessages {
       f.invalid("role", "must be 'user', 'assistant', 'system' or 'developer', got '" + *role + "'");
     const Json* content = f.get("content");
     if (!content) f.invalid("content", "is required (a string or a list of content parts)");
-    std::string text = content_text(*content, f.param("content"));
     if (*role == "assistant") {
-      assistant_with_free("content", false)["content"] = text;
+      assistant_with_free("content", false)["content"] = content_text(*content, f.param("content"));
       continue_final = in_progress(f);
       return;
     }
     // A developer message is the newer name of a system message; chat templates know only "system".
-    messages.push_back({{"role", *role == "developer" ? "system" : *role}, {"content", text}});
+    messages.push_back(
+        {{"role", *role == "developer" ? "system" : *role}, {"content", message_content(*content, f.param("content"), images)}});
   }
 
   static bool in_progress(const Fields& f) {
@@ -430,6 +476,7 @@ ResponsesRequest parse_responses_request(const Json& body, const SamplingParams&
   one_of(f, "prompt_cache_retention", {"in_memory", "in-memory", "24h"});  // accepted; the prefix cache decides
   out.service_tier = one_of(f, "service_tier", {"auto", "default", "flex", "scale", "priority"}).value_or("auto");
 
+  chat.images = std::move(input.images);
   chat.template_input = {{"messages", std::move(input.messages)},
                          {"add_generation_prompt", !input.continue_final},
                          {"continue_final_message", input.continue_final},

@@ -9,12 +9,15 @@
 // `function_call` items merge into one assistant message while its slot for them is empty (vLLM's
 // rule: a reasoning item, then the text, then the calls of one turn); `function_call_output` items
 // become tool messages, named by the function their call_id called. A final assistant message with status "in_progress"
-// or "incomplete" is continued (continue_final_message), as vLLM does.
+// or "incomplete" is continued (continue_final_message), as vLLM does. A user or system message's input_image parts
+// (image_url: a data: URL, or a file:// URL under --allowed-local-media-path) become the template's image
+// placeholders and the ChatRequest's images, as chat's image_url parts do (chat_images.h; docs/vision.md).
 //
 // Unlike the chat endpoints, a field this endpoint does not know is a 400 naming it (OpenAI's own
 // Responses API refuses unknown parameters), and so is a known one sparrow cannot honour:
 // previous_response_id, conversation, background, prompt, item_reference items (sparrow keeps no
-// responses), tools other than functions, media parts, truncation "auto", max_tool_calls.
+// responses), tools other than functions, input_file / input_audio parts and images given by file_id,
+// truncation "auto", max_tool_calls.
 #pragma once
 #include <cstdint>
 #include <string>

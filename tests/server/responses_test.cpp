@@ -118,6 +118,48 @@ TEST(ResponsesRequest, LogprobsOnlyWhenIncluded) {
   EXPECT_LT(plain.chat.sampling.logprobs, 0);
 }
 
+// input_image parts (issue 30): a user or system message with one keeps its parts, each image the template's
+// {"type": "image"}, its URL in the chat request's images in order; text-only messages stay strings.
+TEST(ResponsesRequest, InputImagesBecomeTemplateImagesAndTheRequestsImages) {
+  ResponsesRequest r = parse(R"({"input": [
+      {"role": "system", "content": "Look closely."},
+      {"role": "user", "content": [{"type": "input_text", "text": "Compare "},
+                                   {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "high"},
+                                   {"type": "input_text", "text": " and "},
+                                   {"type": "input_image", "image_url": "file:///media/b.jpg"}]}]})");
+  EXPECT_EQ(r.chat.template_input["messages"], Json::parse(R"([
+      {"role": "system", "content": "Look closely."},
+      {"role": "user", "content": [{"type": "text", "text": "Compare "}, {"type": "image"},
+                                   {"type": "text", "text": " and "}, {"type": "image"}]}])"));
+  ASSERT_EQ(r.chat.images.size(), 2u);
+  EXPECT_EQ(r.chat.images[0].url, "data:image/png;base64,AAAA");
+  EXPECT_EQ(r.chat.images[0].param, "input[1].content[1].image_url");
+  EXPECT_EQ(r.chat.images[1].url, "file:///media/b.jpg");
+  EXPECT_EQ(r.chat.images[1].param, "input[1].content[3].image_url");
+  EXPECT_TRUE(parse(R"({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}]}]})").chat.images.empty());
+
+  using R = std::pair<int, std::string>;
+  auto with_part = [](const std::string& part, const std::string& role = "user") {
+    return R"({"input": [{"role": ")" + role + R"(", "content": [{"type": "input_text", "text": "a"}, )" + part + "]}]}";
+  };
+  EXPECT_EQ(rejection(with_part(R"({"type": "input_image", "file_id": "file-1"})")), R(400, "input[0].content[1].file_id"));
+  EXPECT_EQ(rejection(with_part(R"({"type": "input_image"})")), R(400, "input[0].content[1].image_url"));
+  EXPECT_EQ(rejection(with_part(R"({"type": "input_image", "image_url": {"url": "data:,"}})")),
+            R(400, "input[0].content[1].image_url"));
+  EXPECT_EQ(rejection(with_part(R"({"type": "input_image", "image_url": "data:,", "detail": "max"})")),
+            R(400, "input[0].content[1].detail"));
+  EXPECT_EQ(rejection(with_part(R"({"type": "input_image", "image_url": "data:,"}, {"type": "input_audio"})")),
+            R(400, "input[0].content[2].type"));
+  EXPECT_EQ(rejection(with_part(R"({"type": "input_image", "image_url": "data:,"}, {"type": "picture"})")),
+            R(400, "input[0].content[2].type"));
+  // An assistant's message or a tool's output carries no images.
+  EXPECT_EQ(rejection(with_part(R"({"type": "input_image", "image_url": "data:,"})", "assistant")),
+            R(400, "input[0].content[1].type"));
+  EXPECT_EQ(rejection(R"({"input": [{"type": "function_call_output", "call_id": "c",
+                                     "output": [{"type": "input_image", "image_url": "data:,"}]}]})"),
+            R(400, "input[0].output[0].type"));
+}
+
 TEST(ResponsesRequest, RefusalsNameTheField) {
   using R = std::pair<int, std::string>;
   EXPECT_EQ(rejection(R"({})"), R(400, "input"));

@@ -1,4 +1,4 @@
-"""Images through the OpenAI chat API (issue 30, docs/vision.md), served from tests/fixtures/minimax_m3_vl (a
+"""Images through the OpenAI chat and Responses APIs (issue 30, docs/vision.md), served from tests/fixtures/minimax_m3_vl (a
 MiniMax-M3-VL checkpoint with its vision tower, a 256-token tokenizer and MiniMax-M3's chat template:
 tools/make_minimax_vl_tokenizer.py). An image_url part with a data: URL is rendered as the template's image
 placeholder and expanded into the image's tokens; the answer is the one `sparrow generate` gives for the same ids
@@ -152,6 +152,38 @@ def test_limits_and_malformed_parts(image_server):
     audio = post(server, {**chat_body(), "messages": [{"role": "user", "content": [{"type": "input_audio",
                                                                                      "input_audio": {}}]}]})
     assert audio.status_code == 400 and "not supported" in audio.json()["error"]["message"]
+
+
+def test_responses_input_images_are_answered_as_chat_answers_the_same_images(image_server):
+    """/v1/responses' input_image parts (image_url: a data: or file:// URL) reach the model as chat's image_url parts
+    do: the same prompt (input tokens) and the same greedy answer; a bad image is a 400 naming the part."""
+    server, local = image_server
+    chat = post(server, {**chat_body(data_url(FIRST), data_url(SECOND)), "max_tokens": 4})
+    assert chat.status_code == 200, chat.text[:500]
+    content = [{"type": "input_text", "text": "Look: "},
+               {"type": "input_image", "image_url": data_url(FIRST), "detail": "auto"},
+               {"type": "input_image", "image_url": data_url(SECOND)},
+               {"type": "input_text", "text": "Which is brighter?"}]
+    body = {"model": MODEL_NAME, "input": [{"role": "user", "content": content}], "max_output_tokens": 4,
+            "temperature": 0}
+    url = server.url + "/v1/responses"
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    response = httpx.post(url, json=body, timeout=60, headers=headers)
+    assert response.status_code == 200, response.text[:500]
+    out = response.json()
+    assert out["usage"]["input_tokens"] == chat.json()["usage"]["prompt_tokens"]
+    text = "".join(part["text"] for item in out["output"] if item["type"] == "message" for part in item["content"])
+    assert text == chat.json()["choices"][0]["message"]["content"]
+    # A local file under the allowed folder is the same image as its data: URL.
+    content[1]["image_url"] = f"file://{local / 'first.png'}"
+    local_file = httpx.post(url, json=body, timeout=60, headers=headers)
+    assert local_file.status_code == 200 and local_file.json()["usage"] == out["usage"], local_file.text[:500]
+    content[1]["image_url"] = "data:image/png;base64,@@@@"
+    bad = httpx.post(url, json=body, timeout=60, headers=headers)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input[0].content[1].image_url", bad.text[:500]
+    content[1] = {"type": "input_image", "file_id": "file-abc"}
+    by_file = httpx.post(url, json=body, timeout=60, headers=headers)
+    assert by_file.status_code == 400 and "Files API" in by_file.json()["error"]["message"]
 
 
 def test_a_text_only_model_refuses_images(server):
