@@ -99,7 +99,6 @@ void EngineCore::validate(const Request& request) const {
   if (!request.images.empty()) {
     const VisionEncoder* tower = model_.vision();
     SPARROW_CHECK(tower != nullptr, "this model takes no images (", model_.model_type(), " without a vision tower)");
-    SPARROW_CHECK(!config_.runner.workers, "images under tensor parallelism are not supported yet (docs/vision.md)");
     SPARROW_CHECK(tower->image_token_id() >= 0, "the model's config names no image placeholder token "
                   "(image_token_index)");
     for (size_t i = 0; i < request.images.size(); ++i) {

@@ -64,9 +64,6 @@ Tensor ModelRunner::run(const Batch& batch) {
     SPARROW_CHECK(!any_stopped(statuses), "a data-parallel group left the run while this one had a step to run");
     batch.group_tokens = group_tokens(statuses);
   }
-  // The step plan carries no embeddings yet: the other ranks would embed the placeholders themselves.
-  SPARROW_CHECK(batch.embedded_rows.empty() || !options_.workers,
-                "images under tensor parallelism are not supported yet (docs/vision.md)");
   if (options_.workers) options_.workers->send_step(batch);
 
   const Device device = model_.device();

@@ -59,6 +59,8 @@ std::vector<uint8_t> encode_plan(const StepPlan& plan) {
       }
       w.put<uint8_t>(plan.all_logits);
       w.put(plan.group_tokens);
+      w.put(plan.embedded_rows);
+      w.put(plan.embedded);
       break;
     case StepPlan::Kind::Idle:
       w.put(plan.group_tokens);
@@ -131,6 +133,14 @@ StepPlan decode_plan(const std::vector<uint8_t>& bytes) {
                     " sequence rows");
       plan.all_logits = r.get<uint8_t>() != 0;
       plan.group_tokens = r.get_vector<int64_t>();
+      plan.embedded_rows = r.get_vector<int64_t>();
+      plan.embedded = r.get_vector<float>();
+      for (int64_t row : plan.embedded_rows)
+        SPARROW_CHECK(row >= 0 && row < rows, "step plan: embedded row ", row, " outside a step of ", rows, " rows");
+      SPARROW_CHECK(plan.embedded_rows.empty() ? plan.embedded.empty()
+                                               : plan.embedded.size() % plan.embedded_rows.size() == 0 &&
+                                                     !plan.embedded.empty(),
+                    "step plan: ", plan.embedded.size(), " embedding values for ", plan.embedded_rows.size(), " rows");
       break;
     }
     case StepPlan::Kind::Idle:
@@ -249,6 +259,13 @@ void WorkerChannel::send_step(const Batch& batch) {
   for (auto& [id, kv] : stepped)
     for (const KvCache::StateOp& op : kv->take_state_ops()) plan.state_ops.push_back({id, op});
   plan.group_tokens = batch.group_tokens;
+  if (!batch.embedded_rows.empty()) {
+    SPARROW_CHECK(batch.embedded.defined() && batch.embedded.on_cpu() && batch.embedded.type() == ScalarType::F32 &&
+                      batch.embedded.ndim() == 2 && batch.embedded.dim(0) == int64_t(batch.embedded_rows.size()),
+                  "a step's embedded rows come as host fp32 [rows, hidden]");
+    plan.embedded_rows = batch.embedded_rows;
+    plan.embedded.assign(batch.embedded.as<float>(), batch.embedded.as<float>() + batch.embedded.numel());
+  }
   send(plan);
 }
 
@@ -341,6 +358,12 @@ void run_worker(Model& model, Communicator& channel, RunnerOptions options) {
         for (size_t i = 0; i < plan.seqs.size(); ++i) batch.seqs[i].logits = plan.seqs[i].logits;
         batch.all_logits = plan.all_logits;
         batch.group_tokens = plan.group_tokens;
+        if (!plan.embedded_rows.empty()) {
+          const int64_t n = int64_t(plan.embedded_rows.size());
+          batch.embedded_rows = std::move(plan.embedded_rows);
+          batch.embedded = Tensor::empty({n, int64_t(plan.embedded.size()) / n}, ScalarType::F32, Device::Cpu);
+          std::memcpy(batch.embedded.data(), plan.embedded.data(), plan.embedded.size() * sizeof(float));
+        }
         runner.run(batch);
         for (auto& [cache, id] : mirrors) cache->drop_mirror(id);
         break;

@@ -1,7 +1,7 @@
 // How rank 0 drives its tensor-parallel workers (docs/parallel.md). Rank 0 runs everything a single process
 // runs (server, scheduler, cache bookkeeping, sampling); the other ranks only run steps. Before each step rank
 // 0's runner broadcasts a StepPlan over the plan channel (a host communicator, rank 0 the root): the step's
-// tokens and, for each sequence, its positions and where its cache lives in rank 0's KvCache (block table,
+// tokens, the image embeddings some of its rows take (rank 0 alone runs the vision tower) and, for each sequence, its positions and where its cache lives in rank 0's KvCache (block table,
 // state slot, pending snapshot). Each worker keeps a twin of every cache rank 0 runs steps in, of as many
 // block rows and slots, and runs the same step on its part of the model against its twin, so that its
 // collectives meet rank 0's. A worker decides nothing: no allocation, no prefix matching, no sampling.
@@ -61,6 +61,10 @@ struct StepPlan {
   bool all_logits = false;
   // Step, Idle: every data-parallel group's token count (Batch::group_tokens); empty without data parallelism.
   std::vector<int64_t> group_tokens;
+  // Step: the rows that take given embeddings instead of their token's (Batch::embedded_rows: an image's
+  // placeholders; rank 0 runs the vision tower), and those embeddings, row-major [embedded_rows.size(), hidden].
+  std::vector<int64_t> embedded_rows;
+  std::vector<float> embedded;
 };
 
 // Bytes on the channel; decode_plan throws a one-line error for anything truncated or malformed.

@@ -21,6 +21,8 @@ StepPlan a_step() {
   plan.seqs = {prefill, decode};
   plan.all_logits = true;
   plan.group_tokens = {5, 0, 2};  // data parallel: this group's 5 tokens among the groups'
+  plan.embedded_rows = {1, 2};   // an image's placeholders: rows 1 and 2 take these embeddings (hidden 3)
+  plan.embedded = {0.5f, -1.0f, 2.0f, 3.25f, 0.0f, -0.125f};
   return plan;
 }
 
@@ -47,6 +49,8 @@ TEST(StepPlan, EveryKindSurvivesEncoding) {
   EXPECT_EQ(step.seqs[1].lora, -1);
   EXPECT_TRUE(step.all_logits);
   EXPECT_EQ(step.group_tokens, want.group_tokens);
+  EXPECT_EQ(step.embedded_rows, want.embedded_rows);
+  EXPECT_EQ(step.embedded, want.embedded);
 
   StepPlan cache;
   cache.kind = StepPlan::Kind::Cache;
@@ -121,4 +125,13 @@ TEST(StepPlan, DamagedMessagesAreRefused) {
   empty_sequence.seqs[1].count = 0;
   empty_sequence.tokens.pop_back();
   EXPECT_THROW(decode_plan(encode_plan(empty_sequence)), Error);
+  StepPlan row_outside = a_step();  // an embedded row past the step's rows
+  row_outside.embedded_rows[1] = 5;
+  EXPECT_THROW(decode_plan(encode_plan(row_outside)), Error);
+  StepPlan ragged = a_step();  // embeddings that are not rows x hidden
+  ragged.embedded.pop_back();
+  EXPECT_THROW(decode_plan(encode_plan(ragged)), Error);
+  StepPlan no_values = a_step();
+  no_values.embedded.clear();
+  EXPECT_THROW(decode_plan(encode_plan(no_values)), Error);
 }

@@ -186,6 +186,24 @@ def test_responses_input_images_are_answered_as_chat_answers_the_same_images(ima
     assert by_file.status_code == 400 and "Files API" in by_file.json()["error"]["message"]
 
 
+def test_images_under_tensor_parallelism_get_the_single_process_answer(image_server, start_server, vl_model):
+    """`--tensor-parallel-size 2` (real processes): rank 0 runs the tower and the step plan carries the image rows'
+    embeddings to the worker (runner/step_plan.h); each image chat gets the single-process server's greedy tokens,
+    a repeated image too (its prefix-cache hit and encoder-cache hit on rank 0)."""
+    server, _ = image_server
+    tp = start_server("--api-key", API_KEY, "--tensor-parallel-size", "2", "--limit-mm-per-prompt", '{"image": 2}',
+                      "--max-model-len", "2048", model=vl_model)
+    try:
+        for urls in ([data_url(FIRST), data_url(SECOND)], [data_url(SECOND)], [data_url(SECOND)]):
+            body = {**chat_body(*urls), "max_tokens": 5}
+            want, got = post(server, body), post(tp, body)
+            assert want.status_code == 200 and got.status_code == 200, got.text[:500]
+            assert got.json()["prompt_token_ids"] == want.json()["prompt_token_ids"]
+            assert got.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"]
+    finally:
+        tp.stop()
+
+
 def test_a_text_only_model_refuses_images(server):
     response = post(server, chat_body("data:image/png;base64,AAAA"))
     assert response.status_code == 400 and "takes no images" in response.json()["error"]["message"]
