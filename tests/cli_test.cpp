@@ -135,6 +135,28 @@ TEST(Cli, BenchForwardProfilesEachPartOfTheStack) {
   EXPECT_FALSE(nlohmann::json::parse(plain.out).contains("profile"));
 }
 
+// bench forward --images-per-prompt (issue 30): each prompt holds the images' placeholders (the fixture's processor
+// makes 6 of a 97x61 image: a 2x3 grid of merged windows), prefill counts them and includes the tower's time,
+// which the JSON reports (and the profile beside the step's parts); a model without a tower or a bad size is one line.
+TEST(Cli, BenchForwardWithImagesTimesTheTower) {
+  const fs::path model = fs::path(SPARROW_SOURCE_DIR) / "tests/fixtures/minimax_m3_vl";
+  const CommandResult r = run("bench forward --model " + model.string() +
+                              " --prompt-tokens 10 --decode-tokens 2 --batch 2 --repeats 1 --images-per-prompt 2"
+                              " --image-size 97x61 --profile");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json out = nlohmann::json::parse(r.out);
+  EXPECT_EQ(out["images_per_prompt"], 2);
+  EXPECT_EQ(out["image_tokens_per_prompt"], 12);
+  EXPECT_GT(out["encoder_ms"].get<double>(), 0.0);
+  EXPECT_GT(out["encoder_share_of_prefill"].get<double>(), 0.0);
+  EXPECT_LT(out["encoder_share_of_prefill"].get<double>(), 1.0);
+  EXPECT_GT(out["profile"]["encoder_ms"].get<double>(), 0.0);
+  EXPECT_NE(r.err.find("vision encoder (host, before the prefill step)"), std::string::npos) << r.err;
+  expect_one_line_error(run("bench forward --model " + kFixture.string() + " --images-per-prompt 1"), "no vision tower");
+  expect_one_line_error(run("bench forward --model " + model.string() + " --images-per-prompt 1 --image-size 97"),
+                        "--image-size");
+}
+
 TEST(Cli, DeviceCudaWithoutAGpuIsOneLine) {
 #if SPARROW_HAVE_CUDA
   int count = 0;

@@ -1,7 +1,9 @@
 // sparrow bench forward --model DIR [--prompt-tokens N] [--decode-tokens N] [--batch B,...] [--repeats R] [--profile]
+//                     [--images-per-prompt M --image-size WxH]
 //   Times prefill (B sequences of N random tokens in one batch) and decode (B sequences, one token per
 //   step against their caches); prints tokens/s as one JSON line per batch size, one model load for all;
-//   --profile adds where a step's time goes, part by part (runner/step_profile.h).
+//   --profile adds where a step's time goes, part by part (runner/step_profile.h). With images (a model with
+//   a vision tower), each prompt also holds M random images, and prefill includes the tower's time.
 // sparrow bench kernels [--filter NAME] [--quick] [--iterations N] [--json FILE]
 //   Times each GPU kernel at the real models' shapes (kernels/cuda/kernel_bench.h) and prints time,
 //   bytes and FLOPs counted by hand, TB/s, TFLOP/s and the fraction of the H200's limit; bench/kernels.sh
@@ -25,6 +27,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <random>
 
 #include <nlohmann/json.hpp>
@@ -41,7 +44,10 @@
 #include "model/context_parallel.h"
 #include "model/model.h"
 #include "runner/model_runner.h"
+#include "model/vision_encoder.h"
 #include "runner/step_profile.h"
+#include "vision/image.h"
+#include "vision/image_processor.h"
 
 #if SPARROW_HAVE_CUDA
 #include "kernels/cuda/kernel_bench.h"
@@ -52,6 +58,41 @@
 namespace sparrow::cli {
 
 namespace {
+
+// bench forward's images: `count` images of random pixels per prompt, each through the model's processor as a
+// served JPEG comes (vision/image_processor.h), their placeholders from prompt position 1 on, one after another.
+// The processing is not timed; the tower is, as part of prefill (the engine runs it before the step).
+std::vector<vision::ImageInput> bench_images(const vision::ImageProcessor& processor, int64_t count, int64_t width,
+                                             int64_t height, std::mt19937& rng) {
+  std::vector<vision::ImageInput> images;
+  int64_t offset = 1;
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (int64_t i = 0; i < count; ++i) {
+    vision::Image image;
+    image.width = width, image.height = height;
+    image.rgb.resize(size_t(width * height * 3));
+    for (uint8_t& v : image.rgb) v = uint8_t(byte(rng));
+    images.push_back(processor.process(vision::encode_jpeg(image)));
+    images.back().offset = offset;
+    offset += images.back().tokens;
+  }
+  return images;
+}
+
+// "WxH" as two positive sizes.
+std::pair<int64_t, int64_t> parse_image_size(const std::string& text) {
+  const size_t x = text.find('x');
+  int64_t w = 0, h = 0;
+  try {
+    SPARROW_CHECK(x != std::string::npos, "");
+    w = std::stoll(text.substr(0, x));
+    h = std::stoll(text.substr(x + 1));
+  } catch (const std::exception&) {
+  }
+  SPARROW_CHECK(w > 0 && h > 0 && w <= 16384 && h <= 16384, "--image-size: '", text,
+                "' is not WIDTHxHEIGHT in pixels (e.g. 512x512, at most 16384 a side)");
+  return {w, h};
+}
 
 void add_bench_kernels(CLI::App* bench) {
   auto* sub = bench->add_subcommand("kernels", "GPU kernels at the real models' shapes, against the H200's limits");
@@ -431,6 +472,8 @@ void add_bench(CLI::App& app) {
   static int64_t prompt_tokens = 128, decode_tokens = 32, repeats = 3;
   static std::vector<int64_t> batches{1};
   static bool profile = false;
+  static int64_t images_per_prompt = 0;
+  static std::string image_size = "512x512";
   sub->add_option("--model", model_dir, "Hugging Face model folder")->required();
   sub->add_option("--prompt-tokens", prompt_tokens, "prompt length per sequence");
   sub->add_option("--decode-tokens", decode_tokens, "decode steps");
@@ -440,12 +483,21 @@ void add_bench(CLI::App& app) {
   sub->add_flag("--profile", profile,
                 "after the timed repeats, one more with every step timed part by part (eagerly: embedding, each "
                 "mixer and feed-forward kind, lm_head), reported beside the totals");
+  sub->add_option("--images-per-prompt", images_per_prompt,
+                  "random images in each prompt (a model with a vision tower); prefill includes the tower's time");
+  sub->add_option("--image-size", image_size, "the images' WIDTHxHEIGHT in pixels, before the processor's resize");
   add_device_option(sub, device);
   on_selected(sub, [] {
-    SPARROW_CHECK(prompt_tokens > 0 && decode_tokens >= 0 && repeats > 0 &&
+    SPARROW_CHECK(prompt_tokens > 0 && decode_tokens >= 0 && repeats > 0 && images_per_prompt >= 0 &&
                       std::all_of(batches.begin(), batches.end(), [](int64_t b) { return b > 0; }),
                   "bench: sizes must be positive");
+    const auto [image_width, image_height] = parse_image_size(image_size);
     auto model = load_cli_model(model_dir, device);
+    const VisionEncoder* tower = model->vision();
+    SPARROW_CHECK(images_per_prompt == 0 || tower, "--images-per-prompt: ", model->model_type(),
+                  " has no vision tower here");
+    std::optional<vision::ImageProcessor> processor;
+    if (images_per_prompt > 0) processor = vision::ImageProcessor::for_model(model_dir);
     for (const int64_t batch : batches) {
       ModelRunner runner(*model, cli_runner_options());
       std::mt19937 rng(0);
@@ -461,21 +513,42 @@ void add_bench(CLI::App& app) {
       // One repeat: B fresh sequences prefilled in one batch, then the decode steps; the seconds of each
       // phase. With profiles, the runner times its parts into them (runner/step_profile.h).
       StepProfile prefill_profile, decode_profile;
+      double encoder_s = 0;  // the last repeat's
+      int64_t image_tokens = 0;  // per prompt
       auto run_once = [&](bool profiled) {
         std::vector<SequenceState> states(batch);
         std::vector<std::pair<SequenceState*, std::vector<int32_t>>> parts;
-        for (auto& s : states) {
-          s = runner.new_sequence();
-          std::vector<int32_t> prompt(prompt_tokens);
+        std::vector<std::vector<vision::ImageInput>> images(batch);
+        for (int64_t i = 0; i < batch; ++i) {
+          states[i] = runner.new_sequence();
+          if (processor) images[i] = bench_images(*processor, images_per_prompt, image_width, image_height, rng);
+          image_tokens = 0;
+          for (const vision::ImageInput& image : images[i]) image_tokens += image.tokens;
+          std::vector<int32_t> prompt(prompt_tokens + image_tokens);
           for (auto& t : prompt) t = token(rng);
-          parts.push_back({&s, prompt});
+          for (const vision::ImageInput& image : images[i])
+            std::fill_n(prompt.begin() + image.offset, image.tokens, tower->image_token_id());
+          parts.push_back({&states[i], prompt});
         }
         Batch prefill = make_batch(parts);
         prefill.all_logits = false;
         runner.set_step_profile(profiled ? &prefill_profile : nullptr);
         auto t0 = clock::now();
+        if (processor) {  // each image through the tower, as the engine embeds a miss, then the rows into the step
+          ImageRows rows;
+          int64_t row = 0;
+          for (int64_t i = 0; i < batch; ++i) {
+            const int64_t length = int64_t(parts[i].second.size());
+            for (const vision::ImageInput& image : images[i])
+              rows.add(row, 0, length, image.offset, tower->embed(image.pixel_values, {image.grid}));
+            row += length;
+          }
+          rows.attach_to(prefill);
+        }
+        const auto encoded = clock::now();
         run_step(prefill);
         auto t1 = clock::now();
+        encoder_s = std::chrono::duration<double>(encoded - t0).count();
         runner.set_step_profile(profiled ? &decode_profile : nullptr);
         // The first decode step is not timed when there are others: on a GPU it captures the batch's CUDA
         // graph (tens of ms, once per batch size), which would be counted in every step's mean with a single
@@ -495,9 +568,10 @@ void add_bench(CLI::App& app) {
                          std::chrono::duration<double>(t2 - decode_start).count()};
       };
       const int64_t timed_decode_steps = decode_tokens > 1 ? decode_tokens - 1 : decode_tokens;
-      double best_prefill = 1e30, best_decode = 1e30;
+      double best_prefill = 1e30, best_decode = 1e30, best_encoder = 0;
       for (int64_t r = 0; r < repeats; ++r) {
         const auto [prefill_s, decode_s] = run_once(false);
+        if (prefill_s < best_prefill) best_encoder = encoder_s;
         best_prefill = std::min(best_prefill, prefill_s);
         best_decode = std::min(best_decode, decode_s);
       }
@@ -510,10 +584,18 @@ void add_bench(CLI::App& app) {
                             {"batch_invariant", batch_invariant()},
                             {"prompt_tokens", prompt_tokens},
                             {"decode_tokens", decode_tokens},
-                            {"prefill_tokens_per_s", double(batch * prompt_tokens) / best_prefill},
+                            {"prefill_tokens_per_s", double(batch * (prompt_tokens + image_tokens)) / best_prefill},
                             {"decode_tokens_per_s", decode_tokens ? double(batch * timed_decode_steps) / best_decode : 0.0},
                             {"decode_step_ms", decode_tokens ? 1e3 * best_decode / double(timed_decode_steps) : 0.0},
                             {"cuda_graph_replays", replays}};
+      if (images_per_prompt > 0) {
+        // prefill_tokens_per_s counts the images' placeholder tokens and includes the tower's time (on the host).
+        out["images_per_prompt"] = images_per_prompt;
+        out["image_size"] = image_size;
+        out["image_tokens_per_prompt"] = image_tokens;
+        out["encoder_ms"] = 1e3 * best_encoder;
+        out["encoder_share_of_prefill"] = best_encoder / best_prefill;
+      }
       if (const DcpMergeCounters& dcp = dcp_merge_counters(); dcp.rows > 0) {
         // Decode context parallelism: what this rank sent to the DSA top-k merges over every run (model/context_parallel.h),
         // against the naive merge (every rank all-gathering its whole local top-k) of the same rows.
@@ -526,6 +608,11 @@ void add_bench(CLI::App& app) {
       if (profile) {
         run_once(true);
         out["profile"] = {{"prefill", profile_json(prefill_profile)}, {"decode", profile_json(decode_profile)}};
+        if (images_per_prompt > 0) {  // before the step, outside the runner's parts
+          out["profile"]["encoder_ms"] = 1e3 * encoder_s;
+          std::fprintf(stderr, "vision encoder (host, before the prefill step): %.3f ms for %lld images\n",
+                       1e3 * encoder_s, (long long)(batch * images_per_prompt));
+        }
         print_profile("prefill step", prefill_profile);
         if (decode_tokens) print_profile("decode step", decode_profile);
       }
