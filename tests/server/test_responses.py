@@ -230,7 +230,9 @@ def test_listed_in_openapi(server):
     ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
      "tool_choice.name", "'g'"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input[0].content[0].type", "text only"),
+     "input[0].content[0].image_url", "takes no images"),  # this model has no vision tower (test_images.py)
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input[0].content[0].type", "not supported"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "user"),
     ({"input": []}, "input", "empty"),
     ({}, "input", "required"),
