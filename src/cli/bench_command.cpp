@@ -491,7 +491,9 @@ void add_bench(CLI::App& app) {
     SPARROW_CHECK(prompt_tokens > 0 && decode_tokens >= 0 && repeats > 0 && images_per_prompt >= 0 &&
                       std::all_of(batches.begin(), batches.end(), [](int64_t b) { return b > 0; }),
                   "bench: sizes must be positive");
-    const auto [image_width, image_height] = parse_image_size(image_size);
+    // (Plain variables, not a structured binding: the lambdas below capture them, which clang 14 refuses.)
+    const std::pair<int64_t, int64_t> image_dims = parse_image_size(image_size);
+    const int64_t image_width = image_dims.first, image_height = image_dims.second;
     auto model = load_cli_model(model_dir, device);
     const VisionEncoder* tower = model->vision();
     SPARROW_CHECK(images_per_prompt == 0 || tower, "--images-per-prompt: ", model->model_type(),
