@@ -1,6 +1,6 @@
 #include "runner/step_plan.h"
 
-#include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -361,8 +361,8 @@ void run_worker(Model& model, Communicator& channel, RunnerOptions options) {
         if (!plan.embedded_rows.empty()) {
           const int64_t n = int64_t(plan.embedded_rows.size());
           batch.embedded_rows = std::move(plan.embedded_rows);
-          batch.embedded = Tensor::empty({n, int64_t(plan.embedded.size()) / n}, ScalarType::F32, Device::Cpu);
-          std::memcpy(batch.embedded.data(), plan.embedded.data(), plan.embedded.size() * sizeof(float));
+          auto values = std::make_shared<std::vector<float>>(std::move(plan.embedded));  // the tensor keeps them
+          batch.embedded = Tensor::view(values->data(), {n, int64_t(values->size()) / n}, values);
         }
         runner.run(batch);
         for (auto& [cache, id] : mirrors) cache->drop_mirror(id);

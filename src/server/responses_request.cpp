@@ -87,51 +87,31 @@ bool text_part(const Fields& part, const std::string& type, std::string& text) {
                        "\"refusal\")");
 }
 
-// The text of a message's content: a string, or a list of text parts joined by newlines (vLLM's
-// "string" content format). Media parts are refused here: only user and system messages carry images
-// (message_content).
-std::string content_text(const Json& content, const std::string& where) {
-  if (content.is_string()) return content.get<std::string>();
+// A message's content as a list of parts: a string is one text part; in a list, text parts become
+// {"type": "text", "text"} and, where `images` is given (user and system messages), each input_image part
+// {"type": "image"} (the Hugging Face templates' image placeholder), its URL appended to `images` (OpenAI's
+// input_image: "image_url", a URL or a data: URL, or "file_id", which needs the Files API sparrow does not serve;
+// "detail" accepted, as vLLM does: the processor decides the resolution). Any other part is a 400 naming it.
+Json content_parts(const Json& content, const std::string& where, std::vector<ImageUrl>* images) {
+  if (content.is_string()) return Json::array({{{"type", "text"}, {"text", content}}});
   if (!content.is_array()) bad_request("`" + where + "` must be a string or a list of content parts", where);
-  std::string text;
-  for (size_t i = 0; i < content.size(); ++i) {
-    std::string part_where = where + "[" + std::to_string(i) + "]";
-    Fields part(content[i], part_where);
-    auto type = part.string("type");
-    if (!type) part.invalid("type", "is required (\"input_text\" or \"output_text\")");
-    std::string piece;
-    if (!text_part(part, *type, piece)) refuse_part(part, part_where, *type);
-    text += (i ? "\n" : "") + piece;
-  }
-  return text;
-}
-
-// A user or system message's content as the chat template sees it: its text (content_text) when it has no
-// image, else its parts in order, text parts as {"type": "text"} and each input_image part as {"type": "image"}
-// (the Hugging Face templates' image placeholder), its URL appended to `images` (OpenAI's input_image:
-// "image_url", a URL or a data: URL, or "file_id", which needs the Files API sparrow does not serve; "detail"
-// accepted, as vLLM does: the processor decides the resolution).
-Json message_content(const Json& content, const std::string& where, std::vector<ImageUrl>& images) {
-  bool has_image = false;
-  if (content.is_array())
-    for (const Json& part : content)
-      has_image = has_image || (part.is_object() && part.contains("type") && part["type"] == "input_image");
-  if (!has_image) return content_text(content, where);
   Json parts = Json::array();
   for (size_t i = 0; i < content.size(); ++i) {
     std::string part_where = where + "[" + std::to_string(i) + "]";
     Fields part(content[i], part_where);
     auto type = part.string("type");
-    if (!type) part.invalid("type", "is required (\"input_text\" or \"input_image\")");
+    if (!type)
+      part.invalid("type", images ? "is required (\"input_text\" or \"input_image\")"
+                                  : "is required (\"input_text\" or \"output_text\")");
     std::string text;
-    if (*type == "input_image") {
+    if (images && *type == "input_image") {
       if (part.has("file_id"))
         part.invalid("file_id", "is not supported: sparrow serves no Files API; send the image as image_url (a data: "
                                 "URL, or a file:// URL under --allowed-local-media-path)");
       auto url = part.string("image_url");
       if (!url) part.invalid("image_url", "is required and must be a string (a data: URL or a file:// URL)");
       one_of(part, "detail", {"auto", "low", "high"});
-      images.push_back({*url, part.param("image_url")});
+      images->push_back({*url, part.param("image_url")});
       parts.push_back({{"type", "image"}});
     } else if (text_part(part, *type, text)) {
       parts.push_back({{"type", "text"}, {"text", text}});
@@ -139,6 +119,26 @@ Json message_content(const Json& content, const std::string& where, std::vector<
       refuse_part(part, part_where, *type);
     }
   }
+  return parts;
+}
+
+// Text parts joined by newlines (vLLM's "string" content format).
+std::string joined_text(const Json& parts) {
+  std::string text;
+  for (size_t i = 0; i < parts.size(); ++i) text += (i ? "\n" : "") + parts[i]["text"].get<std::string>();
+  return text;
+}
+
+// The text of a message that carries no images (an assistant's, a tool's output).
+std::string content_text(const Json& content, const std::string& where) {
+  return joined_text(content_parts(content, where, nullptr));
+}
+
+// A user or system message's content as the chat template sees it: its text when it has no image, else its parts.
+Json message_content(const Json& content, const std::string& where, std::vector<ImageUrl>& images) {
+  const size_t before = images.size();
+  Json parts = content_parts(content, where, &images);
+  if (images.size() == before) return joined_text(parts);
   return parts;
 }
 

@@ -7,10 +7,10 @@
 // moe_experts on them; the decode path (moe_experts_path == Decode) against the double reference within a bound
 // derived from its roundings, for both weight formats.
 #include <algorithm>
-#include <cstdio>
-#include <string>
 #include <cmath>
+#include <cstdio>
 #include <numeric>
+#include <string>
 
 #include "core/batch_invariance.h"
 #include "core/bfloat16.h"
@@ -390,120 +390,6 @@ BoundedReference experts_reference(const std::vector<float>& x, const Routing& r
                                        << ref.bound[first];
 }
 
-// Batch invariance of the experts (core/batch_invariance.h): a token's output rows computed alone, among the
-// first 7 tokens (a decode-sized step), among 100 and among 600 (prefill-sized: several 128-row tiles per
-// expert), each compared bitwise with the same rows of the 600-token step, in bf16 and FP8, on a shape the
-// wgmma kernel fits (hidden % 256, inter % 128) and on one only the WMMA tiles take. Returns one line per
-// comparison whose rows differ (empty: invariant); paths: the path moe_experts_path names at 1, 7, 100 and 600
-// tokens.
-struct StepComparison {
-  std::vector<std::string> differing;
-  std::vector<std::string> paths;
-};
-
-StepComparison compare_experts_across_steps(bool invariant) {
-  const uint64_t seed = test::fresh_seed();
-  std::mt19937_64 rng(seed);
-  const bool before = batch_invariant();
-  set_batch_invariant(invariant);
-  struct Case {
-    int64_t hidden, inter, experts, top_k;
-  };
-  const Case cases[] = {{256, 128, 16, 4}, {192, 64, 8, 2}};
-  const int64_t T = 600;
-  StepComparison result;
-  for (const Case& c : cases)
-    for (bool fp8 : {false, true}) {
-      const std::string label = "seed " + std::to_string(seed) + " hidden " + std::to_string(c.hidden) + " inter " +
-                                std::to_string(c.inter) + (fp8 ? " fp8" : " bf16");
-      std::string paths = label + ":";
-      for (int64_t tokens : {int64_t(1), int64_t(7), int64_t(100), T})
-        paths += std::string(" ") + path_name(tokens, c.top_k, c.experts, c.hidden, c.inter);
-      result.paths.push_back(paths);
-      std::vector<float> x = random_bf16_values(rng, T * c.hidden, 1.0f);
-      Routing routing;
-      routing.top_k = c.top_k;
-      std::vector<int32_t> perm(c.experts);
-      std::iota(perm.begin(), perm.end(), 0);
-      for (int64_t t = 0; t < T; ++t) {
-        std::shuffle(perm.begin(), perm.end(), rng);
-        for (int64_t j = 0; j < c.top_k; ++j) {
-          routing.experts.push_back(perm[j]);
-          routing.weights.push_back(std::uniform_real_distribution<float>(0.1f, 1.0f)(rng));
-        }
-      }
-      const Fp8Experts f = random_fp8_experts(rng, c.experts, c.hidden, c.inter);
-      std::vector<float> gate_up, down;
-      dequantise(f, c.experts, c.hidden, c.inter, /*bf16=*/true, gate_up, down);
-      DeviceBuffer dgu(test::to_bf16(gate_up)), dd(test::to_bf16(down)), qgu(f.gate_up), qd(f.down),
-          sgu(f.gate_up_scales), sd(f.down_scales),
-          ws(cuda::moe_workspace_bytes(T, c.top_k, c.experts, c.hidden, c.inter));
-      // The output rows of tokens [first, first + n) run as one step.
-      auto run = [&](int64_t first, int64_t n) {
-        const std::vector<float> xs(x.begin() + first * c.hidden, x.begin() + (first + n) * c.hidden);
-        const std::vector<int32_t> es(routing.experts.begin() + first * c.top_k,
-                                      routing.experts.begin() + (first + n) * c.top_k);
-        const std::vector<float> wts(routing.weights.begin() + first * c.top_k,
-                                     routing.weights.begin() + (first + n) * c.top_k);
-        DeviceBuffer dx(test::to_bf16(xs)), de(es), dw(wts), out(n * c.hidden * 2);
-        out.poison();
-        ws.poison();
-        if (fp8)
-          cuda::moe_experts_fp8(dx.get(), n, c.hidden, de.get<int32_t>(), dw.get<float>(), c.top_k,
-                                qgu.get<uint8_t>(), sgu.get<float>(), qd.get<uint8_t>(), sd.get<float>(), c.experts,
-                                c.inter, Glu::SiluGlu, 1.702f, 7.0f, out.get(), ws.get(), cuda::stream());
-        else
-          cuda::moe_experts(dx.get(), n, c.hidden, de.get<int32_t>(), dw.get<float>(), c.top_k, dgu.get(), dd.get(),
-                            c.experts, c.inter, Glu::SiluGlu, 1.702f, 7.0f, out.get(), ws.get(), cuda::stream());
-        return out.download<uint16_t>(n * c.hidden);
-      };
-      const std::vector<uint16_t> all = run(0, T);
-      auto compare = [&](int64_t first, int64_t n) {
-        const std::vector<uint16_t> got = run(first, n);
-        int64_t rows = 0;
-        for (int64_t t = 0; t < n; ++t)
-          rows += !std::equal(got.begin() + t * c.hidden, got.begin() + (t + 1) * c.hidden,
-                              all.begin() + (first + t) * c.hidden);
-        if (rows > 0)
-          result.differing.push_back(label + ": " + std::to_string(rows) + " of " + std::to_string(n) +
-                                     " rows of tokens from " + std::to_string(first) + " run as a step of " +
-                                     std::to_string(n));
-      };
-      for (int64_t t : {int64_t(0), int64_t(5), int64_t(299), T - 1}) compare(t, 1);
-      compare(0, 7);
-      compare(250, 100);
-    }
-  set_batch_invariant(before);
-  return result;
-}
-
-std::string lines(const std::vector<std::string>& v) {
-  std::string s;
-  for (const std::string& l : v) s += "\n  " + l;
-  return s;
-}
-
-// Batch-invariant mode: one path for every step size (the wgmma kernel where it fits, else the WMMA tiles),
-// and every comparison equal.
-TEST(CudaMoe, BatchInvariantModeGivesATokenTheSameRowsInEveryStep) {
-  SPARROW_REQUIRE_GPU();
-  const StepComparison r = compare_experts_across_steps(true);
-  for (const std::string& p : r.paths) {
-    const std::string names = p.substr(p.find(':') + 1);
-    EXPECT_TRUE(names == " wgmma wgmma wgmma wgmma" || names == " tiled tiled tiled tiled") << p;
-  }
-  EXPECT_TRUE(r.differing.empty()) << lines(r.differing);
-}
-
-// What the default mode does on the same comparisons (run with --gtest_also_run_disabled_tests): its paths
-// change with the step's size, and the rows with them where the paths' roundings differ.
-TEST(CudaMoe, DISABLED_DefaultModeAcrossStepsForComparison) {
-  SPARROW_REQUIRE_GPU();
-  const StepComparison r = compare_experts_across_steps(false);
-  std::printf("[ note ] default mode, paths at 1, 7, 100, 600 tokens:%s\n[ note ] rows that differ:%s\n",
-              lines(r.paths).c_str(), r.differing.empty() ? " none" : lines(r.differing).c_str());
-}
-
 TEST(CudaMoe, Fp8ExpertsMatchDequantisedBf16) {
   SPARROW_REQUIRE_GPU();
   const uint64_t seed = test::fresh_seed();
@@ -632,6 +518,110 @@ Routing random_routing(std::mt19937_64& rng, int64_t tokens, int64_t experts, in
       routing.weights.push_back(std::uniform_real_distribution<float>(0.1f, 1.0f)(rng));
   }
   return routing;
+}
+
+// Batch invariance of the experts (core/batch_invariance.h): a token's output rows computed alone, among the
+// first 7 tokens (a decode-sized step), among 100 and among 600 (prefill-sized: several 128-row tiles per
+// expert), each compared bitwise with the same rows of the 600-token step, in bf16 and FP8, on a shape the
+// wgmma kernel fits (hidden % 256, inter % 128) and on one only the WMMA tiles take. Returns one line per
+// comparison whose rows differ (empty: invariant); paths: the path moe_experts_path names at 1, 7, 100 and 600
+// tokens.
+struct StepComparison {
+  std::vector<std::string> differing;
+  std::vector<std::string> paths;
+};
+
+StepComparison compare_experts_across_steps(bool invariant) {
+  const uint64_t seed = test::fresh_seed();
+  std::mt19937_64 rng(seed);
+  const bool before = batch_invariant();
+  set_batch_invariant(invariant);
+  struct Case {
+    int64_t hidden, inter, experts, top_k;
+  };
+  const Case cases[] = {{256, 128, 16, 4}, {192, 64, 8, 2}};
+  const int64_t T = 600;
+  StepComparison result;
+  for (const Case& c : cases)
+    for (bool fp8 : {false, true}) {
+      const std::string label = "seed " + std::to_string(seed) + " hidden " + std::to_string(c.hidden) + " inter " +
+                                std::to_string(c.inter) + (fp8 ? " fp8" : " bf16");
+      std::string paths = label + ":";
+      for (int64_t tokens : {int64_t(1), int64_t(7), int64_t(100), T})
+        paths += std::string(" ") + path_name(tokens, c.top_k, c.experts, c.hidden, c.inter);
+      result.paths.push_back(paths);
+      std::vector<float> x = random_bf16_values(rng, T * c.hidden, 1.0f);
+      const Routing routing = random_routing(rng, T, c.experts, c.top_k, Skew::Uniform);
+      const Fp8Experts f = random_fp8_experts(rng, c.experts, c.hidden, c.inter);
+      std::vector<float> gate_up, down;
+      dequantise(f, c.experts, c.hidden, c.inter, /*bf16=*/true, gate_up, down);
+      DeviceBuffer dgu(test::to_bf16(gate_up)), dd(test::to_bf16(down)), qgu(f.gate_up), qd(f.down),
+          sgu(f.gate_up_scales), sd(f.down_scales),
+          ws(cuda::moe_workspace_bytes(T, c.top_k, c.experts, c.hidden, c.inter));
+      // The output rows of tokens [first, first + n) run as one step.
+      auto run = [&](int64_t first, int64_t n) {
+        const std::vector<float> xs(x.begin() + first * c.hidden, x.begin() + (first + n) * c.hidden);
+        const std::vector<int32_t> es(routing.experts.begin() + first * c.top_k,
+                                      routing.experts.begin() + (first + n) * c.top_k);
+        const std::vector<float> wts(routing.weights.begin() + first * c.top_k,
+                                     routing.weights.begin() + (first + n) * c.top_k);
+        DeviceBuffer dx(test::to_bf16(xs)), de(es), dw(wts), out(n * c.hidden * 2);
+        out.poison();
+        ws.poison();
+        if (fp8)
+          cuda::moe_experts_fp8(dx.get(), n, c.hidden, de.get<int32_t>(), dw.get<float>(), c.top_k,
+                                qgu.get<uint8_t>(), sgu.get<float>(), qd.get<uint8_t>(), sd.get<float>(), c.experts,
+                                c.inter, Glu::SiluGlu, 1.702f, 7.0f, out.get(), ws.get(), cuda::stream());
+        else
+          cuda::moe_experts(dx.get(), n, c.hidden, de.get<int32_t>(), dw.get<float>(), c.top_k, dgu.get(), dd.get(),
+                            c.experts, c.inter, Glu::SiluGlu, 1.702f, 7.0f, out.get(), ws.get(), cuda::stream());
+        return out.download<uint16_t>(n * c.hidden);
+      };
+      const std::vector<uint16_t> all = run(0, T);
+      auto compare = [&](int64_t first, int64_t n) {
+        const std::vector<uint16_t> got = run(first, n);
+        int64_t rows = 0;
+        for (int64_t t = 0; t < n; ++t)
+          rows += !std::equal(got.begin() + t * c.hidden, got.begin() + (t + 1) * c.hidden,
+                              all.begin() + (first + t) * c.hidden);
+        if (rows > 0)
+          result.differing.push_back(label + ": " + std::to_string(rows) + " of " + std::to_string(n) +
+                                     " rows of tokens from " + std::to_string(first) + " run as a step of " +
+                                     std::to_string(n));
+      };
+      for (int64_t t : {int64_t(0), int64_t(5), int64_t(299), T - 1}) compare(t, 1);
+      compare(0, 7);
+      compare(250, 100);
+    }
+  set_batch_invariant(before);
+  return result;
+}
+
+std::string lines(const std::vector<std::string>& v) {
+  std::string s;
+  for (const std::string& l : v) s += "\n  " + l;
+  return s;
+}
+
+// Batch-invariant mode: one path for every step size (the wgmma kernel where it fits, else the WMMA tiles),
+// and every comparison equal.
+TEST(CudaMoe, BatchInvariantModeGivesATokenTheSameRowsInEveryStep) {
+  SPARROW_REQUIRE_GPU();
+  const StepComparison r = compare_experts_across_steps(true);
+  for (const std::string& p : r.paths) {
+    const std::string names = p.substr(p.find(':') + 1);
+    EXPECT_TRUE(names == " wgmma wgmma wgmma wgmma" || names == " tiled tiled tiled tiled") << p;
+  }
+  EXPECT_TRUE(r.differing.empty()) << lines(r.differing);
+}
+
+// What the default mode does on the same comparisons (run with --gtest_also_run_disabled_tests): its paths
+// change with the step's size, and the rows with them where the paths' roundings differ.
+TEST(CudaMoe, DISABLED_DefaultModeAcrossStepsForComparison) {
+  SPARROW_REQUIRE_GPU();
+  const StepComparison r = compare_experts_across_steps(false);
+  std::printf("[ note ] default mode, paths at 1, 7, 100, 600 tokens:%s\n[ note ] rows that differ:%s\n",
+              lines(r.paths).c_str(), r.differing.empty() ? " none" : lines(r.differing).c_str());
 }
 
 // Experts as released in the MX / NV formats (moe.h moe_experts_packed), NVFP4, MXFP4 and MXFP8: every

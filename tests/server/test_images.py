@@ -38,9 +38,8 @@ def chat_body(*urls: str, text: str = "Which is brighter?", **extra) -> dict:
             "temperature": 0, "return_token_ids": True, **extra}
 
 
-def post(server, body: dict) -> httpx.Response:
-    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}"})
+def post(server, body: dict, path: str = "/v1/chat/completions") -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"})
 
 
 @pytest.fixture(scope="module")
@@ -166,9 +165,7 @@ def test_responses_input_images_are_answered_as_chat_answers_the_same_images(ima
                {"type": "input_text", "text": "Which is brighter?"}]
     body = {"model": MODEL_NAME, "input": [{"role": "user", "content": content}], "max_output_tokens": 4,
             "temperature": 0}
-    url = server.url + "/v1/responses"
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    response = httpx.post(url, json=body, timeout=60, headers=headers)
+    response = post(server, body, "/v1/responses")
     assert response.status_code == 200, response.text[:500]
     out = response.json()
     assert out["usage"]["input_tokens"] == chat.json()["usage"]["prompt_tokens"]
@@ -176,13 +173,13 @@ def test_responses_input_images_are_answered_as_chat_answers_the_same_images(ima
     assert text == chat.json()["choices"][0]["message"]["content"]
     # A local file under the allowed folder is the same image as its data: URL.
     content[1]["image_url"] = f"file://{local / 'first.png'}"
-    local_file = httpx.post(url, json=body, timeout=60, headers=headers)
+    local_file = post(server, body, "/v1/responses")
     assert local_file.status_code == 200 and local_file.json()["usage"] == out["usage"], local_file.text[:500]
     content[1]["image_url"] = "data:image/png;base64,@@@@"
-    bad = httpx.post(url, json=body, timeout=60, headers=headers)
+    bad = post(server, body, "/v1/responses")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "input[0].content[1].image_url", bad.text[:500]
     content[1] = {"type": "input_image", "file_id": "file-abc"}
-    by_file = httpx.post(url, json=body, timeout=60, headers=headers)
+    by_file = post(server, body, "/v1/responses")
     assert by_file.status_code == 400 and "Files API" in by_file.json()["error"]["message"]
 
 
