@@ -330,8 +330,10 @@ TEST(KimiK3Model, TheIndexerRestrictsTheMlaLayers) {
   EXPECT_GT(relative_error(ls.row(topk + 29), ld.row(topk + 29), V), 1e-3);
 }
 
-TEST(KimiK3Model, TheVisionTowerIsSkipped) {
-  // The release is multimodal: its vision tower and projector sit beside language_model.* and are not read.
+TEST(KimiK3Model, TheTextModelLeavesTheVisionWeights) {
+  // The release is multimodal: its vision tower and projector sit beside language_model.* and are the vision
+  // loader's (tests/kimi_k3_vision_test.cpp); the text model reads around them (here, without a vision_config,
+  // no tower loads at all).
   TempDir dir;
   copy_k3(dir, "kimi_k3", [](nlohmann::json&) {});
   write_safetensors(dir.file("vision.safetensors"),
@@ -346,6 +348,7 @@ TEST(KimiK3Model, TheVisionTowerIsSkipped) {
   index["weight_map"]["mm_projector.linear_1.weight"] = "vision.safetensors";
   dir.write("model.safetensors.index.json", index.dump());
   std::unique_ptr<Model> model = load_model(dir.path());
+  EXPECT_EQ(model->vision(), nullptr);
   const std::vector<int32_t> tokens = prompt(12, int(model->vocab_size()));
   SequenceState a = sparrow::testing::new_sequence(*model), b = sparrow::testing::new_sequence(*text_only);
   const Tensor la = sparrow::testing::run_step(*model, make_batch({{&a, tokens}}));

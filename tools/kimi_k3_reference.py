@@ -430,14 +430,20 @@ def ffn(c, W, l, x, gaps=None):
 
 
 def forward(config: dict, weights: dict[str, torch.Tensor], tokens: list[int], *,
-            gaps: Gaps | None = None, hidden: list | None = None) -> torch.Tensor:
+            gaps: Gaps | None = None, hidden: list | None = None,
+            embedded: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """float64 logits [T, vocab] of one sequence processed from position 0 (model.py::KimiLinearModel
     .forward, KimiDecoderLayer.forward/_pre_attn_norm/_post_attn_norm, KimiLinearForCausalLM
     .compute_logits, which applies model.norm before lm_head). `hidden`, when given, receives the state
-    before model.norm, what the MTP layer reads (real-models.md 1.2: the norm is compute_logits')."""
+    before model.norm, what the MTP layer reads (real-models.md 1.2: the norm is compute_logits').
+    `embedded`, when given, maps positions to rows [hidden] that replace the looked-up embedding there:
+    an image's placeholder tokens take the vision tower's embeddings, as vLLM's
+    merge_multimodal_embeddings places them (tools/make_kimi_k3_vision_fixture.py)."""
     c, W = text_config(config), Params(weights)
     L, B, eps = c["num_hidden_layers"], c.get("attn_res_block_size"), c["rms_norm_eps"]
     x = W(MODEL + "embed_tokens.weight")[torch.tensor(tokens)]
+    for position, row in (embedded or {}).items():
+        x[position] = row.to(F64)                   # x is the lookup's own copy: the table is untouched
     if B is None:
         # No AttnRes: the standard pre-norm residual stack (the `not self.use_attn_res` branches).
         for l in range(L):

@@ -40,6 +40,7 @@ std::unique_ptr<MtpDrafter> load_kimi_k3_mtp(Checkpoint& ckpt, const Config& tex
 std::unique_ptr<MtpDrafter> load_minimax_m3_mtp(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 
 std::unique_ptr<VisionEncoder> load_minimax_m3_vision(const std::string& dir);
+std::unique_ptr<VisionEncoder> load_kimi_k3_vision(const std::string& dir);
 
 std::vector<LayerCacheSpec> deepseek_v32_cache_spec(const Config& text);
 std::vector<LayerCacheSpec> kimi_linear_cache_spec(const Config& text);

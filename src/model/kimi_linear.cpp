@@ -392,16 +392,9 @@ std::unique_ptr<DecoderModel> load(Checkpoint& ckpt, const Config& config, const
   for (int64_t i = 0; i < std::max<int64_t>(1, config.get_int("num_nextn_predict_layers", 0)); ++i)
     ignored.push_back(cat(prefix, "layers.", num_layers + i, "."));
   if (k3) {
-    // The release is multimodal (KimiK3ForConditionalGeneration: MoonViT vision tower and projector);
-    // sparrow serves its text model.
-    int64_t vision = 0;
-    for (const char* tower : {"vision_tower.", "mm_projector."}) {
-      vision += ckpt.count_prefixed(tower);
-      ignored.push_back(tower);
-    }
-    if (vision > 0)
-      std::fprintf(stderr, "sparrow: kimi_k3: skipping %lld vision weights (vision_tower., mm_projector.): sparrow "
-                   "serves the text model\n", static_cast<long long>(vision));
+    // The release is multimodal (KimiK3ForConditionalGeneration): its MoonViT tower and projector are the vision
+    // loader's (model/kimi_k3_vision.h, ModelFamily::load_vision), which reads them on its own.
+    for (const char* tower : {"vision_tower.", "mm_projector."}) ignored.push_back(tower);
   }
   ckpt.finish(ignored);
   return model;

@@ -6,18 +6,11 @@
 #include "core/error.h"
 #include "formats/checkpoint.h"
 #include "model/families.h"
-#include "kernels/cpu/reference_ops.h"
 #include "kernels/ops.h"
 
 namespace sparrow {
 
 namespace {
-
-// vLLM's get_act_fn("gelu"): the erf form.
-void gelu_(Tensor& x) {
-  float* p = x.data();
-  for (int64_t i = 0; i < x.numel(); ++i) p[i] = 0.5f * p[i] * (1.0f + std::erf(p[i] * 0.70710678118654752f));
-}
 
 template <class Affine>
 Tensor linear_bias(const Tensor& x, const Affine& a) {
@@ -102,7 +95,7 @@ std::unique_ptr<MiniMaxM3VisionEncoder> MiniMaxM3VisionEncoder::load(Checkpoint&
 }
 
 Tensor MiniMaxM3VisionEncoder::attend(const Tensor& x, const Layer& layer, const std::vector<VisionGrid>& grids) const {
-  const int64_t n = x.dim(0), H = hidden_, D = head_dim_, half_axis = int64_t(inv_freq_.size());
+  const int64_t D = head_dim_, half_axis = int64_t(inv_freq_.size());
   const int64_t rot_half = 3 * half_axis;  // NeoX halves of the 3a rotated dimensions
   Tensor q = linear_bias(x, layer.q), k = linear_bias(x, layer.k);
   const Tensor v = linear_bias(x, layer.v);
@@ -128,27 +121,9 @@ Tensor MiniMaxM3VisionEncoder::attend(const Tensor& x, const Layer& layer, const
           }
         }
     }
-  // Each image's patches attend to each other, head by head.
-  Tensor out = Tensor::zeros({n, H});
-  const float scale = 1.0f / std::sqrt(float(D));
-  int64_t first = 0;
-  for (const VisionGrid& g : grids) {
-    const int64_t count = g.t * g.h * g.w;
-    std::vector<float> logits(size_t(count * count));
-    for (int64_t h = 0; h < heads_; ++h) {
-      cpu::gemm_nt(count, count, D, q.row(first) + h * D, H, k.row(first) + h * D, H, logits.data(), count);
-      for (int64_t i = 0; i < count; ++i) {
-        float* l = logits.data() + i * count;
-        float top = -INFINITY, total = 0.0f;
-        for (int64_t j = 0; j < count; ++j) top = std::max(top, l[j] * scale);
-        for (int64_t j = 0; j < count; ++j) total += (l[j] = std::exp(l[j] * scale - top));
-        for (int64_t j = 0; j < count; ++j) l[j] /= total;
-      }
-      cpu::gemm_nn(count, D, count, logits.data(), count, v.row(first) + h * D, H, out.row(first) + h * D, H);
-    }
-    first += count;
-  }
-  return linear_bias(out, layer.out);
+  std::vector<int64_t> rows_per_image;
+  for (const VisionGrid& g : grids) rows_per_image.push_back(g.t * g.h * g.w);
+  return linear_bias(attend_within_images(q, k, v, heads_, rows_per_image), layer.out);
 }
 
 Tensor MiniMaxM3VisionEncoder::embed(const Tensor& pixel_values, const std::vector<VisionGrid>& grids) const {

@@ -89,7 +89,8 @@ void check_moe_routing_simulation(const std::string& strategy) {
 const ModelFamily kModelFamilies[] = {
     {"deepseek_v32", "deepseek_v32", nullptr, "model.", load_deepseek_v32, deepseek_v32_cache_spec, load_deepseek_v32_mtp},
     {"kimi_linear", "kimi_linear", nullptr, "model.", load_kimi_linear, kimi_linear_cache_spec},
-    {"kimi_k3", "kimi_linear", "text_config", "language_model.model.", load_kimi_k3, kimi_k3_cache_spec, load_kimi_k3_mtp},
+    {"kimi_k3", "kimi_linear", "text_config", "language_model.model.", load_kimi_k3, kimi_k3_cache_spec, load_kimi_k3_mtp,
+     load_kimi_k3_vision},
     {"minimax_m3_vl_text", "minimax_m3", nullptr, "model.", load_minimax_m3, minimax_m3_cache_spec, load_minimax_m3_mtp},
     {"minimax_m3", "minimax_m3", nullptr, "model.", load_minimax_m3, minimax_m3_cache_spec, load_minimax_m3_mtp},
     {"minimax_m3_vl", "minimax_m3", "text_config", "model.language_model.", load_minimax_m3, minimax_m3_cache_spec, load_minimax_m3_mtp,

@@ -1,7 +1,8 @@
 // A vision tower as the engine uses it: images' patches (vision/image_input.h) to the embeddings their
 // placeholder tokens take in the prompt, which the decoder then reads in place of the placeholders' own
 // (Batch::embedded_rows; vLLM's merge_multimodal_embeddings). One implementation per family:
-// MiniMaxM3VisionEncoder (model/minimax_m3_vision.h).
+// MiniMaxM3VisionEncoder (model/minimax_m3_vision.h), KimiK3VisionEncoder (model/kimi_k3_vision.h); the pieces
+// both towers use are below.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -25,6 +26,16 @@ class VisionEncoder {
   virtual int64_t patch_width() const = 0;  // values a patch row holds
   virtual int32_t image_token_id() const = 0;  // the placeholder's id
 };
+
+// Softmax attention of each image's patches to each other (no mask), head by head: q, k and v are [rows,
+// heads * head_dim] fp32 on the host, the images' rows one after another (`rows_per_image`); scale head_dim^-0.5.
+// Returns [rows, heads * head_dim].
+Tensor attend_within_images(const Tensor& q, const Tensor& k, const Tensor& v, int64_t heads,
+                            const std::vector<int64_t>& rows_per_image);
+
+// GELU in place: the erf form (torch's gelu, transformers' GELUActivation) or, with `tanh_form`, torch's
+// approximate="tanh" (gelu_pytorch_tanh).
+void gelu_(Tensor& x, bool tanh_form = false);
 
 // Gathers a step's image rows (Batch::embedded_rows) sequence chunk by chunk, whatever part of an image a chunk of
 // chunked prefill covers.

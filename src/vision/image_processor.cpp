@@ -16,20 +16,28 @@ ImageProcessor ImageProcessor::for_model(const std::string& dir) {
   const nlohmann::json config = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
   SPARROW_CHECK(config.is_object(), path, ": not a JSON object");
   const std::string type = config.value("model_type", std::string());
-  // Kimi K3's processor is here (kimi_k3_processor.h) but not its tower (MoonViT): docs/vision.md.
-  SPARROW_CHECK(type == "minimax_m3_vl", "images: model_type '", type, "' takes no images in sparrow (minimax_m3_vl "
-                "does; Kimi K3's vision tower is not here yet)");
+  SPARROW_CHECK(type == "minimax_m3_vl" || type == "kimi_k3", "images: model_type '", type,
+                "' takes no images in sparrow (minimax_m3_vl and kimi_k3 do)");
   ImageProcessor processor;
-  processor.minimax_ = MiniMaxM3VlProcessorConfig::from_folder(dir);
+  if (type == "kimi_k3") processor.kimi_ = KimiK3ProcessorConfig::from_folder(dir);
+  else processor.minimax_ = MiniMaxM3VlProcessorConfig::from_folder(dir);
   return processor;
 }
 
 ImageInput ImageProcessor::process(std::string_view bytes, const DecodeLimits& limits) const {
-  MiniMaxM3VlImagePatches patches = minimax_m3_vl_patches(decode_image(bytes, limits), minimax_);
+  const Image decoded = decode_image(bytes, limits);
   ImageInput image;
-  image.grid = {patches.grid_t, patches.grid_h, patches.grid_w};
-  image.tokens = patches.tokens(minimax_.merge_size);
-  image.pixel_values = std::move(patches.pixel_values);
+  if (kimi_) {
+    KimiK3ImagePatches patches = kimi_k3_patches(decoded, *kimi_);
+    image.grid = {1, patches.grid_h, patches.grid_w};
+    image.tokens = patches.num_tokens;
+    image.pixel_values = std::move(patches.pixel_values);
+  } else {
+    MiniMaxM3VlImagePatches patches = minimax_m3_vl_patches(decoded, minimax_);
+    image.grid = {patches.grid_t, patches.grid_h, patches.grid_w};
+    image.tokens = patches.tokens(minimax_.merge_size);
+    image.pixel_values = std::move(patches.pixel_values);
+  }
   image.hash = image_content_hash(image.pixel_values, image.grid);
   return image;
 }

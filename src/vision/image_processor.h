@@ -1,14 +1,16 @@
 // A model folder's image processor: an image file's bytes to what the engine takes (vision/image_input.h), with
-// the family's processor (by config.json's model_type) under the folder's preprocessor_config.json. The one place
-// that picks a processor for a model: the prompt files of `generate` / `score` and the server's image parts go
-// through it.
+// the family's processor (by config.json's model_type: minimax_m3_vl or kimi_k3) under the folder's
+// preprocessor_config.json. The one place that picks a processor for a model: the prompt files of `generate` /
+// `score` and the server's image parts go through it.
 #pragma once
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
 #include "vision/image.h"
 #include "vision/image_input.h"
+#include "vision/kimi_k3_processor.h"
 #include "vision/minimax_m3_vl_processor.h"
 
 namespace sparrow::vision {
@@ -31,6 +33,7 @@ class ImageProcessor {
 
  private:
   MiniMaxM3VlProcessorConfig minimax_;
+  std::optional<KimiK3ProcessorConfig> kimi_;  // set: Kimi K3's processor, else MiniMax-M3-VL's
 };
 
 // Sets each image's offset: image i takes the i-th run of its `tokens` placeholder ids, scanning the prompt from
