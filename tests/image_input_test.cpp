@@ -44,13 +44,23 @@ TEST(Base64, RoundTripsEveryLengthAndRefusesMalformedText) {
 TEST(ImagePlaceholders, ExpandedAsVllmDoesAndCheckedAgainstTheImages) {
   constexpr int32_t P = 9, B = 7, E = 8;
   std::vector<ImageInput> images = {image_of(2), image_of(3)};
-  const std::vector<int32_t> ids = expand_placeholders({1, P, 2, P, 3}, images, P, B, E);
+  const std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> around = {{{B}, {E}}, {{B}, {E}}};
+  const std::vector<int32_t> ids = expand_placeholders({1, P, 2, P, 3}, images, P, P, around);
   EXPECT_EQ(ids, (std::vector<int32_t>{1, B, P, P, E, 2, B, P, P, P, E, 3}));
   EXPECT_EQ(images[0].offset, 2);
   EXPECT_EQ(images[1].offset, 7);
   EXPECT_NO_THROW(check_image_placeholders(ids, images, P));
-  EXPECT_NE(error_message([&] { expand_placeholders({1, P, 2}, images, P, B, E); }).find("1 image placeholder(s) for 2"),
+  EXPECT_NE(error_message([&] { expand_placeholders({1, P, 2}, images, P, P, around); }).find("1 image placeholder(s) for 2"),
             std::string::npos);
+  // Kimi K3's form: the template's placeholder (K) becomes text that differs per image, then pads of another id (D).
+  constexpr int32_t K = 20, D = 21;
+  std::vector<ImageInput> kimi = {image_of(2), image_of(1)};
+  const std::vector<int32_t> kimi_ids =
+      expand_placeholders({1, K, 2, K}, kimi, K, D, {{{30, 31, 32}, {33}}, {{30, 34}, {33}}});
+  EXPECT_EQ(kimi_ids, (std::vector<int32_t>{1, 30, 31, 32, D, D, 33, 2, 30, 34, D, 33}));
+  EXPECT_EQ(kimi[0].offset, 4);
+  EXPECT_EQ(kimi[1].offset, 10);
+  EXPECT_NO_THROW(check_image_placeholders(kimi_ids, kimi, D));
   // Pre-expanded ids (prompt files): image i takes the i-th run.
   std::vector<ImageInput> placed = {image_of(2), image_of(3)};
   place_images(ids, placed, P);

@@ -77,8 +77,13 @@ std::vector<vision::ImageInput> place_prompt_images(const std::vector<std::strin
       bad_request("`" + params[i] + "`: " + e.what(), params[i]);
     }
   }
+  std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> around;
+  for (const vision::ImageInput& image : images) {
+    const vision::ImageProcessor::Replacement text = serving->processor.replacement(image);
+    around.push_back({serving->tokenizer->encode(text.before), serving->tokenizer->encode(text.after)});
+  }
   try {
-    ids = vision::expand_placeholders(ids, images, serving->placeholder, serving->begin, serving->end);
+    ids = vision::expand_placeholders(ids, images, serving->placeholder, serving->pad, around);
   } catch (const Error& e) {
     bad_request(std::string(e.what()) + " (the chat template renders one per image part)", params.front());
   }
@@ -123,18 +128,17 @@ std::shared_ptr<const ImageServing> make_image_serving(const std::string& model_
   if (!tower || !tokenizer) return nullptr;
   serving->processor = vision::ImageProcessor::for_model(model_dir);
   const auto text = serving->processor.placeholder_text();
-  const auto image = tokenizer->token_to_id(text.image), begin = tokenizer->token_to_id(text.begin),
-             end = tokenizer->token_to_id(text.end);
-  if (!image || !begin || !end) {
+  const auto image = tokenizer->token_to_id(text.image), pad = tokenizer->token_to_id(text.pad);
+  if (!image || !pad) {
     std::fprintf(stderr, "sparrow: images are off: the tokenizer has no '%s' token\n",
-                 (!image ? text.image : !begin ? text.begin : text.end).c_str());
+                 (!image ? text.image : text.pad).c_str());
     return nullptr;
   }
-  SPARROW_CHECK(*image == tower->image_token_id(), model_dir, ": the tokenizer's ", text.image, " is id ", *image,
-                ", config.json's image_token_index ", tower->image_token_id());
+  SPARROW_CHECK(*pad == tower->image_token_id(), model_dir, ": the tokenizer's ", text.pad, " is id ", *pad,
+                ", config.json's image placeholder id ", tower->image_token_id());
+  serving->tokenizer = tokenizer;
   serving->placeholder = *image;
-  serving->begin = *begin;
-  serving->end = *end;
+  serving->pad = *pad;
   return serving;
 }
 

@@ -19,7 +19,8 @@ namespace sparrow::server {
 // What serving images takes, set up at start when the model has a vision tower.
 struct ImageServing {
   vision::ImageProcessor processor;
-  int32_t placeholder = -1, begin = -1, end = -1;  // the tokenizer's ids of the processor's placeholder text
+  const Tokenizer* tokenizer = nullptr;            // the server's, which outlives this: each image's replacement text
+  int32_t placeholder = -1, pad = -1;              // the tokenizer's ids of the processor's placeholder texts
   int64_t limit_per_prompt = 999;                  // --limit-mm-per-prompt's "image" (vLLM's default: 999)
   std::string allowed_local_media_path;            // --allowed-local-media-path; empty: no local files
   int64_t max_pixels = int64_t(1) << 26;           // an image's pixels, read from its header before decoding

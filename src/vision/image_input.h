@@ -20,6 +20,7 @@ struct ImageInput {
   Tensor pixel_values;  // [t * h * w, patch width] fp32 on the host, in the processor's order
   VisionGrid grid;
   uint64_t hash = 0;    // image_content_hash(pixel_values, grid)
+  int64_t width = 0, height = 0;  // the decoded image's size, which Kimi K3's prompt names (image_processor.h)
 };
 
 // A 64-bit hash of the patches and their grid (XXH3): two images hash alike only when the tower would see the same

@@ -39,7 +39,22 @@ ImageInput ImageProcessor::process(std::string_view bytes, const DecodeLimits& l
     image.pixel_values = std::move(patches.pixel_values);
   }
   image.hash = image_content_hash(image.pixel_values, image.grid);
+  image.width = decoded.width;
+  image.height = decoded.height;
   return image;
+}
+
+ImageProcessor::PlaceholderText ImageProcessor::placeholder_text() const {
+  if (kimi_) return {"<|kimi_image_placeholder|>", "<|media_pad|>"};
+  return {"]<]image[>[", "]<]image[>["};
+}
+
+ImageProcessor::Replacement ImageProcessor::replacement(const ImageInput& image) const {
+  if (kimi_)
+    return {"<|media_begin|>image " + std::to_string(image.width) + "x" + std::to_string(image.height) +
+                "<|media_content|>",
+            "<|media_end|>"};
+  return {"]<]start of image[>[", "]<]end of image[>["};
 }
 
 void place_images(const std::vector<int32_t>& prompt, std::vector<ImageInput>& images, int32_t placeholder) {
@@ -55,10 +70,13 @@ void place_images(const std::vector<int32_t>& prompt, std::vector<ImageInput>& i
 }
 
 std::vector<int32_t> expand_placeholders(const std::vector<int32_t>& ids, std::vector<ImageInput>& images,
-                                         int32_t placeholder, int32_t begin, int32_t end) {
+                                         int32_t placeholder, int32_t pad,
+                                         const std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>>& around) {
   const size_t found = size_t(std::count(ids.begin(), ids.end(), placeholder));
   SPARROW_CHECK(found == images.size(), "the rendered prompt holds ", found, " image placeholder(s) for ",
                 images.size(), " image(s)");
+  SPARROW_CHECK(around.size() == images.size(), "expand_placeholders: ", around.size(), " replacements for ",
+                images.size(), " images");
   std::vector<int32_t> out;
   size_t next = 0;
   for (int32_t id : ids) {
@@ -66,11 +84,12 @@ std::vector<int32_t> expand_placeholders(const std::vector<int32_t>& ids, std::v
       out.push_back(id);
       continue;
     }
+    const auto& [before, after] = around[next];
     ImageInput& image = images[next++];
-    out.push_back(begin);
+    out.insert(out.end(), before.begin(), before.end());
     image.offset = int64_t(out.size());
-    out.insert(out.end(), size_t(image.tokens), placeholder);
-    out.push_back(end);
+    out.insert(out.end(), size_t(image.tokens), pad);
+    out.insert(out.end(), after.begin(), after.end());
   }
   return out;
 }

@@ -7,6 +7,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "vision/image.h"
 #include "vision/image_input.h"
@@ -24,12 +26,20 @@ class ImageProcessor {
   // offset is the caller's to set.
   ImageInput process(std::string_view bytes, const DecodeLimits& limits = {}) const;
 
-  // The text the chat template writes for an image (one placeholder) and the tokens vLLM expands it into: begin,
-  // one placeholder per embedding row, end (MiniMax: models/minimax_m3/common/mm_preprocess.py).
+  // The text the chat template writes for an image (one token) and what vLLM's prompt update turns it into:
+  // `before`, the image's `tokens` pads, `after`. MiniMax-M3 (models/minimax_m3/common/mm_preprocess.py):
+  // "]<]image[>[" becomes "]<]start of image[>[", the pads (the same "]<]image[>[") and "]<]end of image[>[". Kimi K3
+  // (models/kimi_k3/common/mm_preprocess.py _get_prompt_updates): "<|kimi_image_placeholder|>" becomes
+  // "<|media_begin|>image {width}x{height}<|media_content|>", "<|media_pad|>" pads and "<|media_end|>", the size
+  // the decoded image's.
   struct PlaceholderText {
-    std::string image, begin, end;
+    std::string image, pad;
   };
-  PlaceholderText placeholder_text() const { return {"]<]image[>[", "]<]start of image[>[", "]<]end of image[>["}; }
+  PlaceholderText placeholder_text() const;
+  struct Replacement {
+    std::string before, after;
+  };
+  Replacement replacement(const ImageInput& image) const;
 
  private:
   MiniMaxM3VlProcessorConfig minimax_;
@@ -41,10 +51,12 @@ class ImageProcessor {
 // many placeholders for the images.
 void place_images(const std::vector<int32_t>& prompt, std::vector<ImageInput>& images, int32_t placeholder);
 
-// The ids of a rendered chat prompt, where the template wrote one `placeholder` per image, with each image's
-// placeholder replaced by `begin`, image.tokens placeholders and `end` (vLLM's prompt update), and each image's
-// offset set. A one-line error when the prompt holds another number of placeholders than there are images.
+// The ids of a rendered chat prompt, where the template wrote one `placeholder` per image, with image i's placeholder
+// replaced by around[i].first, image.tokens `pad` ids and around[i].second (vLLM's prompt update), and each image's
+// offset set (its first pad). A one-line error when the prompt holds another number of placeholders than there are
+// images.
 std::vector<int32_t> expand_placeholders(const std::vector<int32_t>& ids, std::vector<ImageInput>& images,
-                                         int32_t placeholder, int32_t begin, int32_t end);
+                                         int32_t placeholder, int32_t pad,
+                                         const std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>>& around);
 
 }  // namespace sparrow::vision

@@ -1,6 +1,6 @@
 """Images through the OpenAI chat and Responses APIs (issue 30, docs/vision.md), served from tests/fixtures/minimax_m3_vl (a
 MiniMax-M3-VL checkpoint with its vision tower, a 256-token tokenizer and MiniMax-M3's chat template:
-tools/make_minimax_vl_tokenizer.py). An image_url part with a data: URL is rendered as the template's image
+tools/make_vl_tokenizers.py), and at the end from tests/fixtures/kimi_k3_vl (Kimi K3 with MoonViT, Kimi K3's template). An image_url part with a data: URL is rendered as the template's image
 placeholder and expanded into the image's tokens; the answer is the one `sparrow generate` gives for the same ids
 and images (whose numerics tests/minimax_m3_vision_test.cpp checks against the reference); a repeated image hits
 the prefix cache; every bad image is a 400 and leaves the server serving."""
@@ -227,3 +227,44 @@ def test_bench_serve_random_mm_sends_images_the_server_answers(image_server, spa
     assert run.returncode == 0, run.stderr[-2000:]
     assert "Successful requests:" in run.stdout and " 4" in run.stdout.split("Successful requests:")[1].split("\n")[0]
     assert "Failed requests:" not in run.stdout or " 0" in run.stdout.split("Failed requests:")[1].split("\n")[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kimi K3 (tests/fixtures/kimi_k3_vl): the template writes <|kimi_image_placeholder|> per image part, which becomes
+# "<|media_begin|>image {w}x{h}<|media_content|>", one <|media_pad|> per merged window and "<|media_end|>", the
+# original size in the text (vLLM 0.33.0's models/kimi_k3/common/mm_preprocess.py).
+
+KIMI_FIXTURE = REPO / "tests" / "fixtures" / "kimi_k3_vl"
+MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, KIMI_IMAGE = 247, 248, 249, 250, 251
+
+
+def byte_ids(text: str) -> list[int]:
+    """The fixture tokenizer's ids of plain ASCII text (tools/make_vl_tokenizers.py: newline 0, then ' '..'~')."""
+    return [0 if c == "\n" else ord(c) - 31 for c in text]
+
+
+def test_kimi_k3_image_chats_are_expanded_and_answered_as_generate_answers_them(start_server, sparrow_binary, tmp_path):
+    if not FIRST.exists():
+        pytest.skip("tests/data/images is not in this copy of the tree")
+    server = start_server("--api-key", API_KEY, "--limit-mm-per-prompt", '{"image": 2}', model=KIMI_FIXTURE)
+    try:
+        response = post(server, chat_body(data_url(FIRST), data_url(SECOND), ignore_eos=True))
+        assert response.status_code == 200, response.text[:500]
+        body = response.json()
+        ids = body["prompt_token_ids"]
+        assert KIMI_IMAGE not in ids and ids.count(MEDIA_PAD) == 12 + 20, ids
+        for (w, h), pads in (((97, 61), 12), ((203, 151), 20)):
+            run = [MEDIA_BEGIN] + byte_ids(f"image {w}x{h}") + [MEDIA_CONTENT] + [MEDIA_PAD] * pads + [MEDIA_END]
+            assert any(ids[i:i + len(run)] == run for i in range(len(ids))), (w, h, ids)
+        prompts = tmp_path / "prompts.json"
+        prompts.write_text(json.dumps({"prompts": [{"ids": ids, "images": [str(FIRST), str(SECOND)]}]}))
+        run = subprocess.run([sparrow_binary, "generate", "--model", str(KIMI_FIXTURE), "--prompt-ids", str(prompts),
+                              "--max-tokens", "3", "--temperature", "0", "--ignore-eos"],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert json.loads(run.stdout)["completions"][0] == body["choices"][0]["token_ids"]
+        bad = post(server, chat_body(data_url(FIRST, "text/plain")))
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].content[1].image_url.url"
+        assert post(server, chat_body(data_url(SECOND))).status_code == 200  # still serving
+    finally:
+        server.stop()
