@@ -274,6 +274,74 @@ void mul_sigmoid_(Tensor& y, const Tensor& gate) {
 #endif
 }
 
+void gelu_(Tensor& x, bool tanh_form) {
+  if (x.on_cpu()) {
+    float* p = x.data();
+    for (int64_t i = 0; i < x.numel(); ++i) p[i] = cpu::gelu(p[i], tanh_form);
+    return;
+  }
+#if SPARROW_HAVE_CUDA
+  cuda::gelu(x.raw(), elem(x), x.numel(), tanh_form, cuda::stream());
+#else
+  no_cuda();
+#endif
+}
+
+Tensor softmax_rows(const Tensor& x, float scale) {
+  SPARROW_CHECK(x.type() == ScalarType::F32 && x.ndim() == 2, "softmax_rows: x must be fp32 [rows, cols], got ",
+                shape_str(x.shape()));
+  const int64_t rows = x.dim(0), cols = x.dim(1);
+  Tensor y = Tensor::empty({rows, cols}, act_type(x.device()), x.device());
+  if (x.on_cpu()) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* in = x.row(r);
+      float* out = y.row(r);
+      float top = -INFINITY, total = 0.0f;
+      for (int64_t j = 0; j < cols; ++j) top = std::max(top, in[j] * scale);
+      for (int64_t j = 0; j < cols; ++j) total += (out[j] = std::exp(in[j] * scale - top));
+      for (int64_t j = 0; j < cols; ++j) out[j] /= total;
+    }
+    return y;
+  }
+#if SPARROW_HAVE_CUDA
+  cuda::softmax_rows(x.as<float>(), rows, cols, scale, y.raw(), elem(y), cuda::stream());
+  return y;
+#else
+  no_cuda();
+#endif
+}
+
+void rotate_pairs_(Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim, bool interleaved) {
+  same_device(x, cos, "rotate_pairs");
+  same_device(x, sin, "rotate_pairs");
+  const int64_t rows = x.dim(0), R = cos.ndim() == 2 ? cos.dim(1) : 0;
+  SPARROW_CHECK(x.ndim() == 2 && head_dim > 0 && x.dim(1) % head_dim == 0 && cos.type() == ScalarType::F32 &&
+                    sin.type() == ScalarType::F32 && cos.shape() == sin.shape() && cos.ndim() == 2 &&
+                    cos.dim(0) == rows && 2 * R <= head_dim,
+                "rotate_pairs: x [rows, heads * ", head_dim, "] with fp32 cos and sin [rows, <= head_dim / 2], got ",
+                shape_str(x.shape()), ", ", shape_str(cos.shape()), ", ", shape_str(sin.shape()));
+  const int64_t heads = x.dim(1) / head_dim;
+  if (x.on_cpu()) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t h = 0; h < heads; ++h) {
+        float* head = x.row(r) + h * head_dim;
+        for (int64_t j = 0; j < R; ++j) {
+          const int64_t i0 = interleaved ? 2 * j : j, i1 = interleaved ? 2 * j + 1 : j + R;
+          const float a = head[i0], b = head[i1], c = cos.row(r)[j], s = sin.row(r)[j];
+          head[i0] = a * c - b * s;
+          head[i1] = b * c + a * s;
+        }
+      }
+    return;
+  }
+#if SPARROW_HAVE_CUDA
+  cuda::rotate_pairs(x.raw(), elem(x), rows, heads, head_dim, cos.as<float>(), sin.as<float>(), R, interleaved,
+                     cuda::stream());
+#else
+  no_cuda();
+#endif
+}
+
 Tensor attn_res_mix(std::span<const Tensor> sources, const Tensor& norm, const Tensor& proj, float eps) {
   SPARROW_CHECK(!sources.empty(), "attn_res_mix: no sources");
   const Tensor& first = sources[0];

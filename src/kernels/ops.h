@@ -42,6 +42,17 @@ Tensor layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps);
 void add_(Tensor& y, const Tensor& x);  // y += x
 void scale_(Tensor& x, float s);        // x *= s
 void mul_sigmoid_(Tensor& y, const Tensor& gate);  // y *= sigmoid(gate), elementwise
+// GELU in place, elementwise: the erf form (torch's gelu, transformers' GELUActivation) or, with tanh_form,
+// torch's approximate="tanh" (gelu_pytorch_tanh). The vision towers' activations (model/vision_encoder.h).
+void gelu_(Tensor& x, bool tanh_form = false);
+// Each row of scale * x (fp32 [rows, cols]) through a softmax, as a new [rows, cols] in act_type of x's device
+// (attention probabilities ready for the product with the values: fp32 on the CPU, bf16 on a GPU).
+Tensor softmax_rows(const Tensor& x, float scale);
+// Rotation by given angles, in place: x [rows, heads * head_dim]; cos and sin fp32 [rows, R] on x's device, R <=
+// head_dim / 2; in every head, pair j (interleaved: values 2j and 2j + 1; else NeoX halves: j and j + R) turns by
+// row r's angle j: (a, b) -> (a cos - b sin, b cos + a sin). Values past the 2R rotated ones pass through. For
+// rotations whose angles are not position x frequency (the vision towers' 2-D and 3-D RoPE).
+void rotate_pairs_(Tensor& x, const Tensor& cos, const Tensor& sin, int64_t head_dim, bool interleaved);
 // AttnRes (Kimi K3, cpu::attn_res_mix): the softmax mix of the sources ([rows, width] each, one type and
 // device) with the query norm * proj (fp32 [width] each); a new [rows, width] of the sources' type.
 Tensor attn_res_mix(std::span<const Tensor> sources, const Tensor& norm, const Tensor& proj, float eps);

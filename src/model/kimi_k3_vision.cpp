@@ -56,11 +56,11 @@ Taps bicubic_taps(int64_t i, int64_t in, int64_t out) {
 
 }  // namespace
 
-std::unique_ptr<KimiK3VisionEncoder> KimiK3VisionEncoder::load(const std::string& dir) {
-  return load(*Checkpoint::open(dir));
+std::unique_ptr<KimiK3VisionEncoder> KimiK3VisionEncoder::load(const std::string& dir, Device device) {
+  return load(*Checkpoint::open(dir), device);
 }
 
-std::unique_ptr<KimiK3VisionEncoder> KimiK3VisionEncoder::load(Checkpoint& ckpt) {
+std::unique_ptr<KimiK3VisionEncoder> KimiK3VisionEncoder::load(Checkpoint& ckpt, Device device) {
   const Config& config = ckpt.config();
   SPARROW_CHECK(config.has("vision_config"), ckpt.dir(), "/config.json has no vision_config: not a Kimi K3 checkpoint "
                 "with a vision tower");
@@ -69,6 +69,8 @@ std::unique_ptr<KimiK3VisionEncoder> KimiK3VisionEncoder::load(Checkpoint& ckpt)
   const Config vision = config.get_object("vision_config");
   auto encoder = std::unique_ptr<KimiK3VisionEncoder>(new KimiK3VisionEncoder);
   KimiK3VisionEncoder& e = *encoder;
+  e.device_ = device;
+  ckpt.place_on(device);
   e.hidden_ = vision.get_int("vt_hidden_size", 1024);
   e.heads_ = vision.get_int("vt_num_attention_heads", 12);
   // An absent qkv_hidden_size is KimiK3VisionConfig's 1536; a null one the hidden size (the encoder's `or`).
@@ -130,7 +132,10 @@ std::unique_ptr<KimiK3VisionEncoder> KimiK3VisionEncoder::load(Checkpoint& ckpt)
   const bool ln = e.norm_ == Norm::Layer;
   e.patch_embed_ = Affine{ckpt.take(v + "patch_embed.proj.weight", {H, 3, e.patch_, e.patch_}).reshape({H, 3 * e.patch_ * e.patch_}),
                     patch_bias ? ckpt.take(v + "patch_embed.proj.bias", {H}) : Tensor()};
-  e.table_ = ckpt.take(v + "patch_embed.pos_emb.weight", {e.table_h_, e.table_w_, H}).reshape({e.table_h_ * e.table_w_, H});
+  // The position table is resized on the host (positions()), from its stored values.
+  e.table_ = ckpt.take(v + "patch_embed.pos_emb.weight", {e.table_h_, e.table_w_, H})
+                 .to(Device::Cpu, ScalarType::F32)
+                 .reshape({e.table_h_ * e.table_w_, H});
   for (int64_t i = 0, n = vision.get_int("vt_num_hidden_layers", 27); i < n; ++i) {
     const std::string p = v + "encoder.blocks." + std::to_string(i) + ".";
     // wqkv is [q; k; v] by rows (the view (3, heads, head_dim) of its output): split once here.
@@ -210,7 +215,7 @@ Tensor KimiK3VisionEncoder::attend(const Tensor& x, const Layer& layer, const st
   const int64_t D = head_dim_, angles = D / 2;
   std::vector<double> freq(static_cast<size_t>(angles / 2));
   for (int64_t i = 0; i < angles / 2; ++i) freq[size_t(i)] = 1.0 / std::pow(10000.0, double(4 * i) / double(D));
-  std::vector<float> cos_row(static_cast<size_t>(angles)), sin_row(static_cast<size_t>(angles));
+  Tensor cos = Tensor::empty({x.dim(0), angles}), sin = Tensor::empty({x.dim(0), angles});
   std::vector<int64_t> rows_per_image;
   int64_t row = 0;
   for (const VisionGrid& g : grids) {
@@ -219,19 +224,13 @@ Tensor KimiK3VisionEncoder::attend(const Tensor& x, const Layer& layer, const st
       const int64_t y = local % (g.h * g.w) / g.w, col = local % g.w;
       for (int64_t j = 0; j < angles; ++j) {
         const double angle = double(j % 2 == 0 ? col : y) * freq[size_t(j / 2)];
-        cos_row[size_t(j)] = float(std::cos(angle)), sin_row[size_t(j)] = float(std::sin(angle));
+        cos.row(row)[j] = float(std::cos(angle)), sin.row(row)[j] = float(std::sin(angle));
       }
-      for (Tensor* t : {&q, &k})
-        for (int64_t h = 0; h < heads_; ++h) {
-          float* head = t->row(row) + h * D;
-          for (int64_t j = 0; j < angles; ++j) {
-            const float a = head[2 * j], b = head[2 * j + 1];
-            head[2 * j] = a * cos_row[size_t(j)] - b * sin_row[size_t(j)];
-            head[2 * j + 1] = b * cos_row[size_t(j)] + a * sin_row[size_t(j)];
-          }
-        }
     }
   }
+  cos = cos.to(device_), sin = sin.to(device_);
+  ops::rotate_pairs_(q, cos, sin, D, /*interleaved=*/true);
+  ops::rotate_pairs_(k, cos, sin, D, /*interleaved=*/true);
   return apply(attend_within_images(q, k, v, heads_, rows_per_image), layer.wo.w, layer.wo.b);
 }
 
@@ -243,7 +242,7 @@ Tensor KimiK3VisionEncoder::project(const Tensor& merged) const {
             .reshape({windows, merge_ * merge_ * hidden_});
   }
   Tensor mid = apply(x, linear_1_.w, linear_1_.b);
-  gelu_(mid);  // transformers' GELUActivation: the erf form
+  ops::gelu_(mid);  // transformers' GELUActivation: the erf form
   Tensor out = apply(mid, linear_2_.w, linear_2_.b);
   return projector_ == Projector::PatchMergerV2 ? ops::rms_norm(out, post_norm_.w, projector_eps_) : out;
 }
@@ -265,47 +264,50 @@ Tensor KimiK3VisionEncoder::embed(const Tensor& pixel_values, const std::vector<
   }
   SPARROW_CHECK(rows == pixel_values.dim(0), "Kimi K3 vision encoder: the grids hold ", rows, " patches, got ",
                 pixel_values.dim(0), " rows");
-  Tensor x = apply(pixel_values, patch_embed_.w, patch_embed_.b);
+  Tensor x = apply(pixel_values.to(device_, ops::act_type(device_)), patch_embed_.w, patch_embed_.b);
   int64_t first = 0;
   for (const VisionGrid& g : grids) {
     Tensor part = x.rows(first, first + g.t * g.h * g.w);
-    ops::add_(part, positions(g));
+    ops::add_(part, positions(g).to(device_, ops::act_type(device_)));
     first += g.t * g.h * g.w;
   }
   for (const Layer& layer : layers_) {
     ops::add_(x, attend(norm(x, layer.norm0), layer, grids));
     Tensor up = apply(norm(x, layer.norm1), layer.fc0.w, layer.fc0.b);
-    gelu_(up, tanh_gelu_);
+    ops::gelu_(up, tanh_gelu_);
     ops::add_(x, apply(up, layer.fc1.w, layer.fc1.b));
   }
   x = norm(x, final_norm_);
   // sd2_tpool: per image the mean over frames, then window (a, b)'s rows (2a + i, 2b + j), i and j in order, side
-  // by side; windows row-major.
-  const int64_t H = hidden_, m = merge_;
-  Tensor merged = Tensor::zeros({windows, m * m * H});
-  int64_t window = 0;
+  // by side; windows row-major. Each frame's rows gathered in that order, summed over the frames, divided by t.
+  const int64_t m = merge_;
+  Tensor merged = Tensor::empty({windows * m * m, hidden_}, x.type(), x.device());
+  int64_t done = 0;
   first = 0;
   for (const VisionGrid& g : grids) {
-    for (int64_t a = 0; a < g.h / m; ++a)
-      for (int64_t b = 0; b < g.w / m; ++b, ++window)
-        for (int64_t i = 0; i < m; ++i)
-          for (int64_t j = 0; j < m; ++j) {
-            float* dst = merged.row(window) + (i * m + j) * H;
-            for (int64_t f = 0; f < g.t; ++f) {
-              const float* src = x.row(first + f * g.h * g.w + (a * m + i) * g.w + b * m + j);
-              for (int64_t c = 0; c < H; ++c) dst[c] += src[c];
-            }
-            for (int64_t c = 0; c < H; ++c) dst[c] /= float(g.t);
-          }
+    Tensor image = merged.rows(done, done + tokens(g) * m * m);
+    for (int64_t f = 0; f < g.t; ++f) {
+      std::vector<int64_t> rows;
+      for (int64_t a = 0; a < g.h / m; ++a)
+        for (int64_t b = 0; b < g.w / m; ++b)
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < m; ++j) rows.push_back(first + f * g.h * g.w + (a * m + i) * g.w + b * m + j);
+      const Tensor frame = ops::select_rows(x, rows);
+      if (f == 0) image.copy_from(frame);
+      else ops::add_(image, frame);
+    }
+    if (g.t > 1) ops::scale_(image, 1.0f / float(g.t));
+    done += tokens(g) * m * m;
     first += g.t * g.h * g.w;
   }
-  return project(merged);
+  merged = merged.reshape({windows, m * m * hidden_});
+  return project(merged).to(Device::Cpu, ScalarType::F32);
 }
 
-std::unique_ptr<VisionEncoder> load_kimi_k3_vision(const std::string& dir) {
+std::unique_ptr<VisionEncoder> load_kimi_k3_vision(const std::string& dir, Device device) {
   const std::unique_ptr<Checkpoint> ckpt = Checkpoint::open(dir);
   if (!ckpt->config().has("vision_config") || !ckpt->has("vision_tower.patch_embed.proj.weight")) return nullptr;
-  return KimiK3VisionEncoder::load(*ckpt);
+  return KimiK3VisionEncoder::load(*ckpt, device);
 }
 
 }  // namespace sparrow

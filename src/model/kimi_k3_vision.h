@@ -20,7 +20,7 @@
 //   projector        "patchmergerv2" (K3): linear_1, gelu (erf), linear_2, RMSNorm(projector_ln_eps);
 //                    "patchmerger" (K2.5): LayerNorm on each of the four rows, linear_1, gelu, linear_2, with biases
 // tests/kimi_k3_vision_test.cpp checks it against tools/make_kimi_k3_vision_fixture.py's float64 reference, written
-// from the same vLLM code. On the CPU (fp32) only, for now (issue 30).
+// from the same vLLM code; on a GPU (bf16 activations, fp32 scores) tests/cuda/vision_gpu_test.cpp against the same.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -39,8 +39,9 @@ class KimiK3VisionEncoder : public VisionEncoder {
  public:
   // The encoder's weights from a Kimi K3 checkpoint folder (config.json's vision_config; vision_tower.* and
   // mm_projector.*, the release's names); one-line errors for a missing tensor or a setting it does not take.
-  static std::unique_ptr<KimiK3VisionEncoder> load(const std::string& dir);
-  static std::unique_ptr<KimiK3VisionEncoder> load(Checkpoint& ckpt);
+  // The weights go to `device`, where embed() runs the tower.
+  static std::unique_ptr<KimiK3VisionEncoder> load(const std::string& dir, Device device = Device::Cpu);
+  static std::unique_ptr<KimiK3VisionEncoder> load(Checkpoint& ckpt, Device device = Device::Cpu);
 
   // The embeddings of the images whose patches are stacked in `pixel_values` ([sum of t*h*w, 3 * 14 * 14] fp32,
   // each image's frames one after another, a frame row-major), `grids` saying how many rows each has:
@@ -69,6 +70,7 @@ class KimiK3VisionEncoder : public VisionEncoder {
   Tensor attend(const Tensor& x, const Layer& layer, const std::vector<VisionGrid>& grids) const;
   Tensor project(const Tensor& merged) const;  // [windows, 4 * hidden] -> [windows, text hidden]
 
+  Device device_ = Device::Cpu;
   int64_t hidden_ = 0, heads_ = 0, head_dim_ = 0, qkv_ = 0, patch_ = 14, merge_ = 2, text_hidden_ = 0;
   int64_t table_h_ = 0, table_w_ = 0, table_t_ = 0;
   int32_t image_token_ = -1;

@@ -30,17 +30,19 @@ int64_t compression_setting(const Config& vision, const char* key, int64_t def) 
 
 }  // namespace
 
-std::unique_ptr<MiniMaxM3VisionEncoder> MiniMaxM3VisionEncoder::load(const std::string& dir) {
-  return load(*Checkpoint::open(dir));
+std::unique_ptr<MiniMaxM3VisionEncoder> MiniMaxM3VisionEncoder::load(const std::string& dir, Device device) {
+  return load(*Checkpoint::open(dir), device);
 }
 
-std::unique_ptr<MiniMaxM3VisionEncoder> MiniMaxM3VisionEncoder::load(Checkpoint& ckpt) {
+std::unique_ptr<MiniMaxM3VisionEncoder> MiniMaxM3VisionEncoder::load(Checkpoint& ckpt, Device device) {
   const Config& config = ckpt.config();
   SPARROW_CHECK(config.has("vision_config"), ckpt.dir(), "/config.json has no vision_config: not a MiniMax-M3-VL "
                 "checkpoint");
   const Config vision = config.get_object("vision_config");
   auto encoder = std::unique_ptr<MiniMaxM3VisionEncoder>(new MiniMaxM3VisionEncoder);
   MiniMaxM3VisionEncoder& e = *encoder;
+  e.device_ = device;
+  ckpt.place_on(device);
   e.hidden_ = vision.get_int("hidden_size");
   e.heads_ = vision.get_int("num_attention_heads");
   SPARROW_CHECK(e.hidden_ > 0 && e.heads_ > 0 && e.hidden_ % e.heads_ == 0, vision.where(), ": hidden_size ", e.hidden_,
@@ -99,8 +101,8 @@ Tensor MiniMaxM3VisionEncoder::attend(const Tensor& x, const Layer& layer, const
   const int64_t rot_half = 3 * half_axis;  // NeoX halves of the 3a rotated dimensions
   Tensor q = linear_bias(x, layer.q), k = linear_bias(x, layer.k);
   const Tensor v = linear_bias(x, layer.v);
-  // The rotation: patch r of an image at (t, h, w), frequency j of axis j / half_axis.
-  std::vector<float> cos_row(static_cast<size_t>(rot_half)), sin_row(static_cast<size_t>(rot_half));
+  // The rotation: patch r of an image at (t, h, w), frequency j of axis j / half_axis; the angles on the host.
+  Tensor cos = Tensor::empty({x.dim(0), rot_half}), sin = Tensor::empty({x.dim(0), rot_half});
   int64_t row = 0;
   for (const VisionGrid& g : grids)
     for (int64_t local = 0; local < g.t * g.h * g.w; ++local, ++row) {
@@ -109,18 +111,12 @@ Tensor MiniMaxM3VisionEncoder::attend(const Tensor& x, const Layer& layer, const
       const int64_t pos[3] = {local / (g.h * g.w), bh * merge_ + r2 / merge_, bw * merge_ + r2 % merge_};
       for (int64_t j = 0; j < rot_half; ++j) {
         const float angle = float(pos[j / half_axis]) * inv_freq_[size_t(j % half_axis)];
-        cos_row[size_t(j)] = std::cos(angle), sin_row[size_t(j)] = std::sin(angle);
+        cos.row(row)[j] = std::cos(angle), sin.row(row)[j] = std::sin(angle);
       }
-      for (Tensor* t : {&q, &k})
-        for (int64_t h = 0; h < heads_; ++h) {
-          float* head = t->row(row) + h * D;
-          for (int64_t j = 0; j < rot_half; ++j) {
-            const float a = head[j], b = head[j + rot_half];
-            head[j] = a * cos_row[size_t(j)] - b * sin_row[size_t(j)];
-            head[j + rot_half] = b * cos_row[size_t(j)] + a * sin_row[size_t(j)];
-          }
-        }
     }
+  cos = cos.to(device_), sin = sin.to(device_);
+  ops::rotate_pairs_(q, cos, sin, D, /*interleaved=*/false);
+  ops::rotate_pairs_(k, cos, sin, D, /*interleaved=*/false);
   std::vector<int64_t> rows_per_image;
   for (const VisionGrid& g : grids) rows_per_image.push_back(g.t * g.h * g.w);
   return linear_bias(attend_within_images(q, k, v, heads_, rows_per_image), layer.out);
@@ -140,29 +136,29 @@ Tensor MiniMaxM3VisionEncoder::embed(const Tensor& pixel_values, const std::vect
   }
   SPARROW_CHECK(rows == pixel_values.dim(0), "MiniMax-M3-VL vision encoder: the grids hold ", rows, " patches, got ",
                 pixel_values.dim(0), " rows");
-  Tensor x = ops::layer_norm(ops::linear(pixel_values, patch_w_), pre_.w, pre_.b, eps_);
+  Tensor x = ops::layer_norm(ops::linear(pixel_values.to(device_, ops::act_type(device_)), patch_w_), pre_.w, pre_.b, eps_);
   for (const Layer& layer : layers_) {
     ops::add_(x, attend(ops::layer_norm(x, layer.ln1.w, layer.ln1.b, eps_), layer, grids));
     Tensor up = linear_bias(ops::layer_norm(x, layer.ln2.w, layer.ln2.b, eps_), layer.fc1);
-    gelu_(up);
+    ops::gelu_(up);
     ops::add_(x, linear_bias(up, layer.fc2));
   }
   Tensor mid = linear_bias(x, proj1_);
-  gelu_(mid);
+  ops::gelu_(mid);
   const Tensor projected = linear_bias(mid, proj2_);
   Tensor merged =
       linear_bias(projected.reshape({rows / (merge_ * merge_), text_hidden_ * merge_ * merge_}), merge1_);
-  gelu_(merged);
-  return linear_bias(merged, merge2_);
+  ops::gelu_(merged);
+  return linear_bias(merged, merge2_).to(Device::Cpu, ScalarType::F32);
 }
 
-std::unique_ptr<VisionEncoder> load_minimax_m3_vision(const std::string& dir) {
+std::unique_ptr<VisionEncoder> load_minimax_m3_vision(const std::string& dir, Device device) {
   const std::unique_ptr<Checkpoint> ckpt = Checkpoint::open(dir);
   if (!ckpt->config().has("vision_config") ||
       !(ckpt->has("vision_tower.vision_model.pre_layrnorm.weight") ||
         ckpt->has("model.vision_tower.vision_model.pre_layrnorm.weight")))
     return nullptr;
-  return MiniMaxM3VisionEncoder::load(*ckpt);  // the checkpoint opened once for the check and the weights
+  return MiniMaxM3VisionEncoder::load(*ckpt, device);  // the checkpoint opened once for the check and the weights
 }
 
 }  // namespace sparrow

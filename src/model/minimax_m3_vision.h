@@ -15,7 +15,7 @@
 // transformers 5.17 rotates with two axial halves of head_dim / 4 frequencies over the whole head and, given
 // [t, h, w] positions, uses t and h (docs/vision.md): a different model on the same weights, not followed here.
 // tests/minimax_m3_vision_test.cpp checks this against tools/make_minimax_vision_fixture.py's float64
-// reference. On the CPU (fp32) only, for now (issue 30).
+// reference; on a GPU (bf16 activations, fp32 scores) tests/cuda/vision_gpu_test.cpp checks it against the same.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -35,9 +35,10 @@ class MiniMaxM3VisionEncoder : public VisionEncoder {
   // The encoder's weights from a MiniMax-M3-VL checkpoint folder (its vision_config; the tower under
   // vision_tower.vision_model. or model.vision_tower.vision_model., the projector and merger at the top or
   // under model.); one-line errors for a missing tensor or a config it does not take.
-  static std::unique_ptr<MiniMaxM3VisionEncoder> load(const std::string& dir);
-  // The same from a checkpoint already open on the host (load_minimax_m3_vision's, which checked for the tower).
-  static std::unique_ptr<MiniMaxM3VisionEncoder> load(Checkpoint& ckpt);
+  // The weights go to `device`, where embed() runs the tower.
+  static std::unique_ptr<MiniMaxM3VisionEncoder> load(const std::string& dir, Device device = Device::Cpu);
+  // The same from a checkpoint already open (load_minimax_m3_vision's, which checked for the tower).
+  static std::unique_ptr<MiniMaxM3VisionEncoder> load(Checkpoint& ckpt, Device device = Device::Cpu);
 
   // The embeddings of the images whose patches are stacked in `pixel_values` ([sum of t*h*w, channels * T * P *
   // P] fp32, each image's rows in the processor's order), `grids` saying how many rows each has: [sum of
@@ -62,6 +63,7 @@ class MiniMaxM3VisionEncoder : public VisionEncoder {
   };
   Tensor attend(const Tensor& x, const Layer& layer, const std::vector<VisionGrid>& grids) const;
 
+  Device device_ = Device::Cpu;
   int64_t hidden_ = 0, heads_ = 0, head_dim_ = 0, merge_ = 2, patch_width_ = 0, text_hidden_ = 0;
   int32_t image_token_ = -1;
   float eps_ = 1e-5f;

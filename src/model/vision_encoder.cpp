@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
-#include "kernels/cpu/reference_ops.h"
+#include "kernels/ops.h"
 #include "model/model.h"
 
 namespace sparrow {
@@ -12,41 +12,24 @@ namespace sparrow {
 Tensor attend_within_images(const Tensor& q, const Tensor& k, const Tensor& v, int64_t heads,
                             const std::vector<int64_t>& rows_per_image) {
   const int64_t n = q.dim(0), width = q.dim(1), D = width / heads;
-  SPARROW_CHECK(q.on_cpu() && k.on_cpu() && v.on_cpu() && k.shape() == q.shape() && v.shape() == q.shape() &&
-                    width % heads == 0,
-                "vision attention: q, k and v must be [rows, heads * head_dim] on the host, got ",
+  SPARROW_CHECK(q.ndim() == 2 && k.shape() == q.shape() && v.shape() == q.shape() && width % heads == 0 &&
+                    k.device() == q.device() && v.device() == q.device(),
+                "vision attention: q, k and v must be [rows, heads * head_dim] on one device, got ",
                 shape_str(q.shape()), ", ", shape_str(k.shape()), ", ", shape_str(v.shape()), " for ", heads, " heads");
-  Tensor out = Tensor::zeros({n, width});
-  const float scale = 1.0f / std::sqrt(float(D));
+  Tensor out = Tensor::empty({n, width}, q.type(), q.device());
   int64_t first = 0;
   for (const int64_t count : rows_per_image) {
-    std::vector<float> logits(size_t(count * count));
-    for (int64_t h = 0; h < heads; ++h) {
-      cpu::gemm_nt(count, count, D, q.row(first) + h * D, width, k.row(first) + h * D, width, logits.data(), count);
-      for (int64_t i = 0; i < count; ++i) {
-        float* l = logits.data() + i * count;
-        float top = -INFINITY, total = 0.0f;
-        for (int64_t j = 0; j < count; ++j) top = std::max(top, l[j] * scale);
-        for (int64_t j = 0; j < count; ++j) total += (l[j] = std::exp(l[j] * scale - top));
-        for (int64_t j = 0; j < count; ++j) l[j] /= total;
-      }
-      cpu::gemm_nn(count, D, count, logits.data(), count, v.row(first) + h * D, width, out.row(first) + h * D, width);
-    }
+    // Head h's scores [count, count] at scores[h]: q_h k_h^T, heads `D` columns apart in q and k.
+    const Tensor scores = Tensor::empty({heads * count, count}, ScalarType::F32, q.device());
+    ops::batched_matmul_nt(heads, count, count, D, {&q, first * width, width, D}, {&k, first * width, width, D}, scores,
+                           0, count, count * count);
+    const Tensor probs = ops::softmax_rows(scores, 1.0f / std::sqrt(float(D)));
+    ops::batched_matmul_nn(heads, count, D, count, {&probs, 0, count, count * count}, {&v, first * width, width, D},
+                           out, first * width, width, D);
     first += count;
   }
   SPARROW_CHECK(first == n, "vision attention: the images hold ", first, " rows, q has ", n);
   return out;
-}
-
-void gelu_(Tensor& x, bool tanh_form) {
-  float* p = x.data();
-  if (tanh_form) {
-    // torch's gelu(approximate="tanh"): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
-    for (int64_t i = 0; i < x.numel(); ++i)
-      p[i] = 0.5f * p[i] * (1.0f + std::tanh(0.7978845608028654f * (p[i] + 0.044715f * p[i] * p[i] * p[i])));
-  } else {
-    for (int64_t i = 0; i < x.numel(); ++i) p[i] = 0.5f * p[i] * (1.0f + std::erf(p[i] * 0.70710678118654752f));
-  }
 }
 
 void ImageRows::add(int64_t row, int64_t start, int64_t count, int64_t offset, const Tensor& embeddings) {

@@ -19,7 +19,8 @@ class VisionEncoder {
   virtual ~VisionEncoder() = default;
   // The embeddings of the images whose patches are stacked in `pixel_values` ([sum of t*h*w, patch_width()] fp32
   // on the host, image after image), `grids` saying how many rows each has: [sum of tokens(grid), text hidden] fp32
-  // on the host, the images in order. An image's rows do not depend on the others in the call.
+  // on the host, the images in order. An image's rows do not depend on the others in the call. The tower itself runs
+  // on the device its weights were loaded to (the model's: ModelFamily::load_vision).
   virtual Tensor embed(const Tensor& pixel_values, const std::vector<vision::VisionGrid>& grids) const = 0;
   // The placeholder tokens an image of `grid` takes.
   virtual int64_t tokens(const vision::VisionGrid& grid) const = 0;
@@ -28,14 +29,11 @@ class VisionEncoder {
 };
 
 // Softmax attention of each image's patches to each other (no mask), head by head: q, k and v are [rows,
-// heads * head_dim] fp32 on the host, the images' rows one after another (`rows_per_image`); scale head_dim^-0.5.
-// Returns [rows, heads * head_dim].
+// heads * head_dim] on one device (fp32 on the host, bf16 on a GPU), the images' rows one after another
+// (`rows_per_image`); scale head_dim^-0.5. The scores in fp32 (ops::batched_matmul_nt), their softmax
+// (ops::softmax_rows), the product with the values (ops::batched_matmul_nn). Returns [rows, heads * head_dim].
 Tensor attend_within_images(const Tensor& q, const Tensor& k, const Tensor& v, int64_t heads,
                             const std::vector<int64_t>& rows_per_image);
-
-// GELU in place: the erf form (torch's gelu, transformers' GELUActivation) or, with `tanh_form`, torch's
-// approximate="tanh" (gelu_pytorch_tanh).
-void gelu_(Tensor& x, bool tanh_form = false);
 
 // Gathers a step's image rows (Batch::embedded_rows) sequence chunk by chunk, whatever part of an image a chunk of
 // chunked prefill covers.

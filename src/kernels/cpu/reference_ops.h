@@ -32,6 +32,11 @@ void rms_normalize(float* x, int64_t n, float eps);
 Tensor layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps);
 
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+// GELU: the erf form, or torch's approximate="tanh": 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+inline float gelu(float x, bool tanh_form) {
+  if (tanh_form) return 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+  return 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752f));
+}
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 // Gated activations of one row, out[i] = act(gate[i], up[i]) of the kind (kernels/glu.h): silu(gate) * up;

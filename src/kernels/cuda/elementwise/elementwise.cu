@@ -312,6 +312,53 @@ __global__ void layer_norm_kernel(T* x, int64_t width, const float* w, const flo
   }
 }
 
+// ---- the vision towers' pieces: GELU, row softmax, rotation by given angles --------------------------
+
+template <typename T>
+__global__ void gelu_kernel(T* x, int64_t n, bool tanh_form) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = load(x, i);
+    const float g = tanh_form ? 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)))
+                              : 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    store(x, i, g);
+  }
+}
+
+// One block a row: the row's max of scale * x, the sum of exponentials (in double, block_sum), then each value.
+template <typename Y>
+__global__ void softmax_rows_kernel(const float* x, int64_t cols, float scale, Y* y) {
+  __shared__ double scratch[32];
+  const float* xr = x + int64_t(blockIdx.x) * cols;
+  Y* yr = y + int64_t(blockIdx.x) * cols;
+  float top = -INFINITY;
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) top = fmaxf(top, xr[j] * scale);
+  for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+  // The block's max: each warp's to scratch, then every thread reads them in one order.
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = double(top);
+  __syncthreads();
+  float block_top = -INFINITY;
+  for (int w = 0; w < int(blockDim.x / 32); ++w) block_top = fmaxf(block_top, float(scratch[w]));
+  double sum = 0;
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) sum += double(expf(xr[j] * scale - block_top));
+  const float total = float(block_sum(sum, scratch));
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) store(yr, j, expf(xr[j] * scale - block_top) / total);
+}
+
+// One thread a (row, head, pair): no two threads touch one value.
+template <typename T>
+__global__ void rotate_pairs_kernel(T* x, int64_t rows, int64_t heads, int64_t head_dim, const float* cos,
+                                    const float* sin, int64_t R, bool interleaved) {
+  const int64_t n = rows * heads * R;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t j = i % R, h = i / R % heads, r = i / (R * heads);
+    T* head = x + (r * heads + h) * head_dim;
+    const int64_t i0 = interleaved ? 2 * j : j, i1 = interleaved ? 2 * j + 1 : j + R;
+    const float a = load(head, i0), b = load(head, i1), c = cos[r * R + j], s = sin[r * R + j];
+    store(head, i0, a * c - b * s);
+    store(head, i1, b * c + a * s);
+  }
+}
+
 // ---- rotary embedding ------------------------------------------------------------------------------
 // Blocks (row, slice of heads): blockIdx.y takes rounds y, y + gridDim.y, ... of the row's heads, so a
 // decode step's few rows still spread over many SMs (one block a row walked MiniMax's 64 query heads in 8
@@ -594,6 +641,38 @@ void add(const void* x, ElemType xt, void* y, ElemType yt, int64_t n, cudaStream
     using X = std::remove_pointer_t<decltype(px)>;
     using Y = std::remove_pointer_t<decltype(py)>;
     add_kernel<<<grid_for(n, 256), 256, 0, stream>>>(static_cast<const X*>(x), static_cast<Y*>(y), n);
+  });
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
+void gelu(void* x, ElemType type, int64_t n, bool tanh_form, cudaStream_t stream) {
+  SPARROW_CHECK(n >= 0, "gelu: negative count");
+  if (n == 0) return;
+  dispatch(type, [&](auto* p) {
+    using T = std::remove_pointer_t<decltype(p)>;
+    gelu_kernel<<<grid_for(n, 256), 256, 0, stream>>>(static_cast<T*>(x), n, tanh_form);
+  });
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
+void softmax_rows(const float* x, int64_t rows, int64_t cols, float scale, void* y, ElemType yt, cudaStream_t stream) {
+  SPARROW_CHECK(rows >= 0 && cols > 0 && rows <= 0x7fffffff, "softmax_rows: bad sizes");
+  if (rows == 0) return;
+  dispatch(yt, [&](auto* p) {
+    using Y = std::remove_pointer_t<decltype(p)>;
+    softmax_rows_kernel<<<unsigned(rows), 256, 0, stream>>>(x, cols, scale, static_cast<Y*>(y));
+  });
+  SPARROW_CUDA_CHECK_LAUNCH();
+}
+
+void rotate_pairs(void* x, ElemType type, int64_t rows, int64_t heads, int64_t head_dim, const float* cos,
+                  const float* sin, int64_t R, bool interleaved, cudaStream_t stream) {
+  SPARROW_CHECK(rows >= 0 && heads > 0 && R >= 0 && 2 * R <= head_dim, "rotate_pairs: bad sizes");
+  if (rows == 0 || R == 0) return;
+  dispatch(type, [&](auto* p) {
+    using T = std::remove_pointer_t<decltype(p)>;
+    rotate_pairs_kernel<<<grid_for(rows * heads * R, 256), 256, 0, stream>>>(static_cast<T*>(x), rows, heads,
+                                                                             head_dim, cos, sin, R, interleaved);
   });
   SPARROW_CUDA_CHECK_LAUNCH();
 }

@@ -74,6 +74,15 @@ void attn_res_mix(const AttnResSources& sources, ElemType type, int64_t rows, in
 void glu(const void* gate_up, ElemType in_type, void* out, ElemType out_type, int64_t rows, int64_t inter,
          Glu kind, float alpha, float limit, cudaStream_t stream);
 
+// GELU in place over n values (cpu::gelu: erf, or torch's tanh form).
+void gelu(void* x, ElemType type, int64_t n, bool tanh_form, cudaStream_t stream);
+// y[r, :] = softmax(scale * x[r, :]) over rows of `cols` (x fp32; y of its type), ops::softmax_rows.
+void softmax_rows(const float* x, int64_t rows, int64_t cols, float scale, void* y, ElemType yt, cudaStream_t stream);
+// ops::rotate_pairs_: x [rows, heads * head_dim]; in each head pair j < R (interleaved: 2j, 2j + 1; else j, j + R)
+// turns by cos/sin[r, j] (fp32 [rows, R]).
+void rotate_pairs(void* x, ElemType type, int64_t rows, int64_t heads, int64_t head_dim, const float* cos,
+                  const float* sin, int64_t R, bool interleaved, cudaStream_t stream);
+
 // Copies rows: out[i, :] = x[index[i], :] (width values; index device int32 [count]).
 void gather_rows(const void* x, ElemType type, const int32_t* index, int64_t count, int64_t width, void* out,
                  cudaStream_t stream);
