@@ -22,8 +22,9 @@ using FamilyCacheSpec = std::vector<LayerCacheSpec> (*)(const Config& text);
 // The family's multi-token-prediction layer as a speculative drafter (model/mtp.h); the other weights are left.
 using MtpLoader = std::unique_ptr<MtpDrafter> (*)(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 // A vision-language checkpoint's tower (model/vision_encoder.h) from its folder, its weights on `device` (the
-// model's); null when the folder holds none (a text-only export of the same model type).
-using VisionLoader = std::unique_ptr<VisionEncoder> (*)(const std::string& dir, Device device);
+// model's), or dummy weights for a config with a vision_config (--load-format dummy, as the text model's); null
+// when the folder holds none (a text-only export of the same model type).
+using VisionLoader = std::unique_ptr<VisionEncoder> (*)(const std::string& dir, Device device, bool dummy);
 
 std::unique_ptr<DecoderModel> load_deepseek_v32(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 // kimi_linear (as transformers defines it) and kimi_k3 (the release, as vLLM defines it), one file.
@@ -39,8 +40,8 @@ std::unique_ptr<MtpDrafter> load_deepseek_v32_mtp(Checkpoint& ckpt, const Config
 std::unique_ptr<MtpDrafter> load_kimi_k3_mtp(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 std::unique_ptr<MtpDrafter> load_minimax_m3_mtp(Checkpoint& ckpt, const Config& text, const std::string& prefix);
 
-std::unique_ptr<VisionEncoder> load_minimax_m3_vision(const std::string& dir, Device device);
-std::unique_ptr<VisionEncoder> load_kimi_k3_vision(const std::string& dir, Device device);
+std::unique_ptr<VisionEncoder> load_minimax_m3_vision(const std::string& dir, Device device, bool dummy);
+std::unique_ptr<VisionEncoder> load_kimi_k3_vision(const std::string& dir, Device device, bool dummy);
 
 std::vector<LayerCacheSpec> deepseek_v32_cache_spec(const Config& text);
 std::vector<LayerCacheSpec> kimi_linear_cache_spec(const Config& text);

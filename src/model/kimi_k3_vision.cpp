@@ -304,9 +304,10 @@ Tensor KimiK3VisionEncoder::embed(const Tensor& pixel_values, const std::vector<
   return project(merged).to(Device::Cpu, ScalarType::F32);
 }
 
-std::unique_ptr<VisionEncoder> load_kimi_k3_vision(const std::string& dir, Device device) {
-  const std::unique_ptr<Checkpoint> ckpt = Checkpoint::open(dir);
-  if (!ckpt->config().has("vision_config") || !ckpt->has("vision_tower.patch_embed.proj.weight")) return nullptr;
+std::unique_ptr<VisionEncoder> load_kimi_k3_vision(const std::string& dir, Device device, bool dummy) {
+  const std::unique_ptr<Checkpoint> ckpt = dummy ? Checkpoint::open_dummy(dir) : Checkpoint::open(dir);
+  if (!ckpt->config().has("vision_config") || !(dummy || ckpt->has("vision_tower.patch_embed.proj.weight")))
+    return nullptr;
   return KimiK3VisionEncoder::load(*ckpt, device);
 }
 

@@ -152,10 +152,10 @@ Tensor MiniMaxM3VisionEncoder::embed(const Tensor& pixel_values, const std::vect
   return linear_bias(merged, merge2_).to(Device::Cpu, ScalarType::F32);
 }
 
-std::unique_ptr<VisionEncoder> load_minimax_m3_vision(const std::string& dir, Device device) {
-  const std::unique_ptr<Checkpoint> ckpt = Checkpoint::open(dir);
+std::unique_ptr<VisionEncoder> load_minimax_m3_vision(const std::string& dir, Device device, bool dummy) {
+  const std::unique_ptr<Checkpoint> ckpt = dummy ? Checkpoint::open_dummy(dir) : Checkpoint::open(dir);
   if (!ckpt->config().has("vision_config") ||
-      !(ckpt->has("vision_tower.vision_model.pre_layrnorm.weight") ||
+      !(dummy || ckpt->has("vision_tower.vision_model.pre_layrnorm.weight") ||
         ckpt->has("model.vision_tower.vision_model.pre_layrnorm.weight")))
     return nullptr;
   return MiniMaxM3VisionEncoder::load(*ckpt, device);  // the checkpoint opened once for the check and the weights

@@ -156,10 +156,10 @@ std::unique_ptr<Model> load_model(const std::string& dir, Device device, const L
   std::unique_ptr<DecoderModel> model = family.load(*ckpt, family.text(ckpt->config()), family.weight_prefix);
   ckpt->report_to(nullptr);
   progress.finish();
-  // The vision tower runs on rank 0's device (the engine there embeds a step's images; docs/vision.md): dummy weights
-  // and the other ranks go without.
-  if (family.load_vision && !ckpt->dummy() && options.tensor_parallel.rank == 0)
-    model->vision_tower = family.load_vision(dir, device);
+  // The vision tower runs on rank 0's device (the engine there embeds a step's images; docs/vision.md); the other
+  // ranks go without.
+  if (family.load_vision && options.tensor_parallel.rank == 0)
+    model->vision_tower = family.load_vision(dir, device, ckpt->dummy());
   model->weight_splits = ckpt->splits();
   if (options.tensor_parallel.data_parallel())
     model->routed_expert_lora_refused = "LoRA on the routed experts is not applied under data parallelism (another "
