@@ -522,8 +522,8 @@ Routing random_routing(std::mt19937_64& rng, int64_t tokens, int64_t experts, in
 
 // Batch invariance of the experts (core/batch_invariance.h): a token's output rows computed alone, among the
 // first 7 tokens (a decode-sized step), among 100 and among 600 (prefill-sized: several 128-row tiles per
-// expert), each compared bitwise with the same rows of the 600-token step, in bf16 and FP8, on a shape the
-// wgmma kernel fits (hidden % 256, inter % 128) and on one only the WMMA tiles take. Returns one line per
+// expert), each compared bitwise with the same rows of the 600-token step (two also with the 100-token step's),
+// in bf16 and FP8, on a shape the wgmma kernel fits (hidden % 256, inter % 128) and on one only the WMMA tiles take. Returns one line per
 // comparison whose rows differ (empty: invariant); paths: the path moe_experts_path names at 1, 7, 100 and 600
 // tokens.
 struct StepComparison {
@@ -577,21 +577,25 @@ StepComparison compare_experts_across_steps(bool invariant) {
                             c.experts, c.inter, Glu::SiluGlu, 1.702f, 7.0f, out.get(), ws.get(), cuda::stream());
         return out.download<uint16_t>(n * c.hidden);
       };
-      const std::vector<uint16_t> all = run(0, T);
-      auto compare = [&](int64_t first, int64_t n) {
+      // Tokens [first, first + n) run as a step, against the same rows of the step `ref` run from `ref_first`.
+      auto compare_to = [&](const std::vector<uint16_t>& ref, int64_t ref_first, int64_t ref_n, int64_t first,
+                            int64_t n) {
         const std::vector<uint16_t> got = run(first, n);
         int64_t rows = 0;
         for (int64_t t = 0; t < n; ++t)
           rows += !std::equal(got.begin() + t * c.hidden, got.begin() + (t + 1) * c.hidden,
-                              all.begin() + (first + t) * c.hidden);
+                              ref.begin() + (first - ref_first + t) * c.hidden);
         if (rows > 0)
           result.differing.push_back(label + ": " + std::to_string(rows) + " of " + std::to_string(n) +
                                      " rows of tokens from " + std::to_string(first) + " run as a step of " +
-                                     std::to_string(n));
+                                     std::to_string(n) + " against a step of " + std::to_string(ref_n));
       };
-      for (int64_t t : {int64_t(0), int64_t(5), int64_t(299), T - 1}) compare(t, 1);
-      compare(0, 7);
-      compare(250, 100);
+      const std::vector<uint16_t> all = run(0, T), mid = run(250, 100);
+      for (int64_t t : {int64_t(0), int64_t(5), int64_t(299), T - 1}) compare_to(all, 0, T, t, 1);
+      compare_to(all, 0, T, 0, 7);
+      compare_to(all, 0, T, 250, 100);
+      compare_to(mid, 250, 100, 299, 1);  // the decode-sized step against the 100-token one directly
+      compare_to(mid, 250, 100, 300, 7);
     }
   set_batch_invariant(before);
   return result;
@@ -603,14 +607,14 @@ std::string lines(const std::vector<std::string>& v) {
   return s;
 }
 
-// Batch-invariant mode: one path for every step size (the wgmma kernel where it fits, else the WMMA tiles),
-// and every comparison equal.
+// Batch-invariant mode: the decode path (its ordered products, skinny_ordered.cuh) at 1 and 7 tokens, the
+// wgmma kernel or the WMMA tiles at 100 and 600, and every comparison equal.
 TEST(CudaMoe, BatchInvariantModeGivesATokenTheSameRowsInEveryStep) {
   SPARROW_REQUIRE_GPU();
   const StepComparison r = compare_experts_across_steps(true);
   for (const std::string& p : r.paths) {
     const std::string names = p.substr(p.find(':') + 1);
-    EXPECT_TRUE(names == " wgmma wgmma wgmma wgmma" || names == " tiled tiled tiled tiled") << p;
+    EXPECT_TRUE(names == " decode decode wgmma wgmma" || names == " decode decode tiled tiled") << p;
   }
   EXPECT_TRUE(r.differing.empty()) << lines(r.differing);
 }

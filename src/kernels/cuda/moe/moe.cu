@@ -65,6 +65,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/gemm/skinny.cuh"
+#include "kernels/cuda/gemm/skinny_ordered.cuh"
 #include "kernels/cuda/glu.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/wgmma.cuh"
@@ -358,16 +359,9 @@ using ptx::cp_async_commit;
 using ptx::cp_async_wait;
 
 
-// bf16(e4m3 * scale) for the two codes of `two` (low byte first): e4m3 -> fp16 is exact (cvt.rn.f16x2.e4m3x2),
-// fp16 -> fp32 exact, one fp32 product, then nearest-even to bf16 -- the values dequantize_fp8_blocks gives.
-__device__ __forceinline__ uint32_t dequant2(uint32_t two, float sc) {
-  const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xffffu), __NV_E4M3);
-  const float2 f = __half22float2(__half2(hr));
-  const __nv_bfloat162 b = __floats2bfloat162_rn(__fmul_rn(f.x, sc), __fmul_rn(f.y, sc));
-  uint32_t bits;
-  memcpy(&bits, &b, sizeof(bits));
-  return bits;
-}
+// bf16(e4m3 * scale) for the two codes of `two` (low byte first), the values dequantize_fp8_blocks gives
+// (skinny_ordered.cuh, whose ordered decode products use the same).
+__device__ __forceinline__ uint32_t dequant2(uint32_t two, float sc) { return skinny::e4m3x2_scaled_bf16x2(two, sc); }
 // Eight codes (w0 then w1, lowest byte first) -> eight bf16 (lowest address first).
 __device__ __forceinline__ uint4 dequant8(uint32_t w0, uint32_t w1, float sc) {
   return make_uint4(dequant2(w0, sc), dequant2(w0 >> 16, sc), dequant2(w1, sc), dequant2(w1 >> 16, sc));
@@ -1381,13 +1375,15 @@ bool use_decode(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidd
 }  // namespace
 
 MoePath moe_experts_path(int64_t tokens, int64_t top_k, int64_t num_experts, int64_t hidden, int64_t inter) {
-  // Batch-invariant mode (core/batch_invariance.h): one path for every step size, the wgmma kernel where the
-  // shape fits it, else the WMMA tiles (which take every shape). In both a row's sums have one K order and do
-  // not depend on the other rows of its tile or expert (no split-K; a row of an MMA's product is its row of A
-  // times B). The wgmma kernel over the WMMA tiles: prefill at the default mode's speed, and decode steps
-  // stream each touched expert's weights once per 128-row tile at the wgmma kernel's rate, not the WMMA
-  // tiles' 16-20% of HBM (bench/results/batch-invariance.md has both measured).
-  if (batch_invariant()) return wgmma_fits(hidden, inter) ? MoePath::Wgmma : MoePath::Tiled;
+  // Batch-invariant mode (core/batch_invariance.h): the paths still change with the step's size, but every
+  // one gives a row the same bits: the decode path runs its ordered products (skinny_ordered.cuh: the tiled
+  // kernels' chunks in their order; bf16 and FP8 weights, the group-scaled formats take the tiles instead,
+  // run_moe_experts), and beyond decode sizes the wgmma kernel where the shape fits it, else the WMMA tiles.
+  // None splits K, and a row of an MMA's product is its row of A times B whatever the other rows hold.
+  if (batch_invariant()) {
+    if (use_decode(tokens, top_k, num_experts, hidden, inter)) return MoePath::Decode;
+    return wgmma_fits(hidden, inter) ? MoePath::Wgmma : MoePath::Tiled;
+  }
   if (use_decode(tokens, top_k, num_experts, hidden, inter)) return MoePath::Decode;
   if (use_wgmma(tokens, top_k, num_experts, hidden, inter)) return MoePath::Wgmma;
   return MoePath::Tiled;
@@ -1399,19 +1395,30 @@ namespace {
 // router gives a token distinct experts, so an expert has at most `tokens` rows; other routings just take
 // more passes -- and 4 or 8 warps per CTA by shared memory). groups: 16-row weight groups per expert
 // (gate/up: inter / 8; down: ceil(hidden / 16)); slots: the bound on touched experts (min(pairs, experts)).
+// Batch-invariant mode: the ordered products (skinny_ordered.cuh), which bf16 and FP8 weights have.
+bool ordered_decode(skinny::Codes codes) {
+  return batch_invariant() && (codes == skinny::Codes::Bf16 || codes == skinny::Codes::Fp8);
+}
+skinny::Plan decode_plan(int64_t tokens, int64_t K, skinny::Codes codes) {
+  return ordered_decode(codes) ? skinny::make_ordered_plan(tokens, K) : skinny::make_plan(tokens, K, codes);
+}
+
 template <class Job, skinny::Codes C>
 void launch_decode(const char* what, Job job, int64_t slots, int64_t groups, int64_t tokens, cudaStream_t stream) {
-  const skinny::Plan plan = skinny::make_plan(tokens, job.K, C);
+  const skinny::Plan plan = decode_plan(tokens, job.K, C);
   job.rows = plan.rows;
   job.pitch = plan.pitch;
   const dim3 grid(unsigned(slots), unsigned((groups + plan.warps - 1) / plan.warps));
   SPARROW_CHECK(slots <= 0x7fffffff && grid.y <= 65535, what, ": decode grid too large");
+  if constexpr (C == skinny::Codes::Bf16 || C == skinny::Codes::Fp8) {
+    if (ordered_decode(C)) return skinny::launch_ordered<Job, C>(job, grid, plan, stream);
+  }
   skinny::launch<Job, C>(job, grid, plan, stream);
 }
 
 // The decode tiles' rows: one pass of both products (the fewer of their plans' rows), so no CTA loops.
 int decode_tile_rows(int64_t tokens, int64_t hidden, int64_t inter, skinny::Codes codes) {
-  return std::min(skinny::make_plan(tokens, hidden, codes).rows, skinny::make_plan(tokens, inter, codes).rows);
+  return std::min(decode_plan(tokens, hidden, codes).rows, decode_plan(tokens, inter, codes).rows);
 }
 
 // The decode grid's bound on tiles: a touched expert (at most min(pairs, experts) of them) with c rows has
@@ -1502,6 +1509,8 @@ void run_moe_experts(const char* what, const void* x, int64_t tokens, int64_t hi
   // group scales in 8-byte (NVFP4) or 4-byte (MX) pieces: scale arrays not aligned to them take the WMMA
   // tiles instead.
   MoePath path = moe_experts_path(tokens, top_k, num_experts, hidden, inter);
+  if (path == MoePath::Decode && batch_invariant() && !ordered_decode(C))  // no ordered decode products
+    path = wgmma_fits(hidden, inter) ? MoePath::Wgmma : MoePath::Tiled;
   const uintptr_t scale_align = C == skinny::Codes::Nvfp4 ? 8 : 4;
   if (GROUPED && path == MoePath::Wgmma &&
       (reinterpret_cast<uintptr_t>(sc.gate_up_groups) % scale_align != 0 ||
