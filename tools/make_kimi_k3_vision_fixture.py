@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Writes tests/fixtures/kimi_k3_vl and tests/fixtures/kimi_k25_vision: tiny random Kimi K3 vision towers
+"""Writes tests/fixtures/kimi_k3_vl, tests/fixtures/kimi_k25_vision and tests/fixtures/kimi_k3_vl_gpu: tiny random
+Kimi K3 vision towers
 (MoonViT3d + the multimodal projector) and what they make of two images, computed in float64 by a reference
 written here from vLLM 0.33.0 (the engine that serves the released checkpoint; transformers has no Kimi K3):
   model_executor/models/kimi_k25_vit.py    MoonViT3dPretrainedModel, MoonVision3dPatchEmbed,
@@ -62,11 +63,19 @@ Output (the weights are bf16 under the release's names; the reference uses their
                                    fixture.json
   tests/fixtures/kimi_k25_vision   the other switches (LayerNorm, biases, erf gelu, bicubic, "patchmerger",
                                    qkv_hidden_size null == hidden), vision weights only, no prompt
+  tests/fixtures/kimi_k3_vl_gpu    kimi_k3_vl's vision_config (another seed) with the projector out to 128, the
+                                   hidden size of tests/fixtures/kimi_k3_1_pro_gpu (the GPU kernels' shapes), whose
+                                   text model the GPU test merges in at run time: vision.safetensors (the vision
+                                   weights only), vision_config.json ({"vision_config", "media_placeholder_token_id"},
+                                   to merge into kimi_k3_1_pro_gpu's config.json), vision_reference.safetensors
+                                   (embeddings, grids, a 100-token prompt's logits; no pixel values: kimi_k3_vl's
+                                   are the same), fixture.json
 vision_reference.safetensors, per image <name>: "<name>.pixel_values" (float32 [N, 588], tools/
 make_image_fixtures.py's kimi_reference with in_patch_limit 48: the processor's patches), "<name>.grid" (int64
 [t, h, w]), "<name>.embeddings" (float32 of the float64 result, [tokens, text hidden]); "both.embeddings" (the two
 images in one call). kimi_k3_vl also: "prompt.ids" (int64: text, image 1's 12 placeholders, text, image 2's 20,
-text; longer than index_topk), "prompt.image_offsets" (int64, where each run starts) and "prompt.logits" (float32
+text; longer than index_topk; kimi_k3_vl_gpu's prompt is 100 tokens with both images in the first 64, so that
+rows 64.. of its indexer choose among image keys), "prompt.image_offsets" (int64, where each run starts) and "prompt.logits" (float32
 [len, vocab]): tools/kimi_k3_reference.py's float64 forward with the placeholder rows replaced by the embeddings
 (vLLM's merge_multimodal_embeddings). A prompt whose indexer / router top-k has a near-tie (relative gap under
 kimi_k3_reference.MIN_GAP) is rejected for the next seed.
@@ -102,6 +111,8 @@ F64 = torch.float64
 TEXT_FIXTURE = ROOT / "tests" / "fixtures" / "kimi_k3_1_pro"
 OUT_K3 = ROOT / "tests" / "fixtures" / "kimi_k3_vl"
 OUT_K25 = ROOT / "tests" / "fixtures" / "kimi_k25_vision"
+GPU_TEXT_FIXTURE = ROOT / "tests" / "fixtures" / "kimi_k3_1_pro_gpu"
+OUT_K3_GPU = ROOT / "tests" / "fixtures" / "kimi_k3_vl_gpu"
 IMAGES_DIR = ROOT / "tests" / "data" / "images"
 IMAGES = ("rgb_97x61.png", "downscaled_203x151.jpg")
 COMMAND = "python3 tools/make_kimi_k3_vision_fixture.py"
@@ -134,6 +145,8 @@ K3_VISION = dict(
     qkv_hidden_size=48, norm_type="rmsnorm", attn_bias=False, patch_embed_proj_bias=False, mlp_type="mlp2",
     linear_bias=False, activation_func="gelu_pytorch_tanh", pos_emb_interpolation_mode="bilinear",
     text_hidden_size=64)
+# Fixture 3: fixture 1's settings over kimi_k3_1_pro_gpu's text model (hidden 128).
+K3_VISION_GPU = dict(K3_VISION, text_hidden_size=128)
 # Fixture 2: the K2.5-style switches. qkv_hidden_size is null, not absent: under model_type kimi_k3 an absent key
 # takes KimiK3VisionConfig's 1536, while None gives `qkv_hidden_size or hidden` = 32 (MoonViT3dEncoder,
 # MoonViTEncoderLayer), as a K2.5 config without the key does (head_dim 16).
@@ -146,8 +159,10 @@ K25_VISION = dict(K3_VISION, norm_type="layernorm", attn_bias=True, linear_bias=
 # the embeddings of order 1. Biases are large enough that a missing one shows.
 PATCH_GAIN, POS_STD, QKV_GAIN, OUT_GAIN, FC0_GAIN, FC1_GAIN = 2.0, 0.5, 1.3, 1.0, 1.5, 1.0
 PROJ1_GAIN, PROJ2_GAIN, NORM_STD, BIAS_STD = 1.5, 1.0, 0.1, 0.2
-SEEDS = {"kimi_k3_vl": 1, "kimi_k25_vision": 2}
+SEEDS = {"kimi_k3_vl": 1, "kimi_k25_vision": 2, "kimi_k3_vl_gpu": 3}
 PROMPT_TEXT_LENGTHS = (7, 6, 5)   # text, image 1, text, image 2, text: 7 + 12 + 6 + 20 + 5 = 50 > index_topk 16
+# kimi_k3_vl_gpu: 7 + 12 + 10 + 20 + 51 = 100 > index_topk 64; the images at 7..18 and 29..48, both in the first 64
+GPU_PROMPT_TEXT_LENGTHS = (7, 10, 51)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -628,6 +643,107 @@ def build_k25(images, rms_eps, eps_name):
     write_common(OUT_K25, config, weights, ref, info)
     return ref, info
 
+def build_k3_gpu(images, rms_eps, eps_name):
+    """kimi_k3_vl's tower (another seed) projecting to kimi_k3_1_pro_gpu's hidden 128; the text model stays in
+    its own fixture (the GPU test merges vision_config.json into its config.json and indexes both files)."""
+    text_config = json.loads((GPU_TEXT_FIXTURE / "config.json").read_text())
+    assert text_config["text_config"]["hidden_size"] == K3_VISION_GPU["text_hidden_size"]
+    vision_file = {"vision_config": K3_VISION_GPU, "media_placeholder_token_id": PLACEHOLDER}
+    config = dict(text_config, **vision_file)
+    text_weights = load_file(str(GPU_TEXT_FIXTURE / "model.safetensors"))
+    vision = random_vision_weights(config, torch.Generator().manual_seed(SEEDS["kimi_k3_vl_gpu"]))
+    assert not vision.keys() & text_weights.keys()
+    weights = {**text_weights, **vision}
+    check_against_modules(weights, config, images, rms_eps, "kimi_k3_vl_gpu")
+    stats: dict = {}
+    ref, per_image = image_reference(weights, config, images, rms_eps, stats)
+    for name, _, _ in images:                     # embeddings and grids only: kimi_k3_vl has the same pixels
+        del ref[f"{name}.pixel_values"]
+    del ref["both.embeddings"]
+    topk = text_config["text_config"]["index_topk"]
+    # The prompt: a seed whose indexer / router decisions have no near-tie.
+    rejected, seed = [], 1
+    while True:
+        gen = torch.Generator().manual_seed(seed)
+        text = [torch.randint(2, PLACEHOLDER, (n,), generator=gen).tolist() for n in GPU_PROMPT_TEXT_LENGTHS]
+        ids, offsets = prompt_with_images(text, [e.shape[0] for e in per_image])
+        rows = {o + r: e[r] for o, e in zip(offsets, per_image) for r in range(e.shape[0])}
+        gaps = k3.Gaps()
+        selections: list = []                     # what each MLA layer's indexer chose (dsa_indexer's masks)
+        indexer = k3.dsa_indexer
+
+        def recording_indexer(c, W, p, *args, **kwargs):
+            chosen = indexer(c, W, p, *args, **kwargs)
+            selections.append((p, chosen))
+            return chosen
+        k3.dsa_indexer = recording_indexer
+        try:
+            logits = k3.forward(config, weights, ids, gaps=gaps, embedded=rows)
+        finally:
+            k3.dsa_indexer = indexer
+        close = [f"{site} {g:.2e} ({where})" for site, (g, where) in gaps.smallest.items() if g < k3.MIN_GAP]
+        if not close:
+            break
+        rejected.append({"seed": seed, "why": close})
+        seed += 1
+        assert seed < 20, rejected
+    end = offsets[-1] + per_image[-1].shape[0]
+    assert len(ids) > topk and offsets[0] < 10 and end <= topk, (len(ids), offsets)
+    # The indexer budget: rows 64.. read 64 of their keys; how many image keys they leave out.
+    image_keys = torch.zeros(len(ids), dtype=torch.bool)
+    for o, e in zip(offsets, per_image):
+        image_keys[o:o + e.shape[0]] = True
+    n_image = int(image_keys.sum())
+    budget = []
+    for prefix, chosen in selections:
+        layer = int(prefix.split("layers.")[1].split(".")[0])  # 0-based, as Gaps' "layer l"
+        over = chosen[topk:]                                   # the rows past the budget
+        picked = over[:, image_keys].sum(-1).double()
+        budget.append({"mla_layer": layer, "rows_over_budget": int(over.shape[0]),
+                       "image_keys_read_per_row_mean": float(picked.mean()), "min": int(picked.min()),
+                       "max": int(picked.max()), "of": n_image,
+                       "rows_reading_every_image_key": int((picked == n_image).sum())})
+    # Sanity: the image rows matter.
+    plain = k3.forward(config, weights, ids)
+    first = offsets[0]
+    sanity = {"without_image_rows": relative(plain, logits),
+              "without_image_rows_first_image_to_63": relative(plain[first:topk], logits[first:topk])}
+    assert sanity["without_image_rows_first_image_to_63"] > 0.1, sanity
+    ref["prompt.ids"] = torch.tensor(ids, dtype=torch.int64)
+    ref["prompt.image_offsets"] = torch.tensor(offsets, dtype=torch.int64)
+    ref["prompt.logits"] = logits.float().contiguous()
+    info = fixture_info("kimi_k3_vl_gpu", config, images, ref, stats, rms_eps, eps_name, {
+        "description": "Kimi K3 vision tower as in kimi_k3_vl (MoonViT3d, K3's defaults at tiny sizes: RMSNorm, no "
+                       "biases, tanh gelu, bilinear position table, qkv_hidden_size 48 > hidden 32, patchmergerv2 "
+                       "projector), another seed, projecting to 128 for the kimi_k3_1_pro_gpu text model (the GPU "
+                       "kernels' shapes), as vLLM 0.33.0 computes it; float64 reference on the stored bf16 weights, "
+                       "no bf16 rounding of activations",
+        "text_fixture": "tests/fixtures/kimi_k3_1_pro_gpu",
+        "prompt": {"seed": seed, "rejected_seeds": rejected, "min_gap_threshold": k3.MIN_GAP, "tokens": len(ids),
+                   "image_offsets": offsets, "index_topk": topk,
+                   "smallest_relative_gaps": {s_: {"gap": g, "where": w} for s_, (g, w) in gaps.smallest.items()},
+                   "indexer_budget": budget,
+                   "logits_max_abs": float(logits.abs().max()),
+                   "relative_change_without_image_rows": sanity["without_image_rows"],
+                   "relative_change_without_image_rows_first_image_to_63":
+                       sanity["without_image_rows_first_image_to_63"]}})
+    info["notes"] = ["text model: tests/fixtures/kimi_k3_1_pro_gpu, merged at test time (vision_config.json into "
+                     "its config.json; a safetensors index mapping its model.safetensors' names there and the "
+                     "vision weights to vision.safetensors)",
+                     f"prompt: both images within the first {topk} positions; rows {topk}.. of each MLA layer's "
+                     f"DSA indexer read only {topk} of their keys (prompt.indexer_budget: how many of the "
+                     f"{n_image} image keys they keep)",
+                     "pixel values: kimi_k3_vl's vision_reference.safetensors (the same images, the same "
+                     "processing, in_patch_limit 48)"] + info["notes"]
+    OUT_K3_GPU.mkdir(parents=True, exist_ok=True)
+    (OUT_K3_GPU / "vision_config.json").write_text(json.dumps(vision_file, indent=2, sort_keys=True) + "\n")
+    save_file(vision, str(OUT_K3_GPU / "vision.safetensors"), metadata={"format": "pt"})
+    save_file(ref, str(OUT_K3_GPU / "vision_reference.safetensors"))
+    (OUT_K3_GPU / "fixture.json").write_text(json.dumps(info, indent=2) + "\n")
+    reloaded = load_file(str(OUT_K3_GPU / "vision.safetensors"))
+    assert reloaded.keys() == vision.keys() and all(torch.equal(reloaded[n], t) for n, t in vision.items())
+    return ref, info
+
 
 def fixture_info(family, config, images, ref, stats, rms_eps, eps_name, extra):
     s = vision_settings(config)
@@ -671,7 +787,7 @@ def main():
         print(f"  {name}: grid (t, h, w) = {tuple(grid)}, {patches.shape[0]} patches, "
               f"{(grid[1] // 2) * (grid[2] // 2)} tokens")
     assert [g for _, _, g in images] == [[1, 6, 8], [1, 8, 10]]
-    for build, out in ((build_k3, OUT_K3), (build_k25, OUT_K25)):
+    for build, out in ((build_k3, OUT_K3), (build_k25, OUT_K25), (build_k3_gpu, OUT_K3_GPU)):
         ref, info = build(images, rms_eps, args.rms_eps)
         st = info["stats"]
         print(f"{out.relative_to(ROOT)}:")
@@ -684,14 +800,28 @@ def main():
               f"tower output rms {st['tower_output_rms']:.3f}")
         assert 0.15 < st["attention_top_probability_mean"] < 0.85, st
         if "sensitivity" in info:
-            sens, pr = info["sensitivity"], info["prompt"]
+            sens = info["sensitivity"]
             print("  embeddings move by " + ", ".join(f"{v:.3g} ({k})" for k, v in sens.items()) +
                   " of their largest magnitude")
+        if "prompt" in info and "sensitivity" in info:
+            pr = info["prompt"]
             print(f"  prompt: {pr['tokens']} tokens, images at {pr['image_offsets']}, logits up to "
                   f"{pr['logits_max_abs']:.3g}; without the image rows they move by "
                   f"{pr['relative_change_without_image_rows']:.3g}, with the images swapped the last text "
                   f"segment's by {pr['relative_change_images_swapped_last_text_segment']:.3g} (relative)")
-            for site, g in pr["smallest_relative_gaps"].items():
+        if "prompt" in info and "sensitivity" not in info:
+            pr = info["prompt"]
+            print(f"  prompt: {pr['tokens']} tokens (seed {pr['seed']}, rejected {len(pr['rejected_seeds'])}), images "
+                  f"at {pr['image_offsets']}, logits up to {pr['logits_max_abs']:.3g}; without the image rows they "
+                  f"move by {pr['relative_change_without_image_rows_first_image_to_63']:.3g} (rows "
+                  f"{pr['image_offsets'][0]}..{pr['index_topk'] - 1}), {pr['relative_change_without_image_rows']:.3g} "
+                  f"(all rows) (relative)")
+            for b in pr["indexer_budget"]:
+                print(f"  MLA layer {b['mla_layer']}: rows {pr['index_topk']}.. ({b['rows_over_budget']}) read "
+                      f"{b['image_keys_read_per_row_mean']:.1f} of the {b['of']} image keys on average (min "
+                      f"{b['min']}, max {b['max']}; {b['rows_reading_every_image_key']} rows read all)")
+        if "prompt" in info:
+            for site, g in info["prompt"]["smallest_relative_gaps"].items():
                 print(f"  smallest relative gap {g['gap']:.2e}  {site} ({g['where']})")
         for f in sorted(out.iterdir()):
             print(f"  {f.name}: {f.stat().st_size} bytes")

@@ -207,31 +207,36 @@ Tensor KimiK3VisionEncoder::positions(const VisionGrid& g) const {
   return out;
 }
 
-Tensor KimiK3VisionEncoder::attend(const Tensor& x, const Layer& layer, const std::vector<VisionGrid>& grids) const {
-  Tensor q = apply(x, layer.q.w, layer.q.b), k = apply(x, layer.k.w, layer.k.b);
-  const Tensor v = apply(x, layer.v.w, layer.v.b);
+ImageAttention KimiK3VisionEncoder::rotation(const std::vector<VisionGrid>& grids) const {
   // Rope2DPosEmbRepeated: angle 2i = column * f_i, angle 2i + 1 = row * f_i, f_i = 10000^(-4i / head_dim); angle j
   // turns the pair (2j, 2j + 1) of each head (is_neox_style=False). The grid repeats per frame.
   const int64_t D = head_dim_, angles = D / 2;
   std::vector<double> freq(static_cast<size_t>(angles / 2));
   for (int64_t i = 0; i < angles / 2; ++i) freq[size_t(i)] = 1.0 / std::pow(10000.0, double(4 * i) / double(D));
-  Tensor cos = Tensor::empty({x.dim(0), angles}), sin = Tensor::empty({x.dim(0), angles});
-  std::vector<int64_t> rows_per_image;
+  int64_t rows = 0;
+  for (const VisionGrid& g : grids) rows += g.t * g.h * g.w;
+  ImageAttention a{Tensor::empty({rows, angles}), Tensor::empty({rows, angles}), {}};
   int64_t row = 0;
   for (const VisionGrid& g : grids) {
-    rows_per_image.push_back(g.t * g.h * g.w);
+    a.rows_per_image.push_back(g.t * g.h * g.w);
     for (int64_t local = 0; local < g.t * g.h * g.w; ++local, ++row) {
       const int64_t y = local % (g.h * g.w) / g.w, col = local % g.w;
       for (int64_t j = 0; j < angles; ++j) {
         const double angle = double(j % 2 == 0 ? col : y) * freq[size_t(j / 2)];
-        cos.row(row)[j] = float(std::cos(angle)), sin.row(row)[j] = float(std::sin(angle));
+        a.cos.row(row)[j] = float(std::cos(angle)), a.sin.row(row)[j] = float(std::sin(angle));
       }
     }
   }
-  cos = cos.to(device_), sin = sin.to(device_);
-  ops::rotate_pairs_(q, cos, sin, D, /*interleaved=*/true);
-  ops::rotate_pairs_(k, cos, sin, D, /*interleaved=*/true);
-  return apply(attend_within_images(q, k, v, heads_, rows_per_image), layer.wo.w, layer.wo.b);
+  a.cos = a.cos.to(device_), a.sin = a.sin.to(device_);
+  return a;
+}
+
+Tensor KimiK3VisionEncoder::attend(const Tensor& x, const Layer& layer, const ImageAttention& a) const {
+  Tensor q = apply(x, layer.q.w, layer.q.b), k = apply(x, layer.k.w, layer.k.b);
+  const Tensor v = apply(x, layer.v.w, layer.v.b);
+  ops::rotate_pairs_(q, a.cos, a.sin, head_dim_, /*interleaved=*/true);
+  ops::rotate_pairs_(k, a.cos, a.sin, head_dim_, /*interleaved=*/true);
+  return apply(attend_within_images(q, k, v, heads_, a.rows_per_image), layer.wo.w, layer.wo.b);
 }
 
 Tensor KimiK3VisionEncoder::project(const Tensor& merged) const {
@@ -271,8 +276,9 @@ Tensor KimiK3VisionEncoder::embed(const Tensor& pixel_values, const std::vector<
     ops::add_(part, positions(g).to(device_, ops::act_type(device_)));
     first += g.t * g.h * g.w;
   }
+  const ImageAttention rotary = rotation(grids);
   for (const Layer& layer : layers_) {
-    ops::add_(x, attend(norm(x, layer.norm0), layer, grids));
+    ops::add_(x, attend(norm(x, layer.norm0), layer, rotary));
     Tensor up = apply(norm(x, layer.norm1), layer.fc0.w, layer.fc0.b);
     ops::gelu_(up, tanh_gelu_);
     ops::add_(x, apply(up, layer.fc1.w, layer.fc1.b));

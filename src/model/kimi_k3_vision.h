@@ -67,7 +67,8 @@ class KimiK3VisionEncoder : public VisionEncoder {
 
   Tensor norm(const Tensor& x, const Affine& a) const;
   Tensor positions(const VisionGrid& grid) const;  // the position table's rows for one image, [t*h*w, hidden]
-  Tensor attend(const Tensor& x, const Layer& layer, const std::vector<VisionGrid>& grids) const;
+  ImageAttention rotation(const std::vector<VisionGrid>& grids) const;  // once per embed(), for every layer
+  Tensor attend(const Tensor& x, const Layer& layer, const ImageAttention& a) const;
   Tensor project(const Tensor& merged) const;  // [windows, 4 * hidden] -> [windows, text hidden]
 
   Device device_ = Device::Cpu;

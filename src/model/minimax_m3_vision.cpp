@@ -96,30 +96,35 @@ std::unique_ptr<MiniMaxM3VisionEncoder> MiniMaxM3VisionEncoder::load(Checkpoint&
   return encoder;
 }
 
-Tensor MiniMaxM3VisionEncoder::attend(const Tensor& x, const Layer& layer, const std::vector<VisionGrid>& grids) const {
-  const int64_t D = head_dim_, half_axis = int64_t(inv_freq_.size());
-  const int64_t rot_half = 3 * half_axis;  // NeoX halves of the 3a rotated dimensions
-  Tensor q = linear_bias(x, layer.q), k = linear_bias(x, layer.k);
-  const Tensor v = linear_bias(x, layer.v);
-  // The rotation: patch r of an image at (t, h, w), frequency j of axis j / half_axis; the angles on the host.
-  Tensor cos = Tensor::empty({x.dim(0), rot_half}), sin = Tensor::empty({x.dim(0), rot_half});
+ImageAttention MiniMaxM3VisionEncoder::rotation(const std::vector<VisionGrid>& grids) const {
+  // Patch r of an image at (t, h, w), in the processor's merge-window order; frequency j of axis j / half_axis.
+  const int64_t half_axis = int64_t(inv_freq_.size()), rot_half = 3 * half_axis;  // NeoX halves of the 3a rotated
+  int64_t rows = 0;
+  for (const VisionGrid& g : grids) rows += g.t * g.h * g.w;
+  ImageAttention a{Tensor::empty({rows, rot_half}), Tensor::empty({rows, rot_half}), {}};
   int64_t row = 0;
-  for (const VisionGrid& g : grids)
+  for (const VisionGrid& g : grids) {
+    a.rows_per_image.push_back(g.t * g.h * g.w);
     for (int64_t local = 0; local < g.t * g.h * g.w; ++local, ++row) {
       const int64_t rem = local % (g.h * g.w), bh = rem / (merge_ * g.w), r = rem % (merge_ * g.w);
       const int64_t bw = r / (merge_ * merge_), r2 = r % (merge_ * merge_);
       const int64_t pos[3] = {local / (g.h * g.w), bh * merge_ + r2 / merge_, bw * merge_ + r2 % merge_};
       for (int64_t j = 0; j < rot_half; ++j) {
         const float angle = float(pos[j / half_axis]) * inv_freq_[size_t(j % half_axis)];
-        cos.row(row)[j] = std::cos(angle), sin.row(row)[j] = std::sin(angle);
+        a.cos.row(row)[j] = std::cos(angle), a.sin.row(row)[j] = std::sin(angle);
       }
     }
-  cos = cos.to(device_), sin = sin.to(device_);
-  ops::rotate_pairs_(q, cos, sin, D, /*interleaved=*/false);
-  ops::rotate_pairs_(k, cos, sin, D, /*interleaved=*/false);
-  std::vector<int64_t> rows_per_image;
-  for (const VisionGrid& g : grids) rows_per_image.push_back(g.t * g.h * g.w);
-  return linear_bias(attend_within_images(q, k, v, heads_, rows_per_image), layer.out);
+  }
+  a.cos = a.cos.to(device_), a.sin = a.sin.to(device_);
+  return a;
+}
+
+Tensor MiniMaxM3VisionEncoder::attend(const Tensor& x, const Layer& layer, const ImageAttention& a) const {
+  Tensor q = linear_bias(x, layer.q), k = linear_bias(x, layer.k);
+  const Tensor v = linear_bias(x, layer.v);
+  ops::rotate_pairs_(q, a.cos, a.sin, head_dim_, /*interleaved=*/false);
+  ops::rotate_pairs_(k, a.cos, a.sin, head_dim_, /*interleaved=*/false);
+  return linear_bias(attend_within_images(q, k, v, heads_, a.rows_per_image), layer.out);
 }
 
 Tensor MiniMaxM3VisionEncoder::embed(const Tensor& pixel_values, const std::vector<VisionGrid>& grids) const {
@@ -137,8 +142,9 @@ Tensor MiniMaxM3VisionEncoder::embed(const Tensor& pixel_values, const std::vect
   SPARROW_CHECK(rows == pixel_values.dim(0), "MiniMax-M3-VL vision encoder: the grids hold ", rows, " patches, got ",
                 pixel_values.dim(0), " rows");
   Tensor x = ops::layer_norm(ops::linear(pixel_values.to(device_, ops::act_type(device_)), patch_w_), pre_.w, pre_.b, eps_);
+  const ImageAttention rotary = rotation(grids);
   for (const Layer& layer : layers_) {
-    ops::add_(x, attend(ops::layer_norm(x, layer.ln1.w, layer.ln1.b, eps_), layer, grids));
+    ops::add_(x, attend(ops::layer_norm(x, layer.ln1.w, layer.ln1.b, eps_), layer, rotary));
     Tensor up = linear_bias(ops::layer_norm(x, layer.ln2.w, layer.ln2.b, eps_), layer.fc1);
     ops::gelu_(up);
     ops::add_(x, linear_bias(up, layer.fc2));

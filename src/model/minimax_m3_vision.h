@@ -61,7 +61,8 @@ class MiniMaxM3VisionEncoder : public VisionEncoder {
   struct Layer {
     Affine ln1, q, k, v, out, ln2, fc1, fc2;
   };
-  Tensor attend(const Tensor& x, const Layer& layer, const std::vector<VisionGrid>& grids) const;
+  ImageAttention rotation(const std::vector<VisionGrid>& grids) const;  // once per embed(), for every layer
+  Tensor attend(const Tensor& x, const Layer& layer, const ImageAttention& a) const;
 
   Device device_ = Device::Cpu;
   int64_t hidden_ = 0, heads_ = 0, head_dim_ = 0, merge_ = 2, patch_width_ = 0, text_hidden_ = 0;

@@ -28,6 +28,14 @@ class VisionEncoder {
   virtual int32_t image_token_id() const = 0;  // the placeholder's id
 };
 
+// What every layer's attention in one embed() call shares: the rotary's cos and sin for each patch row ([rows, R]
+// fp32 on the tower's device, computed once on the host: the towers' 2-D / 3-D angles are not one position times a
+// frequency) and how many rows each image has.
+struct ImageAttention {
+  Tensor cos, sin;
+  std::vector<int64_t> rows_per_image;
+};
+
 // Softmax attention of each image's patches to each other (no mask), head by head: q, k and v are [rows,
 // heads * head_dim] on one device (fp32 on the host, bf16 on a GPU), the images' rows one after another
 // (`rows_per_image`); scale head_dim^-0.5. The scores in fp32 (ops::batched_matmul_nt), their softmax
