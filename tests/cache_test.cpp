@@ -233,6 +233,7 @@ TEST(CacheSpec, FromConfigMatchesTheLoadedModel) {
   for (const fs::directory_entry& entry : fs::directory_iterator(source_path("tests/fixtures"))) {
     if (!fs::exists(entry.path() / "config.json")) continue;
     if (entry.path().filename().string().ends_with("_dspark")) continue;  // drafters (model/dspark.h)
+    if (entry.path().filename().string().ends_with("_vision")) continue;  // a vision tower alone (kimi_k3_vision.h)
     SCOPED_TRACE(entry.path().filename().string());
     const std::unique_ptr<Model> model = load_model(entry.path().string());
     EXPECT_EQ(spec_of_config_file(entry.path() / "config.json"), model->cache_spec());
