@@ -116,13 +116,23 @@ void EngineCore::validate(const Request& request) const {
 }
 
 void EngineCore::attach_images(const std::vector<ScheduledChunk>& chunks, Batch& batch) {
-  ImageRows rows;
+  // The images the step's chunks overlap, then their embeddings (the missing ones in one tower call).
+  std::vector<const vision::ImageInput*> images;
+  std::vector<size_t> chunk_of;
   for (size_t j = 0; j < chunks.size(); ++j) {
-    const Sequence& seq = *chunks[j].seq;
     const SeqSlice& slice = batch.seqs[j];
-    for (const vision::ImageInput& image : seq.request.images)
-      if (image.offset < slice.start() + slice.count && image.offset + image.tokens > slice.start())
-        rows.add(slice.offset, slice.start(), slice.count, image.offset, encoder_cache_.get(image, *model_.vision()));
+    for (const vision::ImageInput& image : chunks[j].seq->request.images)
+      if (image.offset < slice.start() + slice.count && image.offset + image.tokens > slice.start()) {
+        images.push_back(&image);
+        chunk_of.push_back(j);
+      }
+  }
+  if (images.empty()) return;
+  const std::vector<Tensor> embeddings = encoder_cache_.get(images, *model_.vision());
+  ImageRows rows;
+  for (size_t i = 0; i < images.size(); ++i) {
+    const SeqSlice& slice = batch.seqs[chunk_of[i]];
+    rows.add(slice.offset, slice.start(), slice.count, images[i]->offset, embeddings[i]);
   }
   rows.attach_to(batch);
 }
