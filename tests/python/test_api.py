@@ -369,3 +369,34 @@ def test_images_in_generate_and_chat(sparrow_binary, tmp_path):
     text_only = sparrow.LLM(str(BUNDLED), kv_cache_memory_bytes=64 << 20)
     with pytest.raises(ValueError, match="takes no images"):
         text_only.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": str(first)}}, greedy)
+
+
+def test_kimi_k3_images_in_generate_and_chat(sparrow_binary, tmp_path):
+    """Kimi K3's tower (tests/fixtures/kimi_k3_vl): ids with one <|kimi_image_placeholder|> (251) per image become
+    "<|media_begin|>image {w}x{h}<|media_content|>", the <|media_pad|> (250) run and <|media_end|>, answered as
+    `sparrow generate` answers the expanded ids; a chat's image_url part is rendered by Kimi K3's template."""
+    import base64
+    fixture = FIXTURES / "kimi_k3_vl"
+    images = REPO / "tests" / "data" / "images"
+    if not (images / "rgb_97x61.png").exists():
+        pytest.skip("tests/data/images is not in this copy of the tree")
+    first, second = images / "rgb_97x61.png", images / "downscaled_203x151.jpg"
+    llm = sparrow.LLM(str(fixture), kv_cache_memory_bytes=64 << 20)
+    greedy = sparrow.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [17, 251, 99, 251, 3],
+                        "multi_modal_data": {"image": [str(first), second.read_bytes()]}}, greedy)[0]
+    expanded = out.prompt_token_ids
+    text = lambda s: [ord(c) - 31 for c in s]  # the fixture's byte tokens for printable ASCII
+    assert expanded == ([17, 247] + text("image 97x61") + [248] + [250] * 12 + [249, 99, 247] + text("image 203x151") +
+                        [248] + [250] * 20 + [249, 3])
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": [{"ids": expanded, "images": [str(first), str(second)]}]}))
+    cli = subprocess.run([sparrow_binary, "generate", "--model", str(fixture), "--prompt-ids", str(prompts),
+                          "--max-tokens", "3", "--temperature", "0", "--ignore-eos"],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["completions"][0] == out.outputs[0].token_ids
+    url = "data:image/png;base64," + base64.b64encode(first.read_bytes()).decode()
+    chat = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                   {"type": "image_url", "image_url": {"url": url}}]}], greedy)[0]
+    assert chat.prompt_token_ids.count(250) == 12 and 251 not in chat.prompt_token_ids
