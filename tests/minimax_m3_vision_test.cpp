@@ -21,11 +21,13 @@
 #include "model/model.h"
 #include "model/vision_encoder.h"
 #include "test_util.h"
+#include "vision_test_util.h"
 #include "vision/image.h"
 #include "vision/minimax_m3_vl_processor.h"
 
 using namespace sparrow;
 using namespace sparrow::vision;
+using namespace sparrow::vision_test;
 namespace fs = std::filesystem;
 
 namespace {
@@ -42,18 +44,6 @@ MiniMaxM3VlImagePatches patches_of(const std::string& name) {
   config.min_pixels = cases.at(name).at("min_pixels").get<int64_t>();
   config.max_pixels = cases.at(name).at("max_pixels").get<int64_t>();
   return minimax_m3_vl_patches(decode_image(sparrow::testing::slurp(kImages / name)), config);
-}
-
-// The largest difference from the reference, over the reference's largest magnitude.
-double relative_gap(const Tensor& got, const Tensor& want) {
-  EXPECT_EQ(got.shape(), want.shape());
-  if (got.shape() != want.shape()) return INFINITY;
-  double gap = 0, scale = 0;
-  for (int64_t i = 0; i < want.numel(); ++i) {
-    gap = std::max(gap, double(std::fabs(got.data()[i] - want.data()[i])));
-    scale = std::max(scale, double(std::fabs(want.data()[i])));
-  }
-  return gap / scale;
 }
 
 Tensor reference(const std::string& key) {
@@ -110,30 +100,6 @@ TEST(MiniMaxM3Vision, BadInputIsAOneLineError) {
 // than the MSA budget of 3 blocks of 8).
 
 namespace {
-
-struct PromptImage {
-  int64_t offset;
-  Tensor embeddings;
-};
-
-// The prompt's logits, run chunk by chunk through one sequence, each chunk's image rows placed by ImageRows.
-Tensor run_prompt(Model& model, const std::vector<int32_t>& ids, const std::vector<PromptImage>& images,
-                  const std::vector<int64_t>& chunks) {
-  SequenceState seq = sparrow::testing::new_sequence(model);
-  Tensor all = Tensor::empty({int64_t(ids.size()), model.vocab_size()});
-  int64_t done = 0;
-  for (int64_t len : chunks) {
-    Batch batch = make_batch({{&seq, {ids.begin() + done, ids.begin() + done + len}}});
-    ImageRows rows;
-    for (const PromptImage& image : images) rows.add(0, done, len, image.offset, image.embeddings);
-    rows.attach_to(batch);
-    const Tensor logits = sparrow::testing::run_step(model, batch);
-    std::copy_n(logits.data(), logits.numel(), all.row(done));
-    done += len;
-  }
-  EXPECT_EQ(done, int64_t(ids.size()));
-  return all;
-}
 
 std::vector<int32_t> prompt_ids() {
   const Tensor ids = reference("prompt.ids");
