@@ -10,7 +10,7 @@ cd "$(dirname "$0")"
 BUILD=${SPARROW_BUILD_DIR:-build}
 
 # Debian packages the build and tests need (see docs/ARCHITECTURE.md, "Dependencies").
-PACKAGES=(cmake ninja-build g++ pkg-config libopenblas-dev nlohmann-json3-dev libcli11-dev libgtest-dev libpcre2-dev libxxhash-dev libpng-dev libjpeg-dev libwebp-dev libcpp-httplib-dev libboost-dev libgloo-dev curl pybind11-dev python3-dev)
+PACKAGES=(cmake ninja-build g++ pkg-config libopenblas-dev nlohmann-json3-dev libcli11-dev libgtest-dev libpcre2-dev libxxhash-dev libpng-dev libjpeg-dev libwebp-dev libcpp-httplib-dev libboost-dev libgloo-dev libucx-dev curl pybind11-dev python3-dev)
 # The test mode's sanitizer build (docs/testing.md): clang with its sanitizer and libFuzzer runtimes, and
 # llvm's llvm-symbolizer so that reports name files and lines.
 # Open MPI's mpirun, one of the launchers a tensor-parallel run starts under (docs/parallel.md), is tested too.
