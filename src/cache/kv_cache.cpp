@@ -493,4 +493,14 @@ std::vector<int64_t> KvCache::page_offsets(SeqId seq, int layer, PageKind kind) 
   return offsets;
 }
 
+std::vector<KvRegion> KvCache::transfer_regions(SeqId seq) const {
+  SPARROW_CHECK(device() == Device::Cpu, "kv transfer: the cache is in GPU memory; disaggregation moves host-memory "
+                "caches only so far (docs/disaggregation.md)");
+  const Sequence& s = sequence(seq);
+  std::vector<KvRegion> regions;
+  for (const int32_t block : s.blocks) regions.push_back({pool() + int64_t(block) * row_bytes(), row_bytes()});
+  if (has_recurrent_state()) regions.push_back({state_slot(s.state_slot), plan_.state_slot_bytes});
+  return regions;
+}
+
 }  // namespace sparrow

@@ -47,6 +47,7 @@
 
 #include "cache/planner.h"
 #include "cache/prefix_hash.h"
+#include "core/kv_transfer.h"
 #include "core/tensor.h"
 #include "core/sequence_cache.h"
 
@@ -119,6 +120,11 @@ class KvCache final : public PagedStorage {
   // parallel rank 0 names its caches to its workers by uid and tells them when one is gone.
   uint64_t uid() const { return uid_; }
   void on_destroy(std::function<void()> hook) { on_destroy_ = std::move(hook); }
+
+  // Prefill/decode disaggregation (engine/kv_handoff.h): the sequence's block rows in block-table order, then
+  // its state slot when the model has recurrent layers; host memory only (a GPU pool's rows are not
+  // addressable by the transfer agent).
+  std::vector<KvRegion> transfer_regions(SeqId seq) const;
 
   // Prefix-cache statistics: prompt tokens looked up, and tokens reused.
   int64_t prefix_queries() const { return prefix_queries_; }

@@ -225,4 +225,23 @@ std::string CachePlan::summary(int64_t max_model_len) const {
   return out.str();
 }
 
+std::string CachePlan::layout_key() const {
+  // FNV-1a over the placements' numbers: the same build on both sides, so the same layout gives the same key.
+  uint64_t hash = 0xcbf29ce484222325ull;
+  auto mix = [&](int64_t v) {
+    for (int b = 0; b < 8; ++b) hash = (hash ^ uint64_t((v >> (8 * b)) & 0xff)) * 0x100000001b3ull;
+  };
+  for (const PagePlacement& p : pages)
+    for (int64_t v : {int64_t(p.layer), int64_t(p.spec.kind), p.spec.width, p.spec.rope_width, p.spec.heads,
+                      p.spec.token_shards, p.offset, p.rows, p.page_bytes})
+      mix(v);
+  for (const StatePlacement& s : states)
+    for (int64_t v : {int64_t(s.layer), int64_t(s.spec.kind), s.spec.size, s.offset}) mix(v);
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", (unsigned long long)hash);
+  return "block " + std::to_string(block_size) + ", row " + std::to_string(row_bytes) + " B, state " +
+         std::to_string(state_slot_bytes) + " B, kv " + cache_dtype_name(dtype) + ", index " +
+         cache_dtype_name(index_dtype) + ", layout " + hex;
+}
+
 }  // namespace sparrow

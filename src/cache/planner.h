@@ -92,6 +92,10 @@ class CachePlan {
   // The page of `kind` of `layer`, or null when the layer has none.
   const PagePlacement* page(int layer, PageKind kind) const;
   const StatePlacement* state(int layer, StateKind kind) const;
+  // The byte layout of a block row and a state slot in one line (block size, sizes, formats, and a hash of every
+  // page's and state's placement): two caches whose keys are equal hold the same bytes at the same offsets, so
+  // a row of one is a row of the other (prefill/decode disaggregation copies rows between instances).
+  std::string layout_key() const;
   // The start-up printout: bytes per token by component, the row, the state slots, and how many
   // tokens and full max_model_len contexts fit in the budget.
   std::string summary(int64_t max_model_len) const;

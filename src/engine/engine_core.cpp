@@ -4,6 +4,7 @@
 #include <bit>
 #include <chrono>
 #include <cstdio>
+#include <thread>
 
 #include "core/error.h"
 #include "core/parallel.h"
@@ -113,6 +114,7 @@ void EngineCore::validate(const Request& request) const {
     }
     vision::check_image_placeholders(request.prompt, request.images, tower->image_token_id());
   }
+  if (request.kv_transfer.active()) validate_kv_transfer(request);
 }
 
 void EngineCore::attach_images(const std::vector<ScheduledChunk>& chunks, Batch& batch) {
@@ -159,7 +161,9 @@ void EngineCore::add(Request request, OutputCallback on_output) {
     active->choices.push_back(std::make_unique<Sequence>(active->request, i, end_tokens, tokenizer_));
     if (grammar) active->choices.back()->matcher = std::make_unique<structured::GrammarMatcher>(grammar, end_tokens);
     active->choices.back()->allowed_tokens = allowed;
-    scheduler_.add(active->choices.back().get());
+    // A decode instance's handoff waits for its blocks and fetch (start_fetches), not for the scheduler.
+    if (active->request.kv_transfer.remote_prefill) handoffs_waiting_.push_back(active->choices.back().get());
+    else scheduler_.add(active->choices.back().get());
   }
   active->unfinished = p.n;
   const std::string id = active->request.id;
@@ -205,6 +209,7 @@ EngineStats EngineCore::stats() const {
   s.mm_cache_hits = encoder_cache_.hits();
   s.mm_cache_queries = encoder_cache_.hits() + encoder_cache_.misses();
   s.encoder_seconds = encoder_cache_.encode_seconds();
+  s.kv_transfer = kv_stats_;
   return s;
 }
 
@@ -262,8 +267,18 @@ int64_t EngineCore::warm_up() {
 
 bool EngineCore::step() {
   StepTimer timer;
+  if (config_.kv_transfer.agent) {
+    settle_transfers();
+    start_fetches();
+  }
+  scheduler_.set_reserved_seqs(int64_t(fetches_.size()));  // their sequences join the running ones later
   const std::vector<ScheduledChunk> chunks = scheduler_.schedule();
-  if (chunks.empty()) return false;
+  if (chunks.empty()) {
+    // Only handoffs to wait for (their fetches, or blocks an offer still holds): the engine loop calls again at
+    // once, so do not spin it.
+    if (!fetches_.empty() || !handoffs_waiting_.empty()) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    return false;
+  }
 
   const bool recurrent = cache_.plan().state_slot_bytes > 0;
   std::vector<std::pair<SequenceState*, std::vector<int32_t>>> parts;
@@ -610,7 +625,7 @@ RequestOutput EngineCore::new_event(const Sequence& seq) const {
   return event;
 }
 
-bool EngineCore::emit(Sequence& seq, int32_t token, std::span<const float> logits) {
+bool EngineCore::emit(Sequence& seq, int32_t token, std::span<const float> logits, const TokenLogprob* known) {
   const SamplingParams& p = seq.params();
   if (seq.num_output() == 0) prompt_tokens_total_ += seq.prompt_length;
   ++generation_tokens_total_;
@@ -618,7 +633,7 @@ bool EngineCore::emit(Sequence& seq, int32_t token, std::span<const float> logit
 
   RequestOutput event = new_event(seq);
   event.new_tokens = {token};
-  if (p.logprobs >= 0) event.logprobs.push_back(token_logprob(logits, token, p.logprobs));
+  if (p.logprobs >= 0) event.logprobs.push_back(known ? *known : token_logprob(logits, token, p.logprobs));
   if (seq.wants_prompt_logprobs) {
     event.prompt_logprobs = std::move(seq.prompt_logprobs);
     seq.wants_prompt_logprobs = false;
@@ -630,6 +645,9 @@ bool EngineCore::emit(Sequence& seq, int32_t token, std::span<const float> logit
   if (event.finish_reason.empty() &&
       (seq.num_output() >= p.max_tokens || int64_t(seq.tokens.size()) >= config_.max_model_len))
     event.finish_reason = "length";
+  // A prefill instance's request ends with its first token, whatever max_tokens says: the decode instance
+  // draws the rest (engine/kv_handoff.h).
+  if (event.finish_reason.empty() && seq.request.kv_transfer.remote_decode) event.finish_reason = "length";
 
   if (event.finish_reason.empty()) {
     active_request(seq).on_output(event);
@@ -674,6 +692,7 @@ EngineCore::ActiveRequest& EngineCore::active_request(const Sequence& seq) { ret
 
 void EngineCore::finish(Sequence& seq, RequestOutput& event) {
   ActiveRequest& active = active_request(seq);
+  if (seq.request.kv_transfer.active()) hand_off_on_finish(seq, event);
   scheduler_.remove(&seq);
   if (proposer_) proposer_->forget(seq);
   event.finished = true;

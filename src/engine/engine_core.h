@@ -15,6 +15,7 @@
 //      event; with speculative decoding, the proposer guesses the next step's drafts.
 #pragma once
 #include <array>
+#include <deque>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -26,6 +27,7 @@
 
 #include "cache/kv_cache.h"
 #include "engine/encoder_cache.h"
+#include "engine/kv_handoff.h"
 #include "engine/request.h"
 #include "engine/scheduler.h"
 #include "engine/sequence.h"
@@ -54,6 +56,8 @@ struct EngineConfig {
   // joins the engine's cache); it must outlive the core.
   SpeculativeConfig speculative;
   Model* draft_model = nullptr;
+  // Prefill/decode disaggregation (--kv-transfer-config; engine/kv_handoff.h).
+  KvTransferSettings kv_transfer;
 
   StepLimits step_limits() const {
     return {max_num_seqs, max_num_batched_tokens, max_model_len, speculative.num_speculative_tokens};
@@ -94,6 +98,7 @@ struct EngineStats {
   // Images (engine/encoder_cache.h): embeddings asked for and found cached, and the vision tower's time on the rest.
   int64_t mm_cache_queries = 0, mm_cache_hits = 0;
   double encoder_seconds = 0;
+  KvTransferStats kv_transfer;  // prefill/decode disaggregation's offers and fetches
   // Data parallel, rank 0's engine: the requests handed to each group so far (empty otherwise).
   std::vector<int64_t> requests_by_group;
 };
@@ -133,7 +138,8 @@ class EngineCore {
   int64_t warm_up();
   // Runs one step; false when there was nothing to run.
   bool step();
-  bool has_work() const { return scheduler_.has_work(); }
+  // (A decode instance's requests waiting for their blocks or their fetch count as work: step() polls them.)
+  bool has_work() const { return scheduler_.has_work() || !handoffs_waiting_.empty() || !fetches_.empty(); }
   // Data parallel: this group's part of a step other groups run while it has nothing to run
   // (ModelRunner::run_idle).
   IdleStep step_idle() { return runner_.run_idle(); }
@@ -155,9 +161,10 @@ class EngineCore {
 
   void record_prompt_logprobs(Sequence& seq, const Tensor& logits, const SeqSlice& slice);
   // Appends the sequence's next token and sends its event; `logits` (its raw row on the host) is only
-  // read for log-probabilities and may be empty when none were asked. False when the token ended the
-  // sequence (it is gone then).
-  bool emit(Sequence& seq, int32_t token, std::span<const float> logits);
+  // read for log-probabilities and may be empty when none were asked, or when `known` gives them (a decode
+  // instance's first token, drawn by the prefill instance). False when the token ended the sequence (it is
+  // gone then).
+  bool emit(Sequence& seq, int32_t token, std::span<const float> logits, const TokenLogprob* known = nullptr);
   // Sets the event's finish reason when `token` ends the sequence (end of sequence, stop token id).
   bool check_stop_token(const Sequence& seq, int32_t token, RequestOutput& event) const;
   // The token's text; a stop string it completes ends the sequence.
@@ -205,6 +212,27 @@ class EngineCore {
 
   // A step's image rows (Batch::embedded_rows): each chunk's part of its sequence's images, embedded on a miss.
   void attach_images(const std::vector<ScheduledChunk>& chunks, Batch& batch);
+
+  // Prefill/decode disaggregation (engine/kv_handoff.cpp).
+  void validate_kv_transfer(const Request& request) const;
+  // A prefill instance's finished do_remote_decode choice: its cache is offered (event.kv_handoff says how to
+  // fetch it) instead of freed. A decode instance's choice that ends while its fetch runs: the fetch is
+  // cancelled and its blocks freed once it has stopped writing them.
+  void hand_off_on_finish(Sequence& seq, RequestOutput& event);
+  // Decode instance: starts the fetches of waiting handoffs while blocks and sequence slots last.
+  void start_fetches();
+  // Both: ended offers free their caches; fetched sequences join the running ones and emit their first token.
+  void settle_transfers();
+  struct PendingFetch {
+    Sequence* seq;  // null once its choice was aborted
+    uint64_t ticket;
+    SeqId cache_id;
+  };
+  std::deque<Sequence*> handoffs_waiting_;  // decode side: in arrival order
+  std::vector<PendingFetch> fetches_;
+  std::unordered_map<std::string, SeqId> offered_;  // prefill side: transfer id -> the cache it offers
+  int64_t next_transfer_ = 0;
+  KvTransferStats kv_stats_;
 
   Model& model_;
   ModelRunner runner_;

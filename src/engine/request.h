@@ -9,6 +9,7 @@
 #include <variant>
 #include <vector>
 
+#include "engine/kv_handoff.h"
 #include "engine/logprobs.h"
 #include "engine/sampler.h"
 #include "vision/image_input.h"
@@ -25,6 +26,8 @@ struct Request {
   // The prompt's images, in prompt order, each over its run of placeholder tokens (docs/vision.md); the model's
   // vision tower embeds them (EngineCore checks them against it).
   std::vector<vision::ImageInput> images;
+  // Prefill/decode disaggregation (engine/kv_handoff.h): vLLM's kv_transfer_params as the engine takes them.
+  KvTransferRequest kv_transfer;
 };
 
 // One event for one choice of one request. Deltas since the choice's previous event.
@@ -48,6 +51,9 @@ struct RequestOutput {
   // When the engine first scheduled this choice (its wait in the queue ends there; a preemption does not
   // move it): the server's queue, prefill and decode time metrics.
   std::optional<std::chrono::steady_clock::time_point> first_scheduled;
+  // A prefill instance's last event of a do_remote_decode request: what the decode instance needs (the
+  // response's kv_transfer_params).
+  std::optional<KvHandoff> kv_handoff;
 };
 
 }  // namespace sparrow

@@ -25,6 +25,14 @@ void Scheduler::remove(Sequence* seq) {
   seq->status = SequenceStatus::Finished;
 }
 
+bool Scheduler::add_running(Sequence* seq) {
+  if (num_running() >= config_.max_num_seqs) return false;
+  seq->status = SequenceStatus::Running;
+  seq->admitted_before = true;
+  running_.push_back(seq);
+  return true;
+}
+
 void Scheduler::release_cache(Sequence* seq) {
   if (seq->cache_id >= 0) cache_.free_sequence(seq->cache_id);
   seq->cache_id = -1;
@@ -81,7 +89,7 @@ void Scheduler::preempt(Sequence* seq) {
 }
 
 bool Scheduler::admit_next(int64_t budget, std::vector<ScheduledChunk>& scheduled) {
-  if (waiting_.empty() || num_running() >= config_.max_num_seqs || cache_.num_free_state_slots() == 0 ||
+  if (waiting_.empty() || num_running() + reserved_seqs_ >= config_.max_num_seqs || cache_.num_free_state_slots() == 0 ||
       cache_.num_free_blocks() == 0)
     return false;
   Sequence* seq = waiting_.front();

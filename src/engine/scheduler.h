@@ -44,6 +44,13 @@ class Scheduler {
   void add(Sequence* seq);
   // Takes a sequence out (finished or aborted) and frees its cache.
   void remove(Sequence* seq);
+  // Prefill/decode disaggregation (engine/kv_handoff.h). A sequence whose cache the engine filled itself (its
+  // rows fetched from a prefill instance) joins the running ones as it is; false (nothing changed) when
+  // max_num_seqs are running.
+  bool add_running(Sequence* seq);
+  // Sequences the engine holds outside the scheduler that will join the running ones (fetches under way): they
+  // count against max_num_seqs when waiting sequences are admitted.
+  void set_reserved_seqs(int64_t n) { reserved_seqs_ = n; }
 
   // The next step; empty when there is nothing to run. Running sequences it returns have room in the
   // cache for their chunk.
@@ -68,6 +75,7 @@ class Scheduler {
   std::deque<Sequence*> waiting_;
   std::vector<Sequence*> running_;  // in admission order: the youngest last
   int64_t num_preemptions_ = 0;
+  int64_t reserved_seqs_ = 0;
 };
 
 }  // namespace sparrow
