@@ -32,6 +32,7 @@ void add_detokenize(CLI::App& app);
 void add_chat(CLI::App& app);
 void add_perplexity(CLI::App& app);
 void add_kv_plan(CLI::App& app);
+void add_proxy(CLI::App& app);
 // sparrow bench kv-quality (kv_quality_command.cpp), registered under `bench`.
 void add_bench_kv_quality(CLI::App* bench);
 
@@ -88,6 +89,8 @@ RunnerOptions cli_runner_options();
 // The parallel layout load_cli_model made, in words: "one process (tensor parallel 1)" or "tensor parallel 4
 // (4 processes, expert parallel)".
 std::string cli_parallel_layout();
+// No tensor- or data-parallel group: the model runs in this process alone.
+bool cli_single_process();
 // main() records its arguments (what the workers a tensor-parallel run starts are given). On an error it
 // calls report_failure: the message goes to stderr ("error: ...", with the rank on a worker) and a tensor-parallel run
 // is abandoned: its workers are killed rather than told to stop.

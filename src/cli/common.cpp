@@ -298,6 +298,8 @@ int cli_data_parallel_size() {
   return run.group ? run.group->data_parallel_size() : 1;
 }
 
+bool cli_single_process() { return parallel_run().group == nullptr; }
+
 std::string cli_parallel_layout() {
   const ParallelRun& run = parallel_run();
   if (!run.group) return "one process (tensor parallel 1)";

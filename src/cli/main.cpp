@@ -27,6 +27,7 @@ int main(int argc, char** argv) {
   sparrow::cli::add_chat(app);
   sparrow::cli::add_perplexity(app);
   sparrow::cli::add_kv_plan(app);
+  sparrow::cli::add_proxy(app);
   // vLLM's short spellings such as -tp, which CLI11 cannot name (one dash, two letters).
   std::vector<std::string> args(argv + 1, argv + argc);
   for (std::string& arg : args) arg = sparrow::cli::expand_vllm_short_flag(arg);

@@ -21,6 +21,7 @@
 #include "cli/commands.h"
 #include "cli/vllm_flags.h"
 #include "core/error.h"
+#include "distributed/ucx_kv_transfer.h"
 #include "engine/engine.h"
 #include "engine/generate.h"
 #include "formats/config.h"
@@ -116,6 +117,7 @@ struct ServeFlags {
   double shutdown_timeout = 30;
   LoraFlags lora;
   std::string limit_mm_per_prompt, allowed_local_media_path;  // images (docs/vision.md)
+  std::string kv_transfer_config;  // prefill/decode disaggregation (docs/disaggregation.md)
 };
 
 // SIGTERM / SIGINT: the handler only writes the signal number to a pipe (all it may safely do, and it
@@ -288,6 +290,21 @@ void serve(const ServeFlags& flags) {
   const std::unique_ptr<Model> draft_model = load_draft_model(speculative, model_dir, flags.device, *model);
   config.speculative = speculative;
   config.draft_model = draft_model.get();
+  // Prefill/decode disaggregation: the transfer agent, declared before the engine that uses it.
+  std::unique_ptr<KvTransferAgent> kv_agent;
+  if (!flags.kv_transfer_config.empty()) {
+    const KvTransferConfig kv = parse_kv_transfer_config(flags.kv_transfer_config);
+    SPARROW_CHECK(!on_gpu, "--kv-transfer-config: the block rows move between host-memory caches only so far; a GPU "
+                  "cache's path (staged through host memory, or NCCL within a host) is not built yet (docs/disaggregation.md)");
+    SPARROW_CHECK(cli_single_process(), "--kv-transfer-config: disaggregation "
+                  "pairs single-process instances so far (no --tensor-parallel-size or --data-parallel-size)");
+    kv_agent = make_ucx_kv_transfer(kv.ip, kv.port, kv.advertise_host);
+    config.kv_transfer = kv.settings;
+    config.kv_transfer.agent = kv_agent.get();
+    std::fprintf(stderr, "sparrow serve: kv transfer: %s (%s) on %s, reached at %s:%d, engine id %s\n", kv.role.c_str(),
+                 kv.connector.c_str(), kv_agent->backend().c_str(), kv_agent->address().host.c_str(),
+                 kv_agent->address().port, kv.settings.engine_id.c_str());
+  }
   // On a GPU without --kv-cache-memory, vLLM's meaning of --gpu-memory-utilization (default 0.9): the cache
   // gets what the weights and two measured steps leave of that share of the GPU (gpu_kv_cache_bytes).
   config.runner = cli_runner_options();
@@ -344,6 +361,9 @@ void add_serve(CLI::App& app) {
   sub->add_option("--model", f.model, "the model folder, as a flag");
   add_device_option(sub, f.device);
   add_speculative_option(sub, f.speculative_config);
+  sub->add_option("--kv-transfer-config", f.kv_transfer_config,
+                  "prefill/decode disaggregation, vLLM's JSON: {\"kv_connector\": \"NixlConnector\", \"kv_role\": "
+                  "\"kv_producer\" | \"kv_consumer\" | \"kv_both\", \"kv_ip\", \"kv_port\", ...} (docs/disaggregation.md)");
   sub->add_option("--host", f.host, "address to listen on")->capture_default_str();
   sub->add_option("--port", f.port, "port to listen on (0: any free port)")->capture_default_str();
   sub->add_option("--api-key", f.api_key,

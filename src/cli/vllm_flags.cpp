@@ -35,7 +35,6 @@ const char* const kNoImages =
     "and --allowed-local-media-path (docs/vision.md)";
 const char* const kNoStructured =
     "sparrow has one structured-output backend of its own (src/structured; see Structured outputs)";
-const char* const kNoDisagg = "prefill/decode disaggregation is not supported yet (issue 31)";
 const char* const kOneScheduler =
     "sparrow's scheduler is vLLM's default policy (first come, first served; chunked prefill; preemption by "
     "recomputation) with no further knobs";
@@ -180,7 +179,6 @@ const std::vector<VllmFlag>& vllm_only_flags() {
       {"--structured-outputs-config", true, kIgnore, kNoStructured},
       {"--guided-decoding-backend", true, kIgnore, kNoStructured},
       {"--reasoning-parser-plugin", true, kRefuse, kNoPython},
-      {"--kv-transfer-config", true, kRefuse, kNoDisagg},
       {"--kv-events-config", true, kRefuse, "KV-cache events are not published"},
       {"--enable-sleep-mode,!--disable-sleep-mode,!--no-enable-sleep-mode", false, kRefuse, "sleep mode is not supported"},
       // The rest of vLLM 0.33.0's serve flags (its parser, `vllm serve --help=all`), by its argument groups.
@@ -376,7 +374,7 @@ const std::vector<VllmFlag>& vllm_only_flags() {
       {"--spec-tokens", true, kRefuse, kSpecConfig},
       {"--watermark-config", true, kRefuse, "text watermarking is not supported"},
       {"--diffusion-config,-dc", true, kRefuse, "diffusion language models are not served"},
-      {"--ec-transfer-config", true, kRefuse, kNoDisagg},
+      {"--ec-transfer-config", true, kRefuse, "images' embeddings are not sent between instances (each embeds its own)"},
       {"--ec-manager-config", true, kIgnore, kNoImages},
       {"--engram-config", true, kRefuse, "n-gram embedding models are not served"},
       {"--reasoning-config", true, kIgnore, "reasoning is parsed by --reasoning-parser"},

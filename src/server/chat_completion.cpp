@@ -14,6 +14,7 @@
 // and the parsers come from ChatPrompt (chat_prompt.h), which /v1/responses shares.
 #include "core/error.h"
 #include "server/api_error.h"
+#include "server/kv_transfer_params.h"
 #include "server/chat_output.h"
 #include "server/chat_prompt.h"
 #include "server/openai_requests.h"
@@ -54,7 +55,8 @@ class ChatCompletion : public CompletionJob {
     const SamplingParams& params = prompt_->params();
     for (int64_t i = 0; i < params.n; ++i) choices_.push_back(ChatChoice(prompt_->new_output()));
     generation_.emplace(context.engine, context.metrics, engine_request_id(request_.request_id, id_),
-                        std::vector<std::vector<int32_t>>{prompt_->ids()}, params, arrival, lora_, prompt_->images());
+                        std::vector<std::vector<int32_t>>{prompt_->ids()}, params, arrival, lora_, prompt_->images(),
+                        request_.kv_transfer);
   }
 
   Generation& generation() override { return *generation_; }
@@ -146,6 +148,7 @@ class ChatCompletion : public CompletionJob {
                  {"usage", usage_json(usage())}};
     if (!prompt_logprobs_.is_null()) body["prompt_logprobs"] = prompt_logprobs_;
     if (request_.return_token_ids) body["prompt_token_ids"] = prompt_->ids();
+    if (!kv_transfer_params_.is_null()) body["kv_transfer_params"] = kv_transfer_params_;
     return body;
   }
 
@@ -160,6 +163,7 @@ class ChatCompletion : public CompletionJob {
     if (!out.prompt_logprobs.empty() && context_.tokenizer)
       prompt_logprobs_ = prompt_logprobs_json(*context_.tokenizer, out.prompt_logprobs);
     cached_tokens_ = std::max(cached_tokens_, out.cached_tokens);
+    if (out.kv_handoff) kv_transfer_params_ = kv_transfer_params_json(*out.kv_handoff);
     if (out.finished) {
       choice.finish_reason = choice.output.finish_reason(out.finish_reason);
       choice.stop_reason = stop_reason_json(out);
@@ -200,6 +204,7 @@ class ChatCompletion : public CompletionJob {
   int64_t prompt_tokens_ = 0, cached_tokens_ = 0;
   Json prompt_logprobs_;
   std::vector<ChatChoice> choices_;
+  Json kv_transfer_params_;  // a prefill instance's handoff (server/kv_transfer_params.h); null otherwise
   std::optional<Generation> generation_;  // last: destroyed first, aborting what still runs
 };
 

@@ -2,17 +2,22 @@
 
 #include <algorithm>
 
+#include "server/api_error.h"
+
 namespace sparrow::server {
 
 Generation::Generation(Engine& engine, ServerMetrics& metrics, const std::string& id,
                        const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& params,
                        Clock::time_point arrival, std::shared_ptr<const LoraAdapter> lora,
-                       std::vector<vision::ImageInput> images)
+                       std::vector<vision::ImageInput> images, KvTransferRequest kv_transfer)
     : engine_(engine),
       metrics_(metrics),
       arrival_(arrival),
       submitted_(prompts.size(), false),
       choices_(prompts.size() * size_t(params.n)) {
+  if (kv_transfer.active() && prompts.size() != 1)
+    bad_request("kv_transfer_params: a disaggregated request has one prompt, not " + std::to_string(prompts.size()),
+                "kv_transfer_params");
   for (size_t c = 0; c < choices_.size(); ++c)
     choices_[c].prompt_tokens = int64_t(prompts[c / size_t(params.n)].size());
   for (size_t p = 0; p < prompts.size(); ++p) metrics_.observe_request(params.n, params.max_tokens);
@@ -22,6 +27,7 @@ Generation::Generation(Engine& engine, ServerMetrics& metrics, const std::string
     for (size_t p = 0; p < prompts.size(); ++p) {
       Request request{engine_ids_[p], prompts[p], params, lora};
       if (p == 0) request.images = std::move(images);  // a chat's one prompt
+      request.kv_transfer = kv_transfer;
       auto queue = queue_;  // the callback keeps the queue alive, not this object
       int64_t prompt = int64_t(p), n = params.n;
       engine_.submit(std::move(request), [queue, prompt, n](const RequestOutput& output) {

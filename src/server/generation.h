@@ -33,10 +33,12 @@ class Generation {
 
   // Submits every prompt; sparrow::Error from the engine (a bad request) propagates after the prompts
   // already submitted are aborted. `arrival` is when the HTTP request arrived (for the latency metrics);
-  // `lora` the adapter every prompt runs with (null: the base model); `images` the first prompt's (a chat's).
+  // `lora` the adapter every prompt runs with (null: the base model); `images` the first prompt's (a chat's);
+  // `kv_transfer` its part in a prefill/decode pair (one prompt only).
   Generation(Engine& engine, ServerMetrics& metrics, const std::string& id,
              const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& params, Clock::time_point arrival,
-             std::shared_ptr<const LoraAdapter> lora = nullptr, std::vector<vision::ImageInput> images = {});
+             std::shared_ptr<const LoraAdapter> lora = nullptr, std::vector<vision::ImageInput> images = {},
+             KvTransferRequest kv_transfer = {});
   ~Generation();
   Generation(const Generation&) = delete;
   Generation& operator=(const Generation&) = delete;

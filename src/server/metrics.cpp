@@ -154,6 +154,19 @@ std::string ServerMetrics::render(const EngineGauges& engine) const {
   counter("vllm:mm_cache_queries", "Images whose embeddings a step needed.", double(engine.mm_cache_queries));
   counter("vllm:mm_cache_hits", "Images whose embeddings the encoder cache held.", double(engine.mm_cache_hits));
   counter("sparrow:encoder_seconds", "Seconds the vision tower spent embedding images.", engine.encoder_seconds);
+  if (engine.kv_transfer) {
+    // docs/disaggregation.md: a prefill instance's offers, a decode instance's fetches (one message a block row).
+    counter("sparrow:kv_transfer_offers", "Prompt caches offered to decode instances.", double(engine.kv_offers));
+    counter("sparrow:kv_transfer_offers_fetched", "Offers a decode instance fetched.", double(engine.kv_offers_fetched));
+    counter("sparrow:kv_transfer_offers_failed", "Offers that expired or whose fetch failed.", double(engine.kv_offers_failed));
+    counter("sparrow:kv_transfer_fetches", "Fetches of a prefill instance's cache started.", double(engine.kv_fetches));
+    counter("sparrow:kv_transfer_fetches_failed", "Fetches that failed.", double(engine.kv_fetches_failed));
+    counter("sparrow:kv_transfer_fetched_messages", "Block rows and states fetched, one message each.",
+            double(engine.kv_fetched_messages));
+    counter("sparrow:kv_transfer_fetched_bytes", "Bytes fetched.", double(engine.kv_fetched_bytes));
+    counter("sparrow:kv_transfer_fetch_seconds", "Seconds from a fetch's request to its last byte, summed.",
+            engine.kv_fetch_seconds);
+  }
   if (!engine.requests_by_group.empty()) {
     // Data parallel (docs/parallel.md): how the server balanced the requests over the groups' engines.
     header(out, "sparrow:data_parallel_requests", "counter", "Requests handed to each data-parallel group's engine.");

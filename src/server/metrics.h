@@ -68,6 +68,11 @@ struct EngineGauges {
   // Images: EngineStats' encoder cache counters and the vision tower's seconds.
   int64_t mm_cache_queries = 0, mm_cache_hits = 0;
   double encoder_seconds = 0;
+  // Prefill/decode disaggregation (EngineStats' KvTransferStats); reported with --kv-transfer-config.
+  bool kv_transfer = false;
+  int64_t kv_offers = 0, kv_offers_fetched = 0, kv_offers_failed = 0, kv_fetches = 0, kv_fetches_failed = 0;
+  int64_t kv_fetched_messages = 0, kv_fetched_bytes = 0;
+  double kv_fetch_seconds = 0;
 };
 
 // The cache settings vllm:cache_config_info reports.

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "server/api_error.h"
+#include "server/kv_transfer_params.h"
 #include "structured/spec.h"
 
 namespace sparrow::server {
@@ -235,6 +236,11 @@ void parse_generation_fields(const Fields& f, GenerationFields& out, const Sampl
   }
   out.return_token_ids = f.boolean("return_token_ids").value_or(false);
   out.request_id = f.string("request_id").value_or("");
+  out.kv_transfer = parse_kv_transfer_params(f);
+  // The proxy reads the handoff from the prefill instance's whole response (vLLM's proxies do the same).
+  if (out.kv_transfer.remote_decode && out.stream)
+    bad_request("kv_transfer_params: do_remote_decode needs stream false (the handoff is in the response body)",
+                "kv_transfer_params");
   f.string("user");  // accepted and ignored, as vLLM does
 }
 

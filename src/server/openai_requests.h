@@ -11,6 +11,7 @@
 #include <variant>
 #include <vector>
 
+#include "engine/kv_handoff.h"
 #include "engine/sampler.h"
 #include "server/api_error.h"
 #include "server/json_fields.h"
@@ -39,6 +40,7 @@ struct GenerationFields {
   std::optional<int64_t> truncate_prompt_tokens;  // keep only the last k prompt tokens
   bool return_token_ids = false;                  // vLLM extra: prompt and output token ids in the response
   std::string request_id;                         // vLLM extra: the client's own id, else generated
+  KvTransferRequest kv_transfer;                  // vLLM's kv_transfer_params (server/kv_transfer_params.h)
 };
 
 // A chat message's image_url content part: its URL and where it is in the request

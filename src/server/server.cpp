@@ -422,7 +422,16 @@ std::string Server::metrics() const {
                       s.spec_decode.accepted_by_position,
                       s.mm_cache_queries,
                       s.mm_cache_hits,
-                      s.encoder_seconds};
+                      s.encoder_seconds,
+                      context_.engine.config().kv_transfer.agent != nullptr,
+                      s.kv_transfer.offers,
+                      s.kv_transfer.offers_fetched,
+                      s.kv_transfer.offers_failed,
+                      s.kv_transfer.fetches,
+                      s.kv_transfer.fetches_failed,
+                      s.kv_transfer.regions,
+                      s.kv_transfer.bytes,
+                      s.kv_transfer.fetch_seconds};
   const int64_t k = context_.engine.config().speculative.num_speculative_tokens;
   gauges.spec_accepted_by_position.resize(size_t(std::max<int64_t>(k, int64_t(s.spec_decode.accepted_by_position.size()))));
   return context_.metrics.render(gauges);

@@ -5,6 +5,7 @@
 // one per choice with finish_reason, then the usage chunk ("choices": []) if asked for, then [DONE].
 #include "core/error.h"
 #include "server/api_error.h"
+#include "server/kv_transfer_params.h"
 #include "server/openai_requests.h"
 #include "server/openai_responses.h"
 #include "server/serving.h"
@@ -66,7 +67,7 @@ class TextCompletion : public CompletionJob {
     }
     context.assign_seed(params);
     generation_.emplace(context.engine, context.metrics, engine_request_id(request_.request_id, id_), prompts_, params, arrival,
-                        lora_);
+                        lora_, std::vector<vision::ImageInput>{}, request_.kv_transfer);
   }
 
   Generation& generation() override { return *generation_; }
@@ -99,6 +100,7 @@ class TextCompletion : public CompletionJob {
       if (out.stop_reason) choice.stop_reason = std::visit([](const auto& v) { return Json(v); }, *out.stop_reason);
     }
     cached_tokens_ = std::max(cached_tokens_, out.cached_tokens);
+    if (out.kv_handoff) kv_transfer_params_ = kv_transfer_params_json(*out.kv_handoff);
     if (out.finish_reason == "error") return engine_failed();
     if (!request_.stream || (out.new_text.empty() && out.new_tokens.empty() && !out.finished)) return "";
 
@@ -133,12 +135,14 @@ class TextCompletion : public CompletionJob {
       }
       choices.push_back(std::move(choice));
     }
-    return {{"id", id_},
-            {"object", "text_completion"},
-            {"created", created_},
-            {"model", context_.response_model(lora_)},
-            {"choices", std::move(choices)},
-            {"usage", usage_json(usage())}};
+    Json body = {{"id", id_},
+                 {"object", "text_completion"},
+                 {"created", created_},
+                 {"model", context_.response_model(lora_)},
+                 {"choices", std::move(choices)},
+                 {"usage", usage_json(usage())}};
+    if (!kv_transfer_params_.is_null()) body["kv_transfer_params"] = kv_transfer_params_;
+    return body;
   }
 
  private:
@@ -181,6 +185,7 @@ class TextCompletion : public CompletionJob {
   int64_t prompt_tokens_ = 0, cached_tokens_ = 0;
   std::map<int64_t, Json> prompt_logprobs_;  // per prompt
   std::vector<TextChoice> choices_;
+  Json kv_transfer_params_;  // a prefill instance's handoff (server/kv_transfer_params.h); null otherwise
   std::optional<Generation> generation_;  // last: destroyed first, aborting what still runs
 };
 
