@@ -36,7 +36,7 @@ if [ "${1:-}" = test ]; then
   # Python references the tests compare against live (tokenizers, tiktoken, jinja2) and the official
   # OpenAI client that drives the server tests. Pinned to the versions the committed expectations came from.
   python3 -m pip install -q --disable-pip-version-check tokenizers==0.23.3 tiktoken==0.14.0 jinja2==3.1.6 \
-      openai pytest httpx
+      openai pytest httpx numpy
   ctest --test-dir "$BUILD" --output-on-failure -j"$(nproc)"
 
   # The sanitizer build (docs/testing.md): clang, CPU only, AddressSanitizer and UndefinedBehaviorSanitizer
