@@ -20,6 +20,9 @@
 // sparrow bench collectives -tp N [--device cpu|cuda] [--min-bytes B] [--max-bytes B] [--op NAME,...] [--json FILE]
 //   Each collective of an N-rank group timed from min to max bytes (src/bench/collectives.h): the median
 //   call time of the slowest rank, algorithm and bus bandwidth (nccl-tests' definitions).
+// sparrow bench kv-transfer [--row-bytes B] [--rows 1,8,64,256] [--iterations N]
+//   Disaggregation's block-row fetch between two processes, one message a row, against memcpy
+//   (src/bench/kv_transfer_bench.h), one JSON line per size.
 // sparrow bench roofline --model-config DIR --batch B --input-len I --output-len O [--kv-cache-dtype D]
 //   The limits a sweep point records, without a server: the decode step and the serving cycle
 //   (src/bench/roofline.h), as one JSON line.
@@ -33,6 +36,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/collectives.h"
+#include "bench/kv_transfer_bench.h"
 #include "bench/roofline.h"
 #include "bench/serve_bench.h"
 #include "bench/sweep.h"
@@ -463,6 +467,29 @@ void add_bench_collectives(CLI::App* parent) {
   });
 }
 
+void add_bench_kv_transfer(CLI::App* parent) {
+  auto* sub = parent->add_subcommand("kv-transfer", "Prefill/decode disaggregation's block-row fetch between two "
+                                                    "processes of this machine, against memcpy (docs/disaggregation.md)");
+  static std::string row_bytes = "1820000";
+  static std::vector<int64_t> rows{1, 8, 64, 256};
+  static int iterations = 10;
+  sub->add_option("--row-bytes", row_bytes, "one block row's bytes (or with K, M, G)")->capture_default_str();
+  sub->add_option("--rows", rows, "rows per fetch; several are measured one after the other")->delimiter(',');
+  sub->add_option("--iterations", iterations, "timed fetches per size (the median is reported)")->capture_default_str();
+  on_selected(sub, [] {
+    bench::KvTransferBenchOptions options;
+    options.row_bytes = parse_bytes(row_bytes);
+    options.rows = rows;
+    options.iterations = iterations;
+    for (const bench::KvTransferBenchRow& r : bench::bench_kv_transfer(options))
+      std::printf("%s\n", nlohmann::json{{"row_bytes", r.row_bytes}, {"rows", r.rows}, {"median_ms", r.median_ms},
+                                          {"gbps", r.gbps}, {"rows_per_s", r.rows_per_s}, {"memcpy_gbps", r.memcpy_gbps},
+                                          {"ratio_to_memcpy", r.gbps / r.memcpy_gbps}}
+                                .dump()
+                                .c_str());
+  });
+}
+
 }  // namespace
 
 void add_bench(CLI::App& app) {
@@ -627,6 +654,7 @@ void add_bench(CLI::App& app) {
   add_bench_sweep(bench);
   add_bench_roofline(bench);
   add_bench_collectives(bench);
+  add_bench_kv_transfer(bench);
   add_bench_kv_quality(bench);
 }
 
