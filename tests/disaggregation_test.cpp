@@ -87,10 +87,14 @@ struct Instance {
       engine->step();
     }
   }
-  // Steps until every offer ended (a few steps: the agent's thread sends meanwhile).
+  // Steps until every offer ended and every block is back (a few steps: the agent's thread sends meanwhile).
   void settle() {
     const auto until = std::chrono::steady_clock::now() + 10s;
-    while (engine->cache().num_free_blocks() != engine->cache().plan().num_blocks &&
+    auto offers_open = [&] {
+      const KvTransferStats s = engine->stats().kv_transfer;
+      return s.offers > s.offers_fetched + s.offers_failed;
+    };
+    while ((offers_open() || engine->cache().num_free_blocks() != engine->cache().plan().num_blocks) &&
            std::chrono::steady_clock::now() < until) {
       engine->step();
       std::this_thread::sleep_for(1ms);
@@ -181,6 +185,36 @@ TEST_P(Disaggregation, DecodeInstanceGivesTheTokensOfOneInstance) {
   EXPECT_EQ(prefill.engine->cache().num_free_blocks(), prefill.engine->cache().plan().num_blocks);
   EXPECT_EQ(decode.engine->cache().num_free_blocks(), decode.engine->cache().plan().num_blocks);
   EXPECT_FALSE(decode.engine->has_work());
+}
+
+// The path a GPU cache takes (KvTransferSettings::stage_through_host: rows copied out to host memory on the
+// prefill side, which frees its blocks at once, and copied in on the decode side), here on CPU caches; either
+// side may stage without the other.
+TEST_P(Disaggregation, StagedThroughHostMemoryGivesTheSameTokens) {
+  Instance reference(GetParam(), "");
+  const Request request = make_request("staged", random_prompt(130, reference.model->vocab_size(), 5), true);
+  reference.add(request);
+  reference.run(request.id);
+  for (const auto& [stage_prefill, stage_decode] : {std::pair{true, true}, {true, false}, {false, true}}) {
+    const bool p = stage_prefill, d = stage_decode;
+    Instance prefill(GetParam(), "kv_producer", 16, [p](EngineConfig& c) { c.kv_transfer.stage_through_host = p; });
+    Instance decode(GetParam(), "kv_consumer", 16, [d](EngineConfig& c) { c.kv_transfer.stage_through_host = d; });
+    Request first = request;
+    first.kv_transfer.remote_decode = true;
+    prefill.add(first);
+    prefill.run(first.id);
+    // A staging prefill engine holds no blocks for its offer.
+    EXPECT_EQ(prefill.engine->cache().num_free_blocks() == prefill.engine->cache().plan().num_blocks, p);
+    Request second = request;
+    second.kv_transfer.remote_prefill = *prefill.outputs.at(first.id).handoff;
+    decode.add(second);
+    decode.run(second.id);
+    expect_same(decode.outputs.at(second.id), reference.outputs.at(request.id),
+                GetParam() + " staged " + std::to_string(p) + std::to_string(d));
+    prefill.settle();
+    EXPECT_EQ(prefill.engine->stats().kv_transfer.offers_fetched, 1);
+    EXPECT_EQ(decode.engine->cache().num_free_blocks(), decode.engine->cache().plan().num_blocks);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, Disaggregation,

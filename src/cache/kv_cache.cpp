@@ -494,13 +494,25 @@ std::vector<int64_t> KvCache::page_offsets(SeqId seq, int layer, PageKind kind) 
 }
 
 std::vector<KvRegion> KvCache::transfer_regions(SeqId seq) const {
-  SPARROW_CHECK(device() == Device::Cpu, "kv transfer: the cache is in GPU memory; disaggregation moves host-memory "
-                "caches only so far (docs/disaggregation.md)");
   const Sequence& s = sequence(seq);
   std::vector<KvRegion> regions;
   for (const int32_t block : s.blocks) regions.push_back({pool() + int64_t(block) * row_bytes(), row_bytes()});
   if (has_recurrent_state()) regions.push_back({state_slot(s.state_slot), plan_.state_slot_bytes});
   return regions;
+}
+
+void KvCache::copy_out(const KvRegion& region, std::byte* host) const {
+  if (device() == Device::Cpu) std::memcpy(host, region.data, size_t(region.bytes));
+  else device::copy_to_host_sync(host, region.data, size_t(region.bytes));
+}
+
+void KvCache::copy_in(const std::byte* host, const KvRegion& region) {
+  if (device() == Device::Cpu) {
+    std::memcpy(region.data, host, size_t(region.bytes));
+  } else {
+    device::copy_to_device(region.data, host, size_t(region.bytes));
+    device::synchronize();  // the host bytes may go once this returns
+  }
 }
 
 }  // namespace sparrow

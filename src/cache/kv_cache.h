@@ -122,9 +122,11 @@ class KvCache final : public PagedStorage {
   void on_destroy(std::function<void()> hook) { on_destroy_ = std::move(hook); }
 
   // Prefill/decode disaggregation (engine/kv_handoff.h): the sequence's block rows in block-table order, then
-  // its state slot when the model has recurrent layers; host memory only (a GPU pool's rows are not
-  // addressable by the transfer agent).
+  // its state slot when the model has recurrent layers, where they live (device addresses for a GPU pool, which
+  // the transfer agent cannot read: such regions go through host memory with copy_out and copy_in).
   std::vector<KvRegion> transfer_regions(SeqId seq) const;
+  void copy_out(const KvRegion& region, std::byte* host) const;  // a region of the pool to host memory
+  void copy_in(const std::byte* host, const KvRegion& region);     // and back (done when it returns)
 
   // Prefix-cache statistics: prompt tokens looked up, and tokens reused.
   int64_t prefix_queries() const { return prefix_queries_; }

@@ -294,8 +294,6 @@ void serve(const ServeFlags& flags) {
   std::unique_ptr<KvTransferAgent> kv_agent;
   if (!flags.kv_transfer_config.empty()) {
     const KvTransferConfig kv = parse_kv_transfer_config(flags.kv_transfer_config);
-    SPARROW_CHECK(!on_gpu, "--kv-transfer-config: the block rows move between host-memory caches only so far; a GPU "
-                  "cache's path (staged through host memory, or NCCL within a host) is not built yet (docs/disaggregation.md)");
     SPARROW_CHECK(cli_single_process(), "--kv-transfer-config: disaggregation "
                   "pairs single-process instances so far (no --tensor-parallel-size or --data-parallel-size)");
     kv_agent = make_ucx_kv_transfer(kv.ip, kv.port, kv.advertise_host);

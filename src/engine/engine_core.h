@@ -227,10 +227,19 @@ class EngineCore {
     Sequence* seq;  // null once its choice was aborted
     uint64_t ticket;
     SeqId cache_id;
+    // Through host memory (a GPU cache): the fetched bytes, and the pool's regions they go to, in order.
+    std::vector<std::byte> staging;
+    std::vector<KvRegion> landing;
   };
+  struct Offer {
+    SeqId cache_id = -1;              // the offered cache (-1: its bytes were staged and its blocks freed)
+    std::vector<std::byte> staging;  // a GPU cache's rows and state, in host memory
+  };
+  // Whether transfers go through host memory: a GPU cache's always (KvTransferSettings::stage_through_host).
+  bool stages_kv_transfers() const;
   std::deque<Sequence*> handoffs_waiting_;  // decode side: in arrival order
   std::vector<PendingFetch> fetches_;
-  std::unordered_map<std::string, SeqId> offered_;  // prefill side: transfer id -> the cache it offers
+  std::unordered_map<std::string, Offer> offered_;  // prefill side: transfer id -> what it offers
   int64_t next_transfer_ = 0;
   KvTransferStats kv_stats_;
 

@@ -80,12 +80,32 @@ void EngineCore::hand_off_on_finish(Sequence& seq, RequestOutput& event) {
     cache_.commit_tokens(seq.cache_id, seq.tokens, seq.num_computed());
     handoff.transfer_id = seq.request.id + "#" + std::to_string(next_transfer_++);
     handoff.block_ids = cache_.block_table(seq.cache_id);
-    agent->offer(handoff.transfer_id, cache_.transfer_regions(seq.cache_id), config_.kv_transfer.offer_expiry);
-    offered_[handoff.transfer_id] = seq.cache_id;
-    seq.cache_id = -1;  // the offer's until it ends
+    std::vector<KvRegion> regions = cache_.transfer_regions(seq.cache_id);
+    Offer& offer = offered_[handoff.transfer_id];
+    if (stages_kv_transfers()) {
+      // The rows and state to host memory; the blocks are free again at once.
+      int64_t total = 0;
+      for (const KvRegion& r : regions) total += r.bytes;
+      offer.staging.resize(size_t(total));
+      std::byte* at = offer.staging.data();
+      for (KvRegion& r : regions) {
+        cache_.copy_out(r, at);
+        r.data = at;
+        at += r.bytes;
+      }
+      cache_.free_sequence(seq.cache_id);
+    } else {
+      offer.cache_id = seq.cache_id;  // the offer's until it ends
+    }
+    seq.cache_id = -1;
+    agent->offer(handoff.transfer_id, std::move(regions), config_.kv_transfer.offer_expiry);
     ++kv_stats_.offers;
   }
   event.kv_handoff = std::move(handoff);
+}
+
+bool EngineCore::stages_kv_transfers() const {
+  return config_.kv_transfer.stage_through_host || cache_.device() != Device::Cpu;
 }
 
 void EngineCore::start_fetches() {
@@ -126,11 +146,24 @@ void EngineCore::start_fetches() {
     std::vector<std::pair<int64_t, KvRegion>> wanted;
     for (int64_t i = reused / cache_.plan().block_size; i < blocks; ++i) wanted.push_back({i, regions[size_t(i)]});
     if (int64_t(regions.size()) > blocks) wanted.push_back({blocks, regions.back()});
+    PendingFetch fetch{&seq, 0, seq.cache_id, {}, {}};
+    if (stages_kv_transfers()) {
+      // Into host memory first; settle_transfers copies each piece to its place in the pool.
+      int64_t total = 0;
+      for (const auto& [index, region] : wanted) total += region.bytes;
+      fetch.staging.resize(size_t(total));
+      std::byte* at = fetch.staging.data();
+      for (auto& [index, region] : wanted) {
+        fetch.landing.push_back(region);
+        region.data = at;
+        at += region.bytes;
+      }
+    }
     seq.cached_tokens = reused;
     kv_stats_.tokens_from_prefix_cache += reused;
     seq.first_scheduled = std::chrono::steady_clock::now();
-    fetches_.push_back({&seq, agent->fetch(h.peer, h.transfer_id, std::move(wanted), config_.kv_transfer.fetch_timeout),
-                        seq.cache_id});
+    fetch.ticket = agent->fetch(h.peer, h.transfer_id, std::move(wanted), config_.kv_transfer.fetch_timeout);
+    fetches_.push_back(std::move(fetch));
     ++kv_stats_.fetches;
   }
 }
@@ -140,7 +173,7 @@ void EngineCore::settle_transfers() {
     if (done.kind == KvTransferCompletion::Kind::Offer) {
       auto it = offered_.find(done.id);
       if (it == offered_.end()) continue;
-      cache_.free_sequence(it->second);
+      if (it->second.cache_id >= 0) cache_.free_sequence(it->second.cache_id);
       offered_.erase(it);
       ++(done.ok ? kv_stats_.offers_fetched : kv_stats_.offers_failed);
       if (!done.ok) std::fprintf(stderr, "sparrow: kv transfer: offer %s: %s\n", done.id.c_str(), done.error.c_str());
@@ -148,7 +181,7 @@ void EngineCore::settle_transfers() {
     }
     auto it = std::find_if(fetches_.begin(), fetches_.end(), [&](const PendingFetch& f) { return f.ticket == done.ticket; });
     if (it == fetches_.end()) continue;
-    const PendingFetch fetch = *it;
+    const PendingFetch fetch = std::move(*it);
     fetches_.erase(it);
     if (done.ok) {
       kv_stats_.regions += done.regions;
@@ -181,6 +214,11 @@ void EngineCore::settle_transfers() {
       event.finish_reason = "error";
       finish(seq, event);
       continue;
+    }
+    const std::byte* staged = fetch.staging.data();
+    for (const KvRegion& region : fetch.landing) {
+      cache_.copy_in(staged, region);
+      staged += region.bytes;
     }
     const KvHandoff& h = *seq.request.kv_transfer.remote_prefill;
     cache_.commit_tokens(seq.cache_id, seq.tokens, h.num_tokens);

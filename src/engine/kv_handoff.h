@@ -52,6 +52,10 @@ struct KvTransferSettings {
   bool log_transfers = false;  // one line per fetch on stderr: messages, bytes, time (failures always)
   // A fetch that fails: "fail" ends the request with an error; "recompute" prefills it here instead.
   bool recompute_on_failure = false;
+  // Move the rows through host memory: always for a GPU cache, whose rows the agent cannot address (the prefill
+  // side copies them out and frees its blocks at once; the decode side copies them in when they arrive); on the
+  // CPU only for the tests of that path.
+  bool stage_through_host = false;
 };
 
 // vLLM's --kv-transfer-config (KVTransferConfig) as sparrow takes it; what the engine and the agent need.
