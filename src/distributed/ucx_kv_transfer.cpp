@@ -108,6 +108,8 @@ class UcxKvTransfer final : public KvTransferAgent {
     Clock::time_point started, deadline;
   };
 
+  // UCX's context, worker and listener (the constructor's part that may throw).
+  void start(const std::string& listen_host, int port, const std::string& advertised_host);
   // --- the agent's thread ---
   void loop();
   void run_commands();
@@ -151,6 +153,20 @@ class UcxKvTransfer final : public KvTransferAgent {
 };
 
 UcxKvTransfer::UcxKvTransfer(const std::string& listen_host, int port, const std::string& advertised_host) {
+  try {
+    start(listen_host, port, advertised_host);
+  } catch (...) {
+    // The destructor does not run for an object never made: let go of what UCX gave so far.
+    if (listener_) ucp_listener_destroy(listener_);
+    if (worker_) ucp_worker_destroy(worker_);
+    if (context_) ucp_cleanup(context_);
+    if (wake_fd_ >= 0) close(wake_fd_);
+    throw;
+  }
+  thread_ = std::thread([this] { loop(); });
+}
+
+void UcxKvTransfer::start(const std::string& listen_host, int port, const std::string& advertised_host) {
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
@@ -192,7 +208,6 @@ UcxKvTransfer::UcxKvTransfer(const std::string& listen_host, int port, const std
   address_.host = advertised_host;
   address_.port = ntohs(bound->sa_family == AF_INET6 ? reinterpret_cast<const sockaddr_in6*>(bound)->sin6_port
                                                      : reinterpret_cast<const sockaddr_in*>(bound)->sin_port);
-  thread_ = std::thread([this] { loop(); });
 }
 
 UcxKvTransfer::~UcxKvTransfer() {
