@@ -36,7 +36,9 @@ struct PdProxy::Impl {
     for (const char* path : {"/v1/completions", "/v1/chat/completions"})
       server.route("POST", path, [this, path](const http::Request& r, const http::Responder& out) { complete(path, r, out); },
                    "a completion through a prefill and a decode instance", "application/json");
-    server.route("GET", "/v1/models", [this](const http::Request& r, const http::Responder& out) { forward_get("/v1/models", r, out); });
+    // The decode instances' (in turn): its model list, and its counters (benchmarks read the prefix cache's there).
+    for (const char* path : {"/v1/models", "/metrics"})
+      server.route("GET", path, [this, path](const http::Request& r, const http::Responder& out) { forward_get(path, r, out); });
     server.route("GET", "/health", [](const http::Request&, const http::Responder& out) { out.send({200, "", {}, ""}); });
   }
 
@@ -66,6 +68,10 @@ struct PdProxy::Impl {
     prefill.erase("stream_options");
     prefill["max_tokens"] = 1;
     if (prefill.contains("max_completion_tokens")) prefill["max_completion_tokens"] = 1;
+    // The prefill instance draws the first token, so min_tokens' hold on end-of-sequence applies there too, at
+    // most for that one token.
+    if (prefill.contains("min_tokens") && prefill["min_tokens"].is_number_integer() && prefill["min_tokens"].get<int64_t>() > 1)
+      prefill["min_tokens"] = 1;
     const std::string prefill_url = config.prefill_urls[next_prefill++ % config.prefill_urls.size()];
     auto prefill_client = client_for(prefill_url);
     auto first = prefill_client->Post(path, headers, prefill.dump(), "application/json");

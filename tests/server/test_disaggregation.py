@@ -91,6 +91,12 @@ def test_completions_through_the_proxy_are_one_instances(pair):
         assert got["choices"][0]["logprobs"] == want["choices"][0]["logprobs"]
         assert got["usage"]["completion_tokens"] == 12
         assert "kv_transfer_params" not in got  # only the prefill instance's answer carries one
+    # min_tokens past the prefill instance's one token (the proxy holds it to 1 there), then streamed.
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8, "min_tokens": 8, "temperature": 0, "logprobs": 1}
+    want = post(reference.url, "/v1/completions", body).json()
+    got = post(proxy.url, "/v1/completions", body).json()
+    assert got["choices"][0]["text"] == want["choices"][0]["text"] and got["usage"]["completion_tokens"] == 8
+    assert httpx.get(proxy.url + "/metrics", timeout=10).text == httpx.get(decode.url + "/metrics", timeout=10).text
     # Streamed: the same tokens, chunk by chunk.
     body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
     want = post(reference.url, "/v1/completions", body).json()["choices"][0]["text"]
