@@ -87,6 +87,16 @@ struct Instance {
       engine->step();
     }
   }
+  // The prefill half, as the proxy asks for it: `request` with do_remote_decode, run to its first token; the
+  // handoff its last event carries (empty, with a failure, when there is none).
+  KvHandoff hand_off(Request request) {
+    request.kv_transfer.remote_decode = true;
+    add(request);
+    run(request.id);
+    const std::optional<KvHandoff>& handoff = outputs.at(request.id).handoff;
+    if (!handoff) ADD_FAILURE() << request.id << ": the prefill engine gave no handoff";
+    return handoff.value_or(KvHandoff{});
+  }
   // Steps until every offer ended and every block is back (a few steps: the agent's thread sends meanwhile).
   void settle() {
     const auto until = std::chrono::steady_clock::now() + 10s;
@@ -126,18 +136,11 @@ Request make_request(const std::string& id, Tokens prompt, bool sampled) {
 
 // Prefill on `prefill`, decode on `decode`, as the proxy does it: the prefill request asks for one token.
 Output disaggregated(Instance& prefill, Instance& decode, Request request) {
-  Request first = request;
-  first.kv_transfer.remote_decode = true;
-  prefill.add(first);
-  prefill.run(first.id);
-  const Output& p = prefill.outputs.at(first.id);
+  request.kv_transfer.remote_prefill = prefill.hand_off(request);
+  const Output& p = prefill.outputs.at(request.id);
   EXPECT_EQ(p.finish_reason, "length");
   EXPECT_EQ(p.tokens.size(), 1u);
-  if (!p.handoff) {
-    ADD_FAILURE() << "the prefill engine gave no handoff";
-    return {};
-  }
-  request.kv_transfer.remote_prefill = *p.handoff;
+  if (!p.handoff) return {};
   decode.add(request);
   decode.run(request.id);
   return decode.outputs.at(request.id);
@@ -199,14 +202,10 @@ TEST_P(Disaggregation, StagedThroughHostMemoryGivesTheSameTokens) {
     const bool p = stage_prefill, d = stage_decode;
     Instance prefill(GetParam(), "kv_producer", 16, [p](EngineConfig& c) { c.kv_transfer.stage_through_host = p; });
     Instance decode(GetParam(), "kv_consumer", 16, [d](EngineConfig& c) { c.kv_transfer.stage_through_host = d; });
-    Request first = request;
-    first.kv_transfer.remote_decode = true;
-    prefill.add(first);
-    prefill.run(first.id);
+    Request second = request;
+    second.kv_transfer.remote_prefill = prefill.hand_off(request);
     // A staging prefill engine holds no blocks for its offer.
     EXPECT_EQ(prefill.engine->cache().num_free_blocks() == prefill.engine->cache().plan().num_blocks, p);
-    Request second = request;
-    second.kv_transfer.remote_prefill = *prefill.outputs.at(first.id).handoff;
     decode.add(second);
     decode.run(second.id);
     expect_same(decode.outputs.at(second.id), reference.outputs.at(request.id),
@@ -260,11 +259,7 @@ TEST(DisaggregationFaults, DeadPrefillInstanceFailsOnlyItsRequests) {
     KvHandoff handoff;
     {
       Instance prefill("kimi_linear", "kv_producer");
-      Request first = request;
-      first.kv_transfer.remote_decode = true;
-      prefill.add(first);
-      prefill.run(first.id);
-      handoff = *prefill.outputs.at(first.id).handoff;
+      handoff = prefill.hand_off(request);
     }  // the prefill instance, its engine and its agent are gone
     Request orphan = request;
     orphan.kv_transfer.remote_prefill = handoff;
@@ -291,12 +286,10 @@ TEST(DisaggregationFaults, DeadPrefillInstanceFailsOnlyItsRequests) {
 
 TEST(DisaggregationFaults, UnfetchedOfferExpiresAndFreesItsBlocks) {
   Instance prefill("minimax_m3", "kv_producer", 16, [](EngineConfig& c) { c.kv_transfer.offer_expiry = 50ms; });
-  Request first = make_request("never-fetched", random_prompt(70, prefill.model->vocab_size(), 31), false);
-  first.kv_transfer.remote_decode = true;
-  prefill.add(first);
-  prefill.run(first.id);
-  ASSERT_TRUE(prefill.outputs.at(first.id).handoff);
-  EXPECT_FALSE(prefill.outputs.at(first.id).handoff->transfer_id.empty());
+  const KvHandoff handoff =
+      prefill.hand_off(make_request("never-fetched", random_prompt(70, prefill.model->vocab_size(), 31), false));
+  ASSERT_TRUE(prefill.outputs.at("never-fetched").handoff);
+  EXPECT_FALSE(handoff.transfer_id.empty());
   EXPECT_LT(prefill.engine->cache().num_free_blocks(), prefill.engine->cache().plan().num_blocks);  // held
   std::this_thread::sleep_for(200ms);
   prefill.settle();
@@ -308,21 +301,13 @@ TEST(DisaggregationFaults, AbortWhileWaitingForTheHandoffLeaksNothing) {
   Instance prefill("deepseek_v32", "kv_producer", 16, [](EngineConfig& c) { c.kv_transfer.offer_expiry = 500ms; });
   Instance decode("deepseek_v32", "kv_consumer");
   Request request = make_request("aborted", random_prompt(90, prefill.model->vocab_size(), 41), false);
-  Request first = request;
-  first.kv_transfer.remote_decode = true;
-  prefill.add(first);
-  prefill.run(first.id);
-  request.kv_transfer.remote_prefill = *prefill.outputs.at(first.id).handoff;
+  request.kv_transfer.remote_prefill = prefill.hand_off(request);
   decode.add(request);
   decode.engine->abort("aborted");  // before its fetch starts
   EXPECT_EQ(decode.outputs.at("aborted").finish_reason, "abort");
   // And one aborted after its fetch started (whether or not it finished, its blocks come back).
   Request again = make_request("aborted-later", random_prompt(90, prefill.model->vocab_size(), 42), false);
-  Request first_again = again;
-  first_again.kv_transfer.remote_decode = true;
-  prefill.add(first_again);
-  prefill.run(first_again.id);
-  again.kv_transfer.remote_prefill = *prefill.outputs.at(first_again.id).handoff;
+  again.kv_transfer.remote_prefill = prefill.hand_off(again);
   decode.add(again);
   decode.engine->step();  // starts the fetch
   decode.engine->abort("aborted-later");
@@ -348,11 +333,7 @@ TEST(DisaggregationScheduling, FetchHoldsItsSequenceSlot) {
     reference.add(r);
     reference.run(r.id);
   }
-  Request first = handed;
-  first.kv_transfer.remote_decode = true;
-  prefill.add(first);
-  prefill.run(first.id);
-  handed.kv_transfer.remote_prefill = *prefill.outputs.at(first.id).handoff;
+  handed.kv_transfer.remote_prefill = prefill.hand_off(handed);
   decode.add(handed);
   decode.add(local);
   decode.run("handed");
@@ -369,9 +350,7 @@ TEST(DisaggregationValidation, MismatchedCachesAndBadHandoffsAreRefused) {
   Request first = request;
   first.kv_transfer.remote_decode = true;
   EXPECT_THROW(plain.engine->add(first, [](const RequestOutput&) {}), Error);  // no kv_producer role
-  prefill.add(first);
-  prefill.run("r");
-  const KvHandoff handoff = *prefill.outputs.at("r").handoff;
+  const KvHandoff handoff = prefill.hand_off(request);
   auto refused = [&](Instance& at, Request r, const std::string& expected) {
     try {
       at.engine->add(r, [](const RequestOutput&) {});

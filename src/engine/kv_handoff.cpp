@@ -1,7 +1,6 @@
 // EngineCore's side of prefill/decode disaggregation (engine/kv_handoff.h, docs/disaggregation.md).
 #include <algorithm>
 #include <cstdio>
-
 #include <random>
 
 #include <nlohmann/json.hpp>
@@ -9,9 +8,28 @@
 #include "core/error.h"
 #include "core/json_input.h"
 #include "engine/engine_core.h"
-#include "model/lora.h"
 
 namespace sparrow {
+namespace {
+
+// A GPU cache's regions go through host memory (KvTransferSettings::stage_through_host): `host` becomes one buffer
+// holding them back to back and each region is pointed at its slice; returned are the regions as they were, in
+// order, for the copies between the pool and the buffer.
+std::vector<KvRegion> stage_in_host(const std::vector<KvRegion*>& regions, std::vector<std::byte>& host) {
+  int64_t total = 0;
+  for (const KvRegion* r : regions) total += r->bytes;
+  host.resize(size_t(total));
+  std::vector<KvRegion> in_pool;
+  std::byte* at = host.data();
+  for (KvRegion* r : regions) {
+    in_pool.push_back(*r);
+    r->data = at;
+    at += r->bytes;
+  }
+  return in_pool;
+}
+
+}  // namespace
 
 void EngineCore::validate_kv_transfer(const Request& request) const {
   const KvTransferSettings& kv = config_.kv_transfer;
@@ -84,15 +102,10 @@ void EngineCore::hand_off_on_finish(Sequence& seq, RequestOutput& event) {
     Offer& offer = offered_[handoff.transfer_id];
     if (stages_kv_transfers()) {
       // The rows and state to host memory; the blocks are free again at once.
-      int64_t total = 0;
-      for (const KvRegion& r : regions) total += r.bytes;
-      offer.staging.resize(size_t(total));
-      std::byte* at = offer.staging.data();
-      for (KvRegion& r : regions) {
-        cache_.copy_out(r, at);
-        r.data = at;
-        at += r.bytes;
-      }
+      std::vector<KvRegion*> staged;
+      for (KvRegion& r : regions) staged.push_back(&r);
+      const std::vector<KvRegion> in_pool = stage_in_host(staged, offer.staging);
+      for (size_t i = 0; i < regions.size(); ++i) cache_.copy_out(in_pool[i], regions[i].data);
       cache_.free_sequence(seq.cache_id);
     } else {
       offer.cache_id = seq.cache_id;  // the offer's until it ends
@@ -130,9 +143,7 @@ void EngineCore::start_fetches() {
     if (scheduler_.num_running() + int64_t(fetches_.size()) >= config_.max_num_seqs ||
         cache_.num_free_state_slots() == 0)
       return;
-    std::vector<HashedSpan> images;
-    for (const vision::ImageInput& image : seq.request.images) images.push_back({image.offset, image.tokens, image.hash});
-    seq.cache_id = cache_.create_sequence(seq.state.lora ? seq.state.lora->prefix_root : kRootBlockHash, std::move(images));
+    seq.cache_id = scheduler_.open_cache_sequence(seq);
     const int64_t reused = cache_.match_prefix(seq.cache_id, seq.tokens);
     if (!cache_.allocate(seq.cache_id, h.num_tokens)) {
       cache_.free_sequence(seq.cache_id);
@@ -149,15 +160,9 @@ void EngineCore::start_fetches() {
     PendingFetch fetch{&seq, 0, seq.cache_id, {}, {}};
     if (stages_kv_transfers()) {
       // Into host memory first; settle_transfers copies each piece to its place in the pool.
-      int64_t total = 0;
-      for (const auto& [index, region] : wanted) total += region.bytes;
-      fetch.staging.resize(size_t(total));
-      std::byte* at = fetch.staging.data();
-      for (auto& [index, region] : wanted) {
-        fetch.landing.push_back(region);
-        region.data = at;
-        at += region.bytes;
-      }
+      std::vector<KvRegion*> staged;
+      for (auto& [index, region] : wanted) staged.push_back(&region);
+      fetch.landing = stage_in_host(staged, fetch.staging);
     }
     seq.cached_tokens = reused;
     kv_stats_.tokens_from_prefix_cache += reused;

@@ -25,6 +25,12 @@ void Scheduler::remove(Sequence* seq) {
   seq->status = SequenceStatus::Finished;
 }
 
+SeqId Scheduler::open_cache_sequence(const Sequence& seq) {
+  std::vector<HashedSpan> images;  // keyed by their content, so other images' placeholders never match
+  for (const vision::ImageInput& image : seq.request.images) images.push_back({image.offset, image.tokens, image.hash});
+  return cache_.create_sequence(seq.state.lora ? seq.state.lora->prefix_root : kRootBlockHash, std::move(images));
+}
+
 bool Scheduler::add_running(Sequence* seq) {
   if (num_running() >= config_.max_num_seqs) return false;
   seq->status = SequenceStatus::Running;
@@ -93,9 +99,7 @@ bool Scheduler::admit_next(int64_t budget, std::vector<ScheduledChunk>& schedule
       cache_.num_free_blocks() == 0)
     return false;
   Sequence* seq = waiting_.front();
-  std::vector<HashedSpan> images;  // keyed by their content, so other images' placeholders never match
-  for (const vision::ImageInput& image : seq->request.images) images.push_back({image.offset, image.tokens, image.hash});
-  seq->cache_id = cache_.create_sequence(seq->state.lora ? seq->state.lora->prefix_root : kRootBlockHash, std::move(images));
+  seq->cache_id = open_cache_sequence(*seq);
   // Prompt logprobs need the logits at every prompt position, so such a prefill reuses nothing (as vLLM).
   const int64_t reused = seq->wants_prompt_logprobs ? 0 : cache_.match_prefix(seq->cache_id, seq->tokens);
   const int64_t n = std::min(int64_t(seq->tokens.size()) - reused, budget);

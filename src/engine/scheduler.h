@@ -48,6 +48,9 @@ class Scheduler {
   // rows fetched from a prefill instance) joins the running ones as it is; false (nothing changed) when
   // max_num_seqs are running.
   bool add_running(Sequence* seq);
+  // The cache sequence an admission opens for `seq`: its prefix chain starts at its LoRA adapter's root, and its
+  // images' placeholders are keyed by their content (admit_next; a decode instance's fetch, engine/kv_handoff.cpp).
+  SeqId open_cache_sequence(const Sequence& seq);
   // Sequences the engine holds outside the scheduler that will join the running ones (fetches under way): they
   // count against max_num_seqs when waiting sequences are admitted.
   void set_reserved_seqs(int64_t n) { reserved_seqs_ = n; }

@@ -1,7 +1,5 @@
 #include "server/kv_transfer_params.h"
 
-#include "server/api_error.h"
-
 namespace sparrow::server {
 
 KvTransferRequest parse_kv_transfer_params(const Fields& request) {
@@ -51,10 +49,7 @@ KvTransferRequest parse_kv_transfer_params(const Fields& request) {
     }
     h.first_logprob = std::move(lp);
   }
-  if (out.remote_decode)
-    bad_request("kv_transfer_params: do_remote_decode and do_remote_prefill are the two ends of a pair, not both",
-                "kv_transfer_params");
-  out.remote_prefill = std::move(h);
+  out.remote_prefill = std::move(h);  // (with do_remote_decode too: EngineCore::validate refuses the pair)
   return out;
 }
 
